@@ -1,0 +1,40 @@
+# crispedit — two entry points that work on a fresh CPU machine:
+#   make demo   edit ~32 facts into SmolLM2 with crispedit and ft, print before/after + drift
+#   make test   unit tests + the real-model tests chosen for CI
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+PIP     := $(VPY) -m pip
+STAMP   := $(VENV)/.crispedit-installed
+
+.PHONY: venv demo test test-all test-slow bench clean
+
+venv: $(STAMP)
+
+# Idempotent: the stamp is rebuilt only when the dependency files change.
+$(STAMP): pyproject.toml requirements-lock.txt requirements-nodeps.txt
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check torch==2.13.0
+	$(PIP) install -q --disable-pip-version-check -r requirements-lock.txt
+	$(PIP) install -q --disable-pip-version-check --no-deps -r requirements-nodeps.txt
+	$(PIP) install -q --disable-pip-version-check --no-deps -e .
+	touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/crispedit demo
+
+test: venv
+	$(VPY) -m pytest -q -m "not slow or ci"
+
+test-all: venv
+	$(VPY) -m pytest -q
+
+test-slow: venv
+	$(VPY) -m pytest -q -m slow
+
+bench: venv
+	$(VPY) benchmarks/bench_projection.py
+	$(VPY) benchmarks/bench_kfac.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,300 @@
+"""K-FAC factor collection.
+
+For a linear layer ``s = W a`` (``W``: ``d_out x d_in``) K-FAC approximates its Gauss-Newton block by
+``A (x) S`` with ``A = E[a a^T]`` over layer inputs and ``S = E[g g^T]`` over pre-activation gradients
+``g = d loss / d s``. Expectations are per row: per token for language models (cross-token terms are
+ignored, as in the paper and the authors' code), per spatial patch for convolutions (the standard
+"KFC" treatment: unfolded patches are the inputs).
+
+Pieces, kept apart so they snap together:
+
+* :class:`FactorAccumulator` sums ``a a^T`` and ``g g^T`` rows in float64 (each batch's products are
+  formed in ``stat_dtype``, float32 by default, then added to the float64 running sums).
+* :func:`capture_io` hooks a set of modules, records their inputs and output gradients during one
+  forward/backward, and makes the lowest hooked output the leaf of the graph, so that with all
+  parameters frozen backward stops there and computes no parameter gradients.
+* :func:`collect_lm_kfac` runs one pass over a text corpus for every chosen layer at once.
+
+Labels: ``sampled`` draws each position's label from the model's own predictive distribution
+(Monte-Carlo Fisher = Gauss-Newton for softmax cross-entropy, what the paper's Bregman argument
+needs); ``empirical`` uses the text's next token (empirical Fisher, what the authors' code does).
+Padding is excluded through the attention mask, never by token id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+__all__ = [
+    "LabelMode",
+    "KFACFactors",
+    "FactorAccumulator",
+    "capture_io",
+    "layer_rows",
+    "sample_labels",
+    "collect_lm_kfac",
+]
+
+
+class LabelMode(str, Enum):
+    SAMPLED = "sampled"
+    EMPIRICAL = "empirical"
+
+
+@dataclass
+class KFACFactors:
+    """Per-layer K-FAC factors, normalised by the number of rows (tokens) they average over."""
+
+    A: dict[str, Tensor]
+    S: dict[str, Tensor]
+    n_tokens: int
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def layers(self) -> list[str]:
+        return list(self.A)
+
+    def merged(self, other: "KFACFactors", weight: float | None = None) -> "KFACFactors":
+        """Streaming average of two factor sets.
+
+        ``weight=None`` weights each by its token count (the authors' code); a float ``w`` in [0, 1]
+        gives ``(1 - w) * self + w * other`` (a fixed mixing coefficient).
+        """
+        if set(self.A) != set(other.A):
+            raise ValueError("cannot merge factors of different layers")
+        if weight is None:
+            n = self.n_tokens + other.n_tokens
+            a, b = self.n_tokens / n, other.n_tokens / n
+        else:
+            a, b = 1.0 - float(weight), float(weight)
+        A = {k: a * self.A[k] + b * other.A[k].to(self.A[k]) for k in self.A}
+        S = {k: a * self.S[k] + b * other.S[k].to(self.S[k]) for k in self.S}
+        return KFACFactors(A, S, self.n_tokens + other.n_tokens, dict(self.meta))
+
+    def to_tensors(self) -> dict[str, Tensor]:
+        out = {}
+        for k in self.A:
+            out[f"{k}::A"] = self.A[k]
+            out[f"{k}::S"] = self.S[k]
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], n_tokens: int, meta: dict | None = None) -> "KFACFactors":
+        A, S = {}, {}
+        for key, t in tensors.items():
+            name, _, kind = key.rpartition("::")
+            (A if kind == "A" else S)[name] = t
+        return cls(A, S, n_tokens, meta or {})
+
+
+class FactorAccumulator:
+    """Running sums of ``a a^T`` and ``g g^T`` over rows, in float64."""
+
+    def __init__(self, stat_dtype: torch.dtype = torch.float32):
+        self.stat_dtype = stat_dtype
+        self.A: dict[str, Tensor] = {}
+        self.S: dict[str, Tensor] = {}
+        self.rows: dict[str, int] = {}
+
+    def add(self, name: str, a: Tensor, g: Tensor) -> None:
+        """Add rows ``a`` (``N x d_in``) and ``g`` (``N x d_out``) of one layer."""
+        if a.shape[0] != g.shape[0]:
+            raise ValueError(f"{name}: {a.shape[0]} input rows but {g.shape[0]} gradient rows")
+        if a.shape[0] == 0:
+            return
+        a = a.to(self.stat_dtype)
+        g = g.to(self.stat_dtype)
+        aa = (a.T @ a).to(torch.float64)
+        gg = (g.T @ g).to(torch.float64)
+        if name in self.A:
+            self.A[name] += aa
+            self.S[name] += gg
+            self.rows[name] += a.shape[0]
+        else:
+            self.A[name], self.S[name], self.rows[name] = aa, gg, a.shape[0]
+
+    def factors(self, layers: Sequence[str], meta: dict | None = None, out_dtype: torch.dtype = torch.float32) -> KFACFactors:
+        missing = [n for n in layers if n not in self.A]
+        if missing:
+            raise RuntimeError(f"no statistics were collected for {missing} (no valid tokens?)")
+        counts = {self.rows[n] for n in layers}
+        n = max(counts)
+        A = {k: (self.A[k] / self.rows[k]).to(out_dtype).cpu() for k in layers}
+        S = {k: (self.S[k] / self.rows[k]).to(out_dtype).cpu() for k in layers}
+        return KFACFactors(A, S, n, dict(meta or {}))
+
+
+# ---------------------------------------------------------------------------------------------
+# hooks
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    # transformers' GPT-2 style Conv1D: y = x @ W + b with W of shape (d_in, d_out)
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def layer_rows(module: nn.Module, inp: Tensor) -> Tensor:
+    """Inputs of ``module`` as rows ``a`` such that the layer computes ``W_mat a`` per row.
+
+    Linear / Conv1D keep their leading dims (``... x d_in``); Conv2d inputs are unfolded into patches
+    (``B x L x C_in k_h k_w``) matching ``weight.reshape(C_out, -1)``.
+    """
+    if isinstance(module, nn.Conv2d):
+        patches = F.unfold(inp, module.kernel_size, dilation=module.dilation, padding=module.padding,
+                           stride=module.stride)
+        return patches.transpose(1, 2)
+    return inp
+
+
+def _grad_rows(module: nn.Module, grad: Tensor) -> Tensor:
+    if isinstance(module, nn.Conv2d):
+        return grad.flatten(2).transpose(1, 2)  # B x L x C_out
+    return grad
+
+
+@dataclass
+class _Captured:
+    inputs: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def capture_io(modules: dict[str, nn.Module]) -> Iterator[dict[str, _Captured]]:
+    """Record inputs (as rows, see :func:`layer_rows`) and output gradients of ``modules``.
+
+    A module output that does not require grad (the lowest hooked layer when all parameters are
+    frozen) is replaced by a detached leaf that does, so backward runs from the loss down to the
+    lowest hooked layer only.
+    """
+    store = {name: _Captured() for name in modules}
+    handles = []
+
+    def make_hook(name: str, module: nn.Module) -> Callable:
+        def hook(mod, args, output):
+            store[name].inputs.append(layer_rows(mod, args[0].detach()))
+            if not output.requires_grad:
+                output = output.detach().requires_grad_(True)
+
+            def grad_hook(g: Tensor) -> None:
+                store[name].grads.append(_grad_rows(mod, g.detach()))
+
+            output.register_hook(grad_hook)
+            return output
+
+        return hook
+
+    try:
+        for name, module in modules.items():
+            handles.append(module.register_forward_hook(make_hook(name, module)))
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def frozen(model: nn.Module) -> Iterator[None]:
+    """Temporarily set ``requires_grad=False`` on every parameter."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, f in flags:
+            p.requires_grad_(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# language models
+
+
+def _seq_seed(seed: int, index: int) -> int:
+    h = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def sample_labels(logits: Tensor, seed: int, index: int) -> Tensor:
+    """Labels drawn from ``softmax(logits)`` (``T x V``) with a generator seeded by (seed, sequence
+    index): the same sequence gets the same labels whatever the batching."""
+    gen = torch.Generator(device="cpu").manual_seed(_seq_seed(seed, index))
+    probs = torch.softmax(logits.detach().float().cpu(), dim=-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1).to(logits.device)
+
+
+def loss_positions(attention_mask: Tensor) -> Tensor:
+    """Positions ``t`` that predict a real next token: ``mask[t] and mask[t+1]`` (B x T-1)."""
+    m = attention_mask.bool()
+    return m[:, :-1] & m[:, 1:]
+
+
+def collect_lm_kfac(
+    model: nn.Module,
+    tokenizer,
+    texts: Sequence[str],
+    layers: dict[str, nn.Module],
+    *,
+    max_len: int = 256,
+    batch_size: int = 8,
+    label_mode: LabelMode | str = LabelMode.SAMPLED,
+    seed: int = 0,
+    stat_dtype: torch.dtype = torch.float32,
+    progress: bool | None = None,
+    desc: str = "K-FAC",
+) -> KFACFactors:
+    """K-FAC factors of the next-token loss of ``model`` on ``texts`` for all ``layers`` in one pass.
+
+    Each text is tokenised (truncated to ``max_len``) and batched with right padding; every position
+    with a real next token contributes one row to ``A`` and ``S``; factors are divided by the number of
+    such rows.
+    """
+    label_mode = LabelMode(label_mode)
+    device = next(model.parameters()).device
+    acc = FactorAccumulator(stat_dtype)
+    was_training = model.training
+    model.eval()
+    pad_side = getattr(tokenizer, "padding_side", "right")
+    tokenizer.padding_side = "right"
+    n_batches = (len(texts) + batch_size - 1) // batch_size
+    bar = tqdm(total=len(texts), desc=desc, unit="seq", disable=(None if progress is None else not progress))
+    try:
+        with frozen(model):
+            for b in range(n_batches):
+                chunk = list(texts[b * batch_size:(b + 1) * batch_size])
+                enc = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_len)
+                input_ids = enc["input_ids"].to(device)
+                attn = enc["attention_mask"].to(device)
+                pos = loss_positions(attn)
+                with capture_io(layers) as store:
+                    logits = model(input_ids=input_ids, attention_mask=attn).logits[:, :-1].float()
+                    if label_mode is LabelMode.EMPIRICAL:
+                        labels = input_ids[:, 1:]
+                    else:
+                        labels = torch.zeros_like(input_ids[:, 1:])
+                        for i in range(len(chunk)):
+                            labels[i] = sample_labels(logits[i], seed, b * batch_size + i)
+                    loss = F.cross_entropy(logits[pos], labels[pos], reduction="sum")
+                    loss.backward()
+                for name in layers:
+                    cap = store[name]
+                    if len(cap.inputs) != 1 or len(cap.grads) != 1:
+                        raise RuntimeError(f"layer {name} was called {len(cap.inputs)} times in one forward")
+                    a = cap.inputs[0][:, :-1][pos]
+                    g = cap.grads[0][:, :-1][pos]
+                    acc.add(name, a, g)
+                bar.update(len(chunk))
+    finally:
+        bar.close()
+        tokenizer.padding_side = pad_side
+        model.train(was_training)
+    meta = {"label_mode": label_mode.value, "seed": seed, "max_len": max_len, "n_texts": len(texts)}
+    return acc.factors(list(layers), meta)

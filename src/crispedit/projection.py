@@ -1,0 +1,247 @@
+"""Low-curvature projectors.
+
+A projector maps a weight gradient ``Q`` (shape ``d_out x d_in``) onto the gamma-approximate nullspace
+of a curvature model of the capability loss. Every projector answers one method, :meth:`project`,
+and can build its explicit matrix with :meth:`dense` (tests only; it is ``(d_in d_out)^2``).
+
+Vectorisation convention (everywhere in crispedit): column-major ``vec``, so that for the K-FAC
+block ``G = A (x) S`` of a linear layer ``s = W a`` we have ``vec(g a^T) = a (x) g`` and
+``vec(U_out X U_in^T) = (U_in (x) U_out) vec(X)``. In torch, ``vec(X) = X.T.reshape(-1)``.
+
+Energy rule (paper, eq. "projected_gradients"): sort the eigenvalues in decreasing order and mask the
+smallest top set whose sum reaches a ``gamma`` fraction of the total; the rest is kept. The cut is
+made on sorted positions, so ties are resolved deterministically and exactly ``k`` directions are
+masked.
+
+All maths runs in float32 or float64 whatever the dtype of the gradient; results are cast back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import check_gamma
+
+__all__ = [
+    "energy_keep_mask",
+    "eigh_psd",
+    "vec",
+    "unvec",
+    "LayerProjector",
+    "IdentityProjector",
+    "KroneckerProjector",
+    "DenseProjector",
+    "kfac_quadratic_form",
+]
+
+
+def vec(X: Tensor) -> Tensor:
+    """Column-major vectorisation."""
+    return X.transpose(-1, -2).reshape(*X.shape[:-2], -1)
+
+
+def unvec(v: Tensor, d_out: int, d_in: int) -> Tensor:
+    """Inverse of :func:`vec` for a ``d_out x d_in`` matrix."""
+    return v.reshape(d_in, d_out).T
+
+
+def eigh_psd(M: Tensor, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Eigendecomposition of a symmetric PSD matrix in ``dtype``.
+
+    The matrix is symmetrised first; tiny negative eigenvalues produced by round-off are clamped to
+    zero. Eigenvalues are returned in *decreasing* order with matching eigenvector columns.
+    """
+    Md = M.detach().to(dtype)
+    Md = 0.5 * (Md + Md.T)
+    evals, evecs = torch.linalg.eigh(Md)
+    evals = evals.clamp_min(0.0)
+    return evals.flip(0), evecs.flip(1)
+
+
+def energy_keep_mask(eigvals: Tensor, gamma: float) -> Tensor:
+    """Boolean mask (same shape as ``eigvals``) of the directions *kept* by the energy rule.
+
+    The smallest set of largest eigenvalues holding at least ``gamma`` of the total is masked out;
+    everything below that cut is kept. If the spectrum is identically zero everything is kept.
+    """
+    gamma = check_gamma(gamma)
+    flat = eigvals.detach().reshape(-1).to(torch.float64).clamp_min(0.0)
+    total = flat.sum()
+    keep = torch.ones_like(flat, dtype=torch.bool)
+    if total <= 0:
+        return keep.reshape(eigvals.shape)
+    order = torch.argsort(flat, descending=True, stable=True)
+    csum = torch.cumsum(flat[order], 0)
+    # number of masked directions: smallest k with csum[k-1] >= gamma * total
+    k = int(torch.searchsorted(csum, gamma * total, right=False).item()) + 1
+    k = min(k, flat.numel())
+    keep[order[:k]] = False
+    return keep.reshape(eigvals.shape)
+
+
+class LayerProjector:
+    """A linear operator on the weight-gradient space of one layer."""
+
+    d_out: int
+    d_in: int
+
+    def project(self, Q: Tensor) -> Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def dense(self) -> Tensor:
+        """The explicit ``(d_in d_out) x (d_in d_out)`` projector on ``vec(Q)`` (tests only)."""
+        n = self.d_out * self.d_in
+        eye = torch.eye(n, dtype=torch.float64)
+        cols = [vec(self.project(unvec(eye[:, j], self.d_out, self.d_in))) for j in range(n)]
+        return torch.stack(cols, dim=1)
+
+    @property
+    def kept_fraction(self) -> float:
+        return 1.0
+
+    def to(self, device: torch.device | str) -> "LayerProjector":
+        return self
+
+
+class IdentityProjector(LayerProjector):
+    """No projection: plain fine-tuning (the paper's "no projection" row)."""
+
+    def __init__(self, d_out: int, d_in: int):
+        self.d_out, self.d_in = d_out, d_in
+
+    def project(self, Q: Tensor) -> Tensor:
+        return Q
+
+
+@dataclass
+class KroneckerProjector(LayerProjector):
+    """Matrix-free projector ``Q -> U_out ((U_out^T Q U_in) * M) U_in^T``.
+
+    ``U_out`` may be ``None`` (identity): that is the activation-covariance projector of Adam-NSCL,
+    which constrains only the input side. ``mask`` holds 1 for kept entries of the Kronecker
+    eigenbasis (shape ``d_out x d_in``, or ``1 x d_in`` when ``U_out`` is ``None``).
+    """
+
+    U_out: Tensor | None
+    U_in: Tensor
+    mask: Tensor
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        self.U_in = self.U_in.to(self.dtype).contiguous()
+        self.U_out = None if self.U_out is None else self.U_out.to(self.dtype).contiguous()
+        self.mask = self.mask.to(self.dtype).contiguous()
+        self.d_in = self.U_in.shape[0]
+        self.d_out = self.mask.shape[0] if self.U_out is None else self.U_out.shape[0]
+        if self.U_out is None and self.mask.shape[0] == 1:
+            self.d_out = -1  # any number of rows
+
+    # -- constructors -------------------------------------------------------------------------
+    @classmethod
+    def from_factors(cls, A: Tensor, S: Tensor, gamma: float, *, dtype: torch.dtype = torch.float32,
+                     eig_dtype: torch.dtype = torch.float64) -> "KroneckerProjector":
+        """K-FAC projector from the input covariance ``A`` and output-gradient covariance ``S``."""
+        lam_in, U_in = eigh_psd(A, eig_dtype)
+        lam_out, U_out = eigh_psd(S, eig_dtype)
+        keep = energy_keep_mask(torch.outer(lam_out, lam_in), gamma)
+        return cls(U_out, U_in, keep, dtype=dtype)
+
+    @classmethod
+    def from_eigenbasis(cls, U_out: Tensor, U_in: Tensor, eigvals: Tensor, gamma: float, *,
+                        dtype: torch.dtype = torch.float32) -> "KroneckerProjector":
+        """Projector in a given Kronecker eigenbasis with per-entry eigenvalues ``eigvals``
+        (``d_out x d_in``), e.g. the corrected eigenvalues of EK-FAC."""
+        return cls(U_out, U_in, energy_keep_mask(eigvals, gamma), dtype=dtype)
+
+    @classmethod
+    def from_activation_covariance(cls, A: Tensor, gamma: float, *, dtype: torch.dtype = torch.float32,
+                                   eig_dtype: torch.dtype = torch.float64) -> "KroneckerProjector":
+        """Adam-NSCL: keep the low-energy eigen-directions of the layer-input covariance only."""
+        lam_in, U_in = eigh_psd(A, eig_dtype)
+        keep = energy_keep_mask(lam_in, gamma)
+        return cls(None, U_in, keep.reshape(1, -1), dtype=dtype)
+
+    # -- operator ------------------------------------------------------------------------------
+    def project(self, Q: Tensor) -> Tensor:
+        orig_dtype = Q.dtype
+        X = Q.to(self.dtype)
+        if self.U_out is None:
+            C = (X @ self.U_in) * self.mask
+            out = C @ self.U_in.T
+        else:
+            C = (self.U_out.T @ X @ self.U_in) * self.mask
+            out = self.U_out @ C @ self.U_in.T
+        return out.to(orig_dtype)
+
+    def dense(self) -> Tensor:
+        if self.d_out < 0:
+            raise ValueError("dense() needs a fixed d_out; build with U_out for tests")
+        return super().dense()
+
+    @property
+    def kept_fraction(self) -> float:
+        return float(self.mask.float().mean())
+
+    @property
+    def n_kept(self) -> int:
+        if self.U_out is None:
+            return int(self.mask.sum()) * (self.d_out if self.d_out > 0 else 1)
+        return int(self.mask.sum())
+
+    def to(self, device: torch.device | str) -> "KroneckerProjector":
+        self.U_in = self.U_in.to(device)
+        self.U_out = None if self.U_out is None else self.U_out.to(device)
+        self.mask = self.mask.to(device)
+        return self
+
+
+class DenseProjector(LayerProjector):
+    """Projector onto the kept eigen-directions of an explicit curvature matrix acting on ``vec(Q)``.
+
+    Used for exact Hessian / Gauss-Newton projections of small networks (the curvature study) and
+    as ground truth in tests. ``project`` accepts a matrix (``d_out x d_in``, vectorised column-major)
+    or a flat vector of the same size as the basis.
+    """
+
+    def __init__(self, U: Tensor, keep: Tensor, d_out: int | None = None, d_in: int | None = None,
+                 dtype: torch.dtype = torch.float64):
+        self.U_kept = U[:, keep.to(U.device)].to(dtype).contiguous()
+        self.dim = U.shape[0]
+        self.d_out, self.d_in = (d_out or self.dim), (d_in or 1)
+        self.dtype = dtype
+        self._kept = int(keep.sum())
+
+    @classmethod
+    def from_matrix(cls, G: Tensor, gamma: float, d_out: int | None = None, d_in: int | None = None,
+                    dtype: torch.dtype = torch.float64) -> "DenseProjector":
+        evals, U = eigh_psd(G, torch.float64)
+        return cls(U, energy_keep_mask(evals, gamma), d_out, d_in, dtype)
+
+    def project(self, Q: Tensor) -> Tensor:
+        orig_dtype, shape = Q.dtype, Q.shape
+        v = vec(Q) if Q.dim() == 2 else Q.reshape(-1)
+        v = v.to(self.dtype)
+        out = self.U_kept @ (self.U_kept.T @ v)
+        out = out.to(orig_dtype)
+        return unvec(out, shape[0], shape[1]) if Q.dim() == 2 else out.reshape(shape)
+
+    def dense(self) -> Tensor:
+        return self.U_kept @ self.U_kept.T
+
+    @property
+    def kept_fraction(self) -> float:
+        return self._kept / self.dim
+
+    def to(self, device: torch.device | str) -> "DenseProjector":
+        self.U_kept = self.U_kept.to(device)
+        return self
+
+
+def kfac_quadratic_form(A: Tensor, S: Tensor, dW: Tensor) -> Tensor:
+    """``1/2 vec(dW)^T (A (x) S) vec(dW) = 1/2 tr(dW^T S dW A)`` in float64: the K-FAC estimate of the
+    Bregman (Gauss-Newton) increase of the capability loss for a weight change ``dW``."""
+    dW64 = dW.to(torch.float64)
+    return 0.5 * torch.trace(dW64.T @ S.to(torch.float64) @ dW64 @ A.to(torch.float64))
