@@ -1,0 +1,197 @@
+"""``crispedit`` command line: thin — parses, calls the library, prints.
+
+Errors a user can cause are printed as one line (``crispedit: error: ...``) with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from .errors import CrispEditError
+
+# Modules that add sub-commands: each defines add_cli(subparsers) and sets `func` on its parsers.
+_COMMAND_MODULES: list[str] = [
+]
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file, an HF model dir or a hub id")
+    p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+
+
+def _add_curvature_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", default=None, help="module-path pattern, e.g. 'model.layers.{15-19}.mlp.down_proj' "
+                   "(default: per-architecture, see README)")
+    p.add_argument("--n-cap", type=int, default=64, help="number of capability texts for K-FAC (default 64)")
+    p.add_argument("--max-len", type=int, default=256, help="max tokens per capability text (default 256)")
+    p.add_argument("--label-mode", choices=["sampled", "empirical"], default="sampled",
+                   help="K-FAC labels: sampled from the model (Gauss-Newton, default) or the text's own tokens")
+    p.add_argument("--cap-corpus", default=None, help="capability corpus (.txt/.jsonl/.json); default: bundled WikiText")
+    p.add_argument("--kfac-batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _config_from_args(args) -> "EditConfig":
+    from .editing import EditConfig
+
+    return EditConfig(method=args.method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
+                      epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
+                      label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
+                      seed=args.seed)
+
+
+def cmd_edit(args) -> int:
+    from .data import load_edits
+    from .models import load_model
+    from .pipeline import run_edit_job
+
+    config = _config_from_args(args)  # validates before anything slow happens
+    if args.cap_corpus:
+        from .data import capability_corpus
+
+        capability_corpus(args.cap_corpus, config.n_cap)
+    requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+    report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
+                          edits_path=str(args.edits), cache_file=args.cache, progress=None if not args.quiet else False)
+    s = report["summary"]
+    print(f"{config.method}: {len(requests)} edits, rel={s['rel']} gen={s['gen']} kl_drift={s['kl_drift']:.5f} "
+          f"edit={s['edit_seconds']:.1f}s cache={s['cache_seconds']:.1f}s epochs={report['training']['epochs']}")
+    print(f"edited model and edit_report.json written to {args.out}")
+    return 0
+
+
+def cmd_cache_build(args) -> int:
+    from .curvature.cache import save_factors
+    from .data import capability_corpus
+    from .editing import EditConfig, capability_factors, curvature_spec
+    from .models import cache_dir, load_model, resolve_layers, weight_fingerprint
+
+    config = EditConfig(layers=args.layers, n_cap=args.n_cap, max_len=args.max_len, label_mode=args.label_mode,
+                        kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus, seed=args.seed)
+    texts = capability_corpus(config.cap_corpus, config.n_cap)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+    layers = resolve_layers(model, config.layers)
+    fp = weight_fingerprint(model)
+    factors, info = capability_factors(model, tok, layers, config, cache_root=args.cache_dir or cache_dir(),
+                                       fingerprint=fp, force=args.force, progress=None if not args.quiet else False)
+    path = info["path"]
+    if args.out:
+        save_factors(args.out, factors, curvature_spec(model, list(layers), texts, config, fp),
+                     extra={"collect_seconds": info["seconds"]})
+        path = args.out
+    state = "reused" if info["hit"] else f"built in {info['seconds']:.1f}s"
+    print(f"K-FAC factors for {len(layers)} layers ({factors.n_tokens} tokens) {state}: {path}")
+    return 0
+
+
+def cmd_cache_info(args) -> int:
+    from .curvature.cache import load_factors
+
+    factors = load_factors(args.file)
+    meta = dict(factors.meta)
+    meta["shapes"] = {k: [list(factors.A[k].shape), list(factors.S[k].shape)] for k in factors.A}
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def cmd_cache_list(args) -> int:
+    from .curvature.cache import load_factors
+    from .models import cache_dir
+
+    root = Path(args.cache_dir or cache_dir()) / "kfac"
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+    if not files:
+        print(f"no cached factors under {root}")
+    for f in files:
+        try:
+            spec = load_factors(f).meta.get("spec", {})
+            print(f"{f}  layers={len(spec.get('layers', []))} n={spec.get('n_texts')} len={spec.get('max_len')} "
+                  f"labels={spec.get('label_mode')} model={str(spec.get('model_fingerprint'))[:12]}")
+        except CrispEditError as exc:
+            print(f"{f}  (unreadable: {exc})")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(n_edits=args.n_edits, epochs=args.epochs, gamma=args.gamma, n_cap=args.n_cap, model_spec=args.model,
+                    show=args.show)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="crispedit", description="Non-destructive knowledge editing of LLMs (CrispEdit)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("edit", help="edit facts into a model and save it with edit_report.json")
+    _add_model_args(p)
+    _add_curvature_args(p)
+    p.add_argument("--edits", required=True, help="edit file: ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL")
+    p.add_argument("--n-edits", type=int, default=None, help="use only the first N edits")
+    p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
+    p.add_argument("--method", default="crispedit", choices=["crispedit", "ft", "adam-nscl"])
+    p.add_argument("--gamma", type=float, default=0.8, help="energy threshold in (0, 1) (default 0.8)")
+    p.add_argument("--epochs", type=int, default=25, help="maximum epochs over the edits (paper: 25)")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--projection", choices=["gradient", "update"], default="gradient",
+                   help="project the raw gradient (paper) or the Adam update")
+    p.add_argument("--kl-text", default=None, help="held-out text for kl_drift (default: bundled WikiText sample)")
+    p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")
+    p.add_argument("--out", required=True, help="output directory (HF model + edit_report.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_edit)
+
+    pc = sub.add_parser("cache", help="build or inspect K-FAC curvature caches")
+    csub = pc.add_subparsers(dest="cache_command", required=True)
+    b = csub.add_parser("build", help="collect capability K-FAC factors (reused by `edit`)")
+    _add_model_args(b)
+    _add_curvature_args(b)
+    b.add_argument("--cache-dir", default=None, help="cache root (default $CRISPEDIT_CACHE or ~/.cache/crispedit)")
+    b.add_argument("--out", default=None, help="also write the factors to this file (for `edit --cache`)")
+    b.add_argument("--force", action="store_true", help="recollect even if cached")
+    b.add_argument("--quiet", action="store_true")
+    b.set_defaults(func=cmd_cache_build)
+    i = csub.add_parser("info", help="print a cache file's metadata")
+    i.add_argument("file")
+    i.set_defaults(func=cmd_cache_info)
+    ls = csub.add_parser("list", help="list cached factor files")
+    ls.add_argument("--cache-dir", default=None)
+    ls.set_defaults(func=cmd_cache_list)
+
+    d = sub.add_parser("demo", help="edit bundled ZsRE facts into SmolLM2 with crispedit and ft; show before/after")
+    d.add_argument("--model", default="smollm2")
+    d.add_argument("--n-edits", type=int, default=32)
+    d.add_argument("--epochs", type=int, default=100)
+    d.add_argument("--gamma", type=float, default=0.8)
+    d.add_argument("--n-cap", type=int, default=64)
+    d.add_argument("--show", type=int, default=6, help="rows in the before/after table")
+    d.set_defaults(func=cmd_demo)
+
+    for mod in _COMMAND_MODULES:
+        importlib.import_module(mod).add_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CrispEditError as exc:
+        print(f"crispedit: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("crispedit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Content-addressed on-disk cache of K-FAC factors.
+
+A cache entry is one safetensors file ``<root>/kfac/<key>.safetensors`` whose header metadata holds a
+JSON description of how it was made. The key is a digest of everything that changes the numbers:
+the model weight fingerprint, the layer names, the corpus digest, the number of texts, the maximum
+length, the label mode, the seed, the statistics dtype and the factor-format version. Files are
+written to a temporary name and renamed, so a reader sees either nothing or a complete file. Every
+load re-checks the metadata against what the caller expects, so a file is never silently used for
+another model or configuration, and a truncated or corrupt file is reported as such.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..errors import CrispEditError, atomic_save_safetensors
+from .kfac import KFACFactors, LabelMode, collect_lm_kfac
+
+__all__ = ["CurvatureSpec", "cache_key", "save_factors", "load_factors", "get_or_build_factors", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CurvatureSpec:
+    """Everything that determines a set of capability K-FAC factors (besides the weights)."""
+
+    model_fingerprint: str
+    layers: tuple[str, ...]
+    corpus_digest: str
+    n_texts: int
+    max_len: int
+    label_mode: str
+    seed: int
+    stat_dtype: str = "float32"
+    model_dtype: str = "float32"
+    format_version: int = FORMAT_VERSION
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["layers"] = list(self.layers)
+        return d
+
+
+def cache_key(spec: CurvatureSpec) -> str:
+    blob = json.dumps(spec.as_dict(), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def save_factors(path: str | Path, factors: KFACFactors, spec: CurvatureSpec, extra: dict | None = None) -> Path:
+    path = Path(path)
+    meta = {"spec": spec.as_dict(), "key": cache_key(spec), "n_tokens": factors.n_tokens,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(extra or {})}
+    atomic_save_safetensors(path, factors.to_tensors(), metadata={"crispedit": json.dumps(meta)})
+    return path
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            raw = (fh.metadata() or {}).get("crispedit")
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except FileNotFoundError:
+        raise CrispEditError(f"curvature cache file not found: {path}") from None
+    except Exception as exc:  # safetensors raises SafetensorError / OSError on damaged files
+        raise CrispEditError(f"curvature cache file {path} is truncated or corrupt ({str(exc).splitlines()[0]})") from None
+    if raw is None:
+        raise CrispEditError(f"{path} is not a crispedit curvature cache (no crispedit metadata)")
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError:
+        raise CrispEditError(f"curvature cache file {path} has corrupt metadata") from None
+    return tensors, meta
+
+
+def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model_fingerprint: str | None = None,
+                 layers: Sequence[str] | None = None) -> KFACFactors:
+    """Load factors, refusing a file made for another model, other layers or another configuration."""
+    path = Path(path)
+    tensors, meta = _read(path)
+    spec = meta.get("spec", {})
+    fp = expect.model_fingerprint if expect else model_fingerprint
+    if fp is not None and spec.get("model_fingerprint") != fp:
+        raise CrispEditError(
+            f"curvature cache {path} was built for another model (fingerprint {str(spec.get('model_fingerprint'))[:12]}…, "
+            f"this model is {fp[:12]}…)")
+    want_layers = list(expect.layers) if expect else (list(layers) if layers is not None else None)
+    if want_layers is not None and spec.get("layers") != want_layers:
+        raise CrispEditError(f"curvature cache {path} covers layers {spec.get('layers')}, not {want_layers}")
+    if expect is not None:
+        diff = [k for k, v in expect.as_dict().items() if spec.get(k) != v]
+        if diff:
+            raise CrispEditError(f"curvature cache {path} was built with a different configuration ({', '.join(diff)})")
+    factors = KFACFactors.from_tensors(tensors, int(meta.get("n_tokens", 0)), meta)
+    for name in spec.get("layers", []):
+        if name not in factors.A or name not in factors.S:
+            raise CrispEditError(f"curvature cache {path} is incomplete: no factors for {name}")
+        for kind, t in (("A", factors.A[name]), ("S", factors.S[name])):
+            if t.dim() != 2 or t.shape[0] != t.shape[1] or not torch.isfinite(t).all():
+                raise CrispEditError(f"curvature cache {path} is corrupt: bad {kind} factor for {name}")
+    return factors
+
+
+def get_or_build_factors(
+    model: nn.Module,
+    tokenizer,
+    layers: dict[str, nn.Module],
+    texts: Sequence[str],
+    spec: CurvatureSpec,
+    *,
+    root: str | Path,
+    batch_size: int = 8,
+    stat_dtype: torch.dtype = torch.float32,
+    force: bool = False,
+    progress: bool | None = None,
+) -> tuple[KFACFactors, dict]:
+    """Return cached factors for ``spec`` or collect and cache them. ``info`` says which happened."""
+    path = Path(root) / "kfac" / f"{cache_key(spec)}.safetensors"
+    t0 = time.perf_counter()
+    if path.is_file() and not force:
+        try:
+            factors = load_factors(path, spec)
+            return factors, {"path": str(path), "hit": True, "seconds": time.perf_counter() - t0}
+        except CrispEditError:
+            pass  # a damaged entry is rebuilt below (and replaced atomically)
+    factors = collect_lm_kfac(model, tokenizer, texts, layers, max_len=spec.max_len, batch_size=batch_size,
+                              label_mode=LabelMode(spec.label_mode), seed=spec.seed, stat_dtype=stat_dtype,
+                              progress=progress)
+    seconds = time.perf_counter() - t0
+    save_factors(path, factors, spec, extra={"collect_seconds": seconds})
+    return factors, {"path": str(path), "hit": False, "seconds": seconds}

@@ -1,0 +1,102 @@
+"""High-level batch editing: resolve layers, get (cached) curvature, build projectors, run the loop."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..curvature.cache import CurvatureSpec, get_or_build_factors, load_factors
+from ..curvature.kfac import KFACFactors
+from ..data.corpus import capability_corpus, corpus_digest
+from ..data.edits import EditRequest
+from ..errors import CrispEditError
+from ..models import cache_dir, resolve_layers, weight_fingerprint
+from ..projection import LayerProjector
+from .config import EditConfig
+from .editors import get_editor
+from .loop import TrainHistory, projected_finetune
+
+__all__ = ["EditResult", "edit", "capability_factors", "curvature_spec"]
+
+
+@dataclass
+class EditResult:
+    layers: list[str]
+    history: TrainHistory
+    projector_stats: dict[str, dict]
+    cache_seconds: float
+    edit_seconds: float
+    cache_info: dict = field(default_factory=dict)
+    original_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def curvature_spec(model: nn.Module, layers: Sequence[str], texts: Sequence[str], config: EditConfig,
+                   fingerprint: str | None = None) -> CurvatureSpec:
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return CurvatureSpec(
+        model_fingerprint=fingerprint or weight_fingerprint(model), layers=tuple(layers),
+        corpus_digest=corpus_digest(texts), n_texts=len(texts), max_len=config.max_len,
+        label_mode=config.label_mode, seed=config.seed, stat_dtype="float32", model_dtype=dtype,
+    )
+
+
+def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module], config: EditConfig, *,
+                       cache_root: str | Path | None = None, cache_file: str | Path | None = None,
+                       fingerprint: str | None = None, force: bool = False,
+                       progress: bool | None = None) -> tuple[KFACFactors, dict]:
+    """Capability K-FAC factors for ``layers``: from ``cache_file`` if given (checked against this
+    model and these layers), else from the content-addressed cache, else collected and cached."""
+    fingerprint = fingerprint or weight_fingerprint(model)
+    if cache_file is not None:
+        t0 = time.perf_counter()
+        factors = load_factors(cache_file, model_fingerprint=fingerprint, layers=list(layers))
+        return factors, {"path": str(cache_file), "hit": True, "seconds": time.perf_counter() - t0}
+    texts = capability_corpus(config.cap_corpus, config.n_cap)
+    spec = curvature_spec(model, list(layers), texts, config, fingerprint)
+    return get_or_build_factors(model, tokenizer, layers, texts, spec, root=cache_root or cache_dir(),
+                                batch_size=config.kfac_batch_size, force=force, progress=progress)
+
+
+def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: EditConfig | None = None, *,
+         factors: KFACFactors | None = None, cache_root: str | Path | None = None,
+         cache_file: str | Path | None = None, progress: bool | None = None) -> EditResult:
+    """Apply ``requests`` to ``model`` in place with ``config.method`` and return what happened.
+
+    ``result.original_weights`` holds the pre-edit weights of the trained layers (to measure drift
+    or undo the edit with :func:`restore`).
+    """
+    config = (config or EditConfig()).validate()
+    if not requests:
+        raise CrispEditError("no edit requests given")
+    editor = get_editor(config.method)
+    layers = resolve_layers(model, config.layers)
+    cache_seconds, info = 0.0, {}
+    if editor.needs_curvature and factors is None:
+        factors, info = capability_factors(model, tokenizer, layers, config, cache_root=cache_root,
+                                           cache_file=cache_file, progress=progress)
+        cache_seconds = info["seconds"]
+    if editor.needs_curvature:
+        missing = [n for n in layers if n not in factors.A]
+        if missing:
+            raise CrispEditError(f"curvature factors do not cover layers {missing}")
+    t0 = time.perf_counter()
+    projectors: dict[str, LayerProjector] = editor.projectors(layers, factors, config)
+    params = editor.trainable(layers)
+    original = {n: p.detach().clone() for n, p in params.items()}
+    history = projected_finetune(model, tokenizer, requests, layers, params, projectors, config, progress=progress)
+    edit_seconds = time.perf_counter() - t0
+    stats = {n: {"kept_fraction": round(p.kept_fraction, 6)} for n, p in projectors.items()}
+    return EditResult(list(layers), history, stats, cache_seconds, edit_seconds, info, original)
+
+
+def restore(model: nn.Module, original_weights: dict[str, torch.Tensor]) -> None:
+    """Undo an edit: put back the weights recorded in ``EditResult.original_weights``."""
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, w in original_weights.items():
+            modules[name].weight.copy_(w)

