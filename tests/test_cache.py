@@ -1,0 +1,87 @@
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from crispedit.curvature.cache import CurvatureSpec, cache_key, get_or_build_factors, load_factors, save_factors
+from crispedit.curvature.kfac import KFACFactors
+from crispedit.errors import CrispEditError
+from crispedit.models import resolve_layers, weight_fingerprint
+
+SPEC = CurvatureSpec(model_fingerprint="f" * 32, layers=("a", "b"), corpus_digest="c" * 32, n_texts=8, max_len=64,
+                     label_mode="sampled", seed=0)
+
+
+def factors():
+    return KFACFactors({"a": torch.eye(3), "b": torch.eye(2)}, {"a": torch.eye(2), "b": torch.eye(4)}, 11)
+
+
+@pytest.mark.parametrize("field,value", [("model_fingerprint", "g" * 32), ("layers", ("a",)), ("corpus_digest", "d"),
+                                         ("n_texts", 9), ("max_len", 128), ("label_mode", "empirical"), ("seed", 1),
+                                         ("stat_dtype", "float64"), ("model_dtype", "bfloat16")])
+def test_key_covers_every_field(field, value):
+    assert cache_key(dataclasses.replace(SPEC, **{field: value})) != cache_key(SPEC)
+
+
+def test_roundtrip_and_refusals(tmp_path):
+    path = save_factors(tmp_path / "f.safetensors", factors(), SPEC)
+    f = load_factors(path, SPEC)
+    assert torch.equal(f.A["a"], torch.eye(3)) and f.n_tokens == 11
+    with pytest.raises(CrispEditError, match="another model"):
+        load_factors(path, model_fingerprint="0" * 32)
+    with pytest.raises(CrispEditError, match="layers"):
+        load_factors(path, model_fingerprint=SPEC.model_fingerprint, layers=["a"])
+    with pytest.raises(CrispEditError, match="different configuration"):
+        load_factors(path, dataclasses.replace(SPEC, seed=5))
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_truncated_and_foreign_files(tmp_path):
+    path = save_factors(tmp_path / "f.safetensors", factors(), SPEC)
+    data = path.read_bytes()
+    bad = tmp_path / "trunc.safetensors"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CrispEditError, match="truncated or corrupt"):
+        load_factors(bad)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(CrispEditError, match="truncated or corrupt"):
+        load_factors(junk)
+    from safetensors.torch import save_file
+    other = tmp_path / "other.safetensors"
+    save_file({"x": torch.zeros(2)}, str(other))
+    with pytest.raises(CrispEditError, match="not a crispedit"):
+        load_factors(other)
+    with pytest.raises(CrispEditError, match="not found"):
+        load_factors(tmp_path / "missing.safetensors")
+
+
+def test_get_or_build_reuses_and_rebuilds(tiny_lm, tmp_path, monkeypatch):
+    model, tok = tiny_lm
+    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
+    spec = dataclasses.replace(SPEC, model_fingerprint=weight_fingerprint(model), layers=tuple(layers))
+    texts = ["one text here for the cache", "and another one"]
+    f1, info1 = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
+    assert not info1["hit"]
+    import crispedit.curvature.cache as cache_mod
+    calls = []
+    real = cache_mod.collect_lm_kfac
+    monkeypatch.setattr(cache_mod, "collect_lm_kfac", lambda *a, **k: calls.append(1) or real(*a, **k))
+    f2, info2 = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
+    assert info2["hit"] and not calls
+    assert torch.equal(f1.S["model.layers.1.mlp.down_proj"], f2.S["model.layers.1.mlp.down_proj"])
+    # a damaged entry is rebuilt, not used
+    p = tmp_path / "kfac" / f"{cache_key(spec)}.safetensors"
+    p.write_bytes(p.read_bytes()[:100])
+    f3, info3 = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
+    assert not info3["hit"] and calls
+
+
+def test_fingerprint_tracks_weights(tiny_lm):
+    model, _ = tiny_lm
+    fp = weight_fingerprint(model)
+    assert fp == weight_fingerprint(model)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] += 1e-3
+    assert weight_fingerprint(model) != fp
