@@ -1,0 +1,107 @@
+"""Every editor through one shared test matrix on a tiny in-process llama."""
+
+import pytest
+import torch
+
+from crispedit.data import EditRequest
+from crispedit.editing import EDITORS, EditConfig, edit, restore
+from crispedit.editing.loop import apply_projection
+from crispedit.errors import CrispEditError
+from crispedit.evaluation import edit_scores, kl_drift, summarize_edit_scores
+from crispedit.models import resolve_layers
+
+REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}", rephrase_prompts=[f"Book {i} was written by whom?"])
+        for i in range(6)]
+LAYERS = "model.layers.{1-2}.mlp.down_proj"
+
+
+def cfg(method, **kw):
+    base = dict(method=method, layers=LAYERS, epochs=30, lr=1e-2, batch_size=4, n_cap=6, max_len=48, gamma=0.8)
+    base.update(kw)
+    return EditConfig(**base)
+
+
+@pytest.mark.parametrize("method", sorted(EDITORS))
+def test_editor_matrix(method, tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    res = edit(model, tok, REQS, cfg(method), progress=False)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)}   # only chosen layers train
+    assert res.history.epoch_loss[-1] < res.history.epoch_loss[0]
+    summary = summarize_edit_scores(edit_scores(model, tok, REQS))
+    assert summary["rel_token_acc"] > 0.5
+    kept = [v["kept_fraction"] for v in res.projector_stats.values()]
+    assert all(k == 1.0 for k in kept) if method == "ft" else all(0 < k < 1 for k in kept)
+    assert (res.cache_info != {}) == EDITORS[method].needs_curvature
+    drift = kl_drift(model, tok, ["some held out words of text", "more text"], base_weights=res.original_weights)
+    assert drift["kl_drift"] > 0
+    restore(model, res.original_weights)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(p.requires_grad for p in model.parameters())   # flags restored
+
+
+@pytest.mark.parametrize("method", ["crispedit", "adam-nscl"])
+def test_update_projection_keeps_change_in_kept_subspace(method, tiny_lm, iso_cache):
+    from crispedit.editing.api import capability_factors
+    from crispedit.editing.editors import get_editor
+
+    model, tok = tiny_lm
+    layers = resolve_layers(model, LAYERS)
+    factors, _ = capability_factors(model, tok, layers, cfg(method), progress=False)
+    res = edit(model, tok, REQS, cfg(method, projection_target="update", epochs=5), factors=factors, progress=False)
+    projs = get_editor(method).projectors(layers, factors, cfg(method))
+    for name, m in layers.items():
+        delta = m.weight.detach() - res.original_weights[name]
+        assert delta.abs().max() > 0
+        assert torch.allclose(apply_projection(projs[name], m, delta), delta, atol=1e-5)
+
+
+def test_gradient_projection_reduces_drift_vs_ft(tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    texts = ["The quick brown fox jumps over the lazy dog again and again.", "A history of the battle was written."]
+    out = {}
+    for method in ("ft", "crispedit"):
+        res = edit(model, tok, REQS, cfg(method, epochs=15, gamma=0.95), progress=False)
+        out[method] = kl_drift(model, tok, texts, base_weights=res.original_weights)["kl_drift"]
+        restore(model, res.original_weights)
+    assert out["crispedit"] < out["ft"]
+
+
+def test_bf16_training_with_fp32_projection(tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    model = model.to(torch.bfloat16)
+    res = edit(model, tok, REQS, cfg("crispedit", epochs=3), progress=False)
+    assert res.history.steps + res.history.skipped == 6   # 2 batches x 3 epochs
+    name = next(iter(res.original_weights))
+    assert dict(model.named_modules())[name].weight.dtype == torch.bfloat16
+
+
+def test_early_stopping_and_skip(tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    # the tiny random model's loss floor is ~0.3 (final RMSNorm + fixed head), so use a higher threshold
+    res = edit(model, tok, REQS[:2], cfg("ft", epochs=300, lr=2e-2, batch_size=1, stop_loss=1.0, skip_loss=0.8),
+               progress=False)
+    assert res.history.converged and len(res.history.epoch_loss) < 300
+    assert res.history.epoch_loss[-1] < 1.0 <= res.history.epoch_loss[-2]
+    # batches already below skip_loss are not stepped on
+    before = {n: w.clone() for n, w in res.original_weights.items()}
+    mods = dict(model.named_modules())
+    now = {n: mods[n].weight.detach().clone() for n in before}
+    res2 = edit(model, tok, REQS[:2], cfg("ft", epochs=3, skip_loss=100.0, stop_loss=0.0 + 1e-9), progress=False)
+    assert res2.history.steps == 0 and res2.history.skipped == 3
+    assert all(torch.equal(mods[n].weight, now[n]) for n in now)
+
+
+@pytest.mark.parametrize("kw,msg", [({"gamma": 1.0}, "gamma"), ({"gamma": 0}, "gamma"), ({"method": "rome"}, "unknown method"),
+                                    ({"n_cap": 0}, "n-cap"), ({"epochs": -1}, "epochs"), ({"lr": 0}, "learning rate"),
+                                    ({"projection_target": "adam"}, "projection target"), ({"label_mode": "true"}, "label mode")])
+def test_config_validation(kw, msg):
+    with pytest.raises(CrispEditError, match=msg):
+        cfg(kw.pop("method", "crispedit"), **kw)
+
+
+def test_config_from_dict_rejects_unknown_keys():
+    with pytest.raises(CrispEditError, match="unknown edit config keys: lrr"):
+        EditConfig.from_dict({"lrr": 1})
+    assert EditConfig.from_dict(EditConfig().to_json()).to_json() == EditConfig().to_json()

@@ -1,0 +1,64 @@
+import pytest
+import torch
+
+from crispedit.errors import CrispEditError
+from crispedit.models import default_layer_pattern, expand_pattern, load_model, resolve_layers
+
+
+def test_expand_pattern():
+    assert expand_pattern("model.layers.{1-3}.mlp.down_proj") == [f"model.layers.{i}.mlp.down_proj" for i in (1, 2, 3)]
+    assert expand_pattern("a.{0,2-3}.b") == ["a.0.b", "a.2.b", "a.3.b"]
+    assert expand_pattern("a.{1,2}.{x,y}") == ["a.1.x", "a.1.y", "a.2.x", "a.2.y"]
+    assert expand_pattern("a.1.b, a.{1-2}.b") == ["a.1.b", "a.2.b"]
+    with pytest.raises(CrispEditError):
+        expand_pattern("a.{3-1}.b")
+
+
+def test_resolve_layers_errors(tiny_lm):
+    model, _ = tiny_lm
+    with pytest.raises(CrispEditError, match="unknown layer 'model.layers.4.mlp.down_proj'"):
+        resolve_layers(model, "model.layers.{2-9}.mlp.down_proj")
+    with pytest.raises(CrispEditError, match="not a linear layer"):
+        resolve_layers(model, "model.layers.1.mlp")
+    assert list(resolve_layers(model, None)) == ["model.layers.2.mlp.down_proj"]
+
+
+def _tiny(cfg_cls, model_cls, **kw):
+    torch.manual_seed(0)
+    return model_cls(cfg_cls(**kw))
+
+
+def test_default_patterns_per_family():
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+    common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
+    llama = _tiny(LlamaConfig, LlamaForCausalLM, num_hidden_layers=30, **common)
+    assert default_layer_pattern(llama) == "model.layers.{15-19}.mlp.down_proj"   # SmolLM2's shape
+    qwen = _tiny(Qwen2Config, Qwen2ForCausalLM, num_hidden_layers=8, **common)
+    assert default_layer_pattern(qwen) == "model.layers.{4-5}.mlp.down_proj"
+    mistral = _tiny(MistralConfig, MistralForCausalLM, num_hidden_layers=4, **common)
+    assert default_layer_pattern(mistral) == "model.layers.{2}.mlp.down_proj"
+    gpt2 = _tiny(GPT2Config, GPT2LMHeadModel, vocab_size=64, n_embd=16, n_layer=12, n_head=2)
+    pat = default_layer_pattern(gpt2)
+    assert pat == "transformer.h.{6-8}.mlp.c_proj"
+    assert len(resolve_layers(gpt2, pat)) == 3   # GPT-2 Conv1D counts as linear
+    try:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    except ImportError:  # pragma: no cover
+        return
+    gemma = _tiny(Gemma3TextConfig, Gemma3ForCausalLM, num_hidden_layers=18, head_dim=8, **common)
+    assert default_layer_pattern(gemma) == "model.layers.{9-12}.mlp.down_proj"
+
+
+def test_load_model_specs(tiny_model_dir, tiny_tok, tmp_path):
+    model, tok = load_model(str(tiny_model_dir))
+    assert model.config.num_hidden_layers == 4 and tok.pad_token is not None and not model.training
+    same = load_model((model, tok))
+    assert same[0] is model
+    with pytest.raises(CrispEditError, match="no config.json"):
+        load_model(str(tmp_path))
+    with pytest.raises(CrispEditError, match="GGUF file not found"):
+        load_model(str(tmp_path / "x.gguf"))
+    with pytest.raises(CrispEditError, match="unknown dtype"):
+        load_model(str(tiny_model_dir), dtype="float8")
