@@ -1,0 +1,138 @@
+"""The CLI end to end on a tiny model directory, and its answers to bad input."""
+
+import json
+
+import pytest
+import torch
+
+from crispedit.cli import main
+from crispedit.curvature.cache import load_factors
+
+
+def edits_file(tmp_path, n=4):
+    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "rephrase": f"Club {i} was founded by?",
+             "loc": "nq question: who sang it", "loc_ans": "someone", "subject": f"club {i}"} for i in range(n)]
+    p = tmp_path / "edits.json"
+    p.write_text(json.dumps(recs))
+    return p
+
+
+def run(args, capsys):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def common(tiny_model_dir, edits, out):
+    return ["edit", "--model", tiny_model_dir, "--edits", edits, "--layers", "model.layers.{1-2}.mlp.down_proj",
+            "--n-cap", 4, "--max-len", 32, "--epochs", 3, "--lr", 1e-2, "--out", out, "--quiet"]
+
+
+def test_edit_writes_loadable_model_and_report(tiny_model_dir, tmp_path, iso_cache, capsys):
+    out = tmp_path / "out"
+    kl = tmp_path / "kl.txt"
+    kl.write_text("first held out paragraph of text.\n\nsecond held out paragraph.")
+    code, stdout, err = run(common(tiny_model_dir, edits_file(tmp_path), out) + ["--kl-text", kl], capsys)
+    assert code == 0, err
+    report = json.loads((out / "edit_report.json").read_text())
+    for key in ("method", "gamma", "layers", "n_edits", "summary", "per_edit", "config", "environment"):
+        assert key in report
+    for key in ("rel", "gen", "kl_drift", "edit_seconds", "cache_seconds"):
+        assert key in report["summary"]
+    assert report["n_edits"] == 4 and len(report["per_edit"]) == 4 and report["method"] == "crispedit"
+    assert report["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
+    from transformers import AutoModelForCausalLM
+    edited = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    w = "model.layers.1.mlp.down_proj.weight"
+    assert not torch.equal(edited.state_dict()[w], base.state_dict()[w])
+    assert torch.equal(edited.state_dict()["model.layers.0.mlp.down_proj.weight"],
+                       base.state_dict()["model.layers.0.mlp.down_proj.weight"])
+    # second run reuses the curvature cache
+    code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), tmp_path / "out2"), capsys)
+    report2 = json.loads((tmp_path / "out2" / "edit_report.json").read_text())
+    assert code == 0 and report2["cache"]["hit"] and not report["cache"]["hit"]
+
+
+def test_cache_build_info_and_explicit_file(tiny_model_dir, tmp_path, iso_cache, capsys):
+    f = tmp_path / "factors.safetensors"
+    code, out, err = run(["cache", "build", "--model", tiny_model_dir, "--layers", "model.layers.{1-2}.mlp.down_proj",
+                          "--n-cap", 4, "--max-len", 32, "--out", f, "--quiet"], capsys)
+    assert code == 0, err and f.is_file()
+    code, out, _ = run(["cache", "info", f], capsys)
+    assert code == 0 and json.loads(out)["spec"]["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
+    code, out, _ = run(["cache", "list"], capsys)
+    assert code == 0 and ".safetensors" in out
+    code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), tmp_path / "o") + ["--cache", f], capsys)
+    assert code == 0, err
+
+
+def _bad(tmp_path, kind, tiny_model_dir, tiny_tok):
+    edits = edits_file(tmp_path)
+    if kind == "malformed":
+        edits.write_text('[{"src": "q?", "alt": ')
+    elif kind == "empty":
+        edits.write_text("")
+    elif kind == "missing_field":
+        edits.write_text('[{"prompt": "q?", "target_new": "x"}, {"prompt": "q?"}]')
+    elif kind == "empty_target":
+        edits.write_text('[{"src": "q?", "alt": ""}]')
+    args = common(tiny_model_dir, edits, tmp_path / "out")
+    if kind == "unknown_layer":
+        args[args.index("--layers") + 1] = "model.layers.{3-7}.mlp.down_proj"
+    elif kind == "not_linear":
+        args[args.index("--layers") + 1] = "model.layers.1.mlp"
+    elif kind == "gamma":
+        args += ["--gamma", 1.5]
+    elif kind == "gamma0":
+        args += ["--gamma", 0]
+    elif kind == "n_cap":
+        args[args.index("--n-cap") + 1] = 0
+    elif kind == "n_edits":
+        args += ["--n-edits", 0]
+    elif kind == "missing_edits":
+        args[args.index("--edits") + 1] = tmp_path / "nope.json"
+    elif kind in ("foreign_cache", "truncated_cache"):
+        from conftest import build_llama
+        from crispedit.curvature.cache import CurvatureSpec, save_factors
+        from crispedit.curvature.kfac import KFACFactors
+        from crispedit.models import weight_fingerprint
+
+        other = build_llama(len(tiny_tok), seed=1)
+        names = ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
+        f = KFACFactors({n: torch.eye(48) for n in names}, {n: torch.eye(32) for n in names}, 10)
+        spec = CurvatureSpec(weight_fingerprint(other), tuple(names), "x", 4, 32, "sampled", 0)
+        path = save_factors(tmp_path / "c.safetensors", f, spec)
+        if kind == "truncated_cache":
+            path.write_bytes(path.read_bytes()[:-100])
+        args += ["--cache", path]
+    elif kind == "kl_text":
+        args += ["--kl-text", tmp_path / "missing.txt"]
+    elif kind == "bad_model":
+        args[args.index("--model") + 1] = tmp_path
+    return args
+
+
+@pytest.mark.parametrize("kind,msg", [
+    ("malformed", "malformed JSON"), ("empty", "empty"), ("missing_field", "record 1"), ("empty_target", "'alt' is empty"),
+    ("unknown_layer", "unknown layer 'model.layers.4.mlp.down_proj'"), ("not_linear", "not a linear layer"),
+    ("gamma", "gamma"), ("gamma0", "gamma"), ("n_cap", "n-cap must be a positive integer"), ("n_edits", "positive"),
+    ("missing_edits", "not found"), ("foreign_cache", "another model"), ("truncated_cache", "truncated or corrupt"),
+    ("kl_text", "text file not found"), ("bad_model", "not a Hugging Face model directory"),
+])
+def test_bad_input_one_line_error_nothing_written(kind, msg, tiny_model_dir, tiny_tok, tmp_path, iso_cache, capsys):
+    args = _bad(tmp_path, kind, tiny_model_dir, tiny_tok)
+    code, out, err = run(args, capsys)
+    assert code == 2
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("crispedit: error:")]
+    assert len(lines) == 1 and msg in lines[0], err
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_refuses_to_overwrite_foreign_directory(tiny_model_dir, tmp_path, iso_cache, capsys):
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), out), capsys)
+    assert code == 2 and "refusing to overwrite" in err and (out / "notes.txt").read_text() == "keep me"
