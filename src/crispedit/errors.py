@@ -17,6 +17,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def _umask_mode(mode: int = 0o666) -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 class CrispEditError(Exception):
     """An error caused by user input; its message is one line that names the problem."""
 
@@ -26,6 +32,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, _umask_mode())  # mkstemp makes 0600 files; give the file normal permissions
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -49,6 +56,7 @@ def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: di
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
+        os.chmod(tmp, _umask_mode())
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
         os.replace(tmp, path)
     except BaseException:
@@ -69,6 +77,7 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
+        os.chmod(tmp, _umask_mode(0o777))
         yield tmp
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
