@@ -1,0 +1,257 @@
+"""CrispEdit-Seq: one editing round at a time, with streaming K-FAC constraints (paper, Algorithm 2).
+
+A round edits one chunk of requests with the shared projected loop
+(:func:`crispedit.editing.loop.projected_finetune`). Afterwards the K-FAC factors of the chunk's *full*
+``prompt + " " + target`` sequences (no prompt masking: the paper's ablation shows masking hurts) are
+collected on the edited model and folded into the accumulated edit factors by an exact token-weighted
+streaming average (so the accumulated edit factors equal a one-shot collection over the union of the
+chunks, for a fixed model). The next round's projector is rebuilt from capability + edit factors:
+
+* ``weighting="fixed"`` (default): ``(1 - mix) * cap + mix * edits`` with a fixed coefficient
+  (``mix=0.5``): earlier edits keep a constant share of the constraint however large the
+  capability corpus is;
+* ``weighting="tokens"``: the authors' code, a token-count-weighted average; the capability corpus
+  (thousands of tokens) swamps the edits (tens of tokens each).
+
+The Adam state is carried across rounds; when the projector changes its first moment is re-projected
+onto the new kept subspace (the authors do the same) so stale momentum cannot push the weights along
+directions that are now constrained. Optionally (``recompute_drift``, paper 0.25) the capability factors
+are recollected on the edited model once a trained weight has drifted by more than that relative
+Frobenius norm since they were last computed.
+
+``mode="batch"`` is the comparison baseline: every round re-edits the base model on the union of all
+rounds so far, with capability factors only (plain CrispEdit). ``method="ft"`` with ``mode="sequential"``
+is the paper's "FT Sequential" (no projection).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..curvature.kfac import KFACFactors, collect_lm_kfac
+from ..data.edits import EditRequest
+from ..data.tokenize import join_prompt_target
+from ..errors import CrispEditError, check_positive_int
+from ..projection import IdentityProjector, LayerProjector
+from .config import EditConfig
+from .editors import get_editor
+from .loop import apply_projection, projected_finetune
+
+__all__ = ["SeqConfig", "SeqState", "combine_factors", "round_edit_factors", "run_round", "weight_drift",
+           "optimizer_state", "load_optimizer_state", "reproject_first_moment", "WEIGHTINGS", "MODES"]
+
+WEIGHTINGS = ("fixed", "tokens")
+MODES = ("sequential", "batch")
+
+
+@dataclass
+class SeqConfig:
+    """Everything that determines a sequential editing session (besides the base model)."""
+
+    edit: EditConfig = field(default_factory=EditConfig)
+    mode: str = "sequential"            # "sequential" (CrispEdit-Seq / FT Sequential) or "batch" (union re-edit)
+    weighting: str = "fixed"            # capability vs edit factors: "fixed" (mix) or "tokens" (authors' code)
+    mix: float = 0.5                    # share of the edit factors when weighting="fixed"
+    carry_optimizer: bool = True        # keep Adam's state across rounds
+    reproject_momentum: bool = True     # re-project Adam's first moment when the projector changes
+    recompute_drift: float | None = None  # recollect capability factors past this relative drift (paper 0.25)
+    kl_text: str | None = None          # held-out text for KL drift (None = bundled WikiText)
+    kl_texts: int = 32
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> "SeqConfig":
+        if isinstance(self.edit, dict):
+            self.edit = EditConfig.from_dict(self.edit)
+        self.edit.validate()
+        if self.mode not in MODES:
+            raise CrispEditError(f"session mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.weighting not in WEIGHTINGS:
+            raise CrispEditError(f"factor weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
+        try:
+            self.mix = float(self.mix)
+        except (TypeError, ValueError):
+            raise CrispEditError(f"mix must be a number in (0, 1), got {self.mix!r}") from None
+        if not (0.0 < self.mix < 1.0):
+            raise CrispEditError(f"mix must lie strictly between 0 and 1, got {self.mix}")
+        if self.recompute_drift is not None:
+            self.recompute_drift = float(self.recompute_drift)
+            if not self.recompute_drift > 0:
+                raise CrispEditError(f"recompute drift threshold must be positive, got {self.recompute_drift}")
+        self.kl_texts = check_positive_int("kl-texts", self.kl_texts)
+        return self
+
+    @property
+    def name(self) -> str:
+        if self.mode == "batch":
+            return f"{self.edit.method}-batch"
+        return f"{self.edit.method}-seq" + (f"[{self.weighting}]" if get_editor(self.edit.method).needs_curvature else "")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["edit"] = self.edit.to_json()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SeqConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise CrispEditError(f"unknown session config keys: {', '.join(unknown)}")
+        d = dict(d)
+        if isinstance(d.get("edit"), dict):
+            d["edit"] = EditConfig.from_dict(d["edit"])
+        return cls(**d)
+
+
+@dataclass
+class SeqState:
+    """What carries from one round to the next (all CPU tensors; what a session stores)."""
+
+    weights: dict[str, Tensor]                  # trained layers' current weights, by module name
+    cap: KFACFactors | None = None              # capability factors
+    edits: KFACFactors | None = None            # accumulated edit factors (token-weighted average)
+    optim: dict[str, Tensor] = field(default_factory=dict)   # flattened Adam state
+    cap_ref: dict[str, Tensor] | None = None    # weights the capability factors were computed at (None: base)
+
+
+# ---------------------------------------------------------------------------------------------
+# factor policy
+
+
+def combine_factors(cap: KFACFactors, edits: KFACFactors | None, weighting: str, mix: float) -> KFACFactors:
+    """The constraint for the next round: capability factors merged with the accumulated edit factors."""
+    if edits is None:
+        return cap
+    if weighting == "tokens":
+        return cap.merged(edits)
+    if weighting == "fixed":
+        return cap.merged(edits, weight=mix)
+    raise CrispEditError(f"unknown factor weighting {weighting!r}")
+
+
+def round_edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
+                       config: EditConfig, round_index: int, progress: bool | None = None) -> KFACFactors:
+    """K-FAC factors of the requests' full prompt+target sequences (no prompt masking) on ``model``."""
+    texts = [join_prompt_target(r.prompt, r.target) for r in requests]
+    return collect_lm_kfac(model, tokenizer, texts, layers, max_len=config.max_len, batch_size=config.kfac_batch_size,
+                           label_mode=config.label_mode, seed=config.seed + 1000 * round_index, progress=progress,
+                           desc="K-FAC[edits]")
+
+
+def accumulate(acc: KFACFactors | None, new: KFACFactors) -> KFACFactors:
+    """Exact streaming average (token-weighted): equals one collection over the union on a fixed model."""
+    return new if acc is None else acc.merged(new)
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer state
+
+
+def optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
+    """Adam's per-parameter state flattened to ``{"<name>::<key>": tensor}`` (safetensors-ready)."""
+    out = {}
+    for name, p in params.items():
+        for key, value in opt.state.get(p, {}).items():
+            t = value if torch.is_tensor(value) else torch.tensor(float(value))
+            out[f"{name}::{key}"] = t.detach().cpu().clone().reshape(t.shape)
+    return out
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter], flat: dict[str, Tensor]) -> None:
+    for key, t in flat.items():
+        name, _, k = key.rpartition("::")
+        if name not in params:
+            raise CrispEditError(f"stored optimizer state names unknown layer {name!r}")
+        p = params[name]
+        opt.state[p][k] = t.clone() if k == "step" else t.to(device=p.device, dtype=p.dtype).clone()
+
+
+def reproject_first_moment(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter],
+                           projectors: dict[str, LayerProjector], layers: dict[str, nn.Module]) -> None:
+    with torch.no_grad():
+        for name, p in params.items():
+            st = opt.state.get(p)
+            if st and "exp_avg" in st and not isinstance(projectors[name], IdentityProjector):
+                st["exp_avg"].copy_(apply_projection(projectors[name], layers[name], st["exp_avg"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the round
+
+
+def weight_drift(weights: dict[str, Tensor], ref: dict[str, Tensor]) -> dict[str, float]:
+    """Relative Frobenius change ``|W - W_ref| / |W_ref|`` per layer."""
+    return {n: float((weights[n].double() - ref[n].double()).norm() / ref[n].double().norm().clamp_min(1e-30))
+            for n in weights}
+
+
+def _set_weights(layers: dict[str, nn.Module], weights: dict[str, Tensor]) -> None:
+    with torch.no_grad():
+        for name, w in weights.items():
+            layers[name].weight.copy_(w)
+
+
+def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], requests: Sequence[EditRequest],
+              state: SeqState, config: SeqConfig, round_index: int, *, base_weights: dict[str, Tensor],
+              union: Sequence[EditRequest] | None = None,
+              capability: Callable[[], KFACFactors] | None = None,
+              progress: bool | None = None) -> tuple[SeqState, dict]:
+    """Apply one round (``round_index`` counts from 1) and return the new state and a record.
+
+    ``model``'s trained layers are set from ``state.weights`` first, so the result depends only on
+    (state, requests, config, round_index): an interrupted round redone from the stored state gives
+    the same result. ``union`` (batch mode) is every request so far; ``capability`` recollects the
+    capability factors on the current model (used when ``recompute_drift`` triggers).
+    """
+    ec = config.edit
+    editor = get_editor(ec.method)
+    batch = config.mode == "batch"
+    t0 = time.perf_counter()
+    _set_weights(layers, base_weights if batch else state.weights)
+    params = editor.trainable(layers)
+    constraint = None
+    if editor.needs_curvature:
+        if state.cap is None:
+            raise CrispEditError("this session has no capability factors")
+        constraint = state.cap if batch else combine_factors(state.cap, state.edits, config.weighting, config.mix)
+    projectors = editor.projectors(layers, constraint, ec)
+    opt = torch.optim.Adam(params.values(), lr=ec.lr, betas=ec.betas, weight_decay=0.0)
+    carried = False
+    if not batch and config.carry_optimizer and state.optim:
+        load_optimizer_state(opt, params, state.optim)
+        carried = True
+        if config.reproject_momentum:
+            reproject_first_moment(opt, params, projectors, layers)
+    train_requests = list(union) if batch else list(requests)
+    history = projected_finetune(model, tokenizer, train_requests, layers, params, projectors, ec,
+                                 optimizer=opt, progress=progress)
+    weights = {n: p.detach().cpu().clone() for n, p in params.items()}
+    new = SeqState(weights=weights, cap=state.cap, edits=state.edits,
+                   optim=optimizer_state(opt, params) if (config.carry_optimizer and not batch) else {},
+                   cap_ref=state.cap_ref)
+    record: dict = {"train": history.to_json(), "optimizer_carried": carried,
+                    "projector_kept": {n: round(p.kept_fraction, 6) for n, p in projectors.items()}}
+    if editor.needs_curvature and not batch:
+        t1 = time.perf_counter()
+        new.edits = accumulate(state.edits, round_edit_factors(model, tokenizer, requests, layers, ec, round_index,
+                                                               progress=progress))
+        record["edit_factor_tokens"] = new.edits.n_tokens
+        record["edit_factor_seconds"] = round(time.perf_counter() - t1, 3)
+        if config.recompute_drift is not None:
+            drift = weight_drift(weights, state.cap_ref or base_weights)
+            record["drift_since_capability"] = {n: round(v, 5) for n, v in drift.items()}
+            if max(drift.values()) > config.recompute_drift:
+                if capability is None:
+                    raise CrispEditError("capability factors must be recomputed but no collector was given")
+                new.cap = capability()
+                new.cap_ref = {n: w.clone() for n, w in weights.items()}
+                record["capability_recomputed"] = True
+    record["edit_seconds"] = round(time.perf_counter() - t0, 3)
+    return new, record

@@ -1,0 +1,452 @@
+"""Durable sequential editing sessions (CrispEdit-Seq and its baselines) that survive crashes.
+
+A session directory holds only what the rounds change — the trained layers' weights, the Adam state,
+the capability and accumulated edit K-FAC factors of those layers — plus the applied edit log and
+JSON metadata; never the whole model. Layout::
+
+    session.json                  immutable: format, base model (spec, fingerprint, dtype), layers, config
+    state.json                    THE commit point: committed round, the files it names, per-round records
+    weights-NNNN.safetensors      trained layers' weights after round NNNN
+    optim-NNNN.safetensors        Adam state after round NNNN (sequential modes)
+    edit_factors-NNNN.safetensors accumulated edit K-FAC factors after round NNNN (crispedit-seq)
+    cap_factors-NNNN.safetensors  capability K-FAC factors (collected at init = 0000, or recollected)
+    cap_ref-NNNN.safetensors      weights the recollected capability factors belong to (drift option)
+    rounds/round-NNNN.jsonl       the edits applied in round NNNN (crispedit JSONL schema)
+    retention.png                 reliability of every round's edits over time + KL drift (derived)
+
+Commit protocol for round ``k``: train; evaluate; write round ``k``'s files under new names (each
+through a temporary file + rename); then atomically replace ``state.json`` naming them — that rename
+is the commit; finally delete the files of round ``k-1`` that are no longer named. A crash (kill -9
+included) at any point leaves ``state.json`` at round ``k-1`` with all its files intact; the next
+``add`` (under an exclusive ``flock``) first deletes orphans — files not named by ``state.json``, temp
+files, edit logs past the committed round — and redoes round ``k`` from the stored state. Every round
+is deterministic given (stored state, edits, config), so the resumed session ends exactly where an
+uninterrupted one would.
+
+Opening a session checks the base model's weight fingerprint and, when a configuration is given, that
+it equals the stored one; either mismatch is refused with a one-line :class:`CrispEditError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from ..curvature.kfac import KFACFactors
+from ..data.corpus import heldout_text
+from ..data.edits import EditRequest, load_edits, save_edits_jsonl
+from ..errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json
+from ..evaluation import edit_scores, kl_drift, summarize_edit_scores
+from ..models import load_model, resolve_layers, weight_fingerprint
+from .api import capability_factors
+from .editors import get_editor
+from .sequential import SeqConfig, SeqState, run_round, weight_drift
+
+__all__ = ["Session", "SESSION_FORMAT", "plot_retention", "session_size"]
+
+SESSION_FORMAT = 1
+SESSION_FILE, STATE_FILE, LOCK_FILE, PLOT_FILE = "session.json", "state.json", ".lock", "retention.png"
+_TENSOR_FILE = re.compile(r"^(weights|optim|edit_factors|cap_factors|cap_ref)-(\d{4,})\.safetensors$")
+_ROUND_FILE = re.compile(r"^round-(\d{4,})\.jsonl$")
+FAULT_ENV = "CRISPEDIT_SESSION_FAULT"
+
+
+def _fault(phase: str) -> None:
+    """Crash-test hook: ``CRISPEDIT_SESSION_FAULT=<phase>`` kills this process with SIGKILL at ``phase``
+    (after_train, after_weights, before_commit, after_commit). A no-op otherwise."""
+    if os.environ.get(FAULT_ENV) == phase:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CrispEditError(f"{path.parent} is not a crispedit session (no {path.name})") from None
+    except json.JSONDecodeError:
+        raise CrispEditError(f"{what} {path} is corrupt") from None
+
+
+def _load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            return {k: fh.get_tensor(k) for k in fh.keys()}, meta
+    except FileNotFoundError:
+        raise CrispEditError(f"session file {path} is missing (session damaged)") from None
+    except Exception as exc:
+        raise CrispEditError(f"session file {path} is truncated or corrupt ({str(exc).splitlines()[0]})") from None
+
+
+def session_size(path: str | Path) -> int:
+    """Bytes on disk of a session directory (all files, the plot included)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+class Session:
+    """A durable sequential editing session. Create with :meth:`create`, reopen with :meth:`open`.
+
+    >>> s = Session.create("sess", "smollm2", SeqConfig())          # doctest: +SKIP
+    >>> s.add(load_edits("round1.json")); s.status(); s.export("edited-model")   # doctest: +SKIP
+    """
+
+    def __init__(self, path: Path, meta: dict, *, model_arg: Any = None, device: str | None = None,
+                 cache_root: str | Path | None = None):
+        self.path = Path(path)
+        self.meta = meta
+        self.config = SeqConfig.from_dict(meta["config"])
+        self._model_arg = model_arg
+        self._device = device
+        self._cache_root = cache_root
+        self._model = self._tok = None
+        self._layers: dict = {}
+        self._base: dict[str, torch.Tensor] = {}
+        self._state: SeqState | None = None
+        self._state_round = -1
+
+    # -- creation / opening ---------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: str | Path, model: Any = "smollm2", config: SeqConfig | None = None, *,
+               dtype: str = "float32", device: str | None = None, cache_root: str | Path | None = None,
+               cache_file: str | Path | None = None, progress: bool | None = None) -> "Session":
+        """Create a session on base ``model`` (a spec for :func:`load_model` or a ``(model, tokenizer)``
+        pair). An existing session is opened instead if it has the same base and configuration, and
+        refused otherwise."""
+        path = Path(path)
+        config = (config or SeqConfig()).validate()
+        if (path / SESSION_FILE).is_file():
+            return cls.open(path, config=config, model=model, device=device, cache_root=cache_root)
+        if path.exists() and any(path.iterdir()):
+            raise CrispEditError(f"{path} exists and is not a crispedit session; refusing to overwrite")
+        spec = "<in-memory>" if isinstance(model, tuple) else str(model)
+        m, tok = load_model(model, dtype=None if isinstance(model, tuple) else dtype, device=device)
+        fp = weight_fingerprint(m)
+        layers = resolve_layers(m, config.edit.layers)
+        meta = {"format": SESSION_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "name": config.name,
+                "base": {"spec": spec, "fingerprint": fp, "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
+                         "model_type": getattr(getattr(m, "config", None), "model_type", type(m).__name__)},
+                "layers": list(layers), "config": config.to_json()}
+        files: dict[str, str] = {}
+        with atomic_directory(path) as tmp:
+            if get_editor(config.edit.method).needs_curvature:
+                cap, info = capability_factors(m, tok, layers, config.edit, cache_root=cache_root, cache_file=cache_file,
+                                               fingerprint=fp, progress=progress)
+                files["cap_factors"] = "cap_factors-0000.safetensors"
+                atomic_save_safetensors(tmp / files["cap_factors"], cap.to_tensors(),
+                                        {"n_tokens": str(cap.n_tokens), "source": json.dumps(info)})
+            atomic_write_json(tmp / SESSION_FILE, meta)
+            atomic_write_json(tmp / STATE_FILE, {"format": SESSION_FORMAT, "round": 0, "files": files, "rounds": []})
+        s = cls(path, meta, model_arg=model, device=device, cache_root=cache_root)
+        s._adopt_model(m, tok)
+        return s
+
+    @classmethod
+    def open(cls, path: str | Path, *, config: SeqConfig | None = None, model: Any = None, device: str | None = None,
+             cache_root: str | Path | None = None) -> "Session":
+        """Open an existing session. ``config`` (if given) must equal the stored one; ``model`` (a spec
+        or a ``(model, tokenizer)`` pair; default: the stored spec) must have the stored fingerprint."""
+        path = Path(path)
+        meta = _read_json(path / SESSION_FILE, "session file")
+        if meta.get("format") != SESSION_FORMAT:
+            raise CrispEditError(f"session {path} has format {meta.get('format')}, this crispedit reads {SESSION_FORMAT}")
+        if config is not None:
+            stored = SeqConfig.from_dict(meta["config"]).to_json()
+            given = config.validate().to_json()
+            diff = sorted(_diff_keys(stored, given))
+            if diff:
+                raise CrispEditError(f"session {path} was created with a different configuration ({', '.join(diff)}); "
+                                     "start a new session for new settings")
+        if model is None and meta["base"]["spec"] == "<in-memory>":
+            model = None  # must be given before add/export
+        s = cls(path, meta, model_arg=model, device=device, cache_root=cache_root)
+        if model is not None and not isinstance(model, tuple) and str(model) != meta["base"]["spec"]:
+            s._ensure_model()  # an explicit other location: check it now
+        elif isinstance(model, tuple):
+            s._ensure_model()
+        with s._lock(blocking=False) as got:
+            if got:
+                s._cleanup()
+        return s
+
+    # -- public API ------------------------------------------------------------------------------
+    @property
+    def round(self) -> int:
+        return int(self._read_state()["round"])
+
+    def add(self, requests: Sequence[EditRequest], *, source: str | None = None,
+            progress: bool | None = None, plot: bool = True) -> dict:
+        """Apply one round of edits, evaluate retention and drift, and commit. Returns the round record.
+        ``plot`` also rewrites ``retention.png`` (derived; a plotting failure never fails the round)."""
+        requests = list(requests)
+        if not requests:
+            raise CrispEditError("no edit requests given")
+        with self._lock(blocking=False) as got:
+            if not got:
+                raise CrispEditError(f"session {self.path} is busy: another process is adding a round")
+            self._cleanup()
+            st = self._read_state()
+            self._ensure_model()
+            state = self._load_state(st)
+            k = st["round"] + 1
+            earlier = [self._round_requests(i) for i in range(1, k)]
+            union = [r for rs in earlier for r in rs] + requests
+            new, rec = run_round(self._model, self._tok, self._layers, requests, state, self.config, k,
+                                 base_weights=self._base, union=union,
+                                 capability=lambda: self._recollect_capability(), progress=progress)
+            _fault("after_train")
+            rec.update(self._evaluate(earlier + [requests], progress))
+            rec.update({"round": k, "n_edits": len(requests), "source": source,
+                        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            files = self._write_round(k, state, new, requests, st["files"])
+            _fault("before_commit")
+            rounds = st["rounds"] + [rec]
+            atomic_write_json(self.path / STATE_FILE, {"format": SESSION_FORMAT, "round": k, "files": files,
+                                                       "rounds": rounds})
+            _fault("after_commit")
+            self._state, self._state_round = new, k
+            self._cleanup()
+        if plot:
+            with contextlib.suppress(Exception):  # the plot is derived; it never fails a committed round
+                self.plot()
+        return rec
+
+    def status(self) -> dict:
+        """Rounds, edit counts, per-round metrics and the retention matrix (no model needed)."""
+        st = self._read_state()
+        rounds = st["rounds"]
+        retention = [[r["retention"].get(str(j), {}).get("rel") for j in range(1, len(rounds) + 1)] for r in rounds]
+        return {"path": str(self.path), "name": self.meta["name"], "base": self.meta["base"],
+                "layers": self.meta["layers"], "config": self.meta["config"], "round": st["round"],
+                "n_edits": sum(r["n_edits"] for r in rounds), "files": st["files"],
+                "size_bytes": session_size(self.path), "retention": retention, "rounds": rounds}
+
+    def export(self, out: str | Path) -> Path:
+        """Write the edited model (base + session weights) as a loadable Hugging Face directory."""
+        out = Path(out)
+        marker = "crispedit_session.json"
+        if out.exists() and any(out.iterdir()) and not (out / marker).is_file():
+            raise CrispEditError(f"output directory {out} exists and is not an earlier session export; refusing to overwrite")
+        st = self._read_state()
+        self._ensure_model()
+        self._load_state(st)
+        with atomic_directory(out) as tmp:
+            self._model.save_pretrained(tmp)
+            self._tok.save_pretrained(tmp)
+            atomic_write_json(tmp / marker, {"session": str(self.path.resolve()), "name": self.meta["name"],
+                                             "base": self.meta["base"], "round": st["round"],
+                                             "n_edits": sum(r["n_edits"] for r in st["rounds"]),
+                                             "layers": self.meta["layers"]})
+        return out
+
+    def plot(self, out: str | Path | None = None) -> Path:
+        return plot_retention([self.status()], out or self.path / PLOT_FILE)
+
+    def edits(self) -> list[list[EditRequest]]:
+        """The applied edit log, one list per committed round."""
+        return [self._round_requests(i) for i in range(1, self.round + 1)]
+
+    # -- internals -----------------------------------------------------------------------------
+    def _read_state(self) -> dict:
+        return _read_json(self.path / STATE_FILE, "session state")
+
+    @contextlib.contextmanager
+    def _lock(self, blocking: bool = True) -> Iterator[bool]:
+        fh = open(self.path / LOCK_FILE, "a+")
+        try:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        finally:
+            fh.close()
+
+    def _cleanup(self) -> None:
+        """Delete what no committed state names: files of an interrupted round, temp files."""
+        st = self._read_state()
+        named = set(st["files"].values())
+        for f in self.path.iterdir():
+            if f.name.startswith(".") and (f.name.endswith(".tmp") or f.name.endswith(".old")):
+                shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
+            elif _TENSOR_FILE.match(f.name) and f.name not in named:
+                f.unlink(missing_ok=True)
+        rdir = self.path / "rounds"
+        if rdir.is_dir():
+            for f in rdir.iterdir():
+                m = _ROUND_FILE.match(f.name)
+                if (m and int(m.group(1)) > st["round"]) or f.name.endswith(".tmp"):
+                    f.unlink(missing_ok=True)
+
+    def _adopt_model(self, model, tok) -> None:
+        self._model, self._tok = model, tok
+        self._layers = resolve_layers(model, self.config.edit.layers)
+        if list(self._layers) != self.meta["layers"]:
+            raise CrispEditError(f"layers {list(self._layers)} differ from the session's {self.meta['layers']}")
+        self._base = {n: m.weight.detach().cpu().clone() for n, m in self._layers.items()}
+
+    def _ensure_model(self) -> None:
+        if self._model is not None:
+            return
+        base = self.meta["base"]
+        arg = self._model_arg if self._model_arg is not None else base["spec"]
+        if arg == "<in-memory>":
+            raise CrispEditError(f"session {self.path} was created on an in-memory model; pass the base model to open it")
+        model, tok = load_model(arg, dtype=None if isinstance(arg, tuple) else base["dtype"], device=self._device)
+        fp = weight_fingerprint(model)
+        if fp != base["fingerprint"]:
+            shown = "the given model" if isinstance(arg, tuple) else repr(str(arg))
+            raise CrispEditError(f"session {self.path} was created on base {base['spec']!r} (fingerprint {base['fingerprint'][:12]}…); "
+                                 f"{shown} has fingerprint {fp[:12]}… — refusing to mix bases")
+        self._adopt_model(model, tok)
+
+    def _load_state(self, st: dict) -> SeqState:
+        """The committed state as tensors; also puts the committed weights into the model."""
+        if self._state is None or self._state_round != st["round"]:
+            files = st["files"]
+
+            def factors(key: str) -> KFACFactors | None:
+                if key not in files:
+                    return None
+                t, meta = _load_tensors(self.path / files[key])
+                return KFACFactors.from_tensors(t, int(meta.get("n_tokens", 0)))
+
+            weights = _load_tensors(self.path / files["weights"])[0] if "weights" in files else dict(self._base)
+            missing = [n for n in self._layers if n not in weights]
+            if missing:
+                raise CrispEditError(f"session weights file lacks layers {missing} (session damaged)")
+            self._state = SeqState(weights=weights, cap=factors("cap_factors"), edits=factors("edit_factors"),
+                                   optim=_load_tensors(self.path / files["optim"])[0] if "optim" in files else {},
+                                   cap_ref=_load_tensors(self.path / files["cap_ref"])[0] if "cap_ref" in files else None)
+            self._state_round = st["round"]
+        with torch.no_grad():
+            for n, w in self._state.weights.items():
+                self._layers[n].weight.copy_(w)
+        return self._state
+
+    def _write_round(self, k: int, old: SeqState, new: SeqState, requests: Sequence[EditRequest],
+                     old_files: dict) -> dict:
+        files: dict[str, str] = {}
+        tag = f"{k:04d}"
+
+        def save(key: str, tensors: dict, meta: dict | None = None) -> None:
+            files[key] = f"{key}-{tag}.safetensors"
+            atomic_save_safetensors(self.path / files[key], tensors, meta)
+
+        save("weights", new.weights)
+        _fault("after_weights")
+        if new.optim:
+            save("optim", new.optim)
+        if new.edits is not None:
+            save("edit_factors", new.edits.to_tensors(), {"n_tokens": str(new.edits.n_tokens)})
+        if new.cap is not None:
+            if new.cap is old.cap and "cap_factors" in old_files:
+                files["cap_factors"] = old_files["cap_factors"]
+            else:
+                save("cap_factors", new.cap.to_tensors(), {"n_tokens": str(new.cap.n_tokens)})
+        if new.cap_ref is not None:
+            if new.cap_ref is old.cap_ref and "cap_ref" in old_files:
+                files["cap_ref"] = old_files["cap_ref"]
+            else:
+                save("cap_ref", new.cap_ref)
+        save_edits_jsonl(self.path / "rounds" / f"round-{tag}.jsonl", requests)
+        return files
+
+    def _round_requests(self, i: int) -> list[EditRequest]:
+        return load_edits(self.path / "rounds" / f"round-{i:04d}.jsonl")
+
+    def _recollect_capability(self) -> KFACFactors:
+        factors, _ = capability_factors(self._model, self._tok, self._layers, self.config.edit,
+                                        cache_root=self._cache_root, progress=False)
+        return factors
+
+    def _evaluate(self, rounds: list[list[EditRequest]], progress: bool | None) -> dict:
+        """Teacher-forced reliability of every round's edits so far, and KL drift from the base."""
+        retention, all_scores = {}, []
+        for j, reqs in enumerate(rounds, 1):
+            scores = edit_scores(self._model, self._tok, reqs)
+            all_scores += scores
+            s = summarize_edit_scores(scores)
+            retention[str(j)] = {"rel": s["rel"], "gen": s["gen"], "rel_token_acc": s["rel_token_acc"]}
+        summary = summarize_edit_scores(all_scores)
+        texts = heldout_text(self.config.kl_text, self.config.kl_texts)
+        drift = kl_drift(self._model, self._tok, texts, base_weights=self._base, max_len=self.config.edit.max_len,
+                         progress=progress)
+        weights = {n: m.weight.detach().cpu() for n, m in self._layers.items()}
+        return {"rel": retention[str(len(rounds))]["rel"], "gen": retention[str(len(rounds))]["gen"],
+                "rel_all": summary["rel"], "gen_all": summary["gen"], "retention": retention,
+                "kl_drift": round(drift["kl_drift"], 6), "ppl": round(drift["ppl"], 4),
+                "ppl_base": round(drift["ppl_base"], 4),
+                "weight_drift": {n: round(v, 6) for n, v in weight_drift(weights, self._base).items()}}
+
+
+def _diff_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff_keys(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: {va!r} -> {vb!r}")
+    return out
+
+
+def plot_retention(statuses: Sequence[dict], out: str | Path, labels: Sequence[str] | None = None) -> Path:
+    """The "Evolution of CrispEdit-Seq" figure: for each session, the reliability of each round's edits
+    after every later round; plus one panel of KL drift per round for all sessions."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(labels or [s["name"] for s in statuses])
+    n = len(statuses)
+    fig, axes = plt.subplots(1, n + 1, figsize=(4.2 * (n + 1), 3.6), squeeze=False)
+    for ax, st, label in zip(axes[0], statuses, labels):
+        rounds = st["rounds"]
+        K = len(rounds)
+        cmap = plt.get_cmap("viridis", max(K, 2))
+        for j in range(1, K + 1):
+            xs = [r["round"] for r in rounds if str(j) in r["retention"]]
+            ys = [r["retention"][str(j)]["rel"] for r in rounds if str(j) in r["retention"]]
+            ax.plot(xs, ys, marker="o", color=cmap(j - 1), label=f"round {j} edits")
+        ax.set_title(label)
+        ax.set_xlabel("after round")
+        ax.set_ylabel("reliability (teacher-forced)")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xticks(range(1, K + 1) if K else [])
+        ax.grid(alpha=0.3)
+        if K:
+            ax.legend(fontsize=7, loc="lower left")
+    ax = axes[0][n]
+    for st, label in zip(statuses, labels):
+        ax.plot([r["round"] for r in st["rounds"]], [r["kl_drift"] for r in st["rounds"]], marker="o", label=label)
+    ax.set_title("KL drift on held-out text")
+    ax.set_xlabel("after round")
+    ax.set_ylabel("KL(base || edited) per token")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out

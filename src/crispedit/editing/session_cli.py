@@ -1,0 +1,150 @@
+"""``crispedit session init|add|status|export|plot``: durable sequential editing from the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["add_cli"]
+
+
+def _fmt(x, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def cmd_init(args) -> int:
+    from .config import EditConfig
+    from .sequential import SeqConfig
+    from .session import Session
+
+    edit = EditConfig(method=args.method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
+                      epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
+                      label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
+                      seed=args.seed)
+    config = SeqConfig(edit=edit, mode=args.mode, weighting=args.weighting, mix=args.mix,
+                       carry_optimizer=not args.no_carry_optimizer, reproject_momentum=not args.no_reproject_momentum,
+                       recompute_drift=args.recompute_drift, kl_text=args.kl_text, kl_texts=args.kl_texts)
+    existed = (Path(args.out) / "session.json").is_file()
+    s = Session.create(args.out, args.model, config, dtype=args.dtype, device=args.device, cache_file=args.cache,
+                       progress=None if not args.quiet else False)
+    verb = "opened existing" if existed else "created"
+    print(f"{verb} session {s.meta['name']} at {args.out}: {len(s.meta['layers'])} layers, round {s.round}")
+    return 0
+
+
+def cmd_add(args) -> int:
+    from ..data import load_edits
+    from .session import Session
+
+    s = Session.open(args.dir, model=args.model, device=args.device)
+    requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
+    print(f"round {s.round + 1}: editing {len(requests)} requests from {args.edits}", flush=True)
+    rec = s.add(requests, source=str(args.edits), progress=None if not args.quiet else False)
+    ret = " ".join(f"r{j}={_fmt(v['rel'], 2)}" for j, v in rec["retention"].items())
+    print(f"round {rec['round']} committed: rel={_fmt(rec['rel'])} rel_all={_fmt(rec['rel_all'])} "
+          f"kl_drift={rec['kl_drift']:.5f} epochs={rec['train']['epochs']} {rec['edit_seconds']:.1f}s | retention {ret}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from .session import Session
+
+    st = Session.open(args.dir).status()
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"session {st['path']} ({st['name']}) on {st['base']['spec']} [{st['base']['fingerprint'][:12]}]: "
+          f"{st['round']} rounds, {st['n_edits']} edits, {st['size_bytes'] / 2**20:.1f} MiB")
+    if st["rounds"]:
+        k = len(st["rounds"])
+        head = "round  edits   rel  rel_all  kl_drift  epochs | " + " ".join(f"  r{j:<3d}" for j in range(1, k + 1))
+        print(head)
+        for r, row in zip(st["rounds"], st["retention"]):
+            cells = " ".join(f"{_fmt(v, 2):>5s}" if v is not None else "     " for v in row)
+            print(f"{r['round']:5d} {r['n_edits']:6d} {_fmt(r['rel']):>5s} {_fmt(r['rel_all']):>8s} "
+                  f"{r['kl_drift']:9.5f} {r['train']['epochs']:7d} | {cells}")
+    if args.plot:
+        from .session import Session as S
+
+        print(f"plot written to {S.open(args.dir).plot(args.plot)}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .session import Session
+
+    s = Session.open(args.dir, model=args.model, device=args.device)
+    out = s.export(args.out)
+    print(f"edited model (round {s.round}) written to {out}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .session import Session, plot_retention
+
+    statuses = [Session.open(d).status() for d in args.dirs]
+    out = plot_retention(statuses, args.out, labels=args.labels.split(",") if args.labels else None)
+    print(f"plot written to {out}")
+    return 0
+
+
+def add_cli(sub) -> None:
+    from ..cli import _add_curvature_args, _add_model_args
+
+    p = sub.add_parser("session", help="durable sequential editing sessions (CrispEdit-Seq)")
+    ss = p.add_subparsers(dest="session_command", required=True)
+
+    i = ss.add_parser("init", help="create a session directory on a base model")
+    _add_model_args(i)
+    _add_curvature_args(i)
+    i.add_argument("--out", required=True, help="session directory to create")
+    i.add_argument("--method", default="crispedit", choices=["crispedit", "ft", "adam-nscl"])
+    i.add_argument("--mode", default="sequential", choices=["sequential", "batch"],
+                   help="sequential rounds (default) or re-edit the base on the union of all rounds (baseline)")
+    i.add_argument("--weighting", default="fixed", choices=["fixed", "tokens"],
+                   help="capability vs edit factors: fixed mixing coefficient (default) or token counts (authors' code)")
+    i.add_argument("--mix", type=float, default=0.5, help="share of the edit factors with --weighting fixed (default 0.5)")
+    i.add_argument("--recompute-drift", type=float, default=None,
+                   help="recollect capability factors once a weight drifted by more than this (paper: 0.25; default off)")
+    i.add_argument("--no-carry-optimizer", action="store_true", help="fresh Adam state every round")
+    i.add_argument("--no-reproject-momentum", action="store_true", help="keep Adam's first moment as is when the projector changes")
+    i.add_argument("--gamma", type=float, default=0.8)
+    i.add_argument("--epochs", type=int, default=25)
+    i.add_argument("--lr", type=float, default=5e-4)
+    i.add_argument("--batch-size", type=int, default=32)
+    i.add_argument("--projection", choices=["gradient", "update"], default="gradient")
+    i.add_argument("--kl-text", default=None, help="held-out text for KL drift (default: bundled WikiText sample)")
+    i.add_argument("--kl-texts", type=int, default=32)
+    i.add_argument("--cache", default=None, help="capability curvature cache file (checked against the model)")
+    i.add_argument("--quiet", action="store_true")
+    i.set_defaults(func=cmd_init)
+
+    a = ss.add_parser("add", help="apply one round of edits to a session")
+    a.add_argument("dir")
+    a.add_argument("--edits", required=True, help="edit file (ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL)")
+    a.add_argument("--n-edits", type=int, default=None)
+    a.add_argument("--offset", type=int, default=0)
+    a.add_argument("--model", default=None, help="base model location if it moved (fingerprint is checked)")
+    a.add_argument("--device", default=None)
+    a.add_argument("--quiet", action="store_true")
+    a.set_defaults(func=cmd_add)
+
+    s = ss.add_parser("status", help="rounds, edit counts, per-round metrics and retention")
+    s.add_argument("dir")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--plot", default=None, help="also write the retention plot (PNG) here")
+    s.set_defaults(func=cmd_status)
+
+    e = ss.add_parser("export", help="write the edited model as a loadable model directory")
+    e.add_argument("dir")
+    e.add_argument("--out", required=True)
+    e.add_argument("--model", default=None)
+    e.add_argument("--device", default=None)
+    e.set_defaults(func=cmd_export)
+
+    pl = ss.add_parser("plot", help="retention-over-rounds figure for one or more sessions")
+    pl.add_argument("dirs", nargs="+")
+    pl.add_argument("--out", required=True)
+    pl.add_argument("--labels", default=None, help="comma-separated panel titles")
+    pl.set_defaults(func=cmd_plot)
+

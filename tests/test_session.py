@@ -1,0 +1,340 @@
+"""Sequential editing sessions: factor merging, crash safety (kill -9 included), refusals, size."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from crispedit.cli import main
+from crispedit.curvature.kfac import KFACFactors
+from crispedit.data import EditRequest, load_edits, save_edits_jsonl
+from crispedit.editing import EditConfig, get_editor
+from crispedit.editing import session as session_mod
+from crispedit.editing.sequential import (SeqConfig, accumulate, combine_factors, load_optimizer_state,
+                                          optimizer_state, reproject_first_moment, round_edit_factors)
+from crispedit.editing.session import Session
+from crispedit.errors import CrispEditError
+from crispedit.models import load_model, resolve_layers
+
+from conftest import build_llama
+
+LAYERS = "model.layers.{1-2}.mlp.down_proj"
+ROUNDS = [[EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}", rephrase_prompts=[f"Book {i} is by?"])
+           for i in range(k * 4, k * 4 + 4)] for k in range(2)]
+INIT = ["--layers", LAYERS, "--epochs", "25", "--lr", "1e-2", "--batch-size", "4", "--n-cap", "6", "--max-len", "48",
+        "--kl-texts", "4", "--quiet"]
+
+
+def _config(**kw) -> SeqConfig:
+    edit = dict(method="crispedit", layers=LAYERS, epochs=25, lr=1e-2, batch_size=4, n_cap=6, max_len=48)
+    edit.update(kw.pop("edit", {}))
+    return SeqConfig(edit=EditConfig(**edit), kl_texts=4, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny models on a shared CPU: one thread is several times faster and deterministic across processes
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _env(cache: Path) -> dict:
+    env = dict(os.environ, CRISPEDIT_CACHE=str(cache), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _tensor_files(d: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return {f.name: load_file(str(f)) for f in sorted(d.glob("*.safetensors"))}
+
+
+def _strip(rounds: list[dict]) -> list[dict]:
+    """Round records without wall-clock fields."""
+    drop = {"finished", "seconds", "edit_seconds", "edit_factor_seconds"}
+
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items() if k not in drop}
+        return x
+
+    return [clean(r) for r in rounds]
+
+
+def assert_same_session(a: Path, b: Path) -> None:
+    ta, tb = _tensor_files(a), _tensor_files(b)
+    assert sorted(ta) == sorted(tb)
+    for name in ta:
+        assert sorted(ta[name]) == sorted(tb[name])
+        for key in ta[name]:
+            assert torch.equal(ta[name][key], tb[name][key]), f"{name}:{key} differs"
+    sa, sb = json.loads((a / "state.json").read_text()), json.loads((b / "state.json").read_text())
+    assert sa["round"] == sb["round"] and sa["files"] == sb["files"]
+    assert _strip(sa["rounds"]) == _strip(sb["rounds"])
+    assert sorted(p.name for p in (a / "rounds").iterdir()) == sorted(p.name for p in (b / "rounds").iterdir())
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory, tiny_model_dir):
+    """Reference through the CLI: init, round 1 (snapshot), round 2 uninterrupted, export."""
+    root = tmp_path_factory.mktemp("session_ref")
+    cache = root / "cache"
+    old = os.environ.get("CRISPEDIT_CACHE")
+    os.environ["CRISPEDIT_CACHE"] = str(cache)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        files = []
+        for k, reqs in enumerate(ROUNDS, 1):
+            files.append(root / f"r{k}.jsonl")
+            save_edits_jsonl(files[-1], reqs)
+        sess = root / "sess"
+        assert main(["session", "init", "--model", str(tiny_model_dir), "--out", str(sess), *INIT]) == 0
+        assert main(["session", "add", str(sess), "--edits", str(files[0]), "--quiet"]) == 0
+        snap = root / "after_round1"
+        shutil.copytree(sess, snap)
+        assert main(["session", "add", str(sess), "--edits", str(files[1]), "--quiet"]) == 0
+        export = root / "export"
+        assert main(["session", "export", str(sess), "--out", str(export)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+        if old is None:
+            os.environ.pop("CRISPEDIT_CACHE", None)
+        else:
+            os.environ["CRISPEDIT_CACHE"] = old
+    return {"root": root, "cache": cache, "sess": sess, "snap": snap, "files": files, "export": export,
+            "model_dir": tiny_model_dir}
+
+
+def _resume_copy(ref, dst: Path) -> Path:
+    shutil.copytree(ref["snap"], dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# the algorithm
+
+
+def test_streaming_merge_equals_union(tiny_lm64):
+    """Token-weighted accumulation of per-round edit factors == one collection over the union (same model)."""
+    model, tok = tiny_lm64
+    layers = resolve_layers(model, LAYERS)
+    cfg = EditConfig(layers=LAYERS, label_mode="empirical", max_len=48, kfac_batch_size=3)
+    parts = [round_edit_factors(model, tok, reqs, layers, cfg, k) for k, reqs in enumerate(ROUNDS, 1)]
+    acc = None
+    for p in parts:
+        acc = accumulate(acc, p)
+    union = round_edit_factors(model, tok, ROUNDS[0] + ROUNDS[1], layers, cfg, 1)
+    assert acc.n_tokens == union.n_tokens == sum(p.n_tokens for p in parts)
+    for n in layers:
+        torch.testing.assert_close(acc.A[n], union.A[n], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(acc.S[n], union.S[n], rtol=1e-5, atol=1e-7)
+
+
+def test_combine_weightings():
+    g = torch.Generator().manual_seed(0)
+    mk = lambda n: KFACFactors({"l": torch.randn(3, 3, generator=g)}, {"l": torch.randn(2, 2, generator=g)}, n)  # noqa: E731
+    cap, ed = mk(900), mk(100)
+    tok = combine_factors(cap, ed, "tokens", 0.5)
+    torch.testing.assert_close(tok.A["l"], 0.9 * cap.A["l"] + 0.1 * ed.A["l"])
+    fix = combine_factors(cap, ed, "fixed", 0.3)
+    torch.testing.assert_close(fix.S["l"], 0.7 * cap.S["l"] + 0.3 * ed.S["l"])
+    assert combine_factors(cap, None, "fixed", 0.5) is cap
+    with pytest.raises(CrispEditError):
+        SeqConfig(weighting="nope")
+    with pytest.raises(CrispEditError):
+        SeqConfig(mix=1.5)
+
+
+def test_optimizer_state_roundtrip_and_reprojection(tiny_lm, iso_cache):
+    from crispedit.editing import capability_factors
+
+    model, tok = tiny_lm
+    layers = resolve_layers(model, LAYERS)
+    cfg = EditConfig(layers=LAYERS, n_cap=4, max_len=32, gamma=0.5)
+    factors, _ = capability_factors(model, tok, layers, cfg, progress=False)
+    params = get_editor("crispedit").trainable(layers)
+    opt = torch.optim.Adam(params.values())
+    for p in params.values():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    flat = optimizer_state(opt, params)
+    opt2 = torch.optim.Adam(params.values())
+    load_optimizer_state(opt2, params, flat)
+    assert all(torch.equal(opt2.state[p]["exp_avg"], opt.state[p]["exp_avg"]) for p in params.values())
+    projs = get_editor("crispedit").projectors(layers, factors, cfg)
+    reproject_first_moment(opt2, params, projs, layers)
+    for n, p in params.items():
+        m = opt2.state[p]["exp_avg"]
+        assert not torch.allclose(m, opt.state[p]["exp_avg"])
+        torch.testing.assert_close(projs[n].project(m), m, atol=1e-6, rtol=1e-5)   # inside the kept subspace
+
+
+# ---------------------------------------------------------------------------------------------
+# the session
+
+
+def test_cli_session_reference_run(ref, capsys):
+    sess = ref["sess"]
+    st = Session.open(sess).status()
+    assert st["round"] == 2 and st["n_edits"] == 8 and len(st["rounds"]) == 2
+    r2 = st["rounds"][1]
+    assert set(r2["retention"]) == {"1", "2"} and r2["kl_drift"] > 0 and r2["optimizer_carried"]
+    assert st["retention"][0][1] is None and st["retention"][1][0] is not None
+    assert sorted(st["files"]) == ["cap_factors", "edit_factors", "optim", "weights"]
+    assert st["files"]["weights"] == "weights-0002.safetensors"
+    assert (sess / "retention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [len(r) for r in Session.open(sess).edits()] == [4, 4]
+    assert main(["session", "status", str(sess)]) == 0
+    assert "crispedit-seq[fixed]" in capsys.readouterr().out
+    # the exported model is the base with the session's weights in the trained layers
+    model, _ = load_model(str(ref["export"]))
+    base, _ = load_model(str(ref["model_dir"]))
+    from safetensors.torch import load_file
+
+    w = load_file(str(sess / "weights-0002.safetensors"))
+    for name, mod in model.named_modules():
+        if name in w:
+            assert torch.equal(mod.weight, w[name])
+    changed = {n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)}
+    assert changed == {f"{n}.weight" for n in w}
+
+
+@pytest.mark.parametrize("phase", ["after_train", "after_weights", "before_commit", "after_commit"])
+def test_resume_after_crash_between_writes(phase, ref, tmp_path, monkeypatch):
+    """A crash at any point of round 2 leaves the session at round 1 (or 2 once committed); the next
+    add resumes to exactly the uninterrupted result."""
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(ref["cache"]))
+    sess = _resume_copy(ref, tmp_path / "sess")
+
+    class Crash(BaseException):
+        pass
+
+    def fault(p):
+        if p == phase:
+            raise Crash(p)
+
+    s = Session.open(sess)
+    monkeypatch.setattr(session_mod, "_fault", fault)
+    with pytest.raises(Crash):
+        s.add(load_edits(ref["files"][1]), source=str(ref["files"][1]), plot=False)
+    monkeypatch.undo()
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(ref["cache"]))
+    committed = phase == "after_commit"
+    s = Session.open(sess)            # a fresh process would do the same: open cleans orphans
+    assert s.round == (2 if committed else 1)
+    assert (sess / "weights-0001.safetensors").exists() != committed
+    assert not list(sess.glob(".*.tmp"))
+    if not committed:
+        assert not (sess / "weights-0002.safetensors").exists() and not (sess / "rounds" / "round-0002.jsonl").exists()
+        s.add(load_edits(ref["files"][1]), source=str(ref["files"][1]), plot=False)
+    assert_same_session(sess, ref["sess"])
+
+
+def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 120) -> str:
+    seen, t0 = "", time.time()
+    while text not in seen:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"process ended before printing {text!r}: {seen}")
+        seen += line
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {text!r}")
+    return seen
+
+
+def test_kill9_mid_round_resumes_to_uninterrupted_state(ref, tmp_path, monkeypatch):
+    """`crispedit session add` killed with SIGKILL in the middle of a round (from outside, during
+    training; and from inside, between the round's file writes); re-running add ends where the
+    uninterrupted run ended."""
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(ref["cache"]))
+    sess = _resume_copy(ref, tmp_path / "sess")
+    cmd = [sys.executable, "-m", "crispedit.cli", "session", "add", str(sess), "--edits", str(ref["files"][1]), "--quiet"]
+    # 1) external kill -9 while the round trains (the "round 2: editing" line is printed before training)
+    env = _env(ref["cache"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    _wait_for(proc, "round 2: editing")
+    time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    # 2) kill -9 between writes: weights of round 2 on disk, state not yet switched
+    env[session_mod.FAULT_ENV] = "before_commit"
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert (sess / "weights-0002.safetensors").exists()          # written, but not committed
+    assert json.loads((sess / "state.json").read_text())["round"] == 1
+    # resume (in this process; same thread count and seeds as the CLI)
+    s = Session.open(sess)
+    assert s.round == 1 and not (sess / "weights-0002.safetensors").exists()
+    s.add(load_edits(ref["files"][1]), source=str(ref["files"][1]), plot=False)
+    assert_same_session(sess, ref["sess"])
+
+
+def test_refuses_other_base_and_changed_config(ref, tmp_path, tiny_tok, monkeypatch):
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(ref["cache"]))
+    other = tmp_path / "other_model"
+    build_llama(len(tiny_tok), seed=1).save_pretrained(other)
+    tiny_tok.save_pretrained(other)
+    with pytest.raises(CrispEditError, match="refusing to mix bases"):
+        Session.open(ref["sess"], model=str(other))
+    with pytest.raises(CrispEditError, match="different configuration .*gamma"):
+        Session.open(ref["sess"], config=_config(edit={"gamma": 0.9}))
+    with pytest.raises(CrispEditError, match="different configuration .*weighting"):
+        Session.create(ref["sess"], str(ref["model_dir"]), _config(weighting="tokens"))
+    # the same configuration reopens; the CLI reports the refusal in one line with status 2
+    assert Session.open(ref["sess"], config=_config(), model=str(ref["model_dir"])).round == 2
+    assert main(["session", "add", str(ref["sess"]), "--edits", str(ref["files"][0]), "--model", str(other)]) == 2
+    assert main(["session", "status", str(tmp_path)]) == 2
+    assert json.loads((ref["sess"] / "state.json").read_text())["round"] == 2   # nothing changed
+
+
+def test_session_size_bound(ref):
+    """Only the trained layers' weights, Adam moments and factors are stored; size does not grow with rounds."""
+    model, _ = load_model(str(ref["model_dir"]))
+    layers = resolve_layers(model, LAYERS)
+    per_layer = sum(m.weight.numel() * 3 + m.weight.shape[0] ** 2 * 2 + m.weight.shape[1] ** 2 * 2 for m in layers.values())
+    bound = per_layer * 4 + 64 * 1024           # float32 tensors + headers, JSON and the edit log
+    tensors = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
+    assert abs(tensors(ref["sess"]) - tensors(ref["snap"])) < 1024   # round 2 replaced round 1's files
+    size = sum(f.stat().st_size for f in ref["sess"].rglob("*") if f.is_file() and f.name != "retention.png")
+    assert size <= bound
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert tensors(ref["sess"]) < full / 2
+
+
+@pytest.mark.parametrize("method,mode,drift", [("ft", "sequential", None), ("crispedit", "batch", None),
+                                               ("crispedit", "sequential", 1e-9)])
+def test_baselines_and_drift_recompute(method, mode, drift, tmp_path, tiny_model_dir, monkeypatch):
+    """FT Sequential and batch-on-the-union run through the same session; the drift option recollects
+    the capability factors on the edited model (and stores them with the weights they belong to)."""
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    cfg = _config(edit={"method": method, "epochs": 3}, mode=mode, recompute_drift=drift)
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), cfg, progress=False)
+    for reqs in ROUNDS:
+        s.add(reqs, plot=False)
+    st = s.status()
+    files = set(st["files"])
+    if method == "ft":
+        assert files == {"weights", "optim"} and st["name"] == "ft-seq"
+    elif mode == "batch":   # re-edits the base on the union every round, capability factors only, fresh optimizer
+        assert files == {"weights", "cap_factors"} and st["name"] == "crispedit-batch"
+        assert not st["rounds"][1]["optimizer_carried"]
+        assert st["rounds"][1]["train"]["steps"] > st["rounds"][0]["train"]["steps"]   # 8 edits vs 4
+    else:
+        assert all(r.get("capability_recomputed") for r in st["rounds"])
+        assert st["files"]["cap_factors"] == "cap_factors-0002.safetensors" == st["files"]["cap_ref"].replace("cap_ref", "cap_factors")
+        assert sorted(f.name for f in (tmp_path / "s").glob("cap_*")) == ["cap_factors-0002.safetensors", "cap_ref-0002.safetensors"]
+    assert [set(r["retention"]) for r in st["rounds"]] == [{"1"}, {"1", "2"}]
