@@ -90,6 +90,14 @@ def _load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise CrispEditError(f"session file {path} is truncated or corrupt ({str(exc).splitlines()[0]})") from None
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def session_size(path: str | Path) -> int:
     """Bytes on disk of a session directory (all files, the plot included)."""
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
@@ -215,6 +223,7 @@ class Session:
             rounds = st["rounds"] + [rec]
             atomic_write_json(self.path / STATE_FILE, {"format": SESSION_FORMAT, "round": k, "files": files,
                                                        "rounds": rounds})
+            _fsync(self.path)  # the rename itself
             _fault("after_commit")
             self._state, self._state_round = new, k
             self._cleanup()
@@ -348,6 +357,7 @@ class Session:
         def save(key: str, tensors: dict, meta: dict | None = None) -> None:
             files[key] = f"{key}-{tag}.safetensors"
             atomic_save_safetensors(self.path / files[key], tensors, meta)
+            _fsync(self.path / files[key])  # on disk before the commit names it (power loss, not just kill -9)
 
         save("weights", new.weights)
         _fault("after_weights")
