@@ -1,0 +1,580 @@
+"""Small-scale curvature study (paper section 4.1): MNIST -> Fashion-MNIST.
+
+Pre-train a small bias-free LeNet-5 on MNIST (the capability), then fine-tune it on Fashion-MNIST (the
+edit) with projected SGD in the gamma-approximate nullspace of a curvature model of the MNIST
+training loss, for ``gamma = 1 - 10^-k`` over a sweep of ``k``, and for each curvature model:
+
+=================  ==============================================================================
+``hessian``        exact Hessian of the loss on the curvature subset, whole parameter vector
+``ggn``            exact Gauss-Newton matrix ``E[J^T H J]`` (= Hessian of the Bregman divergence)
+``kfac``           K-FAC ``A (x) S`` per layer (exact label expectation), layer-wise projector
+``ekfac``          K-FAC eigenbasis with re-fitted (per-example) eigenvalues, layer-wise
+``activation_cov`` Adam-NSCL: eigenbasis of the layer-input covariance ``A`` only, layer-wise
+``none``           unprojected fine-tuning (one point, no gamma)
+=================  ==============================================================================
+
+Whenever the parameters have moved by more than ``recompute_drift`` (relative L2 norm) since the
+projector was last computed, the curvature is recomputed at the current parameters (on the same
+MNIST subset) and the projector rebuilt, as in the paper. The curvature at the pre-trained weights
+is computed once per method and shared by all gammas.
+
+Outputs in ``out_dir``: ``results.json`` (config, environment, pre-training, curvature costs, table),
+``results.csv`` (the table) and ``tradeoff.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..curvature.ekfac import OutputGrads, collect_classifier_ekfac, collect_classifier_kfac
+from ..curvature.exact import ParamLayout, ggn_matrix, hessian_matrix
+from ..errors import CrispEditError, atomic_write_bytes, atomic_write_json, check_gamma
+from ..projection import DenseProjector, KroneckerProjector, eigh_psd, energy_keep_mask
+from .idx_data import ImageSplit, load_dataset
+
+__all__ = [
+    "METHODS",
+    "MnistStudyConfig",
+    "SmallLeNet",
+    "run_mnist_study",
+    "add_cli",
+]
+
+METHODS = ("none", "activation_cov", "kfac", "ekfac", "ggn", "hessian")  # cheap first
+METHOD_LABELS = {
+    "hessian": "Hessian (exact)",
+    "ggn": "Gauss-Newton (exact)",
+    "kfac": "K-FAC",
+    "ekfac": "EK-FAC",
+    "activation_cov": "activation covariance (Adam-NSCL)",
+    "none": "unprojected fine-tuning",
+}
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+@dataclass(frozen=True)
+class MnistStudyConfig:
+    """Every setting of the study; the defaults are the full (paper-size) run."""
+
+    data_dir: str | None = None
+    out_dir: str = "crispedit-study-mnist"
+    seed: int = 0
+    methods: tuple[str, ...] = METHODS
+    k_values: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 7.0)
+    # network: conv(1->c1, 5x5) - pool - conv(c1->c2, 5x5) - pool - fc(16 c2 -> hidden) - fc(hidden -> 10)
+    conv1_channels: int = 4
+    conv2_channels: int = 8
+    hidden: int = 24
+    # pre-training on MNIST (Adam, one-cycle schedule)
+    pretrain_samples: int | None = None  # None: all 60k
+    pretrain_epochs: int = 6
+    pretrain_lr: float = 5e-3
+    pretrain_batch: int = 128
+    target_accuracy: float = 0.985  # a warning is printed below it
+    # curvature: all methods use the same seeded subset of the MNIST training set
+    curvature_samples: int = 512
+    curvature_batch: int = 128
+    kfac_output_grads: str = OutputGrads.EXACT.value
+    ekfac_per: str = "example"
+    # fine-tuning on Fashion-MNIST: projected SGD with momentum
+    finetune_steps: int = 400
+    finetune_batch: int = 128
+    finetune_lr: float = 0.005
+    finetune_momentum: float = 0.9
+    recompute_drift: float = 0.25
+    max_recomputes: int = 2  # per run; caps the cost of the exact-Hessian runs
+    # evaluation on the test sets (None: all 10k)
+    eval_samples: int | None = None
+
+    @classmethod
+    def quick(cls, **overrides) -> "MnistStudyConfig":
+        """A CI-sized run (tiny network, subsets, two gammas): seconds, not minutes."""
+        base = dict(k_values=(1.0, 3.0), conv1_channels=2, conv2_channels=4, hidden=8, pretrain_samples=6000,
+                    pretrain_epochs=1, curvature_samples=32, curvature_batch=32, finetune_steps=30,
+                    finetune_lr=0.02, max_recomputes=1, eval_samples=500, target_accuracy=0.0)
+        base.update(overrides)
+        return cls(**base)
+
+    def validated(self) -> "MnistStudyConfig":
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise CrispEditError(f"unknown method(s) {unknown or '(none given)'}; choose from {', '.join(METHODS)}")
+        for k in self.k_values:
+            if not isinstance(k, (int, float)) or not math.isfinite(k) or k <= 0:
+                raise CrispEditError(f"k values must be positive numbers (gamma = 1 - 10^-k), got {k!r}")
+            check_gamma(gamma_of(k))
+        for name in ("pretrain_epochs", "curvature_samples", "curvature_batch", "finetune_steps", "finetune_batch",
+                     "pretrain_batch", "conv1_channels", "conv2_channels", "hidden"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise CrispEditError(f"{name} must be a positive integer, got {v!r}")
+        if not (self.recompute_drift > 0):
+            raise CrispEditError(f"recompute_drift must be positive, got {self.recompute_drift}")
+        if self.kfac_output_grads not in {m.value for m in OutputGrads}:
+            raise CrispEditError(f"kfac_output_grads must be one of {[m.value for m in OutputGrads]}, "
+                                 f"got {self.kfac_output_grads!r}")
+        if self.ekfac_per not in ("example", "row"):
+            raise CrispEditError(f"ekfac_per must be 'example' or 'row', got {self.ekfac_per!r}")
+        return self
+
+
+def gamma_of(k: float) -> float:
+    """``gamma = 1 - 10^-k``; raises :class:`CrispEditError` when that is not in (0, 1) in float64."""
+    g = 1.0 - 10.0 ** (-float(k))
+    if not (0.0 < g < 1.0):
+        raise CrispEditError(f"k = {k} gives gamma = {g!r}, which is not strictly between 0 and 1")
+    return g
+
+
+# -----------------------------------------------------------------------------------------------
+# network
+
+
+class SmallLeNet(nn.Module):
+    """LeNet-5 narrowed so its dense Hessian is cheap (4 212 parameters by default), bias-free.
+
+    Biases are left out so that every layer is a plain ``W a`` (K-FAC needs no homogeneous
+    coordinate) and the network output is linear in each weight for fixed others (ReLU, max-pool),
+    which :func:`~crispedit.curvature.exact.hessian_matrix` exploits.
+    """
+
+    def __init__(self, conv1_channels: int = 4, conv2_channels: int = 8, hidden: int = 24, n_classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, conv1_channels, 5, bias=False)
+        self.conv2 = nn.Conv2d(conv1_channels, conv2_channels, 5, bias=False)
+        self.fc1 = nn.Linear(conv2_channels * 16, hidden, bias=False)
+        self.fc2 = nn.Linear(hidden, n_classes, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+    @property
+    def layer_names(self) -> list[str]:
+        return ["conv1", "conv2", "fc1", "fc2"]
+
+
+def _normalise(split: ImageSplit) -> ImageSplit:
+    return ImageSplit((split.images - MNIST_MEAN) / MNIST_STD, split.labels)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, split: ImageSplit, batch: int = 2000) -> float:
+    was = model.training
+    model.eval()
+    correct = 0
+    for i in range(0, len(split), batch):
+        correct += int((model(split.images[i:i + batch]).argmax(-1) == split.labels[i:i + batch]).sum())
+    model.train(was)
+    return correct / max(1, len(split))
+
+
+def pretrain(model: nn.Module, data: ImageSplit, cfg: MnistStudyConfig, progress: bool | None) -> None:
+    gen = torch.Generator().manual_seed(cfg.seed)
+    steps_per_epoch = max(1, len(data) // cfg.pretrain_batch)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.pretrain_lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.pretrain_lr,
+                                                total_steps=cfg.pretrain_epochs * steps_per_epoch)
+    model.train()
+    bar = tqdm(total=cfg.pretrain_epochs * steps_per_epoch, desc="pre-train MNIST", unit="step",
+               disable=None if progress is None else not progress)
+    for _ in range(cfg.pretrain_epochs):
+        perm = torch.randperm(len(data), generator=gen)
+        for i in range(steps_per_epoch):
+            idx = perm[i * cfg.pretrain_batch:(i + 1) * cfg.pretrain_batch]
+            loss = F.cross_entropy(model(data.images[idx]), data.labels[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            bar.update(1)
+    bar.close()
+
+
+# -----------------------------------------------------------------------------------------------
+# projectors on the whole network
+
+
+class ParamProjector:
+    """Projects the ``.grad`` of the network's weights in place."""
+
+    kept_dims: int
+
+    def project_(self, model: nn.Module) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class NoProjection(ParamProjector):
+    def __init__(self, n_params: int):
+        self.kept_dims = n_params
+
+    def project_(self, model: nn.Module) -> None:
+        return None
+
+
+class DenseParamProjector(ParamProjector):
+    """A :class:`~crispedit.projection.DenseProjector` acting on the flat vector of all weights."""
+
+    def __init__(self, layout: ParamLayout, projector: DenseProjector):
+        self.layout, self.projector = layout, projector
+        self.kept_dims = projector._kept
+
+    def project_(self, model: nn.Module) -> None:
+        flat = self.layout.grads(model)
+        out = self.layout.unflatten(self.projector.project(flat))
+        for name, p in model.named_parameters():
+            if name in out:
+                p.grad.copy_(out[name])
+
+
+class LayerwiseParamProjector(ParamProjector):
+    """One :class:`~crispedit.projection.KroneckerProjector` per weight (block-diagonal)."""
+
+    def __init__(self, projectors: dict[str, KroneckerProjector], shapes: dict[str, torch.Size]):
+        self.projectors = projectors
+        self.kept_dims = 0
+        for name, proj in projectors.items():
+            d_out = shapes[name][0]
+            self.kept_dims += int(proj.mask.sum()) * (d_out if proj.U_out is None else 1)
+
+    def project_(self, model: nn.Module) -> None:
+        for name, p in model.named_parameters():
+            proj = self.projectors.get(name)
+            if proj is not None and p.grad is not None:
+                Q = p.grad.reshape(p.shape[0], -1)
+                p.grad.copy_(proj.project(Q).reshape(p.shape))
+
+
+# -----------------------------------------------------------------------------------------------
+# curvature models: computed once at given weights, a projector for any gamma
+
+
+class Curvature:
+    method: str
+
+    def projector(self, gamma: float) -> ParamProjector:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class DenseCurvature(Curvature):
+    """Eigendecomposition of a dense curvature matrix over all weights, shared by every gamma."""
+
+    def __init__(self, method: str, matrix: Tensor, layout: ParamLayout, count_negative: bool = False):
+        self.method, self.layout = method, layout
+        self.eigvals, self.U = eigh_psd(matrix)  # negative eigenvalues (Hessian) are clamped to 0: kept
+        self.spectrum: dict = {"trace": float(matrix.trace()), "max": float(self.eigvals[0])}
+        if count_negative:
+            raw = torch.linalg.eigvalsh(0.5 * (matrix + matrix.T))
+            neg = raw[raw < 0]
+            self.spectrum.update(negative=int(neg.numel()), most_negative=float(raw[0]),
+                                 negative_mass=float(-neg.sum() / raw.abs().sum()))
+
+    def projector(self, gamma: float) -> ParamProjector:
+        # DenseProjector.from_matrix without repeating the eigendecomposition for every gamma
+        return DenseParamProjector(self.layout, DenseProjector(self.U, energy_keep_mask(self.eigvals, gamma)))
+
+
+class KroneckerCurvature(Curvature):
+    """K-FAC, EK-FAC or activation covariance: per-layer statistics, layer-wise projectors."""
+
+    def __init__(self, method: str, model: SmallLeNet, factors, ekfac=None):
+        self.method, self.factors, self.ekfac = method, factors, ekfac
+        self.shapes = {f"{n}.weight": getattr(model, n).weight.shape for n in factors.layers}
+
+    def projector(self, gamma: float) -> ParamProjector:
+        projs = {}
+        for layer in self.factors.layers:
+            if self.method == "kfac":
+                projs[f"{layer}.weight"] = KroneckerProjector.from_factors(self.factors.A[layer], self.factors.S[layer], gamma)
+            elif self.method == "ekfac":
+                projs[f"{layer}.weight"] = self.ekfac.projector(layer, gamma)
+            else:
+                projs[f"{layer}.weight"] = KroneckerProjector.from_activation_covariance(self.factors.A[layer], gamma)
+        return LayerwiseParamProjector(projs, self.shapes)
+
+
+def compute_curvature(method: str, model: SmallLeNet, data: ImageSplit, cfg: MnistStudyConfig,
+                      progress: bool | None = None, count_negative: bool = False) -> Curvature:
+    """Curvature model ``method`` of the mean MNIST loss on ``data`` at the model's current weights."""
+    batches = [(data.images[i:i + cfg.curvature_batch], data.labels[i:i + cfg.curvature_batch])
+               for i in range(0, len(data), cfg.curvature_batch)]
+    layout = ParamLayout.of(model)
+    if method == "ggn":
+        G = ggn_matrix(model, data.images, layout=layout, batch_size=cfg.curvature_batch, progress=progress)
+        return DenseCurvature(method, G, layout)
+    if method == "hessian":
+        largest = max(layout.names, key=lambda n: math.prod(dict(model.named_parameters())[n].shape))
+        H = hessian_matrix(model, data.images, data.labels, layout=layout, batch_size=cfg.curvature_batch,
+                           linear_param=largest, progress=progress)
+        return DenseCurvature(method, H, layout, count_negative)
+    factors = collect_classifier_kfac(model, batches, model.layer_names, mode=cfg.kfac_output_grads, seed=cfg.seed)
+    if method == "ekfac":
+        ek = collect_classifier_ekfac(model, batches, mode=cfg.kfac_output_grads, per=cfg.ekfac_per, seed=cfg.seed,
+                                      factors=factors)
+        return KroneckerCurvature(method, model, factors, ek)
+    if method in ("kfac", "activation_cov"):
+        return KroneckerCurvature(method, model, factors)
+    raise CrispEditError(f"unknown method {method!r}")
+
+
+# -----------------------------------------------------------------------------------------------
+# projected fine-tuning
+
+
+def _flat(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def finetune(model: nn.Module, data: ImageSplit, cfg: MnistStudyConfig, make_projector: Callable[[], ParamProjector],
+             progress: bool | None = None, desc: str = "fine-tune") -> dict:
+    """Projected SGD on ``data``; ``make_projector()`` builds a projector at the current weights.
+
+    Returns the projector's kept dimensions at the start, the number of recomputations and the
+    largest drift seen.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed + 1)  # same batches for every method
+    projector = make_projector()
+    kept0 = projector.kept_dims
+    ref = _flat(model)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.finetune_lr, momentum=cfg.finetune_momentum)
+    recomputes, drift_max = 0, 0.0
+    model.train()
+    perm = torch.randperm(len(data), generator=gen)
+    pos = 0
+    for _ in tqdm(range(cfg.finetune_steps), desc=desc, unit="step", leave=False,
+                  disable=None if progress is None else not progress):
+        if pos + cfg.finetune_batch > len(data):
+            perm, pos = torch.randperm(len(data), generator=gen), 0
+        idx = perm[pos:pos + cfg.finetune_batch]
+        pos += cfg.finetune_batch
+        loss = F.cross_entropy(model(data.images[idx]), data.labels[idx])
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        projector.project_(model)
+        opt.step()
+        if isinstance(projector, NoProjection):
+            continue
+        drift = float((_flat(model) - ref).norm() / ref.norm())
+        drift_max = max(drift_max, drift)
+        if drift > cfg.recompute_drift and recomputes < cfg.max_recomputes:
+            projector = make_projector()
+            ref = _flat(model)
+            opt = torch.optim.SGD(model.parameters(), lr=cfg.finetune_lr, momentum=cfg.finetune_momentum)
+            recomputes += 1
+    return {"kept_dims": kept0, "recomputes": recomputes, "max_drift": drift_max}
+
+
+# -----------------------------------------------------------------------------------------------
+# the study
+
+
+def _environment() -> dict:
+    return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "threads": torch.get_num_threads()}
+
+
+def _row(method: str, k: float | None, mnist: float, fashion: float, kept: int, n_params: int, seconds: float,
+         recomputes: int = 0) -> dict:
+    return {"method": method, "k": k, "gamma": None if k is None else gamma_of(k),
+            "mnist_acc": round(mnist, 4), "fashion_acc": round(fashion, 4), "kept_dims": kept,
+            "kept_fraction": round(kept / n_params, 5), "recomputes": recomputes, "seconds": round(seconds, 2)}
+
+
+def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Callable[[str], None] | None = print) -> dict:
+    """Run the study, write ``results.json``, ``results.csv`` and ``tradeoff.png`` to ``cfg.out_dir``
+    and return the JSON report (a dict)."""
+    cfg = cfg.validated()
+    log = log or (lambda s: None)
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    mnist_train = _normalise(load_dataset("mnist", "train", cfg.data_dir))
+    mnist_test = _normalise(load_dataset("mnist", "test", cfg.data_dir)).subset(cfg.eval_samples, cfg.seed)
+    fashion_train = _normalise(load_dataset("fashion_mnist", "train", cfg.data_dir))
+    fashion_test = _normalise(load_dataset("fashion_mnist", "test", cfg.data_dir)).subset(cfg.eval_samples, cfg.seed)
+    out_dir = Path(cfg.out_dir)
+
+    model = SmallLeNet(cfg.conv1_channels, cfg.conv2_channels, cfg.hidden)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"network: {n_params} parameters (conv {cfg.conv1_channels}/{cfg.conv2_channels}, hidden {cfg.hidden}); "
+        f"dense {n_params}x{n_params} float64 matrix = {8 * n_params ** 2 / 2 ** 20:.0f} MiB")
+    t0 = time.perf_counter()
+    pretrain(model, mnist_train.subset(cfg.pretrain_samples, cfg.seed), cfg, progress)
+    pre = {"mnist_acc": accuracy(model, mnist_test), "fashion_acc": accuracy(model, fashion_test),
+           "seconds": round(time.perf_counter() - t0, 2)}
+    log(f"pre-trained: MNIST test acc {pre['mnist_acc']:.4f}, Fashion test acc {pre['fashion_acc']:.4f} "
+        f"({pre['seconds']:.0f}s)")
+    if pre["mnist_acc"] < cfg.target_accuracy:
+        log(f"warning: pre-training reached {pre['mnist_acc']:.4f} < target {cfg.target_accuracy}")
+    theta0 = {k: v.clone() for k, v in model.state_dict().items()}
+    curv_data = mnist_train.subset(cfg.curvature_samples, cfg.seed + 2)
+
+    rows = [_row("pretrained", None, pre["mnist_acc"], pre["fashion_acc"], 0, n_params, 0.0)]
+    curvature_info: dict[str, dict] = {}
+    from .study_report import write_csv, write_plot
+
+    def report(done: bool) -> dict:
+        return {
+            "study": "mnist_to_fashion_mnist_curvature",
+            "complete": done,
+            "config": dataclasses.asdict(cfg),
+            "environment": _environment(),
+            "network": {"class": "SmallLeNet", "parameters": n_params,
+                        "shapes": {n: list(p.shape) for n, p in model.named_parameters()}},
+            "pretrained": pre,
+            "curvature": curvature_info,
+            "rows": rows,
+            "total_seconds": round(time.perf_counter() - t_start, 1),
+        }
+
+    def save_partial() -> None:  # a long run can be inspected (and survives an interrupt) as it goes
+        atomic_write_json(out_dir / "results.partial.json", report(False))
+
+    for method in cfg.methods:
+        model.load_state_dict(theta0)
+        if method == "none":
+            t0 = time.perf_counter()
+            info = finetune(model, fashion_train, cfg, lambda: NoProjection(n_params), progress, "fine-tune (none)")
+            rows.append(_row("none", None, accuracy(model, mnist_test), accuracy(model, fashion_test), n_params,
+                             n_params, time.perf_counter() - t0))
+            log(_format_row(rows[-1]))
+            save_partial()
+            continue
+        t0 = time.perf_counter()
+        curv0 = compute_curvature(method, model, curv_data, cfg, progress, count_negative=True)
+        curvature_info[method] = {"seconds_at_theta0": round(time.perf_counter() - t0, 2)}
+        if isinstance(curv0, DenseCurvature):
+            curvature_info[method]["spectrum"] = curv0.spectrum
+        log(f"{method}: curvature at the pre-trained weights in {curvature_info[method]['seconds_at_theta0']:.1f}s")
+        for k in cfg.k_values:
+            gamma = gamma_of(k)
+            model.load_state_dict(theta0)
+            first = [True]
+
+            def make_projector() -> ParamProjector:
+                if first[0]:  # the shared curvature at the pre-trained weights
+                    first[0] = False
+                    return curv0.projector(gamma)
+                return compute_curvature(method, model, curv_data, cfg, progress=False).projector(gamma)
+
+            t0 = time.perf_counter()
+            info = finetune(model, fashion_train, cfg, make_projector, progress, f"fine-tune ({method}, k={k:g})")
+            rows.append(_row(method, k, accuracy(model, mnist_test), accuracy(model, fashion_test), info["kept_dims"],
+                             n_params, time.perf_counter() - t0, info["recomputes"]))
+            log(_format_row(rows[-1]))
+            save_partial()
+    final = report(True)
+    atomic_write_json(out_dir / "results.json", final)
+    write_csv(out_dir / "results.csv", rows)
+    write_plot(out_dir / "tradeoff.png", rows, title=f"MNIST → Fashion-MNIST, SmallLeNet ({n_params} parameters)")
+    (out_dir / "results.partial.json").unlink(missing_ok=True)
+    final["files"] = {"json": str(out_dir / "results.json"), "csv": str(out_dir / "results.csv"),
+                      "png": str(out_dir / "tradeoff.png")}
+    return final
+
+
+def _format_row(r: dict) -> str:
+    k = "-" if r["k"] is None else f"{r['k']:g}"
+    return (f"{r['method']:<15} k={k:<5} MNIST {r['mnist_acc']:.4f}  Fashion {r['fashion_acc']:.4f}  "
+            f"kept {r['kept_dims']:>5}  recomputes {r['recomputes']}  {r['seconds']:.1f}s")
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    head = f"{'method':<15} {'k':>5} {'gamma':>12} {'MNIST':>7} {'Fashion':>8} {'kept':>6} {'recomp':>6} {'sec':>7}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        k = "" if r["k"] is None else f"{r['k']:g}"
+        g = "" if r["gamma"] is None else f"{r['gamma']:.7f}"
+        lines.append(f"{r['method']:<15} {k:>5} {g:>12} {r['mnist_acc']:>7.4f} {r['fashion_acc']:>8.4f} "
+                     f"{r['kept_dims']:>6} {r['recomputes']:>6} {r['seconds']:>7.1f}")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------------------------
+# command line
+
+
+def _parse_list(text: str, kind: type, flag: str) -> tuple:
+    try:
+        return tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise CrispEditError(f"{flag}: cannot parse {text!r} as a comma-separated list") from None
+
+
+def config_from_args(args: argparse.Namespace) -> MnistStudyConfig:
+    overrides = {"seed": args.seed}
+    if args.data is not None:
+        overrides["data_dir"] = args.data
+    if args.out is not None:
+        overrides["out_dir"] = args.out
+    if args.methods:
+        overrides["methods"] = _parse_list(args.methods, str, "--methods")
+    if args.k_values:
+        overrides["k_values"] = _parse_list(args.k_values, float, "--k-values")
+    for flag in ("curvature_samples", "finetune_steps", "pretrain_epochs"):
+        if getattr(args, flag) is not None:
+            overrides[flag] = getattr(args, flag)
+    cfg = MnistStudyConfig.quick(**overrides) if args.quick else MnistStudyConfig(**overrides)
+    return cfg.validated()
+
+
+def cmd_study_mnist(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    report = run_mnist_study(cfg, progress=False if args.quiet else None)
+    print(format_table(report["rows"]))
+    print(f"total {report['total_seconds']:.0f}s")
+    for kind, path in report["files"].items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    """Register ``crispedit study mnist``."""
+    study = subparsers.add_parser("study", help="small-scale experiments from the paper")
+    sub = study.add_subparsers(dest="study_command", metavar="{mnist}")
+    sub.required = True
+    p = sub.add_parser("mnist", help="curvature study: MNIST -> Fashion-MNIST with exact Hessian, GGN, K-FAC, "
+                                     "EK-FAC and activation-covariance projections")
+    p.add_argument("--data", default=None, help="directory with mnist/ and fashion_mnist/ IDX .gz files "
+                   "(default: user cache, downloading the official files when online)")
+    p.add_argument("--out", default=None, help=f"output directory (default {MnistStudyConfig.out_dir})")
+    p.add_argument("--quick", action="store_true", help="CI-sized run: tiny network, subsets, two gammas")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--k-values", default=None, help="comma-separated k for gamma = 1 - 10^-k (default "
+                   + ",".join(f"{k:g}" for k in MnistStudyConfig.k_values) + ")")
+    p.add_argument("--curvature-samples", type=int, default=None, help="MNIST training examples for every curvature")
+    p.add_argument("--finetune-steps", type=int, default=None, help="projected SGD steps on Fashion-MNIST")
+    p.add_argument("--pretrain-epochs", type=int, default=None)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_study_mnist)
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # ``python -m crispedit.experiments.mnist_study``
+    parser = argparse.ArgumentParser(prog="crispedit")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CrispEditError as exc:
+        print(f"crispedit: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
