@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -24,6 +23,7 @@ from ..data.edits import EditRequest
 from ..data.tokenize import EncodedBatch, encode_pairs
 from ..projection import LayerProjector
 from .config import EditConfig, ProjectionTarget
+from .fastpath import make_loss_fn, plain_loss as edit_loss
 
 __all__ = ["projected_finetune", "edit_loss", "TrainHistory", "apply_projection"]
 
@@ -40,13 +40,6 @@ class TrainHistory:
         return {"epoch_loss": [round(x, 6) for x in self.epoch_loss], "epochs": len(self.epoch_loss),
                 "steps": self.steps, "skipped_batches": self.skipped, "converged": self.converged,
                 "seconds": round(self.seconds, 3)}
-
-
-def edit_loss(model: nn.Module, batch: EncodedBatch) -> Tensor:
-    """Mean cross-entropy over target tokens (FT-M)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    labels = batch.labels[:, 1:]
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
 def _as_matrix(module: nn.Module, t: Tensor) -> Tensor:
@@ -70,6 +63,7 @@ def projected_finetune(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     progress: bool | None = None,
+    fast: bool = True,
 ) -> TrainHistory:
     """Edit ``model`` in place. Only ``params`` train; everything else is frozen for the duration."""
     device = next(model.parameters()).device
@@ -81,16 +75,17 @@ def projected_finetune(
         p.requires_grad_(True)
     opt = optimizer or torch.optim.Adam(params.values(), lr=config.lr, betas=config.betas, weight_decay=0.0)
     gen = torch.Generator().manual_seed(config.seed)
-    batches = _batches(tokenizer, requests, config.batch_size)
+    batches = [b.to(device) for b in _batches(tokenizer, requests, config.batch_size)]
     hist, t0 = TrainHistory(), time.perf_counter()
     model.train()
+    loss_fn = make_loss_fn(model, params, batches, enabled=fast)  # exact shortcut: frozen prefix cached
     bar = tqdm(range(config.epochs), desc=f"edit[{config.method}]", unit="epoch",
                disable=(None if progress is None else not progress))
     try:
         for _epoch in bar:
             losses = []
             for bi in torch.randperm(len(batches), generator=gen).tolist():
-                loss = edit_loss(model, batches[bi].to(device))
+                loss = loss_fn(bi)
                 losses.append(loss.item())
                 if loss.item() < config.skip_loss:
                     hist.skipped += 1

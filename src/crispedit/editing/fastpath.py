@@ -1,0 +1,150 @@
+"""Exact shortcuts for the edit loss when the same batches are seen for many epochs.
+
+Two savings, both exact (same numbers as a plain forward):
+
+* **frozen prefix**: only the chosen layers train, so the hidden states entering the lowest decoder
+  block that holds a trained parameter never change. They are computed once per batch; during
+  training the blocks below are replaced by pass-throughs and the cached states are fed in.
+* **target-only logits**: the FT-M loss needs logits only at target positions, so the output
+  projection (for SmolLM2 a quarter of the forward) runs on those rows only.
+
+Before use, the fast loss is compared with the plain :func:`edit_loss` on the first batch; if they
+differ (an architecture that post-processes logits, or decoder blocks with side effects) the loop
+silently falls back to the plain loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..data.tokenize import EncodedBatch
+from ..models import decoder_blocks
+
+__all__ = ["make_loss_fn", "plain_loss"]
+
+
+def _up(x: Tensor) -> Tensor:
+    """Loss maths in float32 or better."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def plain_loss(model: nn.Module, batch: EncodedBatch) -> Tensor:
+    """Mean cross-entropy over target tokens (FT-M), from a full forward."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    labels = batch.labels[:, 1:]
+    return F.cross_entropy(_up(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Passthrough(nn.Module):
+    def __init__(self, tuple_len: int | None):
+        super().__init__()
+        self.tuple_len = tuple_len
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.tuple_len is None:
+            return hidden_states
+        return (hidden_states,) + (None,) * (self.tuple_len - 1)
+
+
+def _replace_hidden(args, kwargs, h):
+    if "hidden_states" in kwargs:
+        kwargs = dict(kwargs)
+        kwargs["hidden_states"] = h
+        return args, kwargs
+    return (h,) + tuple(args[1:]), kwargs
+
+
+class _FastLoss:
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch]):
+        self.model, self.batches = model, batches
+        prefix, self.blocks = decoder_blocks(model)
+        trained = {id(p) for p in params.values()}
+        owners = [i for i, b in enumerate(self.blocks) if any(id(p) in trained for p in b.parameters())]
+        outside = [n for n, p in model.named_parameters() if id(p) in trained and not n.startswith(prefix + ".")]
+        self.k = min(owners) if owners and not outside else 0
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else None
+        self.head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+        self.tuple_len: int | None = None
+        self.cache: list[Tensor] = []
+        if self.k > 0:
+            with torch.no_grad():
+                self.cache = [self._capture(b) for b in batches]
+
+    def _capture(self, batch: EncodedBatch) -> Tensor:
+        store = {}
+
+        def pre(mod, args, kwargs):
+            store["h"] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach()
+            raise _Stop
+
+        def post(mod, args, out):
+            self.tuple_len = len(out) if isinstance(out, tuple) else None
+
+        h1 = self.blocks[self.k].register_forward_pre_hook(pre, with_kwargs=True)
+        h2 = self.blocks[self.k - 1].register_forward_hook(post)
+        try:
+            self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        except _Stop:
+            pass
+        finally:
+            h1.remove()
+            h2.remove()
+        return store["h"]
+
+    @contextlib.contextmanager
+    def _prefix_skipped(self, index: int) -> Iterator[None]:
+        if self.k == 0:
+            yield
+            return
+        saved = [self.blocks[i] for i in range(self.k)]
+        cached = self.cache[index]
+        hook = self.blocks[self.k].register_forward_pre_hook(
+            lambda mod, args, kwargs: _replace_hidden(args, kwargs, cached), with_kwargs=True)
+        try:
+            for i in range(self.k):
+                self.blocks[i] = _Passthrough(self.tuple_len)
+            yield
+        finally:
+            hook.remove()
+            for i, b in enumerate(saved):
+                self.blocks[i] = b
+
+    def __call__(self, index: int, batch: EncodedBatch) -> Tensor:
+        labels = batch.labels[:, 1:]
+        valid = labels != -100
+        with self._prefix_skipped(index):
+            if self.base is not None and self.head is not None:
+                hidden = self.base(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+                logits = _up(self.head(hidden[:, :-1][valid]))
+                if self.softcap:
+                    logits = torch.tanh(logits / self.softcap) * self.softcap
+            else:
+                logits = _up(self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1][valid])
+        return F.cross_entropy(logits, labels[valid])
+
+
+def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
+                 enabled: bool = True) -> Callable[[int], Tensor]:
+    """``loss_fn(batch_index)`` for the edit loop: the verified fast loss, or the plain one."""
+    plain = lambda i: plain_loss(model, batches[i])  # noqa: E731
+    if not enabled or not batches:
+        return plain
+    try:
+        fast = _FastLoss(model, params, batches)
+        with torch.no_grad():
+            a, b = plain_loss(model, batches[0]), fast(0, batches[0])
+        if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+            return plain
+    except Exception:  # any architecture the shortcut does not understand: use the plain loss
+        return plain
+    return lambda i: fast(i, batches[i])
