@@ -56,3 +56,27 @@ def test_fast_loss_gpt2():
     batches = [encode_pairs(tok, PROMPTS, TARGETS)]
     loss_fn = make_loss_fn(model, params, batches)
     assert torch.allclose(loss_fn(0), plain_loss(model, batches[0]), rtol=1e-10)
+    assert loss_fn.fast is True
+
+
+def test_fast_loss_falls_back_when_the_model_transforms_logits(tiny_lm64):
+    """A model whose forward post-processes logits (unknown to the shortcut) must get the plain loss."""
+    model, tok = tiny_lm64
+    layers = resolve_layers(model, "model.layers.{2-3}.mlp.down_proj")
+    params = {n: m.weight for n, m in layers.items()}
+    batches = [encode_pairs(tok, PROMPTS, TARGETS)]
+    assert make_loss_fn(model, params, batches).fast is True
+    orig = model.forward
+
+    def scaled(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+    model.forward = scaled
+    try:
+        loss_fn = make_loss_fn(model, params, batches)
+        assert loss_fn.fast is False
+        assert torch.allclose(loss_fn(0), plain_loss(model, batches[0]))
+    finally:
+        del model.forward

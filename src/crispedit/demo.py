@@ -49,9 +49,14 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
     print()
     print(f"{'prompt':{w}} | {'target':18} | {'before':18} | {'crispedit':18} | {'ft':18}")
     print("-" * (w + 4 * 21))
+    def cell(method: str, i: int) -> str:
+        return _short(answers[method][i] or "<eos>", 18)
+
     for i, r in enumerate(shown):
-        print(f"{_short(r.prompt, w):{w}} | {_short(r.target, 18):18} | {_short(answers['before'][i], 18):18} | "
-              f"{_short(answers['crispedit'][i], 18):18} | {_short(answers['ft'][i], 18):18}")
+        print(f"{_short(r.prompt, w):{w}} | {_short(r.target, 18):18} | {cell('before', i):18} | "
+              f"{cell('crispedit', i):18} | {cell('ft', i):18}")
+    if any(not a for a in answers["before"]):
+        print("<eos>: the model ends its reply at once (the base instruct model does this on a bare question)")
     print()
     print(f"{'method':10} {'rel':>6} {'gen':>6} {'kl_drift':>10} {'ppl':>8} {'epochs':>7} {'edit s':>7} {'cache s':>8} {'kept':>6}")
     for m, rel, gen, kl, ppl, ppl0, ep, es, cs, kept in rows:

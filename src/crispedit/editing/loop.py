@@ -35,11 +35,12 @@ class TrainHistory:
     skipped: int = 0
     converged: bool = False
     seconds: float = 0.0
+    fast_loss: bool = False  # the exact shortcut of editing/fastpath.py was used
 
     def to_json(self) -> dict:
         return {"epoch_loss": [round(x, 6) for x in self.epoch_loss], "epochs": len(self.epoch_loss),
                 "steps": self.steps, "skipped_batches": self.skipped, "converged": self.converged,
-                "seconds": round(self.seconds, 3)}
+                "seconds": round(self.seconds, 3), "fast_loss": self.fast_loss}
 
 
 def _as_matrix(module: nn.Module, t: Tensor) -> Tensor:
@@ -68,6 +69,7 @@ def projected_finetune(
     """Edit ``model`` in place. Only ``params`` train; everything else is frozen for the duration."""
     device = next(model.parameters()).device
     target = ProjectionTarget(config.projection_target)
+    projectors = {n: pr.to(device) for n, pr in projectors.items()}  # built on CPU; applied where W lives
     flags = {p: p.requires_grad for p in model.parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
@@ -79,6 +81,7 @@ def projected_finetune(
     hist, t0 = TrainHistory(), time.perf_counter()
     model.train()
     loss_fn = make_loss_fn(model, params, batches, enabled=fast)  # exact shortcut: frozen prefix cached
+    hist.fast_loss = bool(getattr(loss_fn, "fast", False))
     bar = tqdm(range(config.epochs), desc=f"edit[{config.method}]", unit="epoch",
                disable=(None if progress is None else not progress))
     try:
