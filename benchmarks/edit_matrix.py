@@ -26,6 +26,11 @@ DEFAULT_RUNS = [
     ("crispedit", "empirical", "gradient"),
     ("crispedit", "sampled", "update"),
     ("adam-nscl", "sampled", "update"),
+    # a second gamma for both projection targets: compares gradient vs update projection at equal drift
+    ("crispedit", "sampled", "gradient", 0.95),
+    ("crispedit", "sampled", "update", 0.95),
+    ("crispedit", "sampled", "gradient", 0.6),
+    ("crispedit", "sampled", "update", 0.6),
 ]
 
 
@@ -39,28 +44,29 @@ def main() -> None:
     ap.add_argument("--gamma", type=float, default=0.8)
     ap.add_argument("--n-cap", type=int, default=64)
     ap.add_argument("--layers", default=None)
-    ap.add_argument("--runs", default=None, help="comma list of method:labels:target, e.g. crispedit:sampled:gradient")
+    ap.add_argument("--runs", default=None, help="comma list of method:labels:target[:gamma], e.g. crispedit:sampled:gradient:0.9")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     runs = DEFAULT_RUNS if not args.runs else [tuple(r.split(":")) for r in args.runs.split(",")]
+    runs = [(r[0], r[1], r[2], float(r[3]) if len(r) > 3 else args.gamma) for r in runs]
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
     model, tok = load_model(args.model)
     results = []
-    print(f"{'method':10} {'labels':9} {'proj':8} {'rel':>6} {'gen':>6} {'kl_drift':>10} {'ppl':>8} {'epochs':>6} {'edit_s':>7} {'kept':>6}")
-    for method, labels, target in runs:
-        cfg = EditConfig(method=method, gamma=args.gamma, epochs=args.epochs, n_cap=args.n_cap, label_mode=labels,
+    print(f"{'method':10} {'labels':9} {'proj':8} {'gamma':>5} {'rel':>6} {'gen':>6} {'kl_drift':>10} {'ppl':>8} {'epochs':>6} {'edit_s':>7} {'kept':>6}")
+    for method, labels, target, gamma in runs:
+        cfg = EditConfig(method=method, gamma=gamma, epochs=args.epochs, n_cap=args.n_cap, label_mode=labels,
                          projection_target=target, layers=args.layers)
         t0 = time.perf_counter()
         res = edit(model, tok, requests, cfg, progress=False)
         summary, _ = evaluate_edit(model, tok, requests, res, progress=False)
         restore(model, res.original_weights)
         kept = min(v["kept_fraction"] for v in res.projector_stats.values())
-        row = {"method": method, "label_mode": labels, "projection_target": target, **summary,
+        row = {"method": method, "label_mode": labels, "projection_target": target, "gamma": gamma, **summary,
                "epochs": len(res.history.epoch_loss), "converged": res.history.converged,
                "edit_seconds": round(res.edit_seconds, 2), "cache_seconds": round(res.cache_seconds, 2),
                "min_kept_fraction": kept, "total_seconds": round(time.perf_counter() - t0, 2), "config": cfg.to_json()}
         results.append(row)
-        print(f"{method:10} {labels:9} {target:8} {summary['rel']:6.3f} {summary['gen']:6.3f} {summary['kl_drift']:10.6f} "
+        print(f"{method:10} {labels:9} {target:8} {gamma:5.2f} {summary['rel']:6.3f} {summary['gen']:6.3f} {summary['kl_drift']:10.6f} "
               f"{summary['ppl']:8.3f} {row['epochs']:6d} {row['edit_seconds']:7.1f} {kept:6.3f}", flush=True)
     if args.out:
         atomic_write_json(args.out, {"args": vars(args), "environment": environment(), "results": results})
