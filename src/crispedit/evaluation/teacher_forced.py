@@ -3,6 +3,13 @@
 For a (prompt, target) pair the model is fed ``prompt + " " + target`` and, at every target position,
 its argmax next-token prediction is compared with the target token. ``exact`` is 1 when every target
 token is predicted (the ``rel``/``gen`` of ``edit_report.json``), ``token_acc`` the fraction predicted.
+
+Specificity (the paper's teacher-forced table, "Spec"; ``edit_scores(..., specificity=True)``) scores the
+locality prompts against their dataset answers the same two ways (``spec`` exact, ``spec_token_acc``).
+For CounterFact-style requests — every locality answer equals the edit's true object
+(``ground_truth``), i.e. the locality prompts are neighbourhood prompts of the same relation —
+``spec_cf`` is the share of neighbourhood prompts where the true object is more likely than the new
+one (mean per-token log-probability, as ROME/MEMIT/AlphaEdit compute it).
 """
 
 from __future__ import annotations
@@ -24,6 +31,11 @@ class PairScore:
     exact: bool
     token_acc: float
     target_logprob: float
+    n_tokens: int = 0
+
+    @property
+    def mean_logprob(self) -> float:
+        return self.target_logprob / max(self.n_tokens, 1)
 
 
 @torch.no_grad()
@@ -44,14 +56,21 @@ def score_pairs(model: nn.Module, tokenizer, prompts: Sequence[str], targets: Se
             for r in range(labels.shape[0]):
                 v = valid[r]
                 correct = (pred[r][v] == labels[r][v])
-                out.append(PairScore(bool(correct.all()), float(correct.float().mean()), float(logp[r][v].sum())))
+                out.append(PairScore(bool(correct.all()), float(correct.float().mean()), float(logp[r][v].sum()), int(v.sum())))
     finally:
         model.train(was_training)
     return out
 
 
-def edit_scores(model: nn.Module, tokenizer, requests: Sequence[EditRequest], batch_size: int = 32) -> list[dict]:
-    """Per-edit reliability (edit prompt) and generalisation (rephrase prompts), teacher-forced."""
+def _is_counterfact(r: EditRequest) -> bool:
+    gt = (r.ground_truth or "").strip()
+    return bool(gt) and bool(r.locality) and all(a.strip() == gt for _, a in r.locality) and gt != r.target.strip()
+
+
+def edit_scores(model: nn.Module, tokenizer, requests: Sequence[EditRequest], batch_size: int = 32, *,
+                specificity: bool = False) -> list[dict]:
+    """Per-edit reliability (edit prompt) and generalisation (rephrase prompts), teacher-forced;
+    with ``specificity=True`` also locality-prompt scores (``spec``, ``spec_token_acc``, ``spec_cf``)."""
     rel = score_pairs(model, tokenizer, [r.prompt for r in requests], [r.target for r in requests], batch_size)
     reph_prompts, reph_targets, owner = [], [], []
     for i, r in enumerate(requests):
@@ -70,7 +89,30 @@ def edit_scores(model: nn.Module, tokenizer, requests: Sequence[EditRequest], ba
             "gen": (sum(s.exact for s in g) / len(g)) if g else None,
             "gen_token_acc": (round(sum(s.token_acc for s in g) / len(g), 4)) if g else None,
         })
+    if specificity:
+        _add_specificity(model, tokenizer, requests, per_edit, batch_size)
     return per_edit
+
+
+def _add_specificity(model, tokenizer, requests, per_edit, batch_size) -> None:
+    lp, lt, lo, cf_new, cf_owner = [], [], [], [], []
+    for i, r in enumerate(requests):
+        for p, a in r.locality:
+            lp.append(p)
+            lt.append(a)
+            lo.append(i)
+            if _is_counterfact(r):
+                cf_new.append((p, r.target))
+                cf_owner.append(len(lp) - 1)
+    loc = score_pairs(model, tokenizer, lp, lt, batch_size) if lp else []
+    new = score_pairs(model, tokenizer, [p for p, _ in cf_new], [t for _, t in cf_new], batch_size) if cf_new else []
+    true_beats_new = {k: loc[k].mean_logprob > s.mean_logprob for k, s in zip(cf_owner, new)}
+    for i, e in enumerate(per_edit):
+        ks = [k for k, o in enumerate(lo) if o == i]
+        e["spec"] = (sum(loc[k].exact for k in ks) / len(ks)) if ks else None
+        e["spec_token_acc"] = round(sum(loc[k].token_acc for k in ks) / len(ks), 4) if ks else None
+        cf = [true_beats_new[k] for k in ks if k in true_beats_new]
+        e["spec_cf"] = (sum(cf) / len(cf)) if cf else None
 
 
 def summarize_edit_scores(per_edit: Sequence[dict]) -> dict:
@@ -78,5 +120,9 @@ def summarize_edit_scores(per_edit: Sequence[dict]) -> dict:
         vals = [float(e[key]) for e in per_edit if e.get(key) is not None]
         return round(sum(vals) / len(vals), 4) if vals else None
 
-    return {"rel": mean("rel"), "gen": mean("gen"), "rel_token_acc": mean("rel_token_acc"),
-            "gen_token_acc": mean("gen_token_acc")}
+    out = {"rel": mean("rel"), "gen": mean("gen"), "rel_token_acc": mean("rel_token_acc"),
+           "gen_token_acc": mean("gen_token_acc")}
+    for key in ("spec", "spec_token_acc", "spec_cf"):  # present only when specificity was scored
+        if any(key in e for e in per_edit):
+            out[key] = mean(key)
+    return out

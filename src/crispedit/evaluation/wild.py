@@ -1,0 +1,121 @@
+"""WILD generation protocol (Yang et al. 2025, as used in the CrispEdit paper's appendix).
+
+For every edit request the model answers, greedily and with at most 40 new tokens cut at ".", "\\n"
+or EOS: the edit prompt (reliability, ``rel``), its rephrases (generalisation, ``gen``) and its
+locality prompts (locality). Each answer is rendered in one of three contexts:
+
+* ``qa``   — ``Please answer the question:\\n\\nQ: {question}\\nA:`` (the paper's "QA context");
+* ``none`` — the bare prompt ("no context");
+* ``chat`` — the model's own chat template with the prompt as the user turn.
+
+A judge (:mod:`.judges`) grades each answer against its gold target. Locality is reported two ways:
+``loc_vs_answer`` grades the locality answer against the dataset's answer; ``loc_vs_base`` is the
+share of locality answers identical (after :func:`normalize_answer`) to the pre-edit model's answer
+to the same rendered prompt (needs a base model). Scores are means over edits of per-edit means.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from torch import nn
+
+from ..data.edits import EditRequest
+from ..errors import CrispEditError
+from .generation import generate_answers
+from .judges import normalize_answer
+
+__all__ = ["CONTEXTS", "QA_TEMPLATE", "WildConfig", "render_prompt", "run_wild"]
+
+CONTEXTS = ("qa", "none", "chat")
+QA_TEMPLATE = "Please answer the question:\n\nQ: {question}\nA:"
+
+
+@dataclass
+class WildConfig:
+    context: str = "qa"
+    max_new_tokens: int = 40
+    stop: tuple[str, ...] = (".", "\n")  # plus EOS, always
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.context not in CONTEXTS:
+            raise CrispEditError(f"unknown context {self.context!r} (use one of: {', '.join(CONTEXTS)})")
+        if int(self.max_new_tokens) <= 0 or int(self.batch_size) <= 0:
+            raise CrispEditError("max_new_tokens and batch_size must be positive")
+
+
+def render_prompt(tokenizer, question: str, context: str) -> str:
+    """The text fed to the model for ``question`` in ``context`` (chat: the template, as text)."""
+    if context == "qa":
+        return QA_TEMPLATE.format(question=question)
+    if context == "none":
+        return question
+    if context == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise CrispEditError("--context chat needs a tokenizer with a chat template (this model has none)")
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+    raise CrispEditError(f"unknown context {context!r} (use one of: {', '.join(CONTEXTS)})")
+
+
+def _mean(vals: Sequence[float]) -> float | None:
+    vals = [float(v) for v in vals if v is not None]
+    return round(sum(vals) / len(vals), 4) if vals else None
+
+
+def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *, config: WildConfig | None = None,
+             base: tuple[nn.Module, object] | None = None, progress: bool | None = None) -> dict:
+    """Run the protocol; returns ``{"summary", "records", "timings"}`` (records hold raw generations)."""
+    cfg = config or WildConfig()
+    kinds: list[tuple[int, str, str, str]] = []  # (edit index, kind, question, gold)
+    for i, r in enumerate(requests):
+        kinds.append((i, "rel", r.prompt, r.target))
+        kinds += [(i, "gen", p, r.target) for p in r.rephrase_prompts]
+        kinds += [(i, "loc", p, a) for p, a in r.locality]
+    rendered = [render_prompt(tokenizer, q, cfg.context) for _, _, q, _ in kinds]
+    gen_kw = dict(max_new_tokens=cfg.max_new_tokens, stop=cfg.stop, batch_size=cfg.batch_size,
+                  add_special_tokens=cfg.context != "chat", progress=progress)
+    t0 = time.perf_counter()
+    answers = generate_answers(model, tokenizer, rendered, desc="WILD generate", **gen_kw)
+    t_gen = time.perf_counter() - t0
+    base_answers: dict[int, str] = {}
+    t_base = 0.0
+    if base is not None:
+        loc_idx = [k for k, item in enumerate(kinds) if item[1] == "loc"]
+        bmodel, btok = base
+        t0 = time.perf_counter()
+        b_rendered = [render_prompt(btok, kinds[k][2], cfg.context) for k in loc_idx]
+        outs = generate_answers(bmodel, btok, b_rendered, desc="WILD base", **gen_kw)
+        base_answers = dict(zip(loc_idx, outs))
+        t_base = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    grades = judge.grade_many([(q, g, a) for (_, _, q, g), a in zip(kinds, answers)], progress=progress)
+    t_judge = time.perf_counter() - t0
+
+    records = [{"id": r.id, "prompt": r.prompt, "target": r.target, "rel": None, "gen": [], "loc": []}
+               for r in requests]
+    for k, ((i, kind, q, gold), ans, jd) in enumerate(zip(kinds, answers, grades)):
+        row = {"question": q, "gold": gold, "answer": ans, "correct": jd.correct, "reason": jd.reason}
+        if kind == "rel":
+            records[i]["rel"] = row
+        elif kind == "gen":
+            records[i]["gen"].append(row)
+        else:
+            if k in base_answers:
+                row["base_answer"] = base_answers[k]
+                row["agrees_with_base"] = normalize_answer(ans) == normalize_answer(base_answers[k])
+            records[i]["loc"].append(row)
+    summary = {
+        "rel": _mean([rec["rel"]["correct"] for rec in records]),
+        "gen": _mean([_mean([g["correct"] for g in rec["gen"]]) for rec in records]),
+        "loc_vs_answer": _mean([_mean([x["correct"] for x in rec["loc"]]) for rec in records]),
+        "loc_vs_base": (_mean([_mean([x["agrees_with_base"] for x in rec["loc"]]) for rec in records])
+                        if base is not None else None),
+        "n_edits": len(requests), "n_generations": len(answers) + len(base_answers),
+    }
+    return {"summary": summary, "records": records, "config": {**asdict(cfg), "stop": list(cfg.stop) + ["<eos>"]},
+            "timings": {"generate_s": round(t_gen, 2), "base_generate_s": round(t_base, 2),
+                        "judge_s": round(t_judge, 2)}}
