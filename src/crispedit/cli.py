@@ -15,6 +15,7 @@ from .errors import CrispEditError
 
 # Modules that add sub-commands: each defines add_cli(subparsers) and sets `func` on its parsers.
 _COMMAND_MODULES: list[str] = [
+    "crispedit.evaluation.cli",
     "crispedit.editing.session_cli",
     "crispedit.experiments.mnist_study",
 ]
