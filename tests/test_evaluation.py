@@ -285,6 +285,9 @@ def test_cli_eval_json_schema(tiny_model_dir, edits_file, tmp_path, protocol, ca
     (["--edits", "EDITS", "--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
     (["--edits", "EDITS", "--offset", "-1"], "offset must be non-negative"),
     (["--capabilities", "arc_challenge", "--num-fewshot", "x"], "--num-fewshot must be an integer"),
+    (["--capabilities", "arc_challenge", "--num-fewshot", "=3"], "--num-fewshot: expected task=N"),
+    (["--capabilities", "arc_challenge", "--limit", "arc_challenge=0"], "--limit arc_challenge must be a positive"),
+    (["--capabilities", "arc_challenge", "--limit", "hellaswag=5"], "unknown capability task 'hellaswag'"),
     ([], "nothing to evaluate"),
 ])
 def test_cli_eval_bad_input_writes_nothing(tiny_model_dir, edits_file, tmp_path, extra, msg, capsys, monkeypatch):
@@ -296,6 +299,15 @@ def test_cli_eval_bad_input_writes_nothing(tiny_model_dir, edits_file, tmp_path,
     err = capsys.readouterr().err.strip()
     assert rc != 0 and msg in err and len(err.splitlines()) == 1
     assert not out.exists() and not list(tmp_path.glob(".run.json*"))
+
+
+def test_parse_limit_and_fewshot():
+    from crispedit.evaluation.cli import _parse_fewshot, _parse_limit
+
+    assert _parse_limit("200") == 200 and _parse_limit("all") is None and _parse_limit(None) == 200
+    assert _parse_limit("arc=100, ifeval=all") == {"arc_challenge": 100, "ifeval": None}
+    assert _parse_fewshot(None) is None and _parse_fewshot("0") == 0
+    assert _parse_fewshot("arc_challenge=5,mmlu=0") == {"arc_challenge": 5, "mmlu": 0}
 
 
 def test_cli_eval_missing_bench_file(tiny_model_dir, tmp_path, capsys):

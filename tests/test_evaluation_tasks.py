@@ -64,6 +64,14 @@ def test_local_task_runs(lm, bench, task, shots, key, iso_cache):
     assert 0.0 <= res["score"] <= 1.0 and res["num_fewshot"] == shots
 
 
+def test_per_task_limits(lm, bench, iso_cache):
+    model, tok = lm
+    res = C.run_capabilities(model, tok, ["arc_challenge", "truthfulqa_mc2"], bench_dir=bench, num_fewshot=0,
+                             limit={"arc_challenge": 2, "truthfulqa_mc2": 4}, progress=False)
+    assert (res["arc_challenge"]["n"], res["truthfulqa_mc2"]["n"]) == (2, 4)
+    assert res["arc_challenge"]["limit"] == 2
+
+
 def test_mmlu_group_runs(lm, bench, iso_cache):
     model, tok = lm
     res = C.run_capabilities(model, tok, ["mmlu"], limit=1, bench_dir=bench, num_fewshot=1, progress=False)["mmlu"]

@@ -211,13 +211,14 @@ def _prefix_sharing_lm_class():
     return PrefixSharingHFLM
 
 
-def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit: int | None = 200,
+def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit: int | dict | None = 200,
                      bench_dir: str | os.PathLike | None = None, num_fewshot: int | dict | None = None,
                      apply_chat_template: bool = False, fewshot_as_multiturn: bool = False, batch_size: int = 8,
                      max_gen_toks: int | None = None, max_length: int | None = None,
                      share_prefix: bool = True, progress: bool | None = None) -> dict:
     """Run lm-eval tasks on the in-memory ``model``; returns ``{task: {score, metric, metrics, ...}}``.
 
+    ``limit``: items per task (per MMLU subject), None = all; or ``{task: limit}`` (unlisted tasks: 200).
     ``num_fewshot``: None = the paper's shots; an int for every task; or ``{task: shots}``.
     ``max_gen_toks`` caps generation for generative tasks (IFEval's own cap is 1280 tokens).
     ``share_prefix`` scores all choices of an item on one cached context (same numbers, faster).
@@ -252,9 +253,10 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
         shots = (num_fewshot.get(n, spec.shots) if isinstance(num_fewshot, dict)
                  else spec.shots if num_fewshot is None else int(num_fewshot))
         task_name = spec.local if root is not None else spec.hub
+        n_limit = limit.get(n, 200) if isinstance(limit, dict) else limit
         t0 = time.perf_counter()
         try:
-            res = simple_evaluate(model=lm, tasks=[task_name], num_fewshot=shots, limit=limit, task_manager=tm,
+            res = simple_evaluate(model=lm, tasks=[task_name], num_fewshot=shots, limit=n_limit, task_manager=tm,
                                   apply_chat_template=apply_chat_template,
                                   fewshot_as_multiturn=fewshot_as_multiturn and apply_chat_template,
                                   gen_kwargs=({"max_gen_toks": int(max_gen_toks)} if max_gen_toks else None),
@@ -271,7 +273,7 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
         count = (sum(v.get("effective", 0) for k, v in n_items.items()) if n == "mmlu"
                  else n_items.get(task_name, {}).get("effective"))
         out[n] = {"score": metrics.get(spec.metric), "metric": spec.metric, "metrics": metrics,
-                  "num_fewshot": shots, "n": count, "source": "local" if root is not None else "hub",
+                  "num_fewshot": shots, "limit": n_limit, "n": count, "source": "local" if root is not None else "hub",
                   "seconds": round(time.perf_counter() - t0, 2)}
         if progress is not False:
             print(f"  {n}: {spec.metric} = {out[n]['score']} ({count} items, {out[n]['seconds']:.0f}s)", flush=True)

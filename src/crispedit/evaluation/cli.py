@@ -49,7 +49,30 @@ def _parse_fewshot(spec: str | None):
             raise CrispEditError(f"--num-fewshot: bad shot count in {item!r}") from None
         if shots < 0:
             raise CrispEditError(f"--num-fewshot: shot count must be non-negative in {item!r}")
-        out[parse_tasks(task)[0]] = shots
+        names = parse_tasks(task)
+        if len(names) != 1:
+            raise CrispEditError(f"--num-fewshot: expected task=N, got {item!r}")
+        out[names[0]] = shots
+    return out
+
+
+def _parse_limit(spec):
+    """"200" | "all" | "arc_challenge=100,ifeval=50" -> 200 | None | {task: int or None} (unlisted: 200)."""
+    from .capabilities import parse_tasks
+
+    def one(name: str, v: str):
+        return None if v.strip().lower() == "all" else check_positive_int(name, v)
+
+    spec = "200" if spec is None else str(spec)
+    if "=" not in spec:
+        return one("--limit", spec)
+    out = {}
+    for item in spec.split(","):
+        task, _, n = item.partition("=")
+        names = parse_tasks(task)
+        if len(names) != 1:
+            raise CrispEditError(f"--limit: expected task=N, got {item!r}")
+        out[names[0]] = one(f"--limit {task.strip()}", n)
     return out
 
 
@@ -64,7 +87,7 @@ def run_eval(args) -> dict:
     if args.protocol not in PROTOCOLS:
         raise CrispEditError(f"unknown protocol {args.protocol!r} (use wild or teacher-forced)")
     tasks = parse_tasks(args.capabilities)
-    limit = None if str(args.limit).strip().lower() in ("all",) else check_positive_int("--limit", args.limit)
+    limit = _parse_limit(args.limit)
     n_edits = None if args.n_edits is None else check_positive_int("--n-edits", args.n_edits)
     check_positive_int("--batch-size", args.batch_size)
     check_positive_int("--kl-texts", args.kl_texts)
@@ -210,7 +233,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--capabilities", default="none",
                    help="comma list of arc_challenge,mmlu,gsm8k_cot,truthfulqa_mc2,ifeval, 'all' or 'none'")
     p.add_argument("--limit", default="200", help="items per capability task (per MMLU subject: first N of each); "
-                   "'all' for no limit (default 200, as in the paper)")
+                   "'all' for no limit; or per task: arc_challenge=100,ifeval=50 (others 200). Default 200, as in "
+                   "the paper")
     p.add_argument("--bench-dir", default=None, help="local benchmark files (default $CRISPEDIT_BENCH_DIR; "
                    "without either, the hub)")
     p.add_argument("--num-fewshot", default=None, help="shots for every task (e.g. 0) or per task "
