@@ -84,9 +84,9 @@ def test_ggn_equals_jacobian_products_assembled_by_hand(tiny):
         ref += J.T @ H @ J
     ref /= X.shape[0]
     torch.testing.assert_close(G, ref, rtol=1e-10, atol=1e-13)
-    L = ce_hessian_sqrt(torch.randn(3, 4, dtype=D64))
-    p = torch.softmax(torch.randn(3, 4, dtype=D64), -1)
-    assert L.shape == (3, 4, 4) and p.shape == (3, 4)
+    logits = torch.randn(3, 4, dtype=D64)
+    L, p = ce_hessian_sqrt(logits), torch.softmax(logits, -1)
+    torch.testing.assert_close(L.transpose(1, 2) @ L, torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1))
 
 
 def test_ggn_is_the_hessian_of_the_bregman_divergence(tiny):
@@ -140,7 +140,6 @@ def test_activation_nullspace_is_in_gauss_newton_nullspace(layer):
     null_G = int((torch.linalg.eigvalsh(G) < 1e-10 * g_scale).sum())
     null_K = int(proj.mask.sum()) * d_out
     assert 0 < null_K <= null_G
-    rows = factors  # noqa: F841 - the covariance came from these rows
     for _ in range(5):
         dW = proj.project(torch.randn(d_out, A.shape[0], dtype=D64))
         assert float(dW.norm()) > 0.1

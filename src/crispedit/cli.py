@@ -60,7 +60,8 @@ def cmd_edit(args) -> int:
 
         capability_corpus(args.cap_corpus, config.n_cap)
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
+                          progress=False if args.quiet else None)
     report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
                           edits_path=str(args.edits), cache_file=args.cache, progress=None if not args.quiet else False)
     s = report["summary"]
@@ -79,7 +80,8 @@ def cmd_cache_build(args) -> int:
     config = EditConfig(layers=args.layers, n_cap=args.n_cap, max_len=args.max_len, label_mode=args.label_mode,
                         kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus, seed=args.seed)
     texts = capability_corpus(config.cap_corpus, config.n_cap)
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
+                          progress=False if args.quiet else None)
     layers = resolve_layers(model, config.layers)
     fp = weight_fingerprint(model)
     factors, info = capability_factors(model, tok, layers, config, cache_root=args.cache_dir or cache_dir(),

@@ -18,11 +18,13 @@ per architecture (the MLP output projection of five consecutive blocks starting 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,21 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _hf_progress(progress: bool | None):
+    """Show transformers' own progress bars (weight loading, GGUF conversion) only when asked, or by
+    default when stderr is a terminal; restore the previous setting afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if show else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
 def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:
     """Dequantise a GGUF file once into a cached Hugging Face directory; return that directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,8 +131,9 @@ def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:
     if (target / "config.json").is_file() and (target / "crispedit_source.json").is_file():
         return target
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        with _hf_progress(progress):
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many kinds here
         raise CrispEditError(f"could not read GGUF file {path}: {str(exc).splitlines()[0]}") from exc
     # The dequantised weights are plain floats: drop the GGUF quantiser so save_pretrained works.
@@ -130,8 +148,9 @@ def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:
 
 
 def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None, device: str | None = None,
-               trust_remote_code: bool = False):
-    """Return ``(model, tokenizer)`` for ``spec`` (see module docstring). The model is in eval mode."""
+               trust_remote_code: bool = False, progress: bool | None = None):
+    """Return ``(model, tokenizer)`` for ``spec`` (see module docstring). The model is in eval mode.
+    ``progress``: show conversion/loading bars (default: only when stderr is a terminal)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(spec, tuple) and len(spec) == 2:
@@ -143,9 +162,9 @@ def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None,
     spec_s = str(spec)
     torch_dtype = _dtype(dtype)
     if spec_s.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
-        source = convert_gguf(smollm2_gguf_path())
+        source = convert_gguf(smollm2_gguf_path(), progress=progress)
     elif spec_s.endswith(".gguf"):
-        source = convert_gguf(Path(spec_s).expanduser())
+        source = convert_gguf(Path(spec_s).expanduser(), progress=progress)
     elif Path(spec_s).expanduser().is_dir():
         source = Path(spec_s).expanduser()
         if not (source / "config.json").is_file():
@@ -155,8 +174,10 @@ def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None,
     else:
         source = spec_s  # hub id
     try:
-        tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        with _hf_progress(progress):
+            tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype,
+                                                         trust_remote_code=trust_remote_code)
     except OSError as exc:
         raise CrispEditError(f"could not load model {spec_s!r}: {str(exc).splitlines()[0]}") from exc
     if device:

@@ -139,7 +139,7 @@ class Session:
         if path.exists() and any(path.iterdir()):
             raise CrispEditError(f"{path} exists and is not a crispedit session; refusing to overwrite")
         spec = "<in-memory>" if isinstance(model, tuple) else str(model)
-        m, tok = load_model(model, dtype=None if isinstance(model, tuple) else dtype, device=device)
+        m, tok = load_model(model, dtype=None if isinstance(model, tuple) else dtype, device=device, progress=progress)
         fp = weight_fingerprint(m)
         layers = resolve_layers(m, config.edit.layers)
         meta = {"format": SESSION_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -447,6 +447,8 @@ def plot_retention(statuses: Sequence[dict], out: str | Path, labels: Sequence[s
     ax = axes[0][n]
     for st, label in zip(statuses, labels):
         ax.plot([r["round"] for r in st["rounds"]], [r["kl_drift"] for r in st["rounds"]], marker="o", label=label)
+    K = max((len(st["rounds"]) for st in statuses), default=0)
+    ax.set_xticks(range(1, K + 1) if K else [])
     ax.set_title("KL drift on held-out text")
     ax.set_xlabel("after round")
     ax.set_ylabel("KL(base || edited) per token")

@@ -13,14 +13,11 @@ def _fmt(x, nd: int = 3) -> str:
 
 
 def cmd_init(args) -> int:
-    from .config import EditConfig
+    from ..cli import _config_from_args
     from .sequential import SeqConfig
     from .session import Session
 
-    edit = EditConfig(method=args.method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
-                      epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
-                      label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
-                      seed=args.seed)
+    edit = _config_from_args(args)  # the same mapping of training/curvature flags as `crispedit edit`
     config = SeqConfig(edit=edit, mode=args.mode, weighting=args.weighting, mix=args.mix,
                        carry_optimizer=not args.no_carry_optimizer, reproject_momentum=not args.no_reproject_momentum,
                        recompute_drift=args.recompute_drift, kl_text=args.kl_text, kl_texts=args.kl_texts)

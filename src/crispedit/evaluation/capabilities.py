@@ -126,9 +126,9 @@ def ensure_punkt_offline(root: str | os.PathLike | None = None) -> Path:
     return data_dir
 
 
-def _quiet_lm_eval() -> None:
+def _quiet_lm_eval(level: int = logging.WARNING) -> None:
     for name in ("lm_eval", "lm-eval", "datasets"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(name).setLevel(level)
 
 
 def _scalar_metrics(d: dict) -> dict:
@@ -234,7 +234,7 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
             required_files(n, root)  # fail before any model work, naming the missing file
     if "ifeval" in names:
         ensure_punkt_offline()
-    _quiet_lm_eval()
+    _quiet_lm_eval(logging.ERROR if progress is False else logging.WARNING)
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -260,7 +260,8 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
                                   apply_chat_template=apply_chat_template,
                                   fewshot_as_multiturn=fewshot_as_multiturn and apply_chat_template,
                                   gen_kwargs=({"max_gen_toks": int(max_gen_toks)} if max_gen_toks else None),
-                                  log_samples=False, bootstrap_iters=0, verbosity="WARNING")
+                                  log_samples=False, bootstrap_iters=0,
+                                  verbosity="ERROR" if progress is False else "WARNING")
         except CrispEditError:
             raise
         except Exception as exc:

@@ -117,10 +117,12 @@ def run_eval(args) -> dict:
     progress = False if args.quiet else None
     timings: dict = {}
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
+                          progress=False if args.quiet else None)
     base = None
     if args.base:
-        base = load_model(args.base, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+        base = load_model(args.base, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
+                          progress=False if args.quiet else None)
     timings["load_s"] = round(time.perf_counter() - t0, 2)
 
     edit: dict = {}
@@ -148,7 +150,7 @@ def run_eval(args) -> dict:
         details = run_capabilities(model, tok, tasks, limit=limit, bench_dir=bench, num_fewshot=fewshot,
                                    apply_chat_template=args.chat_template, fewshot_as_multiturn=args.fewshot_multiturn,
                                    batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
-                                   progress=not args.quiet)
+                                   progress=progress)
         capabilities.update({t: d["score"] for t, d in details.items()})
         timings["capabilities_s"] = round(time.perf_counter() - t0, 2)
         timings.update({f"{t}_s": d["seconds"] for t, d in details.items()})
