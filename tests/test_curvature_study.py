@@ -200,6 +200,27 @@ def _write_idx(path: Path, arr: np.ndarray, truncate: int = 0) -> None:
         fh.write(raw[:len(raw) - truncate])
 
 
+def test_hessian_abs_masks_negative_curvature_that_the_clamped_hessian_keeps():
+    # H = Q diag(4, 2, -3, 1e-6) Q^T. Clamped: spectrum (4, 2, 0, 1e-6), gamma = 0.7 masks 4 and 2 and
+    # keeps the -3 direction as if flat. By |lambda|: (4, 3, 2, 1e-6), gamma = 0.7 of 9 masks 4 and -3.
+    torch.manual_seed(0)
+    Q, _ = torch.linalg.qr(torch.randn(4, 4, dtype=D64))
+    lam = torch.tensor([4.0, 2.0, -3.0, 1e-6], dtype=D64)
+    H = Q @ torch.diag(lam) @ Q.T
+    layout = None  # only the projector's basis is examined
+    neg = Q[:, 2]
+    clamped = mnist_study.DenseCurvature("hessian", H, layout).projector(0.7).projector
+    absolute = mnist_study.DenseCurvature("hessian_abs", H, layout, absolute=True).projector(0.7).projector
+    P_c, P_a = clamped.dense(), absolute.dense()
+    torch.testing.assert_close(P_c @ neg, neg)                      # kept: counted as flat
+    torch.testing.assert_close(P_c @ Q[:, 1], torch.zeros_like(neg), atol=1e-12, rtol=0)
+    torch.testing.assert_close(P_a @ neg, torch.zeros_like(neg), atol=1e-12, rtol=0)  # masked
+    torch.testing.assert_close(P_a @ Q[:, 0], torch.zeros_like(neg), atol=1e-12, rtol=0)
+    torch.testing.assert_close(P_a @ Q[:, 1], Q[:, 1])
+    torch.testing.assert_close(P_a @ Q[:, 3], Q[:, 3])
+    assert clamped._kept == absolute._kept == 2
+
+
 def test_idx_reader_and_its_errors(tmp_path):
     imgs = (np.arange(3 * 28 * 28) % 256).astype(np.uint8).reshape(3, 28, 28)
     _write_idx(tmp_path / "imgs.gz", imgs)

@@ -5,7 +5,9 @@ edit) with projected SGD in the gamma-approximate nullspace of a curvature model
 training loss, for ``gamma = 1 - 10^-k`` over a sweep of ``k``, and for each curvature model:
 
 =================  ==============================================================================
-``hessian``        exact Hessian of the loss on the curvature subset, whole parameter vector
+``hessian``        exact Hessian of the loss on the curvature subset, whole parameter vector; negative
+                   eigenvalues are clamped to 0, so negative-curvature directions count as flat (kept)
+``hessian_abs``    the same Hessian ranked by ``|lambda|``: strongly negative directions are masked too
 ``ggn``            exact Gauss-Newton matrix ``E[J^T H J]`` (= Hessian of the Bregman divergence)
 ``kfac``           K-FAC ``A (x) S`` per layer (exact label expectation), layer-wise projector
 ``ekfac``          K-FAC eigenbasis with re-fitted (per-example) eigenvalues, layer-wise
@@ -53,9 +55,10 @@ __all__ = [
     "add_cli",
 ]
 
-METHODS = ("none", "activation_cov", "kfac", "ekfac", "ggn", "hessian")  # cheap first
+METHODS = ("none", "activation_cov", "kfac", "ekfac", "ggn", "hessian", "hessian_abs")  # cheap first
 METHOD_LABELS = {
     "hessian": "Hessian (exact)",
+    "hessian_abs": "|Hessian| (exact)",
     "ggn": "Gauss-Newton (exact)",
     "kfac": "K-FAC",
     "ekfac": "EK-FAC",
@@ -284,9 +287,15 @@ class Curvature:
 class DenseCurvature(Curvature):
     """Eigendecomposition of a dense curvature matrix over all weights, shared by every gamma."""
 
-    def __init__(self, method: str, matrix: Tensor, layout: ParamLayout, count_negative: bool = False):
+    def __init__(self, method: str, matrix: Tensor, layout: ParamLayout, count_negative: bool = False,
+                 absolute: bool = False):
         self.method, self.layout = method, layout
-        self.eigvals, self.U = eigh_psd(matrix)  # negative eigenvalues (Hessian) are clamped to 0: kept
+        if absolute:  # rank by |lambda|: a strongly negative direction is curved, not flat
+            ev, U = torch.linalg.eigh(0.5 * (matrix + matrix.T).to(torch.float64))
+            order = torch.argsort(ev.abs(), descending=True, stable=True)
+            self.eigvals, self.U = ev.abs()[order], U[:, order]
+        else:
+            self.eigvals, self.U = eigh_psd(matrix)  # negative eigenvalues (Hessian) are clamped to 0: kept
         self.spectrum: dict = {"trace": float(matrix.trace()), "max": float(self.eigvals[0])}
         if count_negative:
             raw = torch.linalg.eigvalsh(0.5 * (matrix + matrix.T))
@@ -319,19 +328,19 @@ class KroneckerCurvature(Curvature):
 
 
 def compute_curvature(method: str, model: SmallLeNet, data: ImageSplit, cfg: MnistStudyConfig,
-                      progress: bool | None = None, count_negative: bool = False) -> Curvature:
-    """Curvature model ``method`` of the mean MNIST loss on ``data`` at the model's current weights."""
+                      progress: bool | None = None, count_negative: bool = False,
+                      hessian: Tensor | None = None) -> Curvature:
+    """Curvature model ``method`` of the mean MNIST loss on ``data`` at the model's current weights.
+    ``hessian``: that Hessian, if already computed (``hessian`` and ``hessian_abs`` share it)."""
     batches = [(data.images[i:i + cfg.curvature_batch], data.labels[i:i + cfg.curvature_batch])
                for i in range(0, len(data), cfg.curvature_batch)]
     layout = ParamLayout.of(model)
     if method == "ggn":
         G = ggn_matrix(model, data.images, layout=layout, batch_size=cfg.curvature_batch, progress=progress)
         return DenseCurvature(method, G, layout)
-    if method == "hessian":
-        largest = max(layout.names, key=lambda n: math.prod(dict(model.named_parameters())[n].shape))
-        H = hessian_matrix(model, data.images, data.labels, layout=layout, batch_size=cfg.curvature_batch,
-                           linear_param=largest, progress=progress)
-        return DenseCurvature(method, H, layout, count_negative)
+    if method in ("hessian", "hessian_abs"):
+        H = hessian if hessian is not None else hessian_at(model, data, cfg, progress)
+        return DenseCurvature(method, H, layout, count_negative, absolute=method == "hessian_abs")
     factors = collect_classifier_kfac(model, batches, model.layer_names, mode=cfg.kfac_output_grads, seed=cfg.seed)
     if method == "ekfac":
         ek = collect_classifier_ekfac(model, batches, mode=cfg.kfac_output_grads, per=cfg.ekfac_per, seed=cfg.seed,
@@ -340,6 +349,14 @@ def compute_curvature(method: str, model: SmallLeNet, data: ImageSplit, cfg: Mni
     if method in ("kfac", "activation_cov"):
         return KroneckerCurvature(method, model, factors)
     raise CrispEditError(f"unknown method {method!r}")
+
+
+def hessian_at(model: SmallLeNet, data: ImageSplit, cfg: MnistStudyConfig, progress: bool | None = None) -> Tensor:
+    """The dense Hessian of the mean MNIST loss on ``data`` at the model's current weights."""
+    layout = ParamLayout.of(model)
+    largest = max(layout.names, key=lambda n: math.prod(dict(model.named_parameters())[n].shape))
+    return hessian_matrix(model, data.images, data.labels, layout=layout, batch_size=cfg.curvature_batch,
+                          linear_param=largest, progress=progress)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -437,6 +454,7 @@ def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Ca
 
     rows = [_row("pretrained", None, pre["mnist_acc"], pre["fashion_acc"], 0, n_params, 0.0)]
     curvature_info: dict[str, dict] = {}
+    hessian0: list[Tensor] = []  # the Hessian at the pre-trained weights, shared by hessian and hessian_abs
     from .study_report import write_csv, write_plot
 
     def report(done: bool) -> dict:
@@ -467,7 +485,10 @@ def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Ca
             save_partial()
             continue
         t0 = time.perf_counter()
-        curv0 = compute_curvature(method, model, curv_data, cfg, progress, count_negative=True)
+        if method in ("hessian", "hessian_abs") and not hessian0:
+            hessian0.append(hessian_at(model, curv_data, cfg, progress))
+        curv0 = compute_curvature(method, model, curv_data, cfg, progress, count_negative=True,
+                                  hessian=hessian0[0] if hessian0 else None)
         curvature_info[method] = {"seconds_at_theta0": round(time.perf_counter() - t0, 2)}
         if isinstance(curv0, DenseCurvature):
             curvature_info[method]["spectrum"] = curv0.spectrum

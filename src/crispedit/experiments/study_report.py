@@ -15,6 +15,7 @@ CSV_FIELDS = ["method", "k", "gamma", "mnist_acc", "fashion_acc", "kept_dims", "
 
 _STYLE = {  # method -> (label, colour, marker)
     "hessian": ("Hessian (exact)", "#000000", "o"),
+    "hessian_abs": ("|Hessian| (exact, ranked by |λ|)", "#7f7f7f", "P"),
     "ggn": ("Gauss-Newton (exact)", "#d62728", "s"),
     "kfac": ("K-FAC", "#1f77b4", "^"),
     "ekfac": ("EK-FAC", "#2ca02c", "v"),
