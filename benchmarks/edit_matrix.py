@@ -68,8 +68,10 @@ def main() -> None:
         results.append(row)
         print(f"{method:10} {labels:9} {target:8} {gamma:5.2f} {summary['rel']:6.3f} {summary['gen']:6.3f} {summary['kl_drift']:10.6f} "
               f"{summary['ppl']:8.3f} {row['epochs']:6d} {row['edit_seconds']:7.1f} {kept:6.3f}", flush=True)
+        if args.out:  # rewritten after every run: an interrupted matrix keeps the rows it finished
+            atomic_write_json(args.out, {"args": vars(args), "environment": environment(), "results": results,
+                                         "complete": len(results) == len(runs)})
     if args.out:
-        atomic_write_json(args.out, {"args": vars(args), "environment": environment(), "results": results})
         print(f"written to {args.out}")
 
 
