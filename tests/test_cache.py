@@ -85,3 +85,24 @@ def test_fingerprint_tracks_weights(tiny_lm):
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight[0, 0] += 1e-3
     assert weight_fingerprint(model) != fp
+
+
+def test_atomic_writes_leave_normal_permissions(tmp_path):
+    """safetensors writes 0600 files; crispedit's outputs (caches, sessions, saved models) follow the umask."""
+    import stat
+
+    from safetensors.torch import save_file
+
+    from crispedit.errors import atomic_directory, atomic_save_safetensors, atomic_write_json
+
+    old = os.umask(0o022)
+    try:
+        atomic_save_safetensors(tmp_path / "t.safetensors", {"x": torch.zeros(2)})
+        atomic_write_json(tmp_path / "j.json", {"a": 1})
+        with atomic_directory(tmp_path / "model") as d:
+            save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
+    finally:
+        os.umask(old)
+    for f in (tmp_path / "t.safetensors", tmp_path / "j.json", tmp_path / "model" / "model.safetensors"):
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o644, f
+    assert stat.S_IMODE(os.stat(tmp_path / "model").st_mode) == 0o755

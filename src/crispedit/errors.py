@@ -56,8 +56,8 @@ def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: di
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        os.chmod(tmp, _umask_mode())
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.chmod(tmp, _umask_mode())  # safetensors always writes 0600; give the file normal permissions
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -79,6 +79,9 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     try:
         os.chmod(tmp, _umask_mode(0o777))
         yield tmp
+        for f in tmp.rglob("*"):  # safetensors (save_pretrained too) writes 0600 files: normal permissions
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, _umask_mode())
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.rmdir(old)
