@@ -64,6 +64,18 @@ def test_local_task_runs(lm, bench, task, shots, key, iso_cache):
     assert 0.0 <= res["score"] <= 1.0 and res["num_fewshot"] == shots
 
 
+def test_quiet_capabilities_draw_no_bars(lm, bench, iso_cache, capfd):
+    """progress=False hides lm-eval's own request-building bar too, and puts it back afterwards."""
+    import lm_eval.api.task as lm_task
+
+    before = lm_task.tqdm
+    model, tok = lm
+    C.run_capabilities(model, tok, ["arc_challenge"], limit=2, bench_dir=bench, num_fewshot=0, progress=False)
+    err = capfd.readouterr().err
+    assert "it/s" not in err and "%|" not in err, err[-500:]
+    assert lm_task.tqdm is before
+
+
 def test_per_task_limits(lm, bench, iso_cache):
     model, tok = lm
     res = C.run_capabilities(model, tok, ["arc_challenge", "truthfulqa_mc2"], bench_dir=bench, num_fewshot=0,

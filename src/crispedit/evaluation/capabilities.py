@@ -19,8 +19,11 @@ perplexities on held-out text (``drift.kl_drift`` against a second, base model).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +127,24 @@ def ensure_punkt_offline(root: str | os.PathLike | None = None) -> Path:
     if str(data_dir) not in nltk.data.path:
         nltk.data.path.insert(0, str(data_dir))
     return data_dir
+
+
+@contextlib.contextmanager
+def _lm_eval_request_bars(progress: bool | None):
+    """lm-eval draws an unconditional tqdm bar while it builds each task's requests; hide it when
+    progress is off (``False``, or ``None`` with stderr not a terminal) and restore it afterwards."""
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    import lm_eval.api.task as lm_task
+
+    saved = getattr(lm_task, "tqdm", None)
+    if show or saved is None:
+        yield
+        return
+    lm_task.tqdm = functools.partial(saved, disable=True)
+    try:
+        yield
+    finally:
+        lm_task.tqdm = saved
 
 
 def _quiet_lm_eval(level: int = logging.WARNING) -> None:
@@ -256,12 +277,13 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
         n_limit = limit.get(n, 200) if isinstance(limit, dict) else limit
         t0 = time.perf_counter()
         try:
-            res = simple_evaluate(model=lm, tasks=[task_name], num_fewshot=shots, limit=n_limit, task_manager=tm,
-                                  apply_chat_template=apply_chat_template,
-                                  fewshot_as_multiturn=fewshot_as_multiturn and apply_chat_template,
-                                  gen_kwargs=({"max_gen_toks": int(max_gen_toks)} if max_gen_toks else None),
-                                  log_samples=False, bootstrap_iters=0,
-                                  verbosity="ERROR" if progress is False else "WARNING")
+            with _lm_eval_request_bars(progress):
+                res = simple_evaluate(model=lm, tasks=[task_name], num_fewshot=shots, limit=n_limit, task_manager=tm,
+                                      apply_chat_template=apply_chat_template,
+                                      fewshot_as_multiturn=fewshot_as_multiturn and apply_chat_template,
+                                      gen_kwargs=({"max_gen_toks": int(max_gen_toks)} if max_gen_toks else None),
+                                      log_samples=False, bootstrap_iters=0,
+                                      verbosity="ERROR" if progress is False else "WARNING")
         except CrispEditError:
             raise
         except Exception as exc:
