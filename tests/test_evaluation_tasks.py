@@ -70,7 +70,8 @@ def test_quiet_capabilities_draw_no_bars(lm, bench, iso_cache, capfd):
 
     before = lm_task.tqdm
     model, tok = lm
-    C.run_capabilities(model, tok, ["arc_challenge"], limit=2, bench_dir=bench, num_fewshot=0, progress=False)
+    C.run_capabilities(model, tok, ["arc_challenge", "ifeval"], limit=2, bench_dir=bench, num_fewshot=0,
+                       max_gen_toks=4, progress=False)
     err = capfd.readouterr().err
     assert "it/s" not in err and "%|" not in err, err[-500:]
     assert lm_task.tqdm is before

@@ -264,6 +264,10 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
     lm_cls = _prefix_sharing_lm_class() if share_prefix else HFLM
     lm = lm_cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
               max_length=max_length)
+    if not (sys.stderr.isatty() if progress is None else bool(progress)):
+        # the evaluator calls these without disable_tqdm: bind it on this instance only
+        for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
+            setattr(lm, name, functools.partial(getattr(lm, name), disable_tqdm=True))
     if root is not None:
         tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"bench_dir": str(root)})
     else:
