@@ -60,10 +60,11 @@ def cmd_edit(args) -> int:
 
         capability_corpus(args.cap_corpus, config.n_cap)
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
+    progress = False if args.quiet else None
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                          progress=False if args.quiet else None)
+                            progress=progress)
     report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
-                          edits_path=str(args.edits), cache_file=args.cache, progress=None if not args.quiet else False)
+                          edits_path=str(args.edits), cache_file=args.cache, progress=progress)
     s = report["summary"]
     print(f"{config.method}: {len(requests)} edits, rel={s['rel']} gen={s['gen']} kl_drift={s['kl_drift']:.5f} "
           f"edit={s['edit_seconds']:.1f}s cache={s['cache_seconds']:.1f}s epochs={report['training']['epochs']}")
@@ -80,12 +81,13 @@ def cmd_cache_build(args) -> int:
     config = EditConfig(layers=args.layers, n_cap=args.n_cap, max_len=args.max_len, label_mode=args.label_mode,
                         kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus, seed=args.seed)
     texts = capability_corpus(config.cap_corpus, config.n_cap)
+    progress = False if args.quiet else None
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                          progress=False if args.quiet else None)
+                            progress=progress)
     layers = resolve_layers(model, config.layers)
     fp = weight_fingerprint(model)
     factors, info = capability_factors(model, tok, layers, config, cache_root=args.cache_dir or cache_dir(),
-                                       fingerprint=fp, force=args.force, progress=None if not args.quiet else False)
+                                       fingerprint=fp, force=args.force, progress=progress)
     path = info["path"]
     if args.out:
         save_factors(args.out, factors, curvature_spec(model, list(layers), texts, config, fp),

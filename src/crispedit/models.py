@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 
 from .errors import CrispEditError, atomic_directory
+from .progress import show_progress
 
 __all__ = [
     "cache_dir",
@@ -111,7 +111,7 @@ def _hf_progress(progress: bool | None):
     default when stderr is a terminal; restore the previous setting afterwards."""
     from transformers.utils import logging as hf_logging
 
-    show = sys.stderr.isatty() if progress is None else bool(progress)
+    show = show_progress(progress)
     was = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if show else hf_logging.disable_progress_bar)()
     try:

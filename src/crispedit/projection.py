@@ -28,6 +28,7 @@ from .errors import check_gamma
 __all__ = [
     "energy_keep_mask",
     "eigh_psd",
+    "eigh_sym",
     "vec",
     "unvec",
     "LayerProjector",
@@ -48,12 +49,9 @@ def unvec(v: Tensor, d_out: int, d_in: int) -> Tensor:
     return v.reshape(d_in, d_out).T
 
 
-def eigh_psd(M: Tensor, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
-    """Eigendecomposition of a symmetric PSD matrix in ``dtype``.
-
-    The matrix is symmetrised first; tiny negative eigenvalues produced by round-off are clamped to
-    zero. Eigenvalues are returned in *decreasing* order with matching eigenvector columns.
-    """
+def eigh_sym(M: Tensor, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Eigendecomposition of a symmetric matrix in ``dtype`` (symmetrised first), eigenvalues in
+    *increasing* order, unclamped."""
     Md = M.detach().to(dtype)
     Md = 0.5 * (Md + Md.T)
     if Md.device.type == "cpu":
@@ -61,11 +59,18 @@ def eigh_psd(M: Tensor, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Ten
         import numpy as np
 
         ev, U = np.linalg.eigh(Md.numpy())
-        evals, evecs = torch.from_numpy(ev), torch.from_numpy(U)
-    else:
-        evals, evecs = torch.linalg.eigh(Md)
-    evals = evals.clamp_min(0.0)
-    return evals.flip(0), evecs.flip(1)
+        return torch.from_numpy(ev), torch.from_numpy(U)
+    return torch.linalg.eigh(Md)
+
+
+def eigh_psd(M: Tensor, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Eigendecomposition of a symmetric PSD matrix in ``dtype``.
+
+    The matrix is symmetrised first; tiny negative eigenvalues produced by round-off are clamped to
+    zero. Eigenvalues are returned in *decreasing* order with matching eigenvector columns.
+    """
+    evals, evecs = eigh_sym(M, dtype)
+    return evals.clamp_min(0.0).flip(0), evecs.flip(1)
 
 
 def energy_keep_mask(eigvals: Tensor, gamma: float) -> Tensor:

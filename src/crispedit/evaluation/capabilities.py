@@ -23,7 +23,6 @@ import contextlib
 import functools
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Sequence
 from torch import nn
 
 from ..errors import CrispEditError
+from ..progress import show_progress
 from .bench_data import required_files
 
 __all__ = ["CapabilityTask", "TASKS", "TASKS_DIR", "parse_tasks", "resolve_bench_dir", "ensure_punkt_offline",
@@ -130,10 +130,9 @@ def ensure_punkt_offline(root: str | os.PathLike | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def _lm_eval_request_bars(progress: bool | None):
-    """lm-eval draws an unconditional tqdm bar while it builds each task's requests; hide it when
-    progress is off (``False``, or ``None`` with stderr not a terminal) and restore it afterwards."""
-    show = sys.stderr.isatty() if progress is None else bool(progress)
+def _lm_eval_request_bars(show: bool):
+    """lm-eval draws an unconditional tqdm bar while it builds each task's requests; hide it unless
+    ``show`` and restore it afterwards."""
     import lm_eval.api.task as lm_task
 
     saved = getattr(lm_task, "tqdm", None)
@@ -264,7 +263,8 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
     lm_cls = _prefix_sharing_lm_class() if share_prefix else HFLM
     lm = lm_cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
               max_length=max_length)
-    if not (sys.stderr.isatty() if progress is None else bool(progress)):
+    show = show_progress(progress)
+    if not show:
         # the evaluator calls these without disable_tqdm: bind it on this instance only
         for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
             setattr(lm, name, functools.partial(getattr(lm, name), disable_tqdm=True))
@@ -281,7 +281,7 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
         n_limit = limit.get(n, 200) if isinstance(limit, dict) else limit
         t0 = time.perf_counter()
         try:
-            with _lm_eval_request_bars(progress):
+            with _lm_eval_request_bars(show):
                 res = simple_evaluate(model=lm, tasks=[task_name], num_fewshot=shots, limit=n_limit, task_manager=tm,
                                       apply_chat_template=apply_chat_template,
                                       fewshot_as_multiturn=fewshot_as_multiturn and apply_chat_template,

@@ -118,11 +118,11 @@ def run_eval(args) -> dict:
     timings: dict = {}
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                          progress=False if args.quiet else None)
+                          progress=progress)
     base = None
     if args.base:
         base = load_model(args.base, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                          progress=False if args.quiet else None)
+                          progress=progress)
     timings["load_s"] = round(time.perf_counter() - t0, 2)
 
     edit: dict = {}

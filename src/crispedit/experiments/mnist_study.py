@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from ..curvature.ekfac import OutputGrads, collect_classifier_ekfac, collect_classifier_kfac
 from ..curvature.exact import ParamLayout, ggn_matrix, hessian_matrix
 from ..errors import CrispEditError, atomic_write_json, check_gamma
-from ..projection import DenseProjector, KroneckerProjector, eigh_psd, energy_keep_mask
+from ..projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
 from .idx_data import ImageSplit, load_dataset
 
 __all__ = [
@@ -290,15 +290,14 @@ class DenseCurvature(Curvature):
     def __init__(self, method: str, matrix: Tensor, layout: ParamLayout, count_negative: bool = False,
                  absolute: bool = False):
         self.method, self.layout = method, layout
+        raw, U = eigh_sym(matrix)  # one decomposition (increasing order) for the ranking and the spectrum facts
         if absolute:  # rank by |lambda|: a strongly negative direction is curved, not flat
-            ev, U = torch.linalg.eigh(0.5 * (matrix + matrix.T).to(torch.float64))
-            order = torch.argsort(ev.abs(), descending=True, stable=True)
-            self.eigvals, self.U = ev.abs()[order], U[:, order]
-        else:
-            self.eigvals, self.U = eigh_psd(matrix)  # negative eigenvalues (Hessian) are clamped to 0: kept
-        self.spectrum: dict = {"trace": float(matrix.trace()), "max": float(self.eigvals[0])}
+            order = torch.argsort(raw.abs(), descending=True, stable=True)
+            self.eigvals, self.U = raw.abs()[order], U[:, order]
+        else:  # negative eigenvalues (Hessian) are clamped to 0, i.e. kept as if flat
+            self.eigvals, self.U = raw.clamp_min(0.0).flip(0), U.flip(1)
+        self.spectrum: dict = {"trace": float(matrix.trace()), "max": float(raw[-1].clamp_min(0.0))}
         if count_negative:
-            raw = torch.linalg.eigvalsh(0.5 * (matrix + matrix.T))
             neg = raw[raw < 0]
             self.spectrum.update(negative=int(neg.numel()), most_negative=float(raw[0]),
                                  negative_mass=float(-neg.sum() / raw.abs().sum()))
@@ -454,7 +453,7 @@ def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Ca
 
     rows = [_row("pretrained", None, pre["mnist_acc"], pre["fashion_acc"], 0, n_params, 0.0)]
     curvature_info: dict[str, dict] = {}
-    hessian0: list[Tensor] = []  # the Hessian at the pre-trained weights, shared by hessian and hessian_abs
+    hessian0: Tensor | None = None  # the Hessian at the pre-trained weights, shared by hessian and hessian_abs
     from .study_report import write_csv, write_plot
 
     def report(done: bool) -> dict:
@@ -485,10 +484,11 @@ def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Ca
             save_partial()
             continue
         t0 = time.perf_counter()
-        if method in ("hessian", "hessian_abs") and not hessian0:
-            hessian0.append(hessian_at(model, curv_data, cfg, progress))
+        is_hessian = method in ("hessian", "hessian_abs")
+        if is_hessian and hessian0 is None:
+            hessian0 = hessian_at(model, curv_data, cfg, progress)
         curv0 = compute_curvature(method, model, curv_data, cfg, progress, count_negative=True,
-                                  hessian=hessian0[0] if hessian0 else None)
+                                  hessian=hessian0 if is_hessian else None)
         curvature_info[method] = {"seconds_at_theta0": round(time.perf_counter() - t0, 2)}
         if isinstance(curv0, DenseCurvature):
             curvature_info[method]["spectrum"] = curv0.spectrum
