@@ -1,78 +1,168 @@
-"""Edit-quality matrix on one model and one edit set: methods x label modes x projection targets.
+"""Edit-quality matrix / sweep on one model and one edit set: any EditConfig fields per run.
 
 Loads the model once, runs each configuration from the same base weights (restored between runs),
-and prints rel / gen / kl_drift / epochs / seconds, plus a JSON with the full configs and environment.
+and records teacher-forced rel / gen, KL drift, WILD rel / gen / locality under the qa, none (bare) and
+chat contexts (rule judge), epochs and seconds. Writes a JSON (full configs + environment, rewritten
+after every run), a markdown table and a PNG (WILD-QA rel and gen against KL drift, one point per run).
 
-    python benchmarks/edit_matrix.py --edits ../shared/data/edits/zsre_dev.json --offset 100 --n-edits 32 \
-        --epochs 100 --out runs/edit_matrix.json
+Runs are ``key=value`` pairs separated by ``;`` (any :class:`crispedit.EditConfig` field; values are
+parsed as numbers when they look like numbers), several runs separated by ``|``:
+
+    python benchmarks/edit_matrix.py --edits ../shared/data/edits/zsre_dev.json --offset 400 --n-edits 32 \\
+        --runs 'method=ft;contexts=bare;answer_end=none|method=crispedit|method=crispedit;gamma=0.9' \\
+        --out runs/sweep.json
+
+The older form ``method:labels:target[:gamma]`` (comma separated) is still accepted.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
+from pathlib import Path
 
 from crispedit.data import load_edits
 from crispedit.editing import EditConfig, edit, restore
-from crispedit.errors import atomic_write_json
+from crispedit.errors import atomic_write_bytes, atomic_write_json
+from crispedit.evaluation import RuleJudge
+from crispedit.evaluation.wild import wild_contexts
 from crispedit.models import load_model
 from crispedit.pipeline import environment, evaluate_edit
 
-DEFAULT_RUNS = [
-    ("crispedit", "sampled", "gradient"),
-    ("ft", "sampled", "gradient"),
-    ("adam-nscl", "sampled", "gradient"),
-    ("crispedit", "empirical", "gradient"),
-    ("crispedit", "sampled", "update"),
-    ("adam-nscl", "sampled", "update"),
-    # a second gamma for both projection targets: compares gradient vs update projection at equal drift
-    ("crispedit", "sampled", "gradient", 0.95),
-    ("crispedit", "sampled", "update", 0.95),
-    ("crispedit", "sampled", "gradient", 0.6),
-    ("crispedit", "sampled", "update", 0.6),
-]
+DEFAULT_RUNS = ("method=ft;contexts=bare;answer_end=none|method=crispedit;contexts=bare;answer_end=none|"
+                "method=ft|method=crispedit|method=crispedit;projection_target=update|"
+                "method=crispedit;projection_target=eigenbasis")
+
+
+def _value(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def parse_runs(spec: str) -> list[dict]:
+    """``'k=v;k=v|k=v'`` (or the older ``method:labels:target[:gamma],...``) -> list of override dicts."""
+    if "=" not in spec:
+        out = []
+        for r in spec.split(","):
+            p = r.split(":")
+            d = {"method": p[0], "label_mode": p[1], "projection_target": p[2]}
+            if len(p) > 3:
+                d["gamma"] = float(p[3])
+            out.append(d)
+        return out
+    runs = []
+    for run in spec.split("|"):
+        d = {}
+        for pair in filter(None, (x.strip() for x in run.split(";"))):
+            k, _, v = pair.partition("=")
+            d[k.strip()] = _value(v.strip())
+        runs.append(d)
+    return runs
+
+
+def label(d: dict) -> str:
+    """Short name of a run's overrides."""
+    return " ".join(f"{k}={v}" for k, v in d.items()) or "defaults"
+
+
+COLUMNS = ["run", "tf_rel", "tf_gen", "qa_rel", "qa_gen", "none_rel", "none_gen", "chat_rel", "chat_gen",
+           "qa_loc", "kl_drift", "epochs", "edit_s"]
+
+
+def row_cells(r: dict) -> list[str]:
+    """One markdown row of a result."""
+    w = r["wild"]
+
+    def f(ctx, k):
+        v = (w.get(ctx) or {}).get(k)
+        return "–" if v is None else f"{v:.2f}"
+
+    return [r["run"], f"{r['rel']:.2f}", f"{r['gen']:.2f}", f("qa", "rel"), f("qa", "gen"), f("none", "rel"),
+            f("none", "gen"), f("chat", "rel"), f("chat", "gen"), f("qa", "loc_vs_answer"), f"{r['kl_drift']:.5f}",
+            str(r["epochs"]), f"{r['edit_seconds']:.0f}"]
+
+
+def write_outputs(out: Path, payload: dict) -> None:
+    """JSON, markdown table and PNG next to each other."""
+    atomic_write_json(out, payload)
+    rows = payload["results"]
+    md = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
+    md += "".join("| " + " | ".join(row_cells(r)) + " |\n" for r in rows)
+    atomic_write_bytes(out.with_suffix(".md"), md.encode())
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, r in enumerate(rows):
+        qa = r["wild"].get("qa") or {}
+        x = max(r["kl_drift"], 1e-5)
+        ax.scatter([x], [qa.get("rel") or 0], marker="o", color=f"C{i % 10}", label=f"{i}: {r['run']}"[:70])
+        ax.scatter([x], [qa.get("gen") or 0], marker="x", color=f"C{i % 10}")
+        ax.annotate(str(i), (x, qa.get("rel") or 0), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("KL drift on held-out text (nats/token, log)")
+    ax.set_ylabel("WILD QA context: rel (o), gen (x)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=6, loc="lower right")
+    ax.set_title(payload["title"], fontsize=9)
+    fig.tight_layout()
+    tmp = out.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(out.with_suffix(".png"))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--edits", required=True)
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--n-edits", type=int, default=32)
-    ap.add_argument("--epochs", type=int, default=100)
-    ap.add_argument("--gamma", type=float, default=0.8)
-    ap.add_argument("--n-cap", type=int, default=64)
-    ap.add_argument("--layers", default=None)
-    ap.add_argument("--runs", default=None, help="comma list of method:labels:target[:gamma], e.g. crispedit:sampled:gradient:0.9")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--epochs", type=int, default=100, help="default epochs for every run (a run may override)")
+    ap.add_argument("--runs", default=DEFAULT_RUNS)
+    ap.add_argument("--wild", default="qa,none,chat", help="WILD contexts to evaluate ('' = none)")
+    ap.add_argument("--out", default="runs/edit_matrix.json")
+    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
-    runs = DEFAULT_RUNS if not args.runs else [tuple(r.split(":")) for r in args.runs.split(",")]
-    runs = [(r[0], r[1], r[2], float(r[3]) if len(r) > 3 else args.gamma) for r in runs]
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    runs = parse_runs(args.runs)
+    configs = [EditConfig(**{"epochs": args.epochs, **d}) for d in runs]  # validate all before any work
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, progress=False)
+    judge = RuleJudge()
+    out = Path(args.out)
     results = []
-    print(f"{'method':10} {'labels':9} {'proj':8} {'gamma':>5} {'rel':>6} {'gen':>6} {'kl_drift':>10} {'ppl':>8} {'epochs':>6} {'edit_s':>7} {'kept':>6}")
-    for method, labels, target, gamma in runs:
-        cfg = EditConfig(method=method, gamma=gamma, epochs=args.epochs, n_cap=args.n_cap, label_mode=labels,
-                         projection_target=target, layers=args.layers)
+    title = f"{args.model}, {Path(args.edits).name} [{args.offset}:{args.offset + len(requests)}]"
+    print(" ".join(f"{c:>8}" for c in COLUMNS[1:]) + "  run", flush=True)
+    for d, cfg in zip(runs, configs):
         t0 = time.perf_counter()
         res = edit(model, tok, requests, cfg, progress=False)
         summary, _ = evaluate_edit(model, tok, requests, res, progress=False)
+        wild = wild_contexts(model, tok, requests, judge, contexts=[c for c in args.wild.split(",") if c],
+                             progress=False) if args.wild else {}
         restore(model, res.original_weights)
-        kept = min(v["kept_fraction"] for v in res.projector_stats.values())
-        row = {"method": method, "label_mode": labels, "projection_target": target, "gamma": gamma, **summary,
+        row = {"run": label(d), "overrides": d, **summary, "wild": wild,
                "epochs": len(res.history.epoch_loss), "converged": res.history.converged,
-               "edit_seconds": round(res.edit_seconds, 2), "cache_seconds": round(res.cache_seconds, 2),
-               "min_kept_fraction": kept, "total_seconds": round(time.perf_counter() - t0, 2), "config": cfg.to_json()}
+               "training": res.history.to_json(), "edit_seconds": round(res.edit_seconds, 2),
+               "cache_seconds": round(res.cache_seconds, 2),
+               "min_kept_fraction": min(v["kept_fraction"] for v in res.projector_stats.values()),
+               "total_seconds": round(time.perf_counter() - t0, 2), "config": cfg.to_json()}
         results.append(row)
-        print(f"{method:10} {labels:9} {target:8} {gamma:5.2f} {summary['rel']:6.3f} {summary['gen']:6.3f} {summary['kl_drift']:10.6f} "
-              f"{summary['ppl']:8.3f} {row['epochs']:6d} {row['edit_seconds']:7.1f} {kept:6.3f}", flush=True)
-        if args.out:  # rewritten after every run: an interrupted matrix keeps the rows it finished
-            atomic_write_json(args.out, {"args": vars(args), "environment": environment(), "results": results,
-                                         "complete": len(results) == len(runs)})
-    if args.out:
-        print(f"written to {args.out}")
+        print(" ".join(f"{c:>8}" for c in row_cells(row)[1:]) + "  " + row["run"], flush=True)
+        write_outputs(out, {"title": title, "args": vars(args), "environment": environment(), "results": results,
+                            "complete": len(results) == len(runs)})
+    print(f"written to {out} (+ .md, .png)")
 
 
 if __name__ == "__main__":

@@ -41,15 +41,16 @@ def test_editor_matrix(method, tiny_lm, iso_cache):
     assert all(p.requires_grad for p in model.parameters())   # flags restored
 
 
+@pytest.mark.parametrize("target", ["update", "eigenbasis"])
 @pytest.mark.parametrize("method", ["crispedit", "adam-nscl"])
-def test_update_projection_keeps_change_in_kept_subspace(method, tiny_lm, iso_cache):
+def test_update_projection_keeps_change_in_kept_subspace(method, target, tiny_lm, iso_cache):
     from crispedit.editing.api import capability_factors
     from crispedit.editing.editors import get_editor
 
     model, tok = tiny_lm
     layers = resolve_layers(model, LAYERS)
     factors, _ = capability_factors(model, tok, layers, cfg(method), progress=False)
-    res = edit(model, tok, REQS, cfg(method, projection_target="update", epochs=5), factors=factors, progress=False)
+    res = edit(model, tok, REQS, cfg(method, projection_target=target, epochs=5), factors=factors, progress=False)
     projs = get_editor(method).projectors(layers, factors, cfg(method))
     for name, m in layers.items():
         delta = m.weight.detach() - res.original_weights[name]
@@ -71,7 +72,7 @@ def test_gradient_projection_reduces_drift_vs_ft(tiny_lm, iso_cache):
 def test_bf16_training_with_fp32_projection(tiny_lm, iso_cache):
     model, tok = tiny_lm
     model = model.to(torch.bfloat16)
-    res = edit(model, tok, REQS, cfg("crispedit", epochs=3), progress=False)
+    res = edit(model, tok, REQS, cfg("crispedit", epochs=3, contexts="bare"), progress=False)
     assert res.history.steps + res.history.skipped == 6   # 2 batches x 3 epochs
     name = next(iter(res.original_weights))
     assert dict(model.named_modules())[name].weight.dtype == torch.bfloat16
@@ -80,7 +81,8 @@ def test_bf16_training_with_fp32_projection(tiny_lm, iso_cache):
 def test_early_stopping_and_skip(tiny_lm, iso_cache):
     model, tok = tiny_lm
     # the tiny random model's loss floor is ~0.3 (final RMSNorm + fixed head), so use a higher threshold
-    res = edit(model, tok, REQS[:2], cfg("ft", epochs=300, lr=2e-2, batch_size=1, stop_loss=1.0, skip_loss=0.8),
+    res = edit(model, tok, REQS[:2], cfg("ft", epochs=300, lr=2e-2, batch_size=1, stop_loss=1.0, skip_loss=0.8,
+                                   contexts="bare", answer_end="none"),
                progress=False)
     assert res.history.converged and len(res.history.epoch_loss) < 300
     assert res.history.epoch_loss[-1] < 1.0 <= res.history.epoch_loss[-2]
@@ -88,7 +90,8 @@ def test_early_stopping_and_skip(tiny_lm, iso_cache):
     before = {n: w.clone() for n, w in res.original_weights.items()}
     mods = dict(model.named_modules())
     now = {n: mods[n].weight.detach().clone() for n in before}
-    res2 = edit(model, tok, REQS[:2], cfg("ft", epochs=3, skip_loss=100.0, stop_loss=0.0 + 1e-9), progress=False)
+    res2 = edit(model, tok, REQS[:2], cfg("ft", epochs=3, skip_loss=100.0, stop_loss=0.0 + 1e-9, contexts="bare"),
+                progress=False)
     assert res2.history.steps == 0 and res2.history.skipped == 3
     assert all(torch.equal(mods[n].weight, now[n]) for n in now)
 

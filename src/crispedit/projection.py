@@ -101,7 +101,18 @@ class LayerProjector:
     d_in: int
 
     def project(self, Q: Tensor) -> Tensor:  # pragma: no cover - interface
+        """``P vec(Q)`` for a weight-shaped ``Q`` (``d_out x d_in``), returned in ``Q``'s dtype."""
         raise NotImplementedError
+
+    def rotate(self, Q: Tensor) -> Tensor:
+        """Coordinates of the projected ``Q`` in the projector's eigenbasis (masked), float32 or
+        better: ``project(Q) == unrotate(rotate(Q))``. Used by Adam in the eigenbasis."""
+        raise NotImplementedError(f"{type(self).__name__} has no Kronecker eigenbasis")
+
+    def unrotate(self, C: Tensor) -> Tensor:
+        """Map eigenbasis coordinates ``C`` back to a weight-shaped matrix (inverse rotation; the
+        result lies in the kept subspace when ``C`` is zero on masked entries)."""
+        raise NotImplementedError(f"{type(self).__name__} has no Kronecker eigenbasis")
 
     def dense(self) -> Tensor:
         """The explicit ``(d_in d_out) x (d_in d_out)`` projector on ``vec(Q)`` (tests only)."""
@@ -125,7 +136,16 @@ class IdentityProjector(LayerProjector):
         self.d_out, self.d_in = d_out, d_in
 
     def project(self, Q: Tensor) -> Tensor:
+        """The identity."""
         return Q
+
+    def rotate(self, Q: Tensor) -> Tensor:
+        """The identity (the standard basis is an eigenbasis of the identity), in float32 or better."""
+        return Q if Q.dtype == torch.float64 else Q.float()
+
+    def unrotate(self, C: Tensor) -> Tensor:
+        """The identity."""
+        return C
 
 
 @dataclass
@@ -177,16 +197,23 @@ class KroneckerProjector(LayerProjector):
         return cls(None, U_in, keep.reshape(1, -1), dtype=dtype)
 
     # -- operator ------------------------------------------------------------------------------
-    def project(self, Q: Tensor) -> Tensor:
-        orig_dtype = Q.dtype
+    def rotate(self, Q: Tensor) -> Tensor:
+        """``(U_out^T Q U_in) * M`` in the projector's dtype (``(Q U_in) * M`` without ``U_out``)."""
         X = Q.to(self.dtype)
         if self.U_out is None:
-            C = (X @ self.U_in) * self.mask
-            out = C @ self.U_in.T
-        else:
-            C = (self.U_out.T @ X @ self.U_in) * self.mask
-            out = self.U_out @ C @ self.U_in.T
-        return out.to(orig_dtype)
+            return (X @ self.U_in) * self.mask
+        return (self.U_out.T @ X @ self.U_in) * self.mask
+
+    def unrotate(self, C: Tensor) -> Tensor:
+        """``U_out C U_in^T`` (``C U_in^T`` without ``U_out``), in the projector's dtype."""
+        C = C.to(self.dtype)
+        if self.U_out is None:
+            return C @ self.U_in.T
+        return self.U_out @ C @ self.U_in.T
+
+    def project(self, Q: Tensor) -> Tensor:
+        """``U_out ((U_out^T Q U_in) * M) U_in^T``, computed in ``self.dtype``, cast back to ``Q``'s dtype."""
+        return self.unrotate(self.rotate(Q)).to(Q.dtype)
 
     def dense(self) -> Tensor:
         if self.d_out < 0:

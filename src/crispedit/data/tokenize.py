@@ -1,10 +1,14 @@
-"""Tokenisation of (prompt, target) pairs for teacher-forced training and evaluation.
+"""Tokenisation of (context, target) pairs for teacher-forced training and evaluation.
 
-The text is ``prompt + " " + target`` without chat template or EOS (the paper's and the authors'
-setting). Target tokens are those after the tokenised prompt; when a tokenizer merges across the
-boundary the split falls at the longest common prefix of the two tokenisations. Batches are right
-padded; ``labels`` is -100 on prompt and padding positions (padding is found from the attention
-mask, never from token ids).
+A training or scoring sequence is a *context* (the text the model is given) followed by a *target*
+(the tokens it should produce, the only positions with a loss). :func:`split_context_target` finds
+where the target starts in a tokenised ``full`` text: at the end of the tokenised context, or — when
+a tokenizer merges tokens across the boundary — at the longest common prefix of the two
+tokenisations. :func:`collate` right-pads rows into an :class:`EncodedBatch` whose ``labels`` are
+-100 on context and padding positions (padding is found from the attention mask, never from token
+ids). :func:`encode_pairs` is the classic form ``prompt + " " + target`` without chat template or EOS
+(the paper's and the authors' setting, and the teacher-forced metrics'); the training contexts of
+:mod:`crispedit.editing.contexts` build richer rows with the same two functions.
 """
 
 from __future__ import annotations
@@ -15,48 +19,70 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["EncodedBatch", "encode_pairs", "join_prompt_target"]
+__all__ = ["EncodedBatch", "encode_pairs", "join_prompt_target", "split_context_target", "collate"]
 
 
 def join_prompt_target(prompt: str, target: str) -> str:
+    """The paper's training/scoring text: ``prompt + " " + target``."""
     return prompt + " " + target
 
 
 @dataclass
 class EncodedBatch:
+    """A right-padded batch: ``input_ids``, ``attention_mask`` and ``labels`` are ``B x T`` (long);
+    ``labels`` is -100 where there is no loss; ``target_lengths[i]`` counts row i's target tokens."""
+
     input_ids: Tensor       # B x T
     attention_mask: Tensor  # B x T
     labels: Tensor          # B x T, -100 where no loss
     target_lengths: list[int]
 
     def to(self, device) -> "EncodedBatch":
+        """The same batch on ``device``."""
         return EncodedBatch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device),
                             self.target_lengths)
 
+    @property
+    def n_tokens(self) -> int:
+        """Number of non-padding tokens in the batch."""
+        return int(self.attention_mask.sum())
+
+
+def split_context_target(tokenizer, context: str, full: str, *, add_special_tokens: bool = True,
+                         extra_target_ids: Sequence[int] = ()) -> tuple[list[int], int]:
+    """Token ids of ``full`` (+ ``extra_target_ids`` appended, e.g. EOS) and the number of leading
+    context tokens ``n`` (``ids[n:]`` is the target; at least one token on each side)."""
+    c_ids = tokenizer(context, add_special_tokens=add_special_tokens)["input_ids"]
+    ids = list(tokenizer(full, add_special_tokens=add_special_tokens)["input_ids"]) + list(extra_target_ids)
+    n = 0
+    while n < min(len(c_ids), len(ids)) and c_ids[n] == ids[n]:
+        n += 1
+    n = max(1, min(n, len(ids) - 1))
+    return ids, n
+
+
+def collate(tokenizer, rows: Sequence[tuple[list[int], int]], max_len: int = 512) -> EncodedBatch:
+    """Right-pad ``rows`` of ``(ids, n_context)`` into one batch (labels only on ``ids[n_context:]``)."""
+    if not rows:
+        raise ValueError("no rows to collate")
+    for ids, _ in rows:
+        if len(ids) > max_len:
+            raise ValueError(f"context + target is {len(ids)} tokens, longer than max_len={max_len}")
+    T = max(len(ids) for ids, _ in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids_t = torch.full((len(rows), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    labels = torch.full((len(rows), T), -100, dtype=torch.long)
+    for i, (ids, n) in enumerate(rows):
+        ids_t[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+        labels[i, n: len(ids)] = torch.tensor(ids[n:])
+    return EncodedBatch(ids_t, mask, labels, [len(ids) - n for ids, n in rows])
+
 
 def encode_pairs(tokenizer, prompts: Sequence[str], targets: Sequence[str], max_len: int = 512) -> EncodedBatch:
+    """Batch of ``prompt + " " + target`` sequences with the loss on the target tokens only."""
     if len(prompts) != len(targets):
         raise ValueError("prompts and targets differ in length")
-    seqs, label_rows, tlens = [], [], []
-    for p, t in zip(prompts, targets):
-        p_ids = tokenizer(p, add_special_tokens=True)["input_ids"]
-        full = tokenizer(join_prompt_target(p, t), add_special_tokens=True)["input_ids"]
-        n = 0
-        while n < min(len(p_ids), len(full)) and p_ids[n] == full[n]:
-            n += 1
-        n = max(1, min(n, len(full) - 1))  # at least one context token and one target token
-        if len(full) > max_len:
-            raise ValueError(f"prompt + target is {len(full)} tokens, longer than max_len={max_len}")
-        seqs.append(full)
-        label_rows.append([-100] * n + full[n:])
-        tlens.append(len(full) - n)
-    T = max(len(s) for s in seqs)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), T), dtype=torch.long)
-    labels = torch.full((len(seqs), T), -100, dtype=torch.long)
-    for i, (s, lab) in enumerate(zip(seqs, label_rows)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-        labels[i, : len(s)] = torch.tensor(lab)
-    return EncodedBatch(ids, mask, labels, tlens)
+    rows = [split_context_target(tokenizer, p, join_prompt_target(p, t)) for p, t in zip(prompts, targets)]
+    return collate(tokenizer, rows, max_len)

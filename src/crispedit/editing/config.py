@@ -20,10 +20,15 @@ __all__ = ["EditConfig", "ProjectionTarget"]
 class ProjectionTarget(str, Enum):
     GRADIENT = "gradient"  # project the raw gradient, then a plain Adam step (the paper)
     UPDATE = "update"      # project the Adam update itself: the step stays inside the kept subspace
+    EIGENBASIS = "eigenbasis"  # Adam's moments in the K-FAC eigenbasis on the masked rotated gradient
 
 
 @dataclass
 class EditConfig:
+    """Everything that determines an edit besides the model and the requests (validated on
+    construction; unknown keys rejected by :meth:`from_dict`). Units: ``lr`` per Adam step,
+    ``epochs`` passes over the training sequences, ``n_cap`` texts of at most ``max_len`` tokens."""
+
     method: str = "crispedit"
     gamma: float = 0.8
     layers: str | None = None           # module-path pattern; None = per-architecture default
@@ -34,6 +39,9 @@ class EditConfig:
     skip_loss: float = 0.01
     stop_loss: float = 0.01
     projection_target: str = ProjectionTarget.GRADIENT.value
+    # how each request becomes training sequences (editing/contexts.py)
+    contexts: str = "default"           # e.g. "bare,chat,prefix:2"; "default" = DEFAULT_CONTEXTS
+    answer_end: str = "auto"            # auto | eos | period | none
     # capability curvature
     n_cap: int = 64
     max_len: int = 256
@@ -59,7 +67,13 @@ class EditConfig:
         try:
             self.projection_target = ProjectionTarget(self.projection_target).value
         except ValueError:
-            raise CrispEditError(f"projection target must be 'gradient' or 'update', got {self.projection_target!r}") from None
+            raise CrispEditError("projection target must be one of "
+                                 f"{', '.join(t.value for t in ProjectionTarget)}, got {self.projection_target!r}") from None
+        from .contexts import ANSWER_ENDS, parse_contexts
+
+        parse_contexts(self.contexts)
+        if self.answer_end not in ANSWER_ENDS:
+            raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {self.answer_end!r}")
         if self.label_mode not in ("sampled", "empirical"):
             raise CrispEditError(f"label mode must be 'sampled' or 'empirical', got {self.label_mode!r}")
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
@@ -76,4 +90,9 @@ class EditConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise CrispEditError(f"unknown edit config keys: {', '.join(unknown)}")
+        d = dict(d)
+        if "contexts" not in d and "answer_end" not in d and "method" in d:
+            # a stored config from before edit contexts existed (e.g. an older session): keep training
+            # it the way it was trained
+            d.update(contexts="bare", answer_end="none")
         return cls(**d)

@@ -1,11 +1,14 @@
 """The one projected fine-tuning loop shared by every fine-tuning editor.
 
-FT-M loss (cross-entropy on the target tokens only; prompt and padding masked), Adam, mini-batches
-over the edits, batches whose loss is already below ``skip_loss`` are skipped, training stops once an
-epoch's mean loss is below ``stop_loss``. Between ``backward`` and ``step`` every trained weight's
-gradient is projected (``projection_target="gradient"``, the paper); alternatively the Adam update
-itself is projected after the step (``"update"``), which keeps the weight change strictly inside the
-kept subspace. Projections run in float32 whatever the training dtype.
+Each request becomes one training sequence per edit context (:mod:`.contexts`: bare prompt, chat
+template, natural-text prefixes; target followed by its answer end). FT-M loss (cross-entropy on the
+target tokens only; context and padding masked), Adam, mini-batches over the sequences, batches whose
+loss is already below ``skip_loss`` are skipped, training stops once an epoch's mean loss is below
+``stop_loss``. Between ``backward`` and ``step`` every trained weight's gradient is projected
+(``projection_target="gradient"``, the paper); alternatively the Adam update itself is projected after
+the step (``"update"``), or Adam runs in the K-FAC eigenbasis on the masked rotated gradient
+(``"eigenbasis"``, :class:`.optim.EigenbasisAdam`); the last two keep the weight change strictly
+inside the kept subspace. Projections run in float32 whatever the training dtype.
 """
 
 from __future__ import annotations
@@ -20,27 +23,38 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..data.edits import EditRequest
-from ..data.tokenize import EncodedBatch, encode_pairs
+from ..data.tokenize import EncodedBatch
 from ..projection import LayerProjector
 from .config import EditConfig, ProjectionTarget
+from .contexts import sequences_for, training_batches
 from .fastpath import make_loss_fn, plain_loss as edit_loss
+from .optim import make_optimizer
 
-__all__ = ["projected_finetune", "edit_loss", "TrainHistory", "apply_projection"]
+__all__ = ["projected_finetune", "edit_loss", "TrainHistory", "apply_projection", "edit_batches"]
 
 
 @dataclass
 class TrainHistory:
+    """What the loop did: per-epoch mean loss (nats/target token), Adam steps, skipped batches,
+    whether the stop loss was reached, wall seconds, whether the exact fast loss engaged, the edit
+    contexts trained and the number of training sequences / tokens per epoch."""
+
     epoch_loss: list[float] = field(default_factory=list)
     steps: int = 0
     skipped: int = 0
     converged: bool = False
     seconds: float = 0.0
     fast_loss: bool = False  # the exact shortcut of editing/fastpath.py was used
+    contexts: list[str] = field(default_factory=list)
+    sequences: int = 0
+    tokens: int = 0
 
     def to_json(self) -> dict:
+        """JSON-ready summary (the ``training`` section of an edit report)."""
         return {"epoch_loss": [round(x, 6) for x in self.epoch_loss], "epochs": len(self.epoch_loss),
                 "steps": self.steps, "skipped_batches": self.skipped, "converged": self.converged,
-                "seconds": round(self.seconds, 3), "fast_loss": self.fast_loss}
+                "seconds": round(self.seconds, 3), "fast_loss": self.fast_loss, "contexts": self.contexts,
+                "sequences": self.sequences, "tokens_per_epoch": self.tokens}
 
 
 def _as_matrix(module: nn.Module, t: Tensor) -> Tensor:
@@ -51,6 +65,13 @@ def _as_matrix(module: nn.Module, t: Tensor) -> Tensor:
 def apply_projection(proj: LayerProjector, module: nn.Module, t: Tensor) -> Tensor:
     """Project a weight-shaped tensor of ``module`` (handles transposed storage)."""
     return _as_matrix(module, proj.project(_as_matrix(module, t)))
+
+
+def edit_batches(tokenizer, requests: Sequence[EditRequest], config: EditConfig) -> tuple[list[EncodedBatch], list[str]]:
+    """The training batches for ``requests`` under ``config.contexts`` / ``config.answer_end`` and the
+    context names used (``chat`` is dropped from ``default`` for models without a chat template)."""
+    seqs, names = sequences_for(tokenizer, requests, config)
+    return training_batches(tokenizer, seqs, config.batch_size), names
 
 
 def projected_finetune(
@@ -66,7 +87,10 @@ def projected_finetune(
     progress: bool | None = None,
     fast: bool = True,
 ) -> TrainHistory:
-    """Edit ``model`` in place. Only ``params`` train; everything else is frozen for the duration."""
+    """Edit ``model`` in place with ``requests``; only ``params`` (module name -> weight) train and
+    everything else is frozen for the duration. ``projectors[name]`` constrains ``params[name]``;
+    ``optimizer`` (e.g. Adam state carried across session rounds) defaults to :func:`.optim.make_optimizer`.
+    Returns the :class:`TrainHistory`."""
     device = next(model.parameters()).device
     target = ProjectionTarget(config.projection_target)
     projectors = {n: pr.to(device) for n, pr in projectors.items()}  # built on CPU; applied where W lives
@@ -75,10 +99,13 @@ def projected_finetune(
         p.requires_grad_(False)
     for p in params.values():
         p.requires_grad_(True)
-    opt = optimizer or torch.optim.Adam(params.values(), lr=config.lr, betas=config.betas, weight_decay=0.0)
+    opt = optimizer or make_optimizer(params, projectors, layers, config)
     gen = torch.Generator().manual_seed(config.seed)
-    batches = [b.to(device) for b in _batches(tokenizer, requests, config.batch_size)]
-    hist, t0 = TrainHistory(), time.perf_counter()
+    batches, contexts = edit_batches(tokenizer, requests, config)
+    batches = [b.to(device) for b in batches]
+    hist, t0 = TrainHistory(contexts=contexts), time.perf_counter()
+    hist.sequences = sum(b.input_ids.shape[0] for b in batches)
+    hist.tokens = sum(b.n_tokens for b in batches)
     model.train()
     loss_fn = make_loss_fn(model, params, batches, enabled=fast)  # exact shortcut: frozen prefix cached
     hist.fast_loss = bool(getattr(loss_fn, "fast", False))
@@ -95,6 +122,7 @@ def projected_finetune(
                     continue
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                # eigenbasis: EigenbasisAdam rotates and masks the raw gradient itself
                 before = {n: p.detach().float().clone() for n, p in params.items()} if target is ProjectionTarget.UPDATE else None
                 with torch.no_grad():
                     if target is ProjectionTarget.GRADIENT:
@@ -123,10 +151,3 @@ def projected_finetune(
     hist.seconds = time.perf_counter() - t0
     return hist
 
-
-def _batches(tokenizer, requests: Sequence[EditRequest], batch_size: int) -> list[EncodedBatch]:
-    out = []
-    for i in range(0, len(requests), batch_size):
-        chunk = requests[i:i + batch_size]
-        out.append(encode_pairs(tokenizer, [r.prompt for r in chunk], [r.target for r in chunk]))
-    return out

@@ -35,12 +35,13 @@ from torch import Tensor, nn
 
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
 from ..data.edits import EditRequest
-from ..data.tokenize import join_prompt_target
 from ..errors import CrispEditError, check_positive_int
 from ..projection import IdentityProjector, LayerProjector
 from .config import EditConfig
 from .editors import get_editor
+from .contexts import sequences_for
 from .loop import apply_projection, projected_finetune
+from .optim import make_optimizer
 
 __all__ = ["SeqConfig", "SeqState", "combine_factors", "round_edit_factors", "run_round", "weight_drift",
            "optimizer_state", "load_optimizer_state", "reproject_first_moment", "WEIGHTINGS", "MODES"]
@@ -138,11 +139,17 @@ def combine_factors(cap: KFACFactors, edits: KFACFactors | None, weighting: str,
 
 def round_edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
                        config: EditConfig, round_index: int, progress: bool | None = None) -> KFACFactors:
-    """K-FAC factors of the requests' full prompt+target sequences (no prompt masking) on ``model``."""
-    texts = [join_prompt_target(r.prompt, r.target) for r in requests]
+    """K-FAC factors of the requests' full training sequences — every edit context, context and
+    target (no prompt masking) — on ``model``: the edits are protected in the forms they were taught."""
+    texts = edit_texts(tokenizer, requests, config)
     return collect_lm_kfac(model, tokenizer, texts, layers, max_len=config.max_len, batch_size=config.kfac_batch_size,
                            label_mode=config.label_mode, seed=config.seed + 1000 * round_index, progress=progress,
                            desc="K-FAC[edits]")
+
+
+def edit_texts(tokenizer, requests: Sequence[EditRequest], config: EditConfig) -> list[str]:
+    """The text of every training sequence of ``requests`` (context + target + answer end)."""
+    return [s.text for s in sequences_for(tokenizer, requests, config)[0]]
 
 
 def accumulate(acc: KFACFactors | None, new: KFACFactors) -> KFACFactors:
@@ -222,9 +229,11 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
             raise CrispEditError("this session has no capability factors")
         constraint = state.cap if batch else combine_factors(state.cap, state.edits, config.weighting, config.mix)
     projectors = editor.projectors(layers, constraint, ec)
-    opt = torch.optim.Adam(params.values(), lr=ec.lr, betas=ec.betas, weight_decay=0.0)
+    opt = make_optimizer(params, projectors, layers, ec)
     carried = False
-    if not batch and config.carry_optimizer and state.optim:
+    # EigenbasisAdam's moments live in the previous round's eigenbasis: not carried into a new basis
+    carry = config.carry_optimizer and ec.projection_target != "eigenbasis"
+    if not batch and carry and state.optim:
         load_optimizer_state(opt, params, state.optim)
         carried = True
         if config.reproject_momentum:
@@ -234,7 +243,7 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
                                  optimizer=opt, progress=progress)
     weights = {n: p.detach().cpu().clone() for n, p in params.items()}
     new = SeqState(weights=weights, cap=state.cap, edits=state.edits,
-                   optim=optimizer_state(opt, params) if (config.carry_optimizer and not batch) else {},
+                   optim=optimizer_state(opt, params) if (carry and not batch) else {},
                    cap_ref=state.cap_ref)
     record: dict = {"train": history.to_json(), "optimizer_carried": carried,
                     "projector_kept": {n: round(p.kept_fraction, 6) for n, p in projectors.items()}}

@@ -27,28 +27,59 @@ from ..errors import CrispEditError
 from .generation import generate_answers
 from .judges import normalize_answer
 
-__all__ = ["CONTEXTS", "QA_TEMPLATE", "WildConfig", "render_prompt", "run_wild"]
+__all__ = ["CONTEXTS", "QA_TEMPLATE", "WildConfig", "render_prompt", "run_wild", "wild_contexts", "check_template"]
 
 CONTEXTS = ("qa", "none", "chat")
 QA_TEMPLATE = "Please answer the question:\n\nQ: {question}\nA:"
 
 
+def check_template(template: str) -> str:
+    """Validate a user wrapper such as ``"Support bot. Customer asks: {question}\nBot:"``: it must contain
+    the field ``{question}`` exactly once and no other format field (literal braces are written ``{{ }}``)."""
+    import string
+
+    if not isinstance(template, str) or not template.strip():
+        raise CrispEditError("--context-template is empty; it must contain {question}")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise CrispEditError(f"--context-template is not a valid template ({exc}); write literal braces as {{{{ }}}}") from None
+    if fields.count("question") != 1 or any(f != "question" for f in fields):
+        raise CrispEditError(f"--context-template must contain {{question}} exactly once and no other field, "
+                             f"got {template!r}")
+    return template
+
+
 @dataclass
 class WildConfig:
+    """One WILD run: ``context`` (qa | none | chat | custom), ``template`` for ``custom`` (a string with
+    ``{question}``), at most ``max_new_tokens`` greedy tokens cut at ``stop`` strings or EOS, prompts per
+    generation batch."""
+
     context: str = "qa"
     max_new_tokens: int = 40
     stop: tuple[str, ...] = (".", "\n")  # plus EOS, always
     batch_size: int = 32
+    template: str | None = None
 
     def __post_init__(self) -> None:
-        if self.context not in CONTEXTS:
+        if self.template is not None:
+            self.template = check_template(self.template)
+            if self.context in ("qa", None):
+                self.context = "custom"
+        if self.context not in CONTEXTS + ("custom",):
             raise CrispEditError(f"unknown context {self.context!r} (use one of: {', '.join(CONTEXTS)})")
+        if self.context == "custom" and self.template is None:
+            raise CrispEditError("context 'custom' needs a template with {question}")
         if int(self.max_new_tokens) <= 0 or int(self.batch_size) <= 0:
             raise CrispEditError("max_new_tokens and batch_size must be positive")
 
 
-def render_prompt(tokenizer, question: str, context: str) -> str:
-    """The text fed to the model for ``question`` in ``context`` (chat: the template, as text)."""
+def render_prompt(tokenizer, question: str, context: str, template: str | None = None) -> str:
+    """The text fed to the model for ``question`` in ``context`` (chat: the template, as text;
+    custom: ``template`` with ``{question}`` filled in)."""
+    if context == "custom":
+        return check_template(template or "").format(question=question)
     if context == "qa":
         return QA_TEMPLATE.format(question=question)
     if context == "none":
@@ -68,14 +99,15 @@ def _mean(vals: Sequence[float]) -> float | None:
 
 def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *, config: WildConfig | None = None,
              base: tuple[nn.Module, object] | None = None, progress: bool | None = None) -> dict:
-    """Run the protocol; returns ``{"summary", "records", "timings"}`` (records hold raw generations)."""
+    """Run the protocol; returns ``{"summary", "records", "config", "timings"}`` (records hold raw
+    generations; summary scores are fractions in [0, 1])."""
     cfg = config or WildConfig()
     kinds: list[tuple[int, str, str, str]] = []  # (edit index, kind, question, gold)
     for i, r in enumerate(requests):
         kinds.append((i, "rel", r.prompt, r.target))
         kinds += [(i, "gen", p, r.target) for p in r.rephrase_prompts]
         kinds += [(i, "loc", p, a) for p, a in r.locality]
-    rendered = [render_prompt(tokenizer, q, cfg.context) for _, _, q, _ in kinds]
+    rendered = [render_prompt(tokenizer, q, cfg.context, cfg.template) for _, _, q, _ in kinds]
     gen_kw = dict(max_new_tokens=cfg.max_new_tokens, stop=cfg.stop, batch_size=cfg.batch_size,
                   add_special_tokens=cfg.context != "chat", progress=progress)
     t0 = time.perf_counter()
@@ -87,7 +119,7 @@ def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge
         loc_idx = [k for k, item in enumerate(kinds) if item[1] == "loc"]
         bmodel, btok = base
         t0 = time.perf_counter()
-        b_rendered = [render_prompt(btok, kinds[k][2], cfg.context) for k in loc_idx]
+        b_rendered = [render_prompt(btok, kinds[k][2], cfg.context, cfg.template) for k in loc_idx]
         outs = generate_answers(bmodel, btok, b_rendered, desc="WILD base", **gen_kw)
         base_answers = dict(zip(loc_idx, outs))
         t_base = time.perf_counter() - t0
@@ -119,3 +151,26 @@ def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge
     return {"summary": summary, "records": records, "config": {**asdict(cfg), "stop": list(cfg.stop) + ["<eos>"]},
             "timings": {"generate_s": round(t_gen, 2), "base_generate_s": round(t_base, 2),
                         "judge_s": round(t_judge, 2)}}
+
+
+def wild_contexts(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *,
+                  contexts: Sequence[str] = CONTEXTS, templates: dict[str, str] | None = None,
+                  batch_size: int = 32, progress: bool | None = None) -> dict:
+    """WILD summaries for several contexts at once: ``{context: {"rel", "gen", "loc_vs_answer", ...},
+    ..., "seconds": s}``. ``chat`` is skipped (``None``) for tokenizers without a chat template;
+    ``templates`` adds named user wrappers (``{name: "text with {question}"}``)."""
+    out: dict = {}
+    t0 = time.perf_counter()
+    runs = [(c, WildConfig(context=c, batch_size=batch_size)) for c in contexts]
+    runs += [(name, WildConfig(context="custom", template=t, batch_size=batch_size))
+             for name, t in (templates or {}).items()]
+    for name, cfg in runs:
+        if cfg.context == "chat" and not getattr(tokenizer, "chat_template", None):
+            out[name] = None
+            continue
+        res = run_wild(model, tokenizer, requests, judge, config=cfg, progress=progress)
+        out[name] = {k: res["summary"][k] for k in ("rel", "gen", "loc_vs_answer")}
+        out[name]["examples"] = [{"prompt": r["prompt"], "target": r["target"], "answer": r["rel"]["answer"]}
+                                 for r in res["records"][:3]]
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out

@@ -1,0 +1,221 @@
+"""Edit contexts: how one edit request becomes the training sequences of the projected loop.
+
+A user asks for a fact through many wrappers — a bare question, the model's chat template, after
+some unrelated text. Training only ``prompt + " " + target`` teaches the fact in that one format
+(on SmolLM2 the chat template then gives the new fact 3 % of the time). Each request is therefore
+trained under a set of *contexts* (``EditConfig.contexts``, CLI ``--contexts``):
+
+* ``bare``     — ``prompt + " " + target`` (the paper's FT-M format);
+* ``chat``     — the model's own chat template: the prompt as the user turn, the target as the
+  assistant reply (needs a tokenizer with a chat template);
+* ``prefix:N`` — N natural-text prefixes per request: a short sentence drawn (deterministically, by
+  seed) from the capability corpus, then the prompt and the target — as ROME/MEMIT's "context
+  templates", so the fact holds after unrelated text.
+
+``default`` expands to :data:`DEFAULT_CONTEXTS` minus ``chat`` for models without a chat template.
+The WILD evaluation's QA wrapper (``Please answer the question: ...``) is deliberately *not* a
+training context: it measures generalisation to a wrapper the edit never saw.
+
+*Answer termination* (``EditConfig.answer_end``): with ``auto`` (default) the target is followed by
+what ends an answer in that context — the chat template's end-of-turn (e.g. ``<|im_end|>``) for
+``chat``, the tokenizer's EOS for ``bare`` and ``prefix`` — and those end tokens are trained too, so
+free generation states the new fact and stops. ``eos`` uses EOS everywhere, ``period`` appends "."
+to bare/prefix targets (chat keeps its end-of-turn), ``none`` trains the target alone (the paper).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..data.corpus import capability_corpus
+from ..data.edits import EditRequest
+from ..data.tokenize import EncodedBatch, collate, join_prompt_target, split_context_target
+from ..errors import CrispEditError
+
+__all__ = ["CONTEXT_KINDS", "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence",
+           "parse_contexts", "resolve_contexts", "prefix_pool", "build_training_sequences", "training_batches",
+           "chat_turn", "sequences_for"]
+
+CONTEXT_KINDS = ("bare", "chat", "prefix")
+ANSWER_ENDS = ("auto", "eos", "period", "none")
+DEFAULT_CONTEXTS = "bare,chat,prefix:2"
+
+
+@dataclass(frozen=True)
+class ContextSpec:
+    """One context kind and how many sequences per request it contributes (``count`` > 1 only for
+    ``prefix``)."""
+
+    kind: str
+    count: int = 1
+
+    def __str__(self) -> str:
+        return self.kind if self.kind != "prefix" else f"prefix:{self.count}"
+
+
+def parse_contexts(spec: str) -> tuple[ContextSpec, ...]:
+    """Parse ``"bare,chat,prefix:4"`` (or ``"default"``) into context specs; one-line errors for
+    unknown kinds, bad counts and repeats."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise CrispEditError("--contexts is empty; use e.g. 'bare,chat,prefix:2' or 'default'")
+    if spec.strip() == "default":
+        return parse_contexts(DEFAULT_CONTEXTS)
+    out: list[ContextSpec] = []
+    for item in spec.split(","):
+        kind, _, n = item.strip().partition(":")
+        if kind not in CONTEXT_KINDS:
+            raise CrispEditError(f"unknown edit context {kind!r} in --contexts {spec!r} "
+                                 f"(use {', '.join(CONTEXT_KINDS)}, e.g. 'bare,chat,prefix:2')")
+        count = 1
+        if n:
+            if kind != "prefix":
+                raise CrispEditError(f"--contexts: only prefix takes a count, got {item.strip()!r}")
+            try:
+                count = int(n)
+            except ValueError:
+                raise CrispEditError(f"--contexts: bad prefix count in {item.strip()!r}") from None
+            if not 1 <= count <= 64:
+                raise CrispEditError(f"--contexts: prefix count must be between 1 and 64, got {count}")
+        if any(c.kind == kind for c in out):
+            raise CrispEditError(f"--contexts: {kind!r} given twice in {spec!r}")
+        out.append(ContextSpec(kind, count))
+    return tuple(out)
+
+
+def _has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def resolve_contexts(spec: str, tokenizer) -> tuple[ContextSpec, ...]:
+    """The contexts actually trained for ``tokenizer``: ``default`` drops ``chat`` when the model has
+    no chat template; an explicit ``chat`` without a template is an error."""
+    contexts = parse_contexts(spec)
+    if not _has_chat_template(tokenizer) and any(c.kind == "chat" for c in contexts):
+        if spec.strip() != "default":
+            raise CrispEditError("edit context 'chat' needs a tokenizer with a chat template (this model has none)")
+        contexts = tuple(c for c in contexts if c.kind != "chat")
+    return contexts
+
+
+_SENT = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
+
+
+def prefix_pool(texts: Sequence[str], min_words: int = 5, max_words: int = 25) -> list[str]:
+    """Sentences of ``texts`` usable as prefixes: ``min_words``–``max_words`` words, ending in
+    sentence punctuation, without WikiText's ``= heading =`` lines or ``@-@`` markup."""
+    pool = []
+    for t in texts:
+        for s in _SENT.split(" ".join(t.split())):
+            s = s.strip()
+            if not (min_words <= len(s.split()) <= max_words) or s[-1] not in ".!?" or "=" in s or "@" in s:
+                continue
+            pool.append(s)
+    return pool
+
+
+def chat_turn(tokenizer, question: str, answer: str | None) -> str:
+    """The chat template rendered as text: ``question`` as the user turn, then either the generation
+    prompt (``answer is None``) or ``answer`` as the assistant reply with the template's turn end."""
+    msgs = [{"role": "user", "content": question}]
+    if answer is None:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    msgs.append({"role": "assistant", "content": answer})
+    return tokenizer.apply_chat_template(msgs, tokenize=False)
+
+
+@dataclass
+class TrainingSequence:
+    """One training sequence: ``ids`` (context then target tokens), ``n_context`` leading context
+    tokens without loss, the ``context`` kind and the index of its request."""
+
+    context: str
+    request: int
+    ids: list[int]
+    n_context: int
+    text: str  # context + target as text (what the sequence says; for reports and edit factors)
+
+
+def _chat_rows(tokenizer, prompt: str, target: str, end: bool) -> tuple[list[int], int, str]:
+    ctx = chat_turn(tokenizer, prompt, None)
+    full = chat_turn(tokenizer, prompt, target)
+    if not full.startswith(ctx):
+        # templates whose reply rendering differs from the generation prompt: fall back to plain
+        # concatenation after the generation prompt
+        full = ctx + target
+    else:
+        rest = full[len(ctx):]
+        k = rest.find(target)
+        if k < 0:
+            full = ctx + target + rest.rstrip() if end else ctx + target
+        else:
+            # keep the reply and, if asked, the template's end of turn (its trailing newline dropped)
+            full = ctx + rest[: k + len(target)] + (rest[k + len(target):].rstrip() if end else "")
+    ids, n = split_context_target(tokenizer, ctx, full, add_special_tokens=False)
+    return ids, n, full
+
+
+def build_training_sequences(tokenizer, requests: Sequence[EditRequest], contexts: Sequence[ContextSpec],
+                             answer_end: str = "auto", *, prefixes: Sequence[str] = (), seed: int = 0,
+                             max_len: int = 512) -> list[TrainingSequence]:
+    """Every (request, context) training sequence, grouped by context kind (similar lengths batch
+    together), in request order within a kind."""
+    if answer_end not in ANSWER_ENDS:
+        raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {answer_end!r}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if answer_end in ("auto", "eos") and eos is None:
+        raise CrispEditError(f"--answer-end {answer_end} needs a tokenizer with an EOS token (use period or none)")
+    end_ids = [eos] if answer_end in ("auto", "eos") else []
+
+    def plain(i: int, kind: str, ctx: str, target: str) -> TrainingSequence:
+        t = target
+        if answer_end == "period" and t.rstrip()[-1:] not in (".", "!", "?"):
+            t = t.rstrip() + "."
+        full = join_prompt_target(ctx, t)
+        ids, n = split_context_target(tokenizer, ctx, full, extra_target_ids=end_ids)
+        return TrainingSequence(kind, i, ids, n, full + (tokenizer.eos_token if end_ids else ""))
+
+    out: list[TrainingSequence] = []
+    for spec in contexts:
+        if spec.kind == "prefix" and not prefixes:
+            raise CrispEditError("edit context 'prefix' needs prefix sentences; the capability corpus gave none")
+        for i, r in enumerate(requests):
+            if spec.kind == "bare":
+                out.append(plain(i, "bare", r.prompt, r.target))
+            elif spec.kind == "chat":
+                if not _has_chat_template(tokenizer):
+                    raise CrispEditError("edit context 'chat' needs a tokenizer with a chat template")
+                ids, n, text = _chat_rows(tokenizer, r.prompt, r.target, end=answer_end != "none")
+                out.append(TrainingSequence("chat", i, ids, n, text))
+            else:
+                rng = random.Random(f"{seed}:{r.prompt}:{r.target}")
+                for p in rng.sample(list(prefixes), min(spec.count, len(prefixes))):
+                    out.append(plain(i, "prefix", p + " " + r.prompt, r.target))
+    for s in out:
+        if len(s.ids) > max_len:
+            raise CrispEditError(f"training sequence for edit {s.request} in context {s.context!r} is {len(s.ids)} "
+                                 f"tokens, longer than max_len={max_len}")
+    return out
+
+
+def training_batches(tokenizer, sequences: Sequence[TrainingSequence], batch_size: int) -> list[EncodedBatch]:
+    """Batches of at most ``batch_size`` sequences, each batch from one context kind."""
+    out = []
+    kinds = list(dict.fromkeys(s.context for s in sequences))
+    for kind in kinds:
+        group = [s for s in sequences if s.context == kind]
+        for i in range(0, len(group), batch_size):
+            out.append(collate(tokenizer, [(s.ids, s.n_context) for s in group[i:i + batch_size]]))
+    return out
+
+
+def sequences_for(tokenizer, requests: Sequence[EditRequest], config) -> tuple[list[TrainingSequence], list[str]]:
+    """The training sequences of ``requests`` under ``config.contexts`` / ``config.answer_end`` (prefixes
+    from ``config.cap_corpus``, drawn with ``config.seed``) and the names of the contexts used."""
+    contexts = resolve_contexts(config.contexts, tokenizer)
+    prefixes = prefix_pool(capability_corpus(config.cap_corpus, None)) if any(c.kind == "prefix" for c in contexts) else []
+    seqs = build_training_sequences(tokenizer, requests, contexts, config.answer_end, prefixes=prefixes,
+                                    seed=config.seed)
+    return seqs, [str(c) for c in contexts]

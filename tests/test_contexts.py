@@ -1,0 +1,232 @@
+"""Edit contexts (bare / chat / prefix), answer termination, Adam in the eigenbasis, WILD wrappers."""
+
+import copy
+
+import pytest
+import torch
+
+from crispedit.data import EditRequest, capability_corpus
+from crispedit.editing import EditConfig, edit, restore
+from crispedit.editing.contexts import (DEFAULT_CONTEXTS, ContextSpec, build_training_sequences, chat_turn,
+                                        parse_contexts, prefix_pool, resolve_contexts, sequences_for,
+                                        training_batches)
+from crispedit.editing.optim import EigenbasisAdam
+from crispedit.errors import CrispEditError
+from crispedit.evaluation.wild import QA_TEMPLATE, WildConfig, check_template, render_prompt
+from crispedit.projection import IdentityProjector, KroneckerProjector
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}") for i in range(5)]
+
+
+@pytest.fixture()
+def chat_tok(tiny_tok):
+    tok = copy.deepcopy(tiny_tok)
+    tok.chat_template = CHAT
+    return tok
+
+
+def _decode_target(tok, seq):
+    return tok.decode(seq.ids[seq.n_context:])
+
+
+@pytest.mark.parametrize("spec,msg", [("", "empty"), ("qa", "unknown edit context 'qa'"), ("bare,bare", "twice"),
+                                      ("prefix:0", "between 1 and 64"), ("prefix:x", "bad prefix count"),
+                                      ("chat:2", "only prefix takes a count")])
+def test_parse_contexts_errors(spec, msg):
+    with pytest.raises(CrispEditError, match=msg):
+        parse_contexts(spec)
+
+
+def test_parse_and_resolve(tiny_tok, chat_tok):
+    assert parse_contexts("bare,chat,prefix:4") == (ContextSpec("bare"), ContextSpec("chat"), ContextSpec("prefix", 4))
+    assert resolve_contexts("default", chat_tok) == parse_contexts(DEFAULT_CONTEXTS)
+    # a model without chat template: default silently drops chat, an explicit chat is an error
+    assert all(c.kind != "chat" for c in resolve_contexts("default", tiny_tok))
+    with pytest.raises(CrispEditError, match="chat template"):
+        resolve_contexts("bare,chat", tiny_tok)
+    with pytest.raises(CrispEditError, match="unknown edit context"):
+        EditConfig(contexts="bare,qa")
+    with pytest.raises(CrispEditError, match="answer end"):
+        EditConfig(answer_end="newline")
+
+
+def test_no_default_training_context_contains_the_wild_qa_wrapper(chat_tok):
+    """The QA context of the WILD evaluation measures generalisation: it must never be trained on."""
+    wrapper = QA_TEMPLATE.split("{question}")[0].strip()   # "Please answer the question:\n\nQ:"
+    seqs, names = sequences_for(chat_tok, REQS, EditConfig(contexts="default", n_cap=8))
+    assert set(names) == {str(c) for c in parse_contexts(DEFAULT_CONTEXTS)}
+    texts = [s.text for s in seqs] + [chat_tok.decode(s.ids) for s in seqs]
+    assert texts and not any("Please answer the question" in t or wrapper in t for t in texts)
+    # nor does any sentence the prefix context can draw from the bundled corpus
+    assert not any("Please answer" in p for p in prefix_pool(capability_corpus(None, None)))
+
+
+def test_bare_context_answer_ends(tiny_tok):
+    eos = tiny_tok.eos_token_id
+    auto = build_training_sequences(tiny_tok, REQS[:1], parse_contexts("bare"), "auto")[0]
+    none = build_training_sequences(tiny_tok, REQS[:1], parse_contexts("bare"), "none")[0]
+    period = build_training_sequences(tiny_tok, REQS[:1], parse_contexts("bare"), "period")[0]
+    assert auto.ids[-1] == eos and auto.ids[:-1] == none.ids          # the EOS is trained after the target
+    assert none.ids == tiny_tok(REQS[0].prompt + " " + REQS[0].target)["input_ids"]
+    assert _decode_target(tiny_tok, none).strip() == "Author A"
+    assert _decode_target(tiny_tok, period).strip() == "Author A."
+    b = training_batches(tiny_tok, [auto], 4)[0]
+    n_ctx = len(tiny_tok(REQS[0].prompt)["input_ids"])
+    assert (b.labels[0, :n_ctx] == -100).all() and b.labels[0, -1].item() == eos
+
+
+def test_chat_context_uses_the_template_and_its_turn_end(chat_tok):
+    seq = build_training_sequences(chat_tok, REQS[:1], parse_contexts("chat"), "auto")[0]
+    ctx = chat_turn(chat_tok, REQS[0].prompt, None)
+    assert chat_tok.decode(seq.ids[:seq.n_context]) == ctx                 # user turn + generation prompt
+    assert _decode_target(chat_tok, seq) == "Author A<eos>"               # reply + end of turn, no trailing "\n"
+    none = build_training_sequences(chat_tok, REQS[:1], parse_contexts("chat"), "none")[0]
+    assert _decode_target(chat_tok, none) == "Author A"
+
+
+def test_prefix_context_is_deterministic_and_from_the_pool(tiny_tok):
+    pool = prefix_pool(capability_corpus(None, 40))
+    assert len(pool) > 50 and all(5 <= len(p.split()) <= 25 and p[-1] in ".!?" for p in pool)
+    a = build_training_sequences(tiny_tok, REQS, parse_contexts("prefix:3"), "auto", prefixes=pool, seed=1)
+    b = build_training_sequences(tiny_tok, REQS, parse_contexts("prefix:3"), "auto", prefixes=pool, seed=1)
+    c = build_training_sequences(tiny_tok, REQS, parse_contexts("prefix:3"), "auto", prefixes=pool, seed=2)
+    assert [s.ids for s in a] == [s.ids for s in b] and [s.ids for s in a] != [s.ids for s in c]
+    assert len(a) == 3 * len(REQS)
+    for s in a:
+        r = REQS[s.request]
+        head = s.text.split(" " + r.prompt)[0]
+        assert head in pool and s.text.endswith(r.target + tiny_tok.eos_token)
+        assert _decode_target(tiny_tok, s).strip() == r.target + tiny_tok.eos_token
+
+
+def test_batches_hold_one_context_kind(chat_tok):
+    seqs, _ = sequences_for(chat_tok, REQS, EditConfig(contexts="bare,chat,prefix:2", n_cap=8))
+    batches = training_batches(chat_tok, seqs, batch_size=4)
+    assert sum(b.input_ids.shape[0] for b in batches) == 4 * len(REQS)
+    # 5 bare -> 2 batches, 5 chat -> 2, 10 prefix -> 3
+    assert len(batches) == 7
+
+
+def test_edit_learns_every_context(chat_tok, iso_cache):
+    """Trained under bare, chat and prefix contexts, the target is learned in each of them."""
+    from crispedit.editing.fastpath import plain_loss
+    from crispedit.models import load_model
+
+    from conftest import build_llama
+
+    model = build_llama(len(chat_tok))
+    model, tok = load_model((model, chat_tok))
+    cfg = EditConfig(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=40, lr=1e-2, batch_size=8,
+                     n_cap=6, max_len=48, gamma=0.8, contexts="bare,chat,prefix:1")
+    seqs, _ = sequences_for(tok, REQS, cfg)
+    batches = training_batches(tok, seqs, 64)
+    before = [plain_loss(model, b).item() for b in batches]
+    res = edit(model, tok, REQS, cfg, progress=False)
+    after = [plain_loss(model, b).item() for b in batches]
+    assert res.history.contexts == ["bare", "chat", "prefix:1"] and res.history.sequences == 3 * len(REQS)
+    assert all(a < 0.5 * b for a, b in zip(after, before)), (before, after)
+    restore(model, res.original_weights)
+
+
+def test_legacy_config_dict_keeps_the_old_training_format():
+    old = EditConfig().to_json()
+    del old["contexts"], old["answer_end"]
+    c = EditConfig.from_dict(old)
+    assert (c.contexts, c.answer_end) == ("bare", "none")
+
+
+# ---------------------------------------------------------------------------------------------
+# Adam in the eigenbasis
+
+
+def _rand_projector(d_out=6, d_in=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(d_in, d_in, generator=g, dtype=torch.float64)
+    S = torch.randn(d_out, d_out, generator=g, dtype=torch.float64)
+    return KroneckerProjector.from_factors(A @ A.T, S @ S.T, 0.7)
+
+
+def test_rotate_unrotate_is_the_projection():
+    P = _rand_projector()
+    Q = torch.randn(6, 5)
+    assert torch.allclose(P.unrotate(P.rotate(Q)), P.project(Q), atol=1e-6)
+    I = IdentityProjector(6, 5)
+    assert torch.equal(I.unrotate(I.rotate(Q)), Q)
+
+
+def test_eigenbasis_adam_with_identity_is_adam():
+    torch.manual_seed(0)
+    w1 = torch.nn.Parameter(torch.randn(6, 5))
+    w2 = torch.nn.Parameter(w1.detach().clone())
+    lin = torch.nn.Linear(5, 6, bias=False)
+    o1 = torch.optim.Adam([w1], lr=1e-2)
+    o2 = EigenbasisAdam([w2], [IdentityProjector(6, 5)], [lin], lr=1e-2)
+    for k in range(5):
+        g = torch.randn(6, 5)
+        w1.grad, w2.grad = g.clone(), g.clone()
+        o1.step()
+        o2.step()
+    assert torch.allclose(w1, w2, atol=1e-6)
+
+
+def test_eigenbasis_adam_keeps_the_change_in_the_kept_subspace_and_preconditions():
+    P = _rand_projector()
+    lin = torch.nn.Linear(5, 6, bias=False)
+    w0 = torch.randn(6, 5)
+    w = torch.nn.Parameter(w0.clone())
+    opt = EigenbasisAdam([w], [P], [lin], lr=1e-2)
+    for k in range(4):
+        w.grad = torch.randn(6, 5) * torch.logspace(-3, 1, 5)   # badly scaled columns
+        opt.step()
+    delta = (w - w0).detach()
+    assert delta.abs().max() > 0
+    assert torch.allclose(P.project(delta), delta, atol=1e-6)
+    # Adam's normalisation in the eigenbasis: a first step moves every kept coordinate by ~lr
+    w = torch.nn.Parameter(w0.clone())
+    opt = EigenbasisAdam([w], [P], [lin], lr=1e-2)
+    w.grad = torch.randn(6, 5)
+    opt.step()
+    C = P.rotate(w.detach() - w0)
+    kept = P.mask.bool()
+    assert torch.allclose(C[kept].abs(), torch.full_like(C[kept], 1e-2), rtol=1e-3)
+    assert (C[~kept].abs() < 1e-7).all()
+
+
+def test_eigenbasis_projection_target_in_the_loop(tiny_lm, iso_cache):
+    from crispedit.editing.api import capability_factors
+    from crispedit.editing.editors import get_editor
+    from crispedit.editing.loop import apply_projection
+    from crispedit.models import resolve_layers
+
+    model, tok = tiny_lm
+    cfg = EditConfig(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=8, lr=1e-2, batch_size=4,
+                     n_cap=6, max_len=48, gamma=0.8, projection_target="eigenbasis")
+    layers = resolve_layers(model, cfg.layers)
+    factors, _ = capability_factors(model, tok, layers, cfg, progress=False)
+    res = edit(model, tok, REQS, cfg, factors=factors, progress=False)
+    assert res.history.epoch_loss[-1] < res.history.epoch_loss[0]
+    projs = get_editor("crispedit").projectors(layers, factors, cfg)
+    for name, m in layers.items():
+        delta = m.weight.detach() - res.original_weights[name]
+        assert delta.abs().max() > 0
+        assert torch.allclose(apply_projection(projs[name], m, delta), delta, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# WILD with a user's own wrapper
+
+
+@pytest.mark.parametrize("template,msg", [("", "empty"), ("no field here", "exactly once"),
+                                          ("{question} and {question}", "exactly once"),
+                                          ("{question} {other}", "no other field"), ("{question", "not a valid")])
+def test_context_template_errors(template, msg):
+    with pytest.raises(CrispEditError, match=msg):
+        check_template(template)
+
+
+def test_custom_template_renders(tiny_tok):
+    cfg = WildConfig(template="Support bot {{v2}}. Customer: {question}\nBot:")
+    assert cfg.context == "custom"
+    assert render_prompt(tiny_tok, "Where?", cfg.context, cfg.template) == "Support bot {v2}. Customer: Where?\nBot:"
