@@ -40,6 +40,11 @@ def test_edit_writes_loadable_model_and_report(tiny_model_dir, tmp_path, iso_cac
     for key in ("rel", "gen", "kl_drift", "edit_seconds", "cache_seconds"):
         assert key in report["summary"]
     assert report["n_edits"] == 4 and len(report["per_edit"]) == 4 and report["method"] == "crispedit"
+    # free-generation WILD section per context (the tiny tokenizer has no chat template: chat is None)
+    assert set(report["wild"]) >= {"qa", "none", "chat", "seconds"} and report["wild"]["chat"] is None
+    for ctx in ("qa", "none"):
+        assert 0 <= report["wild"][ctx]["rel"] <= 1 and len(report["wild"][ctx]["examples"]) == 3
+    assert report["training"]["contexts"] == ["bare", "prefix:2"] and report["training"]["sequences"] == 12
     assert report["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
     from transformers import AutoModelForCausalLM
     edited = AutoModelForCausalLM.from_pretrained(out)
@@ -48,10 +53,13 @@ def test_edit_writes_loadable_model_and_report(tiny_model_dir, tmp_path, iso_cac
     assert not torch.equal(edited.state_dict()[w], base.state_dict()[w])
     assert torch.equal(edited.state_dict()["model.layers.0.mlp.down_proj.weight"],
                        base.state_dict()["model.layers.0.mlp.down_proj.weight"])
-    # second run reuses the curvature cache
-    code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), tmp_path / "out2"), capsys)
+    # second run reuses the curvature cache; --no-wild drops the section; contexts / answer end / eigenbasis flags
+    code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), tmp_path / "out2") +
+                       ["--no-wild", "--contexts", "bare", "--answer-end", "none", "--projection", "eigenbasis"], capsys)
     report2 = json.loads((tmp_path / "out2" / "edit_report.json").read_text())
     assert code == 0 and report2["cache"]["hit"] and not report["cache"]["hit"]
+    assert "wild" not in report2 and report2["training"]["contexts"] == ["bare"]
+    assert report2["config"]["projection_target"] == "eigenbasis" and report2["config"]["answer_end"] == "none"
 
 
 def test_cache_build_info_and_explicit_file(tiny_model_dir, tmp_path, iso_cache, capsys):
@@ -106,6 +114,10 @@ def _bad(tmp_path, kind, tiny_model_dir, tiny_tok):
         if kind == "truncated_cache":
             path.write_bytes(path.read_bytes()[:-100])
         args += ["--cache", path]
+    elif kind == "contexts":
+        args += ["--contexts", "bare,qa"]
+    elif kind == "chat_context":
+        args += ["--contexts", "bare,chat"]
     elif kind == "kl_text":
         args += ["--kl-text", tmp_path / "missing.txt"]
     elif kind == "bad_model":
@@ -119,6 +131,7 @@ def _bad(tmp_path, kind, tiny_model_dir, tiny_tok):
     ("gamma", "gamma"), ("gamma0", "gamma"), ("n_cap", "n-cap must be a positive integer"), ("n_edits", "positive"),
     ("missing_edits", "not found"), ("foreign_cache", "another model"), ("truncated_cache", "truncated or corrupt"),
     ("kl_text", "text file not found"), ("bad_model", "not a Hugging Face model directory"),
+    ("contexts", "unknown edit context 'qa'"), ("chat_context", "needs a tokenizer with a chat template"),
 ])
 def test_bad_input_one_line_error_nothing_written(kind, msg, tiny_model_dir, tiny_tok, tmp_path, iso_cache, capsys):
     args = _bad(tmp_path, kind, tiny_model_dir, tiny_tok)

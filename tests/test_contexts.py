@@ -230,3 +230,28 @@ def test_custom_template_renders(tiny_tok):
     cfg = WildConfig(template="Support bot {{v2}}. Customer: {question}\nBot:")
     assert cfg.context == "custom"
     assert render_prompt(tiny_tok, "Where?", cfg.context, cfg.template) == "Support bot {v2}. Customer: Where?\nBot:"
+
+
+def test_eval_cli_context_template(tmp_path, capsys):
+    import json
+
+    from crispedit.cli import main
+
+    edits = tmp_path / "e.json"
+    edits.write_text(json.dumps([{"prompt": "Who?", "target": "Me"}]))
+    out = tmp_path / "r.json"
+    code = main(["eval", "--edits", str(edits), "--context-template", "Ask: {q}", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--context-template must contain {question}" in err and not out.exists()
+    code = main(["eval", "--edits", str(edits), "--context", "chat", "--context-template", "Ask: {question}",
+                 "--out", str(out)])
+    assert code == 2 and "not both" in capsys.readouterr().err and not out.exists()
+
+
+def test_wild_custom_template_end_to_end(tiny_lm):
+    from crispedit.evaluation import RuleJudge, run_wild
+
+    model, tok = tiny_lm
+    res = run_wild(model, tok, REQS[:2], RuleJudge(),
+                   config=WildConfig(template="Our helpdesk. Customer: {question}\nAgent:", max_new_tokens=4))
+    assert res["config"]["context"] == "custom" and res["summary"]["n_edits"] == 2

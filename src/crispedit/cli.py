@@ -40,13 +40,27 @@ def _add_curvature_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_training_format_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by ``edit`` and ``session init``: projection target, edit contexts, answer end."""
+    from .editing.contexts import DEFAULT_CONTEXTS
+
+    p.add_argument("--projection", choices=["gradient", "update", "eigenbasis"], default="gradient",
+                   help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")
+    p.add_argument("--contexts", default="default",
+                   help="edit contexts each request is trained in: comma list of bare, chat, prefix:N "
+                   f"(default: 'default' = {DEFAULT_CONTEXTS}; chat only for models with a chat template)")
+    p.add_argument("--answer-end", choices=["auto", "eos", "period", "none"], default="auto",
+                   help="what follows the target in training: auto = chat end-of-turn / EOS (default), "
+                   "eos, period, none (the paper)")
+
+
 def _config_from_args(args) -> "EditConfig":
     from .editing import EditConfig
 
     return EditConfig(method=args.method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
                       epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
-                      seed=args.seed)
+                      seed=args.seed, contexts=args.contexts, answer_end=args.answer_end)
 
 
 def cmd_edit(args) -> int:
@@ -64,10 +78,13 @@ def cmd_edit(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                             progress=progress)
     report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
-                          edits_path=str(args.edits), cache_file=args.cache, progress=progress)
+                          edits_path=str(args.edits), cache_file=args.cache, progress=progress, wild=not args.no_wild)
     s = report["summary"]
     print(f"{config.method}: {len(requests)} edits, rel={s['rel']} gen={s['gen']} kl_drift={s['kl_drift']:.5f} "
           f"edit={s['edit_seconds']:.1f}s cache={s['cache_seconds']:.1f}s epochs={report['training']['epochs']}")
+    for ctx, w in (report.get("wild") or {}).items():
+        if isinstance(w, dict):
+            print(f"  WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']}")
     print(f"edited model and edit_report.json written to {args.out}")
     return 0
 
@@ -148,11 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=25, help="maximum epochs over the edits (paper: 25)")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--projection", choices=["gradient", "update"], default="gradient",
-                   help="project the raw gradient (paper) or the Adam update")
+    _add_training_format_args(p)
     p.add_argument("--kl-text", default=None, help="held-out text for kl_drift (default: bundled WikiText sample)")
     p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")
     p.add_argument("--out", required=True, help="output directory (HF model + edit_report.json)")
+    p.add_argument("--no-wild", action="store_true",
+                   help="skip the WILD section of the report (free generation under qa, none and chat contexts)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_edit)
 

@@ -1,8 +1,13 @@
-"""``crispedit demo``: the embedded default job.
+"""``crispedit demo``: the embedded default job — what a user of an instruct model sees.
 
 SmolLM2-135M-Instruct + the bundled ZsRE sample and WikiText corpus: edit 32 facts with crispedit and
-with plain fine-tuning (same layers, optimiser and epochs), print a before/after table of generated
-answers and each method's teacher-forced reliability / generalisation and KL drift on held-out text.
+with plain fine-tuning (same layers, optimiser, epochs and edit contexts), then show
+
+* a before/after table of the answers the model gives *through its chat template* (how a user asks an
+  instruct model; a bare question makes it answer ``<eos>`` before editing, which shows nothing);
+* for each method, WILD reliability / generalisation under the qa (the paper's wrapper, never trained),
+  none (bare question) and chat contexts (rule judge), teacher-forced reliability, and the KL drift on
+  held-out text.
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ import time
 
 from .data import BUNDLED_EDITS, bundled_path, heldout_text, load_edits
 from .editing import EditConfig, edit, restore
-from .evaluation import edit_scores, kl_drift, summarize_edit_scores
+from .evaluation import RuleJudge, edit_scores, kl_drift, summarize_edit_scores
 from .evaluation.generation import generate_answers
+from .evaluation.wild import render_prompt, wild_contexts
 from .models import load_model
 
 __all__ = ["run_demo"]
@@ -22,45 +28,60 @@ def _short(s: str, n: int) -> str:
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
+def _chat_answers(model, tok, prompts: list[str]) -> list[str]:
+    context = "chat" if getattr(tok, "chat_template", None) else "none"
+    rendered = [render_prompt(tok, p, context) for p in prompts]
+    return generate_answers(model, tok, rendered, max_new_tokens=24, add_special_tokens=context != "chat")
+
+
 def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: int = 64, model_spec: str = "smollm2",
-             show: int = 6) -> int:
+             show: int = 6, methods: tuple[str, ...] = ("crispedit", "ft"), progress: bool | None = None) -> int:
+    """Run the demo and print its tables; returns the exit status (0)."""
     t0 = time.perf_counter()
     requests = load_edits(bundled_path(BUNDLED_EDITS), limit=n_edits)
     print(f"loading {model_spec} ...", flush=True)
-    model, tok = load_model(model_spec)
-    print(f"loaded in {time.perf_counter() - t0:.1f}s; editing {len(requests)} ZsRE facts", flush=True)
+    model, tok = load_model(model_spec, progress=progress)
+    via = "its chat template" if getattr(tok, "chat_template", None) else "the bare question (no chat template)"
+    print(f"loaded in {time.perf_counter() - t0:.1f}s; editing {len(requests)} ZsRE facts; answers below are "
+          f"asked through {via}", flush=True)
     shown = requests[:show]
     prompts = [r.prompt for r in shown]
-    answers = {"before": generate_answers(model, tok, prompts, max_new_tokens=12)}
+    answers = {"before": _chat_answers(model, tok, prompts)}
     texts = heldout_text(None, 32)
+    judge = RuleJudge()
     rows = []
-    for method in ("crispedit", "ft"):
+    for method in methods:
         cfg = EditConfig(method=method, gamma=gamma, epochs=epochs, n_cap=n_cap)
-        res = edit(model, tok, requests, cfg)
+        print(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}) ...", flush=True)
+        res = edit(model, tok, requests, cfg, progress=progress)
         summ = summarize_edit_scores(edit_scores(model, tok, requests))
         drift = kl_drift(model, tok, texts, base_weights=res.original_weights)
-        answers[method] = generate_answers(model, tok, prompts, max_new_tokens=12)
-        rows.append((method, summ["rel"], summ["gen"], drift["kl_drift"], drift["ppl"], drift["ppl_base"],
-                     len(res.history.epoch_loss), res.edit_seconds, res.cache_seconds,
-                     min(v["kept_fraction"] for v in res.projector_stats.values())))
+        wild = wild_contexts(model, tok, requests, judge, progress=progress)
+        answers[method] = _chat_answers(model, tok, prompts)
+        rows.append((method, wild, summ["rel"], drift["kl_drift"], drift["ppl"], drift["ppl_base"],
+                     len(res.history.epoch_loss), res.edit_seconds, res.history.contexts))
         restore(model, res.original_weights)
 
-    w = 44
+    w, c = 40, 20
     print()
-    print(f"{'prompt':{w}} | {'target':18} | {'before':18} | {'crispedit':18} | {'ft':18}")
-    print("-" * (w + 4 * 21))
-    def cell(method: str, i: int) -> str:
-        return _short(answers[method][i] or "<eos>", 18)
-
+    print(f"{'question':{w}} | {'new target':{c}} | {'before':{c}} | " + " | ".join(f"{m:{c}}" for m in methods))
+    print("-" * (w + (len(methods) + 2) * (c + 3)))
     for i, r in enumerate(shown):
-        print(f"{_short(r.prompt, w):{w}} | {_short(r.target, 18):18} | {cell('before', i):18} | "
-              f"{cell('crispedit', i):18} | {cell('ft', i):18}")
+        cells = [_short(answers[k][i] or "<eos>", c) for k in ("before",) + tuple(methods)]
+        print(f"{_short(r.prompt, w):{w}} | {_short(r.target, c):{c}} | " + " | ".join(f"{x:{c}}" for x in cells))
     if any(not a for a in answers["before"]):
-        print("<eos>: the model ends its reply at once (the base instruct model does this on a bare question)")
+        print("<eos>: the model ends its reply at once")
     print()
-    print(f"{'method':10} {'rel':>6} {'gen':>6} {'kl_drift':>10} {'ppl':>8} {'epochs':>7} {'edit s':>7} {'cache s':>8} {'kept':>6}")
-    for m, rel, gen, kl, ppl, ppl0, ep, es, cs, kept in rows:
-        print(f"{m:10} {rel:6.3f} {gen:6.3f} {kl:10.5f} {ppl:8.3f} {ep:7d} {es:7.1f} {cs:8.1f} {kept:6.3f}")
+    print("WILD (free generation, greedy, rule judge): rel / gen per context; qa = the paper's wrapper, never trained")
+    print(f"{'method':10} {'qa':>11} {'none':>11} {'chat':>11} {'tf rel':>7} {'kl_drift':>9} {'ppl':>7} "
+          f"{'epochs':>6} {'edit s':>7}  contexts")
+    for m, wild, rel, kl, ppl, ppl0, ep, es, ctxs in rows:
+        def cell(ctx: str) -> str:
+            v = wild.get(ctx)
+            return "-" if not v else f"{v['rel']:.2f}/{v['gen']:.2f}"
+
+        print(f"{m:10} {cell('qa'):>11} {cell('none'):>11} {cell('chat'):>11} {rel:7.3f} {kl:9.5f} {ppl:7.2f} "
+              f"{ep:6d} {es:7.1f}  {','.join(ctxs)}")
     print(f"\nbase model perplexity on held-out WikiText: {rows[0][5]:.3f}; "
           f"kl_drift = mean per-token KL(base || edited) there. total {time.perf_counter() - t0:.0f}s")
     return 0

@@ -19,7 +19,8 @@ from .data.corpus import heldout_text
 from .data.edits import EditRequest
 from .editing import EditConfig, EditResult, edit
 from .errors import CrispEditError, atomic_directory, atomic_write_json
-from .evaluation import edit_scores, kl_drift, summarize_edit_scores
+from .evaluation import RuleJudge, edit_scores, kl_drift, summarize_edit_scores
+from .evaluation.wild import wild_contexts
 
 __all__ = ["evaluate_edit", "run_edit_job", "environment"]
 
@@ -61,8 +62,10 @@ def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditReq
 
 def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: EditConfig, out: str | Path, *,
                  model_spec: str = "<in-memory>", kl_text: str | None = None, edits_path: str | None = None,
-                 cache_file: str | None = None, progress: bool | None = None) -> dict:
-    """Edit, evaluate and save ``model`` to ``out`` (HF format + ``edit_report.json``)."""
+                 cache_file: str | None = None, progress: bool | None = None, wild: bool = True) -> dict:
+    """Edit, evaluate and save ``model`` to ``out`` (HF format + ``edit_report.json``). With ``wild``
+    the report gets a ``wild`` section: free-generation rel / gen / locality under the qa, none and chat
+    contexts (rule judge; chat only for models with a chat template)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / "edit_report.json").is_file():
         raise CrispEditError(f"output directory {out} exists and is not an earlier crispedit output; refusing to overwrite")
@@ -73,6 +76,9 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     summary, per_edit = evaluate_edit(model, tokenizer, requests, result, kl_text=kl_text, max_len=config.max_len,
                                       progress=progress)
     report = build_report(config, model_spec, requests, result, summary, per_edit, kl_text, edits_path)
+    if wild:
+        report["wild"] = wild_contexts(model, tokenizer, requests, RuleJudge(), progress=progress)
+        report["wild"]["judge"] = "rule"
     report["summary"]["total_seconds"] = round(time.perf_counter() - t0, 3)
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)

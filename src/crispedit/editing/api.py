@@ -18,6 +18,7 @@ from ..errors import CrispEditError
 from ..models import cache_dir, resolve_layers, weight_fingerprint
 from ..projection import LayerProjector
 from .config import EditConfig
+from .contexts import resolve_contexts
 from .editors import get_editor
 from .loop import TrainHistory, projected_finetune
 
@@ -74,6 +75,7 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     if not requests:
         raise CrispEditError("no edit requests given")
     editor = get_editor(config.method)
+    resolve_contexts(config.contexts, tokenizer)  # a context this model cannot take fails before any work
     layers = resolve_layers(model, config.layers)
     cache_seconds, info = 0.0, {}
     if editor.needs_curvature and factors is None:

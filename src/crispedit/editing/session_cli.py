@@ -86,7 +86,7 @@ def cmd_plot(args) -> int:
 
 
 def add_cli(sub) -> None:
-    from ..cli import _add_curvature_args, _add_model_args
+    from ..cli import _add_curvature_args, _add_model_args, _add_training_format_args
 
     p = sub.add_parser("session", help="durable sequential editing sessions (CrispEdit-Seq)")
     ss = p.add_subparsers(dest="session_command", required=True)
@@ -109,7 +109,7 @@ def add_cli(sub) -> None:
     i.add_argument("--epochs", type=int, default=25)
     i.add_argument("--lr", type=float, default=5e-4)
     i.add_argument("--batch-size", type=int, default=32)
-    i.add_argument("--projection", choices=["gradient", "update"], default="gradient")
+    _add_training_format_args(i)
     i.add_argument("--kl-text", default=None, help="held-out text for KL drift (default: bundled WikiText sample)")
     i.add_argument("--kl-texts", type=int, default=32)
     i.add_argument("--cache", default=None, help="capability curvature cache file (checked against the model)")

@@ -104,7 +104,8 @@ def run_eval(args) -> dict:
     if bench is not None:
         for t in tasks:
             required_files(t, bench)
-    wild_cfg = (WildConfig(context=args.context, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+    wild_cfg = (WildConfig(context=args.context, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                           template=args.context_template)
                 if args.protocol == "wild" else None)
     judge = make_judge(args.judge) if (requests is not None and args.protocol == "wild") else None
     kl_texts = heldout_text(args.kl_text, args.kl_texts) if args.base else None
@@ -164,7 +165,8 @@ def run_eval(args) -> dict:
 
     config = {
         "model": str(args.model), "base": args.base, "edits": args.edits, "n_edits": n_edits, "offset": args.offset,
-        "protocol": args.protocol, "context": args.context if args.protocol == "wild" else None,
+        "protocol": args.protocol, "context": wild_cfg.context if wild_cfg else None,
+        "context_template": wild_cfg.template if wild_cfg else None,
         "judge": judge.config() if judge is not None else None,
         "wild": ({"max_new_tokens": wild_cfg.max_new_tokens, "stop": list(wild_cfg.stop) + ["<eos>"]}
                  if wild_cfg else None),
@@ -228,6 +230,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
     p.add_argument("--protocol", choices=PROTOCOLS, default="wild")
     p.add_argument("--context", choices=("qa", "none", "chat"), default="qa", help="WILD prompt context (default qa)")
+    p.add_argument("--context-template", default=None, metavar="TEXT",
+                   help="WILD with your own wrapper instead of --context, e.g. 'You are our support bot. "
+                   "Customer: {question}\nBot:' ({question} exactly once; literal braces as {{ }})")
     p.add_argument("--judge", choices=("rule", "openai"), default="rule",
                    help="rule: offline deterministic grader (default); openai: LLM judge, see docs/evaluation.md")
     p.add_argument("--max-new-tokens", type=int, default=40, help="WILD: new tokens per answer (default 40, "

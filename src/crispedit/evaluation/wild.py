@@ -67,6 +67,8 @@ class WildConfig:
             self.template = check_template(self.template)
             if self.context in ("qa", None):
                 self.context = "custom"
+            elif self.context != "custom":
+                raise CrispEditError(f"give either a context ({self.context!r}) or a template, not both")
         if self.context not in CONTEXTS + ("custom",):
             raise CrispEditError(f"unknown context {self.context!r} (use one of: {', '.join(CONTEXTS)})")
         if self.context == "custom" and self.template is None:
@@ -158,7 +160,8 @@ def wild_contexts(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
                   batch_size: int = 32, progress: bool | None = None) -> dict:
     """WILD summaries for several contexts at once: ``{context: {"rel", "gen", "loc_vs_answer", ...},
     ..., "seconds": s}``. ``chat`` is skipped (``None``) for tokenizers without a chat template;
-    ``templates`` adds named user wrappers (``{name: "text with {question}"}``)."""
+    ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each context also keeps
+    three ``examples`` and every ``answers`` row ``[rel answer, rel correct, [gen answers], [gen correct]]``."""
     out: dict = {}
     t0 = time.perf_counter()
     runs = [(c, WildConfig(context=c, batch_size=batch_size)) for c in contexts]
@@ -172,5 +175,8 @@ def wild_contexts(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
         out[name] = {k: res["summary"][k] for k in ("rel", "gen", "loc_vs_answer")}
         out[name]["examples"] = [{"prompt": r["prompt"], "target": r["target"], "answer": r["rel"]["answer"]}
                                  for r in res["records"][:3]]
+        # every answer, compactly: [rel answer, rel correct, [gen answers], [gen correct]] per edit
+        out[name]["answers"] = [[r["rel"]["answer"], r["rel"]["correct"], [g["answer"] for g in r["gen"]],
+                                 [g["correct"] for g in r["gen"]]] for r in res["records"]]
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
