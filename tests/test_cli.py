@@ -149,3 +149,15 @@ def test_refuses_to_overwrite_foreign_directory(tiny_model_dir, tmp_path, iso_ca
     (out / "notes.txt").write_text("keep me")
     code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), out), capsys)
     assert code == 2 and "refusing to overwrite" in err and (out / "notes.txt").read_text() == "keep me"
+
+
+def test_demo_runs_end_to_end_on_a_tiny_model(tiny_model_dir, iso_cache, capsys):
+    """The demo's flow (before/after answers, WILD per context, drift) on a tiny model directory."""
+    from crispedit.demo import run_demo
+
+    assert run_demo(n_edits=4, epochs=2, n_cap=4, model_spec=str(tiny_model_dir), show=2, progress=False) == 0
+    out = capsys.readouterr().out
+    assert "bare question (no chat template)" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith(("crispedit ", "ft "))]
+    assert len(lines) == 2 and all("bare,prefix:2" in ln for ln in lines)
+    assert "kl_drift" in out and "WILD" in out

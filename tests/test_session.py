@@ -338,3 +338,17 @@ def test_baselines_and_drift_recompute(method, mode, drift, tmp_path, tiny_model
         assert st["files"]["cap_factors"] == "cap_factors-0002.safetensors" == st["files"]["cap_ref"].replace("cap_ref", "cap_factors")
         assert sorted(f.name for f in (tmp_path / "s").glob("cap_*")) == ["cap_factors-0002.safetensors", "cap_ref-0002.safetensors"]
     assert [set(r["retention"]) for r in st["rounds"]] == [{"1"}, {"1", "2"}]
+
+
+def test_eigenbasis_session_runs_and_does_not_carry_moments_across_bases(tmp_path, tiny_model_dir, monkeypatch):
+    """Adam in the eigenbasis works in sessions; its moments belong to one round's eigenbasis, so they are
+    not carried into the next round's (different) basis; the edit factors cover every training context."""
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    cfg = _config(edit={"epochs": 3, "projection_target": "eigenbasis", "contexts": "bare,prefix:1"})
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), cfg, progress=False)
+    for reqs in ROUNDS:
+        s.add(reqs, plot=False)
+    st = s.status()
+    assert not any(r["optimizer_carried"] for r in st["rounds"]) and "optim" not in st["files"]
+    assert st["rounds"][0]["train"]["contexts"] == ["bare", "prefix:1"]
+    assert st["rounds"][0]["train"]["sequences"] == 8
