@@ -67,12 +67,14 @@ def test_bare_context_answer_ends(tiny_tok):
     eos = tiny_tok.eos_token_id
     auto = build_training_sequences(tiny_tok, REQS[:1], parse_contexts("bare"), "auto")[0]
     none = build_training_sequences(tiny_tok, REQS[:1], parse_contexts("bare"), "none")[0]
-    period = build_training_sequences(tiny_tok, REQS[:1], parse_contexts("bare"), "period")[0]
-    assert auto.ids[-1] == eos and auto.ids[:-1] == none.ids          # the EOS is trained after the target
+    with_eos = build_training_sequences(tiny_tok, REQS[:1], parse_contexts("bare"), "eos")[0]
+    assert with_eos.ids[-1] == eos and with_eos.ids[:-1] == none.ids     # the EOS is trained after the target
     assert none.ids == tiny_tok(REQS[0].prompt + " " + REQS[0].target)["input_ids"]
     assert _decode_target(tiny_tok, none).strip() == "Author A"
-    assert _decode_target(tiny_tok, period).strip() == "Author A."
-    b = training_batches(tiny_tok, [auto], 4)[0]
+    assert _decode_target(tiny_tok, auto).strip() == "Author A."        # a period ends a bare answer
+    dotted = build_training_sequences(tiny_tok, [EditRequest("Q?", "It is so.")], parse_contexts("bare"), "auto")[0]
+    assert _decode_target(tiny_tok, dotted).strip() == "It is so."     # no second period
+    b = training_batches(tiny_tok, [with_eos], 4)[0]
     n_ctx = len(tiny_tok(REQS[0].prompt)["input_ids"])
     assert (b.labels[0, :n_ctx] == -100).all() and b.labels[0, -1].item() == eos
 
@@ -97,8 +99,8 @@ def test_prefix_context_is_deterministic_and_from_the_pool(tiny_tok):
     for s in a:
         r = REQS[s.request]
         head = s.text.split(" " + r.prompt)[0]
-        assert head in pool and s.text.endswith(r.target + tiny_tok.eos_token)
-        assert _decode_target(tiny_tok, s).strip() == r.target + tiny_tok.eos_token
+        assert head in pool and s.text.endswith(r.target + ".")
+        assert _decode_target(tiny_tok, s).strip() == r.target + "."
 
 
 def test_batches_hold_one_context_kind(chat_tok):

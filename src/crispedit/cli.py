@@ -49,9 +49,9 @@ def _add_training_format_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="default",
                    help="edit contexts each request is trained in: comma list of bare, chat, prefix:N "
                    f"(default: 'default' = {DEFAULT_CONTEXTS}; chat only for models with a chat template)")
-    p.add_argument("--answer-end", choices=["auto", "eos", "period", "none"], default="auto",
-                   help="what follows the target in training: auto = chat end-of-turn / EOS (default), "
-                   "eos, period, none (the paper)")
+    p.add_argument("--answer-end", choices=["auto", "eos", "none"], default="auto",
+                   help="what follows the target in training: auto = the chat end-of-turn in chat, a period "
+                   "elsewhere (default); eos = EOS instead of the period; none = the target alone (the paper)")
 
 
 def _config_from_args(args) -> "EditConfig":

@@ -16,11 +16,13 @@ trained under a set of *contexts* (``EditConfig.contexts``, CLI ``--contexts``):
 The WILD evaluation's QA wrapper (``Please answer the question: ...``) is deliberately *not* a
 training context: it measures generalisation to a wrapper the edit never saw.
 
-*Answer termination* (``EditConfig.answer_end``): with ``auto`` (default) the target is followed by
-what ends an answer in that context — the chat template's end-of-turn (e.g. ``<|im_end|>``) for
-``chat``, the tokenizer's EOS for ``bare`` and ``prefix`` — and those end tokens are trained too, so
-free generation states the new fact and stops. ``eos`` uses EOS everywhere, ``period`` appends "."
-to bare/prefix targets (chat keeps its end-of-turn), ``none`` trains the target alone (the paper).
+*Answer termination* (``EditConfig.answer_end``): the target is followed by what ends an answer in that
+context, and that end is trained too, so free generation states the new fact and stops. ``auto``
+(default): the chat template's end-of-turn (e.g. ``<|im_end|>``) for ``chat``, a period for ``bare``
+and ``prefix`` (none added when the target already ends in ``.!?``). ``eos``: the tokenizer's EOS
+instead of the period — measured worse on SmolLM2-Instruct, whose EOS is its end-of-turn token: taught
+after bare questions it strengthens the model's habit of ending the turn at once outside the chat
+template. ``none``: the target alone (the paper's FT-M).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ __all__ = ["CONTEXT_KINDS", "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "T
            "chat_turn", "sequences_for"]
 
 CONTEXT_KINDS = ("bare", "chat", "prefix")
-ANSWER_ENDS = ("auto", "eos", "period", "none")
+ANSWER_ENDS = ("auto", "eos", "none")
 DEFAULT_CONTEXTS = "bare,chat,prefix:2"
 
 
@@ -165,13 +167,13 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
     if answer_end not in ANSWER_ENDS:
         raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {answer_end!r}")
     eos = getattr(tokenizer, "eos_token_id", None)
-    if answer_end in ("auto", "eos") and eos is None:
-        raise CrispEditError(f"--answer-end {answer_end} needs a tokenizer with an EOS token (use period or none)")
-    end_ids = [eos] if answer_end in ("auto", "eos") else []
+    if answer_end == "eos" and eos is None:
+        raise CrispEditError("--answer-end eos needs a tokenizer with an EOS token (use auto or none)")
+    end_ids = [eos] if answer_end == "eos" else []
 
     def plain(i: int, kind: str, ctx: str, target: str) -> TrainingSequence:
         t = target
-        if answer_end == "period" and t.rstrip()[-1:] not in (".", "!", "?"):
+        if answer_end == "auto" and t.rstrip()[-1:] not in (".", "!", "?"):
             t = t.rstrip() + "."
         full = join_prompt_target(ctx, t)
         ids, n = split_context_target(tokenizer, ctx, full, extra_target_ids=end_ids)
