@@ -20,7 +20,7 @@ def test_resolve_layers_errors(tiny_lm):
         resolve_layers(model, "model.layers.{2-9}.mlp.down_proj")
     with pytest.raises(CrispEditError, match="not a linear layer"):
         resolve_layers(model, "model.layers.1.mlp")
-    assert list(resolve_layers(model, None)) == ["model.layers.2.mlp.down_proj"]
+    assert list(resolve_layers(model, None)) == ["model.layers.0.mlp.down_proj"]
 
 
 def _tiny(cfg_cls, model_cls, **kw):
@@ -34,21 +34,21 @@ def test_default_patterns_per_family():
 
     common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
     llama = _tiny(LlamaConfig, LlamaForCausalLM, num_hidden_layers=30, **common)
-    assert default_layer_pattern(llama) == "model.layers.{15-19}.mlp.down_proj"   # SmolLM2's shape
+    assert default_layer_pattern(llama) == "model.layers.{4-8}.mlp.down_proj"   # SmolLM2's shape
     qwen = _tiny(Qwen2Config, Qwen2ForCausalLM, num_hidden_layers=8, **common)
-    assert default_layer_pattern(qwen) == "model.layers.{4-5}.mlp.down_proj"
+    assert default_layer_pattern(qwen) == "model.layers.{1-2}.mlp.down_proj"
     mistral = _tiny(MistralConfig, MistralForCausalLM, num_hidden_layers=4, **common)
-    assert default_layer_pattern(mistral) == "model.layers.{2}.mlp.down_proj"
+    assert default_layer_pattern(mistral) == "model.layers.{0}.mlp.down_proj"
     gpt2 = _tiny(GPT2Config, GPT2LMHeadModel, vocab_size=64, n_embd=16, n_layer=12, n_head=2)
     pat = default_layer_pattern(gpt2)
-    assert pat == "transformer.h.{6-8}.mlp.c_proj"
+    assert pat == "transformer.h.{1-3}.mlp.c_proj"
     assert len(resolve_layers(gpt2, pat)) == 3   # GPT-2 Conv1D counts as linear
     try:
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     except ImportError:  # pragma: no cover
         return
     gemma = _tiny(Gemma3TextConfig, Gemma3ForCausalLM, num_hidden_layers=18, head_dim=8, **common)
-    assert default_layer_pattern(gemma) == "model.layers.{9-12}.mlp.down_proj"
+    assert default_layer_pattern(gemma) == "model.layers.{2-5}.mlp.down_proj"   # Gemma-3-270M shape
 
 
 def test_load_model_specs(tiny_model_dir, tiny_tok, tmp_path):

@@ -32,7 +32,7 @@ def test_smollm2_loads_with_default_layers(smol):
 
     model, tok = smol
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
-    assert default_layer_pattern(model) == "model.layers.{15-19}.mlp.down_proj"
+    assert default_layer_pattern(model) == "model.layers.{4-8}.mlp.down_proj"
     layers = resolve_layers(model, None)
     assert [m.weight.shape for m in layers.values()] == [torch.Size([576, 1536])] * 5
     ans = generate_answers(model, tok, ["The capital of France is"], max_new_tokens=6)

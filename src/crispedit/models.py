@@ -215,8 +215,12 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def default_layer_pattern(model: nn.Module) -> str:
-    """Default edited layers: the MLP output projection of 5 consecutive blocks from half depth
-    (SmolLM2-135M, 30 blocks: ``model.layers.{15-19}.mlp.down_proj``). Fewer for shallow models."""
+    """Default edited layers: the MLP output projection of 5 consecutive blocks starting at 15 % of the
+    depth (SmolLM2-135M, 30 blocks: ``model.layers.{4-8}.mlp.down_proj``). Fewer for shallow models.
+
+    Chosen by the WILD sweep in README "Where to edit": on SmolLM2 the early blocks {4-8} generalise to
+    the unseen QA wrapper and to rephrasings far better than half depth {15-19} (QA rel 0.66 vs 0.47,
+    gen 0.56 vs 0.28) at KL drift 0.0041 vs 0.0030."""
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
     text_cfg = getattr(cfg, "text_config", None)
@@ -228,7 +232,7 @@ def default_layer_pattern(model: nn.Module) -> str:
     prefix, blocks = decoder_blocks(model)
     n = len(blocks)
     count = max(1, min(5, n // 4))
-    start = min(n // 2, n - count)
+    start = min(int(n * 0.15), n - count)
     rng = f"{start}-{start + count - 1}" if count > 1 else f"{start}"
     return f"{prefix}.{{{rng}}}.{MLP_OUT_PROJ[model_type]}"
 
