@@ -48,13 +48,16 @@ def test_cli_edit_on_smollm2(tmp_path):
         env.pop("CRISPEDIT_CACHE")
     from crispedit.data import BUNDLED_EDITS, bundled_path
     cmd = [sys.executable, "-m", "crispedit.cli", "edit", "--model", "smollm2", "--edits", str(bundled_path(BUNDLED_EDITS)),
-           "--n-edits", "4", "--n-cap", "4", "--max-len", "64", "--epochs", "40", "--batch-size", "4", "--lr", "2e-3",
+           "--n-edits", "4", "--n-cap", "16", "--max-len", "64", "--epochs", "40", "--batch-size", "4", "--lr", "2e-3",
            "--out", str(out), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "edit_report.json").read_text())
     s = report["summary"]
-    assert s["rel"] >= 0.75 and s["kl_drift"] < 0.05
+    assert s["rel"] >= 0.75 and s["kl_drift"] < 0.05, s
+    # the edit holds through the chat template too (default contexts train it), and the report says so
+    assert report["training"]["contexts"] == ["bare", "chat", "prefix:2"]
+    assert report["wild"]["chat"]["rel"] >= 0.75 and report["wild"]["none"]["rel"] >= 0.75, report["wild"]
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(out)
     assert m.config.num_hidden_layers == 30
