@@ -287,9 +287,15 @@ def is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
 
 
+def as_weight_matrix(module: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """A weight-shaped tensor of ``module`` (its weight, gradient, an update) as ``d_out x d_in``; the
+    map is its own inverse (GPT-2's Conv1D stores weights transposed, ``d_in x d_out``)."""
+    return t.T if type(module).__name__ == "Conv1D" else t
+
+
 def weight_matrix(module: nn.Module) -> torch.Tensor:
     """The layer's weight as ``d_out x d_in`` (GPT-2's Conv1D stores it transposed)."""
-    return module.weight.T if type(module).__name__ == "Conv1D" else module.weight
+    return as_weight_matrix(module, module.weight)
 
 
 def resolve_layers(model: nn.Module, pattern: str | None = None) -> dict[str, nn.Module]:

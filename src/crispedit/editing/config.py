@@ -41,7 +41,7 @@ class EditConfig:
     projection_target: str = ProjectionTarget.GRADIENT.value
     # how each request becomes training sequences (editing/contexts.py)
     contexts: str = "default"           # e.g. "bare,chat,prefix:2"; "default" = DEFAULT_CONTEXTS
-    answer_end: str = "auto"            # auto | eos | period | none
+    answer_end: str = "auto"            # auto | eos | none
     # capability curvature
     n_cap: int = 64
     max_len: int = 256

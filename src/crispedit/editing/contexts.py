@@ -141,20 +141,16 @@ class TrainingSequence:
 
 
 def _chat_rows(tokenizer, prompt: str, target: str, end: bool) -> tuple[list[int], int, str]:
-    ctx = chat_turn(tokenizer, prompt, None)
-    full = chat_turn(tokenizer, prompt, target)
-    if not full.startswith(ctx):
-        # templates whose reply rendering differs from the generation prompt: fall back to plain
-        # concatenation after the generation prompt
+    ctx, rendered = chat_turn(tokenizer, prompt, None), chat_turn(tokenizer, prompt, target)
+    rest = rendered[len(ctx):]
+    k = rest.find(target)
+    if not rendered.startswith(ctx) or k < 0:
+        # a template whose reply rendering differs from its generation prompt (or alters the reply):
+        # the target straight after the generation prompt, without a turn end
         full = ctx + target
     else:
-        rest = full[len(ctx):]
-        k = rest.find(target)
-        if k < 0:
-            full = ctx + target + rest.rstrip() if end else ctx + target
-        else:
-            # keep the reply and, if asked, the template's end of turn (its trailing newline dropped)
-            full = ctx + rest[: k + len(target)] + (rest[k + len(target):].rstrip() if end else "")
+        # the reply and, if asked, the template's end of turn (its trailing whitespace dropped)
+        full = ctx + rest[: k + len(target)] + (rest[k + len(target):].rstrip() if end else "")
     ids, n = split_context_target(tokenizer, ctx, full, add_special_tokens=False)
     return ids, n, full
 
@@ -183,12 +179,12 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
     for spec in contexts:
         if spec.kind == "prefix" and not prefixes:
             raise CrispEditError("edit context 'prefix' needs prefix sentences; the capability corpus gave none")
+        if spec.kind == "chat" and not _has_chat_template(tokenizer):
+            raise CrispEditError("edit context 'chat' needs a tokenizer with a chat template")
         for i, r in enumerate(requests):
             if spec.kind == "bare":
                 out.append(plain(i, "bare", r.prompt, r.target))
             elif spec.kind == "chat":
-                if not _has_chat_template(tokenizer):
-                    raise CrispEditError("edit context 'chat' needs a tokenizer with a chat template")
                 ids, n, text = _chat_rows(tokenizer, r.prompt, r.target, end=answer_end != "none")
                 out.append(TrainingSequence("chat", i, ids, n, text))
             else:

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from ..data.edits import EditRequest
 from ..data.tokenize import EncodedBatch
+from ..models import as_weight_matrix
 from ..projection import LayerProjector
 from .config import EditConfig, ProjectionTarget
 from .contexts import sequences_for, training_batches
@@ -57,14 +58,9 @@ class TrainHistory:
                 "sequences": self.sequences, "tokens_per_epoch": self.tokens}
 
 
-def _as_matrix(module: nn.Module, t: Tensor) -> Tensor:
-    # GPT-2's Conv1D stores W transposed (d_in x d_out)
-    return t.T if type(module).__name__ == "Conv1D" else t
-
-
 def apply_projection(proj: LayerProjector, module: nn.Module, t: Tensor) -> Tensor:
     """Project a weight-shaped tensor of ``module`` (handles transposed storage)."""
-    return _as_matrix(module, proj.project(_as_matrix(module, t)))
+    return as_weight_matrix(module, proj.project(as_weight_matrix(module, t)))
 
 
 def edit_batches(tokenizer, requests: Sequence[EditRequest], config: EditConfig) -> tuple[list[EncodedBatch], list[str]]:

@@ -14,17 +14,13 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from ..models import as_weight_matrix
 from ..projection import LayerProjector
 from .config import EditConfig, ProjectionTarget
 
 __all__ = ["EigenbasisAdam", "make_optimizer"]
-
-
-def _as_matrix(module: nn.Module, t: Tensor) -> Tensor:
-    # GPT-2's Conv1D stores W transposed (d_in x d_out)
-    return t.T if type(module).__name__ == "Conv1D" else t
 
 
 class EigenbasisAdam(torch.optim.Optimizer):
@@ -59,7 +55,7 @@ class EigenbasisAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 proj, mod = self._proj[id(p)], self._mod[id(p)]
-                C = proj.rotate(_as_matrix(mod, p.grad))
+                C = proj.rotate(as_weight_matrix(mod, p.grad))
                 st = self.state[p]
                 if not st:
                     st["step"] = torch.tensor(0.0)
@@ -72,7 +68,7 @@ class EigenbasisAdam(torch.optim.Optimizer):
                 denom = (st["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(group["eps"])
                 delta = st["exp_avg"] / denom * (-group["lr"] / (1 - b1 ** t))
                 # masked coordinates have zero moments, hence a zero step: the change stays in the kept subspace
-                p.add_(_as_matrix(mod, proj.unrotate(delta)).to(p.dtype))
+                p.add_(as_weight_matrix(mod, proj.unrotate(delta)).to(p.dtype))
         return loss
 
 
