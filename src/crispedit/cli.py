@@ -64,6 +64,8 @@ def _config_from_args(args) -> "EditConfig":
 
 
 def cmd_edit(args) -> int:
+    """``crispedit edit``: validate every input, load the model, edit, evaluate, save ``--out`` atomically; returns
+    the exit status."""
     from .data import load_edits
     from .models import load_model
     from .pipeline import run_edit_job
@@ -90,6 +92,8 @@ def cmd_edit(args) -> int:
 
 
 def cmd_cache_build(args) -> int:
+    """``crispedit cache build``: collect (or reuse) the capability K-FAC factors and optionally export them to
+    ``--out``."""
     from .curvature.cache import save_factors
     from .data import capability_corpus
     from .editing import EditConfig, capability_factors, curvature_spec
@@ -116,6 +120,7 @@ def cmd_cache_build(args) -> int:
 
 
 def cmd_cache_info(args) -> int:
+    """``crispedit cache info FILE``: print a factor file's metadata and factor shapes as JSON."""
     from .curvature.cache import load_factors
 
     factors = load_factors(args.file)
@@ -126,6 +131,7 @@ def cmd_cache_info(args) -> int:
 
 
 def cmd_cache_list(args) -> int:
+    """``crispedit cache list``: one line per cached factor file (layers, texts, length, labels, model)."""
     from .curvature.cache import load_factors
     from .models import cache_dir
 
@@ -144,6 +150,7 @@ def cmd_cache_list(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    """``crispedit demo``: the embedded default job (:func:`crispedit.demo.run_demo`)."""
     from .demo import run_demo
 
     return run_demo(n_edits=args.n_edits, epochs=args.epochs, gamma=args.gamma, n_cap=args.n_cap, model_spec=args.model,
@@ -151,6 +158,7 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``crispedit`` argument parser with every sub-command (including those of ``_COMMAND_MODULES``)."""
     parser = argparse.ArgumentParser(prog="crispedit", description="Non-destructive knowledge editing of LLMs (CrispEdit)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -206,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: run one sub-command; user errors print one ``crispedit: error:`` line and return 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

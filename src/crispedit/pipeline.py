@@ -26,6 +26,7 @@ __all__ = ["evaluate_edit", "run_edit_job", "environment"]
 
 
 def environment() -> dict:
+    """Library versions, Python, platform and torch thread count (recorded in every report)."""
     import transformers
 
     return {"crispedit": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -48,6 +49,8 @@ def evaluate_edit(model, tokenizer, requests: Sequence[EditRequest], result: Edi
 
 def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditRequest], result: EditResult,
                  summary: dict, per_edit: list[dict], kl_text: str | None, edits_path: str | None) -> dict:
+    """The ``edit_report.json`` dict: what was run, summary, training history, projector, cache, config,
+    environment, per-edit scores."""
     summary = dict(summary)
     summary["edit_seconds"] = round(result.edit_seconds, 3)
     summary["cache_seconds"] = round(result.cache_seconds, 3)

@@ -123,9 +123,11 @@ class LayerProjector:
 
     @property
     def kept_fraction(self) -> float:
+        """Fraction of eigen-directions kept (1.0 for the identity)."""
         return 1.0
 
     def to(self, device: torch.device | str) -> "LayerProjector":
+        """The projector with its tensors on ``device`` (in place; returns ``self``)."""
         return self
 
 
@@ -216,21 +218,25 @@ class KroneckerProjector(LayerProjector):
         return self.unrotate(self.rotate(Q)).to(Q.dtype)
 
     def dense(self) -> Tensor:
+        """The explicit projector matrix on column-major ``vec(Q)`` (tests only)."""
         if self.d_out < 0:
             raise ValueError("dense() needs a fixed d_out; build with U_out for tests")
         return super().dense()
 
     @property
     def kept_fraction(self) -> float:
+        """Fraction of eigen-directions kept (1.0 for the identity)."""
         return float(self.mask.float().mean())
 
     @property
     def n_kept(self) -> int:
+        """Number of kept directions of the ``d_out x d_in`` gradient space."""
         if self.U_out is None:
             return int(self.mask.sum()) * (self.d_out if self.d_out > 0 else 1)
         return int(self.mask.sum())
 
     def to(self, device: torch.device | str) -> "KroneckerProjector":
+        """The projector with its tensors on ``device`` (in place; returns ``self``)."""
         self.U_in = self.U_in.to(device)
         self.U_out = None if self.U_out is None else self.U_out.to(device)
         self.mask = self.mask.to(device)
@@ -256,10 +262,13 @@ class DenseProjector(LayerProjector):
     @classmethod
     def from_matrix(cls, G: Tensor, gamma: float, d_out: int | None = None, d_in: int | None = None,
                     dtype: torch.dtype = torch.float64) -> "DenseProjector":
+        """Projector onto the low-energy eigen-directions of an explicit PSD curvature matrix ``G`` under
+        ``gamma``."""
         evals, U = eigh_psd(G, torch.float64)
         return cls(U, energy_keep_mask(evals, gamma), d_out, d_in, dtype)
 
     def project(self, Q: Tensor) -> Tensor:
+        """Project ``Q`` (matrix, column-major vectorised, or flat vector) onto the kept directions."""
         orig_dtype, shape = Q.dtype, Q.shape
         v = vec(Q) if Q.dim() == 2 else Q.reshape(-1)
         v = v.to(self.dtype)
@@ -268,13 +277,16 @@ class DenseProjector(LayerProjector):
         return unvec(out, shape[0], shape[1]) if Q.dim() == 2 else out.reshape(shape)
 
     def dense(self) -> Tensor:
+        """The explicit projector matrix on column-major ``vec(Q)`` (tests only)."""
         return self.U_kept @ self.U_kept.T
 
     @property
     def kept_fraction(self) -> float:
+        """Fraction of eigen-directions kept (1.0 for the identity)."""
         return self._kept / self.dim
 
     def to(self, device: torch.device | str) -> "DenseProjector":
+        """The projector with its tensors on ``device`` (in place; returns ``self``)."""
         self.U_kept = self.U_kept.to(device)
         return self
 

@@ -27,6 +27,10 @@ __all__ = ["EditResult", "edit", "capability_factors", "curvature_spec"]
 
 @dataclass
 class EditResult:
+    """What :func:`edit` did: edited layer names, :class:`TrainHistory`, per-layer projector stats (kept fraction),
+    curvature and training seconds, cache info, and the pre-edit weights (``d_out x d_in`` as stored) for drift
+    or undo."""
+
     layers: list[str]
     history: TrainHistory
     projector_stats: dict[str, dict]
@@ -38,6 +42,8 @@ class EditResult:
 
 def curvature_spec(model: nn.Module, layers: Sequence[str], texts: Sequence[str], config: EditConfig,
                    fingerprint: str | None = None) -> CurvatureSpec:
+    """The content-address of a capability K-FAC collection for ``model``, ``layers`` and ``texts`` under
+    ``config``."""
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     return CurvatureSpec(
         model_fingerprint=fingerprint or weight_fingerprint(model), layers=tuple(layers),

@@ -18,6 +18,8 @@ __all__ = ["EditConfig", "ProjectionTarget"]
 
 
 class ProjectionTarget(str, Enum):
+    """Where the low-curvature projection acts: the gradient, the Adam update, or Adam's moments (eigenbasis)."""
+
     GRADIENT = "gradient"  # project the raw gradient, then a plain Adam step (the paper)
     UPDATE = "update"      # project the Adam update itself: the step stays inside the kept subspace
     EIGENBASIS = "eigenbasis"  # Adam's moments in the K-FAC eigenbasis on the masked rotated gradient
@@ -55,6 +57,8 @@ class EditConfig:
         self.validate()
 
     def validate(self) -> "EditConfig":
+        """Check every field (one-line :class:`CrispEditError` naming the bad one), normalise types, return
+        ``self``."""
         from .editors import EDITORS
 
         if self.method not in EDITORS:
@@ -80,12 +84,15 @@ class EditConfig:
         return self
 
     def to_json(self) -> dict:
+        """The config as a JSON-ready dict (what reports and sessions store)."""
         d = asdict(self)
         d["betas"] = list(self.betas)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "EditConfig":
+        """Rebuild from :meth:`to_json` output; unknown keys are rejected, pre-contexts dicts keep
+        ``bare``/``none``."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

@@ -25,10 +25,12 @@ class Editor:
     needs_curvature = False
 
     def trainable(self, layers: dict[str, nn.Module]) -> dict[str, nn.Parameter]:
+        """The parameters that train: module name -> weight (``d_out x d_in``, or transposed for Conv1D)."""
         return {name: m.weight for name, m in layers.items()}
 
     def projectors(self, layers: dict[str, nn.Module], factors: KFACFactors | None,
                    config: EditConfig) -> dict[str, LayerProjector]:
+        """One projector per layer name for this editor, built from ``factors`` under ``config``."""
         raise NotImplementedError
 
 
@@ -36,11 +38,13 @@ EDITORS: dict[str, Callable[[], Editor]] = {}
 
 
 def register_editor(cls: type[Editor]) -> type[Editor]:
+    """Class decorator: register an :class:`Editor` subclass under its ``name``."""
     EDITORS[cls.name] = cls
     return cls
 
 
 def get_editor(name: str) -> Editor:
+    """A fresh instance of the editor registered as ``name``."""
     return EDITORS[name]()
 
 
@@ -51,6 +55,7 @@ class FTEditor(Editor):
     name = "ft"
 
     def projectors(self, layers, factors, config):
+        """One projector per layer name for this editor, built from ``factors`` under ``config``."""
         out = {}
         for name, m in layers.items():
             d_out, d_in = weight_matrix(m).shape
@@ -66,6 +71,7 @@ class CrispEditEditor(Editor):
     needs_curvature = True
 
     def projectors(self, layers, factors, config):
+        """One projector per layer name for this editor, built from ``factors`` under ``config``."""
         assert factors is not None
         return {name: KroneckerProjector.from_factors(factors.A[name], factors.S[name], config.gamma)
                 for name in layers}
@@ -80,6 +86,7 @@ class AdamNSCLEditor(Editor):
     needs_curvature = True
 
     def projectors(self, layers, factors, config):
+        """One projector per layer name for this editor, built from ``factors`` under ``config``."""
         assert factors is not None
         return {name: KroneckerProjector.from_activation_covariance(factors.A[name], config.gamma)
                 for name in layers}

@@ -48,6 +48,7 @@ class EigenbasisAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - torch API
+        """One Adam step in each parameter's eigenbasis (see the class docstring)."""
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             b1, b2 = group["betas"]

@@ -68,6 +68,7 @@ class SeqConfig:
         self.validate()
 
     def validate(self) -> "SeqConfig":
+        """Check every field (one-line errors), normalise types, return ``self``."""
         if isinstance(self.edit, dict):
             self.edit = EditConfig.from_dict(self.edit)
         self.edit.validate()
@@ -90,17 +91,20 @@ class SeqConfig:
 
     @property
     def name(self) -> str:
+        """Display name: ``<method>-seq[weighting]`` or ``<method>-batch``."""
         if self.mode == "batch":
             return f"{self.edit.method}-batch"
         return f"{self.edit.method}-seq" + (f"[{self.weighting}]" if get_editor(self.edit.method).needs_curvature else "")
 
     def to_json(self) -> dict:
+        """The session config as a JSON-ready dict."""
         d = asdict(self)
         d["edit"] = self.edit.to_json()
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SeqConfig":
+        """Rebuild from :meth:`to_json` output; unknown keys are rejected."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -172,6 +176,7 @@ def optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter])
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter], flat: dict[str, Tensor]) -> None:
+    """Put a flattened optimizer state (:func:`optimizer_state`) back into ``opt`` on the parameters' devices."""
     for key, t in flat.items():
         name, _, k = key.rpartition("::")
         if name not in params:
@@ -182,6 +187,7 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parame
 
 def reproject_first_moment(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter],
                            projectors: dict[str, LayerProjector], layers: dict[str, nn.Module]) -> None:
+    """Project Adam's first moment of every constrained parameter onto the new kept subspace, in place."""
     with torch.no_grad():
         for name, p in params.items():
             st = opt.state.get(p)

@@ -13,6 +13,7 @@ def _fmt(x, nd: int = 3) -> str:
 
 
 def cmd_init(args) -> int:
+    """``crispedit session init``: create (or reopen) a session directory with its capability factors."""
     from ..cli import _config_from_args
     from .sequential import SeqConfig
     from .session import Session
@@ -30,6 +31,7 @@ def cmd_init(args) -> int:
 
 
 def cmd_add(args) -> int:
+    """``crispedit session add``: apply one round of edits and print its retention line."""
     from ..data import load_edits
     from .session import Session
 
@@ -44,6 +46,7 @@ def cmd_add(args) -> int:
 
 
 def cmd_status(args) -> int:
+    """``crispedit session status``: rounds, edits, retention matrix and drift (``--json`` for the raw status)."""
     from .session import Session
 
     st = Session.open(args.dir).status()
@@ -68,6 +71,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_export(args) -> int:
+    """``crispedit session export``: write the session's current model as a Hugging Face directory."""
     from .session import Session
 
     s = Session.open(args.dir, model=args.model, device=args.device)
@@ -77,6 +81,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_plot(args) -> int:
+    """``crispedit session plot``: draw the retention / drift evolution PNG."""
     from .session import Session, plot_retention
 
     statuses = [Session.open(d).status() for d in args.dirs]
@@ -86,6 +91,7 @@ def cmd_plot(args) -> int:
 
 
 def add_cli(sub) -> None:
+    """Register ``crispedit session init|add|status|export|plot`` on ``subparsers``."""
     from ..cli import _add_curvature_args, _add_model_args, _add_training_format_args
 
     p = sub.add_parser("session", help="durable sequential editing sessions (CrispEdit-Seq)")

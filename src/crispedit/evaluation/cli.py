@@ -186,6 +186,7 @@ def run_eval(args) -> dict:
 
 
 def cmd_eval(args) -> int:
+    """``crispedit eval``: run :func:`run_eval` and write its result JSON atomically."""
     out_path = Path(args.out)
     if out_path.is_dir():
         raise CrispEditError(f"--out must be a file name, {out_path} is a directory")
@@ -202,6 +203,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_report(args) -> int:
+    """``crispedit report``: markdown table (and PNG) comparing ``crispedit eval`` result files."""
     from .report import write_report
 
     out_md = args.out or None
@@ -218,6 +220,7 @@ def cmd_report(args) -> int:
 
 
 def add_cli(subparsers) -> None:
+    """Register ``crispedit eval`` and ``crispedit report`` on ``subparsers``."""
     p = subparsers.add_parser("eval", help="evaluate a model: WILD / teacher-forced edit metrics, lm-eval "
                               "capabilities, KL drift vs a base model")
     p.add_argument("--model", default="smollm2", help="model to evaluate: smollm2 (default), a .gguf file, an HF "
