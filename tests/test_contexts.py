@@ -198,7 +198,7 @@ def test_eigenbasis_adam_keeps_the_change_in_the_kept_subspace_and_preconditions
 
 def test_eigenbasis_projection_target_in_the_loop(tiny_lm, iso_cache):
     from crispedit.editing.api import capability_factors
-    from crispedit.editing.editors import get_editor
+    from crispedit.editing import get_editor
     from crispedit.editing.loop import apply_projection
     from crispedit.models import resolve_layers
 
@@ -211,7 +211,7 @@ def test_eigenbasis_projection_target_in_the_loop(tiny_lm, iso_cache):
     assert res.history.epoch_loss[-1] < res.history.epoch_loss[0]
     projs = get_editor("crispedit").projectors(layers, factors, cfg)
     for name, m in layers.items():
-        delta = m.weight.detach() - res.original_weights[name]
+        delta = m.weight.detach() - res.original_weights[f"{name}.weight"]
         assert delta.abs().max() > 0
         assert torch.allclose(apply_projection(projs[name], m, delta), delta, atol=1e-5)
 

@@ -19,8 +19,8 @@ from crispedit.curvature.kfac import KFACFactors
 from crispedit.data import EditRequest, load_edits, save_edits_jsonl
 from crispedit.editing import EditConfig, get_editor
 from crispedit.editing import session as session_mod
-from crispedit.editing.sequential import (SeqConfig, accumulate, combine_factors, load_optimizer_state,
-                                          optimizer_state, reproject_first_moment, round_edit_factors)
+from crispedit.editing.optim import load_optimizer_state, optimizer_state, reproject_first_moment
+from crispedit.editing.sequential import SeqConfig, accumulate, combine_factors, round_edit_factors
 from crispedit.editing.session import Session
 from crispedit.errors import CrispEditError
 from crispedit.models import load_model, resolve_layers
@@ -205,11 +205,11 @@ def test_cli_session_reference_run(ref, capsys):
     from safetensors.torch import load_file
 
     w = load_file(str(sess / "weights-0002.safetensors"))
-    for name, mod in model.named_modules():
-        if name in w:
-            assert torch.equal(mod.weight, w[name])
+    params = dict(model.named_parameters())   # the session stores the changed parameters by full name
+    assert set(w) == {f"{n}.weight" for n in resolve_layers(model, LAYERS)}
+    assert all(torch.equal(params[n], t) for n, t in w.items())
     changed = {n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)}
-    assert changed == {f"{n}.weight" for n in w}
+    assert changed == set(w)
 
 
 @pytest.mark.parametrize("phase", ["after_train", "after_weights", "before_commit", "after_commit"])

@@ -316,6 +316,19 @@ def resolve_layers(model: nn.Module, pattern: str | None = None) -> dict[str, nn
     return out
 
 
+def parameter(model: nn.Module, name: str) -> torch.Tensor:
+    """The parameter named ``name`` (e.g. ``model.layers.1.mlp.down_proj.weight``); a module name
+    (the key of snapshots written before editors declared their parameters) means its ``weight``."""
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        pass
+    try:
+        return model.get_submodule(name).weight
+    except AttributeError:
+        raise CrispEditError(f"no parameter or module named {name!r} in this {type(model).__name__}") from None
+
+
 def weight_fingerprint(model: nn.Module) -> str:
     """Digest of the model type and every parameter and buffer (names, shapes, dtypes and bytes); the
     same weights loaded from different paths give the same fingerprint."""

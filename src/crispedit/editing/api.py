@@ -1,4 +1,5 @@
-"""High-level batch editing: resolve layers, get (cached) curvature, build projectors, run the loop."""
+"""High-level batch editing: the editor picks its layers, the (cached) curvature is fetched, the changed
+parameters are snapshotted, and the editor applies the edit (:meth:`Editor.apply`)."""
 
 from __future__ import annotations
 
@@ -15,21 +16,21 @@ from ..curvature.kfac import KFACFactors
 from ..data.corpus import capability_corpus, corpus_digest
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
-from ..models import cache_dir, resolve_layers, weight_fingerprint
-from ..projection import LayerProjector
+from ..models import cache_dir, parameter, weight_fingerprint
 from .config import EditConfig
 from .contexts import resolve_contexts
-from .editors import get_editor
-from .loop import TrainHistory, projected_finetune
+from .loop import TrainHistory
+from .methods import EditContext
+from .registry import get_editor
 
-__all__ = ["EditResult", "edit", "capability_factors", "curvature_spec"]
+__all__ = ["EditResult", "edit", "restore", "snapshot", "capability_factors", "curvature_spec"]
 
 
 @dataclass
 class EditResult:
-    """What :func:`edit` did: edited layer names, :class:`TrainHistory`, per-layer projector stats (kept fraction),
-    curvature and training seconds, cache info, and the pre-edit weights (``d_out x d_in`` as stored) for drift
-    or undo."""
+    """What :func:`edit` did: edit layer names, :class:`TrainHistory`, projector stats (kept fraction) per
+    trained tensor, curvature and training seconds, cache info, and the pre-edit values of every
+    parameter the editor changes (full parameter name -> tensor as stored) for drift or undo."""
 
     layers: list[str]
     history: TrainHistory
@@ -74,37 +75,41 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
          cache_file: str | Path | None = None, progress: bool | None = None) -> EditResult:
     """Apply ``requests`` to ``model`` in place with ``config.method`` and return what happened.
 
-    ``result.original_weights`` holds the pre-edit weights of the trained layers (to measure drift
-    or undo the edit with :func:`restore`).
+    ``result.original_weights`` holds the pre-edit values of every parameter the editor declares it
+    changes (:meth:`Editor.changes`, full parameter names), to measure drift or undo the edit with
+    :func:`restore`.
     """
     config = (config or EditConfig()).validate()
     if not requests:
         raise CrispEditError("no edit requests given")
     editor = get_editor(config.method)
     resolve_contexts(config.contexts, tokenizer)  # a context this model cannot take fails before any work
-    layers = resolve_layers(model, config.layers)
+    layers = editor.select_layers(model, config)
     cache_seconds, info = 0.0, {}
-    if editor.needs_curvature and factors is None:
-        factors, info = capability_factors(model, tokenizer, layers, config, cache_root=cache_root,
-                                           cache_file=cache_file, progress=progress)
-        cache_seconds = info["seconds"]
     if editor.needs_curvature:
+        if factors is None:
+            factors, info = capability_factors(model, tokenizer, layers, config, cache_root=cache_root,
+                                               cache_file=cache_file, progress=progress)
+            cache_seconds = info["seconds"]
         missing = [n for n in layers if n not in factors.A]
         if missing:
             raise CrispEditError(f"curvature factors do not cover layers {missing}")
+    original = snapshot(editor.changes(model, layers, config))
     t0 = time.perf_counter()
-    projectors: dict[str, LayerProjector] = editor.projectors(layers, factors, config)
-    params = editor.trainable(layers)
-    original = {n: p.detach().clone() for n, p in params.items()}
-    history = projected_finetune(model, tokenizer, requests, layers, params, projectors, config, progress=progress)
+    outcome = editor.apply(model, tokenizer, requests, EditContext(config, layers, factors, progress=progress))
     edit_seconds = time.perf_counter() - t0
-    stats = {n: {"kept_fraction": round(p.kept_fraction, 6)} for n, p in projectors.items()}
-    return EditResult(list(layers), history, stats, cache_seconds, edit_seconds, info, original)
+    return EditResult(list(layers), outcome.history, outcome.projector_stats, cache_seconds, edit_seconds, info,
+                      original)
+
+
+def snapshot(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached copies of ``params`` (name -> tensor, same device and dtype)."""
+    return {n: p.detach().clone() for n, p in params.items()}
 
 
 def restore(model: nn.Module, original_weights: dict[str, torch.Tensor]) -> None:
-    """Undo an edit: put back the weights recorded in ``EditResult.original_weights``."""
-    modules = dict(model.named_modules())
+    """Undo an edit: put back the values recorded in ``EditResult.original_weights`` (full parameter
+    names; module names mean their ``weight``)."""
     with torch.no_grad():
         for name, w in original_weights.items():
-            modules[name].weight.copy_(w)
+            parameter(model, name).copy_(w)

@@ -1,10 +1,15 @@
 """Edit configuration: the paper's defaults, written once.
 
-Paper (Table "Default hyperparameters"): Adam lr 5e-4, batch 32, 25 steps (= up to 25 epochs over
+Paper (Table "Default hyperparameters"): Adam lr 5e-4 (:data:`DEFAULT_LR`; a method may set its own, e.g.
+LoRA 5e-3), batch 32, 25 steps (= up to 25 epochs over
 the edits), early stopping at loss 0.01 (batches below it are skipped, training stops once an
 epoch's mean loss is below it). Curvature: sampled labels (Gauss-Newton), gamma 0.8 (the paper uses
 0.7 for ZsRE and 0.9 for CounterFact / WikiBigEdit on Llama-3-8B), 64 capability texts of at most 256
 tokens on CPU (the paper uses 10,000 Wikipedia documents of 512 tokens on a GPU).
+
+Method-specific settings live in each method's own config dataclass (``Editor.Config``, e.g.
+:class:`~crispedit.editing.methods.lora.LoRAConfig`); ``EditConfig.options`` holds them, validated and
+completed with that method's defaults.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 
 from ..errors import CrispEditError, check_gamma, check_positive_int
+from .registry import MethodConfig, editor_class
 
-__all__ = ["EditConfig", "ProjectionTarget"]
+__all__ = ["EditConfig", "ProjectionTarget", "DEFAULT_LR"]
+
+DEFAULT_LR = 5e-4  # the paper's Adam learning rate; LoRA overrides it (LoRAConfig.SHARED)
 
 
 class ProjectionTarget(str, Enum):
@@ -29,12 +37,14 @@ class ProjectionTarget(str, Enum):
 class EditConfig:
     """Everything that determines an edit besides the model and the requests (validated on
     construction; unknown keys rejected by :meth:`from_dict`). Units: ``lr`` per Adam step,
-    ``epochs`` passes over the training sequences, ``n_cap`` texts of at most ``max_len`` tokens."""
+    ``epochs`` passes over the training sequences, ``n_cap`` texts of at most ``max_len`` tokens.
+    ``lr=None`` takes the method's default (:data:`DEFAULT_LR` unless its config says otherwise);
+    ``options`` are the method's own settings (its ``Config`` dataclass), stored complete."""
 
     method: str = "crispedit"
     gamma: float = 0.8
     layers: str | None = None           # module-path pattern; None = per-architecture default
-    lr: float = 5e-4
+    lr: float | None = None             # None = the method's default (DEFAULT_LR; LoRA 5e-3)
     betas: tuple[float, float] = (0.9, 0.999)
     batch_size: int = 32
     epochs: int = 25
@@ -51,7 +61,7 @@ class EditConfig:
     kfac_batch_size: int = 8
     cap_corpus: str | None = None       # path; None = bundled WikiText sample
     seed: int = 0
-    extra: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)  # the method's own settings (Editor.Config fields)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -59,14 +69,14 @@ class EditConfig:
     def validate(self) -> "EditConfig":
         """Check every field (one-line :class:`CrispEditError` naming the bad one), normalise types, return
         ``self``."""
-        from .editors import EDITORS
-
-        if self.method not in EDITORS:
-            raise CrispEditError(f"unknown method {self.method!r}; choose one of {', '.join(sorted(EDITORS))}")
+        method_cls = editor_class(self.method)
+        self.options = method_cls.Config.from_options(self.method, self.options).to_json()
+        if self.lr is None:
+            self.lr = method_cls.Config.SHARED.get("lr", DEFAULT_LR)
         self.gamma = check_gamma(self.gamma)
         for name in ("batch_size", "epochs", "n_cap", "max_len", "kfac_batch_size"):
             setattr(self, name, check_positive_int(name.replace("_", "-"), getattr(self, name)))
-        if not (self.lr > 0):
+        if not isinstance(self.lr, (int, float)) or not (self.lr > 0):
             raise CrispEditError(f"learning rate must be positive, got {self.lr}")
         try:
             self.projection_target = ProjectionTarget(self.projection_target).value
@@ -83,6 +93,11 @@ class EditConfig:
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         return self
 
+    @property
+    def method_config(self) -> MethodConfig:
+        """The method's own validated config dataclass (built from ``options``)."""
+        return editor_class(self.method).Config.from_options(self.method, self.options)
+
     def to_json(self) -> dict:
         """The config as a JSON-ready dict (what reports and sessions store)."""
         d = asdict(self)
@@ -92,12 +107,14 @@ class EditConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "EditConfig":
         """Rebuild from :meth:`to_json` output; unknown keys are rejected, pre-contexts dicts keep
-        ``bare``/``none``."""
+        ``bare``/``none``; the old, always empty ``extra`` field is accepted."""
+        d = dict(d)
+        if d.get("extra") == {}:
+            del d["extra"]
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise CrispEditError(f"unknown edit config keys: {', '.join(unknown)}")
-        d = dict(d)
         if "contexts" not in d and "answer_end" not in d and "method" in d:
             # a stored config from before edit contexts existed (e.g. an older session): keep training
             # it the way it was trained

@@ -146,14 +146,19 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
     # rounding: half-precision kernels may tile the smaller head matmul differently
     half = next(iter(params.values())).dtype in (torch.float16, torch.bfloat16) if params else False
     rtol = 1e-2 if half else 1e-4
+    # compared in eval mode: dropout (e.g. a LoRA adapter's) would make two training-mode forwards differ
+    was_training = model.training
     try:
         fast_loss = _FastLoss(model, params, batches)
+        model.eval()
         with torch.no_grad():
             a, b = plain_loss(model, batches[0]), fast_loss(0, batches[0])
         if not torch.allclose(a, b, rtol=rtol, atol=1e-5):
             return plain
     except Exception:  # any architecture the shortcut does not understand: use the plain loss
         return plain
+    finally:
+        model.train(was_training)
 
     def fast(i: int) -> Tensor:
         return fast_loss(i, batches[i])

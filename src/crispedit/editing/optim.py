@@ -14,13 +14,14 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from ..errors import CrispEditError
 from ..models import as_weight_matrix
-from ..projection import LayerProjector
+from ..projection import IdentityProjector, LayerProjector
 from .config import EditConfig, ProjectionTarget
 
-__all__ = ["EigenbasisAdam", "make_optimizer"]
+__all__ = ["EigenbasisAdam", "make_optimizer", "optimizer_state", "load_optimizer_state", "reproject_first_moment"]
 
 
 class EigenbasisAdam(torch.optim.Optimizer):
@@ -81,3 +82,35 @@ def make_optimizer(params: dict[str, nn.Parameter], projectors: dict[str, LayerP
         return EigenbasisAdam([params[n] for n in names], [projectors[n] for n in names], [layers[n] for n in names],
                               lr=config.lr, betas=config.betas)
     return torch.optim.Adam(params.values(), lr=config.lr, betas=config.betas, weight_decay=0.0)
+
+
+def optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
+    """Adam's per-parameter state flattened to ``{"<name>::<key>": tensor}`` (safetensors-ready, on CPU)."""
+    out = {}
+    for name, p in params.items():
+        for key, value in opt.state.get(p, {}).items():
+            t = value if torch.is_tensor(value) else torch.tensor(float(value))
+            out[f"{name}::{key}"] = t.detach().cpu().clone().reshape(t.shape)
+    return out
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter], flat: dict[str, Tensor]) -> None:
+    """Put a flattened optimizer state (:func:`optimizer_state`) back into ``opt`` on the parameters' devices."""
+    for key, t in flat.items():
+        name, _, k = key.rpartition("::")
+        if name not in params:
+            raise CrispEditError(f"stored optimizer state names unknown layer {name!r}")
+        p = params[name]
+        opt.state[p][k] = t.clone() if k == "step" else t.to(device=p.device, dtype=p.dtype).clone()
+
+
+def reproject_first_moment(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter],
+                           projectors: dict[str, LayerProjector], layers: dict[str, nn.Module]) -> None:
+    """Project Adam's first moment of every constrained parameter onto the new kept subspace, in place
+    (``d_out x d_in`` moments, transposed storage handled)."""
+    with torch.no_grad():
+        for name, p in params.items():
+            st = opt.state.get(p)
+            if st and "exp_avg" in st and not isinstance(projectors[name], IdentityProjector):
+                proj, mod = projectors[name], layers[name]
+                st["exp_avg"].copy_(as_weight_matrix(mod, proj.project(as_weight_matrix(mod, st["exp_avg"]))))

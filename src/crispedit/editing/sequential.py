@@ -21,7 +21,10 @@ Frobenius norm since they were last computed.
 
 ``mode="batch"`` is the comparison baseline: every round re-edits the base model on the union of all
 rounds so far, with capability factors only (plain CrispEdit). ``method="ft"`` with ``mode="sequential"``
-is the paper's "FT Sequential" (no projection).
+is the paper's "FT Sequential" (no projection); ``method="lora"`` is "LoRA Sequential" (a fresh adapter
+trained and merged every round; only the merged weights carry over).
+
+The round itself is :meth:`Editor.apply` — the same set-up around the loop as a batch :func:`edit`.
 """
 
 from __future__ import annotations
@@ -36,15 +39,14 @@ from torch import Tensor, nn
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
 from ..data.edits import EditRequest
 from ..errors import CrispEditError, check_positive_int
-from ..projection import IdentityProjector, LayerProjector
+from ..models import parameter
 from .config import EditConfig
-from .editors import get_editor
 from .contexts import sequences_for
-from .loop import apply_projection, projected_finetune
-from .optim import make_optimizer
+from .methods import EditContext
+from .registry import get_editor
 
 __all__ = ["SeqConfig", "SeqState", "combine_factors", "round_edit_factors", "run_round", "weight_drift",
-           "optimizer_state", "load_optimizer_state", "reproject_first_moment", "WEIGHTINGS", "MODES"]
+           "WEIGHTINGS", "MODES"]
 
 WEIGHTINGS = ("fixed", "tokens")
 MODES = ("sequential", "batch")
@@ -119,7 +121,7 @@ class SeqConfig:
 class SeqState:
     """What carries from one round to the next (all CPU tensors; what a session stores)."""
 
-    weights: dict[str, Tensor]                  # trained layers' current weights, by module name
+    weights: dict[str, Tensor]                  # current values of the parameters the editor changes, by full name
     cap: KFACFactors | None = None              # capability factors
     edits: KFACFactors | None = None            # accumulated edit factors (token-weighted average)
     optim: dict[str, Tensor] = field(default_factory=dict)   # flattened Adam state
@@ -162,40 +164,6 @@ def accumulate(acc: KFACFactors | None, new: KFACFactors) -> KFACFactors:
 
 
 # ---------------------------------------------------------------------------------------------
-# optimizer state
-
-
-def optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
-    """Adam's per-parameter state flattened to ``{"<name>::<key>": tensor}`` (safetensors-ready)."""
-    out = {}
-    for name, p in params.items():
-        for key, value in opt.state.get(p, {}).items():
-            t = value if torch.is_tensor(value) else torch.tensor(float(value))
-            out[f"{name}::{key}"] = t.detach().cpu().clone().reshape(t.shape)
-    return out
-
-
-def load_optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter], flat: dict[str, Tensor]) -> None:
-    """Put a flattened optimizer state (:func:`optimizer_state`) back into ``opt`` on the parameters' devices."""
-    for key, t in flat.items():
-        name, _, k = key.rpartition("::")
-        if name not in params:
-            raise CrispEditError(f"stored optimizer state names unknown layer {name!r}")
-        p = params[name]
-        opt.state[p][k] = t.clone() if k == "step" else t.to(device=p.device, dtype=p.dtype).clone()
-
-
-def reproject_first_moment(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter],
-                           projectors: dict[str, LayerProjector], layers: dict[str, nn.Module]) -> None:
-    """Project Adam's first moment of every constrained parameter onto the new kept subspace, in place."""
-    with torch.no_grad():
-        for name, p in params.items():
-            st = opt.state.get(p)
-            if st and "exp_avg" in st and not isinstance(projectors[name], IdentityProjector):
-                st["exp_avg"].copy_(apply_projection(projectors[name], layers[name], st["exp_avg"]))
-
-
-# ---------------------------------------------------------------------------------------------
 # the round
 
 
@@ -205,10 +173,10 @@ def weight_drift(weights: dict[str, Tensor], ref: dict[str, Tensor]) -> dict[str
             for n in weights}
 
 
-def _set_weights(layers: dict[str, nn.Module], weights: dict[str, Tensor]) -> None:
+def _set_weights(model: nn.Module, weights: dict[str, Tensor]) -> None:
     with torch.no_grad():
         for name, w in weights.items():
-            layers[name].weight.copy_(w)
+            parameter(model, name).copy_(w)
 
 
 def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], requests: Sequence[EditRequest],
@@ -218,7 +186,9 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
               progress: bool | None = None) -> tuple[SeqState, dict]:
     """Apply one round (``round_index`` counts from 1) and return the new state and a record.
 
-    ``model``'s trained layers are set from ``state.weights`` first, so the result depends only on
+    ``layers`` are the editor's edit layers (:meth:`Editor.select_layers`); ``state.weights`` and
+    ``base_weights`` hold the parameters the editor changes (:meth:`Editor.changes`, full names).
+    ``model``'s changed parameters are set from ``state.weights`` first, so the result depends only on
     (state, requests, config, round_index): an interrupted round redone from the stored state gives
     the same result. ``union`` (batch mode) is every request so far; ``capability`` recollects the
     capability factors on the current model (used when ``recompute_drift`` triggers).
@@ -227,32 +197,25 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     editor = get_editor(ec.method)
     batch = config.mode == "batch"
     t0 = time.perf_counter()
-    _set_weights(layers, base_weights if batch else state.weights)
-    params = editor.trainable(layers)
+    _set_weights(model, base_weights if batch else state.weights)
     constraint = None
     if editor.needs_curvature:
         if state.cap is None:
             raise CrispEditError("this session has no capability factors")
         constraint = state.cap if batch else combine_factors(state.cap, state.edits, config.weighting, config.mix)
-    projectors = editor.projectors(layers, constraint, ec)
-    opt = make_optimizer(params, projectors, layers, ec)
-    carried = False
     # EigenbasisAdam's moments live in the previous round's eigenbasis: not carried into a new basis
-    carry = config.carry_optimizer and ec.projection_target != "eigenbasis"
-    if not batch and carry and state.optim:
-        load_optimizer_state(opt, params, state.optim)
-        carried = True
-        if config.reproject_momentum:
-            reproject_first_moment(opt, params, projectors, layers)
+    carry = (config.carry_optimizer and ec.projection_target != "eigenbasis" and editor.carries_optimizer
+             and not batch)
     train_requests = list(union) if batch else list(requests)
-    history = projected_finetune(model, tokenizer, train_requests, layers, params, projectors, ec,
-                                 optimizer=opt, progress=progress)
-    weights = {n: p.detach().cpu().clone() for n, p in params.items()}
-    new = SeqState(weights=weights, cap=state.cap, edits=state.edits,
-                   optim=optimizer_state(opt, params) if (carry and not batch) else {},
+    outcome = editor.apply(model, tokenizer, train_requests,
+                           EditContext(ec, layers, constraint, optimizer_state=state.optim if carry else {},
+                                       reproject_momentum=config.reproject_momentum, keep_optimizer=carry,
+                                       progress=progress))
+    weights = {n: parameter(model, n).detach().cpu().clone() for n in base_weights}
+    new = SeqState(weights=weights, cap=state.cap, edits=state.edits, optim=outcome.optimizer_state,
                    cap_ref=state.cap_ref)
-    record: dict = {"train": history.to_json(), "optimizer_carried": carried,
-                    "projector_kept": {n: round(p.kept_fraction, 6) for n, p in projectors.items()}}
+    record: dict = {"train": outcome.history.to_json(), "optimizer_carried": outcome.optimizer_carried,
+                    "projector_kept": {n: v["kept_fraction"] for n, v in outcome.projector_stats.items()}}
     if editor.needs_curvature and not batch:
         t1 = time.perf_counter()
         new.edits = accumulate(state.edits, round_edit_factors(model, tokenizer, requests, layers, ec, round_index,

@@ -1,12 +1,13 @@
 """Durable sequential editing sessions (CrispEdit-Seq and its baselines) that survive crashes.
 
-A session directory holds only what the rounds change — the trained layers' weights, the Adam state,
+A session directory holds only what the rounds change — the values of the parameters the editor
+declares it changes (:meth:`Editor.changes`; for LoRA-Seq the merged q/v projections), the Adam state,
 the capability and accumulated edit K-FAC factors of those layers — plus the applied edit log and
 JSON metadata; never the whole model. Layout::
 
     session.json                  immutable: format, base model (spec, fingerprint, dtype), layers, config
     state.json                    THE commit point: committed round, the files it names, per-round records
-    weights-NNNN.safetensors      trained layers' weights after round NNNN
+    weights-NNNN.safetensors      changed parameters (full names) after round NNNN
     optim-NNNN.safetensors        Adam state after round NNNN (sequential modes)
     edit_factors-NNNN.safetensors accumulated edit K-FAC factors after round NNNN (crispedit-seq)
     cap_factors-NNNN.safetensors  capability K-FAC factors (collected at init = 0000, or recollected)
@@ -47,9 +48,9 @@ from ..data.corpus import heldout_text
 from ..data.edits import EditRequest, load_edits, save_edits_jsonl
 from ..errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json
 from ..evaluation import edit_scores, kl_drift, summarize_edit_scores
-from ..models import load_model, resolve_layers, weight_fingerprint
+from ..models import load_model, parameter, weight_fingerprint
 from .api import capability_factors
-from .editors import get_editor
+from .registry import get_editor
 from .sequential import SeqConfig, SeqState, run_round, weight_drift
 
 __all__ = ["Session", "SESSION_FORMAT", "plot_retention", "session_size"]
@@ -141,7 +142,7 @@ class Session:
         spec = "<in-memory>" if isinstance(model, tuple) else str(model)
         m, tok = load_model(model, dtype=None if isinstance(model, tuple) else dtype, device=device, progress=progress)
         fp = weight_fingerprint(m)
-        layers = resolve_layers(m, config.edit.layers)
+        layers = get_editor(config.edit.method).select_layers(m, config.edit)
         meta = {"format": SESSION_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "name": config.name,
                 "base": {"spec": spec, "fingerprint": fp, "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
@@ -305,10 +306,13 @@ class Session:
 
     def _adopt_model(self, model, tok) -> None:
         self._model, self._tok = model, tok
-        self._layers = resolve_layers(model, self.config.edit.layers)
+        editor = get_editor(self.config.edit.method)
+        self._layers = editor.select_layers(model, self.config.edit)
         if list(self._layers) != self.meta["layers"]:
             raise CrispEditError(f"layers {list(self._layers)} differ from the session's {self.meta['layers']}")
-        self._base = {n: m.weight.detach().cpu().clone() for n, m in self._layers.items()}
+        # what the rounds change (and the session stores): the editor's declared parameters, on CPU
+        self._base = {n: p.detach().cpu().clone()
+                      for n, p in editor.changes(model, self._layers, self.config.edit).items()}
 
     def _ensure_model(self) -> None:
         if self._model is not None:
@@ -336,18 +340,25 @@ class Session:
                 t, meta = _load_tensors(self.path / files[key])
                 return KFACFactors.from_tensors(t, int(meta.get("n_tokens", 0)))
 
-            weights = _load_tensors(self.path / files["weights"])[0] if "weights" in files else dict(self._base)
-            missing = [n for n in self._layers if n not in weights]
+            weights = (self._by_parameter(_load_tensors(self.path / files["weights"])[0]) if "weights" in files
+                       else dict(self._base))
+            missing = [n for n in self._base if n not in weights]
             if missing:
-                raise CrispEditError(f"session weights file lacks layers {missing} (session damaged)")
+                raise CrispEditError(f"session weights file lacks parameters {missing} (session damaged)")
             self._state = SeqState(weights=weights, cap=factors("cap_factors"), edits=factors("edit_factors"),
                                    optim=_load_tensors(self.path / files["optim"])[0] if "optim" in files else {},
-                                   cap_ref=_load_tensors(self.path / files["cap_ref"])[0] if "cap_ref" in files else None)
+                                   cap_ref=(self._by_parameter(_load_tensors(self.path / files["cap_ref"])[0])
+                                            if "cap_ref" in files else None))
             self._state_round = st["round"]
         with torch.no_grad():
             for n, w in self._state.weights.items():
-                self._layers[n].weight.copy_(w)
+                parameter(self._model, n).copy_(w)
         return self._state
+
+    def _by_parameter(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Key stored tensors by full parameter name (sessions before editors declared their parameters
+        stored each layer's weight under its module name)."""
+        return {(n if n in self._base else f"{n}.weight"): t for n, t in tensors.items()}
 
     def _write_round(self, k: int, old: SeqState, new: SeqState, requests: Sequence[EditRequest],
                      old_files: dict) -> dict:
@@ -398,7 +409,7 @@ class Session:
         texts = heldout_text(self.config.kl_text, self.config.kl_texts)
         drift = kl_drift(self._model, self._tok, texts, base_weights=self._base, max_len=self.config.edit.max_len,
                          progress=progress)
-        weights = {n: m.weight.detach().cpu() for n, m in self._layers.items()}
+        weights = {n: parameter(self._model, n).detach().cpu() for n in self._base}
         return {"rel": retention[str(len(rounds))]["rel"], "gen": retention[str(len(rounds))]["gen"],
                 "rel_all": summary["rel"], "gen_all": summary["gen"], "retention": retention,
                 "kl_drift": round(drift["kl_drift"], 6), "ppl": round(drift["ppl"], 4),

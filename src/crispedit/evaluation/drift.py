@@ -16,24 +16,27 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..curvature.kfac import loss_positions
+from ..models import parameter
 
 __all__ = ["kl_drift", "swapped_weights", "perplexity"]
 
 
 @contextlib.contextmanager
 def swapped_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
-    modules = dict(model.named_modules())
+    """Temporarily put ``weights`` (full parameter name, or module name for its ``weight`` -> tensor)
+    into ``model``; the current values come back on exit."""
+    targets = {name: parameter(model, name) for name in weights}
     saved = {}
     with torch.no_grad():
         for name, w in weights.items():
-            saved[name] = modules[name].weight.detach().clone()
-            modules[name].weight.copy_(w)
+            saved[name] = targets[name].detach().clone()
+            targets[name].copy_(w)
     try:
         yield
     finally:
         with torch.no_grad():
             for name, w in saved.items():
-                modules[name].weight.copy_(w)
+                targets[name].copy_(w)
 
 
 def _encode(tokenizer, texts, max_len, device):

@@ -1,0 +1,8 @@
+"""The editing methods, one module each (the folder list reads as the paper's method list), beside the
+editor interface they share (``base.py``: :class:`Editor`, whose default ``apply`` is the projected loop
+of ``editing/loop.py``). Importing this package registers every method."""
+
+from . import adam_nscl, crispedit, ft, locbf_ft, lora  # noqa: F401  (registration)
+from .base import EditContext, EditOutcome, Editor, identity_projectors
+
+__all__ = ["Editor", "EditContext", "EditOutcome", "identity_projectors"]

@@ -1,0 +1,23 @@
+"""Adam-NSCL: gradients projected onto the low-energy subspace of the layer-input covariance ``A``
+alone (the paper's "restrictive special case" of CrispEdit)."""
+
+from ...projection import KroneckerProjector
+from ..registry import register_editor
+from .base import Editor
+
+__all__ = ["AdamNSCLEditor"]
+
+
+@register_editor
+class AdamNSCLEditor(Editor):
+    """Adam-NSCL: keeps the *low*-variance input directions of ``A`` (γ-energy threshold), output side free."""
+
+    name = "adam-nscl"
+    summary = "fine-tuning projected onto the null space of the layer-input covariance (Adam-NSCL)"
+    needs_curvature = True
+
+    def projectors(self, layers, factors, config):
+        """One input-side projector per edit layer from its capability factor ``A`` at ``config.gamma``."""
+        assert factors is not None
+        return {name: KroneckerProjector.from_activation_covariance(factors.A[name], config.gamma)
+                for name in layers}

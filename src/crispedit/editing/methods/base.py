@@ -1,0 +1,115 @@
+"""The editor interface and the set-up around the projected loop, written once.
+
+An editor answers: which layers it edits (:meth:`Editor.select_layers`), which base-model parameters
+its edit changes (:meth:`Editor.changes`: what callers snapshot and restore), and how it edits
+(:meth:`Editor.apply`). The default ``apply`` is the shared projected fine-tuning loop
+(:func:`crispedit.editing.loop.projected_finetune`) on :meth:`Editor.trainable` under
+:meth:`Editor.projectors`; a fine-tuning editor overrides only those two questions, a closed-form
+or adapter editor overrides ``apply`` itself (see ``lora.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from torch import Tensor, nn
+
+from ...curvature.kfac import KFACFactors
+from ...data.edits import EditRequest
+from ...models import resolve_layers, weight_matrix
+from ...projection import IdentityProjector, LayerProjector
+from ..config import EditConfig
+from ..loop import TrainHistory, projected_finetune
+from ..optim import load_optimizer_state, make_optimizer, optimizer_state, reproject_first_moment
+from ..registry import MethodConfig
+
+__all__ = ["Editor", "EditContext", "EditOutcome", "identity_projectors"]
+
+
+@dataclass
+class EditContext:
+    """Everything :meth:`Editor.apply` needs besides model, tokenizer and requests.
+
+    ``layers``: the edit layers (module name -> linear module) from :meth:`Editor.select_layers`;
+    ``factors``: the K-FAC constraint for curvature editors (capability, or capability + earlier
+    edits in a session); ``optimizer_state``: a flattened Adam state to continue from (sessions;
+    :func:`..optim.optimizer_state` format) whose first moment is re-projected onto the new kept
+    subspace when ``reproject_momentum``; ``keep_optimizer``: return the final Adam state."""
+
+    config: EditConfig
+    layers: dict[str, nn.Module]
+    factors: KFACFactors | None = None
+    optimizer_state: dict[str, Tensor] = field(default_factory=dict)
+    reproject_momentum: bool = True
+    keep_optimizer: bool = False
+    progress: bool | None = None
+
+
+@dataclass
+class EditOutcome:
+    """What :meth:`Editor.apply` did: the loop's :class:`TrainHistory`, per-trained-tensor projector
+    stats (``kept_fraction``), the final flattened Adam state (when asked for) and whether a given
+    one was continued."""
+
+    history: TrainHistory
+    projector_stats: dict[str, dict] = field(default_factory=dict)
+    optimizer_state: dict[str, Tensor] = field(default_factory=dict)
+    optimizer_carried: bool = False
+
+
+def identity_projectors(modules: dict[str, nn.Module]) -> dict[str, LayerProjector]:
+    """No projection: one :class:`IdentityProjector` of each module's ``d_out x d_in`` weight shape."""
+    return {name: IdentityProjector(*weight_matrix(m).shape) for name, m in modules.items()}
+
+
+class Editor:
+    """Base editor: plain fine-tuning of the weight of every edit layer through the projected loop.
+
+    Class attributes: ``name`` (the ``--method`` value), ``summary`` (one line for help texts),
+    ``needs_curvature`` (capability K-FAC factors are collected for the edit layers),
+    ``carries_optimizer`` (a session may continue Adam's state across rounds), ``Config`` (the
+    method's own :class:`MethodConfig` dataclass)."""
+
+    name = "base"
+    summary = ""
+    needs_curvature = False
+    carries_optimizer = True
+    Config: type[MethodConfig] = MethodConfig
+
+    def select_layers(self, model: nn.Module, config: EditConfig) -> dict[str, nn.Module]:
+        """The edit layers (module name -> linear module): ``config.layers`` or the per-architecture default."""
+        return resolve_layers(model, config.layers)
+
+    def trainable(self, layers: dict[str, nn.Module]) -> dict[str, nn.Parameter]:
+        """The parameters the loop trains, keyed like ``layers`` (module name -> weight, ``d_out x d_in``
+        or transposed for Conv1D)."""
+        return {name: m.weight for name, m in layers.items()}
+
+    def projectors(self, layers: dict[str, nn.Module], factors: KFACFactors | None,
+                   config: EditConfig) -> dict[str, LayerProjector]:
+        """One projector per trained tensor (keyed like :meth:`trainable`); default: the identity."""
+        return identity_projectors(layers)
+
+    def changes(self, model: nn.Module, layers: dict[str, nn.Module], config: EditConfig) -> dict[str, nn.Parameter]:
+        """The base-model parameters whose values :meth:`apply` changes, by full parameter name
+        (``model.get_parameter(name)``): what callers snapshot before, restore after, and what a
+        session stores. Default: the trained layers' weights."""
+        return {f"{name}.weight": m.weight for name, m in layers.items()}
+
+    def apply(self, model: nn.Module, tokenizer, requests: Sequence[EditRequest], ctx: EditContext) -> EditOutcome:
+        """Edit ``model`` in place with ``requests``; default: the projected loop on :meth:`trainable`
+        under :meth:`projectors` (Adam, optionally continued from ``ctx.optimizer_state``)."""
+        cfg, layers = ctx.config, ctx.layers
+        projectors = self.projectors(layers, ctx.factors, cfg)
+        params = self.trainable(layers)
+        opt = make_optimizer(params, projectors, layers, cfg)
+        carried = bool(ctx.optimizer_state)
+        if carried:
+            load_optimizer_state(opt, params, ctx.optimizer_state)
+            if ctx.reproject_momentum:
+                reproject_first_moment(opt, params, projectors, layers)
+        history = projected_finetune(model, tokenizer, requests, layers, params, projectors, cfg, optimizer=opt,
+                                     progress=ctx.progress)
+        return EditOutcome(history, {n: {"kept_fraction": round(p.kept_fraction, 6)} for n, p in projectors.items()},
+                           optimizer_state(opt, params) if ctx.keep_optimizer else {}, carried)

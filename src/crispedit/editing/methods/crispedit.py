@@ -1,0 +1,24 @@
+"""CrispEdit: gradients projected onto the low-curvature subspace of the capability loss's K-FAC
+Gauss-Newton (the paper's method; energy threshold ``EditConfig.gamma``)."""
+
+from ...projection import KroneckerProjector
+from ..registry import register_editor
+from .base import Editor
+
+__all__ = ["CrispEditEditor"]
+
+
+@register_editor
+class CrispEditEditor(Editor):
+    """CrispEdit: each edit layer's gradient is projected by ``U_out((U_outᵀ G U_in) ⊙ M)U_inᵀ`` with
+    ``A = U_in Λ U_inᵀ``, ``S = U_out Λ U_outᵀ`` the capability K-FAC factors and ``M`` the γ-energy mask."""
+
+    name = "crispedit"
+    summary = "fine-tuning projected onto the low-curvature subspace of the capability K-FAC (the paper)"
+    needs_curvature = True
+
+    def projectors(self, layers, factors, config):
+        """One Kronecker projector per edit layer from its capability factors ``A``, ``S`` at ``config.gamma``."""
+        assert factors is not None
+        return {name: KroneckerProjector.from_factors(factors.A[name], factors.S[name], config.gamma)
+                for name in layers}
