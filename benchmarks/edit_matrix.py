@@ -24,10 +24,9 @@ from pathlib import Path
 from crispedit.data import load_edits
 from crispedit.editing import EditConfig, edit, restore
 from crispedit.errors import atomic_write_bytes, atomic_write_json
-from crispedit.evaluation import RuleJudge
-from crispedit.evaluation.wild import wild_contexts
+from crispedit.evaluation import evaluate_edit
 from crispedit.models import load_model
-from crispedit.pipeline import environment, evaluate_edit
+from crispedit.pipeline import environment
 
 DEFAULT_RUNS = ("method=ft;contexts=bare;answer_end=none|method=crispedit;contexts=bare;answer_end=none|"
                 "method=ft|method=crispedit|method=crispedit;projection_target=update|"
@@ -140,7 +139,6 @@ def main() -> None:
     configs = [EditConfig(**{"epochs": args.epochs, **d}) for d in runs]  # validate all before any work
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
     model, tok = load_model(args.model, progress=False)
-    judge = RuleJudge()
     out = Path(args.out)
     results = []
     title = f"{args.model}, {Path(args.edits).name} [{args.offset}:{args.offset + len(requests)}]"
@@ -148,9 +146,9 @@ def main() -> None:
     for d, cfg in zip(runs, configs):
         t0 = time.perf_counter()
         res = edit(model, tok, requests, cfg, progress=False)
-        summary, _ = evaluate_edit(model, tok, requests, res, progress=False)
-        wild = wild_contexts(model, tok, requests, judge, contexts=[c for c in args.wild.split(",") if c],
-                             progress=False) if args.wild else {}
+        ev = evaluate_edit(model, tok, requests, res.original_weights, wild=[c for c in args.wild.split(",") if c],
+                           progress=False)
+        summary, wild = ev["summary"], {k: v for k, v in ev.get("wild", {}).items() if k != "judge"}
         restore(model, res.original_weights)
         row = {"run": label(d), "overrides": d, **summary, "wild": wild,
                "epochs": len(res.history.epoch_loss), "converged": res.history.converged,

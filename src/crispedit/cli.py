@@ -11,56 +11,16 @@ import json
 import sys
 from pathlib import Path
 
+from .editing.flags import add_curvature_args, add_model_args, add_training_args, config_from_args
 from .errors import CrispEditError
 
 # Modules that add sub-commands: each defines add_cli(subparsers) and sets `func` on its parsers.
 _COMMAND_MODULES: list[str] = [
     "crispedit.evaluation.cli",
     "crispedit.editing.session_cli",
+    "crispedit.compare",
     "crispedit.experiments.mnist_study",
 ]
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file, an HF model dir or a hub id")
-    p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
-    p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
-
-
-def _add_curvature_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", default=None, help="module-path pattern, e.g. 'model.layers.{15-19}.mlp.down_proj' "
-                   "(default: per-architecture, see README)")
-    p.add_argument("--n-cap", type=int, default=64, help="number of capability texts for K-FAC (default 64)")
-    p.add_argument("--max-len", type=int, default=256, help="max tokens per capability text (default 256)")
-    p.add_argument("--label-mode", choices=["sampled", "empirical"], default="sampled",
-                   help="K-FAC labels: sampled from the model (Gauss-Newton, default) or the text's own tokens")
-    p.add_argument("--cap-corpus", default=None, help="capability corpus (.txt/.jsonl/.json); default: bundled WikiText")
-    p.add_argument("--kfac-batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-
-
-def _add_training_format_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by ``edit`` and ``session init``: projection target, edit contexts, answer end."""
-    from .editing.contexts import DEFAULT_CONTEXTS
-
-    p.add_argument("--projection", choices=["gradient", "update", "eigenbasis"], default="gradient",
-                   help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")
-    p.add_argument("--contexts", default="default",
-                   help="edit contexts each request is trained in: comma list of bare, chat, prefix:N "
-                   f"(default: 'default' = {DEFAULT_CONTEXTS}; chat only for models with a chat template)")
-    p.add_argument("--answer-end", choices=["auto", "eos", "none"], default="auto",
-                   help="what follows the target in training: auto = the chat end-of-turn in chat, a period "
-                   "elsewhere (default); eos = EOS instead of the period; none = the target alone (the paper)")
-
-
-def _config_from_args(args) -> "EditConfig":
-    from .editing import EditConfig
-
-    return EditConfig(method=args.method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
-                      epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
-                      label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
-                      seed=args.seed, contexts=args.contexts, answer_end=args.answer_end)
 
 
 def cmd_edit(args) -> int:
@@ -70,7 +30,7 @@ def cmd_edit(args) -> int:
     from .models import load_model
     from .pipeline import run_edit_job
 
-    config = _config_from_args(args)  # validates before anything slow happens
+    config = config_from_args(args)  # validates before anything slow happens
     if args.cap_corpus:
         from .data import capability_corpus
 
@@ -163,17 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("edit", help="edit facts into a model and save it with edit_report.json")
-    _add_model_args(p)
-    _add_curvature_args(p)
+    add_model_args(p)
+    add_curvature_args(p)
     p.add_argument("--edits", required=True, help="edit file: ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL")
     p.add_argument("--n-edits", type=int, default=None, help="use only the first N edits")
     p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
-    p.add_argument("--method", default="crispedit", choices=["crispedit", "ft", "adam-nscl"])
-    p.add_argument("--gamma", type=float, default=0.8, help="energy threshold in (0, 1) (default 0.8)")
-    p.add_argument("--epochs", type=int, default=25, help="maximum epochs over the edits (paper: 25)")
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--batch-size", type=int, default=32)
-    _add_training_format_args(p)
+    add_training_args(p)
     p.add_argument("--kl-text", default=None, help="held-out text for kl_drift (default: bundled WikiText sample)")
     p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")
     p.add_argument("--out", required=True, help="output directory (HF model + edit_report.json)")
@@ -185,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     pc = sub.add_parser("cache", help="build or inspect K-FAC curvature caches")
     csub = pc.add_subparsers(dest="cache_command", required=True)
     b = csub.add_parser("build", help="collect capability K-FAC factors (reused by `edit`)")
-    _add_model_args(b)
-    _add_curvature_args(b)
+    add_model_args(b)
+    add_curvature_args(b)
     b.add_argument("--cache-dir", default=None, help="cache root (default $CRISPEDIT_CACHE or ~/.cache/crispedit)")
     b.add_argument("--out", default=None, help="also write the factors to this file (for `edit --cache`)")
     b.add_argument("--force", action="store_true", help="recollect even if cached")

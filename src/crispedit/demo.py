@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 
-from .data import BUNDLED_EDITS, bundled_path, heldout_text, load_edits
+from .data import BUNDLED_EDITS, bundled_path, load_edits
 from .editing import EditConfig, edit, restore
-from .evaluation import RuleJudge, edit_scores, kl_drift, summarize_edit_scores
+from .evaluation import CONTEXTS, evaluate_edit
 from .evaluation.generation import generate_answers
-from .evaluation.wild import render_prompt, wild_contexts
+from .evaluation.wild import render_prompt
 from .models import load_model
 
 __all__ = ["run_demo"]
@@ -47,18 +47,15 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
     shown = requests[:show]
     prompts = [r.prompt for r in shown]
     answers = {"before": _chat_answers(model, tok, prompts)}
-    texts = heldout_text(None, 32)
-    judge = RuleJudge()
     rows = []
     for method in methods:
         cfg = EditConfig(method=method, gamma=gamma, epochs=epochs, n_cap=n_cap)
         print(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}) ...", flush=True)
         res = edit(model, tok, requests, cfg, progress=progress)
-        summ = summarize_edit_scores(edit_scores(model, tok, requests))
-        drift = kl_drift(model, tok, texts, base_weights=res.original_weights)
-        wild = wild_contexts(model, tok, requests, judge, progress=progress)
+        ev = evaluate_edit(model, tok, requests, res.original_weights, wild=CONTEXTS, progress=progress)
+        s = ev["summary"]
         answers[method] = _chat_answers(model, tok, prompts)
-        rows.append((method, wild, summ["rel"], drift["kl_drift"], drift["ppl"], drift["ppl_base"],
+        rows.append((method, ev["wild"], s["rel"], s["kl_drift"], s["ppl"], s["ppl_base"],
                      len(res.history.epoch_loss), res.edit_seconds, res.history.contexts))
         restore(model, res.original_weights)
 

@@ -19,10 +19,9 @@ from .data.corpus import heldout_text
 from .data.edits import EditRequest
 from .editing import EditConfig, EditResult, edit
 from .errors import CrispEditError, atomic_directory, atomic_write_json
-from .evaluation import RuleJudge, edit_scores, kl_drift, summarize_edit_scores
-from .evaluation.wild import wild_contexts
+from .evaluation import CONTEXTS, evaluate_edit
 
-__all__ = ["evaluate_edit", "run_edit_job", "environment"]
+__all__ = ["run_edit_job", "build_report", "environment"]
 
 
 def environment() -> dict:
@@ -32,19 +31,6 @@ def environment() -> dict:
     return {"crispedit": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform(),
             "threads": torch.get_num_threads()}
-
-
-def evaluate_edit(model, tokenizer, requests: Sequence[EditRequest], result: EditResult, *,
-                  kl_text: str | Path | None = None, kl_texts: int = 32, max_len: int = 256,
-                  progress: bool | None = None) -> tuple[dict, list[dict]]:
-    """Summary (rel, gen, kl_drift, ...) and per-edit list for an edited model."""
-    per_edit = edit_scores(model, tokenizer, requests)
-    summary = summarize_edit_scores(per_edit)
-    texts = heldout_text(kl_text, kl_texts)
-    drift = kl_drift(model, tokenizer, texts, base_weights=result.original_weights, max_len=max_len, progress=progress)
-    summary.update({"kl_drift": round(drift["kl_drift"], 6), "ppl": round(drift["ppl"], 4),
-                    "ppl_base": round(drift["ppl_base"], 4), "kl_tokens": drift["tokens"]})
-    return summary, per_edit
 
 
 def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditRequest], result: EditResult,
@@ -76,12 +62,11 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
         heldout_text(kl_text, 1)  # fail early on a bad --kl-text, before any work
     t0 = time.perf_counter()
     result = edit(model, tokenizer, requests, config, cache_file=cache_file, progress=progress)
-    summary, per_edit = evaluate_edit(model, tokenizer, requests, result, kl_text=kl_text, max_len=config.max_len,
-                                      progress=progress)
-    report = build_report(config, model_spec, requests, result, summary, per_edit, kl_text, edits_path)
+    ev = evaluate_edit(model, tokenizer, requests, result.original_weights, kl_text=kl_text, max_len=config.max_len,
+                       wild=CONTEXTS if wild else (), progress=progress)
+    report = build_report(config, model_spec, requests, result, ev["summary"], ev["per_edit"], kl_text, edits_path)
     if wild:
-        report["wild"] = wild_contexts(model, tokenizer, requests, RuleJudge(), progress=progress)
-        report["wild"]["judge"] = "rule"
+        report["wild"] = ev["wild"]
     report["summary"]["total_seconds"] = round(time.perf_counter() - t0, 3)
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)

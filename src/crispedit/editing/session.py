@@ -44,10 +44,9 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..curvature.kfac import KFACFactors
-from ..data.corpus import heldout_text
 from ..data.edits import EditRequest, load_edits, save_edits_jsonl
 from ..errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json
-from ..evaluation import edit_scores, kl_drift, summarize_edit_scores
+from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..models import load_model, parameter, weight_fingerprint
 from .api import capability_factors
 from .registry import get_editor
@@ -399,21 +398,19 @@ class Session:
 
     def _evaluate(self, rounds: list[list[EditRequest]], progress: bool | None) -> dict:
         """Teacher-forced reliability of every round's edits so far, and KL drift from the base."""
-        retention, all_scores = {}, []
+        ev = evaluate_edit(self._model, self._tok, [r for reqs in rounds for r in reqs], self._base,
+                           kl_text=self.config.kl_text, kl_texts=self.config.kl_texts,
+                           max_len=self.config.edit.max_len, progress=progress)
+        retention, start = {}, 0
         for j, reqs in enumerate(rounds, 1):
-            scores = edit_scores(self._model, self._tok, reqs)
-            all_scores += scores
-            s = summarize_edit_scores(scores)
+            s = summarize_edit_scores(ev["per_edit"][start:start + len(reqs)])
+            start += len(reqs)
             retention[str(j)] = {"rel": s["rel"], "gen": s["gen"], "rel_token_acc": s["rel_token_acc"]}
-        summary = summarize_edit_scores(all_scores)
-        texts = heldout_text(self.config.kl_text, self.config.kl_texts)
-        drift = kl_drift(self._model, self._tok, texts, base_weights=self._base, max_len=self.config.edit.max_len,
-                         progress=progress)
+        summary = ev["summary"]
         weights = {n: parameter(self._model, n).detach().cpu() for n in self._base}
         return {"rel": retention[str(len(rounds))]["rel"], "gen": retention[str(len(rounds))]["gen"],
                 "rel_all": summary["rel"], "gen_all": summary["gen"], "retention": retention,
-                "kl_drift": round(drift["kl_drift"], 6), "ppl": round(drift["ppl"], 4),
-                "ppl_base": round(drift["ppl_base"], 4),
+                "kl_drift": summary["kl_drift"], "ppl": summary["ppl"], "ppl_base": summary["ppl_base"],
                 "weight_drift": {n: round(v, 6) for n, v in weight_drift(weights, self._base).items()}}
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .flags import add_curvature_args, add_model_args, add_training_args, config_from_args
+
 __all__ = ["add_cli"]
 
 
@@ -14,11 +16,10 @@ def _fmt(x, nd: int = 3) -> str:
 
 def cmd_init(args) -> int:
     """``crispedit session init``: create (or reopen) a session directory with its capability factors."""
-    from ..cli import _config_from_args
     from .sequential import SeqConfig
     from .session import Session
 
-    edit = _config_from_args(args)  # the same mapping of training/curvature flags as `crispedit edit`
+    edit = config_from_args(args)  # the same mapping of training/curvature flags as `crispedit edit`
     config = SeqConfig(edit=edit, mode=args.mode, weighting=args.weighting, mix=args.mix,
                        carry_optimizer=not args.no_carry_optimizer, reproject_momentum=not args.no_reproject_momentum,
                        recompute_drift=args.recompute_drift, kl_text=args.kl_text, kl_texts=args.kl_texts)
@@ -92,16 +93,13 @@ def cmd_plot(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit session init|add|status|export|plot`` on ``subparsers``."""
-    from ..cli import _add_curvature_args, _add_model_args, _add_training_format_args
-
-    p = sub.add_parser("session", help="durable sequential editing sessions (CrispEdit-Seq)")
+    p = sub.add_parser("session", help="durable sequential editing sessions (CrispEdit-Seq, FT-Seq, LoRA-Seq)")
     ss = p.add_subparsers(dest="session_command", required=True)
 
     i = ss.add_parser("init", help="create a session directory on a base model")
-    _add_model_args(i)
-    _add_curvature_args(i)
+    add_model_args(i)
+    add_curvature_args(i)
     i.add_argument("--out", required=True, help="session directory to create")
-    i.add_argument("--method", default="crispedit", choices=["crispedit", "ft", "adam-nscl"])
     i.add_argument("--mode", default="sequential", choices=["sequential", "batch"],
                    help="sequential rounds (default) or re-edit the base on the union of all rounds (baseline)")
     i.add_argument("--weighting", default="fixed", choices=["fixed", "tokens"],
@@ -111,11 +109,7 @@ def add_cli(sub) -> None:
                    help="recollect capability factors once a weight drifted by more than this (paper: 0.25; default off)")
     i.add_argument("--no-carry-optimizer", action="store_true", help="fresh Adam state every round")
     i.add_argument("--no-reproject-momentum", action="store_true", help="keep Adam's first moment as is when the projector changes")
-    i.add_argument("--gamma", type=float, default=0.8)
-    i.add_argument("--epochs", type=int, default=25)
-    i.add_argument("--lr", type=float, default=5e-4)
-    i.add_argument("--batch-size", type=int, default=32)
-    _add_training_format_args(i)
+    add_training_args(i)  # --method (lora: LoRA-Seq, a fresh adapter merged every round), training flags
     i.add_argument("--kl-text", default=None, help="held-out text for KL drift (default: bundled WikiText sample)")
     i.add_argument("--kl-texts", type=int, default=32)
     i.add_argument("--cache", default=None, help="capability curvature cache file (checked against the model)")

@@ -94,7 +94,10 @@ class LoRAEditor(Editor):
     def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
         """Inject a fresh adapter, train its ``A``/``B`` with the projected loop (identity projectors),
         merge it with ``merge_and_unload`` (also on failure, so no adapter is ever left behind)."""
-        from peft import LoraConfig, LoraModel
+        try:
+            from peft import LoraConfig, LoraModel
+        except ImportError:
+            raise CrispEditError("the lora method needs peft: pip install peft") from None
 
         cfg: LoRAConfig = ctx.config.method_config
         targets = self.target_modules(model, ctx.layers, cfg)

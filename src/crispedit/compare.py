@@ -1,0 +1,347 @@
+"""``crispedit compare``: every method on the same edits from the same base, measured the same way.
+
+For each method: restore the base (checked by weight fingerprint), edit with that method's config
+(shared flags + its own defaults), evaluate with :func:`crispedit.evaluation.evaluate_edit` (WILD
+qa / none / chat with the rule judge, teacher-forced rel / gen, KL drift on held-out text, optional
+lm-eval capability tasks), and record edit time and peak memory. The unedited base model is
+evaluated once as the first row. After every method ``DIR/compare.json`` (atomic), ``DIR/compare.md``
+(shaped like the paper's Table 1) and ``DIR/compare.png`` (edit success vs capability retention) are
+rewritten, so a killed compare resumes: methods already in ``compare.json`` are not run again (their
+settings must match; other settings need another ``--out``).
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the edit (reset before each method);
+on CPU the process's peak resident set size during the edit (``VmHWM``, reset before each method
+through ``/proc/self/clear_refs``; it includes the model and everything else in the process), with
+its increase over the resident size at the start. Where the reset is impossible the increase of
+``ru_maxrss`` is reported instead (process-lifetime peak; 0 when an earlier method peaked higher).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .data.edits import EditRequest
+from .editing import EditConfig, edit, get_editor, restore
+from .editing.api import snapshot
+from .errors import CrispEditError, atomic_write_bytes, atomic_write_json
+from .evaluation import CONTEXTS, evaluate_edit
+from .models import weight_fingerprint
+
+__all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "add_cli", "COMPARE_FORMAT"]
+
+COMPARE_FORMAT = 1
+JSON_FILE, MD_FILE, PNG_FILE = "compare.json", "compare.md", "compare.png"
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device) -> Iterator[dict]:
+    """Measure the peak memory of the ``with`` body; the yielded dict gets ``peak_mib``, ``increase_mib``
+    (MiB) and ``measure`` (what was measured; see the module docstring) on exit."""
+    out: dict = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        yield out
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        out.update(measure="torch.cuda.max_memory_allocated", peak_mib=round(peak / 2**20, 1),
+                   increase_mib=round((peak - start) / 2**20, 1))
+        return
+    reset = False
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        reset = True
+    rss0, max0 = _status_kib("VmRSS"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    yield out
+    hwm = _status_kib("VmHWM")
+    if reset and hwm is not None and rss0 is not None:
+        out.update(measure="peak RSS (VmHWM, reset before the method)", peak_mib=round(hwm / 1024, 1),
+                   increase_mib=round((hwm - rss0) / 1024, 1))
+    else:
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - max0
+        out.update(measure="ru_maxrss increase (process-lifetime peak, not reset)", peak_mib=None,
+                   increase_mib=round(grown / 1024, 1))
+
+
+def requests_digest(requests: Sequence[EditRequest]) -> str:
+    """Digest of the requests' content (prompts, targets, rephrasings, locality)."""
+    blob = json.dumps([r.to_json() for r in requests], sort_keys=True).encode()
+    return hashlib.blake2b(blob, digest_size=12).hexdigest()
+
+
+def _row(method: str, ev: dict, **extra) -> dict:
+    caps = {k: v["score"] for k, v in ev.get("capabilities", {}).items()}
+    return {"method": method, "summary": ev["summary"], "wild": ev.get("wild", {}), "capabilities": caps,
+            "capability_details": ev.get("capabilities", {}), **extra}
+
+
+def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequence[str], out: str | Path, *,
+                configs: dict[str, EditConfig], model_spec: str = "<in-memory>", edits_info: dict | None = None,
+                capabilities: Sequence[str] = (), limit: int | None = None, bench_dir: str | None = None,
+                kl_text: str | None = None, progress: bool | None = None) -> dict:
+    """Run ``methods`` (each with ``configs[method]``) on ``requests`` from ``model``'s current weights
+    and write ``out``/compare.json, .md, .png; returns the compare.json payload. Methods already in an
+    existing compare.json with the same settings are kept and not rerun."""
+    if not requests:
+        raise CrispEditError("no edit requests given")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CrispEditError(f"--out {out} is a file, not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    fp = weight_fingerprint(model)
+    settings = {"model": model_spec, "fingerprint": fp, "edits": edits_info or {}, "n_edits": len(requests),
+                "requests_digest": requests_digest(requests),
+                "evaluation": {"wild": list(CONTEXTS), "judge": "rule", "capabilities": list(capabilities),
+                               "limit": limit, "kl_text": kl_text or "bundled:wikitext_heldout.txt"}}
+    payload = {"format": COMPARE_FORMAT, "settings": settings, "methods": list(methods), "results": {}}
+    path = out / JSON_FILE
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            raise CrispEditError(f"{path} is corrupt; remove it or use another --out") from None
+        diff = [k for k in settings if old.get("settings", {}).get(k) != settings[k]]
+        if old.get("format") != COMPARE_FORMAT or diff:
+            raise CrispEditError(f"{path} was written with other settings ({', '.join(diff) or 'format'}); "
+                                 "use another --out to compare under new settings")
+        payload["results"] = old.get("results", {})
+        for m in methods:
+            stored = payload["results"].get(m, {}).get("config")
+            if stored is not None and stored != configs[m].to_json():
+                raise CrispEditError(f"{path} holds {m} run with another configuration; use another --out")
+        payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))
+    device = next(model.parameters()).device
+    todo = [m for m in methods if m not in payload["results"]]
+    if "base" not in payload["results"]:
+        todo.insert(0, "base")
+    bar = tqdm(todo, desc="compare", unit="method", disable=(None if progress is None else not progress))
+    for method in bar:
+        bar.set_postfix_str(method)
+        if weight_fingerprint(model) != fp:
+            raise CrispEditError(f"the model is no longer the base before {method} (fingerprint changed)")
+        inner = False if progress is None else progress  # one bar per method; the inner ones stay quiet
+        if method == "base":
+            ev = evaluate_edit(model, tokenizer, requests, {}, kl_text=kl_text, wild=CONTEXTS,
+                               capabilities=capabilities, limit=limit, bench_dir=bench_dir, progress=inner)
+            payload["results"]["base"] = _row("base", ev)
+        else:
+            cfg = configs[method]
+            t0 = time.perf_counter()
+            editor = get_editor(method)
+            before = snapshot(editor.changes(model, editor.select_layers(model, cfg), cfg))
+            try:
+                with peak_memory(device) as mem:
+                    res = edit(model, tokenizer, requests, cfg, progress=inner)
+            except BaseException:
+                restore(model, before)  # an interrupted edit leaves the base behind
+                raise
+            del before
+            wall = time.perf_counter() - t0
+            try:
+                ev = evaluate_edit(model, tokenizer, requests, res.original_weights, kl_text=kl_text,
+                                   max_len=cfg.max_len, wild=CONTEXTS, capabilities=capabilities, limit=limit,
+                                   bench_dir=bench_dir, progress=inner)
+            finally:
+                restore(model, res.original_weights)
+            if weight_fingerprint(model) != fp:
+                raise CrispEditError(f"restoring the base after {method} failed (fingerprint differs)")
+            payload["results"][method] = _row(
+                method, ev, config=cfg.to_json(), layers=res.layers, changed=sorted(res.original_weights),
+                changed_numel=sum(t.numel() for t in res.original_weights.values()),
+                edit_seconds=round(res.edit_seconds, 2), cache_seconds=round(res.cache_seconds, 2),
+                wall_seconds=round(wall, 2), cache_hit=res.cache_info.get("hit"), memory=mem,
+                training=res.history.to_json())
+        write_outputs(out, payload)
+        r = payload["results"][method]
+        if progress is not False:
+            qa = r["wild"].get("qa") or {}
+            tqdm.write(f"{method}: WILD qa rel={qa.get('rel')} gen={qa.get('gen')} tf rel={r['summary']['rel']} "
+                       f"kl_drift={r['summary']['kl_drift']:.5f}"
+                       + (f" edit={r['edit_seconds']:.1f}s" if "edit_seconds" in r else ""))
+    bar.close()
+    write_outputs(out, payload)
+    return payload
+
+
+# ---------------------------------------------------------------------------------------------
+# outputs
+
+
+def _pct(v) -> str:
+    return "–" if v is None else f"{100 * v:.1f}"
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return ""
+    m, sec = divmod(int(round(s)), 60)
+    return f"{m}m {sec:02d}s" if m else f"{s:.1f}s"
+
+
+def compare_table(payload: dict) -> str:
+    """The markdown table (the paper's Table 1 shape): WILD rel / gen per context, teacher-forced
+    rel / gen, KL drift, capability scores (percent), edit time (+ curvature time) and peak memory. Per
+    column the best edited method and those within 5 % (relative) of it are in bold."""
+    res = payload["results"]
+    caps = payload["settings"]["evaluation"]["capabilities"]
+    rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
+    cols = [("QA rel", lambda r: (r["wild"].get("qa") or {}).get("rel"), True),
+            ("QA gen", lambda r: (r["wild"].get("qa") or {}).get("gen"), True),
+            ("none rel", lambda r: (r["wild"].get("none") or {}).get("rel"), True),
+            ("none gen", lambda r: (r["wild"].get("none") or {}).get("gen"), True),
+            ("chat rel", lambda r: (r["wild"].get("chat") or {}).get("rel"), True),
+            ("chat gen", lambda r: (r["wild"].get("chat") or {}).get("gen"), True),
+            ("TF rel", lambda r: r["summary"].get("rel"), True),
+            ("TF gen", lambda r: r["summary"].get("gen"), True)]
+    cols += [(c, (lambda c: lambda r: r["capabilities"].get(c))(c), True) for c in caps]
+    edited = [res[m] for m in rows if m != "base"]
+    head = ["method"] + [c[0] for c in cols] + ["KL drift", "edit time", "curvature", "peak mem MiB (+rise)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in rows:
+        r = res[m]
+        cells = [m if m != "base" else "base (unedited)"]
+        for _, get, _higher in cols:
+            v = get(r)
+            best = max((x for x in (get(e) for e in edited) if x is not None), default=None)
+            text = _pct(v)
+            if m != "base" and v is not None and best is not None and best > 0 and v >= 0.95 * best:
+                text = f"**{text}**"
+            cells.append(text)
+        mem = r.get("memory") or {}
+        peak = "" if not mem else (f"{mem['peak_mib']:.0f} (+{mem['increase_mib']:.0f})" if mem.get("peak_mib")
+                                   else f"+{mem['increase_mib']:.0f}")
+        cells += [f"{r['summary']['kl_drift']:.5f}", _duration(r.get("edit_seconds")),
+                  _duration(r.get("cache_seconds")) if r.get("cache_seconds") else "", peak]
+        lines.append("| " + " | ".join(cells) + " |")
+    s = payload["settings"]
+    note = (f"\n{s['model']} · {s['n_edits']} edits {json.dumps(s['edits'])} · WILD rule judge (qa = the paper's "
+            "wrapper, never trained) · TF = teacher-forced · KL drift = mean per-token KL(base‖edited) on held-out "
+            "text (nats)" + (f" · capabilities: lm-eval, limit {s['evaluation']['limit']}" if caps else "")
+            + f" · peak memory: {next((r['memory']['measure'] for r in edited if r.get('memory')), '–')}\n")
+    return "\n".join(lines) + "\n" + note
+
+
+def plot_compare(payload: dict, path: str | Path) -> None:
+    """Edit success (WILD QA rel) against capability retention (mean of capability score / base score;
+    without capability tasks: KL drift, log scale, lower is better), one labelled point per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = payload["results"]
+    caps = payload["settings"]["evaluation"]["capabilities"]
+    base = res.get("base", {}).get("capabilities", {})
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for i, m in enumerate(x for x in payload["methods"] if x in res):
+        r = res[m]
+        y = (r["wild"].get("qa") or {}).get("rel") or 0.0
+        if caps:
+            ratios = [r["capabilities"][c] / base[c] for c in caps
+                      if r["capabilities"].get(c) is not None and base.get(c)]
+            x = sum(ratios) / len(ratios) if ratios else float("nan")
+        else:
+            x = max(r["summary"]["kl_drift"], 1e-6)
+        ax.scatter([x], [y], color=f"C{i % 10}", s=40)
+        ax.annotate(m, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=9)
+    if caps:
+        ax.set_xlabel("capability retention (mean score / base score)")
+    else:
+        ax.set_xscale("log")
+        ax.invert_xaxis()
+        ax.set_xlabel("KL drift on held-out text (nats/token, log; right = less drift)")
+    ax.set_ylabel("edit success (WILD QA rel)")
+    ax.set_ylim(-0.03, 1.03)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{payload['settings']['model']}: {payload['settings']['n_edits']} edits", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_outputs(out: Path, payload: dict) -> None:
+    """Rewrite compare.json (atomic), compare.md and compare.png (derived; a plot failure is not fatal)."""
+    atomic_write_json(out / JSON_FILE, payload)
+    atomic_write_bytes(out / MD_FILE, compare_table(payload).encode())
+    with contextlib.suppress(ImportError):
+        plot_compare(payload, out / PNG_FILE)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def cmd_compare(args) -> int:
+    """``crispedit compare``: validate every input, load the model once, run the methods, print the table."""
+    from .data import load_edits
+    from .editing.flags import config_from_args, method_options_from_args, parse_methods
+    from .evaluation.capabilities import parse_tasks
+    from .models import load_model
+
+    methods = parse_methods(args.methods)
+    options = method_options_from_args(args, methods)
+    configs = {m: config_from_args(args, m, options.get(m, {})) for m in methods}  # all validated up front
+    tasks = parse_tasks(args.capabilities)
+    if args.n_edits is None or args.n_edits < 1:
+        raise CrispEditError(f"--n-edits must be a positive integer, got {args.n_edits}")
+    if args.kl_text is not None:
+        from .data import heldout_text
+
+        heldout_text(args.kl_text, 1)
+    requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
+    progress = False if args.quiet else None
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
+                            progress=progress)
+    payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
+                          edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},
+                          capabilities=tasks, limit=args.limit, bench_dir=args.bench_dir, kl_text=args.kl_text,
+                          progress=progress)
+    print(compare_table(payload))
+    print(f"written to {Path(args.out) / JSON_FILE} (+ {MD_FILE}, {PNG_FILE})")
+    return 0
+
+
+def add_cli(sub) -> None:
+    """Register ``crispedit compare`` on ``subparsers``."""
+    from .editing.flags import add_curvature_args, add_model_args, add_training_args
+    from .editing.registry import method_names
+
+    p = sub.add_parser("compare", help="run several editing methods on the same edits and tabulate them")
+    add_model_args(p)
+    add_curvature_args(p)
+    p.add_argument("--edits", required=True, help="edit file: ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL")
+    p.add_argument("--n-edits", type=int, required=True, help="number of edits (from --offset)")
+    p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
+    p.add_argument("--methods", required=True, help=f"comma list of methods ({', '.join(method_names())}) or all")
+    p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png)")
+    p.add_argument("--capabilities", default=None,
+                   help="lm-eval capability tasks, e.g. arc_challenge,truthfulqa_mc2 (default none; needs crispedit[eval])")
+    p.add_argument("--limit", type=int, default=None, help="items per capability task (default: all)")
+    p.add_argument("--bench-dir", default=None, help="local benchmark files (see `crispedit eval`)")
+    p.add_argument("--kl-text", default=None, help="held-out text for KL drift (default: bundled WikiText sample)")
+    add_training_args(p, method=False)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_compare)

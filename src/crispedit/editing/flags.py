@@ -1,0 +1,123 @@
+"""CLI flags shared by ``edit``, ``session init``, ``compare`` and ``cache build``, built from the config
+dataclasses: defaults come from :class:`EditConfig`'s fields, ``--method`` choices from the editor
+registry, and every method's own options (its ``Config`` dataclass) become ``--<method>-<option>``
+flags. One low module, so the command modules (``cli.py``, ``editing/session_cli.py``) import it and
+never each other."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+from typing import Sequence
+
+from ..errors import CrispEditError
+from .config import EditConfig, ProjectionTarget
+from .contexts import ANSWER_ENDS, DEFAULT_CONTEXTS
+from .registry import EDITORS, editor_class, method_names
+
+__all__ = ["add_model_args", "add_curvature_args", "add_training_args", "add_method_option_args",
+           "config_from_args", "method_options_from_args", "parse_methods", "DEFAULTS"]
+
+DEFAULTS = {f.name: f.default for f in fields(EditConfig) if f.default is not MISSING}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--model --dtype --device --trust-remote-code``."""
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file, an HF model dir or a hub id")
+    p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+
+
+def add_curvature_args(p: argparse.ArgumentParser) -> None:
+    """Edit layers and capability-curvature flags (``EditConfig`` fields ``layers`` .. ``seed``)."""
+    d = DEFAULTS
+    p.add_argument("--layers", default=d["layers"], help="module-path pattern, e.g. 'model.layers.{15-19}.mlp.down_proj' "
+                   "(default: per-architecture, see README)")
+    p.add_argument("--n-cap", type=int, default=d["n_cap"], help=f"number of capability texts for K-FAC (default {d['n_cap']})")
+    p.add_argument("--max-len", type=int, default=d["max_len"], help=f"max tokens per capability text (default {d['max_len']})")
+    p.add_argument("--label-mode", choices=["sampled", "empirical"], default=d["label_mode"],
+                   help="K-FAC labels: sampled from the model (Gauss-Newton, default) or the text's own tokens")
+    p.add_argument("--cap-corpus", default=d["cap_corpus"], help="capability corpus (.txt/.jsonl/.json); default: bundled WikiText")
+    p.add_argument("--kfac-batch-size", type=int, default=d["kfac_batch_size"])
+    p.add_argument("--seed", type=int, default=d["seed"])
+
+
+def add_method_option_args(p: argparse.ArgumentParser) -> None:
+    """``--<method>-<option>`` for every option of every registered method's ``Config`` (default: the method's)."""
+    for method in method_names():
+        cfg_cls = editor_class(method).Config
+        for f in fields(cfg_cls):
+            kind = type(f.default) if f.default is not MISSING else str
+            help_ = cfg_cls.HELP.get(f.name, f"{method} option {f.name} (default {f.default})")
+            p.add_argument(f"--{method}-{f.name.replace('_', '-')}", dest=_dest(method, f.name),
+                           type=kind if kind in (int, float) else str, default=None, help=f"[{method}] {help_}")
+
+
+def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> None:
+    """``--method`` (choices: the registry), ``--gamma --epochs --lr --batch-size``, projection target,
+    edit contexts, answer end and the per-method option flags."""
+    d = DEFAULTS
+    if method:
+        p.add_argument("--method", default=d["method"], choices=method_names(),
+                       help="; ".join(f"{n}: {EDITORS[n].summary}" for n in method_names()) + f" (default {d['method']})")
+    p.add_argument("--gamma", type=float, default=d["gamma"], help=f"energy threshold in (0, 1) (default {d['gamma']})")
+    p.add_argument("--epochs", type=int, default=d["epochs"], help=f"maximum epochs over the edits (paper: {d['epochs']})")
+    p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: the method's; 5e-4, LoRA 5e-3)")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"], help=f"edit sequences per step (default {d['batch_size']})")
+    p.add_argument("--projection", choices=[t.value for t in ProjectionTarget], default=d["projection_target"],
+                   help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")
+    p.add_argument("--contexts", default=d["contexts"],
+                   help="edit contexts each request is trained in: comma list of bare, chat, prefix:N "
+                   f"(default: 'default' = {DEFAULT_CONTEXTS}; chat only for models with a chat template)")
+    p.add_argument("--answer-end", choices=list(ANSWER_ENDS), default=d["answer_end"],
+                   help="what follows the target in training: auto = the chat end-of-turn in chat, a period "
+                   "elsewhere (default); eos = EOS instead of the period; none = the target alone (the paper)")
+    add_method_option_args(p)
+
+
+def _dest(method: str, option: str) -> str:
+    return f"opt_{method.replace('-', '_')}__{option}"
+
+
+def method_options_from_args(args, methods: Sequence[str]) -> dict[str, dict]:
+    """``{method: {option: value}}`` from the ``--<method>-<option>`` flags that were given; a flag of a
+    method not among ``methods`` is a one-line error."""
+    out: dict[str, dict] = {}
+    for method in method_names():
+        for f in fields(editor_class(method).Config):
+            value = getattr(args, _dest(method, f.name), None)
+            if value is None:
+                continue
+            if method not in methods:
+                raise CrispEditError(f"--{method}-{f.name.replace('_', '-')} applies to method {method}, "
+                                     f"which is not being run ({', '.join(methods)})")
+            out.setdefault(method, {})[f.name] = value
+    return out
+
+
+def config_from_args(args, method: str | None = None, options: dict | None = None) -> EditConfig:
+    """The validated :class:`EditConfig` of the parsed flags for ``method`` (default ``args.method``)."""
+    method = method or args.method
+    if options is None:
+        options = method_options_from_args(args, [method]).get(method, {})
+    return EditConfig(method=method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
+                      epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
+                      label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
+                      seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options)
+
+
+def parse_methods(spec: str) -> list[str]:
+    """``"crispedit,ft,lora"`` (or ``all``) -> registered method names in the given order, each once;
+    one-line error naming an unknown one."""
+    items = [s.strip() for s in str(spec).split(",") if s.strip()]
+    if items == ["all"]:
+        return method_names()
+    if not items:
+        raise CrispEditError(f"--methods is empty; choose from {', '.join(method_names())}")
+    out: list[str] = []
+    for m in items:
+        editor_class(m)  # unknown -> one-line error with the choices
+        if m not in out:
+            out.append(m)
+    return out
