@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from crispedit.data import EditRequest
-from crispedit.editing import EDITORS, EditConfig, edit, restore
+from crispedit.editing import EDITORS, EditConfig, edit, get_editor, restore
 from crispedit.editing.loop import apply_projection
 from crispedit.errors import CrispEditError
 from crispedit.evaluation import edit_scores, kl_drift, summarize_edit_scores
@@ -54,7 +54,7 @@ def test_editor_matrix(method, tiny_lm, iso_cache):
 @pytest.mark.parametrize("method", ["crispedit", "adam-nscl"])
 def test_update_projection_keeps_change_in_kept_subspace(method, target, tiny_lm, iso_cache):
     from crispedit.editing.api import capability_factors
-    from crispedit.editing import get_editor
+
 
     model, tok = tiny_lm
     layers = resolve_layers(model, LAYERS)
@@ -116,3 +116,95 @@ def test_config_from_dict_rejects_unknown_keys():
     with pytest.raises(CrispEditError, match="unknown edit config keys: lrr"):
         EditConfig.from_dict({"lrr": 1})
     assert EditConfig.from_dict(EditConfig().to_json()).to_json() == EditConfig().to_json()
+
+
+@pytest.mark.parametrize("method,options,msg", [
+    ("lora", {"r": 0}, "lora rank r must be at least 1"), ("lora", {"dropout": 1.0}, r"lora dropout must lie in \[0, 1\)"),
+    ("lora", {"alpha": -1}, "lora alpha must be positive"), ("lora", {"targets": " , "}, "lora targets is empty"),
+    ("lora", {"rank": 8}, "unknown lora option.*rank.*takes r, alpha, dropout, targets"),
+    ("ft", {"r": 8}, "unknown ft option.*ft takes no options"),
+    ("locbf-ft", {"layer": "top"}, "locbf-ft layer must be middle, first, last or an index")])
+def test_method_options_validated_with_one_line_errors(method, options, msg):
+    with pytest.raises(CrispEditError, match=msg) as exc:
+        cfg(method, options=options)
+    assert "\n" not in str(exc.value)
+
+
+def test_method_defaults_and_stored_options():
+    lora = EditConfig(method="lora")
+    assert lora.lr == 5e-3 and lora.options == {"r": 8, "alpha": 32.0, "dropout": 0.1, "targets": "q_proj,v_proj"}
+    assert EditConfig(method="lora", lr=1e-3).lr == 1e-3 and EditConfig().lr == 5e-4
+    assert EditConfig.from_dict(lora.to_json()).to_json() == lora.to_json()
+    # a config stored by an older crispedit (explicit lr, the empty `extra` field) still reads
+    old = {k: v for k, v in EditConfig().to_json().items() if k != "options"}
+    old["extra"] = {}
+    assert EditConfig.from_dict(old).options == {}
+
+
+def test_locbf_layer_out_of_range(tiny_lm):
+    model, tok = tiny_lm
+    with pytest.raises(CrispEditError, match="locbf-ft layer index 5 is out of range for 2 edit layers"):
+        edit(model, tok, REQS, cfg("locbf-ft", options={"layer": 5}), progress=False)
+    picked = get_editor("locbf-ft").select_layers(model, cfg("locbf-ft", options={"layer": "first"}))
+    assert list(picked) == ["model.layers.1.mlp.down_proj"]
+
+
+def test_lora_merged_weights_equal_base_plus_scaled_BA(tiny_lm, monkeypatch):
+    """After the edit, each target weight is exactly base + (alpha/r) B A of the trained adapter."""
+    import peft
+
+    from crispedit.editing.methods import lora as lora_mod
+
+    model, tok = tiny_lm
+    captured = {}
+    real_merge = peft.LoraModel.merge_and_unload
+
+    def spy(self, *a, **kw):   # read A and B just before peft merges them
+        for name, m in self.model.named_modules():
+            if hasattr(m, "lora_A") and lora_mod.ADAPTER in m.lora_A:
+                captured[name] = (m.lora_B[lora_mod.ADAPTER].weight.detach().clone(),
+                                  m.lora_A[lora_mod.ADAPTER].weight.detach().clone())
+        return real_merge(self, *a, **kw)
+
+    monkeypatch.setattr(peft.LoraModel, "merge_and_unload", spy)
+    res = edit(model, tok, REQS, cfg("lora", epochs=3, options={"r": 4, "alpha": 12}), progress=False)
+    assert set(captured) == {n.removesuffix(".weight") for n in res.original_weights}
+    for name, (B, A) in captured.items():
+        assert B.abs().max() > 0 and A.shape == (4, 32) and B.shape[1] == 4
+        merged = model.get_parameter(f"{name}.weight")
+        assert torch.allclose(merged, res.original_weights[f"{name}.weight"] + 3.0 * B @ A, atol=1e-6)
+    assert not any("lora" in n for n, _ in model.named_parameters())
+
+
+def test_lora_needs_named_targets(tiny_lm):
+    model, tok = tiny_lm
+    with pytest.raises(CrispEditError, match="has 0 linear modules named 'c_attn'"):
+        edit(model, tok, REQS, cfg("lora", options={"targets": "c_attn"}), progress=False)
+
+
+def test_cli_choices_and_option_flags_come_from_the_registry():
+    import argparse
+
+    from crispedit.cli import build_parser
+    from crispedit.editing import method_names, register_editor
+    from crispedit.editing.methods import Editor
+    from crispedit.editing.registry import EDITORS
+
+    def method_choices(parser):
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        edit_p = sub.choices["edit"]
+        init_p = next(a for a in sub.choices["session"]._actions
+                      if isinstance(a, argparse._SubParsersAction)).choices["init"]
+        return [next(a for a in p._actions if a.dest == "method").choices for p in (edit_p, init_p)], edit_p
+
+    @register_editor
+    class Dummy(Editor):
+        name = "dummy-ft"
+
+    try:
+        choices, edit_p = method_choices(build_parser())
+        assert choices[0] == choices[1] == method_names() and "dummy-ft" in choices[0]
+        flags = {o for a in edit_p._actions for o in a.option_strings}
+        assert {"--lora-r", "--lora-alpha", "--lora-dropout", "--lora-targets", "--locbf-ft-layer"} <= flags
+    finally:
+        del EDITORS["dummy-ft"]

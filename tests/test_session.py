@@ -352,3 +352,43 @@ def test_eigenbasis_session_runs_and_does_not_carry_moments_across_bases(tmp_pat
     assert not any(r["optimizer_carried"] for r in st["rounds"]) and "optim" not in st["files"]
     assert st["rounds"][0]["train"]["contexts"] == ["bare", "prefix:1"]
     assert st["rounds"][0]["train"]["sequences"] == 8
+
+
+def test_lora_seq_stores_the_merged_projections_and_export_matches(tmp_path, tiny_model_dir, monkeypatch):
+    """LoRA-Seq: a fresh adapter per round, merged; the session stores (and exports) only the merged
+    q/v projections of the edit layers' blocks, and round 2 starts from round 1's merged weights."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    cfg = _config(edit={"method": "lora", "epochs": 5, "lr": 5e-3, "contexts": "bare"})
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), cfg, progress=False)
+    qv = {f"model.layers.{i}.self_attn.{t}_proj.weight" for i in (1, 2) for t in "qv"}
+    s.add(ROUNDS[0], plot=False)
+    w1 = load_file(str(tmp_path / "s" / "weights-0001.safetensors"))
+    s.add(ROUNDS[1], plot=False)
+    st = s.status()
+    assert st["name"] == "lora-seq" and set(st["files"]) == {"weights"}     # no optimizer state, no factors
+    assert not any(r["optimizer_carried"] for r in st["rounds"])
+    w2 = load_file(str(tmp_path / "s" / st["files"]["weights"]))
+    assert set(w1) == set(w2) == qv and all(not torch.equal(w1[n], w2[n]) for n in qv)
+    s.export(tmp_path / "exp")
+    model, _ = load_model(str(tmp_path / "exp"))
+    base, _ = load_model(str(tiny_model_dir))
+    changed = {n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)}
+    assert changed == qv and all(torch.equal(model.get_parameter(n), w2[n]) for n in qv)
+    assert not any("lora" in n for n in model.state_dict())
+
+
+def test_session_written_with_module_name_keys_still_opens(ref, tmp_path):
+    """Sessions from before editors declared their parameters stored weights under module names."""
+    from safetensors.torch import load_file, save_file
+
+    sess = tmp_path / "old"
+    shutil.copytree(ref["sess"], sess)
+    f = sess / "weights-0002.safetensors"
+    w = load_file(str(f))
+    save_file({n.removesuffix(".weight"): t for n, t in w.items()}, str(f))
+    s = Session.open(sess, model=str(ref["model_dir"]))
+    s.export(tmp_path / "exp")
+    model, _ = load_model(str(tmp_path / "exp"))
+    assert all(torch.equal(model.get_parameter(n), t) for n, t in w.items())
