@@ -10,6 +10,8 @@ from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
 from crispedit.models import weight_fingerprint
 
+from test_cli import edits_file
+
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 REAL_EDIT = compare_mod.edit
 REQS = [EditRequest(f"Who founded club {i}?", f"Founder {chr(65 + i)}", rephrase_prompts=[f"Club {i} was founded by?"],
@@ -76,14 +78,6 @@ def test_compare_refuses_other_settings_in_the_same_dir(tiny_lm, tmp_path, iso_c
         compare_mod.run_compare(model, tok, REQS[:2], ["ft"], out, configs=configs(["ft"]), progress=False)
     with pytest.raises(compare_mod.CrispEditError, match="holds ft run with another configuration"):
         compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"], epochs=5), progress=False)
-
-
-def edits_file(tmp_path, n=3):
-    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "rephrase": f"Club {i} was founded by?",
-             "loc": "nq question: who sang it", "loc_ans": "someone", "subject": f"club {i}"} for i in range(n)]
-    p = tmp_path / "edits.json"
-    p.write_text(json.dumps(recs))
-    return p
 
 
 def test_compare_cli(tiny_model_dir, tmp_path, iso_cache, capsys):

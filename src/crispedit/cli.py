@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .editing.flags import add_curvature_args, add_model_args, add_training_args, config_from_args
+from .editing.flags import add_curvature_args, add_edits_args, add_model_args, add_training_args, config_from_args
 from .errors import CrispEditError
 
 # Modules that add sub-commands: each defines add_cli(subparsers) and sets `func` on its parsers.
@@ -125,9 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("edit", help="edit facts into a model and save it with edit_report.json")
     add_model_args(p)
     add_curvature_args(p)
-    p.add_argument("--edits", required=True, help="edit file: ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL")
-    p.add_argument("--n-edits", type=int, default=None, help="use only the first N edits")
-    p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
+    add_edits_args(p)
     add_training_args(p)
     p.add_argument("--kl-text", default=None, help="held-out text for kl_drift (default: bundled WikiText sample)")
     p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")

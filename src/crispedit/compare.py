@@ -326,15 +326,13 @@ def cmd_compare(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit compare`` on ``subparsers``."""
-    from .editing.flags import add_curvature_args, add_model_args, add_training_args
+    from .editing.flags import add_curvature_args, add_edits_args, add_model_args, add_training_args
     from .editing.registry import method_names
 
     p = sub.add_parser("compare", help="run several editing methods on the same edits and tabulate them")
     add_model_args(p)
     add_curvature_args(p)
-    p.add_argument("--edits", required=True, help="edit file: ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL")
-    p.add_argument("--n-edits", type=int, required=True, help="number of edits (from --offset)")
-    p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
+    add_edits_args(p, n_required=True)
     p.add_argument("--methods", required=True, help=f"comma list of methods ({', '.join(method_names())}) or all")
     p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png)")
     p.add_argument("--capabilities", default=None,

@@ -15,7 +15,7 @@ from .config import EditConfig, ProjectionTarget
 from .contexts import ANSWER_ENDS, DEFAULT_CONTEXTS
 from .registry import EDITORS, editor_class, method_names
 
-__all__ = ["add_model_args", "add_curvature_args", "add_training_args", "add_method_option_args",
+__all__ = ["add_model_args", "add_edits_args", "add_curvature_args", "add_training_args", "add_method_option_args",
            "config_from_args", "method_options_from_args", "parse_methods", "DEFAULTS"]
 
 DEFAULTS = {f.name: f.default for f in fields(EditConfig) if f.default is not MISSING}
@@ -27,6 +27,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+
+
+def add_edits_args(p: argparse.ArgumentParser, *, n_required: bool = False) -> None:
+    """``--edits FILE --n-edits N --offset K`` (the edit requests a command reads)."""
+    p.add_argument("--edits", required=True, help="edit file: ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL")
+    p.add_argument("--n-edits", type=int, required=n_required, default=None,
+                   help="number of edits from --offset" + ("" if n_required else " (default: all)"))
+    p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
 
 
 def add_curvature_args(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .flags import add_curvature_args, add_model_args, add_training_args, config_from_args
+from .flags import add_curvature_args, add_edits_args, add_model_args, add_training_args, config_from_args
 
 __all__ = ["add_cli"]
 
@@ -118,9 +118,7 @@ def add_cli(sub) -> None:
 
     a = ss.add_parser("add", help="apply one round of edits to a session")
     a.add_argument("dir")
-    a.add_argument("--edits", required=True, help="edit file (ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL)")
-    a.add_argument("--n-edits", type=int, default=None)
-    a.add_argument("--offset", type=int, default=0)
+    add_edits_args(a)
     a.add_argument("--model", default=None, help="base model location if it moved (fingerprint is checked)")
     a.add_argument("--device", default=None)
     a.add_argument("--quiet", action="store_true")
