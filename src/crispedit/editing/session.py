@@ -192,6 +192,7 @@ class Session:
     # -- public API ------------------------------------------------------------------------------
     @property
     def round(self) -> int:
+        """The last committed round (0 before the first ``add``)."""
         return int(self._read_state()["round"])
 
     def add(self, requests: Sequence[EditRequest], *, source: str | None = None,
@@ -261,6 +262,7 @@ class Session:
         return out
 
     def plot(self, out: str | Path | None = None) -> Path:
+        """Write the retention / KL-drift PNG (default ``retention.png`` in the session); returns its path."""
         return plot_retention([self.status()], out or self.path / PLOT_FILE)
 
     def edits(self) -> list[list[EditRequest]]:

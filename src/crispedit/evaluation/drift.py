@@ -85,6 +85,7 @@ def kl_drift(model: nn.Module, tokenizer, texts: Sequence[str], *, base_weights:
 
 @torch.no_grad()
 def perplexity(model: nn.Module, tokenizer, texts: Sequence[str], max_len: int = 256, batch_size: int = 8) -> float:
+    """exp(mean next-token NLL, nats) over the non-padding tokens of ``texts`` (each cut to ``max_len``)."""
     device = next(model.parameters()).device
     nll, n = 0.0, 0
     for i in range(0, len(texts), batch_size):

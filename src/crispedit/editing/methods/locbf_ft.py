@@ -9,10 +9,12 @@ from .base import Editor
 
 @dataclass
 class LocBFConfig(MethodConfig):
-    layer: str = "middle"  # which of the edit layers trains: middle, first, last or an index
+    """``layer``: which of the edit layers trains — middle, first, last or an index."""
+    layer: str = "middle"
     HELP = {"layer": "which edit layer trains: middle (default), first, last or an index into the edit layers"}
 
     def validate(self):
+        """One-line error unless ``layer`` is middle / first / last or an integer."""
         self.layer = str(self.layer)
         if self.layer not in ("middle", "first", "last") and not self.layer.lstrip("-").isdigit():
             raise CrispEditError(f"locbf-ft layer must be middle, first, last or an index, got {self.layer!r}")
@@ -25,6 +27,7 @@ class LocBFFTEditor(Editor):
     name, summary, Config = "locbf-ft", "plain Adam on one MLP output projection (LocBF-FT)", LocBFConfig
 
     def select_layers(self, model, config):
+        """The one picked edit layer (module name -> linear module)."""
         layers, pick = list(super().select_layers(model, config).items()), config.method_config.layer
         i = {"first": 0, "last": -1, "middle": len(layers) // 2}.get(pick, None)
         i = int(pick) if i is None else i
