@@ -83,8 +83,9 @@ def projected_finetune(
     progress: bool | None = None,
     fast: bool = True,
 ) -> TrainHistory:
-    """Edit ``model`` in place with ``requests``; only ``params`` (module name -> weight) train and
-    everything else is frozen for the duration. ``projectors[name]`` constrains ``params[name]``;
+    """Edit ``model`` in place with ``requests``; only ``params`` train (any parameters: layer weights,
+    adapter matrices; ``layers[name]`` is the module owning ``params[name]``, for its storage orientation)
+    and everything else is frozen for the duration. ``projectors[name]`` constrains ``params[name]``;
     ``optimizer`` (e.g. Adam state carried across session rounds) defaults to :func:`.optim.make_optimizer`.
     Returns the :class:`TrainHistory`."""
     device = next(model.parameters()).device
