@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 
 def _umask_mode(mode: int = 0o666) -> int:
@@ -28,6 +29,7 @@ class CrispEditError(Exception):
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -45,10 +47,28 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically (:func:`atomic_write_bytes`)."""
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
+def atomic_write_figure(path: str | os.PathLike, fig, dpi: int = 110) -> Path:
+    """Render a matplotlib figure as PNG in memory and write it to ``path`` atomically (nothing, not even
+    a temporary file, is left behind when ``path`` cannot be written); closes the figure."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, dpi=dpi, format="png")
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return Path(path)
+
+
 def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """Save ``tensors`` as a safetensors file at ``path`` atomically (temporary file + rename)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -66,12 +86,15 @@ def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: di
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_directory(path: str | os.PathLike, *, previous: Iterable[str] | None = None) -> Iterator[Path]:
     """Yield a temporary sibling directory that replaces ``path`` only if the block succeeds.
 
-    An existing ``path`` is replaced as a whole (moved aside, then deleted) so a reader never sees
-    a mixture of old and new files; on failure the temporary directory is removed and ``path`` is
-    left as it was (or absent).
+    With ``previous=None`` an existing ``path`` is replaced as a whole (moved aside, then deleted) so a
+    reader never sees a mixture of old and new files. With ``previous`` (the names of the files an
+    earlier run wrote there) only those are touched: each new file is renamed into ``path`` (a
+    ``*.json`` report last, so it marks a complete write), files of ``previous`` the new run did not
+    write are deleted, and every other file in ``path`` is kept. On failure the temporary directory is
+    removed and ``path`` is left as it was (or absent).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +105,19 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
         for f in tmp.rglob("*"):  # safetensors (save_pretrained too) writes 0600 files: normal permissions
             if f.is_file() and not f.is_symlink():
                 os.chmod(f, _umask_mode())
-        if path.exists():
+        if path.exists() and previous is not None:
+            new = sorted(p.name for p in tmp.iterdir())
+            for name in sorted(new, key=lambda n: n.endswith(".json")):  # reports (json) land last
+                dest = path / name
+                if dest.is_dir() and not dest.is_symlink():
+                    shutil.rmtree(dest)
+                os.replace(tmp / name, dest)
+            for name in set(previous) - set(new):
+                stale = path / Path(name).name
+                if stale.is_file() or stale.is_symlink():
+                    stale.unlink()
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.rmdir(old)
             os.replace(path, old)
@@ -96,6 +131,7 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def check_gamma(gamma: float) -> float:
+    """``gamma`` as a float strictly inside (0, 1) (one-line error otherwise)."""
     try:
         g = float(gamma)
     except (TypeError, ValueError):
@@ -106,6 +142,8 @@ def check_gamma(gamma: float) -> float:
 
 
 def check_positive_int(name: str, value: Any) -> int:
+    """``value`` as a positive int (an integral float or numeric string is accepted); one-line error naming
+    ``name`` otherwise."""
     try:
         v = int(value)
     except (TypeError, ValueError):
@@ -116,3 +154,142 @@ def check_positive_int(name: str, value: Any) -> int:
     if v <= 0:
         raise CrispEditError(f"{name} must be a positive integer, got {value!r}")
     return v
+
+
+def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as an int within ``[lo, hi]`` (either bound optional); one-line error naming ``name``
+    otherwise (non-integers, booleans and integral floats out of range included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise CrispEditError(f"{name} must be an integer, got {value!r}")
+    try:
+        v = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise CrispEditError(f"{name} must be an integer, got {value!r}") from None
+    if isinstance(value, float) and not value.is_integer():
+        raise CrispEditError(f"{name} must be an integer, got {value!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"between {lo} and {hi}" if lo is not None and hi is not None else (
+            "non-negative" if lo == 0 else f"at least {lo}" if lo is not None else f"at most {hi}")
+        raise CrispEditError(f"{name} must be {rng}, got {value!r}")
+    return v
+
+
+def check_float(name: str, value: Any, lo: float | None = None, hi: float | None = None, *,
+                lo_open: bool = False, hi_open: bool = False) -> float:
+    """``value`` as a finite float within the given bounds (open or closed); one-line error naming ``name``
+    otherwise — ``inf`` and ``nan`` are always refused."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise CrispEditError(f"{name} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(v):
+        raise CrispEditError(f"{name} must be a finite number, got {value!r}")
+    bad_lo = lo is not None and (v <= lo if lo_open else v < lo)
+    bad_hi = hi is not None and (v >= hi if hi_open else v > hi)
+    if bad_lo or bad_hi:
+        if lo is not None and hi is not None:
+            rng = f"lie in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        elif lo == 0:
+            rng = "be positive" if lo_open else "be non-negative"
+        elif lo is not None:
+            rng = f"be {'>' if lo_open else '>='} {lo:g}"
+        else:
+            rng = f"be {'<' if hi_open else '<='} {hi:g}"
+        raise CrispEditError(f"{name} must {rng}, got {value!r}")
+    return v
+
+
+SEED_MAX = 2**32 - 1  # numpy's and most RNGs' limit; torch takes more, but a seed must work everywhere
+
+
+def check_finite_tensors(tensors: dict, what: str) -> None:
+    """Refuse (one-line error naming the first offending tensor) when any tensor in ``tensors`` (name ->
+    tensor) holds ``inf`` or ``nan`` — called before anything with those values is saved."""
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CrispEditError(f"{what} left non-finite weights (inf/nan) in {bad[0]}{more}; nothing was saved — "
+                             "lower --lr or check the model and the inputs")
+
+
+def read_text_file(path: str | os.PathLike, what: str = "text file") -> str:
+    """The whole of a user-given text file decoded as UTF-8 (a leading BOM dropped); one-line errors for
+    a missing file, a directory, no permission and bytes that are not UTF-8 (with their offset)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CrispEditError(f"{what} not found: {path}") from None
+    except IsADirectoryError:
+        raise CrispEditError(f"{what} {path} is a directory, not a file") from None
+    except PermissionError:
+        raise CrispEditError(f"{what} {path} is not readable (permission denied)") from None
+    except OSError as exc:
+        raise CrispEditError(f"{what} {path} could not be read ({exc.strerror or exc})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise CrispEditError(f"{what} {path} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
+                             "convert it to UTF-8") from None
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path
+    while not p.exists() and not p.is_symlink():
+        if p.parent == p:
+            break
+        p = p.parent
+    return p
+
+
+def _check_parent(path: Path, flag: str) -> None:
+    parent = _nearest_existing(path.parent if path.parent != Path("") else Path("."))
+    if not parent.is_dir():
+        raise CrispEditError(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CrispEditError(f"{flag} {path}: cannot write in {parent} (permission denied)")
+
+
+def check_output_file(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Check, before any work, that a file can be written at ``path``: not a directory, and the nearest
+    existing parent is a writable directory (an existing file must be writable too). Returns ``path``."""
+    path = Path(path)
+    if path.is_dir():
+        raise CrispEditError(f"{flag} {path} is a directory; give a file name")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise CrispEditError(f"{flag} {path} exists and is not writable")
+    _check_parent(path, flag)
+    return path
+
+
+def check_output_dir(path: str | os.PathLike, flag: str = "--out", *, overwrite: bool | None = None,
+                     marker: str | None = None) -> list[str] | None:
+    """Check, before any work, that ``path`` can become an output directory: not a file, and the nearest
+    existing parent (or ``path`` itself) is a writable directory.
+
+    With ``overwrite`` given (True/False), a non-empty ``path`` is refused unless ``overwrite`` is True
+    and ``marker`` (the file crispedit writes last, e.g. ``edit_report.json``) shows an earlier crispedit
+    output there; then the names of the files that run wrote (the marker's ``"files"`` list, else just
+    the marker) are returned, for :func:`atomic_directory`'s ``previous``. Returns None otherwise."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CrispEditError(f"{flag} {path} is a file, not a directory")
+    if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise CrispEditError(f"{flag} {path} is not writable (permission denied)")
+    _check_parent(path, flag)
+    if overwrite is None or not path.is_dir() or not any(path.iterdir()):
+        return None
+    if not overwrite:
+        raise CrispEditError(f"{flag} {path} is not empty; pass --overwrite to replace the files an earlier "
+                             "crispedit run wrote there (other files are kept), or choose another directory")
+    mark = path / marker if marker else None
+    if mark is None or not mark.is_file():
+        raise CrispEditError(f"{flag} {path} holds no earlier crispedit output ({marker}); refusing to overwrite "
+                             "it even with --overwrite")
+    try:
+        files = json.loads(mark.read_text(encoding="utf-8")).get("files")
+    except (ValueError, OSError, AttributeError):
+        files = None
+    names = [str(f) for f in files if isinstance(f, str)] if isinstance(files, list) else []
+    return sorted(set(names) | {marker})
