@@ -36,6 +36,8 @@ from .progress import show_progress
 __all__ = [
     "cache_dir",
     "load_model",
+    "check_device",
+    "save_model_dir",
     "resolve_layers",
     "default_layer_pattern",
     "expand_pattern",
@@ -163,6 +165,7 @@ def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None,
         raise CrispEditError(f"unsupported model spec of type {type(spec).__name__}")
     spec_s = str(spec)
     torch_dtype = _dtype(dtype)
+    check_device(device)
     if spec_s.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
         source = convert_gguf(smollm2_gguf_path(), progress=progress)
     elif spec_s.endswith(".gguf"):
@@ -171,22 +174,101 @@ def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None,
         source = Path(spec_s).expanduser()
         if not (source / "config.json").is_file():
             raise CrispEditError(f"{source} is not a Hugging Face model directory (no config.json)")
+        _check_local_model_dir(source, trust_remote_code)
     elif Path(spec_s).expanduser().exists():
         raise CrispEditError(f"model path {spec_s} is neither a model directory nor a .gguf file")
     else:
         source = spec_s  # hub id
-    try:
-        with _hf_progress(progress):
-            tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype,
-                                                         trust_remote_code=trust_remote_code)
-    except OSError as exc:
-        raise CrispEditError(f"could not load model {spec_s!r}: {str(exc).splitlines()[0]}") from exc
+    with _translate_load_errors(spec_s, trust_remote_code), _hf_progress(progress):
+        tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                                     use_safetensors=True)  # pickled weights are never loaded
     if device:
         model.to(device)
     model.eval()
     _ensure_pad(tok)
     return model, tok
+
+
+def _check_local_model_dir(source: Path, trust_remote_code: bool) -> None:
+    """Refuse, before transformers reads it, a model directory whose config asks for custom code (without
+    ``trust_remote_code``) or that has only pickled weights (``.bin`` / ``.pt``: never loaded)."""
+    try:
+        cfg = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        raise CrispEditError(f"{source / 'config.json'} is not a readable JSON model config") from None
+    if not isinstance(cfg, dict):
+        raise CrispEditError(f"{source / 'config.json'} is not a JSON object")
+    if cfg.get("auto_map") and not trust_remote_code:
+        raise CrispEditError(f"model {str(source)!r} contains custom code; pass --trust-remote-code to run it "
+                             "(only if you trust its source)")
+    if not any(source.glob("*.safetensors")) and any(p.suffix in (".bin", ".pt", ".pth") for p in source.iterdir()):
+        raise CrispEditError(f"model {str(source)!r} has only pickled (.bin/.pt) weights, which crispedit never loads; "
+                             "convert them to safetensors")
+
+
+def check_device(device: str | None) -> str | None:
+    """``device`` if torch knows it and it is present here (``cpu``, ``cuda``, ``cuda:1``, ``mps``...);
+    a one-line error saying what is available otherwise. ``None`` (the default device) passes."""
+    if device is None or device == "":
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise CrispEditError(f"unknown --device {device!r}; use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise CrispEditError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+        if dev.index is not None and dev.index >= n:
+            raise CrispEditError(f"--device {device}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+    elif dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise CrispEditError(f"--device {device}: MPS is not available on this machine (use --device cpu)")
+    elif dev.type not in ("cpu", "cuda", "mps", "xpu", "meta"):
+        raise CrispEditError(f"--device {device}: device type {dev.type!r} is not supported; use cpu, cuda or mps")
+    elif dev.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise CrispEditError(f"--device {device}: XPU is not available on this machine (use --device cpu)")
+    return device
+
+
+@contextlib.contextmanager
+def _translate_load_errors(spec: str, trust_remote_code: bool):
+    """The one place where errors of transformers / torch while loading a model become one
+    :class:`CrispEditError` line that says what to do."""
+    try:
+        yield
+    except CrispEditError:
+        raise
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # transformers raises OSError, ValueError, ImportError, UnpicklingError, ...
+        text = str(exc)
+        low = text.lower()
+        first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
+        if "trust_remote_code" in low and not trust_remote_code:
+            raise CrispEditError(f"model {spec!r} contains custom code; pass --trust-remote-code to run it "
+                                 "(only if you trust its source)") from None
+        if "weights_only" in low or "unpickl" in low or "torch.load" in low or "safetensors" in low:
+            raise CrispEditError(f"model {spec!r} has no safetensors weights (pickled .bin/.pt weights are never "
+                                 f"loaded): {first}") from None
+        if isinstance(exc, (ImportError, ModuleNotFoundError)):
+            raise CrispEditError(f"model {spec!r} needs a package that is not installed: {first}") from None
+        raise CrispEditError(f"could not load model {spec!r}: {first}") from None
+
+
+def save_model_dir(model, tokenizer, directory: str | Path, *, progress: bool | None = None) -> list[str]:
+    """Save ``model`` and ``tokenizer`` in Hugging Face format (safetensors) into ``directory`` after
+    checking every parameter is finite (a model with inf/nan weights is never written); transformers'
+    own progress bars follow ``progress``. Returns the names of the files written."""
+    from .errors import check_finite_tensors
+
+    check_finite_tensors(dict(model.named_parameters()), "the edit")
+    directory = Path(directory)
+    before = {p.name for p in directory.iterdir()} if directory.is_dir() else set()
+    with _hf_progress(progress):
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    return sorted({p.name for p in directory.iterdir()} - before)
 
 
 def _ensure_pad(tok) -> None:
