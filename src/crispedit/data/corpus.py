@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import CrispEditError
+from ..errors import CrispEditError, read_text_file
 
 __all__ = ["bundled_path", "load_texts", "capability_corpus", "heldout_text", "corpus_digest", "BUNDLED_EDITS"]
 
@@ -37,9 +37,7 @@ def _split_paragraphs(text: str) -> list[str]:
 def load_texts(path: str | Path, n: int | None = None, min_chars: int = 1) -> list[str]:
     """Read texts from ``path`` (.txt, .jsonl or .json); return the first ``n`` non-empty ones."""
     path = Path(path)
-    if not path.is_file():
-        raise CrispEditError(f"text file not found: {path}")
-    raw = path.read_text(encoding="utf-8")
+    raw = read_text_file(path, "text file")
     texts: list[str]
     if path.suffix == ".jsonl":
         texts = []

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..errors import CrispEditError, atomic_write_bytes
+from ..errors import CrispEditError, atomic_write_bytes, read_text_file
 
 __all__ = ["EditRequest", "load_edits", "parse_edits", "save_edits_jsonl", "detect_format"]
 
@@ -157,9 +157,7 @@ def parse_edits(records: Iterable[Any], source: str = "<edits>") -> list[EditReq
 def load_edits(path: str | Path, limit: int | None = None, offset: int = 0) -> list[EditRequest]:
     """Load edit requests from a JSON list or JSONL file (format auto-detected)."""
     path = Path(path)
-    if not path.is_file():
-        raise CrispEditError(f"edit file not found: {path}")
-    text = path.read_text(encoding="utf-8", errors="strict") if path.stat().st_size else ""
+    text = read_text_file(path, "edit file")
     if not text.strip():
         raise CrispEditError(f"{path}: edit file is empty")
     stripped = text.lstrip()
@@ -180,8 +178,12 @@ def load_edits(path: str | Path, limit: int | None = None, offset: int = 0) -> l
                 raise CrispEditError(f"{path}: malformed JSON on line {lineno}: {exc.msg}") from None
         if len(records) == 1 and isinstance(records[0], list):
             records = records[0]
+    if not isinstance(records, list):
+        raise CrispEditError(f"{path}: expected a JSON list of edit records or one record per line (JSONL)")
     if offset < 0:
         raise CrispEditError(f"offset must be non-negative, got {offset}")
+    if records and offset >= len(records):
+        raise CrispEditError(f"--offset {offset} is past the end of {path}, which has {len(records)} edit records")
     records = records[offset:]
     if limit is not None:
         if limit <= 0:

@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import CrispEditError, atomic_write_bytes
+from ..errors import CrispEditError, atomic_write_bytes, check_output_file, read_text_file
 
-__all__ = ["load_run", "run_rows", "run_labels", "markdown_table", "plot_runs", "write_report"]
+__all__ = ["load_run", "run_rows", "run_labels", "markdown_table", "plot_runs", "render_runs_png",
+           "write_report"]
 
 _EDIT_ORDER = ["rel", "gen", "loc_vs_answer", "loc_vs_base", "rel_token_acc", "rel_exact", "gen_token_acc",
                "gen_exact", "spec_token_acc", "spec_exact", "spec_cf"]
@@ -21,15 +22,18 @@ _UNBOUNDED = {"kl_drift", "ppl", "ppl_base"}
 
 
 def load_run(path: str | Path) -> dict:
+    """One ``crispedit eval`` result file as a dict (one-line errors for a missing, non-UTF-8, non-JSON
+    or wrongly shaped file)."""
     path = Path(path)
-    if not path.is_file():
-        raise CrispEditError(f"run file not found: {path}")
+    text = read_text_file(path, "run file")
     try:
-        run = json.loads(path.read_text(encoding="utf-8"))
+        run = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CrispEditError(f"{path}: not a JSON file ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(run, dict) or "edit" not in run or "capabilities" not in run:
-        raise CrispEditError(f"{path}: not a `crispedit eval` result (needs 'edit' and 'capabilities')")
+    if not isinstance(run, dict) or not isinstance(run.get("edit"), dict) or not isinstance(run.get("capabilities"), dict):
+        raise CrispEditError(f"{path}: not a `crispedit eval` result (needs 'edit' and 'capabilities' objects)")
+    if not isinstance(run.get("config", {}), dict):
+        raise CrispEditError(f"{path}: not a `crispedit eval` result ('config' is not an object)")
     run.setdefault("_path", str(path))
     return run
 
@@ -84,9 +88,17 @@ def markdown_table(runs: Sequence[dict]) -> str:
 
 
 def plot_runs(runs: Sequence[dict], path: str | Path) -> None:
-    """Grouped bars: edit metrics, then capability scores in [0, 1]; one colour per run (no bar where a
-    run lacks the metric)."""
-    import matplotlib
+    """Write :func:`render_runs_png`'s figure to ``path`` atomically."""
+    atomic_write_bytes(path, render_runs_png(runs))
+
+
+def render_runs_png(runs: Sequence[dict]) -> bytes:
+    """PNG bytes of grouped bars: edit metrics, then capability scores in [0, 1]; one colour per run (no bar
+    where a run lacks the metric)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise CrispEditError("the figure needs matplotlib: pip install matplotlib") from None
 
     matplotlib.use("Agg")
     import io
@@ -116,14 +128,21 @@ def plot_runs(runs: Sequence[dict], path: str | Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def write_report(paths: Sequence[str | Path], out_md: str | Path | None = None, out_png: str | Path | None = None) -> str:
+    """Load the runs, write the markdown table to ``out_md`` and the figure to ``out_png`` (each optional)
+    and return the table. Both destinations are checked before anything is written, and the figure is
+    rendered before the table is written, so a failure leaves neither file behind."""
+    for dest, flag in ((out_md, "--out"), (out_png, "--png")):
+        if dest:
+            check_output_file(dest, flag)
     runs = [load_run(p) for p in paths]
     table = markdown_table(runs)
+    png = render_runs_png(runs) if out_png else None
+    if out_png:
+        atomic_write_bytes(out_png, png)
     if out_md:
         atomic_write_bytes(out_md, table.encode())
-    if out_png:
-        plot_runs(runs, out_png)
     return table
