@@ -24,7 +24,8 @@ from torch import nn
 from ..errors import CrispEditError, atomic_save_safetensors
 from .kfac import KFACFactors, LabelMode, collect_lm_kfac
 
-__all__ = ["CurvatureSpec", "cache_key", "save_factors", "load_factors", "get_or_build_factors", "FORMAT_VERSION"]
+__all__ = ["CurvatureSpec", "cache_key", "save_factors", "load_factors", "get_or_build_factors", "layer_shapes",
+           "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 
@@ -83,12 +84,27 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
+def _show(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return f"{len(v)} layers {list(v)[:2]}{'…' if len(v) > 2 else ''}"
+    if isinstance(v, str) and len(v) > 16:
+        return v[:12] + "…"
+    return repr(v)
+
+
 def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model_fingerprint: str | None = None,
-                 layers: Sequence[str] | None = None) -> KFACFactors:
-    """Load factors, refusing a file made for another model, other layers or another configuration."""
+                 layers: Sequence[str] | None = None, shapes: dict[str, tuple[int, int]] | None = None) -> KFACFactors:
+    """Load factors, refusing a file made for another model, other layers or another configuration.
+
+    ``expect`` is the full spec the caller would build (every field is compared: model fingerprint,
+    layers, corpus digest, number of texts, max length, label mode, seed, dtypes, format); without it only
+    ``model_fingerprint`` / ``layers`` are checked. ``shapes`` (layer -> ``(d_out, d_in)`` of its weight)
+    checks each factor's size: A is ``d_in x d_in``, S is ``d_out x d_out``."""
     path = Path(path)
     tensors, meta = _read(path)
     spec = meta.get("spec", {})
+    if not isinstance(spec, dict):
+        raise CrispEditError(f"curvature cache file {path} has corrupt metadata (no spec)")
     fp = expect.model_fingerprint if expect else model_fingerprint
     if fp is not None and spec.get("model_fingerprint") != fp:
         raise CrispEditError(
@@ -100,7 +116,10 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
     if expect is not None:
         diff = [k for k, v in expect.as_dict().items() if spec.get(k) != v]
         if diff:
-            raise CrispEditError(f"curvature cache {path} was built with a different configuration ({', '.join(diff)})")
+            detail = ", ".join(f"{k}={_show(spec.get(k))} (asked: {_show(v)})" for k, v in expect.as_dict().items()
+                               if k in diff)
+            raise CrispEditError(f"curvature cache {path} was built with a different configuration: {detail}; "
+                                 "rebuild it with `crispedit cache build` and the same flags as the edit")
     factors = KFACFactors.from_tensors(tensors, int(meta.get("n_tokens", 0)), meta)
     for name in spec.get("layers", []):
         if name not in factors.A or name not in factors.S:
@@ -108,6 +127,12 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
         for kind, t in (("A", factors.A[name]), ("S", factors.S[name])):
             if t.dim() != 2 or t.shape[0] != t.shape[1] or not torch.isfinite(t).all():
                 raise CrispEditError(f"curvature cache {path} is corrupt: bad {kind} factor for {name}")
+        if shapes is not None and name in shapes:
+            d_out, d_in = shapes[name]
+            got = (factors.A[name].shape[0], factors.S[name].shape[0])
+            if got != (d_in, d_out):
+                raise CrispEditError(f"curvature cache {path}: factors for {name} are for a {got[1]}x{got[0]} layer, "
+                                     f"this layer is {d_out}x{d_in}")
     return factors
 
 
@@ -129,8 +154,9 @@ def get_or_build_factors(
     t0 = time.perf_counter()
     if path.is_file() and not force:
         try:
-            factors = load_factors(path, spec)
-            return factors, {"path": str(path), "hit": True, "seconds": time.perf_counter() - t0}
+            factors = load_factors(path, spec, shapes=layer_shapes(layers))
+            return factors, {"path": str(path), "hit": True, "seconds": time.perf_counter() - t0,
+                             "spec": factors.meta.get("spec")}
         except CrispEditError:
             pass  # a damaged entry is rebuilt below (and replaced atomically)
     factors = collect_lm_kfac(model, tokenizer, texts, layers, max_len=spec.max_len, batch_size=batch_size,
@@ -138,4 +164,12 @@ def get_or_build_factors(
                               progress=progress)
     seconds = time.perf_counter() - t0
     save_factors(path, factors, spec, extra={"collect_seconds": seconds})
-    return factors, {"path": str(path), "hit": False, "seconds": seconds}
+    return factors, {"path": str(path), "hit": False, "seconds": seconds, "spec": spec.as_dict()}
+
+
+def layer_shapes(layers: dict[str, nn.Module]) -> dict[str, tuple[int, int]]:
+    """``(d_out, d_in)`` of each layer's weight (GPT-2's transposed Conv1D included): what its K-FAC
+    factors must match (S is ``d_out x d_out``, A is ``d_in x d_in``)."""
+    from ..models import weight_matrix
+
+    return {name: tuple(weight_matrix(m).shape) for name, m in layers.items()}

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..curvature.cache import CurvatureSpec, get_or_build_factors, load_factors
+from ..curvature.cache import CurvatureSpec, get_or_build_factors, layer_shapes, load_factors
 from ..curvature.kfac import KFACFactors
 from ..data.corpus import capability_corpus, corpus_digest
 from ..data.edits import EditRequest
@@ -57,15 +57,18 @@ def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module]
                        cache_root: str | Path | None = None, cache_file: str | Path | None = None,
                        fingerprint: str | None = None, force: bool = False,
                        progress: bool | None = None) -> tuple[KFACFactors, dict]:
-    """Capability K-FAC factors for ``layers``: from ``cache_file`` if given (checked against this
-    model and these layers), else from the content-addressed cache, else collected and cached."""
+    """Capability K-FAC factors for ``layers``: from ``cache_file`` if given (its full spec — model,
+    layers, corpus, n_cap, max_len, label mode, seed, dtypes — and every factor's shape checked against
+    what this edit asks for), else from the content-addressed cache, else collected and cached. ``info``
+    holds the path, whether it was a hit, the seconds and the spec the factors were built with."""
     fingerprint = fingerprint or weight_fingerprint(model)
-    if cache_file is not None:
-        t0 = time.perf_counter()
-        factors = load_factors(cache_file, model_fingerprint=fingerprint, layers=list(layers))
-        return factors, {"path": str(cache_file), "hit": True, "seconds": time.perf_counter() - t0}
     texts = capability_corpus(config.cap_corpus, config.n_cap)
     spec = curvature_spec(model, list(layers), texts, config, fingerprint)
+    if cache_file is not None:
+        t0 = time.perf_counter()
+        factors = load_factors(cache_file, spec, shapes=layer_shapes(layers))
+        return factors, {"path": str(cache_file), "hit": True, "seconds": time.perf_counter() - t0,
+                         "spec": factors.meta.get("spec")}
     return get_or_build_factors(model, tokenizer, layers, texts, spec, root=cache_root or cache_dir(),
                                 batch_size=config.kfac_batch_size, force=force, progress=progress)
 
