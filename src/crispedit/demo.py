@@ -16,6 +16,7 @@ import time
 
 from .data import BUNDLED_EDITS, bundled_path, load_edits
 from .editing import EditConfig, edit, restore
+from .errors import check_int, check_positive_int
 from .evaluation import CONTEXTS, evaluate_edit
 from .evaluation.generation import generate_answers
 from .evaluation.wild import render_prompt
@@ -37,8 +38,11 @@ def _chat_answers(model, tok, prompts: list[str]) -> list[str]:
 def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: int = 64, model_spec: str = "smollm2",
              show: int = 6, methods: tuple[str, ...] = ("crispedit", "ft"), progress: bool | None = None) -> int:
     """Run the demo and print its tables; returns the exit status (0)."""
+    for method in methods:  # every number checked before the model is loaded
+        EditConfig(method=method, gamma=gamma, epochs=epochs, n_cap=n_cap)
+    show = check_int("--show", show, 0)
     t0 = time.perf_counter()
-    requests = load_edits(bundled_path(BUNDLED_EDITS), limit=n_edits)
+    requests = load_edits(bundled_path(BUNDLED_EDITS), limit=check_positive_int("--n-edits", n_edits))
     print(f"loading {model_spec} ...", flush=True)
     model, tok = load_model(model_spec, progress=progress)
     via = "its chat template" if getattr(tok, "chat_template", None) else "the bare question (no chat template)"

@@ -17,12 +17,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 
-from ..errors import CrispEditError, check_gamma, check_positive_int
+from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int, check_positive_int
 from .registry import MethodConfig, editor_class
 
 __all__ = ["EditConfig", "ProjectionTarget", "DEFAULT_LR"]
 
 DEFAULT_LR = 5e-4  # the paper's Adam learning rate; LoRA overrides it (LoRAConfig.SHARED)
+MAX_LR = 1.0  # an Adam step of more than 1 per weight destroys any model; larger values are typos
+MAX_EPOCHS = 100_000
 
 
 class ProjectionTarget(str, Enum):
@@ -76,8 +78,14 @@ class EditConfig:
         self.gamma = check_gamma(self.gamma)
         for name in ("batch_size", "epochs", "n_cap", "max_len", "kfac_batch_size"):
             setattr(self, name, check_positive_int(name.replace("_", "-"), getattr(self, name)))
-        if not isinstance(self.lr, (int, float)) or not (self.lr > 0):
-            raise CrispEditError(f"learning rate must be positive, got {self.lr}")
+        self.lr = check_float("learning rate (--lr)", self.lr, 0.0, MAX_LR, lo_open=True)
+        self.epochs = check_int("epochs", self.epochs, 1, MAX_EPOCHS)
+        self.seed = check_int("seed", self.seed, 0, SEED_MAX)
+        self.skip_loss = check_float("skip_loss", self.skip_loss, 0.0)
+        self.stop_loss = check_float("stop_loss", self.stop_loss, 0.0)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise CrispEditError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        self.betas = tuple(check_float("Adam beta", b, 0.0, 1.0, hi_open=True) for b in self.betas)  # type: ignore[assignment]
         try:
             self.projection_target = ProjectionTarget(self.projection_target).value
         except ValueError:
@@ -90,7 +98,6 @@ class EditConfig:
             raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {self.answer_end!r}")
         if self.label_mode not in ("sampled", "empirical"):
             raise CrispEditError(f"label mode must be 'sampled' or 'empirical', got {self.label_mode!r}")
-        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         return self
 
     @property

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from ..data.edits import EditRequest
 from ..data.tokenize import EncodedBatch
+from ..errors import CrispEditError
 from ..models import as_weight_matrix
 from ..projection import LayerProjector
 from .config import EditConfig, ProjectionTarget
@@ -135,7 +136,8 @@ def projected_finetune(
             hist.epoch_loss.append(mean)
             bar.set_postfix(loss=f"{mean:.4f}")
             if not math.isfinite(mean):
-                raise FloatingPointError(f"edit loss became {mean}; lower the learning rate")
+                raise CrispEditError(f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} (lr {config.lr:g}); "
+                                     "lower --lr or check the model and the inputs — nothing was saved")
             if mean < config.stop_loss:
                 hist.converged = True
                 break

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
 from ..data.edits import EditRequest
-from ..errors import CrispEditError, check_positive_int
+from ..errors import CrispEditError, check_float, check_positive_int
 from ..models import parameter
 from .config import EditConfig
 from .contexts import sequences_for
@@ -78,16 +78,9 @@ class SeqConfig:
             raise CrispEditError(f"session mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.weighting not in WEIGHTINGS:
             raise CrispEditError(f"factor weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
-        try:
-            self.mix = float(self.mix)
-        except (TypeError, ValueError):
-            raise CrispEditError(f"mix must be a number in (0, 1), got {self.mix!r}") from None
-        if not (0.0 < self.mix < 1.0):
-            raise CrispEditError(f"mix must lie strictly between 0 and 1, got {self.mix}")
+        self.mix = check_float("mix", self.mix, 0.0, 1.0, lo_open=True, hi_open=True)
         if self.recompute_drift is not None:
-            self.recompute_drift = float(self.recompute_drift)
-            if not self.recompute_drift > 0:
-                raise CrispEditError(f"recompute drift threshold must be positive, got {self.recompute_drift}")
+            self.recompute_drift = check_float("recompute drift threshold", self.recompute_drift, 0.0, lo_open=True)
         self.kl_texts = check_positive_int("kl-texts", self.kl_texts)
         return self
 

@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from ..curvature.ekfac import OutputGrads, collect_classifier_ekfac, collect_classifier_kfac
 from ..curvature.exact import ParamLayout, ggn_matrix, hessian_matrix
-from ..errors import CrispEditError, atomic_write_json, check_gamma
+from ..errors import SEED_MAX, CrispEditError, atomic_write_json, check_float, check_gamma, check_int, check_output_dir
 from ..projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
 from .idx_data import ImageSplit, load_dataset
 
@@ -135,8 +135,14 @@ class MnistStudyConfig:
                 raise CrispEditError(f"{name} must be a positive integer, got {v!r}")
         if not isinstance(self.max_recomputes, int) or self.max_recomputes < 0:
             raise CrispEditError(f"max_recomputes must be a non-negative integer, got {self.max_recomputes!r}")
-        if not (self.recompute_drift > 0):
-            raise CrispEditError(f"recompute_drift must be positive, got {self.recompute_drift}")
+        check_float("recompute_drift", self.recompute_drift, 0.0, lo_open=True)
+        check_int("seed", self.seed, 0, SEED_MAX)
+        for name in ("pretrain_lr", "finetune_lr"):
+            check_float(name, getattr(self, name), 0.0, 1e3, lo_open=True)
+        check_float("finetune_momentum", self.finetune_momentum, 0.0, 1.0, hi_open=True)
+        for name in ("pretrain_samples", "eval_samples"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
         if self.kfac_output_grads not in {m.value for m in OutputGrads}:
             raise CrispEditError(f"kfac_output_grads must be one of {[m.value for m in OutputGrads]}, "
                                  f"got {self.kfac_output_grads!r}")
@@ -425,6 +431,7 @@ def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Ca
     """Run the study, write ``results.json``, ``results.csv`` and ``tradeoff.png`` to ``cfg.out_dir``
     and return the JSON report (a dict)."""
     cfg = cfg.validated()
+    check_output_dir(cfg.out_dir)  # an unwritable --out fails now, not after the whole study
     log = log or (lambda s: None)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ...errors import CrispEditError
+from ...errors import CrispEditError, check_float, check_int
 from ...models import decoder_blocks
 from ..loop import projected_finetune
 from ..registry import MethodConfig, register_editor
@@ -40,17 +40,9 @@ class LoRAConfig(MethodConfig):
 
     def validate(self) -> "LoRAConfig":
         """r a positive integer, alpha positive, dropout in [0, 1), targets non-empty."""
-        try:
-            self.r, self.alpha, self.dropout = int(self.r), float(self.alpha), float(self.dropout)
-        except (TypeError, ValueError):
-            raise CrispEditError(f"lora r, alpha and dropout must be numbers, got {self.r!r}, {self.alpha!r}, "
-                                 f"{self.dropout!r}") from None
-        if self.r < 1:
-            raise CrispEditError(f"lora rank r must be at least 1, got {self.r}")
-        if not self.alpha > 0:
-            raise CrispEditError(f"lora alpha must be positive, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise CrispEditError(f"lora dropout must lie in [0, 1), got {self.dropout}")
+        self.r = check_int("lora rank r", self.r, 1)
+        self.alpha = check_float("lora alpha", self.alpha, 0.0, lo_open=True)
+        self.dropout = check_float("lora dropout", self.dropout, 0.0, 1.0, hi_open=True)
         if not [t for t in str(self.targets).split(",") if t.strip()]:
             raise CrispEditError("lora targets is empty; give module names such as q_proj,v_proj")
         return self
