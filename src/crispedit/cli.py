@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .editing.flags import add_curvature_args, add_edits_args, add_model_args, add_training_args, config_from_args
-from .errors import CrispEditError
+from .errors import CrispEditError, check_output_dir, check_output_file
 
 # Modules that add sub-commands: each defines add_cli(subparsers) and sets `func` on its parsers.
 _COMMAND_MODULES: list[str] = [
@@ -31,16 +31,22 @@ def cmd_edit(args) -> int:
     from .pipeline import run_edit_job
 
     config = config_from_args(args)  # validates before anything slow happens
+    check_output_dir(args.out, overwrite=args.overwrite, marker="edit_report.json")
     if args.cap_corpus:
         from .data import capability_corpus
 
         capability_corpus(args.cap_corpus, config.n_cap)
+    if args.kl_text is not None:
+        from .data import heldout_text
+
+        heldout_text(args.kl_text, 1)
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
     progress = False if args.quiet else None
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                             progress=progress)
     report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
-                          edits_path=str(args.edits), cache_file=args.cache, progress=progress, wild=not args.no_wild)
+                          edits_path=str(args.edits), cache_file=args.cache, progress=progress, wild=not args.no_wild,
+                          overwrite=args.overwrite)
     s = report["summary"]
     print(f"{config.method}: {len(requests)} edits, rel={s['rel']} gen={s['gen']} kl_drift={s['kl_drift']:.5f} "
           f"edit={s['edit_seconds']:.1f}s cache={s['cache_seconds']:.1f}s epochs={report['training']['epochs']}")
@@ -61,6 +67,8 @@ def cmd_cache_build(args) -> int:
 
     config = EditConfig(layers=args.layers, n_cap=args.n_cap, max_len=args.max_len, label_mode=args.label_mode,
                         kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus, seed=args.seed)
+    if args.out:
+        check_output_file(args.out)
     texts = capability_corpus(config.cap_corpus, config.n_cap)
     progress = False if args.quiet else None
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
@@ -117,9 +125,17 @@ def cmd_demo(args) -> int:
                     show=args.show)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with crispedit's error format: one ``crispedit: error:`` line (no usage block), exit 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        """Print one ``crispedit: error:`` line naming the command and the problem, then exit 2."""
+        self.exit(2, f"crispedit: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``crispedit`` argument parser with every sub-command (including those of ``_COMMAND_MODULES``)."""
-    parser = argparse.ArgumentParser(prog="crispedit", description="Non-destructive knowledge editing of LLMs (CrispEdit)")
+    parser = _Parser(prog="crispedit", description="Non-destructive knowledge editing of LLMs (CrispEdit)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("edit", help="edit facts into a model and save it with edit_report.json")
@@ -129,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_args(p)
     p.add_argument("--kl-text", default=None, help="held-out text for kl_drift (default: bundled WikiText sample)")
     p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")
-    p.add_argument("--out", required=True, help="output directory (HF model + edit_report.json)")
+    p.add_argument("--out", required=True, help="output directory (HF model + edit_report.json); must be new or empty")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--out may hold an earlier edit: replace only the files that edit wrote, keep all others")
     p.add_argument("--no-wild", action="store_true",
                    help="skip the WILD section of the report (free generation under qa, none and chat contexts)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -169,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: run one sub-command; user errors print one ``crispedit: error:`` line and return 2."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a flag argparse refused (one line printed already)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return int(args.func(args) or 0)
     except CrispEditError as exc:

@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 from .data.edits import EditRequest
 from .editing import EditConfig, edit, get_editor, restore
 from .editing.api import snapshot
-from .errors import CrispEditError, atomic_write_bytes, atomic_write_json
+from .errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir, check_positive_int,
+                     read_text_file)
 from .evaluation import CONTEXTS, evaluate_edit
 from .models import weight_fingerprint
 
@@ -105,8 +106,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
     if not requests:
         raise CrispEditError("no edit requests given")
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise CrispEditError(f"--out {out} is a file, not a directory")
+    check_output_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     fp = weight_fingerprint(model)
     settings = {"model": model_spec, "fingerprint": fp, "edits": edits_info or {}, "n_edits": len(requests),
@@ -117,9 +117,12 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
     path = out / JSON_FILE
     if path.is_file():
         try:
-            old = json.loads(path.read_text())
+            old = json.loads(read_text_file(path, "compare file"))
         except json.JSONDecodeError:
             raise CrispEditError(f"{path} is corrupt; remove it or use another --out") from None
+        if not isinstance(old, dict) or not isinstance(old.get("settings", {}), dict) \
+                or not isinstance(old.get("results", {}), dict) or not isinstance(old.get("methods", []), list):
+            raise CrispEditError(f"{path} is not a crispedit compare file; remove it or use another --out")
         diff = [k for k in settings if old.get("settings", {}).get(k) != settings[k]]
         if old.get("format") != COMPARE_FORMAT or diff:
             raise CrispEditError(f"{path} was written with other settings ({', '.join(diff) or 'format'}); "
@@ -275,11 +278,7 @@ def plot_compare(payload: dict, path: str | Path) -> None:
     ax.grid(alpha=0.3)
     ax.set_title(f"{payload['settings']['model']}: {payload['settings']['n_edits']} edits", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-    tmp.replace(path)
+    atomic_write_figure(path, fig, dpi=120)
 
 
 def write_outputs(out: Path, payload: dict) -> None:
@@ -305,6 +304,9 @@ def cmd_compare(args) -> int:
     options = method_options_from_args(args, methods)
     configs = {m: config_from_args(args, m, options.get(m, {})) for m in methods}  # all validated up front
     tasks = parse_tasks(args.capabilities)
+    check_output_dir(args.out)
+    if args.limit is not None:
+        check_positive_int("--limit", args.limit)
     if args.n_edits is None or args.n_edits < 1:
         raise CrispEditError(f"--n-edits must be a positive integer, got {args.n_edits}")
     if args.kl_text is not None:

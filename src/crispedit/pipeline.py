@@ -18,8 +18,9 @@ from . import __version__
 from .data.corpus import heldout_text
 from .data.edits import EditRequest
 from .editing import EditConfig, EditResult, edit
-from .errors import CrispEditError, atomic_directory, atomic_write_json
+from .errors import atomic_directory, atomic_write_json, check_finite_tensors, check_output_dir
 from .evaluation import CONTEXTS, evaluate_edit
+from .models import parameter, save_model_dir
 
 __all__ = ["run_edit_job", "build_report", "environment"]
 
@@ -51,25 +52,30 @@ def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditReq
 
 def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: EditConfig, out: str | Path, *,
                  model_spec: str = "<in-memory>", kl_text: str | None = None, edits_path: str | None = None,
-                 cache_file: str | None = None, progress: bool | None = None, wild: bool = True) -> dict:
+                 cache_file: str | None = None, progress: bool | None = None, wild: bool = True,
+                 overwrite: bool = False) -> dict:
     """Edit, evaluate and save ``model`` to ``out`` (HF format + ``edit_report.json``). With ``wild``
     the report gets a ``wild`` section: free-generation rel / gen / locality under the qa, none and chat
-    contexts (rule judge; chat only for models with a chat template)."""
+    contexts (rule judge; chat only for models with a chat template). A non-empty ``out`` is refused
+    unless ``overwrite`` and it holds an earlier ``edit_report.json``; then only the files that run wrote
+    are replaced (the report's ``files``), the others kept. An edit that leaves inf/nan weights fails
+    with a one-line error and writes nothing."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not (out / "edit_report.json").is_file():
-        raise CrispEditError(f"output directory {out} exists and is not an earlier crispedit output; refusing to overwrite")
+    previous = check_output_dir(out, overwrite=overwrite, marker="edit_report.json")
     if kl_text is not None:
         heldout_text(kl_text, 1)  # fail early on a bad --kl-text, before any work
     t0 = time.perf_counter()
     result = edit(model, tokenizer, requests, config, cache_file=cache_file, progress=progress)
+    changed = {n: parameter(model, n) for n in result.original_weights}
+    check_finite_tensors(changed, f"the {config.method} edit")  # fail now, before evaluating a broken model
     ev = evaluate_edit(model, tokenizer, requests, result.original_weights, kl_text=kl_text, max_len=config.max_len,
                        wild=CONTEXTS if wild else (), progress=progress)
     report = build_report(config, model_spec, requests, result, ev["summary"], ev["per_edit"], kl_text, edits_path)
     if wild:
         report["wild"] = ev["wild"]
     report["summary"]["total_seconds"] = round(time.perf_counter() - t0, 3)
-    with atomic_directory(out) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    with atomic_directory(out, previous=previous) as tmp:
+        files = save_model_dir(model, tokenizer, tmp, progress=progress)  # refuses non-finite weights
+        report["files"] = sorted(files + ["edit_report.json"])  # what `--overwrite` may replace later
         atomic_write_json(tmp / "edit_report.json", report)
     return report

@@ -45,9 +45,10 @@ import torch
 
 from ..curvature.kfac import KFACFactors
 from ..data.edits import EditRequest, load_edits, save_edits_jsonl
-from ..errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json
+from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_figure, atomic_write_json,
+                      check_finite_tensors, check_output_dir, check_output_file, read_text_file)
 from ..evaluation import evaluate_edit, summarize_edit_scores
-from ..models import load_model, parameter, weight_fingerprint
+from ..models import load_model, parameter, save_model_dir, weight_fingerprint
 from .api import capability_factors
 from .registry import get_editor
 from .sequential import SeqConfig, SeqState, run_round, weight_drift
@@ -69,12 +70,55 @@ def _fault(phase: str) -> None:
 
 
 def _read_json(path: Path, what: str) -> dict:
+    if not path.parent.is_dir():
+        raise CrispEditError(f"session directory not found: {path.parent}")
+    if not path.exists():
+        raise CrispEditError(f"{path.parent} is not a crispedit session (no {path.name})")
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CrispEditError(f"{path.parent} is not a crispedit session (no {path.name})") from None
+        data = json.loads(read_text_file(path, what))
     except json.JSONDecodeError:
         raise CrispEditError(f"{what} {path} is corrupt") from None
+    if not isinstance(data, dict):
+        raise CrispEditError(f"{what} {path} is malformed: a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _require(d: dict, where: str, **kinds: type | tuple) -> None:
+    """One-line error naming the first key of ``kinds`` that ``d`` lacks or holds with the wrong type."""
+    for key, kind in kinds.items():
+        if key not in d:
+            raise CrispEditError(f"{where} is malformed: no {key!r}")
+        if not isinstance(d[key], kind) or (kind is int and isinstance(d[key], bool)):
+            raise CrispEditError(f"{where} is malformed: {key!r} is a {type(d[key]).__name__}")
+
+
+def check_session_meta(meta: dict, path: Path) -> dict:
+    """``meta`` (``session.json``) if it has the shape this crispedit writes; a one-line error naming the
+    first missing or mistyped field otherwise."""
+    where = f"session file {path}"
+    _require(meta, where, format=int, name=str, base=dict, layers=list, config=dict)
+    _require(meta["base"], where + " (base)", spec=str, fingerprint=str, dtype=str)
+    if not all(isinstance(x, str) for x in meta["layers"]):
+        raise CrispEditError(f"{where} is malformed: 'layers' must be a list of names")
+    return meta
+
+
+def check_session_state(st: dict, path: Path) -> dict:
+    """``st`` (``state.json``) if it has the shape this crispedit writes — round, files, one record per
+    committed round — and a one-line error naming the first problem otherwise."""
+    where = f"session state {path}"
+    _require(st, where, round=int, files=dict, rounds=list)
+    if st["round"] < 0 or len(st["rounds"]) != st["round"]:
+        raise CrispEditError(f"{where} is malformed: round {st['round']} with {len(st['rounds'])} round records")
+    for key, name in st["files"].items():
+        if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
+            raise CrispEditError(f"{where} is malformed: file entry {key!r} is not a file name in the session")
+    for i, rec in enumerate(st["rounds"], 1):
+        if not isinstance(rec, dict):
+            raise CrispEditError(f"{where} is malformed: round record {i} is not an object")
+        _require(rec, f"{where} (round {i})", round=int, n_edits=int, retention=dict, kl_drift=(int, float),
+                 train=dict)
+    return st
 
 
 def _load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -136,6 +180,7 @@ class Session:
         config = (config or SeqConfig()).validate()
         if (path / SESSION_FILE).is_file():
             return cls.open(path, config=config, model=model, device=device, cache_root=cache_root)
+        check_output_dir(path, "session directory")
         if path.exists() and any(path.iterdir()):
             raise CrispEditError(f"{path} exists and is not a crispedit session; refusing to overwrite")
         spec = "<in-memory>" if isinstance(model, tuple) else str(model)
@@ -170,6 +215,7 @@ class Session:
         meta = _read_json(path / SESSION_FILE, "session file")
         if meta.get("format") != SESSION_FORMAT:
             raise CrispEditError(f"session {path} has format {meta.get('format')}, this crispedit reads {SESSION_FORMAT}")
+        check_session_meta(meta, path / SESSION_FILE)
         if config is not None:
             stored = SeqConfig.from_dict(meta["config"]).to_json()
             given = config.validate().to_json()
@@ -184,6 +230,7 @@ class Session:
             s._ensure_model()  # an explicit other location: check it now
         elif isinstance(model, tuple):
             s._ensure_model()
+        s._read_state()  # a damaged state.json is named before anything (the lock file included) is written
         with s._lock(blocking=False) as got:
             if got:
                 s._cleanup()
@@ -215,6 +262,7 @@ class Session:
             new, rec = run_round(self._model, self._tok, self._layers, requests, state, self.config, k,
                                  base_weights=self._base, union=union,
                                  capability=lambda: self._recollect_capability(), progress=progress)
+            check_finite_tensors(new.weights, f"round {k}")  # never commit inf/nan weights
             _fault("after_train")
             rec.update(self._evaluate(earlier + [requests], progress))
             rec.update({"round": k, "n_edits": len(requests), "source": source,
@@ -243,22 +291,22 @@ class Session:
                 "n_edits": sum(r["n_edits"] for r in rounds), "files": st["files"],
                 "size_bytes": session_size(self.path), "retention": retention, "rounds": rounds}
 
-    def export(self, out: str | Path) -> Path:
-        """Write the edited model (base + session weights) as a loadable Hugging Face directory."""
+    def export(self, out: str | Path, *, overwrite: bool = False, progress: bool | None = None) -> Path:
+        """Write the edited model (base + session weights) as a loadable Hugging Face directory. A
+        non-empty ``out`` is refused unless ``overwrite`` and it holds an earlier export; then only the
+        files that export wrote are replaced, other files kept."""
         out = Path(out)
         marker = "crispedit_session.json"
-        if out.exists() and any(out.iterdir()) and not (out / marker).is_file():
-            raise CrispEditError(f"output directory {out} exists and is not an earlier session export; refusing to overwrite")
+        previous = check_output_dir(out, overwrite=overwrite, marker=marker)
         st = self._read_state()
         self._ensure_model()
         self._load_state(st)
-        with atomic_directory(out) as tmp:
-            self._model.save_pretrained(tmp)
-            self._tok.save_pretrained(tmp)
+        with atomic_directory(out, previous=previous) as tmp:
+            files = save_model_dir(self._model, self._tok, tmp, progress=progress)
             atomic_write_json(tmp / marker, {"session": str(self.path.resolve()), "name": self.meta["name"],
                                              "base": self.meta["base"], "round": st["round"],
                                              "n_edits": sum(r["n_edits"] for r in st["rounds"]),
-                                             "layers": self.meta["layers"]})
+                                             "layers": self.meta["layers"], "files": sorted(files + [marker])})
         return out
 
     def plot(self, out: str | Path | None = None) -> Path:
@@ -271,7 +319,7 @@ class Session:
 
     # -- internals -----------------------------------------------------------------------------
     def _read_state(self) -> dict:
-        return _read_json(self.path / STATE_FILE, "session state")
+        return check_session_state(_read_json(self.path / STATE_FILE, "session state"), self.path / STATE_FILE)
 
     @contextlib.contextmanager
     def _lock(self, blocking: bool = True) -> Iterator[bool]:
@@ -429,7 +477,9 @@ def _diff_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 def plot_retention(statuses: Sequence[dict], out: str | Path, labels: Sequence[str] | None = None) -> Path:
     """The "Evolution of CrispEdit-Seq" figure: for each session, the reliability of each round's edits
-    after every later round; plus one panel of KL drift per round for all sessions."""
+    after every later round; plus one panel of KL drift per round for all sessions. ``out`` is checked
+    before drawing and written atomically (nothing left behind on failure)."""
+    out = check_output_file(out)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -465,10 +515,4 @@ def plot_retention(statuses: Sequence[dict], out: str | Path, labels: Sequence[s
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    return atomic_write_figure(out, fig, dpi=110)

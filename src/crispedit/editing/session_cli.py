@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import check_output_dir, check_output_file
 from .flags import add_curvature_args, add_edits_args, add_model_args, add_training_args, config_from_args
 
 __all__ = ["add_cli"]
@@ -24,6 +25,8 @@ def cmd_init(args) -> int:
                        carry_optimizer=not args.no_carry_optimizer, reproject_momentum=not args.no_reproject_momentum,
                        recompute_drift=args.recompute_drift, kl_text=args.kl_text, kl_texts=args.kl_texts)
     existed = (Path(args.out) / "session.json").is_file()
+    if not existed:
+        check_output_dir(args.out, "--out")
     s = Session.create(args.out, args.model, config, dtype=args.dtype, device=args.device, cache_file=args.cache,
                        progress=None if not args.quiet else False)
     verb = "opened existing" if existed else "created"
@@ -50,6 +53,8 @@ def cmd_status(args) -> int:
     """``crispedit session status``: rounds, edits, retention matrix and drift (``--json`` for the raw status)."""
     from .session import Session
 
+    if args.plot:
+        check_output_file(args.plot, "--plot")
     st = Session.open(args.dir).status()
     if args.json:
         print(json.dumps(st, indent=2))
@@ -75,8 +80,9 @@ def cmd_export(args) -> int:
     """``crispedit session export``: write the session's current model as a Hugging Face directory."""
     from .session import Session
 
+    check_output_dir(args.out, overwrite=args.overwrite, marker="crispedit_session.json")
     s = Session.open(args.dir, model=args.model, device=args.device)
-    out = s.export(args.out)
+    out = s.export(args.out, overwrite=args.overwrite, progress=False if args.quiet else None)
     print(f"edited model (round {s.round}) written to {out}")
     return 0
 
@@ -85,6 +91,7 @@ def cmd_plot(args) -> int:
     """``crispedit session plot``: draw the retention / drift evolution PNG."""
     from .session import Session, plot_retention
 
+    check_output_file(args.out)
     statuses = [Session.open(d).status() for d in args.dirs]
     out = plot_retention(statuses, args.out, labels=args.labels.split(",") if args.labels else None)
     print(f"plot written to {out}")
@@ -132,9 +139,12 @@ def add_cli(sub) -> None:
 
     e = ss.add_parser("export", help="write the edited model as a loadable model directory")
     e.add_argument("dir")
-    e.add_argument("--out", required=True)
+    e.add_argument("--out", required=True, help="output directory; must be new or empty")
+    e.add_argument("--overwrite", action="store_true",
+                   help="--out may hold an earlier export: replace only the files it wrote, keep all others")
     e.add_argument("--model", default=None)
     e.add_argument("--device", default=None)
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_export)
 
     pl = ss.add_parser("plot", help="retention-over-rounds figure for one or more sessions")

@@ -7,7 +7,7 @@ import platform
 import time
 from pathlib import Path
 
-from ..errors import CrispEditError, atomic_write_json, check_positive_int
+from ..errors import CrispEditError, atomic_write_json, check_int, check_output_file, check_positive_int
 
 __all__ = ["add_cli", "cmd_eval", "cmd_report", "run_eval"]
 
@@ -89,6 +89,7 @@ def run_eval(args) -> dict:
     tasks = parse_tasks(args.capabilities)
     limit = _parse_limit(args.limit)
     n_edits = None if args.n_edits is None else check_positive_int("--n-edits", args.n_edits)
+    check_int("--offset", args.offset, 0)
     check_positive_int("--batch-size", args.batch_size)
     check_positive_int("--kl-texts", args.kl_texts)
     check_positive_int("--max-new-tokens", args.max_new_tokens)
@@ -187,9 +188,7 @@ def run_eval(args) -> dict:
 
 def cmd_eval(args) -> int:
     """``crispedit eval``: run :func:`run_eval` and write its result JSON atomically."""
-    out_path = Path(args.out)
-    if out_path.is_dir():
-        raise CrispEditError(f"--out must be a file name, {out_path} is a directory")
+    out_path = check_output_file(args.out)  # an unwritable --out fails now, not after the evaluation
     t0 = time.perf_counter()
     result = run_eval(args)
     result["timings"]["total_s"] = round(time.perf_counter() - t0, 2)
