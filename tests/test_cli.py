@@ -148,7 +148,9 @@ def test_refuses_to_overwrite_foreign_directory(tiny_model_dir, tmp_path, iso_ca
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
     code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), out), capsys)
-    assert code == 2 and "refusing to overwrite" in err and (out / "notes.txt").read_text() == "keep me"
+    assert code == 2 and "is not empty; pass --overwrite" in err and (out / "notes.txt").read_text() == "keep me"
+    code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), out) + ["--overwrite"], capsys)
+    assert code == 2 and "refusing to overwrite" in err and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 def test_demo_runs_end_to_end_on_a_tiny_model(tiny_model_dir, iso_cache, capsys):

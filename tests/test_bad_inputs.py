@@ -1,0 +1,286 @@
+"""Bad inputs and faults across every sub-command: each ends in exit != 0, no traceback, exactly one
+``crispedit: error:`` line naming the problem, and nothing written (issue 14's matrix).
+
+One row per case. A row builds its inputs in ``tmp_path`` and returns the argv; the test snapshots
+``tmp_path`` (every file's bytes; the private curvature cache excepted) before and after and requires it
+unchanged. Checks that happen before any model is loaded use the tiny model directory only as a name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from crispedit.cli import main
+
+LAYERS = "model.layers.{1-2}.mlp.down_proj"
+NAMES = ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
+LATIN1 = "Caf\xe9 na\xefve text in Latin-1.\n\nA second paragraph \xe0 la mode.\n".encode("latin-1")
+
+
+def _edits(tmp: Path, n: int = 4) -> Path:
+    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "rephrase": f"Club {i} was founded by?",
+             "loc": "nq question: who sang it", "loc_ans": "someone"} for i in range(n)]
+    p = tmp / "edits.json"
+    p.write_text(json.dumps(recs))
+    return p
+
+
+def _edit(tmp: Path, model: Path, *extra, out: Path | None = None) -> list:
+    return ["edit", "--model", model, "--edits", _edits(tmp), "--layers", LAYERS, "--n-cap", 4, "--max-len", 32,
+            "--epochs", 2, "--out", out or tmp / "out", "--quiet", *extra]
+
+
+def _file(tmp: Path, name: str, data: bytes | str = "x") -> Path:
+    p = tmp / name
+    p.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return p
+
+
+def _cache(tmp: Path, model: Path, *, n_cap: int = 4, max_len: int = 32, label_mode: str = "sampled",
+           size: tuple[int, int] | None = None) -> Path:
+    """A factor file for the tiny model built with the given settings (identity factors)."""
+    from crispedit.curvature.cache import save_factors
+    from crispedit.curvature.kfac import KFACFactors
+    from crispedit.data import capability_corpus
+    from crispedit.editing import EditConfig, curvature_spec
+    from crispedit.models import load_model
+
+    m, _ = load_model(str(model))
+    d_in, d_out = size or (48, 32)
+    f = KFACFactors({n: torch.eye(d_in) for n in NAMES}, {n: torch.eye(d_out) for n in NAMES}, 10)
+    cfg = EditConfig(n_cap=n_cap, max_len=max_len, label_mode=label_mode, layers=LAYERS)
+    spec = curvature_spec(m, NAMES, capability_corpus(None, n_cap), cfg)
+    return save_factors(tmp / "factors.safetensors", f, spec)
+
+
+def _model_variant(tmp: Path, model: Path, kind: str) -> Path:
+    d = tmp / f"model-{kind}"
+    shutil.copytree(model, d)
+    if kind == "remote":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"}
+        (d / "config.json").write_text(json.dumps(cfg))
+        (d / "configuration_x.py").write_text("raise SystemExit('remote code ran')\n")
+    elif kind == "pickled":
+        from safetensors.torch import load_file
+
+        torch.save(load_file(d / "model.safetensors"), d / "pytorch_model.bin")
+        (d / "model.safetensors").unlink()
+    elif kind == "nonfinite":  # an edit layer that already holds inf: the edited weights are non-finite
+        from safetensors.torch import load_file, save_file
+
+        sd = load_file(d / "model.safetensors")
+        sd["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")
+        save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def _session(tmp: Path, model: Path, state) -> Path:
+    """A session directory whose session.json is valid and whose state.json is ``state``."""
+    from crispedit.editing.sequential import SeqConfig
+
+    d = tmp / "sess"
+    d.mkdir()
+    meta = {"format": 1, "name": "crispedit-seq", "created": "now", "layers": NAMES,
+            "base": {"spec": str(model), "fingerprint": "0" * 32, "dtype": "float32", "model_type": "llama"},
+            "config": SeqConfig().to_json()}
+    (d / "session.json").write_text(json.dumps(meta))
+    (d / "state.json").write_text(json.dumps(state))
+    return d
+
+
+def _run_file(tmp: Path, name: str = "run.json") -> Path:
+    return _file(tmp, name, json.dumps({"edit": {"rel": 0.5, "gen": 0.25}, "capabilities": {},
+                                        "config": {"model": "m", "protocol": "wild", "context": "qa"}}))
+
+
+def _readonly_dir(tmp: Path) -> Path:
+    d = tmp / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    return d
+
+
+ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+needs_non_root = pytest.mark.skipif(ROOT, reason="root may write anywhere: permission bits are not enforced")
+
+# (id, builder(tmp, model) -> argv, expected text in the one error line)
+CASES = [
+    # 1. text files that are not UTF-8
+    ("edits-not-utf8", lambda t, m: _edit(t, m)[:3] + ["--edits", _file(t, "e.json", b'[{"src": "\xff"}]')] + _edit(t, m)[5:],
+     "is not UTF-8"),
+    ("cap-corpus-not-utf8", lambda t, m: _edit(t, m, "--cap-corpus", _file(t, "c.txt", LATIN1)), "is not UTF-8"),
+    ("kl-text-not-utf8", lambda t, m: _edit(t, m, "--kl-text", _file(t, "k.txt", LATIN1)), "is not UTF-8"),
+    ("report-run-not-utf8", lambda t, m: ["report", _file(t, "run.json", LATIN1), "--out", t / "r.md"], "is not UTF-8"),
+    ("edits-is-directory", lambda t, m: _edit(t, m)[:3] + ["--edits", t] + _edit(t, m)[5:], "is a directory"),
+    # 2. output destinations checked before any work
+    ("edit-out-is-file", lambda t, m: _edit(t, m, out=_file(t, "out")), "is a file, not a directory"),
+    ("edit-out-under-file", lambda t, m: _edit(t, m, out=_file(t, "f") / "out"), "is a file, not a directory"),
+    ("eval-out-is-dir", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", t, "--quiet"], "is a directory"),
+    ("eval-out-under-file", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", _file(t, "f") / "r.json"],
+     "is a file, not a directory"),
+    ("study-out-is-file", lambda t, m: ["study", "mnist", "--quick", "--out", _file(t, "s")], "is a file, not a directory"),
+    ("report-png-under-file", lambda t, m: ["report", _run_file(t), "--out", t / "r.md", "--png", _file(t, "f") / "r.png"],
+     "--png"),
+    ("report-out-is-dir", lambda t, m: ["report", _run_file(t), "--out", t], "is a directory"),
+    ("session-plot-out-is-dir", lambda t, m: ["session", "plot", _session(t, m, {"round": 0, "files": {}, "rounds": []}),
+                                              "--out", t], "is a directory"),
+    ("session-init-out-is-file", lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS, "--out", _file(t, "s")],
+     "is a file, not a directory"),
+    ("cache-build-out-under-file", lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS,
+                                                 "--out", _file(t, "f") / "c.safetensors"], "is a file, not a directory"),
+    ("compare-out-is-file", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2, "--methods", "ft",
+                                          "--out", _file(t, "c")], "is a file, not a directory"),
+    pytest.param("edit-out-unwritable", lambda t, m: _edit(t, m, out=_readonly_dir(t) / "out"), "permission denied",
+                 marks=needs_non_root),
+    pytest.param("eval-out-unwritable", lambda t, m: ["eval", "--model", m, "--edits", _edits(t),
+                                                      "--out", _readonly_dir(t) / "r.json"], "permission denied",
+                 marks=needs_non_root),
+    # 3. errors of the libraries underneath
+    ("remote-code", lambda t, m: _edit(t, _model_variant(t, m, "remote")), "pass --trust-remote-code"),
+    ("pickled-weights", lambda t, m: _edit(t, _model_variant(t, m, "pickled")), "pickled"),
+    ("unknown-device", lambda t, m: _edit(t, m, "--device", "quantum"), "unknown --device 'quantum'"),
+    ("absent-cuda", lambda t, m: _edit(t, m, "--device", "cuda:7") if not torch.cuda.is_available() or
+     torch.cuda.device_count() < 8 else pytest.skip("8 GPUs"), "cuda:7"),
+    ("eval-unknown-device", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--device", "gpu0",
+                                          "--out", t / "r.json"], "unknown --device"),
+    # 4. numbers that make no sense, and never saving non-finite weights
+    ("lr-inf", lambda t, m: _edit(t, m, "--lr", "inf"), "--lr) must be a finite number"),
+    ("lr-nan", lambda t, m: _edit(t, m, "--lr", "nan"), "--lr) must be a finite number"),
+    ("lr-huge", lambda t, m: _edit(t, m, "--lr", "1e30"), "--lr) must lie in (0, 1]"),
+    ("gamma-nan", lambda t, m: _edit(t, m, "--gamma", "nan"), "gamma"),
+    ("seed-huge", lambda t, m: _edit(t, m, "--seed", 2**70), "seed must be between 0 and"),
+    ("seed-negative", lambda t, m: _edit(t, m, "--seed", -1), "seed must be between 0 and"),
+    ("epochs-huge", lambda t, m: _edit(t, m, "--epochs", 10**9), "epochs must be between"),
+    ("lora-alpha-inf", lambda t, m: _edit(t, m, "--method", "lora", "--lora-alpha", "inf"), "lora alpha must be a finite"),
+    ("session-mix-nan", lambda t, m: ["session", "init", "--model", m, "--out", t / "s", "--mix", "nan"],
+     "mix must be a finite number"),
+    ("study-seed-huge", lambda t, m: ["study", "mnist", "--quick", "--seed", 2**40, "--out", t / "s"], "seed must be between"),
+    ("study-k-inf", lambda t, m: ["study", "mnist", "--quick", "--k-values", "inf", "--out", t / "s"], "k values"),
+    ("demo-gamma-inf", lambda t, m: ["demo", "--model", m, "--gamma", "inf"], "gamma"),
+    ("demo-n-edits-0", lambda t, m: ["demo", "--model", m, "--n-edits", 0], "--n-edits must be a positive integer"),
+    ("eval-offset-negative", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--offset", -3, "--out", t / "r.json"],
+     "--offset must be non-negative"),
+    ("compare-limit-0", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2, "--methods", "ft",
+                                      "--limit", 0, "--out", t / "c"], "--limit must be a positive integer"),
+    ("argparse-bad-int", lambda t, m: _edit(t, m, "--n-cap", "four"), "argument --n-cap: invalid int value"),
+    ("edit-loss-nan", lambda t, m: _edit(t, _model_variant(t, m, "nonfinite"), "--method", "ft"),
+     "the edit loss became nan in epoch 1"),
+    # 5. a cache file built for another configuration, or with factors of the wrong size
+    ("cache-other-max-len", lambda t, m: _edit(t, m, "--cache", _cache(t, m, max_len=64)), "max_len=64 (asked: 32)"),
+    ("cache-other-n-cap", lambda t, m: _edit(t, m, "--cache", _cache(t, m, n_cap=8)), "n_texts=8 (asked: 4)"),
+    ("cache-other-labels", lambda t, m: _edit(t, m, "--cache", _cache(t, m, label_mode="empirical")),
+     "label_mode='empirical' (asked: 'sampled')"),
+    ("cache-other-corpus", lambda t, m: _edit(t, m, "--cache", _cache(t, m), "--cap-corpus",
+                                              _file(t, "c.txt", "one.\n\ntwo.\n\nthree.\n\nfour.\n")), "corpus_digest="),
+    ("cache-wrong-shape", lambda t, m: _edit(t, m, "--cache", _cache(t, m, size=(16, 16))),
+     "factors for model.layers.1.mlp.down_proj are for a 16x16 layer, this layer is 32x48"),
+    # 6. messages that name the actual problem
+    ("offset-past-end", lambda t, m: _edit(t, m, "--offset", 9), "--offset 9 is past the end"),
+    ("edits-json-object", lambda t, m: _edit(t, m)[:3] + ["--edits", _file(t, "o.json", '{"a": 1}\n{"b": [')] + _edit(t, m)[5:],
+     "malformed JSON on line 2"),
+    ("session-state-list", lambda t, m: ["session", "status", _session(t, m, [1, 2])], "malformed: a JSON list"),
+    ("session-state-no-files", lambda t, m: ["session", "status", _session(t, m, {"round": 0, "rounds": []})],
+     "malformed: no 'files'"),
+    ("session-state-rounds-mismatch", lambda t, m: ["session", "status", _session(t, m, {"round": 2, "files": {},
+                                                                                        "rounds": []})],
+     "round 2 with 0 round records"),
+    ("session-state-bad-record", lambda t, m: ["session", "status", _session(t, m, {"round": 1, "files": {},
+                                                                                   "rounds": [{"round": 1}]})],
+     "(round 1) is malformed: no 'n_edits'"),
+    ("report-run-wrong-shape", lambda t, m: ["report", _file(t, "run.json", '{"edit": [], "capabilities": {}}')],
+     "not a `crispedit eval` result"),
+    # 7. a non-empty --out is refused unless --overwrite (and then only an earlier crispedit output)
+    ("edit-out-not-empty", lambda t, m: _edit(t, m, out=_file(t, "keep.txt").parent), "is not empty; pass --overwrite"),
+    ("edit-overwrite-foreign", lambda t, m: _edit(t, m, "--overwrite", out=_file(t, "keep.txt").parent),
+     "holds no earlier crispedit output"),
+]
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if rel.parts[0] == "cache":  # the private curvature cache (a legitimate by-product, never an output)
+            continue
+        out[str(rel)] = ("dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def _param(c):
+    return pytest.param(*c.values, marks=c.marks, id=c.values[0]) if hasattr(c, "marks") else pytest.param(*c, id=c[0])
+
+
+@pytest.mark.parametrize("case,build,msg", [_param(c) for c in CASES])
+def test_bad_input(case, build, msg, tiny_model_dir, tmp_path, iso_cache, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a default output name (e.g. the study's) would land here
+    argv = [str(a) for a in build(tmp_path, tiny_model_dir)]
+    capsys.readouterr()  # drop what building the inputs printed
+    before = _snapshot(tmp_path)
+    try:
+        code = main(argv)
+    finally:
+        for p in tmp_path.rglob("ro"):
+            p.chmod(0o755)
+    out, err = capsys.readouterr()
+    assert code not in (0, None), f"{case}: exit 0\n{out}\n{err}"
+    assert "Traceback" not in err and "Traceback" not in out, err
+    lines = [ln for ln in err.splitlines() if "crispedit: error:" in ln]
+    assert len(lines) == 1 and lines[0].startswith("crispedit: error:"), err
+    assert msg in lines[0], lines[0]
+    assert _snapshot(tmp_path) == before, f"{case}: something was written"
+
+
+def test_matrix_covers_every_subcommand():
+    """Each sub-command a user can call appears in at least one row."""
+    from crispedit.cli import build_parser
+
+    rows = " ".join(c.values[0] if hasattr(c, "marks") else c[0] for c in CASES)
+    for cmd in ("edit", "eval", "report", "study", "session", "cache", "compare", "demo"):
+        assert cmd in rows or cmd == "edit", cmd
+    assert {"edit", "cache", "demo", "eval", "report", "session", "compare", "study"} <= set(
+        build_parser()._subparsers._group_actions[0].choices)
+
+
+def test_edit_that_leaves_inf_weights_writes_nothing(tiny_lm, tmp_path, iso_cache, monkeypatch):
+    """The last Adam step can make weights non-finite after the last finite loss (``--lr inf`` did, and
+    exited 0): the job refuses before the atomic rename and ``out`` never appears."""
+    import crispedit.pipeline as pipeline
+    from crispedit.data import load_edits
+    from crispedit.editing import EditConfig
+    from crispedit.errors import CrispEditError
+
+    real_edit = pipeline.edit
+
+    def edit_then_blow_up(model, *a, **k):
+        res = real_edit(model, *a, **k)
+        with torch.no_grad():
+            model.get_parameter(next(iter(res.original_weights))).view(-1)[3] = float("inf")
+        return res
+
+    monkeypatch.setattr(pipeline, "edit", edit_then_blow_up)
+    model, tok = tiny_lm
+    cfg = EditConfig(method="ft", layers=LAYERS, epochs=1, n_cap=4, max_len=32)
+    with pytest.raises(CrispEditError, match=r"non-finite weights \(inf/nan\) in model\.layers\.1\.mlp\.down_proj\.weight"):
+        pipeline.run_edit_job(model, tok, load_edits(_edits(tmp_path)), cfg, tmp_path / "out", wild=False)
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_save_model_dir_refuses_non_finite(tiny_lm, tmp_path):
+    from crispedit.errors import CrispEditError
+    from crispedit.models import save_model_dir
+
+    model, tok = tiny_lm
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(CrispEditError, match=r"in model\.norm\.weight; nothing was saved"):
+        save_model_dir(model, tok, tmp_path / "d")
+    assert list((tmp_path / "d").iterdir()) == []
