@@ -163,3 +163,30 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tiny_model_dir, iso_cache, capsys)
     lines = [ln for ln in out.splitlines() if ln.startswith(("crispedit ", "ft "))]
     assert len(lines) == 2 and all("bare,prefix:2" in ln for ln in lines)
     assert "kl_drift" in out and "WILD" in out
+
+
+def test_overwrite_replaces_only_crispedits_files_quietly(tiny_model_dir, tmp_path, iso_cache, capsys):
+    """--overwrite keeps the user's files, replaces the earlier edit and deletes only files that edit listed;
+    --quiet saves without transformers' "Writing model shards" bar; the report states the cache's spec."""
+    out = tmp_path / "out"
+    code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), out) + ["--no-wild"], capsys)
+    assert code == 0, err
+    assert "Writing model shards" not in err and err.strip() == "", err
+    report = json.loads((out / "edit_report.json").read_text())
+    assert "model.safetensors" in report["files"] and "edit_report.json" in report["files"]
+    spec = report["cache"]["spec"]
+    assert (spec["n_texts"], spec["max_len"], spec["label_mode"], spec["layers"]) == (
+        4, 32, "sampled", ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"])
+    (out / "notes.txt").write_text("keep me")
+    (out / "old-shard.safetensors").write_text("stale")  # as if the earlier edit had written it
+    report["files"].append("old-shard.safetensors")
+    (out / "edit_report.json").write_text(json.dumps(report))
+    code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), out) + ["--no-wild", "--epochs", 1], capsys)
+    assert code == 2 and "--overwrite" in err
+    code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), out) + ["--no-wild", "--epochs", 1, "--overwrite"],
+                       capsys)
+    assert code == 0, err
+    assert (out / "notes.txt").read_text() == "keep me" and not (out / "old-shard.safetensors").exists()
+    new = json.loads((out / "edit_report.json").read_text())
+    assert new["training"]["epochs"] == 1 and "notes.txt" not in new["files"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
