@@ -13,7 +13,6 @@ from typing import Sequence
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 __all__ = ["generate_answers", "cut_at_stop", "eos_token_ids"]
 
@@ -30,7 +29,7 @@ def cut_at_stop(text: str, stop: Sequence[str], skip_leading: bool = True) -> st
     return text[:min(hits)].strip() if hits else text.strip()
 
 
-class _StopOnStrings(StoppingCriteria):
+class _StopOnStrings:
     """Per-sequence stopping criterion: done once the new text (after leading whitespace, when
     ``skip_leading``) contains a stop string. Finished rows are padded by ``generate``."""
 
@@ -45,6 +44,20 @@ class _StopOnStrings(StoppingCriteria):
                 text = text.lstrip()
             done.append(any(s in text for s in self.stop))
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def _stop_criteria(tokenizer, prompt_len: int, stop: Sequence[str], skip_leading: bool):
+    """A transformers ``StoppingCriteriaList`` holding :class:`_StopOnStrings` (transformers is imported
+    here, not at module load, so the CLI parses its arguments without it)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    global _StopCriterion
+    if _StopCriterion is None:
+        _StopCriterion = type("StopOnStrings", (_StopOnStrings, StoppingCriteria), {})
+    return StoppingCriteriaList([_StopCriterion(tokenizer, prompt_len, stop, skip_leading)])
+
+
+_StopCriterion = None
 
 
 def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
@@ -88,8 +101,7 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[str], *, max
             enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True,
                             add_special_tokens=add_special_tokens).to(device)
             plen = enc["input_ids"].shape[1]
-            criteria = StoppingCriteriaList([_StopOnStrings(tokenizer, plen, stop, skip_leading_stop)]) \
-                if any(stop) else None
+            criteria = _stop_criteria(tokenizer, plen, stop, skip_leading_stop) if any(stop) else None
             gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                                  temperature=None, top_p=None, top_k=None,
                                  pad_token_id=pad, eos_token_id=eos or None, stopping_criteria=criteria)
