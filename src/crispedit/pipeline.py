@@ -2,7 +2,8 @@
 
 The output directory is written atomically: everything goes to a temporary sibling directory that is
 renamed into place only when the model, tokenizer and report are complete, so a failed job leaves
-nothing at ``out``.
+nothing at ``out`` (with ``overwrite``, only the files of the earlier edit are replaced, one rename each,
+the report last).
 """
 
 from __future__ import annotations
