@@ -392,3 +392,16 @@ def test_session_written_with_module_name_keys_still_opens(ref, tmp_path):
     s.export(tmp_path / "exp")
     model, _ = load_model(str(tmp_path / "exp"))
     assert all(torch.equal(model.get_parameter(n), t) for n, t in w.items())
+
+
+def test_export_overwrite_keeps_other_files(ref, tmp_path, capsys):
+    """A second export into a used --out needs --overwrite and then replaces only the earlier export's files."""
+    out = tmp_path / "exp"
+    shutil.copytree(ref["export"], out)
+    (out / "notes.txt").write_text("keep me")
+    assert main(["session", "export", str(ref["sess"]), "--out", str(out), "--quiet"]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert main(["session", "export", str(ref["sess"]), "--out", str(out), "--overwrite", "--quiet"]) == 0
+    marker = json.loads((out / "crispedit_session.json").read_text())
+    assert (out / "notes.txt").read_text() == "keep me" and "model.safetensors" in marker["files"]
+    assert "notes.txt" not in marker["files"]

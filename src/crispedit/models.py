@@ -145,8 +145,7 @@ def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     with atomic_directory(target) as tmp:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        save_model_dir(model, tok, tmp, progress=progress, what=f"dequantising {path.name}")
         (tmp / "crispedit_source.json").write_text(json.dumps({"gguf": str(path), "digest": _file_digest(path)}))
     return target
 
@@ -256,13 +255,15 @@ def _translate_load_errors(spec: str, trust_remote_code: bool):
         raise CrispEditError(f"could not load model {spec!r}: {first}") from None
 
 
-def save_model_dir(model, tokenizer, directory: str | Path, *, progress: bool | None = None) -> list[str]:
+def save_model_dir(model, tokenizer, directory: str | Path, *, progress: bool | None = None,
+                   what: str = "the edit") -> list[str]:
     """Save ``model`` and ``tokenizer`` in Hugging Face format (safetensors) into ``directory`` after
     checking every parameter is finite (a model with inf/nan weights is never written); transformers'
-    own progress bars follow ``progress``. Returns the names of the files written."""
+    own progress bars follow ``progress``; ``what`` names the step in the error. Returns the names of the
+    files written."""
     from .errors import check_finite_tensors
 
-    check_finite_tensors(dict(model.named_parameters()), "the edit")
+    check_finite_tensors(dict(model.named_parameters()), what)
     directory = Path(directory)
     before = {p.name for p in directory.iterdir()} if directory.is_dir() else set()
     with _hf_progress(progress):

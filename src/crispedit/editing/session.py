@@ -302,7 +302,7 @@ class Session:
         self._ensure_model()
         self._load_state(st)
         with atomic_directory(out, previous=previous) as tmp:
-            files = save_model_dir(self._model, self._tok, tmp, progress=progress)
+            files = save_model_dir(self._model, self._tok, tmp, progress=progress, what=f"session {self.path}")
             atomic_write_json(tmp / marker, {"session": str(self.path.resolve()), "name": self.meta["name"],
                                              "base": self.meta["base"], "round": st["round"],
                                              "n_edits": sum(r["n_edits"] for r in st["rounds"]),
