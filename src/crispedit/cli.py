@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from .editing.flags import add_curvature_args, add_edits_args, add_model_args, add_training_args, config_from_args
+from .editing.flags import (add_curvature_args, add_edits_args, add_model_args, add_training_args, config_from_args,
+                            load_job_inputs)
 from .errors import CrispEditError, check_output_dir, check_output_file
 
 # Modules that add sub-commands: each defines add_cli(subparsers) and sets `func` on its parsers.
@@ -26,24 +27,11 @@ _COMMAND_MODULES: list[str] = [
 def cmd_edit(args) -> int:
     """``crispedit edit``: validate every input, load the model, edit, evaluate, save ``--out`` atomically; returns
     the exit status."""
-    from .data import load_edits
-    from .models import load_model
     from .pipeline import run_edit_job
 
     config = config_from_args(args)  # validates before anything slow happens
     check_output_dir(args.out, overwrite=args.overwrite, marker="edit_report.json")
-    if args.cap_corpus:
-        from .data import capability_corpus
-
-        capability_corpus(args.cap_corpus, config.n_cap)
-    if args.kl_text is not None:
-        from .data import heldout_text
-
-        heldout_text(args.kl_text, 1)
-    requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
-    progress = False if args.quiet else None
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                            progress=progress)
+    requests, model, tok, progress = load_job_inputs(args, config.n_cap)
     report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
                           edits_path=str(args.edits), cache_file=args.cache, progress=progress, wild=not args.no_wild,
                           overwrite=args.overwrite)

@@ -295,10 +295,8 @@ def write_outputs(out: Path, payload: dict) -> None:
 
 def cmd_compare(args) -> int:
     """``crispedit compare``: validate every input, load the model once, run the methods, print the table."""
-    from .data import load_edits
-    from .editing.flags import config_from_args, method_options_from_args, parse_methods
+    from .editing.flags import config_from_args, load_job_inputs, method_options_from_args, parse_methods
     from .evaluation.capabilities import parse_tasks
-    from .models import load_model
 
     methods = parse_methods(args.methods)
     options = method_options_from_args(args, methods)
@@ -309,14 +307,7 @@ def cmd_compare(args) -> int:
         check_positive_int("--limit", args.limit)
     if args.n_edits is None or args.n_edits < 1:
         raise CrispEditError(f"--n-edits must be a positive integer, got {args.n_edits}")
-    if args.kl_text is not None:
-        from .data import heldout_text
-
-        heldout_text(args.kl_text, 1)
-    requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
-    progress = False if args.quiet else None
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                            progress=progress)
+    requests, model, tok, progress = load_job_inputs(args, configs[methods[0]].n_cap)
     payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
                           edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},
                           capabilities=tasks, limit=args.limit, bench_dir=args.bench_dir, kl_text=args.kl_text,

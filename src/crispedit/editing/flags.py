@@ -16,7 +16,7 @@ from .contexts import ANSWER_ENDS, DEFAULT_CONTEXTS
 from .registry import EDITORS, editor_class, method_names
 
 __all__ = ["add_model_args", "add_edits_args", "add_curvature_args", "add_training_args", "add_method_option_args",
-           "config_from_args", "method_options_from_args", "parse_methods", "DEFAULTS"]
+           "config_from_args", "method_options_from_args", "parse_methods", "load_job_inputs", "DEFAULTS"]
 
 DEFAULTS = {f.name: f.default for f in fields(EditConfig) if f.default is not MISSING}
 
@@ -129,3 +129,21 @@ def parse_methods(spec: str) -> list[str]:
         if m not in out:
             out.append(m)
     return out
+
+
+def load_job_inputs(args, n_cap: int):
+    """What an editing command reads, checked cheapest first: ``--cap-corpus`` (``n_cap`` texts) and
+    ``--kl-text`` when given, the edit requests, then the model. Returns ``(requests, model, tokenizer,
+    progress)`` where ``progress`` is ``False`` under ``--quiet`` and ``None`` (auto) otherwise."""
+    from ..data import capability_corpus, heldout_text, load_edits
+    from ..models import load_model
+
+    if args.cap_corpus:
+        capability_corpus(args.cap_corpus, n_cap)
+    if args.kl_text is not None:
+        heldout_text(args.kl_text, 1)
+    requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
+    progress = False if args.quiet else None
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
+                            progress=progress)
+    return requests, model, tok, progress
