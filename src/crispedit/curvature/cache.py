@@ -46,17 +46,21 @@ class CurvatureSpec:
     format_version: int = FORMAT_VERSION
 
     def as_dict(self) -> dict:
+        """The spec as a JSON-ready dict (``layers`` as a list): what factor files store and the key hashes."""
         d = asdict(self)
         d["layers"] = list(self.layers)
         return d
 
 
 def cache_key(spec: CurvatureSpec) -> str:
+    """24-hex-digit SHA-256 of the spec's sorted JSON: the content address of a factor file in the cache."""
     blob = json.dumps(spec.as_dict(), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
 def save_factors(path: str | Path, factors: KFACFactors, spec: CurvatureSpec, extra: dict | None = None) -> Path:
+    """Write ``factors`` (A: ``d_in x d_in``, S: ``d_out x d_out`` per layer, float32) to ``path`` as safetensors
+    atomically, with the spec, its key, the token count, a UTC timestamp and ``extra`` as metadata; returns ``path``."""
     path = Path(path)
     meta = {"spec": spec.as_dict(), "key": cache_key(spec), "n_tokens": factors.n_tokens,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(extra or {})}

@@ -20,6 +20,7 @@ __all__ = ["bundled_path", "load_texts", "capability_corpus", "heldout_text", "c
 
 
 def bundled_path(name: str) -> Path:
+    """Path of the file ``name`` shipped in the package's ``data/bundled`` folder."""
     return Path(str(resources.files("crispedit.data").joinpath("bundled", name)))
 
 
@@ -87,6 +88,7 @@ def heldout_text(path: str | Path | None = None, n: int | None = 32) -> list[str
 
 
 def corpus_digest(texts: Sequence[str]) -> str:
+    """SHA-256 hex digest of ``texts`` in order (the corpus part of a curvature cache key)."""
     h = hashlib.sha256()
     for t in texts:
         h.update(t.encode("utf-8"))

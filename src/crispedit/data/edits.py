@@ -44,6 +44,7 @@ class EditRequest:
         self.locality = [(str(p), str(a)) for p, a in self.locality]
 
     def to_json(self) -> dict[str, Any]:
+        """The request in the crispedit JSON schema (locality pairs as ``{"prompt", "answer"}`` objects)."""
         d = asdict(self)
         d["locality"] = [{"prompt": p, "answer": a} for p, a in self.locality]
         return d
@@ -67,6 +68,8 @@ def _strip_nq(prompt: str) -> str:
 
 
 def detect_format(record: dict) -> str:
+    """The schema of one edit record: ``zsre`` (src/alt), ``flat`` (CounterFact / WikiBigEdit prompt/target_new)
+    or ``crispedit`` (prompt/target); ``ValueError`` naming its keys otherwise."""
     if "src" in record and "alt" in record:
         return "zsre"
     if "prompt" in record and "target_new" in record:
@@ -193,5 +196,6 @@ def load_edits(path: str | Path, limit: int | None = None, offset: int = 0) -> l
 
 
 def save_edits_jsonl(path: str | Path, edits: Iterable[EditRequest]) -> None:
+    """Write ``edits`` to ``path`` as crispedit JSONL (one request per line), atomically."""
     data = "".join(json.dumps(e.to_json()) + "\n" for e in edits)
     atomic_write_bytes(path, data.encode())

@@ -79,6 +79,7 @@ def _fmt(v) -> str:
 
 
 def markdown_table(runs: Sequence[dict]) -> str:
+    """A markdown table with one row per run: its edit metrics, then its capability scores."""
     edit_keys, cap_keys, rows = run_rows(runs)
     head = ["run"] + edit_keys + cap_keys
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
