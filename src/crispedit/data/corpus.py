@@ -88,7 +88,8 @@ def heldout_text(path: str | Path | None = None, n: int | None = 32) -> list[str
 
 
 def corpus_digest(texts: Sequence[str]) -> str:
-    """SHA-256 hex digest of ``texts`` in order (the corpus part of a curvature cache key)."""
+    """First 32 hex digits of the SHA-256 of ``texts`` in order, NUL-separated (the corpus part of a curvature
+    cache key)."""
     h = hashlib.sha256()
     for t in texts:
         h.update(t.encode("utf-8"))
