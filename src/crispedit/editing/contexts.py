@@ -10,7 +10,9 @@ trained under a set of *contexts* (``EditConfig.contexts``, CLI ``--contexts``):
   assistant reply (needs a tokenizer with a chat template);
 * ``prefix:N`` — N natural-text prefixes per request: a short sentence drawn (deterministically, by
   seed) from the capability corpus, then the prompt and the target — as ROME/MEMIT's "context
-  templates", so the fact holds after unrelated text.
+  templates", so the fact holds after unrelated text;
+* ``para:N``   — as ``prefix:N`` but the sentence ends a paragraph (``"\n\n"``) before the prompt, so
+  the fact also holds where a question starts its own block of text.
 
 ``default`` expands to :data:`DEFAULT_CONTEXTS` minus ``chat`` for models without a chat template.
 The WILD evaluation's QA wrapper (``Please answer the question: ...``) is deliberately *not* a
@@ -41,7 +43,8 @@ __all__ = ["CONTEXT_KINDS", "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "T
            "parse_contexts", "resolve_contexts", "prefix_pool", "build_training_sequences", "training_batches",
            "chat_turn", "sequences_for"]
 
-CONTEXT_KINDS = ("bare", "chat", "prefix")
+CONTEXT_KINDS = ("bare", "chat", "prefix", "para")
+_PREFIXED = {"prefix": " ", "para": "\n\n"}  # prefix kind -> separator before the prompt
 ANSWER_ENDS = ("auto", "eos", "none")
 DEFAULT_CONTEXTS = "bare,chat,prefix:2"
 
@@ -49,13 +52,13 @@ DEFAULT_CONTEXTS = "bare,chat,prefix:2"
 @dataclass(frozen=True)
 class ContextSpec:
     """One context kind and how many sequences per request it contributes (``count`` > 1 only for
-    ``prefix``)."""
+    the prefixed kinds ``prefix`` and ``para``)."""
 
     kind: str
     count: int = 1
 
     def __str__(self) -> str:
-        return self.kind if self.kind != "prefix" else f"prefix:{self.count}"
+        return self.kind if self.kind not in _PREFIXED else f"{self.kind}:{self.count}"
 
 
 def parse_contexts(spec: str) -> tuple[ContextSpec, ...]:
@@ -73,14 +76,14 @@ def parse_contexts(spec: str) -> tuple[ContextSpec, ...]:
                                  f"(use {', '.join(CONTEXT_KINDS)}, e.g. 'bare,chat,prefix:2')")
         count = 1
         if n:
-            if kind != "prefix":
-                raise CrispEditError(f"--contexts: only prefix takes a count, got {item.strip()!r}")
+            if kind not in _PREFIXED:
+                raise CrispEditError(f"--contexts: only {' and '.join(_PREFIXED)} take a count, got {item.strip()!r}")
             try:
                 count = int(n)
             except ValueError:
-                raise CrispEditError(f"--contexts: bad prefix count in {item.strip()!r}") from None
+                raise CrispEditError(f"--contexts: bad {kind} count in {item.strip()!r}") from None
             if not 1 <= count <= 64:
-                raise CrispEditError(f"--contexts: prefix count must be between 1 and 64, got {count}")
+                raise CrispEditError(f"--contexts: {kind} count must be between 1 and 64, got {count}")
         if any(c.kind == kind for c in out):
             raise CrispEditError(f"--contexts: {kind!r} given twice in {spec!r}")
         out.append(ContextSpec(kind, count))
@@ -177,8 +180,8 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
 
     out: list[TrainingSequence] = []
     for spec in contexts:
-        if spec.kind == "prefix" and not prefixes:
-            raise CrispEditError("edit context 'prefix' needs prefix sentences; the capability corpus gave none")
+        if spec.kind in _PREFIXED and not prefixes:
+            raise CrispEditError(f"edit context {spec.kind!r} needs prefix sentences; the capability corpus gave none")
         if spec.kind == "chat" and not _has_chat_template(tokenizer):
             raise CrispEditError("edit context 'chat' needs a tokenizer with a chat template")
         for i, r in enumerate(requests):
@@ -187,10 +190,11 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
             elif spec.kind == "chat":
                 ids, n, text = _chat_rows(tokenizer, r.prompt, r.target, end=answer_end != "none")
                 out.append(TrainingSequence("chat", i, ids, n, text))
-            else:
-                rng = random.Random(f"{seed}:{r.prompt}:{r.target}")
+            else:  # prefix / para: corpus sentences drawn per request (para's draws differ from prefix's)
+                rng = random.Random(f"{seed}:{r.prompt}:{r.target}" if spec.kind == "prefix"
+                                    else f"{seed}:{spec.kind}:{r.prompt}:{r.target}")
                 for p in rng.sample(list(prefixes), min(spec.count, len(prefixes))):
-                    out.append(plain(i, "prefix", p + " " + r.prompt, r.target))
+                    out.append(plain(i, spec.kind, p + _PREFIXED[spec.kind] + r.prompt, r.target))
     for s in out:
         if len(s.ids) > max_len:
             raise CrispEditError(f"training sequence for edit {s.request} in context {s.context!r} is {len(s.ids)} "
@@ -213,7 +217,8 @@ def sequences_for(tokenizer, requests: Sequence[EditRequest], config) -> tuple[l
     """The training sequences of ``requests`` under ``config.contexts`` / ``config.answer_end`` (prefixes
     from ``config.cap_corpus``, drawn with ``config.seed``) and the names of the contexts used."""
     contexts = resolve_contexts(config.contexts, tokenizer)
-    prefixes = prefix_pool(capability_corpus(config.cap_corpus, None)) if any(c.kind == "prefix" for c in contexts) else []
+    prefixes = (prefix_pool(capability_corpus(config.cap_corpus, None)) if any(c.kind in _PREFIXED for c in contexts)
+                else [])
     seqs = build_training_sequences(tokenizer, requests, contexts, config.answer_end, prefixes=prefixes,
                                     seed=config.seed)
     return seqs, [str(c) for c in contexts]
