@@ -33,7 +33,7 @@ def _decode_target(tok, seq):
 
 @pytest.mark.parametrize("spec,msg", [("", "empty"), ("qa", "unknown edit context 'qa'"), ("bare,bare", "twice"),
                                       ("prefix:0", "between 1 and 64"), ("prefix:x", "bad prefix count"),
-                                      ("chat:2", "only prefix and para take a count")])
+                                      ("chat:2", "only prefix, para, gen take a count")])
 def test_parse_contexts_errors(spec, msg):
     with pytest.raises(CrispEditError, match=msg):
         parse_contexts(spec)
@@ -257,3 +257,33 @@ def test_wild_custom_template_end_to_end(tiny_lm):
     res = run_wild(model, tok, REQS[:2], RuleJudge(),
                    config=WildConfig(template="Our helpdesk. Customer: {question}\nAgent:", max_new_tokens=4))
     assert res["config"]["context"] == "custom" and res["summary"]["n_edits"] == 2
+
+
+def test_para_prefixes_end_a_paragraph_before_the_prompt(tiny_tok):
+    pool = prefix_pool(capability_corpus(None, 40))
+    seqs = build_training_sequences(tiny_tok, REQS, parse_contexts("prefix:1,para:2"), prefixes=pool)
+    para = [s for s in seqs if s.context == "para"]
+    assert len(para) == 2 * len(REQS)
+    for s in para:
+        r = REQS[s.request]
+        head = s.text.split("\n\n" + r.prompt)[0]
+        assert head in pool and s.text.endswith(r.target + ".")
+    # para draws its sentences independently of prefix (same seed, other stream)
+    firsts = {s.request: s.text.split(" " + REQS[s.request].prompt)[0] for s in seqs if s.context == "prefix"}
+    assert any(firsts[s.request] != s.text.split("\n\n")[0] for s in para)
+
+
+def test_gen_prefixes_are_written_by_the_model_deterministically(tiny_lm):
+    from crispedit.editing.contexts import GEN_STARTS, generated_prefixes
+
+    tiny_lm, tiny_tok = tiny_lm
+    state = torch.random.get_rng_state()
+    a = generated_prefixes(tiny_lm, tiny_tok, per_start=2, max_new_tokens=5, seed=3)
+    assert torch.equal(state, torch.random.get_rng_state())  # the caller's RNG is untouched
+    assert a == generated_prefixes(tiny_lm, tiny_tok, per_start=2, max_new_tokens=5, seed=3)
+    assert len(a) == 2 * len(GEN_STARTS) and all(p[-1] in ".!?" and "\n" not in p for p in a)
+    assert all(any(p.startswith(s) for s in GEN_STARTS) for p in a)
+    seqs, names = sequences_for(tiny_tok, REQS, EditConfig(contexts="bare,gen:2", n_cap=8), model=tiny_lm)
+    assert names == ["bare", "gen:2"] and sum(s.context == "gen" for s in seqs) == 2 * len(REQS)
+    with pytest.raises(CrispEditError, match="needs the model"):
+        sequences_for(tiny_tok, REQS, EditConfig(contexts="gen:2", n_cap=8))

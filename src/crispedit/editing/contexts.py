@@ -12,7 +12,9 @@ trained under a set of *contexts* (``EditConfig.contexts``, CLI ``--contexts``):
   seed) from the capability corpus, then the prompt and the target — as ROME/MEMIT's "context
   templates", so the fact holds after unrelated text;
 * ``para:N``   — as ``prefix:N`` but the sentence ends a paragraph (``"\n\n"``) before the prompt, so
-  the fact also holds where a question starts its own block of text.
+  the fact also holds where a question starts its own block of text;
+* ``gen:N``    — N prefixes the unedited model wrote itself (short sampled continuations of "The",
+  "Therefore", "Because", "I", "You", as ROME/MEMIT's context templates), then ``". "`` and the prompt.
 
 ``default`` expands to :data:`DEFAULT_CONTEXTS` minus ``chat`` for models without a chat template.
 The WILD evaluation's QA wrapper (``Please answer the question: ...``) is deliberately *not* a
@@ -40,11 +42,12 @@ from ..data.tokenize import EncodedBatch, collate, join_prompt_target, split_con
 from ..errors import CrispEditError
 
 __all__ = ["CONTEXT_KINDS", "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence",
-           "parse_contexts", "resolve_contexts", "prefix_pool", "build_training_sequences", "training_batches",
+           "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "GEN_STARTS", "build_training_sequences", "training_batches",
            "chat_turn", "sequences_for"]
 
-CONTEXT_KINDS = ("bare", "chat", "prefix", "para")
-_PREFIXED = {"prefix": " ", "para": "\n\n"}  # prefix kind -> separator before the prompt
+CONTEXT_KINDS = ("bare", "chat", "prefix", "para", "gen")
+_PREFIXED = {"prefix": " ", "para": "\n\n", "gen": " "}  # prefix kind -> separator before the prompt
+GEN_STARTS = ("The", "Therefore", "Because", "I", "You")  # ROME's seeds for model-written prefixes
 ANSWER_ENDS = ("auto", "eos", "none")
 DEFAULT_CONTEXTS = "bare,chat,prefix:2"
 
@@ -77,7 +80,7 @@ def parse_contexts(spec: str) -> tuple[ContextSpec, ...]:
         count = 1
         if n:
             if kind not in _PREFIXED:
-                raise CrispEditError(f"--contexts: only {' and '.join(_PREFIXED)} take a count, got {item.strip()!r}")
+                raise CrispEditError(f"--contexts: only {', '.join(_PREFIXED)} take a count, got {item.strip()!r}")
             try:
                 count = int(n)
             except ValueError:
@@ -121,6 +124,32 @@ def prefix_pool(texts: Sequence[str], min_words: int = 5, max_words: int = 25) -
     return pool
 
 
+def generated_prefixes(model, tokenizer, per_start: int = 4, max_new_tokens: int = 10, seed: int = 0) -> list[str]:
+    """Prefixes written by ``model`` itself: ``per_start`` sampled continuations (top-k 5, at most
+    ``max_new_tokens`` tokens, seeded, the global RNG untouched) of each of :data:`GEN_STARTS`, on one
+    line each and closed with a period — ``len(GEN_STARTS) * per_start`` strings. Call it on the
+    unedited model; the rows of one start share a length, so no padding is involved."""
+    import torch
+
+    out: list[str] = []
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            torch.manual_seed(seed)
+            for start in GEN_STARTS:
+                ids = tokenizer(start, return_tensors="pt")["input_ids"].to(device).repeat(per_start, 1)
+                gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=5,
+                                     max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id)
+                for row in tokenizer.batch_decode(gen, skip_special_tokens=True):
+                    text = " ".join(row.replace("{", " ").replace("}", " ").split())
+                    out.append(text if text[-1:] in ".!?" else text + ".")
+    finally:
+        model.train(was_training)
+    return out
+
+
 def chat_turn(tokenizer, question: str, answer: str | None) -> str:
     """The chat template rendered as text: ``question`` as the user turn, then either the generation
     prompt (``answer is None``) or ``answer`` as the assistant reply with the template's turn end."""
@@ -159,10 +188,11 @@ def _chat_rows(tokenizer, prompt: str, target: str, end: bool) -> tuple[list[int
 
 
 def build_training_sequences(tokenizer, requests: Sequence[EditRequest], contexts: Sequence[ContextSpec],
-                             answer_end: str = "auto", *, prefixes: Sequence[str] = (), seed: int = 0,
-                             max_len: int = 512) -> list[TrainingSequence]:
+                             answer_end: str = "auto", *, prefixes: Sequence[str] = (), written: Sequence[str] = (),
+                             seed: int = 0, max_len: int = 512) -> list[TrainingSequence]:
     """Every (request, context) training sequence, grouped by context kind (similar lengths batch
-    together), in request order within a kind."""
+    together), in request order within a kind. ``prefixes``: corpus sentences for ``prefix``/``para``;
+    ``written``: the model's own prefixes for ``gen`` (:func:`generated_prefixes`)."""
     if answer_end not in ANSWER_ENDS:
         raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {answer_end!r}")
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -180,8 +210,10 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
 
     out: list[TrainingSequence] = []
     for spec in contexts:
-        if spec.kind in _PREFIXED and not prefixes:
-            raise CrispEditError(f"edit context {spec.kind!r} needs prefix sentences; the capability corpus gave none")
+        pool = written if spec.kind == "gen" else prefixes
+        if spec.kind in _PREFIXED and not pool:
+            raise CrispEditError(f"edit context {spec.kind!r} needs prefix sentences; "
+                                 + ("none were written" if spec.kind == "gen" else "the capability corpus gave none"))
         if spec.kind == "chat" and not _has_chat_template(tokenizer):
             raise CrispEditError("edit context 'chat' needs a tokenizer with a chat template")
         for i, r in enumerate(requests):
@@ -190,10 +222,10 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
             elif spec.kind == "chat":
                 ids, n, text = _chat_rows(tokenizer, r.prompt, r.target, end=answer_end != "none")
                 out.append(TrainingSequence("chat", i, ids, n, text))
-            else:  # prefix / para: corpus sentences drawn per request (para's draws differ from prefix's)
+            else:  # prefix / para / gen: prefixes drawn per request (para's draws differ from prefix's)
                 rng = random.Random(f"{seed}:{r.prompt}:{r.target}" if spec.kind == "prefix"
                                     else f"{seed}:{spec.kind}:{r.prompt}:{r.target}")
-                for p in rng.sample(list(prefixes), min(spec.count, len(prefixes))):
+                for p in rng.sample(list(pool), min(spec.count, len(pool))):
                     out.append(plain(i, spec.kind, p + _PREFIXED[spec.kind] + r.prompt, r.target))
     for s in out:
         if len(s.ids) > max_len:
@@ -213,12 +245,19 @@ def training_batches(tokenizer, sequences: Sequence[TrainingSequence], batch_siz
     return out
 
 
-def sequences_for(tokenizer, requests: Sequence[EditRequest], config) -> tuple[list[TrainingSequence], list[str]]:
+def sequences_for(tokenizer, requests: Sequence[EditRequest], config, model=None
+                  ) -> tuple[list[TrainingSequence], list[str]]:
     """The training sequences of ``requests`` under ``config.contexts`` / ``config.answer_end`` (prefixes
-    from ``config.cap_corpus``, drawn with ``config.seed``) and the names of the contexts used."""
+    from ``config.cap_corpus``, drawn with ``config.seed``; ``gen`` prefixes written by ``model``, which
+    that context needs) and the names of the contexts used."""
     contexts = resolve_contexts(config.contexts, tokenizer)
-    prefixes = (prefix_pool(capability_corpus(config.cap_corpus, None)) if any(c.kind in _PREFIXED for c in contexts)
-                else [])
+    kinds = {c.kind for c in contexts}
+    prefixes = prefix_pool(capability_corpus(config.cap_corpus, None)) if kinds & {"prefix", "para"} else []
+    written: list[str] = []
+    if "gen" in kinds:
+        if model is None:
+            raise CrispEditError("edit context 'gen' needs the model to write its prefixes")
+        written = generated_prefixes(model, tokenizer, seed=config.seed)
     seqs = build_training_sequences(tokenizer, requests, contexts, config.answer_end, prefixes=prefixes,
-                                    seed=config.seed)
+                                    written=written, seed=config.seed)
     return seqs, [str(c) for c in contexts]

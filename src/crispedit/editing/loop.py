@@ -64,10 +64,12 @@ def apply_projection(proj: LayerProjector, module: nn.Module, t: Tensor) -> Tens
     return as_weight_matrix(module, proj.project(as_weight_matrix(module, t)))
 
 
-def edit_batches(tokenizer, requests: Sequence[EditRequest], config: EditConfig) -> tuple[list[EncodedBatch], list[str]]:
+def edit_batches(tokenizer, requests: Sequence[EditRequest], config: EditConfig, model: nn.Module | None = None
+                 ) -> tuple[list[EncodedBatch], list[str]]:
     """The training batches for ``requests`` under ``config.contexts`` / ``config.answer_end`` and the
-    context names used (``chat`` is dropped from ``default`` for models without a chat template)."""
-    seqs, names = sequences_for(tokenizer, requests, config)
+    context names used (``chat`` is dropped from ``default`` for models without a chat template;
+    ``model`` writes the ``gen`` prefixes — pass it unedited)."""
+    seqs, names = sequences_for(tokenizer, requests, config, model)
     return training_batches(tokenizer, seqs, config.batch_size), names
 
 
@@ -99,7 +101,7 @@ def projected_finetune(
         p.requires_grad_(True)
     opt = optimizer or make_optimizer(params, projectors, layers, config)
     gen = torch.Generator().manual_seed(config.seed)
-    batches, contexts = edit_batches(tokenizer, requests, config)
+    batches, contexts = edit_batches(tokenizer, requests, config, model)
     batches = [b.to(device) for b in batches]
     hist, t0 = TrainHistory(contexts=contexts), time.perf_counter()
     hist.sequences = sum(b.input_ids.shape[0] for b in batches)

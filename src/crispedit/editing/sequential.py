@@ -140,15 +140,17 @@ def round_edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditReque
                        config: EditConfig, round_index: int, progress: bool | None = None) -> KFACFactors:
     """K-FAC factors of the requests' full training sequences — every edit context, context and
     target (no prompt masking) — on ``model``: the edits are protected in the forms they were taught."""
-    texts = edit_texts(tokenizer, requests, config)
+    texts = edit_texts(tokenizer, requests, config, model)
     return collect_lm_kfac(model, tokenizer, texts, layers, max_len=config.max_len, batch_size=config.kfac_batch_size,
                            label_mode=config.label_mode, seed=config.seed + 1000 * round_index, progress=progress,
                            desc="K-FAC[edits]")
 
 
-def edit_texts(tokenizer, requests: Sequence[EditRequest], config: EditConfig) -> list[str]:
-    """The text of every training sequence of ``requests`` (context + target + answer end)."""
-    return [s.text for s in sequences_for(tokenizer, requests, config)[0]]
+def edit_texts(tokenizer, requests: Sequence[EditRequest], config: EditConfig, model: nn.Module | None = None
+               ) -> list[str]:
+    """The text of every training sequence of ``requests`` (context + target + answer end); ``model``
+    writes the ``gen`` prefixes when that context is used."""
+    return [s.text for s in sequences_for(tokenizer, requests, config, model)[0]]
 
 
 def accumulate(acc: KFACFactors | None, new: KFACFactors) -> KFACFactors:
