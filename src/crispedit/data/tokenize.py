@@ -14,10 +14,10 @@ ids). :func:`encode_pairs` is the classic form ``prompt + " " + target`` without
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = ["EncodedBatch", "encode_pairs", "join_prompt_target", "split_context_target", "collate"]
 
@@ -63,6 +63,8 @@ def split_context_target(tokenizer, context: str, full: str, *, add_special_toke
 
 def collate(tokenizer, rows: Sequence[tuple[list[int], int]], max_len: int = 512) -> EncodedBatch:
     """Right-pad ``rows`` of ``(ids, n_context)`` into one batch (labels only on ``ids[n_context:]``)."""
+    import torch  # here, not at the top: edit contexts (parsed while the CLI checks arguments) import this module
+
     if not rows:
         raise ValueError("no rows to collate")
     for ids, _ in rows:

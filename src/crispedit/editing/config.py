@@ -7,9 +7,13 @@ epoch's mean loss is below it). Curvature: sampled labels (Gauss-Newton), gamma 
 0.7 for ZsRE and 0.9 for CounterFact / WikiBigEdit on Llama-3-8B), 64 capability texts of at most 256
 tokens on CPU (the paper uses 10,000 Wikipedia documents of 512 tokens on a GPU).
 
-Method-specific settings live in each method's own config dataclass (``Editor.Config``, e.g.
-:class:`~crispedit.editing.methods.lora.LoRAConfig`); ``EditConfig.options`` holds them, validated and
-completed with that method's defaults.
+Method-specific settings live in each method's own config dataclass (its ``Config`` in the method
+catalogue, e.g. :class:`~crispedit.editing.catalogue.LoRAConfig`); ``EditConfig.options`` holds them,
+validated and completed with that method's defaults. :class:`SeqConfig` adds the settings of a
+sequential session (:mod:`.sequential`).
+
+Torch-free, like the catalogue it validates against: a command's arguments are checked before torch is
+imported.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 
 from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int, check_positive_int
-from .registry import MethodConfig, editor_class
+from .registry import MethodConfig, get_editor, method_spec
 
-__all__ = ["EditConfig", "ProjectionTarget", "DEFAULT_LR"]
+__all__ = ["EditConfig", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES"]
 
 DEFAULT_LR = 5e-4  # the paper's Adam learning rate; LoRA overrides it (LoRAConfig.SHARED)
 MAX_LR = 1.0  # an Adam step of more than 1 per weight destroys any model; larger values are typos
@@ -71,10 +75,10 @@ class EditConfig:
     def validate(self) -> "EditConfig":
         """Check every field (one-line :class:`CrispEditError` naming the bad one), normalise types, return
         ``self``."""
-        method_cls = editor_class(self.method)
-        self.options = method_cls.Config.from_options(self.method, self.options).to_json()
+        spec = method_spec(self.method)
+        self.options = spec.Config.from_options(self.method, self.options).to_json()
         if self.lr is None:
-            self.lr = method_cls.Config.SHARED.get("lr", DEFAULT_LR)
+            self.lr = spec.shared.get("lr", DEFAULT_LR)
         self.gamma = check_gamma(self.gamma)
         for name in ("batch_size", "epochs", "n_cap", "max_len", "kfac_batch_size"):
             setattr(self, name, check_positive_int(name.replace("_", "-"), getattr(self, name)))
@@ -103,7 +107,7 @@ class EditConfig:
     @property
     def method_config(self) -> MethodConfig:
         """The method's own validated config dataclass (built from ``options``)."""
-        return editor_class(self.method).Config.from_options(self.method, self.options)
+        return method_spec(self.method).Config.from_options(self.method, self.options)
 
     def to_json(self) -> dict:
         """The config as a JSON-ready dict (what reports and sessions store)."""
@@ -126,4 +130,68 @@ class EditConfig:
             # a stored config from before edit contexts existed (e.g. an older session): keep training
             # it the way it was trained
             d.update(contexts="bare", answer_end="none")
+        return cls(**d)
+
+
+WEIGHTINGS = ("fixed", "tokens")
+MODES = ("sequential", "batch")
+
+
+@dataclass
+class SeqConfig:
+    """Everything that determines a sequential editing session (besides the base model): the edit
+    config of every round and the factor policy of :mod:`crispedit.editing.sequential` (validated on
+    construction)."""
+
+    edit: EditConfig = field(default_factory=EditConfig)
+    mode: str = "sequential"            # "sequential" (CrispEdit-Seq / FT Sequential) or "batch" (union re-edit)
+    weighting: str = "fixed"            # capability vs edit factors: "fixed" (mix) or "tokens" (authors' code)
+    mix: float = 0.5                    # share of the edit factors when weighting="fixed"
+    carry_optimizer: bool = True        # keep Adam's state across rounds
+    reproject_momentum: bool = True     # re-project Adam's first moment when the projector changes
+    recompute_drift: float | None = None  # recollect capability factors past this relative drift (paper 0.25)
+    kl_text: str | None = None          # held-out text for KL drift (None = bundled WikiText)
+    kl_texts: int = 32
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> "SeqConfig":
+        """Check every field (one-line errors), normalise types, return ``self``."""
+        if isinstance(self.edit, dict):
+            self.edit = EditConfig.from_dict(self.edit)
+        self.edit.validate()
+        if self.mode not in MODES:
+            raise CrispEditError(f"session mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.weighting not in WEIGHTINGS:
+            raise CrispEditError(f"factor weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
+        self.mix = check_float("mix", self.mix, 0.0, 1.0, lo_open=True, hi_open=True)
+        if self.recompute_drift is not None:
+            self.recompute_drift = check_float("recompute drift threshold", self.recompute_drift, 0.0, lo_open=True)
+        self.kl_texts = check_positive_int("kl-texts", self.kl_texts)
+        return self
+
+    @property
+    def name(self) -> str:
+        """Display name: ``<method>-seq[weighting]`` or ``<method>-batch``."""
+        if self.mode == "batch":
+            return f"{self.edit.method}-batch"
+        return f"{self.edit.method}-seq" + (f"[{self.weighting}]" if get_editor(self.edit.method).needs_curvature else "")
+
+    def to_json(self) -> dict:
+        """The session config as a JSON-ready dict."""
+        d = asdict(self)
+        d["edit"] = self.edit.to_json()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SeqConfig":
+        """Rebuild from :meth:`to_json` output; unknown keys are rejected."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise CrispEditError(f"unknown session config keys: {', '.join(unknown)}")
+        d = dict(d)
+        if isinstance(d.get("edit"), dict):
+            d["edit"] = EditConfig.from_dict(d["edit"])
         return cls(**d)

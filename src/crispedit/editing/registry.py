@@ -1,18 +1,29 @@
-"""The editor registry and the base of every method's config dataclass.
+"""The method registry: catalogue entries (torch-free) and the editor classes they name (loaded lazily).
+
+Every method is one :class:`MethodSpec` — its ``--method`` name, a one-line summary, its options
+(a :class:`MethodConfig` dataclass with the paper's defaults, and ``Config.SHARED`` for the method's
+own defaults of shared settings such as the learning rate) and where its editor class lives. The CLI
+parser (``--method`` choices, ``--<method>-<option>`` flags) and :class:`~crispedit.editing.EditConfig`
+validation read only these entries, so a command that fails on its arguments never imports torch; the
+editor class (``editing/methods/``, which imports torch) is imported the first time an edit needs it
+(:func:`editor_class`). The built-in entries are declared in :mod:`.catalogue`, which
+``crispedit.editing`` imports on its own import (cheaply).
 
 The lowest piece of ``editing``: it imports nothing from the package, so :mod:`.config` can check a
-method name and its options here while the methods (``editing/methods/``) register themselves on
-import (``crispedit.editing`` imports them all).
+method name and its options here.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import MutableMapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 from ..errors import CrispEditError
 
-__all__ = ["MethodConfig", "EDITORS", "register_editor", "get_editor", "editor_class", "method_names"]
+__all__ = ["MethodConfig", "MethodSpec", "EDITORS", "add_method", "method_spec", "register_editor", "get_editor",
+           "editor_class", "method_names"]
 
 
 @dataclass
@@ -51,23 +62,85 @@ class MethodConfig:
             raise CrispEditError(f"{method} options: {exc}") from None
 
 
-EDITORS: dict[str, type] = {}
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method as the parser and the config see it: ``name`` (the ``--method`` value), ``summary``
+    (one line for ``--help``), ``Config`` (its options dataclass) and ``editor``, the editor class as
+    ``"module:Class"`` (imported only by :func:`editor_class`)."""
+
+    name: str
+    summary: str
+    Config: type[MethodConfig]
+    editor: str
+
+    @property
+    def shared(self) -> dict[str, Any]:
+        """The method's defaults for shared :class:`EditConfig` fields left unset (``Config.SHARED``)."""
+        return dict(self.Config.SHARED)
+
+
+_SPECS: dict[str, MethodSpec] = {}
+_CLASSES: dict[str, type] = {}  # editor classes imported so far (or registered at run time), by name
+
+
+def _location(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def add_method(spec: MethodSpec) -> MethodSpec:
+    """Add a catalogue entry (no import of its editor); a second, different entry of that name is refused."""
+    if spec.name in _SPECS and _SPECS[spec.name] != spec:
+        raise ValueError(f"a method named {spec.name!r} is already registered")
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The catalogue entry of method ``name`` (one-line error naming the choices otherwise)."""
+    try:
+        return _SPECS[name]
+    except (KeyError, TypeError):
+        raise CrispEditError(f"unknown method {name!r}; choose one of {', '.join(method_names())}") from None
+
+
+def method_names() -> list[str]:
+    """Every registered method name, sorted (the CLI's ``--method`` choices)."""
+    return sorted(_SPECS)
 
 
 def register_editor(cls: type) -> type:
-    """Class decorator: register an editor class (a subclass of ``methods.base.Editor``) under its ``name``."""
-    if cls.name in EDITORS and EDITORS[cls.name] is not cls:
-        raise ValueError(f"an editor named {cls.name!r} is already registered")
-    EDITORS[cls.name] = cls
+    """Class decorator: bind an editor class (a subclass of ``methods.base.Editor``) to its catalogue
+    entry ``cls.name``, setting ``cls.summary`` and ``cls.Config`` from it (the entry is their one
+    source; a catalogued class must not set them itself). A class without an entry (an editor added
+    at run time) gets one from its own ``name``, ``summary`` and ``Config``."""
+    if _CLASSES.get(cls.name) is cls:
+        return cls
+    spec = _SPECS.get(cls.name)
+    if spec is None:
+        add_method(MethodSpec(cls.name, cls.summary, cls.Config, _location(cls)))
+    elif spec.editor != _location(cls):
+        raise ValueError(f"a method named {cls.name!r} is already registered (editor {spec.editor})")
+    else:
+        own = [a for a in ("summary", "Config") if a in vars(cls)]
+        if own:
+            raise ValueError(f"{_location(cls)} sets {', '.join(own)}; the catalogue entry of {cls.name!r} holds them")
+        cls.summary, cls.Config = spec.summary, spec.Config
+    _CLASSES[cls.name] = cls
     return cls
 
 
 def editor_class(name: str) -> type:
-    """The editor class registered as ``name`` (one-line error naming the choices otherwise)."""
-    try:
-        return EDITORS[name]
-    except (KeyError, TypeError):
-        raise CrispEditError(f"unknown method {name!r}; choose one of {', '.join(method_names())}") from None
+    """The editor class of method ``name``, importing its module on first use (one-line error naming the
+    choices for an unknown name)."""
+    spec = method_spec(name)
+    if name not in _CLASSES:
+        module, _, qualname = spec.editor.partition(":")
+        cls = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        if _CLASSES.get(name) is not cls:  # its module did not apply @register_editor
+            register_editor(cls)
+    return _CLASSES[name]
 
 
 def get_editor(name: str):
@@ -75,6 +148,33 @@ def get_editor(name: str):
     return editor_class(name)()
 
 
-def method_names() -> list[str]:
-    """Every registered method name, sorted (the CLI's ``--method`` choices)."""
-    return sorted(EDITORS)
+class _Editors(MutableMapping):
+    """``name -> editor class`` over the catalogue: iterating lists names without importing anything;
+    looking one up imports its editor (:func:`editor_class`); ``del`` removes a method, assignment
+    registers a class under its own name."""
+
+    def __getitem__(self, name: str) -> type:
+        if name not in _SPECS:
+            raise KeyError(name)
+        return editor_class(name)
+
+    def __setitem__(self, name: str, cls: type) -> None:
+        if getattr(cls, "name", None) != name:
+            raise ValueError(f"editor class {cls!r} is named {getattr(cls, 'name', None)!r}, not {name!r}")
+        register_editor(cls)
+
+    def __delitem__(self, name: str) -> None:
+        del _SPECS[name]
+        _CLASSES.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(method_names())
+
+    def __len__(self) -> int:
+        return len(_SPECS)
+
+    def __repr__(self) -> str:
+        return f"EDITORS({method_names()})"
+
+
+EDITORS: MutableMapping = _Editors()

@@ -30,7 +30,7 @@ The round itself is :meth:`Editor.apply` — the same set-up around the loop as 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -38,77 +38,15 @@ from torch import Tensor, nn
 
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
 from ..data.edits import EditRequest
-from ..errors import CrispEditError, check_float, check_positive_int
+from ..errors import CrispEditError
 from ..models import parameter
-from .config import EditConfig
+from .config import MODES, WEIGHTINGS, EditConfig, SeqConfig
 from .contexts import sequences_for
 from .methods import EditContext
 from .registry import get_editor
 
 __all__ = ["SeqConfig", "SeqState", "combine_factors", "round_edit_factors", "run_round", "weight_drift",
            "WEIGHTINGS", "MODES"]
-
-WEIGHTINGS = ("fixed", "tokens")
-MODES = ("sequential", "batch")
-
-
-@dataclass
-class SeqConfig:
-    """Everything that determines a sequential editing session (besides the base model)."""
-
-    edit: EditConfig = field(default_factory=EditConfig)
-    mode: str = "sequential"            # "sequential" (CrispEdit-Seq / FT Sequential) or "batch" (union re-edit)
-    weighting: str = "fixed"            # capability vs edit factors: "fixed" (mix) or "tokens" (authors' code)
-    mix: float = 0.5                    # share of the edit factors when weighting="fixed"
-    carry_optimizer: bool = True        # keep Adam's state across rounds
-    reproject_momentum: bool = True     # re-project Adam's first moment when the projector changes
-    recompute_drift: float | None = None  # recollect capability factors past this relative drift (paper 0.25)
-    kl_text: str | None = None          # held-out text for KL drift (None = bundled WikiText)
-    kl_texts: int = 32
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> "SeqConfig":
-        """Check every field (one-line errors), normalise types, return ``self``."""
-        if isinstance(self.edit, dict):
-            self.edit = EditConfig.from_dict(self.edit)
-        self.edit.validate()
-        if self.mode not in MODES:
-            raise CrispEditError(f"session mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.weighting not in WEIGHTINGS:
-            raise CrispEditError(f"factor weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
-        self.mix = check_float("mix", self.mix, 0.0, 1.0, lo_open=True, hi_open=True)
-        if self.recompute_drift is not None:
-            self.recompute_drift = check_float("recompute drift threshold", self.recompute_drift, 0.0, lo_open=True)
-        self.kl_texts = check_positive_int("kl-texts", self.kl_texts)
-        return self
-
-    @property
-    def name(self) -> str:
-        """Display name: ``<method>-seq[weighting]`` or ``<method>-batch``."""
-        if self.mode == "batch":
-            return f"{self.edit.method}-batch"
-        return f"{self.edit.method}-seq" + (f"[{self.weighting}]" if get_editor(self.edit.method).needs_curvature else "")
-
-    def to_json(self) -> dict:
-        """The session config as a JSON-ready dict."""
-        d = asdict(self)
-        d["edit"] = self.edit.to_json()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SeqConfig":
-        """Rebuild from :meth:`to_json` output; unknown keys are rejected."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise CrispEditError(f"unknown session config keys: {', '.join(unknown)}")
-        d = dict(d)
-        if isinstance(d.get("edit"), dict):
-            d["edit"] = EditConfig.from_dict(d["edit"])
-        return cls(**d)
-
 
 @dataclass
 class SeqState:

@@ -12,8 +12,7 @@ __all__ = ["AdamNSCLEditor"]
 class AdamNSCLEditor(Editor):
     """Adam-NSCL: keeps the *low*-variance input directions of ``A`` (γ-energy threshold), output side free."""
 
-    name = "adam-nscl"
-    summary = "fine-tuning projected onto the null space of the layer-input covariance (Adam-NSCL)"
+    name = "adam-nscl"  # summary and options: its entry in editing/catalogue.py
     needs_curvature = True
 
     def projectors(self, layers, factors, config):

@@ -69,7 +69,9 @@ class Editor:
     Class attributes: ``name`` (the ``--method`` value), ``summary`` (one line for help texts),
     ``needs_curvature`` (capability K-FAC factors are collected for the edit layers),
     ``carries_optimizer`` (a session may continue Adam's state across rounds), ``Config`` (the
-    method's own :class:`MethodConfig` dataclass)."""
+    method's own :class:`MethodConfig` dataclass). A built-in editor sets only ``name`` (and its
+    behaviour): ``summary`` and ``Config`` come from its entry in :mod:`crispedit.editing.catalogue`
+    when :func:`~crispedit.editing.registry.register_editor` binds it."""
 
     name = "base"
     summary = ""

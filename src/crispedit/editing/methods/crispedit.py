@@ -13,8 +13,7 @@ class CrispEditEditor(Editor):
     """CrispEdit: each edit layer's gradient is projected by ``U_out((U_outᵀ G U_in) ⊙ M)U_inᵀ`` with
     ``A = U_in Λ U_inᵀ``, ``S = U_out Λ U_outᵀ`` the capability K-FAC factors and ``M`` the γ-energy mask."""
 
-    name = "crispedit"
-    summary = "fine-tuning projected onto the low-curvature subspace of the capability K-FAC (the paper)"
+    name = "crispedit"  # summary and options: its entry in editing/catalogue.py
     needs_curvature = True
 
     def projectors(self, layers, factors, config):

@@ -10,5 +10,4 @@ __all__ = ["FTEditor"]
 class FTEditor(Editor):
     """Plain fine-tuning of the edit layers' weights (identity projector)."""
 
-    name = "ft"
-    summary = "plain fine-tuning of the edit layers (no projection)"
+    name = "ft"  # summary and options: its entry in editing/catalogue.py

@@ -1,30 +1,19 @@
 """LocBF-FT (Yang et al. 2025): plain Adam on ONE MLP output projection with breadth-first mini-batches
-(each epoch passes over all edits; lr 5e-4, batch 32, 25 epochs, skip/stop 0.01 = the shared defaults)."""
-from dataclasses import dataclass
+(each epoch passes over all edits; lr 5e-4, batch 32, 25 epochs, skip/stop 0.01 = the shared defaults).
+Its option (which layer trains) is :class:`~crispedit.editing.catalogue.LocBFConfig`."""
 
 from ...errors import CrispEditError
-from ..registry import MethodConfig, register_editor
+from ..catalogue import LocBFConfig
+from ..registry import register_editor
 from .base import Editor
 
-
-@dataclass
-class LocBFConfig(MethodConfig):
-    """``layer``: which of the edit layers trains — middle, first, last or an index."""
-    layer: str = "middle"
-    HELP = {"layer": "which edit layer trains: middle (default), first, last or an index into the edit layers"}
-
-    def validate(self):
-        """One-line error unless ``layer`` is middle / first / last or an integer."""
-        self.layer = str(self.layer)
-        if self.layer not in ("middle", "first", "last") and not self.layer.lstrip("-").isdigit():
-            raise CrispEditError(f"locbf-ft layer must be middle, first, last or an index, got {self.layer!r}")
-        return self
+__all__ = ["LocBFConfig", "LocBFFTEditor"]
 
 
 @register_editor
 class LocBFFTEditor(Editor):
     """Fine-tuning of ONE of the edit layers (``--layers`` or the default ones), no projection."""
-    name, summary, Config = "locbf-ft", "plain Adam on one MLP output projection (LocBF-FT)", LocBFConfig
+    name = "locbf-ft"  # summary and Config (LocBFConfig): its entry in editing/catalogue.py
 
     def select_layers(self, model, config):
         """The one picked edit layer (module name -> linear module)."""

@@ -4,19 +4,19 @@ projector: plain Adam on ``A`` and ``B``; FT-M loss on the target tokens; the pa
 stop 0.01) and merged into the base weights with peft's ``merge_and_unload`` — the edited model has
 no adapter modules left; only ``q_proj``/``v_proj`` weights of those blocks change.
 
-Paper defaults (EasyEdit's LoRA config for Llama-3-8B): r 8, alpha 32, dropout 0.1.
+Its options and the paper's defaults (r 8, alpha 32, dropout 0.1, lr 5e-3) are
+:class:`~crispedit.editing.catalogue.LoRAConfig`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import nn
 
-from ...errors import CrispEditError, check_float, check_int
+from ...errors import CrispEditError
 from ...models import decoder_blocks
+from ..catalogue import LoRAConfig
 from ..loop import projected_finetune
-from ..registry import MethodConfig, register_editor
+from ..registry import register_editor
 from .base import EditContext, EditOutcome, Editor, identity_projectors
 
 __all__ = ["LoRAConfig", "LoRAEditor", "ADAPTER"]
@@ -24,42 +24,11 @@ __all__ = ["LoRAConfig", "LoRAEditor", "ADAPTER"]
 ADAPTER = "crispedit"  # the peft adapter name used while an edit trains
 
 
-@dataclass
-class LoRAConfig(MethodConfig):
-    """Rank ``r`` (≥ 1), scale ``alpha`` (ΔW = alpha/r · B A), adapter ``dropout`` in [0, 1), and the
-    comma-separated module names ``targets`` adapted in each edit layer's block."""
-
-    r: int = 8
-    alpha: float = 32.0
-    dropout: float = 0.1
-    targets: str = "q_proj,v_proj"
-    SHARED = {"lr": 5e-3}
-    HELP = {"r": "adapter rank (default 8)", "alpha": "adapter scale: delta W = alpha/r * B A (default 32)",
-            "dropout": "adapter dropout while training (default 0.1)",
-            "targets": "comma-separated module names adapted in each edit layer's block (default q_proj,v_proj)"}
-
-    def validate(self) -> "LoRAConfig":
-        """r a positive integer, alpha positive, dropout in [0, 1), targets non-empty."""
-        self.r = check_int("lora rank r", self.r, 1)
-        self.alpha = check_float("lora alpha", self.alpha, 0.0, lo_open=True)
-        self.dropout = check_float("lora dropout", self.dropout, 0.0, 1.0, hi_open=True)
-        if not [t for t in str(self.targets).split(",") if t.strip()]:
-            raise CrispEditError("lora targets is empty; give module names such as q_proj,v_proj")
-        return self
-
-    @property
-    def scale(self) -> float:
-        """``alpha / r``: the factor of ``B A`` in the merged weight."""
-        return self.alpha / self.r
-
-
 @register_editor
 class LoRAEditor(Editor):
     """LoRA (peft) on the ``targets`` of the edit layers' blocks, merged after training."""
 
-    name = "lora"
-    summary = "low-rank adapter (peft) on q_proj/v_proj of the edit layers' blocks, merged after training"
-    Config = LoRAConfig
+    name = "lora"  # summary and Config (LoRAConfig): its entry in editing/catalogue.py
     carries_optimizer = False  # each edit (session round) trains a fresh adapter
 
     def target_modules(self, model: nn.Module, layers: dict[str, nn.Module], cfg: LoRAConfig) -> dict[str, nn.Module]:
