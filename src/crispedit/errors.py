@@ -233,6 +233,20 @@ def read_text_file(path: str | os.PathLike, what: str = "text file") -> str:
                              "convert it to UTF-8") from None
 
 
+def check_input_file(path: str | os.PathLike, what: str = "file") -> Path:
+    """Check, before any work, that ``path`` is an existing, readable file (not a directory), with the
+    one-line errors :func:`read_text_file` gives; for inputs read later, by a library (e.g. a curvature
+    cache read once the model is loaded). Returns ``path``."""
+    path = Path(path)
+    if not path.exists():
+        raise CrispEditError(f"{what} not found: {path}")
+    if path.is_dir():
+        raise CrispEditError(f"{what} {path} is a directory, not a file")
+    if not os.access(path, os.R_OK):
+        raise CrispEditError(f"{what} {path} is not readable (permission denied)")
+    return path
+
+
 def _nearest_existing(path: Path) -> Path:
     p = path
     while not p.exists() and not p.is_symlink():

@@ -1,8 +1,10 @@
 """CLI flags shared by ``edit``, ``session init``, ``compare`` and ``cache build``, built from the config
-dataclasses: defaults come from :class:`EditConfig`'s fields, ``--method`` choices from the editor
-registry, and every method's own options (its ``Config`` dataclass) become ``--<method>-<option>``
+dataclasses: defaults come from :class:`EditConfig`'s fields, ``--method`` choices from the method
+catalogue, and every method's own options (its ``Config`` dataclass) become ``--<method>-<option>``
 flags. One low module, so the command modules (``cli.py``, ``editing/session_cli.py``) import it and
-never each other."""
+never each other. Torch-free (it reads the catalogue, never an editor class): building the parser and
+checking the flags import neither torch nor transformers; :func:`load_job_inputs` imports them once
+every cheaper input has been checked."""
 
 from __future__ import annotations
 
@@ -10,13 +12,14 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Sequence
 
-from ..errors import CrispEditError
+from ..errors import CrispEditError, check_input_file
 from .config import EditConfig, ProjectionTarget
 from .contexts import ANSWER_ENDS, DEFAULT_CONTEXTS
-from .registry import EDITORS, editor_class, method_names
+from .registry import method_names, method_spec
 
 __all__ = ["add_model_args", "add_edits_args", "add_curvature_args", "add_training_args", "add_method_option_args",
-           "config_from_args", "method_options_from_args", "parse_methods", "load_job_inputs", "DEFAULTS"]
+           "config_from_args", "method_options_from_args", "parse_methods", "check_job_files", "load_job_inputs",
+           "DEFAULTS"]
 
 DEFAULTS = {f.name: f.default for f in fields(EditConfig) if f.default is not MISSING}
 
@@ -54,7 +57,7 @@ def add_curvature_args(p: argparse.ArgumentParser) -> None:
 def add_method_option_args(p: argparse.ArgumentParser) -> None:
     """``--<method>-<option>`` for every option of every registered method's ``Config`` (default: the method's)."""
     for method in method_names():
-        cfg_cls = editor_class(method).Config
+        cfg_cls = method_spec(method).Config
         for f in fields(cfg_cls):
             kind = type(f.default) if f.default is not MISSING else str
             help_ = cfg_cls.HELP.get(f.name, f"{method} option {f.name} (default {f.default})")
@@ -63,12 +66,12 @@ def add_method_option_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> None:
-    """``--method`` (choices: the registry), ``--gamma --epochs --lr --batch-size``, projection target,
+    """``--method`` (choices: the catalogue), ``--gamma --epochs --lr --batch-size``, projection target,
     edit contexts, answer end and the per-method option flags."""
     d = DEFAULTS
     if method:
         p.add_argument("--method", default=d["method"], choices=method_names(),
-                       help="; ".join(f"{n}: {EDITORS[n].summary}" for n in method_names()) + f" (default {d['method']})")
+                       help="; ".join(f"{n}: {method_spec(n).summary}" for n in method_names()) + f" (default {d['method']})")
     p.add_argument("--gamma", type=float, default=d["gamma"], help=f"energy threshold in (0, 1) (default {d['gamma']})")
     p.add_argument("--epochs", type=int, default=d["epochs"], help=f"maximum epochs over the edits (paper: {d['epochs']})")
     p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: the method's; 5e-4, LoRA 5e-3)")
@@ -93,7 +96,7 @@ def method_options_from_args(args, methods: Sequence[str]) -> dict[str, dict]:
     method not among ``methods`` is a one-line error."""
     out: dict[str, dict] = {}
     for method in method_names():
-        for f in fields(editor_class(method).Config):
+        for f in fields(method_spec(method).Config):
             value = getattr(args, _dest(method, f.name), None)
             if value is None:
                 continue
@@ -125,25 +128,37 @@ def parse_methods(spec: str) -> list[str]:
         raise CrispEditError(f"--methods is empty; choose from {', '.join(method_names())}")
     out: list[str] = []
     for m in items:
-        editor_class(m)  # unknown -> one-line error with the choices
+        method_spec(m)  # unknown -> one-line error with the choices
         if m not in out:
             out.append(m)
     return out
 
 
-def load_job_inputs(args, n_cap: int):
-    """What an editing command reads, checked cheapest first: ``--cap-corpus`` (``n_cap`` texts) and
-    ``--kl-text`` when given, the edit requests, then the model. Returns ``(requests, model, tokenizer,
-    progress)`` where ``progress`` is ``False`` under ``--quiet`` and ``None`` (auto) otherwise."""
-    from ..data import capability_corpus, heldout_text, load_edits
-    from ..models import load_model
+def check_job_files(args, n_cap: int) -> None:
+    """Check the side files an editing command reads once its model is loaded, before that: ``--cap-corpus``
+    (``n_cap`` texts), ``--kl-text`` and that a ``--cache`` file exists (each only when given; one-line
+    errors). Torch-free."""
+    from ..data import capability_corpus, heldout_text
 
     if args.cap_corpus:
         capability_corpus(args.cap_corpus, n_cap)
     if args.kl_text is not None:
         heldout_text(args.kl_text, 1)
+    if getattr(args, "cache", None):
+        check_input_file(args.cache, "curvature cache file")
+
+
+def load_job_inputs(args, n_cap: int):
+    """What an editing command reads, checked cheapest first: the side files (:func:`check_job_files`), the
+    edit requests, then the model (the first point where torch is imported). Returns ``(requests, model,
+    tokenizer, progress)`` where ``progress`` is ``False`` under ``--quiet`` and ``None`` (auto) otherwise."""
+    from ..data import load_edits
+
+    check_job_files(args, n_cap)
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
     progress = False if args.quiet else None
+    from ..models import load_model  # torch and transformers: only now that every cheaper input is checked
+
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                             progress=progress)
     return requests, model, tok, progress
