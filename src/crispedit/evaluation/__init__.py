@@ -1,15 +1,24 @@
 """Evaluation: WILD generation + judges, teacher-forced edit metrics, capability drift (KL / perplexity),
 lm-eval capability tasks (``run_capabilities``; lm-eval is imported only when a task runs) and run
-reports (``write_report``). See docs/evaluation.md."""
+reports (``write_report``). See docs/evaluation.md.
 
-from .capabilities import TASKS, capability_drift, ensure_punkt_offline, parse_tasks, run_capabilities
-from .drift import kl_drift, perplexity, swapped_weights
-from .edit_eval import evaluate_edit
-from .generation import generate_answers
-from .judges import OpenAIJudge, RuleJudge, make_judge
-from .report import markdown_table, write_report
-from .teacher_forced import edit_scores, score_pairs, summarize_edit_scores
-from .wild import CONTEXTS, WildConfig, render_prompt, run_wild
+Each name below is imported from its module on first use, so the command line can check its arguments
+(task names, judge, WILD settings) without importing torch."""
+
+from .._lazy import lazy_exports
+
+_EXPORTS = {
+    **dict.fromkeys(["TASKS", "capability_drift", "ensure_punkt_offline", "parse_tasks", "run_capabilities"],
+                    ".capabilities"),
+    **dict.fromkeys(["kl_drift", "perplexity", "swapped_weights"], ".drift"),
+    "evaluate_edit": ".edit_eval",
+    "generate_answers": ".generation",
+    **dict.fromkeys(["OpenAIJudge", "RuleJudge", "make_judge"], ".judges"),
+    **dict.fromkeys(["markdown_table", "write_report"], ".report"),
+    **dict.fromkeys(["edit_scores", "score_pairs", "summarize_edit_scores"], ".teacher_forced"),
+    **dict.fromkeys(["CONTEXTS", "WildConfig", "render_prompt", "run_wild"], ".wild"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = ["evaluate_edit", "kl_drift", "perplexity", "swapped_weights", "edit_scores", "score_pairs", "summarize_edit_scores",
            "generate_answers", "RuleJudge", "OpenAIJudge", "make_judge", "run_wild", "render_prompt", "WildConfig",

@@ -26,13 +26,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
-
-from torch import nn
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import CrispEditError
 from ..progress import show_progress
 from .bench_data import required_files
+
+if TYPE_CHECKING:  # torch only for annotations: task names and bench files are checked without it
+    from torch import nn
 
 __all__ = ["CapabilityTask", "TASKS", "TASKS_DIR", "parse_tasks", "resolve_bench_dir", "ensure_punkt_offline",
            "run_capabilities", "capability_drift", "lm_eval_version"]

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Sequence
-
-from torch import nn
+from typing import TYPE_CHECKING, Sequence
 
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
-from .generation import generate_answers
 from .judges import normalize_answer
+
+if TYPE_CHECKING:  # torch only for annotations: WildConfig is checked before a model (or torch) loads
+    from torch import nn
 
 __all__ = ["CONTEXTS", "QA_TEMPLATE", "WildConfig", "render_prompt", "run_wild", "wild_contexts", "check_template"]
 
@@ -103,6 +103,8 @@ def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge
              base: tuple[nn.Module, object] | None = None, progress: bool | None = None) -> dict:
     """Run the protocol; returns ``{"summary", "records", "config", "timings"}`` (records hold raw
     generations; summary scores are fractions in [0, 1])."""
+    from .generation import generate_answers
+
     cfg = config or WildConfig()
     kinds: list[tuple[int, str, str, str]] = []  # (edit index, kind, question, gold)
     for i, r in enumerate(requests):
