@@ -7,7 +7,8 @@ lm-eval capability tasks), and record edit time and peak memory. The unedited ba
 evaluated once as the first row. After every method ``DIR/compare.json`` (atomic), ``DIR/compare.md``
 (shaped like the paper's Table 1) and ``DIR/compare.png`` (edit success vs capability retention) are
 rewritten, so a killed compare resumes: methods already in ``compare.json`` are not run again (their
-settings must match; other settings need another ``--out``).
+settings must match; other settings need another ``--out``). The command line is
+:mod:`crispedit.compare_cli` (it checks the arguments without importing this module's torch).
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the edit (reset before each method);
 on CPU the process's peak resident set size during the edit (``VmHWM``, reset before each method
@@ -32,12 +33,12 @@ from tqdm.auto import tqdm
 from .data.edits import EditRequest
 from .editing import EditConfig, edit, get_editor, restore
 from .editing.api import snapshot
-from .errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir, check_positive_int,
+from .errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
                      read_text_file)
 from .evaluation import CONTEXTS, evaluate_edit
 from .models import weight_fingerprint
 
-__all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "add_cli", "COMPARE_FORMAT"]
+__all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "COMPARE_FORMAT"]
 
 COMPARE_FORMAT = 1
 JSON_FILE, MD_FILE, PNG_FILE = "compare.json", "compare.md", "compare.png"
@@ -287,52 +288,3 @@ def write_outputs(out: Path, payload: dict) -> None:
     atomic_write_bytes(out / MD_FILE, compare_table(payload).encode())
     with contextlib.suppress(ImportError):
         plot_compare(payload, out / PNG_FILE)
-
-
-# ---------------------------------------------------------------------------------------------
-# command line
-
-
-def cmd_compare(args) -> int:
-    """``crispedit compare``: validate every input, load the model once, run the methods, print the table."""
-    from .editing.flags import config_from_args, load_job_inputs, method_options_from_args, parse_methods
-    from .evaluation.capabilities import parse_tasks
-
-    methods = parse_methods(args.methods)
-    options = method_options_from_args(args, methods)
-    configs = {m: config_from_args(args, m, options.get(m, {})) for m in methods}  # all validated up front
-    tasks = parse_tasks(args.capabilities)
-    check_output_dir(args.out)
-    if args.limit is not None:
-        check_positive_int("--limit", args.limit)
-    if args.n_edits is None or args.n_edits < 1:
-        raise CrispEditError(f"--n-edits must be a positive integer, got {args.n_edits}")
-    requests, model, tok, progress = load_job_inputs(args, configs[methods[0]].n_cap)
-    payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
-                          edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},
-                          capabilities=tasks, limit=args.limit, bench_dir=args.bench_dir, kl_text=args.kl_text,
-                          progress=progress)
-    print(compare_table(payload))
-    print(f"written to {Path(args.out) / JSON_FILE} (+ {MD_FILE}, {PNG_FILE})")
-    return 0
-
-
-def add_cli(sub) -> None:
-    """Register ``crispedit compare`` on ``subparsers``."""
-    from .editing.flags import add_curvature_args, add_edits_args, add_model_args, add_training_args
-    from .editing.registry import method_names
-
-    p = sub.add_parser("compare", help="run several editing methods on the same edits and tabulate them")
-    add_model_args(p)
-    add_curvature_args(p)
-    add_edits_args(p, n_required=True)
-    p.add_argument("--methods", required=True, help=f"comma list of methods ({', '.join(method_names())}) or all")
-    p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png)")
-    p.add_argument("--capabilities", default=None,
-                   help="lm-eval capability tasks, e.g. arc_challenge,truthfulqa_mc2 (default none; needs crispedit[eval])")
-    p.add_argument("--limit", type=int, default=None, help="items per capability task (default: all)")
-    p.add_argument("--bench-dir", default=None, help="local benchmark files (see `crispedit eval`)")
-    p.add_argument("--kl-text", default=None, help="held-out text for KL drift (default: bundled WikiText sample)")
-    add_training_args(p, method=False)
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_compare)
