@@ -33,7 +33,6 @@ For linear layers (one row per example) both are the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Iterable, Literal
 
 import torch
@@ -42,6 +41,7 @@ from torch import Tensor, nn
 
 from ..projection import KroneckerProjector, eigh_psd
 from .kfac import FactorAccumulator, KFACFactors, capture_io, frozen
+from .modes import OutputGrads
 
 __all__ = [
     "OutputGrads",
@@ -50,12 +50,6 @@ __all__ = [
     "ekfac_eigenvalues",
     "collect_classifier_ekfac",
 ]
-
-
-class OutputGrads(str, Enum):
-    EXACT = "exact"
-    SAMPLED = "sampled"
-    EMPIRICAL = "empirical"
 
 
 @dataclass

@@ -32,7 +32,6 @@ import math
 import platform
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -41,21 +40,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..curvature.ekfac import OutputGrads, collect_classifier_ekfac, collect_classifier_kfac
+from ..curvature.ekfac import collect_classifier_ekfac, collect_classifier_kfac
 from ..curvature.exact import ParamLayout, ggn_matrix, hessian_matrix
-from ..errors import SEED_MAX, CrispEditError, atomic_write_json, check_float, check_gamma, check_int, check_output_dir
+from ..errors import CrispEditError, atomic_write_json, check_output_dir
 from ..projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
 from .idx_data import ImageSplit, load_dataset
+from .mnist_config import METHODS, MnistStudyConfig, add_cli, gamma_of
 
 __all__ = [
     "METHODS",
     "MnistStudyConfig",
+    "gamma_of",
     "SmallLeNet",
     "run_mnist_study",
+    "format_table",
     "add_cli",
 ]
 
-METHODS = ("none", "activation_cov", "kfac", "ekfac", "ggn", "hessian", "hessian_abs")  # cheap first
 METHOD_LABELS = {
     "hessian": "Hessian (exact)",
     "hessian_abs": "|Hessian| (exact)",
@@ -66,97 +67,6 @@ METHOD_LABELS = {
     "none": "unprojected fine-tuning",
 }
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-
-
-@dataclass(frozen=True)
-class MnistStudyConfig:
-    """Every setting of the study; the defaults are the full (paper-size) run."""
-
-    data_dir: str | None = None
-    out_dir: str = "crispedit-study-mnist"
-    seed: int = 0
-    methods: tuple[str, ...] = METHODS
-    k_values: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 7.0)
-    # network: conv(1->c1, 5x5) - pool - conv(c1->c2, 5x5) - pool - fc(16 c2 -> hidden) - fc(hidden -> 10)
-    conv1_channels: int = 4
-    conv2_channels: int = 8
-    hidden: int = 24
-    # pre-training on MNIST (Adam, one-cycle schedule)
-    pretrain_samples: int | None = None  # None: all 60k
-    pretrain_epochs: int = 6
-    pretrain_lr: float = 5e-3
-    pretrain_batch: int = 128
-    target_accuracy: float = 0.985  # a warning is printed below it
-    # curvature: all methods use the same seeded subset of the MNIST training set
-    curvature_samples: int = 512
-    curvature_batch: int = 128
-    kfac_output_grads: str = OutputGrads.EXACT.value
-    ekfac_per: str = "example"
-    # fine-tuning on Fashion-MNIST: projected SGD with momentum
-    finetune_steps: int = 400
-    finetune_batch: int = 128
-    finetune_lr: float = 0.005
-    finetune_momentum: float = 0.9
-    recompute_drift: float = 0.25
-    # Recomputations per fine-tuning run (the paper recomputes whenever the drift passes 25 %). Off by
-    # default: one exact Hessian of 512 examples costs ~330 s on one (shared) CPU core, and with even one
-    # recomputation per gamma the Hessian sweep alone takes ~55 min, so every method here uses the
-    # projector at the pre-trained weights; ``--max-recomputes 2`` is the paper's protocol.
-    max_recomputes: int = 0
-    # evaluation on the test sets (None: all 10k)
-    eval_samples: int | None = None
-    # CPU threads for torch (None: torch's default). On a busy machine 1 is much faster than 2:
-    # OpenMP threads that wait for each other at every op collapse under oversubscription.
-    threads: int | None = None
-
-    @classmethod
-    def quick(cls, **overrides) -> "MnistStudyConfig":
-        """A CI-sized run (tiny network, subsets, two gammas): seconds, not minutes."""
-        base = dict(k_values=(1.0, 3.0), conv1_channels=2, conv2_channels=4, hidden=8, pretrain_samples=6000,
-                    pretrain_epochs=1, curvature_samples=32, curvature_batch=32, finetune_steps=30,
-                    finetune_lr=0.02, max_recomputes=1, eval_samples=500, target_accuracy=0.0)
-        base.update(overrides)
-        return cls(**base)
-
-    def validated(self) -> "MnistStudyConfig":
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown or not self.methods:
-            raise CrispEditError(f"unknown method(s) {unknown or '(none given)'}; choose from {', '.join(METHODS)}")
-        for k in self.k_values:
-            if not isinstance(k, (int, float)) or not math.isfinite(k) or k <= 0:
-                raise CrispEditError(f"k values must be positive numbers (gamma = 1 - 10^-k), got {k!r}")
-            check_gamma(gamma_of(k))
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
-            raise CrispEditError(f"threads must be a positive integer, got {self.threads!r}")
-        for name in ("pretrain_epochs", "curvature_samples", "curvature_batch", "finetune_steps", "finetune_batch",
-                     "pretrain_batch", "conv1_channels", "conv2_channels", "hidden"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise CrispEditError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.max_recomputes, int) or self.max_recomputes < 0:
-            raise CrispEditError(f"max_recomputes must be a non-negative integer, got {self.max_recomputes!r}")
-        check_float("recompute_drift", self.recompute_drift, 0.0, lo_open=True)
-        check_int("seed", self.seed, 0, SEED_MAX)
-        for name in ("pretrain_lr", "finetune_lr"):
-            check_float(name, getattr(self, name), 0.0, 1e3, lo_open=True)
-        check_float("finetune_momentum", self.finetune_momentum, 0.0, 1.0, hi_open=True)
-        for name in ("pretrain_samples", "eval_samples"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 1)
-        if self.kfac_output_grads not in {m.value for m in OutputGrads}:
-            raise CrispEditError(f"kfac_output_grads must be one of {[m.value for m in OutputGrads]}, "
-                                 f"got {self.kfac_output_grads!r}")
-        if self.ekfac_per not in ("example", "row"):
-            raise CrispEditError(f"ekfac_per must be 'example' or 'row', got {self.ekfac_per!r}")
-        return self
-
-
-def gamma_of(k: float) -> float:
-    """``gamma = 1 - 10^-k``; raises :class:`CrispEditError` when that is not in (0, 1) in float64."""
-    g = 1.0 - 10.0 ** (-float(k))
-    if not (0.0 < g < 1.0):
-        raise CrispEditError(f"k = {k} gives gamma = {g!r}, which is not strictly between 0 and 1")
-    return g
 
 
 # -----------------------------------------------------------------------------------------------
@@ -542,71 +452,6 @@ def format_table(rows: Sequence[dict]) -> str:
         lines.append(f"{r['method']:<15} {k:>5} {g:>12} {r['mnist_acc']:>7.4f} {r['fashion_acc']:>8.4f} "
                      f"{r['kept_dims']:>6} {r['recomputes']:>6} {r['seconds']:>7.1f}")
     return "\n".join(lines)
-
-
-# -----------------------------------------------------------------------------------------------
-# command line
-
-
-def _parse_list(text: str, kind: type, flag: str) -> tuple:
-    try:
-        return tuple(kind(x.strip()) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise CrispEditError(f"{flag}: cannot parse {text!r} as a comma-separated list") from None
-
-
-def config_from_args(args: argparse.Namespace) -> MnistStudyConfig:
-    overrides = {"seed": args.seed}
-    if args.data is not None:
-        overrides["data_dir"] = args.data
-    if args.out is not None:
-        overrides["out_dir"] = args.out
-    if args.methods:
-        overrides["methods"] = _parse_list(args.methods, str, "--methods")
-    if args.k_values:
-        overrides["k_values"] = _parse_list(args.k_values, float, "--k-values")
-    for flag in ("curvature_samples", "finetune_steps", "pretrain_epochs", "threads", "max_recomputes"):
-        if getattr(args, flag) is not None:
-            overrides[flag] = getattr(args, flag)
-    cfg = MnistStudyConfig.quick(**overrides) if args.quick else MnistStudyConfig(**overrides)
-    return cfg.validated()
-
-
-def cmd_study_mnist(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    report = run_mnist_study(cfg, progress=False if args.quiet else None)
-    print(format_table(report["rows"]))
-    print(f"total {report['total_seconds']:.0f}s")
-    for kind, path in report["files"].items():
-        print(f"{kind}: {path}")
-    return 0
-
-
-def add_cli(subparsers) -> None:
-    """Register ``crispedit study mnist``."""
-    study = subparsers.add_parser("study", help="small-scale experiments from the paper")
-    sub = study.add_subparsers(dest="study_command", metavar="{mnist}")
-    sub.required = True
-    p = sub.add_parser("mnist", help="curvature study: MNIST -> Fashion-MNIST with exact Hessian, GGN, K-FAC, "
-                                     "EK-FAC and activation-covariance projections")
-    p.add_argument("--data", default=None, help="directory with mnist/ and fashion_mnist/ IDX .gz files "
-                   "(default: user cache, downloading the official files when online)")
-    p.add_argument("--out", default=None, help=f"output directory (default {MnistStudyConfig.out_dir})")
-    p.add_argument("--quick", action="store_true", help="CI-sized run: tiny network, subsets, two gammas")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument("--k-values", default=None, help="comma-separated k for gamma = 1 - 10^-k (default "
-                   + ",".join(f"{k:g}" for k in MnistStudyConfig.k_values) + ")")
-    p.add_argument("--curvature-samples", type=int, default=None, help="MNIST training examples for every curvature")
-    p.add_argument("--finetune-steps", type=int, default=None, help="projected SGD steps on Fashion-MNIST")
-    p.add_argument("--pretrain-epochs", type=int, default=None)
-    p.add_argument("--max-recomputes", type=int, default=None,
-                   help="curvature recomputations per run when the weights drift > 25%% (full default 0; the paper's "
-                   "protocol is 2 but one exact Hessian takes minutes)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; "
-                   "use 1 on a busy machine)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_study_mnist)
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # ``python -m crispedit.experiments.mnist_study``
