@@ -46,17 +46,17 @@ import torch
 from ..curvature.kfac import KFACFactors
 from ..data.edits import EditRequest, load_edits, save_edits_jsonl
 from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_figure, atomic_write_json,
-                      check_finite_tensors, check_output_dir, check_output_file, read_text_file)
+                      check_finite_tensors, check_output_dir, check_output_file)
 from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..models import load_model, parameter, save_model_dir, weight_fingerprint
 from .api import capability_factors
 from .registry import get_editor
 from .sequential import SeqConfig, SeqState, run_round, weight_drift
+from .session_files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
 
 __all__ = ["Session", "SESSION_FORMAT", "plot_retention", "session_size"]
 
-SESSION_FORMAT = 1
-SESSION_FILE, STATE_FILE, LOCK_FILE, PLOT_FILE = "session.json", "state.json", ".lock", "retention.png"
+LOCK_FILE, PLOT_FILE = ".lock", "retention.png"
 _TENSOR_FILE = re.compile(r"^(weights|optim|edit_factors|cap_factors|cap_ref)-(\d{4,})\.safetensors$")
 _ROUND_FILE = re.compile(r"^round-(\d{4,})\.jsonl$")
 FAULT_ENV = "CRISPEDIT_SESSION_FAULT"
@@ -67,58 +67,6 @@ def _fault(phase: str) -> None:
     (after_train, after_weights, before_commit, after_commit). A no-op otherwise."""
     if os.environ.get(FAULT_ENV) == phase:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _read_json(path: Path, what: str) -> dict:
-    if not path.parent.is_dir():
-        raise CrispEditError(f"session directory not found: {path.parent}")
-    if not path.exists():
-        raise CrispEditError(f"{path.parent} is not a crispedit session (no {path.name})")
-    try:
-        data = json.loads(read_text_file(path, what))
-    except json.JSONDecodeError:
-        raise CrispEditError(f"{what} {path} is corrupt") from None
-    if not isinstance(data, dict):
-        raise CrispEditError(f"{what} {path} is malformed: a JSON {type(data).__name__}, not an object")
-    return data
-
-
-def _require(d: dict, where: str, **kinds: type | tuple) -> None:
-    """One-line error naming the first key of ``kinds`` that ``d`` lacks or holds with the wrong type."""
-    for key, kind in kinds.items():
-        if key not in d:
-            raise CrispEditError(f"{where} is malformed: no {key!r}")
-        if not isinstance(d[key], kind) or (kind is int and isinstance(d[key], bool)):
-            raise CrispEditError(f"{where} is malformed: {key!r} is a {type(d[key]).__name__}")
-
-
-def check_session_meta(meta: dict, path: Path) -> dict:
-    """``meta`` (``session.json``) if it has the shape this crispedit writes; a one-line error naming the
-    first missing or mistyped field otherwise."""
-    where = f"session file {path}"
-    _require(meta, where, format=int, name=str, base=dict, layers=list, config=dict)
-    _require(meta["base"], where + " (base)", spec=str, fingerprint=str, dtype=str)
-    if not all(isinstance(x, str) for x in meta["layers"]):
-        raise CrispEditError(f"{where} is malformed: 'layers' must be a list of names")
-    return meta
-
-
-def check_session_state(st: dict, path: Path) -> dict:
-    """``st`` (``state.json``) if it has the shape this crispedit writes — round, files, one record per
-    committed round — and a one-line error naming the first problem otherwise."""
-    where = f"session state {path}"
-    _require(st, where, round=int, files=dict, rounds=list)
-    if st["round"] < 0 or len(st["rounds"]) != st["round"]:
-        raise CrispEditError(f"{where} is malformed: round {st['round']} with {len(st['rounds'])} round records")
-    for key, name in st["files"].items():
-        if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
-            raise CrispEditError(f"{where} is malformed: file entry {key!r} is not a file name in the session")
-    for i, rec in enumerate(st["rounds"], 1):
-        if not isinstance(rec, dict):
-            raise CrispEditError(f"{where} is malformed: round record {i} is not an object")
-        _require(rec, f"{where} (round {i})", round=int, n_edits=int, retention=dict, kl_drift=(int, float),
-                 train=dict)
-    return st
 
 
 def _load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -212,10 +160,7 @@ class Session:
         """Open an existing session. ``config`` (if given) must equal the stored one; ``model`` (a spec
         or a ``(model, tokenizer)`` pair; default: the stored spec) must have the stored fingerprint."""
         path = Path(path)
-        meta = _read_json(path / SESSION_FILE, "session file")
-        if meta.get("format") != SESSION_FORMAT:
-            raise CrispEditError(f"session {path} has format {meta.get('format')}, this crispedit reads {SESSION_FORMAT}")
-        check_session_meta(meta, path / SESSION_FILE)
+        meta = read_session_meta(path)
         if config is not None:
             stored = SeqConfig.from_dict(meta["config"]).to_json()
             given = config.validate().to_json()
@@ -319,7 +264,7 @@ class Session:
 
     # -- internals -----------------------------------------------------------------------------
     def _read_state(self) -> dict:
-        return check_session_state(_read_json(self.path / STATE_FILE, "session state"), self.path / STATE_FILE)
+        return read_session_state(self.path)
 
     @contextlib.contextmanager
     def _lock(self, blocking: bool = True) -> Iterator[bool]:

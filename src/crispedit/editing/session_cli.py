@@ -1,4 +1,7 @@
-"""``crispedit session init|add|status|export|plot``: durable sequential editing from the command line."""
+"""``crispedit session init|add|status|export|plot``: durable sequential editing from the command line.
+
+Every command checks what it can without torch first — flags, the session directory's JSON files, edit
+files, output destinations — and imports :mod:`.session` (torch) only then."""
 
 from __future__ import annotations
 
@@ -6,7 +9,9 @@ import json
 from pathlib import Path
 
 from ..errors import check_output_dir, check_output_file
-from .flags import add_curvature_args, add_edits_args, add_model_args, add_training_args, config_from_args
+from .flags import (add_curvature_args, add_edits_args, add_model_args, add_training_args, check_job_files,
+                    config_from_args)
+from .session_files import read_session_meta, read_session_state
 
 __all__ = ["add_cli"]
 
@@ -15,10 +20,16 @@ def _fmt(x, nd: int = 3) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _check_session(path) -> None:
+    """One-line error unless ``path`` is a session directory whose ``session.json`` and ``state.json`` read
+    and have the expected shape (what :meth:`Session.open` checks first, here without torch)."""
+    read_session_meta(path)
+    read_session_state(path)
+
+
 def cmd_init(args) -> int:
     """``crispedit session init``: create (or reopen) a session directory with its capability factors."""
-    from .sequential import SeqConfig
-    from .session import Session
+    from .config import SeqConfig
 
     edit = config_from_args(args)  # the same mapping of training/curvature flags as `crispedit edit`
     config = SeqConfig(edit=edit, mode=args.mode, weighting=args.weighting, mix=args.mix,
@@ -27,6 +38,9 @@ def cmd_init(args) -> int:
     existed = (Path(args.out) / "session.json").is_file()
     if not existed:
         check_output_dir(args.out, "--out")
+    check_job_files(args, edit.n_cap)
+    from .session import Session
+
     s = Session.create(args.out, args.model, config, dtype=args.dtype, device=args.device, cache_file=args.cache,
                        progress=None if not args.quiet else False)
     verb = "opened existing" if existed else "created"
@@ -37,10 +51,12 @@ def cmd_init(args) -> int:
 def cmd_add(args) -> int:
     """``crispedit session add``: apply one round of edits and print its retention line."""
     from ..data import load_edits
+
+    _check_session(args.dir)
+    requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
     from .session import Session
 
     s = Session.open(args.dir, model=args.model, device=args.device)
-    requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
     print(f"round {s.round + 1}: editing {len(requests)} requests from {args.edits}", flush=True)
     rec = s.add(requests, source=str(args.edits), progress=None if not args.quiet else False)
     ret = " ".join(f"r{j}={_fmt(v['rel'], 2)}" for j, v in rec["retention"].items())
@@ -51,10 +67,11 @@ def cmd_add(args) -> int:
 
 def cmd_status(args) -> int:
     """``crispedit session status``: rounds, edits, retention matrix and drift (``--json`` for the raw status)."""
-    from .session import Session
-
     if args.plot:
         check_output_file(args.plot, "--plot")
+    _check_session(args.dir)
+    from .session import Session
+
     st = Session.open(args.dir).status()
     if args.json:
         print(json.dumps(st, indent=2))
@@ -78,9 +95,10 @@ def cmd_status(args) -> int:
 
 def cmd_export(args) -> int:
     """``crispedit session export``: write the session's current model as a Hugging Face directory."""
+    check_output_dir(args.out, overwrite=args.overwrite, marker="crispedit_session.json")
+    _check_session(args.dir)
     from .session import Session
 
-    check_output_dir(args.out, overwrite=args.overwrite, marker="crispedit_session.json")
     s = Session.open(args.dir, model=args.model, device=args.device)
     out = s.export(args.out, overwrite=args.overwrite, progress=False if args.quiet else None)
     print(f"edited model (round {s.round}) written to {out}")
@@ -89,9 +107,11 @@ def cmd_export(args) -> int:
 
 def cmd_plot(args) -> int:
     """``crispedit session plot``: draw the retention / drift evolution PNG."""
+    check_output_file(args.out)
+    for d in args.dirs:
+        _check_session(d)
     from .session import Session, plot_retention
 
-    check_output_file(args.out)
     statuses = [Session.open(d).status() for d in args.dirs]
     out = plot_retention(statuses, args.out, labels=args.labels.split(",") if args.labels else None)
     print(f"plot written to {out}")
