@@ -1,6 +1,8 @@
 """``crispedit`` command line: thin — parses, calls the library, prints.
 
-Errors a user can cause are printed as one line (``crispedit: error: ...``) with exit status 2.
+Errors a user can cause are printed as one line (``crispedit: error: ...``) with exit status 2. Building
+the parser and checking the arguments import neither torch nor transformers (the method catalogue and
+the configs are torch-free); a command imports them once its cheap checks have passed.
 """
 
 from __future__ import annotations
@@ -13,25 +15,26 @@ from pathlib import Path
 
 from .editing.flags import (add_curvature_args, add_edits_args, add_model_args, add_training_args, config_from_args,
                             load_job_inputs)
-from .errors import CrispEditError, check_output_dir, check_output_file
+from .errors import CrispEditError, check_input_file, check_output_dir, check_output_file
 
-# Modules that add sub-commands: each defines add_cli(subparsers) and sets `func` on its parsers.
+# Modules that add sub-commands: each defines add_cli(subparsers) and sets `func` on its parsers; each is
+# torch-free at import (its commands import the heavy modules when they run).
 _COMMAND_MODULES: list[str] = [
     "crispedit.evaluation.cli",
     "crispedit.editing.session_cli",
-    "crispedit.compare",
-    "crispedit.experiments.mnist_study",
+    "crispedit.compare_cli",
+    "crispedit.experiments.mnist_config",
 ]
 
 
 def cmd_edit(args) -> int:
     """``crispedit edit``: validate every input, load the model, edit, evaluate, save ``--out`` atomically; returns
     the exit status."""
-    from .pipeline import run_edit_job
-
     config = config_from_args(args)  # validates before anything slow happens
     check_output_dir(args.out, overwrite=args.overwrite, marker="edit_report.json")
     requests, model, tok, progress = load_job_inputs(args, config.n_cap)
+    from .pipeline import run_edit_job
+
     report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
                           edits_path=str(args.edits), cache_file=args.cache, progress=progress, wild=not args.no_wild,
                           overwrite=args.overwrite)
@@ -48,10 +51,8 @@ def cmd_edit(args) -> int:
 def cmd_cache_build(args) -> int:
     """``crispedit cache build``: collect (or reuse) the capability K-FAC factors and optionally export them to
     ``--out``."""
-    from .curvature.cache import save_factors
     from .data import capability_corpus
-    from .editing import EditConfig, capability_factors, curvature_spec
-    from .models import cache_dir, load_model, resolve_layers, weight_fingerprint
+    from .editing import EditConfig
 
     config = EditConfig(layers=args.layers, n_cap=args.n_cap, max_len=args.max_len, label_mode=args.label_mode,
                         kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus, seed=args.seed)
@@ -59,6 +60,10 @@ def cmd_cache_build(args) -> int:
         check_output_file(args.out)
     texts = capability_corpus(config.cap_corpus, config.n_cap)
     progress = False if args.quiet else None
+    from .curvature.cache import save_factors
+    from .editing import capability_factors, curvature_spec
+    from .models import cache_dir, load_model, resolve_layers, weight_fingerprint
+
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                             progress=progress)
     layers = resolve_layers(model, config.layers)
@@ -77,6 +82,7 @@ def cmd_cache_build(args) -> int:
 
 def cmd_cache_info(args) -> int:
     """``crispedit cache info FILE``: print a factor file's metadata and factor shapes as JSON."""
+    check_input_file(args.file, "curvature cache file")
     from .curvature.cache import load_factors
 
     factors = load_factors(args.file)

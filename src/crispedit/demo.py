@@ -15,12 +15,8 @@ from __future__ import annotations
 import time
 
 from .data import BUNDLED_EDITS, bundled_path, load_edits
-from .editing import EditConfig, edit, restore
+from .editing.config import EditConfig
 from .errors import check_int, check_positive_int
-from .evaluation import CONTEXTS, evaluate_edit
-from .evaluation.generation import generate_answers
-from .evaluation.wild import render_prompt
-from .models import load_model
 
 __all__ = ["run_demo"]
 
@@ -30,6 +26,9 @@ def _short(s: str, n: int) -> str:
 
 
 def _chat_answers(model, tok, prompts: list[str]) -> list[str]:
+    from .evaluation.generation import generate_answers
+    from .evaluation.wild import render_prompt
+
     context = "chat" if getattr(tok, "chat_template", None) else "none"
     rendered = [render_prompt(tok, p, context) for p in prompts]
     return generate_answers(model, tok, rendered, max_new_tokens=24, add_special_tokens=context != "chat")
@@ -43,6 +42,10 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
     show = check_int("--show", show, 0)
     t0 = time.perf_counter()
     requests = load_edits(bundled_path(BUNDLED_EDITS), limit=check_positive_int("--n-edits", n_edits))
+    from .editing import edit, restore  # torch: only once every argument is checked
+    from .evaluation import CONTEXTS, evaluate_edit
+    from .models import load_model
+
     print(f"loading {model_spec} ...", flush=True)
     model, tok = load_model(model_spec, progress=progress)
     via = "its chat template" if getattr(tok, "chat_template", None) else "the bare question (no chat template)"
