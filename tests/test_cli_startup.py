@@ -1,0 +1,187 @@
+"""Start-up cost of a failing command (issue 14): ``--help`` of every sub-command, and commands that fail on
+their arguments, answer without importing torch or transformers (torch alone costs seconds to import).
+
+Each case runs ``crispedit.cli.main`` in a fresh interpreter and reports which heavy modules ended up in
+``sys.modules``; a failing case must still give today's one ``crispedit: error:`` line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import crispedit
+from crispedit.cli import build_parser
+
+HEAVY = ("torch", "transformers")
+SRC = str(Path(crispedit.__file__).resolve().parents[1])
+PROBE = """
+import json, sys
+{preimport}
+from crispedit.cli import main
+try:
+    rc = main(json.loads(sys.argv[1]))
+except SystemExit as exc:  # main returns; anything else is a bug the assertion below shows
+    rc = exc.code
+print(json.dumps({{"rc": rc, "heavy": sorted(m for m in {heavy!r} if m in sys.modules)}}))
+"""
+
+
+def run_cli(argv: list, cwd: Path, preimport: str = "") -> tuple[int, list[str], str, str]:
+    """Run ``main(argv)`` in a new interpreter in ``cwd``: ``(exit code, heavy modules imported, stdout before
+    the report line, stderr)``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(preimport=preimport, heavy=HEAVY),
+                           json.dumps([str(a) for a in argv])], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    *out, report = proc.stdout.rstrip("\n").split("\n")
+    rep = json.loads(report)
+    return rep["rc"], rep["heavy"], "\n".join(out), proc.stderr
+
+
+def subcommands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command path of ``parser`` (``()``, ``("edit",)``, ``("session", "init")``, ...)."""
+    out = [prefix]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += subcommands(sub, prefix + (name,))
+    return out
+
+
+COMMANDS = subcommands(build_parser())
+
+
+def test_every_command_is_covered():
+    assert {("edit",), ("eval",), ("report",), ("demo",), ("compare",), ("cache", "build"), ("cache", "info"),
+            ("cache", "list"), ("session", "init"), ("session", "add"), ("session", "status"), ("session", "export"),
+            ("session", "plot"), ("study", "mnist")} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "crispedit")
+def test_help_imports_neither_torch_nor_transformers(command, tmp_path):
+    rc, heavy, out, err = run_cli([*command, "--help"], tmp_path)
+    assert rc == 0, err
+    assert out.startswith(f"usage: crispedit {' '.join(command)}".rstrip()), out[:200]
+    assert heavy == [], f"crispedit {' '.join(command)} --help imported {heavy}"
+
+
+def _edits(t: Path) -> Path:
+    p = t / "edits.json"
+    p.write_text(json.dumps([{"src": "Who founded club 1?", "alt": "Founder A"}]))
+    return p
+
+
+def _file(t: Path, name: str, text: str = "x") -> Path:
+    p = t / name
+    p.write_text(text)
+    return p
+
+
+def _session(t: Path) -> Path:
+    """A directory with a session.json that is not an object (a damaged session)."""
+    d = t / "sess"
+    d.mkdir()
+    (d / "session.json").write_text("[1, 2]")
+    return d
+
+
+# (id, builder(tmp) -> argv, text of the one error line); the model never loads, so "smollm2" is just a name
+FAILING = [
+    ("edit-gamma", lambda t: ["edit", "--edits", "x.json", "--out", t / "o", "--gamma", 2],
+     "gamma must lie strictly between 0 and 1, got 2.0"),
+    ("edit-missing-edits", lambda t: ["edit", "--edits", t / "none.json", "--out", t / "o"], "edit file not found"),
+    ("edit-malformed-json", lambda t: ["edit", "--edits", _file(t, "bad.json", '[{"src": "a"'), "--out", t / "o"],
+     "malformed JSON"),
+    ("edit-unknown-method", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--method", "rome"],
+     "argument --method: invalid choice: 'rome'"),
+    ("edit-method-option", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--method", "lora",
+                                      "--lora-r", 0], "lora rank r must be at least 1"),
+    ("edit-other-method-option", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--locbf-ft-layer", "first"],
+     "--locbf-ft-layer applies to method locbf-ft"),
+    ("edit-contexts", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--contexts", "bare,nope"],
+     "unknown edit context 'nope'"),
+    ("edit-lr", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--lr", "inf"], "must be a finite number"),
+    ("edit-out-is-file", lambda t: ["edit", "--edits", _edits(t), "--out", _file(t, "o")], "is a file, not a directory"),
+    ("edit-kl-text", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--kl-text", t / "none.txt"],
+     "text file not found"),
+    ("edit-missing-cache", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--cache", t / "c.safetensors"],
+     "curvature cache file not found"),
+    ("edit-no-args", lambda t: ["edit"], "the following arguments are required: --edits, --out"),
+    ("unknown-command", lambda t: ["edits"], "invalid choice: 'edits'"),
+    ("eval-task", lambda t: ["eval", "--out", t / "r.json", "--capabilities", "arc_easy"],
+     "unknown capability task 'arc_easy'"),
+    ("eval-missing-edits", lambda t: ["eval", "--out", t / "r.json", "--edits", t / "none.json"], "edit file not found"),
+    ("eval-template", lambda t: ["eval", "--out", t / "r.json", "--edits", _edits(t), "--context-template", "no slot"],
+     "{question}"),
+    ("report-missing-run", lambda t: ["report", t / "none.json"], "not found"),
+    ("cache-build-n-cap", lambda t: ["cache", "build", "--n-cap", 0], "n-cap must be a positive integer"),
+    ("cache-info-missing", lambda t: ["cache", "info", t / "none.safetensors"], "curvature cache file not found"),
+    ("demo-gamma", lambda t: ["demo", "--gamma", 2], "gamma must lie strictly between 0 and 1"),
+    ("session-init-mix", lambda t: ["session", "init", "--out", t / "s", "--mix", "nan"], "mix must be a finite number"),
+    ("session-add-missing", lambda t: ["session", "add", t / "none", "--edits", _edits(t)], "session directory not found"),
+    ("session-add-edits", lambda t: ["session", "add", _session(t), "--edits", _edits(t)], "is malformed"),
+    ("session-status-missing", lambda t: ["session", "status", t / "none"], "session directory not found"),
+    ("session-export-missing", lambda t: ["session", "export", t / "none", "--out", t / "e"],
+     "session directory not found"),
+    ("session-plot-missing", lambda t: ["session", "plot", t / "none", "--out", t / "p.png"],
+     "session directory not found"),
+    ("compare-method", lambda t: ["compare", "--edits", _edits(t), "--n-edits", 1, "--methods", "ft,rome",
+                                  "--out", t / "c"], "unknown method 'rome'"),
+    ("compare-missing-edits", lambda t: ["compare", "--edits", t / "none.json", "--n-edits", 1, "--methods", "ft",
+                                         "--out", t / "c"], "edit file not found"),
+    ("study-k", lambda t: ["study", "mnist", "--k-values", "inf", "--out", t / "s"], "k values"),
+    ("study-out-is-file", lambda t: ["study", "mnist", "--quick", "--out", _file(t, "s")], "is a file, not a directory"),
+]
+
+
+@pytest.mark.parametrize("case,build,msg", FAILING, ids=[c[0] for c in FAILING])
+def test_failing_command_imports_neither_torch_nor_transformers(case, build, msg, tmp_path):
+    rc, heavy, out, err = run_cli(build(tmp_path), tmp_path)
+    lines = [ln for ln in err.splitlines() if ln.startswith("crispedit: error:")]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert msg in lines[0], lines[0]
+    assert heavy == [], f"{case}: imported {heavy} before failing with {lines[0]!r}"
+
+
+def test_probe_sees_an_import_of_torch(tmp_path):
+    """The probe itself: a run that does import torch is reported as such (so the checks above can fail)."""
+    rc, heavy, _, err = run_cli(["edit", "--gamma", 2], tmp_path, preimport="import torch")
+    assert rc == 2 and heavy == ["torch"], (heavy, err)
+
+
+def test_catalogue_entries_match_their_editor_classes():
+    """Each catalogue entry names an editor class that registers under that name and takes its summary
+    and options from the entry (one source); an unknown method is one line naming the choices."""
+    from crispedit.editing.catalogue import BUILTIN_METHODS
+    from crispedit.editing.registry import editor_class, method_names, method_spec
+    from crispedit.errors import CrispEditError
+
+    assert {s.name for s in BUILTIN_METHODS} <= set(method_names())
+    for spec in BUILTIN_METHODS:
+        cls = editor_class(spec.name)
+        assert (cls.name, cls.summary, cls.Config) == (spec.name, spec.summary, spec.Config)
+        assert f"{cls.__module__}:{cls.__qualname__}" == spec.editor and spec.summary
+    assert method_spec("lora").shared == {"lr": 5e-3}
+    with pytest.raises(CrispEditError, match="unknown method 'rome'; choose one of adam-nscl, crispedit"):
+        method_spec("rome")
+
+
+def test_a_catalogued_editor_may_not_restate_its_summary():
+    from crispedit.editing.methods import Editor
+    from crispedit.editing.registry import register_editor
+
+    class Twice(Editor):
+        name = "ft"
+        summary = "another summary"
+
+    Twice.__module__, Twice.__qualname__ = "crispedit.editing.methods.ft", "FTEditor"
+    with pytest.raises(ValueError, match="the catalogue entry of 'ft' holds them"):
+        register_editor(Twice)
