@@ -25,6 +25,7 @@ from crispedit.data import load_edits
 from crispedit.editing import EditConfig, edit, restore
 from crispedit.errors import atomic_write_bytes, atomic_write_json
 from crispedit.evaluation import evaluate_edit
+from crispedit.evaluation.wild import check_template
 from crispedit.models import load_model
 from crispedit.pipeline import environment
 
@@ -72,8 +73,21 @@ COLUMNS = ["run", "tf_rel", "tf_gen", "qa_rel", "qa_gen", "none_rel", "none_gen"
            "qa_loc", "kl_drift", "epochs", "edit_s"]
 
 
-def row_cells(r: dict) -> list[str]:
-    """One markdown row of a result."""
+def extra_contexts(rows: list[dict]) -> list[str]:
+    """Names of the user wrappers (``--wild-template``) evaluated in ``rows``, in first-seen order."""
+    names: dict[str, None] = {}
+    for r in rows:
+        names.update((k, None) for k in r["wild"] if k not in ("qa", "none", "chat", "seconds"))
+    return list(names)
+
+
+def columns(extra: list[str]) -> list[str]:
+    """Table header: :data:`COLUMNS` then rel/gen of each extra wrapper."""
+    return COLUMNS + [f"{n}_{k}" for n in extra for k in ("rel", "gen")]
+
+
+def row_cells(r: dict, extra: list[str] = ()) -> list[str]:
+    """One markdown row of a result (``extra``: the user wrappers' rel/gen appended)."""
     w = r["wild"]
 
     def f(ctx, k):
@@ -82,15 +96,17 @@ def row_cells(r: dict) -> list[str]:
 
     return [r["run"], f"{r['rel']:.2f}", f"{r['gen']:.2f}", f("qa", "rel"), f("qa", "gen"), f("none", "rel"),
             f("none", "gen"), f("chat", "rel"), f("chat", "gen"), f("qa", "loc_vs_answer"), f"{r['kl_drift']:.5f}",
-            str(r["epochs"]), f"{r['edit_seconds']:.0f}"]
+            str(r["epochs"]), f"{r['edit_seconds']:.0f}"] + [f(n, k) for n in extra for k in ("rel", "gen")]
 
 
 def write_outputs(out: Path, payload: dict) -> None:
     """JSON, markdown table and PNG next to each other."""
     atomic_write_json(out, payload)
     rows = payload["results"]
-    md = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
-    md += "".join("| " + " | ".join(row_cells(r)) + " |\n" for r in rows)
+    extra = extra_contexts(rows)
+    cols = columns(extra)
+    md = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    md += "".join("| " + " | ".join(row_cells(r, extra)) + " |\n" for r in rows)
     atomic_write_bytes(out.with_suffix(".md"), md.encode())
     try:
         import matplotlib
@@ -128,6 +144,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=100, help="default epochs for every run (a run may override)")
     ap.add_argument("--runs", default=DEFAULT_RUNS)
     ap.add_argument("--wild", default="qa,none,chat", help="WILD contexts to evaluate ('' = none)")
+    ap.add_argument("--wild-template", action="append", default=[], metavar="NAME=TEXT",
+                    help="also evaluate WILD through this wrapper (TEXT holds {question} once); repeatable")
     ap.add_argument("--out", default="runs/edit_matrix.json")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
@@ -135,6 +153,12 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
+    templates = {}
+    for item in args.wild_template:
+        name, sep, text = item.partition("=")
+        if not sep or not name or name in templates or name in ("qa", "none", "chat"):
+            ap.error(f"--wild-template wants NAME=TEXT with a new name, got {item!r}")
+        templates[name] = check_template(text.replace("\\n", "\n"))
     runs = parse_runs(args.runs)
     configs = [EditConfig(**{"epochs": args.epochs, **d}) for d in runs]  # validate all before any work
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
@@ -142,12 +166,13 @@ def main() -> None:
     out = Path(args.out)
     results = []
     title = f"{args.model}, {Path(args.edits).name} [{args.offset}:{args.offset + len(requests)}]"
-    print(" ".join(f"{c:>8}" for c in COLUMNS[1:]) + "  run", flush=True)
+    extra = list(templates)
+    print(" ".join(f"{c:>8}" for c in columns(extra)[1:]) + "  run", flush=True)
     for d, cfg in zip(runs, configs):
         t0 = time.perf_counter()
         res = edit(model, tok, requests, cfg, progress=False)
         ev = evaluate_edit(model, tok, requests, res.original_weights, wild=[c for c in args.wild.split(",") if c],
-                           progress=False)
+                           wild_templates=templates, progress=False)
         summary, wild = ev["summary"], {k: v for k, v in ev.get("wild", {}).items() if k != "judge"}
         restore(model, res.original_weights)
         row = {"run": label(d), "overrides": d, **summary, "wild": wild,
@@ -157,7 +182,7 @@ def main() -> None:
                "min_kept_fraction": min(v["kept_fraction"] for v in res.projector_stats.values()),
                "total_seconds": round(time.perf_counter() - t0, 2), "config": cfg.to_json()}
         results.append(row)
-        print(" ".join(f"{c:>8}" for c in row_cells(row)[1:]) + "  " + row["run"], flush=True)
+        print(" ".join(f"{c:>8}" for c in row_cells(row, extra)[1:]) + "  " + row["run"], flush=True)
         write_outputs(out, {"title": title, "args": vars(args), "environment": environment(), "results": results,
                             "complete": len(results) == len(runs)})
     print(f"written to {out} (+ .md, .png)")

@@ -7,7 +7,7 @@ import torch
 
 from crispedit.data import EditRequest, capability_corpus
 from crispedit.editing import EditConfig, edit, restore
-from crispedit.editing.contexts import (DEFAULT_CONTEXTS, ContextSpec, build_training_sequences, chat_turn,
+from crispedit.editing.contexts import (DEFAULT_CONTEXTS, QUESTION_WRAPPERS, ContextSpec, build_training_sequences, chat_turn,
                                         parse_contexts, prefix_pool, resolve_contexts, sequences_for,
                                         training_batches)
 from crispedit.editing.optim import EigenbasisAdam
@@ -33,7 +33,7 @@ def _decode_target(tok, seq):
 
 @pytest.mark.parametrize("spec,msg", [("", "empty"), ("qa", "unknown edit context 'qa'"), ("bare,bare", "twice"),
                                       ("prefix:0", "between 1 and 64"), ("prefix:x", "bad prefix count"),
-                                      ("chat:2", "only prefix, para, gen take a count")])
+                                      ("chat:2", "only prefix, para, gen, wrap take a count"), ("wrap:x", "bad wrap count")])
 def test_parse_contexts_errors(spec, msg):
     with pytest.raises(CrispEditError, match=msg):
         parse_contexts(spec)
@@ -101,6 +101,28 @@ def test_prefix_context_is_deterministic_and_from_the_pool(tiny_tok):
         head = s.text.split(" " + r.prompt)[0]
         assert head in pool and s.text.endswith(r.target + ".")
         assert _decode_target(tiny_tok, s).strip() == r.target + "."
+
+
+def test_wrap_context_wraps_the_prompt_and_never_uses_the_qa_template(tiny_tok):
+    """``wrap:N`` puts each prompt in N distinct everyday wrappers (seeded), trains the target after it,
+    and no wrapper shares the WILD QA template's form: that wrapper must stay unseen."""
+    assert len(set(QUESTION_WRAPPERS)) == len(QUESTION_WRAPPERS) >= 12
+    for w in QUESTION_WRAPPERS:
+        assert w.count("{question}") == 1
+        low = w.lower()
+        assert "answer the question" not in low and "q:" not in low and "a:" not in low.replace("{question}", "")
+    a = build_training_sequences(tiny_tok, REQS, parse_contexts("wrap:3"), "auto", seed=1)
+    b = build_training_sequences(tiny_tok, REQS, parse_contexts("wrap:3"), "auto", seed=1)
+    c = build_training_sequences(tiny_tok, REQS, parse_contexts("wrap:3"), "auto", seed=2)
+    assert [s.ids for s in a] == [s.ids for s in b] and [s.ids for s in a] != [s.ids for s in c]
+    assert len(a) == 3 * len(REQS) and {s.context for s in a} == {"wrap"}
+    for i, r in enumerate(REQS):
+        texts = [s.text for s in a if s.request == i]
+        ctxs = [t[: -len(" " + r.target + ".")] for t in texts]
+        assert len(set(ctxs)) == 3 and all(t.endswith(" " + r.target + ".") for t in texts)
+        assert all(x in {w.replace("{question}", r.prompt) for w in QUESTION_WRAPPERS} for x in ctxs)
+    assert all(_decode_target(tiny_tok, s).strip() == REQS[s.request].target + "." for s in a)
+    assert str(parse_contexts("wrap:2")[0]) == "wrap:2"
 
 
 def test_batches_hold_one_context_kind(chat_tok):

@@ -14,7 +14,10 @@ trained under a set of *contexts* (``EditConfig.contexts``, CLI ``--contexts``):
 * ``para:N``   — as ``prefix:N`` but the sentence ends a paragraph (``"\n\n"``) before the prompt, so
   the fact also holds where a question starts its own block of text;
 * ``gen:N``    — N prefixes the unedited model wrote itself (short sampled continuations of "The",
-  "Therefore", "Because", "I", "You", as ROME/MEMIT's context templates), then ``". "`` and the prompt.
+  "Therefore", "Because", "I", "You", as ROME/MEMIT's context templates), then ``". "`` and the prompt;
+* ``wrap:N``   — N of the :data:`QUESTION_WRAPPERS` per request: the prompt inside a short everyday
+  request ("Quick question: {question}", "{question} Keep it short."), as users wrap a question in
+  their own words; none of them has the WILD QA template's ``Q:``/``A:`` form or wording.
 
 ``default`` expands to :data:`DEFAULT_CONTEXTS` minus ``chat`` for models without a chat template.
 The WILD evaluation's QA wrapper (``Please answer the question: ...``) is deliberately *not* a
@@ -43,10 +46,31 @@ from ..errors import CrispEditError
 
 __all__ = ["CONTEXT_KINDS", "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence",
            "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "GEN_STARTS", "build_training_sequences", "training_batches",
-           "chat_turn", "sequences_for"]
+           "chat_turn", "sequences_for", "QUESTION_WRAPPERS"]
 
-CONTEXT_KINDS = ("bare", "chat", "prefix", "para", "gen")
+CONTEXT_KINDS = ("bare", "chat", "prefix", "para", "gen", "wrap")
 _PREFIXED = {"prefix": " ", "para": "\n\n", "gen": " "}  # prefix kind -> separator before the prompt
+_COUNTED = (*_PREFIXED, "wrap")  # kinds that take a count
+# Everyday wrappers a user puts around a question ({question} = the edit prompt). Deliberately free of the
+# WILD QA template's parts ("answer the question", "Q:", "A:") so that template stays unseen in training.
+QUESTION_WRAPPERS = (
+    "Quick question: {question}",
+    "I was wondering about something. {question}",
+    "Answer in a few words. {question}",
+    "{question} Keep it short.",
+    "Trivia time! {question}",
+    "Help me with this one. {question}",
+    "Do you happen to know this? {question}",
+    "My friend asked me this and I was not sure. {question}",
+    "Settle a debate for us. {question}",
+    "From what you know: {question}",
+    "Reply with just the answer, please. {question}",
+    "Hi! {question}",
+    "For my homework: {question}",
+    "{question} Just the name, no explanation.",
+    "Here is something I need for a report. {question}",
+    "Can you tell me? {question}",
+)
 GEN_STARTS = ("The", "Therefore", "Because", "I", "You")  # ROME's seeds for model-written prefixes
 ANSWER_ENDS = ("auto", "eos", "none")
 DEFAULT_CONTEXTS = "bare,chat,prefix:2"
@@ -55,13 +79,13 @@ DEFAULT_CONTEXTS = "bare,chat,prefix:2"
 @dataclass(frozen=True)
 class ContextSpec:
     """One context kind and how many sequences per request it contributes (``count`` > 1 only for
-    the prefixed kinds ``prefix`` and ``para``)."""
+    the counted kinds ``prefix``, ``para``, ``gen`` and ``wrap``)."""
 
     kind: str
     count: int = 1
 
     def __str__(self) -> str:
-        return self.kind if self.kind not in _PREFIXED else f"{self.kind}:{self.count}"
+        return self.kind if self.kind not in _COUNTED else f"{self.kind}:{self.count}"
 
 
 def parse_contexts(spec: str) -> tuple[ContextSpec, ...]:
@@ -79,8 +103,8 @@ def parse_contexts(spec: str) -> tuple[ContextSpec, ...]:
                                  f"(use {', '.join(CONTEXT_KINDS)}, e.g. 'bare,chat,prefix:2')")
         count = 1
         if n:
-            if kind not in _PREFIXED:
-                raise CrispEditError(f"--contexts: only {', '.join(_PREFIXED)} take a count, got {item.strip()!r}")
+            if kind not in _COUNTED:
+                raise CrispEditError(f"--contexts: only {', '.join(_COUNTED)} take a count, got {item.strip()!r}")
             try:
                 count = int(n)
             except ValueError:
@@ -222,6 +246,10 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
             elif spec.kind == "chat":
                 ids, n, text = _chat_rows(tokenizer, r.prompt, r.target, end=answer_end != "none")
                 out.append(TrainingSequence("chat", i, ids, n, text))
+            elif spec.kind == "wrap":  # wrappers drawn per request, seeded like the prefixes
+                rng = random.Random(f"{seed}:wrap:{r.prompt}:{r.target}")
+                for w in rng.sample(QUESTION_WRAPPERS, min(spec.count, len(QUESTION_WRAPPERS))):
+                    out.append(plain(i, "wrap", w.replace("{question}", r.prompt), r.target))
             else:  # prefix / para / gen: prefixes drawn per request (para's draws differ from prefix's)
                 rng = random.Random(f"{seed}:{r.prompt}:{r.target}" if spec.kind == "prefix"
                                     else f"{seed}:{spec.kind}:{r.prompt}:{r.target}")

@@ -79,7 +79,7 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> Non
     p.add_argument("--projection", choices=[t.value for t in ProjectionTarget], default=d["projection_target"],
                    help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")
     p.add_argument("--contexts", default=d["contexts"],
-                   help="edit contexts each request is trained in: comma list of bare, chat, prefix:N "
+                   help="edit contexts each request is trained in: comma list of bare, chat, prefix:N, para:N, gen:N, wrap:N "
                    f"(default: 'default' = {DEFAULT_CONTEXTS}; chat only for models with a chat template)")
     p.add_argument("--answer-end", choices=list(ANSWER_ENDS), default=d["answer_end"],
                    help="what follows the target in training: auto = the chat end-of-turn in chat, a period "

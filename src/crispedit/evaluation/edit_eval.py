@@ -21,7 +21,7 @@ __all__ = ["evaluate_edit"]
 
 def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], base_weights: dict[str, torch.Tensor], *,
                   kl_text: str | Path | None = None, kl_texts: int = 32, max_len: int = 256,
-                  wild: Sequence[str] = (), judge=None, capabilities: Sequence[str] = (), limit: int | None = None,
+                  wild: Sequence[str] = (), wild_templates: dict[str, str] | None = None, judge=None, capabilities: Sequence[str] = (), limit: int | None = None,
                   bench_dir: str | Path | None = None, progress: bool | None = None) -> dict:
     """Evaluate the edited ``model`` on ``requests``; ``base_weights`` (parameter name -> pre-edit
     value, e.g. ``EditResult.original_weights``) give the base model for the drift.
@@ -29,7 +29,8 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     Returns ``{"summary": {rel, gen, loc, rel_token_acc, ... (fractions in [0, 1]), "kl_drift" (nats per
     token, KL(base || edited) on ``kl_texts`` held-out paragraphs of at most ``max_len`` tokens), "ppl",
     "ppl_base", "kl_tokens"}, "per_edit": [one dict per request, in order]}`` plus ``"wild"``
-    (:func:`.wild.wild_contexts` for the ``wild`` contexts, rule judge unless ``judge``) and
+    (:func:`.wild.wild_contexts` for the ``wild`` contexts and the named ``wild_templates``, rule judge
+    unless ``judge``) and
     ``"capabilities"`` (:func:`.capabilities.run_capabilities`, ``limit`` items per task) when asked."""
     per_edit = edit_scores(model, tokenizer, requests)
     summary = summarize_edit_scores(per_edit)
@@ -38,12 +39,12 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     summary.update({"kl_drift": round(drift["kl_drift"], 6), "ppl": round(drift["ppl"], 4),
                     "ppl_base": round(drift["ppl_base"], 4), "kl_tokens": drift["tokens"]})
     out: dict = {"summary": summary, "per_edit": per_edit}
-    if wild:
+    if wild or wild_templates:
         from .judges import RuleJudge
         from .wild import wild_contexts
 
         out["wild"] = wild_contexts(model, tokenizer, requests, judge or RuleJudge(), contexts=list(wild),
-                                    progress=progress)
+                                    templates=wild_templates, progress=progress)
         out["wild"]["judge"] = "rule" if judge is None else type(judge).__name__
     if capabilities:
         from .capabilities import run_capabilities
