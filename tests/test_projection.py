@@ -3,7 +3,7 @@ import torch
 
 from crispedit.errors import CrispEditError
 from crispedit.projection import (DenseProjector, KroneckerProjector, eigh_psd, energy_keep_mask,
-                                  kfac_quadratic_form, unvec, vec)
+                                  kfac_quadratic_form, kronecker_projection_flops, unvec, vec)
 
 D = torch.float64
 
@@ -137,3 +137,139 @@ def test_projection_keeps_input_dtype_and_runs_fp32():
     Q = torch.randn(4, 8, dtype=torch.bfloat16)
     out = P.project(Q)
     assert out.dtype == torch.bfloat16 and P.U_in.dtype == torch.float32
+
+
+# -- the exact low-rank form ------------------------------------------------------------------------
+
+def spread_psd(n, decay, seed):
+    """PSD matrix with a random eigenbasis and a power-law spectrum k^-decay: the shape real factors have."""
+    g = torch.Generator().manual_seed(seed)
+    U, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=D))
+    lam = torch.arange(1, n + 1, dtype=D) ** -decay
+    return (U * lam) @ U.T
+
+
+def both_forms(A, S, gamma, dtype):
+    full = KroneckerProjector.from_factors(A, S, gamma, dtype=dtype)
+    full = KroneckerProjector(full.U_out, full.U_in, full.mask, dtype=dtype, form="full")
+    low = KroneckerProjector(full.U_out, full.U_in, full.mask, dtype=dtype, form="low_rank")
+    return full, low
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("shape", [(7, 19), (24, 9), (16, 16), (1, 6)])
+@pytest.mark.parametrize("gamma", [0.3, 0.8, 0.95, 0.999])
+def test_low_rank_form_equals_full_form(gamma, shape, dtype, tol):
+    d_out, d_in = shape
+    A, S = spread_psd(d_in, 1.5, seed=d_in), spread_psd(d_out, 1.0, seed=100 + d_out)
+    full, low = both_forms(A, S, gamma, dtype)
+    assert full.r_out == low.r_out and 0 < low.r_out <= d_out and 0 < low.r_in <= d_in
+    Q = torch.randn(d_out, d_in, dtype=D)
+    ref = full.project(Q.to(dtype)).double()
+    got = low.project(Q.to(dtype))
+    assert got.dtype == dtype
+    scale = Q.abs().max()
+    assert (got.double() - ref).abs().max() <= tol * scale
+    # and both are the explicit Kronecker projector (the ground truth of the tests above)
+    P_true, _ = explicit_kfac_projector(A, S, gamma)
+    assert (vec(got.double()) - P_true @ vec(Q)).abs().max() <= 10 * tol * scale
+
+
+def test_mask_is_a_staircase_in_the_leading_eigenvectors():
+    # eigenvalues decrease along both axes, so the masked top of the Kronecker spectrum is closed towards
+    # the top-left: it fits in the leading r_out x r_in corner, which is what makes the low-rank form cheap
+    A, S = spread_psd(40, 2.0, seed=1), spread_psd(30, 1.5, seed=2)
+    P = KroneckerProjector.from_factors(A, S, 0.8)
+    masked = P.mask == 0
+    for i, j in masked.nonzero().tolist():
+        assert masked[: i + 1, : j + 1].all()
+    assert P.r_out < 30 and P.r_in < 40 and P.low_rank
+    assert masked[: P.r_out, : P.r_in].any(0).all() and masked[: P.r_out, : P.r_in].any(1).all()
+
+
+def test_low_rank_is_exact_for_any_mask_shape():
+    # EK-FAC's corrected eigenvalues need not decrease along the axes: the corner still holds every masked
+    # entry, so the form stays exact (it is merely cheaper or not)
+    g = torch.Generator().manual_seed(3)
+    U_out, _ = torch.linalg.qr(torch.randn(9, 9, generator=g, dtype=D))
+    U_in, _ = torch.linalg.qr(torch.randn(13, 13, generator=g, dtype=D))
+    ev = torch.rand(9, 13, generator=g, dtype=D) ** 6
+    P = KroneckerProjector.from_eigenbasis(U_out, U_in, ev, 0.7, dtype=D)
+    F = KroneckerProjector(U_out, U_in, P.mask, dtype=D, form="full")
+    L = KroneckerProjector(U_out, U_in, P.mask, dtype=D, form="low_rank")
+    Q = rn(9, 13)
+    assert torch.allclose(L.project(Q), F.project(Q), atol=1e-12)
+    assert torch.allclose(P.project(Q), F.project(Q), atol=1e-12)
+
+
+def test_nothing_masked_and_everything_masked():
+    # a zero spectrum keeps everything: the projector is the identity and costs nothing
+    P = KroneckerProjector.from_factors(torch.zeros(5, 5), rand_psd(4, seed=1), 0.8)
+    assert (P.r_out, P.r_in) == (0, 0) and P.low_rank and P.flops_low_rank == 0
+    Q = torch.randn(4, 5)
+    assert P.project(Q) is Q
+    assert P.stats() == {"kept_fraction": 1.0, "r_out": 0, "r_in": 0, "form": "low_rank", "flop_ratio": 0.0}
+    # everything masked: the corner is the whole matrix, the full form is cheaper, both give zero
+    U_out, U_in = eigh_psd(rand_psd(4, seed=2))[1], eigh_psd(rand_psd(5, seed=3))[1]
+    for form in ("auto", "low_rank", "full"):
+        Z = KroneckerProjector(U_out, U_in, torch.zeros(4, 5), dtype=D, form=form)
+        assert (Z.r_out, Z.r_in) == (4, 5) and Z.low_rank == (form == "low_rank")
+        assert Z.project(rn(4, 5)).abs().max() < 1e-12
+    assert KroneckerProjector(U_out, U_in, torch.zeros(4, 5)).stats()["form"] == "full"
+
+
+@pytest.mark.parametrize("gamma", [0.5, 0.9])
+def test_input_only_projector_low_rank(gamma):
+    A = spread_psd(11, 1.3, seed=4)
+    P = KroneckerProjector.from_activation_covariance(A, gamma, dtype=D)
+    F = KroneckerProjector(None, P.U_in, P.mask, dtype=D, form="full")
+    assert P.low_rank and P.r_out is None and 0 < P.r_in < 11
+    Q = rn(6, 11)
+    assert torch.allclose(P.project(Q), F.project(Q), atol=1e-12)
+    assert P.stats()["r_out"] is None and 0 < P.stats()["flop_ratio"] < 1
+
+
+def test_transposed_storage_and_rotation_still_agree():
+    from transformers.pytorch_utils import Conv1D
+
+    from crispedit.editing.loop import apply_projection
+
+    A, S = spread_psd(10, 1.5, seed=5).float(), spread_psd(6, 1.0, seed=6).float()
+    P = KroneckerProjector.from_factors(A, S, 0.8)
+    F = KroneckerProjector(P.U_out, P.U_in, P.mask, form="full")
+    assert P.low_rank
+    conv = Conv1D(6, 10)                      # weight stored d_in x d_out
+    G = torch.randn(10, 6)
+    got = apply_projection(P, conv, G)        # projects G.T (a strided view) and transposes back
+    assert got.shape == (10, 6) and torch.allclose(got, F.project(G.T).T, atol=1e-6)
+    Q = torch.randn(6, 10)
+    assert torch.allclose(P.unrotate(P.rotate(Q)), P.project(Q), atol=1e-6)   # eigenbasis Adam's contract
+    assert torch.equal(P.rotate(Q), F.rotate(Q))
+
+
+def test_flop_counts_match_the_gemms_run():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    A, S = spread_psd(30, 1.5, seed=7), spread_psd(20, 1.0, seed=8)
+    P = KroneckerProjector.from_factors(A, S, 0.8)
+    F = KroneckerProjector(P.U_out, P.U_in, P.mask, form="full")
+    Q = torch.randn(20, 30)
+    for proj, elementwise in ((P, P.r_out * P.r_in + 20 * 30), (F, 20 * 30)):
+        with FlopCounterMode(display=False) as fc:
+            proj.project(Q)
+        gemm = (proj.flops_low_rank if proj.low_rank else proj.flops_full) - elementwise
+        assert fc.get_total_flops() == gemm
+    assert F.flops_full == 4 * 20 * 30 * 50 + 600
+    # the thin-GEMM order is the cheaper one
+    r_out, r_in = P.r_out, P.r_in
+    assert P.flops_low_rank - r_out * r_in - 600 == 4 * min(r_out * 30 * (20 + r_in), r_in * 20 * (30 + r_out))
+    assert kronecker_projection_flops(20, 30, 0, 0) == (0, F.flops_full)
+    assert kronecker_projection_flops(20, 30, None, 3) == (4 * 20 * 30 * 3 + 20 * 3 + 600, 4 * 20 * 900 + 600)
+
+
+def test_projector_moves_with_its_corner():
+    P = KroneckerProjector.from_factors(spread_psd(8, 1.5, seed=9), spread_psd(5, 1.0, seed=10), 0.8)
+    P.to("cpu")
+    assert P._corner_keep.device.type == "cpu" and P._corner_keep.dtype == torch.bool
+    with pytest.raises(ValueError, match="form"):
+        KroneckerProjector(P.U_out, P.U_in, P.mask, form="lowrank")

@@ -13,6 +13,15 @@ smallest top set whose sum reaches a ``gamma`` fraction of the total; the rest i
 made on sorted positions, so ties are resolved deterministically and exactly ``k`` directions are
 masked.
 
+Low-rank form: the masked (removed, high-curvature) set of a :class:`KroneckerProjector` is the top of
+the Kronecker spectrum, which lies in the leading ``r_out`` eigenvectors of ``S`` and ``r_in`` of ``A``
+(eigenvalues are stored in decreasing order). Then ``P Q = Q - U_r ((U_r^T Q V_r) * (1 - M)_r) V_r^T``
+with ``U_r = U_out[:, :r_out]``, ``V_r = U_in[:, :r_in]``, ``(1 - M)_r`` the ``r_out x r_in`` corner
+of the complement of the keep mask: exact (not an approximation) whatever the shape of the masked set,
+since every masked entry lies in that corner by construction of ``r_out`` / ``r_in``. Each projector
+picks, from its mask, whichever of this and the full rotation costs fewer FLOPs
+(:func:`kronecker_projection_flops`).
+
 All maths runs in float32 or float64 whatever the dtype of the gradient; results are cast back.
 """
 
@@ -36,6 +45,8 @@ __all__ = [
     "KroneckerProjector",
     "DenseProjector",
     "kfac_quadratic_form",
+    "kronecker_projection_flops",
+    "masked_corner",
 ]
 
 
@@ -94,6 +105,38 @@ def energy_keep_mask(eigvals: Tensor, gamma: float) -> Tensor:
     return keep.reshape(eigvals.shape)
 
 
+def masked_corner(mask: Tensor) -> tuple[int, int]:
+    """``(r_out, r_in)``: one past the last row and the last column holding a masked (zero) entry of a
+    keep ``mask`` (``d_out x d_in``, or ``1 x d_in``); ``(0, 0)`` when nothing is masked. Every masked
+    entry lies in ``mask[:r_out, :r_in]``."""
+    masked = mask == 0
+    rows, cols = masked.any(dim=1), masked.any(dim=0)
+    if not bool(rows.any()):
+        return 0, 0
+    return int(rows.nonzero().max()) + 1, int(cols.nonzero().max()) + 1
+
+
+def kronecker_projection_flops(d_out: int, d_in: int, r_out: int | None, r_in: int) -> tuple[int, int]:
+    """``(low_rank, full)`` floating-point operations (a multiply-add counts 2) of one projection of a
+    ``d_out x d_in`` gradient by a Kronecker projector whose masked entries lie in the leading
+    ``r_out x r_in`` corner of its eigenbasis.
+
+    Full form ``U_out ((U_out^T Q U_in) * M) U_in^T``: four GEMMs, ``4 d_out d_in (d_out + d_in)``, plus the
+    mask. Low-rank form ``Q - U_r ((U_r^T Q V_r) * (1 - M)_r) V_r^T``: four thin GEMMs in the cheaper of the
+    two association orders, ``4 min(r_out d_in (d_out + r_in), r_in d_out (d_in + r_out))``, plus the corner
+    mask and the subtraction; zero when nothing is masked. ``r_out=None``: no output-side rotation
+    (Adam-NSCL's input-only projector): full ``4 d_out d_in^2``, low-rank ``4 d_out d_in r_in``."""
+    if r_out is None:
+        full = 4 * d_out * d_in * d_in + d_out * d_in
+        low = 0 if r_in == 0 else 4 * d_out * d_in * r_in + d_out * r_in + d_out * d_in
+        return low, full
+    full = 4 * d_out * d_in * (d_out + d_in) + d_out * d_in
+    if r_out == 0 or r_in == 0:
+        return 0, full
+    gemms = 4 * min(r_out * d_in * (d_out + r_in), r_in * d_out * (d_in + r_out))
+    return gemms + r_out * r_in + d_out * d_in, full
+
+
 class LayerProjector:
     """A linear operator on the weight-gradient space of one layer."""
 
@@ -126,6 +169,10 @@ class LayerProjector:
         """Fraction of eigen-directions kept (1.0 for the identity)."""
         return 1.0
 
+    def stats(self) -> dict:
+        """What an edit report shows about this projector: ``kept_fraction`` (rounded to 6 digits)."""
+        return {"kept_fraction": round(self.kept_fraction, 6)}
+
     def to(self, device: torch.device | str) -> "LayerProjector":
         """The projector with its tensors on ``device`` (in place; returns ``self``)."""
         return self
@@ -154,17 +201,28 @@ class IdentityProjector(LayerProjector):
 class KroneckerProjector(LayerProjector):
     """Matrix-free projector ``Q -> U_out ((U_out^T Q U_in) * M) U_in^T``.
 
-    ``U_out`` may be ``None`` (identity): that is the activation-covariance projector of Adam-NSCL,
-    which constrains only the input side. ``mask`` holds 1 for kept entries of the Kronecker
-    eigenbasis (shape ``d_out x d_in``, or ``1 x d_in`` when ``U_out`` is ``None``).
+    ``U_out`` (``d_out x d_out``) may be ``None`` (identity): that is the activation-covariance projector
+    of Adam-NSCL, which constrains only the input side. ``U_in`` is ``d_in x d_in``. ``mask`` holds 1 for
+    kept entries of the Kronecker eigenbasis (shape ``d_out x d_in``, or ``1 x d_in`` when ``U_out`` is
+    ``None``).
+
+    :meth:`project` computes the same operator in the low-rank form of the module docstring when that
+    costs fewer FLOPs (``form="auto"``; ``"full"`` / ``"low_rank"`` force one). ``r_out`` / ``r_in``
+    (the masked corner, :func:`masked_corner`; ``r_out`` is ``None`` without ``U_out``),
+    ``flops_low_rank`` / ``flops_full`` (:func:`kronecker_projection_flops`, per projection) and
+    ``low_rank`` (the form used) are set at construction. :meth:`rotate` / :meth:`unrotate` always use the
+    full eigenbasis (the eigenbasis Adam keeps moments for every coordinate).
     """
 
     U_out: Tensor | None
     U_in: Tensor
     mask: Tensor
     dtype: torch.dtype = torch.float32
+    form: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.form not in ("auto", "full", "low_rank"):
+            raise ValueError(f"form must be 'auto', 'full' or 'low_rank', not {self.form!r}")
         self.U_in = self.U_in.to(self.dtype).contiguous()
         self.U_out = None if self.U_out is None else self.U_out.to(self.dtype).contiguous()
         self.mask = self.mask.to(self.dtype).contiguous()
@@ -172,6 +230,17 @@ class KroneckerProjector(LayerProjector):
         self.d_out = self.mask.shape[0] if self.U_out is None else self.U_out.shape[0]
         if self.U_out is None and self.mask.shape[0] == 1:
             self.d_out = -1  # any number of rows
+        r_out, self.r_in = masked_corner(self.mask)
+        self.r_out = None if self.U_out is None else r_out
+        # FLOPs per projection; without U_out and a broadcast mask, per gradient row (the ratio is what counts)
+        self.flops_low_rank, self.flops_full = kronecker_projection_flops(max(self.d_out, 1), self.d_in, self.r_out,
+                                                                          self.r_in)
+        self.low_rank = self.form == "low_rank" or (self.form == "auto" and self.flops_low_rank < self.flops_full)
+        # kept entries of the masked corner (bool, 1 byte each): zeroed in the low-rank form, which removes the rest
+        self._corner_keep = (self.mask[: (r_out if self.U_out is not None else None), : self.r_in] != 0).contiguous()
+        # association order of the thin GEMMs (see kronecker_projection_flops): U_out side first when cheaper
+        self._out_first = self.r_out is not None and (
+            self.r_out * self.d_in * (self.d_out + self.r_in) <= self.r_in * self.d_out * (self.d_in + self.r_out))
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod
@@ -214,8 +283,24 @@ class KroneckerProjector(LayerProjector):
         return self.U_out @ C @ self.U_in.T
 
     def project(self, Q: Tensor) -> Tensor:
-        """``U_out ((U_out^T Q U_in) * M) U_in^T``, computed in ``self.dtype``, cast back to ``Q``'s dtype."""
-        return self.unrotate(self.rotate(Q)).to(Q.dtype)
+        """``U_out ((U_out^T Q U_in) * M) U_in^T`` for ``Q`` of shape ``d_out x d_in`` (any strides), computed
+        in ``self.dtype`` in the full or the low-rank form (:attr:`low_rank`), cast back to ``Q``'s dtype.
+        ``Q`` itself is returned when nothing is masked."""
+        if not self.low_rank:
+            return self.unrotate(self.rotate(Q)).to(Q.dtype)
+        if self.r_in == 0:
+            return Q
+        X = Q.to(self.dtype)
+        V = self.U_in[:, : self.r_in]
+        if self.U_out is None:
+            removed = (X @ V).masked_fill_(self._corner_keep, 0) @ V.T
+        else:
+            U = self.U_out[:, : self.r_out]
+            if self._out_first:
+                removed = U @ (((U.T @ X) @ V).masked_fill_(self._corner_keep, 0) @ V.T)
+            else:
+                removed = (U @ (U.T @ (X @ V)).masked_fill_(self._corner_keep, 0)) @ V.T
+        return (X - removed).to(Q.dtype)
 
     def dense(self) -> Tensor:
         """The explicit projector matrix on column-major ``vec(Q)`` (tests only)."""
@@ -235,11 +320,20 @@ class KroneckerProjector(LayerProjector):
             return int(self.mask.sum()) * (self.d_out if self.d_out > 0 else 1)
         return int(self.mask.sum())
 
+    def stats(self) -> dict:
+        """Report entry: ``kept_fraction``, ``r_out`` / ``r_in`` (the masked corner; ``r_out`` is None
+        without an output-side basis), ``form`` (``"low_rank"`` or ``"full"``, the one :meth:`project`
+        uses) and ``flop_ratio`` (low-rank FLOPs / full FLOPs per projection)."""
+        ratio = self.flops_low_rank / self.flops_full if self.flops_full else 1.0
+        return {"kept_fraction": round(self.kept_fraction, 6), "r_out": self.r_out, "r_in": self.r_in,
+                "form": "low_rank" if self.low_rank else "full", "flop_ratio": round(ratio, 6)}
+
     def to(self, device: torch.device | str) -> "KroneckerProjector":
         """The projector with its tensors on ``device`` (in place; returns ``self``)."""
         self.U_in = self.U_in.to(device)
         self.U_out = None if self.U_out is None else self.U_out.to(device)
         self.mask = self.mask.to(device)
+        self._corner_keep = self._corner_keep.to(device)
         return self
 
 

@@ -28,9 +28,10 @@ __all__ = ["EditResult", "edit", "restore", "snapshot", "capability_factors", "c
 
 @dataclass
 class EditResult:
-    """What :func:`edit` did: edit layer names, :class:`TrainHistory`, projector stats (kept fraction) per
-    trained tensor, curvature and training seconds, cache info, and the pre-edit values of every
-    parameter the editor changes (full parameter name -> tensor as stored) for drift or undo."""
+    """What :func:`edit` did: edit layer names, :class:`TrainHistory`, projector stats per trained tensor
+    (kept fraction; for Kronecker projectors the masked corner ``r_out`` / ``r_in``, the form used and the
+    low-rank/full FLOP ratio), curvature and training seconds, cache info, and the pre-edit values of
+    every parameter the editor changes (full parameter name -> tensor as stored) for drift or undo."""
 
     layers: list[str]
     history: TrainHistory

@@ -49,8 +49,9 @@ class EditContext:
 @dataclass
 class EditOutcome:
     """What :meth:`Editor.apply` did: the loop's :class:`TrainHistory`, per-trained-tensor projector
-    stats (``kept_fraction``), the final flattened Adam state (when asked for) and whether a given
-    one was continued."""
+    stats (:meth:`LayerProjector.stats`: ``kept_fraction``; for Kronecker projectors also ``r_out``,
+    ``r_in``, ``form`` and ``flop_ratio``), the final flattened Adam state (when asked for) and whether
+    a given one was continued."""
 
     history: TrainHistory
     projector_stats: dict[str, dict] = field(default_factory=dict)
@@ -113,5 +114,5 @@ class Editor:
                 reproject_first_moment(opt, params, projectors, layers)
         history = projected_finetune(model, tokenizer, requests, layers, params, projectors, cfg, optimizer=opt,
                                      progress=ctx.progress)
-        return EditOutcome(history, {n: {"kept_fraction": round(p.kept_fraction, 6)} for n, p in projectors.items()},
+        return EditOutcome(history, {n: p.stats() for n, p in projectors.items()},
                            optimizer_state(opt, params) if ctx.keep_optimizer else {}, carried)
