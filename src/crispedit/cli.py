@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .editing.flags import (add_curvature_args, add_edits_args, add_model_args, add_training_args, config_from_args,
                             load_job_inputs)
+from .distributed import launched_world_size  # torch-free at import
 from .errors import CrispEditError, check_input_file, check_output_dir, check_output_file
 
 # Modules that add sub-commands: each defines add_cli(subparsers) and sets `func` on its parsers; each is
@@ -59,24 +60,29 @@ def cmd_cache_build(args) -> int:
     if args.out:
         check_output_file(args.out)
     texts = capability_corpus(config.cap_corpus, config.n_cap)
-    progress = False if args.quiet else None
     from .curvature.cache import save_factors
+    from .distributed import is_main, process_group_from_env, world_size
     from .editing import capability_factors, curvature_spec
     from .models import cache_dir, load_model, resolve_layers, weight_fingerprint
 
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                            progress=progress)
-    layers = resolve_layers(model, config.layers)
-    fp = weight_fingerprint(model)
-    factors, info = capability_factors(model, tok, layers, config, cache_root=args.cache_dir or cache_dir(),
-                                       fingerprint=fp, force=args.force, progress=progress)
-    path = info["path"]
-    if args.out:
-        save_factors(args.out, factors, curvature_spec(model, list(layers), texts, config, fp),
-                     extra={"collect_seconds": info["seconds"]})
-        path = args.out
-    state = "reused" if info["hit"] else f"built in {info['seconds']:.1f}s"
-    print(f"K-FAC factors for {len(layers)} layers ({factors.n_tokens} tokens) {state}: {path}")
+    with process_group_from_env(args.device) as device:  # under torchrun: shard the corpus, rank 0 writes
+        progress = False if args.quiet or not is_main() else None
+        model, tok = load_model(args.model, dtype=args.dtype, device=device, trust_remote_code=args.trust_remote_code,
+                                progress=progress)
+        layers = resolve_layers(model, config.layers)
+        fp = weight_fingerprint(model)
+        factors, info = capability_factors(model, tok, layers, config, cache_root=args.cache_dir or cache_dir(),
+                                           fingerprint=fp, force=args.force, progress=progress)
+        path = info["path"]
+        if args.out:
+            if is_main():
+                save_factors(args.out, factors, curvature_spec(model, list(layers), texts, config, fp),
+                             extra={"collect_seconds": info["seconds"], "processes": world_size()})
+            path = args.out
+        procs = f" on {world_size()} processes" if world_size() > 1 else ""
+        state = "reused" if info["hit"] else f"built in {info['seconds']:.1f}s{procs}"
+        if is_main():
+            print(f"K-FAC factors for {len(layers)} layers ({factors.n_tokens} tokens) {state}: {path}")
     return 0
 
 
@@ -186,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a flag argparse refused (one line printed already)
         return exc.code if isinstance(exc.code, int) else 2
     try:
+        if args.func is not cmd_cache_build and launched_world_size() > 1:
+            raise CrispEditError(f"{parser.prog} {args.command}: only `cache build` runs under torchrun; run this "
+                                 "command in one process (it reuses the factors a torchrun cache build wrote)")
         return int(args.func(args) or 0)
     except CrispEditError as exc:
         print(f"crispedit: error: {exc}", file=sys.stderr)

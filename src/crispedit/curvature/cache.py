@@ -3,8 +3,10 @@
 A cache entry is one safetensors file ``<root>/kfac/<key>.safetensors`` whose header metadata holds a
 JSON description of how it was made. The key is a digest of everything that changes the numbers:
 the model weight fingerprint, the layer names, the corpus digest, the number of texts, the maximum
-length, the label mode, the seed, the statistics dtype and the factor-format version. Files are
-written to a temporary name and renamed, so a reader sees either nothing or a complete file. Every
+length, the label mode, the seed, the statistics dtype and the factor-format version (not the number of
+processes that collected the factors: a multi-process build gives the one-process factors). Files are
+written to a temporary name and renamed, so a reader sees either nothing or a complete file; under
+``torch.distributed`` only rank 0 writes. Every
 load re-checks the metadata against what the caller expects, so a file is never silently used for
 another model or configuration, and a truncated or corrupt file is reported as such.
 """
@@ -21,6 +23,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..distributed import all_agree, barrier, is_main, world_size
 from ..errors import CrispEditError, atomic_save_safetensors
 from .kfac import KFACFactors, LabelMode, collect_lm_kfac
 
@@ -153,21 +156,31 @@ def get_or_build_factors(
     force: bool = False,
     progress: bool | None = None,
 ) -> tuple[KFACFactors, dict]:
-    """Return cached factors for ``spec`` or collect and cache them. ``info`` says which happened."""
+    """Return cached factors for ``spec`` or collect and cache them. ``info`` says which happened.
+
+    Under ``torch.distributed`` (several processes, e.g. ``torchrun``) every process calls it with the same
+    arguments: the file is used only if every process could read it (otherwise all of them collect, and a
+    cache root that is not shared by all processes means no hits); the collection is sharded across the
+    processes (:func:`~crispedit.curvature.kfac.collect_lm_kfac`), only rank 0 writes the file, and every
+    process returns, with the same factors, once it is written."""
     path = Path(root) / "kfac" / f"{cache_key(spec)}.safetensors"
     t0 = time.perf_counter()
+    factors = None
     if path.is_file() and not force:
         try:
             factors = load_factors(path, spec, shapes=layer_shapes(layers))
-            return factors, {"path": str(path), "hit": True, "seconds": time.perf_counter() - t0,
-                             "spec": factors.meta.get("spec")}
         except CrispEditError:
             pass  # a damaged entry is rebuilt below (and replaced atomically)
+    if all_agree(factors is not None):  # every process takes the same branch (collectives follow)
+        return factors, {"path": str(path), "hit": True, "seconds": time.perf_counter() - t0,
+                         "spec": factors.meta.get("spec")}
     factors = collect_lm_kfac(model, tokenizer, texts, layers, max_len=spec.max_len, batch_size=batch_size,
                               label_mode=LabelMode(spec.label_mode), seed=spec.seed, stat_dtype=stat_dtype,
                               progress=progress)
     seconds = time.perf_counter() - t0
-    save_factors(path, factors, spec, extra={"collect_seconds": seconds})
+    if is_main():
+        save_factors(path, factors, spec, extra={"collect_seconds": seconds, "processes": world_size()})
+    barrier()
     return factors, {"path": str(path), "hit": False, "seconds": seconds, "spec": spec.as_dict()}
 
 

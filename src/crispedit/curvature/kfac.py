@@ -13,7 +13,9 @@ Pieces, kept apart so they snap together:
 * :func:`capture_io` hooks a set of modules, records their inputs and output gradients during one
   forward/backward, and makes the lowest hooked output the leaf of the graph, so that with all
   parameters frozen backward stops there and computes no parameter gradients.
-* :func:`collect_lm_kfac` runs one pass over a text corpus for every chosen layer at once.
+* :func:`collect_lm_kfac` runs one pass over a text corpus for every chosen layer at once; under
+  ``torch.distributed`` each process takes every ``world_size``-th batch and the unnormalised sums and
+  row counts are all-reduced before the division (:meth:`FactorAccumulator.all_reduce`).
 
 Labels: ``sampled`` draws each position's label from the model's own predictive distribution
 (Monte-Carlo Fisher = Gauss-Newton for softmax cross-entropy, what the paper's Bregman argument
@@ -33,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
+
+from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
 
 __all__ = [
     "LabelMode",
@@ -121,6 +125,25 @@ class FactorAccumulator:
             self.rows[name] += a.shape[0]
         else:
             self.A[name], self.S[name], self.rows[name] = aa, gg, a.shape[0]
+
+    def all_reduce(self, shapes: dict[str, tuple[int, int]], device: torch.device | str) -> None:
+        """Sum the running sums and row counts over every process of the default ``torch.distributed``
+        group, in place (nothing in a single process). ``shapes`` maps each layer, in the same order on
+        every process, to ``(d_out, d_in)``: a process that saw no rows of a layer contributes zero
+        ``d_in x d_in`` / ``d_out x d_out`` float64 sums on ``device``. Layers no process saw stay absent."""
+        if not is_distributed():
+            return
+        names = list(shapes)
+        rows = torch.tensor([self.rows.get(n, 0) for n in names], dtype=torch.int64, device=device)
+        all_reduce_sum_(rows)
+        for i, name in enumerate(names):
+            d_out, d_in = shapes[name]
+            A = self.A.get(name, torch.zeros(d_in, d_in, dtype=torch.float64, device=device))
+            S = self.S.get(name, torch.zeros(d_out, d_out, dtype=torch.float64, device=device))
+            all_reduce_sum_(A)
+            all_reduce_sum_(S)
+            if int(rows[i]) > 0:
+                self.A[name], self.S[name], self.rows[name] = A, S, int(rows[i])
 
     def factors(self, layers: Sequence[str], meta: dict | None = None, out_dtype: torch.dtype = torch.float32) -> KFACFactors:
         missing = [n for n in layers if n not in self.A]
@@ -248,14 +271,24 @@ def collect_lm_kfac(
     label_mode: LabelMode | str = LabelMode.SAMPLED,
     seed: int = 0,
     stat_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.float32,
     progress: bool | None = None,
     desc: str = "K-FAC",
+    distributed: bool | None = None,
 ) -> KFACFactors:
-    """K-FAC factors of the next-token loss of ``model`` on ``texts`` for all ``layers`` in one pass.
+    """K-FAC factors of the next-token loss of ``model`` on ``texts`` for all ``layers`` in one pass:
+    ``A`` (``d_in x d_in``) and ``S`` (``d_out x d_out``) per layer, in ``out_dtype``.
 
     Each text is tokenised (truncated to ``max_len``) and batched with right padding; every position
     with a real next token contributes one row to ``A`` and ``S``; factors are divided by the number of
     such rows.
+
+    ``distributed`` (default: whether a ``torch.distributed`` group of several processes is initialised):
+    process ``r`` of ``w`` runs batches ``r, r + w, r + 2w, ...`` of the same batching (sampled labels are
+    seeded by the global sequence index), then the float64 sums of ``a a^T``, ``g g^T`` and the row counts
+    are summed over the processes (:meth:`FactorAccumulator.all_reduce`) and normalised: every process
+    returns the one-process factors up to the order of the float64 additions. Every process must call it
+    with the same arguments.
     """
     label_mode = LabelMode(label_mode)
     device = next(model.parameters()).device
@@ -265,10 +298,14 @@ def collect_lm_kfac(
     pad_side = getattr(tokenizer, "padding_side", "right")
     tokenizer.padding_side = "right"
     n_batches = (len(texts) + batch_size - 1) // batch_size
-    bar = tqdm(total=len(texts), desc=desc, unit="seq", disable=(None if progress is None else not progress))
+    shard = distributed if distributed is not None else is_distributed()
+    mine = range(rank(), n_batches, world_size()) if shard else range(n_batches)
+    n_mine = sum(len(texts[b * batch_size:(b + 1) * batch_size]) for b in mine)
+    quiet = True if rank() != 0 else (None if progress is None else not progress)  # one bar: rank 0's
+    bar = tqdm(total=n_mine, desc=desc, unit="seq", disable=quiet)
     try:
         with frozen(model):
-            for b in range(n_batches):
+            for b in mine:
                 chunk = list(texts[b * batch_size:(b + 1) * batch_size])
                 enc = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_len)
                 input_ids = enc["input_ids"].to(device)
@@ -296,5 +333,9 @@ def collect_lm_kfac(
         bar.close()
         tokenizer.padding_side = pad_side
         model.train(was_training)
+    if shard:
+        from ..models import weight_matrix
+
+        acc.all_reduce({name: tuple(weight_matrix(m).shape) for name, m in layers.items()}, device)
     meta = {"label_mode": label_mode.value, "seed": seed, "max_len": max_len, "n_texts": len(texts)}
-    return acc.factors(list(layers), meta)
+    return acc.factors(list(layers), meta, out_dtype=out_dtype)
