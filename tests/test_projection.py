@@ -273,3 +273,20 @@ def test_projector_moves_with_its_corner():
     assert P._corner_keep.device.type == "cpu" and P._corner_keep.dtype == torch.bool
     with pytest.raises(ValueError, match="form"):
         KroneckerProjector(P.U_out, P.U_in, P.mask, form="lowrank")
+
+
+@pytest.mark.parametrize("gamma", [0.5, 0.8, 0.99])
+def test_low_rank_form_equals_full_form_on_collected_factors(tiny_lm, gamma):
+    # factors collected from a model (not synthetic spectra): whatever corner the mask has, both forms agree
+    from crispedit.curvature.kfac import collect_lm_kfac
+    from crispedit.data import capability_corpus
+    from crispedit.models import resolve_layers
+
+    model, tok = tiny_lm
+    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
+    f = collect_lm_kfac(model, tok, capability_corpus(None, 4), layers, max_len=32, batch_size=2, progress=False)
+    for name in layers:
+        full, low = both_forms(f.A[name].double(), f.S[name].double(), gamma, torch.float32)
+        assert (low.r_out, low.r_in) == (full.r_out, full.r_in) and low.r_in > 0
+        Q = torch.randn(*full.mask.shape, generator=torch.Generator().manual_seed(0))
+        assert (low.project(Q) - full.project(Q)).abs().max() <= 2e-6 * Q.abs().max(), (name, low.stats())
