@@ -185,3 +185,32 @@ def test_a_catalogued_editor_may_not_restate_its_summary():
     Twice.__module__, Twice.__qualname__ = "crispedit.editing.methods.ft", "FTEditor"
     with pytest.raises(ValueError, match="the catalogue entry of 'ft' holds them"):
         register_editor(Twice)
+
+
+MODULE_PROBE = """
+import json, runpy, sys
+sys.argv = ["crispedit", *json.loads(sys.argv[1])]
+try:
+    runpy.run_module("crispedit", run_name="__main__")
+    rc = None
+except SystemExit as exc:  # __main__ exits with main()'s status
+    rc = exc.code
+print(json.dumps({{"rc": rc, "heavy": sorted(m for m in {heavy!r} if m in sys.modules)}}))
+"""
+
+
+@pytest.mark.parametrize("world_size,argv,rc,text", [
+    (None, ["cache", "build", "--help"], 0, "usage: crispedit cache build"),
+    ("2", ["edit", "--edits", "x.json", "--out", "o"], 2, "only `cache build` runs under torchrun"),
+], ids=["help", "edit-under-torchrun"])
+def test_python_dash_m_is_torch_free_too(world_size, argv, rc, text, tmp_path):
+    # `torchrun -m crispedit` runs crispedit/__main__.py; its start-up and refusals are as cheap as the script's
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.pop("WORLD_SIZE", None)
+    if world_size:
+        env["WORLD_SIZE"] = world_size
+    proc = subprocess.run([sys.executable, "-c", MODULE_PROBE.format(heavy=HEAVY), json.dumps(argv)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    rep = json.loads(proc.stdout.rstrip("\n").split("\n")[-1])
+    assert rep == {"rc": rc, "heavy": []}, (rep, proc.stderr)
+    assert text in (proc.stdout + proc.stderr)
