@@ -105,14 +105,58 @@ def test_torchrun_cache_build_equals_one_process_and_only_rank0_writes(tiny_mode
     assert "reused" in capsys.readouterr().out
 
 
-def test_commands_other_than_cache_build_refuse_torchrun(tmp_path, capsys, monkeypatch):
+def test_torchrun_edit_splits_batches_and_equals_one_process(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from safetensors.torch import load_file
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "rephrase": f"Club {i} was founded by?",
+             "loc": "nq question: who sang it", "loc_ans": "someone", "subject": f"club {i}"} for i in range(5)]
+    (tmp_path / "edits.json").write_text(json.dumps(recs))
+    # 15 sequences in batches of 7, 7, 1: uneven rows per process, and a batch the second process has no row of
+    args = ["edit", "--model", tiny_model_dir, "--edits", tmp_path / "edits.json", "--layers", LAYERS, "--n-cap", 4,
+            "--max-len", 32, "--epochs", 3, "--lr", 1e-2, "--batch-size", 7, "--quiet", "--no-wild"]
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "c2"))
+    proc = torchrun(["-m", "crispedit", *args, "--out", tmp_path / "e2"], tmp_path)
+    assert proc.stdout.count("edited model and edit_report.json written") == 1, proc.stdout  # rank 0 alone
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "c1"))
+    assert main([str(a) for a in [*args, "--out", tmp_path / "e1"]]) == 0
+
+    r1, r2 = (json.loads((tmp_path / e / "edit_report.json").read_text()) for e in ("e1", "e2"))
+    assert r2["processes"] == 2 and "processes" not in r1
+    t1, t2 = r1["training"], r2["training"]
+    assert (t2["steps"], t2["sequences"], t2["tokens_per_epoch"]) == (t1["steps"], t1["sequences"], t1["tokens_per_epoch"])
+    assert t1["steps"] == 9
+    torch.testing.assert_close(torch.tensor(t2["epoch_loss"]), torch.tensor(t1["epoch_loss"]), rtol=1e-5, atol=0)
+    w0 = load_file(str(tiny_model_dir / "model.safetensors"))
+    w1, w2 = load_file(str(tmp_path / "e1" / "model.safetensors")), load_file(str(tmp_path / "e2" / "model.safetensors"))
+    changed = [k for k in w0 if not torch.equal(w0[k], w1[k])]
+    assert changed == ["model.layers.1.mlp.down_proj.weight", "model.layers.2.mlp.down_proj.weight"]
+    for k in w0:
+        step = float((w1[k] - w0[k]).abs().max())
+        assert float((w2[k] - w1[k]).abs().max()) <= 1e-4 * step, k  # fp32 round-off of the split batches
+
+
+def test_other_commands_refuse_torchrun(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    edits = tmp_path / "edits.json"
-    edits.write_text(json.dumps([{"src": "Who founded club 1?", "alt": "Founder A"}]))
-    assert main(["edit", "--edits", str(edits), "--out", str(tmp_path / "o")]) == 2
+    assert main(["report", str(tmp_path / "run.json")]) == 2
     err = capsys.readouterr().err
-    assert "only `cache build` runs under torchrun" in err and err.count("\n") == 1
-    assert not (tmp_path / "o").exists()
+    assert "only `cache build` and `edit` run under torchrun" in err and err.count("\n") == 1
+
+
+def test_shard_batch_rows_and_token_shares():
+    from crispedit.data.tokenize import EncodedBatch
+    from crispedit.editing.loop import shard_batch, target_count
+
+    labels = torch.full((5, 4), -100)
+    labels[:, 2:] = 7
+    labels[3, 2:] = -100  # a row with no target token
+    b = EncodedBatch(torch.arange(20).reshape(5, 4), torch.ones(5, 4, dtype=torch.long), labels, [2, 2, 2, 0, 2])
+    parts = [shard_batch(b, r, 3) for r in range(3)]
+    assert parts[0].input_ids[:, 0].tolist() == [0, 12] and parts[1].input_ids[:, 0].tolist() == [4, 16]
+    assert parts[2].input_ids[:, 0].tolist() == [8] and parts[1].target_lengths == [2, 2]
+    assert sum(target_count(p) for p in parts) == target_count(b) == 8
+    assert shard_batch(b, 5, 6) is None  # no row
+    assert shard_batch(EncodedBatch(b.input_ids[3:4], b.attention_mask[3:4], b.labels[3:4], [0]), 0, 2) is None
 
 
 def test_helpers_are_no_ops_in_one_process(monkeypatch):

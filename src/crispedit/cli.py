@@ -33,12 +33,21 @@ def cmd_edit(args) -> int:
     the exit status."""
     config = config_from_args(args)  # validates before anything slow happens
     check_output_dir(args.out, overwrite=args.overwrite, marker="edit_report.json")
-    requests, model, tok, progress = load_job_inputs(args, config.n_cap)
-    from .pipeline import run_edit_job
+    from .distributed import is_main, process_group_from_env
 
-    report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
-                          edits_path=str(args.edits), cache_file=args.cache, progress=progress, wild=not args.no_wild,
-                          overwrite=args.overwrite)
+    with process_group_from_env(args.device) as device:  # under torchrun: batches split across processes
+        args.device = device
+        requests, model, tok, progress = load_job_inputs(args, config.n_cap)
+        main_process = is_main()  # read inside: the group is gone after the block
+        if not main_process:
+            progress = False
+        from .pipeline import run_edit_job
+
+        report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
+                              edits_path=str(args.edits), cache_file=args.cache, progress=progress,
+                              wild=not args.no_wild, overwrite=args.overwrite)
+    if not main_process:
+        return 0
     s = report["summary"]
     print(f"{config.method}: {len(requests)} edits, rel={s['rel']} gen={s['gen']} kl_drift={s['kl_drift']:.5f} "
           f"edit={s['edit_seconds']:.1f}s cache={s['cache_seconds']:.1f}s epochs={report['training']['epochs']}")
@@ -192,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a flag argparse refused (one line printed already)
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        if args.func is not cmd_cache_build and launched_world_size() > 1:
-            raise CrispEditError(f"{parser.prog} {args.command}: only `cache build` runs under torchrun; run this "
-                                 "command in one process (it reuses the factors a torchrun cache build wrote)")
+        if args.func not in (cmd_cache_build, cmd_edit) and launched_world_size() > 1:
+            raise CrispEditError(f"{parser.prog} {args.command}: only `cache build` and `edit` run under torchrun; "
+                                 "run this command in one process (it reuses the factors a torchrun cache build wrote)")
         return int(args.func(args) or 0)
     except CrispEditError as exc:
         print(f"crispedit: error: {exc}", file=sys.stderr)

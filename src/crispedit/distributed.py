@@ -122,7 +122,13 @@ def process_group_from_env(device: str | None) -> Iterator[str | None]:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend)
+    try:
+        dist.init_process_group(backend=backend)
+    except (ValueError, RuntimeError) as exc:  # e.g. WORLD_SIZE set by hand without torchrun's MASTER_ADDR
+        from .errors import CrispEditError
+
+        raise CrispEditError(f"cannot join the torchrun process group ({backend}): "
+                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     try:
         yield device
         dist.barrier()

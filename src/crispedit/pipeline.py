@@ -18,6 +18,7 @@ import torch
 from . import __version__
 from .data.corpus import heldout_text
 from .data.edits import EditRequest
+from .distributed import barrier, is_main, world_size
 from .editing import EditConfig, EditResult, edit
 from .errors import atomic_directory, atomic_write_json, check_finite_tensors, check_output_dir
 from .evaluation import CONTEXTS, evaluate_edit
@@ -60,7 +61,9 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     contexts (rule judge; chat only for models with a chat template). A non-empty ``out`` is refused
     unless ``overwrite`` and it holds an earlier ``edit_report.json``; then only the files that run wrote
     are replaced (the report's ``files``), the others kept. An edit that leaves inf/nan weights fails
-    with a one-line error and writes nothing."""
+    with a one-line error and writes nothing. Under ``torch.distributed`` every process calls it: the
+    curvature collection and every edit batch are split across the processes, each evaluates the
+    (identical) edited model, and only rank 0 writes ``out``; the report then records ``processes``."""
     out = Path(out)
     previous = check_output_dir(out, overwrite=overwrite, marker="edit_report.json")
     if kl_text is not None:
@@ -75,8 +78,12 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     if wild:
         report["wild"] = ev["wild"]
     report["summary"]["total_seconds"] = round(time.perf_counter() - t0, 3)
-    with atomic_directory(out, previous=previous) as tmp:
-        files = save_model_dir(model, tokenizer, tmp, progress=progress)  # refuses non-finite weights
-        report["files"] = sorted(files + ["edit_report.json"])  # what `--overwrite` may replace later
-        atomic_write_json(tmp / "edit_report.json", report)
+    if world_size() > 1:
+        report["processes"] = world_size()
+    if is_main():  # under torchrun every process holds the same edited weights; rank 0 writes them
+        with atomic_directory(out, previous=previous) as tmp:
+            files = save_model_dir(model, tokenizer, tmp, progress=progress)  # refuses non-finite weights
+            report["files"] = sorted(files + ["edit_report.json"])  # what `--overwrite` may replace later
+            atomic_write_json(tmp / "edit_report.json", report)
+    barrier()
     return report

@@ -9,6 +9,12 @@ loss is already below ``skip_loss`` are skipped, training stops once an epoch's 
 the step (``"update"``), or Adam runs in the K-FAC eigenbasis on the masked rotated gradient
 (``"eigenbasis"``, :class:`.optim.EigenbasisAdam`); the last two keep the weight change strictly
 inside the kept subspace. Projections run in float32 whatever the training dtype.
+
+Under ``torch.distributed`` (``torchrun ... -m crispedit edit``) every batch is split by rows across the
+processes (:func:`shard_batch`): each process computes the cross-entropy of its rows scaled by its share
+of the batch's target tokens, the scaled losses and the gradients are summed over the processes before
+the skip test and the projection, so every process takes the one-process step (up to the order of the
+additions) and the weights stay identical on all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..data.edits import EditRequest
+from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
 from ..data.tokenize import EncodedBatch
 from ..errors import CrispEditError
 from ..models import as_weight_matrix
@@ -32,7 +39,7 @@ from .contexts import sequences_for, training_batches
 from .fastpath import make_loss_fn, plain_loss as edit_loss
 from .optim import make_optimizer
 
-__all__ = ["projected_finetune", "edit_loss", "TrainHistory", "apply_projection", "edit_batches"]
+__all__ = ["projected_finetune", "edit_loss", "TrainHistory", "apply_projection", "edit_batches", "shard_batch"]
 
 
 @dataclass
@@ -73,6 +80,23 @@ def edit_batches(tokenizer, requests: Sequence[EditRequest], config: EditConfig,
     return training_batches(tokenizer, seqs, config.batch_size), names
 
 
+def target_count(batch: EncodedBatch) -> int:
+    """Number of tokens the FT-M loss of ``batch`` averages over (labels other than -100 after the shift)."""
+    return int((batch.labels[:, 1:] != -100).sum())
+
+
+def shard_batch(batch: EncodedBatch, r: int, w: int) -> EncodedBatch | None:
+    """Rows ``r, r + w, r + 2w, ...`` of ``batch`` (same padded width), or ``None`` when that leaves no row
+    with a target token (a batch of fewer than ``w`` sequences)."""
+    rows = list(range(r, batch.input_ids.shape[0], w))
+    if not rows:
+        return None
+    idx = torch.tensor(rows, device=batch.input_ids.device)
+    part = EncodedBatch(batch.input_ids[idx], batch.attention_mask[idx], batch.labels[idx],
+                        [batch.target_lengths[i] for i in rows])
+    return part if target_count(part) > 0 else None
+
+
 def projected_finetune(
     model: nn.Module,
     tokenizer,
@@ -107,7 +131,17 @@ def projected_finetune(
     hist.sequences = sum(b.input_ids.shape[0] for b in batches)
     hist.tokens = sum(b.n_tokens for b in batches)
     model.train()
-    loss_fn = make_loss_fn(model, params, batches, enabled=fast)  # exact shortcut: frozen prefix cached
+    shards = None
+    if is_distributed():  # this process's rows of every batch and their share of its target tokens
+        parts = [shard_batch(b, rank(), world_size()) for b in batches]
+        local = [p for p in parts if p is not None]
+        shards, j = [], 0
+        for b, part in zip(batches, parts):
+            shards.append(None if part is None else (j, target_count(part) / target_count(b)))
+            j += part is not None
+        loss_fn = make_loss_fn(model, params, local, enabled=fast)
+    else:
+        loss_fn = make_loss_fn(model, params, batches, enabled=fast)  # exact shortcut: frozen prefix cached
     hist.fast_loss = bool(getattr(loss_fn, "fast", False))
     bar = tqdm(range(config.epochs), desc=f"edit[{config.method}]", unit="epoch",
                disable=(None if progress is None else not progress))
@@ -115,13 +149,27 @@ def projected_finetune(
         for _epoch in bar:
             losses = []
             for bi in torch.randperm(len(batches), generator=gen).tolist():
-                loss = loss_fn(bi)
-                losses.append(loss.item())
-                if loss.item() < config.skip_loss:
+                if shards is None:
+                    loss = loss_fn(bi)
+                    value = loss.item()
+                else:  # this process's share of the batch mean; the sum over processes is the batch mean
+                    loss = None if shards[bi] is None else loss_fn(shards[bi][0]) * shards[bi][1]
+                    total = torch.zeros((), dtype=torch.float64, device=device)
+                    if loss is not None:
+                        total += loss.detach().double()
+                    value = float(all_reduce_sum_(total))
+                losses.append(value)
+                if value < config.skip_loss:
                     hist.skipped += 1
                     continue
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                if loss is not None:
+                    loss.backward()
+                if shards is not None:
+                    for p in params.values():
+                        if p.grad is None:  # no rows here, or a parameter this shard did not reach
+                            p.grad = torch.zeros_like(p)
+                        all_reduce_sum_(p.grad)
                 # eigenbasis: EigenbasisAdam rotates and masks the raw gradient itself
                 before = {n: p.detach().float().clone() for n, p in params.items()} if target is ProjectionTarget.UPDATE else None
                 with torch.no_grad():
