@@ -3,7 +3,7 @@ from torchrun's environment, and the few collectives crispedit uses (sum-reduce,
 flag, barrier). Every helper is a no-op in a single process, so code paths are the same with and without
 torchrun. The transport is torch's own: gloo for CPU tensors, NCCL for CUDA tensors.
 
-    torchrun --standalone --nproc-per-node 2 -m crispedit cache build --model smollm2 --n-cap 1024
+    torchrun --standalone --nproc-per-node 2 -m crispedit cache build --model smollm2 --n-cap 512
 
 shards the capability corpus across the processes (see :func:`crispedit.curvature.kfac.collect_lm_kfac`);
 only rank 0 writes files and prints.
