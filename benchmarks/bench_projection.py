@@ -32,7 +32,8 @@ from crispedit.editing import EditConfig, capability_factors, get_editor
 from crispedit.editing.loop import apply_projection, edit_loss
 from crispedit.models import load_model, resolve_layers
 from crispedit.pipeline import environment
-from crispedit.projection import KroneckerProjector, energy_keep_mask, kronecker_projection_flops, masked_corner
+from crispedit.projection import (KroneckerProjector, energy_keep_mask, kronecker_projection_flops, masked_corner,
+                                  row_extents, staircase_projection_flops)
 
 # Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B)
 LLAMA3_8B = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256)
@@ -110,19 +111,22 @@ def flops_main(args) -> None:
     print(f"full projector: {full_one / 1e12:.3f} TFLOP per layer, x{args.blocks} = "
           f"{args.blocks * full_one / step['step']:.2f} x the step; gamma={args.gamma}")
     rows = []
-    print(f"{'spectrum':24} {'masked':>8} {'r_out':>6} {'r_in':>6} {'form':>8} {'low/full':>9} "
-          f"{'TFLOP/layer':>11} {'proj/step':>10} {'w/ head':>8}")
+    print(f"{'spectrum':24} {'masked':>8} {'r_out':>6} {'r_in':>6} {'split':>6} {'form':>8} {'1-corner':>9} "
+          f"{'low/full':>9} {'TFLOP/layer':>11} {'proj/step':>10} {'w/ head':>8}")
     for label, lo, li in _spectra(args, d_out, d_in):
         keep = energy_keep_mask(torch.outer(lo, li), args.gamma)
         r_out, r_in = masked_corner(keep)
-        low, full = kronecker_projection_flops(d_out, d_in, r_out, r_in)
+        one_corner = kronecker_projection_flops(d_out, d_in, r_out, r_in)[0]
+        low, full, split = staircase_projection_flops(d_out, d_in, row_extents(keep))
         used = min(low, full)
         row = {"spectrum": label, "masked_fraction": 1 - float(keep.double().mean()), "r_out": r_out, "r_in": r_in,
+               "split": split, "one_corner_ratio": one_corner / full,
                "form": "low_rank" if low < full else "full", "flop_ratio": low / full, "tflop_per_layer": used / 1e12,
                "proj_over_step": args.blocks * used / step["step"],
                "proj_over_step_with_head": args.blocks * used / (step["step"] + step["head"])}
         rows.append(row)
-        print(f"{label:24} {row['masked_fraction']:8.3g} {r_out:6d} {r_in:6d} {row['form']:>8} {row['flop_ratio']:9.4f} "
+        print(f"{label:24} {row['masked_fraction']:8.3g} {r_out:6d} {r_in:6d} {split:6d} {row['form']:>8} "
+              f"{row['one_corner_ratio']:9.4f} {row['flop_ratio']:9.4f} "
               f"{row['tflop_per_layer']:11.4f} {row['proj_over_step']:10.4f} {row['proj_over_step_with_head']:8.4f}")
         del keep
     # one layer, timed: both forms on the same projector (random orthogonal eigenbases, the same spectra)

@@ -208,7 +208,8 @@ def test_nothing_masked_and_everything_masked():
     assert (P.r_out, P.r_in) == (0, 0) and P.low_rank and P.flops_low_rank == 0
     Q = torch.randn(4, 5)
     assert P.project(Q) is Q
-    assert P.stats() == {"kept_fraction": 1.0, "r_out": 0, "r_in": 0, "form": "low_rank", "flop_ratio": 0.0}
+    assert P.stats() == {"kept_fraction": 1.0, "r_out": 0, "r_in": 0, "split": 0, "form": "low_rank",
+                         "flop_ratio": 0.0}
     # everything masked: the corner is the whole matrix, the full form is cheaper, both give zero
     U_out, U_in = eigh_psd(rand_psd(4, seed=2))[1], eigh_psd(rand_psd(5, seed=3))[1]
     for form in ("auto", "low_rank", "full"):
@@ -254,15 +255,16 @@ def test_flop_counts_match_the_gemms_run():
     P = KroneckerProjector.from_factors(A, S, 0.8)
     F = KroneckerProjector(P.U_out, P.U_in, P.mask, form="full")
     Q = torch.randn(20, 30)
-    for proj, elementwise in ((P, P.r_out * P.r_in + 20 * 30), (F, 20 * 30)):
+    corner = sum(keep.numel() for _, _, keep, _ in P._blocks)
+    for proj, elementwise in ((P, corner + 20 * 30), (F, 20 * 30)):
         with FlopCounterMode(display=False) as fc:
             proj.project(Q)
         gemm = (proj.flops_low_rank if proj.low_rank else proj.flops_full) - elementwise
         assert fc.get_total_flops() == gemm
     assert F.flops_full == 4 * 20 * 30 * 50 + 600
-    # the thin-GEMM order is the cheaper one
+    # the two-block form is never dearer than the one-corner form in its cheaper thin-GEMM order
     r_out, r_in = P.r_out, P.r_in
-    assert P.flops_low_rank - r_out * r_in - 600 == 4 * min(r_out * 30 * (20 + r_in), r_in * 20 * (30 + r_out))
+    assert P.flops_low_rank <= 4 * min(r_out * 30 * (20 + r_in), r_in * 20 * (30 + r_out)) + r_out * r_in + 600
     assert kronecker_projection_flops(20, 30, 0, 0) == (0, F.flops_full)
     assert kronecker_projection_flops(20, 30, None, 3) == (4 * 20 * 30 * 3 + 20 * 3 + 600, 4 * 20 * 900 + 600)
 
@@ -270,7 +272,7 @@ def test_flop_counts_match_the_gemms_run():
 def test_projector_moves_with_its_corner():
     P = KroneckerProjector.from_factors(spread_psd(8, 1.5, seed=9), spread_psd(5, 1.0, seed=10), 0.8)
     P.to("cpu")
-    assert P._corner_keep.device.type == "cpu" and P._corner_keep.dtype == torch.bool
+    assert all(keep.device.type == "cpu" and keep.dtype == torch.bool for _, _, keep, _ in P._blocks)
     with pytest.raises(ValueError, match="form"):
         KroneckerProjector(P.U_out, P.U_in, P.mask, form="lowrank")
 
@@ -290,3 +292,67 @@ def test_low_rank_form_equals_full_form_on_collected_factors(tiny_lm, gamma):
         assert (low.r_out, low.r_in) == (full.r_out, full.r_in) and low.r_in > 0
         Q = torch.randn(*full.mask.shape, generator=torch.Generator().manual_seed(0))
         assert (low.project(Q) - full.project(Q)).abs().max() <= 2e-6 * Q.abs().max(), (name, low.stats())
+
+
+def hyperbolic_factors(d_out, d_in, seed=0):
+    """Random orthogonal eigenbases with spectra whose masked top is a thin cross (reaches far along both
+    axes, covers little area): what real K-FAC spectra look like."""
+    g = torch.Generator().manual_seed(seed)
+    U_out = torch.linalg.qr(torch.randn(d_out, d_out, generator=g, dtype=D))[0]
+    U_in = torch.linalg.qr(torch.randn(d_in, d_in, generator=g, dtype=D))[0]
+    lam_out = torch.cat([torch.tensor([50.0], dtype=D), torch.linspace(1.0, 0.5, d_out - 1, dtype=D)])
+    lam_in = torch.cat([torch.tensor([50.0], dtype=D), torch.linspace(1.0, 0.5, d_in - 1, dtype=D)])
+    return U_out, U_in, torch.outer(lam_out, lam_in)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("gamma", [0.78, 0.8])
+def test_two_block_form_on_a_cross_shaped_mask(gamma, dtype, tol):
+    # the masked set is the first row and the first column (plus the corner): the one-corner form would be
+    # the whole matrix, the two-block form is two thin blocks -- and gives the full form's result
+    from crispedit.projection import row_extents, staircase_projection_flops
+
+    d_out, d_in = 40, 60
+    U_out, U_in, ev = hyperbolic_factors(d_out, d_in)
+    P = KroneckerProjector.from_eigenbasis(U_out, U_in, ev, gamma, dtype=dtype)
+    F = KroneckerProjector(P.U_out, P.U_in, P.mask, dtype=dtype, form="full")
+    assert P.r_out > 0.8 * d_out and P.r_in > 0.8 * d_in        # the bounding corner is nearly everything
+    masked = P.mask == 0
+    assert masked[0, : P.r_in].all() and masked[: P.r_out, 0].all() and masked.sum() < 2 * (d_out + d_in)
+    assert P.low_rank and 0 < P.split < d_out and len(P._blocks) == 2
+    one_corner = kronecker_projection_flops(d_out, d_in, d_out, d_in)[0]
+    assert P.flops_low_rank < 0.25 * P.flops_full and P.flops_low_rank < 0.25 * one_corner
+    low, full, split = staircase_projection_flops(d_out, d_in, row_extents(P.mask))
+    assert (low, full, split) == (P.flops_low_rank, P.flops_full, P.split)
+    Q = torch.randn(d_out, d_in, dtype=D)
+    got, ref = P.project(Q.to(dtype)), F.project(Q.to(dtype))
+    assert got.dtype == dtype and (got.double() - ref.double()).abs().max() <= tol * Q.abs().max()
+    from torch.utils.flop_counter import FlopCounterMode
+    corner = sum(keep.numel() for _, _, keep, _ in P._blocks)
+    with FlopCounterMode(display=False) as fc:
+        P.project(Q.to(dtype))
+    assert fc.get_total_flops() == P.flops_low_rank - corner - d_out * d_in
+
+
+def test_staircase_flops_scan_every_split():
+    # brute force over every split and both GEMM orders per block, against the closed scan
+    from crispedit.projection import row_extents, staircase_projection_flops
+
+    g = torch.Generator().manual_seed(11)
+    for _ in range(20):
+        d_out, d_in = int(torch.randint(2, 12, (1,), generator=g)), int(torch.randint(2, 12, (1,), generator=g))
+        mask = (torch.rand(d_out, d_in, generator=g) > 0.3).double()
+        e = row_extents(mask).tolist()
+        nz = [i for i, x in enumerate(e) if x]
+        low, full, split = staircase_projection_flops(d_out, d_in, row_extents(mask))
+        if not nz:
+            assert low == 0
+            continue
+        r_out = nz[-1] + 1
+
+        def block(h, w):
+            return 0 if h == 0 or w == 0 else 4 * min(h * d_in * (d_out + w), w * d_out * (d_in + h))
+        best = min(block(R, max(e[:R], default=0)) + block(r_out - R, max(e[R:r_out], default=0))
+                   + R * max(e[:R], default=0) + (r_out - R) * max(e[R:r_out], default=0) + d_out * d_in
+                   for R in range(r_out + 1))
+        assert low == best and full == 4 * d_out * d_in * (d_out + d_in) + d_out * d_in

@@ -18,9 +18,16 @@ the Kronecker spectrum, which lies in the leading ``r_out`` eigenvectors of ``S`
 (eigenvalues are stored in decreasing order). Then ``P Q = Q - U_r ((U_r^T Q V_r) * (1 - M)_r) V_r^T``
 with ``U_r = U_out[:, :r_out]``, ``V_r = U_in[:, :r_in]``, ``(1 - M)_r`` the ``r_out x r_in`` corner
 of the complement of the keep mask: exact (not an approximation) whatever the shape of the masked set,
-since every masked entry lies in that corner by construction of ``r_out`` / ``r_in``. Each projector
-picks, from its mask, whichever of this and the full rotation costs fewer FLOPs
-(:func:`kronecker_projection_flops`).
+since every masked entry lies in that corner by construction of ``r_out`` / ``r_in``.
+
+Two-block (staircase) form: the masked set of a real spectrum is a staircase that can reach far along
+*both* axes (the top eigenvector of ``S`` pairs with almost every eigenvector of ``A`` and vice versa)
+while covering little area, so its bounding corner is nearly the whole matrix. Splitting its rows at
+``R`` gives two corners: rows ``[0, R)`` × columns ``[0, w_top)`` and rows ``[R, r_out)`` × columns
+``[0, w_bot)`` (``w_*`` the widest masked row of each part); the removed component is the sum of the two
+corners' low-rank terms, again exact. Each projector picks, from its mask, the split (``R = 0`` or
+``r_out`` is the one-corner form) and GEMM order of fewest FLOPs, or the full rotation if that costs
+fewer (:func:`staircase_projection_flops`).
 
 All maths runs in float32 or float64 whatever the dtype of the gradient; results are cast back.
 """
@@ -46,7 +53,9 @@ __all__ = [
     "DenseProjector",
     "kfac_quadratic_form",
     "kronecker_projection_flops",
+    "staircase_projection_flops",
     "masked_corner",
+    "row_extents",
 ]
 
 
@@ -135,6 +144,56 @@ def kronecker_projection_flops(d_out: int, d_in: int, r_out: int | None, r_in: i
         return 0, full
     gemms = 4 * min(r_out * d_in * (d_out + r_in), r_in * d_out * (d_in + r_out))
     return gemms + r_out * r_in + d_out * d_in, full
+
+
+def row_extents(mask: Tensor) -> Tensor:
+    """Per row of a keep ``mask`` (``d_out x d_in``): one past the last masked (zero) column, 0 for a row with
+    nothing masked (int64, length ``d_out``). Its maximum is ``r_in`` of :func:`masked_corner`."""
+    out = torch.zeros(mask.shape[0], dtype=torch.int64)
+    if mask.shape[1] == 0:
+        return out
+    cols = torch.arange(1, mask.shape[1] + 1, dtype=torch.int32, device=mask.device)
+    for i in range(0, mask.shape[0], 256):          # row chunks: no d_out x d_in integer temporary
+        out[i:i + 256] = ((mask[i:i + 256] == 0) * cols).amax(dim=1).cpu()
+    return out
+
+
+def _block_flops(h, w, d_out: int, d_in: int):
+    """FLOPs of the four thin GEMMs of one ``h x w`` corner block in the cheaper association order, and
+    whether that order rotates the output side first (arrays or ints)."""
+    import numpy as np
+
+    out_first = 4 * h * d_in * (d_out + w)
+    in_first = 4 * w * d_out * (d_in + h)
+    return np.minimum(out_first, in_first) * ((h > 0) & (w > 0)), out_first <= in_first
+
+
+def staircase_projection_flops(d_out: int, d_in: int, extents: Tensor) -> tuple[int, int, int]:
+    """``(low_rank, full, split)``: FLOPs (a multiply-add counts 2) of one projection of a ``d_out x d_in``
+    gradient in the best two-block form of the module docstring, of the full form, and the row split ``R``
+    that reaches the first. ``extents`` are the mask's :func:`row_extents`.
+
+    Rows ``[0, R)`` form one corner block of width ``w_top = max(extents[:R])``, rows ``[R, r_out)`` another of
+    width ``w_bot = max(extents[R:])``; each costs ``4 min(h d_in (d_out + w), w d_out (d_in + h))`` in its
+    cheaper GEMM order, plus one mask entry per corner element and the final subtraction ``d_out d_in``.
+    ``R = r_out`` (one block) is :func:`kronecker_projection_flops`' corner. Zero when nothing is masked."""
+    import numpy as np
+
+    full = 4 * d_out * d_in * (d_out + d_in) + d_out * d_in
+    e = extents.detach().cpu().numpy().astype(np.int64)
+    nz = np.nonzero(e)[0]
+    if len(nz) == 0:
+        return 0, full, 0
+    r_out = int(nz[-1]) + 1
+    e = e[:r_out]
+    R = np.arange(r_out + 1, dtype=np.int64)
+    top = np.concatenate([[0], np.maximum.accumulate(e)])                    # max(e[:R])
+    bot = np.concatenate([np.maximum.accumulate(e[::-1])[::-1], [0]])       # max(e[R:])
+    cost = (_block_flops(R, top, d_out, d_in)[0] + _block_flops(r_out - R, bot, d_out, d_in)[0]
+            + R * top + (r_out - R) * bot + d_out * d_in)
+    best = int(np.argmin(cost[::-1]))                 # ties -> the largest R (the one-corner form first)
+    split = r_out - best
+    return int(cost[split]), full, split
 
 
 class LayerProjector:
@@ -233,14 +292,27 @@ class KroneckerProjector(LayerProjector):
         r_out, self.r_in = masked_corner(self.mask)
         self.r_out = None if self.U_out is None else r_out
         # FLOPs per projection; without U_out and a broadcast mask, per gradient row (the ratio is what counts)
-        self.flops_low_rank, self.flops_full = kronecker_projection_flops(max(self.d_out, 1), self.d_in, self.r_out,
-                                                                          self.r_in)
+        if self.U_out is None:
+            self.flops_low_rank, self.flops_full = kronecker_projection_flops(max(self.d_out, 1), self.d_in, None,
+                                                                              self.r_in)
+            self.split = 0
+        else:
+            self.flops_low_rank, self.flops_full, self.split = staircase_projection_flops(
+                self.d_out, self.d_in, row_extents(self.mask))
         self.low_rank = self.form == "low_rank" or (self.form == "auto" and self.flops_low_rank < self.flops_full)
-        # kept entries of the masked corner (bool, 1 byte each): zeroed in the low-rank form, which removes the rest
-        self._corner_keep = (self.mask[: (r_out if self.U_out is not None else None), : self.r_in] != 0).contiguous()
-        # association order of the thin GEMMs (see kronecker_projection_flops): U_out side first when cheaper
-        self._out_first = self.r_out is not None and (
-            self.r_out * self.d_in * (self.d_out + self.r_in) <= self.r_in * self.d_out * (self.d_in + self.r_out))
+        # the corner blocks of the low-rank form: (row slice, width, kept entries of the block (bool, zeroed in
+        # the form, which removes the rest), U_out side rotated first?)
+        self._blocks: list[tuple[slice, int, Tensor, bool]] = []
+        if self.U_out is None:
+            self._blocks.append((slice(None), self.r_in, (self.mask[:, : self.r_in] != 0).contiguous(), False))
+        elif r_out:
+            ext = row_extents(self.mask)
+            for rows in (slice(0, self.split), slice(self.split, r_out)):
+                h = rows.stop - rows.start
+                w = int(ext[rows].max()) if h else 0
+                if h and w:
+                    out_first = bool(_block_flops(h, w, self.d_out, self.d_in)[1])
+                    self._blocks.append((rows, w, (self.mask[rows, :w] != 0).contiguous(), out_first))
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod
@@ -291,16 +363,19 @@ class KroneckerProjector(LayerProjector):
         if self.r_in == 0:
             return Q
         X = Q.to(self.dtype)
-        V = self.U_in[:, : self.r_in]
-        if self.U_out is None:
-            removed = (X @ V).masked_fill_(self._corner_keep, 0) @ V.T
-        else:
-            U = self.U_out[:, : self.r_out]
-            if self._out_first:
-                removed = U @ (((U.T @ X) @ V).masked_fill_(self._corner_keep, 0) @ V.T)
+        out = X
+        for rows, w, keep, out_first in self._blocks:
+            V = self.U_in[:, :w]
+            if self.U_out is None:
+                removed = (X @ V).masked_fill_(keep, 0) @ V.T
             else:
-                removed = (U @ (U.T @ (X @ V)).masked_fill_(self._corner_keep, 0)) @ V.T
-        return (X - removed).to(Q.dtype)
+                U = self.U_out[:, rows]
+                if out_first:
+                    removed = U @ (((U.T @ X) @ V).masked_fill_(keep, 0) @ V.T)
+                else:
+                    removed = (U @ (U.T @ (X @ V)).masked_fill_(keep, 0)) @ V.T
+            out = out - removed
+        return out.to(Q.dtype)
 
     def dense(self) -> Tensor:
         """The explicit projector matrix on column-major ``vec(Q)`` (tests only)."""
@@ -322,10 +397,12 @@ class KroneckerProjector(LayerProjector):
 
     def stats(self) -> dict:
         """Report entry: ``kept_fraction``, ``r_out`` / ``r_in`` (the masked corner; ``r_out`` is None
-        without an output-side basis), ``form`` (``"low_rank"`` or ``"full"``, the one :meth:`project`
-        uses) and ``flop_ratio`` (low-rank FLOPs / full FLOPs per projection)."""
+        without an output-side basis), ``split`` (the row split of the two-block form; 0 or ``r_out`` = one
+        corner), ``form`` (``"low_rank"`` or ``"full"``, the one :meth:`project` uses) and ``flop_ratio``
+        (low-rank FLOPs / full FLOPs per projection)."""
         ratio = self.flops_low_rank / self.flops_full if self.flops_full else 1.0
         return {"kept_fraction": round(self.kept_fraction, 6), "r_out": self.r_out, "r_in": self.r_in,
+                "split": self.split if self.U_out is not None else None,
                 "form": "low_rank" if self.low_rank else "full", "flop_ratio": round(ratio, 6)}
 
     def to(self, device: torch.device | str) -> "KroneckerProjector":
@@ -333,7 +410,7 @@ class KroneckerProjector(LayerProjector):
         self.U_in = self.U_in.to(device)
         self.U_out = None if self.U_out is None else self.U_out.to(device)
         self.mask = self.mask.to(device)
-        self._corner_keep = self._corner_keep.to(device)
+        self._blocks = [(rows, w, keep.to(device), of) for rows, w, keep, of in self._blocks]
         return self
 
 
