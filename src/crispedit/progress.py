@@ -10,4 +10,5 @@ __all__ = ["show_progress"]
 
 
 def show_progress(progress: bool | None) -> bool:
+    """Whether a progress bar shows: ``progress`` itself when given, else whether stderr is a terminal."""
     return sys.stderr.isatty() if progress is None else bool(progress)

@@ -62,6 +62,7 @@ class EKFACFactors:
     meta: dict
 
     def projector(self, name: str, gamma: float, dtype: torch.dtype = torch.float32) -> KroneckerProjector:
+        """Projector of layer ``name`` in its K-FAC eigenbasis with the corrected eigenvalues, under ``gamma``."""
         return KroneckerProjector.from_eigenbasis(self.U_out[name], self.U_in[name], self.eigvals[name], gamma,
                                                   dtype=dtype)
 

@@ -62,13 +62,16 @@ class ParamLayout:
 
     @property
     def sizes(self) -> list[int]:
+        """Number of entries of each parameter, in order."""
         return [math.prod(s) for s in self.shapes]
 
     @property
     def numel(self) -> int:
+        """Total number of parameters."""
         return sum(self.sizes)
 
     def slices(self) -> dict[str, slice]:
+        """Each parameter's slice of the flat parameter vector."""
         out, o = {}, 0
         for n, k in zip(self.names, self.sizes):
             out[n] = slice(o, o + k)
@@ -102,6 +105,7 @@ class ParamLayout:
         return self.flatten({n: named[n].detach() for n in self.names})
 
     def grads(self, model: nn.Module) -> Tensor:
+        """The parameters' ``.grad`` concatenated into one flat vector (zeros where None)."""
         named = dict(model.named_parameters())
         return self.flatten({n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n]))
                              for n in self.names})

@@ -51,6 +51,7 @@ TASK_FILES = {
 
 
 def bench_path(bench_dir: str | os.PathLike | None, rel: str) -> Path:
+    """``bench_dir / rel``; one-line error when no benchmark directory is given."""
     if not bench_dir:
         raise CrispEditError("no benchmark directory: pass --bench-dir DIR or set CRISPEDIT_BENCH_DIR")
     return Path(bench_dir).expanduser() / rel
@@ -92,6 +93,7 @@ def _arc_doc(rec: dict) -> dict:
 
 
 def load_arc(bench_dir=None, **_):
+    """ARC-Challenge from local JSONL as a ``datasets.DatasetDict`` (test; train = the train file, else test)."""
     test = [_arc_doc(r) for r in _jsonl(bench_path(bench_dir, "arc_challenge/ARC-Challenge-Test.jsonl"))]
     train_p = bench_path(bench_dir, "arc_challenge/ARC-Challenge-Train.jsonl")
     train = [_arc_doc(r) for r in _jsonl(train_p)] if train_p.is_file() else test
@@ -111,11 +113,13 @@ def _mmlu_rows(path: Path) -> list[dict]:
 
 
 def load_mmlu(bench_dir=None, subject: str = "", **_):
+    """One MMLU subject from local CSVs as a ``DatasetDict`` (test, dev; answer as index 0-3)."""
     return _dataset_dict({"test": _mmlu_rows(bench_path(bench_dir, f"mmlu/test/{subject}_test.csv")),
                           "dev": _mmlu_rows(bench_path(bench_dir, f"mmlu/dev/{subject}_dev.csv"))})
 
 
 def load_gsm8k(bench_dir=None, **_):
+    """GSM8K test from local JSONL as a ``DatasetDict`` (question, answer)."""
     rows = [{"question": r["question"], "answer": r["answer"]} for r in _jsonl(bench_path(bench_dir, "gsm8k/test.jsonl"))]
     return _dataset_dict({"test": rows})
 
@@ -126,6 +130,7 @@ def _targets(d: dict) -> dict:
 
 
 def load_truthfulqa_mc(bench_dir=None, **_):
+    """TruthfulQA multiple choice (mc1/mc2 targets) from the local ``mc_task.json`` as a ``DatasetDict``."""
     path = bench_path(bench_dir, "truthfulqa/mc_task.json")
     try:
         recs = json.loads(path.read_text(encoding="utf-8"))
@@ -142,6 +147,7 @@ def load_truthfulqa_mc(bench_dir=None, **_):
 
 
 def load_ifeval(bench_dir=None, **_):
+    """IFEval prompts from local JSONL as a ``DatasetDict`` (kwargs JSON-encoded per row)."""
     rows = []
     for r in _jsonl(bench_path(bench_dir, "ifeval/input_data.jsonl")):
         # JSON-encode kwargs: their keys differ per instruction; the task's process_results decodes them

@@ -43,6 +43,8 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 @dataclass(frozen=True)
 class CapabilityTask:
+    """One lm-eval capability task: our name, the local-file task config, the stock hub task, the paper's
+    shot count and the headline metric key."""
     name: str
     local: str          # task name of the shipped local-file config
     hub: str            # stock lm-eval task name (hub data)
@@ -81,6 +83,7 @@ def parse_tasks(spec: str | Sequence[str] | None) -> list[str]:
 
 
 def resolve_bench_dir(bench_dir: str | os.PathLike | None) -> Path | None:
+    """The benchmark directory from the argument or ``CRISPEDIT_BENCH_DIR`` (None when neither); error if missing."""
     d = bench_dir or os.environ.get("CRISPEDIT_BENCH_DIR")
     if not d:
         return None
@@ -91,6 +94,7 @@ def resolve_bench_dir(bench_dir: str | os.PathLike | None) -> Path | None:
 
 
 def lm_eval_version() -> str | None:
+    """The installed lm-evaluation-harness version, None when it is not installed."""
     try:
         from importlib.metadata import version
 
@@ -174,7 +178,9 @@ def _prefix_sharing_lm_class():
     from tqdm.auto import tqdm
 
     class PrefixSharingHFLM(HFLM):
+        """lm-eval's HF model, scoring requests that share a context in one forward pass."""
         def loglikelihood(self, requests, disable_tqdm: bool = False):
+            """``(log P(continuation | context), is_greedy)`` per request, contexts shared across choices."""
             encoded = []
             for req in requests:
                 ctx, cont = req.args

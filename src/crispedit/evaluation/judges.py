@@ -85,6 +85,7 @@ Just return the letters "A" or "B", with no text around it."""
 
 @dataclass
 class Judgement:
+    """A judge's verdict on one answer: ``correct`` and a short ``reason``."""
     correct: bool
     reason: str  # rule: contained / missing / contradiction / repetition / empty; openai: the raw reply
 
@@ -217,6 +218,7 @@ class RuleJudge:
     name = "rule"
 
     def grade(self, question: str, gold: str, predicted: str) -> Judgement:
+        """Whether ``predicted`` states ``gold`` as the answer to ``question`` (rule rubric, offline)."""
         toks = _tokens(predicted)
         pred_words = [n for raw, n in toks if raw[0].isalnum()]
         gold_words = [w for w in _words(gold) if w not in _ARTICLES]
@@ -241,9 +243,11 @@ class RuleJudge:
         return Judgement(True, "contained")
 
     def grade_many(self, items: Sequence[tuple[str, str, str]], progress: bool | None = False) -> list[Judgement]:
+        """:meth:`grade` for each ``(question, gold, predicted)``, in order."""
         return [self.grade(q, g, p) for q, g, p in items]
 
     def config(self) -> dict:
+        """What a report records about this judge."""
         return {"judge": "rule"}
 
 
@@ -314,10 +318,12 @@ class OpenAIJudge:
         raise AssertionError("unreachable")
 
     def grade(self, question: str, gold: str, predicted: str) -> Judgement:
+        """Ask the endpoint with the paper's grader prompt; ``reason`` is the start of its reply."""
         reply = self._ask(GRADER_PROMPT.format(question=question, target=gold, predicted_answer=predicted))
         return Judgement(bool(parse_grade(reply)), reply.strip()[:40])
 
     def grade_many(self, items: Sequence[tuple[str, str, str]], progress: bool | None = False) -> list[Judgement]:
+        """:meth:`grade` for each ``(question, gold, predicted)`` on ``workers`` threads, results in order."""
         from tqdm.auto import tqdm
 
         with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
@@ -325,10 +331,12 @@ class OpenAIJudge:
             return list(tqdm(it, total=len(items), desc="judge", disable=(None if progress is None else not progress)))
 
     def config(self) -> dict:
+        """What a report records about this judge (never the API key)."""
         return {"judge": "openai", "base_url": self.base_url, "model": self.model}
 
 
 def make_judge(name: str):
+    """The judge called ``name`` (``rule`` or ``openai``); one-line error otherwise."""
     if name == "rule":
         return RuleJudge()
     if name == "openai":

@@ -28,6 +28,9 @@ __all__ = ["PairScore", "score_pairs", "edit_scores", "summarize_edit_scores"]
 
 @dataclass
 class PairScore:
+    """Teacher-forced score of one (prompt, target) pair: ``exact`` every target token is the argmax, ``token_acc``
+    the fraction that are, ``target_logprob`` the summed log-probability of the target tokens (nats) over
+    ``n_tokens`` tokens."""
     exact: bool
     token_acc: float
     target_logprob: float
@@ -35,12 +38,15 @@ class PairScore:
 
     @property
     def mean_logprob(self) -> float:
+        """Mean log-probability per target token (nats); 0 tokens count as 1."""
         return self.target_logprob / max(self.n_tokens, 1)
 
 
 @torch.no_grad()
 def score_pairs(model: nn.Module, tokenizer, prompts: Sequence[str], targets: Sequence[str],
                 batch_size: int = 32) -> list[PairScore]:
+    """Score every ``prompts[i] + ' ' + targets[i]`` under teacher forcing in batches of ``batch_size`` (model in
+    eval mode, restored after): one :class:`PairScore` per pair, in order."""
     device = next(model.parameters()).device
     out: list[PairScore] = []
     was_training = model.training
@@ -116,6 +122,8 @@ def _add_specificity(model, tokenizer, requests, per_edit, batch_size) -> None:
 
 
 def summarize_edit_scores(per_edit: Sequence[dict]) -> dict:
+    """Means over edits (None where no edit has the key, rounded to 4 digits) of ``rel``, ``gen`` and their token
+    accuracies, plus ``spec`` / ``spec_token_acc`` / ``spec_cf`` when specificity was scored."""
     def mean(key: str):
         vals = [float(e[key]) for e in per_edit if e.get(key) is not None]
         return round(sum(vals) / len(vals), 4) if vals else None

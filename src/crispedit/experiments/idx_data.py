@@ -102,6 +102,8 @@ def load_idx(path: str | os.PathLike) -> np.ndarray:
 
 
 def default_cache_dir() -> Path:
+    """Where downloaded IDX datasets are kept: ``$CRISPEDIT_CACHE/datasets``, else
+    ``$XDG_CACHE_HOME/crispedit/datasets`` (``~/.cache`` by default)."""
     root = os.environ.get("CRISPEDIT_CACHE")
     base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "crispedit"
     return base / "datasets"

@@ -89,12 +89,14 @@ class SmallLeNet(nn.Module):
         self.fc2 = nn.Linear(hidden, n_classes, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Logits (``batch x n_classes``) of images ``x`` (``batch x 1 x 28 x 28``)."""
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
     @property
     def layer_names(self) -> list[str]:
+        """Names of the trainable layers (convolutions and linear), input to output."""
         return ["conv1", "conv2", "fc1", "fc2"]
 
 
@@ -104,6 +106,7 @@ def _normalise(split: ImageSplit) -> ImageSplit:
 
 @torch.no_grad()
 def accuracy(model: nn.Module, split: ImageSplit, batch: int = 2000) -> float:
+    """Classification accuracy (0-1) of ``model`` on ``split`` in eval mode, restored after."""
     was = model.training
     model.eval()
     correct = 0
@@ -114,6 +117,7 @@ def accuracy(model: nn.Module, split: ImageSplit, batch: int = 2000) -> float:
 
 
 def pretrain(model: nn.Module, data: ImageSplit, cfg: MnistStudyConfig, progress: bool | None) -> None:
+    """Train ``model`` on the pretraining task (cross-entropy, Adam, ``cfg``'s epochs and batch size), in place."""
     gen = torch.Generator().manual_seed(cfg.seed)
     steps_per_epoch = max(1, len(data) // cfg.pretrain_batch)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.pretrain_lr)
@@ -145,10 +149,12 @@ class ParamProjector:
     kept_dims: int
 
     def project_(self, model: nn.Module) -> None:  # pragma: no cover - interface
+        """Project every parameter gradient of ``model`` in place."""
         raise NotImplementedError
 
 
 class NoProjection(ParamProjector):
+    """Leave gradients as they are (plain fine-tuning)."""
     def __init__(self, n_params: int):
         self.kept_dims = n_params
 
@@ -194,9 +200,11 @@ class LayerwiseParamProjector(ParamProjector):
 
 
 class Curvature:
+    """A curvature model of the pretraining loss that builds projectors at any ``gamma``."""
     method: str
 
     def projector(self, gamma: float) -> ParamProjector:  # pragma: no cover - interface
+        """The projector keeping the ``1 - gamma`` low-energy part of this curvature."""
         raise NotImplementedError
 
 
@@ -444,6 +452,7 @@ def _format_row(r: dict) -> str:
 
 
 def format_table(rows: Sequence[dict]) -> str:
+    """The study rows as a fixed-width text table (one line per curvature and gamma)."""
     head = f"{'method':<15} {'k':>5} {'gamma':>12} {'MNIST':>7} {'Fashion':>8} {'kept':>6} {'recomp':>6} {'sec':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -455,6 +464,7 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # ``python -m crispedit.experiments.mnist_study``
+    """Command line of the MNIST curvature study; returns the exit code."""
     parser = argparse.ArgumentParser(prog="crispedit")
     add_cli(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

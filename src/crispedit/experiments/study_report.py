@@ -24,6 +24,7 @@ _STYLE = {  # method -> (label, colour, marker)
 
 
 def write_csv(path: str | Path, rows: Sequence[dict]) -> None:
+    """Write ``rows`` (the study's CSV_FIELDS columns) to ``path`` atomically."""
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
