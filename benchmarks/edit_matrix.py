@@ -1,7 +1,8 @@
 """Edit-quality matrix / sweep on one model and one edit set: any EditConfig fields per run.
 
 Loads the model once, runs each configuration from the same base weights (restored between runs),
-and records teacher-forced rel / gen, KL drift, WILD rel / gen / locality under the qa, none (bare) and
+and records teacher-forced rel / gen, KL drift (measured, and ``kl_pred``: the K-FAC prediction from the
+capability factors, also for ft), WILD rel / gen / locality under the qa, none (bare) and
 chat contexts (rule judge), epochs and seconds. Writes a JSON (full configs + environment, rewritten
 after every run), a markdown table and a PNG (WILD-QA rel and gen against KL drift, one point per run).
 
@@ -27,7 +28,7 @@ from crispedit.errors import atomic_write_bytes, atomic_write_json
 from crispedit.evaluation import evaluate_edit
 from crispedit.evaluation.wild import check_template
 from crispedit.models import load_model
-from crispedit.pipeline import environment
+from crispedit.pipeline import drift_summary, environment
 
 DEFAULT_RUNS = ("method=ft;contexts=bare;answer_end=none|method=crispedit;contexts=bare;answer_end=none|"
                 "method=ft|method=crispedit|method=crispedit;projection_target=update|"
@@ -70,7 +71,7 @@ def label(d: dict) -> str:
 
 
 COLUMNS = ["run", "tf_rel", "tf_gen", "qa_rel", "qa_gen", "none_rel", "none_gen", "chat_rel", "chat_gen",
-           "qa_loc", "kl_drift", "epochs", "edit_s"]
+           "qa_loc", "kl_drift", "kl_pred", "epochs", "edit_s"]
 
 
 def extra_contexts(rows: list[dict]) -> list[str]:
@@ -96,7 +97,7 @@ def row_cells(r: dict, extra: list[str] = ()) -> list[str]:
 
     return [r["run"], f"{r['rel']:.2f}", f"{r['gen']:.2f}", f("qa", "rel"), f("qa", "gen"), f("none", "rel"),
             f("none", "gen"), f("chat", "rel"), f("chat", "gen"), f("qa", "loc_vs_answer"), f"{r['kl_drift']:.5f}",
-            str(r["epochs"]), f"{r['edit_seconds']:.0f}"] + [f(n, k) for n in extra for k in ("rel", "gen")]
+            "–" if r.get("kl_predicted") is None else f"{r['kl_predicted']:.5f}", str(r["epochs"]), f"{r['edit_seconds']:.0f}"] + [f(n, k) for n in extra for k in ("rel", "gen")]
 
 
 def write_outputs(out: Path, payload: dict) -> None:
@@ -170,12 +171,12 @@ def main() -> None:
     print(" ".join(f"{c:>8}" for c in columns(extra)[1:]) + "  run", flush=True)
     for d, cfg in zip(runs, configs):
         t0 = time.perf_counter()
-        res = edit(model, tok, requests, cfg, progress=False)
+        res = edit(model, tok, requests, cfg, progress=False, predict_drift=True)  # kl_pred for ft too
         ev = evaluate_edit(model, tok, requests, res.original_weights, wild=[c for c in args.wild.split(",") if c],
                            wild_templates=templates, progress=False)
         summary, wild = ev["summary"], {k: v for k, v in ev.get("wild", {}).items() if k != "judge"}
         restore(model, res.original_weights)
-        row = {"run": label(d), "overrides": d, **summary, "wild": wild,
+        row = {"run": label(d), "overrides": d, **summary, **drift_summary(res), "wild": wild,
                "epochs": len(res.history.epoch_loss), "converged": res.history.converged,
                "training": res.history.to_json(), "edit_seconds": round(res.edit_seconds, 2),
                "cache_seconds": round(res.cache_seconds, 2),

@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from .editing.flags import (add_curvature_args, add_edits_args, add_model_args, add_training_args, config_from_args,
-                            load_job_inputs)
+from .editing.flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
+                            config_from_args, load_job_inputs)
 from .distributed import launched_world_size  # torch-free at import
 from .errors import CrispEditError, check_input_file, check_output_dir, check_output_file
 
@@ -45,12 +45,17 @@ def cmd_edit(args) -> int:
 
         report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
                               edits_path=str(args.edits), cache_file=args.cache, progress=progress,
-                              wild=not args.no_wild, overwrite=args.overwrite)
+                              wild=not args.no_wild, overwrite=args.overwrite, predict_drift=args.predict_drift)
     if not main_process:
         return 0
     s = report["summary"]
+    pred = "-" if s.get("kl_predicted") is None else f"{s['kl_predicted']:.5f}"
     print(f"{config.method}: {len(requests)} edits, rel={s['rel']} gen={s['gen']} kl_drift={s['kl_drift']:.5f} "
-          f"edit={s['edit_seconds']:.1f}s cache={s['cache_seconds']:.1f}s epochs={report['training']['epochs']}")
+          f"kl_predicted={pred} edit={s['edit_seconds']:.1f}s cache={s['cache_seconds']:.1f}s "
+          f"epochs={report['training']['epochs']}")
+    if s.get("drift_budget"):
+        b = s["drift_budget"]
+        print(f"  drift budget {b['max_drift']:g}: {'hit' if b['hit'] else 'not hit'} ({b['hits']} of {b['steps']} steps pulled back)")
     for ctx, w in (report.get("wild") or {}).items():
         if isinstance(w, dict):
             print(f"  WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']}")
@@ -152,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_curvature_args(p)
     add_edits_args(p)
     add_training_args(p)
+    add_max_drift_arg(p)
+    p.add_argument("--predict-drift", action="store_true",
+                   help="report kl_predicted for methods without curvature too (ft, locbf-ft: collects or reuses "
+                   "the capability factors)")
     p.add_argument("--kl-text", default=None, help="held-out text for kl_drift (default: bundled WikiText sample)")
     p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")
     p.add_argument("--out", required=True, help="output directory (HF model + edit_report.json); must be new or empty")

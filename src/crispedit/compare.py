@@ -155,7 +155,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
             before = snapshot(editor.changes(model, editor.select_layers(model, cfg), cfg))
             try:
                 with peak_memory(device) as mem:
-                    res = edit(model, tokenizer, requests, cfg, progress=inner)
+                    res = edit(model, tokenizer, requests, cfg, progress=inner, predict_drift=True)
             except BaseException:
                 restore(model, before)  # an interrupted edit leaves the base behind
                 raise
@@ -169,6 +169,9 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                 restore(model, res.original_weights)
             if weight_fingerprint(model) != fp:
                 raise CrispEditError(f"restoring the base after {method} failed (fingerprint differs)")
+            from .pipeline import drift_summary
+
+            ev["summary"].update(drift_summary(res))
             payload["results"][method] = _row(
                 method, ev, config=cfg.to_json(), layers=res.layers, changed=sorted(res.original_weights),
                 changed_numel=sum(t.numel() for t in res.original_weights.values()),
@@ -180,7 +183,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
         if progress is not False:
             qa = r["wild"].get("qa") or {}
             tqdm.write(f"{method}: WILD qa rel={qa.get('rel')} gen={qa.get('gen')} tf rel={r['summary']['rel']} "
-                       f"kl_drift={r['summary']['kl_drift']:.5f}"
+                       f"kl_drift={r['summary']['kl_drift']:.5f} kl_predicted={r['summary'].get('kl_predicted')}"
                        + (f" edit={r['edit_seconds']:.1f}s" if "edit_seconds" in r else ""))
     bar.close()
     write_outputs(out, payload)
@@ -219,7 +222,7 @@ def compare_table(payload: dict) -> str:
             ("TF gen", lambda r: r["summary"].get("gen"), True)]
     cols += [(c, (lambda c: lambda r: r["capabilities"].get(c))(c), True) for c in caps]
     edited = [res[m] for m in rows if m != "base"]
-    head = ["method"] + [c[0] for c in cols] + ["KL drift", "edit time", "curvature", "peak mem MiB (+rise)"]
+    head = ["method"] + [c[0] for c in cols] + ["KL drift", "KL pred", "edit time", "curvature", "peak mem MiB (+rise)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in rows:
         r = res[m]
@@ -234,13 +237,15 @@ def compare_table(payload: dict) -> str:
         mem = r.get("memory") or {}
         peak = "" if not mem else (f"{mem['peak_mib']:.0f} (+{mem['increase_mib']:.0f})" if mem.get("peak_mib")
                                    else f"+{mem['increase_mib']:.0f}")
-        cells += [f"{r['summary']['kl_drift']:.5f}", _duration(r.get("edit_seconds")),
+        pred = r["summary"].get("kl_predicted")
+        cells += [f"{r['summary']['kl_drift']:.5f}", "–" if pred is None else f"{pred:.5f}", _duration(r.get("edit_seconds")),
                   _duration(r.get("cache_seconds")) if r.get("cache_seconds") else "", peak]
         lines.append("| " + " | ".join(cells) + " |")
     s = payload["settings"]
     note = (f"\n{s['model']} · {s['n_edits']} edits {json.dumps(s['edits'])} · WILD rule judge (qa = the paper's "
             "wrapper, never trained) · TF = teacher-forced · KL drift = mean per-token KL(base‖edited) on held-out "
-            "text (nats)" + (f" · capabilities: lm-eval, limit {s['evaluation']['limit']}" if caps else "")
+            "text (nats) · KL pred = the K-FAC prediction ½·Σ tr(ΔWᵀSΔWA) from the capability factors"
+            + (f" · capabilities: lm-eval, limit {s['evaluation']['limit']}" if caps else "")
             + f" · peak memory: {next((r['memory']['measure'] for r in edited if r.get('memory')), '–')}\n")
     return "\n".join(lines) + "\n" + note
 

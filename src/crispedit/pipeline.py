@@ -24,7 +24,7 @@ from .errors import atomic_directory, atomic_write_json, check_finite_tensors, c
 from .evaluation import CONTEXTS, evaluate_edit
 from .models import parameter, save_model_dir
 
-__all__ = ["run_edit_job", "build_report", "environment"]
+__all__ = ["run_edit_job", "build_report", "environment", "drift_summary"]
 
 
 def environment() -> dict:
@@ -41,6 +41,7 @@ def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditReq
     """The ``edit_report.json`` dict: what was run, summary, training history, projector, cache, config,
     environment, per-edit scores."""
     summary = dict(summary)
+    summary.update(drift_summary(result))
     summary["edit_seconds"] = round(result.edit_seconds, 3)
     summary["cache_seconds"] = round(result.cache_seconds, 3)
     return {
@@ -52,10 +53,22 @@ def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditReq
     }
 
 
+def drift_summary(result: EditResult) -> dict:
+    """The report keys of the drift model: ``kl_predicted`` (K-FAC predicted per-token KL drift, nats;
+    ``None`` when no factors cover the changed weights), ``kl_predicted_layers`` (per edit layer) and, with
+    ``--max-drift``, ``drift_budget`` (``max_drift``, ``hit``, ``hits``, ``steps``, ``final_predicted``)."""
+    pred = result.kl_predicted
+    out = {"kl_predicted": None if pred is None else float(f"{pred['total']:.6g}"),
+           "kl_predicted_layers": None if pred is None else {k: float(f"{v:.6g}") for k, v in pred["layers"].items()}}
+    if result.drift_budget is not None:
+        out["drift_budget"] = result.drift_budget
+    return out
+
+
 def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: EditConfig, out: str | Path, *,
                  model_spec: str = "<in-memory>", kl_text: str | None = None, edits_path: str | None = None,
                  cache_file: str | None = None, progress: bool | None = None, wild: bool = True,
-                 overwrite: bool = False) -> dict:
+                 overwrite: bool = False, predict_drift: bool = False) -> dict:
     """Edit, evaluate and save ``model`` to ``out`` (HF format + ``edit_report.json``). With ``wild``
     the report gets a ``wild`` section: free-generation rel / gen / locality under the qa, none and chat
     contexts (rule judge; chat only for models with a chat template). A non-empty ``out`` is refused
@@ -63,13 +76,16 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     are replaced (the report's ``files``), the others kept. An edit that leaves inf/nan weights fails
     with a one-line error and writes nothing. Under ``torch.distributed`` every process calls it: the
     curvature collection and every edit batch are split across the processes, each evaluates the
-    (identical) edited model, and only rank 0 writes ``out``; the report then records ``processes``."""
+    (identical) edited model, and only rank 0 writes ``out``; the report then records ``processes``.
+    ``predict_drift``: also report ``kl_predicted`` for editors without curvature (see
+    :func:`crispedit.editing.edit`)."""
     out = Path(out)
     previous = check_output_dir(out, overwrite=overwrite, marker="edit_report.json")
     if kl_text is not None:
         heldout_text(kl_text, 1)  # fail early on a bad --kl-text, before any work
     t0 = time.perf_counter()
-    result = edit(model, tokenizer, requests, config, cache_file=cache_file, progress=progress)
+    result = edit(model, tokenizer, requests, config, cache_file=cache_file, progress=progress,
+                  predict_drift=predict_drift)
     changed = {n: parameter(model, n) for n in result.original_weights}
     check_finite_tensors(changed, f"the {config.method} edit")  # fail now, before evaluating a broken model
     ev = evaluate_edit(model, tokenizer, requests, result.original_weights, kl_text=kl_text, max_len=config.max_len,

@@ -31,7 +31,10 @@ class EditResult:
     """What :func:`edit` did: edit layer names, :class:`TrainHistory`, projector stats per trained tensor
     (kept fraction; for Kronecker projectors the masked corner ``r_out`` / ``r_in``, the form used and the
     low-rank/full FLOP ratio), curvature and training seconds, cache info, and the pre-edit values of
-    every parameter the editor changes (full parameter name -> tensor as stored) for drift or undo."""
+    every parameter the editor changes (full parameter name -> tensor as stored) for drift or undo;
+    ``kl_predicted``: the K-FAC predicted per-token KL drift of the change (nats; ``{"total", "layers"}``,
+    :func:`~crispedit.curvature.predicted.predicted_kl`; ``None`` without factors for the changed
+    weights); ``drift_budget``: what ``--max-drift`` did (``None`` without a budget)."""
 
     layers: list[str]
     history: TrainHistory
@@ -40,6 +43,8 @@ class EditResult:
     edit_seconds: float
     cache_info: dict = field(default_factory=dict)
     original_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    kl_predicted: dict | None = None
+    drift_budget: dict | None = None
 
 
 def curvature_spec(model: nn.Module, layers: Sequence[str], texts: Sequence[str], config: EditConfig,
@@ -76,12 +81,15 @@ def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module]
 
 def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: EditConfig | None = None, *,
          factors: KFACFactors | None = None, cache_root: str | Path | None = None,
-         cache_file: str | Path | None = None, progress: bool | None = None) -> EditResult:
+         cache_file: str | Path | None = None, progress: bool | None = None,
+         predict_drift: bool = False) -> EditResult:
     """Apply ``requests`` to ``model`` in place with ``config.method`` and return what happened.
 
     ``result.original_weights`` holds the pre-edit values of every parameter the editor declares it
     changes (:meth:`Editor.changes`, full parameter names), to measure drift or undo the edit with
-    :func:`restore`.
+    :func:`restore`. ``result.kl_predicted`` is the drift the capability factors predict for the change;
+    editors without curvature (ft, locbf-ft) get it only with ``predict_drift`` (their factors are then
+    fetched from the cache or collected, like a curvature editor's).
     """
     config = (config or EditConfig()).validate()
     if not requests:
@@ -90,7 +98,9 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     resolve_contexts(config.contexts, tokenizer)  # a context this model cannot take fails before any work
     layers = editor.select_layers(model, config)
     cache_seconds, info = 0.0, {}
-    if editor.needs_curvature:
+    changed = editor.changes(model, layers, config)
+    predictable = any(f"{n}.weight" in changed for n in layers)  # not LoRA's q/v projections
+    if editor.needs_curvature or (predict_drift and predictable):
         if factors is None:
             factors, info = capability_factors(model, tokenizer, layers, config, cache_root=cache_root,
                                                cache_file=cache_file, progress=progress)
@@ -98,12 +108,14 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
         missing = [n for n in layers if n not in factors.A]
         if missing:
             raise CrispEditError(f"curvature factors do not cover layers {missing}")
-    original = snapshot(editor.changes(model, layers, config))
+    original = snapshot(changed)
     t0 = time.perf_counter()
     outcome = editor.apply(model, tokenizer, requests, EditContext(config, layers, factors, progress=progress))
     edit_seconds = time.perf_counter() - t0
+    from ..curvature.predicted import predicted_kl
+
     return EditResult(list(layers), outcome.history, outcome.projector_stats, cache_seconds, edit_seconds, info,
-                      original)
+                      original, predicted_kl(layers, factors, original), outcome.drift_budget)
 
 
 def snapshot(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

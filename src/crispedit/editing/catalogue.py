@@ -68,10 +68,10 @@ class LocBFConfig(MethodConfig):
 _M = "crispedit.editing.methods"
 BUILTIN_METHODS: tuple[MethodSpec, ...] = (
     MethodSpec("crispedit", "fine-tuning projected onto the low-curvature subspace of the capability K-FAC "
-               "(the paper)", MethodConfig, f"{_M}.crispedit:CrispEditEditor"),
+               "(the paper)", MethodConfig, f"{_M}.crispedit:CrispEditEditor", curvature=True),
     MethodSpec("ft", "plain fine-tuning of the edit layers (no projection)", MethodConfig, f"{_M}.ft:FTEditor"),
     MethodSpec("adam-nscl", "fine-tuning projected onto the null space of the layer-input covariance (Adam-NSCL)",
-               MethodConfig, f"{_M}.adam_nscl:AdamNSCLEditor"),
+               MethodConfig, f"{_M}.adam_nscl:AdamNSCLEditor", curvature=True),
     MethodSpec("lora", "low-rank adapter (peft) on q_proj/v_proj of the edit layers' blocks, merged after training",
                LoRAConfig, f"{_M}.lora:LoRAEditor"),
     MethodSpec("locbf-ft", "plain Adam on one MLP output projection (LocBF-FT)", LocBFConfig,

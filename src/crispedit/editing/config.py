@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 
 from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int, check_positive_int
-from .registry import MethodConfig, get_editor, method_spec
+from .registry import MethodConfig, get_editor, method_names, method_spec
 
 __all__ = ["EditConfig", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES"]
 
@@ -68,6 +68,8 @@ class EditConfig:
     cap_corpus: str | None = None       # path; None = bundled WikiText sample
     seed: int = 0
     options: dict = field(default_factory=dict)  # the method's own settings (Editor.Config fields)
+    # trust region on the predicted KL drift (nats/token, curvature methods only); None = no budget
+    max_drift: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -102,6 +104,12 @@ class EditConfig:
             raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {self.answer_end!r}")
         if self.label_mode not in ("sampled", "empirical"):
             raise CrispEditError(f"label mode must be 'sampled' or 'empirical', got {self.label_mode!r}")
+        if self.max_drift is not None:
+            self.max_drift = check_float("max drift (--max-drift)", self.max_drift, 0.0, lo_open=True)
+            if not spec.curvature:
+                curv = ", ".join(n for n in method_names() if method_spec(n).curvature)
+                raise CrispEditError(f"--max-drift needs the K-FAC factors of a curvature method ({curv}); "
+                                     f"{self.method} holds none")
         return self
 
     @property

@@ -18,6 +18,7 @@ from .contexts import ANSWER_ENDS, DEFAULT_CONTEXTS
 from .registry import method_names, method_spec
 
 __all__ = ["add_model_args", "add_edits_args", "add_curvature_args", "add_training_args", "add_method_option_args",
+           "add_max_drift_arg",
            "config_from_args", "method_options_from_args", "parse_methods", "check_job_files", "load_job_inputs",
            "DEFAULTS"]
 
@@ -87,6 +88,14 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> Non
     add_method_option_args(p)
 
 
+def add_max_drift_arg(p: argparse.ArgumentParser, *, session: bool = False) -> None:
+    """``--max-drift EPS``: the trust region on the K-FAC predicted KL drift (``EditConfig.max_drift``)."""
+    what = ("for the whole session, spent round by round" if session
+            else "after every step the accumulated change is scaled back into it")
+    p.add_argument("--max-drift", type=float, default=None, metavar="EPS",
+                   help=f"budget on the predicted KL drift in nats/token ({what}); crispedit and adam-nscl only")
+
+
 def _dest(method: str, option: str) -> str:
     return f"opt_{method.replace('-', '_')}__{option}"
 
@@ -115,7 +124,8 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
     return EditConfig(method=method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
                       epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
-                      seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options)
+                      seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,
+                      max_drift=getattr(args, "max_drift", None))
 
 
 def parse_methods(spec: str) -> list[str]:

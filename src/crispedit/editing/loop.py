@@ -109,11 +109,14 @@ def projected_finetune(
     optimizer: torch.optim.Optimizer | None = None,
     progress: bool | None = None,
     fast: bool = True,
+    drift_budget=None,
 ) -> TrainHistory:
     """Edit ``model`` in place with ``requests``; only ``params`` train (any parameters: layer weights,
     adapter matrices; ``layers[name]`` is the module owning ``params[name]``, for its storage orientation)
     and everything else is frozen for the duration. ``projectors[name]`` constrains ``params[name]``;
     ``optimizer`` (e.g. Adam state carried across session rounds) defaults to :func:`.optim.make_optimizer`.
+    ``drift_budget`` (a :class:`~crispedit.curvature.predicted.DriftBudget` over ``params``, ``--max-drift``)
+    pulls the accumulated change back into its predicted-KL budget after every step.
     Returns the :class:`TrainHistory`."""
     device = next(model.parameters()).device
     target = ProjectionTarget(config.projection_target)
@@ -181,6 +184,8 @@ def projected_finetune(
                         for n, p in params.items():
                             delta = apply_projection(projectors[n], layers[n], p.detach().float() - before[n])
                             p.copy_((before[n] + delta).to(p.dtype))
+                    if drift_budget is not None:
+                        drift_budget.enforce()  # same weights on every process: the same decision
                 hist.steps += 1
             mean = sum(losses) / len(losses)
             hist.epoch_loss.append(mean)

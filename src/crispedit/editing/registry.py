@@ -66,12 +66,14 @@ class MethodConfig:
 class MethodSpec:
     """One method as the parser and the config see it: ``name`` (the ``--method`` value), ``summary``
     (one line for ``--help``), ``Config`` (its options dataclass) and ``editor``, the editor class as
-    ``"module:Class"`` (imported only by :func:`editor_class`)."""
+    ``"module:Class"`` (imported only by :func:`editor_class`); ``curvature``: the editor needs (and
+    holds) capability K-FAC factors (its class's ``needs_curvature``: what ``--max-drift`` requires)."""
 
     name: str
     summary: str
     Config: type[MethodConfig]
     editor: str
+    curvature: bool = False
 
     @property
     def shared(self) -> dict[str, Any]:
@@ -117,9 +119,12 @@ def register_editor(cls: type) -> type:
         return cls
     spec = _SPECS.get(cls.name)
     if spec is None:
-        add_method(MethodSpec(cls.name, cls.summary, cls.Config, _location(cls)))
+        add_method(MethodSpec(cls.name, cls.summary, cls.Config, _location(cls),
+                              bool(getattr(cls, "needs_curvature", False))))
     elif spec.editor != _location(cls):
         raise ValueError(f"a method named {cls.name!r} is already registered (editor {spec.editor})")
+    elif spec.curvature != bool(getattr(cls, "needs_curvature", False)):
+        raise ValueError(f"{_location(cls)}.needs_curvature differs from the catalogue entry of {cls.name!r}")
     else:
         own = [a for a in ("summary", "Config") if a in vars(cls)]
         if own:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ...curvature.kfac import KFACFactors
 from ...data.edits import EditRequest
+from ...errors import CrispEditError
 from ...models import resolve_layers, weight_matrix
 from ...projection import IdentityProjector, LayerProjector
 from ..config import EditConfig
@@ -35,11 +36,14 @@ class EditContext:
     ``factors``: the K-FAC constraint for curvature editors (capability, or capability + earlier
     edits in a session); ``optimizer_state``: a flattened Adam state to continue from (sessions;
     :func:`..optim.optimizer_state` format) whose first moment is re-projected onto the new kept
-    subspace when ``reproject_momentum``; ``keep_optimizer``: return the final Adam state."""
+    subspace when ``reproject_momentum``; ``keep_optimizer``: return the final Adam state;
+    ``drift_factors``: the capability factors the ``config.max_drift`` budget is measured with (default:
+    ``factors``; sessions pass the capability factors alone, without the earlier edits')."""
 
     config: EditConfig
     layers: dict[str, nn.Module]
     factors: KFACFactors | None = None
+    drift_factors: KFACFactors | None = None
     optimizer_state: dict[str, Tensor] = field(default_factory=dict)
     reproject_momentum: bool = True
     keep_optimizer: bool = False
@@ -51,12 +55,14 @@ class EditOutcome:
     """What :meth:`Editor.apply` did: the loop's :class:`TrainHistory`, per-trained-tensor projector
     stats (:meth:`LayerProjector.stats`: ``kept_fraction``; for Kronecker projectors also ``r_out``,
     ``r_in``, ``form`` and ``flop_ratio``), the final flattened Adam state (when asked for) and whether
-    a given one was continued."""
+    a given one was continued, and what the ``--max-drift`` budget did (:meth:`DriftBudget.to_json`; ``None``
+    without a budget)."""
 
     history: TrainHistory
     projector_stats: dict[str, dict] = field(default_factory=dict)
     optimizer_state: dict[str, Tensor] = field(default_factory=dict)
     optimizer_carried: bool = False
+    drift_budget: dict | None = None
 
 
 def identity_projectors(modules: dict[str, nn.Module]) -> dict[str, LayerProjector]:
@@ -112,7 +118,22 @@ class Editor:
             load_optimizer_state(opt, params, ctx.optimizer_state)
             if ctx.reproject_momentum:
                 reproject_first_moment(opt, params, projectors, layers)
+        budget = self.drift_budget(params, layers, ctx)
         history = projected_finetune(model, tokenizer, requests, layers, params, projectors, cfg, optimizer=opt,
-                                     progress=ctx.progress)
+                                     progress=ctx.progress, drift_budget=budget)
         return EditOutcome(history, {n: p.stats() for n, p in projectors.items()},
-                           optimizer_state(opt, params) if ctx.keep_optimizer else {}, carried)
+                           optimizer_state(opt, params) if ctx.keep_optimizer else {}, carried,
+                           None if budget is None else budget.to_json())
+
+    def drift_budget(self, params: dict[str, nn.Parameter], layers: dict[str, nn.Module], ctx: EditContext):
+        """The ``--max-drift`` trust region over ``params`` (a :class:`DriftBudget` from the edit's start, with
+        ``ctx.drift_factors`` or ``ctx.factors``), or ``None`` when ``ctx.config.max_drift`` is unset. One-line
+        error for an editor that holds no K-FAC factors."""
+        if ctx.config.max_drift is None:
+            return None
+        factors = ctx.drift_factors if ctx.drift_factors is not None else ctx.factors
+        if factors is None or not self.needs_curvature:
+            raise CrispEditError(f"--max-drift needs K-FAC factors; method {self.name} holds none")
+        from ...curvature.predicted import DriftBudget
+
+        return DriftBudget(params, layers, factors, ctx.config.max_drift)

@@ -1,0 +1,120 @@
+"""Predicted KL drift of a weight change from K-FAC factors, and the drift budget that enforces it.
+
+With sampled labels the capability factors approximate the Fisher of the model's own predictive
+distribution per token (:mod:`.kfac`: ``A = E[a aᵀ]``, ``S = E[g gᵀ]`` with ``g`` the gradient of one
+token's loss, divided by the number of tokens). To second order, the mean per-token
+KL(base ‖ edited) of a change ``ΔW`` (``d_out x d_in``) of a linear layer is then
+
+    ½ · vec(ΔW)ᵀ (A ⊗ S) vec(ΔW) = ½ · tr(ΔWᵀ S ΔW A)    (column-major vec)
+
+summed over the edited layers (K-FAC ignores cross-layer terms). This is the quantity measured by
+:func:`crispedit.evaluation.drift.kl_drift` (mean over tokens, nats), on other text.
+
+:class:`DriftBudget` is the trust region of ``--max-drift``: after every optimizer step it scales the
+accumulated change of all layers by one factor ``sqrt(eps / predicted)`` whenever the predicted drift
+exceeds ``eps`` (the form is quadratic, so the scaled change predicts exactly ``eps``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from ..models import as_weight_matrix
+
+__all__ = ["layer_predicted_kl", "predicted_kl", "DriftBudget"]
+
+
+def layer_predicted_kl(dW: Tensor, A: Tensor, S: Tensor, dtype: torch.dtype = torch.float64) -> float:
+    """``½ tr(ΔWᵀ S ΔW A)`` (nats per token) for one layer: ``dW`` ``d_out x d_in``, ``A`` ``d_in x d_in``,
+    ``S`` ``d_out x d_out`` (symmetric), computed in ``dtype`` (float64 by default) on ``dW``'s device."""
+    if dW.shape != (S.shape[0], A.shape[0]):
+        raise ValueError(f"change of shape {tuple(dW.shape)} does not match factors A {tuple(A.shape)}, S {tuple(S.shape)}")
+    d = dW.to(dtype)
+    SA = (S.to(device=d.device, dtype=dtype) @ d) * (d @ A.to(device=d.device, dtype=dtype))
+    return 0.5 * float(SA.sum())
+
+
+def predicted_kl(layers: Mapping[str, nn.Module], factors, before: Mapping[str, Tensor],
+                 after: Mapping[str, Tensor] | None = None) -> dict | None:
+    """Predicted per-token KL drift of the change ``after - before`` of the edit layers' weights.
+
+    ``layers``: module name -> linear module; ``factors``: :class:`~.kfac.KFACFactors` (``A``/``S`` keyed by
+    module name); ``before`` / ``after``: full parameter name -> tensor (``after`` defaults to the modules'
+    current weights). A layer counts when its ``<name>.weight`` is in ``before`` and it has factors.
+    Returns ``{"total": float, "layers": {module name: float}}`` (nats per token, float64) or ``None``
+    when no changed weight has factors (e.g. LoRA's q/v projections, or no factors)."""
+    if factors is None:
+        return None
+    out: dict[str, float] = {}
+    for name, module in layers.items():
+        key = f"{name}.weight"
+        if key not in before or name not in factors.A:
+            continue
+        w1 = (after[key] if after is not None else module.weight).detach()
+        w0 = before[key].detach().to(w1.device)
+        dW = as_weight_matrix(module, w1.double() - w0.double())
+        out[name] = layer_predicted_kl(dW, factors.A[name], factors.S[name])
+    if not out:
+        return None
+    return {"total": sum(out.values()), "layers": out}
+
+
+class DriftBudget:
+    """Trust region on the predicted drift of the accumulated change of ``params`` since construction.
+
+    ``params``: name -> trained weight (module name keys, as the loop trains them); ``modules``: name ->
+    its module (storage orientation); ``factors``: K-FAC factors covering every name; ``eps``: the budget in
+    nats per token. :meth:`enforce` (after each optimizer step) computes ``p = Σ ½ tr(ΔWᵀ S ΔW A)`` in
+    float32 on the weights' device and, when ``p > eps``, sets ``W = W0 + sqrt(eps / p) · ΔW`` for every
+    layer. ``hits`` counts the steps that were pulled back; ``last`` is the latest predicted drift
+    (after the pull-back)."""
+
+    def __init__(self, params: Mapping[str, nn.Parameter], modules: Mapping[str, nn.Module], factors, eps: float):
+        missing = [n for n in params if n not in factors.A]
+        if missing:
+            raise ValueError(f"the drift budget has no K-FAC factors for {missing}")
+        self.eps = float(eps)
+        self.params, self.modules = dict(params), dict(modules)
+        self.start = {n: p.detach().float().clone() for n, p in self.params.items()}
+        self.A = {n: factors.A[n].to(device=p.device, dtype=torch.float32) for n, p in self.params.items()}
+        self.S = {n: factors.S[n].to(device=p.device, dtype=torch.float32) for n, p in self.params.items()}
+        self.hits = 0
+        self.last = 0.0
+        self.steps = 0
+
+    def deltas(self) -> dict[str, Tensor]:
+        """The accumulated change of every parameter, as stored (float32)."""
+        return {n: p.detach().float() - self.start[n] for n, p in self.params.items()}
+
+    def predicted(self, deltas: Mapping[str, Tensor] | None = None) -> float:
+        """Predicted drift (nats per token) of ``deltas`` (default: the current accumulated change)."""
+        deltas = self.deltas() if deltas is None else deltas
+        return sum(layer_predicted_kl(as_weight_matrix(self.modules[n], d), self.A[n], self.S[n], torch.float32)
+                   for n, d in deltas.items())
+
+    @torch.no_grad()
+    def enforce(self) -> bool:
+        """Pull the accumulated change back onto the budget when its predicted drift exceeds ``eps``;
+        returns whether it did."""
+        self.steps += 1
+        deltas = self.deltas()
+        p = self.predicted(deltas)
+        if not math.isfinite(p) or p <= self.eps:
+            self.last = p
+            return False
+        c = math.sqrt(self.eps / p)
+        for n, param in self.params.items():
+            param.copy_((self.start[n] + c * deltas[n]).to(param.dtype))
+        self.hits += 1
+        self.last = self.eps
+        return True
+
+    def to_json(self) -> dict:
+        """What the budget did: ``max_drift``, ``hit`` (ever pulled back), ``hits`` (steps pulled back),
+        ``steps`` checked and ``final_predicted`` (nats per token, float32 estimate)."""
+        return {"max_drift": self.eps, "hit": self.hits > 0, "hits": self.hits, "steps": self.steps,
+                "final_predicted": self.last}
