@@ -63,9 +63,11 @@ def test_compare_runs_every_method_from_the_same_base_and_resumes(tiny_lm, tmp_p
         assert set(r["wild"]) >= {"qa", "none", "chat"} and r["wild"]["chat"] is None   # no chat template
         assert r["memory"]["measure"] and r["memory"]["increase_mib"] is not None
     assert res["locbf-ft"]["changed"] == ["model.layers.2.mlp.down_proj.weight"]
+    assert res["ft"]["summary"]["kl_predicted"] > 0 and res["lora"]["summary"]["kl_predicted"] is None
+    assert set(res["ft"]["summary"]["kl_predicted_layers"]) == {"model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"}
     assert res["lora"]["config"]["lr"] == 5e-3 and res["lora"]["config"]["options"]["r"] == 8
     md = (out / "compare.md").read_text()
-    assert md.splitlines()[0].startswith("| method | QA rel | QA gen | none rel")
+    assert md.splitlines()[0].startswith("| method | QA rel | QA gen | none rel") and "| KL pred |" in md.splitlines()[0]
     assert [line.split("|")[1].strip() for line in md.splitlines()[2:6]] == ["base (unedited)"] + methods
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

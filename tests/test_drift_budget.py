@@ -89,3 +89,115 @@ def test_small_change_prediction_approaches_measured_kl(tiny_lm):
     meas = kl_drift(model, tok, texts, base_weights=before, max_len=64, progress=False)["kl_drift"]
     assert meas > 0
     assert 0.7 < pred / meas < 1.4, (pred, meas)
+
+
+# ---------------------------------------------------------------------------------------------
+# --max-drift
+
+
+def test_budget_unit_scales_every_layer_by_one_factor():
+    g = torch.Generator().manual_seed(0)
+    mods = {n: torch.nn.Linear(5, 3, bias=False) for n in ("a", "b")}
+    factors = type("F", (), {"A": {n: spd(5, g).float() for n in mods}, "S": {n: spd(3, g).float() for n in mods}})()
+    params = {n: m.weight for n, m in mods.items()}
+    w0 = {n: p.detach().clone() for n, p in params.items()}
+    budget = DriftBudget(params, mods, factors, eps=1e-3)
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    d = {n: params[n].detach() - w0[n] for n in params}
+    pred = sum(kron_form(d[n], factors.A[n], factors.S[n]) for n in params)
+    assert pred > 1e-3 and budget.enforce()
+    c = (1e-3 / pred) ** 0.5
+    for n, p in params.items():
+        assert torch.allclose(p.detach() - w0[n], c * d[n], atol=1e-6)
+    assert sum(kron_form(params[n].detach() - w0[n], factors.A[n], factors.S[n]) for n in params) == pytest.approx(1e-3, rel=1e-4)
+    assert not budget.enforce() and budget.to_json()["hits"] == 1 and budget.to_json()["steps"] == 2
+
+
+@pytest.mark.parametrize("method", ["crispedit", "adam-nscl"])
+def test_max_drift_keeps_the_predicted_drift_within_budget(method, tiny_lm, iso_cache):
+    from crispedit.editing import restore
+
+    model, tok = tiny_lm
+    free = edit(model, tok, REQS, cfg(method), progress=False)
+    free_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    restore(model, free.original_weights)
+    eps = free.kl_predicted["total"] / 10
+    res = edit(model, tok, REQS, cfg(method, max_drift=eps), progress=False)
+    assert res.drift_budget["hit"] and res.drift_budget["hits"] >= 1 and res.drift_budget["max_drift"] == eps
+    assert res.kl_predicted["total"] <= eps * 1.001
+    assert res.kl_predicted["total"] >= eps * 0.5           # the edit still uses its budget
+    restore(model, res.original_weights)
+    loose = edit(model, tok, REQS, cfg(method, max_drift=1e3), progress=False)
+    assert not loose.drift_budget["hit"] and loose.drift_budget["hits"] == 0
+    assert all(torch.equal(p, free_weights[n]) for n, p in model.named_parameters())   # a slack budget changes nothing
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(max_drift=0), "max drift (--max-drift) must be positive"),
+                                    (dict(max_drift=float("nan")), "must be a finite number"),
+                                    (dict(max_drift=0.1, method="ft"), "ft holds none"),
+                                    (dict(max_drift=0.1, method="lora"), "lora holds none")])
+def test_max_drift_validation(kw, msg):
+    with pytest.raises(CrispEditError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        EditConfig(**kw)
+
+
+def test_session_budget_is_spent_round_by_round(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    from crispedit.editing import SeqConfig
+    from crispedit.editing.session import Session
+
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    rounds = [REQS[:2], REQS[2:]]
+    base = dict(method="crispedit", layers=LAYERS, epochs=20, lr=1e-2, batch_size=4, n_cap=6, max_len=48)
+    free = Session.create(tmp_path / "free", str(tiny_model_dir), SeqConfig(edit=base), progress=False)
+    r1 = free.add(rounds[0], plot=False)
+    assert r1["kl_predicted"] == pytest.approx(r1["kl_predicted_round"]) and r1["kl_predicted"] > 0
+    budget = r1["kl_predicted"] * 0.6                     # round 1 alone would overspend it
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), SeqConfig(edit={**base, "max_drift": budget}), progress=False)
+    a = s.add(rounds[0], plot=False)
+    assert a["drift_budget"]["hit"] and a["kl_predicted_round"] <= budget * 1.001
+    assert a["drift_budget"]["spent_before"] == 0 and a["drift_budget"]["round_budget"] == budget
+    st = s.status()["drift_budget"]
+    assert st["spent"] == pytest.approx(a["kl_predicted_round"]) and st["remaining"] == pytest.approx(budget - st["spent"])
+    assert main(["session", "status", str(tmp_path / "s")]) == 0
+    assert "drift budget (whole session)" in capsys.readouterr().out
+    with pytest.raises(CrispEditError, match="drift budget is spent"):
+        s.add(rounds[1], plot=False)                      # the first round used all of it
+    assert s.round == 1
+
+
+def test_session_budget_second_round_gets_the_rest(tmp_path, tiny_model_dir, monkeypatch):
+    from crispedit.editing import SeqConfig
+    from crispedit.editing.session import Session
+
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    base = dict(method="crispedit", layers=LAYERS, epochs=20, lr=1e-2, batch_size=4, n_cap=6, max_len=48)
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), SeqConfig(edit={**base, "max_drift": 1e3}), progress=False)
+    a = s.add(REQS[:2], plot=False)
+    b = s.add(REQS[2:], plot=False)
+    assert b["drift_budget"]["spent_before"] == pytest.approx(a["kl_predicted_round"])
+    assert b["drift_budget"]["round_budget"] == pytest.approx(1e3 - a["kl_predicted_round"])
+    assert s.status()["drift_budget"]["spent"] == pytest.approx(a["kl_predicted_round"] + b["kl_predicted_round"])
+    assert b["kl_predicted"] > 0 and b["kl_predicted"] != pytest.approx(b["kl_predicted_round"])   # from the base vs own
+
+
+def test_cli_edit_reports_prediction_and_budget(tmp_path, tiny_model_dir, iso_cache, capsys):
+    edits = tmp_path / "e.json"
+    edits.write_text(json.dumps([r.to_json() for r in REQS]))
+    common = ["edit", "--model", str(tiny_model_dir), "--edits", str(edits), "--layers", LAYERS, "--n-cap", "6",
+              "--max-len", "48", "--epochs", "10", "--lr", "1e-2", "--batch-size", "4", "--no-wild", "--quiet"]
+    assert main(common + ["--out", str(tmp_path / "a")]) == 0
+    s = json.loads((tmp_path / "a" / "edit_report.json").read_text())["summary"]
+    assert s["kl_predicted"] > 0 and set(s["kl_predicted_layers"]) == set(resolve_layers_names())
+    assert sum(s["kl_predicted_layers"].values()) == pytest.approx(s["kl_predicted"], rel=1e-4)
+    eps = s["kl_predicted"] / 4
+    assert main(common + ["--out", str(tmp_path / "b"), "--max-drift", str(eps)]) == 0
+    out = capsys.readouterr().out
+    b = json.loads((tmp_path / "b" / "edit_report.json").read_text())["summary"]
+    assert b["drift_budget"]["hit"] and b["kl_predicted"] <= eps * 1.001 and "drift budget" in out
+    assert json.loads((tmp_path / "b" / "edit_report.json").read_text())["config"]["max_drift"] == eps
+
+
+def resolve_layers_names():
+    return [f"model.layers.{i}.mlp.down_proj" for i in (1, 2)]

@@ -30,13 +30,14 @@ The round itself is :meth:`Editor.apply` — the same set-up around the loop as 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
+from ..curvature.predicted import predicted_kl
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
 from ..models import parameter
@@ -116,7 +117,7 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
               state: SeqState, config: SeqConfig, round_index: int, *, base_weights: dict[str, Tensor],
               union: Sequence[EditRequest] | None = None,
               capability: Callable[[], KFACFactors] | None = None,
-              progress: bool | None = None) -> tuple[SeqState, dict]:
+              progress: bool | None = None, drift_spent: float = 0.0) -> tuple[SeqState, dict]:
     """Apply one round (``round_index`` counts from 1) and return the new state and a record.
 
     ``layers`` are the editor's edit layers (:meth:`Editor.select_layers`); ``state.weights`` and
@@ -125,6 +126,14 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     (state, requests, config, round_index): an interrupted round redone from the stored state gives
     the same result. ``union`` (batch mode) is every request so far; ``capability`` recollects the
     capability factors on the current model (used when ``recompute_drift`` triggers).
+
+    Drift: the record holds ``kl_predicted`` (the capability factors' predicted KL drift of the change from
+    the base, nats per token; what ``kl_drift`` measures) and ``kl_predicted_round`` (of this round's own
+    change). With ``config.edit.max_drift`` the session has one budget: a sequential round may spend
+    ``max_drift - drift_spent`` (``drift_spent``: the sum of the earlier rounds' ``kl_predicted_round``),
+    enforced on its own change (:class:`~crispedit.curvature.predicted.DriftBudget` with the capability
+    factors); a batch-mode round re-edits the base and gets the whole budget. A spent budget is a
+    one-line error.
     """
     ec = config.edit
     editor = get_editor(ec.method)
@@ -140,15 +149,31 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     carry = (config.carry_optimizer and ec.projection_target != "eigenbasis" and editor.carries_optimizer
              and not batch)
     train_requests = list(union) if batch else list(requests)
+    budget: dict | None = None
+    if ec.max_drift is not None:
+        spent = 0.0 if batch else float(drift_spent)
+        remaining = ec.max_drift - spent
+        if remaining <= ec.max_drift * 1e-3:  # (rounding of the float32 pull-back: under 0.1 % left is spent)
+            raise CrispEditError(f"the session's drift budget is spent ({spent:.6g} of {ec.max_drift:g} nats/token "
+                                 "predicted); start a new session for more edits")
+        budget = {"session_budget": ec.max_drift, "spent_before": spent, "round_budget": remaining}
+        ec = replace(ec, max_drift=remaining)
+    start = dict(base_weights if batch else state.weights)
     outcome = editor.apply(model, tokenizer, train_requests,
                            EditContext(ec, layers, constraint, optimizer_state=state.optim if carry else {},
                                        reproject_momentum=config.reproject_momentum, keep_optimizer=carry,
-                                       progress=progress))
+                                       progress=progress, drift_factors=state.cap))
     weights = {n: parameter(model, n).detach().cpu().clone() for n in base_weights}
     new = SeqState(weights=weights, cap=state.cap, edits=state.edits, optim=outcome.optimizer_state,
                    cap_ref=state.cap_ref)
     record: dict = {"train": outcome.history.to_json(), "optimizer_carried": outcome.optimizer_carried,
                     "projector_kept": {n: v["kept_fraction"] for n, v in outcome.projector_stats.items()}}
+    total, own = predicted_kl(layers, state.cap, base_weights, weights), predicted_kl(layers, state.cap, start, weights)
+    record["kl_predicted"] = None if total is None else total["total"]
+    record["kl_predicted_round"] = None if own is None else own["total"]
+    if budget is not None:
+        record["drift_budget"] = {**budget, **(outcome.drift_budget or {}),
+                                  "remaining": ec.max_drift - (record["kl_predicted_round"] or 0.0)}
     if editor.needs_curvature and not batch:
         t1 = time.perf_counter()
         new.edits = accumulate(state.edits, round_edit_factors(model, tokenizer, requests, layers, ec, round_index,

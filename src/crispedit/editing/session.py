@@ -206,7 +206,8 @@ class Session:
             union = [r for rs in earlier for r in rs] + requests
             new, rec = run_round(self._model, self._tok, self._layers, requests, state, self.config, k,
                                  base_weights=self._base, union=union,
-                                 capability=lambda: self._recollect_capability(), progress=progress)
+                                 capability=lambda: self._recollect_capability(), progress=progress,
+                                 drift_spent=_spent(st["rounds"]))
             check_finite_tensors(new.weights, f"round {k}")  # never commit inf/nan weights
             _fault("after_train")
             rec.update(self._evaluate(earlier + [requests], progress))
@@ -231,10 +232,16 @@ class Session:
         st = self._read_state()
         rounds = st["rounds"]
         retention = [[r["retention"].get(str(j), {}).get("rel") for j in range(1, len(rounds) + 1)] for r in rounds]
-        return {"path": str(self.path), "name": self.meta["name"], "base": self.meta["base"],
-                "layers": self.meta["layers"], "config": self.meta["config"], "round": st["round"],
-                "n_edits": sum(r["n_edits"] for r in rounds), "files": st["files"],
-                "size_bytes": session_size(self.path), "retention": retention, "rounds": rounds}
+        out = {"path": str(self.path), "name": self.meta["name"], "base": self.meta["base"],
+               "layers": self.meta["layers"], "config": self.meta["config"], "round": st["round"],
+               "n_edits": sum(r["n_edits"] for r in rounds), "files": st["files"],
+               "size_bytes": session_size(self.path), "retention": retention, "rounds": rounds}
+        budget = self.config.edit.max_drift
+        if budget is not None:
+            spent = 0.0 if self.config.mode == "batch" else _spent(rounds)
+            out["drift_budget"] = {"budget": budget, "spent": spent, "remaining": budget - spent,
+                                   "mode": "per re-edit" if self.config.mode == "batch" else "whole session"}
+        return out
 
     def export(self, out: str | Path, *, overwrite: bool = False, progress: bool | None = None) -> Path:
         """Write the edited model (base + session weights) as a loadable Hugging Face directory. A
@@ -407,6 +414,12 @@ class Session:
                 "rel_all": summary["rel"], "gen_all": summary["gen"], "retention": retention,
                 "kl_drift": summary["kl_drift"], "ppl": summary["ppl"], "ppl_base": summary["ppl_base"],
                 "weight_drift": {n: round(v, 6) for n, v in weight_drift(weights, self._base).items()}}
+
+
+def _spent(rounds: Sequence[dict]) -> float:
+    """The drift budget the committed ``rounds`` spent: the sum of their own predicted drift
+    (``kl_predicted_round``, nats per token; rounds without a prediction spend nothing)."""
+    return float(sum(r.get("kl_predicted_round") or 0.0 for r in rounds))
 
 
 def _diff_keys(a: dict, b: dict, prefix: str = "") -> list[str]:

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from ..errors import check_output_dir, check_output_file
-from .flags import (add_curvature_args, add_edits_args, add_model_args, add_training_args, check_job_files,
-                    config_from_args)
+from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
+                    check_job_files, config_from_args)
 from .session_files import read_session_meta, read_session_state
 
 __all__ = ["add_cli"]
@@ -61,7 +61,12 @@ def cmd_add(args) -> int:
     rec = s.add(requests, source=str(args.edits), progress=None if not args.quiet else False)
     ret = " ".join(f"r{j}={_fmt(v['rel'], 2)}" for j, v in rec["retention"].items())
     print(f"round {rec['round']} committed: rel={_fmt(rec['rel'])} rel_all={_fmt(rec['rel_all'])} "
-          f"kl_drift={rec['kl_drift']:.5f} epochs={rec['train']['epochs']} {rec['edit_seconds']:.1f}s | retention {ret}")
+          f"kl_drift={rec['kl_drift']:.5f} kl_predicted={_fmt(rec.get('kl_predicted'), 5)} "
+          f"epochs={rec['train']['epochs']} {rec['edit_seconds']:.1f}s | retention {ret}")
+    if rec.get("drift_budget"):
+        b = rec["drift_budget"]
+        print(f"  drift budget: round spent {_fmt(rec.get('kl_predicted_round'), 5)} of {b['round_budget']:.5f}, "
+              f"{b['remaining']:.5f} of {b['session_budget']:g} left ({b.get('hits', 0)} steps pulled back)")
     return 0
 
 
@@ -80,12 +85,17 @@ def cmd_status(args) -> int:
           f"{st['round']} rounds, {st['n_edits']} edits, {st['size_bytes'] / 2**20:.1f} MiB")
     if st["rounds"]:
         k = len(st["rounds"])
-        head = "round  edits   rel  rel_all  kl_drift  epochs | " + " ".join(f"  r{j:<3d}" for j in range(1, k + 1))
+        head = ("round  edits   rel  rel_all  kl_drift   kl_pred  epochs | "
+                + " ".join(f"  r{j:<3d}" for j in range(1, k + 1)))
         print(head)
         for r, row in zip(st["rounds"], st["retention"]):
             cells = " ".join(f"{_fmt(v, 2):>5s}" if v is not None else "     " for v in row)
             print(f"{r['round']:5d} {r['n_edits']:6d} {_fmt(r['rel']):>5s} {_fmt(r['rel_all']):>8s} "
-                  f"{r['kl_drift']:9.5f} {r['train']['epochs']:7d} | {cells}")
+                  f"{r['kl_drift']:9.5f} {_fmt(r.get('kl_predicted'), 5):>9s} {r['train']['epochs']:7d} | {cells}")
+    if st.get("drift_budget"):
+        b = st["drift_budget"]
+        print(f"drift budget ({b['mode']}): {b['budget']:g} nats/token, spent {b['spent']:.5f}, "
+              f"remaining {b['remaining']:.5f} (predicted)")
     if args.plot:
         from .session import Session as S
 
@@ -137,6 +147,7 @@ def add_cli(sub) -> None:
     i.add_argument("--no-carry-optimizer", action="store_true", help="fresh Adam state every round")
     i.add_argument("--no-reproject-momentum", action="store_true", help="keep Adam's first moment as is when the projector changes")
     add_training_args(i)  # --method (lora: LoRA-Seq, a fresh adapter merged every round), training flags
+    add_max_drift_arg(i, session=True)
     i.add_argument("--kl-text", default=None, help="held-out text for KL drift (default: bundled WikiText sample)")
     i.add_argument("--kl-texts", type=int, default=32)
     i.add_argument("--cache", default=None, help="capability curvature cache file (checked against the model)")
