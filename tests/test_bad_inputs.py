@@ -111,6 +111,26 @@ def _readonly_dir(tmp: Path) -> Path:
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_non_root = pytest.mark.skipif(ROOT, reason="root may write anywhere: permission bits are not enforced")
 
+def _delta(tmp: Path, model: Path, *, other_base: bool = False) -> Path:
+    """A delta file of a one-weight change of ``model`` (or, with ``other_base``, of a model that is not it)."""
+    import torch
+
+    from crispedit.delta import write_delta
+    from crispedit.models import load_model
+
+    m, _ = load_model(str(model))
+    name = "model.layers.1.mlp.down_proj.weight"
+    w = m.get_parameter(name)
+    with torch.no_grad():
+        if other_base:
+            w[1, 1] += 1.0
+        base = {name: w.detach().clone()}
+        w[0, 0] += 0.5
+    path = tmp / "d.safetensors"
+    write_delta(path, m, base, {"method": "test"})
+    return path
+
+
 # (id, builder(tmp, model) -> argv, expected text in the one error line)
 CASES = [
     # 1. text files that are not UTF-8
@@ -201,6 +221,15 @@ CASES = [
     ("edit-out-not-empty", lambda t, m: _edit(t, m, out=_file(t, "keep.txt").parent), "is not empty; pass --overwrite"),
     ("edit-overwrite-foreign", lambda t, m: _edit(t, m, "--overwrite", out=_file(t, "keep.txt").parent),
      "holds no earlier crispedit output"),
+    # delta files: a model that is not the delta's base / edited model
+    ("delta-apply-other-base", lambda t, m: ["delta", "apply", _delta(t, m, other_base=True), "--model", m, "--out",
+                                             t / "o", "--quiet"], "is not the base of delta"),
+    ("delta-revert-on-base", lambda t, m: ["delta", "revert", _delta(t, m), "--model", m, "--out", t / "o", "--quiet"],
+     "is not applied to this model"),
+    ("delta-export-lora-other-base", lambda t, m: ["delta", "export-lora", _delta(t, m, other_base=True), "--model", m,
+                                                   "--rank", 2, "--out", t / "o", "--quiet"], "is not the base of delta"),
+    ("delta-apply-out-is-file", lambda t, m: ["delta", "apply", _delta(t, m), "--model", m, "--out", _file(t, "o")],
+     "is a file, not a directory"),
 ]
 
 
@@ -243,7 +272,7 @@ def test_matrix_covers_every_subcommand():
     from crispedit.cli import build_parser
 
     rows = " ".join(c.values[0] if hasattr(c, "marks") else c[0] for c in CASES)
-    for cmd in ("edit", "eval", "report", "study", "session", "cache", "compare", "demo"):
+    for cmd in ("edit", "eval", "report", "study", "session", "cache", "compare", "demo", "delta"):
         assert cmd in rows or cmd == "edit", cmd
     assert {"edit", "cache", "demo", "eval", "report", "session", "compare", "study"} <= set(
         build_parser()._subparsers._group_actions[0].choices)

@@ -62,7 +62,8 @@ COMMANDS = subcommands(build_parser())
 def test_every_command_is_covered():
     assert {("edit",), ("eval",), ("report",), ("demo",), ("compare",), ("cache", "build"), ("cache", "info"),
             ("cache", "list"), ("session", "init"), ("session", "add"), ("session", "status"), ("session", "export"),
-            ("session", "plot"), ("study", "mnist")} <= set(COMMANDS)
+            ("session", "plot"), ("study", "mnist"), ("delta", "info"), ("delta", "apply"), ("delta", "revert"),
+            ("delta", "export-lora")} <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "crispedit")
@@ -143,6 +144,13 @@ FAILING = [
                                   "--out", t / "c"], "unknown method 'rome'"),
     ("compare-missing-edits", lambda t: ["compare", "--edits", t / "none.json", "--n-edits", 1, "--methods", "ft",
                                          "--out", t / "c"], "edit file not found"),
+    ("delta-info-missing", lambda t: ["delta", "info", t / "none.safetensors"], "delta file not found"),
+    ("delta-info-not-safetensors", lambda t: ["delta", "info", _file(t, "d.safetensors", "not a header")],
+     "is not a safetensors file"),
+    ("delta-apply-out-is-file", lambda t: ["delta", "apply", _file(t, "d.safetensors", "x" * 16), "--model", "smollm2",
+                                           "--out", _file(t, "o")], "is not a safetensors file"),
+    ("delta-export-rank", lambda t: ["delta", "export-lora", t / "d.safetensors", "--model", "smollm2", "--rank", 0,
+                                     "--out", t / "l"], "--rank must be a positive integer"),
     ("study-k", lambda t: ["study", "mnist", "--k-values", "inf", "--out", t / "s"], "k values"),
     ("study-out-is-file", lambda t: ["study", "mnist", "--quick", "--out", _file(t, "s")], "is a file, not a directory"),
 ]

@@ -24,6 +24,7 @@ _COMMAND_MODULES: list[str] = [
     "crispedit.evaluation.cli",
     "crispedit.editing.session_cli",
     "crispedit.compare_cli",
+    "crispedit.delta_cli",
     "crispedit.experiments.mnist_config",
 ]
 
@@ -45,7 +46,8 @@ def cmd_edit(args) -> int:
 
         report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
                               edits_path=str(args.edits), cache_file=args.cache, progress=progress,
-                              wild=not args.no_wild, overwrite=args.overwrite, predict_drift=args.predict_drift)
+                              wild=not args.no_wild, overwrite=args.overwrite, predict_drift=args.predict_drift,
+                              delta_only=args.delta_only)
     if not main_process:
         return 0
     s = report["summary"]
@@ -59,7 +61,8 @@ def cmd_edit(args) -> int:
     for ctx, w in (report.get("wild") or {}).items():
         if isinstance(w, dict):
             print(f"  WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']}")
-    print(f"edited model and edit_report.json written to {args.out}")
+    what = "delta.safetensors" if args.delta_only else "edited model, delta.safetensors"
+    print(f"{what} and edit_report.json written to {args.out}")
     return 0
 
 
@@ -161,9 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predict-drift", action="store_true",
                    help="report kl_predicted for methods without curvature too (ft, locbf-ft: collects or reuses "
                    "the capability factors)")
+    p.add_argument("--delta-only", action="store_true",
+                   help="write only delta.safetensors (the changed tensors, reversible) and edit_report.json, "
+                   "not the full model")
     p.add_argument("--kl-text", default=None, help="held-out text for kl_drift (default: bundled WikiText sample)")
     p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")
-    p.add_argument("--out", required=True, help="output directory (HF model + edit_report.json); must be new or empty")
+    p.add_argument("--out", required=True, help="output directory (HF model + delta.safetensors + edit_report.json); "
+                   "must be new or empty")
     p.add_argument("--overwrite", action="store_true",
                    help="--out may hold an earlier edit: replace only the files that edit wrote, keep all others")
     p.add_argument("--no-wild", action="store_true",

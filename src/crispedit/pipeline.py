@@ -68,7 +68,7 @@ def drift_summary(result: EditResult) -> dict:
 def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: EditConfig, out: str | Path, *,
                  model_spec: str = "<in-memory>", kl_text: str | None = None, edits_path: str | None = None,
                  cache_file: str | None = None, progress: bool | None = None, wild: bool = True,
-                 overwrite: bool = False, predict_drift: bool = False) -> dict:
+                 overwrite: bool = False, predict_drift: bool = False, delta_only: bool = False) -> dict:
     """Edit, evaluate and save ``model`` to ``out`` (HF format + ``edit_report.json``). With ``wild``
     the report gets a ``wild`` section: free-generation rel / gen / locality under the qa, none and chat
     contexts (rule judge; chat only for models with a chat template). A non-empty ``out`` is refused
@@ -78,7 +78,9 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     curvature collection and every edit batch are split across the processes, each evaluates the
     (identical) edited model, and only rank 0 writes ``out``; the report then records ``processes``.
     ``predict_drift``: also report ``kl_predicted`` for editors without curvature (see
-    :func:`crispedit.editing.edit`)."""
+    :func:`crispedit.editing.edit`). Next to the model, ``out/delta.safetensors`` holds the edit as a
+    reversible delta (:mod:`crispedit.delta`; the report's ``delta`` section); ``delta_only`` writes the
+    delta and the report but not the model."""
     out = Path(out)
     previous = check_output_dir(out, overwrite=overwrite, marker="edit_report.json")
     if kl_text is not None:
@@ -97,9 +99,17 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     if world_size() > 1:
         report["processes"] = world_size()
     if is_main():  # under torchrun every process holds the same edited weights; rank 0 writes them
+        from .delta import DELTA_FILE, delta_info, write_delta
+
         with atomic_directory(out, previous=previous) as tmp:
-            files = save_model_dir(model, tokenizer, tmp, progress=progress)  # refuses non-finite weights
-            report["files"] = sorted(files + ["edit_report.json"])  # what `--overwrite` may replace later
+            files = [] if delta_only else save_model_dir(model, tokenizer, tmp, progress=progress)  # refuses non-finite weights
+            info = delta_info(config.method, config.to_json(), requests, report["summary"], model=model_spec,
+                              layers=result.layers)
+            dmeta = write_delta(tmp / DELTA_FILE, model, result.original_weights, info)
+            report["delta"] = {"file": DELTA_FILE, "bytes": (tmp / DELTA_FILE).stat().st_size,
+                               "tensors": sorted(dmeta["parameters"]), "base_fingerprint": dmeta["base_fingerprint"],
+                               "edited_fingerprint": dmeta["edited_fingerprint"], "model_saved": not delta_only}
+            report["files"] = sorted(files + [DELTA_FILE, "edit_report.json"])  # what `--overwrite` may replace later
             atomic_write_json(tmp / "edit_report.json", report)
     barrier()
     return report

@@ -243,10 +243,12 @@ class Session:
                                    "mode": "per re-edit" if self.config.mode == "batch" else "whole session"}
         return out
 
-    def export(self, out: str | Path, *, overwrite: bool = False, progress: bool | None = None) -> Path:
-        """Write the edited model (base + session weights) as a loadable Hugging Face directory. A
-        non-empty ``out`` is refused unless ``overwrite`` and it holds an earlier export; then only the
-        files that export wrote are replaced, other files kept."""
+    def export(self, out: str | Path, *, overwrite: bool = False, progress: bool | None = None,
+               delta: bool = False) -> Path:
+        """Write the edited model (base + session weights) as a loadable Hugging Face directory, or with
+        ``delta`` only ``delta.safetensors`` (the change from the base, reversible: :mod:`crispedit.delta`;
+        apply it with ``crispedit delta apply``). A non-empty ``out`` is refused unless ``overwrite`` and it
+        holds an earlier export; then only the files that export wrote are replaced, other files kept."""
         out = Path(out)
         marker = "crispedit_session.json"
         previous = check_output_dir(out, overwrite=overwrite, marker=marker)
@@ -254,7 +256,19 @@ class Session:
         self._ensure_model()
         self._load_state(st)
         with atomic_directory(out, previous=previous) as tmp:
-            files = save_model_dir(self._model, self._tok, tmp, progress=progress, what=f"session {self.path}")
+            if delta:
+                from ..delta import DELTA_FILE, delta_info, write_delta
+
+                check_finite_tensors(self._state.weights, f"session {self.path}")
+                last = st["rounds"][-1] if st["rounds"] else {}
+                info = delta_info(self.config.edit.method, self.config.edit.to_json(),
+                                  [r for reqs in self.edits() for r in reqs], last, model=self.meta["base"]["spec"],
+                                  layers=self.meta["layers"], session=self.meta["name"], round=st["round"],
+                                  session_config=self.meta["config"])
+                write_delta(tmp / DELTA_FILE, self._model, self._base, info)
+                files = [DELTA_FILE]
+            else:
+                files = save_model_dir(self._model, self._tok, tmp, progress=progress, what=f"session {self.path}")
             atomic_write_json(tmp / marker, {"session": str(self.path.resolve()), "name": self.meta["name"],
                                              "base": self.meta["base"], "round": st["round"],
                                              "n_edits": sum(r["n_edits"] for r in st["rounds"]),

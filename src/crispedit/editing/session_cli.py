@@ -110,8 +110,9 @@ def cmd_export(args) -> int:
     from .session import Session
 
     s = Session.open(args.dir, model=args.model, device=args.device)
-    out = s.export(args.out, overwrite=args.overwrite, progress=False if args.quiet else None)
-    print(f"edited model (round {s.round}) written to {out}")
+    out = s.export(args.out, overwrite=args.overwrite, progress=False if args.quiet else None, delta=args.delta)
+    what = "delta.safetensors (the change from the base)" if args.delta else "edited model"
+    print(f"{what} (round {s.round}) written to {out}")
     return 0
 
 
@@ -175,6 +176,8 @@ def add_cli(sub) -> None:
                    help="--out may hold an earlier export: replace only the files it wrote, keep all others")
     e.add_argument("--model", default=None)
     e.add_argument("--device", default=None)
+    e.add_argument("--delta", action="store_true",
+                   help="write delta.safetensors (the change from the base; `crispedit delta apply`) instead of the model")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_export)
 
