@@ -4,7 +4,9 @@ Loads the model once, runs each configuration from the same base weights (restor
 and records teacher-forced rel / gen, KL drift (measured, and ``kl_pred``: the K-FAC prediction from the
 capability factors, also for ft), WILD rel / gen / locality under the qa, none (bare) and
 chat contexts (rule judge), epochs and seconds. Writes a JSON (full configs + environment, rewritten
-after every run), a markdown table and a PNG (WILD-QA rel and gen against KL drift, one point per run).
+after every run), a markdown table (with ``kl_pred``, its ratio to the measured drift and, for runs with
+``max_drift``, the budget's pulled-back steps) and two PNGs (WILD-QA rel and gen against KL drift, one
+point per run; ``.pred.png``: predicted against measured drift).
 
 Runs are ``key=value`` pairs separated by ``;`` (any :class:`crispedit.EditConfig` field; values are
 parsed as numbers when they look like numbers), several runs separated by ``|``:
@@ -12,6 +14,12 @@ parsed as numbers when they look like numbers), several runs separated by ``|``:
     python benchmarks/edit_matrix.py --edits ../shared/data/edits/zsre_dev.json --offset 400 --n-edits 32 \\
         --runs 'method=ft;contexts=bare;answer_end=none|method=crispedit|method=crispedit;gamma=0.9' \\
         --out runs/sweep.json
+
+Predicted vs measured drift over a γ sweep, the baselines and two drift budgets:
+
+    python benchmarks/edit_matrix.py --edits ../shared/data/edits/zsre_dev.json --n-edits 32 \
+        --runs 'method=ft|method=crispedit;gamma=0.5|method=crispedit;gamma=0.8|method=crispedit;gamma=0.95|'\
+'method=adam-nscl|method=crispedit;max_drift=0.002|method=crispedit;max_drift=0.0005' --out runs/drift.json
 
 The older form ``method:labels:target[:gamma]`` (comma separated) is still accepted.
 """
@@ -71,7 +79,7 @@ def label(d: dict) -> str:
 
 
 COLUMNS = ["run", "tf_rel", "tf_gen", "qa_rel", "qa_gen", "none_rel", "none_gen", "chat_rel", "chat_gen",
-           "qa_loc", "kl_drift", "kl_pred", "epochs", "edit_s"]
+           "qa_loc", "kl_drift", "kl_pred", "pred/meas", "budget_hits", "epochs", "edit_s"]
 
 
 def extra_contexts(rows: list[dict]) -> list[str]:
@@ -97,7 +105,52 @@ def row_cells(r: dict, extra: list[str] = ()) -> list[str]:
 
     return [r["run"], f"{r['rel']:.2f}", f"{r['gen']:.2f}", f("qa", "rel"), f("qa", "gen"), f("none", "rel"),
             f("none", "gen"), f("chat", "rel"), f("chat", "gen"), f("qa", "loc_vs_answer"), f"{r['kl_drift']:.5f}",
-            "–" if r.get("kl_predicted") is None else f"{r['kl_predicted']:.5f}", str(r["epochs"]), f"{r['edit_seconds']:.0f}"] + [f(n, k) for n in extra for k in ("rel", "gen")]
+            "–" if r.get("kl_predicted") is None else f"{r['kl_predicted']:.5f}", _ratio(r), _hits(r),
+            str(r["epochs"]), f"{r['edit_seconds']:.0f}"] + [f(n, k) for n in extra for k in ("rel", "gen")]
+
+
+def _ratio(r: dict) -> str:
+    """Predicted over measured KL drift (``–`` without a prediction or with no measured drift)."""
+    pred, meas = r.get("kl_predicted"), r.get("kl_drift")
+    return "–" if pred is None or not meas else f"{pred / meas:.2f}"
+
+
+def _hits(r: dict) -> str:
+    """``hits/steps`` of the ``max_drift`` budget (``–`` without one)."""
+    b = r.get("drift_budget")
+    return "–" if not b else f"{b['hits']}/{b['steps']}"
+
+
+def plot_predicted(out: Path, payload: dict) -> None:
+    """``<out>.pred.png``: K-FAC predicted against measured KL drift per run (log-log, y = x dashed; a
+    ``max_drift`` budget drawn as a horizontal tick at its value)."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["results"] if r.get("kl_predicted") is not None and r.get("kl_drift")]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 5))
+    for i, r in enumerate(payload["results"]):
+        if r not in rows:
+            continue
+        ax.scatter([r["kl_drift"]], [r["kl_predicted"]], color=f"C{i % 10}", label=f"{i}: {r['run']}"[:70])
+        ax.annotate(str(i), (r["kl_drift"], r["kl_predicted"]), fontsize=8)
+        if r.get("drift_budget"):
+            ax.scatter([r["kl_drift"]], [r["drift_budget"]["max_drift"]], marker="_", s=200, color=f"C{i % 10}")
+    vals = [v for r in rows for v in (r["kl_drift"], r["kl_predicted"]) if v > 0]
+    lo, hi = min(vals) / 2, max(vals) * 2
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured KL drift on held-out text (nats/token)")
+    ax.set_ylabel("K-FAC predicted drift ½Σtr(ΔWᵀSΔWA) (nats/token)")
+    ax.legend(fontsize=6, loc="upper left")
+    ax.set_title(payload["title"], fontsize=9)
+    fig.tight_layout()
+    tmp = out.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(out.with_suffix(".pred.png"))
 
 
 def write_outputs(out: Path, payload: dict) -> None:
@@ -134,6 +187,7 @@ def write_outputs(out: Path, payload: dict) -> None:
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     tmp.replace(out.with_suffix(".png"))
+    plot_predicted(out, payload)
 
 
 def main() -> None:

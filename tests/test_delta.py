@@ -201,3 +201,20 @@ def test_delta_info_reads_the_header_without_torch(tiny_lm, tmp_path):
     shown = json.loads(out)
     assert shown["base_fingerprint"] == meta["base_fingerprint"] and shown["parameters"] == meta["parameters"]
     assert shown["tensors"][W1]["shape"] == [32, 48] and f"{W1}::apply_idx" in shown["tensors"]
+
+
+def test_bf16_delta_round_trips_bit_for_bit(tiny_tok, tmp_path):
+    model = build_llama(len(tiny_tok), dtype=torch.bfloat16)
+    w = model.get_parameter(W1)
+    base = {W1: w.detach().clone()}
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        w.add_(torch.randn(w.shape, generator=g).to(torch.bfloat16) * 0.3)
+    edited = w.detach().clone()
+    meta = write_delta(tmp_path / "d.safetensors", model, base)
+    assert meta["parameters"][W1]["dtype"] == "bfloat16" and meta["dtype"] == "bfloat16"
+    assert meta["parameters"][W1]["apply_patch"] + meta["parameters"][W1]["revert_patch"] > 0   # bf16 rounds often
+    revert_delta(model, tmp_path / "d.safetensors")
+    assert torch.equal(w.detach().view(torch.int16), base[W1].view(torch.int16))
+    apply_delta(model, tmp_path / "d.safetensors")
+    assert torch.equal(w.detach().view(torch.int16), edited.view(torch.int16))

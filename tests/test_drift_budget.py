@@ -201,3 +201,23 @@ def test_cli_edit_reports_prediction_and_budget(tmp_path, tiny_model_dir, iso_ca
 
 def resolve_layers_names():
     return [f"model.layers.{i}.mlp.down_proj" for i in (1, 2)]
+
+
+def test_edit_matrix_records_kl_pred(tmp_path):
+    """benchmarks/edit_matrix.py's table carries kl_pred, its ratio and budget hits; the .pred.png is drawn."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("edit_matrix", Path(__file__).parents[1] / "benchmarks" / "edit_matrix.py")
+    em = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(em)
+    row = dict(run="method=crispedit", rel=1.0, gen=0.5, wild={}, kl_drift=0.002, kl_predicted=0.003, epochs=3,
+               edit_seconds=1.0, drift_budget={"max_drift": 0.003, "hits": 4, "steps": 9, "hit": True})
+    ft = dict(row, run="method=ft", kl_predicted=None, drift_budget=None)
+    em.write_outputs(tmp_path / "m.json", {"title": "t", "results": [row, ft]})
+    md = (tmp_path / "m.md").read_text().splitlines()
+    head = [c.strip() for c in md[0].split("|")]
+    cells = dict(zip(head, [c.strip() for c in md[2].split("|")]))
+    assert cells["kl_pred"] == "0.00300" and cells["pred/meas"] == "1.50" and cells["budget_hits"] == "4/9"
+    assert dict(zip(head, [c.strip() for c in md[3].split("|")]))["kl_pred"] == "–"
+    assert (tmp_path / "m.pred.png").read_bytes()[:4] == b"\x89PNG"
