@@ -154,7 +154,7 @@ def test_export_lora_merges_to_base_plus_delta(tmp_path, tiny_model_dir, iso_cac
     d = load_file(delta)
     full = max(int(torch.linalg.matrix_rank(d[k].double())) for k in d if "::" not in k)
     assert main(["delta", "export-lora", str(delta), "--model", str(tiny_model_dir), "--rank", str(full),
-                 "--out", str(tmp_path / "lora"), "--quiet"]) == 0
+                 "--out", str(tmp_path / "lora"), "--quiet", "--evaluate"]) == 0
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "lora").iterdir()}
     base, _ = load_model(str(tiny_model_dir))
     want = {k: base.get_parameter(k).detach() + d[k] for k in d if "::" not in k}
@@ -163,11 +163,14 @@ def test_export_lora_merges_to_base_plus_delta(tmp_path, tiny_model_dir, iso_cac
         assert torch.allclose(merged.get_parameter(k).detach(), w, atol=1e-5), k
     info = json.loads((tmp_path / "lora" / "crispedit_lora.json").read_text())
     assert all(v["rel_error"] < 1e-5 for v in info["layers"].values())
+    sc = info["scores"]
+    assert sc["adapter"]["rel_token_acc"] == pytest.approx(sc["delta"]["rel_token_acc"])   # full rank: same model
+    assert sc["delta"]["rel_token_acc"] > 0
     capsys.readouterr()
     assert main(["delta", "export-lora", str(delta), "--model", str(tiny_model_dir), "--rank", "1",
                  "--out", str(tmp_path / "lora1"), "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "relative Frobenius error" in out
+    assert "relative Frobenius error" in out and "scores" not in out
     info = json.loads((tmp_path / "lora1" / "crispedit_lora.json").read_text())
     assert all(0 < v["rel_error"] < 1 and v["rank"] == 1 for v in info["layers"].values())
 

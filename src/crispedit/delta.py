@@ -191,15 +191,18 @@ def revert_delta(model: nn.Module, path: str | Path) -> dict:
     return meta
 
 
-def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, *, base_name: str | None = None
-                ) -> dict[str, dict]:
+def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, *, base_name: str | None = None,
+                tokenizer=None, evaluate: bool = False) -> dict[str, dict]:
     """Write delta ``path`` as a peft LoRA adapter directory ``out`` (``adapter_config.json`` +
     ``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained(base, out)``) for ``model`` (the
     base; checked by fingerprint; peft layers are injected into it). Per changed ``nn.Linear`` weight
     ``ΔW`` (``d_out x d_in``): truncated SVD in float64, ``B = U_r √s_r`` (``d_out x r``), ``A = √s_r V_rᵀ``
     (``r x d_in``), ``r = min(rank, d_out, d_in)`` padded with zeros to ``rank``; ``lora_alpha = rank`` so
     the merged weight is ``W + B A``. Returns per module: ``rank`` used, ``rank_full`` (numerical rank of
-    ΔW), ``rel_error`` (``‖ΔW − B A‖_F / ‖ΔW‖_F``) and the singular values' share kept."""
+    ΔW), ``rel_error`` (``‖ΔW − B A‖_F / ‖ΔW‖_F``) and ``shape``. With ``evaluate`` (and ``tokenizer``) the
+    edit requests stored in the delta are scored teacher-forced (rel, gen, token accuracies) with the full
+    delta and with the adapter, under the key ``"scores"`` (``{"delta": ..., "adapter": ...}``); everything
+    is also written to ``out/crispedit_lora.json``."""
     from peft import LoraConfig, get_peft_model
 
     tensors, meta = load_delta(path)
@@ -212,6 +215,19 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
             raise CrispEditError(f"export-lora handles nn.Linear weights only; {name} is a {type(module).__name__} "
                                  f"{leaf}")
         modules[mod_name] = (module, tensors[name])
+    scores: dict = {}
+    requests = []
+    if evaluate:
+        from .data.edits import parse_edits
+        from .evaluation import edit_scores, summarize_edit_scores
+
+        requests = parse_edits(meta.get("requests") or [], f"delta {path}")
+        if not requests or tokenizer is None:
+            raise CrispEditError(f"delta {path} holds no edit requests to evaluate" if not requests
+                                 else "evaluating an adapter needs the tokenizer")
+        apply_delta(model, path)
+        scores["delta"] = summarize_edit_scores(edit_scores(model, tokenizer, requests))
+        revert_delta(model, path)
     factors, report = {}, {}
     for mod_name, (module, d) in modules.items():
         U, s, Vh = torch.linalg.svd(d.double(), full_matrices=False)
@@ -234,11 +250,16 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
             layer = peft_model.base_model.model.get_submodule(mod_name)
             layer.lora_A["default"].weight.copy_(A.to(layer.lora_A["default"].weight.dtype))
             layer.lora_B["default"].weight.copy_(B.to(layer.lora_B["default"].weight.dtype))
+    if evaluate:
+        peft_model.eval()
+        scores["adapter"] = summarize_edit_scores(edit_scores(peft_model, tokenizer, requests))
     with atomic_directory(out) as tmp:
         peft_model.save_pretrained(str(tmp))
         atomic_write_json(tmp / "crispedit_lora.json", {"delta": str(path), "rank": rank, "layers": report,
                                                         "base_fingerprint": meta["base_fingerprint"],
-                                                        "method": meta.get("method")})
+                                                        "method": meta.get("method"), "scores": scores or None})
+    if scores:
+        report = dict(report, scores=scores)
     return report
 
 

@@ -83,6 +83,10 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
 def _prod(shape) -> int:
     n = 1
     for s in shape:
@@ -132,12 +136,18 @@ def cmd_export_lora(args) -> int:
     rank = check_positive_int("--rank", args.rank)
     meta = read_delta_header(args.delta)
     check_output_dir(args.out, overwrite=False)
-    model, _ = _load(args, meta)
+    model, tok = _load(args, meta)
     from .delta import export_lora
 
-    report = export_lora(model, args.delta, rank, args.out, base_name=str(args.model))
+    report = export_lora(model, args.delta, rank, args.out, base_name=str(args.model), tokenizer=tok,
+                         evaluate=args.evaluate)
+    scores = report.pop("scores", None)
     for name, r in report.items():
         print(f"  {name}: rank {r['rank']} of {r['rank_full']}, relative Frobenius error {r['rel_error']:.4f}")
+    if scores:
+        for what, sc in scores.items():
+            print(f"  {what:7s}: rel={_num(sc.get('rel'))} gen={_num(sc.get('gen'))} (teacher-forced, the delta's "
+                  f"{len(meta.get('requests') or [])} edits)")
     print(f"LoRA adapter (rank {rank}) written to {args.out}")
     return 0
 
@@ -168,6 +178,9 @@ def add_cli(sub) -> None:
     e.add_argument("--model", required=True, metavar="BASE", help="the base model (checked by fingerprint)")
     e.add_argument("--rank", type=int, required=True, help="adapter rank R")
     e.add_argument("--out", required=True, help="adapter directory; must be new or empty")
+    e.add_argument("--evaluate", action="store_true",
+                   help="also score the delta's own edit requests (teacher-forced rel/gen) with the full delta and "
+                   "with the adapter")
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=cmd_export_lora)
