@@ -80,6 +80,11 @@ def test_compare_refuses_other_settings_in_the_same_dir(tiny_lm, tmp_path, iso_c
         compare_mod.run_compare(model, tok, REQS[:2], ["ft"], out, configs=configs(["ft"]), progress=False)
     with pytest.raises(compare_mod.CrispEditError, match="holds ft run with another configuration"):
         compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"], epochs=5), progress=False)
+    old = json.loads((out / "compare.json").read_text())      # written before EditConfig had max_drift
+    del old["results"]["ft"]["config"]["max_drift"]
+    (out / "compare.json").write_text(json.dumps(old))
+    again = compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
+    assert again["results"]["ft"]["summary"] == old["results"]["ft"]["summary"]   # resumed, not rerun
 
 
 def test_compare_cli(tiny_model_dir, tmp_path, iso_cache, capsys):

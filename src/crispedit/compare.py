@@ -91,6 +91,15 @@ def requests_digest(requests: Sequence[EditRequest]) -> str:
     return hashlib.blake2b(blob, digest_size=12).hexdigest()
 
 
+def _stored_config(stored: dict) -> dict:
+    """A config stored in an existing compare.json as this crispedit writes it (fields added since, e.g.
+    ``max_drift``, at their defaults), or as stored when it no longer validates."""
+    try:
+        return EditConfig.from_dict(stored).to_json()
+    except (CrispEditError, TypeError):
+        return stored
+
+
 def _row(method: str, ev: dict, **extra) -> dict:
     caps = {k: v["score"] for k, v in ev.get("capabilities", {}).items()}
     return {"method": method, "summary": ev["summary"], "wild": ev.get("wild", {}), "capabilities": caps,
@@ -131,7 +140,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
         payload["results"] = old.get("results", {})
         for m in methods:
             stored = payload["results"].get(m, {}).get("config")
-            if stored is not None and stored != configs[m].to_json():
+            if stored is not None and _stored_config(stored) != configs[m].to_json():
                 raise CrispEditError(f"{path} holds {m} run with another configuration; use another --out")
         payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))
     device = next(model.parameters()).device

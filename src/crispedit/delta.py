@@ -38,7 +38,7 @@ from .errors import CrispEditError, atomic_directory, atomic_save_safetensors, a
 from .models import parameter
 
 __all__ = ["DELTA_FILE", "DELTA_FORMAT", "delta_fingerprint", "build_delta", "write_delta", "load_delta",
-           "apply_delta", "revert_delta", "export_lora"]
+           "apply_delta", "revert_delta", "export_lora", "delta_info"]
 
 _CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "n_embd", "n_layer", "n_head", "d_model")
