@@ -61,8 +61,10 @@ def cmd_edit(args) -> int:
     for ctx, w in (report.get("wild") or {}).items():
         if isinstance(w, dict):
             print(f"  WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']}")
-    what = "delta.safetensors" if args.delta_only else "edited model, delta.safetensors"
-    print(f"{what} and edit_report.json written to {args.out}")
+    if args.delta_only:
+        print(f"delta.safetensors and edit_report.json written to {args.out}")
+    else:
+        print(f"edited model and edit_report.json written to {args.out} (+ delta.safetensors)")
     return 0
 
 
