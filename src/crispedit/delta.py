@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -244,7 +245,9 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
         factors[mod_name] = (A, B)
     config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", target_modules=sorted(modules),
                         task_type="CAUSAL_LM", base_model_name_or_path=base_name)
-    peft_model = get_peft_model(model, config)
+    with warnings.catch_warnings():  # transformers' deprecation notices from inside peft are not the user's concern
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = get_peft_model(model, config)
     with torch.no_grad():
         for mod_name, (A, B) in factors.items():
             layer = peft_model.base_model.model.get_submodule(mod_name)
@@ -253,7 +256,8 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
     if evaluate:
         peft_model.eval()
         scores["adapter"] = summarize_edit_scores(edit_scores(peft_model, tokenizer, requests))
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out) as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
         peft_model.save_pretrained(str(tmp))
         atomic_write_json(tmp / "crispedit_lora.json", {"delta": str(path), "rank": rank, "layers": report,
                                                         "base_fingerprint": meta["base_fingerprint"],
