@@ -1,0 +1,289 @@
+"""Keys and target values of the closed-form editors (MEMIT, AlphaEdit), written once.
+
+A closed-form editor writes each fact as a key → value association into the MLP output projections
+(``down_proj``) of the edit layers:
+
+* the *key* of a request at edit layer ``l`` is the input of that layer (``d_in``, the MLP's hidden
+  activation) at the **last token of the subject** in the prompt, averaged as MEMIT does: the mean of
+  the key in the bare prompt and the mean key over a few prefix contexts (:func:`context_templates`);
+* the *target value* ``v*`` (:func:`target_values`) is the output of the decoder block holding the
+  **last** edit layer, at the same token, optimised so that the model produces the target: ``δ`` is added
+  to that block's output at the subject token of every context, Adam minimises
+  ``NLL(target) + kl_factor·KL(p_δ‖p_0) on "{subject} is a" + weight_decay·‖δ‖/‖h‖²`` and ``δ`` is clamped
+  to ``clamp·‖h‖`` after each step (``h``: the unedited output at that token); ``v* = h + δ``;
+* the *residual* of edit layer ``i`` of ``L`` is ``(v* − h_now) / (L − i)`` with ``h_now`` the block output
+  on the current (partly updated) model (:func:`block_outputs`): each layer writes its share and the
+  later layers the rest.
+
+The subject's last token is found from the tokenizer's character offsets (a request needs its
+``subject`` field and the subject must occur in the prompt; one-line :class:`CrispEditError`
+otherwise). Statistics and solves are the callers'; this module only runs the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..data.edits import EditRequest
+from ..data.tokenize import collate, join_prompt_target, split_context_target
+from ..errors import CrispEditError
+from ..models import decoder_blocks
+
+__all__ = ["KeyValueSettings", "subject_span", "subject_token_index", "context_templates", "edit_blocks",
+           "layer_keys", "block_outputs", "target_values", "KL_TEMPLATE"]
+
+KL_TEMPLATE = "{} is a"  # MEMIT's essence prompt: the subject's distribution it keeps
+
+
+@dataclass
+class KeyValueSettings:
+    """The ``v*`` optimisation: ``steps`` Adam steps at ``lr``, ``weight_decay`` on ``‖δ‖/‖h‖²``, ``clamp``
+    (``‖δ‖ ≤ clamp·‖h‖``), ``kl_factor`` on the essence-prompt KL, early stop below ``stop_loss``."""
+
+    steps: int = 25
+    lr: float = 0.5
+    weight_decay: float = 1e-3
+    clamp: float = 4.0
+    kl_factor: float = 0.0625
+    stop_loss: float = 5e-2
+
+
+def subject_span(request: EditRequest, index: int | None = None) -> tuple[int, int]:
+    """Character span ``[start, end)`` of the request's subject in its prompt (first exact occurrence,
+    else first case-insensitive one); one-line error when the subject is missing or absent."""
+    where = f"edit request {index}" if index is not None else "edit request"
+    subject = (request.subject or "").strip()
+    if not subject:
+        raise CrispEditError(f"{where} ({request.prompt!r}) has no subject; closed-form editors (memit, alphaedit) "
+                             "need the `subject` field (ZsRE, CounterFact and WikiBigEdit records have it)")
+    start = request.prompt.find(subject)
+    if start < 0:
+        start = request.prompt.lower().find(subject.lower())
+    if start < 0:
+        raise CrispEditError(f"{where}: subject {subject!r} does not occur in its prompt {request.prompt!r}")
+    return start, start + len(subject)
+
+
+def subject_token_index(tokenizer, text: str, end_char: int) -> int:
+    """Index of the token of ``tokenizer(text)`` holding the character ``end_char - 1`` (the subject's
+    last token). Fast tokenizers: from the character offsets; others: the length of the tokenised
+    ``text[:end_char]`` minus one."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, return_offsets_mapping=True)
+        hits = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if e > s and s < end_char]
+        if hits:
+            return hits[-1]
+    return len(tokenizer(text[:end_char])["input_ids"]) - 1
+
+
+def context_templates(model: nn.Module, tokenizer, n_prefixes: int, seed: int = 0) -> list[str]:
+    """MEMIT's context templates: ``"{}"`` (the bare prompt) and ``n_prefixes`` short texts the model writes
+    itself (:func:`~crispedit.editing.contexts.generated_prefixes`: ≤ 10 tokens after "The", "Therefore",
+    "Because", "I", "You", drawn round-robin over the starts), each followed by ``" {}"``. Call it on the
+    unedited model."""
+    if n_prefixes <= 0:
+        return ["{}"]
+    from .contexts import GEN_STARTS, generated_prefixes
+
+    per = -(-n_prefixes // len(GEN_STARTS))
+    gen = generated_prefixes(model, tokenizer, per_start=per, seed=seed)
+    order = [gen[s * per + i] for i in range(per) for s in range(len(GEN_STARTS))]
+    return ["{}"] + [p.replace("{", " ").replace("}", " ") + " {}" for p in order[:n_prefixes]]
+
+
+def edit_blocks(model: nn.Module, layers: dict[str, nn.Module]) -> tuple[list[int], nn.Module]:
+    """The decoder-block index of every edit layer (in the given order, which must be increasing) and the
+    block module holding the last one (where ``v*`` lives); one-line error for layers outside the blocks."""
+    prefix, blocks = decoder_blocks(model)
+    idx = []
+    for name in layers:
+        rest = name[len(prefix) + 1:] if name.startswith(prefix + ".") else ""
+        head = rest.split(".")[0]
+        if not head.isdigit():
+            raise CrispEditError(f"closed-form edit layer {name!r} is not inside the decoder blocks {prefix}")
+        idx.append(int(head))
+    if idx != sorted(set(idx)):
+        raise CrispEditError(f"closed-form edit layers must be in distinct, increasing blocks, got {list(layers)}")
+    return idx, blocks[idx[-1]]
+
+
+def _positions(tokenizer, texts: Sequence[str], ends: Sequence[int], device) -> tuple[dict, Tensor]:
+    """Right-padded encoding of ``texts`` and the subject-last-token index of each row."""
+    pos = torch.tensor([subject_token_index(tokenizer, t, e) for t, e in zip(texts, ends)], device=device)
+    side = getattr(tokenizer, "padding_side", "right")
+    tokenizer.padding_side = "right"
+    try:
+        enc = tokenizer(list(texts), return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = side
+    return {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}, pos
+
+
+def _filled(requests: Sequence[EditRequest], templates: Sequence[str]) -> tuple[list[str], list[int]]:
+    """Every request's prompt in every template (request-major) and the subject's end character in each."""
+    texts, ends = [], []
+    for i, r in enumerate(requests):
+        _, end = subject_span(r, i)
+        for t in templates:
+            pre = t.index("{}")
+            texts.append(t.replace("{}", r.prompt, 1))
+            ends.append(pre + end)
+    return texts, ends
+
+
+@torch.no_grad()
+def layer_keys(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layer: nn.Module,
+               templates: Sequence[str], batch_size: int = 32) -> Tensor:
+    """Keys of ``requests`` at ``layer``: its input (``d_in``) at the subject's last token, for each prompt
+    in each template; per request the mean of the bare-prompt key (template 0) and the mean key over the
+    other templates (MEMIT's weighting; the bare key alone without other templates). Returns ``N x d_in``
+    float32."""
+    texts, ends = _filled(requests, templates)
+    device = next(model.parameters()).device
+    rows: list[Tensor] = []
+    for b in range(0, len(texts), batch_size):
+        enc, pos = _positions(tokenizer, texts[b:b + batch_size], ends[b:b + batch_size], device)
+        grabbed: list[Tensor] = []
+        handle = layer.register_forward_hook(lambda m, a, o: grabbed.append(a[0].detach()))
+        try:
+            model(**enc)
+        finally:
+            handle.remove()
+        x = grabbed[0]
+        rows.append(x[torch.arange(len(pos), device=device), pos].float())
+    k = torch.cat(rows).view(len(requests), len(templates), -1)
+    return k[:, 0] if len(templates) == 1 else 0.5 * (k[:, 0] + k[:, 1:].mean(1))
+
+
+def _hidden(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _replace_hidden(output, h):
+    return (h,) + tuple(output[1:]) if isinstance(output, tuple) else h
+
+
+@torch.no_grad()
+def block_outputs(model: nn.Module, tokenizer, requests: Sequence[EditRequest], block: nn.Module,
+                  batch_size: int = 32) -> Tensor:
+    """Output of ``block`` (the residual stream after it, ``d_model``) at the subject's last token of each
+    bare prompt: ``N x d_model`` float32 (MEMIT's current ``z``)."""
+    texts, ends = _filled(requests, ["{}"])
+    device = next(model.parameters()).device
+    rows = []
+    for b in range(0, len(texts), batch_size):
+        enc, pos = _positions(tokenizer, texts[b:b + batch_size], ends[b:b + batch_size], device)
+        grabbed: list[Tensor] = []
+        handle = block.register_forward_hook(lambda m, a, o: grabbed.append(_hidden(o).detach()))
+        try:
+            model(**enc)
+        finally:
+            handle.remove()
+        rows.append(grabbed[0][torch.arange(len(pos), device=device), pos].float())
+    return torch.cat(rows)
+
+
+@contextlib.contextmanager
+def _add_at(block: nn.Module, pos: Tensor, delta: Tensor) -> Iterator[list]:
+    """Add ``delta`` (``d_model``) to ``block``'s output at row ``i``, position ``pos[i]``; yields the list
+    that receives the unmodified output of each forward."""
+    seen: list[Tensor] = []
+
+    def hook(mod, args, output):
+        h = _hidden(output)
+        seen.append(h.detach())
+        h = h.clone()
+        h[torch.arange(len(pos), device=h.device), pos] += delta.to(h.dtype)
+        return _replace_hidden(output, h)
+
+    handle = block.register_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], block: nn.Module,
+                  templates: Sequence[str], settings: KeyValueSettings) -> tuple[Tensor, dict]:
+    """``v*`` of every request at ``block``'s output (module docstring), one request at a time as the
+    authors do: ``N x d_model`` float32, and a record (mean first / last NLL per target token, Adam steps
+    taken, mean ‖δ‖/‖h‖)."""
+    from ..curvature.kfac import frozen
+
+    device = next(model.parameters()).device
+    out, first, last, steps, ratio = [], [], [], 0, []
+    was_training = model.training
+    model.eval()
+    try:
+        with frozen(model):
+            for i, r in enumerate(requests):
+                _, end = subject_span(r, i)
+                rows, ends = [], []
+                for t in templates:
+                    pre = t.index("{}")
+                    ctx = t.replace("{}", r.prompt, 1)
+                    rows.append(split_context_target(tokenizer, ctx, join_prompt_target(ctx, r.target)))
+                    ends.append(pre + end)
+                subj = (r.subject or "").strip()
+                kl_text = KL_TEMPLATE.format(r.prompt[end - len(subj):end])
+                batch = collate(tokenizer, rows, max_len=10 ** 6).to(device)
+                pos = torch.tensor([subject_token_index(tokenizer, t.replace("{}", r.prompt, 1), e)
+                                    for t, e in zip(templates, ends)], device=device)
+                kl_enc, kl_pos = _positions(tokenizer, [kl_text], [len(subj)], device)
+                delta = torch.zeros(_hidden_size(model), device=device, dtype=torch.float32, requires_grad=True)
+                opt = torch.optim.Adam([delta], lr=settings.lr)
+                h0 = kl0 = None
+                n_tgt = (batch.labels[:, 1:] != -100).sum(1).clamp_min(1)
+                for it in range(settings.steps):
+                    opt.zero_grad()
+                    with _add_at(block, pos, delta) as seen:
+                        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+                    if h0 is None:
+                        h0 = seen[0][0, pos[0]].float()
+                    with _add_at(block, kl_pos, delta):
+                        kl_logits = model(**kl_enc).logits.float()[0, kl_pos[0]]
+                    kl_logp = torch.log_softmax(kl_logits, -1)
+                    if kl0 is None:
+                        kl0 = kl_logp.detach()
+                    lp = torch.log_softmax(logits[:, :-1], -1)
+                    labels = batch.labels[:, 1:]
+                    tok_lp = lp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1) * (labels != -100)
+                    nll = (-(tok_lp.sum(1)) / n_tgt).mean()
+                    kl = settings.kl_factor * F.kl_div(kl0.unsqueeze(0), kl_logp.unsqueeze(0), log_target=True,
+                                                       reduction="batchmean")
+                    wd = settings.weight_decay * (delta.norm() / h0.norm() ** 2)
+                    loss = nll + kl + wd
+                    if it == 0:
+                        first.append(float(nll.detach()))
+                    if float(loss.detach()) < settings.stop_loss or it == settings.steps - 1:
+                        last.append(float(nll.detach()))
+                        break
+                    loss.backward()
+                    opt.step()
+                    steps += 1
+                    with torch.no_grad():
+                        cap = settings.clamp * h0.norm()
+                        if delta.norm() > cap:
+                            delta.mul_(cap / delta.norm())
+                out.append((h0 + delta).detach())
+                ratio.append(float(delta.norm() / h0.norm()))
+    finally:
+        model.train(was_training)
+    n = max(len(requests), 1)
+    return torch.stack(out).float(), {"nll_first": sum(first) / n, "nll_last": sum(last) / n, "steps": steps,
+                                      "delta_ratio": sum(ratio) / n}
+
+
+def _hidden_size(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    for key in ("hidden_size", "n_embd", "d_model"):
+        if getattr(cfg, key, None):
+            return int(getattr(cfg, key))
+    raise CrispEditError("cannot tell this model's hidden size (no hidden_size / n_embd in its config)")
