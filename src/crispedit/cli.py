@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .editing.flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
                             config_from_args, load_job_inputs)
+from .curvature.modes import CACHE_KINDS  # torch-free
 from .distributed import launched_world_size  # torch-free at import
 from .errors import CrispEditError, check_input_file, check_output_dir, check_output_file
 
@@ -91,17 +92,18 @@ def cmd_cache_build(args) -> int:
         layers = resolve_layers(model, config.layers)
         fp = weight_fingerprint(model)
         factors, info = capability_factors(model, tok, layers, config, cache_root=args.cache_dir or cache_dir(),
-                                           fingerprint=fp, force=args.force, progress=progress)
+                                           fingerprint=fp, force=args.force, progress=progress, kind=args.kind)
         path = info["path"]
         if args.out:
             if is_main():
-                save_factors(args.out, factors, curvature_spec(model, list(layers), texts, config, fp),
+                save_factors(args.out, factors, curvature_spec(model, list(layers), texts, config, fp, args.kind),
                              extra={"collect_seconds": info["seconds"], "processes": world_size()})
             path = args.out
         procs = f" on {world_size()} processes" if world_size() > 1 else ""
         state = "reused" if info["hit"] else f"built in {info['seconds']:.1f}s{procs}"
         if is_main():
-            print(f"K-FAC factors for {len(layers)} layers ({factors.n_tokens} tokens) {state}: {path}")
+            what = "K-FAC factors" if args.kind == "kfac" else "input covariances"
+            print(f"{what} for {len(layers)} layers ({factors.n_tokens} tokens) {state}: {path}")
     return 0
 
 
@@ -112,7 +114,8 @@ def cmd_cache_info(args) -> int:
 
     factors = load_factors(args.file)
     meta = dict(factors.meta)
-    meta["shapes"] = {k: [list(factors.A[k].shape), list(factors.S[k].shape)] for k in factors.A}
+    meta["shapes"] = {k: [list(factors.A[k].shape)] + ([list(factors.S[k].shape)] if k in factors.S else [])
+                      for k in factors.A}
     print(json.dumps(meta, indent=2))
     return 0
 
@@ -129,7 +132,7 @@ def cmd_cache_list(args) -> int:
     for f in files:
         try:
             spec = load_factors(f).meta.get("spec", {})
-            print(f"{f}  layers={len(spec.get('layers', []))} n={spec.get('n_texts')} len={spec.get('max_len')} "
+            print(f"{f}  kind={spec.get('kind', 'kfac')} layers={len(spec.get('layers', []))} n={spec.get('n_texts')} len={spec.get('max_len')} "
                   f"labels={spec.get('label_mode')} model={str(spec.get('model_fingerprint'))[:12]}")
         except CrispEditError as exc:
             print(f"{f}  (unreadable: {exc})")
@@ -182,9 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     pc = sub.add_parser("cache", help="build or inspect K-FAC curvature caches")
     csub = pc.add_subparsers(dest="cache_command", required=True)
-    b = csub.add_parser("build", help="collect capability K-FAC factors (reused by `edit`)")
+    b = csub.add_parser("build", help="collect capability K-FAC factors or input covariances (reused by `edit`)")
     add_model_args(b)
     add_curvature_args(b)
+    b.add_argument("--kind", choices=list(CACHE_KINDS), default="kfac",
+                   help="kfac: K-FAC factors A and S (crispedit, adam-nscl; default); input: the input covariance "
+                   "E[k k^T] alone, forward only (memit, alphaedit)")
     b.add_argument("--cache-dir", default=None, help="cache root (default $CRISPEDIT_CACHE or ~/.cache/crispedit)")
     b.add_argument("--out", default=None, help="also write the factors to this file (for `edit --cache`)")
     b.add_argument("--force", action="store_true", help="recollect even if cached")

@@ -9,6 +9,11 @@ written to a temporary name and renamed, so a reader sees either nothing or a co
 ``torch.distributed`` only rank 0 writes. Every
 load re-checks the metadata against what the caller expects, so a file is never silently used for
 another model or configuration, and a truncated or corrupt file is reported as such.
+
+Two kinds share the format, the key and the checks: ``kfac`` (capability K-FAC factors ``A`` and ``S``) and
+``input`` (``A = E[k kᵀ]`` alone, forward only, no labels: MEMIT / AlphaEdit's key covariance, see
+:func:`~crispedit.curvature.kfac.collect_lm_input_covariance`). ``kind`` enters the spec only when it is
+not ``kfac``, so K-FAC entries written before input caches existed keep their keys.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ from torch import nn
 
 from ..distributed import all_agree, barrier, is_main, world_size
 from ..errors import CrispEditError, atomic_save_safetensors
-from .kfac import KFACFactors, LabelMode, collect_lm_kfac
+from .modes import CACHE_KINDS
+from .kfac import KFACFactors, LabelMode, collect_lm_input_covariance, collect_lm_kfac
 
-__all__ = ["CurvatureSpec", "cache_key", "save_factors", "load_factors", "get_or_build_factors", "layer_shapes",
+__all__ = ["CurvatureSpec", "KINDS", "cache_key", "save_factors", "load_factors", "get_or_build_factors", "layer_shapes",
            "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
+KINDS = CACHE_KINDS  # what a cache entry holds: K-FAC factors A and S, or the input covariance A alone
 
 
 @dataclass(frozen=True)
@@ -47,11 +54,15 @@ class CurvatureSpec:
     stat_dtype: str = "float32"
     model_dtype: str = "float32"
     format_version: int = FORMAT_VERSION
+    kind: str = "kfac"  # KINDS; input covariances have label_mode "none"
 
     def as_dict(self) -> dict:
-        """The spec as a JSON-ready dict (``layers`` as a list): what factor files store and the key hashes."""
+        """The spec as a JSON-ready dict (``layers`` as a list; ``kind`` only when not ``kfac``): what factor
+        files store and the key hashes."""
         d = asdict(self)
         d["layers"] = list(self.layers)
+        if d["kind"] == "kfac":
+            del d["kind"]
         return d
 
 
@@ -118,6 +129,12 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
             f"curvature cache {path} was built for another model (fingerprint {str(spec.get('model_fingerprint'))[:12]}…, "
             f"this model is {fp[:12]}…)")
     want_layers = list(expect.layers) if expect else (list(layers) if layers is not None else None)
+    kind = spec.get("kind", "kfac")
+    if expect is not None and kind != expect.kind:
+        raise CrispEditError(f"curvature cache {path} holds {kind} statistics, not {expect.kind} "
+                             "(build it with `crispedit cache build --kind " + expect.kind + "`)")
+    if kind not in KINDS:
+        raise CrispEditError(f"curvature cache {path} has an unknown kind {kind!r}")
     if want_layers is not None and spec.get("layers") != want_layers:
         raise CrispEditError(f"curvature cache {path} covers layers {spec.get('layers')}, not {want_layers}")
     if expect is not None:
@@ -128,18 +145,19 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
             raise CrispEditError(f"curvature cache {path} was built with a different configuration: {detail}; "
                                  "rebuild it with `crispedit cache build` and the same flags as the edit")
     factors = KFACFactors.from_tensors(tensors, int(meta.get("n_tokens", 0)), meta)
+    has_s = kind == "kfac"
     for name in spec.get("layers", []):
-        if name not in factors.A or name not in factors.S:
+        if name not in factors.A or (has_s and name not in factors.S):
             raise CrispEditError(f"curvature cache {path} is incomplete: no factors for {name}")
-        for kind, t in (("A", factors.A[name]), ("S", factors.S[name])):
+        for fk, t in (("A", factors.A[name]),) + ((("S", factors.S[name]),) if has_s else ()):
             if t.dim() != 2 or t.shape[0] != t.shape[1] or not torch.isfinite(t).all():
-                raise CrispEditError(f"curvature cache {path} is corrupt: bad {kind} factor for {name}")
+                raise CrispEditError(f"curvature cache {path} is corrupt: bad {fk} factor for {name}")
         if shapes is not None and name in shapes:
             d_out, d_in = shapes[name]
-            got = (factors.A[name].shape[0], factors.S[name].shape[0])
-            if got != (d_in, d_out):
-                raise CrispEditError(f"curvature cache {path}: factors for {name} are for a {got[1]}x{got[0]} layer, "
-                                     f"this layer is {d_out}x{d_in}")
+            if factors.A[name].shape[0] != d_in or (has_s and factors.S[name].shape[0] != d_out):
+                got_out = factors.S[name].shape[0] if has_s else "?"
+                raise CrispEditError(f"curvature cache {path}: factors for {name} are for a {got_out}x"
+                                     f"{factors.A[name].shape[0]} layer, this layer is {d_out}x{d_in}")
     return factors
 
 
@@ -174,9 +192,13 @@ def get_or_build_factors(
     if all_agree(factors is not None):  # every process takes the same branch (collectives follow)
         return factors, {"path": str(path), "hit": True, "seconds": time.perf_counter() - t0,
                          "spec": factors.meta.get("spec")}
-    factors = collect_lm_kfac(model, tokenizer, texts, layers, max_len=spec.max_len, batch_size=batch_size,
-                              label_mode=LabelMode(spec.label_mode), seed=spec.seed, stat_dtype=stat_dtype,
-                              progress=progress)
+    if spec.kind == "input":
+        factors = collect_lm_input_covariance(model, tokenizer, texts, layers, max_len=spec.max_len,
+                                              batch_size=batch_size, stat_dtype=stat_dtype, progress=progress)
+    else:
+        factors = collect_lm_kfac(model, tokenizer, texts, layers, max_len=spec.max_len, batch_size=batch_size,
+                                  label_mode=LabelMode(spec.label_mode), seed=spec.seed, stat_dtype=stat_dtype,
+                                  progress=progress)
     seconds = time.perf_counter() - t0
     if is_main():
         save_factors(path, factors, spec, extra={"collect_seconds": seconds, "processes": world_size()})

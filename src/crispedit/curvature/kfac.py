@@ -46,6 +46,7 @@ __all__ = [
     "layer_rows",
     "sample_labels",
     "collect_lm_kfac",
+    "collect_lm_input_covariance",
 ]
 
 
@@ -85,10 +86,12 @@ class KFACFactors:
         return KFACFactors(A, S, self.n_tokens + other.n_tokens, dict(self.meta))
 
     def to_tensors(self) -> dict[str, Tensor]:
+        """``{"<layer>::A": A, "<layer>::S": S}`` (S only where present: input-covariance sets hold A alone)."""
         out = {}
         for k in self.A:
             out[f"{k}::A"] = self.A[k]
-            out[f"{k}::S"] = self.S[k]
+            if k in self.S:
+                out[f"{k}::S"] = self.S[k]
         return out
 
     @classmethod
@@ -339,3 +342,72 @@ def collect_lm_kfac(
         acc.all_reduce({name: tuple(weight_matrix(m).shape) for name, m in layers.items()}, device)
     meta = {"label_mode": label_mode.value, "seed": seed, "max_len": max_len, "n_texts": len(texts)}
     return acc.factors(list(layers), meta, out_dtype=out_dtype)
+
+
+class _StopForward(Exception):
+    """Raised by a hook once the highest needed layer has run: the rest of the forward is skipped."""
+
+
+def collect_lm_input_covariance(
+    model: nn.Module,
+    tokenizer,
+    texts: Sequence[str],
+    layers: dict[str, nn.Module],
+    *,
+    max_len: int = 256,
+    batch_size: int = 8,
+    stat_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.float32,
+    progress: bool | None = None,
+    desc: str = "input covariance",
+) -> KFACFactors:
+    """The uncentred input covariance ``C = E[k kᵀ]`` (``d_in x d_in``) of every layer in ``layers`` over
+    every non-padding token of ``texts`` (tokenised, truncated to ``max_len``, right-padded): MEMIT's
+    ``mom2`` statistic, K-FAC's ``A`` without the loss. Forward only, no labels, no gradients; the forward
+    stops once the last of ``layers`` has run. Products in ``stat_dtype``, sums in float64, divided by
+    the token count; returned as :class:`KFACFactors` with ``A`` only (``S`` empty). In several
+    processes every process runs every batch (no sharding)."""
+    device = next(model.parameters()).device
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    last = max(layers.values(), key=lambda m: order[id(m)])
+    sums: dict[str, Tensor] = {}
+    rows = 0
+    was_training = model.training
+    model.eval()
+    pad_side = getattr(tokenizer, "padding_side", "right")
+    tokenizer.padding_side = "right"
+    bar = tqdm(total=len(texts), desc=desc, unit="seq", disable=(None if progress is None else not progress))
+    mask: Tensor | None = None
+
+    def make_hook(name: str, module: nn.Module):
+        def hook(mod, args, output):
+            a = layer_rows(mod, args[0].detach())[mask].to(stat_dtype)
+            aa = (a.T @ a).to(torch.float64)
+            sums[name] = sums[name] + aa if name in sums else aa
+            if mod is last:
+                raise _StopForward
+        return hook
+
+    handles = [m.register_forward_hook(make_hook(n, m)) for n, m in layers.items()]
+    try:
+        with frozen(model), torch.no_grad():
+            for b in range(0, len(texts), batch_size):
+                chunk = list(texts[b:b + batch_size])
+                enc = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_len)
+                mask = enc["attention_mask"].to(device).bool()
+                try:
+                    model(input_ids=enc["input_ids"].to(device), attention_mask=mask.long())
+                except _StopForward:
+                    pass
+                rows += int(mask.sum())
+                bar.update(len(chunk))
+    finally:
+        for h in handles:
+            h.remove()
+        bar.close()
+        tokenizer.padding_side = pad_side
+        model.train(was_training)
+    if rows == 0 or set(sums) != set(layers):
+        raise RuntimeError("no input statistics were collected (no tokens?)")
+    A = {k: (sums[k] / rows).to(out_dtype).cpu() for k in layers}
+    return KFACFactors(A, {}, rows, {"kind": "input", "max_len": max_len, "n_texts": len(texts)})

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["OutputGrads"]
+__all__ = ["OutputGrads", "CACHE_KINDS"]
+
+CACHE_KINDS = ("kfac", "input")  # a curvature cache entry: K-FAC factors A and S, or the input covariance A alone
 
 
 class OutputGrads(str, Enum):

@@ -52,7 +52,7 @@ def predicted_kl(layers: Mapping[str, nn.Module], factors, before: Mapping[str, 
     out: dict[str, float] = {}
     for name, module in layers.items():
         key = f"{name}.weight"
-        if key not in before or name not in factors.A:
+        if key not in before or name not in factors.A or name not in (getattr(factors, "S", None) or {}):
             continue
         w1 = (after[key] if after is not None else module.weight).detach()
         w0 = before[key].detach().to(w1.device)

@@ -48,28 +48,31 @@ class EditResult:
 
 
 def curvature_spec(model: nn.Module, layers: Sequence[str], texts: Sequence[str], config: EditConfig,
-                   fingerprint: str | None = None) -> CurvatureSpec:
-    """The content-address of a capability K-FAC collection for ``model``, ``layers`` and ``texts`` under
-    ``config``."""
+                   fingerprint: str | None = None, kind: str = "kfac") -> CurvatureSpec:
+    """The content-address of a capability statistics collection for ``model``, ``layers`` and ``texts``
+    under ``config``: K-FAC factors (``kind="kfac"``) or the input covariance alone (``kind="input"``, which
+    depends on neither labels nor seed: label mode ``none``, seed 0)."""
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    inp = kind == "input"
     return CurvatureSpec(
         model_fingerprint=fingerprint or weight_fingerprint(model), layers=tuple(layers),
         corpus_digest=corpus_digest(texts), n_texts=len(texts), max_len=config.max_len,
-        label_mode=config.label_mode, seed=config.seed, stat_dtype="float32", model_dtype=dtype,
+        label_mode="none" if inp else config.label_mode, seed=0 if inp else config.seed, stat_dtype="float32",
+        model_dtype=dtype, kind=kind,
     )
 
 
 def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module], config: EditConfig, *,
                        cache_root: str | Path | None = None, cache_file: str | Path | None = None,
                        fingerprint: str | None = None, force: bool = False,
-                       progress: bool | None = None) -> tuple[KFACFactors, dict]:
-    """Capability K-FAC factors for ``layers``: from ``cache_file`` if given (its full spec — model,
+                       progress: bool | None = None, kind: str = "kfac") -> tuple[KFACFactors, dict]:
+    """Capability K-FAC factors for ``layers`` (``kind="input"``: the input covariance ``A = E[k kᵀ]`` alone): from ``cache_file`` if given (its full spec — model,
     layers, corpus, n_cap, max_len, label mode, seed, dtypes — and every factor's shape checked against
     what this edit asks for), else from the content-addressed cache, else collected and cached. ``info``
     holds the path, whether it was a hit, the seconds and the spec the factors were built with."""
     fingerprint = fingerprint or weight_fingerprint(model)
     texts = capability_corpus(config.cap_corpus, config.n_cap)
-    spec = curvature_spec(model, list(layers), texts, config, fingerprint)
+    spec = curvature_spec(model, list(layers), texts, config, fingerprint, kind)
     if cache_file is not None:
         t0 = time.perf_counter()
         factors = load_factors(cache_file, spec, shapes=layer_shapes(layers))
@@ -103,7 +106,8 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     if editor.needs_curvature or (predict_drift and predictable):
         if factors is None:
             factors, info = capability_factors(model, tokenizer, layers, config, cache_root=cache_root,
-                                               cache_file=cache_file, progress=progress)
+                                               cache_file=cache_file, progress=progress,
+                                               kind=editor.curvature_kind)
             cache_seconds = info["seconds"]
         missing = [n for n in layers if n not in factors.A]
         if missing:

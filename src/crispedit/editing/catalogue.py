@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..errors import CrispEditError, check_float, check_int
 from .registry import MethodConfig, MethodSpec, add_method
 
-__all__ = ["LoRAConfig", "LocBFConfig", "BUILTIN_METHODS"]
+__all__ = ["LoRAConfig", "LocBFConfig", "ClosedFormConfig", "MEMITConfig", "AlphaEditConfig", "BUILTIN_METHODS"]
 
 
 @dataclass
@@ -65,6 +65,83 @@ class LocBFConfig(MethodConfig):
         return self
 
 
+_CF_HELP = {
+    "batch_size": "edits written per closed-form solve; larger edit sets go in consecutive batches",
+    "v_steps": "Adam steps of the target-vector (v*) optimisation",
+    "v_lr": "Adam learning rate of the v* optimisation",
+    "v_weight_decay": "weight of the ||delta|| / ||h||^2 penalty in the v* optimisation",
+    "clamp": "the v* change delta is clamped to clamp * ||h|| (h: the unedited hidden state)",
+    "kl_factor": "weight of the KL term on '{subject} is a' in the v* optimisation",
+    "prefixes": "model-written prefix contexts the keys and v* are averaged over, besides the bare prompt",
+}
+
+
+@dataclass
+class ClosedFormConfig(MethodConfig):
+    """Options shared by the closed-form editors (MEMIT, AlphaEdit): ``batch_size`` edits per solve, the
+    target-vector optimisation (``v_steps`` Adam steps at ``v_lr``, ``v_weight_decay``, ``clamp`` factor of
+    ‖h‖, ``kl_factor`` on "{subject} is a") and the number of model-written ``prefixes`` (0: bare prompt
+    only). Defaults: MEMIT's (the authors' code) as given for CrispEdit's comparison."""
+
+    batch_size: int = 32
+    v_steps: int = 25
+    v_lr: float = 0.5
+    v_weight_decay: float = 1e-3
+    clamp: float = 4.0
+    kl_factor: float = 0.0625
+    prefixes: int = 5
+
+    def validate(self) -> "ClosedFormConfig":
+        """Positive batch size and steps, positive learning rate and clamp, non-negative penalties, 0–50 prefixes."""
+        self.batch_size = check_int("closed-form batch_size", self.batch_size, 1)
+        self.v_steps = check_int("v_steps", self.v_steps, 1, 100_000)
+        self.v_lr = check_float("v_lr", self.v_lr, 0.0, 100.0, lo_open=True)
+        self.v_weight_decay = check_float("v_weight_decay", self.v_weight_decay, 0.0)
+        self.clamp = check_float("clamp", self.clamp, 0.0, lo_open=True)
+        self.kl_factor = check_float("kl_factor", self.kl_factor, 0.0)
+        self.prefixes = check_int("prefixes", self.prefixes, 0, 50)
+        return self
+
+
+@dataclass
+class MEMITConfig(ClosedFormConfig):
+    """MEMIT: ``cov_weight`` λ of the key covariance in ``ΔW = R Kᵀ(λC + KKᵀ)⁻¹`` (authors: 15000, their
+    ``mom2_update_weight``), plus the shared closed-form options."""
+
+    cov_weight: float = 15000.0
+    HELP = {**_CF_HELP, "cov_weight": "lambda: weight of the key covariance C in (lambda C + K K^T) (default 15000)"}
+
+    def validate(self) -> "MEMITConfig":
+        """The shared checks and a positive ``cov_weight``."""
+        super().validate()
+        self.cov_weight = check_float("memit cov_weight", self.cov_weight, 0.0, lo_open=True)
+        return self
+
+
+@dataclass
+class AlphaEditConfig(ClosedFormConfig):
+    """AlphaEdit: ``nullspace_threshold`` (eigenvalues of the per-token covariance ``C = E[kkᵀ]`` below it
+    span the null space the update is projected onto; authors 2e-2), ``l2`` (ridge weight; authors' Llama-3
+    config 10), batch 100, v* with lr 0.1, clamp 0.75, weight decay 0.5 (the authors' Llama3-8B config)."""
+
+    batch_size: int = 100
+    v_lr: float = 0.1
+    v_weight_decay: float = 0.5
+    clamp: float = 0.75
+    nullspace_threshold: float = 2e-2
+    l2: float = 10.0
+    HELP = {**_CF_HELP, "nullspace_threshold": "eigenvalues of E[k k^T] below this span the preserved null space "
+            "(default 2e-2)", "l2": "ridge weight of the update (default 10, the authors' Llama-3 config)"}
+
+    def validate(self) -> "AlphaEditConfig":
+        """The shared checks, a positive threshold and a non-negative ``l2``."""
+        super().validate()
+        self.nullspace_threshold = check_float("alphaedit nullspace_threshold", self.nullspace_threshold, 0.0,
+                                               lo_open=True)
+        self.l2 = check_float("alphaedit l2", self.l2, 0.0)
+        return self
+
+
 _M = "crispedit.editing.methods"
 BUILTIN_METHODS: tuple[MethodSpec, ...] = (
     MethodSpec("crispedit", "fine-tuning projected onto the low-curvature subspace of the capability K-FAC "
@@ -76,6 +153,10 @@ BUILTIN_METHODS: tuple[MethodSpec, ...] = (
                LoRAConfig, f"{_M}.lora:LoRAEditor"),
     MethodSpec("locbf-ft", "plain Adam on one MLP output projection (LocBF-FT)", LocBFConfig,
                f"{_M}.locbf_ft:LocBFFTEditor"),
+    MethodSpec("memit", "closed-form key-value update of the edit layers' MLP output projections (MEMIT)",
+               MEMITConfig, f"{_M}.memit:MEMITEditor"),
+    MethodSpec("alphaedit", "MEMIT's update projected onto the null space of the preserved keys' covariance "
+               "(AlphaEdit)", AlphaEditConfig, f"{_M}.alphaedit:AlphaEditEditor"),
 )
 
 for _spec in BUILTIN_METHODS:

@@ -184,7 +184,9 @@ class SeqConfig:
         """Display name: ``<method>-seq[weighting]`` or ``<method>-batch``."""
         if self.mode == "batch":
             return f"{self.edit.method}-batch"
-        return f"{self.edit.method}-seq" + (f"[{self.weighting}]" if get_editor(self.edit.method).needs_curvature else "")
+        ed = get_editor(self.edit.method)
+        return f"{self.edit.method}-seq" + (f"[{self.weighting}]" if ed.needs_curvature and ed.curvature_kind == "kfac"
+                                            else "")
 
     def to_json(self) -> dict:
         """The session config as a JSON-ready dict."""

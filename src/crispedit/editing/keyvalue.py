@@ -272,7 +272,7 @@ def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
                         if delta.norm() > cap:
                             delta.mul_(cap / delta.norm())
                 out.append((h0 + delta).detach())
-                ratio.append(float(delta.norm() / h0.norm()))
+                ratio.append(float(delta.detach().norm() / h0.norm()))
     finally:
         model.train(was_training)
     n = max(len(requests), 1)

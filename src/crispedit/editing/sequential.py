@@ -147,7 +147,7 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
         constraint = state.cap if batch else combine_factors(state.cap, state.edits, config.weighting, config.mix)
     # EigenbasisAdam's moments live in the previous round's eigenbasis: not carried into a new basis
     carry = (config.carry_optimizer and ec.projection_target != "eigenbasis" and editor.carries_optimizer
-             and not batch)
+             and not batch) or (editor.carries_state and not batch)
     train_requests = list(union) if batch else list(requests)
     budget: dict | None = None
     if ec.max_drift is not None:
@@ -174,7 +174,7 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     if budget is not None:
         record["drift_budget"] = {**budget, **(outcome.drift_budget or {}),
                                   "remaining": ec.max_drift - (record["kl_predicted_round"] or 0.0)}
-    if editor.needs_curvature and not batch:
+    if editor.needs_curvature and editor.curvature_kind == "kfac" and not batch:
         t1 = time.perf_counter()
         new.edits = accumulate(state.edits, round_edit_factors(model, tokenizer, requests, layers, ec, round_index,
                                                                progress=progress))

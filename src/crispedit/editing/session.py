@@ -144,7 +144,8 @@ class Session:
         with atomic_directory(path) as tmp:
             if get_editor(config.edit.method).needs_curvature:
                 cap, info = capability_factors(m, tok, layers, config.edit, cache_root=cache_root, cache_file=cache_file,
-                                               fingerprint=fp, progress=progress)
+                                               fingerprint=fp, progress=progress,
+                                               kind=get_editor(config.edit.method).curvature_kind)
                 files["cap_factors"] = "cap_factors-0000.safetensors"
                 atomic_save_safetensors(tmp / files["cap_factors"], cap.to_tensors(),
                                         {"n_tokens": str(cap.n_tokens), "source": json.dumps(info)})
@@ -409,7 +410,8 @@ class Session:
 
     def _recollect_capability(self) -> KFACFactors:
         factors, _ = capability_factors(self._model, self._tok, self._layers, self.config.edit,
-                                        cache_root=self._cache_root, progress=False)
+                                        cache_root=self._cache_root, progress=False,
+                                        kind=get_editor(self.config.edit.method).curvature_kind)
         return factors
 
     def _evaluate(self, rounds: list[list[EditRequest]], progress: bool | None) -> dict:

@@ -36,7 +36,8 @@ class EditContext:
     ``factors``: the K-FAC constraint for curvature editors (capability, or capability + earlier
     edits in a session); ``optimizer_state``: a flattened Adam state to continue from (sessions;
     :func:`..optim.optimizer_state` format) whose first moment is re-projected onto the new kept
-    subspace when ``reproject_momentum``; ``keep_optimizer``: return the final Adam state;
+    subspace when ``reproject_momentum``; ``keep_optimizer``: return the final Adam state. For an editor
+    with ``carries_state`` (AlphaEdit) ``optimizer_state`` is its own carried state instead.
     ``drift_factors``: the capability factors the ``config.max_drift`` budget is measured with (default:
     ``factors``; sessions pass the capability factors alone, without the earlier edits')."""
 
@@ -74,8 +75,12 @@ class Editor:
     """Base editor: plain fine-tuning of the weight of every edit layer through the projected loop.
 
     Class attributes: ``name`` (the ``--method`` value), ``summary`` (one line for help texts),
-    ``needs_curvature`` (capability K-FAC factors are collected for the edit layers),
-    ``carries_optimizer`` (a session may continue Adam's state across rounds), ``Config`` (the
+    ``needs_curvature`` (capability statistics are collected for the edit layers and passed as
+    ``ctx.factors``), ``curvature_kind`` (which: ``kfac`` = K-FAC ``A`` and ``S``; ``input`` = the input
+    covariance ``A`` alone, for the closed-form editors),
+    ``carries_optimizer`` (a session may continue Adam's state across rounds), ``carries_state`` (the
+    editor's own state — AlphaEdit's accumulated keys — goes from round to round through
+    ``ctx.optimizer_state`` / ``EditOutcome.optimizer_state`` whatever ``carry_optimizer`` says), ``Config`` (the
     method's own :class:`MethodConfig` dataclass). A built-in editor sets only ``name`` (and its
     behaviour): ``summary`` and ``Config`` come from its entry in :mod:`crispedit.editing.catalogue`
     when :func:`~crispedit.editing.registry.register_editor` binds it."""
@@ -83,7 +88,9 @@ class Editor:
     name = "base"
     summary = ""
     needs_curvature = False
+    curvature_kind = "kfac"
     carries_optimizer = True
+    carries_state = False
     Config: type[MethodConfig] = MethodConfig
 
     def select_layers(self, model: nn.Module, config: EditConfig) -> dict[str, nn.Module]:
