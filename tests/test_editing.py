@@ -24,24 +24,44 @@ def cfg(method, **kw):
 DOWN = {f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)}
 DECLARED = {"crispedit": DOWN, "ft": DOWN, "adam-nscl": DOWN,
             "locbf-ft": {"model.layers.2.mlp.down_proj.weight"},          # one layer: the middle of {1, 2}
-            "lora": {f"model.layers.{i}.self_attn.{t}_proj.weight" for i in (1, 2) for t in "qv"}}
+            "lora": {f"model.layers.{i}.self_attn.{t}_proj.weight" for i in (1, 2) for t in "qv"},
+            "memit": {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)},
+            "alphaedit": {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)}}
+# Closed-form editors write a key -> value association at the subject's last token: on the tiny random
+# llama that moves the next token when the prompt ends with the subject and the target is one token,
+# from low blocks, with a small covariance weight (the authors' settings are for 8B models).
+REQS_CF = [EditRequest(f"Written by the author of book number {i}", chr(65 + i), subject=f"book number {i}")
+           for i in range(6)]
+CF_OPTIONS = {"memit": {"cov_weight": 1.0, "v_steps": 60},
+              "alphaedit": {"nullspace_threshold": 1.0, "l2": 1.0, "v_steps": 60, "v_lr": 0.5, "clamp": 4.0}}
+
+
+def matrix_case(method):
+    """The requests and config the editor matrix runs ``method`` with."""
+    if EDITORS[method].needs_curvature and EDITORS[method].curvature_kind == "input":
+        return REQS_CF, cfg(method, layers="model.layers.{0-1}.mlp.down_proj", options=CF_OPTIONS.get(method, {}))
+    return REQS, cfg(method)
 
 
 @pytest.mark.parametrize("method", sorted(EDITORS))
 def test_editor_matrix(method, tiny_lm, iso_cache):
     model, tok = tiny_lm
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    res = edit(model, tok, REQS, cfg(method), progress=False)
+    reqs, config = matrix_case(method)
+    res = edit(model, tok, reqs, config, progress=False)
     assert dict(model.named_parameters()).keys() == before.keys()          # no adapter or module left behind
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed == set(res.original_weights)                            # changes exactly what it declares
     if method in DECLARED:
         assert changed == DECLARED[method]
     assert res.history.epoch_loss[-1] < res.history.epoch_loss[0]
-    summary = summarize_edit_scores(edit_scores(model, tok, REQS))
+    summary = summarize_edit_scores(edit_scores(model, tok, reqs))
     assert summary["rel_token_acc"] > 0.5
     kept = [v["kept_fraction"] for v in res.projector_stats.values()]
-    assert all(k == 1.0 for k in kept) if not EDITORS[method].needs_curvature else all(0 < k < 1 for k in kept)
+    if EDITORS[method].curvature_kind == "input" and EDITORS[method].needs_curvature:
+        assert all(0 < k <= 1 for k in kept)    # closed form: the share of input directions the update may use
+    else:
+        assert all(k == 1.0 for k in kept) if not EDITORS[method].needs_curvature else all(0 < k < 1 for k in kept)
     assert (res.cache_info != {}) == EDITORS[method].needs_curvature
     drift = kl_drift(model, tok, ["some held out words of text", "more text"], base_weights=res.original_weights)
     assert drift["kl_drift"] > 0
@@ -123,7 +143,12 @@ def test_config_from_dict_rejects_unknown_keys():
     ("lora", {"alpha": -1}, "lora alpha must be positive"), ("lora", {"targets": " , "}, "lora targets is empty"),
     ("lora", {"rank": 8}, "unknown lora option.*rank.*takes r, alpha, dropout, targets"),
     ("ft", {"r": 8}, "unknown ft option.*ft takes no options"),
-    ("locbf-ft", {"layer": "top"}, "locbf-ft layer must be middle, first, last or an index")])
+    ("locbf-ft", {"layer": "top"}, "locbf-ft layer must be middle, first, last or an index"),
+    ("memit", {"cov_weight": 0}, "memit cov_weight must be positive"), ("memit", {"v_steps": 0}, "v_steps"),
+    ("memit", {"clamp": -1}, "clamp must be positive"), ("memit", {"batch_size": 0}, "closed-form batch_size"),
+    ("memit", {"prefixes": 51}, "prefixes"), ("memit", {"lambda": 1}, "unknown memit option.*cov_weight"),
+    ("alphaedit", {"nullspace_threshold": 0}, "alphaedit nullspace_threshold must be positive"),
+    ("alphaedit", {"l2": -1}, "alphaedit l2"), ("alphaedit", {"v_lr": "fast"}, "v_lr")])
 def test_method_options_validated_with_one_line_errors(method, options, msg):
     with pytest.raises(CrispEditError, match=msg) as exc:
         cfg(method, options=options)

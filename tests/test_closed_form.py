@@ -1,0 +1,212 @@
+"""Closed-form editors (MEMIT, AlphaEdit): their solves against direct least squares, the input-covariance
+collection and cache kind, subject location, and edits on the tiny random llama."""
+
+import numpy as np
+import pytest
+import torch
+
+from crispedit.curvature.cache import CurvatureSpec, cache_key, get_or_build_factors, load_factors, save_factors
+from crispedit.curvature.kfac import collect_lm_input_covariance
+from crispedit.data import EditRequest, capability_corpus
+from crispedit.editing import EditConfig, edit
+from crispedit.editing.keyvalue import layer_keys, subject_span, subject_token_index
+from crispedit.editing.methods.alphaedit import alphaedit_delta, nullspace_projector
+from crispedit.editing.methods.memit import memit_delta
+from crispedit.errors import CrispEditError
+from crispedit.models import resolve_layers, weight_fingerprint
+
+LAYERS = "model.layers.{0-1}.mlp.down_proj"
+REQS = [EditRequest(f"Written by the author of book number {i}", chr(65 + i), subject=f"book number {i}")
+        for i in range(4)]
+
+
+def spd(d, rng, scale=1.0):
+    A = rng.standard_normal((d, 3 * d))
+    return torch.tensor(scale * A @ A.T / (3 * d))
+
+
+def test_memit_delta_is_the_regularised_least_squares_solution():
+    """R Kᵀ(λC + KKᵀ)⁻¹ minimises ‖ΔW K − R‖² + λ tr(ΔW C ΔWᵀ): stack [K, √λ L] with C = L Lᵀ and solve."""
+    rng = np.random.default_rng(0)
+    d_in, d_out, n, lam = 9, 5, 4, 3.7
+    K, R = torch.tensor(rng.standard_normal((d_in, n))), torch.tensor(rng.standard_normal((d_out, n)))
+    C = spd(d_in, rng)
+    L = np.linalg.cholesky(C.numpy())
+    A = np.concatenate([K.numpy().T, np.sqrt(lam) * L.T])            # (n + d_in) x d_in
+    B = np.concatenate([R.numpy().T, np.zeros((d_in, d_out))])       # (n + d_in) x d_out
+    X, *_ = np.linalg.lstsq(A, B, rcond=None)
+    got = memit_delta(K, R, C, lam)
+    assert got.dtype == torch.float64 and got.shape == (d_out, d_in)
+    np.testing.assert_allclose(got.numpy(), X.T, rtol=1e-9, atol=1e-10)
+    # with a tiny λ the keys are written (almost) exactly
+    np.testing.assert_allclose((memit_delta(K, R, C, 1e-9) @ K).numpy(), R.numpy(), atol=1e-6)
+
+
+def test_nullspace_projector_and_alphaedit_delta_against_least_squares():
+    """P projects on C's small-eigenvalue directions; ΔW = R KᵀP(KKᵀP + K_pK_pᵀP + l2 I)⁻¹ equals the
+    ridge least-squares solution over updates of the form Y U₀ᵀ, and annihilates C's large directions."""
+    rng = np.random.default_rng(1)
+    d, d_out, n, l2 = 10, 6, 3, 0.7
+    Q, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    evals = np.array([5.0, 3.0, 2.0, 1.0, 0.5, 0.3, 1e-3, 5e-3, 1e-2, 1.5e-2])  # 4 below 2e-2
+    C = torch.tensor(Q @ np.diag(evals) @ Q.T)
+    P = nullspace_projector(C, 2e-2)
+    assert torch.allclose(P, P.T) and torch.allclose(P @ P, P, atol=1e-12)
+    assert round(float(torch.trace(P))) == 4
+    U0 = torch.tensor(Q[:, evals < 2e-2])
+    assert torch.allclose(P, U0 @ U0.T, atol=1e-10)
+    K = torch.tensor(rng.standard_normal((d, n)))
+    R = torch.tensor(rng.standard_normal((d_out, n)))
+    Kp = torch.tensor(rng.standard_normal((d, 5)))
+    got = alphaedit_delta(K, R, P, Kp @ Kp.T, l2)
+    # least squares over Y (d_out x r), ΔW = Y U0ᵀ: ‖Y U0ᵀK − R‖² + ‖Y U0ᵀ Kp‖² + l2‖Y‖²
+    U = U0.numpy()
+    A = np.concatenate([K.numpy().T @ U, Kp.numpy().T @ U, np.sqrt(l2) * np.eye(U.shape[1])])
+    B = np.concatenate([R.numpy().T, np.zeros((5, d_out)), np.zeros((U.shape[1], d_out))])
+    Y, *_ = np.linalg.lstsq(A, B, rcond=None)
+    np.testing.assert_allclose(got.numpy(), Y.T @ U.T, rtol=1e-8, atol=1e-10)
+    # preserved keys: any k in the span of C's large-eigenvalue directions is mapped to 0
+    big = torch.tensor(Q[:, evals >= 2e-2]) @ torch.tensor(rng.standard_normal((6, 20)))
+    assert float((got @ big).abs().max()) < 1e-10 * float(got.abs().max())
+    assert float((got @ U0).abs().max()) > 1e-3      # ... while the null-space directions do change
+
+
+def test_input_covariance_is_the_mean_outer_product_and_stops_early(tiny_lm):
+    model, tok = tiny_lm
+    layers = resolve_layers(model, LAYERS)
+    texts = capability_corpus(None, 5)
+    calls = []
+    late = model.model.layers[3].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        cov = collect_lm_input_covariance(model, tok, texts, layers, max_len=40, batch_size=2, progress=False)
+    finally:
+        late.remove()
+    assert calls == []                                            # the forward stopped after block 1
+    assert cov.S == {} and set(cov.A) == set(layers)
+    # ground truth: every non-padding token of every text, one at a time (no padding at all)
+    for name, m in layers.items():
+        rows = []
+        h = m.register_forward_hook(lambda mod, a, o: rows.append(a[0][0].detach().double()))
+        with torch.no_grad():
+            for t in texts:
+                model(**tok(t, return_tensors="pt", truncation=True, max_length=40))
+        h.remove()
+        X = torch.cat(rows)
+        assert cov.n_tokens == X.shape[0]
+        assert torch.allclose(cov.A[name].double(), X.T @ X / X.shape[0], rtol=1e-4, atol=1e-5)
+
+
+def test_input_cache_kind_round_trip_and_refusals(tiny_lm, tmp_path):
+    model, tok = tiny_lm
+    layers = resolve_layers(model, LAYERS)
+    texts = capability_corpus(None, 4)
+    base = dict(model_fingerprint=weight_fingerprint(model), layers=tuple(layers), corpus_digest="c", n_texts=4,
+                max_len=32, label_mode="none", seed=0)
+    spec = CurvatureSpec(**base, kind="input")
+    kfac = CurvatureSpec(**{**base, "label_mode": "sampled"})
+    assert "kind" not in kfac.as_dict() and spec.as_dict()["kind"] == "input"     # old K-FAC keys unchanged
+    assert cache_key(spec) != cache_key(CurvatureSpec(**base))
+    f1, info1 = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path)
+    f2, info2 = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path)
+    assert not info1["hit"] and info2["hit"]
+    assert all(torch.equal(f1.A[n], f2.A[n]) for n in layers) and f2.S == {}
+    with pytest.raises(CrispEditError, match="holds input statistics, not kfac") as exc:
+        load_factors(info1["path"], kfac)
+    assert "\n" not in str(exc.value)
+    save_factors(tmp_path / "k.safetensors", type(f1)(f1.A, {n: torch.eye(32) for n in layers}, 5), kfac)
+    with pytest.raises(CrispEditError, match="holds kfac statistics, not input"):
+        load_factors(tmp_path / "k.safetensors", spec)
+
+
+def test_subject_location_and_one_line_errors(tiny_tok):
+    r = EditRequest("Who founded the city of Rome?", "Romulus", subject="the city of Rome")
+    s, e = subject_span(r)
+    assert r.prompt[s:e] == "the city of Rome"
+    i = subject_token_index(tiny_tok, r.prompt, e)
+    ids = tiny_tok(r.prompt)["input_ids"]
+    assert tiny_tok.decode(ids[:i + 1]).endswith("Rome") and not tiny_tok.decode(ids[:i]).endswith("Rome")
+    assert subject_span(EditRequest("who founded rome?", "x", subject="Rome")) == (12, 16)   # case-insensitive
+    for req, msg in [(EditRequest("Who founded Rome?", "Romulus"), "has no subject"),
+                     (EditRequest("Who founded Rome?", "Romulus", subject="Paris"), "'Paris' does not occur")]:
+        with pytest.raises(CrispEditError, match=msg) as exc:
+            subject_span(req, 3)
+        assert "\n" not in str(exc.value) and "edit request 3" in str(exc.value)
+
+
+@pytest.mark.parametrize("method", ["memit", "alphaedit"])
+def test_a_request_without_subject_is_refused_before_any_change(method, tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    bad = REQS[:2] + [EditRequest("Who wrote it?", "Z")]
+    with pytest.raises(CrispEditError, match="edit request 2 .* has no subject"):
+        edit(model, tok, bad, EditConfig(method=method, layers=LAYERS, n_cap=4, max_len=32), progress=False)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_memit_writes_the_targets_and_only_the_edit_layers(tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = EditConfig(method="memit", layers=LAYERS, n_cap=6, max_len=48, options={"cov_weight": 1.0, "v_steps": 60,
+                                                                                    "batch_size": 3})
+    res = edit(model, tok, REQS, cfg, progress=False)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)} == set(res.original_weights)
+    first, last = res.history.epoch_loss
+    assert last < first - 3.0                               # mean target NLL (nats/token) falls by > 3
+    assert res.cache_info["spec"]["kind"] == "input" and res.history.steps > 0
+    # the authors' λ = 15000 on this tiny model's small keys barely moves the weights: λ matters
+    model2 = type(model)(model.config)
+    model2.load_state_dict({n: before[n] for n in before})
+    res2 = edit(model2, tok, REQS, EditConfig(method="memit", layers=LAYERS, n_cap=6, max_len=48,
+                                              options={"v_steps": 60}), progress=False)
+    assert res2.history.epoch_loss[1] > last
+
+
+def test_alphaedit_leaves_preserved_keys_unchanged(tiny_lm, iso_cache):
+    """Every edit layer's update is zero on the directions of C with eigenvalues above the threshold."""
+    from crispedit.editing.api import capability_factors
+
+    model, tok = tiny_lm
+    opts = {"nullspace_threshold": 1.0, "l2": 1.0, "v_steps": 60, "v_lr": 0.5, "clamp": 4.0}
+    cfg = EditConfig(method="alphaedit", layers=LAYERS, n_cap=6, max_len=48, options=opts)
+    layers = resolve_layers(model, LAYERS)
+    C, _ = capability_factors(model, tok, layers, cfg, kind="input", progress=False)
+    res = edit(model, tok, REQS, cfg, progress=False)
+    assert res.history.epoch_loss[1] < res.history.epoch_loss[0] - 1.0
+    for name, m in layers.items():
+        evals, evecs = torch.linalg.eigh(C.A[name].double())
+        big = evecs[:, evals >= 1.0]
+        assert 0 < big.shape[1] < big.shape[0]
+        dW = (m.weight.detach() - res.original_weights[f"{name}.weight"]).double()
+        assert float(dW.abs().max()) > 1e-4
+        assert float((dW @ big).norm()) < 1e-4 * float(dW.norm())
+        kept = res.projector_stats[name]["kept_fraction"]
+        assert kept == pytest.approx(1 - big.shape[1] / big.shape[0])
+
+
+def test_alphaedit_session_accumulates_preserved_keys(tiny_lm, tmp_path, iso_cache):
+    """AlphaEdit-Seq: each round's keys join K_p K_pᵀ, stored with the session and used by the next round."""
+    from safetensors.torch import load_file
+
+    from crispedit.editing.config import SeqConfig
+    from crispedit.editing.session import Session
+
+    model, tok = tiny_lm
+    opts = {"nullspace_threshold": 1.0, "l2": 1.0, "v_steps": 20, "v_lr": 0.5, "clamp": 4.0, "prefixes": 0}
+    sc = SeqConfig(edit=EditConfig(method="alphaedit", layers=LAYERS, n_cap=6, max_len=48, options=opts),
+                   carry_optimizer=False, kl_texts=2)
+    assert sc.name == "alphaedit-seq"
+    s = Session.create(tmp_path / "s", (model, tok), sc)
+    traces = []
+    for k, reqs in enumerate((REQS[:2], REQS[2:]), 1):
+        s.add(reqs, plot=False)
+        st = s._read_state()
+        assert "edit_factors" not in st["files"]                    # no K-FAC edit factors for closed forms
+        kp = load_file(str(s.path / st["files"]["optim"]))
+        assert set(kp) == {f"model.layers.{i}.mlp.down_proj::KpKp" for i in (0, 1)}
+        traces.append(float(torch.trace(kp["model.layers.0.mlp.down_proj::KpKp"])))
+    assert traces[1] > traces[0] > 0
+    # K_p K_pᵀ of round 2 = round 1's + the sum of outer products of round 2's keys on the edited model
+    layer = resolve_layers(s._model, LAYERS)["model.layers.0.mlp.down_proj"]
+    K2 = layer_keys(s._model, tok, REQS[2:], layer, ["{}"]).double()
+    assert traces[1] == pytest.approx(traces[0] + float((K2 * K2).sum()), rel=1e-3)
