@@ -190,3 +190,31 @@ def test_overwrite_replaces_only_crispedits_files_quietly(tiny_model_dir, tmp_pa
     new = json.loads((out / "edit_report.json").read_text())
     assert new["training"]["epochs"] == 1 and "notes.txt" not in new["files"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_input_cache_kind_and_closed_form_methods_from_the_cli(tiny_model_dir, tmp_path, iso_cache, capsys):
+    """`cache build --kind input` exports an A-only file that `edit --method memit --cache` uses; a K-FAC file
+    is refused for memit (and an input file for crispedit) with one line."""
+    layers = ["--layers", "model.layers.{0-1}.mlp.down_proj", "--n-cap", 4, "--max-len", 32, "--quiet"]
+    cov, kfac = tmp_path / "cov.safetensors", tmp_path / "kfac.safetensors"
+    code, out, err = run(["cache", "build", "--model", tiny_model_dir, "--kind", "input", "--out", cov] + layers, capsys)
+    assert code == 0 and "input covariances for 2 layers" in out, err
+    code, out, _ = run(["cache", "info", cov], capsys)
+    info = json.loads(out)
+    assert info["spec"]["kind"] == "input" and info["shapes"]["model.layers.0.mlp.down_proj"] == [[48, 48]]
+    code, out, _ = run(["cache", "list"], capsys)
+    assert "kind=input" in out
+    assert run(["cache", "build", "--model", tiny_model_dir, "--out", kfac] + layers, capsys)[0] == 0
+    edit_args = ["edit", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--no-wild",
+                 "--memit-v-steps", 5, "--memit-prefixes", 0] + layers
+    code, out, err = run(edit_args + ["--method", "memit", "--cache", cov, "--out", tmp_path / "m"], capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "m" / "edit_report.json").read_text())
+    assert report["method"] == "memit" and report["config"]["options"]["v_steps"] == 5
+    assert report["cache"]["spec"]["kind"] == "input"
+    code, _, err = run(edit_args + ["--method", "memit", "--cache", kfac, "--out", tmp_path / "m2"], capsys)
+    assert code == 2 and "holds kfac statistics, not input" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "m2").exists()
+    code, _, err = run(["edit", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--cache", cov,
+                        "--out", tmp_path / "c"] + layers, capsys)
+    assert code == 2 and "holds input statistics, not kfac" in err

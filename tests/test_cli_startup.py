@@ -184,7 +184,7 @@ def test_catalogue_entries_match_their_editor_classes():
         assert (cls.name, cls.summary, cls.Config) == (spec.name, spec.summary, spec.Config)
         assert f"{cls.__module__}:{cls.__qualname__}" == spec.editor and spec.summary
     assert method_spec("lora").shared == {"lr": 5e-3}
-    with pytest.raises(CrispEditError, match="unknown method 'rome'; choose one of adam-nscl, crispedit"):
+    with pytest.raises(CrispEditError, match="unknown method 'rome'; choose one of adam-nscl, alphaedit, crispedit"):
         method_spec("rome")
 
 

@@ -109,3 +109,22 @@ def test_compare_cli_one_line_errors(extra, msg, tiny_model_dir, tmp_path, capsy
     err = capsys.readouterr().err
     assert msg in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "cmp").exists()
+
+
+def test_compare_runs_the_closed_form_methods_on_one_input_cache(tiny_lm, tmp_path, iso_cache):
+    """memit and alphaedit in compare: the first collects the input covariance, the second reuses it; each
+    changes only the edit layers' down_proj and the base is restored between them."""
+    model, tok = tiny_lm
+    fp = weight_fingerprint(model)
+    reqs = [EditRequest(f"Who founded club {i}?", f"Founder {chr(65 + i)}", subject=f"club {i}",
+                        rephrase_prompts=[f"Club {i} was founded by?"]) for i in range(2)]
+    methods = ["memit", "alphaedit"]
+    cfgs = {m: EditConfig(method=m, layers=LAYERS, n_cap=4, max_len=32, options={"v_steps": 3, "prefixes": 0})
+            for m in methods}
+    payload = compare_mod.run_compare(model, tok, reqs, methods, tmp_path / "cmp", configs=cfgs, progress=False)
+    res = payload["results"]
+    assert res["memit"]["cache_hit"] is False and res["alphaedit"]["cache_hit"] is True
+    for m in methods:
+        assert res[m]["changed"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)]
+    assert weight_fingerprint(model) == fp
+    assert "| alphaedit |" in (tmp_path / "cmp" / "compare.md").read_text()
