@@ -32,6 +32,14 @@ def _edits(tmp: Path, n: int = 4) -> Path:
     return p
 
 
+def _with_subjects(argv: list, tmp: Path) -> list:
+    """``argv`` of :func:`_edit` with an edit file whose records carry a subject (closed-form editors)."""
+    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "subject": f"club {i}"} for i in range(2)]
+    p = tmp / "subject_edits.json"
+    p.write_text(json.dumps(recs))
+    return argv[:3] + ["--edits", p] + argv[5:]
+
+
 def _edit(tmp: Path, model: Path, *extra, out: Path | None = None) -> list:
     return ["edit", "--model", model, "--edits", _edits(tmp), "--layers", LAYERS, "--n-cap", 4, "--max-len", 32,
             "--epochs", 2, "--out", out or tmp / "out", "--quiet", *extra]
@@ -179,6 +187,13 @@ CASES = [
     ("seed-huge", lambda t, m: _edit(t, m, "--seed", 2**70), "seed must be between 0 and"),
     ("seed-negative", lambda t, m: _edit(t, m, "--seed", -1), "seed must be between 0 and"),
     ("epochs-huge", lambda t, m: _edit(t, m, "--epochs", 10**9), "epochs must be between"),
+    ("memit-no-subject", lambda t, m: _edit(t, m, "--method", "memit"), "edit request 0 ('Who founded club 0?') has no subject"),
+    ("memit-kfac-cache", lambda t, m: _with_subjects(_edit(t, m, "--method", "memit", "--cache", _cache(t, m)), t),
+     "holds kfac statistics, not input"),
+    ("memit-cov-weight-0", lambda t, m: _edit(t, m, "--method", "memit", "--memit-cov-weight", 0),
+     "memit cov_weight must be positive"),
+    ("alphaedit-threshold-nan", lambda t, m: _edit(t, m, "--method", "alphaedit", "--alphaedit-nullspace-threshold", "nan"),
+     "alphaedit nullspace_threshold must be a finite"),
     ("lora-alpha-inf", lambda t, m: _edit(t, m, "--method", "lora", "--lora-alpha", "inf"), "lora alpha must be a finite"),
     ("session-mix-nan", lambda t, m: ["session", "init", "--model", m, "--out", t / "s", "--mix", "nan"],
      "mix must be a finite number"),

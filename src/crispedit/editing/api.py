@@ -98,6 +98,7 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     if not requests:
         raise CrispEditError("no edit requests given")
     editor = get_editor(config.method)
+    editor.check_requests(requests)  # e.g. the closed-form editors' subjects, before any collection
     resolve_contexts(config.contexts, tokenizer)  # a context this model cannot take fails before any work
     layers = editor.select_layers(model, config)
     cache_seconds, info = 0.0, {}

@@ -93,6 +93,10 @@ class Editor:
     carries_state = False
     Config: type[MethodConfig] = MethodConfig
 
+    def check_requests(self, requests: Sequence[EditRequest]) -> None:
+        """One-line :class:`CrispEditError` when a request lacks what this editor needs (default: nothing
+        beyond prompt and target); :func:`~crispedit.editing.edit` calls it before any other work."""
+
     def select_layers(self, model: nn.Module, config: EditConfig) -> dict[str, nn.Module]:
         """The edit layers (module name -> linear module): ``config.layers`` or the per-architecture default."""
         return resolve_layers(model, config.layers)

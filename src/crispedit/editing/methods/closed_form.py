@@ -60,6 +60,11 @@ class ClosedFormEditor(Editor):
     curvature_kind = "input"
     carries_optimizer = False
 
+    def check_requests(self, requests):
+        """Every request has a subject that occurs in its prompt (one-line error naming the first that does not)."""
+        for i, r in enumerate(requests):
+            subject_span(r, i)
+
     def prepare(self, layers: dict[str, nn.Module], C: dict[str, Tensor], cfg: ClosedFormConfig,
                 ctx: EditContext) -> dict:
         """Per-edit state built once before the first batch (default: nothing)."""
@@ -87,8 +92,7 @@ class ClosedFormEditor(Editor):
         target NLL (nats/token, bare prompt) before and after, ``steps`` the v* Adam steps."""
         cfg: ClosedFormConfig = ctx.config.method_config
         layers = ctx.layers
-        for i, r in enumerate(requests):
-            subject_span(r, i)  # every request's subject, before anything runs
+        self.check_requests(requests)  # every request's subject, before anything runs
         _, block = edit_blocks(model, layers)
         if ctx.factors is None or any(n not in ctx.factors.A for n in layers):
             raise CrispEditError(f"{self.name} needs the input covariance of every edit layer")
