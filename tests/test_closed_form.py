@@ -210,3 +210,77 @@ def test_alphaedit_session_accumulates_preserved_keys(tiny_lm, tmp_path, iso_cac
     layer = resolve_layers(s._model, LAYERS)["model.layers.0.mlp.down_proj"]
     K2 = layer_keys(s._model, tok, REQS[2:], layer, ["{}"]).double()
     assert traces[1] == pytest.approx(traces[0] + float((K2 * K2).sum()), rel=1e-3)
+
+
+def test_ultraedit_ridge_solve_and_running_normalisation_against_numpy():
+    from crispedit.editing.methods.ultraedit import RunningNorm, pseudo_values, ultraedit_delta
+
+    rng = np.random.default_rng(2)
+    H, V = rng.standard_normal((7, 5)), rng.standard_normal((7, 3))
+    want = np.linalg.solve(H.T @ H + 2.5 * np.eye(5), H.T @ V).T
+    np.testing.assert_allclose(ultraedit_delta(torch.tensor(H), torch.tensor(V), 2.5).numpy(), want, rtol=1e-10)
+    lst, *_ = np.linalg.lstsq(np.concatenate([H, np.eye(5)]), np.concatenate([V, np.zeros((5, 3))]), rcond=None)
+    np.testing.assert_allclose(ultraedit_delta(torch.tensor(H), torch.tensor(V)).numpy(), lst.T, rtol=1e-9)
+    # lifelong normalisation: batch by batch, and through a save / load, equals one pass over all rows
+    parts = [rng.standard_normal((n, 4)) * 3 + 1 for n in (5, 1, 9)]
+    norm = RunningNorm(4)
+    norm.update(torch.tensor(parts[0]))
+    norm = RunningNorm.from_tensors(norm.to_tensors("L"), "L", 4)
+    for p in parts[1:]:
+        norm.update(torch.tensor(p))
+    X = np.concatenate(parts)
+    assert norm.n == 15
+    np.testing.assert_allclose(norm.mean.numpy(), X.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(norm.std.numpy(), X.std(0, ddof=1), rtol=1e-12)
+    np.testing.assert_allclose(norm(torch.tensor(X)).numpy(), (X - X.mean(0)) / (X.std(0, ddof=1) + 1.1920929e-07),
+                               rtol=1e-6)
+    h, g = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, -1.0, 0.5]])
+    assert torch.allclose(pseudo_values(h, g, 0.1), torch.tensor([[-1.5, 0.5, -0.25]]))
+    with pytest.raises(CrispEditError, match="has 4 features, not 6"):
+        RunningNorm.from_tensors(norm.to_tensors("L"), "L", 6)
+
+
+def test_ultraedit_session_carries_the_normalisation(tiny_lm, tmp_path, iso_cache):
+    """UltraEdit in a session: the running statistics count every target-predicting row of every round."""
+    from safetensors.torch import load_file
+
+    from crispedit.editing.config import SeqConfig
+    from crispedit.editing.session import Session
+
+    model, tok = tiny_lm
+    sc = SeqConfig(edit=EditConfig(method="ultraedit", layers=LAYERS, contexts="bare", answer_end="none",
+                                   options={"lr": 0.05}), kl_texts=2)
+    s = Session.create(tmp_path / "s", (model, tok), sc)
+    counts = []
+    for reqs in (REQS[:2], REQS[2:]):
+        rec = s.add(reqs, plot=False)
+        st = load_file(str(s.path / s._read_state()["files"]["optim"]))
+        counts.append(float(st["model.layers.0.mlp.down_proj::n"][0]))
+        assert rec["train"]["steps"] == 1
+    # bare contexts, no answer end: one row per target token of every request so far
+    from crispedit.data.tokenize import join_prompt_target, split_context_target
+
+    def n_target(r):
+        ids, n = split_context_target(tok, r.prompt, join_prompt_target(r.prompt, r.target))
+        return len(ids) - n
+
+    assert counts == [sum(map(n_target, REQS[:2])), sum(map(n_target, REQS))]
+
+
+def test_ultraedit_lowers_the_target_loss_and_changes_only_the_edit_layers(tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    res = edit(model, tok, REQS, EditConfig(method="ultraedit", layers="model.layers.{1-2}.mlp.down_proj",
+                                            options={"lr": 0.05}), progress=False)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)} == set(res.original_weights)
+    first, last = res.history.epoch_loss
+    assert last < first - 2.0 and res.history.steps == 1 and res.cache_info == {}
+    # a smaller scale moves less: the step is proportional to lr (up to the ridge)
+    model2 = type(model)(model.config)
+    model2.load_state_dict(before)
+    res2 = edit(model2, tok, REQS, EditConfig(method="ultraedit", layers="model.layers.{1-2}.mlp.down_proj",
+                                              options={"lr": 0.005}), progress=False)
+    d1 = (model.model.layers[1].mlp.down_proj.weight - before["model.layers.1.mlp.down_proj.weight"]).norm()
+    d2 = (model2.model.layers[1].mlp.down_proj.weight - before["model.layers.1.mlp.down_proj.weight"]).norm()
+    assert float(d2 / d1) == pytest.approx(0.1, rel=1e-3)

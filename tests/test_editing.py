@@ -26,7 +26,7 @@ DECLARED = {"crispedit": DOWN, "ft": DOWN, "adam-nscl": DOWN,
             "locbf-ft": {"model.layers.2.mlp.down_proj.weight"},          # one layer: the middle of {1, 2}
             "lora": {f"model.layers.{i}.self_attn.{t}_proj.weight" for i in (1, 2) for t in "qv"},
             "memit": {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)},
-            "alphaedit": {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)}}
+            "alphaedit": {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)}, "ultraedit": DOWN}
 # Closed-form editors write a key -> value association at the subject's last token: on the tiny random
 # llama that moves the next token when the prompt ends with the subject and the target is one token,
 # from low blocks, with a small covariance weight (the authors' settings are for 8B models).
@@ -36,10 +36,18 @@ CF_OPTIONS = {"memit": {"cov_weight": 1.0, "v_steps": 60},
               "alphaedit": {"nullspace_threshold": 1.0, "l2": 1.0, "v_steps": 60, "v_lr": 0.5, "clamp": 4.0}}
 
 
+# UltraEdit writes one normalised gradient step per batch (no iterations): on the random tiny model it lands
+# one or two of these six one-token targets at a pseudo-value scale of 0.05 (the authors' 1e-6 is for 8B
+# models); test_closed_form checks how far it lowers their loss.
+MIN_TOKEN_ACC = {"ultraedit": 0.1}
+
+
 def matrix_case(method):
     """The requests and config the editor matrix runs ``method`` with."""
     if EDITORS[method].needs_curvature and EDITORS[method].curvature_kind == "input":
         return REQS_CF, cfg(method, layers="model.layers.{0-1}.mlp.down_proj", options=CF_OPTIONS.get(method, {}))
+    if method == "ultraedit":
+        return REQS_CF, cfg(method, options={"lr": 0.05})
     return REQS, cfg(method)
 
 
@@ -56,7 +64,7 @@ def test_editor_matrix(method, tiny_lm, iso_cache):
         assert changed == DECLARED[method]
     assert res.history.epoch_loss[-1] < res.history.epoch_loss[0]
     summary = summarize_edit_scores(edit_scores(model, tok, reqs))
-    assert summary["rel_token_acc"] > 0.5
+    assert summary["rel_token_acc"] > MIN_TOKEN_ACC.get(method, 0.5)
     kept = [v["kept_fraction"] for v in res.projector_stats.values()]
     if EDITORS[method].curvature_kind == "input" and EDITORS[method].needs_curvature:
         assert all(0 < k <= 1 for k in kept)    # closed form: the share of input directions the update may use
@@ -148,7 +156,9 @@ def test_config_from_dict_rejects_unknown_keys():
     ("memit", {"clamp": -1}, "clamp must be positive"), ("memit", {"batch_size": 0}, "closed-form batch_size"),
     ("memit", {"prefixes": 51}, "prefixes"), ("memit", {"lambda": 1}, "unknown memit option.*cov_weight"),
     ("alphaedit", {"nullspace_threshold": 0}, "alphaedit nullspace_threshold must be positive"),
-    ("alphaedit", {"l2": -1}, "alphaedit l2"), ("alphaedit", {"v_lr": "fast"}, "v_lr")])
+    ("alphaedit", {"l2": -1}, "alphaedit l2"), ("alphaedit", {"v_lr": "fast"}, "v_lr"),
+    ("ultraedit", {"lr": 0}, "ultraedit lr must"), ("ultraedit", {"ridge": float("inf")}, "ultraedit ridge must be a finite"),
+    ("ultraedit", {"batch_size": 0}, "ultraedit batch_size")])
 def test_method_options_validated_with_one_line_errors(method, options, msg):
     with pytest.raises(CrispEditError, match=msg) as exc:
         cfg(method, options=options)

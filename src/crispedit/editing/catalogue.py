@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from ..errors import CrispEditError, check_float, check_int
 from .registry import MethodConfig, MethodSpec, add_method
 
-__all__ = ["LoRAConfig", "LocBFConfig", "ClosedFormConfig", "MEMITConfig", "AlphaEditConfig", "BUILTIN_METHODS"]
+__all__ = ["LoRAConfig", "LocBFConfig", "ClosedFormConfig", "MEMITConfig", "AlphaEditConfig", "UltraEditConfig",
+           "BUILTIN_METHODS"]
 
 
 @dataclass
@@ -142,6 +143,27 @@ class AlphaEditConfig(ClosedFormConfig):
         return self
 
 
+@dataclass
+class UltraEditConfig(MethodConfig):
+    """UltraEdit: ``lr`` of the pseudo-values ``v = −lr·‖ĥ‖²·ĝ`` (authors: 1e-6), ``ridge`` weight of the
+    closed-form solve ``ΔWᵀ = (HᵀH + ridge·I)⁻¹HᵀV`` (authors: 1), ``batch_size`` edits per solve (32, as in
+    CrispEdit's comparison)."""
+
+    lr: float = 1e-6
+    ridge: float = 1.0
+    batch_size: int = 32
+    HELP = {"lr": "scale of the pseudo-values v = -lr * ||h_hat||^2 * g_hat (default 1e-6, the authors')",
+            "ridge": "ridge weight of the solve (H^T H + ridge I)^-1 H^T V (default 1)",
+            "batch_size": "edits per closed-form solve; the normalisation statistics run across all of them"}
+
+    def validate(self) -> "UltraEditConfig":
+        """Positive ``lr``, ``ridge`` and ``batch_size``."""
+        self.lr = check_float("ultraedit lr", self.lr, 0.0, 1e6, lo_open=True)
+        self.ridge = check_float("ultraedit ridge", self.ridge, 0.0, lo_open=True)
+        self.batch_size = check_int("ultraedit batch_size", self.batch_size, 1)
+        return self
+
+
 _M = "crispedit.editing.methods"
 BUILTIN_METHODS: tuple[MethodSpec, ...] = (
     MethodSpec("crispedit", "fine-tuning projected onto the low-curvature subspace of the capability K-FAC "
@@ -157,6 +179,8 @@ BUILTIN_METHODS: tuple[MethodSpec, ...] = (
                MEMITConfig, f"{_M}.memit:MEMITEditor"),
     MethodSpec("alphaedit", "MEMIT's update projected onto the null space of the preserved keys' covariance "
                "(AlphaEdit)", AlphaEditConfig, f"{_M}.alphaedit:AlphaEditEditor"),
+    MethodSpec("ultraedit", "lifelong-normalised gradient pseudo-values written by a ridge solve (UltraEdit)",
+               UltraEditConfig, f"{_M}.ultraedit:UltraEditEditor"),
 )
 
 for _spec in BUILTIN_METHODS:

@@ -1,0 +1,166 @@
+"""UltraEdit (Gu et al. 2025): training-free lifelong editing by a closed-form ridge solve per layer.
+
+For each batch of edits (``batch_size``), on the current model: one forward/backward of the edit loss (mean
+cross-entropy over the target tokens of the batch's training sequences — the shared edit contexts, as every
+fine-tuning method trains them) gives, at every edit layer and every position that predicts a target
+token, the layer input ``h`` (``d_in``) and the gradient ``g`` of the loss w.r.t. the layer output (``d_out``).
+The rows ``[h‖g]`` update a **lifelong running normalisation** (mean and standard deviation over every row
+seen so far, this edit's earlier batches and, in a session, earlier rounds), which gives ``[ĥ‖ĝ]``; the
+pseudo-values are ``v = −lr·‖ĥ‖²·ĝ`` and the update is the ridge solution
+
+    ΔWᵀ = (HᵀH + ridge·I)⁻¹ Hᵀ V        (H: rows h, raw; V: rows v)
+
+added to the weight before the next batch. ``lr`` 1e-6 and ``ridge`` 1 are the authors'; they edit
+gate/up projections of Llama-3 blocks 11–24 — here the edit layers are ``--layers`` (default: the
+MLP output projections of the other methods). Statistics and the solve in float64.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...curvature.kfac import capture_io, frozen
+from ...errors import CrispEditError
+from ...models import weight_matrix
+from ..catalogue import UltraEditConfig
+from ..loop import TrainHistory, edit_batches
+from ..registry import register_editor
+from .base import EditContext, EditOutcome, Editor
+from .closed_form import target_nll
+
+__all__ = ["UltraEditConfig", "UltraEditEditor", "RunningNorm", "ultraedit_delta", "pseudo_values"]
+
+
+class RunningNorm:
+    """Running mean and standard deviation of rows (float64): ``n`` rows seen, ``mean`` and ``m2`` (sum of
+    squared deviations) per feature, merged batch by batch with the exact parallel update (Chan et al.)."""
+
+    def __init__(self, size: int, n: float = 0.0, mean: Tensor | None = None, m2: Tensor | None = None):
+        self.n = float(n)
+        self.mean = mean.double() if mean is not None else torch.zeros(size, dtype=torch.float64)
+        self.m2 = m2.double() if m2 is not None else torch.zeros(size, dtype=torch.float64)
+
+    def update(self, x: Tensor) -> None:
+        """Add the rows of ``x`` (``N x size``)."""
+        x = x.double().to(self.mean.device)
+        nb = x.shape[0]
+        if nb == 0:
+            return
+        mb = x.mean(0)
+        m2b = ((x - mb) ** 2).sum(0)
+        n = self.n + nb
+        delta = mb - self.mean
+        self.mean = self.mean + delta * nb / n
+        self.m2 = self.m2 + m2b + delta ** 2 * self.n * nb / n
+        self.n = n
+
+    @property
+    def std(self) -> Tensor:
+        """Sample standard deviation per feature (``m2 / (n − 1)``, square root)."""
+        return (self.m2 / max(self.n - 1.0, 1.0)).sqrt()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """``(x − mean) / (std + eps)`` in float64."""
+        return (x.double().to(self.mean.device) - self.mean) / (self.std + torch.finfo(torch.float32).eps)
+
+    def to_tensors(self, prefix: str) -> dict[str, Tensor]:
+        """The state as tensors ``<prefix>::n``, ``::mean``, ``::m2`` (what a session stores)."""
+        return {f"{prefix}::n": torch.tensor([self.n], dtype=torch.float64), f"{prefix}::mean": self.mean.cpu(),
+                f"{prefix}::m2": self.m2.cpu()}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], prefix: str, size: int) -> "RunningNorm":
+        """Rebuild from :meth:`to_tensors` output; a fresh normaliser when ``prefix`` is absent."""
+        if f"{prefix}::n" not in tensors:
+            return cls(size)
+        mean = tensors[f"{prefix}::mean"]
+        if mean.numel() != size:
+            raise CrispEditError(f"ultraedit state for {prefix} has {mean.numel()} features, not {size}")
+        return cls(size, float(tensors[f"{prefix}::n"][0]), mean, tensors[f"{prefix}::m2"])
+
+
+def pseudo_values(h_hat: Tensor, g_hat: Tensor, lr: float) -> Tensor:
+    """``v = −lr·‖ĥ‖²·ĝ`` per row (``N x d_out``)."""
+    return -lr * (h_hat * h_hat).sum(-1, keepdim=True) * g_hat
+
+
+def ultraedit_delta(H: Tensor, V: Tensor, ridge: float = 1.0) -> Tensor:
+    """``ΔW = ((HᵀH + ridge·I)⁻¹ HᵀV)ᵀ`` in float64: ``H`` ``N x d_in`` keys, ``V`` ``N x d_out`` values; returns
+    ``d_out x d_in`` (the ridge regression of the values on the keys)."""
+    H, V = H.double(), V.double()
+    eye = torch.eye(H.shape[1], dtype=torch.float64, device=H.device)
+    return torch.linalg.solve(H.T @ H + ridge * eye, H.T @ V).T
+
+
+@register_editor
+class UltraEditEditor(Editor):
+    """UltraEdit: per batch, normalised gradient pseudo-values written into the edit layers by a ridge solve."""
+
+    name = "ultraedit"  # summary and Config (UltraEditConfig): its entry in editing/catalogue.py
+    carries_optimizer = False
+    carries_state = True  # the lifelong normalisation goes from round to round
+
+    def _rows(self, model, tokenizer, chunk, layers, config, history: TrainHistory) -> dict[str, tuple[Tensor, Tensor]]:
+        """``(H, G)`` per layer: inputs and output gradients at the target-predicting positions of every
+        training sequence of ``chunk`` (float64, CPU); counts the sequences and tokens into ``history``."""
+        device = next(model.parameters()).device
+        batches, history.contexts = edit_batches(tokenizer, chunk, config, model)
+        history.sequences += sum(b.input_ids.shape[0] for b in batches)
+        history.tokens += sum(b.n_tokens for b in batches)
+        out: dict[str, tuple[list, list]] = {n: ([], []) for n in layers}
+        with frozen(model):
+            for b in batches:
+                b = b.to(device)
+                with capture_io(layers) as store:
+                    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
+                    labels = b.labels[:, 1:]
+                    pos = labels != -100
+                    F.cross_entropy(logits[pos], labels[pos]).backward()
+                for n in layers:
+                    cap = store[n]
+                    if len(cap.inputs) != 1 or len(cap.grads) != 1:
+                        raise CrispEditError(f"ultraedit: layer {n} ran {len(cap.inputs)} times in one forward")
+                    out[n][0].append(cap.inputs[0][:, :-1][pos].double().cpu())
+                    out[n][1].append(cap.grads[0][:, :-1][pos].double().cpu())
+        return {n: (torch.cat(h), torch.cat(g)) for n, (h, g) in out.items()}
+
+    def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
+        """Edit batch by batch (module docstring); the history's ``epoch_loss`` holds the mean target NLL
+        (nats/token, bare prompt) before and after, ``steps`` the number of batches written."""
+        cfg: UltraEditConfig = ctx.config.method_config
+        layers = ctx.layers
+        shapes = {n: tuple(weight_matrix(m).shape) for n, m in layers.items()}
+        norms = {n: RunningNorm.from_tensors(ctx.optimizer_state, n, d_in + d_out) for n, (d_out, d_in) in shapes.items()}
+        t0 = time.perf_counter()
+        history = TrainHistory()
+        history.epoch_loss.append(target_nll(model, tokenizer, requests))
+        was_training = model.training
+        model.eval()
+        try:
+            for b in range(0, len(requests), cfg.batch_size):
+                chunk = list(requests[b:b + cfg.batch_size])
+                rows = self._rows(model, tokenizer, chunk, layers, ctx.config, history)
+                for n, m in layers.items():
+                    H, G = rows[n]
+                    d_out, d_in = shapes[n]
+                    norms[n].update(torch.cat([H, G], 1))
+                    h_hat, g_hat = norms[n](torch.cat([H, G], 1)).split([d_in, d_out], 1)
+                    W = weight_matrix(m)
+                    dW = ultraedit_delta(H.to(W.device), pseudo_values(h_hat, g_hat, cfg.lr).to(W.device), cfg.ridge)
+                    if not torch.isfinite(dW).all():
+                        raise CrispEditError(f"ultraedit: the update of {n} is not finite")
+                    with torch.no_grad():
+                        W.add_(dW.to(W.dtype))
+                history.steps += 1
+        finally:
+            model.train(was_training)
+        history.epoch_loss.append(target_nll(model, tokenizer, requests))
+        history.converged = history.epoch_loss[-1] <= ctx.config.stop_loss
+        history.seconds = time.perf_counter() - t0
+        state = {k: v for n in layers for k, v in norms[n].to_tensors(n).items()} if ctx.keep_optimizer else {}
+        return EditOutcome(history, {n: {"kept_fraction": 1.0, "form": "ridge"} for n in layers}, state,
+                           bool(ctx.optimizer_state))
