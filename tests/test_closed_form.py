@@ -283,4 +283,23 @@ def test_ultraedit_lowers_the_target_loss_and_changes_only_the_edit_layers(tiny_
                                               options={"lr": 0.005}), progress=False)
     d1 = (model.model.layers[1].mlp.down_proj.weight - before["model.layers.1.mlp.down_proj.weight"]).norm()
     d2 = (model2.model.layers[1].mlp.down_proj.weight - before["model.layers.1.mlp.down_proj.weight"]).norm()
-    assert float(d2 / d1) == pytest.approx(0.1, rel=1e-3)
+    assert float((d2 / d1).detach()) == pytest.approx(0.1, rel=1e-3)
+
+
+def test_target_values_side_by_side_equal_one_at_a_time(tiny_lm):
+    """Requests optimised in one forward (own δ, loss, stop and clamp each) give the one-at-a-time v*."""
+    from crispedit.editing.keyvalue import KeyValueSettings, context_templates, edit_blocks, target_values
+
+    model, tok = tiny_lm
+    layers = resolve_layers(model, LAYERS)
+    _, block = edit_blocks(model, layers)
+    templates = context_templates(model, tok, 2)
+    reqs = REQS[:3] + [EditRequest("Famous for the long book number 7 series", "Zed", subject="book number 7")]
+    # stop_loss 6.0: some requests stop early, at different steps; clamp 0.5: the clamp engages
+    kw = dict(steps=8, lr=0.5, clamp=0.5, stop_loss=6.0)
+    one = [target_values(model, tok, [r], block, templates, KeyValueSettings(**kw, chunk=1)) for r in reqs]
+    V, rec = target_values(model, tok, reqs, block, templates, KeyValueSettings(**kw, chunk=3))
+    assert torch.allclose(V, torch.cat([v for v, _ in one]), rtol=1e-4, atol=1e-4)
+    assert rec["steps"] == sum(r["steps"] for _, r in one)
+    assert 0 < rec["steps"] < 4 * 7                      # some stopped early
+    assert rec["nll_last"] == pytest.approx(sum(r["nll_last"] for _, r in one) / 4, rel=1e-4)

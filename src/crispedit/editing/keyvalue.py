@@ -44,7 +44,8 @@ KL_TEMPLATE = "{} is a"  # MEMIT's essence prompt: the subject's distribution it
 @dataclass
 class KeyValueSettings:
     """The ``v*`` optimisation: ``steps`` Adam steps at ``lr``, ``weight_decay`` on ``‖δ‖/‖h‖²``, ``clamp``
-    (``‖δ‖ ≤ clamp·‖h‖``), ``kl_factor`` on the essence-prompt KL, early stop below ``stop_loss``."""
+    (``‖δ‖ ≤ clamp·‖h‖``), ``kl_factor`` on the essence-prompt KL, early stop below ``stop_loss``; ``chunk``
+    requests share each forward."""
 
     steps: int = 25
     lr: float = 0.5
@@ -52,6 +53,7 @@ class KeyValueSettings:
     clamp: float = 4.0
     kl_factor: float = 0.0625
     stop_loss: float = 5e-2
+    chunk: int = 8  # requests optimised side by side (each with its own δ, loss and stop)
 
 
 def subject_span(request: EditRequest, index: int | None = None) -> tuple[int, int]:
@@ -211,73 +213,100 @@ def _add_at(block: nn.Module, pos: Tensor, delta: Tensor) -> Iterator[list]:
 
 def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], block: nn.Module,
                   templates: Sequence[str], settings: KeyValueSettings) -> tuple[Tensor, dict]:
-    """``v*`` of every request at ``block``'s output (module docstring), one request at a time as the
-    authors do: ``N x d_model`` float32, and a record (mean first / last NLL per target token, Adam steps
-    taken, mean ‖δ‖/‖h‖)."""
+    """``v*`` of every request at ``block``'s output (module docstring): ``N x d_model`` float32, and a record
+    (mean first / last NLL per target token, Adam steps summed over requests, mean ‖δ‖/‖h‖).
+
+    Each request has its own ``δ``, loss, early stop and clamp, exactly as the authors optimise one
+    request at a time; ``settings.chunk`` requests share each forward (Adam acts per element, and a
+    request that has stopped keeps its ``δ``), so the result equals the one-at-a-time optimisation up
+    to the padding's rounding."""
     from ..curvature.kfac import frozen
 
-    device = next(model.parameters()).device
-    out, first, last, steps, ratio = [], [], [], 0, []
+    out, first, last, steps = [], [], [], 0
     was_training = model.training
     model.eval()
     try:
         with frozen(model):
-            for i, r in enumerate(requests):
-                _, end = subject_span(r, i)
-                rows, ends = [], []
-                for t in templates:
-                    pre = t.index("{}")
-                    ctx = t.replace("{}", r.prompt, 1)
-                    rows.append(split_context_target(tokenizer, ctx, join_prompt_target(ctx, r.target)))
-                    ends.append(pre + end)
-                subj = (r.subject or "").strip()
-                kl_text = KL_TEMPLATE.format(r.prompt[end - len(subj):end])
-                batch = collate(tokenizer, rows, max_len=10 ** 6).to(device)
-                pos = torch.tensor([subject_token_index(tokenizer, t.replace("{}", r.prompt, 1), e)
-                                    for t, e in zip(templates, ends)], device=device)
-                kl_enc, kl_pos = _positions(tokenizer, [kl_text], [len(subj)], device)
-                delta = torch.zeros(_hidden_size(model), device=device, dtype=torch.float32, requires_grad=True)
-                opt = torch.optim.Adam([delta], lr=settings.lr)
-                h0 = kl0 = None
-                n_tgt = (batch.labels[:, 1:] != -100).sum(1).clamp_min(1)
-                for it in range(settings.steps):
-                    opt.zero_grad()
-                    with _add_at(block, pos, delta) as seen:
-                        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
-                    if h0 is None:
-                        h0 = seen[0][0, pos[0]].float()
-                    with _add_at(block, kl_pos, delta):
-                        kl_logits = model(**kl_enc).logits.float()[0, kl_pos[0]]
-                    kl_logp = torch.log_softmax(kl_logits, -1)
-                    if kl0 is None:
-                        kl0 = kl_logp.detach()
-                    lp = torch.log_softmax(logits[:, :-1], -1)
-                    labels = batch.labels[:, 1:]
-                    tok_lp = lp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1) * (labels != -100)
-                    nll = (-(tok_lp.sum(1)) / n_tgt).mean()
-                    kl = settings.kl_factor * F.kl_div(kl0.unsqueeze(0), kl_logp.unsqueeze(0), log_target=True,
-                                                       reduction="batchmean")
-                    wd = settings.weight_decay * (delta.norm() / h0.norm() ** 2)
-                    loss = nll + kl + wd
-                    if it == 0:
-                        first.append(float(nll.detach()))
-                    if float(loss.detach()) < settings.stop_loss or it == settings.steps - 1:
-                        last.append(float(nll.detach()))
-                        break
-                    loss.backward()
-                    opt.step()
-                    steps += 1
-                    with torch.no_grad():
-                        cap = settings.clamp * h0.norm()
-                        if delta.norm() > cap:
-                            delta.mul_(cap / delta.norm())
-                out.append((h0 + delta).detach())
-                ratio.append(float(delta.detach().norm() / h0.norm()))
+            for b in range(0, len(requests), settings.chunk):
+                v, f, l, st = _optimise_chunk(model, tokenizer, requests[b:b + settings.chunk], b, block, templates,
+                                              settings)
+                out.append(v)
+                first += f
+                last += l
+                steps += st
     finally:
         model.train(was_training)
     n = max(len(requests), 1)
-    return torch.stack(out).float(), {"nll_first": sum(first) / n, "nll_last": sum(last) / n, "steps": steps,
-                                      "delta_ratio": sum(ratio) / n}
+    V = torch.cat(out)
+    return V, {"nll_first": sum(first) / n, "nll_last": sum(last) / n, "steps": steps}
+
+
+def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settings):
+    """:func:`target_values` for one chunk: ``(v* rows, first NLLs, last NLLs, Adam steps)``."""
+    device = next(model.parameters()).device
+    n, n_t = len(requests), len(templates)
+    rows, pos, kl_texts, kl_ends = [], [], [], []
+    for i, r in enumerate(requests):
+        _, end = subject_span(r, offset + i)
+        for t in templates:
+            pre = t.index("{}")
+            ctx = t.replace("{}", r.prompt, 1)
+            rows.append(split_context_target(tokenizer, ctx, join_prompt_target(ctx, r.target)))
+            pos.append(subject_token_index(tokenizer, ctx, pre + end))
+        subj = (r.subject or "").strip()
+        kl_texts.append(KL_TEMPLATE.format(r.prompt[end - len(subj):end]))
+        kl_ends.append(len(subj))
+    batch = collate(tokenizer, rows, max_len=10 ** 6).to(device)
+    pos_t = torch.tensor(pos, device=device)
+    owner = torch.arange(n, device=device).repeat_interleave(n_t)     # request of each row
+    kl_enc, kl_pos = _positions(tokenizer, kl_texts, kl_ends, device)
+    labels = batch.labels[:, 1:]
+    tmask = labels != -100
+    n_tgt = tmask.sum(1).clamp_min(1)
+    delta = torch.zeros(n, _hidden_size(model), device=device, dtype=torch.float32, requires_grad=True)
+    opt = torch.optim.Adam([delta], lr=settings.lr)
+    h0 = kl0 = None
+    active = torch.ones(n, dtype=torch.bool, device=device)
+    first = last = None
+    last_nll = torch.zeros(n, dtype=torch.float64)
+    steps = 0
+    for it in range(settings.steps):
+        opt.zero_grad()
+        with _add_at(block, pos_t, delta[owner]) as seen:
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        if h0 is None:
+            h0 = seen[0][torch.arange(0, n * n_t, n_t, device=device), pos_t[::n_t]].float()
+        with _add_at(block, kl_pos, delta):
+            kl_logits = model(**kl_enc).logits[torch.arange(n, device=device), kl_pos].float()
+        kl_logp = torch.log_softmax(kl_logits, -1)
+        if kl0 is None:
+            kl0 = kl_logp.detach()
+        lp = torch.log_softmax(logits[:, :-1][tmask].float(), -1)          # target positions only
+        tok_lp = torch.zeros(labels.shape, device=device)
+        tok_lp[tmask] = lp.gather(-1, labels[tmask].unsqueeze(-1)).squeeze(-1)
+        row_nll = -tok_lp.sum(1) / n_tgt
+        nll = torch.zeros(n, device=device).index_add(0, owner, row_nll) / n_t
+        kl = settings.kl_factor * (kl_logp.exp() * (kl_logp - kl0)).sum(-1)   # KL(p_δ ‖ p_0), as the authors
+        wd = settings.weight_decay * delta.norm(dim=1) / h0.norm(dim=1) ** 2
+        loss = nll + kl + wd
+        if first is None:
+            first = nll.detach().double().cpu()
+        stop = active & ((loss.detach() < settings.stop_loss) | (it == settings.steps - 1))
+        last_nll[stop.cpu()] = nll.detach().double().cpu()[stop.cpu()]
+        active = active & ~stop
+        if not bool(active.any()):
+            break
+        (loss * active).sum().backward()
+        kept = delta.detach()[~active].clone()
+        opt.step()
+        steps += int(active.sum())
+        with torch.no_grad():
+            delta[~active] = kept                                          # stopped requests keep their δ
+            cap = settings.clamp * h0.norm(dim=1)
+            norm = delta.norm(dim=1)
+            over = norm > cap
+            delta[over] *= (cap[over] / norm[over]).unsqueeze(1)
+    return (h0 + delta).detach().float(), first.tolist(), last_nll.tolist(), steps
 
 
 def _hidden_size(model: nn.Module) -> int:
