@@ -8,6 +8,7 @@ from crispedit import compare as compare_mod
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
+from crispedit.errors import CrispEditError
 from crispedit.models import weight_fingerprint
 
 from test_cli import edits_file
@@ -128,3 +129,12 @@ def test_compare_runs_the_closed_form_methods_on_one_input_cache(tiny_lm, tmp_pa
         assert res[m]["changed"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)]
     assert weight_fingerprint(model) == fp
     assert "| alphaedit |" in (tmp_path / "cmp" / "compare.md").read_text()
+
+
+def test_compare_refuses_requests_a_method_cannot_take_before_running_any(tiny_lm, tmp_path, iso_cache, monkeypatch):
+    model, tok = tiny_lm
+    ran = counting_edit(monkeypatch)
+    with pytest.raises(CrispEditError, match="edit request 0 .* has no subject"):
+        compare_mod.run_compare(model, tok, REQS, ["ft", "memit"], tmp_path / "cmp", configs=configs(["ft", "memit"]),
+                                progress=False)
+    assert ran == [] and not (tmp_path / "cmp").exists()

@@ -115,6 +115,8 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
     existing compare.json with the same settings are kept and not rerun."""
     if not requests:
         raise CrispEditError("no edit requests given")
+    for m in methods:  # what each method needs of the requests (the closed forms' subjects), before anything
+        get_editor(m).check_requests(requests)
     out = Path(out)
     check_output_dir(out)
     out.mkdir(parents=True, exist_ok=True)
