@@ -303,3 +303,27 @@ def test_target_values_side_by_side_equal_one_at_a_time(tiny_lm):
     assert rec["steps"] == sum(r["steps"] for _, r in one)
     assert 0 < rec["steps"] < 4 * 7                      # some stopped early
     assert rec["nll_last"] == pytest.approx(sum(r["nll_last"] for _, r in one) / 4, rel=1e-4)
+
+
+def test_alphaedit_seq_from_the_cli(tiny_model_dir, tmp_path, iso_cache, capsys):
+    """`session init --method alphaedit` (AlphaEdit-Seq), two `session add` rounds, `status`, `export`."""
+    import json
+
+    from crispedit.cli import main
+
+    sess = tmp_path / "sess"
+    args = ["session", "init", "--model", tiny_model_dir, "--out", sess, "--method", "alphaedit", "--layers", LAYERS,
+            "--n-cap", 4, "--max-len", 32, "--alphaedit-v-steps", 3, "--alphaedit-prefixes", 0,
+            "--alphaedit-nullspace-threshold", 1.0, "--kl-texts", 2, "--quiet"]
+    assert main([str(a) for a in args]) == 0
+    for k in range(2):
+        f = tmp_path / f"r{k}.json"
+        f.write_text(json.dumps([{"prompt": f"The author of book number {k}{j}", "target": "Q",
+                                  "subject": f"book number {k}{j}"} for j in range(2)]))
+        assert main(["session", "add", str(sess), "--edits", str(f), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["session", "status", str(sess), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["name"] == "alphaedit-seq" and st["round"] == 2 and set(st["files"]) == {"weights", "optim", "cap_factors"}
+    assert main(["session", "export", str(sess), "--out", str(tmp_path / "exp"), "--quiet"]) == 0
+    assert (tmp_path / "exp" / "config.json").is_file()
