@@ -327,3 +327,13 @@ def test_alphaedit_seq_from_the_cli(tiny_model_dir, tmp_path, iso_cache, capsys)
     assert st["name"] == "alphaedit-seq" and st["round"] == 2 and set(st["files"]) == {"weights", "optim", "cap_factors"}
     assert main(["session", "export", str(sess), "--out", str(tmp_path / "exp"), "--quiet"]) == 0
     assert (tmp_path / "exp" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("layers,msg", [("model.layers.{0-1}.mlp.up_proj", "writes 48 features, not the residual stream's 32"),
+                                        ("lm_head", "is not inside the decoder blocks model.layers")])
+def test_closed_form_layers_must_write_the_residual_stream(layers, msg, tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CrispEditError, match=msg):
+        edit(model, tok, REQS, EditConfig(method="memit", layers=layers, n_cap=4, max_len=32), progress=False)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -36,7 +36,7 @@ from ..errors import CrispEditError
 from ..models import decoder_blocks
 
 __all__ = ["KeyValueSettings", "subject_span", "subject_token_index", "context_templates", "edit_blocks",
-           "layer_keys", "block_outputs", "target_values", "KL_TEMPLATE"]
+           "layer_keys", "block_outputs", "target_values", "hidden_size", "KL_TEMPLATE"]
 
 KL_TEMPLATE = "{} is a"  # MEMIT's essence prompt: the subject's distribution it keeps
 
@@ -263,7 +263,7 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
     labels = batch.labels[:, 1:]
     tmask = labels != -100
     n_tgt = tmask.sum(1).clamp_min(1)
-    delta = torch.zeros(n, _hidden_size(model), device=device, dtype=torch.float32, requires_grad=True)
+    delta = torch.zeros(n, hidden_size(model), device=device, dtype=torch.float32, requires_grad=True)
     opt = torch.optim.Adam([delta], lr=settings.lr)
     h0 = kl0 = None
     active = torch.ones(n, dtype=torch.bool, device=device)
@@ -309,7 +309,8 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
     return (h0 + delta).detach().float(), first.tolist(), last_nll.tolist(), steps
 
 
-def _hidden_size(model: nn.Module) -> int:
+def hidden_size(model: nn.Module) -> int:
+    """The model's residual-stream width (``hidden_size`` / ``n_embd`` / ``d_model`` of its text config)."""
     cfg = getattr(model, "config", None)
     cfg = getattr(cfg, "text_config", None) or cfg
     for key in ("hidden_size", "n_embd", "d_model"):

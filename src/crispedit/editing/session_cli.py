@@ -131,7 +131,7 @@ def cmd_plot(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit session init|add|status|export|plot`` on ``subparsers``."""
-    p = sub.add_parser("session", help="durable sequential editing sessions (CrispEdit-Seq, FT-Seq, LoRA-Seq)")
+    p = sub.add_parser("session", help="durable sequential editing sessions (CrispEdit-Seq, FT-Seq, LoRA-Seq, AlphaEdit-Seq, ...)")
     ss = p.add_subparsers(dest="session_command", required=True)
 
     i = ss.add_parser("init", help="create a session directory on a base model")

@@ -25,8 +25,8 @@ from ...data.tokenize import collate, join_prompt_target, split_context_target
 from ...errors import CrispEditError
 from ...models import weight_matrix
 from ..catalogue import ClosedFormConfig
-from ..keyvalue import (KeyValueSettings, block_outputs, context_templates, edit_blocks, layer_keys, subject_span,
-                        target_values)
+from ..keyvalue import (KeyValueSettings, block_outputs, context_templates, edit_blocks, hidden_size, layer_keys,
+                        subject_span, target_values)
 from ..loop import TrainHistory
 from .base import EditContext, EditOutcome, Editor
 
@@ -98,7 +98,7 @@ class ClosedFormEditor(Editor):
             raise CrispEditError(f"{self.name} needs the input covariance of every edit layer")
         C = {n: ctx.factors.A[n] for n in layers}
         t0 = time.perf_counter()
-        d_model = block_outputs(model, tokenizer, requests[:1], block).shape[1]
+        d_model = hidden_size(model)
         for n, m in layers.items():
             if weight_matrix(m).shape[0] != d_model:
                 raise CrispEditError(f"{self.name}: edit layer {n} writes {weight_matrix(m).shape[0]} features, not the "
