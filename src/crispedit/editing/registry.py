@@ -67,7 +67,8 @@ class MethodSpec:
     """One method as the parser and the config see it: ``name`` (the ``--method`` value), ``summary``
     (one line for ``--help``), ``Config`` (its options dataclass) and ``editor``, the editor class as
     ``"module:Class"`` (imported only by :func:`editor_class`); ``curvature``: the editor needs (and
-    holds) capability K-FAC factors (its class's ``needs_curvature``: what ``--max-drift`` requires)."""
+    holds) capability K-FAC factors (its class's ``needs_curvature`` with ``curvature_kind == "kfac"``: what
+    ``--max-drift`` requires; the closed forms' input covariance does not count)."""
 
     name: str
     summary: str
@@ -110,6 +111,11 @@ def method_names() -> list[str]:
     return sorted(_SPECS)
 
 
+def _holds_kfac(cls: type) -> bool:
+    """Whether an editor class needs (and holds) capability K-FAC factors."""
+    return bool(getattr(cls, "needs_curvature", False)) and getattr(cls, "curvature_kind", "kfac") == "kfac"
+
+
 def register_editor(cls: type) -> type:
     """Class decorator: bind an editor class (a subclass of ``methods.base.Editor``) to its catalogue
     entry ``cls.name``, setting ``cls.summary`` and ``cls.Config`` from it (the entry is their one
@@ -120,11 +126,12 @@ def register_editor(cls: type) -> type:
     spec = _SPECS.get(cls.name)
     if spec is None:
         add_method(MethodSpec(cls.name, cls.summary, cls.Config, _location(cls),
-                              bool(getattr(cls, "needs_curvature", False))))
+                              _holds_kfac(cls)))
     elif spec.editor != _location(cls):
         raise ValueError(f"a method named {cls.name!r} is already registered (editor {spec.editor})")
-    elif spec.curvature != bool(getattr(cls, "needs_curvature", False)):
-        raise ValueError(f"{_location(cls)}.needs_curvature differs from the catalogue entry of {cls.name!r}")
+    elif spec.curvature != _holds_kfac(cls):
+        raise ValueError(f"{_location(cls)}.needs_curvature / curvature_kind differ from the catalogue entry of "
+                         f"{cls.name!r}")
     else:
         own = [a for a in ("summary", "Config") if a in vars(cls)]
         if own:
