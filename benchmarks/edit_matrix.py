@@ -17,8 +17,8 @@ parsed as numbers when they look like numbers), several runs separated by ``|``:
 
 Predicted vs measured drift over a γ sweep, the baselines and two drift budgets:
 
-    python benchmarks/edit_matrix.py --edits ../shared/data/edits/zsre_dev.json --n-edits 32 \
-        --runs 'method=ft|method=crispedit;gamma=0.5|method=crispedit;gamma=0.8|method=crispedit;gamma=0.95|'\
+    python benchmarks/edit_matrix.py --edits ../shared/data/edits/zsre_dev.json --n-edits 32 \\
+        --runs 'method=ft|method=crispedit;gamma=0.5|method=crispedit;gamma=0.8|method=crispedit;gamma=0.95|'\\
 'method=adam-nscl|method=crispedit;max_drift=0.002|method=crispedit;max_drift=0.0005' --out runs/drift.json
 
 The older form ``method:labels:target[:gamma]`` (comma separated) is still accepted.
@@ -146,11 +146,18 @@ def plot_predicted(out: Path, payload: dict) -> None:
     ax.set_ylabel("K-FAC predicted drift ½Σtr(ΔWᵀSΔWA) (nats/token)")
     ax.legend(fontsize=6, loc="upper left")
     ax.set_title(payload["title"], fontsize=9)
+    save_figure(fig, out.with_suffix(".pred.png"))
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write ``fig`` to ``path`` (PNG, 120 dpi) through a temporary file and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    tmp = out.with_suffix(".tmp.png")
+    tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    tmp.replace(out.with_suffix(".pred.png"))
+    tmp.replace(path)
 
 
 def write_outputs(out: Path, payload: dict) -> None:
@@ -182,11 +189,7 @@ def write_outputs(out: Path, payload: dict) -> None:
     ax.set_ylim(-0.02, 1.02)
     ax.legend(fontsize=6, loc="lower right")
     ax.set_title(payload["title"], fontsize=9)
-    fig.tight_layout()
-    tmp = out.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(out.with_suffix(".png"))
+    save_figure(fig, out.with_suffix(".png"))
     plot_predicted(out, payload)
 
 
