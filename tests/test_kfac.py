@@ -138,3 +138,88 @@ def test_accumulator_and_merge():
     assert torch.allclose(m.A["l"], f.A["l"]) and torch.allclose(m.S["l"], f.S["l"]) and m.n_tokens == 10
     mix = f1.merged(f2, weight=0.25)
     assert torch.allclose(mix.A["l"], 0.75 * f1.A["l"] + 0.25 * f2.A["l"])
+
+
+def legacy_collect_lm_kfac(model, tok, texts, layers, *, max_len, batch_size, label_mode, seed):
+    """The collection loop as it was before batches were planned by length and the LM head ran on loss
+    positions only: corpus-order chunks padded by the tokenizer, full ``B x T x V`` logits, fp32 products
+    added to float64 sums."""
+    from crispedit.curvature.kfac import capture_io, frozen, loss_positions
+
+    acc = FactorAccumulator(torch.float32)
+    tok.padding_side = "right"
+    with frozen(model):
+        for b in range(0, len(texts), batch_size):
+            chunk = list(texts[b:b + batch_size])
+            enc = tok(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_len)
+            ids, attn = enc["input_ids"], enc["attention_mask"]
+            pos = loss_positions(attn)
+            with capture_io(layers) as store:
+                logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+                if label_mode == "empirical":
+                    labels = ids[:, 1:]
+                else:
+                    labels = torch.stack([sample_labels(logits[i], seed, b + i) for i in range(len(chunk))])
+                F.cross_entropy(logits[pos], labels[pos], reduction="sum").backward()
+            for name in layers:
+                acc.add(name, store[name].inputs[0][:, :-1][pos], store[name].grads[0][:, :-1][pos])
+    return acc.factors(list(layers))
+
+
+def _rel(x, ref):
+    return float((x.double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.mark.parametrize("label_mode", ["empirical", "sampled"])
+@pytest.mark.parametrize("max_padding", [None, 0.0, 0.25])
+def test_fast_collection_matches_the_legacy_loop_in_float32(tiny_lm, label_mode, max_padding):
+    """Length-planned batches + LM head on loss positions only give the old loop's factors to fp32 round-off."""
+    model, tok = tiny_lm
+    texts = [t[:400] for t in capability_corpus(None, 9)] + ["Short one.", "x", ""]
+    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj,model.layers.3.self_attn.o_proj")
+    old = legacy_collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=4, label_mode=label_mode, seed=5)
+    new = collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=4, label_mode=label_mode, seed=5,
+                          max_padding=max_padding, progress=False)
+    assert new.n_tokens == old.n_tokens
+    for name in layers:
+        assert _rel(new.A[name], old.A[name]) < 1e-6, name
+        assert _rel(new.S[name], old.S[name]) < 1e-6, name
+
+
+def test_plan_batches_groups_by_length_and_bounds_padding():
+    from crispedit.curvature.kfac import plan_batches
+
+    lengths = [5, 30, 1, 31, 8, 29, 6, 0, 7, 30]
+    assert plan_batches(lengths, 3, None) == [[0, 1, 3], [4, 5, 6], [8, 9]]   # corpus order, no 0/1-token texts
+    plan = plan_batches(lengths, 3, 0.25)
+    assert sorted(i for b in plan for i in b) == [0, 1, 3, 4, 5, 6, 8, 9]
+    assert plan[0] == [3, 1, 9] and plan[1][0] == 5          # longest first, ties in corpus order
+    for b in plan:
+        assert len(b) <= 3
+        longest = max(lengths[i] for i in b)
+        assert 1 - sum(lengths[i] for i in b) / (len(b) * longest) <= 0.25
+    assert plan == [[3, 1, 9], [5], [4, 8, 6], [0]]
+    assert all(len({lengths[i] for i in b}) == 1 for b in plan_batches(lengths, 4, 0.0))
+    with pytest.raises(ValueError):
+        plan_batches(lengths, 0)
+    with pytest.raises(ValueError):
+        plan_batches(lengths, 2, 1.0)
+
+
+def test_head_runs_on_loss_positions_only(tiny_lm):
+    """The LM head sees exactly the N loss positions of a padded batch (not B x T)."""
+    from crispedit.curvature.kfac import lm_batches, lm_row_logits
+
+    model, tok = tiny_lm
+    seen = []
+    h = model.lm_head.register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape)))
+    try:
+        (batch,) = lm_batches(tok, ["A somewhat longer text than the other.", "Short."], max_len=32, batch_size=2,
+                              max_padding=None)
+        logits = lm_row_logits(model, batch)
+    finally:
+        h.remove()
+    ref = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.rows]
+    assert seen == [(1, batch.n_rows, model.config.hidden_size)]
+    assert batch.n_rows == int(batch.attention_mask.sum()) - 2
+    assert torch.allclose(logits, ref, atol=1e-5)

@@ -47,6 +47,11 @@ __all__ = [
     "sample_labels",
     "collect_lm_kfac",
     "collect_lm_input_covariance",
+    "plan_batches",
+    "LMBatch",
+    "lm_batches",
+    "lm_row_logits",
+    "lm_labels",
 ]
 
 
@@ -263,6 +268,138 @@ def loss_positions(attention_mask: Tensor) -> Tensor:
     return m[:, :-1] & m[:, 1:]
 
 
+def plan_batches(lengths: Sequence[int], batch_size: int, max_padding: float | None = 0.25) -> list[list[int]]:
+    """Group sequence indices into batches of at most ``batch_size`` sequences.
+
+    ``max_padding=None`` keeps the corpus order in consecutive chunks (``[0..b-1], [b..2b-1], ...``).
+    A float sorts the sequences by decreasing length (ties keep corpus order) and fills batches in that
+    order, closing a batch early when adding the next sequence would make more than that fraction of
+    its ``n_seqs x longest`` token slots padding (``0`` = only equal lengths share a batch). Sequences
+    shorter than 2 tokens carry no next-token loss and are left out of every batch. Returns lists of
+    indices into ``lengths``; the plan depends on nothing but its arguments (every process of a
+    distributed run computes the same one)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_padding is not None and not 0.0 <= max_padding < 1.0:
+        raise ValueError(f"max_padding must be in [0, 1), got {max_padding}")
+    useful = [i for i, n in enumerate(lengths) if n >= 2]
+    if max_padding is None:
+        return [useful[i:i + batch_size] for i in range(0, len(useful), batch_size)]
+    order = sorted(useful, key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    real = 0
+    for i in order:
+        if cur:
+            longest = lengths[cur[0]]
+            pad = 1.0 - (real + lengths[i]) / ((len(cur) + 1) * longest)
+            if len(cur) == batch_size or pad > max_padding:
+                batches.append(cur)
+                cur, real = [], 0
+        cur.append(i)
+        real += lengths[i]
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@dataclass
+class LMBatch:
+    """One right-padded batch of tokenised texts.
+
+    ``indices``: corpus index of each row (what seeds its sampled labels); ``input_ids`` and
+    ``attention_mask``: ``B x T``; ``rows``: ``B x T`` bool, position ``t`` predicts a real next token
+    (:func:`loss_positions` with a False last column); ``labels``: ``N`` next-token ids of the ``N`` True
+    positions of ``rows`` in row-major order (sequence by sequence, each a prefix of its row)."""
+
+    indices: list[int]
+    input_ids: Tensor
+    attention_mask: Tensor
+    rows: Tensor
+    labels: Tensor
+
+    @property
+    def n_rows(self) -> int:
+        """Number of loss positions (K-FAC rows) in the batch."""
+        return int(self.labels.numel())
+
+
+def lm_batches(tokenizer, texts: Sequence[str], *, max_len: int, batch_size: int,
+               max_padding: float | None = 0.25, device: torch.device | str = "cpu") -> list[LMBatch]:
+    """Tokenise ``texts`` once (truncated to ``max_len`` tokens, the tokenizer's special tokens included)
+    and group them with :func:`plan_batches`; each batch is right-padded with the tokenizer's pad id
+    (masking comes from the attention mask, never from the token id) and put on ``device``."""
+    ids = tokenizer(list(texts), truncation=True, max_length=max_len)["input_ids"]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    out = []
+    for idx in plan_batches([len(x) for x in ids], batch_size, max_padding):
+        T = max(len(ids[i]) for i in idx)
+        input_ids = torch.full((len(idx), T), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(idx), T), dtype=torch.long)
+        for r, i in enumerate(idx):
+            input_ids[r, :len(ids[i])] = torch.tensor(ids[i], dtype=torch.long)
+            attn[r, :len(ids[i])] = 1
+        rows = torch.zeros((len(idx), T), dtype=torch.bool)
+        rows[:, :-1] = loss_positions(attn)
+        labels = input_ids[:, 1:][rows[:, :-1]]
+        out.append(LMBatch(list(idx), input_ids.to(device), attn.to(device), rows.to(device), labels.to(device)))
+    return out
+
+
+@contextlib.contextmanager
+def _head_on_rows(model: nn.Module, rows: Tensor, skip: Sequence[nn.Module] = ()) -> Iterator[bool]:
+    """Feed the output embedding (LM head) only the hidden states at ``rows`` (``B x T`` bool), as one
+    ``1 x N x H`` sequence, so that the ``V``-wide logits are formed for the ``N`` loss positions only.
+    Yields whether the head was found (a model without ``get_output_embeddings``, or whose head is in
+    ``skip``, runs unchanged)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None or any(head is m for m in skip):
+        yield False
+        return
+
+    def pre(mod, args):
+        h = args[0]
+        if h.dim() != 3 or tuple(h.shape[:2]) != tuple(rows.shape):
+            return None
+        return (h[rows].unsqueeze(0), *args[1:])
+
+    handle = head.register_forward_pre_hook(pre)
+    try:
+        yield True
+    finally:
+        handle.remove()
+
+
+def lm_row_logits(model: nn.Module, batch: LMBatch, skip: Sequence[nn.Module] = ()) -> Tensor:
+    """Float32 (or wider) next-token logits ``N x V`` of ``model`` at the ``N`` loss positions of ``batch``
+    (row-major order, as ``batch.labels``). The LM head runs on those positions only when the model
+    exposes it (:func:`_head_on_rows`); otherwise the full ``B x T x V`` logits are formed and gathered."""
+    n = batch.n_rows
+    with _head_on_rows(model, batch.rows, skip):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    if logits.dim() == 3 and logits.shape[0] == 1 and logits.shape[1] == n and tuple(logits.shape[:2]) != tuple(batch.rows.shape):
+        logits = logits[0]
+    elif logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(batch.rows.shape):
+        logits = logits[batch.rows]
+    else:
+        raise RuntimeError(f"unexpected logits shape {tuple(logits.shape)} for a batch of shape {tuple(batch.rows.shape)}")
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+
+def lm_labels(logits: Tensor, batch: LMBatch, label_mode: LabelMode, seed: int) -> Tensor:
+    """Labels of the ``N`` rows: the text's next tokens (empirical) or draws from ``softmax(logits)`` seeded
+    per (``seed``, corpus index) with :func:`sample_labels` (sampled; the same whatever the batching)."""
+    if label_mode is LabelMode.EMPIRICAL:
+        return batch.labels
+    counts = batch.rows.sum(1).tolist()
+    parts, off = [], 0
+    for idx, c in zip(batch.indices, counts):
+        parts.append(sample_labels(logits[off:off + c], seed, idx))
+        off += c
+    return torch.cat(parts)
+
+
 def collect_lm_kfac(
     model: nn.Module,
     tokenizer,
@@ -278,63 +415,52 @@ def collect_lm_kfac(
     progress: bool | None = None,
     desc: str = "K-FAC",
     distributed: bool | None = None,
+    max_padding: float | None = 0.25,
 ) -> KFACFactors:
     """K-FAC factors of the next-token loss of ``model`` on ``texts`` for all ``layers`` in one pass:
     ``A`` (``d_in x d_in``) and ``S`` (``d_out x d_out``) per layer, in ``out_dtype``.
 
-    Each text is tokenised (truncated to ``max_len``) and batched with right padding; every position
-    with a real next token contributes one row to ``A`` and ``S``; factors are divided by the number of
-    such rows.
+    Each text is tokenised once (truncated to ``max_len``); texts are grouped into right-padded batches of
+    at most ``batch_size`` by :func:`plan_batches` (by length, at most ``max_padding`` of a batch padding;
+    ``None`` keeps corpus order). Every position with a real next token contributes one row to ``A`` and
+    ``S``; factors are divided by the number of such rows, so the batching changes nothing but the order
+    of the float64 additions. The LM head and the loss are computed at those positions only, and backward
+    stops at the lowest hooked layer (:func:`capture_io`).
 
     ``distributed`` (default: whether a ``torch.distributed`` group of several processes is initialised):
-    process ``r`` of ``w`` runs batches ``r, r + w, r + 2w, ...`` of the same batching (sampled labels are
-    seeded by the global sequence index), then the float64 sums of ``a a^T``, ``g g^T`` and the row counts
-    are summed over the processes (:meth:`FactorAccumulator.all_reduce`) and normalised: every process
-    returns the one-process factors up to the order of the float64 additions. Every process must call it
-    with the same arguments.
+    process ``r`` of ``w`` runs batches ``r, r + w, r + 2w, ...`` of the same plan (sampled labels are
+    seeded by the corpus index of each sequence), then the float64 sums of ``a a^T``, ``g g^T`` and the row
+    counts are summed over the processes (:meth:`FactorAccumulator.all_reduce`) and normalised: every
+    process returns the one-process factors up to the order of the float64 additions. Every process must
+    call it with the same arguments.
     """
     label_mode = LabelMode(label_mode)
     device = next(model.parameters()).device
     acc = FactorAccumulator(stat_dtype)
     was_training = model.training
     model.eval()
-    pad_side = getattr(tokenizer, "padding_side", "right")
-    tokenizer.padding_side = "right"
-    n_batches = (len(texts) + batch_size - 1) // batch_size
+    batches = lm_batches(tokenizer, texts, max_len=max_len, batch_size=batch_size, max_padding=max_padding,
+                         device=device)
     shard = distributed if distributed is not None else is_distributed()
-    mine = range(rank(), n_batches, world_size()) if shard else range(n_batches)
-    n_mine = sum(len(texts[b * batch_size:(b + 1) * batch_size]) for b in mine)
+    mine = batches[rank()::world_size()] if shard else batches
     quiet = True if rank() != 0 else (None if progress is None else not progress)  # one bar: rank 0's
-    bar = tqdm(total=n_mine, desc=desc, unit="seq", disable=quiet)
+    bar = tqdm(total=sum(len(b.indices) for b in mine), desc=desc, unit="seq", disable=quiet)
     try:
         with frozen(model):
-            for b in mine:
-                chunk = list(texts[b * batch_size:(b + 1) * batch_size])
-                enc = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_len)
-                input_ids = enc["input_ids"].to(device)
-                attn = enc["attention_mask"].to(device)
-                pos = loss_positions(attn)
+            for batch in mine:
                 with capture_io(layers) as store:
-                    logits = model(input_ids=input_ids, attention_mask=attn).logits[:, :-1].float()
-                    if label_mode is LabelMode.EMPIRICAL:
-                        labels = input_ids[:, 1:]
-                    else:
-                        labels = torch.zeros_like(input_ids[:, 1:])
-                        for i in range(len(chunk)):
-                            labels[i] = sample_labels(logits[i], seed, b * batch_size + i)
-                    loss = F.cross_entropy(logits[pos], labels[pos], reduction="sum")
-                    loss.backward()
+                    logits = lm_row_logits(model, batch, skip=list(layers.values()))
+                    labels = lm_labels(logits, batch, label_mode, seed)
+                    F.cross_entropy(logits, labels, reduction="sum").backward()
+                    del logits
                 for name in layers:
                     cap = store[name]
                     if len(cap.inputs) != 1 or len(cap.grads) != 1:
                         raise RuntimeError(f"layer {name} was called {len(cap.inputs)} times in one forward")
-                    a = cap.inputs[0][:, :-1][pos]
-                    g = cap.grads[0][:, :-1][pos]
-                    acc.add(name, a, g)
-                bar.update(len(chunk))
+                    acc.add(name, cap.inputs[0][batch.rows], cap.grads[0][batch.rows])
+                bar.update(len(batch.indices))
     finally:
         bar.close()
-        tokenizer.padding_side = pad_side
         model.train(was_training)
     if shard:
         from ..models import weight_matrix
