@@ -1,82 +1,316 @@
-"""K-FAC collection throughput relative to a bare forward + partial backward over the same tokens.
+"""K-FAC collection throughput against its limit (a bare forward + partial backward) and against a peer
+(kronfluence's K-FAC covariance fitting), on the same model, layers and tokens, in one run.
 
-    python benchmarks/bench_kfac.py [--model smollm2] [--n 16] [--max-len 256] [--batch 8] [--repeats 2]
+    python benchmarks/bench_kfac.py --tiny                      # random SmolLM2-shaped 8-block llama, seconds
+    python benchmarks/bench_kfac.py --model smollm2             # the real SmolLM2-135M (minutes)
+    python benchmarks/bench_kfac.py --tiny --profile            # + torch.profiler table of our collection
 
-"Bare" = the same batches, the same frozen parameters and the same graph cut at the lowest hooked
-layer (so backward runs down to it only), the same sampled-label loss, but no statistics. Runs are
-interleaved; medians, tokens/s and the ratio are printed, with config and environment as JSON.
+Three passes over the same texts, interleaved ``--repeats`` times (medians reported), all in
+``--label-mode`` (default ``empirical``: kronfluence's ``use_empirical_fisher``):
+
+* **ours**: :func:`crispedit.curvature.kfac.collect_lm_kfac` (tokenisation and batching included).
+* **bare**: the same planned batches, frozen parameters, graph cut at the lowest edited layer, LM head
+  and loss on the loss positions only: what the collection costs without statistics. Goal: ours/bare
+  >= 0.95.
+* **kronfluence** (PyPI ``kronfluence``, optional: skipped with a message if it is not importable):
+  ``strategy="kfac"`` covariance fitting of the same layers. ``--kf-feed analyzer`` (default) runs its
+  public ``Analyzer.fit_covariance_matrices`` on a dataset of the tokenised texts in corpus order, padded
+  per batch of ``--batch`` by a collate function, with the language-model task of kronfluence's examples
+  (full logits, shifted cross-entropy); ``--kf-feed ours`` feeds it our own planned batches through
+  ``fit_covariance_matrices_with_loader`` (like for like: same batches, same padding). Either way the task's
+  attention mask is our loss mask (a position counts iff it predicts a real next token), so both sides
+  average over the same rows; kronfluence's raw sums are divided by its own counts and compared with our
+  factors (max relative Frobenius difference over layers, A and S; must be <= 1e-5). Goal: ours/kronfluence
+  >= 2.
+
+Tokens = loss positions (rows of the factors). Config, timings, ratios and environment go out as one JSON
+line at the end (``--json PATH`` also writes it to a file).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
+import sys
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
-from crispedit.curvature.kfac import collect_lm_kfac, frozen, loss_positions, sample_labels
-from crispedit.data import capability_corpus
-from crispedit.models import load_model, resolve_layers
+from crispedit.curvature.kfac import LabelMode, collect_lm_kfac, frozen, lm_backward, lm_batches, plain_head
+from crispedit.data import bundled_path, capability_corpus
+from crispedit.models import resolve_layers
 from crispedit.pipeline import environment
 
+TINY_LAYERS = "model.layers.{2-6}.mlp.down_proj"
 
-def bare_pass(model, tok, texts, layers, max_len, batch) -> int:
-    device = next(model.parameters()).device
+
+def build_tiny(n_layers: int = 8, seed: int = 0):
+    """A random-weight llama with SmolLM2-135M's widths (hidden 576, MLP 1536, 9 heads / 3 KV heads, tied
+    49 152-token vocabulary) but ``n_layers`` blocks, and a byte-level BPE tokenizer (8 192 tokens) trained
+    in-process on the bundled WikiText sample. Returns ``(model, tokenizer)``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    text = bundled_path("wikitext_capability.txt").read_text().split("\n\n")
+    tk = Tokenizer(models.BPE(unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(text, trainers.BpeTrainer(vocab_size=8192, special_tokens=["<eos>", "<pad>"],
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                     show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=n_layers,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                      tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
+    model = LlamaForCausalLM(cfg).eval()
+    return model, tok
+
+
+def bare_pass(model, batches, layers, label_mode: LabelMode, seed: int = 0) -> int:
+    """Forward + backward down to the lowest of ``layers`` (its output made a leaf, parameters frozen) over
+    ``batches``, LM head and loss on the loss positions only, exactly as the collection does
+    (:func:`~crispedit.curvature.kfac.lm_backward`), but no statistics; returns the number of rows."""
     lowest = next(iter(layers.values()))
+    h = lowest.register_forward_hook(lambda mod, args, out: out.detach().requires_grad_(True))
+    n = 0
+    skip = list(layers.values())
+    try:
+        with frozen(model):
+            head = plain_head(model, batches[0], skip)
+            for b in batches:
+                lm_backward(model, b, label_mode, seed, head, skip)
+                n += b.n_rows
+    finally:
+        h.remove()
+    return n
 
-    def cut(mod, args, out):
-        return out.detach().requires_grad_(True)
 
-    n_tokens = 0
-    tok.padding_side = "right"
-    with frozen(model):
-        h = lowest.register_forward_hook(cut)
-        try:
-            for i in range(0, len(texts), batch):
-                enc = tok(list(texts[i:i + batch]), return_tensors="pt", padding=True, truncation=True, max_length=max_len)
-                ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-                pos = loss_positions(attn)
-                logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-                labels = torch.stack([sample_labels(logits[j], 0, i + j) for j in range(ids.shape[0])])
-                F.cross_entropy(logits[pos], labels[pos], reduction="sum").backward()
-                n_tokens += int(pos.sum())
-        finally:
-            h.remove()
-    return n_tokens
+# ---------------------------------------------------------------------------------------------
+# kronfluence (optional)
+
+
+def kronfluence_available() -> str | None:
+    """None if kronfluence imports, else the reason (one line)."""
+    try:
+        import kronfluence  # noqa: F401
+        from kronfluence.factor.covariance import fit_covariance_matrices_with_loader  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def make_kf_task(layer_names: list[str], label_mode: LabelMode):
+    """kronfluence ``Task`` for next-token loss in the form of kronfluence's language-model examples (full
+    ``B x T x V`` logits, shifted summed cross-entropy with ``-100`` on positions without a real next token),
+    tracking ``layer_names``, whose attention mask is our loss mask (``rows``)."""
+    from kronfluence.task import Task
+
+    class NextTokenTask(Task):
+        def compute_train_loss(self, batch, model, sample=False):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           use_cache=False).logits.float()
+            logits = logits[:, :-1].contiguous().view(-1, logits.size(-1))
+            if sample:
+                with torch.no_grad():
+                    labels = torch.multinomial(torch.softmax(logits.detach(), -1), 1).flatten()
+                labels = torch.where(batch["rows"][:, :-1].reshape(-1).bool(), labels, -100)
+            else:
+                labels = batch["labels"][:, 1:].reshape(-1)
+            return F.cross_entropy(logits, labels, reduction="sum", ignore_index=-100)
+
+        def compute_measurement(self, batch, model):  # not used by covariance fitting
+            return self.compute_train_loss(batch, model)
+
+        def get_influence_tracked_modules(self):
+            return list(layer_names)
+
+        def get_attention_mask(self, batch):
+            return batch["rows"]
+
+    return NextTokenTask()
+
+
+def _kf_batch(input_ids, attention_mask, rows) -> dict:
+    labels = input_ids.masked_fill(~F.pad(rows[:, :-1], (1, 0)).bool(), -100)  # labels[t+1] kept iff rows[t]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "rows": rows.long(), "labels": labels}
+
+
+def kf_fit(kf_model, task, layer_names, texts, tok, batches, args, workdir) -> tuple[float, dict, dict]:
+    """One kronfluence covariance fit; returns (seconds, A, S) with its raw sums divided by its counts."""
+    from kronfluence.arguments import FactorArguments
+    from kronfluence.utils.constants import (ACTIVATION_COVARIANCE_MATRIX_NAME, GRADIENT_COVARIANCE_MATRIX_NAME,
+                                             NUM_ACTIVATION_COVARIANCE_PROCESSED,
+                                             NUM_GRADIENT_COVARIANCE_PROCESSED)
+
+    fargs = FactorArguments(strategy="kfac", use_empirical_fisher=args.label_mode == "empirical",
+                            covariance_max_examples=None)
+    if args.kf_feed == "ours":
+        from kronfluence.factor.covariance import fit_covariance_matrices_with_loader
+        from kronfluence.utils.state import State
+
+        loader = [_kf_batch(b.input_ids, b.attention_mask, b.rows) for b in batches]
+        t0 = time.perf_counter()
+        _, factors = fit_covariance_matrices_with_loader(model=kf_model, state=State(cpu=True), task=task,
+                                                         loader=loader, factor_args=fargs,
+                                                         tracked_module_names=layer_names, disable_tqdm=True)
+        seconds = time.perf_counter() - t0
+    else:
+        from kronfluence.analyzer import Analyzer
+        from kronfluence.utils.dataset import DataLoaderKwargs
+
+        ids = tok(list(texts), truncation=True, max_length=args.max_len)["input_ids"]
+        pad = tok.pad_token_id
+
+        def collate(items):
+            T = max(len(x) for x in items)
+            input_ids = torch.tensor([x + [pad] * (T - len(x)) for x in items])
+            attn = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in items])
+            rows = torch.zeros_like(attn)
+            rows[:, :-1] = attn[:, :-1] * attn[:, 1:]
+            return _kf_batch(input_ids, attn, rows)
+
+        analyzer = Analyzer(analysis_name="bench", model=kf_model, task=task, cpu=True, disable_tqdm=True,
+                            output_dir=workdir)
+        t0 = time.perf_counter()
+        analyzer.fit_covariance_matrices("kfac", dataset=ids, per_device_batch_size=args.batch, factor_args=fargs,
+                                         dataloader_kwargs=DataLoaderKwargs(collate_fn=collate),
+                                         overwrite_output_dir=True)
+        seconds = time.perf_counter() - t0
+        factors = analyzer.load_covariance_matrices("kfac")
+    A = {n: factors[ACTIVATION_COVARIANCE_MATRIX_NAME][n].double() / factors[NUM_ACTIVATION_COVARIANCE_PROCESSED][n].item()
+         for n in layer_names}
+    S = {n: factors[GRADIENT_COVARIANCE_MATRIX_NAME][n].double() / factors[NUM_GRADIENT_COVARIANCE_PROCESSED][n].item()
+         for n in layer_names}
+    return seconds, A, S
+
+
+def rel_diff(ours, A, S) -> float:
+    """Max over layers and over A, S of ``||ours - theirs||_F / ||theirs||_F``."""
+    out = 0.0
+    for n in A:
+        for mine, theirs in ((ours.A[n], A[n]), (ours.S[n], S[n])):
+            out = max(out, float((mine.double() - theirs).norm() / theirs.norm()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def profile_ours(model, tok, texts, layers, args) -> None:
+    """torch.profiler table (CPU time by operator, top 25) of one collection."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        collect_lm_kfac(model, tok, texts, layers, max_len=args.max_len, batch_size=args.batch,
+                        label_mode=args.label_mode, max_padding=args.max_padding, progress=False)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--n", type=int, default=16)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="model spec for crispedit.models.load_model (default smollm2)")
+    ap.add_argument("--tiny", action="store_true", help="random SmolLM2-shaped llama with --tiny-blocks blocks instead")
+    ap.add_argument("--tiny-blocks", type=int, default=8)
+    ap.add_argument("--layers", default=None, help="layer pattern (default: the model's default edit layers; "
+                                                   f"{TINY_LAYERS} with --tiny)")
+    ap.add_argument("--n", type=int, default=16, help="number of capability texts")
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-padding", type=float, default=0.25, help="our batch planner's padding bound (-1: corpus order)")
+    ap.add_argument("--label-mode", default="empirical", choices=["empirical", "sampled"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--kf-feed", default="analyzer", choices=["analyzer", "ours"],
+                    help="kronfluence's own Analyzer + DataLoader (corpus order), or our planned batches")
+    ap.add_argument("--no-kronfluence", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of our collection")
+    ap.add_argument("--json", default=None, help="also write the JSON summary to this file")
     args = ap.parse_args()
-    model, tok = load_model(args.model, device=args.device)
-    layers = resolve_layers(model, None)
+    max_padding = None if args.max_padding < 0 else args.max_padding
+    args.max_padding = max_padding
+    torch.set_num_threads(args.threads)
+    label_mode = LabelMode(args.label_mode)
+
+    if args.tiny:
+        model, tok = build_tiny(args.tiny_blocks)
+        args.model = f"tiny-smollm2-shaped-{args.tiny_blocks}"
+        layers = resolve_layers(model, args.layers or TINY_LAYERS)
+    else:
+        from crispedit.models import load_model
+
+        model, tok = load_model(args.model, device=args.device)
+        layers = resolve_layers(model, args.layers)
+    device = next(model.parameters()).device
     texts = capability_corpus(None, args.n)
-    sync = torch.cuda.synchronize if next(model.parameters()).device.type == "cuda" else (lambda: None)
-    t_kfac, t_bare, n_tok = [], [], 0
+    names = list(layers)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    why_not = "--no-kronfluence" if args.no_kronfluence else kronfluence_available()
+    if why_not:
+        print(f"kronfluence skipped ({why_not}); install it with: pip install --no-deps kronfluence==1.0.1",
+              file=sys.stderr)
+    else:
+        from kronfluence.analyzer import prepare_model
+
+        task = make_kf_task(names, label_mode)
+        kf_model = prepare_model(copy.deepcopy(model), task)
+    workdir = tempfile.mkdtemp(prefix="bench_kfac_")
+
+    # warm-up (allocator, kernels, lazy imports), not timed
+    planned = lm_batches(tok, texts, max_len=args.max_len, batch_size=args.batch, max_padding=max_padding, device=device)
+    collect_lm_kfac(model, tok, texts[:args.batch], layers, max_len=args.max_len, batch_size=args.batch,
+                    label_mode=label_mode, progress=False, max_padding=max_padding)
+    bare_pass(model, planned[:1], layers, label_mode)
+
+    t_ours, t_bare, t_kf, rel = [], [], [], None
     for _ in range(args.repeats):
         sync(); t0 = time.perf_counter()
-        f = collect_lm_kfac(model, tok, texts, layers, max_len=args.max_len, batch_size=args.batch, progress=False)
-        sync(); t_kfac.append(time.perf_counter() - t0)
+        ours = collect_lm_kfac(model, tok, texts, layers, max_len=args.max_len, batch_size=args.batch,
+                               label_mode=label_mode, progress=False, max_padding=max_padding)
+        sync(); t_ours.append(time.perf_counter() - t0)
         sync(); t0 = time.perf_counter()
-        n_tok = bare_pass(model, tok, texts, layers, args.max_len, args.batch)
+        batches = lm_batches(tok, texts, max_len=args.max_len, batch_size=args.batch, max_padding=max_padding,
+                             device=device)
+        n_tok = bare_pass(model, batches, layers, label_mode)
         sync(); t_bare.append(time.perf_counter() - t0)
-    assert n_tok == f.n_tokens
-    k, b = statistics.median(t_kfac), statistics.median(t_bare)
-    print(f"model={args.model} layers={len(layers)} texts={args.n} tokens={n_tok} batch={args.batch}")
-    print(f"K-FAC collection      {k:8.2f} s  {n_tok / k:9.1f} tokens/s")
-    print(f"bare fwd+partial bwd  {b:8.2f} s  {n_tok / b:9.1f} tokens/s")
-    print(f"throughput ratio (K-FAC / bare) = {b / k:.3f}   (time overhead of statistics: {k / b - 1:+.1%})")
-    print(json.dumps({"args": vars(args), "kfac_seconds": t_kfac, "bare_seconds": t_bare, "tokens": n_tok,
-                      "throughput_ratio": b / k, "environment": environment()}))
+        if not why_not:
+            s, A, S = kf_fit(kf_model, task, names, texts, tok, planned, args, workdir)
+            t_kf.append(s)
+            rel = rel_diff(ours, A, S) if label_mode is LabelMode.EMPIRICAL else None
+    assert n_tok == ours.n_tokens, (n_tok, ours.n_tokens)
+    k, b = statistics.median(t_ours), statistics.median(t_bare)
+    print(f"model={args.model} layers={len(layers)} ({names[0]} ..) texts={args.n} tokens={n_tok} batch={args.batch} "
+          f"max_padding={max_padding} label_mode={args.label_mode} threads={args.threads} repeats={args.repeats}")
+    print(f"ours (crispedit K-FAC)  {k:8.2f} s  {n_tok / k:9.1f} tokens/s")
+    print(f"bare fwd+partial bwd    {b:8.2f} s  {n_tok / b:9.1f} tokens/s")
+    out = {"args": vars(args), "tokens": n_tok, "ours_seconds": t_ours, "bare_seconds": t_bare,
+           "ours_over_bare": b / k}
+    if t_kf:
+        kf = statistics.median(t_kf)
+        print(f"kronfluence ({args.kf_feed:8s}) {kf:8.2f} s  {n_tok / kf:9.1f} tokens/s")
+        out.update(kronfluence_seconds=t_kf, ours_over_kronfluence=kf / k, factor_rel_diff=rel)
+    print(f"throughput ratio ours/bare        = {b / k:.3f}   (goal >= 0.95)")
+    if t_kf:
+        print(f"throughput ratio ours/kronfluence = {kf / k:.3f}   (goal >= 2)")
+        if rel is not None:
+            print(f"factor agreement (max rel. Frobenius diff over layers, A and S) = {rel:.2e}   (must be <= 1e-5)")
+    if args.profile:
+        profile_ours(model, tok, texts, layers, args)
+    out["environment"] = environment()
+    line = json.dumps(out, default=str)
+    print(line)
+    if args.json:
+        from crispedit.errors import atomic_write_bytes
+
+        atomic_write_bytes(args.json, (line + "\n").encode())
+    if rel is not None and rel > 1e-5:
+        sys.exit(f"factors disagree with kronfluence: {rel:.2e} > 1e-5")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ __all__ = [
     "lm_batches",
     "lm_row_logits",
     "lm_labels",
+    "plain_head",
+    "lm_backward",
 ]
 
 
@@ -379,7 +381,7 @@ def lm_row_logits(model: nn.Module, batch: LMBatch, skip: Sequence[nn.Module] = 
     with _head_on_rows(model, batch.rows, skip):
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     if logits.dim() == 3 and logits.shape[0] == 1 and logits.shape[1] == n and tuple(logits.shape[:2]) != tuple(batch.rows.shape):
-        logits = logits[0]
+        logits = logits.squeeze(0)  # a view: its backward copies nothing
     elif logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(batch.rows.shape):
         logits = logits[batch.rows]
     else:
@@ -398,6 +400,102 @@ def lm_labels(logits: Tensor, batch: LMBatch, label_mode: LabelMode, seed: int) 
         parts.append(sample_labels(logits[off:off + c], seed, idx))
         off += c
     return torch.cat(parts)
+
+
+def plain_head(model: nn.Module, batch: LMBatch, skip: Sequence[nn.Module] = ()) -> nn.Module | None:
+    """The model's LM head if its logits are exactly ``F.linear(h, head.weight, head.bias)`` of the final
+    hidden states (no soft-capping, scaling or other post-processing), else None. Checked by a no-grad probe
+    on the first 8 tokens of ``batch``'s first sequence; a head in ``skip`` (a hooked layer) gives None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    if head is None or not isinstance(weight, Tensor) or weight.dim() != 2 or any(head is m for m in skip):
+        return None
+    seen = []
+    h = head.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    try:
+        with torch.no_grad():
+            t = min(8, batch.input_ids.shape[1])
+            logits = model(input_ids=batch.input_ids[:1, :t], attention_mask=batch.attention_mask[:1, :t],
+                           use_cache=False).logits
+            if len(seen) != 1 or seen[0].dim() != 3:
+                return None
+            mine = F.linear(seen[0], weight, getattr(head, "bias", None))
+    finally:
+        h.remove()
+    if mine.shape != logits.shape:
+        return None
+    ok = torch.allclose(mine.float(), logits.float(), rtol=1e-4, atol=1e-4 * float(logits.float().abs().max()) + 1e-6)
+    return head if ok else None
+
+
+@contextlib.contextmanager
+def _hidden_at_rows(head: nn.Module, rows: Tensor) -> Iterator[list[Tensor]]:
+    """While active, ``head`` (the LM head) records the final hidden states at ``rows`` (``N x H``, still in
+    the autograd graph) and is fed an empty sequence instead, so the model forms no logits at all."""
+    out: list[Tensor] = []
+
+    def pre(mod, args):
+        h = args[0]
+        out.append(h[rows])
+        return (h[:, :0], *args[1:])
+
+    handle = head.register_forward_pre_hook(pre)
+    try:
+        yield out
+    finally:
+        handle.remove()
+
+
+def _ce_grad_rows(hidden: Tensor, head: nn.Module, batch: LMBatch, label_mode: LabelMode, seed: int,
+                  chunk_rows: int = 2048) -> Tensor:
+    """Gradient of the summed next-token cross-entropy with respect to the final hidden states at the loss
+    rows, ``N x H``: ``(softmax(z) - onehot(y)) W`` with ``z = hidden W^T (+ b)`` formed in float32, a few
+    whole sequences (at most ``chunk_rows`` rows unless one sequence is longer) at a time, softmax in place.
+    Labels as :func:`lm_labels` (sampled ones drawn from each sequence's own float32 logits)."""
+    W, bias = head.weight, getattr(head, "bias", None)
+    counts = batch.rows.sum(1).tolist()
+    grads, start, i = [], 0, 0
+    while i < len(counts):
+        j, n = i, 0
+        while j < len(counts) and (n == 0 or n + counts[j] <= chunk_rows):
+            n += counts[j]
+            j += 1
+        z = F.linear(hidden[start:start + n], W, bias).float()
+        if label_mode is LabelMode.EMPIRICAL:
+            y = batch.labels[start:start + n]
+        else:
+            parts, off = [], 0
+            for idx, c in zip(batch.indices[i:j], counts[i:j]):
+                parts.append(sample_labels(z[off:off + c], seed, idx))
+                off += c
+            y = torch.cat(parts)
+        p = torch.softmax(z, dim=-1)
+        del z
+        p[torch.arange(n, device=p.device), y] -= 1.0
+        grads.append(p.to(W.dtype) @ W)
+        del p
+        start, i = start + n, j
+    return torch.cat(grads)
+
+
+def lm_backward(model: nn.Module, batch: LMBatch, label_mode: LabelMode, seed: int,
+                head: nn.Module | None = None, skip: Sequence[nn.Module] = ()) -> None:
+    """Forward ``batch`` and backpropagate its summed next-token cross-entropy over the loss rows (parameters
+    are expected frozen; whatever in the graph requires grad gets its gradient hooks called).
+
+    With ``head`` (from :func:`plain_head`) the model stops before its LM head and the hidden-state gradient
+    is formed directly by :func:`_ce_grad_rows` (no ``N x V`` log-softmax graph is kept); otherwise the
+    logits at the loss rows (:func:`lm_row_logits`) go through ``F.cross_entropy`` and autograd."""
+    if head is None:
+        logits = lm_row_logits(model, batch, skip)
+        F.cross_entropy(logits, lm_labels(logits, batch, label_mode, seed), reduction="sum").backward()
+        return
+    with _hidden_at_rows(head, batch.rows) as hidden:
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    (h,) = hidden
+    if h.requires_grad:
+        h.backward(_ce_grad_rows(h.detach(), head, batch, label_mode, seed))
 
 
 def collect_lm_kfac(
@@ -445,14 +543,13 @@ def collect_lm_kfac(
     mine = batches[rank()::world_size()] if shard else batches
     quiet = True if rank() != 0 else (None if progress is None else not progress)  # one bar: rank 0's
     bar = tqdm(total=sum(len(b.indices) for b in mine), desc=desc, unit="seq", disable=quiet)
+    skip = list(layers.values())
     try:
         with frozen(model):
+            head = plain_head(model, mine[0], skip) if mine else None
             for batch in mine:
                 with capture_io(layers) as store:
-                    logits = lm_row_logits(model, batch, skip=list(layers.values()))
-                    labels = lm_labels(logits, batch, label_mode, seed)
-                    F.cross_entropy(logits, labels, reduction="sum").backward()
-                    del logits
+                    lm_backward(model, batch, label_mode, seed, head, skip)
                 for name in layers:
                     cap = store[name]
                     if len(cap.inputs) != 1 or len(cap.grads) != 1:
