@@ -223,3 +223,46 @@ def test_head_runs_on_loss_positions_only(tiny_lm):
     assert seen == [(1, batch.n_rows, model.config.hidden_size)]
     assert batch.n_rows == int(batch.attention_mask.sum()) - 2
     assert torch.allclose(logits, ref, atol=1e-5)
+
+
+def test_plain_head_is_detected_and_post_processed_heads_fall_back(tiny_lm):
+    """A llama head is used directly (hidden-state gradient formed without logits); a head whose output the
+    model changes (here a forward hook doubling the logits, like soft-capping) is not, and the collection
+    then goes through the model's own logits and still matches the old loop."""
+    from crispedit.curvature.kfac import lm_batches, plain_head
+
+    model, tok = tiny_lm
+    (batch,) = lm_batches(tok, ["Some text to probe the head with."], max_len=32, batch_size=1)
+    assert plain_head(model, batch) is model.lm_head
+    assert plain_head(model, batch, skip=[model.lm_head]) is None
+    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
+    h = model.lm_head.register_forward_hook(lambda m, a, o: 2.0 * o)
+    try:
+        assert plain_head(model, batch) is None
+        old = legacy_collect_lm_kfac(model, tok, TEXTS, layers, max_len=48, batch_size=3, label_mode="sampled", seed=1)
+        new = collect_lm_kfac(model, tok, TEXTS, layers, max_len=48, batch_size=3, label_mode="sampled", seed=1,
+                              progress=False)
+    finally:
+        h.remove()
+    plain = collect_lm_kfac(model, tok, TEXTS, layers, max_len=48, batch_size=3, label_mode="sampled", seed=1,
+                            progress=False)
+    for name in layers:
+        assert _rel(new.S[name], old.S[name]) < 1e-6 and _rel(new.A[name], old.A[name]) < 1e-6
+        assert _rel(plain.S[name], new.S[name]) > 1e-3       # doubling the logits changes the curvature
+
+
+@pytest.mark.parametrize("label_mode", ["empirical", "sampled"])
+def test_hidden_state_gradient_equals_autograd_cross_entropy(tiny_lm, label_mode):
+    """(softmax(z) - onehot(y)) W, formed a few sequences at a time, is autograd's gradient of the summed
+    cross-entropy of the head's logits, whatever the chunk size."""
+    from crispedit.curvature.kfac import LabelMode, _ce_grad_rows, lm_batches, lm_labels
+
+    model, tok = tiny_lm
+    (batch,) = lm_batches(tok, TEXTS[:4], max_len=24, batch_size=4, max_padding=None)
+    mode = LabelMode(label_mode)
+    h = torch.randn(batch.n_rows, model.config.hidden_size, requires_grad=True)
+    logits = model.lm_head(h)
+    F.cross_entropy(logits, lm_labels(logits, batch, mode, 3), reduction="sum").backward()
+    for chunk in (1, 30, 10_000):
+        g = _ce_grad_rows(h.detach(), model.lm_head, batch, mode, 3, chunk_rows=chunk)
+        assert torch.allclose(g, h.grad, rtol=1e-5, atol=1e-6), chunk
