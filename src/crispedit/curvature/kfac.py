@@ -495,7 +495,9 @@ def lm_backward(model: nn.Module, batch: LMBatch, label_mode: LabelMode, seed: i
         model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     (h,) = hidden
     if h.requires_grad:
-        h.backward(_ce_grad_rows(h.detach(), head, batch, label_mode, seed))
+        with torch.profiler.record_function("crispedit.kfac.head_grad"):
+            dh = _ce_grad_rows(h.detach(), head, batch, label_mode, seed)
+        h.backward(dh)
 
 
 def collect_lm_kfac(
@@ -550,11 +552,12 @@ def collect_lm_kfac(
             for batch in mine:
                 with capture_io(layers) as store:
                     lm_backward(model, batch, label_mode, seed, head, skip)
-                for name in layers:
-                    cap = store[name]
-                    if len(cap.inputs) != 1 or len(cap.grads) != 1:
-                        raise RuntimeError(f"layer {name} was called {len(cap.inputs)} times in one forward")
-                    acc.add(name, cap.inputs[0][batch.rows], cap.grads[0][batch.rows])
+                with torch.profiler.record_function("crispedit.kfac.statistics"):
+                    for name in layers:
+                        cap = store[name]
+                        if len(cap.inputs) != 1 or len(cap.grads) != 1:
+                            raise RuntimeError(f"layer {name} was called {len(cap.inputs)} times in one forward")
+                        acc.add(name, cap.inputs[0][batch.rows], cap.grads[0][batch.rows])
                 bar.update(len(batch.indices))
     finally:
         bar.close()
