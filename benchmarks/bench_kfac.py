@@ -34,6 +34,7 @@ import copy
 import json
 import statistics
 import sys
+import shutil
 import tempfile
 import time
 
@@ -292,7 +293,6 @@ def main() -> None:
     device = next(model.parameters()).device
     texts = capability_corpus(None, args.n)
     names = list(layers)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     why_not = "--no-kronfluence" if args.no_kronfluence else kronfluence_available()
     if why_not:
@@ -307,7 +307,20 @@ def main() -> None:
         warnings.filterwarnings("ignore", category=FutureWarning, module="kronfluence")
         task = make_kf_task(names, label_mode)
         kf_model = prepare_model(copy.deepcopy(model), task)
-    workdir = tempfile.mkdtemp(prefix="bench_kfac_")
+    workdir = tempfile.mkdtemp(prefix="bench_kfac_")   # kronfluence's Analyzer writes its factors here
+    try:
+        _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir,
+                 (task, kf_model) if feeds else (None, None))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir, kf) -> None:
+    """The interleaved timing loop, the report and the optional profile of :func:`main`."""
+    task, kf_model = kf
+    names = list(layers)
+    max_padding = args.max_padding
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     planned = lm_batches(tok, texts, max_len=args.max_len, batch_size=args.batch, max_padding=max_padding, device=device)
 
     def run_ours():
