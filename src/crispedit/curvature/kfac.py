@@ -16,6 +16,12 @@ Pieces, kept apart so they snap together:
 * :func:`collect_lm_kfac` runs one pass over a text corpus for every chosen layer at once; under
   ``torch.distributed`` each process takes every ``world_size``-th batch and the unnormalised sums and
   row counts are all-reduced before the division (:meth:`FactorAccumulator.all_reduce`).
+* What one pass does, and nothing more: texts are tokenised once and grouped by length
+  (:func:`plan_batches`, ``max_padding`` bounds the padded share of a batch); the model runs without a KV
+  cache; the LM head sees only the positions that carry loss, and when it is a plain linear map
+  (:func:`plain_head`) the gradient of the summed cross-entropy with respect to the final hidden states is
+  formed directly as ``(softmax(z) - onehot(y)) W``, a few sequences at a time (:func:`lm_backward`), so no
+  ``N x V`` log-softmax graph is kept; backward stops at the lowest hooked layer.
 
 Labels: ``sampled`` draws each position's label from the model's own predictive distribution
 (Monte-Carlo Fisher = Gauss-Newton for softmax cross-entropy, what the paper's Bregman argument
@@ -127,14 +133,13 @@ class FactorAccumulator:
             return
         a = a.to(self.stat_dtype)
         g = g.to(self.stat_dtype)
-        aa = (a.T @ a).to(torch.float64)
-        gg = (g.T @ g).to(torch.float64)
-        if name in self.A:
+        aa, gg = a.T @ a, g.T @ g
+        if name in self.A:   # float64 += stat_dtype: widened on the fly, no float64 temporary
             self.A[name] += aa
             self.S[name] += gg
             self.rows[name] += a.shape[0]
         else:
-            self.A[name], self.S[name], self.rows[name] = aa, gg, a.shape[0]
+            self.A[name], self.S[name], self.rows[name] = aa.to(torch.float64), gg.to(torch.float64), a.shape[0]
 
     def all_reduce(self, shapes: dict[str, tuple[int, int]], device: torch.device | str) -> None:
         """Sum the running sums and row counts over every process of the default ``torch.distributed``
