@@ -456,7 +456,8 @@ def _ce_grad_rows(hidden: Tensor, head: nn.Module, batch: LMBatch, label_mode: L
                   chunk_rows: int = 2048) -> Tensor:
     """Gradient of the summed next-token cross-entropy with respect to the final hidden states at the loss
     rows, ``N x H``: ``(softmax(z) - onehot(y)) W`` with ``z = hidden W^T (+ b)`` formed in float32, a few
-    whole sequences (at most ``chunk_rows`` rows unless one sequence is longer) at a time, softmax in place.
+    whole sequences (at most ``chunk_rows`` rows unless one sequence is longer) at a time, the one-hot
+    subtracted in place from the softmax (the only ``n x V`` buffers are ``z`` and its softmax, one chunk each).
     Labels as :func:`lm_labels` (sampled ones drawn from each sequence's own float32 logits)."""
     W, bias = head.weight, getattr(head, "bias", None)
     counts = batch.rows.sum(1).tolist()
