@@ -266,3 +266,17 @@ def test_hidden_state_gradient_equals_autograd_cross_entropy(tiny_lm, label_mode
     for chunk in (1, 30, 10_000):
         g = _ce_grad_rows(h.detach(), model.lm_head, batch, mode, 3, chunk_rows=chunk)
         assert torch.allclose(g, h.grad, rtol=1e-5, atol=1e-6), chunk
+
+
+@pytest.mark.parametrize("d", [3, 256, 300, 600])
+def test_add_gram_matches_the_full_product(d):
+    from crispedit.curvature.kfac import add_gram_
+
+    x = torch.randn(50, d)
+    m = torch.randn(d, d, dtype=torch.float64)
+    acc = m + m.T
+    ref = acc + (x.double().T @ x.double())
+    add_gram_(acc, x, panel=256)
+    assert torch.allclose(acc, ref, rtol=1e-5, atol=1e-4)
+    if d > 256:  # off-diagonal blocks are mirrored, not recomputed: a symmetric sum stays exactly symmetric
+        assert torch.equal(acc[256:, :256], acc[:256, 256:].T)
