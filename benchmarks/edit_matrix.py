@@ -1,8 +1,9 @@
 """Edit-quality matrix / sweep on one model and one edit set: any EditConfig fields per run.
 
 Loads the model once, runs each configuration from the same base weights (restored between runs),
-and records teacher-forced rel / gen, KL drift (measured, and ``kl_pred``: the K-FAC prediction from the
-capability factors, also for ft), WILD rel / gen / locality under the qa, none (bare) and
+and records teacher-forced rel / gen, KL drift (measured, ``kl_pred``: the K-FAC prediction from the
+capability factors, also for ft: the coherent bound over layers, and ``kl_pred_bd``: the block-diagonal
+sum), WILD rel / gen / locality under the qa, none (bare) and
 chat contexts (rule judge), epochs and seconds. Writes a JSON (full configs + environment, rewritten
 after every run), a markdown table (with ``kl_pred``, its ratio to the measured drift and, for runs with
 ``max_drift``, the budget's pulled-back steps) and two PNGs (WILD-QA rel and gen against KL drift, one
@@ -79,7 +80,7 @@ def label(d: dict) -> str:
 
 
 COLUMNS = ["run", "tf_rel", "tf_gen", "qa_rel", "qa_gen", "none_rel", "none_gen", "chat_rel", "chat_gen",
-           "qa_loc", "kl_drift", "kl_pred", "pred/meas", "budget_hits", "epochs", "edit_s"]
+           "qa_loc", "kl_drift", "kl_pred", "pred/meas", "kl_pred_bd", "bd/meas", "budget_hits", "epochs", "edit_s"]
 
 
 def extra_contexts(rows: list[dict]) -> list[str]:
@@ -105,13 +106,16 @@ def row_cells(r: dict, extra: list[str] = ()) -> list[str]:
 
     return [r["run"], f"{r['rel']:.2f}", f"{r['gen']:.2f}", f("qa", "rel"), f("qa", "gen"), f("none", "rel"),
             f("none", "gen"), f("chat", "rel"), f("chat", "gen"), f("qa", "loc_vs_answer"), f"{r['kl_drift']:.5f}",
-            "–" if r.get("kl_predicted") is None else f"{r['kl_predicted']:.5f}", _ratio(r), _hits(r),
+            "–" if r.get("kl_predicted") is None else f"{r['kl_predicted']:.5f}", _ratio(r),
+            "–" if r.get("kl_predicted_blockdiag") is None else f"{r['kl_predicted_blockdiag']:.5f}",
+            _ratio(r, "kl_predicted_blockdiag"), _hits(r),
             str(r["epochs"]), f"{r['edit_seconds']:.0f}"] + [f(n, k) for n in extra for k in ("rel", "gen")]
 
 
-def _ratio(r: dict) -> str:
-    """Predicted over measured KL drift (``–`` without a prediction or with no measured drift)."""
-    pred, meas = r.get("kl_predicted"), r.get("kl_drift")
+def _ratio(r: dict, key: str = "kl_predicted") -> str:
+    """Predicted (``key``: the coherent ``kl_predicted`` or ``kl_predicted_blockdiag``) over measured KL drift
+    (``–`` without a prediction or with no measured drift)."""
+    pred, meas = r.get(key), r.get("kl_drift")
     return "–" if pred is None or not meas else f"{pred / meas:.2f}"
 
 

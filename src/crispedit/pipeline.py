@@ -54,11 +54,13 @@ def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditReq
 
 
 def drift_summary(result: EditResult) -> dict:
-    """The report keys of the drift model: ``kl_predicted`` (K-FAC predicted per-token KL drift, nats;
-    ``None`` when no factors cover the changed weights), ``kl_predicted_layers`` (per edit layer) and, with
+    """The report keys of the drift model: ``kl_predicted`` (K-FAC predicted per-token KL drift, nats, the
+    coherent bound over layers; ``None`` when no factors cover the changed weights),
+    ``kl_predicted_blockdiag`` (the layers' sum), ``kl_predicted_layers`` (per edit layer) and, with
     ``--max-drift``, ``drift_budget`` (``max_drift``, ``hit``, ``hits``, ``steps``, ``final_predicted``)."""
     pred = result.kl_predicted
     out = {"kl_predicted": None if pred is None else float(f"{pred['total']:.6g}"),
+           "kl_predicted_blockdiag": None if pred is None else float(f"{pred['blockdiag']:.6g}"),
            "kl_predicted_layers": None if pred is None else {k: float(f"{v:.6g}") for k, v in pred["layers"].items()}}
     if result.drift_budget is not None:
         out["drift_budget"] = result.drift_budget
