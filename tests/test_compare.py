@@ -15,6 +15,7 @@ from test_cli import edits_file
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 REAL_EDIT = compare_mod.edit
+REAL_RUN_SEQUENCE = compare_mod.run_sequence
 REQS = [EditRequest(f"Who founded club {i}?", f"Founder {chr(65 + i)}", rephrase_prompts=[f"Club {i} was founded by?"],
                     locality=[("nq question: who sang it", "someone")]) for i in range(3)]
 
@@ -102,7 +103,11 @@ def test_compare_cli(tiny_model_dir, tmp_path, iso_cache, capsys):
 @pytest.mark.parametrize("extra,msg", [(["--methods", "ft,rome"], "unknown method 'rome'"),
                                        (["--methods", "ft", "--lora-r", "4"], "--lora-r applies to method lora"),
                                        (["--methods", "lora", "--lora-r", "0"], "lora rank r must be at least 1"),
-                                       (["--methods", "ft", "--capabilities", "arc,xyz"], "unknown capability task")])
+                                       (["--methods", "ft", "--capabilities", "arc,xyz"], "unknown capability task"),
+                                       (["--methods", "ft,ultraedit-seq"], "ultraedit has no sequential mode"),
+                                       (["--methods", "rome-seq"], "unknown method 'rome-seq'"),
+                                       (["--methods", "ft", "--seq-chunk", "2"], "--seq-chunk sets the round size"),
+                                       (["--methods", "ft-seq", "--seq-chunk", "0"], "--seq-chunk must be a positive")])
 def test_compare_cli_one_line_errors(extra, msg, tiny_model_dir, tmp_path, capsys):
     args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2,
             "--out", tmp_path / "cmp"] + extra
@@ -138,3 +143,171 @@ def test_compare_refuses_requests_a_method_cannot_take_before_running_any(tiny_l
         compare_mod.run_compare(model, tok, REQS, ["ft", "memit"], tmp_path / "cmp", configs=configs(["ft", "memit"]),
                                 progress=False)
     assert ran == [] and not (tmp_path / "cmp").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# sequential rows (<method>-seq) and the Pareto front
+
+
+def seq_configs(methods, **kw):
+    """EditConfigs for batch rows, SeqConfigs (sequential mode) for -seq rows, all with the tiny settings."""
+    from crispedit.editing import SeqConfig
+
+    out = {}
+    for m in methods:
+        base = m[:-4] if m.endswith("-seq") else m
+        cfg = configs([base], **kw)[base]
+        out[m] = SeqConfig(edit=cfg) if m.endswith("-seq") else cfg
+    return out
+
+
+def counting_runs(monkeypatch, fail_on=None):
+    """Record which rows ran through compare's edit() and run_sequence(); a kill on ``fail_on`` (a -seq row)."""
+    ran = counting_edit(monkeypatch)
+    real = REAL_RUN_SEQUENCE
+
+    def fake(model, tok, requests, cfg, chunk, **kw):
+        ran.append(cfg.edit.method + "-seq")
+        res = real(model, tok, requests, cfg, chunk, **kw)
+        if ran[-1] == fail_on:
+            raise KeyboardInterrupt
+        return res
+
+    monkeypatch.setattr(compare_mod, "run_sequence", fake)
+    return ran
+
+
+def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, tmp_path, iso_cache, monkeypatch):
+    model, tok = tiny_lm
+    fp = weight_fingerprint(model)
+    out = tmp_path / "cmp"
+    methods = ["ft", "ft-seq", "crispedit-seq"]
+    ran = counting_runs(monkeypatch, fail_on="crispedit-seq")
+    with pytest.raises(KeyboardInterrupt):
+        compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=2,
+                                progress=False)
+    assert weight_fingerprint(model) == fp                      # the interrupted sequence was undone
+    assert set(json.loads((out / "compare.json").read_text())["results"]) == {"base", "ft", "ft-seq"}
+    ran = counting_runs(monkeypatch)
+    payload = compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=2,
+                                      progress=False)
+    assert ran == ["crispedit-seq"] and weight_fingerprint(model) == fp   # only the missing row ran
+    res = payload["results"]
+    for m in ("ft-seq", "crispedit-seq"):
+        r = res[m]
+        assert r["rounds"] == 2 and r["seq_chunk"] == 2                    # ceil(3 / 2)
+        assert [x["n_edits"] for x in r["round_records"]] == [2, 1] and len(r["round_seconds"]) == 2
+        assert all(t > 0 for t in r["round_seconds"]) and r["edit_seconds"] >= sum(r["round_seconds"]) - 0.01  # (rounded)
+        assert set(r["summary"]) == set(res["ft"]["summary"])              # measured exactly like a batch row
+        assert r["summary"]["kl_drift"] > 0 and r["config"]["mode"] == "sequential"
+        assert set(r["wild"]) >= {"qa", "none", "chat"}
+    assert res["ft-seq"]["config"]["edit"]["method"] == "ft" and res["ft-seq"]["summary"]["kl_predicted"] > 0
+    # crispedit-seq folded round 1's edits into round 2's constraint; ft-seq has no constraint to grow
+    assert res["crispedit-seq"]["round_records"][0]["edit_factor_tokens"] > 0
+    assert "edit_factor_tokens" not in res["ft-seq"]["round_records"][0]
+    md = (out / "compare.md").read_text()
+    assert "| ft-seq |" in md and "ft-seq: 2 rounds of 2" in md and "crispedit-seq: 2 rounds of 2" in md
+    ran = counting_runs(monkeypatch)                              # a third run: nothing left to do
+    compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=2, progress=False)
+    assert ran == []
+    with pytest.raises(CrispEditError, match=r"holds ft-seq run with another configuration \(rounds of 2 edits, now 3\)"):
+        compare_mod.run_compare(model, tok, REQS, ["ft-seq"], out, configs=seq_configs(["ft-seq"]), seq_chunk=3,
+                                progress=False)
+    with pytest.raises(CrispEditError, match="holds ft-seq run with another configuration"):
+        compare_mod.run_compare(model, tok, REQS, ["ft-seq"], out, configs=seq_configs(["ft-seq"], epochs=5),
+                                seq_chunk=2, progress=False)
+
+
+def test_seq_row_with_one_round_equals_the_batch_row(tiny_lm, tmp_path, iso_cache):
+    """chunk = n: one round from the base with a fresh optimizer and (for crispedit) the capability factors
+    alone as the constraint — the batch edit, so every measurement matches. With chunk < n crispedit-seq
+    differs (round 2 trains under the grown constraint from round 1's weights)."""
+    model, tok = tiny_lm
+    methods = ["ft", "ft-seq", "crispedit", "crispedit-seq"]
+    res = compare_mod.run_compare(model, tok, REQS, methods, tmp_path / "one", configs=seq_configs(methods),
+                                  seq_chunk=len(REQS), progress=False)["results"]
+    for m in ("ft", "crispedit"):
+        batch, seq = res[m], res[m + "-seq"]
+        assert seq["rounds"] == 1
+        assert seq["summary"]["kl_drift"] == batch["summary"]["kl_drift"] > 0
+        assert seq["summary"]["kl_predicted"] == batch["summary"]["kl_predicted"]
+        assert seq["summary"]["rel"] == batch["summary"]["rel"] and seq["wild"] == batch["wild"]
+    two = compare_mod.run_compare(model, tok, REQS, ["crispedit-seq"], tmp_path / "two",
+                                  configs=seq_configs(["crispedit-seq"]), seq_chunk=1, progress=False)["results"]
+    assert two["crispedit-seq"]["rounds"] == 3
+    assert two["crispedit-seq"]["summary"]["kl_drift"] != res["crispedit"]["summary"]["kl_drift"]
+
+
+def test_compare_refuses_a_seq_row_without_a_sequential_config(tiny_lm, tmp_path):
+    from crispedit.editing import SeqConfig
+
+    model, tok = tiny_lm
+    with pytest.raises(CrispEditError, match="configuration given for ft-seq is not one of ft in sequential mode"):
+        compare_mod.run_compare(model, tok, REQS, ["ft-seq"], tmp_path / "c",
+                                configs={"ft-seq": SeqConfig(edit=EditConfig(method="ft"), mode="batch")}, progress=False)
+    with pytest.raises(CrispEditError, match="no sequential mode"):
+        compare_mod.run_compare(model, tok, REQS, ["ultraedit-seq"], tmp_path / "c",
+                                configs={"ultraedit-seq": EditConfig(method="ultraedit")}, progress=False)
+    with pytest.raises(CrispEditError, match="--seq-chunk sets the round size"):
+        compare_mod.run_compare(model, tok, REQS, ["ft"], tmp_path / "c", configs=configs(["ft"]), seq_chunk=2,
+                                progress=False)
+    assert not (tmp_path / "c").exists()
+
+
+def test_parse_methods_seq_rows_and_all():
+    from crispedit.editing.config import default_seq_chunk
+    from crispedit.editing.flags import parse_methods
+    from crispedit.editing.registry import method_names, seq_row
+
+    assert parse_methods("crispedit-seq,ft,ft-seq,ft") == ["crispedit-seq", "ft", "ft-seq"]
+    assert parse_methods("all") == method_names() + ["alphaedit-seq", "crispedit-seq", "ft-seq", "lora-seq"]
+    assert seq_row("lora-seq") == ("lora", True) and seq_row("lora") == ("lora", False)
+    assert seq_row("adam-nscl-seq") == ("adam-nscl", True)          # not in `all`, but may be named
+    for bad, msg in [("rome-seq", "unknown method 'rome-seq': 'rome' is not a method"),
+                     ("ultraedit-seq", "ultraedit has no sequential mode"), ("ft-seq-seq", "'ft-seq' is not a method")]:
+        with pytest.raises(CrispEditError, match=msg):
+            parse_methods(f"ft,{bad}")
+    assert [default_seq_chunk(n) for n in (1, 5, 32, 100, 3000, 10000)] == [1, 1, 4, 10, 100, 100]
+
+
+def test_pareto_front_on_hand_built_points():
+    front = compare_mod.pareto_front({
+        "a": (0.9, -0.010),   # best success
+        "b": (0.5, -0.001),   # better retention than a, worse success: both on the front
+        "c": (0.4, -0.002),   # dominated by b on both
+        "d": (0.9, -0.010),   # equal to a: equal points are all on the front
+        "e": (None, 0.0),     # no qa result: never on it, dominates nothing
+        "f": (0.2, -0.0005),  # the least drift
+        "g": (0.5, -0.003),   # ties b's success, worse retention: dominated
+        "h": (float("nan"), 1.0),
+    })
+    assert front == ["a", "b", "d", "f"]
+    assert compare_mod.pareto_front({}) == [] and compare_mod.pareto_front({"x": (0.0, -1.0)}) == ["x"]
+
+
+def _row(qa, kl, caps=None):
+    return {"summary": {"kl_drift": kl, "rel": 0.0, "gen": 0.0}, "wild": {"qa": {"rel": qa, "gen": qa}},
+            "capabilities": caps or {}}
+
+
+def test_pareto_points_and_the_table_marking():
+    """Without capability tasks retention is -KL drift; with them the mean score / base score (the base row
+    is the reference, never a candidate)."""
+    settings = {"model": "m", "n_edits": 4, "edits": {}, "evaluation": {"capabilities": [], "limit": None}}
+    results = {"base": _row(0.0, 0.0), "crispedit": _row(0.8, 0.002), "ft": _row(0.9, 0.05), "lora": _row(0.3, 0.01),
+               "ft-seq": _row(0.1, 0.0005)}
+    payload = {"settings": settings, "methods": ["crispedit", "ft", "lora", "ft-seq"], "results": results}
+    p = compare_mod.pareto_points(payload)
+    assert p["success"] == "WILD qa rel" and p["retention"].startswith("-KL drift")
+    assert p["points"]["ft"] == [0.9, -0.05] and "base" not in p["points"]
+    assert p["front"] == ["crispedit", "ft", "ft-seq"]                          # lora: dominated by crispedit
+    table = compare_mod.compare_table(payload).splitlines()
+    assert table[0].endswith("| Pareto |")
+    marks = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in table[2:7]}
+    assert marks == {"base (unedited)": "–", "crispedit": "★", "ft": "★", "lora": "", "ft-seq": "★"}
+    caps = dict(settings, evaluation={"capabilities": ["arc", "tqa"], "limit": 10})
+    results = {"base": _row(0.0, 0.0, {"arc": 0.5, "tqa": 0.4}), "crispedit": _row(0.8, 0.002, {"arc": 0.5, "tqa": 0.4}),
+               "ft": _row(0.9, 0.05, {"arc": 0.25, "tqa": 0.4}), "lora": _row(0.3, 0.0001, {"arc": 0.5, "tqa": 0.2})}
+    p = compare_mod.pareto_points({"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results})
+    assert p["points"]["ft"] == [0.9, 0.75] and p["points"]["lora"] == [0.3, 0.75] and p["points"]["crispedit"][1] == 1.0
+    assert p["front"] == ["crispedit", "ft"] and "arc, tqa" in p["retention"]   # lora's low KL no longer counts

@@ -10,6 +10,19 @@ rewritten, so a killed compare resumes: methods already in ``compare.json`` are 
 settings must match; other settings need another ``--out``). The command line is
 :mod:`crispedit.compare_cli` (it checks the arguments without importing this module's torch).
 
+Sequential rows: ``<method>-seq`` (e.g. ``crispedit-seq``, the paper's CrispEdit-Seq) runs ``<method>`` in
+``ceil(n / chunk)`` rounds of ``chunk`` consecutive edits through the session machinery
+(:func:`crispedit.editing.sequential.run_sequence`, i.e. :func:`~crispedit.editing.sequential.run_round`
+with a :class:`~crispedit.editing.SeqConfig`), and the final model is evaluated on all edits exactly like a
+batch row. Its row records ``rounds``, ``seq_chunk`` and ``round_seconds``; its stored ``config`` is the
+``SeqConfig`` and, with ``seq_chunk``, what a resumed compare checks.
+
+Pareto front (:func:`pareto_front`, :func:`pareto_points`): edit success is the WILD qa reliability (the
+paper's wrapper, never trained); capability retention is the mean over the capability tasks of
+score / base score when ``--capabilities`` ran, else minus the KL drift on held-out text. An edited row is
+on the front when no other edited row is at least as good on both and better on one; ``compare.json``
+→ ``pareto`` and the ``Pareto`` column of ``compare.md`` say which (the unedited base is not a candidate).
+
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the edit (reset before each method);
 on CPU the process's peak resident set size during the edit (``VmHWM``, reset before each method
 through ``/proc/self/clear_refs``; it includes the model and everything else in the process), with
@@ -31,14 +44,18 @@ import torch
 from tqdm.auto import tqdm
 
 from .data.edits import EditRequest
-from .editing import EditConfig, edit, get_editor, restore
+from .editing import EditConfig, SeqConfig, edit, get_editor, restore
 from .editing.api import snapshot
+from .editing.config import default_seq_chunk
+from .editing.registry import seq_row
+from .editing.sequential import run_sequence
 from .errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
-                     read_text_file)
+                     check_positive_int, read_text_file)
 from .evaluation import CONTEXTS, evaluate_edit
 from .models import weight_fingerprint
 
-__all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "COMPARE_FORMAT"]
+__all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "pareto_front", "pareto_points",
+           "COMPARE_FORMAT"]
 
 COMPARE_FORMAT = 1
 JSON_FILE, MD_FILE, PNG_FILE = "compare.json", "compare.md", "compare.png"
@@ -91,11 +108,12 @@ def requests_digest(requests: Sequence[EditRequest]) -> str:
     return hashlib.blake2b(blob, digest_size=12).hexdigest()
 
 
-def _stored_config(stored: dict) -> dict:
+def _stored_config(stored: dict, sequential: bool = False) -> dict:
     """A config stored in an existing compare.json as this crispedit writes it (fields added since, e.g.
-    ``max_drift``, at their defaults), or as stored when it no longer validates."""
+    ``max_drift``, at their defaults; a ``SeqConfig`` for a ``-seq`` row), or as stored when it no longer
+    validates."""
     try:
-        return EditConfig.from_dict(stored).to_json()
+        return (SeqConfig if sequential else EditConfig).from_dict(stored).to_json()
     except (CrispEditError, TypeError):
         return stored
 
@@ -107,16 +125,36 @@ def _row(method: str, ev: dict, **extra) -> dict:
 
 
 def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequence[str], out: str | Path, *,
-                configs: dict[str, EditConfig], model_spec: str = "<in-memory>", edits_info: dict | None = None,
-                capabilities: Sequence[str] = (), limit: int | None = None, bench_dir: str | None = None,
-                kl_text: str | None = None, progress: bool | None = None) -> dict:
+                configs: dict[str, EditConfig | SeqConfig], model_spec: str = "<in-memory>",
+                edits_info: dict | None = None, capabilities: Sequence[str] = (), limit: int | None = None,
+                bench_dir: str | None = None, kl_text: str | None = None, seq_chunk: int | None = None,
+                progress: bool | None = None) -> dict:
     """Run ``methods`` (each with ``configs[method]``) on ``requests`` from ``model``'s current weights
     and write ``out``/compare.json, .md, .png; returns the compare.json payload. Methods already in an
-    existing compare.json with the same settings are kept and not rerun."""
+    existing compare.json with the same settings are kept and not rerun.
+
+    A ``<method>-seq`` row (module docstring) takes a :class:`SeqConfig` in ``mode="sequential"`` (an
+    :class:`EditConfig` is wrapped into one with the session defaults) and runs in rounds of ``seq_chunk``
+    edits (default :func:`~crispedit.editing.config.default_seq_chunk`: 10 for 100 edits)."""
     if not requests:
         raise CrispEditError("no edit requests given")
-    for m in methods:  # what each method needs of the requests (the closed forms' subjects), before anything
-        get_editor(m).check_requests(requests)
+    configs = dict(configs)
+    for m in methods:
+        base_method, seq = seq_row(m)
+        cfg = configs[m]
+        if seq and isinstance(cfg, EditConfig):
+            cfg = configs[m] = SeqConfig(edit=cfg)
+        ok = (isinstance(cfg, SeqConfig) and cfg.mode == "sequential" and cfg.edit.method == base_method) if seq \
+            else (isinstance(cfg, EditConfig) and cfg.method == base_method)
+        if not ok:
+            raise CrispEditError(f"the configuration given for {m} is not one of {base_method}"
+                                 + (" in sequential mode" if seq else ""))
+        # what each method needs of the requests (the closed forms' subjects), before anything
+        get_editor(base_method).check_requests(requests)
+    seqs = [m for m in methods if seq_row(m)[1]]
+    if seq_chunk is not None and not seqs:
+        raise CrispEditError("--seq-chunk sets the round size of the -seq rows, and none is being run")
+    chunk = default_seq_chunk(len(requests)) if seq_chunk is None else check_positive_int("--seq-chunk", seq_chunk)
     out = Path(out)
     check_output_dir(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,9 +179,12 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                                  "use another --out to compare under new settings")
         payload["results"] = old.get("results", {})
         for m in methods:
-            stored = payload["results"].get(m, {}).get("config")
-            if stored is not None and _stored_config(stored) != configs[m].to_json():
-                raise CrispEditError(f"{path} holds {m} run with another configuration; use another --out")
+            row, seq = payload["results"].get(m, {}), seq_row(m)[1]
+            stored = row.get("config")
+            if stored is not None and (_stored_config(stored, seq) != configs[m].to_json()
+                                       or (seq and row.get("seq_chunk") != chunk)):
+                what = f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if seq and row.get("seq_chunk") != chunk else ""
+                raise CrispEditError(f"{path} holds {m} run with another configuration{what}; use another --out")
         payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))
     device = next(model.parameters()).device
     todo = [m for m in methods if m not in payload["results"]]
@@ -161,12 +202,17 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
             payload["results"]["base"] = _row("base", ev)
         else:
             cfg = configs[method]
+            seq = isinstance(cfg, SeqConfig)
+            ecfg = cfg.edit if seq else cfg
             t0 = time.perf_counter()
-            editor = get_editor(method)
-            before = snapshot(editor.changes(model, editor.select_layers(model, cfg), cfg))
+            editor = get_editor(ecfg.method)
+            before = snapshot(editor.changes(model, editor.select_layers(model, ecfg), ecfg))
             try:
                 with peak_memory(device) as mem:
-                    res = edit(model, tokenizer, requests, cfg, progress=inner, predict_drift=True)
+                    if seq:
+                        res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=inner, predict_drift=True)
+                    else:
+                        res = edit(model, tokenizer, requests, cfg, progress=inner, predict_drift=True)
             except BaseException:
                 restore(model, before)  # an interrupted edit leaves the base behind
                 raise
@@ -174,7 +220,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
             wall = time.perf_counter() - t0
             try:
                 ev = evaluate_edit(model, tokenizer, requests, res.original_weights, kl_text=kl_text,
-                                   max_len=cfg.max_len, wild=CONTEXTS, capabilities=capabilities, limit=limit,
+                                   max_len=ecfg.max_len, wild=CONTEXTS, capabilities=capabilities, limit=limit,
                                    bench_dir=bench_dir, progress=inner)
             finally:
                 restore(model, res.original_weights)
@@ -183,19 +229,21 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
             from .pipeline import drift_summary
 
             ev["summary"].update(drift_summary(res))
+            extra = (dict(rounds=len(res.rounds), seq_chunk=res.chunk, round_seconds=res.round_seconds,
+                          round_records=res.rounds) if seq else dict(training=res.history.to_json()))
             payload["results"][method] = _row(
                 method, ev, config=cfg.to_json(), layers=res.layers, changed=sorted(res.original_weights),
                 changed_numel=sum(t.numel() for t in res.original_weights.values()),
                 edit_seconds=round(res.edit_seconds, 2), cache_seconds=round(res.cache_seconds, 2),
-                wall_seconds=round(wall, 2), cache_hit=res.cache_info.get("hit"), memory=mem,
-                training=res.history.to_json())
+                wall_seconds=round(wall, 2), cache_hit=res.cache_info.get("hit"), memory=mem, **extra)
         write_outputs(out, payload)
         r = payload["results"][method]
         if progress is not False:
             qa = r["wild"].get("qa") or {}
             tqdm.write(f"{method}: WILD qa rel={qa.get('rel')} gen={qa.get('gen')} tf rel={r['summary']['rel']} "
                        f"kl_drift={r['summary']['kl_drift']:.5f} kl_predicted={r['summary'].get('kl_predicted')}"
-                       + (f" edit={r['edit_seconds']:.1f}s" if "edit_seconds" in r else ""))
+                       + (f" edit={r['edit_seconds']:.1f}s" if "edit_seconds" in r else "")
+                       + (f" ({r['rounds']} rounds of {r['seq_chunk']})" if "rounds" in r else ""))
     bar.close()
     write_outputs(out, payload)
     return payload
@@ -216,10 +264,50 @@ def _duration(s: float | None) -> str:
     return f"{m}m {sec:02d}s" if m else f"{s:.1f}s"
 
 
+def pareto_front(points: dict[str, tuple[float | None, float | None]]) -> list[str]:
+    """The names (in ``points`` order) on the Pareto front of two objectives, both to be maximised:
+    ``points`` maps a name to ``(success, retention)``. A point is on the front unless another point is
+    at least as high on both and strictly higher on one (equal points are all on it); a point with a
+    ``None`` or NaN coordinate is never on it and dominates nothing."""
+    def ok(p):
+        return all(v is not None and v == v for v in p)
+
+    valid = {n: (float(p[0]), float(p[1])) for n, p in points.items() if ok(p)}
+    return [n for n, (a, b) in valid.items()
+            if not any(x >= a and y >= b and (x > a or y > b) for m, (x, y) in valid.items() if m != n)]
+
+
+def _retention(payload: dict, r: dict) -> float | None:
+    caps = payload["settings"]["evaluation"]["capabilities"]
+    if not caps:
+        return -r["summary"]["kl_drift"]
+    base = payload["results"].get("base", {}).get("capabilities", {})
+    ratios = [r["capabilities"][c] / base[c] for c in caps if r["capabilities"].get(c) is not None and base.get(c)]
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+def pareto_points(payload: dict) -> dict:
+    """The Pareto picture of a compare payload: ``{"success": label, "retention": label, "points": {row:
+    [success, retention]}, "front": [rows]}`` over the edited rows (not the unedited base). Success = WILD
+    qa rel (fraction); retention = the mean over capability tasks of score / base score when
+    capability tasks ran (1.0 = unchanged), else minus the KL drift on held-out text (nats/token; 0 =
+    unchanged). :func:`pareto_front` picks the front."""
+    res = payload["results"]
+    caps = payload["settings"]["evaluation"]["capabilities"]
+    rows = [m for m in payload["methods"] if m in res and m != "base"]
+    points = {m: [(res[m]["wild"].get("qa") or {}).get("rel"), _retention(payload, res[m])] for m in rows}
+    return {"success": "WILD qa rel",
+            "retention": ("mean capability score / base score over " + ", ".join(caps)) if caps
+            else "-KL drift on held-out text (nats/token)",
+            "points": points, "front": pareto_front({m: tuple(p) for m, p in points.items()})}
+
+
 def compare_table(payload: dict) -> str:
     """The markdown table (the paper's Table 1 shape): WILD rel / gen per context, teacher-forced
-    rel / gen, KL drift, capability scores (percent), edit time (+ curvature time) and peak memory. Per
-    column the best edited method and those within 5 % (relative) of it are in bold."""
+    rel / gen, KL drift, capability scores (percent), edit time (+ curvature time), peak memory and
+    ``Pareto`` (★ for the rows on the front of :func:`pareto_points`). Per column the best edited method
+    and those within 5 % (relative) of it are in bold. A note under the table gives the ``-seq`` rows'
+    rounds, chunk size and mean time per round."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
@@ -233,7 +321,9 @@ def compare_table(payload: dict) -> str:
             ("TF gen", lambda r: r["summary"].get("gen"), True)]
     cols += [(c, (lambda c: lambda r: r["capabilities"].get(c))(c), True) for c in caps]
     edited = [res[m] for m in rows if m != "base"]
-    head = ["method"] + [c[0] for c in cols] + ["KL drift", "KL pred", "edit time", "curvature", "peak mem MiB (+rise)"]
+    head = ["method"] + [c[0] for c in cols] + ["KL drift", "KL pred", "edit time", "curvature", "peak mem MiB (+rise)",
+                                                "Pareto"]
+    pareto = pareto_points(payload)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in rows:
         r = res[m]
@@ -250,40 +340,55 @@ def compare_table(payload: dict) -> str:
                                    else f"+{mem['increase_mib']:.0f}")
         pred = r["summary"].get("kl_predicted")
         cells += [f"{r['summary']['kl_drift']:.5f}", "–" if pred is None else f"{pred:.5f}", _duration(r.get("edit_seconds")),
-                  _duration(r.get("cache_seconds")) if r.get("cache_seconds") else "", peak]
+                  _duration(r.get("cache_seconds")) if r.get("cache_seconds") else "", peak,
+                  "–" if m == "base" else ("★" if m in pareto["front"] else "")]
         lines.append("| " + " | ".join(cells) + " |")
     s = payload["settings"]
     note = (f"\n{s['model']} · {s['n_edits']} edits {json.dumps(s['edits'])} · WILD rule judge (qa = the paper's "
             "wrapper, never trained) · TF = teacher-forced · KL drift = mean per-token KL(base‖edited) on held-out "
             "text (nats) · KL pred = the K-FAC prediction ½·Σ tr(ΔWᵀSΔWA) from the capability factors"
             + (f" · capabilities: lm-eval, limit {s['evaluation']['limit']}" if caps else "")
-            + f" · peak memory: {next((r['memory']['measure'] for r in edited if r.get('memory')), '–')}\n")
+            + f" · peak memory: {next((r['memory']['measure'] for r in edited if r.get('memory')), '–')}"
+            + f" · Pareto ★: on the front of edit success ({pareto['success']}) vs capability retention "
+            f"({pareto['retention']}) among the edited rows\n")
+    seq = [(m, res[m]) for m in rows if "rounds" in res[m]]
+    if seq:
+        note += ("\nSequential rows (the method in rounds of consecutive edits, each round from the previous "
+                 "round's weights; the final model evaluated on all edits): "
+                 + "; ".join(f"{m}: {r['rounds']} rounds of {r['seq_chunk']}, "
+                             f"{sum(r['round_seconds']) / len(r['round_seconds']):.1f}s per round" for m, r in seq)
+                 + "\n")
     return "\n".join(lines) + "\n" + note
 
 
 def plot_compare(payload: dict, path: str | Path) -> None:
     """Edit success (WILD QA rel) against capability retention (mean of capability score / base score;
-    without capability tasks: KL drift, log scale, lower is better), one labelled point per method."""
+    without capability tasks: KL drift, log scale, lower is better), one labelled point per method; the
+    Pareto front (:func:`pareto_points`) ringed and joined by a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
-    base = res.get("base", {}).get("capabilities", {})
+    pareto = pareto_points(payload)
+
+    def xy(m):
+        y, ret = pareto["points"][m]
+        x = (float("nan") if ret is None else ret) if caps else max(-ret, 1e-6)
+        return x, y or 0.0
+
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    for i, m in enumerate(x for x in payload["methods"] if x in res):
-        r = res[m]
-        y = (r["wild"].get("qa") or {}).get("rel") or 0.0
-        if caps:
-            ratios = [r["capabilities"][c] / base[c] for c in caps
-                      if r["capabilities"].get(c) is not None and base.get(c)]
-            x = sum(ratios) / len(ratios) if ratios else float("nan")
-        else:
-            x = max(r["summary"]["kl_drift"], 1e-6)
+    for i, m in enumerate(pareto["points"]):
+        x, y = xy(m)
         ax.scatter([x], [y], color=f"C{i % 10}", s=40)
         ax.annotate(m, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=9)
+    front = sorted((xy(m) for m in pareto["front"]), key=lambda p: p[1])
+    if front:
+        ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="0.5", lw=1, zorder=0)
+        ax.scatter([p[0] for p in front], [p[1] for p in front], s=140, facecolors="none", edgecolors="k",
+                   linewidths=1, label="Pareto front")
+        ax.legend(fontsize=8, loc="lower left")
     if caps:
         ax.set_xlabel("capability retention (mean score / base score)")
     else:
@@ -299,7 +404,9 @@ def plot_compare(payload: dict, path: str | Path) -> None:
 
 
 def write_outputs(out: Path, payload: dict) -> None:
-    """Rewrite compare.json (atomic), compare.md and compare.png (derived; a plot failure is not fatal)."""
+    """Rewrite compare.json (atomic; its ``pareto`` section recomputed, :func:`pareto_points`), compare.md and
+    compare.png (derived; a plot failure is not fatal)."""
+    payload["pareto"] = pareto_points(payload)
     atomic_write_json(out / JSON_FILE, payload)
     atomic_write_bytes(out / MD_FILE, compare_table(payload).encode())
     with contextlib.suppress(ImportError):

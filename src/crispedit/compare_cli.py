@@ -16,22 +16,34 @@ def cmd_compare(args) -> int:
     from .editing.flags import config_from_args, load_job_inputs, method_options_from_args, parse_methods
     from .evaluation.capabilities import parse_tasks
 
+    from .editing.config import SeqConfig
+    from .editing.registry import seq_row
+
     methods = parse_methods(args.methods)
     options = method_options_from_args(args, methods)
-    configs = {m: config_from_args(args, m, options.get(m, {})) for m in methods}  # all validated up front
+    configs = {}
+    for m in methods:  # all validated up front; a -seq row: its method's config in sequential mode
+        base, seq = seq_row(m)
+        cfg = config_from_args(args, base, options.get(base, {}))
+        configs[m] = SeqConfig(edit=cfg, mode="sequential") if seq else cfg
+    if args.seq_chunk is not None:
+        check_positive_int("--seq-chunk", args.seq_chunk)
+        if not any(seq_row(m)[1] for m in methods):
+            raise CrispEditError("--seq-chunk sets the round size of the -seq rows, and none is being run")
     tasks = parse_tasks(args.capabilities)
     check_output_dir(args.out)
     if args.limit is not None:
         check_positive_int("--limit", args.limit)
     if args.n_edits is None or args.n_edits < 1:
         raise CrispEditError(f"--n-edits must be a positive integer, got {args.n_edits}")
-    requests, model, tok, progress = load_job_inputs(args, configs[methods[0]].n_cap)
+    first = configs[methods[0]]
+    requests, model, tok, progress = load_job_inputs(args, (first.edit if isinstance(first, SeqConfig) else first).n_cap)
     from .compare import JSON_FILE, MD_FILE, PNG_FILE, compare_table, run_compare
 
     payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
                           edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},
                           capabilities=tasks, limit=args.limit, bench_dir=args.bench_dir, kl_text=args.kl_text,
-                          progress=progress)
+                          seq_chunk=args.seq_chunk, progress=progress)
     print(compare_table(payload))
     print(f"written to {Path(args.out) / JSON_FILE} (+ {MD_FILE}, {PNG_FILE})")
     return 0
@@ -40,13 +52,21 @@ def cmd_compare(args) -> int:
 def add_cli(sub) -> None:
     """Register ``crispedit compare`` on ``subparsers``."""
     from .editing.flags import add_curvature_args, add_edits_args, add_model_args, add_training_args
-    from .editing.registry import method_names
+    from .editing.config import MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK
+    from .editing.registry import SEQ_SUFFIX, method_names, sequential_rows
 
     p = sub.add_parser("compare", help="run several editing methods on the same edits and tabulate them")
     add_model_args(p)
     add_curvature_args(p)
     add_edits_args(p, n_required=True)
-    p.add_argument("--methods", required=True, help=f"comma list of methods ({', '.join(method_names())}) or all")
+    seqs = ", ".join(m + SEQ_SUFFIX for m in sequential_rows(every=True))
+    paper = ", ".join(m + SEQ_SUFFIX for m in sequential_rows())
+    p.add_argument("--methods", required=True,
+                   help=f"comma list of methods ({', '.join(method_names())}) and sequential rows ({seqs}: the method "
+                   f"in rounds of --seq-chunk edits), or all (every method plus {paper})")
+    p.add_argument("--seq-chunk", type=int, default=None, metavar="N",
+                   help=f"edits per round of the -seq rows (default min({PAPER_SEQ_CHUNK}, ceil(n-edits/{MIN_SEQ_ROUNDS})): "
+                   f"the paper's {PAPER_SEQ_CHUNK}, but about {MIN_SEQ_ROUNDS} rounds for small edit sets; 10 for 100 edits)")
     p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png)")
     p.add_argument("--capabilities", default=None,
                    help="lm-eval capability tasks, e.g. arc_challenge,truthfulqa_mc2 (default none; needs crispedit[eval])")

@@ -23,7 +23,7 @@ from .loop import TrainHistory
 from .methods import EditContext
 from .registry import get_editor
 
-__all__ = ["EditResult", "edit", "restore", "snapshot", "capability_factors", "curvature_spec"]
+__all__ = ["EditResult", "edit", "restore", "snapshot", "capability_factors", "curvature_spec", "edit_factors"]
 
 
 @dataclass
@@ -82,6 +82,30 @@ def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module]
                                 batch_size=config.kfac_batch_size, force=force, progress=progress)
 
 
+def edit_factors(model: nn.Module, tokenizer, editor, layers: dict[str, nn.Module], config: EditConfig, *,
+                 factors: KFACFactors | None = None, cache_root: str | Path | None = None,
+                 cache_file: str | Path | None = None, progress: bool | None = None,
+                 predict_drift: bool = False) -> tuple[KFACFactors | None, dict]:
+    """The capability statistics an edit with ``editor`` on ``layers`` uses: those it needs
+    (``editor.needs_curvature``, of its ``curvature_kind``) or, with ``predict_drift``, the K-FAC factors
+    that predict the drift of a change of the layers' weights (not for editors that change other
+    parameters, such as LoRA's q/v projections). Given ``factors`` are checked to cover ``layers``;
+    otherwise fetched by :func:`capability_factors`. Returns ``(factors or None, info)`` (``info`` empty
+    when nothing was fetched)."""
+    changed = editor.changes(model, layers, config)
+    predictable = any(f"{n}.weight" in changed for n in layers)  # not LoRA's q/v projections
+    info: dict = {}
+    if not (editor.needs_curvature or (predict_drift and predictable)):
+        return factors, info
+    if factors is None:
+        factors, info = capability_factors(model, tokenizer, layers, config, cache_root=cache_root,
+                                           cache_file=cache_file, progress=progress, kind=editor.curvature_kind)
+    missing = [n for n in layers if n not in factors.A]
+    if missing:
+        raise CrispEditError(f"curvature factors do not cover layers {missing}")
+    return factors, info
+
+
 def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: EditConfig | None = None, *,
          factors: KFACFactors | None = None, cache_root: str | Path | None = None,
          cache_file: str | Path | None = None, progress: bool | None = None,
@@ -101,18 +125,10 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     editor.check_requests(requests)  # e.g. the closed-form editors' subjects, before any collection
     resolve_contexts(config.contexts, tokenizer)  # a context this model cannot take fails before any work
     layers = editor.select_layers(model, config)
-    cache_seconds, info = 0.0, {}
     changed = editor.changes(model, layers, config)
-    predictable = any(f"{n}.weight" in changed for n in layers)  # not LoRA's q/v projections
-    if editor.needs_curvature or (predict_drift and predictable):
-        if factors is None:
-            factors, info = capability_factors(model, tokenizer, layers, config, cache_root=cache_root,
-                                               cache_file=cache_file, progress=progress,
-                                               kind=editor.curvature_kind)
-            cache_seconds = info["seconds"]
-        missing = [n for n in layers if n not in factors.A]
-        if missing:
-            raise CrispEditError(f"curvature factors do not cover layers {missing}")
+    factors, info = edit_factors(model, tokenizer, editor, layers, config, factors=factors, cache_root=cache_root,
+                                 cache_file=cache_file, progress=progress, predict_drift=predict_drift)
+    cache_seconds = info.get("seconds", 0.0) if info else 0.0
     original = snapshot(changed)
     t0 = time.perf_counter()
     outcome = editor.apply(model, tokenizer, requests, EditContext(config, layers, factors, progress=progress))

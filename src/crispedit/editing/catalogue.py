@@ -6,7 +6,8 @@ command fails in a fraction of a second. The editor classes (``editing/methods/`
 take their ``summary`` and ``Config`` from these entries when they register, and are imported only when
 an edit runs (:func:`~crispedit.editing.registry.editor_class`).
 
-Method options are :class:`MethodConfig` dataclasses with the paper's defaults; ``SHARED`` holds a
+Each entry also says whether ``compare`` has a ``<name>-seq`` row for it (``sequential``; see
+:class:`~crispedit.editing.registry.MethodSpec`). Method options are :class:`MethodConfig` dataclasses with the paper's defaults; ``SHARED`` holds a
 method's own default for a shared setting (LoRA's learning rate), ``HELP`` one line per option.
 """
 
@@ -165,22 +166,26 @@ class UltraEditConfig(MethodConfig):
 
 
 _M = "crispedit.editing.methods"
+# sequential: "paper" = the paper's Table 1 has the method's sequential row (compare --methods all runs
+# <name>-seq); ultraedit has none of its own: it is lifelong by construction (its batch run already writes the
+# edits batch after batch with carried normalisation statistics; --ultraedit-batch-size is its round size).
 BUILTIN_METHODS: tuple[MethodSpec, ...] = (
     MethodSpec("crispedit", "fine-tuning projected onto the low-curvature subspace of the capability K-FAC "
-               "(the paper)", MethodConfig, f"{_M}.crispedit:CrispEditEditor", curvature=True),
-    MethodSpec("ft", "plain fine-tuning of the edit layers (no projection)", MethodConfig, f"{_M}.ft:FTEditor"),
+               "(the paper)", MethodConfig, f"{_M}.crispedit:CrispEditEditor", curvature=True, sequential="paper"),
+    MethodSpec("ft", "plain fine-tuning of the edit layers (no projection)", MethodConfig, f"{_M}.ft:FTEditor",
+               sequential="paper"),
     MethodSpec("adam-nscl", "fine-tuning projected onto the null space of the layer-input covariance (Adam-NSCL)",
                MethodConfig, f"{_M}.adam_nscl:AdamNSCLEditor", curvature=True),
     MethodSpec("lora", "low-rank adapter (peft) on q_proj/v_proj of the edit layers' blocks, merged after training",
-               LoRAConfig, f"{_M}.lora:LoRAEditor"),
+               LoRAConfig, f"{_M}.lora:LoRAEditor", sequential="paper"),
     MethodSpec("locbf-ft", "plain Adam on one MLP output projection (LocBF-FT)", LocBFConfig,
                f"{_M}.locbf_ft:LocBFFTEditor"),
     MethodSpec("memit", "closed-form key-value update of the edit layers' MLP output projections (MEMIT)",
                MEMITConfig, f"{_M}.memit:MEMITEditor"),
     MethodSpec("alphaedit", "MEMIT's update projected onto the null space of the preserved keys' covariance "
-               "(AlphaEdit)", AlphaEditConfig, f"{_M}.alphaedit:AlphaEditEditor"),
+               "(AlphaEdit)", AlphaEditConfig, f"{_M}.alphaedit:AlphaEditEditor", sequential="paper"),
     MethodSpec("ultraedit", "lifelong-normalised gradient pseudo-values written by a ridge solve (UltraEdit)",
-               UltraEditConfig, f"{_M}.ultraedit:UltraEditEditor"),
+               UltraEditConfig, f"{_M}.ultraedit:UltraEditEditor", sequential="none"),
 )
 
 for _spec in BUILTIN_METHODS:

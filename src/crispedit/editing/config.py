@@ -24,7 +24,8 @@ from enum import Enum
 from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int, check_positive_int
 from .registry import MethodConfig, get_editor, method_names, method_spec
 
-__all__ = ["EditConfig", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES"]
+__all__ = ["EditConfig", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
+           "MIN_SEQ_ROUNDS", "default_seq_chunk"]
 
 DEFAULT_LR = 5e-4  # the paper's Adam learning rate; LoRA overrides it (LoRAConfig.SHARED)
 MAX_LR = 1.0  # an Adam step of more than 1 per weight destroys any model; larger values are typos
@@ -143,6 +144,17 @@ class EditConfig:
 
 WEIGHTINGS = ("fixed", "tokens")
 MODES = ("sequential", "batch")
+PAPER_SEQ_CHUNK = 100  # the paper's chunk size of CrispEdit-Seq (Table "Default hyperparameters"; 3000 edits = 30 rounds)
+MIN_SEQ_ROUNDS = 10    # ... but a small edit set is still cut into about this many rounds
+
+
+def default_seq_chunk(n_edits: int) -> int:
+    """Edits per round of a ``compare`` ``-seq`` row when ``--seq-chunk`` is not given:
+    ``min(100, ceil(n_edits / 10))`` — the paper's chunk of 100 edits at its scale (3000 edits, 30 rounds),
+    and about 10 rounds for smaller edit sets (100 edits: chunks of 10; one chunk of 100 would just be
+    the batch edit)."""
+    n = check_positive_int("number of edits", n_edits)
+    return max(1, min(PAPER_SEQ_CHUNK, -(-n // MIN_SEQ_ROUNDS)))
 
 
 @dataclass

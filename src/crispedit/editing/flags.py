@@ -15,7 +15,7 @@ from typing import Sequence
 from ..errors import CrispEditError, check_input_file
 from .config import EditConfig, ProjectionTarget
 from .contexts import ANSWER_ENDS, DEFAULT_CONTEXTS
-from .registry import method_names, method_spec
+from .registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
 
 __all__ = ["add_model_args", "add_edits_args", "add_curvature_args", "add_training_args", "add_method_option_args",
            "add_max_drift_arg",
@@ -102,7 +102,9 @@ def _dest(method: str, option: str) -> str:
 
 def method_options_from_args(args, methods: Sequence[str]) -> dict[str, dict]:
     """``{method: {option: value}}`` from the ``--<method>-<option>`` flags that were given; a flag of a
-    method not among ``methods`` is a one-line error."""
+    method not among ``methods`` is a one-line error (a ``<method>-seq`` row counts as its method: the
+    flags apply to both rows)."""
+    methods = [seq_row(m)[0] for m in methods]
     out: dict[str, dict] = {}
     for method in method_names():
         for f in fields(method_spec(method).Config):
@@ -129,16 +131,18 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
 
 
 def parse_methods(spec: str) -> list[str]:
-    """``"crispedit,ft,lora"`` (or ``all``) -> registered method names in the given order, each once;
-    one-line error naming an unknown one."""
+    """``"crispedit,ft,lora-seq"`` (or ``all``) -> compare rows in the given order, each once: registered
+    method names and ``<method>-seq`` sequential rows (:func:`~crispedit.editing.registry.seq_row`); one-line
+    error naming an unknown one. ``all`` = every method, then the paper's sequential rows
+    (:func:`~crispedit.editing.registry.sequential_rows`: crispedit-seq, ft-seq, lora-seq, alphaedit-seq)."""
     items = [s.strip() for s in str(spec).split(",") if s.strip()]
     if items == ["all"]:
-        return method_names()
+        return method_names() + [m + SEQ_SUFFIX for m in sequential_rows()]
     if not items:
         raise CrispEditError(f"--methods is empty; choose from {', '.join(method_names())}")
     out: list[str] = []
     for m in items:
-        method_spec(m)  # unknown -> one-line error with the choices
+        seq_row(m)  # unknown (or a -seq row of a method without one) -> one-line error with the choices
         if m not in out:
             out.append(m)
     return out

@@ -23,7 +23,10 @@ from typing import Any, ClassVar, Iterator
 from ..errors import CrispEditError
 
 __all__ = ["MethodConfig", "MethodSpec", "EDITORS", "add_method", "method_spec", "register_editor", "get_editor",
-           "editor_class", "method_names"]
+           "editor_class", "method_names", "SEQ_SUFFIX", "SEQUENTIAL_MODES", "seq_row", "sequential_rows"]
+
+SEQ_SUFFIX = "-seq"  # ``<method>-seq``: a compare row running ``<method>`` in sequential rounds
+SEQUENTIAL_MODES = ("paper", "optional", "none")
 
 
 @dataclass
@@ -68,13 +71,22 @@ class MethodSpec:
     (one line for ``--help``), ``Config`` (its options dataclass) and ``editor``, the editor class as
     ``"module:Class"`` (imported only by :func:`editor_class`); ``curvature``: the editor needs (and
     holds) capability K-FAC factors (its class's ``needs_curvature`` with ``curvature_kind == "kfac"``: what
-    ``--max-drift`` requires; the closed forms' input covariance does not count)."""
+    ``--max-drift`` requires; the closed forms' input covariance does not count). ``sequential``: whether
+    ``<name>-seq`` (the method in sequential rounds through :mod:`crispedit.editing.sequential`) is a
+    ``compare`` row — ``"paper"`` (the paper's Table 1 has it; part of ``--methods all``), ``"optional"``
+    (may be named) or ``"none"`` (refused: the method has no sequential mode of its own)."""
 
     name: str
     summary: str
     Config: type[MethodConfig]
     editor: str
     curvature: bool = False
+    sequential: str = "optional"
+
+    def __post_init__(self) -> None:
+        if self.sequential not in SEQUENTIAL_MODES:
+            raise ValueError(f"MethodSpec {self.name!r}: sequential must be one of {SEQUENTIAL_MODES}, "
+                             f"got {self.sequential!r}")
 
     @property
     def shared(self) -> dict[str, Any]:
@@ -92,6 +104,8 @@ def _location(cls: type) -> str:
 
 def add_method(spec: MethodSpec) -> MethodSpec:
     """Add a catalogue entry (no import of its editor); a second, different entry of that name is refused."""
+    if spec.name.endswith(SEQ_SUFFIX):
+        raise ValueError(f"a method name may not end in {SEQ_SUFFIX!r} (the sequential rows' suffix): {spec.name!r}")
     if spec.name in _SPECS and _SPECS[spec.name] != spec:
         raise ValueError(f"a method named {spec.name!r} is already registered")
     _SPECS[spec.name] = spec
@@ -109,6 +123,31 @@ def method_spec(name: str) -> MethodSpec:
 def method_names() -> list[str]:
     """Every registered method name, sorted (the CLI's ``--method`` choices)."""
     return sorted(_SPECS)
+
+
+def seq_row(name: str) -> tuple[str, bool]:
+    """A ``compare`` row name -> ``(method, sequential)``: ``"lora-seq"`` -> ``("lora", True)``, ``"lora"`` ->
+    ``("lora", False)``. One-line :class:`CrispEditError` for an unknown method (with or without the suffix)
+    or a ``-seq`` row of a method whose catalogue entry has no sequential mode."""
+    name = str(name)
+    if not name.endswith(SEQ_SUFFIX) or name in _SPECS:
+        method_spec(name)
+        return name, False
+    base = name[:-len(SEQ_SUFFIX)]
+    if base not in _SPECS:
+        raise CrispEditError(f"unknown method {name!r}: {base!r} is not a method; sequential rows exist for "
+                             f"{', '.join(n + SEQ_SUFFIX for n in sequential_rows(every=True))}")
+    if _SPECS[base].sequential == "none":
+        raise CrispEditError(f"{base} has no sequential mode, so there is no {name} row; sequential rows exist for "
+                             f"{', '.join(n + SEQ_SUFFIX for n in sequential_rows(every=True))}")
+    return base, True
+
+
+def sequential_rows(every: bool = False) -> list[str]:
+    """Methods (sorted) whose ``-seq`` row exists: those the paper's Table 1 has (``every=False``; what
+    ``compare --methods all`` adds) or every one with a sequential mode (``every=True``)."""
+    ok = ("paper", "optional") if every else ("paper",)
+    return [n for n in method_names() if _SPECS[n].sequential in ok]
 
 
 def _holds_kfac(cls: type) -> bool:

@@ -25,6 +25,9 @@ is the paper's "FT Sequential" (no projection); ``method="lora"`` is "LoRA Seque
 trained and merged every round; only the merged weights carry over).
 
 The round itself is :meth:`Editor.apply` — the same set-up around the loop as a batch :func:`edit`.
+Rounds are driven either durably, one ``add`` at a time, by :class:`~crispedit.editing.session.Session`, or
+in memory over consecutive chunks of one edit set by :func:`run_sequence` (``crispedit compare``'s
+``<method>-seq`` rows).
 """
 
 from __future__ import annotations
@@ -39,15 +42,15 @@ from torch import Tensor, nn
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
 from ..curvature.predicted import predicted_kl
 from ..data.edits import EditRequest
-from ..errors import CrispEditError
+from ..errors import CrispEditError, check_positive_int
 from ..models import parameter
 from .config import MODES, WEIGHTINGS, EditConfig, SeqConfig
-from .contexts import sequences_for
+from .contexts import resolve_contexts, sequences_for
 from .methods import EditContext
 from .registry import get_editor
 
-__all__ = ["SeqConfig", "SeqState", "combine_factors", "round_edit_factors", "run_round", "weight_drift",
-           "WEIGHTINGS", "MODES"]
+__all__ = ["SeqConfig", "SeqState", "SeqResult", "combine_factors", "round_edit_factors", "run_round",
+           "run_sequence", "drift_spent", "weight_drift", "WEIGHTINGS", "MODES"]
 
 @dataclass
 class SeqState:
@@ -191,3 +194,91 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
                 record["capability_recomputed"] = True
     record["edit_seconds"] = round(time.perf_counter() - t0, 3)
     return new, record
+
+
+def drift_spent(rounds: Sequence[dict]) -> float:
+    """The drift budget the committed ``rounds`` (their :func:`run_round` records) spent: the sum of their own
+    predicted drift (``kl_predicted_round``, nats per token; rounds without a prediction spend nothing)."""
+    return float(sum(r.get("kl_predicted_round") or 0.0 for r in rounds))
+
+
+# ---------------------------------------------------------------------------------------------
+# a whole sequence in memory
+
+
+@dataclass
+class SeqResult:
+    """What :func:`run_sequence` did. Named like :class:`~crispedit.editing.api.EditResult` where they
+    agree: ``layers`` (edit layer names), ``original_weights`` (pre-edit values of every parameter the
+    editor changes, full name -> tensor on the model's device: undo with
+    :func:`~crispedit.editing.api.restore`), ``edit_seconds`` (all rounds, wall), ``cache_seconds`` /
+    ``cache_info`` (fetching the capability statistics), ``kl_predicted`` (K-FAC predicted per-token KL
+    drift of the final change from the base, nats; ``None`` without K-FAC factors for the changed weights),
+    ``drift_budget`` (the last round's, with ``max_drift``). Plus ``chunk`` (edits per round), ``rounds``
+    (one :func:`run_round` record per round, with ``round``, ``n_edits`` and ``edit_seconds``) and the final
+    :class:`SeqState`."""
+
+    layers: list[str]
+    chunk: int
+    rounds: list[dict]
+    original_weights: dict[str, Tensor]
+    edit_seconds: float
+    cache_seconds: float
+    cache_info: dict
+    kl_predicted: dict | None
+    state: SeqState
+    drift_budget: dict | None = None
+
+    @property
+    def round_seconds(self) -> list[float]:
+        """Wall seconds of each round (training, plus the edit-factor collection of crispedit-seq)."""
+        return [r["edit_seconds"] for r in self.rounds]
+
+
+def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: SeqConfig, chunk: int, *,
+                 factors: KFACFactors | None = None, cache_root=None, cache_file=None, progress: bool | None = None,
+                 predict_drift: bool = False) -> SeqResult:
+    """Edit ``model`` in place in ``ceil(len(requests) / chunk)`` sequential rounds: round ``k`` is
+    :func:`run_round` on requests ``[(k-1)·chunk, k·chunk)`` from the state the previous round left (what a
+    session does one ``add`` at a time, here in memory, without per-round evaluation or files).
+    ``config.mode`` must be ``"sequential"``. The capability statistics (``factors``, or fetched like
+    :func:`~crispedit.editing.api.edit` does, ``predict_drift`` included) are the rounds' constraint and
+    the drift model. The model is left edited; ``result.original_weights`` undoes it."""
+    from .api import capability_factors, edit_factors, snapshot
+
+    config = config.validate()
+    if config.mode != "sequential":
+        raise CrispEditError(f"run_sequence runs sequential rounds; session mode {config.mode!r} is not supported")
+    chunk = check_positive_int("edits per round (--seq-chunk)", chunk)
+    requests = list(requests)
+    if not requests:
+        raise CrispEditError("no edit requests given")
+    ec = config.edit
+    editor = get_editor(ec.method)
+    editor.check_requests(requests)
+    resolve_contexts(ec.contexts, tokenizer)
+    layers = editor.select_layers(model, ec)
+    changed = editor.changes(model, layers, ec)
+    factors, info = edit_factors(model, tokenizer, editor, layers, ec, factors=factors, cache_root=cache_root,
+                                 cache_file=cache_file, progress=progress, predict_drift=predict_drift)
+    original = snapshot(changed)
+    base = {n: p.detach().cpu().clone() for n, p in changed.items()}
+    state = SeqState(weights=dict(base), cap=factors)
+
+    def capability() -> KFACFactors:  # recompute_drift: recollect on the current (edited) model
+        return capability_factors(model, tokenizer, layers, ec, cache_root=cache_root, progress=False,
+                                  kind=editor.curvature_kind)[0]
+
+    records: list[dict] = []
+    t0 = time.perf_counter()
+    for k, start in enumerate(range(0, len(requests), chunk), 1):
+        part = requests[start:start + chunk]
+        state, rec = run_round(model, tokenizer, layers, part, state, config, k, base_weights=base,
+                               capability=capability, progress=progress, drift_spent=drift_spent(records))
+        rec.update(round=k, n_edits=len(part))
+        records.append(rec)
+    from ..curvature.predicted import predicted_kl
+
+    return SeqResult(list(layers), chunk, records, original, time.perf_counter() - t0,
+                     float(info.get("seconds", 0.0)), info, predicted_kl(layers, factors, original), state,
+                     records[-1].get("drift_budget"))

@@ -51,7 +51,7 @@ from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..models import load_model, parameter, save_model_dir, weight_fingerprint
 from .api import capability_factors
 from .registry import get_editor
-from .sequential import SeqConfig, SeqState, run_round, weight_drift
+from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
 from .session_files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
 
 __all__ = ["Session", "SESSION_FORMAT", "plot_retention", "session_size"]
@@ -208,7 +208,7 @@ class Session:
             new, rec = run_round(self._model, self._tok, self._layers, requests, state, self.config, k,
                                  base_weights=self._base, union=union,
                                  capability=lambda: self._recollect_capability(), progress=progress,
-                                 drift_spent=_spent(st["rounds"]))
+                                 drift_spent=drift_spent(st["rounds"]))
             check_finite_tensors(new.weights, f"round {k}")  # never commit inf/nan weights
             _fault("after_train")
             rec.update(self._evaluate(earlier + [requests], progress))
@@ -239,7 +239,7 @@ class Session:
                "size_bytes": session_size(self.path), "retention": retention, "rounds": rounds}
         budget = self.config.edit.max_drift
         if budget is not None:
-            spent = 0.0 if self.config.mode == "batch" else _spent(rounds)
+            spent = 0.0 if self.config.mode == "batch" else drift_spent(rounds)
             out["drift_budget"] = {"budget": budget, "spent": spent, "remaining": budget - spent,
                                    "mode": "per re-edit" if self.config.mode == "batch" else "whole session"}
         return out
@@ -430,12 +430,6 @@ class Session:
                 "rel_all": summary["rel"], "gen_all": summary["gen"], "retention": retention,
                 "kl_drift": summary["kl_drift"], "ppl": summary["ppl"], "ppl_base": summary["ppl_base"],
                 "weight_drift": {n: round(v, 6) for n, v in weight_drift(weights, self._base).items()}}
-
-
-def _spent(rounds: Sequence[dict]) -> float:
-    """The drift budget the committed ``rounds`` spent: the sum of their own predicted drift
-    (``kl_predicted_round``, nats per token; rounds without a prediction spend nothing)."""
-    return float(sum(r.get("kl_predicted_round") or 0.0 for r in rounds))
 
 
 def _diff_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
