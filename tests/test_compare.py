@@ -218,6 +218,13 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
                                 seq_chunk=2, progress=False)
 
 
+def timeless(d):
+    """``d`` without its ``seconds`` entries (at any depth): the measurements alone."""
+    if isinstance(d, dict):
+        return {k: timeless(v) for k, v in d.items() if k != "seconds"}
+    return [timeless(v) for v in d] if isinstance(d, list) else d
+
+
 def test_seq_row_with_one_round_equals_the_batch_row(tiny_lm, tmp_path, iso_cache):
     """chunk = n: one round from the base with a fresh optimizer and (for crispedit) the capability factors
     alone as the constraint — the batch edit, so every measurement matches. With chunk < n crispedit-seq
@@ -231,7 +238,8 @@ def test_seq_row_with_one_round_equals_the_batch_row(tiny_lm, tmp_path, iso_cach
         assert seq["rounds"] == 1
         assert seq["summary"]["kl_drift"] == batch["summary"]["kl_drift"] > 0
         assert seq["summary"]["kl_predicted"] == batch["summary"]["kl_predicted"]
-        assert seq["summary"]["rel"] == batch["summary"]["rel"] and seq["wild"] == batch["wild"]
+        assert seq["summary"]["rel"] == batch["summary"]["rel"]
+        assert timeless(seq["wild"]) == timeless(batch["wild"])
     two = compare_mod.run_compare(model, tok, REQS, ["crispedit-seq"], tmp_path / "two",
                                   configs=seq_configs(["crispedit-seq"]), seq_chunk=1, progress=False)["results"]
     assert two["crispedit-seq"]["rounds"] == 3
@@ -311,3 +319,23 @@ def test_pareto_points_and_the_table_marking():
     p = compare_mod.pareto_points({"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results})
     assert p["points"]["ft"] == [0.9, 0.75] and p["points"]["lora"] == [0.3, 0.75] and p["points"]["crispedit"][1] == 1.0
     assert p["front"] == ["crispedit", "ft"] and "arc, tqa" in p["retention"]   # lora's low KL no longer counts
+
+
+def test_alphaedit_seq_carries_kp_like_the_batch_run_across_its_batches(tiny_lm, tmp_path, iso_cache):
+    """AlphaEdit-Seq: K_p K_pᵀ goes from round to round through the session state. With no model-written
+    prefixes (so both runs use the same key templates) rounds of one edit give exactly what one alphaedit
+    run with batches of one gives (it accumulates K_p across its batches); LoRA-Seq changes only q/v."""
+    model, tok = tiny_lm
+    reqs = [EditRequest(f"Who founded club {i}?", f"Founder {chr(65 + i)}", subject=f"club {i}",
+                        rephrase_prompts=[f"Club {i} was founded by?"]) for i in range(3)]
+    opts = {"v_steps": 5, "prefixes": 0, "batch_size": 1, "nullspace_threshold": 1.0, "l2": 1.0, "v_lr": 0.5, "clamp": 4.0}
+    cfgs = {**seq_configs(["alphaedit", "alphaedit-seq"], options=opts), **seq_configs(["lora-seq"])}
+    res = compare_mod.run_compare(model, tok, reqs, list(cfgs), tmp_path / "c", configs=cfgs, seq_chunk=1,
+                                  progress=False)["results"]
+    seq = res["alphaedit-seq"]
+    assert seq["rounds"] == 3 and [r["optimizer_carried"] for r in seq["round_records"]] == [False, True, True]
+    assert seq["summary"]["kl_drift"] == res["alphaedit"]["summary"]["kl_drift"] > 0
+    assert timeless(seq["wild"]) == timeless(res["alphaedit"]["wild"])
+    assert seq["summary"]["rel"] == res["alphaedit"]["summary"]["rel"]
+    assert res["lora-seq"]["rounds"] == 3 and all(n.endswith(("q_proj.weight", "v_proj.weight"))
+                                                   for n in res["lora-seq"]["changed"])
