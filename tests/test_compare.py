@@ -276,6 +276,12 @@ def test_parse_methods_seq_rows_and_all():
         with pytest.raises(CrispEditError, match=msg):
             parse_methods(f"ft,{bad}")
     assert [default_seq_chunk(n) for n in (1, 5, 32, 100, 3000, 10000)] == [1, 1, 4, 10, 100, 100]
+    from crispedit.editing.registry import MethodConfig, MethodSpec, add_method
+
+    with pytest.raises(ValueError, match="may not end in '-seq'"):
+        add_method(MethodSpec("x-seq", "a name that would shadow a sequential row", MethodConfig, "m:C"))
+    with pytest.raises(ValueError, match="sequential must be one of"):
+        MethodSpec("x", "bad mode", MethodConfig, "m:C", sequential="sometimes")
 
 
 def test_pareto_front_on_hand_built_points():

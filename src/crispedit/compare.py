@@ -124,6 +124,16 @@ def _row(method: str, ev: dict, **extra) -> dict:
             "capability_details": ev.get("capabilities", {}), **extra}
 
 
+def _round_line(method: str):
+    """A :func:`run_sequence` ``on_round`` callback printing one line per finished round."""
+    def report(rec: dict, n_rounds: int) -> None:
+        train = rec.get("train") or {}
+        loss = (train.get("epoch_loss") or [None])[-1]
+        tqdm.write(f"  {method} round {rec['round']}/{n_rounds}: {rec['n_edits']} edits, {rec['edit_seconds']:.1f}s, "
+                   f"{train.get('epochs')} epochs" + ("" if loss is None else f", last epoch loss {loss:.4f}"))
+    return report
+
+
 def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequence[str], out: str | Path, *,
                 configs: dict[str, EditConfig | SeqConfig], model_spec: str = "<in-memory>",
                 edits_info: dict | None = None, capabilities: Sequence[str] = (), limit: int | None = None,
@@ -210,7 +220,8 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
             try:
                 with peak_memory(device) as mem:
                     if seq:
-                        res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=inner, predict_drift=True)
+                        res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=inner, predict_drift=True,
+                                           on_round=None if progress is False else _round_line(method))
                     else:
                         res = edit(model, tokenizer, requests, cfg, progress=inner, predict_drift=True)
             except BaseException:

@@ -237,13 +237,14 @@ class SeqResult:
 
 def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: SeqConfig, chunk: int, *,
                  factors: KFACFactors | None = None, cache_root=None, cache_file=None, progress: bool | None = None,
-                 predict_drift: bool = False) -> SeqResult:
+                 predict_drift: bool = False, on_round: Callable[[dict, int], None] | None = None) -> SeqResult:
     """Edit ``model`` in place in ``ceil(len(requests) / chunk)`` sequential rounds: round ``k`` is
     :func:`run_round` on requests ``[(k-1)·chunk, k·chunk)`` from the state the previous round left (what a
     session does one ``add`` at a time, here in memory, without per-round evaluation or files).
     ``config.mode`` must be ``"sequential"``. The capability statistics (``factors``, or fetched like
     :func:`~crispedit.editing.api.edit` does, ``predict_drift`` included) are the rounds' constraint and
-    the drift model. The model is left edited; ``result.original_weights`` undoes it."""
+    the drift model. The model is left edited; ``result.original_weights`` undoes it. ``on_round(record,
+    n_rounds)`` is called after every round (progress reports)."""
     from .api import capability_factors, edit_factors, snapshot
 
     config = config.validate()
@@ -271,12 +272,15 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
 
     records: list[dict] = []
     t0 = time.perf_counter()
+    n_rounds = -(-len(requests) // chunk)
     for k, start in enumerate(range(0, len(requests), chunk), 1):
         part = requests[start:start + chunk]
         state, rec = run_round(model, tokenizer, layers, part, state, config, k, base_weights=base,
                                capability=capability, progress=progress, drift_spent=drift_spent(records))
         rec.update(round=k, n_edits=len(part))
         records.append(rec)
+        if on_round is not None:
+            on_round(rec, n_rounds)
     from ..curvature.predicted import predicted_kl
 
     return SeqResult(list(layers), chunk, records, original, time.perf_counter() - t0,
