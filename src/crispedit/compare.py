@@ -193,7 +193,8 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
             stored = row.get("config")
             if stored is not None and (_stored_config(stored, seq) != configs[m].to_json()
                                        or (seq and row.get("seq_chunk") != chunk)):
-                what = f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if seq and row.get("seq_chunk") != chunk else ""
+                other_chunk = seq and row.get("seq_chunk") != chunk
+                what = f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else ""
                 raise CrispEditError(f"{path} holds {m} run with another configuration{what}; use another --out")
         payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))
     device = next(model.parameters()).device

@@ -37,7 +37,8 @@ def cmd_compare(args) -> int:
     if args.n_edits is None or args.n_edits < 1:
         raise CrispEditError(f"--n-edits must be a positive integer, got {args.n_edits}")
     first = configs[methods[0]]
-    requests, model, tok, progress = load_job_inputs(args, (first.edit if isinstance(first, SeqConfig) else first).n_cap)
+    n_cap = (first.edit if isinstance(first, SeqConfig) else first).n_cap
+    requests, model, tok, progress = load_job_inputs(args, n_cap)
     from .compare import JSON_FILE, MD_FILE, PNG_FILE, compare_table, run_compare
 
     payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
@@ -65,8 +66,9 @@ def add_cli(sub) -> None:
                    help=f"comma list of methods ({', '.join(method_names())}) and sequential rows ({seqs}: the method "
                    f"in rounds of --seq-chunk edits), or all (every method plus {paper})")
     p.add_argument("--seq-chunk", type=int, default=None, metavar="N",
-                   help=f"edits per round of the -seq rows (default min({PAPER_SEQ_CHUNK}, ceil(n-edits/{MIN_SEQ_ROUNDS})): "
-                   f"the paper's {PAPER_SEQ_CHUNK}, but about {MIN_SEQ_ROUNDS} rounds for small edit sets; 10 for 100 edits)")
+                   help=f"edits per round of the -seq rows (default min({PAPER_SEQ_CHUNK}, "
+                   f"ceil(n-edits/{MIN_SEQ_ROUNDS})): the paper's {PAPER_SEQ_CHUNK}, but about {MIN_SEQ_ROUNDS} "
+                   "rounds for small edit sets; 10 for 100 edits)")
     p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png)")
     p.add_argument("--capabilities", default=None,
                    help="lm-eval capability tasks, e.g. arc_challenge,truthfulqa_mc2 (default none; needs crispedit[eval])")

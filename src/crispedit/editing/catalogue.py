@@ -7,8 +7,9 @@ take their ``summary`` and ``Config`` from these entries when they register, and
 an edit runs (:func:`~crispedit.editing.registry.editor_class`).
 
 Each entry also says whether ``compare`` has a ``<name>-seq`` row for it (``sequential``; see
-:class:`~crispedit.editing.registry.MethodSpec`). Method options are :class:`MethodConfig` dataclasses with the paper's defaults; ``SHARED`` holds a
-method's own default for a shared setting (LoRA's learning rate), ``HELP`` one line per option.
+:class:`~crispedit.editing.registry.MethodSpec`). Method options are :class:`MethodConfig` dataclasses
+with the paper's defaults; ``SHARED`` holds a method's own default for a shared setting (LoRA's learning
+rate), ``HELP`` one line per option.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class EditConfig:
 
 WEIGHTINGS = ("fixed", "tokens")
 MODES = ("sequential", "batch")
-PAPER_SEQ_CHUNK = 100  # the paper's chunk size of CrispEdit-Seq (Table "Default hyperparameters"; 3000 edits = 30 rounds)
+PAPER_SEQ_CHUNK = 100  # CrispEdit-Seq's chunk size (paper, Table "Default hyperparameters"; 3000 edits = 30 rounds)
 MIN_SEQ_ROUNDS = 10    # ... but a small edit set is still cut into about this many rounds
 
 
