@@ -100,6 +100,20 @@ def test_compare_cli(tiny_model_dir, tmp_path, iso_cache, capsys):
     assert "| lora |" in capsys.readouterr().out
 
 
+def test_compare_cli_seq_row_with_the_default_chunk(tiny_model_dir, tmp_path, iso_cache, capsys):
+    """``--methods lora-seq`` from the command line: the shared flags and --lora-* reach the row's SeqConfig;
+    without --seq-chunk 2 edits go in rounds of default_seq_chunk(2) = 1."""
+    out = tmp_path / "cmp"
+    args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2, "--layers", LAYERS,
+            "--methods", "lora-seq", "--out", out, "--epochs", 2, "--n-cap", 4, "--max-len", 32, "--contexts", "bare",
+            "--lora-r", 4, "--quiet"]
+    assert main([str(a) for a in args]) == 0
+    row = json.loads((out / "compare.json").read_text())["results"]["lora-seq"]
+    assert row["rounds"] == 2 and row["seq_chunk"] == 1 and row["config"]["mode"] == "sequential"
+    assert row["config"]["edit"]["epochs"] == 2 and row["config"]["edit"]["options"]["r"] == 4
+    assert "lora-seq: 2 rounds of 1" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("extra,msg", [(["--methods", "ft,rome"], "unknown method 'rome'"),
                                        (["--methods", "ft", "--lora-r", "4"], "--lora-r applies to method lora"),
                                        (["--methods", "lora", "--lora-r", "0"], "lora rank r must be at least 1"),
