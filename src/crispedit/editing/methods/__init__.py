@@ -2,7 +2,7 @@
 editor interface they share (``base.py``: :class:`Editor`, whose default ``apply`` is the projected loop
 of ``editing/loop.py``). Importing this package registers every method."""
 
-from . import adam_nscl, alphaedit, crispedit, ft, locbf_ft, lora, memit, ultraedit  # noqa: F401  (registration)
+from . import adam_nscl, alphaedit, crispedit, ft, locbf_ft, lora, memit, mend, ultraedit  # noqa: F401  (registration)
 from .base import EditContext, EditOutcome, Editor, identity_projectors
 
 __all__ = ["Editor", "EditContext", "EditOutcome", "identity_projectors"]

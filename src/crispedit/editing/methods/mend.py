@@ -1,0 +1,92 @@
+"""MEND (Mitchell et al. 2022, "Fast Model Editing at Scale"): a meta-trained gradient-transform network
+turns one gradient of the edit requests into the weight update of every edit layer.
+
+The editor loads the network trained for this model and these layers (option ``weights``; default the
+cached one, :func:`~.mend_net.default_weights_path`), computes the factors ``(u, δ)`` of all requests on the
+unedited model in one gradient computation (:func:`~.mend_net.edit_factors`: chunks of ``batch_size``
+requests, the same rows as one batch), and adds ``ΔW_l = −α_l Σ_t δ̃_t ũ_tᵀ`` to each edit layer's weight.
+No training happens here: train the network first with ``crispedit mend train`` (or
+:func:`~.mend_train.train_mend`) on edit requests disjoint from the evaluated ones.
+
+Edit layers: ``--layers``, else the layers stored in the ``weights`` file, else MEND's default — the MLP
+matrices of the last three decoder blocks (:func:`~.mend_net.default_layers`). Options:
+:class:`~crispedit.editing.catalogue.MENDConfig`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from ...errors import CrispEditError
+from ...models import resolve_layers, weight_fingerprint, weight_matrix
+from ..catalogue import MENDConfig
+from ..loop import TrainHistory
+from ..registry import register_editor
+from .base import EditContext, EditOutcome, Editor
+from .closed_form import target_nll
+from .mend_net import default_layers, default_weights_path, edit_factors, load_network, read_network_meta, train_command_hint
+
+__all__ = ["MENDConfig", "MENDEditor", "network_path"]
+
+
+def network_path(model: nn.Module, layers: dict[str, nn.Module], cfg: MENDConfig, fingerprint: str | None = None):
+    """The network file the editor uses: ``cfg.weights`` when set, else the default cache location for this
+    model's fingerprint and ``layers``."""
+    if cfg.weights:
+        return cfg.weights
+    return default_weights_path(fingerprint or weight_fingerprint(model), list(layers))
+
+
+@register_editor
+class MENDEditor(Editor):
+    """MEND: a trained gradient transform applied to one gradient of the requests (no iterations)."""
+
+    name = "mend"  # summary and Config (MENDConfig): its entry in editing/catalogue.py
+    carries_optimizer = False
+
+    def select_layers(self, model, config):
+        """``--layers``; else those of the ``weights`` file; else the MLP linears of the last 3 blocks."""
+        if config.layers:
+            return resolve_layers(model, config.layers)
+        cfg: MENDConfig = config.method_config
+        if cfg.weights:
+            return resolve_layers(model, ",".join(read_network_meta(cfg.weights)["layers"]))
+        return resolve_layers(model, ",".join(default_layers(model)))
+
+    def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
+        """Load the network, compute every request's factors on the unedited model, add ``ΔW`` to each edit
+        layer. ``epoch_loss``: mean target NLL (nats/token, bare prompt) before and after; ``steps`` 1."""
+        cfg: MENDConfig = ctx.config.method_config
+        layers = ctx.layers
+        fp = weight_fingerprint(model)
+        path = network_path(model, layers, cfg, fp)
+        if not cfg.weights and not path.is_file():
+            raise CrispEditError(f"no trained MEND network for this model and layers (looked for {path}); train one "
+                                 f"with `{train_command_hint()}` or pass --mend-weights FILE")
+        net = load_network(path, layers, model_fingerprint=fp)
+        device = next(model.parameters()).device
+        net.to(device)
+        t0 = time.perf_counter()
+        history = TrainHistory(contexts=["bare"])
+        history.epoch_loss.append(target_nll(model, tokenizer, requests))
+        factors = edit_factors(model, tokenizer, list(requests), layers, batch_size=cfg.batch_size)
+        with torch.no_grad():
+            deltas = {n: net.delta(n, U, D) for n, (U, D) in factors.items()}
+            for n, m in layers.items():
+                if not torch.isfinite(deltas[n]).all():
+                    raise CrispEditError(f"mend: the update of {n} is not finite")
+                W = weight_matrix(m)
+                W.add_(deltas[n].to(W.device, W.dtype))
+        history.steps = 1
+        history.sequences = len(requests)
+        history.tokens = sum(int(U.shape[0]) for U, _ in factors.values()) // max(len(layers), 1)
+        history.epoch_loss.append(target_nll(model, tokenizer, requests))
+        history.converged = history.epoch_loss[-1] <= ctx.config.stop_loss
+        history.seconds = time.perf_counter() - t0
+        alpha = net.alpha.detach().cpu().tolist()
+        stats = {n: {"kept_fraction": 1.0, "form": "mend", "alpha": alpha[i],
+                     "delta_norm": float(deltas[n].norm())} for i, n in enumerate(layers)}
+        return EditOutcome(history, stats, {}, False)

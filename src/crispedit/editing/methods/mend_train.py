@@ -1,0 +1,168 @@
+"""Meta-training of MEND's gradient-transform network (:mod:`.mend_net`).
+
+One step (Mitchell et al. 2022, Alg. 1, with the authors' losses): take ``batch_size`` training requests;
+compute their factors ``(u, δ)`` on the base model (:func:`~.mend_net.edit_factors`) and, through the network,
+the updates ``ΔW_l`` (the running normalisation takes the new rows first); run the model with ``W + ΔW``
+(forward hooks, the base weights untouched) and minimise
+
+    L = c_edit · NLL(target | prompt and rephrasings, edited)  +  c_loc · KL(base ‖ edited) on locality text
+
+with Adam on the network (lr ``lr``) and on the per-layer steps ``α`` (lr ``lr_lr``), gradients clipped to
+norm ``grad_clip``. The NLL is the mean over target tokens; the KL the mean over every token of the
+locality batch: each request's own locality prompts with their answers and ``loc_texts`` passages of the
+capability corpus (at most ``loc_len`` tokens each), drawn per step. Requests are drawn without
+replacement, epoch after epoch, by a generator seeded with ``seed``.
+
+The training requests must be disjoint from the ones the edited model is evaluated on: ``crispedit mend
+train`` defaults to ZsRE dev records 1000–1999 (the evaluation uses 100–199, tuning 400–431).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ...curvature.kfac import frozen
+from ...data.edits import EditRequest
+from ...data.tokenize import collate
+from ...errors import CrispEditError
+from ...models import weight_matrix
+from ..catalogue import MENDTrainConfig
+from .mend_net import MENDNetwork, added_deltas, edit_factors, request_nll
+
+__all__ = ["MENDTrainHistory", "train_mend", "meta_loss", "locality_batch"]
+
+
+@dataclass
+class MENDTrainHistory:
+    """What :func:`train_mend` did: per step the total meta-loss, the edit NLL (nats/target token, after the
+    edit) and the locality KL (nats/token); the final per-layer steps ``alpha``; wall seconds."""
+
+    loss: list[float] = field(default_factory=list)
+    edit_nll: list[float] = field(default_factory=list)
+    loc_kl: list[float] = field(default_factory=list)
+    alpha: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        """JSON-ready summary: steps, seconds, first/last-10 means of each loss, final α."""
+        def ends(xs):
+            return {"first10": round(sum(xs[:10]) / max(len(xs[:10]), 1), 6),
+                    "last10": round(sum(xs[-10:]) / max(len(xs[-10:]), 1), 6)} if xs else {}
+        return {"steps": len(self.loss), "seconds": round(self.seconds, 2), "loss": ends(self.loss),
+                "edit_nll": ends(self.edit_nll), "loc_kl": ends(self.loc_kl), "alpha": self.alpha}
+
+
+def locality_batch(tokenizer, requests: Sequence[EditRequest], passages: Sequence[str], loc_len: int, device):
+    """Token rows for the locality KL: each request's locality ``prompt + " " + answer`` and each passage cut to
+    its first ``loc_len`` tokens; a right-padded :class:`~crispedit.data.tokenize.EncodedBatch` (only its ids
+    and mask are used), or ``None`` when there is no text."""
+    rows = []
+    for r in requests:
+        for p, a in r.locality:
+            ids = tokenizer(f"{p} {a}")["input_ids"][:loc_len]
+            if len(ids) >= 2:
+                rows.append((ids, 1))
+    for t in passages:
+        ids = tokenizer(t)["input_ids"][:loc_len]
+        if len(ids) >= 2:
+            rows.append((ids, 1))
+    return collate(tokenizer, rows, max_len=10 ** 6).to(device) if rows else None
+
+
+def _kl(base_logits: Tensor, logits: Tensor, mask: Tensor) -> Tensor:
+    """Mean over the positions of ``mask`` of ``KL(p_base ‖ p_edited)`` (nats)."""
+    lb = torch.log_softmax(base_logits.float(), -1)
+    le = torch.log_softmax(logits.float(), -1)
+    kl = (lb.exp() * (lb - le)).sum(-1)
+    m = mask.to(kl.dtype)
+    return (kl * m).sum() / m.sum().clamp_min(1)
+
+
+def _step(net: MENDNetwork, model: nn.Module, tokenizer, layers: dict[str, nn.Module],
+          requests: Sequence[EditRequest], passages: Sequence[str], update_stats: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(meta-loss, edit NLL, locality KL)`` of one batch (module docstring), differentiable in ``net``."""
+    cfg = net.config
+    device = next(model.parameters()).device
+    factors = edit_factors(model, tokenizer, requests, layers)
+    deltas = {n: net.delta(n, U, D, update=update_stats).to(weight_matrix(layers[n]).device)
+              for n, (U, D) in factors.items()}
+    loc = locality_batch(tokenizer, requests, passages, cfg.loc_len, device)
+    base_logits = None
+    if loc is not None and cfg.c_loc > 0:
+        with torch.no_grad():
+            base_logits = model(input_ids=loc.input_ids, attention_mask=loc.attention_mask).logits
+    with added_deltas(layers, deltas):
+        nll = request_nll(model, tokenizer, requests, prompts="both")
+        if base_logits is not None:
+            logits = model(input_ids=loc.input_ids, attention_mask=loc.attention_mask).logits
+            kl = _kl(base_logits, logits, loc.attention_mask)
+        else:
+            kl = torch.zeros((), device=device)
+    return cfg.c_edit * nll + cfg.c_loc * kl, nll, kl
+
+
+def meta_loss(net: MENDNetwork, model: nn.Module, tokenizer, layers: dict[str, nn.Module],
+              requests: Sequence[EditRequest], passages: Sequence[str] = ()) -> dict[str, float]:
+    """The meta-loss of ``requests`` (one batch) under ``net`` without training anything (statistics frozen):
+    ``{"loss", "edit_nll", "loc_kl"}``."""
+    with torch.no_grad():
+        loss, nll, kl = _step(net, model, tokenizer, layers, requests, passages, update_stats=False)
+    return {"loss": float(loss), "edit_nll": float(nll), "loc_kl": float(kl)}
+
+
+def train_mend(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
+               config: MENDTrainConfig | None = None, *, passages: Sequence[str] = (), net: MENDNetwork | None = None,
+               progress: bool | None = None) -> tuple[MENDNetwork, MENDTrainHistory]:
+    """Meta-train MEND for ``layers`` (name -> linear module of ``model``) on ``requests`` for ``config.steps``
+    steps (module docstring); ``passages``: the capability texts locality passages are drawn from. Continues
+    ``net`` when given (its settings win), else starts an identity network. The model is left unchanged.
+    Returns the network (on the model's device) and the :class:`MENDTrainHistory`."""
+    if not requests:
+        raise CrispEditError("no MEND training requests given")
+    config = net.config if net is not None else (config or MENDTrainConfig()).validate()
+    device = next(model.parameters()).device
+    shapes = {n: tuple(weight_matrix(m).shape) for n, m in layers.items()}
+    net = net if net is not None else MENDNetwork(shapes, config)
+    if net.shapes != shapes or net.layer_names != list(layers):
+        raise CrispEditError(f"MEND network was built for layers {net.layer_names}, not {list(layers)}")
+    net.to(device)
+    opt = torch.optim.Adam([{"params": [p for n, p in net.named_parameters() if n != "alpha"], "lr": config.lr},
+                            {"params": [net.alpha], "lr": config.lr_lr}])
+    gen = torch.Generator().manual_seed(config.seed)
+    hist, t0 = MENDTrainHistory(), time.perf_counter()
+    bar = tqdm(range(config.steps), desc="mend train", unit="step", disable=None if progress is None else not progress)
+    with frozen(model):  # only the network and α train
+        _loop(net, model, tokenizer, layers, requests, passages, config, opt, gen, bar, hist)
+    hist.alpha = [round(float(a), 8) for a in net.alpha.detach().cpu()]
+    hist.seconds = time.perf_counter() - t0
+    return net, hist
+
+
+def _loop(net, model, tokenizer, layers, requests, passages, config, opt, gen, bar, hist) -> None:
+    """The steps of :func:`train_mend` (the model frozen by the caller)."""
+    order: list[int] = []
+    for _ in bar:
+        while len(order) < config.batch_size:
+            order += torch.randperm(len(requests), generator=gen).tolist()
+        idx, order = order[:config.batch_size], order[config.batch_size:]
+        chunk = [requests[i] for i in idx]
+        picks = torch.randint(len(passages), (config.loc_texts,), generator=gen).tolist() if passages else []
+        loss, nll, kl = _step(net, model, tokenizer, layers, chunk, [passages[i] for i in picks], update_stats=True)
+        if not torch.isfinite(loss):
+            raise CrispEditError(f"the MEND meta-loss became {float(loss)} at step {len(hist.loss) + 1}; "
+                                 "lower --lr / --edit-lr — nothing was saved")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(net.parameters()), config.grad_clip)
+        opt.step()
+        hist.loss.append(loss.item())
+        hist.edit_nll.append(nll.item())
+        hist.loc_kl.append(kl.item())
+        bar.set_postfix(loss=f"{hist.loss[-1]:.4f}", nll=f"{hist.edit_nll[-1]:.3f}", kl=f"{hist.loc_kl[-1]:.4f}")
+    bar.close()
