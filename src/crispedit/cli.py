@@ -26,6 +26,7 @@ _COMMAND_MODULES: list[str] = [
     "crispedit.editing.session_cli",
     "crispedit.compare_cli",
     "crispedit.delta_cli",
+    "crispedit.mend_cli",
     "crispedit.experiments.mnist_config",
 ]
 

@@ -150,7 +150,7 @@ def parse_methods(spec: str) -> list[str]:
 
 def check_job_files(args, n_cap: int) -> None:
     """Check the side files an editing command reads once its model is loaded, before that: ``--cap-corpus``
-    (``n_cap`` texts), ``--kl-text`` and that a ``--cache`` file exists (each only when given; one-line
+    (``n_cap`` texts), ``--kl-text`` and that a ``--cache`` file and a ``--mend-weights`` file exist (each only when given; one-line
     errors). Torch-free."""
     from ..data import capability_corpus, heldout_text
 
@@ -160,6 +160,8 @@ def check_job_files(args, n_cap: int) -> None:
         heldout_text(args.kl_text, 1)
     if getattr(args, "cache", None):
         check_input_file(args.cache, "curvature cache file")
+    if getattr(args, _dest("mend", "weights"), None):
+        check_input_file(getattr(args, _dest("mend", "weights")), "MEND network file (--mend-weights)")
 
 
 def load_job_inputs(args, n_cap: int):

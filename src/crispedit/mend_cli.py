@@ -1,0 +1,105 @@
+"""``crispedit mend train``: meta-train MEND's gradient-transform network (registered through
+``crispedit.cli._COMMAND_MODULES``).
+
+Torch-free at import: the flags come from :class:`~crispedit.editing.catalogue.MENDTrainConfig`, every
+argument and input file is checked before the model (and torch) is loaded. The training requests default
+to ZsRE dev records 1000–1999 (``--offset 1000 --n-edits 1000``), disjoint from the evaluation slice
+(100–199) and the tuning slice (400–431) the README uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from .errors import CrispEditError, check_output_file
+
+__all__ = ["add_cli", "cmd_mend_train", "TRAIN_OFFSET", "TRAIN_N"]
+
+TRAIN_OFFSET, TRAIN_N = 1000, 1000  # default training slice: disjoint from evaluation (100-199) and tuning (400-431)
+
+
+def _train_config(args):
+    """The validated :class:`MENDTrainConfig` of the ``--<setting>`` flags (unset ones keep the defaults)."""
+    from .editing.catalogue import MENDTrainConfig
+
+    given = {f.name: getattr(args, f"mend_{f.name}") for f in fields(MENDTrainConfig)
+             if getattr(args, f"mend_{f.name}", None) is not None}
+    return MENDTrainConfig(**given)
+
+
+def cmd_mend_train(args) -> int:
+    """``crispedit mend train``: check every input, load the model, train, write the network atomically."""
+    config = _train_config(args)
+    if args.out:
+        check_output_file(args.out)
+    if args.n_edits is not None and args.n_edits < 1:
+        raise CrispEditError(f"--n-edits must be a positive integer, got {args.n_edits}")
+    if args.offset < 0:
+        raise CrispEditError(f"--offset must be non-negative, got {args.offset}")
+    from .data import capability_corpus, load_edits
+
+    passages = capability_corpus(args.cap_corpus, args.n_cap) if config.loc_texts else []
+    requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
+    if not requests:
+        raise CrispEditError(f"{args.edits} has no edit requests from offset {args.offset}")
+    progress = False if args.quiet else None
+    from .editing.methods.mend_net import default_layers, default_weights_path, save_network
+    from .editing.methods.mend_train import train_mend
+    from .models import load_model, resolve_layers, weight_fingerprint
+
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
+                            progress=progress)
+    layers = resolve_layers(model, args.layers or ",".join(default_layers(model)))
+    fp = weight_fingerprint(model)
+    path = args.out or default_weights_path(fp, list(layers), args.cache_dir)
+    net, hist = train_mend(model, tok, requests, layers, config, passages=passages, progress=progress)
+    training = {"edits": str(args.edits), "offset": args.offset, "n_edits": len(requests), "model": args.model,
+                "history": hist.to_json()}
+    save_network(path, net, model_fingerprint=fp, training=training)
+    h = hist.to_json()
+    print(f"mend: trained {h['steps']} steps on {len(requests)} edits (offset {args.offset}) in {h['seconds']:.0f}s; "
+          f"meta-loss {h['loss'].get('first10', float('nan')):.4f} -> {h['loss'].get('last10', float('nan')):.4f} "
+          f"(edit NLL {h['edit_nll'].get('first10', float('nan')):.3f} -> {h['edit_nll'].get('last10', float('nan')):.3f}, "
+          f"locality KL {h['loc_kl'].get('first10', float('nan')):.4f} -> {h['loc_kl'].get('last10', float('nan')):.4f})")
+    use = "" if not args.out else f" --mend-weights {path}"
+    print(f"network for {len(layers)} layers written to {path}; edit with `crispedit edit --method mend{use} ...`")
+    return 0
+
+
+def add_cli(sub) -> None:
+    """Register ``crispedit mend train`` on ``subparsers``."""
+    from .editing.catalogue import MENDTrainConfig
+    from .editing.flags import add_model_args
+
+    p = sub.add_parser("mend", help="train MEND's gradient-transform network (for --method mend)")
+    msub = p.add_subparsers(dest="mend_command", required=True)
+    t = msub.add_parser("train", help="meta-train MEND on edit requests disjoint from the evaluated ones")
+    add_model_args(t)
+    t.add_argument("--edits", required=True, help="training edit file (ZsRE, CounterFact/WikiBigEdit or crispedit JSON)")
+    t.add_argument("--offset", type=int, default=TRAIN_OFFSET,
+                   help=f"first training record (default {TRAIN_OFFSET}: disjoint from the evaluation slice 100-199 "
+                   "and the tuning slice 400-431)")
+    t.add_argument("--n-edits", type=int, default=TRAIN_N, help=f"training records from --offset (default {TRAIN_N})")
+    t.add_argument("--layers", default=None, help="edit layers (default: the MLP linears of the last 3 decoder blocks, "
+                   "as MEND); the edit must use the same")
+    t.add_argument("--cap-corpus", default=None, help="text the locality passages are drawn from (default: bundled WikiText)")
+    t.add_argument("--n-cap", type=int, default=256, help="capability texts to draw locality passages from (default 256)")
+    help_ = {"steps": "Adam steps (default 500)", "batch_size": "edit requests per step (default 8)",
+             "lr": "Adam lr of the network (default 1e-4; authors 1e-6 over ~100k steps)",
+             "lr_lr": "Adam lr of the per-layer steps alpha (default 1e-4, authors')",
+             "edit_lr": "initial per-layer step alpha (default 1e-4, authors')",
+             "rank": "rank of the residual layers (default 1920, authors'; capped at d_in + d_out)",
+             "n_hidden": "hidden residual layers (default 1: two layers, authors')",
+             "c_edit": "weight of the edit NLL (default 0.1, authors')",
+             "c_loc": "weight of the locality KL (default 1.0, authors')",
+             "grad_clip": "gradient-norm clip (default 100, authors')",
+             "loc_texts": "capability passages in each step's locality batch (default 2)",
+             "loc_len": "tokens per locality passage (default 64)", "seed": "seed of the sampling and the init"}
+    for f in fields(MENDTrainConfig):
+        kind = type(f.default)
+        t.add_argument(f"--{f.name.replace('_', '-')}", dest=f"mend_{f.name}", type=kind, default=None,
+                       help=help_.get(f.name, f.name))
+    t.add_argument("--out", default=None, help="network file (default: the cache, where `edit --method mend` looks)")
+    t.add_argument("--cache-dir", default=None, help="cache root (default $CRISPEDIT_CACHE or ~/.cache/crispedit)")
+    t.add_argument("--quiet", action="store_true", help="no progress bars")
+    t.set_defaults(func=cmd_mend_train)
