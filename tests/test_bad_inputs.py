@@ -194,6 +194,17 @@ CASES = [
      "memit cov_weight must be positive"),
     ("alphaedit-threshold-nan", lambda t, m: _edit(t, m, "--method", "alphaedit", "--alphaedit-nullspace-threshold", "nan"),
      "alphaedit nullspace_threshold must be a finite"),
+    ("mend-no-network", lambda t, m: _edit(t, m, "--method", "mend"), "no trained MEND network"),
+    ("mend-weights-absent", lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", t / "absent.safetensors"),
+     "MEND network file (--mend-weights) not found"),
+    ("mend-weights-not-mend", lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", _cache(t, m)),
+     "is not a crispedit MEND network"),
+    ("mend-train-rank-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--rank", 0],
+     "mend rank must be between 1 and"),
+    ("mend-train-lr-nan", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--lr", "nan"],
+     "mend lr must be a finite number"),
+    ("mend-train-out-is-dir", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
+                                            "--out", t], "is a directory"),
     ("lora-alpha-inf", lambda t, m: _edit(t, m, "--method", "lora", "--lora-alpha", "inf"), "lora alpha must be a finite"),
     ("session-mix-nan", lambda t, m: ["session", "init", "--model", m, "--out", t / "s", "--mix", "nan"],
      "mix must be a finite number"),
@@ -290,7 +301,7 @@ def test_matrix_covers_every_subcommand():
     from crispedit.cli import build_parser
 
     rows = " ".join(c.values[0] if hasattr(c, "marks") else c[0] for c in CASES)
-    for cmd in ("edit", "eval", "report", "study", "session", "cache", "compare", "demo", "delta"):
+    for cmd in ("edit", "eval", "report", "study", "session", "cache", "compare", "demo", "delta", "mend"):
         assert cmd in rows or cmd == "edit", cmd
     assert {"edit", "cache", "demo", "eval", "report", "session", "compare", "study"} <= set(
         build_parser()._subparsers._group_actions[0].choices)

@@ -220,3 +220,17 @@ def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache,
     other.write_bytes(net.read_bytes().replace(meta["model_fingerprint"].encode(), b"0" * 32))
     assert main([str(a) for a in common + ["--mend-weights", other, "--out", tmp_path / "b3"]]) == 2
     assert "trained for another model" in capsys.readouterr().err
+
+
+def test_compare_runs_mend_beside_a_fine_tuning_method(tiny_lm, tmp_path, iso_cache):
+    import crispedit.compare as compare_mod
+
+    model, tok = tiny_lm
+    fp = weight_fingerprint(model)
+    path = write_trained(model, tok, tmp_path / "mend.safetensors", steps=10)
+    cfgs = {"ft": EditConfig(method="ft", layers=LAYERS, epochs=2, n_cap=4, max_len=32),
+            "mend": EditConfig(method="mend", layers=LAYERS, n_cap=4, max_len=32, options={"weights": str(path)})}
+    payload = compare_mod.run_compare(model, tok, HELD[:3], ["ft", "mend"], tmp_path / "cmp", configs=cfgs, progress=False)
+    assert payload["results"]["mend"]["changed"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)]
+    assert weight_fingerprint(model) == fp
+    assert "| mend |" in (tmp_path / "cmp" / "compare.md").read_text()
