@@ -234,3 +234,17 @@ def test_compare_runs_mend_beside_a_fine_tuning_method(tiny_lm, tmp_path, iso_ca
     assert payload["results"]["mend"]["changed"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)]
     assert weight_fingerprint(model) == fp
     assert "| mend |" in (tmp_path / "cmp" / "compare.md").read_text()
+
+
+def test_target_only_logprobs_equal_the_full_forward(tiny_lm):
+    from crispedit.data.tokenize import encode_pairs
+    from crispedit.editing.methods.mend_net import target_token_logprobs
+
+    model, tok = tiny_lm
+    batch = encode_pairs(tok, [r.prompt for r in HELD[:3]], [r.target for r in HELD[:3]])
+    lp, rows = target_token_logprobs(model, batch)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    labels = batch.labels[:, 1:]
+    full = torch.log_softmax(logits, -1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)[labels != -100]
+    assert torch.allclose(lp, full, atol=1e-5) and rows.tolist() == [i for i, n in enumerate(batch.target_lengths)
+                                                                     for _ in range(n)]

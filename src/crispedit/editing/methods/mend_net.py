@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...curvature.kfac import capture_io, frozen
@@ -53,7 +52,7 @@ from .ultraedit import RunningNorm
 
 __all__ = ["FORMAT_VERSION", "META_KEY", "MENDNetwork", "GradientTransform", "edit_factors", "added_deltas",
            "default_layers", "default_weights_path", "save_network", "load_network", "read_network_meta",
-           "weights_key", "train_command_hint", "request_nll"]
+           "weights_key", "train_command_hint", "request_nll", "target_token_logprobs"]
 
 FORMAT_VERSION = 1
 META_KEY = "crispedit_mend"
@@ -197,13 +196,35 @@ def default_layers(model: nn.Module, blocks: int = 3) -> list[str]:
     return out
 
 
-def _request_losses(logits: Tensor, labels: Tensor) -> Tensor:
-    """Per-row mean cross-entropy over the target tokens (``B``), from ``B x T x V`` logits and ``B x T`` labels
-    (-100 where there is no loss; shifted here)."""
-    logits, labels = logits[:, :-1].float(), labels[:, 1:]
-    mask = labels != -100
-    lp = torch.log_softmax(logits, -1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    return -(lp * mask).sum(1) / mask.sum(1).clamp_min(1)
+_PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3"}  # logits = head(final hidden)
+
+
+def target_token_logprobs(model: nn.Module, batch) -> tuple[Tensor, Tensor]:
+    """Log-probability (float32) of every target token of ``batch`` (an
+    :class:`~crispedit.data.tokenize.EncodedBatch`) and the row it belongs to, both ``M`` long (``M`` target
+    tokens). For architectures whose logits are the output head applied to the decoder's last hidden state the
+    head runs on the target positions only (for SmolLM2 the head is a fifth of the forward); exact either way."""
+    labels = batch.labels[:, 1:]
+    valid = labels != -100
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if getattr(getattr(model, "config", None), "model_type", None) in _PLAIN_HEAD and decoder is not None and head is not None:
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        logits = head(hidden[:, :-1][valid]).float()
+    else:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1][valid].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, labels[valid].unsqueeze(-1)).squeeze(-1)
+    rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(labels)[valid]
+    return lp, rows
+
+
+def _request_losses(model: nn.Module, batch) -> Tensor:
+    """Per-row mean cross-entropy over the target tokens of ``batch`` (``B``)."""
+    lp, rows = target_token_logprobs(model, batch)
+    B = batch.labels.shape[0]
+    total = torch.zeros(B, device=lp.device).index_add(0, rows, -lp)
+    count = torch.zeros(B, device=lp.device).index_add(0, rows, torch.ones_like(lp))
+    return total / count.clamp_min(1)
 
 
 def edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
@@ -224,8 +245,7 @@ def edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditRequest], l
                 batch = encode_pairs(tokenizer, [r.prompt for r in chunk], [r.target for r in chunk],
                                      max_len=10 ** 6).to(device)
                 with capture_io(layers) as store:
-                    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-                    _request_losses(logits, batch.labels).sum().backward()
+                    _request_losses(model, batch).sum().backward()
                 keep = batch.attention_mask.bool()
                 for n in layers:
                     cap = store[n]
@@ -361,6 +381,5 @@ def request_nll(model: nn.Module, tokenizer, requests: Sequence[EditRequest], pr
             ts.append(r.target)
     device = next(model.parameters()).device
     batch = encode_pairs(tokenizer, ps, ts, max_len=10 ** 6).to(device)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    labels = batch.labels[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    lp, _ = target_token_logprobs(model, batch)
+    return -lp.mean()

@@ -35,7 +35,7 @@ from ...models import weight_matrix
 from ..catalogue import MENDTrainConfig
 from .mend_net import MENDNetwork, added_deltas, edit_factors, request_nll
 
-__all__ = ["MENDTrainHistory", "train_mend", "meta_loss", "locality_batch"]
+__all__ = ["MENDTrainHistory", "train_mend", "meta_loss", "locality_batches"]
 
 
 @dataclass
@@ -58,30 +58,27 @@ class MENDTrainHistory:
                 "edit_nll": ends(self.edit_nll), "loc_kl": ends(self.loc_kl), "alpha": self.alpha}
 
 
-def locality_batch(tokenizer, requests: Sequence[EditRequest], passages: Sequence[str], loc_len: int, device):
-    """Token rows for the locality KL: each request's locality ``prompt + " " + answer`` and each passage cut to
-    its first ``loc_len`` tokens; a right-padded :class:`~crispedit.data.tokenize.EncodedBatch` (only its ids
-    and mask are used), or ``None`` when there is no text."""
-    rows = []
-    for r in requests:
-        for p, a in r.locality:
-            ids = tokenizer(f"{p} {a}")["input_ids"][:loc_len]
-            if len(ids) >= 2:
-                rows.append((ids, 1))
-    for t in passages:
-        ids = tokenizer(t)["input_ids"][:loc_len]
-        if len(ids) >= 2:
-            rows.append((ids, 1))
-    return collate(tokenizer, rows, max_len=10 ** 6).to(device) if rows else None
+def locality_batches(tokenizer, requests: Sequence[EditRequest], passages: Sequence[str], loc_len: int, device) -> list:
+    """Token batches for the locality KL: one of each request's locality ``prompt + " " + answer`` and one of
+    the passages, each cut to its first ``loc_len`` tokens (two batches, so the short prompts are not padded to
+    the passages' length); right-padded :class:`~crispedit.data.tokenize.EncodedBatch` es (only ids and mask
+    are used), none for an empty group."""
+    groups = ([f"{p} {a}" for r in requests for p, a in r.locality], list(passages))
+    out = []
+    for texts in groups:
+        rows = [(ids, 1) for ids in (tokenizer(t)["input_ids"][:loc_len] for t in texts) if len(ids) >= 2]
+        if rows:
+            out.append(collate(tokenizer, rows, max_len=10 ** 6).to(device))
+    return out
 
 
-def _kl(base_logits: Tensor, logits: Tensor, mask: Tensor) -> Tensor:
-    """Mean over the positions of ``mask`` of ``KL(p_base ‖ p_edited)`` (nats)."""
+def _kl_sum(base_logits: Tensor, logits: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Sum over the positions of ``mask`` of ``KL(p_base ‖ p_edited)`` (nats) and the number of positions."""
     lb = torch.log_softmax(base_logits.float(), -1)
     le = torch.log_softmax(logits.float(), -1)
     kl = (lb.exp() * (lb - le)).sum(-1)
     m = mask.to(kl.dtype)
-    return (kl * m).sum() / m.sum().clamp_min(1)
+    return (kl * m).sum(), m.sum()
 
 
 def _step(net: MENDNetwork, model: nn.Module, tokenizer, layers: dict[str, nn.Module],
@@ -92,18 +89,17 @@ def _step(net: MENDNetwork, model: nn.Module, tokenizer, layers: dict[str, nn.Mo
     factors = edit_factors(model, tokenizer, requests, layers)
     deltas = {n: net.delta(n, U, D, update=update_stats).to(weight_matrix(layers[n]).device)
               for n, (U, D) in factors.items()}
-    loc = locality_batch(tokenizer, requests, passages, cfg.loc_len, device)
-    base_logits = None
-    if loc is not None and cfg.c_loc > 0:
-        with torch.no_grad():
-            base_logits = model(input_ids=loc.input_ids, attention_mask=loc.attention_mask).logits
+    locs = locality_batches(tokenizer, requests, passages, cfg.loc_len, device) if cfg.c_loc > 0 else []
+    with torch.no_grad():
+        base = [model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits for b in locs]
     with added_deltas(layers, deltas):
         nll = request_nll(model, tokenizer, requests, prompts="both")
-        if base_logits is not None:
-            logits = model(input_ids=loc.input_ids, attention_mask=loc.attention_mask).logits
-            kl = _kl(base_logits, logits, loc.attention_mask)
-        else:
-            kl = torch.zeros((), device=device)
+        total, count = torch.zeros((), device=device), torch.zeros((), device=device)
+        for b, base_logits in zip(locs, base):
+            s_, c_ = _kl_sum(base_logits, model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits,
+                             b.attention_mask)
+            total, count = total + s_, count + c_
+        kl = total / count.clamp_min(1)
     return cfg.c_edit * nll + cfg.c_loc * kl, nll, kl
 
 
