@@ -248,3 +248,13 @@ def test_target_only_logprobs_equal_the_full_forward(tiny_lm):
     full = torch.log_softmax(logits, -1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)[labels != -100]
     assert torch.allclose(lp, full, atol=1e-5) and rows.tolist() == [i for i, n in enumerate(batch.target_lengths)
                                                                      for _ in range(n)]
+
+
+def test_compare_refuses_mend_without_a_network_before_running_any_method(tiny_lm, tmp_path, iso_cache):
+    import crispedit.compare as compare_mod
+
+    model, tok = tiny_lm
+    cfgs = {"ft": EditConfig(method="ft", layers=LAYERS, epochs=1), "mend": EditConfig(method="mend", layers=LAYERS)}
+    with pytest.raises(CrispEditError, match="no trained MEND network"):
+        compare_mod.run_compare(model, tok, HELD[:2], ["ft", "mend"], tmp_path / "cmp", configs=cfgs, progress=False)
+    assert not (tmp_path / "cmp").exists()

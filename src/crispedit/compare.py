@@ -159,8 +159,10 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
         if not ok:
             raise CrispEditError(f"the configuration given for {m} is not one of {base_method}"
                                  + (" in sequential mode" if seq else ""))
-        # what each method needs of the requests (the closed forms' subjects), before anything
+        # what each method needs of the requests (the closed forms' subjects) and of the model (MEND's trained
+        # network), before anything
         get_editor(base_method).check_requests(requests)
+        get_editor(base_method).check_ready(model, cfg.edit if isinstance(cfg, SeqConfig) else cfg)
     seqs = [m for m in methods if seq_row(m)[1]]
     if seq_chunk is not None and not seqs:
         raise CrispEditError("--seq-chunk sets the round size of the -seq rows, and none is being run")

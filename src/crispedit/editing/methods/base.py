@@ -97,6 +97,11 @@ class Editor:
         """One-line :class:`CrispEditError` when a request lacks what this editor needs (default: nothing
         beyond prompt and target); :func:`~crispedit.editing.edit` calls it before any other work."""
 
+    def check_ready(self, model: nn.Module, config: EditConfig) -> None:
+        """One-line :class:`CrispEditError` when this editor cannot run on ``model`` under ``config`` for a reason
+        other than the requests (MEND: no trained network for this model and layers); ``compare`` calls it for
+        every method before running any. Default: nothing."""
+
     def select_layers(self, model: nn.Module, config: EditConfig) -> dict[str, nn.Module]:
         """The edit layers (module name -> linear module): ``config.layers`` or the per-architecture default."""
         return resolve_layers(model, config.layers)

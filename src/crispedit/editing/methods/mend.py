@@ -56,17 +56,25 @@ class MENDEditor(Editor):
             return resolve_layers(model, ",".join(read_network_meta(cfg.weights)["layers"]))
         return resolve_layers(model, ",".join(default_layers(model)))
 
-    def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
-        """Load the network, compute every request's factors on the unedited model, add ``ΔW`` to each edit
-        layer. ``epoch_loss``: mean target NLL (nats/token, bare prompt) before and after; ``steps`` 1."""
-        cfg: MENDConfig = ctx.config.method_config
-        layers = ctx.layers
+    def check_ready(self, model, config):
+        """The network for this model and these layers exists and loads (one-line error otherwise)."""
+        self._network(model, self.select_layers(model, config), config.method_config)
+
+    def _network(self, model, layers, cfg: MENDConfig):
+        """The trained network for ``model`` and ``layers`` (``cfg.weights`` or the default cache file), checked."""
         fp = weight_fingerprint(model)
         path = network_path(model, layers, cfg, fp)
         if not cfg.weights and not path.is_file():
             raise CrispEditError(f"no trained MEND network for this model and layers (looked for {path}); train one "
                                  f"with `{train_command_hint()}` or pass --mend-weights FILE")
-        net = load_network(path, layers, model_fingerprint=fp)
+        return load_network(path, layers, model_fingerprint=fp)
+
+    def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
+        """Load the network, compute every request's factors on the unedited model, add ``ΔW`` to each edit
+        layer. ``epoch_loss``: mean target NLL (nats/token, bare prompt) before and after; ``steps`` 1."""
+        cfg: MENDConfig = ctx.config.method_config
+        layers = ctx.layers
+        net = self._network(model, layers, cfg)
         device = next(model.parameters()).device
         net.to(device)
         t0 = time.perf_counter()
