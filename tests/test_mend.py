@@ -201,6 +201,13 @@ def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache,
     assert main([str(a) for a in common + ["--mend-weights", net, "--out", tmp_path / "e"]]) == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "e" / "edit_report.json").read_text())
     assert report["method"] == "mend" and report["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
+    assert len(meta["training"]["request_digests"]) == 16
+    # editing requests 4-11 overlaps the training slice 8-23 in 4 requests: warned and recorded
+    with pytest.warns(UserWarning, match="4 of the 8 edit requests were in the network's training slice"):
+        assert main([str(a) for a in common[:5] + ["--offset", 4, "--n-edits", 8] + common[7:] +
+                     ["--mend-weights", net, "--out", tmp_path / "o"]]) == 0
+    over = json.loads((tmp_path / "o" / "edit_report.json").read_text())
+    assert json.dumps(over).count('"train_overlap": 4') == 2
     capsys.readouterr()
     # default location: `mend train` without --out writes where `edit --method mend` looks
     assert main([str(a) for a in train]) == 0

@@ -43,7 +43,7 @@ def cmd_mend_train(args) -> int:
     if not requests:
         raise CrispEditError(f"{args.edits} has no edit requests from offset {args.offset}")
     progress = False if args.quiet else None
-    from .editing.methods.mend_net import default_layers, default_weights_path, save_network
+    from .editing.methods.mend_net import default_layers, default_weights_path, prompt_digests, save_network
     from .editing.methods.mend_train import train_mend
     from .models import load_model, resolve_layers, weight_fingerprint
 
@@ -54,7 +54,7 @@ def cmd_mend_train(args) -> int:
     path = args.out or default_weights_path(fp, list(layers), args.cache_dir)
     net, hist = train_mend(model, tok, requests, layers, config, passages=passages, progress=progress)
     training = {"edits": str(args.edits), "offset": args.offset, "n_edits": len(requests), "model": args.model,
-                "history": hist.to_json()}
+                "history": hist.to_json(), "request_digests": prompt_digests(requests)}
     save_network(path, net, model_fingerprint=fp, training=training)
     h = hist.to_json()
     print(f"mend: trained {h['steps']} steps on {len(requests)} edits (offset {args.offset}) in {h['seconds']:.0f}s; "

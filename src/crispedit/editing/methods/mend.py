@@ -16,6 +16,7 @@ matrices of the last three decoder blocks (:func:`~.mend_net.default_layers`). O
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -27,7 +28,8 @@ from ..loop import TrainHistory
 from ..registry import register_editor
 from .base import EditContext, EditOutcome, Editor
 from .closed_form import target_nll
-from .mend_net import default_layers, default_weights_path, edit_factors, load_network, read_network_meta, train_command_hint
+from .mend_net import (default_layers, default_weights_path, edit_factors, load_network, prompt_digests, read_network_meta,
+                       train_command_hint)
 
 __all__ = ["MENDConfig", "MENDEditor", "network_path"]
 
@@ -95,6 +97,11 @@ class MENDEditor(Editor):
         history.converged = history.epoch_loss[-1] <= ctx.config.stop_loss
         history.seconds = time.perf_counter() - t0
         alpha = net.alpha.detach().cpu().tolist()
-        stats = {n: {"kept_fraction": 1.0, "form": "mend", "alpha": alpha[i],
-                     "delta_norm": float(deltas[n].norm())} for i, n in enumerate(layers)}
+        seen = set(net.meta.get("training", {}).get("request_digests") or [])
+        overlap = sum(d in seen for d in prompt_digests(requests))
+        if overlap:
+            warnings.warn(f"mend: {overlap} of the {len(requests)} edit requests were in the network's training slice; "
+                          "evaluate on requests disjoint from it", stacklevel=2)
+        stats = {n: {"kept_fraction": 1.0, "form": "mend", "alpha": alpha[i], "delta_norm": float(deltas[n].norm()),
+                     "train_overlap": overlap} for i, n in enumerate(layers)}
         return EditOutcome(history, stats, {}, False)

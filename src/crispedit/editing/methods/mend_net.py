@@ -52,7 +52,7 @@ from .ultraedit import RunningNorm
 
 __all__ = ["FORMAT_VERSION", "META_KEY", "MENDNetwork", "GradientTransform", "edit_factors", "added_deltas",
            "default_layers", "default_weights_path", "save_network", "load_network", "read_network_meta",
-           "weights_key", "train_command_hint", "request_nll", "target_token_logprobs"]
+           "weights_key", "train_command_hint", "request_nll", "target_token_logprobs", "prompt_digests"]
 
 FORMAT_VERSION = 1
 META_KEY = "crispedit_mend"
@@ -370,6 +370,12 @@ def load_network(path: str | Path, layers: dict[str, nn.Module], *, model_finger
     net.load_tensors(tensors, str(path))
     net.meta = meta
     return net
+
+
+def prompt_digests(requests: Sequence[EditRequest]) -> list[str]:
+    """A 12-hex-digit digest of each request's ``prompt`` and ``target``: what a network file records of its
+    training requests, so an edit can tell how many of its requests the network was trained on."""
+    return [hashlib.blake2b(f"{r.prompt}\x00{r.target}".encode(), digest_size=6).hexdigest() for r in requests]
 
 
 def request_nll(model: nn.Module, tokenizer, requests: Sequence[EditRequest], prompts: str = "prompt") -> Tensor:
