@@ -265,3 +265,11 @@ def test_compare_refuses_mend_without_a_network_before_running_any_method(tiny_l
     with pytest.raises(CrispEditError, match="no trained MEND network"):
         compare_mod.run_compare(model, tok, HELD[:2], ["ft", "mend"], tmp_path / "cmp", configs=cfgs, progress=False)
     assert not (tmp_path / "cmp").exists()
+
+
+def test_mend_has_no_sequential_row():
+    from crispedit.editing.registry import seq_row
+
+    assert seq_row("mend") == ("mend", False)
+    with pytest.raises(CrispEditError, match="mend has no sequential mode"):
+        seq_row("mend-seq")
