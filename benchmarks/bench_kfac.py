@@ -49,10 +49,12 @@ from crispedit.pipeline import environment
 TINY_LAYERS = "model.layers.{2-6}.mlp.down_proj"
 
 
-def build_tiny(n_layers: int = 8, seed: int = 0):
+def build_tiny(n_layers: int = 8, seed: int = 0, *, hidden: int = 576, inter: int = 1536, heads: int = 9,
+               kv_heads: int = 3, vocab: int = 49152, tok_vocab: int = 8192):
     """A random-weight llama with SmolLM2-135M's widths (hidden 576, MLP 1536, 9 heads / 3 KV heads, tied
-    49 152-token vocabulary) but ``n_layers`` blocks, and a byte-level BPE tokenizer (8 192 tokens) trained
-    in-process on the bundled WikiText sample. Returns ``(model, tokenizer)``."""
+    49 152-token vocabulary; the keywords change them) but ``n_layers`` blocks, and a byte-level BPE
+    tokenizer (``tok_vocab`` tokens, at most ``vocab``) trained in-process on the bundled WikiText sample.
+    Returns ``(model, tokenizer)``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -60,13 +62,13 @@ def build_tiny(n_layers: int = 8, seed: int = 0):
     tk = Tokenizer(models.BPE(unk_token=None))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(text, trainers.BpeTrainer(vocab_size=8192, special_tokens=["<eos>", "<pad>"],
+    tk.train_from_iterator(text, trainers.BpeTrainer(vocab_size=min(tok_vocab, vocab), special_tokens=["<eos>", "<pad>"],
                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                      show_progress=False))
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=n_layers,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=n_layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
                       tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
     model = LlamaForCausalLM(cfg).eval()
     return model, tok

@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 
 import torch
 
 from crispedit.data import BUNDLED_EDITS, bundled_path, load_edits
-from crispedit.data.tokenize import encode_pairs
 from crispedit.editing import EditConfig, capability_factors, get_editor
-from crispedit.editing.loop import apply_projection, edit_loss
 from crispedit.models import load_model, resolve_layers
 from crispedit.pipeline import environment
 from crispedit.projection import (KroneckerProjector, energy_keep_mask, kronecker_projection_flops, masked_corner,
@@ -152,6 +151,189 @@ def flops_main(args) -> None:
     print(json.dumps({"args": {k: v for k, v in vars(args).items()}, "step_flops": step, "rows": rows,
                       "timings": timings, "environment": environment()}))
 
+KINDS = ("ft/gradient", "crispedit/gradient", "crispedit/update")
+TINY_SMALL = dict(hidden=64, inter=128, heads=4, kv_heads=2, vocab=512, tok_vocab=512)
+OVERHEAD_GOAL = 0.05  # issue 13: projection overhead per fast-path step <= 5 % on CPU
+
+
+def load_bench_model(args):
+    """``(model, tokenizer, layer pattern or None)`` for ``--model``: ``tiny`` (random SmolLM2-shaped llama,
+    ``--tiny-blocks`` blocks, 5 ``down_proj`` layers as in bench_kfac), ``tiny-small`` (the same with widths 64 /
+    128 and a 512-token vocabulary: seconds) or any spec of :func:`crispedit.models.load_model`."""
+    if args.model in ("tiny", "tiny-small"):
+        import importlib.util
+        from pathlib import Path
+
+        spec = importlib.util.spec_from_file_location("bench_kfac", Path(__file__).resolve().parent / "bench_kfac.py")
+        kfac = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(kfac)
+        widths = TINY_SMALL if args.model == "tiny-small" else {}
+        model, tok = kfac.build_tiny(args.tiny_blocks, **widths)
+        if args.device:
+            model.to(args.device)
+        first = max(0, min(2, args.tiny_blocks - 5))
+        last = min(args.tiny_blocks - 1, first + 4)
+        return model, tok, args.layers or f"model.layers.{{{first}-{last}}}.mlp.down_proj"
+    model, tok = load_model(args.model, device=args.device)
+    return model, tok, args.layers
+
+
+def profile_steps(model, tok, layers: dict, factors, requests, *, kinds=KINDS, repeats: int = 5, epochs: int = 1,
+                  discard: int = 1, contexts: str = "default", form: str = "auto", lr: float | None = None,
+                  torch_profile: str | None = None, torch_profile_rows: int = 30) -> dict:
+    """Time the steps of the real edit loop (:func:`crispedit.editing.loop.projected_finetune`, fast path) for
+    each kind ``"<method>/<projection target>"``, interleaved: every repeat runs ``epochs`` epochs of each
+    kind from the same starting weights with a fresh Adam (``skip_loss = stop_loss = 0``, so every kind takes
+    the same steps on the same batches), with a :class:`~crispedit.editing.steptimer.StepTimer` in the loop.
+    The first ``discard`` steps of every run (Adam's state allocation) are left out. ``torch_profile`` (a kind):
+    one more run of it under ``torch.profiler`` with the phases as ``record_function`` ranges; its table of
+    operators by self CPU time is ``out["torch_profile"]``.
+
+    Returns ``{"kinds": {kind: {"step_seconds": median over repeats of the run's mean step (s),
+    "runs": [mean step per repeat (s)], "breakdown": StepTimer.breakdown pooled over every kept step of every
+    repeat (mean seconds per phase), "fast_loss": bool}}, "projectors": {layer: stats}, "steps_per_run": int,
+    "sequences": int, "tokens": int}``. The weights are restored afterwards."""
+    from crispedit.editing.loop import projected_finetune
+    from crispedit.editing.steptimer import StepTimer
+
+    device = next(model.parameters()).device
+    configs, projs, params = {}, {}, {}
+    for kind in kinds:
+        method, target = kind.split("/")
+        configs[kind] = EditConfig(method=method, projection_target=target, contexts=contexts, epochs=epochs,
+                                   skip_loss=0.0, stop_loss=0.0, lr=lr)
+        editor = get_editor(method)
+        pr = editor.projectors(layers, factors, configs[kind])
+        if form == "full":
+            pr = {n: KroneckerProjector(p.U_out, p.U_in, p.mask, form="full") if isinstance(p, KroneckerProjector)
+                  else p for n, p in pr.items()}
+        projs[kind] = {n: p.to(device) for n, p in pr.items()}
+        params[kind] = editor.trainable(layers)
+    originals = {n: p.detach().clone() for n, p in next(iter(params.values())).items()}
+
+    def restore():
+        with torch.no_grad():
+            for ps in params.values():
+                for n, p in ps.items():
+                    p.copy_(originals[n])
+
+    record_functions = False
+
+    def run(kind: str) -> tuple[StepTimer, object]:
+        timer = StepTimer(device, record_functions=record_functions)
+        restore()
+        hist = projected_finetune(model, tok, requests, layers, params[kind], projs[kind], configs[kind],
+                                  progress=False, timer=timer)
+        return timer, hist
+
+    try:
+        for kind in kinds:  # warm-up
+            run(kind)
+        timers = {k: [] for k in kinds}
+        hists = {}
+        for _ in range(repeats):
+            for kind in kinds:
+                timer, hists[kind] = run(kind)
+                timers[kind].append(timer)
+        table = None
+        if torch_profile:  # one more run of the last kind under torch.profiler, phases as record_function ranges
+            from torch.profiler import ProfilerActivity, profile
+
+            record_functions = True
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                run(torch_profile)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=torch_profile_rows)
+    finally:
+        restore()
+    out = {"kinds": {}, "projectors": {n: p.stats() for n, p in projs[kinds[-1]].items()}, "torch_profile": table}
+    for kind in kinds:
+        pooled = StepTimer()
+        runs = []
+        for t in timers[kind]:
+            kept = t.steps[discard:]
+            pooled.steps.extend(kept)
+            if kept:
+                runs.append(sum(r["step"] for r in kept) / len(kept))
+        out["kinds"][kind] = {"step_seconds": statistics.median(runs) if runs else float("nan"), "runs": runs,
+                              "breakdown": pooled.breakdown(), "fast_loss": hists[kind].fast_loss}
+    h = hists[kinds[0]]
+    out.update(steps_per_run=h.steps, sequences=h.sequences, tokens=h.tokens, contexts=h.contexts)
+    return out
+
+
+def print_profile(res: dict, base: str = "ft/gradient", goal: float = OVERHEAD_GOAL) -> dict:
+    """Print the per-phase breakdown of every kind (ms and % of the step) and the projection overhead
+    ``(step - ft step) / ft step`` of each against ``base``, with PASS/FAIL for crispedit/gradient against
+    ``goal``. Returns ``{kind: overhead}``."""
+    rows = ("forward", "backward", "projection", "optimizer", "other", "unaccounted")
+    kinds = list(res["kinds"])
+    print(f"per-phase breakdown of one fast-path step (mean over {res['kinds'][kinds[0]]['breakdown'].get('steps', 0)} "
+          f"steps; ms and % of the step):")
+    print(f"  {'phase':12}" + "".join(f" {k:>26}" for k in kinds))
+    for r in rows + ("step",):
+        cells = []
+        for k in kinds:
+            b = res["kinds"][k]["breakdown"]
+            v = b.get(r, float("nan"))
+            cells.append(f"{v * 1e3:12.2f} ms {100 * v / b['step'] if b else float('nan'):8.1f} %")
+        print(f"  {r:12}" + "".join(f" {c:>26}" for c in cells))
+    for k in kinds:
+        parts = res["kinds"][k]["breakdown"].get("other_parts", {})
+        if parts:
+            print(f"  other[{k}]: " + ", ".join(f"{n} {v * 1e3:.3f} ms" for n, v in parts.items()))
+    over = {}
+    ref = res["kinds"][base]["step_seconds"]
+    for k in kinds:
+        s = res["kinds"][k]["step_seconds"]
+        over[k] = (s - ref) / ref
+        print(f"{k:20} median step {s * 1e3:9.1f} ms   ratio to ft {s / ref:.3f}")
+    if "crispedit/gradient" in over:
+        o = over["crispedit/gradient"]
+        print(f"overhead per fast-path step (crispedit gradient projection vs ft): {100 * o:+.1f} % "
+              f"(goal <= {100 * goal:.0f} %): {'PASS' if o <= goal else 'FAIL'}")
+    return over
+
+
+def step_main(args) -> None:
+    """The step benchmark of :func:`main` (no ``--flops``): the real loop's steps for ft and crispedit,
+    interleaved; with ``--profile`` the per-phase breakdown too."""
+    torch.set_num_threads(args.threads) if args.threads else None
+    model, tok, pattern = load_bench_model(args)
+    device = next(model.parameters()).device
+    layers = resolve_layers(model, pattern)
+    cfg = EditConfig(n_cap=args.n_cap, max_len=args.max_len)
+    with tempfile.TemporaryDirectory(prefix="bench_projection_") as tmp:  # a random tiny model's factors: not cached
+        root = tmp if args.model.startswith("tiny") else None
+        factors, _ = capability_factors(model, tok, layers, cfg, progress=False, cache_root=root)
+    reqs = (load_edits(bundled_path(BUNDLED_EDITS)) * 4)[: args.batch]
+    res = profile_steps(model, tok, layers, factors, reqs, repeats=args.repeats, epochs=args.epochs,
+                        discard=args.discard, contexts=args.contexts, form=args.form,
+                        torch_profile="crispedit/gradient" if args.torch_profile else None)
+    print(f"model={args.model} layers={len(layers)} requests={args.batch} contexts={','.join(res['contexts'])} "
+          f"sequences={res['sequences']} tokens/epoch={res['tokens']} steps/run={res['steps_per_run']} "
+          f"threads={torch.get_num_threads()} device={device} fast_loss={res['kinds']['ft/gradient']['fast_loss']}")
+    over = print_profile(res) if args.profile else None
+    if over is None:
+        ref = res["kinds"]["ft/gradient"]["step_seconds"]
+        for k, r in res["kinds"].items():
+            print(f"{k:20} median step {r['step_seconds'] * 1e3:9.1f} ms   ratio to ft {r['step_seconds'] / ref:.3f}")
+        over = {k: (r["step_seconds"] - ref) / ref for k, r in res["kinds"].items()}
+    if res["torch_profile"]:
+        print("torch.profiler, one crispedit/gradient run (crispedit.<phase> = the loop's phases):")
+        print(res["torch_profile"])
+    for n, st in res["projectors"].items():
+        print(f"  {n}: kept {st['kept_fraction']:.4f} r_out={st['r_out']} r_in={st['r_in']} form={st['form']} "
+              f"flop ratio {st['flop_ratio']:.4f}")
+    summary = {"args": vars(args), "median_step_seconds": {k: r["step_seconds"] for k, r in res["kinds"].items()},
+               "overhead": over, "overhead_goal": OVERHEAD_GOAL,
+               "pass": over.get("crispedit/gradient", 0.0) <= OVERHEAD_GOAL,
+               "breakdown": {k: r["breakdown"] for k, r in res["kinds"].items()},
+               "runs": {k: r["runs"] for k, r in res["kinds"].items()}, "projectors": res["projectors"],
+               "steps_per_run": res["steps_per_run"], "sequences": res["sequences"], "tokens": res["tokens"],
+               "environment": environment()}
+    print(json.dumps(summary))
+
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
@@ -164,10 +346,23 @@ def _shape(text: str) -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2 (default), tiny (random SmolLM2-shaped llama, --tiny-blocks blocks), tiny-small "
+                         "(the same, widths 64/128: seconds) or any model spec")
+    ap.add_argument("--tiny-blocks", type=int, default=8)
+    ap.add_argument("--layers", default=None, help="layer pattern (default: the model's; tiny: 5 down_proj from block 2)")
+    ap.add_argument("--batch", type=int, default=32, help="edit requests (each one sequence per edit context)")
+    ap.add_argument("--contexts", default="default", help="edit contexts of the requests (EditConfig.contexts)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=1, help="epochs per timed run (each run starts from the same weights)")
+    ap.add_argument("--discard", type=int, default=1, help="first steps of every run left out (Adam state allocation)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-phase breakdown of the step (forward, backward, projection, optimizer, other)")
+    ap.add_argument("--torch-profile", action="store_true",
+                    help="also one crispedit/gradient run under torch.profiler: operators by self CPU time")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--n-cap", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=256, help="tokens per capability text of the factors")
     ap.add_argument("--device", default=None)
     ap.add_argument("--form", choices=["auto", "full"], default="auto",
                     help="projector form of the crispedit rows (auto: the cheaper of low-rank and full per layer)")
@@ -184,74 +379,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.flops:
         return flops_main(args)
-    model, tok = load_model(args.model, device=args.device)
-    device = next(model.parameters()).device
-    layers = resolve_layers(model, None)
-    cfg = EditConfig(n_cap=args.n_cap)
-    factors, info = capability_factors(model, tok, layers, cfg, progress=False)
-    reqs = (load_edits(bundled_path(BUNDLED_EDITS)) * 4)[: args.batch]
-    batch = encode_pairs(tok, [r.prompt for r in reqs], [r.target for r in reqs]).to(device)
-    params = {n: m.weight for n, m in layers.items()}
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for p in params.values():
-        p.requires_grad_(True)
-    projs = {"ft": get_editor("ft").projectors(layers, None, cfg),
-             "crispedit": {n: p.to(device) for n, p in get_editor("crispedit").projectors(layers, factors, cfg).items()}}
-    if args.form == "full":
-        projs["crispedit"] = {n: KroneckerProjector(p.U_out, p.U_in, p.mask, form="full") for n, p in projs["crispedit"].items()}
-    originals = {n: p.detach().clone() for n, p in params.items()}
-
-    def step(kind: str) -> float:
-        opt = torch.optim.Adam(params.values(), lr=5e-4)
-        method, target = kind.split("/")
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = edit_loss(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        with torch.no_grad():
-            before = {n: p.detach().float().clone() for n, p in params.items()} if target == "update" else None
-            if target == "gradient":
-                for n, p in params.items():
-                    p.grad.copy_(apply_projection(projs[method][n], layers[n], p.grad))
-            opt.step()
-            if before is not None:
-                for n, p in params.items():
-                    p.copy_(before[n] + apply_projection(projs[method][n], layers[n], p.detach().float() - before[n]))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(originals[n])
-        return dt
-
-    kinds = ["ft/gradient", "crispedit/gradient", "crispedit/update"]
-    for k in kinds:  # warm-up
-        step(k)
-    times = {k: [] for k in kinds}
-    for _ in range(args.repeats):
-        for k in kinds:
-            times[k].append(step(k))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    # the projection alone, for the record
-    t0 = time.perf_counter()
-    for n, p in params.items():
-        apply_projection(projs["crispedit"][n], layers[n], torch.randn_like(p))
-    proj_only = time.perf_counter() - t0
-    print(f"model={args.model} layers={len(layers)} batch={args.batch} tokens={int(batch.attention_mask.sum())} device={device}")
-    for k in kinds:
-        print(f"{k:20} median step {med[k] * 1000:8.1f} ms   ratio to ft {med[k] / med['ft/gradient']:.3f}")
-    print(f"projection of all {len(layers)} layers alone: {proj_only * 1000:.1f} ms")
-    stats = {n: p.stats() for n, p in projs["crispedit"].items()}
-    for n, st in stats.items():
-        print(f"  {n}: kept {st['kept_fraction']:.4f} r_out={st['r_out']} r_in={st['r_in']} form={st['form']} "
-              f"flop ratio {st['flop_ratio']:.4f}")
-    print(json.dumps({"args": vars(args), "median_seconds": med, "ratio_to_ft": {k: med[k] / med["ft/gradient"] for k in kinds},
-                      "projection_only_seconds": proj_only, "projectors": stats, "environment": environment()}))
-
+    return step_main(args)
 
 if __name__ == "__main__":
     main()

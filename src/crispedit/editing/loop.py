@@ -38,6 +38,7 @@ from .config import EditConfig, ProjectionTarget
 from .contexts import sequences_for, training_batches
 from .fastpath import make_loss_fn, plain_loss as edit_loss
 from .optim import make_optimizer
+from .steptimer import NULL_TIMER, StepTimer
 
 __all__ = ["projected_finetune", "edit_loss", "TrainHistory", "apply_projection", "edit_batches", "shard_batch"]
 
@@ -110,15 +111,18 @@ def projected_finetune(
     progress: bool | None = None,
     fast: bool = True,
     drift_budget=None,
+    timer: StepTimer | None = None,
 ) -> TrainHistory:
     """Edit ``model`` in place with ``requests``; only ``params`` train (any parameters: layer weights,
     adapter matrices; ``layers[name]`` is the module owning ``params[name]``, for its storage orientation)
     and everything else is frozen for the duration. ``projectors[name]`` constrains ``params[name]``;
     ``optimizer`` (e.g. Adam state carried across session rounds) defaults to :func:`.optim.make_optimizer`.
     ``drift_budget`` (a :class:`~crispedit.curvature.predicted.DriftBudget` over ``params``, ``--max-drift``)
-    pulls the accumulated change back into its predicted-KL budget after every step.
-    Returns the :class:`TrainHistory`."""
+    pulls the accumulated change back into its predicted-KL budget after every step. ``timer`` (a
+    :class:`~.steptimer.StepTimer`) records the seconds of every phase of every step; without it the
+    phases cost nothing. Returns the :class:`TrainHistory`."""
     device = next(model.parameters()).device
+    timer = NULL_TIMER if timer is None else timer
     target = ProjectionTarget(config.projection_target)
     projectors = {n: pr.to(device) for n, pr in projectors.items()}  # built on CPU; applied where W lives
     flags = {p: p.requires_grad for p in model.parameters()}
@@ -152,41 +156,59 @@ def projected_finetune(
         for _epoch in bar:
             losses = []
             for bi in torch.randperm(len(batches), generator=gen).tolist():
+                timer.start_step()
                 if shards is None:
-                    loss = loss_fn(bi)
-                    value = loss.item()
+                    with timer.phase("forward"):
+                        loss = loss_fn(bi)
+                    with timer.phase("bookkeeping"):
+                        value = loss.item()
+                        losses.append(value)
                 else:  # this process's share of the batch mean; the sum over processes is the batch mean
-                    loss = None if shards[bi] is None else loss_fn(shards[bi][0]) * shards[bi][1]
-                    total = torch.zeros((), dtype=torch.float64, device=device)
-                    if loss is not None:
-                        total += loss.detach().double()
-                    value = float(all_reduce_sum_(total))
-                losses.append(value)
+                    with timer.phase("forward"):
+                        loss = None if shards[bi] is None else loss_fn(shards[bi][0]) * shards[bi][1]
+                    with timer.phase("bookkeeping"):
+                        total = torch.zeros((), dtype=torch.float64, device=device)
+                        if loss is not None:
+                            total += loss.detach().double()
+                        value = float(all_reduce_sum_(total))
+                        losses.append(value)
                 if value < config.skip_loss:
                     hist.skipped += 1
+                    timer.end_step(skipped=True)
                     continue
-                opt.zero_grad(set_to_none=True)
-                if loss is not None:
-                    loss.backward()
+                with timer.phase("zero_grad"):
+                    opt.zero_grad(set_to_none=True)
+                with timer.phase("backward"):
+                    if loss is not None:
+                        loss.backward()
                 if shards is not None:
-                    for p in params.values():
-                        if p.grad is None:  # no rows here, or a parameter this shard did not reach
-                            p.grad = torch.zeros_like(p)
-                        all_reduce_sum_(p.grad)
+                    with timer.phase("allreduce"):
+                        for p in params.values():
+                            if p.grad is None:  # no rows here, or a parameter this shard did not reach
+                                p.grad = torch.zeros_like(p)
+                            all_reduce_sum_(p.grad)
                 # eigenbasis: EigenbasisAdam rotates and masks the raw gradient itself
-                before = {n: p.detach().float().clone() for n, p in params.items()} if target is ProjectionTarget.UPDATE else None
+                before = None
+                if target is ProjectionTarget.UPDATE:
+                    with timer.phase("copies"):
+                        before = {n: p.detach().float().clone() for n, p in params.items()}
                 with torch.no_grad():
                     if target is ProjectionTarget.GRADIENT:
-                        for n, p in params.items():
-                            p.grad.copy_(apply_projection(projectors[n], layers[n], p.grad))
-                    opt.step()
+                        with timer.phase("projection"):
+                            for n, p in params.items():
+                                p.grad.copy_(apply_projection(projectors[n], layers[n], p.grad))
+                    with timer.phase("optimizer"):
+                        opt.step()
                     if before is not None:
-                        for n, p in params.items():
-                            delta = apply_projection(projectors[n], layers[n], p.detach().float() - before[n])
-                            p.copy_((before[n] + delta).to(p.dtype))
+                        with timer.phase("projection"):
+                            for n, p in params.items():
+                                delta = apply_projection(projectors[n], layers[n], p.detach().float() - before[n])
+                                p.copy_((before[n] + delta).to(p.dtype))
                     if drift_budget is not None:
-                        drift_budget.enforce()  # same weights on every process: the same decision
+                        with timer.phase("drift"):
+                            drift_budget.enforce()  # same weights on every process: the same decision
                 hist.steps += 1
+                timer.end_step()
             mean = sum(losses) / len(losses)
             hist.epoch_loss.append(mean)
             bar.set_postfix(loss=f"{mean:.4f}")
