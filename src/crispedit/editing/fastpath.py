@@ -8,6 +8,10 @@ Two savings, both exact (same numbers as a plain forward):
 * **target-only logits**: the FT-M loss needs logits only at target positions, so the output
   projection (for SmolLM2 a quarter of the forward) runs on those rows only.
 
+Per-step work that does not depend on the weights is done once per batch: the flat indices of the target
+rows and their labels, and the pass-through modules. Hugging Face models run without a KV cache
+(``use_cache=False``; training never reads it, and filling it copies every block's keys and values).
+
 Before use, the fast loss is compared with the plain :func:`edit_loss` on the first batch; if they
 differ (an architecture that post-processes logits, or decoder blocks with side effects) the loop
 silently falls back to the plain loss.
@@ -33,9 +37,15 @@ def _up(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def _no_cache(model: nn.Module) -> dict:
+    """``{"use_cache": False}`` for a model whose config has a KV-cache switch (Hugging Face), else ``{}``."""
+    return {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
+
+
 def plain_loss(model: nn.Module, batch: EncodedBatch) -> Tensor:
-    """Mean cross-entropy over target tokens (FT-M), from a full forward."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    """Mean cross-entropy over target tokens (FT-M), from a full forward (no KV cache): a 0-d float32
+    (float64 for a float64 model) tensor, nats per target token."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **_no_cache(model)).logits[:, :-1]
     labels = batch.labels[:, 1:]
     return F.cross_entropy(_up(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
@@ -76,9 +86,22 @@ class _FastLoss:
         self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
         self.tuple_len: int | None = None
         self.cache: list[Tensor] = []
+        self.kw = _no_cache(model)
         if self.k > 0:
             with torch.no_grad():
                 self.cache = [self._capture(b) for b in batches]
+        self.passthrough = [_Passthrough(self.tuple_len) for _ in range(self.k)]
+        self.targets = [self._targets(b) for b in batches]
+
+    @staticmethod
+    def _targets(batch: EncodedBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """``(valid, rows, labels)`` of a batch: the ``B x (T-1)`` mask of positions that predict a target
+        token, their flat row indices into the ``(B T) x H`` hidden states (row-major, the order of
+        ``hidden[:, :-1][valid]``) and their labels."""
+        labels = batch.labels[:, 1:]
+        valid = labels != -100
+        b, t = valid.nonzero(as_tuple=True)
+        return valid, b * batch.labels.shape[1] + t, labels[valid]
 
     def _capture(self, batch: EncodedBatch) -> Tensor:
         store = {}
@@ -93,7 +116,7 @@ class _FastLoss:
         h1 = self.blocks[self.k].register_forward_pre_hook(pre, with_kwargs=True)
         h2 = self.blocks[self.k - 1].register_forward_hook(post)
         try:
-            self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **self.kw)
         except _Stop:
             pass
         finally:
@@ -112,7 +135,7 @@ class _FastLoss:
             lambda mod, args, kwargs: _replace_hidden(args, kwargs, cached), with_kwargs=True)
         try:
             for i in range(self.k):
-                self.blocks[i] = _Passthrough(self.tuple_len)
+                self.blocks[i] = self.passthrough[i]
             yield
         finally:
             hook.remove()
@@ -120,18 +143,20 @@ class _FastLoss:
                 self.blocks[i] = b
 
     def __call__(self, index: int, batch: EncodedBatch) -> Tensor:
-        labels = batch.labels[:, 1:]
-        valid = labels != -100
+        """The FT-M loss of ``batch`` (``self.batches[index]``, whose prefix states are cached): 0-d, float32
+        or better, nats per target token."""
+        valid, rows, targets = self.targets[index] if batch is self.batches[index] else self._targets(batch)
         with self._prefix_skipped(index):
             if self.base is not None and self.head is not None:
-                hidden = self.base(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-                logits = _up(self.head(hidden[:, :-1][valid]))
+                hidden = self.base(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                   **self.kw).last_hidden_state
+                logits = _up(self.head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)))
                 if self.softcap:
                     logits = torch.tanh(logits / self.softcap) * self.softcap
             else:
-                logits = _up(self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1][valid])
-        return F.cross_entropy(logits, labels[valid])
-
+                logits = _up(self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                        **self.kw).logits[:, :-1][valid])
+        return F.cross_entropy(logits, targets)
 
 def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
                  enabled: bool = True) -> Callable[[int], Tensor]:

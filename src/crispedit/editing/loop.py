@@ -196,7 +196,13 @@ def projected_finetune(
                     if target is ProjectionTarget.GRADIENT:
                         with timer.phase("projection"):
                             for n, p in params.items():
-                                p.grad.copy_(apply_projection(projectors[n], layers[n], p.grad))
+                                g = apply_projection(projectors[n], layers[n], p.grad)
+                                if g is p.grad:
+                                    continue  # nothing masked (the identity): nothing to write
+                                if g.stride() == p.grad.stride():
+                                    p.grad = g  # a fresh tensor: use it, no copy
+                                else:
+                                    p.grad.copy_(g)
                     with timer.phase("optimizer"):
                         opt.step()
                     if before is not None:
