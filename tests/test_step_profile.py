@@ -54,7 +54,7 @@ def test_profile_phases_sum_to_the_step(bench, tiny_lm, iso_cache, capsys):
         assert torch.equal(m.weight, before[n])
     over = bench.print_profile(res)
     out = capsys.readouterr().out
-    assert over["ft/gradient"] == 0.0 and set(over) == set(bench.KINDS)
+    assert over["ft/gradient"] == {"paired": 0.0, "attributed": 0.0} and set(over) == set(bench.KINDS)
     assert "overhead per fast-path step" in out and ("PASS" in out or "FAIL" in out)
     for phase in ("forward", "backward", "projection", "optimizer", "other", "step"):
         assert f"  {phase} " in out
