@@ -1,11 +1,18 @@
-"""Projection overhead per edit step, relative to a plain FT step (same model, same batch, one run).
+"""Projection overhead per fast-path edit step, relative to a plain FT step (same model, same batches, one run).
 
-    python benchmarks/bench_projection.py [--model smollm2] [--batch 32] [--repeats 5]
+    python benchmarks/bench_projection.py [--model smollm2|tiny|tiny-small|SPEC] [--batch 32] [--repeats 5] [--profile]
 
-Each repeat times one full step (forward, backward, projection, Adam) for ft, crispedit (gradient
-projection; each layer's projector in the form it picks, see ``--form``) and crispedit (update
-projection), interleaved so machine noise hits all alike; the medians and their ratios to ft are
-printed with each layer's masked corner, with the full config and environment as JSON.
+Times the steps of the real edit loop (``projected_finetune``, the exact fast path ``crispedit edit`` runs,
+default edit contexts) for ft, crispedit with gradient projection (the default; each layer's projector in the
+form it picks, see ``--form``) and crispedit with update projection: every repeat runs ``--epochs`` epochs of
+each from the same weights with a fresh Adam, interleaved so machine noise hits all alike, through a
+``StepTimer`` placed in the loop (``crispedit.editing.steptimer``; free when off). Prints the median step of
+each, the overhead per fast-path step ``(crispedit step - ft step) / ft step`` (median of per-repeat pairs) with
+PASS/FAIL against the issue's 5 %, and with ``--profile`` the per-phase breakdown (forward, backward, projection,
+optimizer, other; ms and % of the step). ``--torch-profile`` adds a ``torch.profiler`` table of one crispedit
+run, the loop's phases as ``crispedit.<phase>`` ranges. ``--model tiny`` is a random SmolLM2-shaped 8-block
+llama (seconds to minutes), ``tiny-small`` the same at widths 64/128; ``--factors FILE`` builds the projectors
+from a K-FAC cache file (e.g. SmolLM2's real factors on ``tiny``).
 
     python benchmarks/bench_projection.py --flops [--decays 0.5,1,1.5,2] [--gamma 0.8] [--cache FILE --layer NAME]
 
@@ -326,6 +333,30 @@ def print_profile(res: dict, base: str = "ft/gradient", goal: float = OVERHEAD_G
     return over
 
 
+def factors_from_file(path: str, layers: dict) -> object:
+    """K-FAC factors of a cache file for the bench ``layers``: by name when the file holds them all, else the
+    file's layers in order mapped onto ``layers`` in order (same count; every ``A`` must be ``d_in x d_in`` and
+    ``S`` ``d_out x d_out`` of its layer), e.g. SmolLM2's real factors on the SmolLM2-shaped ``tiny`` model, to
+    time the projector of a real spectrum without running the real model."""
+    from crispedit.curvature.cache import load_factors
+    from crispedit.curvature.kfac import KFACFactors
+    from crispedit.models import weight_matrix
+
+    f = load_factors(path)
+    names = list(layers)
+    if all(n in f.A for n in names):
+        return f
+    if len(f.layers) != len(names):
+        raise SystemExit(f"--factors: {path} holds {len(f.layers)} layers, the bench edits {len(names)}")
+    A, S = {}, {}
+    for src, dst in zip(f.layers, names):
+        d_out, d_in = weight_matrix(layers[dst]).shape
+        if tuple(f.A[src].shape) != (d_in, d_in) or tuple(f.S[src].shape) != (d_out, d_out):
+            raise SystemExit(f"--factors: {src} of {path} does not fit {dst} ({d_out}x{d_in})")
+        A[dst], S[dst] = f.A[src], f.S[src]
+    return KFACFactors(A, S, f.n_tokens, dict(f.meta))
+
+
 def step_main(args) -> None:
     """The step benchmark of :func:`main` (no ``--flops``): the real loop's steps for ft and crispedit,
     interleaved; with ``--profile`` the per-phase breakdown too."""
@@ -336,7 +367,8 @@ def step_main(args) -> None:
     cfg = EditConfig(n_cap=args.n_cap, max_len=args.max_len)
     with tempfile.TemporaryDirectory(prefix="bench_projection_") as tmp:  # a random tiny model's factors: not cached
         root = tmp if args.model.startswith("tiny") else None
-        factors, _ = capability_factors(model, tok, layers, cfg, progress=False, cache_root=root)
+        factors = (factors_from_file(args.factors, layers) if args.factors
+                   else capability_factors(model, tok, layers, cfg, progress=False, cache_root=root)[0])
     reqs = (load_edits(bundled_path(BUNDLED_EDITS)) * 4)[: args.batch]
     res = profile_steps(model, tok, layers, factors, reqs, repeats=args.repeats, epochs=args.epochs,
                         discard=args.discard, contexts=args.contexts, form=args.form,
@@ -395,6 +427,9 @@ def main() -> None:
     ap.add_argument("--torch-profile", action="store_true",
                     help="also one crispedit/gradient run under torch.profiler: operators by self CPU time")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--factors", default=None,
+                    help="K-FAC cache file to build the projectors from instead of collecting (mapped onto the layers "
+                         "in order when the names differ; e.g. SmolLM2's real factors with --model tiny)")
     ap.add_argument("--n-cap", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=256, help="tokens per capability text of the factors")
     ap.add_argument("--device", default=None)

@@ -114,3 +114,18 @@ def test_bench_main_profile_on_a_tiny_model(bench, monkeypatch, capsys, iso_cach
     assert set(summary["overhead"]) == {"ft/gradient", "crispedit/gradient", "crispedit/update"}
     assert isinstance(summary["pass"], bool) and summary["overhead_goal"] == 0.05
     assert summary["breakdown"]["crispedit/gradient"]["steps"] >= 1
+
+
+def test_factors_from_a_cache_file_map_onto_other_layers_in_order(bench, tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    layers = resolve_layers(model, PATTERN)
+    factors, info = capability_factors(model, tok, layers, EditConfig(n_cap=2, max_len=16), progress=False)
+    same = bench.factors_from_file(info["path"], layers)
+    assert same.layers == list(layers)
+    other = resolve_layers(model, "model.layers.{2-3}.mlp.down_proj")
+    mapped = bench.factors_from_file(info["path"], other)
+    assert mapped.layers == list(other)
+    for a, b in zip(layers, other):
+        assert torch.equal(mapped.A[b], factors.A[a]) and torch.equal(mapped.S[b], factors.S[a])
+    with pytest.raises(SystemExit, match="does not fit"):
+        bench.factors_from_file(info["path"], resolve_layers(model, "model.layers.{2-3}.mlp.up_proj"))
