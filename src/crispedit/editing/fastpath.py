@@ -158,6 +158,7 @@ class _FastLoss:
                                         **self.kw).logits[:, :-1][valid])
         return F.cross_entropy(logits, targets)
 
+
 def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
                  enabled: bool = True) -> Callable[[int], Tensor]:
     """``loss_fn(batch_index)`` for the edit loop: the verified fast loss, or the plain one."""
