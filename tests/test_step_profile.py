@@ -45,7 +45,7 @@ def test_profile_phases_sum_to_the_step(bench, tiny_lm, iso_cache, capsys):
         assert r["fast_loss"] and b["steps"] == 2 * (res["steps_per_run"] - 1) and len(r["runs"]) == 2
         assert all(b[k] >= 0 for k in MAIN_PHASES) and b["forward"] > 0 and b["backward"] > 0 and b["optimizer"] > 0
         timed = sum(b[k] for k in MAIN_PHASES) + b["other"]
-        assert abs(b["step"] - timed) <= 0.1 * b["step"] + 2e-3, (kind, b)   # the phases cover the step
+        assert abs(b["step"] - timed) <= 0.1 * b["step"] + 5e-3, (kind, b)   # the phases cover the step
         assert b["other"] == pytest.approx(sum(b["other_parts"].values()))
         assert "zero_grad" in b["other_parts"] and "bookkeeping" in b["other_parts"]
     assert "copies" in res["kinds"]["crispedit/update"]["breakdown"]["other_parts"]
@@ -76,7 +76,10 @@ def test_timing_a_run_changes_nothing(tiny_lm, iso_cache):
         results.append((hist.epoch_loss, {n: m.weight.detach().clone() for n, m in layers.items()}))
     (l0, w0), (l1, w1) = results
     assert l0 == l1 and all(torch.equal(w0[n], w1[n]) for n in w0)
-    assert len(timer.steps) == hist.steps + 0 and not timer.skipped
+    assert len(timer.steps) == hist.steps and not timer.skipped
+    # every step's phases add up to it (median over steps: a preempted gap on a shared machine is one outlier)
+    gaps = sorted(abs(r["step"] - sum(v for k, v in r.items() if k != "step")) / r["step"] for r in timer.steps)
+    assert gaps[len(gaps) // 2] <= 0.05, gaps
 
 
 def test_step_timer_records_skipped_batches_and_the_null_timer_is_inert():
