@@ -57,6 +57,46 @@ def test_truncated_and_foreign_files(tmp_path):
         load_factors(tmp_path / "missing.safetensors")
 
 
+def test_shared_safetensors_reader_names_every_problem_in_one_line(tmp_path):
+    """``read_safetensors_header`` / ``load_safetensors`` (the reader of cache, MEND network, delta and session
+    files): one line naming the file kind for each way a file can be wrong."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from crispedit.errors import load_safetensors, read_safetensors_header
+
+    good = tmp_path / "good.safetensors"
+    save_file({"x": torch.arange(6.0).reshape(2, 3)}, str(good), metadata={"k": json.dumps({"a": 1}), "n": "7"})
+    meta, table = read_safetensors_header(good, "thing", "k")
+    assert meta == {"a": 1} and table["x"]["shape"] == [2, 3] and table["x"]["dtype"] == "F32"
+    assert read_safetensors_header(good, "thing", None)[0]["n"] == "7"
+    meta, tensors = load_safetensors(good, "thing", "k")
+    assert meta == {"a": 1} and torch.equal(tensors["x"], torch.arange(6.0).reshape(2, 3))
+    data = good.read_bytes()
+    cases = {"short": (data[:5], "thing file .* is not a safetensors file, or is truncated or corrupt"),
+             "cut-header": (data[:20], "truncated or corrupt"),
+             "cut-data": (data[:-4], "truncated or corrupt .*the header describes 24 bytes of data"),
+             "junk": (b"not a safetensors file", "is not a safetensors file"),
+             "list-header": (b"\x02" + b"\0" * 7 + b"[]", "header is not an object")}
+    for name, (raw, match) in cases.items():
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(CrispEditError, match=match) as exc:
+            read_safetensors_header(tmp_path / name, "thing", "k")
+        assert "\n" not in str(exc.value), name
+    for md, match in (({"other": "1"}, "is not a crispedit thing \\(no k metadata\\)"),
+                      ({"k": "{not json"}, "thing file .* has corrupt metadata"),
+                      ({"k": "[1, 2]"}, "has corrupt metadata")):
+        f = tmp_path / "foreign.safetensors"
+        save_file({"x": torch.zeros(1)}, str(f), metadata=md)
+        with pytest.raises(CrispEditError, match=match):
+            load_safetensors(f, "thing", "k")
+    with pytest.raises(CrispEditError, match="thing file not found"):
+        load_safetensors(tmp_path / "absent", "thing", "k")
+    with pytest.raises(CrispEditError, match="is a directory"):
+        read_safetensors_header(tmp_path, "thing", "k")
+
+
 def test_get_or_build_reuses_and_rebuilds(tiny_lm, tmp_path, monkeypatch):
     model, tok = tiny_lm
     layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")

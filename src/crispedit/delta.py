@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from . import __version__
 from .delta_cli import DELTA_FILE, DELTA_FORMAT, DELTA_KIND, read_delta_header
-from .errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json
+from .errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json, load_safetensors
 from .models import parameter
 
 __all__ = ["DELTA_FILE", "DELTA_FORMAT", "delta_fingerprint", "build_delta", "write_delta", "load_delta",
@@ -125,13 +125,7 @@ def load_delta(path: str | Path) -> tuple[dict[str, Tensor], dict]:
     """``(tensors, metadata)`` of a delta file (header checked first, torch-free; one-line errors for a
     missing, truncated or foreign file)."""
     meta = read_delta_header(path)
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except Exception as exc:
-        raise CrispEditError(f"delta file {path} is truncated or corrupt ({str(exc).splitlines()[0]})") from None
+    _, tensors = load_safetensors(path, "delta", "crispedit_delta")
     missing = [n for n in meta["parameters"] if n not in tensors]
     if missing:
         raise CrispEditError(f"delta file {path} lacks the tensors of {missing} (damaged)")

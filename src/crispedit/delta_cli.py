@@ -8,17 +8,15 @@ arguments and output directory, then import the heavy modules to load the model.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
-from .errors import CrispEditError, check_input_file, check_output_dir, check_positive_int
+from .errors import CrispEditError, check_output_dir, check_positive_int, read_safetensors_header
 
 __all__ = ["DELTA_FILE", "DELTA_FORMAT", "DELTA_KIND", "read_delta_header", "add_cli"]
 
 DELTA_FILE = "delta.safetensors"
 DELTA_FORMAT = 1
 DELTA_KIND = "crispedit-delta"
-_MAX_HEADER = 100 * 2**20
 
 
 def read_delta_header(path: str | Path) -> dict:
@@ -26,25 +24,8 @@ def read_delta_header(path: str | Path) -> dict:
     safetensors header), with ``tensors`` added (name -> ``{"dtype", "shape", "bytes"}``). Torch-free.
     One-line errors for a missing file, a file that is not safetensors, or a safetensors file that is
     not a crispedit delta of this format."""
-    path = check_input_file(path, "delta file")
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) != 8:
-                raise ValueError("shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER:
-                raise ValueError("header length out of range")
-            header = json.loads(fh.read(n).decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, OSError) as exc:
-        raise CrispEditError(f"delta file {path} is not a safetensors file ({exc})") from None
-    if not isinstance(header, dict):
-        raise CrispEditError(f"delta file {path} is not a safetensors file (header is not an object)")
-    try:
-        meta = json.loads((header.get("__metadata__") or {})["crispedit_delta"])
-    except (KeyError, TypeError, json.JSONDecodeError):
-        raise CrispEditError(f"{path} is a safetensors file but not a crispedit delta (no crispedit_delta metadata)") from None
-    if not isinstance(meta, dict) or meta.get("kind") != DELTA_KIND:
+    meta, table = read_safetensors_header(path, "delta", "crispedit_delta")
+    if meta.get("kind") != DELTA_KIND:
         raise CrispEditError(f"{path} is not a crispedit delta")
     if meta.get("format") != DELTA_FORMAT:
         raise CrispEditError(f"delta {path} has format {meta.get('format')}, this crispedit reads {DELTA_FORMAT}")
@@ -53,7 +34,7 @@ def read_delta_header(path: str | Path) -> dict:
             raise CrispEditError(f"delta {path} is malformed: no {key!r}")
     meta["tensors"] = {k: {"dtype": v["dtype"], "shape": v["shape"],
                            "bytes": v["data_offsets"][1] - v["data_offsets"][0]}
-                       for k, v in header.items() if k != "__metadata__"}
+                       for k, v in table.items()}
     return meta
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..distributed import all_agree, barrier, is_main, world_size
-from ..errors import CrispEditError, atomic_save_safetensors
+from ..errors import CrispEditError, atomic_save_safetensors, load_safetensors
 from .modes import CACHE_KINDS
 from .kfac import KFACFactors, LabelMode, collect_lm_input_covariance, collect_lm_kfac
 
@@ -82,26 +82,6 @@ def save_factors(path: str | Path, factors: KFACFactors, spec: CurvatureSpec, ex
     return path
 
 
-def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            raw = (fh.metadata() or {}).get("crispedit")
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except FileNotFoundError:
-        raise CrispEditError(f"curvature cache file not found: {path}") from None
-    except Exception as exc:  # safetensors raises SafetensorError / OSError on damaged files
-        raise CrispEditError(f"curvature cache file {path} is truncated or corrupt ({str(exc).splitlines()[0]})") from None
-    if raw is None:
-        raise CrispEditError(f"{path} is not a crispedit curvature cache (no crispedit metadata)")
-    try:
-        meta = json.loads(raw)
-    except json.JSONDecodeError:
-        raise CrispEditError(f"curvature cache file {path} has corrupt metadata") from None
-    return tensors, meta
-
-
 def _show(v) -> str:
     if isinstance(v, (list, tuple)):
         return f"{len(v)} layers {list(v)[:2]}{'…' if len(v) > 2 else ''}"
@@ -119,7 +99,7 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
     ``model_fingerprint`` / ``layers`` are checked. ``shapes`` (layer -> ``(d_out, d_in)`` of its weight)
     checks each factor's size: A is ``d_in x d_in``, S is ``d_out x d_out``."""
     path = Path(path)
-    tensors, meta = _read(path)
+    meta, tensors = load_safetensors(path, "curvature cache", "crispedit")
     spec = meta.get("spec", {})
     if not isinstance(spec, dict):
         raise CrispEditError(f"curvature cache file {path} has corrupt metadata (no spec)")

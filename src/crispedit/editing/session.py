@@ -46,7 +46,7 @@ import torch
 from ..curvature.kfac import KFACFactors
 from ..data.edits import EditRequest, load_edits, save_edits_jsonl
 from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_figure, atomic_write_json,
-                      check_finite_tensors, check_output_dir, check_output_file)
+                      check_finite_tensors, check_output_dir, check_output_file, load_safetensors)
 from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..models import load_model, parameter, save_model_dir, weight_fingerprint
 from .api import capability_factors
@@ -70,16 +70,10 @@ def _fault(phase: str) -> None:
 
 
 def _load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            return {k: fh.get_tensor(k) for k in fh.keys()}, meta
-    except FileNotFoundError:
-        raise CrispEditError(f"session file {path} is missing (session damaged)") from None
-    except Exception as exc:
-        raise CrispEditError(f"session file {path} is truncated or corrupt ({str(exc).splitlines()[0]})") from None
+    if not path.exists():
+        raise CrispEditError(f"session file {path} is missing (session damaged)")
+    meta, tensors = load_safetensors(path, "session", None)
+    return tensors, meta
 
 
 def _fsync(path: Path) -> None:

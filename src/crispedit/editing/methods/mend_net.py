@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from ...curvature.kfac import capture_io, frozen
 from ...data.edits import EditRequest
 from ...data.tokenize import encode_pairs
-from ...errors import CrispEditError, atomic_save_safetensors, check_input_file
+from ...errors import CrispEditError, atomic_save_safetensors, load_safetensors, read_safetensors_header
 from ...models import cache_dir, decoder_blocks, is_linear, weight_matrix
 from ..catalogue import MENDTrainConfig
 from .ultraedit import RunningNorm
@@ -318,22 +318,9 @@ def save_network(path: str | Path, net: MENDNetwork, *, model_fingerprint: str, 
 def read_network_meta(path: str | Path) -> dict:
     """The ``crispedit_mend`` metadata of network file ``path``; one-line errors for a missing, damaged or
     foreign file."""
-    from safetensors import safe_open
-
-    path = check_input_file(path, "MEND network file")
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            raw = (fh.metadata() or {}).get(META_KEY)
-    except Exception as exc:  # safetensors raises SafetensorError / OSError on damaged files
-        raise CrispEditError(f"MEND network file {path} is truncated or corrupt ({str(exc).splitlines()[0]})") from None
-    if raw is None:
-        raise CrispEditError(f"{path} is not a crispedit MEND network (no {META_KEY} metadata)")
-    try:
-        meta = json.loads(raw)
-    except json.JSONDecodeError:
-        raise CrispEditError(f"MEND network file {path} has corrupt metadata") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        raise CrispEditError(f"MEND network file {path} has format {meta.get('format') if isinstance(meta, dict) else '?'}, "
+    meta, _ = read_safetensors_header(path, "MEND network", META_KEY)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CrispEditError(f"MEND network file {path} has format {meta.get('format')}, "
                              f"this crispedit reads {FORMAT_VERSION}")
     for key in ("model_fingerprint", "layers", "shapes", "config"):
         if key not in meta:
@@ -345,8 +332,6 @@ def load_network(path: str | Path, layers: dict[str, nn.Module], *, model_finger
     """The network in ``path`` for edit ``layers`` (name -> module) of the model with ``model_fingerprint``
     (``None``: not checked). One-line errors when it was trained for another model, other layers or other
     shapes, or the file is damaged."""
-    from safetensors import safe_open
-
     meta = read_network_meta(path)
     if model_fingerprint is not None and meta["model_fingerprint"] != model_fingerprint:
         raise CrispEditError(f"MEND network {path} was trained for another model (fingerprint "
@@ -362,11 +347,7 @@ def load_network(path: str | Path, layers: dict[str, nn.Module], *, model_finger
                                  f"this model's is {list(weight_matrix(m).shape)}")
     config = MENDTrainConfig.from_json(meta["config"])
     net = MENDNetwork({n: tuple(s) for n, s in meta["shapes"].items()}, config)
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except Exception as exc:
-        raise CrispEditError(f"MEND network file {path} is truncated or corrupt ({str(exc).splitlines()[0]})") from None
+    _, tensors = load_safetensors(path, "MEND network", META_KEY)
     net.load_tensors(tensors, str(path))
     net.meta = meta
     return net
