@@ -65,6 +65,9 @@ __all__ = [
 
 
 class LabelMode(str, Enum):
+    """Where the labels behind ``S`` come from: ``sampled`` from the model's own predictive distribution
+    (Monte-Carlo Fisher = Gauss-Newton), ``empirical`` the text's next token (empirical Fisher)."""
+
     SAMPLED = "sampled"
     EMPIRICAL = "empirical"
 
@@ -80,6 +83,7 @@ class KFACFactors:
 
     @property
     def layers(self) -> list[str]:
+        """The layer names, in the order of ``A``."""
         return list(self.A)
 
     def merged(self, other: "KFACFactors", weight: float | None = None) -> "KFACFactors":
@@ -110,6 +114,8 @@ class KFACFactors:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], n_tokens: int, meta: dict | None = None) -> "KFACFactors":
+        """The inverse of :meth:`to_tensors`: ``"<layer>::A"`` keys go to ``A``, every other key (``"::S"``)
+        to ``S``, with ``n_tokens`` and ``meta`` as given."""
         A, S = {}, {}
         for key, t in tensors.items():
             name, _, kind = key.rpartition("::")
@@ -180,6 +186,9 @@ class FactorAccumulator:
                 self.A[name], self.S[name], self.rows[name] = A, S, int(rows[i])
 
     def factors(self, layers: Sequence[str], meta: dict | None = None, out_dtype: torch.dtype = torch.float32) -> KFACFactors:
+        """The averaged factors of ``layers``: ``A = Σ a aᵀ / rows`` (``d_in x d_in``) and ``S = Σ g gᵀ / rows``
+        (``d_out x d_out``) per layer, in ``out_dtype`` on the CPU; ``n_tokens`` is the largest row count.
+        Raises ``RuntimeError`` when a layer saw no rows."""
         missing = [n for n in layers if n not in self.A]
         if missing:
             raise RuntimeError(f"no statistics were collected for {missing} (no valid tokens?)")

@@ -159,6 +159,7 @@ class NoProjection(ParamProjector):
         self.kept_dims = n_params
 
     def project_(self, model: nn.Module) -> None:
+        """Nothing: every gradient is kept."""
         return None
 
 
@@ -170,6 +171,8 @@ class DenseParamProjector(ParamProjector):
         self.kept_dims = projector._kept
 
     def project_(self, model: nn.Module) -> None:
+        """Project the flat (column-major ``vec``) gradient of the layout's parameters, length
+        ``layout.numel()``, with the dense projector and copy each parameter's part back into its ``.grad``."""
         flat = self.layout.grads(model)
         out = self.layout.unflatten(self.projector.project(flat))
         for name, p in model.named_parameters():
@@ -188,6 +191,8 @@ class LayerwiseParamProjector(ParamProjector):
             self.kept_dims += int(proj.mask.sum()) * (d_out if proj.U_out is None else 1)
 
     def project_(self, model: nn.Module) -> None:
+        """Project each weight's ``.grad`` that has a projector, seen as a ``d_out x (d_in k)`` matrix (a conv
+        kernel flattened past its first dimension), in place; other gradients are left as they are."""
         for name, p in model.named_parameters():
             proj = self.projectors.get(name)
             if proj is not None and p.grad is not None:
@@ -227,6 +232,8 @@ class DenseCurvature(Curvature):
                                  negative_mass=float(-neg.sum() / raw.abs().sum()))
 
     def projector(self, gamma: float) -> ParamProjector:
+        """A :class:`DenseParamProjector` keeping the eigenvectors outside the top ``gamma`` share of the
+        eigenvalue energy (``energy_keep_mask``), from the decomposition made once in ``__init__``."""
         # DenseProjector.from_matrix without repeating the eigendecomposition for every gamma
         return DenseParamProjector(self.layout, DenseProjector(self.U, energy_keep_mask(self.eigvals, gamma)))
 
@@ -239,6 +246,8 @@ class KroneckerCurvature(Curvature):
         self.shapes = {f"{n}.weight": getattr(model, n).weight.shape for n in factors.layers}
 
     def projector(self, gamma: float) -> ParamProjector:
+        """A :class:`LayerwiseParamProjector` with one Kronecker projector per layer weight at ``gamma``, from
+        the K-FAC factors, the EK-FAC eigenbasis, or the activation covariance ``A`` alone (per ``method``)."""
         projs = {}
         for layer in self.factors.layers:
             if self.method == "kfac":
