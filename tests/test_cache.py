@@ -78,7 +78,8 @@ def test_shared_safetensors_reader_names_every_problem_in_one_line(tmp_path):
              "cut-header": (data[:20], "truncated or corrupt"),
              "cut-data": (data[:-4], "truncated or corrupt .*the header describes 24 bytes of data"),
              "junk": (b"not a safetensors file", "is not a safetensors file"),
-             "list-header": (b"\x02" + b"\0" * 7 + b"[]", "header is not an object")}
+             "list-header": (b"\x02" + b"\0" * 7 + b"[]", "header is not an object"),
+             "list-metadata": (b"\x15" + b"\0" * 7 + b'{"__metadata__": [1]}', "header is not an object")}
     for name, (raw, match) in cases.items():
         (tmp_path / name).write_bytes(raw)
         with pytest.raises(CrispEditError, match=match) as exc:

@@ -124,7 +124,7 @@ def read_safetensors_header(path: str | os.PathLike, kind: str, key: str | None)
             if n > _MAX_HEADER or n > size - 8:
                 raise ValueError(f"a header of {n} bytes in a file of {size}")
             header = json.loads(fh.read(n).decode("utf-8"))
-        if not isinstance(header, dict):
+        if not isinstance(header, dict) or not isinstance(header.get("__metadata__") or {}, dict):
             raise ValueError("header is not an object")
         table = {k: v for k, v in header.items() if k != "__metadata__"}
         end = max((int(v["data_offsets"][1]) for v in table.values()), default=0)
@@ -135,7 +135,7 @@ def read_safetensors_header(path: str | os.PathLike, kind: str, key: str | None)
     meta_map = header.get("__metadata__") or {}
     if key is None:
         return meta_map, table
-    raw_meta = meta_map.get(key) if isinstance(meta_map, dict) else None
+    raw_meta = meta_map.get(key)
     if raw_meta is None:
         raise CrispEditError(f"{path} is not a crispedit {kind} (no {key} metadata)")
     try:
