@@ -221,3 +221,29 @@ def test_bf16_delta_round_trips_bit_for_bit(tiny_tok, tmp_path):
     assert torch.equal(w.detach().view(torch.int16), base[W1].view(torch.int16))
     apply_delta(model, tmp_path / "d.safetensors")
     assert torch.equal(w.detach().view(torch.int16), edited.view(torch.int16))
+
+
+def test_damaged_and_foreign_delta_files_are_refused_in_one_line(tiny_lm, tmp_path):
+    """The shared header reader: a truncated delta is caught from the header alone (``delta info`` too), a
+    safetensors file that is not a delta and a file that is not safetensors are named as such."""
+    model, _ = tiny_lm
+    base = {W1: model.get_parameter(W1).detach().clone()}
+    with torch.no_grad():
+        model.get_parameter(W1)[0, 0] += 1.0
+    path = tmp_path / "delta.safetensors"
+    write_delta(path, model, base, {"method": "test"})
+    assert read_delta_header(path)["parameters"][W1]["shape"] == list(base[W1].shape)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:-3])
+    other = tmp_path / "other.safetensors"
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(2)}, str(other), metadata={"crispedit": "{}"})
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"x" * 16)
+    for f, match in ((cut, "delta file .* is not a safetensors file, or is truncated or corrupt"),
+                     (other, "is not a crispedit delta \\(no crispedit_delta metadata\\)"),
+                     (junk, "is not a safetensors file")):
+        for read in (read_delta_header, lambda p: apply_delta(model, p)):
+            with pytest.raises(CrispEditError, match=match) as exc:
+                read(f)
+            assert "\n" not in str(exc.value)
