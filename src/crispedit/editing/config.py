@@ -1,10 +1,12 @@
 """Edit configuration: the paper's defaults, written once.
 
 Paper (Table "Default hyperparameters"): Adam lr 5e-4 (:data:`DEFAULT_LR`; a method may set its own, e.g.
-LoRA 5e-3), batch 32, 25 steps (= up to 25 epochs over
-the edits), early stopping at loss 0.01 (batches below it are skipped, training stops once an
-epoch's mean loss is below it). Curvature: sampled labels (Gauss-Newton), gamma 0.8 (the paper uses
-0.7 for ZsRE and 0.9 for CounterFact / WikiBigEdit on Llama-3-8B), 64 capability texts of at most 256
+LoRA 5e-3), batch 32, 25 steps, early stopping at loss 0.01 (batches below it are skipped, training stops
+once an epoch's mean loss is below it). Our default is up to 100 epochs over the edits, ended by that
+early stopping: the paper's 25 steps are thousands of edits / 32 per epoch x 25; for the tens of edits a
+user edits at once, 25 epochs stop short (SmolLM2, 32 held-out ZsRE edits, three edit contexts:
+teacher-forced rel 0.81 at 25 epochs, loss 0.20 still falling; 0.97 at 40). Curvature: sampled labels
+(Gauss-Newton), gamma 0.8 (the paper uses 0.7 for ZsRE and 0.9 for CounterFact / WikiBigEdit on Llama-3-8B), 64 capability texts of at most 256
 tokens on CPU (the paper uses 10,000 Wikipedia documents of 512 tokens on a GPU).
 
 Method-specific settings live in each method's own config dataclass (its ``Config`` in the method
@@ -54,7 +56,7 @@ class EditConfig:
     lr: float | None = None             # None = the method's default (DEFAULT_LR; LoRA 5e-3)
     betas: tuple[float, float] = (0.9, 0.999)
     batch_size: int = 32
-    epochs: int = 25
+    epochs: int = 100                   # maximum; stop_loss ends it earlier (paper: 25 steps, see above)
     skip_loss: float = 0.01
     stop_loss: float = 0.01
     projection_target: str = ProjectionTarget.GRADIENT.value

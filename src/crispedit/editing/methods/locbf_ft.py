@@ -1,5 +1,5 @@
 """LocBF-FT (Yang et al. 2025): plain Adam on ONE MLP output projection with breadth-first mini-batches
-(each epoch passes over all edits; lr 5e-4, batch 32, 25 epochs, skip/stop 0.01 = the shared defaults).
+(each epoch passes over all edits; lr 5e-4, batch 32, up to 100 epochs, skip/stop 0.01 = the shared defaults).
 Its option (which layer trains) is :class:`~crispedit.editing.catalogue.LocBFConfig`."""
 
 from ...errors import CrispEditError
