@@ -50,6 +50,7 @@ __all__ = [
     "FactorAccumulator",
     "add_gram_",
     "capture_io",
+    "head_on_rows",
     "layer_rows",
     "sample_labels",
     "collect_lm_kfac",
@@ -382,7 +383,7 @@ def lm_batches(tokenizer, texts: Sequence[str], *, max_len: int, batch_size: int
 
 
 @contextlib.contextmanager
-def _head_on_rows(model: nn.Module, rows: Tensor, skip: Sequence[nn.Module] = ()) -> Iterator[bool]:
+def head_on_rows(model: nn.Module, rows: Tensor, skip: Sequence[nn.Module] = ()) -> Iterator[bool]:
     """Feed the output embedding (LM head) only the hidden states at ``rows`` (``B x T`` bool), as one
     ``1 x N x H`` sequence, so that the ``V``-wide logits are formed for the ``N`` loss positions only.
     Yields whether the head was found (a model without ``get_output_embeddings``, or whose head is in
@@ -409,9 +410,9 @@ def _head_on_rows(model: nn.Module, rows: Tensor, skip: Sequence[nn.Module] = ()
 def lm_row_logits(model: nn.Module, batch: LMBatch, skip: Sequence[nn.Module] = ()) -> Tensor:
     """Float32 (or wider) next-token logits ``N x V`` of ``model`` at the ``N`` loss positions of ``batch``
     (row-major order, as ``batch.labels``). The LM head runs on those positions only when the model
-    exposes it (:func:`_head_on_rows`); otherwise the full ``B x T x V`` logits are formed and gathered."""
+    exposes it (:func:`head_on_rows`); otherwise the full ``B x T x V`` logits are formed and gathered."""
     n = batch.n_rows
-    with _head_on_rows(model, batch.rows, skip):
+    with head_on_rows(model, batch.rows, skip):
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     if logits.dim() == 3 and logits.shape[0] == 1 and logits.shape[1] == n and tuple(logits.shape[:2]) != tuple(batch.rows.shape):
         logits = logits.squeeze(0)  # a view: its backward copies nothing

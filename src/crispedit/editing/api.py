@@ -128,7 +128,7 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     changed = editor.changes(model, layers, config)
     factors, info = edit_factors(model, tokenizer, editor, layers, config, factors=factors, cache_root=cache_root,
                                  cache_file=cache_file, progress=progress, predict_drift=predict_drift)
-    cache_seconds = info.get("seconds", 0.0) if info else 0.0
+    cache_seconds = info.get("seconds", 0.0)
     original = snapshot(changed)
     t0 = time.perf_counter()
     outcome = editor.apply(model, tokenizer, requests, EditContext(config, layers, factors, progress=progress))

@@ -281,8 +281,6 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
         records.append(rec)
         if on_round is not None:
             on_round(rec, n_rounds)
-    from ..curvature.predicted import predicted_kl
-
     return SeqResult(list(layers), chunk, records, original, time.perf_counter() - t0,
                      float(info.get("seconds", 0.0)), info, predicted_kl(layers, factors, original), state,
                      records[-1].get("drift_budget"))

@@ -42,7 +42,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...curvature.kfac import capture_io, frozen
+from ...curvature.kfac import capture_io, frozen, head_on_rows
 from ...data.edits import EditRequest
 from ...data.tokenize import encode_pairs
 from ...errors import CrispEditError, atomic_save_safetensors, load_safetensors, read_safetensors_header
@@ -196,24 +196,20 @@ def default_layers(model: nn.Module, blocks: int = 3) -> list[str]:
     return out
 
 
-_PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3"}  # logits = head(final hidden)
-
-
 def target_token_logprobs(model: nn.Module, batch) -> tuple[Tensor, Tensor]:
     """Log-probability (float32) of every target token of ``batch`` (an
     :class:`~crispedit.data.tokenize.EncodedBatch`) and the row it belongs to, both ``M`` long (``M`` target
-    tokens). For architectures whose logits are the output head applied to the decoder's last hidden state the
-    head runs on the target positions only (for SmolLM2 the head is a fifth of the forward); exact either way."""
+    tokens). The output head runs on the target positions only (:func:`~crispedit.curvature.kfac.head_on_rows`,
+    the K-FAC collection's hook: exact for any logit post-processing after the head); a model without an
+    exposed head forms the full logits and gathers them."""
     labels = batch.labels[:, 1:]
     valid = labels != -100
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if getattr(getattr(model, "config", None), "model_type", None) in _PLAIN_HEAD and decoder is not None and head is not None:
-        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        logits = head(hidden[:, :-1][valid]).float()
-    else:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1][valid].float()
-    lp = torch.log_softmax(logits, -1).gather(-1, labels[valid].unsqueeze(-1)).squeeze(-1)
+    positions = torch.zeros_like(batch.labels, dtype=torch.bool)
+    positions[:, :-1] = valid
+    with head_on_rows(model, positions):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    logits = logits.squeeze(0) if tuple(logits.shape[:2]) != tuple(positions.shape) else logits[positions]
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, labels[valid].unsqueeze(-1)).squeeze(-1)
     rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(labels)[valid]
     return lp, rows
 
