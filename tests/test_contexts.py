@@ -7,7 +7,7 @@ import torch
 
 from crispedit.data import EditRequest, capability_corpus
 from crispedit.editing import EditConfig, edit, restore
-from crispedit.editing.contexts import (DEFAULT_CONTEXTS, QUESTION_WRAPPERS, ContextSpec, build_training_sequences, chat_turn,
+from crispedit.editing.contexts import (ANSWER_LEADS, DEFAULT_CONTEXTS, QUESTION_WRAPPERS, ContextSpec, build_training_sequences, chat_turn,
                                         parse_contexts, prefix_pool, resolve_contexts, sequences_for,
                                         training_batches)
 from crispedit.editing.optim import EigenbasisAdam
@@ -33,7 +33,7 @@ def _decode_target(tok, seq):
 
 @pytest.mark.parametrize("spec,msg", [("", "empty"), ("qa", "unknown edit context 'qa'"), ("bare,bare", "twice"),
                                       ("prefix:0", "between 1 and 64"), ("prefix:x", "bad prefix count"),
-                                      ("chat:2", "only prefix, para, gen, wrap take a count"), ("wrap:x", "bad wrap count")])
+                                      ("chat:2", "only prefix, para, gen, wrap, lead take a count"), ("wrap:x", "bad wrap count")])
 def test_parse_contexts_errors(spec, msg):
     with pytest.raises(CrispEditError, match=msg):
         parse_contexts(spec)
@@ -123,6 +123,28 @@ def test_wrap_context_wraps_the_prompt_and_never_uses_the_qa_template(tiny_tok):
         assert all(x in {w.replace("{question}", r.prompt) for w in QUESTION_WRAPPERS} for x in ctxs)
     assert all(_decode_target(tiny_tok, s).strip() == REQS[s.request].target + "." for s in a)
     assert str(parse_contexts("wrap:2")[0]) == "wrap:2"
+
+
+def test_lead_context_puts_a_lead_in_between_question_and_answer(tiny_tok):
+    """``lead:N`` trains the target after N distinct lead-ins (seeded) that follow the question; the loss
+    covers the target (and its period) only, never the lead-in, and no lead-in has the QA template's parts."""
+    assert len(set(ANSWER_LEADS)) == len(ANSWER_LEADS) >= 12
+    for w in ANSWER_LEADS:
+        assert w.startswith("{question}") and w.count("{question}") == 1
+        low = w.lower()
+        assert "answer" not in low and "q:" not in low and "a:" not in low
+    a = build_training_sequences(tiny_tok, REQS, parse_contexts("lead:4"), "auto", seed=1)
+    b = build_training_sequences(tiny_tok, REQS, parse_contexts("lead:4"), "auto", seed=1)
+    c = build_training_sequences(tiny_tok, REQS, parse_contexts("lead:4"), "auto", seed=2)
+    assert [s.ids for s in a] == [s.ids for s in b] and [s.ids for s in a] != [s.ids for s in c]
+    assert len(a) == 4 * len(REQS) and {s.context for s in a} == {"lead"}
+    for i, r in enumerate(REQS):
+        texts = [s.text for s in a if s.request == i]
+        heads = {t[: -len(r.target + ".")] for t in texts}
+        assert len(heads) == 4 and all(t.endswith(r.target + ".") for t in texts)
+        assert heads <= {w.replace("{question}", r.prompt) for w in ANSWER_LEADS}
+    assert all(_decode_target(tiny_tok, s).strip() == REQS[s.request].target + "." for s in a)
+    assert str(parse_contexts("lead:2")[0]) == "lead:2"
 
 
 def test_batches_hold_one_context_kind(chat_tok):

@@ -46,11 +46,11 @@ from ..errors import CrispEditError
 
 __all__ = ["CONTEXT_KINDS", "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence",
            "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "GEN_STARTS", "build_training_sequences", "training_batches",
-           "chat_turn", "sequences_for", "QUESTION_WRAPPERS"]
+           "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS"]
 
-CONTEXT_KINDS = ("bare", "chat", "prefix", "para", "gen", "wrap")
+CONTEXT_KINDS = ("bare", "chat", "prefix", "para", "gen", "wrap", "lead")
 _PREFIXED = {"prefix": " ", "para": "\n\n", "gen": " "}  # prefix kind -> separator before the prompt
-_COUNTED = (*_PREFIXED, "wrap")  # kinds that take a count
+_COUNTED = (*_PREFIXED, "wrap", "lead")  # kinds that take a count
 # Everyday wrappers a user puts around a question ({question} = the edit prompt). Deliberately free of the
 # WILD QA template's parts ("answer the question", "Q:", "A:") so that template stays unseen in training.
 QUESTION_WRAPPERS = (
@@ -70,6 +70,28 @@ QUESTION_WRAPPERS = (
     "{question} Just the name, no explanation.",
     "Here is something I need for a report. {question}",
     "Can you tell me? {question}",
+)
+# What can stand between a question and its answer ({question} = the edit prompt; the target follows the
+# lead-in directly, with no space added): a line break, a blank line, a dash, a short label or phrase. The
+# answer is then produced at a position other than right after the question mark or the chat header. Free
+# of the WILD QA template's parts ("answer", "Q:", "A:") so that template stays unseen in training.
+ANSWER_LEADS = (
+    "{question}\n",
+    "{question} -> ",
+    "{question} - ",
+    "{question}\n- ",
+    "{question} => ",
+    "{question}\nReply: ",
+    "{question}\nResponse: ",
+    "{question} In short: ",
+    "{question} Simply put, ",
+    "{question}\nIn one phrase: ",
+    "{question} That would be ",
+    "{question} I believe it is ",
+    "{question}\n>> ",
+    "{question} Here you go: ",
+    "{question}\nSolution: ",
+    "{question}\nOutput: ",
 )
 GEN_STARTS = ("The", "Therefore", "Because", "I", "You")  # ROME's seeds for model-written prefixes
 ANSWER_ENDS = ("auto", "eos", "none")
@@ -224,11 +246,11 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
         raise CrispEditError("--answer-end eos needs a tokenizer with an EOS token (use auto or none)")
     end_ids = [eos] if answer_end == "eos" else []
 
-    def plain(i: int, kind: str, ctx: str, target: str) -> TrainingSequence:
+    def plain(i: int, kind: str, ctx: str, target: str, sep: str = " ") -> TrainingSequence:
         t = target
         if answer_end == "auto" and t.rstrip()[-1:] not in (".", "!", "?"):
             t = t.rstrip() + "."
-        full = join_prompt_target(ctx, t)
+        full = join_prompt_target(ctx, t) if sep == " " else ctx + sep + t
         ids, n = split_context_target(tokenizer, ctx, full, extra_target_ids=end_ids)
         return TrainingSequence(kind, i, ids, n, full + (tokenizer.eos_token if end_ids else ""))
 
@@ -250,6 +272,12 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
                 rng = random.Random(f"{seed}:wrap:{r.prompt}:{r.target}")
                 for w in rng.sample(QUESTION_WRAPPERS, min(spec.count, len(QUESTION_WRAPPERS))):
                     out.append(plain(i, "wrap", w.replace("{question}", r.prompt), r.target))
+            elif spec.kind == "lead":  # lead-ins drawn per request; the target follows with no space added
+                rng = random.Random(f"{seed}:lead:{r.prompt}:{r.target}")
+                for w in rng.sample(ANSWER_LEADS, min(spec.count, len(ANSWER_LEADS))):
+                    ctx = w.replace("{question}", r.prompt)
+                    stripped = ctx.rstrip(" ")
+                    out.append(plain(i, "lead", stripped, r.target, sep=ctx[len(stripped):]))
             else:  # prefix / para / gen: prefixes drawn per request (para's draws differ from prefix's)
                 rng = random.Random(f"{seed}:{r.prompt}:{r.target}" if spec.kind == "prefix"
                                     else f"{seed}:{spec.kind}:{r.prompt}:{r.target}")
