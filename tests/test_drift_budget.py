@@ -228,3 +228,54 @@ def test_edit_matrix_records_kl_pred(tmp_path):
     assert cells["kl_pred"] == "0.00300" and cells["pred/meas"] == "1.50" and cells["budget_hits"] == "4/9"
     assert dict(zip(head, [c.strip() for c in md[3].split("|")]))["kl_pred"] == "–"
     assert (tmp_path / "m.pred.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_penalty_gradient_is_the_gradient_of_the_coherent_prediction():
+    """``add_penalty_gradient`` adds β·∂p/∂W of the coherent bound p = (Σ_l sqrt(q_l))² — checked against
+    autograd (float64 weights and factors; the accumulated change is taken in float32 as in training; one
+    layer stored transposed, as GPT-2's Conv1D)."""
+    from types import SimpleNamespace
+
+    from transformers.pytorch_utils import Conv1D
+
+    g = torch.Generator().manual_seed(3)
+    lin, conv = torch.nn.Linear(5, 3, bias=False).double(), Conv1D(3, 4).double()  # Conv1D(nf=d_out, nx=d_in)
+    mods = {"a": lin, "b": conv}
+    params = {n: m.weight for n, m in mods.items()}
+    factors = SimpleNamespace(A={"a": spd(5, g), "b": spd(4, g)}, S={"a": spd(3, g), "b": spd(3, g)})
+    budget = DriftBudget(params, mods, factors, None, penalty=2.5)
+    budget.A = {n: a.double() for n, a in factors.A.items()}  # float64 throughout for the comparison
+    budget.S = {n: s.double() for n, s in factors.S.items()}
+    budget.start = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.1)
+    w = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
+    q = [0.5 * ((factors.S["a"] @ (w["a"] - budget.start["a"])) * ((w["a"] - budget.start["a"]) @ factors.A["a"])).sum(),
+         0.5 * ((factors.S["b"] @ (w["b"] - budget.start["b"]).T) * ((w["b"] - budget.start["b"]).T @ factors.A["b"])).sum()]
+    total = sum(x.sqrt() for x in q) ** 2
+    total.backward()
+    for p in params.values():
+        p.grad = torch.zeros_like(p)
+    p_value = budget.add_penalty_gradient()
+    assert p_value == pytest.approx(float(total.detach()), rel=1e-6)
+    for n, p in params.items():
+        assert torch.allclose(p.grad, 2.5 * w[n].grad, rtol=1e-5, atol=1e-9)
+
+
+def test_drift_penalty_lowers_the_predicted_drift_and_keeps_the_edit(tiny_lm, iso_cache):
+    """``drift_penalty`` trains edit loss + β · predicted drift: the same edits land with a smaller predicted
+    drift than without it; ft (no factors) refuses it before any work."""
+    model, tok = tiny_lm
+    plain = edit(model, tok, REQS, cfg(epochs=40), progress=False)
+    from crispedit.editing import restore
+
+    restore(model, plain.original_weights)
+    pen = edit(model, tok, REQS, cfg(epochs=40, drift_penalty=1.0), progress=False)
+    assert pen.drift_budget["drift_penalty"] == 1.0 and pen.drift_budget["hits"] == 0
+    assert pen.kl_predicted["total"] < 0.8 * plain.kl_predicted["total"]
+    assert pen.history.epoch_loss[-1] < 0.5 * pen.history.epoch_loss[0]
+    with pytest.raises(CrispEditError, match="drift-penalty"):
+        cfg("ft", drift_penalty=1.0)
+    with pytest.raises(CrispEditError, match="drift penalty"):
+        cfg(drift_penalty=-1.0)

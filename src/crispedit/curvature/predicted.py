@@ -89,13 +89,21 @@ class DriftBudget:
     nats per token. :meth:`enforce` (after each optimizer step) computes the coherent bound
     ``p = (Σ_l sqrt(q_l))²``, ``q_l = ½ tr(ΔW_lᵀ S_l ΔW_l A_l)``, in float32 on the weights' device and, when
     ``p > eps``, sets ``W = W0 + sqrt(eps / p) · ΔW`` for every layer (``p`` is quadratic in ΔW). ``hits`` counts the steps that were pulled back; ``last`` is the latest predicted drift
-    (after the pull-back)."""
+    (after the pull-back). ``eps=None``: no pull-back.
 
-    def __init__(self, params: Mapping[str, nn.Parameter], modules: Mapping[str, nn.Module], factors, eps: float):
+    ``penalty`` (β ≥ 0, ``--drift-penalty``) is the soft, Lagrangian side of the same constraint:
+    :meth:`add_penalty_gradient` (between backward and projection) adds ``β · ∂p/∂ΔW_l`` to every layer's
+    gradient, ``∂p/∂ΔW_l = (sqrt(p) / sqrt(q_l)) · S_l ΔW_l A_l``, so training minimises
+    ``edit loss + β · predicted drift`` (nats per target token + β · nats per held-out token): among the
+    changes that make the edit, the ones the capability curvature says are flattest."""
+
+    def __init__(self, params: Mapping[str, nn.Parameter], modules: Mapping[str, nn.Module], factors,
+                 eps: float | None, penalty: float = 0.0):
         missing = [n for n in params if n not in factors.A]
         if missing:
             raise ValueError(f"the drift budget has no K-FAC factors for {missing}")
-        self.eps = float(eps)
+        self.eps = None if eps is None else float(eps)
+        self.penalty = float(penalty)
         self.params, self.modules = dict(params), dict(modules)
         self.start = {n: p.detach().float().clone() for n, p in self.params.items()}
         self.A = {n: factors.A[n].to(device=p.device, dtype=torch.float32) for n, p in self.params.items()}
@@ -121,7 +129,7 @@ class DriftBudget:
         self.steps += 1
         deltas = self.deltas()
         p = self.predicted(deltas)
-        if not math.isfinite(p) or p <= self.eps:
+        if self.eps is None or not math.isfinite(p) or p <= self.eps:
             self.last = p
             return False
         c = math.sqrt(self.eps / p)
@@ -131,8 +139,29 @@ class DriftBudget:
         self.last = self.eps
         return True
 
+    @torch.no_grad()
+    def add_penalty_gradient(self) -> float:
+        """Add ``penalty · ∂p/∂W`` (the coherent predicted drift ``p`` of the accumulated change, see the class
+        docstring) to every parameter's ``.grad`` in place; returns ``p`` (nats per token). A layer with no
+        change yet (``q_l = 0``) gets nothing (its gradient term is 0)."""
+        if self.penalty <= 0:
+            return 0.0
+        qs, SdA = {}, {}
+        for n, d in self.deltas().items():
+            dW = as_weight_matrix(self.modules[n], d)
+            SdA[n] = self.S[n] @ dW @ self.A[n]
+            qs[n] = 0.5 * float((dW * SdA[n]).sum())
+        total = coherent_total(qs.values())
+        root = math.sqrt(total)
+        for n, param in self.params.items():
+            if qs[n] <= 0 or param.grad is None:
+                continue
+            g = as_weight_matrix(self.modules[n], SdA[n]) * (self.penalty * root / math.sqrt(qs[n]))
+            param.grad.add_(g.to(param.grad.dtype))
+        return total
+
     def to_json(self) -> dict:
         """What the budget did: ``max_drift``, ``hit`` (ever pulled back), ``hits`` (steps pulled back),
-        ``steps`` checked and ``final_predicted`` (nats per token, float32 estimate)."""
+        ``steps`` checked, ``final_predicted`` (nats per token, float32 estimate) and ``drift_penalty`` (β)."""
         return {"max_drift": self.eps, "hit": self.hits > 0, "hits": self.hits, "steps": self.steps,
-                "final_predicted": self.last}
+                "final_predicted": self.last, "drift_penalty": self.penalty}

@@ -73,6 +73,8 @@ class EditConfig:
     options: dict = field(default_factory=dict)  # the method's own settings (Editor.Config fields)
     # trust region on the predicted KL drift (nats/token, curvature methods only); None = no budget
     max_drift: float | None = None
+    # Lagrangian weight β on the predicted drift: train edit loss + β · predicted KL (curvature methods only)
+    drift_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,11 +109,13 @@ class EditConfig:
             raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {self.answer_end!r}")
         if self.label_mode not in ("sampled", "empirical"):
             raise CrispEditError(f"label mode must be 'sampled' or 'empirical', got {self.label_mode!r}")
-        if self.max_drift is not None:
-            self.max_drift = check_float("max drift (--max-drift)", self.max_drift, 0.0, lo_open=True)
+        self.drift_penalty = check_float("drift penalty (--drift-penalty)", self.drift_penalty, 0.0)
+        if self.max_drift is not None or self.drift_penalty > 0:
+            if self.max_drift is not None:
+                self.max_drift = check_float("max drift (--max-drift)", self.max_drift, 0.0, lo_open=True)
             if not spec.curvature:
                 curv = ", ".join(n for n in method_names() if method_spec(n).curvature)
-                raise CrispEditError(f"--max-drift needs the K-FAC factors of a curvature method ({curv}); "
+                raise CrispEditError(f"--max-drift / --drift-penalty need the K-FAC factors of a curvature method ({curv}); "
                                      f"{self.method} holds none")
         return self
 

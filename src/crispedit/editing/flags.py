@@ -82,8 +82,11 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> Non
     p.add_argument("--projection", choices=[t.value for t in ProjectionTarget], default=d["projection_target"],
                    help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")
     p.add_argument("--contexts", default=d["contexts"],
-                   help="edit contexts each request is trained in: comma list of bare, chat, prefix:N, para:N, gen:N, wrap:N "
+                   help="edit contexts each request is trained in: comma list of bare, chat, prefix:N, para:N, gen:N, wrap:N, lead:N "
                    f"(default: 'default' = {DEFAULT_CONTEXTS}; chat only for models with a chat template)")
+    p.add_argument("--drift-penalty", type=float, default=d["drift_penalty"], metavar="BETA",
+                   help="train edit loss + BETA x the K-FAC predicted KL drift (nats/token) of the change, so the "
+                   f"edit takes the flattest directions (default {d['drift_penalty']:g}; crispedit and adam-nscl only)")
     p.add_argument("--answer-end", choices=list(ANSWER_ENDS), default=d["answer_end"],
                    help="what follows the target in training: auto = the chat end-of-turn in chat, a period "
                    "elsewhere (default); eos = EOS instead of the period; none = the target alone (the paper)")
@@ -129,7 +132,7 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
                       epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
                       seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,
-                      max_drift=getattr(args, "max_drift", None))
+                      max_drift=getattr(args, "max_drift", None), drift_penalty=args.drift_penalty)
 
 
 def parse_methods(spec: str) -> list[str]:

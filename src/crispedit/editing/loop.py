@@ -187,6 +187,9 @@ def projected_finetune(
                             if p.grad is None:  # no rows here, or a parameter this shard did not reach
                                 p.grad = torch.zeros_like(p)
                             all_reduce_sum_(p.grad)
+                if drift_budget is not None and drift_budget.penalty > 0:
+                    with timer.phase("drift"):
+                        drift_budget.add_penalty_gradient()  # + β ∂(predicted drift)/∂W, projected below
                 # eigenbasis: EigenbasisAdam rotates and masks the raw gradient itself
                 before = None
                 if target is ProjectionTarget.UPDATE:
@@ -210,7 +213,7 @@ def projected_finetune(
                             for n, p in params.items():
                                 delta = apply_projection(projectors[n], layers[n], p.detach().float() - before[n])
                                 p.copy_((before[n] + delta).to(p.dtype))
-                    if drift_budget is not None:
+                    if drift_budget is not None and drift_budget.eps is not None:
                         with timer.phase("drift"):
                             drift_budget.enforce()  # same weights on every process: the same decision
                 hist.steps += 1

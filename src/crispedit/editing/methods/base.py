@@ -145,11 +145,11 @@ class Editor:
         """The ``--max-drift`` trust region over ``params`` (a :class:`DriftBudget` from the edit's start, with
         ``ctx.drift_factors`` or ``ctx.factors``), or ``None`` when ``ctx.config.max_drift`` is unset. One-line
         error for an editor that holds no K-FAC factors."""
-        if ctx.config.max_drift is None:
+        if ctx.config.max_drift is None and not ctx.config.drift_penalty:
             return None
         factors = ctx.drift_factors if ctx.drift_factors is not None else ctx.factors
         if factors is None or not self.needs_curvature:
-            raise CrispEditError(f"--max-drift needs K-FAC factors; method {self.name} holds none")
+            raise CrispEditError(f"--max-drift / --drift-penalty need K-FAC factors; method {self.name} holds none")
         from ...curvature.predicted import DriftBudget
 
-        return DriftBudget(params, layers, factors, ctx.config.max_drift)
+        return DriftBudget(params, layers, factors, ctx.config.max_drift, penalty=ctx.config.drift_penalty)
