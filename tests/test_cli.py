@@ -44,7 +44,7 @@ def test_edit_writes_loadable_model_and_report(tiny_model_dir, tmp_path, iso_cac
     assert set(report["wild"]) >= {"qa", "none", "chat", "seconds"} and report["wild"]["chat"] is None
     for ctx in ("qa", "none"):
         assert 0 <= report["wild"][ctx]["rel"] <= 1 and len(report["wild"][ctx]["examples"]) == 3
-    assert report["training"]["contexts"] == ["bare", "prefix:2"] and report["training"]["sequences"] == 12
+    assert report["training"]["contexts"] == ["bare", "prefix:2", "lead:4"] and report["training"]["sequences"] == 28
     assert report["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
     from transformers import AutoModelForCausalLM
     edited = AutoModelForCausalLM.from_pretrained(out)
@@ -161,7 +161,7 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tiny_model_dir, iso_cache, capsys)
     out = capsys.readouterr().out
     assert "bare question (no chat template)" in out
     lines = [ln for ln in out.splitlines() if ln.startswith(("crispedit ", "ft "))]
-    assert len(lines) == 2 and all("bare,prefix:2" in ln for ln in lines)
+    assert len(lines) == 2 and all("bare,prefix:2,lead:4" in ln for ln in lines)
     assert "kl_drift" in out and "WILD" in out
 
 

@@ -56,7 +56,7 @@ def test_cli_edit_on_smollm2(tmp_path):
     s = report["summary"]
     assert s["rel"] >= 0.75 and s["kl_drift"] < 0.05, s
     # the edit holds through the chat template too (default contexts train it), and the report says so
-    assert report["training"]["contexts"] == ["bare", "chat", "prefix:2"]
+    assert report["training"]["contexts"] == ["bare", "chat", "prefix:2", "lead:4"]
     assert report["wild"]["chat"]["rel"] >= 0.75 and report["wild"]["none"]["rel"] >= 0.75, report["wild"]
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(out)

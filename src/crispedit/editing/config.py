@@ -61,7 +61,7 @@ class EditConfig:
     stop_loss: float = 0.01
     projection_target: str = ProjectionTarget.GRADIENT.value
     # how each request becomes training sequences (editing/contexts.py)
-    contexts: str = "default"           # e.g. "bare,chat,prefix:2"; "default" = DEFAULT_CONTEXTS
+    contexts: str = "default"           # e.g. "bare,chat,prefix:2,lead:4"; "default" = DEFAULT_CONTEXTS
     answer_end: str = "auto"            # auto | eos | none
     # capability curvature
     n_cap: int = 64

@@ -18,6 +18,12 @@ trained under a set of *contexts* (``EditConfig.contexts``, CLI ``--contexts``):
 * ``wrap:N``   — N of the :data:`QUESTION_WRAPPERS` per request: the prompt inside a short everyday
   request ("Quick question: {question}", "{question} Keep it short."), as users wrap a question in
   their own words; none of them has the WILD QA template's ``Q:``/``A:`` form or wording.
+* ``lead:N``   — N of the :data:`ANSWER_LEADS` per request: a lead-in between the question and the
+  target (``"{question}\n"``, ``"{question} -> "``, ``"{question}\nReply: "``, ...), so the answer is
+  also produced at positions other than right after the question mark or the chat header; on SmolLM2
+  (dev records 400–431) ``lead:4`` lifted the unseen QA wrapper from 0.66 to 0.91 and two other
+  untrained wrappers from 0.53 / 0.28 to 0.81 / 0.88 at the same drift. No lead-in says "answer" or
+  has the QA template's ``Q:``/``A:``.
 
 ``default`` expands to :data:`DEFAULT_CONTEXTS` minus ``chat`` for models without a chat template.
 The WILD evaluation's QA wrapper (``Please answer the question: ...``) is deliberately *not* a
@@ -95,7 +101,7 @@ ANSWER_LEADS = (
 )
 GEN_STARTS = ("The", "Therefore", "Because", "I", "You")  # ROME's seeds for model-written prefixes
 ANSWER_ENDS = ("auto", "eos", "none")
-DEFAULT_CONTEXTS = "bare,chat,prefix:2"
+DEFAULT_CONTEXTS = "bare,chat,prefix:2,lead:4"
 
 
 @dataclass(frozen=True)
