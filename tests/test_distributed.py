@@ -114,7 +114,7 @@ def test_torchrun_edit_splits_batches_and_equals_one_process(tiny_model_dir, tmp
     (tmp_path / "edits.json").write_text(json.dumps(recs))
     # 15 sequences in batches of 7, 7, 1: uneven rows per process, and a batch the second process has no row of
     args = ["edit", "--model", tiny_model_dir, "--edits", tmp_path / "edits.json", "--layers", LAYERS, "--n-cap", 4,
-            "--max-len", 32, "--epochs", 3, "--lr", 1e-2, "--batch-size", 7, "--quiet", "--no-wild"]
+            "--max-len", 32, "--epochs", 3, "--lr", 1e-2, "--batch-size", 7, "--contexts", "bare,prefix:2", "--quiet", "--no-wild"]
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "c2"))
     proc = torchrun(["-m", "crispedit", *args, "--out", tmp_path / "e2"], tmp_path)
     assert proc.stdout.count("edited model and edit_report.json written") == 1, proc.stdout  # rank 0 alone
