@@ -87,6 +87,11 @@ def test_compare_refuses_other_settings_in_the_same_dir(tiny_lm, tmp_path, iso_c
     (out / "compare.json").write_text(json.dumps(old))
     again = compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
     assert again["results"]["ft"]["summary"] == old["results"]["ft"]["summary"]   # resumed, not rerun
+    # rows stored as contexts 'default' under an older default are another configuration: refused
+    old["settings"]["default_contexts"] = "bare,chat,prefix:2"
+    (out / "compare.json").write_text(json.dumps(old))
+    with pytest.raises(compare_mod.CrispEditError, match="other settings.*default_contexts"):
+        compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
 
 
 def test_compare_cli(tiny_model_dir, tmp_path, iso_cache, capsys):

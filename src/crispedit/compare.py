@@ -47,6 +47,7 @@ from .data.edits import EditRequest
 from .editing import EditConfig, SeqConfig, edit, get_editor, restore
 from .editing.api import snapshot
 from .editing.config import default_seq_chunk
+from .editing.contexts import DEFAULT_CONTEXTS
 from .editing.registry import seq_row
 from .editing.sequential import run_sequence
 from .errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
@@ -173,6 +174,9 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
     fp = weight_fingerprint(model)
     settings = {"model": model_spec, "fingerprint": fp, "edits": edits_info or {}, "n_edits": len(requests),
                 "requests_digest": requests_digest(requests),
+                # what --contexts 'default' meant when the rows ran: a row stored as 'default' under another
+                # default is another configuration
+                "default_contexts": DEFAULT_CONTEXTS,
                 "evaluation": {"wild": list(CONTEXTS), "judge": "rule", "capabilities": list(capabilities),
                                "limit": limit, "kl_text": kl_text or "bundled:wikitext_heldout.txt"}}
     payload = {"format": COMPARE_FORMAT, "settings": settings, "methods": list(methods), "results": {}}
