@@ -103,6 +103,13 @@ def test_prefix_context_is_deterministic_and_from_the_pool(tiny_tok):
         assert _decode_target(tiny_tok, s).strip() == r.target + "."
 
 
+def _seeded_sequences(tok, spec):
+    """The training sequences of ``spec`` at seed 1, after checking the draw repeats at seed 1 and differs at 2."""
+    a, b, c = (build_training_sequences(tok, REQS, parse_contexts(spec), "auto", seed=sd) for sd in (1, 1, 2))
+    assert [s.ids for s in a] == [s.ids for s in b] and [s.ids for s in a] != [s.ids for s in c]
+    return a
+
+
 def test_wrap_context_wraps_the_prompt_and_never_uses_the_qa_template(tiny_tok):
     """``wrap:N`` puts each prompt in N distinct everyday wrappers (seeded), trains the target after it,
     and no wrapper shares the WILD QA template's form: that wrapper must stay unseen."""
@@ -111,10 +118,7 @@ def test_wrap_context_wraps_the_prompt_and_never_uses_the_qa_template(tiny_tok):
         assert w.count("{question}") == 1
         low = w.lower()
         assert "answer the question" not in low and "q:" not in low and "a:" not in low.replace("{question}", "")
-    a = build_training_sequences(tiny_tok, REQS, parse_contexts("wrap:3"), "auto", seed=1)
-    b = build_training_sequences(tiny_tok, REQS, parse_contexts("wrap:3"), "auto", seed=1)
-    c = build_training_sequences(tiny_tok, REQS, parse_contexts("wrap:3"), "auto", seed=2)
-    assert [s.ids for s in a] == [s.ids for s in b] and [s.ids for s in a] != [s.ids for s in c]
+    a = _seeded_sequences(tiny_tok, "wrap:3")
     assert len(a) == 3 * len(REQS) and {s.context for s in a} == {"wrap"}
     for i, r in enumerate(REQS):
         texts = [s.text for s in a if s.request == i]
@@ -133,10 +137,7 @@ def test_lead_context_puts_a_lead_in_between_question_and_answer(tiny_tok):
         assert w.startswith("{question}") and w.count("{question}") == 1
         low = w.lower()
         assert "answer" not in low and "q:" not in low and "a:" not in low
-    a = build_training_sequences(tiny_tok, REQS, parse_contexts("lead:4"), "auto", seed=1)
-    b = build_training_sequences(tiny_tok, REQS, parse_contexts("lead:4"), "auto", seed=1)
-    c = build_training_sequences(tiny_tok, REQS, parse_contexts("lead:4"), "auto", seed=2)
-    assert [s.ids for s in a] == [s.ids for s in b] and [s.ids for s in a] != [s.ids for s in c]
+    a = _seeded_sequences(tiny_tok, "lead:4")
     assert len(a) == 4 * len(REQS) and {s.context for s in a} == {"lead"}
     for i, r in enumerate(REQS):
         texts = [s.text for s in a if s.request == i]
