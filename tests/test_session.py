@@ -405,3 +405,33 @@ def test_export_overwrite_keeps_other_files(ref, tmp_path, capsys):
     marker = json.loads((out / "crispedit_session.json").read_text())
     assert (out / "notes.txt").read_text() == "keep me" and "model.safetensors" in marker["files"]
     assert "notes.txt" not in marker["files"]
+
+
+def test_session_keeps_its_meaning_of_default_contexts(tmp_path, tiny_model_dir, monkeypatch):
+    """A session created under another DEFAULT_CONTEXTS keeps training what 'default' meant then (its
+    rounds stay reproducible after an upgrade); a session without the record warns and takes today's."""
+    from crispedit.editing.contexts import DEFAULT_CONTEXTS
+
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), _config(edit={"epochs": 1}), progress=False)
+    meta_file = tmp_path / "s" / "session.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["default_contexts"] == DEFAULT_CONTEXTS and meta["config"]["edit"]["contexts"] == "default"
+    assert s.config.edit.contexts == "default"              # created now: today's default, nothing pinned
+    seen = []
+    monkeypatch.setattr(session_mod, "run_round", lambda model, tok, layers, reqs, state, config, *a, **k:
+                        seen.append(config.edit.contexts) or (_ for _ in ()).throw(RuntimeError("stop")))
+    meta["default_contexts"] = "bare,prefix:3"             # as if created under an older default
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(RuntimeError, match="stop"):
+        Session.open(tmp_path / "s", config=_config(edit={"epochs": 1})).add(ROUNDS[0], plot=False)
+    assert seen == ["bare,prefix:3"]
+    del meta["default_contexts"]                            # written before the field existed
+    meta_file.write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match="today's default"), pytest.raises(RuntimeError, match="stop"):
+        Session.open(tmp_path / "s").add(ROUNDS[0], plot=False)
+    assert seen[-1] == "default"
+    meta["default_contexts"] = "bare,nonsense:2"
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CrispEditError, match="malformed: 'default_contexts'"):
+        Session.open(tmp_path / "s")

@@ -50,7 +50,7 @@ from ..data.edits import EditRequest
 from ..data.tokenize import EncodedBatch, collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
 
-__all__ = ["CONTEXT_KINDS", "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence",
+__all__ = ["CONTEXT_KINDS", "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence", "pinned_contexts",
            "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "GEN_STARTS", "build_training_sequences", "training_batches",
            "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS"]
 
@@ -149,15 +149,24 @@ def _has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def resolve_contexts(spec: str, tokenizer) -> tuple[ContextSpec, ...]:
-    """The contexts actually trained for ``tokenizer``: ``default`` drops ``chat`` when the model has
-    no chat template; an explicit ``chat`` without a template is an error."""
-    contexts = parse_contexts(spec)
+def resolve_contexts(spec: str, tokenizer, default: str = DEFAULT_CONTEXTS) -> tuple[ContextSpec, ...]:
+    """The contexts actually trained for ``tokenizer``: ``default`` (expanded to ``default``, normally
+    :data:`DEFAULT_CONTEXTS`) drops ``chat`` when the model has no chat template; an explicit ``chat``
+    without a template is an error."""
+    is_default = spec.strip() == "default"
+    contexts = parse_contexts(default if is_default else spec)
     if not _has_chat_template(tokenizer) and any(c.kind == "chat" for c in contexts):
-        if spec.strip() != "default":
+        if not is_default:
             raise CrispEditError("edit context 'chat' needs a tokenizer with a chat template (this model has none)")
         contexts = tuple(c for c in contexts if c.kind != "chat")
     return contexts
+
+
+def pinned_contexts(spec: str, tokenizer, default: str = DEFAULT_CONTEXTS) -> str:
+    """``spec`` as an explicit ``--contexts`` string for ``tokenizer`` (``"default"`` expanded with
+    ``default`` and, without a chat template, without ``chat``): what a stored run that said
+    ``default`` must keep training after :data:`DEFAULT_CONTEXTS` changes."""
+    return ",".join(str(c) for c in resolve_contexts(spec, tokenizer, default))
 
 
 _SENT = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")

@@ -26,6 +26,9 @@ uninterrupted one would.
 
 Opening a session checks the base model's weight fingerprint and, when a configuration is given, that
 it equals the stored one; either mismatch is refused with a one-line :class:`CrispEditError`.
+``session.json`` also records what ``--contexts default`` meant at creation (``default_contexts``): a
+session keeps training those contexts after an upgrade changes :data:`DEFAULT_CONTEXTS`, so its rounds
+stay reproducible (a session written before the field existed takes today's default, with a warning).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import re
 import shutil
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -50,6 +54,7 @@ from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors,
 from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..models import load_model, parameter, save_model_dir, weight_fingerprint
 from .api import capability_factors
+from .contexts import DEFAULT_CONTEXTS, pinned_contexts
 from .registry import get_editor
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
 from .session_files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
@@ -133,7 +138,7 @@ class Session:
                 "name": config.name,
                 "base": {"spec": spec, "fingerprint": fp, "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
                          "model_type": getattr(getattr(m, "config", None), "model_type", type(m).__name__)},
-                "layers": list(layers), "config": config.to_json()}
+                "layers": list(layers), "config": config.to_json(), "default_contexts": DEFAULT_CONTEXTS}
         files: dict[str, str] = {}
         with atomic_directory(path) as tmp:
             if get_editor(config.edit.method).needs_curvature:
@@ -316,6 +321,13 @@ class Session:
 
     def _adopt_model(self, model, tok) -> None:
         self._model, self._tok = model, tok
+        if self.config.edit.contexts.strip() == "default":
+            default = self.meta.get("default_contexts")
+            if default is None:
+                warnings.warn(f"session {self.path} does not record what --contexts 'default' meant when it was "
+                              f"created; its next rounds train today's default ({DEFAULT_CONTEXTS})", stacklevel=2)
+            elif default != DEFAULT_CONTEXTS:   # keep the session's own meaning of 'default'
+                self.config.edit.contexts = pinned_contexts("default", tok, default)
         editor = get_editor(self.config.edit.method)
         self._layers = editor.select_layers(model, self.config.edit)
         if list(self._layers) != self.meta["layers"]:

@@ -50,6 +50,13 @@ def check_session_meta(meta: dict, path: Path) -> dict:
     _require(meta["base"], where + " (base)", spec=str, fingerprint=str, dtype=str)
     if not all(isinstance(x, str) for x in meta["layers"]):
         raise CrispEditError(f"{where} is malformed: 'layers' must be a list of names")
+    if "default_contexts" in meta:   # written since the lead:4 default; absent in older sessions
+        _require(meta, where, default_contexts=str)
+        from .contexts import parse_contexts
+        try:
+            parse_contexts(meta["default_contexts"])
+        except CrispEditError as e:
+            raise CrispEditError(f"{where} is malformed: 'default_contexts': {e}") from None
     return meta
 
 
