@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from ..errors import CrispEditError, read_text_file
+from .contexts import parse_contexts
 
 __all__ = ["SESSION_FORMAT", "SESSION_FILE", "STATE_FILE", "read_json", "check_session_meta", "check_session_state",
            "read_session_meta", "read_session_state"]
@@ -52,7 +53,6 @@ def check_session_meta(meta: dict, path: Path) -> dict:
         raise CrispEditError(f"{where} is malformed: 'layers' must be a list of names")
     if "default_contexts" in meta:   # written since the lead:4 default; absent in older sessions
         _require(meta, where, default_contexts=str)
-        from .contexts import parse_contexts
         try:
             parse_contexts(meta["default_contexts"])
         except CrispEditError as e:
