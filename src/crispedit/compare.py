@@ -128,6 +128,7 @@ def _row(method: str, ev: dict, **extra) -> dict:
 def _round_line(method: str):
     """A :func:`run_sequence` ``on_round`` callback printing one line per finished round."""
     def report(rec: dict, n_rounds: int) -> None:
+        """Print ``method``'s line for the round record ``rec``: edits, seconds, epochs, last epoch loss."""
         train = rec.get("train") or {}
         loss = (train.get("epoch_loss") or [None])[-1]
         tqdm.write(f"  {method} round {rec['round']}/{n_rounds}: {rec['n_edits']} edits, {rec['edit_seconds']:.1f}s, "
@@ -288,6 +289,7 @@ def pareto_front(points: dict[str, tuple[float | None, float | None]]) -> list[s
     at least as high on both and strictly higher on one (equal points are all on it); a point with a
     ``None`` or NaN coordinate is never on it and dominates nothing."""
     def ok(p):
+        """Whether both coordinates of ``p`` are set (not ``None``) and not NaN."""
         return all(v is not None and v == v for v in p)
 
     valid = {n: (float(p[0]), float(p[1])) for n, p in points.items() if ok(p)}
@@ -392,6 +394,8 @@ def plot_compare(payload: dict, path: str | Path) -> None:
     pareto = pareto_points(payload)
 
     def xy(m):
+        """Plot position ``(x, y)`` of row ``m``: retention (NaN if unset; without capability tasks the KL drift,
+        floored at 1e-6) and success (0 if unset)."""
         y, ret = pareto["points"][m]
         x = (float("nan") if ret is None else ret) if caps else max(-ret, 1e-6)
         return x, y or 0.0

@@ -50,6 +50,7 @@ def cmd_info(args) -> int:
     patches = sum(p["apply_patch"] + p["revert_patch"] for p in params.values())
 
     def f(v):
+        """``v`` to six decimals, ``-`` for None."""
         return "-" if v is None else f"{v:.6f}"
 
     print(f"delta {args.delta}: {meta.get('method', '?')} edit of {meta.get('model_type')} ({meta['dtype']}), "

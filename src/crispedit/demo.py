@@ -81,6 +81,7 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
           f"{'epochs':>6} {'edit s':>7}  contexts")
     for m, wild, rel, kl, ppl, ppl0, ep, es, ctxs in rows:
         def cell(ctx: str) -> str:
+            """``rel/gen`` of this row's WILD context ``ctx`` to two decimals, ``-`` if it was not run."""
             v = wild.get(ctx)
             return "-" if not v else f"{v['rel']:.2f}/{v['gen']:.2f}"
 

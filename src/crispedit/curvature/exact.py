@@ -117,6 +117,7 @@ def _functional(model: nn.Module, layout: ParamLayout):
     buffers = dict(model.named_buffers())
 
     def f(flat: Tensor, x: Tensor) -> Tensor:
+        """Logits of ``model`` on ``x`` with the layout's parameters taken from the flat vector ``flat``."""
         return functional_call(model, {**frozen, **buffers, **layout.unflatten(flat)}, (x,))
 
     return f
@@ -149,6 +150,7 @@ def ggn_matrix(model: nn.Module, inputs: Tensor, *, layout: ParamLayout | None =
     G = torch.zeros(P, P, dtype=dtype)
 
     def single(flat: Tensor, x: Tensor) -> Tensor:
+        """Logits (``C``) of one example ``x`` (no batch dimension) at parameters ``flat``."""
         return f(flat, x.unsqueeze(0)).squeeze(0)
 
     jac = vmap(jacrev(single), in_dims=(None, 0))

@@ -246,12 +246,16 @@ def capture_io(modules: dict[str, nn.Module]) -> Iterator[dict[str, _Captured]]:
     handles = []
 
     def make_hook(name: str, module: nn.Module) -> Callable:
+        """A forward hook recording the input rows and output gradients of layer ``name`` into ``store``."""
         def hook(mod, args, output):
+            """Forward hook: record the input rows of ``name`` and hook its output's gradient (the output made
+            a grad-requiring leaf first if need be); returns that output."""
             store[name].inputs.append(layer_rows(mod, args[0].detach()))
             if not output.requires_grad:
                 output = output.detach().requires_grad_(True)
 
             def grad_hook(g: Tensor) -> None:
+                """Tensor hook: record the output gradient ``g`` of ``name`` as rows (``... x d_out``)."""
                 store[name].grads.append(_grad_rows(mod, g.detach()))
 
             output.register_hook(grad_hook)
@@ -395,6 +399,8 @@ def head_on_rows(model: nn.Module, rows: Tensor, skip: Sequence[nn.Module] = ())
         return
 
     def pre(mod, args):
+        """Forward pre-hook: feed the head ``h[rows]`` as one ``1 x N x H`` sequence when the hidden states are
+        ``B x T x H`` with ``B x T`` the shape of ``rows``; otherwise leave the input unchanged."""
         h = args[0]
         if h.dim() != 3 or tuple(h.shape[:2]) != tuple(rows.shape):
             return None
@@ -470,6 +476,7 @@ def _hidden_at_rows(head: nn.Module, rows: Tensor) -> Iterator[list[Tensor]]:
     out: list[Tensor] = []
 
     def pre(mod, args):
+        """Forward pre-hook: record ``h[rows]`` (``N x H``) and feed the head the empty ``B x 0 x H`` instead."""
         h = args[0]
         out.append(h[rows])
         return (h[:, :0], *args[1:])
@@ -641,7 +648,10 @@ def collect_lm_input_covariance(
     mask: Tensor | None = None
 
     def make_hook(name: str, module: nn.Module):
+        """A forward hook adding layer ``name``'s input products to ``sums[name]``."""
         def hook(mod, args, output):
+            """Forward hook: add ``aᵀ a`` (float64, ``d_in x d_in``) of the non-padding input rows ``a`` to
+            ``sums[name]``; stops the forward (:class:`_StopForward`) after the last layer."""
             a = layer_rows(mod, args[0].detach())[mask].to(stat_dtype)
             aa = (a.T @ a).to(torch.float64)
             sums[name] = sums[name] + aa if name in sums else aa

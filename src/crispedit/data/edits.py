@@ -91,6 +91,8 @@ def _answer_text(ans: Any) -> str:
 
 def _from_record(rec: dict, fmt: str, index: int) -> EditRequest:
     def req(key: str) -> str:
+        """The string field ``key`` of ``rec`` (a one-element list unwrapped); ``ValueError`` if missing, not a
+        string or blank."""
         if key not in rec:
             raise ValueError(f"missing field {key!r}")
         val = rec[key]

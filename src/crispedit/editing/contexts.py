@@ -262,6 +262,8 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
     end_ids = [eos] if answer_end == "eos" else []
 
     def plain(i: int, kind: str, ctx: str, target: str, sep: str = " ") -> TrainingSequence:
+        """The ``kind`` sequence of request ``i``: ``ctx + sep + target`` (under ``auto`` a target without a final
+        ``.``/``!``/``?`` gets a full stop), then EOS under ``eos``; the context tokens carry no loss."""
         t = target
         if answer_end == "auto" and t.rstrip()[-1:] not in (".", "!", "?"):
             t = t.rstrip() + "."

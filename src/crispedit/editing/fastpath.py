@@ -60,6 +60,7 @@ class _Passthrough(nn.Module):
         self.tuple_len = tuple_len
 
     def forward(self, hidden_states, *args, **kwargs):
+        """``hidden_states`` unchanged (as a ``tuple_len`` tuple padded with ``None`` if blocks return tuples)."""
         if self.tuple_len is None:
             return hidden_states
         return (hidden_states,) + (None,) * (self.tuple_len - 1)
@@ -107,10 +108,12 @@ class _FastLoss:
         store = {}
 
         def pre(mod, args, kwargs):
+            """Forward pre-hook on block ``k``: store its input hidden states (detached) and stop the forward."""
             store["h"] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach()
             raise _Stop
 
         def post(mod, args, out):
+            """Forward hook on block ``k - 1``: note the length of its output tuple (None if not a tuple)."""
             self.tuple_len = len(out) if isinstance(out, tuple) else None
 
         h1 = self.blocks[self.k].register_forward_pre_hook(pre, with_kwargs=True)
@@ -163,6 +166,7 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
                  enabled: bool = True) -> Callable[[int], Tensor]:
     """``loss_fn(batch_index)`` for the edit loop: the verified fast loss, or the plain one."""
     def plain(i: int) -> Tensor:
+        """The plain FT-M loss (:func:`plain_loss`) of ``batches[i]``: 0-d, nats per target token."""
         return plain_loss(model, batches[i])
 
     plain.fast = False  # type: ignore[attr-defined]
@@ -187,6 +191,7 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
         model.train(was_training)
 
     def fast(i: int) -> Tensor:
+        """The fast FT-M loss of ``batches[i]`` (cached prefix, head on target rows only): 0-d, nats/target token."""
         return fast_loss(i, batches[i])
 
     fast.fast = True  # type: ignore[attr-defined]

@@ -198,6 +198,7 @@ def _add_at(block: nn.Module, pos: Tensor, delta: Tensor) -> Iterator[list]:
     seen: list[Tensor] = []
 
     def hook(mod, args, output):
+        """Forward hook: record the output hidden states (detached), return them with ``delta`` added at ``pos``."""
         h = _hidden(output)
         seen.append(h.detach())
         h = h.clone()

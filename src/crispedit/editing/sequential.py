@@ -267,6 +267,7 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
     state = SeqState(weights=dict(base), cap=factors)
 
     def capability() -> KFACFactors:  # recompute_drift: recollect on the current (edited) model
+        """Capability curvature factors collected afresh on the model's current (edited) weights."""
         return capability_factors(model, tokenizer, layers, ec, cache_root=cache_root, progress=False,
                                   kind=editor.curvature_kind)[0]
 

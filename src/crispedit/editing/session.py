@@ -357,6 +357,7 @@ class Session:
             files = st["files"]
 
             def factors(key: str) -> KFACFactors | None:
+                """The :class:`KFACFactors` stored under ``files[key]``, or None if the round has no such file."""
                 if key not in files:
                     return None
                 t, meta = _load_tensors(self.path / files[key])
@@ -388,6 +389,8 @@ class Session:
         tag = f"{k:04d}"
 
         def save(key: str, tensors: dict, meta: dict | None = None) -> None:
+            """Write ``tensors`` (with ``meta``) atomically to ``<key>-<round>.safetensors``, fsync it and
+            record its name in ``files[key]``."""
             files[key] = f"{key}-{tag}.safetensors"
             atomic_save_safetensors(self.path / files[key], tensors, meta)
             _fsync(self.path / files[key])  # on disk before the commit names it (power loss, not just kill -9)

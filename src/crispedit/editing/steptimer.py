@@ -116,6 +116,7 @@ class StepTimer:
         n = len(rows)
 
         def mean(key: str) -> float:
+            """Mean seconds of phase ``key`` over the kept steps (0 where a step did not time it)."""
             return sum(r.get(key, 0.0) for r in rows) / n
 
         out = {k: mean(k) for k in MAIN_PHASES}

@@ -61,6 +61,7 @@ def _parse_limit(spec):
     from .capabilities import parse_tasks
 
     def one(name: str, v: str):
+        """``v`` as a positive int (errors name ``name``), None for ``all``."""
         return None if v.strip().lower() == "all" else check_positive_int(name, v)
 
     spec = "200" if spec is None else str(spec)

@@ -125,6 +125,7 @@ def summarize_edit_scores(per_edit: Sequence[dict]) -> dict:
     """Means over edits (None where no edit has the key, rounded to 4 digits) of ``rel``, ``gen`` and their token
     accuracies, plus ``spec`` / ``spec_token_acc`` / ``spec_cf`` when specificity was scored."""
     def mean(key: str):
+        """Mean of ``key`` over the edits that have it (rounded to 4 digits), None if none has it."""
         vals = [float(e[key]) for e in per_edit if e.get(key) is not None]
         return round(sum(vals) / len(vals), 4) if vals else None
 

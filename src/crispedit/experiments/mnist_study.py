@@ -391,6 +391,7 @@ def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Ca
     from .study_report import write_csv, write_plot
 
     def report(done: bool) -> dict:
+        """The study's results payload so far (``complete``: ``done``): config, environment, network, rows."""
         return {
             "study": "mnist_to_fashion_mnist_curvature",
             "complete": done,
@@ -405,6 +406,7 @@ def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Ca
         }
 
     def save_partial() -> None:  # a long run can be inspected (and survives an interrupt) as it goes
+        """Write the payload so far to ``results.partial.json`` in ``out_dir`` (atomically)."""
         atomic_write_json(out_dir / "results.partial.json", report(False))
 
     for method in cfg.methods:
@@ -433,6 +435,8 @@ def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Ca
             first = [True]
 
             def make_projector() -> ParamProjector:
+                """The projector at ``gamma``: first from the curvature at the pre-trained weights, then from
+                curvature recomputed at the current weights."""
                 if first[0]:  # the shared curvature at the pre-trained weights
                     first[0] = False
                     return curv0.projector(gamma)

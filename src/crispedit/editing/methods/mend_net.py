@@ -261,7 +261,9 @@ def added_deltas(layers: dict[str, nn.Module], deltas: dict[str, Tensor]) -> Ite
     """Run ``layers`` as if ``deltas[name]`` (``d_out x d_in``) were added to their weights: a forward hook adds
     ``x ΔWᵀ`` to each output (the weights stay untouched; gradients flow into ``deltas``)."""
     def hook_for(dW: Tensor):
+        """A forward hook adding ``x dWᵀ`` (``dW``: ``d_out x d_in``) to its layer's output."""
         def hook(mod, args, output):
+            """Forward hook: ``output + x dWᵀ`` for the layer input ``x``, in ``output``'s dtype."""
             return output + (args[0].to(dW.dtype) @ dW.T).to(output.dtype)
         return hook
 

@@ -52,6 +52,7 @@ class MENDTrainHistory:
     def to_json(self) -> dict:
         """JSON-ready summary: steps, seconds, first/last-10 means of each loss, final α."""
         def ends(xs):
+            """``{"first10", "last10"}``: means of the first / last ten values of ``xs`` (6 decimals); ``{}`` if empty."""
             return {"first10": round(sum(xs[:10]) / max(len(xs[:10]), 1), 6),
                     "last10": round(sum(xs[-10:]) / max(len(xs[-10:]), 1), 6)} if xs else {}
         return {"steps": len(self.loss), "seconds": round(self.seconds, 2), "loss": ends(self.loss),
