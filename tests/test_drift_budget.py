@@ -14,6 +14,7 @@ from crispedit.editing.api import capability_factors
 from crispedit.errors import CrispEditError
 from crispedit.evaluation import kl_drift
 from crispedit.models import resolve_layers
+from crispedit.pipeline import steep_layers
 
 REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}") for i in range(4)]
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
@@ -198,6 +199,7 @@ def test_cli_edit_reports_prediction_and_budget(tmp_path, tiny_model_dir, iso_ca
     assert s["kl_predicted"] > 0 and set(s["kl_predicted_layers"]) == set(resolve_layers_names())
     assert sum(s["kl_predicted_layers"].values()) == pytest.approx(s["kl_predicted_blockdiag"], rel=1e-4)
     assert sum(v ** 0.5 for v in s["kl_predicted_layers"].values()) ** 2 == pytest.approx(s["kl_predicted"], rel=1e-4)
+    assert s["steep_layers"] == steep_layers(s["kl_predicted_layers"])
     eps = s["kl_predicted"] / 4
     assert main(common + ["--out", str(tmp_path / "b"), "--max-drift", str(eps)]) == 0
     out = capsys.readouterr().out
@@ -279,3 +281,20 @@ def test_drift_penalty_lowers_the_predicted_drift_and_keeps_the_edit(tiny_lm, is
         cfg("ft", drift_penalty=1.0)
     with pytest.raises(CrispEditError, match="drift penalty"):
         cfg(drift_penalty=-1.0)
+
+
+def test_steep_layers_names_the_layer_that_dominates_the_prediction():
+    # SmolLM2 {2-11} (docs/results/wild_sweep6_zsre_dev400_32.json): block 11 predicted 0.19 of 0.19 nats/token
+    layers = {f"model.layers.{i}.mlp.down_proj": v for i, v in zip(range(2, 12), (
+        0.000898923, 4.18018e-05, 4.4449e-05, 4.57373e-05, 4.57375e-05, 4.55e-05, 5.38092e-05, 0.000169241,
+        9.64448e-05, 0.190545))}
+    st = steep_layers(layers)
+    assert [d["layer"] for d in st] == ["model.layers.11.mlp.down_proj"]  # block 2 is 20x the median but 0.5 % of it
+    assert st[0]["share"] == pytest.approx(0.190545 / sum(layers.values()), abs=1e-4) and st[0]["vs_median"] > 1000
+    even = {"a": 0.00015, "b": 0.00015, "c": 0.00015, "d": 0.00015, "e": 0.00019}  # the default {4-8}
+    assert steep_layers(even) == []
+    assert steep_layers({"a": 1.0}) == [] and steep_layers({"a": 0.0, "b": 0.0}) == []
+    two = steep_layers({"a": 1.0, "b": 0.01})
+    assert [d["layer"] for d in two] == ["a"] and two[0]["vs_median"] == 100.0
+    assert steep_layers({"a": 1.0, "b": 0.0})[0]["vs_median"] is None  # no ratio to a zero median
+    assert steep_layers({"a": 1.0, "b": 0.2}, factor=10) == [] and steep_layers({"a": 1.0, "b": 0.2}, factor=4)

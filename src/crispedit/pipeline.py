@@ -24,7 +24,7 @@ from .errors import atomic_directory, atomic_write_json, check_finite_tensors, c
 from .evaluation import CONTEXTS, evaluate_edit
 from .models import parameter, save_model_dir
 
-__all__ = ["run_edit_job", "build_report", "environment", "drift_summary"]
+__all__ = ["run_edit_job", "build_report", "environment", "drift_summary", "steep_layers"]
 
 
 def environment() -> dict:
@@ -56,15 +56,42 @@ def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditReq
 def drift_summary(result: EditResult) -> dict:
     """The report keys of the drift model: ``kl_predicted`` (K-FAC predicted per-token KL drift, nats, the
     coherent bound over layers; ``None`` when no factors cover the changed weights),
-    ``kl_predicted_blockdiag`` (the layers' sum), ``kl_predicted_layers`` (per edit layer) and, with
+    ``kl_predicted_blockdiag`` (the layers' sum), ``kl_predicted_layers`` (per edit layer), ``steep_layers``
+    (:func:`steep_layers`: those that dominate the prediction) and, with
     ``--max-drift``, ``drift_budget`` (``max_drift``, ``hit``, ``hits``, ``steps``, ``final_predicted``)."""
     pred = result.kl_predicted
     out = {"kl_predicted": None if pred is None else float(f"{pred['total']:.6g}"),
            "kl_predicted_blockdiag": None if pred is None else float(f"{pred['blockdiag']:.6g}"),
-           "kl_predicted_layers": None if pred is None else {k: float(f"{v:.6g}") for k, v in pred["layers"].items()}}
+           "kl_predicted_layers": None if pred is None else {k: float(f"{v:.6g}") for k, v in pred["layers"].items()},
+           "steep_layers": [] if pred is None else steep_layers(pred["layers"])}
     if result.drift_budget is not None:
         out["drift_budget"] = result.drift_budget
     return out
+
+
+STEEP_FACTOR = 10.0   # a layer predicting this many times the other layers' median ...
+STEEP_SHARE = 0.25    # ... and at least this share of the layers' summed predicted drift is "steep"
+
+
+def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, share: float = STEEP_SHARE) -> list[dict]:
+    """The edit layers whose own predicted drift ``q_l`` (nats/token, :func:`drift_summary`'s per-layer values)
+    dominates: ``q_l`` above ``factor`` × the median of the other layers and at least ``share`` of ``Σ q``.
+    Each as ``{"layer", "predicted", "share", "vs_median"}``, largest first; ``[]`` with fewer than two layers.
+    On SmolLM2, block 11's ``down_proj`` in ``{2-11}`` predicted 99 % of the drift (0.19 of 0.19) and the
+    edit drifted 20× more than ``{4-8}``: an edit window without such a layer is worth trying."""
+    vals = {k: float(v) for k, v in layers.items()}
+    total = sum(vals.values())
+    if len(vals) < 2 or not total > 0:
+        return []
+    out = []
+    for name, q in vals.items():
+        others = sorted(v for k, v in vals.items() if k != name)
+        mid = len(others) // 2
+        med = others[mid] if len(others) % 2 else 0.5 * (others[mid - 1] + others[mid])
+        if q >= share * total and q > factor * med:
+            out.append({"layer": name, "predicted": float(f"{q:.6g}"), "share": round(q / total, 4),
+                        "vs_median": None if med <= 0 else round(q / med, 1)})
+    return sorted(out, key=lambda d: -d["predicted"])
 
 
 def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: EditConfig, out: str | Path, *,
