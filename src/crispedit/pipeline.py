@@ -9,6 +9,7 @@ the report last).
 from __future__ import annotations
 
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Sequence
@@ -85,9 +86,7 @@ def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, shar
         return []
     out = []
     for name, q in vals.items():
-        others = sorted(v for k, v in vals.items() if k != name)
-        mid = len(others) // 2
-        med = others[mid] if len(others) % 2 else 0.5 * (others[mid - 1] + others[mid])
+        med = statistics.median(v for k, v in vals.items() if k != name)
         if q >= share * total and q > factor * med:
             out.append({"layer": name, "predicted": float(f"{q:.6g}"), "share": round(q / total, 4),
                         "vs_median": None if med <= 0 else round(q / med, 1)})
