@@ -346,6 +346,22 @@ def test_pareto_points_and_the_table_marking():
     assert p["front"] == ["crispedit", "ft"] and "arc, tqa" in p["retention"]   # lora's low KL no longer counts
 
 
+def test_compare_table_notes_a_steep_layer():
+    """A row whose summary names a steep layer (``pipeline.steep_layers``) gets the same one-line note that
+    ``crispedit edit`` prints; rows without one add nothing."""
+    settings = {"model": "m", "n_edits": 4, "edits": {}, "evaluation": {"capabilities": [], "limit": None}}
+    wide = _row(0.9, 0.08)
+    wide["summary"]["steep_layers"] = [{"layer": "model.layers.11.mlp.down_proj", "predicted": 0.19, "share": 0.99,
+                                        "vs_median": 760.0}]
+    payload = {"settings": settings, "methods": ["crispedit", "wide"],
+               "results": {"base": _row(0.0, 0.0), "crispedit": _row(0.8, 0.002), "wide": wide}}
+    notes = [ln for ln in compare_mod.compare_table(payload).splitlines() if ln.startswith("Steep layers")]
+    assert len(notes) == 1 and "wide: model.layers.11.mlp.down_proj predicts 99% of the drift (0.19 nats/token, " \
+        "760x the other layers' median)" in notes[0] and "crispedit:" not in notes[0]
+    del wide["summary"]["steep_layers"]
+    assert "Steep layers" not in compare_mod.compare_table(payload)
+
+
 def test_alphaedit_seq_carries_kp_like_the_batch_run_across_its_batches(tiny_lm, tmp_path, iso_cache):
     """AlphaEdit-Seq: K_p K_pᵀ goes from round to round through the session state. With no model-written
     prefixes (so both runs use the same key templates) rounds of one edit give exactly what one alphaedit

@@ -63,10 +63,10 @@ def cmd_edit(args) -> int:
     for ctx, w in (report.get("wild") or {}).items():
         if isinstance(w, dict):
             print(f"  WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']}")
+    from .pipeline import steep_note
+
     for st in s.get("steep_layers") or []:
-        times = "" if st["vs_median"] is None else f", {st['vs_median']:g}x the other layers' median"
-        print(f"  note: {st['layer']} predicts {st['share']:.0%} of the drift ({st['predicted']:.3g} nats/token{times}); "
-              "an edit without this layer may drift far less (see README 'Where to edit')")
+        print(f"  note: {steep_note(st)}")
     if args.delta_only:
         print(f"delta.safetensors and edit_report.json written to {args.out}")
     else:

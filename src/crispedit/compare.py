@@ -327,7 +327,7 @@ def compare_table(payload: dict) -> str:
     rel / gen, KL drift, capability scores (percent), edit time (+ curvature time), peak memory and
     ``Pareto`` (★ for the rows on the front of :func:`pareto_points`). Per column the best edited method
     and those within 5 % (relative) of it are in bold. A note under the table gives the ``-seq`` rows'
-    rounds, chunk size and mean time per round."""
+    rounds, chunk size and mean time per round, and one line per steep layer (:func:`~crispedit.pipeline.steep_note`)."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
@@ -378,6 +378,12 @@ def compare_table(payload: dict) -> str:
                  + "; ".join(f"{m}: {r['rounds']} rounds of {r['seq_chunk']}, "
                              f"{sum(r['round_seconds']) / len(r['round_seconds']):.1f}s per round" for m, r in seq)
                  + "\n")
+    steep = [(m, st) for m in rows for st in (res[m]["summary"].get("steep_layers") or [])]
+    if steep:
+        from .pipeline import steep_note
+
+        note += "\nSteep layers (one edit layer dominates the predicted drift): " + "; ".join(
+            f"{m}: {steep_note(st)}" for m, st in steep) + "\n"
     return "\n".join(lines) + "\n" + note
 
 

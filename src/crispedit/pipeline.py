@@ -25,7 +25,7 @@ from .errors import atomic_directory, atomic_write_json, check_finite_tensors, c
 from .evaluation import CONTEXTS, evaluate_edit
 from .models import parameter, save_model_dir
 
-__all__ = ["run_edit_job", "build_report", "environment", "drift_summary", "steep_layers"]
+__all__ = ["run_edit_job", "build_report", "environment", "drift_summary", "steep_layers", "steep_note"]
 
 
 def environment() -> dict:
@@ -91,6 +91,14 @@ def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, shar
             out.append({"layer": name, "predicted": float(f"{q:.6g}"), "share": round(q / total, 4),
                         "vs_median": None if med <= 0 else round(q / med, 1)})
     return sorted(out, key=lambda d: -d["predicted"])
+
+
+def steep_note(st: dict) -> str:
+    """One line on a steep layer (an entry of :func:`steep_layers`): its share of the predicted drift, the
+    prediction in nats/token, its ratio to the other layers' median, and the advice to edit without it."""
+    times = "" if st.get("vs_median") is None else f", {st['vs_median']:g}x the other layers' median"
+    return (f"{st['layer']} predicts {st['share']:.0%} of the drift ({st['predicted']:.3g} nats/token{times}); "
+            "an edit without this layer may drift far less (see README 'Where to edit')")
 
 
 def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: EditConfig, out: str | Path, *,
