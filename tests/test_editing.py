@@ -251,3 +251,21 @@ def test_cli_choices_and_option_flags_come_from_the_registry():
         assert {"--lora-r", "--lora-alpha", "--lora-dropout", "--lora-targets", "--locbf-ft-layer"} <= flags
     finally:
         del EDITORS["dummy-ft"]
+
+
+def test_edit_scales_a_default_lr_for_the_model_family(tiny_lm, iso_cache):
+    """On a model whose config says Gemma-3, ``edit()`` trains with the family's default lr (DEFAULT_LR × 0.1),
+    writes it back into the config it was given (what reports and compare store) and places the default
+    window by the family's rule; an explicit lr is used as given."""
+    from crispedit.editing import DEFAULT_LR
+
+    model, tok = tiny_lm
+    model.config.model_type = "gemma3_text"
+    config = EditConfig(method="ft", epochs=1, batch_size=4, contexts="bare")
+    assert config.lr == DEFAULT_LR
+    res = edit(model, tok, REQS[:2], config, progress=False)
+    assert config.lr == DEFAULT_LR * 0.1 and res.layers == ["model.layers.0.mlp.down_proj"]  # 4 blocks: {0}
+    restore(model, res.original_weights)
+    given = EditConfig(method="ft", epochs=1, batch_size=4, contexts="bare", lr=1e-2)
+    edit(model, tok, REQS[:2], given, progress=False)
+    assert given.lr == 1e-2

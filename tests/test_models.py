@@ -2,7 +2,9 @@ import pytest
 import torch
 
 from crispedit.errors import CrispEditError
-from crispedit.models import default_layer_pattern, expand_pattern, load_model, resolve_layers
+from crispedit.families import FamilyDefaults, defaults_for
+from crispedit.models import (default_layer_pattern, expand_pattern, family_defaults, load_model, model_family,
+                              resolve_layers)
 
 
 def test_expand_pattern():
@@ -48,7 +50,26 @@ def test_default_patterns_per_family():
     except ImportError:  # pragma: no cover
         return
     gemma = _tiny(Gemma3TextConfig, Gemma3ForCausalLM, num_hidden_layers=18, head_dim=8, **common)
-    assert default_layer_pattern(gemma) == "model.layers.{2-5}.mlp.down_proj"   # Gemma-3-270M shape
+    # Gemma-3-270M's shape: its measured window {1-4} (crispedit.families), not the SmolLM2 rule's {2-5}
+    assert default_layer_pattern(gemma) == "model.layers.{1-4}.mlp.down_proj"
+    assert model_family(gemma) == "gemma3_text" and family_defaults(gemma).lr_scale == 0.1
+    assert family_defaults(llama) == FamilyDefaults() and model_family(object()) is None
+
+
+def test_family_lr_scales_only_a_default_shared_lr_and_only_once():
+    """``EditConfig.for_family``: the shared DEFAULT_LR left unset becomes 5e-5 on Gemma-3 (once, however
+    often it is called); an lr the user gave, LoRA's own default and other families are kept."""
+    from crispedit.editing import DEFAULT_LR, EditConfig
+
+    assert defaults_for("gemma3").lr_scale == defaults_for("gemma3_text").lr_scale == 0.1
+    assert defaults_for("llama") == defaults_for(None) == FamilyDefaults()
+    cfg = EditConfig()
+    assert cfg.lr == DEFAULT_LR and cfg.for_family("gemma3_text") is cfg and cfg.lr == 5e-5
+    assert cfg.for_family("gemma3_text").lr == 5e-5 and cfg.validate().lr == 5e-5   # scaled once
+    assert EditConfig(lr=1e-3).for_family("gemma3").lr == 1e-3                      # the user's lr
+    assert EditConfig(method="lora").for_family("gemma3").lr == 5e-3                # the method's own
+    assert EditConfig().for_family("llama").lr == DEFAULT_LR
+    assert EditConfig.from_dict(EditConfig().to_json()).for_family("gemma3").lr == DEFAULT_LR  # stored = explicit
 
 
 def test_load_model_specs(tiny_model_dir, tiny_tok, tmp_path):

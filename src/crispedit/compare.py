@@ -53,7 +53,7 @@ from .editing.sequential import run_sequence
 from .errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
                      check_positive_int, read_text_file)
 from .evaluation import CONTEXTS, evaluate_edit
-from .models import weight_fingerprint
+from .models import model_family, weight_fingerprint
 
 __all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "pareto_front", "pareto_points",
            "COMPARE_FORMAT"]
@@ -164,6 +164,8 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
         # what each method needs of the requests (the closed forms' subjects) and of the model (MEND's trained
         # network), before anything
         get_editor(base_method).check_requests(requests)
+        # a default lr scaled for the model family now, so that a resumed compare compares what ran
+        (cfg.edit if isinstance(cfg, SeqConfig) else cfg).for_family(model_family(model))
         get_editor(base_method).check_ready(model, cfg.edit if isinstance(cfg, SeqConfig) else cfg)
     seqs = [m for m in methods if seq_row(m)[1]]
     if seq_chunk is not None and not seqs:

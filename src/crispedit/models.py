@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .errors import CrispEditError, atomic_directory
+from .families import defaults_for
 from .progress import show_progress
 
 __all__ = [
@@ -48,6 +49,8 @@ __all__ = [
     "weight_fingerprint",
     "decoder_blocks",
     "MLP_OUT_PROJ",
+    "family_defaults",
+    "model_family",
 ]
 
 # MLP output projection of one decoder block, per `config.model_type`.
@@ -336,25 +339,39 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return min(candidates, key=lambda x: x[0].count("."))
 
 
-def default_layer_pattern(model: nn.Module) -> str:
-    """Default edited layers: the MLP output projection of 5 consecutive blocks starting at 15 % of the
-    depth (SmolLM2-135M, 30 blocks: ``model.layers.{4-8}.mlp.down_proj``). Fewer for shallow models.
-
-    Chosen by the WILD sweep in README "Where to edit": on SmolLM2 the early blocks {4-8} generalise to
-    the unseen QA wrapper and to rephrasings far better than half depth {15-19} (QA rel 0.66 vs 0.47,
-    gen 0.56 vs 0.28) at KL drift 0.0041 vs 0.0030."""
+def model_family(model: nn.Module) -> str | None:
+    """The ``model_type`` that decides ``model``'s edit defaults (a multimodal config's text model type
+    when that is the known one); ``None`` when the model has no config."""
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
     text_cfg = getattr(cfg, "text_config", None)
     if text_cfg is not None and getattr(text_cfg, "model_type", None) in MLP_OUT_PROJ:
         model_type = text_cfg.model_type
+    return model_type
+
+
+def family_defaults(model: nn.Module) -> FamilyDefaults:
+    """:class:`~crispedit.families.FamilyDefaults` of ``model``'s family (:func:`~crispedit.families.defaults_for`)."""
+    return defaults_for(model_family(model))
+
+
+def default_layer_pattern(model: nn.Module) -> str:
+    """Default edited layers: the MLP output projection of 5 consecutive blocks starting at 15 % of the
+    depth (SmolLM2-135M, 30 blocks: ``model.layers.{4-8}.mlp.down_proj``), fewer for shallow models;
+    families in :data:`~crispedit.families.FAMILY_DEFAULTS` have their own start and count (Gemma-3-270M: ``{1-4}``).
+
+    Chosen by the WILD sweep in README "Where to edit": on SmolLM2 the early blocks {4-8} generalise to
+    the unseen QA wrapper and to rephrasings far better than half depth {15-19} (QA rel 0.66 vs 0.47,
+    gen 0.56 vs 0.28) at KL drift 0.0041 vs 0.0030."""
+    model_type = model_family(model)
     if model_type not in MLP_OUT_PROJ:
         raise CrispEditError(
             f"no default layers for model type {model_type!r}; pass --layers (e.g. 'model.layers.{{10-14}}.mlp.down_proj')")
     prefix, blocks = decoder_blocks(model)
     n = len(blocks)
-    count = max(1, min(5, n // 4))
-    start = min(int(n * 0.15), n - count)
+    fam = family_defaults(model)
+    count = max(1, min(fam.count, n // 4))
+    start = min(int(n * fam.start), n - count)
     rng = f"{start}-{start + count - 1}" if count > 1 else f"{start}"
     return f"{prefix}.{{{rng}}}.{MLP_OUT_PROJ[model_type]}"
 

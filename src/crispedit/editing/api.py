@@ -16,7 +16,7 @@ from ..curvature.kfac import KFACFactors
 from ..data.corpus import capability_corpus, corpus_digest
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
-from ..models import cache_dir, parameter, weight_fingerprint
+from ..models import cache_dir, model_family, parameter, weight_fingerprint
 from .config import EditConfig
 from .contexts import resolve_contexts
 from .loop import TrainHistory
@@ -118,7 +118,7 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     editors without curvature (ft, locbf-ft) get it only with ``predict_drift`` (their factors are then
     fetched from the cache or collected, like a curvature editor's).
     """
-    config = (config or EditConfig()).validate()
+    config = (config or EditConfig()).validate().for_family(model_family(model))
     if not requests:
         raise CrispEditError("no edit requests given")
     editor = get_editor(config.method)

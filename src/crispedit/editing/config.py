@@ -86,6 +86,8 @@ class EditConfig:
         self.options = spec.Config.from_options(self.method, self.options).to_json()
         if self.lr is None:
             self.lr = spec.shared.get("lr", DEFAULT_LR)
+            # the shared DEFAULT_LR is scaled per model family at edit time (for_family); a method's own is not
+            self._lr_family_scaled = "lr" in spec.shared
         self.gamma = check_gamma(self.gamma)
         for name in ("batch_size", "epochs", "n_cap", "max_len", "kfac_batch_size"):
             setattr(self, name, check_positive_int(name.replace("_", "-"), getattr(self, name)))
@@ -117,6 +119,19 @@ class EditConfig:
                 curv = ", ".join(n for n in method_names() if method_spec(n).curvature)
                 raise CrispEditError(f"--max-drift / --drift-penalty need the K-FAC factors of a curvature method ({curv}); "
                                      f"{self.method} holds none")
+        return self
+
+    def for_family(self, family: str | None) -> "EditConfig":
+        """Scale a default learning rate for the model family ``family`` (a config ``model_type``), in place
+        and once: when ``lr`` was left unset and the method takes the shared :data:`DEFAULT_LR`, it becomes
+        ``DEFAULT_LR × FAMILY_DEFAULTS[family].lr_scale`` (Gemma-3: 5e-5; :mod:`crispedit.families`). An lr
+        the user gave, a method's own default (LoRA's) and an already scaled config are kept. Returns ``self``.
+        :func:`~crispedit.editing.edit`, sessions and ``compare`` call it with the model's family."""
+        if getattr(self, "_lr_family_scaled", True) is False:
+            from ..families import defaults_for
+
+            self.lr = float(f"{self.lr * defaults_for(family).lr_scale:.6g}")
+        self._lr_family_scaled = True
         return self
 
     @property

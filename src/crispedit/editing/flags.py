@@ -77,7 +77,7 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> Non
     p.add_argument("--epochs", type=int, default=d["epochs"],
                    help=f"maximum epochs over the edits (default {d['epochs']}; the paper: 25); training stops "
                         "earlier once an epoch's mean loss is below 0.01")
-    p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: the method's; 5e-4, LoRA 5e-3)")
+    p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: the method's; 5e-4 (Gemma-3: 5e-5, crispedit.families), LoRA 5e-3)")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help=f"edit sequences per step (default {d['batch_size']})")
     p.add_argument("--projection", choices=[t.value for t in ProjectionTarget], default=d["projection_target"],
                    help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")

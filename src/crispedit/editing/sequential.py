@@ -43,7 +43,7 @@ from ..curvature.kfac import KFACFactors, collect_lm_kfac
 from ..curvature.predicted import predicted_kl
 from ..data.edits import EditRequest
 from ..errors import CrispEditError, check_positive_int
-from ..models import parameter
+from ..models import model_family, parameter
 from .config import MODES, WEIGHTINGS, EditConfig, SeqConfig
 from .contexts import resolve_contexts, sequences_for
 from .methods import EditContext
@@ -254,7 +254,7 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
     requests = list(requests)
     if not requests:
         raise CrispEditError("no edit requests given")
-    ec = config.edit
+    ec = config.edit.for_family(model_family(model))
     editor = get_editor(ec.method)
     editor.check_requests(requests)
     resolve_contexts(ec.contexts, tokenizer)

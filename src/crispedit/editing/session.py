@@ -52,7 +52,7 @@ from ..data.edits import EditRequest, load_edits, save_edits_jsonl
 from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_figure, atomic_write_json,
                       check_finite_tensors, check_output_dir, check_output_file, load_safetensors)
 from ..evaluation import evaluate_edit, summarize_edit_scores
-from ..models import load_model, parameter, save_model_dir, weight_fingerprint
+from ..models import load_model, model_family, parameter, save_model_dir, weight_fingerprint
 from .api import capability_factors
 from .contexts import DEFAULT_CONTEXTS, pinned_contexts
 from .registry import get_editor
@@ -133,6 +133,7 @@ class Session:
         spec = "<in-memory>" if isinstance(model, tuple) else str(model)
         m, tok = load_model(model, dtype=None if isinstance(model, tuple) else dtype, device=device, progress=progress)
         fp = weight_fingerprint(m)
+        config.edit.for_family(model_family(m))  # a default lr scaled for the family is what the session stores
         layers = get_editor(config.edit.method).select_layers(m, config.edit)
         meta = {"format": SESSION_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "name": config.name,
@@ -163,7 +164,8 @@ class Session:
         meta = read_session_meta(path)
         if config is not None:
             stored = SeqConfig.from_dict(meta["config"]).to_json()
-            given = config.validate().to_json()
+            config.validate().edit.for_family(meta["base"].get("model_type"))  # as create() scaled it
+            given = config.to_json()
             diff = sorted(_diff_keys(stored, given))
             if diff:
                 raise CrispEditError(f"session {path} was created with a different configuration ({', '.join(diff)}); "
