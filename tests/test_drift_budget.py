@@ -174,6 +174,30 @@ def test_session_budget_is_spent_round_by_round(tmp_path, tiny_model_dir, monkey
     assert s.round == 1
 
 
+def test_session_round_records_steep_layers_and_status_names_them(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """Each session round records ``steep_layers`` of the change since the base (the rule of the edit report);
+    ``session status`` prints the last round's as notes."""
+    from crispedit.editing import SeqConfig, sequential
+    from crispedit.editing.session import Session
+
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    base = dict(method="crispedit", layers=LAYERS, epochs=5, lr=1e-2, batch_size=4, n_cap=6, max_len=48)
+    seen = []
+
+    def spy(layers):
+        """Record the per-layer predictions the round passes; claim the first layer is steep so that the note shows."""
+        seen.append(dict(layers))
+        return [{"layer": next(iter(layers)), "predicted": 0.5, "share": 0.9, "vs_median": 40.0}]
+
+    monkeypatch.setattr(sequential, "steep_layers", spy)
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), SeqConfig(edit=base), progress=False)
+    r = s.add(REQS[:2], plot=False)
+    assert set(seen[0]) == set(resolve_layers_names()) and all(v >= 0 for v in seen[0].values())
+    assert r["steep_layers"][0]["share"] == 0.9 and s.status()["rounds"][-1]["steep_layers"] == r["steep_layers"]
+    assert main(["session", "status", str(tmp_path / "s")]) == 0
+    assert "note: model.layers.1.mlp.down_proj predicts 90% of the drift (0.5 nats/token, 40x" in capsys.readouterr().out
+
+
 def test_session_budget_second_round_gets_the_rest(tmp_path, tiny_model_dir, monkeypatch):
     from crispedit.editing import SeqConfig
     from crispedit.editing.session import Session

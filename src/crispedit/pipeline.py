@@ -9,7 +9,6 @@ the report last).
 from __future__ import annotations
 
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Sequence
@@ -23,6 +22,7 @@ from .distributed import barrier, is_main, world_size
 from .editing import EditConfig, EditResult, edit
 from .errors import atomic_directory, atomic_write_json, check_finite_tensors, check_output_dir
 from .evaluation import CONTEXTS, evaluate_edit
+from .curvature.predicted import steep_layers, steep_note  # re-exported: pipeline.steep_layers
 from .models import parameter, save_model_dir
 
 __all__ = ["run_edit_job", "build_report", "environment", "drift_summary", "steep_layers", "steep_note"]
@@ -68,37 +68,6 @@ def drift_summary(result: EditResult) -> dict:
     if result.drift_budget is not None:
         out["drift_budget"] = result.drift_budget
     return out
-
-
-STEEP_FACTOR = 10.0   # a layer predicting this many times the other layers' median ...
-STEEP_SHARE = 0.25    # ... and at least this share of the layers' summed predicted drift is "steep"
-
-
-def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, share: float = STEEP_SHARE) -> list[dict]:
-    """The edit layers whose own predicted drift ``q_l`` (nats/token, :func:`drift_summary`'s per-layer values)
-    dominates: ``q_l`` above ``factor`` × the median of the other layers and at least ``share`` of ``Σ q``.
-    Each as ``{"layer", "predicted", "share", "vs_median"}``, largest first; ``[]`` with fewer than two layers.
-    On SmolLM2, block 11's ``down_proj`` in ``{2-11}`` predicted 99 % of the drift (0.19 of 0.19) and the
-    edit drifted 20× more than ``{4-8}``: an edit window without such a layer is worth trying."""
-    vals = {k: float(v) for k, v in layers.items()}
-    total = sum(vals.values())
-    if len(vals) < 2 or not total > 0:
-        return []
-    out = []
-    for name, q in vals.items():
-        med = statistics.median(v for k, v in vals.items() if k != name)
-        if q >= share * total and q > factor * med:
-            out.append({"layer": name, "predicted": float(f"{q:.6g}"), "share": round(q / total, 4),
-                        "vs_median": None if med <= 0 else round(q / med, 1)})
-    return sorted(out, key=lambda d: -d["predicted"])
-
-
-def steep_note(st: dict) -> str:
-    """One line on a steep layer (an entry of :func:`steep_layers`): its share of the predicted drift, the
-    prediction in nats/token, its ratio to the other layers' median, and the advice to edit without it."""
-    times = "" if st.get("vs_median") is None else f", {st['vs_median']:g}x the other layers' median"
-    return (f"{st['layer']} predicts {st['share']:.0%} of the drift ({st['predicted']:.3g} nats/token{times}); "
-            "an edit without this layer may drift far less (see README 'Where to edit')")
 
 
 def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: EditConfig, out: str | Path, *,

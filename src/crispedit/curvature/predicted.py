@@ -28,6 +28,7 @@ exceeds ``eps`` (the form is quadratic, so the scaled change predicts exactly ``
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Mapping
 
 import torch
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 
 from ..models import as_weight_matrix
 
-__all__ = ["layer_predicted_kl", "coherent_total", "predicted_kl", "DriftBudget"]
+__all__ = ["layer_predicted_kl", "coherent_total", "predicted_kl", "DriftBudget", "steep_layers", "steep_note"]
 
 
 def layer_predicted_kl(dW: Tensor, A: Tensor, S: Tensor, dtype: torch.dtype = torch.float64) -> float:
@@ -165,3 +166,35 @@ class DriftBudget:
         ``steps`` checked, ``final_predicted`` (nats per token, float32 estimate) and ``drift_penalty`` (β)."""
         return {"max_drift": self.eps, "hit": self.hits > 0, "hits": self.hits, "steps": self.steps,
                 "final_predicted": self.last, "drift_penalty": self.penalty}
+
+
+STEEP_FACTOR = 10.0   # a layer predicting this many times the other layers' median ...
+STEEP_SHARE = 0.25    # ... and at least this share of the layers' summed predicted drift is "steep"
+
+
+def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, share: float = STEEP_SHARE) -> list[dict]:
+    """The edit layers whose own predicted drift ``q_l`` (nats/token, :func:`predicted_kl`'s ``layers``)
+    dominates: ``q_l`` above ``factor`` × the median of the other layers and at least ``share`` of ``Σ q``.
+    Each as ``{"layer", "predicted", "share", "vs_median"}``, largest first; ``[]`` with fewer than two layers.
+    On SmolLM2, block 11's ``down_proj`` in ``{2-11}`` predicted 99 % of the drift (0.19 of 0.19) and the
+    edit drifted 20× more than ``{4-8}``; on Gemma-3-270M block 5 predicted 68–75 % in ``{2-5}``. An edit window
+    without such a layer is worth trying. Edit reports, compare rows and session rounds record them."""
+    vals = {k: float(v) for k, v in layers.items()}
+    total = sum(vals.values())
+    if len(vals) < 2 or not total > 0:
+        return []
+    out = []
+    for name, q in vals.items():
+        med = statistics.median(v for k, v in vals.items() if k != name)
+        if q >= share * total and q > factor * med:
+            out.append({"layer": name, "predicted": float(f"{q:.6g}"), "share": round(q / total, 4),
+                        "vs_median": None if med <= 0 else round(q / med, 1)})
+    return sorted(out, key=lambda d: -d["predicted"])
+
+
+def steep_note(st: dict) -> str:
+    """One line on a steep layer (an entry of :func:`steep_layers`): its share of the predicted drift, the
+    prediction in nats/token, its ratio to the other layers' median, and the advice to edit without it."""
+    times = "" if st.get("vs_median") is None else f", {st['vs_median']:g}x the other layers' median"
+    return (f"{st['layer']} predicts {st['share']:.0%} of the drift ({st['predicted']:.3g} nats/token{times}); "
+            "an edit without this layer may drift far less (see README 'Where to edit')")

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
-from ..curvature.predicted import predicted_kl
+from ..curvature.predicted import predicted_kl, steep_layers
 from ..data.edits import EditRequest
 from ..errors import CrispEditError, check_positive_int
 from ..models import model_family, parameter
@@ -174,6 +174,7 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     total, own = predicted_kl(layers, state.cap, base_weights, weights), predicted_kl(layers, state.cap, start, weights)
     record["kl_predicted"] = None if total is None else total["total"]
     record["kl_predicted_round"] = None if own is None else own["total"]
+    record["steep_layers"] = [] if total is None else steep_layers(total["layers"])  # of the change since the base
     if budget is not None:
         record["drift_budget"] = {**budget, **(outcome.drift_budget or {}),
                                   "remaining": ec.max_drift - (record["kl_predicted_round"] or 0.0)}
