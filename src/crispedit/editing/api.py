@@ -116,7 +116,9 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     changes (:meth:`Editor.changes`, full parameter names), to measure drift or undo the edit with
     :func:`restore`. ``result.kl_predicted`` is the drift the capability factors predict for the change;
     editors without curvature (ft, locbf-ft) get it only with ``predict_drift`` (their factors are then
-    fetched from the cache or collected, like a curvature editor's).
+    fetched from the cache or collected, like a curvature editor's). A learning rate left unset is scaled
+    for the model's family in ``config`` itself (:meth:`EditConfig.for_family`), so that what a caller
+    reports from ``config`` afterwards is what ran.
     """
     config = (config or EditConfig()).validate().for_family(model_family(model))
     if not requests:
