@@ -63,7 +63,7 @@ def cmd_edit(args) -> int:
     for ctx, w in (report.get("wild") or {}).items():
         if isinstance(w, dict):
             print(f"  WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']}")
-    from .pipeline import steep_note
+    from .curvature.predicted import steep_note
 
     for st in s.get("steep_layers") or []:
         print(f"  note: {steep_note(st)}")

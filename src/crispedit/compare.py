@@ -43,6 +43,7 @@ from typing import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .curvature.predicted import steep_note
 from .data.edits import EditRequest
 from .editing import EditConfig, SeqConfig, edit, get_editor, restore
 from .editing.api import snapshot
@@ -164,9 +165,9 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
         # what each method needs of the requests (the closed forms' subjects) and of the model (MEND's trained
         # network), before anything
         get_editor(base_method).check_requests(requests)
-        # a default lr scaled for the model family now, so that a resumed compare compares what ran
-        (cfg.edit if isinstance(cfg, SeqConfig) else cfg).for_family(model_family(model))
-        get_editor(base_method).check_ready(model, cfg.edit if isinstance(cfg, SeqConfig) else cfg)
+        ec = cfg.edit if isinstance(cfg, SeqConfig) else cfg
+        ec.for_family(model_family(model))  # a default lr scaled now, so that a resumed compare compares what ran
+        get_editor(base_method).check_ready(model, ec)
     seqs = [m for m in methods if seq_row(m)[1]]
     if seq_chunk is not None and not seqs:
         raise CrispEditError("--seq-chunk sets the round size of the -seq rows, and none is being run")
@@ -329,7 +330,7 @@ def compare_table(payload: dict) -> str:
     rel / gen, KL drift, capability scores (percent), edit time (+ curvature time), peak memory and
     ``Pareto`` (★ for the rows on the front of :func:`pareto_points`). Per column the best edited method
     and those within 5 % (relative) of it are in bold. A note under the table gives the ``-seq`` rows'
-    rounds, chunk size and mean time per round, and one line per steep layer (:func:`~crispedit.pipeline.steep_note`)."""
+    rounds, chunk size and mean time per round, and one line per steep layer (:func:`~crispedit.curvature.predicted.steep_note`)."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
@@ -382,8 +383,6 @@ def compare_table(payload: dict) -> str:
                  + "\n")
     steep = [(m, st) for m in rows for st in (res[m]["summary"].get("steep_layers") or [])]
     if steep:
-        from .pipeline import steep_note
-
         note += "\nSteep layers (one edit layer dominates the predicted drift): " + "; ".join(
             f"{m}: {steep_note(st)}" for m, st in steep) + "\n"
     return "\n".join(lines) + "\n" + note

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .errors import CrispEditError, atomic_directory
-from .families import defaults_for
+from .families import FamilyDefaults, defaults_for
 from .progress import show_progress
 
 __all__ = [

@@ -16,13 +16,13 @@ from typing import Sequence
 import torch
 
 from . import __version__
+from .curvature.predicted import steep_layers, steep_note  # re-exported: pipeline.steep_layers
 from .data.corpus import heldout_text
 from .data.edits import EditRequest
 from .distributed import barrier, is_main, world_size
 from .editing import EditConfig, EditResult, edit
 from .errors import atomic_directory, atomic_write_json, check_finite_tensors, check_output_dir
 from .evaluation import CONTEXTS, evaluate_edit
-from .curvature.predicted import steep_layers, steep_note  # re-exported: pipeline.steep_layers
 from .models import parameter, save_model_dir
 
 __all__ = ["run_edit_job", "build_report", "environment", "drift_summary", "steep_layers", "steep_note"]
