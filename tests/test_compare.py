@@ -344,6 +344,40 @@ def test_pareto_points_and_the_table_marking():
     p = compare_mod.pareto_points({"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results})
     assert p["points"]["ft"] == [0.9, 0.75] and p["points"]["lora"] == [0.3, 0.75] and p["points"]["crispedit"][1] == 1.0
     assert p["front"] == ["crispedit", "ft"] and "arc, tqa" in p["retention"]   # lora's low KL no longer counts
+    assert p["kl_front"] == ["crispedit", "ft", "lora"]                           # ... but on the KL front it does
+    payload = {"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results}
+    table = compare_mod.compare_table(payload).splitlines()
+    assert table[0].endswith("| Pareto | Pareto (KL) |")
+    marks = {line.split("|")[1].strip(): (line.split("|")[-3].strip(), line.split("|")[-2].strip())
+             for line in table[2:6]}
+    assert marks == {"base (unedited)": ("–", "–"), "crispedit": ("★", "★"), "ft": ("★", "★"), "lora": ("", "★")}
+    assert not [ln for ln in table if ln.startswith("Capability change")]        # no per-item scores stored
+
+
+def test_capability_changes_pair_items_with_the_base():
+    """The paired change is the mean item difference against the base in points with its standard error;
+    rows or tasks stored without per-item scores are left out of the note, not guessed."""
+    settings = {"model": "m", "n_edits": 4, "edits": {}, "evaluation": {"capabilities": ["arc", "tqa"], "limit": 4}}
+    base_items = {"arc": [1.0, 0.0, 1.0, 0.0], "tqa": [0.5, 0.25, 0.75, 0.5]}
+
+    def with_items(qa, kl, items):
+        r = _row(qa, kl, {c: sum(v) / len(v) for c, v in items.items()})
+        r["capability_details"] = {c: {"items": v} for c, v in items.items()}
+        return r
+
+    results = {"base": with_items(0.0, 0.0, base_items),
+               "crispedit": with_items(0.8, 0.002, {"arc": [1.0, 0.0, 1.0, 1.0], "tqa": [0.5, 0.25, 0.75, 0.5]}),
+               "ft": with_items(0.9, 0.05, {"arc": [0.0, 0.0, 0.0, 0.0]}),
+               "old": _row(0.5, 0.01, {"arc": 0.5, "tqa": 0.5})}
+    payload = {"settings": settings, "methods": ["crispedit", "ft", "old"], "results": results}
+    ch = compare_mod.capability_changes(payload)
+    # crispedit: arc differences (0, 0, 0, 1) -> +25 points, SE = sd(0,0,0,1)/2 = 0.5/2 = 25 points; tqa unchanged
+    assert ch["crispedit"] == {"arc": [25.0, 25.0], "tqa": [0.0, 0.0]}
+    # ft: arc differences (-1, 0, -1, 0) -> -50 points, SE = sd/2 = (1/sqrt(3))/2; no tqa items
+    assert ch["ft"] == {"arc": [-50.0, round(100 * (1 / 3) ** 0.5 / 2, 2)]} and "old" not in ch
+    note = [ln for ln in compare_mod.compare_table(payload).splitlines() if ln.startswith("Capability change")]
+    assert len(note) == 1 and "arc: 4 items" in note[0] and "crispedit: arc +25.0 ± 25.0, tqa +0.0 ± 0.0" in note[0]
+    assert "ft: arc -50.0 ± 28.9" in note[0] and "old:" not in note[0]
 
 
 def test_compare_table_notes_a_steep_layer():

@@ -62,6 +62,22 @@ def test_local_task_runs(lm, bench, task, shots, key, iso_cache):
                              max_gen_toks=8, batch_size=4, progress=False)[task]
     assert res["n"] == 3 and res["metric"] == key and res["source"] == "local"
     assert 0.0 <= res["score"] <= 1.0 and res["num_fewshot"] == shots
+    items = res["items"]       # per-item values of the headline metric: their mean is the score
+    assert items is not None and len(items) == 3 and abs(sum(items) / 3 - res["score"]) < 1e-3
+    assert res["stderr"] == pytest.approx(C.item_stderr(items), abs=1e-6)
+
+
+def test_item_scores_pick_the_metric_and_filter_and_pair_in_doc_order():
+    samples = {"t_b": [{"doc_id": 1, "filter": "strict", "exact_match": 1.0}, {"doc_id": 0, "filter": "strict", "exact_match": 0.0},
+                       {"doc_id": 0, "filter": "flex", "exact_match": 1.0}],
+               "t_a": [{"doc_id": 0, "filter": "strict", "exact_match": True}]}
+    assert C.item_scores(samples, "exact_match,strict") == [1.0, 0.0, 1.0]      # t_a first, then t_b by doc id
+    assert C.item_scores(samples, "exact_match,flex") == [1.0]
+    assert C.item_scores(samples, "acc,none") is None
+    assert C.item_scores({"t": [{"doc_id": 0, "filter": "none", "inst_acc": [True, False]}]}, "inst_acc,none") is None
+    assert C.item_stderr([1.0]) is None and C.item_stderr([0.0, 1.0]) == pytest.approx(0.5)
+    assert C.paired_change([1.0, 1.0, 0.0], [0.0, 1.0, 0.0]) == pytest.approx((1 / 3, (1 / 3) ** 0.5 / 3 ** 0.5))
+    assert C.paired_change([1.0], [0.0]) is None and C.paired_change([1.0, 0.0], [0.0]) is None
 
 
 def test_quiet_capabilities_draw_no_bars(lm, bench, iso_cache, capfd):

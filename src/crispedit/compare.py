@@ -22,6 +22,11 @@ paper's wrapper, never trained); capability retention is the mean over the capab
 score / base score when ``--capabilities`` ran, else minus the KL drift on held-out text. An edited row is
 on the front when no other edited row is at least as good on both and better on one; ``compare.json``
 → ``pareto`` and the ``Pareto`` column of ``compare.md`` say which (the unedited base is not a candidate).
+With capability tasks a second front against minus the KL drift (``pareto.kl_front``, column ``Pareto
+(KL)``) is kept as well: capability scores on a ``--limit`` of items carry a sampling error of several
+points, the KL drift on the held-out text hardly any. Under the table, each task's change against the base
+on the same items (paired mean difference ± its standard error, in points) says which capability
+differences are larger than that error.
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the edit (reset before each method);
 on CPU the process's peak resident set size during the edit (``VmHWM``, reset before each method
@@ -54,9 +59,11 @@ from .editing.sequential import run_sequence
 from .errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
                      check_positive_int, read_text_file)
 from .evaluation import CONTEXTS, evaluate_edit
+from .evaluation.capabilities import paired_change
 from .models import model_family, weight_fingerprint
 
 __all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "pareto_front", "pareto_points",
+           "capability_changes",
            "COMPARE_FORMAT"]
 
 COMPARE_FORMAT = 1
@@ -311,26 +318,49 @@ def _retention(payload: dict, r: dict) -> float | None:
 
 def pareto_points(payload: dict) -> dict:
     """The Pareto picture of a compare payload: ``{"success": label, "retention": label, "points": {row:
-    [success, retention]}, "front": [rows]}`` over the edited rows (not the unedited base). Success = WILD
-    qa rel (fraction); retention = the mean over capability tasks of score / base score when
-    capability tasks ran (1.0 = unchanged), else minus the KL drift on held-out text (nats/token; 0 =
-    unchanged). :func:`pareto_front` picks the front."""
+    [success, retention]}, "front": [rows], "kl_front": [rows]}`` over the edited rows (not the unedited
+    base). Success = WILD qa rel (fraction); retention = the mean over capability tasks of score / base
+    score when capability tasks ran (1.0 = unchanged), else minus the KL drift on held-out text
+    (nats/token; 0 = unchanged). :func:`pareto_front` picks the front; ``kl_front`` is always the front
+    against minus the KL drift (the same as ``front`` without capability tasks)."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in payload["methods"] if m in res and m != "base"]
     points = {m: [(res[m]["wild"].get("qa") or {}).get("rel"), _retention(payload, res[m])] for m in rows}
+    kl = {m: ((res[m]["wild"].get("qa") or {}).get("rel"), -res[m]["summary"]["kl_drift"]) for m in rows}
     return {"success": "WILD qa rel",
             "retention": ("mean capability score / base score over " + ", ".join(caps)) if caps
             else "-KL drift on held-out text (nats/token)",
-            "points": points, "front": pareto_front({m: tuple(p) for m, p in points.items()})}
+            "points": points, "front": pareto_front({m: tuple(p) for m, p in points.items()}),
+            "kl_front": pareto_front(kl)}
+
+
+def capability_changes(payload: dict) -> dict:
+    """``{row: {task: [change, stderr]}}``: each edited row's change of each capability score against the
+    unedited base on the same items (:func:`~crispedit.evaluation.capabilities.paired_change`), in
+    percentage points; rows or tasks without per-item scores (results stored before they were kept) are
+    left out."""
+    res = payload["results"]
+    caps = payload["settings"]["evaluation"]["capabilities"]
+    base = (res.get("base") or {}).get("capability_details") or {}
+    out: dict = {}
+    for m in payload["methods"]:
+        details = (res.get(m) or {}).get("capability_details") or {}
+        for c in caps:
+            pc = paired_change((details.get(c) or {}).get("items"), (base.get(c) or {}).get("items"))
+            if pc is not None:
+                out.setdefault(m, {})[c] = [round(100 * pc[0], 2), round(100 * pc[1], 2)]
+    return out
 
 
 def compare_table(payload: dict) -> str:
     """The markdown table (the paper's Table 1 shape): WILD rel / gen per context, teacher-forced
     rel / gen, KL drift, capability scores (percent), edit time (+ curvature time), peak memory and
-    ``Pareto`` (★ for the rows on the front of :func:`pareto_points`). Per column the best edited method
-    and those within 5 % (relative) of it are in bold. A note under the table gives the ``-seq`` rows'
-    rounds, chunk size and mean time per round, and one line per steep layer (:func:`~crispedit.curvature.predicted.steep_note`)."""
+    ``Pareto`` (★ for the rows on the front of :func:`pareto_points`; with capability tasks also ``Pareto
+    (KL)``, its front against -KL drift). Per column the best edited method and those within 5 % (relative)
+    of it are in bold. Notes under the table give each row's paired capability change against the base
+    (:func:`capability_changes`, where per-item scores were kept), the ``-seq`` rows' rounds, chunk size and
+    mean time per round, and one line per steep layer (:func:`~crispedit.curvature.predicted.steep_note`)."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
@@ -345,7 +375,7 @@ def compare_table(payload: dict) -> str:
     cols += [(c, (lambda c: lambda r: r["capabilities"].get(c))(c), True) for c in caps]
     edited = [res[m] for m in rows if m != "base"]
     head = ["method"] + [c[0] for c in cols] + ["KL drift", "KL pred", "edit time", "curvature", "peak mem MiB (+rise)",
-                                                "Pareto"]
+                                                "Pareto"] + (["Pareto (KL)"] if caps else [])
     pareto = pareto_points(payload)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in rows:
@@ -365,6 +395,8 @@ def compare_table(payload: dict) -> str:
         cells += [f"{r['summary']['kl_drift']:.5f}", "–" if pred is None else f"{pred:.5f}", _duration(r.get("edit_seconds")),
                   _duration(r.get("cache_seconds")) if r.get("cache_seconds") else "", peak,
                   "–" if m == "base" else ("★" if m in pareto["front"] else "")]
+        if caps:
+            cells.append("–" if m == "base" else ("★" if m in pareto["kl_front"] else ""))
         lines.append("| " + " | ".join(cells) + " |")
     s = payload["settings"]
     note = (f"\n{s['model']} · {s['n_edits']} edits {json.dumps(s['edits'])} · WILD rule judge (qa = the paper's "
@@ -373,7 +405,16 @@ def compare_table(payload: dict) -> str:
             + (f" · capabilities: lm-eval, limit {s['evaluation']['limit']}" if caps else "")
             + f" · peak memory: {next((r['memory']['measure'] for r in edited if r.get('memory')), '–')}"
             + f" · Pareto ★: on the front of edit success ({pareto['success']}) vs capability retention "
-            f"({pareto['retention']}) among the edited rows\n")
+            f"({pareto['retention']}) among the edited rows"
+            + (" · Pareto (KL) ★: the same against -KL drift" if caps else "") + "\n")
+    changes = capability_changes(payload)
+    if changes:
+        n_items = {c: len(((res["base"].get("capability_details") or {}).get(c) or {}).get("items") or [])
+                   for c in caps}
+        note += ("\nCapability change against the base on the same items (paired mean difference ± standard "
+                 "error, points; " + ", ".join(f"{c}: {n_items[c]} items" for c in caps if n_items[c]) + "): "
+                 + "; ".join(f"{m}: " + ", ".join(f"{c} {d:+.1f} ± {e:.1f}" for c, (d, e) in ch.items())
+                             for m, ch in changes.items()) + "\n")
     seq = [(m, res[m]) for m in rows if "rounds" in res[m]]
     if seq:
         note += ("\nSequential rows (the method in rounds of consecutive edits, each round from the previous "

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # torch only for annotations: task names and bench files are 
     from torch import nn
 
 __all__ = ["CapabilityTask", "TASKS", "TASKS_DIR", "parse_tasks", "resolve_bench_dir", "ensure_punkt_offline",
-           "run_capabilities", "capability_drift", "lm_eval_version"]
+           "run_capabilities", "capability_drift", "lm_eval_version", "item_scores", "item_stderr", "paired_change"]
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
@@ -161,6 +161,47 @@ def _scalar_metrics(d: dict) -> dict:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and "stderr" not in k}
 
 
+def item_scores(samples: dict, metric: str) -> list[float] | None:
+    """Per-item values of ``metric`` (lm-eval's ``"name,filter"`` key, e.g. ``"acc_norm,none"``) from the
+    logged samples of ONE ``simple_evaluate`` call (``{task: [example, ...]}``; a group such as MMLU
+    contributes all its subtasks), ordered by (task, doc id) so that two runs on the same items pair up;
+    their mean is the task's score (MMLU's: the item mean). ``None`` when an item's value is not a number
+    (IFEval's instruction-level lists)."""
+    name, _, filt = metric.partition(",")
+    out = []
+    for task in sorted(samples):
+        for ex in sorted(samples[task], key=lambda e: e.get("doc_id", 0)):
+            if ex.get("filter", "none") != (filt or "none") or name not in ex:
+                continue
+            v = ex[name]
+            if isinstance(v, bool):
+                v = float(v)
+            if not isinstance(v, (int, float)):
+                return None
+            out.append(round(float(v), 6))
+    return out or None
+
+
+def item_stderr(items: Sequence[float] | None) -> float | None:
+    """Standard error of the mean of ``items`` (sample standard deviation / sqrt(n), same units as the
+    items); ``None`` for fewer than two items."""
+    if not items or len(items) < 2:
+        return None
+    n = len(items)
+    mean = sum(items) / n
+    return (sum((x - mean) ** 2 for x in items) / (n - 1) / n) ** 0.5
+
+
+def paired_change(items: Sequence[float] | None, base_items: Sequence[float] | None) -> tuple[float, float] | None:
+    """``(mean difference, its standard error)`` of per-item scores against the base model's on the SAME
+    items (paired: the item-to-item spread cancels), in the items' units; ``None`` unless both lists are
+    set and of one length ≥ 2."""
+    if not items or not base_items or len(items) != len(base_items) or len(items) < 2:
+        return None
+    d = [a - b for a, b in zip(items, base_items)]
+    return sum(d) / len(d), item_stderr(d) or 0.0
+
+
 def _prefix_sharing_lm_class():
     """An ``HFLM`` whose loglikelihood encodes each shared context once (KV cache) for all its choices.
 
@@ -243,7 +284,10 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
                      apply_chat_template: bool = False, fewshot_as_multiturn: bool = False, batch_size: int = 8,
                      max_gen_toks: int | None = None, max_length: int | None = None,
                      share_prefix: bool = True, progress: bool | None = None) -> dict:
-    """Run lm-eval tasks on the in-memory ``model``; returns ``{task: {score, metric, metrics, ...}}``.
+    """Run lm-eval tasks on the in-memory ``model``; returns ``{task: {score, metric, metrics, stderr, items,
+    ...}}``: ``items`` the per-item values of the headline metric in a fixed order (:func:`item_scores`;
+    two models evaluated with the same limit and shots pair item for item, :func:`paired_change`),
+    ``stderr`` the standard error of ``score`` over them.
 
     ``limit``: items per task (per MMLU subject), None = all; or ``{task: limit}`` (unlisted tasks: 200).
     ``num_fewshot``: None = the paper's shots; an int for every task; or ``{task: shots}``.
@@ -293,7 +337,7 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
                                       apply_chat_template=apply_chat_template,
                                       fewshot_as_multiturn=fewshot_as_multiturn and apply_chat_template,
                                       gen_kwargs=({"max_gen_toks": int(max_gen_toks)} if max_gen_toks else None),
-                                      log_samples=False, bootstrap_iters=0,
+                                      log_samples=True, bootstrap_iters=0,
                                       verbosity="ERROR" if progress is False else "WARNING")
         except CrispEditError:
             raise
@@ -306,11 +350,14 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
         n_items = res.get("n-samples", {})
         count = (sum(v.get("effective", 0) for k, v in n_items.items()) if n == "mmlu"
                  else n_items.get(task_name, {}).get("effective"))
+        items = item_scores(res.get("samples") or {}, spec.metric)
         out[n] = {"score": metrics.get(spec.metric), "metric": spec.metric, "metrics": metrics,
+                  "stderr": None if items is None else round(item_stderr(items) or 0.0, 6), "items": items,
                   "num_fewshot": shots, "limit": n_limit, "n": count, "source": "local" if root is not None else "hub",
                   "seconds": round(time.perf_counter() - t0, 2)}
         if progress is not False:
-            print(f"  {n}: {spec.metric} = {out[n]['score']} ({count} items, {out[n]['seconds']:.0f}s)", flush=True)
+            se = "" if out[n]["stderr"] is None else f" ± {out[n]['stderr']:.4f}"
+            print(f"  {n}: {spec.metric} = {out[n]['score']}{se} ({count} items, {out[n]['seconds']:.0f}s)", flush=True)
     return out
 
 
