@@ -305,6 +305,34 @@ def test_target_values_side_by_side_equal_one_at_a_time(tiny_lm):
     assert rec["nll_last"] == pytest.approx(sum(r["nll_last"] for _, r in one) / 4, rel=1e-4)
 
 
+@pytest.mark.parametrize("last", [False, True])
+def test_v_star_forward_shortcut_equals_the_plain_forward(tiny_lm, last):
+    """The v* steps run only the blocks above the v* block on its cached output, the head on the needed rows:
+    same logits and same δ-gradient as a full forward with δ added by a hook; a v* block that is the last
+    block falls back to the plain forward."""
+    from crispedit.editing import keyvalue as kv
+    from crispedit.models import decoder_blocks
+
+    model, tok = tiny_lm
+    _, blocks = decoder_blocks(model)
+    block = blocks[-1] if last else blocks[1]
+    enc = tok(["Alpha beta gamma delta", "One two three"], return_tensors="pt", padding=True)
+    enc = {k: enc[k] for k in ("input_ids", "attention_mask")}
+    pos = torch.tensor([2, 1])
+    rows = torch.tensor([1, 2, enc["input_ids"].shape[1] + 1])
+    fwd = kv._DeltaForward(model, block, enc, pos, rows)
+    assert fwd.fast is (not last)
+    delta = torch.randn(2, fwd.h.shape[-1], generator=torch.Generator().manual_seed(0), requires_grad=True)
+    a = fwd(delta)
+    (ga,) = torch.autograd.grad(a.square().sum(), delta)
+    with kv._add_at(block, pos, delta):
+        full = model(**enc).logits
+    b = full.reshape(-1, full.shape[-1])[rows].float()
+    (gb,) = torch.autograd.grad(b.square().sum(), delta)
+    assert a.shape == (3, full.shape[-1])
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) and torch.allclose(ga, gb, rtol=1e-3, atol=1e-5)
+
+
 def test_alphaedit_seq_from_the_cli(tiny_model_dir, tmp_path, iso_cache, capsys):
     """`session init --method alphaedit` (AlphaEdit-Seq), two `session add` rounds, `status`, `export`."""
     import json

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from ..data.tokenize import EncodedBatch
 from ..models import decoder_blocks
 
-__all__ = ["make_loss_fn", "plain_loss"]
+__all__ = ["make_loss_fn", "plain_loss", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits"]
 
 
 def _up(x: Tensor) -> Tensor:
@@ -37,7 +37,7 @@ def _up(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def _no_cache(model: nn.Module) -> dict:
+def no_cache_kwargs(model: nn.Module) -> dict:
     """``{"use_cache": False}`` for a model whose config has a KV-cache switch (Hugging Face), else ``{}``."""
     return {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
 
@@ -45,7 +45,7 @@ def _no_cache(model: nn.Module) -> dict:
 def plain_loss(model: nn.Module, batch: EncodedBatch) -> Tensor:
     """Mean cross-entropy over target tokens (FT-M), from a full forward (no KV cache): a 0-d float32
     (float64 for a float64 model) tensor, nats per target token."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **_no_cache(model)).logits[:, :-1]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **no_cache_kwargs(model)).logits[:, :-1]
     labels = batch.labels[:, 1:]
     return F.cross_entropy(_up(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
@@ -74,6 +74,77 @@ def _replace_hidden(args, kwargs, h):
     return (h,) + tuple(args[1:]), kwargs
 
 
+def capture_block_input(model: nn.Module, blocks: nn.ModuleList, k: int, **inputs) -> tuple[Tensor, int | None]:
+    """The hidden states entering decoder block ``k`` (``B x T x d_model``, detached) for one forward of
+    ``model(**inputs)``, stopped there, and the length of block ``k - 1``'s output tuple (``None`` when
+    blocks return a bare tensor) for :class:`_Passthrough`. ``k ≥ 1``."""
+    store: dict = {}
+
+    def pre(mod, args, kwargs):
+        """Forward pre-hook on block ``k``: store its input hidden states (detached) and stop the forward."""
+        store["h"] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach()
+        raise _Stop
+
+    def post(mod, args, out):
+        """Forward hook on block ``k - 1``: note the length of its output tuple (None if not a tuple)."""
+        store["tuple_len"] = len(out) if isinstance(out, tuple) else None
+
+    h1 = blocks[k].register_forward_pre_hook(pre, with_kwargs=True)
+    h2 = blocks[k - 1].register_forward_hook(post)
+    try:
+        model(**inputs, **no_cache_kwargs(model))
+    except _Stop:
+        pass
+    finally:
+        h1.remove()
+        h2.remove()
+    return store["h"], store.get("tuple_len")
+
+
+@contextlib.contextmanager
+def prefix_fed(blocks: nn.ModuleList, k: int, passthrough: Sequence[nn.Module], hidden: Tensor) -> Iterator[None]:
+    """Within the block: decoder blocks ``0 .. k-1`` are the pass-throughs ``passthrough`` and block ``k``
+    receives ``hidden`` (``B x T x d_model``, e.g. from :func:`capture_block_input`, possibly changed) as
+    its input hidden states; everything else of the forward (embeddings, masks, rotary tables) runs as
+    usual. ``k = 0`` changes nothing."""
+    if k == 0:
+        yield
+        return
+    saved = [blocks[i] for i in range(k)]
+    hook = blocks[k].register_forward_pre_hook(lambda mod, args, kwargs: _replace_hidden(args, kwargs, hidden),
+                                               with_kwargs=True)
+    try:
+        for i in range(k):
+            blocks[i] = passthrough[i]
+        yield
+    finally:
+        hook.remove()
+        for i, b in enumerate(saved):
+            blocks[i] = b
+
+
+def passthroughs(k: int, tuple_len: int | None) -> list[nn.Module]:
+    """``k`` pass-through modules standing in for decoder blocks that return ``tuple_len``-tuples (or bare
+    tensors when ``None``)."""
+    return [_Passthrough(tuple_len) for _ in range(k)]
+
+
+def rows_logits(model: nn.Module, rows: Tensor, **inputs) -> Tensor:
+    """Logits (float32 or better) of the flat positions ``rows`` (indices into the row-major ``B x T``
+    positions) of ``model(**inputs)``: the decoder's last hidden states at those rows through the output
+    head (and the final logit soft-cap where the config has one), so the head runs on those rows only.
+    ``R x vocab``. Falls back to the full logits when the model has no separate decoder / head."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if base is None or head is None:
+        logits = model(**inputs, **no_cache_kwargs(model)).logits
+        return _up(logits.reshape(-1, logits.shape[-1]).index_select(0, rows))
+    hidden = base(**inputs, **no_cache_kwargs(model)).last_hidden_state
+    logits = _up(head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)))
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
 class _FastLoss:
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch]):
         self.model, self.batches = model, batches
@@ -82,16 +153,15 @@ class _FastLoss:
         owners = [i for i, b in enumerate(self.blocks) if any(id(p) in trained for p in b.parameters())]
         outside = [n for n, p in model.named_parameters() if id(p) in trained and not n.startswith(prefix + ".")]
         self.k = min(owners) if owners and not outside else 0
-        self.base = model.get_decoder() if hasattr(model, "get_decoder") else None
-        self.head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
         self.tuple_len: int | None = None
         self.cache: list[Tensor] = []
-        self.kw = _no_cache(model)
         if self.k > 0:
             with torch.no_grad():
-                self.cache = [self._capture(b) for b in batches]
-        self.passthrough = [_Passthrough(self.tuple_len) for _ in range(self.k)]
+                for b in batches:
+                    h, self.tuple_len = capture_block_input(model, self.blocks, self.k, input_ids=b.input_ids,
+                                                            attention_mask=b.attention_mask)
+                    self.cache.append(h)
+        self.passthrough = passthroughs(self.k, self.tuple_len)
         self.targets = [self._targets(b) for b in batches]
 
     @staticmethod
@@ -104,61 +174,12 @@ class _FastLoss:
         b, t = valid.nonzero(as_tuple=True)
         return valid, b * batch.labels.shape[1] + t, labels[valid]
 
-    def _capture(self, batch: EncodedBatch) -> Tensor:
-        store = {}
-
-        def pre(mod, args, kwargs):
-            """Forward pre-hook on block ``k``: store its input hidden states (detached) and stop the forward."""
-            store["h"] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach()
-            raise _Stop
-
-        def post(mod, args, out):
-            """Forward hook on block ``k - 1``: note the length of its output tuple (None if not a tuple)."""
-            self.tuple_len = len(out) if isinstance(out, tuple) else None
-
-        h1 = self.blocks[self.k].register_forward_pre_hook(pre, with_kwargs=True)
-        h2 = self.blocks[self.k - 1].register_forward_hook(post)
-        try:
-            self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **self.kw)
-        except _Stop:
-            pass
-        finally:
-            h1.remove()
-            h2.remove()
-        return store["h"]
-
-    @contextlib.contextmanager
-    def _prefix_skipped(self, index: int) -> Iterator[None]:
-        if self.k == 0:
-            yield
-            return
-        saved = [self.blocks[i] for i in range(self.k)]
-        cached = self.cache[index]
-        hook = self.blocks[self.k].register_forward_pre_hook(
-            lambda mod, args, kwargs: _replace_hidden(args, kwargs, cached), with_kwargs=True)
-        try:
-            for i in range(self.k):
-                self.blocks[i] = self.passthrough[i]
-            yield
-        finally:
-            hook.remove()
-            for i, b in enumerate(saved):
-                self.blocks[i] = b
-
     def __call__(self, index: int, batch: EncodedBatch) -> Tensor:
         """The FT-M loss of ``batch`` (``self.batches[index]``, whose prefix states are cached): 0-d, float32
         or better, nats per target token."""
         valid, rows, targets = self.targets[index] if batch is self.batches[index] else self._targets(batch)
-        with self._prefix_skipped(index):
-            if self.base is not None and self.head is not None:
-                hidden = self.base(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                   **self.kw).last_hidden_state
-                logits = _up(self.head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)))
-                if self.softcap:
-                    logits = torch.tanh(logits / self.softcap) * self.softcap
-            else:
-                logits = _up(self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                        **self.kw).logits[:, :-1][valid])
+        with prefix_fed(self.blocks, self.k, self.passthrough, self.cache[index] if self.k else None):
+            logits = rows_logits(self.model, rows, input_ids=batch.input_ids, attention_mask=batch.attention_mask)
         return F.cross_entropy(logits, targets)
 
 

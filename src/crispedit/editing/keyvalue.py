@@ -34,6 +34,7 @@ from ..data.edits import EditRequest
 from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
 from ..models import decoder_blocks
+from .fastpath import no_cache_kwargs, capture_block_input, passthroughs, prefix_fed, rows_logits
 
 __all__ = ["KeyValueSettings", "subject_span", "subject_token_index", "context_templates", "edit_blocks",
            "layer_keys", "block_outputs", "target_values", "hidden_size", "KL_TEMPLATE"]
@@ -212,6 +213,49 @@ def _add_at(block: nn.Module, pos: Tensor, delta: Tensor) -> Iterator[list]:
         handle.remove()
 
 
+class _DeltaForward:
+    """Logits at chosen positions of ``model(**enc)`` with ``δ`` added to ``block``'s output at given
+    positions, for the ``v*`` steps. Exact shortcut, as the edit loop's (:mod:`.fastpath`): the model is
+    frozen and ``δ`` enters at ``block``'s output, so everything up to it is computed once and each step
+    runs only the blocks above it, with the output head on the needed rows only. It is checked against
+    the plain forward (hook on ``block``, full logits) once; where the two differ, or ``block`` is the
+    last block or not a decoder block, the plain forward is used. ``self.h`` holds ``block``'s unedited
+    output (``B x T x d_model``)."""
+
+    def __init__(self, model: nn.Module, block: nn.Module, enc: dict, pos: Tensor, rows: Tensor):
+        self.model, self.block, self.enc, self.pos, self.rows = model, block, enc, pos, rows
+        self.arange = torch.arange(len(pos), device=pos.device)
+        _, blocks = decoder_blocks(model)
+        self.blocks, self.k = blocks, next((i + 1 for i, b in enumerate(blocks) if b is block), 0)
+        self.fast = 0 < self.k < len(blocks)
+        with torch.no_grad():
+            if self.fast:
+                self.h, tuple_len = capture_block_input(model, blocks, self.k, **enc)
+                self.passthrough = passthroughs(self.k, tuple_len)
+                zero = torch.zeros(len(pos), self.h.shape[-1], device=pos.device)
+                plain = self._plain(zero)
+                self.fast = bool(torch.allclose(self._fast(zero), plain, rtol=1e-4, atol=1e-4))
+            if not self.fast:
+                self._plain(torch.zeros(len(pos), hidden_size(model), device=pos.device))
+
+    def _plain(self, delta: Tensor) -> Tensor:
+        with _add_at(self.block, self.pos, delta) as seen:
+            logits = self.model(**self.enc, **no_cache_kwargs(self.model)).logits
+        self.h = seen[0]
+        return logits.reshape(-1, logits.shape[-1]).index_select(0, self.rows).float()
+
+    def _fast(self, delta: Tensor) -> Tensor:
+        h = self.h.clone()
+        h[self.arange, self.pos] += delta.to(h.dtype)
+        with prefix_fed(self.blocks, self.k, self.passthrough, h):
+            return rows_logits(self.model, self.rows, **self.enc).float()
+
+    def __call__(self, delta: Tensor) -> Tensor:
+        """``R x vocab`` float32 logits at ``rows`` with ``delta`` (``len(pos) x d_model``, one per row of
+        ``enc``) added at each row's position; differentiable in ``delta``."""
+        return self._fast(delta) if self.fast else self._plain(delta)
+
+
 def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], block: nn.Module,
                   templates: Sequence[str], settings: KeyValueSettings) -> tuple[Tensor, dict]:
     """``v*`` of every request at ``block``'s output (module docstring): ``N x d_model`` float32, and a record
@@ -264,25 +308,25 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
     labels = batch.labels[:, 1:]
     tmask = labels != -100
     n_tgt = tmask.sum(1).clamp_min(1)
-    delta = torch.zeros(n, hidden_size(model), device=device, dtype=torch.float32, requires_grad=True)
+    enc = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    b_idx, t_idx = tmask.nonzero(as_tuple=True)                       # row-major: logits[:, :-1][tmask] order
+    fwd = _DeltaForward(model, block, enc, pos_t, b_idx * batch.input_ids.shape[1] + t_idx)
+    kl_fwd = _DeltaForward(model, block, kl_enc, kl_pos,
+                           torch.arange(n, device=device) * kl_enc["input_ids"].shape[1] + kl_pos)
+    h0 = fwd.h[torch.arange(0, n * n_t, n_t, device=device), pos_t[::n_t]].float()
+    delta = torch.zeros(n, h0.shape[1], device=device, dtype=torch.float32, requires_grad=True)
     opt = torch.optim.Adam([delta], lr=settings.lr)
-    h0 = kl0 = None
+    kl0 = None
     active = torch.ones(n, dtype=torch.bool, device=device)
     first = last = None
     last_nll = torch.zeros(n, dtype=torch.float64)
     steps = 0
     for it in range(settings.steps):
         opt.zero_grad()
-        with _add_at(block, pos_t, delta[owner]) as seen:
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        if h0 is None:
-            h0 = seen[0][torch.arange(0, n * n_t, n_t, device=device), pos_t[::n_t]].float()
-        with _add_at(block, kl_pos, delta):
-            kl_logits = model(**kl_enc).logits[torch.arange(n, device=device), kl_pos].float()
-        kl_logp = torch.log_softmax(kl_logits, -1)
+        lp = torch.log_softmax(fwd(delta[owner]), -1)                       # target positions only
+        kl_logp = torch.log_softmax(kl_fwd(delta), -1)                      # the subject's last token
         if kl0 is None:
             kl0 = kl_logp.detach()
-        lp = torch.log_softmax(logits[:, :-1][tmask].float(), -1)          # target positions only
         tok_lp = torch.zeros(labels.shape, device=device)
         tok_lp[tmask] = lp.gather(-1, labels[tmask].unsqueeze(-1)).squeeze(-1)
         row_nll = -tok_lp.sum(1) / n_tgt
