@@ -9,8 +9,9 @@ after every run), a markdown table (with ``kl_pred``, its ratio to the measured 
 ``max_drift``, the budget's pulled-back steps) and two PNGs (WILD-QA rel and gen against KL drift, one
 point per run; ``.pred.png``: predicted against measured drift).
 
-Runs are ``key=value`` pairs separated by ``;`` (any :class:`crispedit.EditConfig` field; values are
-parsed as numbers when they look like numbers), several runs separated by ``|``:
+Runs are ``key=value`` pairs separated by ``;`` (any :class:`crispedit.EditConfig` field, or
+``options.NAME`` for a setting of the method's own config, e.g. ``method=ultraedit;options.lr=0.001``; values
+are parsed as numbers when they look like numbers), several runs separated by ``|``:
 
     python benchmarks/edit_matrix.py --edits ../shared/data/edits/zsre_dev.json --offset 400 --n-edits 32 \\
         --runs 'method=ft;contexts=bare;answer_end=none|method=crispedit|method=crispedit;gamma=0.9' \\
@@ -69,7 +70,11 @@ def parse_runs(spec: str) -> list[dict]:
         d = {}
         for pair in filter(None, (x.strip() for x in run.split(";"))):
             k, _, v = pair.partition("=")
-            d[k.strip()] = _value(v.strip())
+            k = k.strip()
+            if k.startswith("options."):  # the method's own settings, e.g. options.lr for UltraEdit's pseudo-value lr
+                d.setdefault("options", {})[k[len("options."):]] = _value(v.strip())
+            else:
+                d[k] = _value(v.strip())
         runs.append(d)
     return runs
 

@@ -256,6 +256,22 @@ def test_edit_matrix_records_kl_pred(tmp_path):
     assert (tmp_path / "m.pred.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_edit_matrix_runs_set_a_methods_own_options():
+    """``options.NAME=VALUE`` in a run goes to the method's own config (``EditConfig.options``), which validates it."""
+    import importlib.util
+    from pathlib import Path
+
+    from crispedit import EditConfig
+
+    spec = importlib.util.spec_from_file_location("edit_matrix", Path(__file__).parents[1] / "benchmarks" / "edit_matrix.py")
+    em = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(em)
+    runs = em.parse_runs("method=ultraedit;options.lr=0.001;options.ridge=2|method=crispedit;gamma=0.9")
+    assert runs == [{"method": "ultraedit", "options": {"lr": 0.001, "ridge": 2}}, {"method": "crispedit", "gamma": 0.9}]
+    cfg = EditConfig(**runs[0])
+    assert cfg.method_config.lr == 0.001 and cfg.method_config.ridge == 2
+
+
 def test_penalty_gradient_is_the_gradient_of_the_coherent_prediction():
     """``add_penalty_gradient`` adds β·∂p/∂W of the coherent bound p = (Σ_l sqrt(q_l))² — checked against
     autograd (float64 weights and factors; the accumulated change is taken in float32 as in training; one
