@@ -8,7 +8,7 @@ import torch
 from crispedit.curvature.cache import CurvatureSpec, cache_key, get_or_build_factors, load_factors, save_factors
 from crispedit.curvature.kfac import collect_lm_input_covariance
 from crispedit.data import EditRequest, capability_corpus
-from crispedit.editing import EditConfig, edit
+from crispedit.editing import EditConfig, edit, get_editor
 from crispedit.editing.keyvalue import layer_keys, subject_span, subject_token_index
 from crispedit.editing.methods.alphaedit import alphaedit_delta, nullspace_projector
 from crispedit.editing.methods.memit import memit_delta
@@ -238,6 +238,29 @@ def test_ultraedit_ridge_solve_and_running_normalisation_against_numpy():
     assert torch.allclose(pseudo_values(h, g, 0.1), torch.tensor([[-1.5, 0.5, -0.25]]))
     with pytest.raises(CrispEditError, match="has 4 features, not 6"):
         RunningNorm.from_tensors(norm.to_tensors("L"), "L", 6)
+
+
+def test_ultraedit_default_layers_are_the_authors_layout_by_depth():
+    """Without --layers UltraEdit edits gate_proj / up_proj where its authors do on Llama-3-8B (blocks 11-15 /
+    18-24 of 32), placed by depth on other sizes; GPT-2-style blocks without them get the shared default."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from crispedit.editing.methods.ultraedit import default_layers
+    from crispedit.models import default_layer_pattern
+
+    def llama(n):
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=n,
+                                            num_attention_heads=2, num_key_value_heads=1))
+
+    assert default_layers(llama(32)) == "model.layers.{11-15}.mlp.gate_proj,model.layers.{18-24}.mlp.up_proj"
+    assert default_layers(llama(30)) == "model.layers.{10-14}.mlp.gate_proj,model.layers.{17-23}.mlp.up_proj"
+    m = llama(30)
+    layers = get_editor("ultraedit").select_layers(m, EditConfig(method="ultraedit"))
+    assert len(layers) == 12 and list(layers)[0] == "model.layers.10.mlp.gate_proj"
+    given = get_editor("ultraedit").select_layers(m, EditConfig(method="ultraedit", layers="model.layers.{4}.mlp.down_proj"))
+    assert list(given) == ["model.layers.4.mlp.down_proj"]
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=8, n_layer=4, n_head=2))
+    assert default_layers(gpt2) == default_layer_pattern(gpt2)
 
 
 def test_ultraedit_session_carries_the_normalisation(tiny_lm, tmp_path, iso_cache):

@@ -10,9 +10,9 @@ pseudo-values are ``v = −lr·‖ĥ‖²·ĝ`` and the update is the ridge solu
 
     ΔWᵀ = (HᵀH + ridge·I)⁻¹ Hᵀ V        (H: rows h, raw; V: rows v)
 
-added to the weight before the next batch. ``lr`` 1e-6 and ``ridge`` 1 are the authors'; they edit
-gate/up projections of Llama-3 blocks 11–24 — here the edit layers are ``--layers`` (default: the
-MLP output projections of the other methods). Statistics and the solve in float64.
+added to the weight before the next batch. ``lr`` 1e-6 and ``ridge`` 1 are the authors'. The edit layers are
+``--layers``, else the authors' layout placed by depth (:func:`default_layers`: ``gate_proj`` of the blocks at
+11/32–15/32 of the depth, ``up_proj`` at 18/32–24/32). Statistics and the solve in float64.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ...curvature.kfac import capture_io, frozen
 from ...errors import CrispEditError
-from ...models import weight_matrix
+from ...models import decoder_blocks, default_layer_pattern, resolve_layers, weight_matrix
 from ..catalogue import UltraEditConfig
 from ..loop import TrainHistory, edit_batches
 from ..registry import register_editor
@@ -96,6 +96,30 @@ def ultraedit_delta(H: Tensor, V: Tensor, ridge: float = 1.0) -> Tensor:
     return torch.linalg.solve(H.T @ H + ridge * eye, H.T @ V).T
 
 
+# The authors' Llama-3-8B layout (32 blocks): gate_proj of blocks 11-15, up_proj of blocks 18-24, as depth fractions.
+AUTHORS_LAYOUT = (("gate_proj", 11 / 32, 15 / 32), ("up_proj", 18 / 32, 24 / 32))
+
+
+def default_layers(model) -> str:
+    """UltraEdit's default edit layers: its authors' Llama-3-8B layout placed by depth — ``mlp.gate_proj`` of
+    blocks ``round(11N/32) … round(15N/32)`` and ``mlp.up_proj`` of ``round(18N/32) … round(24N/32)`` for
+    ``N`` decoder blocks (halves round up; 32 blocks give the authors' 11–15 and 18–24, SmolLM2's 30 give
+    10–14 and 17–23). Models whose blocks have no ``mlp.gate_proj`` / ``mlp.up_proj`` get the shared
+    default (:func:`~crispedit.models.default_layer_pattern`)."""
+    import math
+
+    prefix, blocks = decoder_blocks(model)
+    n = len(blocks)
+    names = dict(model.named_modules())
+    parts = []
+    for proj, lo, hi in AUTHORS_LAYOUT:
+        a, b = math.floor(lo * n + 0.5), math.floor(hi * n + 0.5)
+        if not all(f"{prefix}.{i}.mlp.{proj}" in names for i in range(a, b + 1)):
+            return default_layer_pattern(model)
+        parts.append(f"{prefix}.{{{a}-{b}}}.mlp.{proj}")
+    return ",".join(parts)
+
+
 @register_editor
 class UltraEditEditor(Editor):
     """UltraEdit: per batch, normalised gradient pseudo-values written into the edit layers by a ridge solve."""
@@ -103,6 +127,10 @@ class UltraEditEditor(Editor):
     name = "ultraedit"  # summary and Config (UltraEditConfig): its entry in editing/catalogue.py
     carries_optimizer = False
     carries_state = True  # the lifelong normalisation goes from round to round
+
+    def select_layers(self, model, config):
+        """``--layers``; else the authors' layout placed by depth (:func:`default_layers`)."""
+        return resolve_layers(model, config.layers or default_layers(model))
 
     def _rows(self, model, tokenizer, chunk, layers, config, history: TrainHistory) -> dict[str, tuple[Tensor, Tensor]]:
         """``(H, G)`` per layer: inputs and output gradients at the target-predicting positions of every
