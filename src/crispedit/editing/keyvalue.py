@@ -233,16 +233,17 @@ class _DeltaForward:
                 self.h, tuple_len = capture_block_input(model, blocks, self.k, **enc)
                 self.passthrough = passthroughs(self.k, tuple_len)
                 zero = torch.zeros(len(pos), self.h.shape[-1], device=pos.device)
-                plain = self._plain(zero)
+                plain, _ = self._plain(zero)
                 self.fast = bool(torch.allclose(self._fast(zero), plain, rtol=1e-4, atol=1e-4))
             if not self.fast:
-                self._plain(torch.zeros(len(pos), hidden_size(model), device=pos.device))
+                _, self.h = self._plain(torch.zeros(len(pos), hidden_size(model), device=pos.device))
 
-    def _plain(self, delta: Tensor) -> Tensor:
+    def _plain(self, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits at ``rows`` from the full forward with ``delta`` added by a hook, and ``block``'s output
+        before the addition."""
         with _add_at(self.block, self.pos, delta) as seen:
             logits = self.model(**self.enc, **no_cache_kwargs(self.model)).logits
-        self.h = seen[0]
-        return logits.reshape(-1, logits.shape[-1]).index_select(0, self.rows).float()
+        return logits.reshape(-1, logits.shape[-1]).index_select(0, self.rows).float(), seen[0]
 
     def _fast(self, delta: Tensor) -> Tensor:
         h = self.h.clone()
@@ -253,7 +254,7 @@ class _DeltaForward:
     def __call__(self, delta: Tensor) -> Tensor:
         """``R x vocab`` float32 logits at ``rows`` with ``delta`` (``len(pos) x d_model``, one per row of
         ``enc``) added at each row's position; differentiable in ``delta``."""
-        return self._fast(delta) if self.fast else self._plain(delta)
+        return self._fast(delta) if self.fast else self._plain(delta)[0]
 
 
 def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], block: nn.Module,
