@@ -326,8 +326,9 @@ def pareto_points(payload: dict) -> dict:
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in payload["methods"] if m in res and m != "base"]
-    points = {m: [(res[m]["wild"].get("qa") or {}).get("rel"), _retention(payload, res[m])] for m in rows}
-    kl = {m: ((res[m]["wild"].get("qa") or {}).get("rel"), -res[m]["summary"]["kl_drift"]) for m in rows}
+    success = {m: (res[m]["wild"].get("qa") or {}).get("rel") for m in rows}
+    points = {m: [success[m], _retention(payload, res[m])] for m in rows}
+    kl = {m: (success[m], -res[m]["summary"]["kl_drift"]) for m in rows}
     return {"success": "WILD qa rel",
             "retention": ("mean capability score / base score over " + ", ".join(caps)) if caps
             else "-KL drift on held-out text (nats/token)",

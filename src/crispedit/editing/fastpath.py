@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from ..data.tokenize import EncodedBatch
 from ..models import decoder_blocks
 
-__all__ = ["make_loss_fn", "plain_loss", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits"]
+__all__ = ["make_loss_fn", "plain_loss", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
+           "target_rows"]
 
 
 def _up(x: Tensor) -> Tensor:
@@ -123,6 +124,15 @@ def prefix_fed(blocks: nn.ModuleList, k: int, passthrough: Sequence[nn.Module], 
             blocks[i] = b
 
 
+def target_rows(labels: Tensor) -> tuple[Tensor, Tensor]:
+    """``(rows, targets)`` of a ``B x T`` label matrix (-100 = no target): the flat row-major indices into the
+    ``B x T`` positions of every position that predicts a target token (position ``t`` predicts label
+    ``t + 1``; the order of ``hidden[:, :-1][labels[:, 1:] != -100]``) and those target tokens."""
+    shifted = labels[:, 1:]
+    b, t = (shifted != -100).nonzero(as_tuple=True)
+    return b * labels.shape[1] + t, shifted[b, t]
+
+
 def passthroughs(k: int, tuple_len: int | None) -> list[nn.Module]:
     """``k`` pass-through modules standing in for decoder blocks that return ``tuple_len``-tuples (or bare
     tensors when ``None``)."""
@@ -162,22 +172,12 @@ class _FastLoss:
                                                             attention_mask=b.attention_mask)
                     self.cache.append(h)
         self.passthrough = passthroughs(self.k, self.tuple_len)
-        self.targets = [self._targets(b) for b in batches]
-
-    @staticmethod
-    def _targets(batch: EncodedBatch) -> tuple[Tensor, Tensor, Tensor]:
-        """``(valid, rows, labels)`` of a batch: the ``B x (T-1)`` mask of positions that predict a target
-        token, their flat row indices into the ``(B T) x H`` hidden states (row-major, the order of
-        ``hidden[:, :-1][valid]``) and their labels."""
-        labels = batch.labels[:, 1:]
-        valid = labels != -100
-        b, t = valid.nonzero(as_tuple=True)
-        return valid, b * batch.labels.shape[1] + t, labels[valid]
+        self.targets = [target_rows(b.labels) for b in batches]
 
     def __call__(self, index: int, batch: EncodedBatch) -> Tensor:
         """The FT-M loss of ``batch`` (``self.batches[index]``, whose prefix states are cached): 0-d, float32
         or better, nats per target token."""
-        valid, rows, targets = self.targets[index] if batch is self.batches[index] else self._targets(batch)
+        rows, targets = self.targets[index] if batch is self.batches[index] else target_rows(batch.labels)
         with prefix_fed(self.blocks, self.k, self.passthrough, self.cache[index] if self.k else None):
             logits = rows_logits(self.model, rows, input_ids=batch.input_ids, attention_mask=batch.attention_mask)
         return F.cross_entropy(logits, targets)

@@ -34,7 +34,7 @@ from ..data.edits import EditRequest
 from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
 from ..models import decoder_blocks
-from .fastpath import no_cache_kwargs, capture_block_input, passthroughs, prefix_fed, rows_logits
+from .fastpath import capture_block_input, no_cache_kwargs, passthroughs, prefix_fed, rows_logits, target_rows
 
 __all__ = ["KeyValueSettings", "subject_span", "subject_token_index", "context_templates", "edit_blocks",
            "layer_keys", "block_outputs", "target_values", "hidden_size", "KL_TEMPLATE"]
@@ -310,8 +310,7 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
     tmask = labels != -100
     n_tgt = tmask.sum(1).clamp_min(1)
     enc = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    b_idx, t_idx = tmask.nonzero(as_tuple=True)                       # row-major: logits[:, :-1][tmask] order
-    fwd = _DeltaForward(model, block, enc, pos_t, b_idx * batch.input_ids.shape[1] + t_idx)
+    fwd = _DeltaForward(model, block, enc, pos_t, target_rows(batch.labels)[0])  # the order of [:, :-1][tmask]
     kl_fwd = _DeltaForward(model, block, kl_enc, kl_pos,
                            torch.arange(n, device=device) * kl_enc["input_ids"].shape[1] + kl_pos)
     h0 = fwd.h[torch.arange(0, n * n_t, n_t, device=device), pos_t[::n_t]].float()

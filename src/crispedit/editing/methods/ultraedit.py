@@ -17,6 +17,7 @@ added to the weight before the next batch. ``lr`` 1e-6 and ``ridge`` 1 are the a
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -106,8 +107,6 @@ def default_layers(model) -> str:
     ``N`` decoder blocks (halves round up; 32 blocks give the authors' 11–15 and 18–24, SmolLM2's 30 give
     10–14 and 17–23). Models whose blocks have no ``mlp.gate_proj`` / ``mlp.up_proj`` get the shared
     default (:func:`~crispedit.models.default_layer_pattern`)."""
-    import math
-
     prefix, blocks = decoder_blocks(model)
     n = len(blocks)
     names = dict(model.named_modules())
