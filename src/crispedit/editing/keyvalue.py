@@ -229,14 +229,14 @@ class _DeltaForward:
         self.blocks, self.k = blocks, next((i + 1 for i, b in enumerate(blocks) if b is block), 0)
         self.fast = 0 < self.k < len(blocks)
         with torch.no_grad():
+            plain, seen = self._plain(torch.zeros(len(pos), hidden_size(model), device=pos.device))
             if self.fast:
                 self.h, tuple_len = capture_block_input(model, blocks, self.k, **enc)
                 self.passthrough = passthroughs(self.k, tuple_len)
                 zero = torch.zeros(len(pos), self.h.shape[-1], device=pos.device)
-                plain, _ = self._plain(zero)
                 self.fast = bool(torch.allclose(self._fast(zero), plain, rtol=1e-4, atol=1e-4))
             if not self.fast:
-                _, self.h = self._plain(torch.zeros(len(pos), hidden_size(model), device=pos.device))
+                self.h = seen
 
     def _plain(self, delta: Tensor) -> tuple[Tensor, Tensor]:
         """Logits at ``rows`` from the full forward with ``delta`` added by a hook, and ``block``'s output
