@@ -389,11 +389,14 @@ def test_compare_table_notes_a_steep_layer():
                                         "vs_median": 760.0}]
     payload = {"settings": settings, "methods": ["crispedit", "wide"],
                "results": {"base": _row(0.0, 0.0), "crispedit": _row(0.8, 0.002), "wide": wide}}
-    notes = [ln for ln in compare_mod.compare_table(payload).splitlines() if ln.startswith("Steep layers")]
+    notes = [ln for ln in compare_mod.compare_table(payload).splitlines() if ln.startswith("Drift prediction notes")]
     assert len(notes) == 1 and "wide: model.layers.11.mlp.down_proj predicts 99% of the drift (0.19 nats/token, " \
         "760x the other layers' median)" in notes[0] and "crispedit:" not in notes[0]
     del wide["summary"]["steep_layers"]
-    assert "Steep layers" not in compare_mod.compare_table(payload)
+    assert "Drift prediction notes" not in compare_mod.compare_table(payload)
+    wide["summary"]["mixing_layers"] = ["model.layers.4.self_attn.v_proj"]
+    notes = [ln for ln in compare_mod.compare_table(payload).splitlines() if ln.startswith("Drift prediction notes")]
+    assert len(notes) == 1 and "wide: model.layers.4.self_attn.v_proj: attention mixes" in notes[0]
 
 
 def test_alphaedit_seq_carries_kp_like_the_batch_run_across_its_batches(tiny_lm, tmp_path, iso_cache):

@@ -63,10 +63,10 @@ def cmd_edit(args) -> int:
     for ctx, w in (report.get("wild") or {}).items():
         if isinstance(w, dict):
             print(f"  WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']}")
-    from .curvature.predicted import steep_note
+    from .curvature.predicted import prediction_notes
 
-    for st in s.get("steep_layers") or []:
-        print(f"  note: {steep_note(st)}")
+    for line in prediction_notes(s):
+        print(f"  note: {line}")
     if args.delta_only:
         print(f"delta.safetensors and edit_report.json written to {args.out}")
     else:

@@ -48,7 +48,7 @@ from typing import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .curvature.predicted import steep_note
+from .curvature.predicted import prediction_notes
 from .data.edits import EditRequest
 from .editing import EditConfig, SeqConfig, edit, get_editor, restore
 from .editing.api import snapshot
@@ -361,7 +361,8 @@ def compare_table(payload: dict) -> str:
     (KL)``, its front against -KL drift). Per column the best edited method and those within 5 % (relative)
     of it are in bold. Notes under the table give each row's paired capability change against the base
     (:func:`capability_changes`, where per-item scores were kept), the ``-seq`` rows' rounds, chunk size and
-    mean time per round, and one line per steep layer (:func:`~crispedit.curvature.predicted.steep_note`)."""
+    mean time per round, and the drift prediction's notes per row
+    (:func:`~crispedit.curvature.predicted.prediction_notes`: steep layers, attention q/k/v layers)."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
@@ -423,10 +424,10 @@ def compare_table(payload: dict) -> str:
                  + "; ".join(f"{m}: {r['rounds']} rounds of {r['seq_chunk']}, "
                              f"{sum(r['round_seconds']) / len(r['round_seconds']):.1f}s per round" for m, r in seq)
                  + "\n")
-    steep = [(m, st) for m in rows for st in (res[m]["summary"].get("steep_layers") or [])]
-    if steep:
-        note += "\nSteep layers (one edit layer dominates the predicted drift): " + "; ".join(
-            f"{m}: {steep_note(st)}" for m, st in steep) + "\n"
+    pred_notes = [(m, line) for m in rows for line in prediction_notes(res[m]["summary"])]
+    if pred_notes:
+        note += "\nDrift prediction notes (a steep layer dominates it, or attention mixes what it models): " + "; ".join(
+            f"{m}: {line}" for m, line in pred_notes) + "\n"
     return "\n".join(lines) + "\n" + note
 
 

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from . import __version__
-from .curvature.predicted import steep_layers, steep_note  # re-exported: pipeline.steep_layers
+from .curvature.predicted import mixing_layers, steep_layers, steep_note  # re-exported: pipeline.steep_layers
 from .data.corpus import heldout_text
 from .data.edits import EditRequest
 from .distributed import barrier, is_main, world_size
@@ -58,13 +58,16 @@ def drift_summary(result: EditResult) -> dict:
     """The report keys of the drift model: ``kl_predicted`` (K-FAC predicted per-token KL drift, nats, the
     coherent bound over layers; ``None`` when no factors cover the changed weights),
     ``kl_predicted_blockdiag`` (the layers' sum), ``kl_predicted_layers`` (per edit layer), ``steep_layers``
-    (:func:`steep_layers`: those that dominate the prediction) and, with
+    (:func:`steep_layers`: those that dominate the prediction), ``mixing_layers``
+    (:func:`~crispedit.curvature.predicted.mixing_layers`: attention q/k/v matrices, whose drift the prediction
+    under-reads) and, with
     ``--max-drift``, ``drift_budget`` (``max_drift``, ``hit``, ``hits``, ``steps``, ``final_predicted``)."""
     pred = result.kl_predicted
     out = {"kl_predicted": None if pred is None else float(f"{pred['total']:.6g}"),
            "kl_predicted_blockdiag": None if pred is None else float(f"{pred['blockdiag']:.6g}"),
            "kl_predicted_layers": None if pred is None else {k: float(f"{v:.6g}") for k, v in pred["layers"].items()},
-           "steep_layers": [] if pred is None else steep_layers(pred["layers"])}
+           "steep_layers": [] if pred is None else steep_layers(pred["layers"]),
+           "mixing_layers": [] if pred is None else mixing_layers(pred["layers"])}
     if result.drift_budget is not None:
         out["drift_budget"] = result.drift_budget
     return out

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
-from ..curvature.predicted import predicted_kl, steep_layers
+from ..curvature.predicted import mixing_layers, predicted_kl, steep_layers
 from ..data.edits import EditRequest
 from ..errors import CrispEditError, check_positive_int
 from ..models import model_family, parameter
@@ -175,6 +175,7 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     record["kl_predicted"] = None if total is None else total["total"]
     record["kl_predicted_round"] = None if own is None else own["total"]
     record["steep_layers"] = [] if total is None else steep_layers(total["layers"])  # of the change since the base
+    record["mixing_layers"] = [] if total is None else mixing_layers(total["layers"])
     if budget is not None:
         record["drift_budget"] = {**budget, **(outcome.drift_budget or {}),
                                   "remaining": ec.max_drift - (record["kl_predicted_round"] or 0.0)}

@@ -92,10 +92,10 @@ def cmd_status(args) -> int:
             cells = " ".join(f"{_fmt(v, 2):>5s}" if v is not None else "     " for v in row)
             print(f"{r['round']:5d} {r['n_edits']:6d} {_fmt(r['rel']):>5s} {_fmt(r['rel_all']):>8s} "
                   f"{r['kl_drift']:9.5f} {_fmt(r.get('kl_predicted'), 5):>9s} {r['train']['epochs']:7d} | {cells}")
-        from ..curvature.predicted import steep_note
+        from ..curvature.predicted import prediction_notes
 
-        for stp in st["rounds"][-1].get("steep_layers") or []:  # of the whole change since the base, after the last round
-            print(f"note: {steep_note(stp)}")
+        for line in prediction_notes(st["rounds"][-1]):  # of the whole change since the base, after the last round
+            print(f"note: {line}")
     if st.get("drift_budget"):
         b = st["drift_budget"]
         print(f"drift budget ({b['mode']}): {b['budget']:g} nats/token, spent {b['spent']:.5f}, "
