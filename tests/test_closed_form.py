@@ -154,6 +154,8 @@ def test_memit_writes_the_targets_and_only_the_edit_layers(tiny_lm, iso_cache):
     first, last = res.history.epoch_loss
     assert last < first - 3.0                               # mean target NLL (nats/token) falls by > 3
     assert res.cache_info["spec"]["kind"] == "input" and res.history.steps > 0
+    v_first, v_last = res.history.to_json()["vstar_nll"]     # v* itself reached its targets
+    assert v_first == pytest.approx(first, rel=0.5) and v_last < v_first - 3.0
     # the authors' λ = 15000 on this tiny model's small keys barely moves the weights: λ matters
     model2 = type(model)(model.config)
     model2.load_state_dict({n: before[n] for n in before})

@@ -47,7 +47,9 @@ __all__ = ["projected_finetune", "edit_loss", "TrainHistory", "apply_projection"
 class TrainHistory:
     """What the loop did: per-epoch mean loss (nats/target token), Adam steps, skipped batches,
     whether the stop loss was reached, wall seconds, whether the exact fast loss engaged, the edit
-    contexts trained and the number of training sequences / tokens per epoch."""
+    contexts trained and the number of training sequences / tokens per epoch. ``extra``: figures of one
+    method's own (MEMIT / AlphaEdit: the v* target NLL, nats/token, before and after its Adam steps),
+    written into the report beside the others."""
 
     epoch_loss: list[float] = field(default_factory=list)
     steps: int = 0
@@ -58,13 +60,14 @@ class TrainHistory:
     contexts: list[str] = field(default_factory=list)
     sequences: int = 0
     tokens: int = 0
+    extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         """JSON-ready summary (the ``training`` section of an edit report)."""
         return {"epoch_loss": [round(x, 6) for x in self.epoch_loss], "epochs": len(self.epoch_loss),
                 "steps": self.steps, "skipped_batches": self.skipped, "converged": self.converged,
                 "seconds": round(self.seconds, 3), "fast_loss": self.fast_loss, "contexts": self.contexts,
-                "sequences": self.sequences, "tokens_per_epoch": self.tokens}
+                "sequences": self.sequences, "tokens_per_epoch": self.tokens, **self.extra}
 
 
 def apply_projection(proj: LayerProjector, module: nn.Module, t: Tensor) -> Tensor:

@@ -89,7 +89,9 @@ class ClosedFormEditor(Editor):
 
     def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
         """Write ``requests`` batch by batch (module docstring); the history's ``epoch_loss`` holds the mean
-        target NLL (nats/token, bare prompt) before and after, ``steps`` the v* Adam steps."""
+        target NLL (nats/token, bare prompt) before and after, ``steps`` the v* Adam steps and
+        ``extra["vstar_nll"]`` the mean v* target NLL (nats/token, over the templates) before and after
+        its optimisation."""
         cfg: ClosedFormConfig = ctx.config.method_config
         layers = ctx.layers
         self.check_requests(requests)  # every request's subject, before anything runs
@@ -110,10 +112,13 @@ class ClosedFormEditor(Editor):
                                     kl_factor=cfg.kl_factor)
         state = self.prepare(layers, C, cfg, ctx)
         L = len(layers)
+        v_first = v_last = 0.0
         for b in range(0, len(requests), cfg.batch_size):
             chunk = list(requests[b:b + cfg.batch_size])
             zs, rec = target_values(model, tokenizer, chunk, block, templates, settings)
             history.steps += rec["steps"]
+            v_first += rec["nll_first"] * len(chunk)
+            v_last += rec["nll_last"] * len(chunk)
             for i, (name, m) in enumerate(layers.items()):
                 K = layer_keys(model, tokenizer, chunk, m, templates).double().T          # d_in x N
                 R = (zs - block_outputs(model, tokenizer, chunk, block)).double().T / (L - i)  # d_out x N
@@ -125,6 +130,10 @@ class ClosedFormEditor(Editor):
                     W.add_(dW.to(W.dtype))
             self.after_batch(model, tokenizer, chunk, layers, templates, state)
         history.epoch_loss.append(target_nll(model, tokenizer, requests))
+        # how far v* itself got (mean over requests, every template): a low value here with a high
+        # epoch_loss[-1] says the solve, not the target values, held the edit back
+        n = max(len(requests), 1)
+        history.extra = {"vstar_nll": [round(v_first / n, 6), round(v_last / n, 6)]}
         history.converged = history.epoch_loss[-1] <= ctx.config.stop_loss
         history.sequences = len(requests) * len(templates)
         history.seconds = time.perf_counter() - t0
