@@ -273,3 +273,29 @@ def test_mend_has_no_sequential_row():
     assert seq_row("mend") == ("mend", False)
     with pytest.raises(CrispEditError, match="mend has no sequential mode"):
         seq_row("mend-seq")
+
+
+def test_time_budget_stops_training_and_init_continues_a_saved_network(tiny_model_dir, tmp_path, iso_cache, capsys):
+    edits = _edits(tmp_path)
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    train = ["mend", "train", "--model", tiny_model_dir, "--edits", edits, "--n-edits", 8, "--layers", LAYERS,
+             "--n-cap", 4, "--quiet"]
+    # a budget far below one step: the first step runs, none after it, and the file says so
+    assert main([str(a) for a in train + ["--offset", 8, "--steps", 50, "--rank", 8, "--batch-size", 4, "--max-minutes", 1e-6,
+                                          "--out", first]]) == 0, capsys.readouterr().err
+    assert "trained 1 steps (stopped by --max-minutes" in capsys.readouterr().out
+    from crispedit.editing.methods.mend_net import read_network_meta
+    a = read_network_meta(first)
+    assert a["training"]["history"]["stopped_early"] and a["training"]["total_steps"] == 1
+    # continue on another slice: settings come from the file, the steps add up, both slices' digests are kept
+    assert main([str(a) for a in train + ["--offset", 16, "--steps", 3, "--init", first, "--out", second]]) == 0
+    assert "trained 3 steps, 4 in all from" in capsys.readouterr().out
+    b = read_network_meta(second)
+    assert b["config"]["rank"] == 8 and b["training"]["total_steps"] == 4
+    assert not b["training"]["history"]["stopped_early"]
+    assert len(b["training"]["request_digests"]) == 16 and b["training"]["continued_from"]["file"] == str(first)
+    for extra, msg in [(["--rank", 4], "drop --rank"), (["--max-minutes", 0], "--max-minutes must be positive")]:
+        assert main([str(a) for a in train + ["--init", first, "--out", tmp_path / "c.safetensors"] + extra]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "c.safetensors").exists()

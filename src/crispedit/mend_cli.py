@@ -30,6 +30,18 @@ def _train_config(args):
 def cmd_mend_train(args) -> int:
     """``crispedit mend train``: check every input, load the model, train, write the network atomically."""
     config = _train_config(args)
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        raise CrispEditError(f"--max-minutes must be positive, got {args.max_minutes}")
+    prev = None
+    if args.init:
+        from .editing.methods.mend_net import read_network_meta
+
+        fixed = sorted(f.name.replace("_", "-") for f in fields(config)
+                       if f.name not in ("steps", "seed") and getattr(args, f"mend_{f.name}", None) is not None)
+        if fixed:
+            raise CrispEditError(f"--init continues {args.init} with its own settings; drop --{', --'.join(fixed)} "
+                                 "(only --steps and --seed apply)")
+        prev = read_network_meta(args.init)
     if args.out:
         check_output_file(args.out)
     if args.n_edits is not None and args.n_edits < 1:
@@ -43,21 +55,32 @@ def cmd_mend_train(args) -> int:
     if not requests:
         raise CrispEditError(f"{args.edits} has no edit requests from offset {args.offset}")
     progress = False if args.quiet else None
-    from .editing.methods.mend_net import default_layers, default_weights_path, prompt_digests, save_network
+    from .editing.methods.mend_net import (default_layers, default_weights_path, load_network, prompt_digests,
+                                           save_network)
     from .editing.methods.mend_train import train_mend
     from .models import load_model, resolve_layers, weight_fingerprint
 
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                             progress=progress)
-    layers = resolve_layers(model, args.layers or ",".join(default_layers(model)))
+    layers = resolve_layers(model, args.layers or ",".join(prev["layers"] if prev else default_layers(model)))
     fp = weight_fingerprint(model)
     path = args.out or default_weights_path(fp, list(layers), args.cache_dir)
-    net, hist = train_mend(model, tok, requests, layers, config, passages=passages, progress=progress)
+    start = load_network(args.init, layers, model_fingerprint=fp) if args.init else None
+    net, hist = train_mend(model, tok, requests, layers, config, passages=passages, net=start,
+                           max_seconds=None if args.max_minutes is None else 60.0 * args.max_minutes, progress=progress)
     training = {"edits": str(args.edits), "offset": args.offset, "n_edits": len(requests), "model": args.model,
                 "history": hist.to_json(), "request_digests": prompt_digests(requests)}
+    before = prev.get("training", {}) if prev is not None else {}
+    training["total_steps"] = hist.to_json()["steps"] + before.get("total_steps", before.get("history", {}).get("steps", 0))
+    if prev is not None:  # the earlier runs' slices count as training requests too (overlap warnings)
+        training["continued_from"] = {"file": str(args.init),
+                                      "training": {k: v for k, v in before.items() if k != "request_digests"}}
+        training["request_digests"] = list(dict.fromkeys(before.get("request_digests", []) + training["request_digests"]))
     save_network(path, net, model_fingerprint=fp, training=training)
     h = hist.to_json()
-    print(f"mend: trained {h['steps']} steps on {len(requests)} edits (offset {args.offset}) in {h['seconds']:.0f}s; "
+    stop = f" (stopped by --max-minutes {args.max_minutes:g})" if h["stopped_early"] else ""
+    cont = f", {training['total_steps']} in all from {args.init}" if args.init else ""
+    print(f"mend: trained {h['steps']} steps{stop}{cont} on {len(requests)} edits (offset {args.offset}) in {h['seconds']:.0f}s; "
           f"meta-loss {h['loss'].get('first10', float('nan')):.4f} -> {h['loss'].get('last10', float('nan')):.4f} "
           f"(edit NLL {h['edit_nll'].get('first10', float('nan')):.3f} -> {h['edit_nll'].get('last10', float('nan')):.3f}, "
           f"locality KL {h['loc_kl'].get('first10', float('nan')):.4f} -> {h['loc_kl'].get('last10', float('nan')):.4f})")
@@ -99,6 +122,11 @@ def add_cli(sub) -> None:
         kind = type(f.default)
         t.add_argument(f"--{f.name.replace('_', '-')}", dest=f"mend_{f.name}", type=kind, default=None,
                        help=help_.get(f.name, f.name))
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="wall-clock budget: stop before a step that would end past it and save the network trained so "
+                   "far (the file records the steps done)")
+    t.add_argument("--init", default=None, help="continue training this network file (same model and layers; its "
+                   "settings are kept, only --steps and --seed apply; Adam restarts)")
     t.add_argument("--out", default=None, help="network file (default: the cache, where `edit --method mend` looks)")
     t.add_argument("--cache-dir", default=None, help="cache root (default $CRISPEDIT_CACHE or ~/.cache/crispedit)")
     t.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -20,7 +20,7 @@ train`` defaults to ZsRE dev records 1000–1999 (the evaluation uses 100–199,
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -41,21 +41,25 @@ __all__ = ["MENDTrainHistory", "train_mend", "meta_loss", "locality_batches"]
 @dataclass
 class MENDTrainHistory:
     """What :func:`train_mend` did: per step the total meta-loss, the edit NLL (nats/target token, after the
-    edit) and the locality KL (nats/token); the final per-layer steps ``alpha``; wall seconds."""
+    edit) and the locality KL (nats/token); the final per-layer steps ``alpha``; wall seconds; whether the
+    time budget stopped it before ``config.steps``."""
 
     loss: list[float] = field(default_factory=list)
     edit_nll: list[float] = field(default_factory=list)
     loc_kl: list[float] = field(default_factory=list)
     alpha: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    stopped_early: bool = False
 
     def to_json(self) -> dict:
-        """JSON-ready summary: steps, seconds, first/last-10 means of each loss, final α."""
+        """JSON-ready summary: steps, seconds, whether the time budget stopped it, first/last-10 means of each
+        loss, final α."""
         def ends(xs):
             """``{"first10", "last10"}``: means of the first / last ten values of ``xs`` (6 decimals); ``{}`` if empty."""
             return {"first10": round(sum(xs[:10]) / max(len(xs[:10]), 1), 6),
                     "last10": round(sum(xs[-10:]) / max(len(xs[-10:]), 1), 6)} if xs else {}
-        return {"steps": len(self.loss), "seconds": round(self.seconds, 2), "loss": ends(self.loss),
+        return {"steps": len(self.loss), "seconds": round(self.seconds, 2), "stopped_early": self.stopped_early,
+                "loss": ends(self.loss),
                 "edit_nll": ends(self.edit_nll), "loc_kl": ends(self.loc_kl), "alpha": self.alpha}
 
 
@@ -115,14 +119,24 @@ def meta_loss(net: MENDNetwork, model: nn.Module, tokenizer, layers: dict[str, n
 
 def train_mend(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
                config: MENDTrainConfig | None = None, *, passages: Sequence[str] = (), net: MENDNetwork | None = None,
-               progress: bool | None = None) -> tuple[MENDNetwork, MENDTrainHistory]:
+               max_seconds: float | None = None, progress: bool | None = None) -> tuple[MENDNetwork, MENDTrainHistory]:
     """Meta-train MEND for ``layers`` (name -> linear module of ``model``) on ``requests`` for ``config.steps``
     steps (module docstring); ``passages``: the capability texts locality passages are drawn from. Continues
-    ``net`` when given (its settings win), else starts an identity network. The model is left unchanged.
-    Returns the network (on the model's device) and the :class:`MENDTrainHistory`."""
+    ``net`` when given (its settings win, except ``steps`` and ``seed``, taken from ``config`` when it is given;
+    Adam's moments start afresh), else starts an identity network. ``max_seconds``: a wall-clock budget — no
+    step starts that would, at the last step's pace, end past it (at least one step runs); the history says
+    whether it stopped early. The model is left unchanged. Returns the network (on the model's device) and the
+    :class:`MENDTrainHistory`."""
     if not requests:
         raise CrispEditError("no MEND training requests given")
-    config = net.config if net is not None else (config or MENDTrainConfig()).validate()
+    if max_seconds is not None and not max_seconds > 0:
+        raise CrispEditError(f"the MEND training time budget must be positive, got {max_seconds} s")
+    if net is not None:
+        if config is not None:
+            net.config = replace(net.config, steps=config.steps, seed=config.seed).validate()
+        config = net.config
+    else:
+        config = (config or MENDTrainConfig()).validate()
     device = next(model.parameters()).device
     shapes = {n: tuple(weight_matrix(m).shape) for n, m in layers.items()}
     net = net if net is not None else MENDNetwork(shapes, config)
@@ -135,16 +149,22 @@ def train_mend(model: nn.Module, tokenizer, requests: Sequence[EditRequest], lay
     hist, t0 = MENDTrainHistory(), time.perf_counter()
     bar = tqdm(range(config.steps), desc="mend train", unit="step", disable=None if progress is None else not progress)
     with frozen(model):  # only the network and α train
-        _loop(net, model, tokenizer, layers, requests, passages, config, opt, gen, bar, hist)
+        _loop(net, model, tokenizer, layers, requests, passages, config, opt, gen, bar, hist, t0, max_seconds)
     hist.alpha = [round(float(a), 8) for a in net.alpha.detach().cpu()]
     hist.seconds = time.perf_counter() - t0
     return net, hist
 
 
-def _loop(net, model, tokenizer, layers, requests, passages, config, opt, gen, bar, hist) -> None:
-    """The steps of :func:`train_mend` (the model frozen by the caller)."""
+def _loop(net, model, tokenizer, layers, requests, passages, config, opt, gen, bar, hist, t0, max_seconds) -> None:
+    """The steps of :func:`train_mend` (the model frozen by the caller), stopping before a step that would end
+    past ``t0 + max_seconds`` at the previous step's pace."""
     order: list[int] = []
+    last = 0.0
     for _ in bar:
+        start = time.perf_counter()
+        if max_seconds is not None and hist.loss and start + last - t0 > max_seconds:
+            hist.stopped_early = True
+            break
         while len(order) < config.batch_size:
             order += torch.randperm(len(requests), generator=gen).tolist()
         idx, order = order[:config.batch_size], order[config.batch_size:]
@@ -162,4 +182,5 @@ def _loop(net, model, tokenizer, layers, requests, passages, config, opt, gen, b
         hist.edit_nll.append(nll.item())
         hist.loc_kl.append(kl.item())
         bar.set_postfix(loss=f"{hist.loss[-1]:.4f}", nll=f"{hist.edit_nll[-1]:.3f}", kl=f"{hist.loc_kl[-1]:.4f}")
+        last = time.perf_counter() - start
     bar.close()
