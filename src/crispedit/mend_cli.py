@@ -68,16 +68,16 @@ def cmd_mend_train(args) -> int:
     start = load_network(args.init, layers, model_fingerprint=fp) if args.init else None
     net, hist = train_mend(model, tok, requests, layers, config, passages=passages, net=start,
                            max_seconds=None if args.max_minutes is None else 60.0 * args.max_minutes, progress=progress)
+    h = hist.to_json()
     training = {"edits": str(args.edits), "offset": args.offset, "n_edits": len(requests), "model": args.model,
-                "history": hist.to_json(), "request_digests": prompt_digests(requests)}
+                "history": h, "request_digests": prompt_digests(requests)}
     before = prev.get("training", {}) if prev is not None else {}
-    training["total_steps"] = hist.to_json()["steps"] + before.get("total_steps", before.get("history", {}).get("steps", 0))
+    training["total_steps"] = h["steps"] + before.get("total_steps", before.get("history", {}).get("steps", 0))
     if prev is not None:  # the earlier runs' slices count as training requests too (overlap warnings)
         training["continued_from"] = {"file": str(args.init),
                                       "training": {k: v for k, v in before.items() if k != "request_digests"}}
         training["request_digests"] = list(dict.fromkeys(before.get("request_digests", []) + training["request_digests"]))
     save_network(path, net, model_fingerprint=fp, training=training)
-    h = hist.to_json()
     stop = f" (stopped by --max-minutes {args.max_minutes:g})" if h["stopped_early"] else ""
     cont = f", {training['total_steps']} in all from {args.init}" if args.init else ""
     print(f"mend: trained {h['steps']} steps{stop}{cont} on {len(requests)} edits (offset {args.offset}) in {h['seconds']:.0f}s; "
