@@ -293,6 +293,9 @@ def test_time_budget_stops_training_and_init_continues_a_saved_network(tiny_mode
     b = read_network_meta(second)
     assert b["config"]["rank"] == 8 and b["training"]["total_steps"] == 4
     assert not b["training"]["history"]["stopped_early"]
+    curve = b["training"]["history"]["curve"]  # every step's losses are kept, not only the end means
+    assert [len(curve[k]) for k in ("loss", "edit_nll", "loc_kl")] == [3, 3, 3]
+    assert b["training"]["history"]["loss"]["first10"] == pytest.approx(sum(curve["loss"]) / 3, rel=1e-3)
     assert len(b["training"]["request_digests"]) == 16 and b["training"]["continued_from"]["file"] == str(first)
     for extra, msg in [(["--rank", 4], "drop --rank"), (["--max-minutes", 0], "--max-minutes must be positive")]:
         assert main([str(a) for a in train + ["--init", first, "--out", tmp_path / "c.safetensors"] + extra]) == 2

@@ -53,14 +53,16 @@ class MENDTrainHistory:
 
     def to_json(self) -> dict:
         """JSON-ready summary: steps, seconds, whether the time budget stopped it, first/last-10 means of each
-        loss, final α."""
+        loss, final α, and ``curve``: every step's loss, edit NLL and locality KL (5 significant digits), so a
+        saved network keeps its training curve."""
         def ends(xs):
             """``{"first10", "last10"}``: means of the first / last ten values of ``xs`` (6 decimals); ``{}`` if empty."""
             return {"first10": round(sum(xs[:10]) / max(len(xs[:10]), 1), 6),
                     "last10": round(sum(xs[-10:]) / max(len(xs[-10:]), 1), 6)} if xs else {}
         return {"steps": len(self.loss), "seconds": round(self.seconds, 2), "stopped_early": self.stopped_early,
                 "loss": ends(self.loss),
-                "edit_nll": ends(self.edit_nll), "loc_kl": ends(self.loc_kl), "alpha": self.alpha}
+                "edit_nll": ends(self.edit_nll), "loc_kl": ends(self.loc_kl), "alpha": self.alpha,
+                "curve": {k: [float(f"{x:.5g}") for x in getattr(self, k)] for k in ("loss", "edit_nll", "loc_kl")}}
 
 
 def locality_batches(tokenizer, requests: Sequence[EditRequest], passages: Sequence[str], loc_len: int, device) -> list:
