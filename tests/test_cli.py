@@ -183,9 +183,10 @@ def test_overwrite_replaces_only_crispedits_files_quietly(tiny_model_dir, tmp_pa
     (out / "edit_report.json").write_text(json.dumps(report))
     code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), out) + ["--no-wild", "--epochs", 1], capsys)
     assert code == 2 and "--overwrite" in err
-    code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), out) + ["--no-wild", "--epochs", 1, "--overwrite"],
-                       capsys)
+    code, stdout, err = run(common(tiny_model_dir, edits_file(tmp_path), out) + ["--no-wild", "--epochs", 1, "--overwrite"],
+                            capsys)
     assert code == 0, err
+    assert "epochs=1 last_loss=" in stdout and "lr=0.01" in stdout, stdout   # the loop's line: its epochs and lr
     assert (out / "notes.txt").read_text() == "keep me" and not (out / "old-shard.safetensors").exists()
     new = json.loads((out / "edit_report.json").read_text())
     assert new["training"]["epochs"] == 1 and "notes.txt" not in new["files"]

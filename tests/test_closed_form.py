@@ -374,7 +374,11 @@ def test_alphaedit_seq_from_the_cli(tiny_model_dir, tmp_path, iso_cache, capsys)
         f.write_text(json.dumps([{"prompt": f"The author of book number {k}{j}", "target": "Q",
                                   "subject": f"book number {k}{j}"} for j in range(2)]))
         assert main(["session", "add", str(sess), "--edits", str(f), "--quiet"]) == 0
-    capsys.readouterr()
+    out = capsys.readouterr().out
+    assert out.count("single-pass target_nll=") == 2 and "epochs=" not in out, out   # AlphaEdit runs no epochs
+    assert main(["session", "status", str(sess)]) == 0
+    rows = [ln.split("|")[0].split() for ln in capsys.readouterr().out.splitlines() if ln.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "2"] and all(r[-1] == "-" for r in rows), rows   # the epochs cell
     assert main(["session", "status", str(sess), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
     assert st["name"] == "alphaedit-seq" and st["round"] == 2 and set(st["files"]) == {"weights", "optim", "cap_factors"}

@@ -201,6 +201,11 @@ def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache,
     assert main([str(a) for a in common + ["--mend-weights", net, "--out", tmp_path / "e"]]) == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "e" / "edit_report.json").read_text())
     assert report["method"] == "mend" and report["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
+    # one step, no epochs and no fine-tuning lr: the line and the report say what ran
+    first, last = report["training"]["epoch_loss"]
+    assert report["training"]["epochs"] == 0 and report["training"]["single_pass"] is True
+    line = capsys.readouterr().out
+    assert f"single-pass target_nll={first:.4g}->{last:.4g}" in line and "epochs=" not in line and "lr=" not in line, line
     assert len(meta["training"]["request_digests"]) == 16
     # editing requests 4-11 overlaps the training slice 8-23 in 4 requests: warned and recorded
     with pytest.warns(UserWarning, match="4 of the 8 edit requests were in the network's training slice"):

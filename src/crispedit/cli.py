@@ -52,11 +52,13 @@ def cmd_edit(args) -> int:
                               delta_only=args.delta_only)
     if not main_process:
         return 0
+    from .editing.loop import training_brief
+
     s = report["summary"]
     pred = "-" if s.get("kl_predicted") is None else f"{s['kl_predicted']:.5f}"
     print(f"{config.method}: {len(requests)} edits, rel={s['rel']} gen={s['gen']} kl_drift={s['kl_drift']:.5f} "
           f"kl_predicted={pred} edit={s['edit_seconds']:.1f}s cache={s['cache_seconds']:.1f}s "
-          f"epochs={report['training']['epochs']} lr={config.lr:g}")
+          f"{training_brief(report['training'], config.lr)}")
     if s.get("drift_budget") and s["drift_budget"].get("max_drift") is not None:
         b = s["drift_budget"]
         print(f"  drift budget {b['max_drift']:g}: {'hit' if b['hit'] else 'not hit'} ({b['hits']} of {b['steps']} steps pulled back)")

@@ -54,6 +54,7 @@ from .editing import EditConfig, SeqConfig, edit, get_editor, restore
 from .editing.api import snapshot
 from .editing.config import default_seq_chunk
 from .editing.contexts import DEFAULT_CONTEXTS
+from .editing.loop import training_brief
 from .editing.registry import seq_row
 from .editing.sequential import run_sequence
 from .errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
@@ -136,11 +137,10 @@ def _row(method: str, ev: dict, **extra) -> dict:
 def _round_line(method: str):
     """A :func:`run_sequence` ``on_round`` callback printing one line per finished round."""
     def report(rec: dict, n_rounds: int) -> None:
-        """Print ``method``'s line for the round record ``rec``: edits, seconds, epochs, last epoch loss."""
-        train = rec.get("train") or {}
-        loss = (train.get("epoch_loss") or [None])[-1]
+        """Print ``method``'s line for the round record ``rec``: edits, seconds, epochs and last epoch loss
+        (a single-pass editor: its target NLL before -> after)."""
         tqdm.write(f"  {method} round {rec['round']}/{n_rounds}: {rec['n_edits']} edits, {rec['edit_seconds']:.1f}s, "
-                   f"{train.get('epochs')} epochs" + ("" if loss is None else f", last epoch loss {loss:.4f}"))
+                   f"{training_brief(rec.get('train') or {})}")
     return report
 
 

@@ -40,7 +40,8 @@ from .fastpath import make_loss_fn, plain_loss as edit_loss
 from .optim import make_optimizer
 from .steptimer import NULL_TIMER, StepTimer
 
-__all__ = ["projected_finetune", "edit_loss", "TrainHistory", "apply_projection", "edit_batches", "shard_batch"]
+__all__ = ["projected_finetune", "edit_loss", "TrainHistory", "training_brief", "apply_projection", "edit_batches",
+           "shard_batch"]
 
 
 @dataclass
@@ -49,7 +50,9 @@ class TrainHistory:
     whether the stop loss was reached, wall seconds, whether the exact fast loss engaged, the edit
     contexts trained and the number of training sequences / tokens per epoch. ``extra``: figures of one
     method's own (MEMIT / AlphaEdit: the v* target NLL, nats/token, before and after its Adam steps),
-    written into the report beside the others."""
+    written into the report beside the others. ``single_pass``: the editor wrote its change in one pass
+    over the edits without the loop (MEMIT, AlphaEdit, UltraEdit, MEND); ``epoch_loss`` then holds the mean
+    target NLL before and after (nats/token), not epochs, and the report says ``epochs`` 0."""
 
     epoch_loss: list[float] = field(default_factory=list)
     steps: int = 0
@@ -61,13 +64,29 @@ class TrainHistory:
     sequences: int = 0
     tokens: int = 0
     extra: dict = field(default_factory=dict)
+    single_pass: bool = False
 
     def to_json(self) -> dict:
-        """JSON-ready summary (the ``training`` section of an edit report)."""
-        return {"epoch_loss": [round(x, 6) for x in self.epoch_loss], "epochs": len(self.epoch_loss),
+        """JSON-ready summary (the ``training`` section of an edit report; a single-pass editor's also
+        carries ``"single_pass": true``)."""
+        return {"epoch_loss": [round(x, 6) for x in self.epoch_loss],
+                "epochs": 0 if self.single_pass else len(self.epoch_loss),
                 "steps": self.steps, "skipped_batches": self.skipped, "converged": self.converged,
                 "seconds": round(self.seconds, 3), "fast_loss": self.fast_loss, "contexts": self.contexts,
-                "sequences": self.sequences, "tokens_per_epoch": self.tokens, **self.extra}
+                "sequences": self.sequences, "tokens_per_epoch": self.tokens,
+                **({"single_pass": True} if self.single_pass else {}), **self.extra}
+
+
+def training_brief(train: dict, lr: float | None = None) -> str:
+    """One line for a report's ``training`` section (:meth:`TrainHistory.to_json`), as the CLI prints it:
+    ``"epochs=21 last_loss=0.0096"`` (+ ``" lr=0.0005"`` given ``lr``) for the fine-tuning loop,
+    ``"single-pass target_nll=8.308->0.1374"`` (nats/token before -> after) for a single-pass editor, whose
+    ``epoch_loss`` is not per epoch and whose learning rate, if any, is its own."""
+    loss = train.get("epoch_loss") or []
+    if train.get("single_pass"):
+        return "single-pass" + (f" target_nll={loss[0]:.4g}->{loss[-1]:.4g}" if len(loss) >= 2 else "")
+    return (f"epochs={train.get('epochs')}" + (f" last_loss={loss[-1]:.4g}" if loss else "")
+            + ("" if lr is None else f" lr={lr:g}"))
 
 
 def apply_projection(proj: LayerProjector, module: nn.Module, t: Tensor) -> Tensor:

@@ -20,6 +20,12 @@ def _fmt(x, nd: int = 3) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _epochs(train: dict) -> str:
+    """The status table's epochs cell of a round's ``train`` record: the loop's epochs, ``-`` for a
+    single-pass editor (MEMIT, AlphaEdit, UltraEdit, MEND), which runs none."""
+    return "-" if train.get("single_pass") else str(train.get("epochs"))
+
+
 def _check_session(path) -> None:
     """One-line error unless ``path`` is a session directory whose ``session.json`` and ``state.json`` read
     and have the expected shape (what :meth:`Session.open` checks first, here without torch)."""
@@ -54,6 +60,7 @@ def cmd_add(args) -> int:
 
     _check_session(args.dir)
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
+    from .loop import training_brief
     from .session import Session
 
     s = Session.open(args.dir, model=args.model, device=args.device)
@@ -62,7 +69,7 @@ def cmd_add(args) -> int:
     ret = " ".join(f"r{j}={_fmt(v['rel'], 2)}" for j, v in rec["retention"].items())
     print(f"round {rec['round']} committed: rel={_fmt(rec['rel'])} rel_all={_fmt(rec['rel_all'])} "
           f"kl_drift={rec['kl_drift']:.5f} kl_predicted={_fmt(rec.get('kl_predicted'), 5)} "
-          f"epochs={rec['train']['epochs']} {rec['edit_seconds']:.1f}s | retention {ret}")
+          f"{training_brief(rec['train'])} {rec['edit_seconds']:.1f}s | retention {ret}")
     if rec.get("drift_budget"):
         b = rec["drift_budget"]
         print(f"  drift budget: round spent {_fmt(rec.get('kl_predicted_round'), 5)} of {b['round_budget']:.5f}, "
@@ -91,7 +98,7 @@ def cmd_status(args) -> int:
         for r, row in zip(st["rounds"], st["retention"]):
             cells = " ".join(f"{_fmt(v, 2):>5s}" if v is not None else "     " for v in row)
             print(f"{r['round']:5d} {r['n_edits']:6d} {_fmt(r['rel']):>5s} {_fmt(r['rel_all']):>8s} "
-                  f"{r['kl_drift']:9.5f} {_fmt(r.get('kl_predicted'), 5):>9s} {r['train']['epochs']:7d} | {cells}")
+                  f"{r['kl_drift']:9.5f} {_fmt(r.get('kl_predicted'), 5):>9s} {_epochs(r['train']):>7s} | {cells}")
         from ..curvature.predicted import prediction_notes
 
         for line in prediction_notes(st["rounds"][-1]):  # of the whole change since the base, after the last round
@@ -111,6 +118,7 @@ def cmd_export(args) -> int:
     """``crispedit session export``: write the session's current model as a Hugging Face directory."""
     check_output_dir(args.out, overwrite=args.overwrite, marker="crispedit_session.json")
     _check_session(args.dir)
+    from .loop import training_brief
     from .session import Session
 
     s = Session.open(args.dir, model=args.model, device=args.device)

@@ -105,7 +105,7 @@ class ClosedFormEditor(Editor):
             if weight_matrix(m).shape[0] != d_model:
                 raise CrispEditError(f"{self.name}: edit layer {n} writes {weight_matrix(m).shape[0]} features, not the "
                                      f"residual stream's {d_model}; edit the MLP output projections (down_proj)")
-        history = TrainHistory(contexts=["bare"] + ([f"gen:{cfg.prefixes}"] if cfg.prefixes else []))
+        history = TrainHistory(contexts=["bare"] + ([f"gen:{cfg.prefixes}"] if cfg.prefixes else []), single_pass=True)
         history.epoch_loss.append(target_nll(model, tokenizer, requests))
         templates = context_templates(model, tokenizer, cfg.prefixes, seed=ctx.config.seed)
         settings = KeyValueSettings(steps=cfg.v_steps, lr=cfg.v_lr, weight_decay=cfg.v_weight_decay, clamp=cfg.clamp,

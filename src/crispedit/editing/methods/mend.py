@@ -80,7 +80,7 @@ class MENDEditor(Editor):
         device = next(model.parameters()).device
         net.to(device)
         t0 = time.perf_counter()
-        history = TrainHistory(contexts=["bare"])
+        history = TrainHistory(contexts=["bare"], single_pass=True)
         history.epoch_loss.append(target_nll(model, tokenizer, requests))
         factors = edit_factors(model, tokenizer, list(requests), layers, batch_size=cfg.batch_size)
         with torch.no_grad():

@@ -163,7 +163,7 @@ class UltraEditEditor(Editor):
         shapes = {n: tuple(weight_matrix(m).shape) for n, m in layers.items()}
         norms = {n: RunningNorm.from_tensors(ctx.optimizer_state, n, d_in + d_out) for n, (d_out, d_in) in shapes.items()}
         t0 = time.perf_counter()
-        history = TrainHistory()
+        history = TrainHistory(single_pass=True)
         history.epoch_loss.append(target_nll(model, tokenizer, requests))
         was_training = model.training
         model.eval()
