@@ -118,7 +118,6 @@ def cmd_export(args) -> int:
     """``crispedit session export``: write the session's current model as a Hugging Face directory."""
     check_output_dir(args.out, overwrite=args.overwrite, marker="crispedit_session.json")
     _check_session(args.dir)
-    from .loop import training_brief
     from .session import Session
 
     s = Session.open(args.dir, model=args.model, device=args.device)
