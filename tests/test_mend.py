@@ -1,6 +1,7 @@
 """MEND on the tiny random llama: the network file, meta-training, the editor, the CLI and bad inputs."""
 
 import copy
+import hashlib
 import json
 
 import pytest
@@ -200,6 +201,7 @@ def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache,
     common = ["edit", "--model", tiny_model_dir, "--edits", edits, "--n-edits", 4, "--method", "mend", "--no-wild", "--quiet"]
     assert main([str(a) for a in common + ["--mend-weights", net, "--out", tmp_path / "e"]]) == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "e" / "edit_report.json").read_text())
+    assert report["inputs"] == {"weights": hashlib.sha256(net.read_bytes()).hexdigest()}  # the network, by content
     assert report["method"] == "mend" and report["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
     # one step, no epochs and no fine-tuning lr: the line and the report say what ran
     first, last = report["training"]["epoch_loss"]
@@ -246,6 +248,35 @@ def test_compare_runs_mend_beside_a_fine_tuning_method(tiny_lm, tmp_path, iso_ca
     assert payload["results"]["mend"]["changed"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)]
     assert weight_fingerprint(model) == fp
     assert "| mend |" in (tmp_path / "cmp" / "compare.md").read_text()
+    # the row names its network by content; ft reads no file and records none
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    row = payload["results"]["mend"]
+    assert row["inputs"] == {"weights": digest} and "inputs" not in payload["results"]["ft"]
+
+    def resume(weights):
+        mend = EditConfig(method="mend", layers=LAYERS, n_cap=4, max_len=32, options={"weights": str(weights)})
+        return compare_mod.run_compare(model, tok, HELD[:3], ["ft", "mend"], tmp_path / "cmp",
+                                       configs={**cfgs, "mend": mend}, progress=False)
+
+    # the same network moved elsewhere is the same run: the stored row is kept, nothing reruns
+    moved = tmp_path / "elsewhere" / "copy.safetensors"
+    moved.parent.mkdir()
+    moved.write_bytes(path.read_bytes())
+    path.unlink()
+    assert resume(moved)["results"]["mend"] == row
+    # another network at the path the row records is another run: refused, naming the file's digests
+    write_trained(model, tok, path, steps=3)
+    with pytest.raises(CrispEditError, match=rf"holds mend run with another configuration \(another weights file: "
+                                             rf"sha256 {digest[:12]}…, now {hashlib.sha256(path.read_bytes()).hexdigest()[:12]}…\)"):
+        resume(path)
+    # a row stored before rows recorded their files is matched by its path, as it was
+    stored = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    del stored["results"]["mend"]["inputs"]
+    (tmp_path / "cmp" / "compare.json").write_text(json.dumps(stored))
+    with pytest.raises(CrispEditError, match=r"holds mend run with another configuration; use another --out"):
+        resume(moved)
+    assert resume(path)["results"]["mend"]["wall_seconds"] == row["wall_seconds"]
+    assert weight_fingerprint(model) == fp
 
 
 def test_target_only_logprobs_equal_the_full_forward(tiny_lm):

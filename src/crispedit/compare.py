@@ -128,6 +128,23 @@ def _stored_config(stored: dict, sequential: bool = False) -> dict:
         return stored
 
 
+def _run_identity(config: dict, inputs: dict[str, str] | None) -> dict:
+    """What makes a stored row the same run as a requested one: ``config`` (an ``EditConfig`` or ``SeqConfig``
+    JSON) with each method option in ``inputs`` (option -> SHA-256 of the file it named, as a row stores it)
+    replaced by that digest, so a network moved or copied elsewhere is the same run and a retrained one at
+    the same path is not. ``inputs`` ``None`` (a row stored before rows recorded them): ``config`` as is."""
+    if not inputs or not isinstance(inputs, dict):
+        return config
+    edit_json = config.get("edit") if isinstance(config.get("edit"), dict) else config
+    options = edit_json.get("options")
+    if not isinstance(options, dict):
+        return config
+    keyed = {**options, **{opt: f"sha256:{digest}" for opt, digest in inputs.items()}}
+    if edit_json is config:
+        return {**config, "options": keyed}
+    return {**config, "edit": {**edit_json, "options": keyed}}
+
+
 def _row(method: str, ev: dict, **extra) -> dict:
     caps = {k: v["score"] for k, v in ev.get("capabilities", {}).items()}
     return {"method": method, "summary": ev["summary"], "wild": ev.get("wild", {}), "capabilities": caps,
@@ -159,6 +176,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
     if not requests:
         raise CrispEditError("no edit requests given")
     configs = dict(configs)
+    inputs: dict[str, dict[str, str]] = {}  # method -> option -> SHA-256 of the file it names (MEND's network)
     for m in methods:
         base_method, seq = seq_row(m)
         cfg = configs[m]
@@ -175,6 +193,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
         ec = cfg.edit if isinstance(cfg, SeqConfig) else cfg
         ec.for_family(model_family(model))  # a default lr scaled now, so that a resumed compare compares what ran
         get_editor(base_method).check_ready(model, ec)
+        inputs[m] = get_editor(base_method).input_digests(model, ec)
     seqs = [m for m in methods if seq_row(m)[1]]
     if seq_chunk is not None and not seqs:
         raise CrispEditError("--seq-chunk sets the round size of the -seq rows, and none is being run")
@@ -208,10 +227,15 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
         for m in methods:
             row, seq = payload["results"].get(m, {}), seq_row(m)[1]
             stored = row.get("config")
-            if stored is not None and (_stored_config(stored, seq) != configs[m].to_json()
+            if stored is not None and (_run_identity(_stored_config(stored, seq), row.get("inputs"))
+                                       != _run_identity(configs[m].to_json(), inputs[m] if "inputs" in row else None)
                                        or (seq and row.get("seq_chunk") != chunk)):
                 other_chunk = seq and row.get("seq_chunk") != chunk
-                what = f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else ""
+                was = row.get("inputs") if isinstance(row.get("inputs"), dict) else {}
+                other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
+                what = (f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else
+                        f" (another {other_file[0]} file: sha256 {str(was[other_file[0]])[:12]}…, now "
+                        f"{inputs[m][other_file[0]][:12]}…)" if other_file else "")
                 raise CrispEditError(f"{path} holds {m} run with another configuration{what}; use another --out")
         payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))
     device = next(model.parameters()).device
@@ -261,7 +285,8 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
             extra = (dict(rounds=len(res.rounds), seq_chunk=res.chunk, round_seconds=res.round_seconds,
                           round_records=res.rounds) if seq else dict(training=res.history.to_json()))
             payload["results"][method] = _row(
-                method, ev, config=cfg.to_json(), layers=res.layers, changed=sorted(res.original_weights),
+                method, ev, config=cfg.to_json(), **({"inputs": inputs[method]} if inputs[method] else {}),
+                layers=res.layers, changed=sorted(res.original_weights),
                 changed_numel=sum(t.numel() for t in res.original_weights.values()),
                 edit_seconds=round(res.edit_seconds, 2), cache_seconds=round(res.cache_seconds, 2),
                 wall_seconds=round(wall, 2), cache_hit=res.cache_info.get("hit"), memory=mem, **extra)

@@ -9,6 +9,7 @@ temporary file in the destination directory first and is renamed into place.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -319,6 +320,21 @@ def read_text_file(path: str | os.PathLike, what: str = "text file") -> str:
     except UnicodeDecodeError as exc:
         raise CrispEditError(f"{what} {path} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
                              "convert it to UTF-8") from None
+
+
+def file_digest(path: str | os.PathLike, what: str = "file") -> str:
+    """SHA-256 of the bytes of ``path`` (64 hex characters), read in 4 MiB blocks; one-line errors for a
+    missing or unreadable file, as :func:`check_input_file` gives. What identifies a file a run read (a MEND
+    network) where its path may differ between machines."""
+    path = check_input_file(path, what)
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    except OSError as exc:
+        raise CrispEditError(f"{what} {path} could not be read ({exc.strerror or exc})") from None
+    return h.hexdigest()
 
 
 def check_input_file(path: str | os.PathLike, what: str = "file") -> Path:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CrispEditError, atomic_directory
+from .errors import CrispEditError, atomic_directory, file_digest
 from .families import FamilyDefaults, defaults_for
 from .progress import show_progress
 
@@ -139,14 +139,6 @@ def gemma3_gguf_path() -> Path:
     return target
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
-
-
 @contextlib.contextmanager
 def _hf_progress(progress: bool | None):
     """Show transformers' own progress bars (weight loading, GGUF conversion) only when asked, or by
@@ -169,7 +161,8 @@ def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:
     path = Path(path)
     if not path.is_file():
         raise CrispEditError(f"GGUF file not found: {path}")
-    target = cache_dir() / "models" / f"{path.stem}-{_file_digest(path)}"
+    digest = file_digest(path, "GGUF file")[:16]
+    target = cache_dir() / "models" / f"{path.stem}-{digest}"
     if (target / "config.json").is_file() and (target / "crispedit_source.json").is_file():
         return target
     try:
@@ -184,7 +177,7 @@ def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:
         del model.config.quantization_config
     with atomic_directory(target) as tmp:
         save_model_dir(model, tok, tmp, progress=progress, what=f"dequantising {path.name}")
-        (tmp / "crispedit_source.json").write_text(json.dumps({"gguf": str(path), "digest": _file_digest(path)}))
+        (tmp / "crispedit_source.json").write_text(json.dumps({"gguf": str(path), "digest": digest}))
     return target
 
 

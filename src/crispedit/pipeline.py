@@ -40,6 +40,7 @@ def environment() -> dict:
 def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditRequest], result: EditResult,
                  summary: dict, per_edit: list[dict], kl_text: str | None, edits_path: str | None) -> dict:
     """The ``edit_report.json`` dict: what was run, summary, training history, projector, cache, config,
+    the files the editor read by content (``inputs``, MEND's network: option -> SHA-256; absent when none),
     environment, per-edit scores."""
     summary = dict(summary)
     summary.update(drift_summary(result))
@@ -49,7 +50,8 @@ def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditReq
         "method": config.method, "gamma": config.gamma, "layers": result.layers, "n_edits": len(requests),
         "model": model_spec, "edits_file": edits_path, "kl_text": kl_text or "bundled:wikitext_heldout.txt",
         "summary": summary, "training": result.history.to_json(), "projector": result.projector_stats,
-        "cache": result.cache_info, "config": config.to_json(), "environment": environment(),
+        "cache": result.cache_info, "config": config.to_json(),
+        **({"inputs": result.inputs} if result.inputs else {}), "environment": environment(),
         "per_edit": per_edit,
     }
 

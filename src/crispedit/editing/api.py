@@ -34,7 +34,8 @@ class EditResult:
     every parameter the editor changes (full parameter name -> tensor as stored) for drift or undo;
     ``kl_predicted``: the K-FAC predicted per-token KL drift of the change (nats; ``{"total", "layers"}``,
     :func:`~crispedit.curvature.predicted.predicted_kl`; ``None`` without factors for the changed
-    weights); ``drift_budget``: what ``--max-drift`` did (``None`` without a budget)."""
+    weights); ``drift_budget``: what ``--max-drift`` did (``None`` without a budget); ``inputs``: the files
+    the editor read besides the model, by content (:meth:`Editor.input_digests`: MEND's network)."""
 
     layers: list[str]
     history: TrainHistory
@@ -45,6 +46,7 @@ class EditResult:
     original_weights: dict[str, torch.Tensor] = field(default_factory=dict)
     kl_predicted: dict | None = None
     drift_budget: dict | None = None
+    inputs: dict[str, str] = field(default_factory=dict)
 
 
 def curvature_spec(model: nn.Module, layers: Sequence[str], texts: Sequence[str], config: EditConfig,
@@ -128,6 +130,7 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     resolve_contexts(config.contexts, tokenizer)  # a context this model cannot take fails before any work
     layers = editor.select_layers(model, config)
     changed = editor.changes(model, layers, config)
+    inputs = editor.input_digests(model, config)  # of the unedited model: MEND's default file is keyed by its weights
     factors, info = edit_factors(model, tokenizer, editor, layers, config, factors=factors, cache_root=cache_root,
                                  cache_file=cache_file, progress=progress, predict_drift=predict_drift)
     cache_seconds = info.get("seconds", 0.0)
@@ -138,7 +141,7 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     from ..curvature.predicted import predicted_kl
 
     return EditResult(list(layers), outcome.history, outcome.projector_stats, cache_seconds, edit_seconds, info,
-                      original, predicted_kl(layers, factors, original), outcome.drift_budget)
+                      original, predicted_kl(layers, factors, original), outcome.drift_budget, inputs)
 
 
 def snapshot(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

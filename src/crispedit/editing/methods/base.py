@@ -11,13 +11,14 @@ or adapter editor overrides ``apply`` itself (see ``lora.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 from torch import Tensor, nn
 
 from ...curvature.kfac import KFACFactors
 from ...data.edits import EditRequest
-from ...errors import CrispEditError
+from ...errors import CrispEditError, file_digest
 from ...models import resolve_layers, weight_matrix
 from ...projection import IdentityProjector, LayerProjector
 from ..config import EditConfig
@@ -101,6 +102,17 @@ class Editor:
         """One-line :class:`CrispEditError` when this editor cannot run on ``model`` under ``config`` for a reason
         other than the requests (MEND: no trained network for this model and layers); ``compare`` calls it for
         every method before running any. Default: nothing."""
+
+    def input_files(self, model: nn.Module, config: EditConfig) -> dict[str, Path]:
+        """The files this run reads besides the model, the requests and the curvature cache, keyed by the method
+        option that names them (MEND: ``weights`` -> its network file, the default cache file when the option is
+        empty). ``compare`` identifies a stored row by these files' content, not their paths. Default: none."""
+        return {}
+
+    def input_digests(self, model: nn.Module, config: EditConfig) -> dict[str, str]:
+        """:meth:`input_files` by content: option -> SHA-256 (64 hex) of the file; what an edit report and a
+        compare row record, so that a result names the network that made it wherever the file lies."""
+        return {opt: file_digest(f, f"{self.name} {opt} file") for opt, f in self.input_files(model, config).items()}
 
     def select_layers(self, model: nn.Module, config: EditConfig) -> dict[str, nn.Module]:
         """The edit layers (module name -> linear module): ``config.layers`` or the per-architecture default."""

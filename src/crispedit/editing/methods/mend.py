@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -62,14 +63,22 @@ class MENDEditor(Editor):
         """The network for this model and these layers exists and loads (one-line error otherwise)."""
         self._network(model, self.select_layers(model, config), config.method_config)
 
-    def _network(self, model, layers, cfg: MENDConfig):
-        """The trained network for ``model`` and ``layers`` (``cfg.weights`` or the default cache file), checked."""
-        fp = weight_fingerprint(model)
-        path = network_path(model, layers, cfg, fp)
+    def input_files(self, model, config):
+        """``{"weights": the network file}`` (``--mend-weights``, else the default cache file)."""
+        return {"weights": self._network_file(model, self.select_layers(model, config), config.method_config)}
+
+    def _network_file(self, model, layers, cfg: MENDConfig, fingerprint: str | None = None) -> Path:
+        """:func:`network_path`; a missing default file is a one-line error that says how to train one."""
+        path = Path(network_path(model, layers, cfg, fingerprint))
         if not cfg.weights and not path.is_file():
             raise CrispEditError(f"no trained MEND network for this model and layers (looked for {path}); train one "
                                  f"with `{train_command_hint()}` or pass --mend-weights FILE")
-        return load_network(path, layers, model_fingerprint=fp)
+        return path
+
+    def _network(self, model, layers, cfg: MENDConfig):
+        """The trained network for ``model`` and ``layers`` (``cfg.weights`` or the default cache file), checked."""
+        fp = weight_fingerprint(model)
+        return load_network(self._network_file(model, layers, cfg, fp), layers, model_fingerprint=fp)
 
     def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
         """Load the network, compute every request's factors on the unedited model, add ``ΔW`` to each edit
