@@ -147,3 +147,63 @@ def test_atomic_writes_leave_normal_permissions(tmp_path):
     for f in (tmp_path / "t.safetensors", tmp_path / "j.json", tmp_path / "model" / "model.safetensors"):
         assert stat.S_IMODE(os.stat(f).st_mode) == 0o644, f
     assert stat.S_IMODE(os.stat(tmp_path / "model").st_mode) == 0o755
+
+
+def _count_eigh(monkeypatch):
+    """Count the eigendecompositions :mod:`crispedit.curvature.eigen` runs."""
+    import crispedit.curvature.eigen as eigen_mod
+
+    calls = []
+    real = eigen_mod.eigh_psd
+    monkeypatch.setattr(eigen_mod, "eigh_psd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_eigenbases_cached_beside_the_factors(tiny_lm, tmp_path, monkeypatch):
+    """The projector of a cached eigenbasis is the projector of the factors, bit for bit; a second load of the
+    same factors decomposes nothing; a rebuilt factor file (same key) or a damaged eigenbasis file is
+    decomposed again; merged (in-memory) factors are never written."""
+    from crispedit.curvature.eigen import eigen_cache_path, factor_eigh
+    from crispedit.projection import KroneckerProjector
+
+    model, tok = tiny_lm
+    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
+    spec = dataclasses.replace(SPEC, model_fingerprint=weight_fingerprint(model), layers=tuple(layers))
+    texts = ["one text here for the cache", "and another one"]
+    calls = _count_eigh(monkeypatch)
+    f1, _ = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
+    eig = factor_eigh(f1, layers)
+    assert len(calls) == 4
+    path = eigen_cache_path(f1)
+    assert path == tmp_path / "eigh" / f"{cache_key(spec)}.safetensors" and path.is_file()
+    assert not list((tmp_path / "kfac").glob("*eigh*"))  # `cache list` sees factor files only
+    for name in layers:
+        ref = KroneckerProjector.from_factors(f1.A[name], f1.S[name], 0.8)
+        got = KroneckerProjector.from_spectra(*eig[name, "S"], *eig[name, "A"], 0.8)
+        assert torch.equal(ref.mask, got.mask) and torch.equal(ref.U_in, got.U_in) and torch.equal(ref.U_out, got.U_out)
+        Q = torch.randn(ref.d_out, ref.d_in)
+        assert torch.equal(ref.project(Q), got.project(Q))
+    factor_eigh(f1, layers)  # memo on the object
+    assert len(calls) == 4
+    f2, info = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
+    assert info["hit"]
+    eig2 = factor_eigh(f2, layers)
+    assert len(calls) == 4 and all(torch.equal(eig[k][1], eig2[k][1]) for k in eig)
+    # rebuilt factors (same key, new file): their eigenbases are recomputed, not taken from the old file
+    f3, _ = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, force=True, progress=False)
+    assert f3.source["write"] != f1.source["write"]
+    factor_eigh(f3, layers)
+    assert len(calls) == 8
+    # a damaged eigenbasis file is recomputed and replaced
+    path.write_bytes(path.read_bytes()[:200])
+    f4, _ = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
+    n = len(calls)
+    factor_eigh(f4, layers, ("A",))
+    assert len(calls) == n + 2
+    f5, _ = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
+    factor_eigh(f5, layers, ("A",))
+    assert len(calls) == n + 2
+    merged = f1.merged(f1)
+    assert merged.source == {} and eigen_cache_path(merged) is None
+    with pytest.raises(CrispEditError, match="no S factor"):
+        factor_eigh(KFACFactors({"x": torch.eye(2)}, {}, 3), ["x"], ("S",))

@@ -321,7 +321,16 @@ class KroneckerProjector(LayerProjector):
         """K-FAC projector from the input covariance ``A`` and output-gradient covariance ``S``."""
         lam_in, U_in = eigh_psd(A, eig_dtype)
         lam_out, U_out = eigh_psd(S, eig_dtype)
-        keep = energy_keep_mask(torch.outer(lam_out, lam_in), gamma)
+        return cls.from_spectra(lam_out, U_out, lam_in, U_in, gamma, dtype=dtype)
+
+    @classmethod
+    def from_spectra(cls, lam_out: Tensor, U_out: Tensor, lam_in: Tensor, U_in: Tensor, gamma: float, *,
+                     dtype: torch.dtype = torch.float32) -> "KroneckerProjector":
+        """K-FAC projector from the factors' eigendecompositions (eigenvalues in decreasing order, ``d_out`` /
+        ``d_in``; eigenvector columns ``d_out x d_out`` / ``d_in x d_in``), e.g. cached ones
+        (:func:`crispedit.curvature.eigen.factor_eigh`): the mask keeps the entries of ``λ_out λ_inᵀ`` below the
+        γ-energy cut. Equal to :meth:`from_factors` of the factors they decompose."""
+        keep = energy_keep_mask(torch.outer(lam_out.to(torch.float64), lam_in.to(torch.float64)), gamma)
         return cls(U_out, U_in, keep, dtype=dtype)
 
     @classmethod
@@ -336,7 +345,14 @@ class KroneckerProjector(LayerProjector):
                                    eig_dtype: torch.dtype = torch.float64) -> "KroneckerProjector":
         """Adam-NSCL: keep the low-energy eigen-directions of the layer-input covariance only."""
         lam_in, U_in = eigh_psd(A, eig_dtype)
-        keep = energy_keep_mask(lam_in, gamma)
+        return cls.from_input_spectrum(lam_in, U_in, gamma, dtype=dtype)
+
+    @classmethod
+    def from_input_spectrum(cls, lam_in: Tensor, U_in: Tensor, gamma: float, *,
+                            dtype: torch.dtype = torch.float32) -> "KroneckerProjector":
+        """Adam-NSCL's projector from the input covariance's eigendecomposition (``lam_in`` decreasing, ``d_in``;
+        ``U_in`` ``d_in x d_in``): equal to :meth:`from_activation_covariance` of the matrix it decomposes."""
+        keep = energy_keep_mask(lam_in.to(torch.float64), gamma)
         return cls(None, U_in, keep.reshape(1, -1), dtype=dtype)
 
     # -- operator ------------------------------------------------------------------------------

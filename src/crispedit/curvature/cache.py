@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -74,12 +75,24 @@ def cache_key(spec: CurvatureSpec) -> str:
 
 def save_factors(path: str | Path, factors: KFACFactors, spec: CurvatureSpec, extra: dict | None = None) -> Path:
     """Write ``factors`` (A: ``d_in x d_in``, S: ``d_out x d_out`` per layer, float32) to ``path`` as safetensors
-    atomically, with the spec, its key, the token count, a UTC timestamp and ``extra`` as metadata; returns ``path``."""
+    atomically, with the spec, its key, the token count, a UTC timestamp, a random ``uid`` (which write this is: what
+    cached eigenbases are matched against) and ``extra`` as metadata; returns ``path``."""
     path = Path(path)
     meta = {"spec": spec.as_dict(), "key": cache_key(spec), "n_tokens": factors.n_tokens,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(extra or {})}
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "uid": uuid.uuid4().hex, **(extra or {})}
     atomic_save_safetensors(path, factors.to_tensors(), metadata={"crispedit": json.dumps(meta)})
     return path
+
+
+def _source_of(path: Path) -> dict:
+    """``key`` and ``write`` (its ``uid``, or its creation time for older files) of the factor file at ``path`` (read from its header; ``{}`` if unreadable)."""
+    from ..errors import read_safetensors_header
+
+    try:
+        meta, _ = read_safetensors_header(path, "curvature cache", "crispedit")
+    except CrispEditError:
+        return {}
+    return {"key": meta.get("key"), "write": meta.get("uid") or meta.get("created")}
 
 
 def _show(v) -> str:
@@ -125,6 +138,7 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
             raise CrispEditError(f"curvature cache {path} was built with a different configuration: {detail}; "
                                  "rebuild it with `crispedit cache build` and the same flags as the edit")
     factors = KFACFactors.from_tensors(tensors, int(meta.get("n_tokens", 0)), meta)
+    factors.source = {"path": str(path), "key": meta.get("key"), "write": meta.get("uid") or meta.get("created")}
     has_s = kind == "kfac"
     for name in spec.get("layers", []):
         if name not in factors.A or (has_s and name not in factors.S):
@@ -182,6 +196,7 @@ def get_or_build_factors(
     seconds = time.perf_counter() - t0
     if is_main():
         save_factors(path, factors, spec, extra={"collect_seconds": seconds, "processes": world_size()})
+        factors.source = {"path": str(path), **_source_of(path)}
     barrier()
     return factors, {"path": str(path), "hit": False, "seconds": seconds, "spec": spec.as_dict()}
 

@@ -75,12 +75,18 @@ class LabelMode(str, Enum):
 
 @dataclass
 class KFACFactors:
-    """Per-layer K-FAC factors, normalised by the number of rows (tokens) they average over."""
+    """Per-layer K-FAC factors, normalised by the number of rows (tokens) they average over.
+
+    ``source``: the cache file these factors were read from or written to (``path``, ``key``, ``write`` — the file's uid;
+    empty for factors built or merged in memory) — what identifies their cached eigenbases
+    (:mod:`crispedit.curvature.eigen`); ``_eigh`` holds the eigendecompositions computed for this object."""
 
     A: dict[str, Tensor]
     S: dict[str, Tensor]
     n_tokens: int
     meta: dict = field(default_factory=dict)
+    source: dict = field(default_factory=dict, compare=False, repr=False)
+    _eigh: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def layers(self) -> list[str]:

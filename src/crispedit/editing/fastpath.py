@@ -9,7 +9,8 @@ Two savings, both exact (same numbers as a plain forward):
   projection (for SmolLM2 a quarter of the forward) runs on those rows only.
 
 Per-step work that does not depend on the weights is done once per batch: the flat indices of the target
-rows and their labels, and the pass-through modules. Hugging Face models run without a KV cache
+rows and their labels, the attention mask (:func:`static_attention_mask`: built once, so that no step reads a
+value back to the host) and the pass-through modules. Hugging Face models run without a KV cache
 (``use_cache=False``; training never reads it, and filling it copies every block's keys and values).
 
 Before use, the fast loss is compared with the plain :func:`edit_loss` on the first batch; if they
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from ..data.tokenize import EncodedBatch
 from ..models import decoder_blocks
 
-__all__ = ["make_loss_fn", "plain_loss", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
+__all__ = ["make_loss_fn", "plain_loss", "static_attention_mask", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
            "target_rows"]
 
 
@@ -124,6 +125,30 @@ def prefix_fed(blocks: nn.ModuleList, k: int, passthrough: Sequence[nn.Module], 
             blocks[i] = b
 
 
+def static_attention_mask(model: nn.Module, attention_mask: Tensor) -> Tensor | None:
+    """The attention mask to feed ``model`` for a right-padded batch whose key mask is ``attention_mask``
+    (``B x T``, 1 = token), built once so that no forward reads the mask back to the host (Hugging Face's mask
+    code asks ``padding_mask.all()`` of every forward to choose its causal shortcut):
+
+    * ``None`` when the batch has no padding (the model then takes its causal path, no mask at all);
+    * the ``B x 1 x T x T`` boolean mask ``causal & key_mask`` (True = attend) for a model running PyTorch's
+      scaled-dot-product attention with one full causal mask in every layer (no sliding window), which Hugging
+      Face passes through unchanged;
+    * ``attention_mask`` itself otherwise (the model builds its own masks, and reads).
+
+    :func:`make_loss_fn` checks the loss under this mask against the plain loss before using it."""
+    if bool(attention_mask.all()):
+        return None
+    cfg = getattr(model, "config", None)
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if (getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "sliding_window", None)
+            or layer_types != {"full_attention"}):
+        return attention_mask
+    T = attention_mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
+    return causal[None, None] & attention_mask.bool()[:, None, None, :]
+
+
 def target_rows(labels: Tensor) -> tuple[Tensor, Tensor]:
     """``(rows, targets)`` of a ``B x T`` label matrix (-100 = no target): the flat row-major indices into the
     ``B x T`` positions of every position that predicts a target token (position ``t`` predicts label
@@ -173,13 +198,16 @@ class _FastLoss:
                     self.cache.append(h)
         self.passthrough = passthroughs(self.k, self.tuple_len)
         self.targets = [target_rows(b.labels) for b in batches]
+        self.masks = [static_attention_mask(model, b.attention_mask) for b in batches]
 
     def __call__(self, index: int, batch: EncodedBatch) -> Tensor:
         """The FT-M loss of ``batch`` (``self.batches[index]``, whose prefix states are cached): 0-d, float32
         or better, nats per target token."""
-        rows, targets = self.targets[index] if batch is self.batches[index] else target_rows(batch.labels)
+        own = batch is self.batches[index]
+        rows, targets = self.targets[index] if own else target_rows(batch.labels)
+        mask = self.masks[index] if own else batch.attention_mask
         with prefix_fed(self.blocks, self.k, self.passthrough, self.cache[index] if self.k else None):
-            logits = rows_logits(self.model, rows, input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            logits = rows_logits(self.model, rows, input_ids=batch.input_ids, attention_mask=mask)
         return F.cross_entropy(logits, targets)
 
 
@@ -202,8 +230,10 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
     try:
         fast_loss = _FastLoss(model, params, batches)
         model.eval()
+        # checked on the batch with the most padding, so a precomputed attention mask is checked too
+        i = max(range(len(batches)), key=lambda j: int((batches[j].attention_mask == 0).sum()))
         with torch.no_grad():
-            a, b = plain_loss(model, batches[0]), fast_loss(0, batches[0])
+            a, b = plain_loss(model, batches[i]), fast_loss(i, batches[i])
         if not torch.allclose(a, b, rtol=rtol, atol=1e-5):
             return plain
     except Exception:  # any architecture the shortcut does not understand: use the plain loss

@@ -3,8 +3,10 @@
 Each request becomes one training sequence per edit context (:mod:`.contexts`: bare prompt, chat
 template, natural-text prefixes; target followed by its answer end). FT-M loss (cross-entropy on the
 target tokens only; context and padding masked), Adam, mini-batches over the sequences, batches whose
-loss is already below ``skip_loss`` are skipped, training stops once an epoch's mean loss is below
-``stop_loss``. Between ``backward`` and ``step`` every trained weight's gradient is projected
+loss is already below ``skip_loss`` take no step, training stops once an epoch's mean loss is below
+``stop_loss``. Both rules are decided without reading a value back to the host inside a step: the skip
+test is a 0-d boolean on the device that gates the Adam step (:class:`.optim.GatedAdam`), and the losses
+and the skipped count are read once per epoch, for the stop test. Between ``backward`` and ``step`` every trained weight's gradient is projected
 (``projection_target="gradient"``, the paper); alternatively the Adam update itself is projected after
 the step (``"update"``), or Adam runs in the K-FAC eigenbasis on the masked rotated gradient
 (``"eigenbasis"``, :class:`.optim.EigenbasisAdam`); the last two keep the weight change strictly
@@ -160,6 +162,8 @@ def projected_finetune(
     hist.sequences = sum(b.input_ids.shape[0] for b in batches)
     hist.tokens = sum(b.n_tokens for b in batches)
     model.train()
+    skipped = torch.zeros((), dtype=torch.int32, device=device)  # batches skipped so far, counted on the device
+    n_batches = 0
     shards = None
     if is_distributed():  # this process's rows of every batch and their share of its target tokens
         parts = [shard_batch(b, rank(), world_size()) for b in batches]
@@ -182,22 +186,20 @@ def projected_finetune(
                 if shards is None:
                     with timer.phase("forward"):
                         loss = loss_fn(bi)
-                    with timer.phase("bookkeeping"):
-                        value = loss.item()
-                        losses.append(value)
+                    value = loss.detach()
                 else:  # this process's share of the batch mean; the sum over processes is the batch mean
                     with timer.phase("forward"):
                         loss = None if shards[bi] is None else loss_fn(shards[bi][0]) * shards[bi][1]
                     with timer.phase("bookkeeping"):
-                        total = torch.zeros((), dtype=torch.float64, device=device)
+                        value = torch.zeros((), dtype=torch.float64, device=device)
                         if loss is not None:
-                            total += loss.detach().double()
-                        value = float(all_reduce_sum_(total))
-                        losses.append(value)
-                if value < config.skip_loss:
-                    hist.skipped += 1
-                    timer.end_step(skipped=True)
-                    continue
+                            value += loss.detach().double()
+                        all_reduce_sum_(value)
+                with timer.phase("bookkeeping"):
+                    # the skip rule, decided on the device: a batch already below skip_loss takes no step
+                    active = ~(value < config.skip_loss)
+                    losses.append(value)
+                    skipped = skipped + (~active).to(torch.int32)
                 with timer.phase("zero_grad"):
                     opt.zero_grad(set_to_none=True)
                 with timer.phase("backward"):
@@ -229,7 +231,7 @@ def projected_finetune(
                                 else:
                                     p.grad.copy_(g)
                     with timer.phase("optimizer"):
-                        opt.step()
+                        opt.step(active=active)  # an inactive (skipped) step changes nothing
                     if before is not None:
                         with timer.phase("projection"):
                             for n, p in params.items():
@@ -238,9 +240,12 @@ def projected_finetune(
                     if drift_budget is not None and drift_budget.eps is not None:
                         with timer.phase("drift"):
                             drift_budget.enforce()  # same weights on every process: the same decision
-                hist.steps += 1
+                n_batches += 1
                 timer.end_step()
-            mean = sum(losses) / len(losses)
+            # once per epoch: the mean loss (the stop rule) and the skipped count come back to the host
+            mean, n_skipped = torch.stack([torch.stack([v.double() for v in losses]).mean(), skipped.double()]).tolist()
+            hist.skipped = int(n_skipped)
+            hist.steps = n_batches - hist.skipped
             hist.epoch_loss.append(mean)
             bar.set_postfix(loss=f"{mean:.4f}")
             if not math.isfinite(mean):

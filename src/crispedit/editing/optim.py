@@ -7,6 +7,13 @@ masked gradient ``C = (U_out^T G U_in) * M``; the step is mapped back with ``U_o
 weight change therefore stays *exactly* inside the kept subspace (Adam's per-coordinate scaling of a
 projected gradient moves part of the change outside it), while each kept eigen-direction still gets
 its own adaptive step size. With an identity projector (``ft``) it is plain Adam.
+
+Both take ``step(active=...)``: a 0-d boolean tensor on the parameters' device saying whether this step
+happens at all (the loop's skip rule, decided on the device from the batch's loss). An inactive step leaves
+the weights, the moments and the step count untouched, exactly as if ``step`` had not been called, and no
+value is read back to the host: the Adam step count lives on the device and the bias corrections are
+tensor operations (:func:`adam_direction`). The arithmetic is :class:`torch.optim.Adam`'s (no weight
+decay, no AMSGrad) up to the rounding of the bias corrections.
 """
 
 from __future__ import annotations
@@ -21,7 +28,60 @@ from ..models import as_weight_matrix
 from ..projection import IdentityProjector, LayerProjector
 from .config import EditConfig, ProjectionTarget
 
-__all__ = ["EigenbasisAdam", "make_optimizer", "optimizer_state", "load_optimizer_state", "reproject_first_moment"]
+__all__ = ["EigenbasisAdam", "GatedAdam", "adam_direction", "make_optimizer", "optimizer_state", "load_optimizer_state", "reproject_first_moment"]
+
+
+def adam_direction(state: dict, g: Tensor, active: Tensor | None, lr: float, betas: tuple[float, float],
+                   eps: float) -> Tensor:
+    """One Adam update for gradient ``g`` (any shape; the moments ``exp_avg`` / ``exp_avg_sq`` in ``state`` take
+    its shape and dtype, ``step`` is a 0-d float32 tensor on its device), applied to ``state`` in place, and the
+    change to add to the weights (``g``'s shape). ``active`` (0-d bool on ``g``'s device, or ``None`` = active):
+    when false, neither the moments nor the step count change and the returned change is zero. No value is read
+    back to the host."""
+    b1, b2 = betas
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=g.device)
+        state["exp_avg"] = torch.zeros_like(g)
+        state["exp_avg_sq"] = torch.zeros_like(g)
+    if state["step"].device != g.device:  # a state carried from another device (a stored session)
+        state["step"] = state["step"].to(g.device)
+    m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+    if active is None:
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        step.add_(1)
+    else:
+        m.copy_(torch.where(active, torch.lerp(m, g, 1 - b1), m))
+        v.copy_(torch.where(active, torch.addcmul(v * b2, g, g, value=1 - b2), v))
+        step.add_(active.to(step.dtype))
+    t = step.double().clamp_min(1.0)  # an inactive first step: bias corrections of step 1, times a zero change
+    step_size = (lr / (1 - b1 ** t)).to(m.dtype)
+    bc2_sqrt = torch.sqrt(1 - b2 ** t).to(m.dtype)
+    delta = m / (v.sqrt() / bc2_sqrt).add_(eps) * -step_size
+    return delta if active is None else torch.where(active, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+
+
+class GatedAdam(torch.optim.Optimizer):
+    """Adam on the weights themselves (:class:`torch.optim.Adam`'s update, no weight decay) whose :meth:`step`
+    takes the loop's on-device skip decision (``active``) and reads nothing back to the host. State per
+    parameter as torch's Adam: ``step`` (0-d float32, on the parameter's device), ``exp_avg`` and ``exp_avg_sq``
+    (the parameter's shape and dtype)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = 5e-4, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8):
+        super().__init__(list(params), dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None, active: Tensor | None = None):  # noqa: D102 - torch API
+        """One Adam step of every parameter with a gradient; none (weights, moments and count untouched) where
+        ``active`` (0-d bool tensor) is false."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                p.add_(adam_direction(self.state[p], p.grad, active, group["lr"], group["betas"], group["eps"]))
+        return loss
 
 
 class EigenbasisAdam(torch.optim.Optimizer):
@@ -40,35 +100,18 @@ class EigenbasisAdam(torch.optim.Optimizer):
         self._proj = {id(p): pr for p, pr in zip(params, projectors)}
         self._mod = {id(p): m for p, m in zip(params, modules)}
 
-    def set_projectors(self, projectors: Iterable[LayerProjector]) -> None:
-        """Use new projectors (same parameter order) from the next step on. The stored moments are
-        in the *old* eigenbasis; callers that change the basis should reset or rotate them."""
-        for group in self.param_groups:
-            for p, pr in zip(group["params"], projectors):
-                self._proj[id(p)] = pr
-
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102 - torch API
-        """One Adam step in each parameter's eigenbasis (see the class docstring)."""
+    def step(self, closure=None, active: Tensor | None = None):  # noqa: D102 - torch API
+        """One Adam step in each parameter's eigenbasis (see the class docstring); none where ``active`` (0-d
+        bool tensor) is false."""
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            b1, b2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 proj, mod = self._proj[id(p)], self._mod[id(p)]
                 C = proj.rotate(as_weight_matrix(mod, p.grad))
-                st = self.state[p]
-                if not st:
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(C)
-                    st["exp_avg_sq"] = torch.zeros_like(C)
-                st["step"] += 1
-                t = float(st["step"])
-                st["exp_avg"].mul_(b1).add_(C, alpha=1 - b1)
-                st["exp_avg_sq"].mul_(b2).addcmul_(C, C, value=1 - b2)
-                denom = (st["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(group["eps"])
-                delta = st["exp_avg"] / denom * (-group["lr"] / (1 - b1 ** t))
+                delta = adam_direction(self.state[p], C, active, group["lr"], group["betas"], group["eps"])
                 # masked coordinates have zero moments, hence a zero step: the change stays in the kept subspace
                 p.add_(as_weight_matrix(mod, proj.unrotate(delta)).to(p.dtype))
         return loss
@@ -81,7 +124,7 @@ def make_optimizer(params: dict[str, nn.Parameter], projectors: dict[str, LayerP
         names = list(params)
         return EigenbasisAdam([params[n] for n in names], [projectors[n] for n in names], [layers[n] for n in names],
                               lr=config.lr, betas=config.betas)
-    return torch.optim.Adam(params.values(), lr=config.lr, betas=config.betas, weight_decay=0.0)
+    return GatedAdam(params.values(), lr=config.lr, betas=config.betas)
 
 
 def optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> dict[str, Tensor]:

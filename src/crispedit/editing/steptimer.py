@@ -5,8 +5,8 @@ The loop brackets every part of a step with ``timer.phase(name)`` and every step
 ``nullcontext``; a few hundred nanoseconds per step), so the figures a :class:`StepTimer` reports are of the
 loop every edit runs, not of a re-implementation (``benchmarks/bench_projection.py --profile``).
 
-Phases of a step, in loop order: ``forward`` (the edit loss, fast path or plain), ``bookkeeping`` (the loss
-value read back for the skip test and the epoch mean; on a GPU the wait for the forward ends here),
+Phases of a step, in loop order: ``forward`` (the edit loss, fast path or plain), ``bookkeeping`` (the
+on-device skip test and the loss kept for the epoch mean; nothing is read back to the host),
 ``zero_grad``, ``backward``, ``allreduce`` (gradients summed over processes, under ``torch.distributed``
 only), ``copies`` (the weights kept before an update-projected step), ``projection`` (the gradient, or the
 update after the step), ``optimizer`` (the Adam step), ``drift`` (the ``--max-drift`` trust region). The

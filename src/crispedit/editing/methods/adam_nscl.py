@@ -1,6 +1,7 @@
 """Adam-NSCL: gradients projected onto the low-energy subspace of the layer-input covariance ``A``
 alone (the paper's "restrictive special case" of CrispEdit)."""
 
+from ...curvature.eigen import eigh_device, factor_eigh
 from ...projection import KroneckerProjector
 from ..registry import register_editor
 from .base import Editor
@@ -18,5 +19,5 @@ class AdamNSCLEditor(Editor):
     def projectors(self, layers, factors, config):
         """One input-side projector per edit layer from its capability factor ``A`` at ``config.gamma``."""
         assert factors is not None
-        return {name: KroneckerProjector.from_activation_covariance(factors.A[name], config.gamma)
-                for name in layers}
+        eig = factor_eigh(factors, layers, ("A",), device=eigh_device(layers))
+        return {name: KroneckerProjector.from_input_spectrum(*eig[name, "A"], config.gamma) for name in layers}

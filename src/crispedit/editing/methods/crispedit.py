@@ -1,6 +1,7 @@
 """CrispEdit: gradients projected onto the low-curvature subspace of the capability loss's K-FAC
 Gauss-Newton (the paper's method; energy threshold ``EditConfig.gamma``)."""
 
+from ...curvature.eigen import eigh_device, factor_eigh
 from ...projection import KroneckerProjector
 from ..registry import register_editor
 from .base import Editor
@@ -17,7 +18,10 @@ class CrispEditEditor(Editor):
     needs_curvature = True
 
     def projectors(self, layers, factors, config):
-        """One Kronecker projector per edit layer from its capability factors ``A``, ``S`` at ``config.gamma``."""
+        """One Kronecker projector per edit layer from its capability factors ``A``, ``S`` at ``config.gamma``
+        (their eigenbases computed once per factor set and cached beside cached factors:
+        :func:`~crispedit.curvature.eigen.factor_eigh`)."""
         assert factors is not None
-        return {name: KroneckerProjector.from_factors(factors.A[name], factors.S[name], config.gamma)
+        eig = factor_eigh(factors, layers, ("A", "S"), device=eigh_device(layers))
+        return {name: KroneckerProjector.from_spectra(*eig[name, "S"], *eig[name, "A"], config.gamma)
                 for name in layers}

@@ -1,0 +1,136 @@
+"""Eigenbases of K-FAC factors, computed once and cached beside the factors.
+
+A Kronecker projector needs the eigendecompositions ``A = U_in Λ_in U_inᵀ`` and ``S = U_out Λ_out U_outᵀ`` of
+each edit layer's factors. They depend on nothing but the factors, so they are computed once per factor set:
+
+* in memory, on the :class:`~crispedit.curvature.kfac.KFACFactors` object itself (a second editor or a second
+  edit in the same process reuses them), and
+* on disk, for factors that came from the content-addressed cache (``factors.source`` holds the file's key and
+  write id — its ``uid`` — set by :mod:`crispedit.curvature.cache`): ``<cache root>/eigh/<key>.safetensors`` holds, per
+  layer and factor, the eigenvalues (float64, decreasing, clamped at zero) and the eigenvectors (float32
+  columns — the precision every projector applies them in). Its metadata records the factor file's key and
+  write id; an eigenbasis file made for an older factor file of the same key (rebuilt with
+  ``--force``), a truncated one or one missing a layer is recomputed and replaced atomically. A cache
+  directory that cannot be written only costs the saving.
+
+Factors built in memory (a session's factors merged with earlier edits) have no ``source``: their eigenbases
+are computed once per object and never written.
+
+The decomposition itself is :func:`crispedit.projection.eigh_psd` in float64 (on the CPU through LAPACK; on
+the factors' device otherwise), so a projector built from a cached eigenbasis is the projector built from the
+factors, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import CrispEditError, atomic_save_safetensors, load_safetensors
+from ..projection import eigh_psd
+from .kfac import KFACFactors
+
+__all__ = ["factor_eigh", "eigen_cache_path", "eigh_device", "EIGEN_FORMAT"]
+
+EIGEN_FORMAT = 1
+_META_KEY = "crispedit-eigh"
+
+
+def eigh_device(modules) -> torch.device | None:
+    """Where the eigendecompositions of the factors of ``modules`` (name -> linear module) run: the modules' CUDA
+    device when their weights live on one (a float64 ``eigh`` there is far faster than on a few CPU cores at large
+    widths), else ``None`` (where the factors lie: the CPU)."""
+    for m in modules.values():
+        w = getattr(m, "weight", None)
+        if isinstance(w, Tensor) and w.device.type == "cuda":
+            return w.device
+    return None
+
+
+def eigen_cache_path(factors: KFACFactors) -> Path | None:
+    """Where the eigenbases of ``factors`` are cached: ``<root>/eigh/<key>.safetensors`` for factors loaded from
+    or written to ``<root>/kfac/<key>.safetensors``; ``None`` for factors without a cache file (merged, built
+    in memory, or read from a file outside a cache root)."""
+    src = factors.source
+    path, key = src.get("path"), src.get("key")
+    if not path or not key:
+        return None
+    path = Path(path)
+    if path.parent.name != "kfac":
+        return None
+    return path.parent.parent / "eigh" / f"{key}.safetensors"
+
+
+def _load(path: Path, factors: KFACFactors) -> dict[tuple[str, str], tuple[Tensor, Tensor]]:
+    """The eigenbases stored at ``path`` if the file was made for exactly these factors (same key and write id,
+    same format), else ``{}``; a damaged file reads as ``{}``."""
+    if not path.is_file():
+        return {}
+    try:
+        meta, tensors = load_safetensors(path, "eigenbasis cache", _META_KEY)
+    except CrispEditError:
+        return {}
+    if (meta.get("format") != EIGEN_FORMAT or meta.get("factors_key") != factors.source.get("key")
+            or meta.get("factors_write") != factors.source.get("write")):
+        return {}
+    out = {}
+    for key, t in tensors.items():
+        name, which, part = key.rsplit("::", 2)
+        if part == "evals":
+            U = tensors.get(f"{name}::{which}::U")
+            if U is not None and U.shape == (t.shape[0], t.shape[0]):
+                out[(name, which)] = (t, U)
+    return out
+
+
+def _save(path: Path, factors: KFACFactors, eig: dict[tuple[str, str], tuple[Tensor, Tensor]]) -> None:
+    """Write every eigenbasis in ``eig`` to ``path`` atomically (best effort: an unwritable cache is skipped)."""
+    tensors = {}
+    for (name, which), (evals, U) in eig.items():
+        tensors[f"{name}::{which}::evals"] = evals.cpu()
+        tensors[f"{name}::{which}::U"] = U.cpu()
+    meta = {"format": EIGEN_FORMAT, "factors_key": factors.source.get("key"),
+            "factors_write": factors.source.get("write"),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        atomic_save_safetensors(path, tensors, metadata={_META_KEY: json.dumps(meta)})
+    except OSError:
+        pass  # a read-only cache only costs the saving
+
+
+def factor_eigh(factors: KFACFactors, names: Iterable[str], which: Sequence[str] = ("A", "S"), *,
+                device: torch.device | str | None = None) -> dict[tuple[str, str], tuple[Tensor, Tensor]]:
+    """Eigendecompositions of factors ``which`` (``"A"``: ``d_in x d_in``, ``"S"``: ``d_out x d_out``) of layers
+    ``names``: ``{(name, which): (evals, U)}`` with ``evals`` float64, decreasing, clamped at zero (length
+    ``d``) and ``U`` float32 (``d x d``, columns the matching eigenvectors). Each is computed at most once per
+    factor set (kept on ``factors`` and, for cached factors, in the eigenbasis cache file of
+    :func:`eigen_cache_path`). ``device``: where to decompose what is not cached (default: where the factor
+    lies; a CUDA device runs ``torch.linalg.eigh`` in float64 there)."""
+    wanted = [(n, w) for n in names for w in which]
+    for n, w in wanted:
+        if w not in ("A", "S"):
+            raise ValueError(f"which must be 'A' or 'S', not {w!r}")
+        if n not in (factors.A if w == "A" else factors.S):
+            raise CrispEditError(f"the curvature factors hold no {w} factor for layer {n}")
+    memo = factors._eigh
+    missing = [k for k in wanted if k not in memo]
+    path = eigen_cache_path(factors) if missing else None
+    if path is not None:
+        stored = _load(path, factors)
+        memo.update({k: v for k, v in stored.items() if k not in memo})
+        missing = [k for k in wanted if k not in memo]
+    if missing:
+        for n, w in missing:
+            M = (factors.A if w == "A" else factors.S)[n]
+            if device is not None:
+                M = M.to(device)
+            evals, U = eigh_psd(M, torch.float64)
+            memo[(n, w)] = (evals.cpu(), U.to(torch.float32).cpu())
+        if path is not None:
+            _save(path, factors, memo)
+    return {k: memo[k] for k in wanted}

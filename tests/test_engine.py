@@ -1,0 +1,120 @@
+"""The edit engine's step: Adam gated on the device (no value read back inside a step) and equal to torch's Adam;
+the loop's skip and stop rules decided without host syncs inside a step."""
+
+import pytest
+import torch
+
+from crispedit.data import EditRequest
+from crispedit.editing import EditConfig, edit
+from crispedit.editing.optim import EigenbasisAdam, GatedAdam
+from crispedit.projection import IdentityProjector
+
+REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}") for i in range(6)]
+
+
+def _adam_pair(shape=(5, 7), lr=1e-2, seed=0):
+    torch.manual_seed(seed)
+    w = torch.randn(*shape)
+    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    return a, b, torch.optim.Adam([a], lr=lr, betas=(0.9, 0.999)), GatedAdam([b], lr=lr, betas=(0.9, 0.999))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_gated_adam_follows_torch_adam(gated):
+    a, b, ref, ours = _adam_pair()
+    for k in range(20):
+        g = torch.randn_like(a)
+        a.grad, b.grad = g.clone(), g.clone()
+        ref.step()
+        ours.step(active=torch.tensor(True) if gated else None)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        torch.testing.assert_close(ours.state[b][key].float(), ref.state[a][key].float(), rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("opt_kind", ["gated", "eigenbasis"])
+def test_an_inactive_step_changes_nothing(opt_kind):
+    """active=False: weights, moments and the step count stay as they were (also for a first step)."""
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    if opt_kind == "gated":
+        opt = GatedAdam([p], lr=1e-2)
+    else:
+        opt = EigenbasisAdam([p], [IdentityProjector(4, 6)], [torch.nn.Linear(6, 4)], lr=1e-2)
+    w0 = p.detach().clone()
+    p.grad = torch.randn_like(p)
+    opt.step(active=torch.tensor(False))
+    assert torch.equal(p, w0) and float(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any()
+    opt.step(active=torch.tensor(True))
+    state = {k: v.clone() for k, v in opt.state[p].items()}
+    w1 = p.detach().clone()
+    assert not torch.equal(w1, w0)
+    p.grad = torch.randn_like(p)
+    opt.step(active=torch.tensor(False))
+    assert torch.equal(p, w1) and all(torch.equal(opt.state[p][k], state[k]) for k in state)
+
+
+def test_eigenbasis_adam_with_identity_is_adam():
+    torch.manual_seed(1)
+    w = torch.randn(4, 6)
+    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    ref = torch.optim.Adam([a], lr=1e-2)
+    ours = EigenbasisAdam([b], [IdentityProjector(4, 6)], [torch.nn.Linear(6, 4)], lr=1e-2)
+    for _ in range(10):
+        g = torch.randn_like(a)
+        a.grad, b.grad = g.clone(), g.clone()
+        ref.step()
+        ours.step()
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def _host_reads(fn) -> int:
+    """Values read back to the host (``aten::_local_scalar_dense`` calls) while ``fn`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense")
+
+
+@pytest.mark.parametrize("method", ["ft", "crispedit"])
+def test_the_loop_reads_back_once_per_epoch(method, tiny_lm, iso_cache):
+    """Host reads of the loop grow with epochs, not with steps: 4 more epochs of 6 steps each (padded batches of
+    one request in several contexts) add at most 2 reads per epoch (the mean loss with the skipped count, and the
+    shuffled batch order)."""
+    from crispedit.editing.api import edit_factors
+    from crispedit.editing.loop import projected_finetune
+    from crispedit.editing.registry import get_editor
+
+    model, tok = tiny_lm
+    reads, steps = {}, {}
+    for epochs in (2, 6):
+        config = EditConfig(method=method, layers="model.layers.{1-2}.mlp.down_proj", epochs=epochs, lr=1e-3,
+                            batch_size=2, n_cap=4, max_len=48, contexts="bare,prefix:3", stop_loss=0.0)
+        editor = get_editor(method)
+        layers = editor.select_layers(model, config)
+        factors, _ = edit_factors(model, tok, editor, layers, config, progress=False)
+        projectors = editor.projectors(layers, factors, config)
+        params = editor.trainable(layers)
+        saved = {n: p.detach().clone() for n, p in params.items()}
+        hist = []
+        reads[epochs] = _host_reads(lambda: hist.append(projected_finetune(model, tok, REQS, layers, params,
+                                                                           projectors, config, progress=False)))
+        steps[epochs] = hist[0].steps + hist[0].skipped
+        assert hist[0].fast_loss
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(saved[k])
+    per_epoch_steps = (steps[6] - steps[2]) / 4
+    assert per_epoch_steps >= 6
+    assert reads[6] - reads[2] <= 4 * 2, (reads, steps)  # the epoch's figures and the batch order
+
+
+def test_skip_rule_on_the_device_matches_the_host_rule(tiny_lm, iso_cache):
+    """Batches whose loss is below skip_loss take no step: a threshold above every loss leaves the weights
+    untouched and counts every batch skipped; the stop rule still ends the run."""
+    model, tok = tiny_lm
+    res = edit(model, tok, REQS[:4], EditConfig(method="ft", layers="model.layers.{1-2}.mlp.down_proj", epochs=2,
+                                                  lr=1e-2, batch_size=2, skip_loss=100.0, stop_loss=1e-9,
+                                                  contexts="bare"), progress=False)
+    assert res.history.steps == 0 and res.history.skipped == 4
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in res.original_weights.items())
