@@ -68,12 +68,22 @@ def test_eigenbasis_adam_with_identity_is_adam():
 
 
 def _host_reads(fn) -> int:
-    """Values read back to the host (``aten::_local_scalar_dense`` calls) while ``fn`` runs."""
+    """Values read back to the host (``aten::_local_scalar_dense`` calls) while ``fn`` runs, except those of
+    ``aten::_assert_async`` (``torch.multinomial``'s argument check: a host read on the CPU, a device-side
+    assert that does not synchronise on a GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense")
+    n = 0
+    for e in prof.events():
+        if e.name == "aten::_local_scalar_dense":
+            parents, p = [], e.cpu_parent
+            while p is not None:
+                parents.append(p.name)
+                p = p.cpu_parent
+            n += "aten::_assert_async" not in parents
+    return n
 
 
 @pytest.mark.parametrize("method", ["ft", "crispedit"])
@@ -118,3 +128,26 @@ def test_skip_rule_on_the_device_matches_the_host_rule(tiny_lm, iso_cache):
                                                   contexts="bare"), progress=False)
     assert res.history.steps == 0 and res.history.skipped == 4
     assert all(torch.equal(model.get_parameter(n), w) for n, w in res.original_weights.items())
+
+
+@pytest.mark.parametrize("label_mode", ["sampled", "empirical"])
+def test_kfac_collection_reads_back_per_pass_not_per_batch(label_mode, tiny_lm):
+    """Sampled labels are drawn where the logits are and the loss rows are taken by index: twice the batches
+    (padded ones) read back no more values than once the batches, beyond the plan made on the host."""
+    from crispedit.curvature.kfac import collect_lm_kfac
+    from crispedit.models import resolve_layers
+
+    model, tok = tiny_lm
+    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
+    base = ["a short text", "another text that is a good deal longer than the first", "third one here", "x y z w"]
+    import crispedit.curvature.kfac as kfac_mod
+
+    reads = {}
+    for n in (4, 8):
+        texts = (base * 2)[:n]
+        planned = kfac_mod.lm_batches(tok, texts, max_len=256, batch_size=2, max_padding=None)  # the host's plan
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kfac_mod, "lm_batches", lambda *a, **k: planned)
+            reads[n] = _host_reads(lambda: collect_lm_kfac(model, tok, texts, layers, batch_size=2, max_padding=None,
+                                                           label_mode=label_mode, progress=False))
+    assert reads[8] - reads[4] == 0, reads

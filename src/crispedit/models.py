@@ -40,6 +40,7 @@ from .progress import show_progress
 __all__ = [
     "cache_dir",
     "gemma3_gguf_path",
+    "static_attention_mask",
     "load_model",
     "check_device",
     "save_model_dir",
@@ -474,3 +475,31 @@ def weight_fingerprint(model: nn.Module) -> str:
             data = data.view(torch.int16)
         h.update(data.numpy().tobytes())
     return h.hexdigest()
+
+
+def static_attention_mask(model: nn.Module, attention_mask: torch.Tensor, padded: bool | None = None
+                          ) -> torch.Tensor | None:
+    """The attention mask to feed ``model`` for a right-padded batch whose key mask is ``attention_mask``
+    (``B x T``, 1 = token), built once so that no forward reads the mask back to the host (Hugging Face's mask
+    code asks ``padding_mask.all()`` of every forward to choose its causal shortcut):
+
+    * ``None`` when the batch has no padding (the model then takes its causal path, no mask at all);
+    * the ``B x 1 x T x T`` boolean mask ``causal & key_mask`` (True = attend) for a model running PyTorch's
+      scaled-dot-product attention with one full causal mask in every layer (no sliding window), which Hugging
+      Face passes through unchanged;
+    * ``attention_mask`` itself otherwise (the model builds its own masks, and reads).
+
+    ``padded``: whether the batch has padding, when the caller knows it from the host (else read from the mask).
+
+    The edit loop's fast path (:func:`crispedit.editing.fastpath.make_loss_fn`) checks its loss under this mask
+    against the plain loss before using it; the K-FAC collection feeds it to every forward."""
+    if not (bool((attention_mask == 0).any()) if padded is None else padded):
+        return None
+    cfg = getattr(model, "config", None)
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if (getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "sliding_window", None)
+            or layer_types != {"full_attention"}):
+        return attention_mask
+    T = attention_mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
+    return causal[None, None] & attention_mask.bool()[:, None, None, :]

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
+from ..models import static_attention_mask
 
 __all__ = [
     "LabelMode",
@@ -301,11 +302,13 @@ def _seq_seed(seed: int, index: int) -> int:
 
 
 def sample_labels(logits: Tensor, seed: int, index: int) -> Tensor:
-    """Labels drawn from ``softmax(logits)`` (``T x V``) with a generator seeded by (seed, sequence
-    index): the same sequence gets the same labels whatever the batching."""
-    gen = torch.Generator(device="cpu").manual_seed(_seq_seed(seed, index))
-    probs = torch.softmax(logits.detach().float().cpu(), dim=-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1).to(logits.device)
+    """Labels drawn from ``softmax(logits)`` (``T x V``) with a generator of ``logits``' device seeded by (seed,
+    sequence index): the same sequence gets the same labels whatever the batching (drawn where the logits are, so
+    a GPU collection moves no logits to the host; a GPU's random stream differs from the CPU's, so factors
+    collected on a GPU are another sample of the same statistics, not the CPU's bit for bit)."""
+    gen = torch.Generator(device=logits.device).manual_seed(_seq_seed(seed, index))
+    probs = torch.softmax(logits.detach().float(), dim=-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
 def loss_positions(attention_mask: Tensor) -> Tensor:
@@ -354,15 +357,35 @@ class LMBatch:
     """One right-padded batch of tokenised texts.
 
     ``indices``: corpus index of each row (what seeds its sampled labels); ``input_ids`` and
-    ``attention_mask``: ``B x T``; ``rows``: ``B x T`` bool, position ``t`` predicts a real next token
+    ``attention_mask``: ``B x T`` (``mask``: what the model is fed, :func:`~crispedit.models.static_attention_mask`);
+    ``rows``: ``B x T`` bool, position ``t`` predicts a real next token
     (:func:`loss_positions` with a False last column); ``labels``: ``N`` next-token ids of the ``N`` True
-    positions of ``rows`` in row-major order (sequence by sequence, each a prefix of its row)."""
+    positions of ``rows`` in row-major order (sequence by sequence, each a prefix of its row); ``flat``: their
+    flat row-major indices (``N``, on the batch's device), ``counts``: the loss rows per sequence (host
+    ints) and ``padded``: whether any row is padded, derived from ``rows`` / the mask when not given."""
 
     indices: list[int]
     input_ids: Tensor
     attention_mask: Tensor
     rows: Tensor
     labels: Tensor
+    flat: Tensor | None = None
+    counts: list[int] | None = None
+    padded: bool | None = None
+
+    def __post_init__(self) -> None:
+        # what the collection needs from ``rows`` on the host, computed once: no step of it reads ``rows`` back
+        if self.counts is None:
+            self.counts = self.rows.sum(1).tolist()
+        if self.flat is None:
+            self.flat = self.rows.reshape(-1).nonzero().squeeze(1)
+        if self.padded is None:
+            self.padded = bool((self.attention_mask == 0).any())
+
+    def take(self, x: Tensor) -> Tensor:
+        """The loss rows of ``x`` (``B x T x ...``): ``x[rows]``, ``N x ...`` in row-major order, by index (no
+        value read back to the host)."""
+        return x.reshape(-1, *x.shape[2:]).index_select(0, self.flat)
 
     @property
     def n_rows(self) -> int:
@@ -388,7 +411,9 @@ def lm_batches(tokenizer, texts: Sequence[str], *, max_len: int, batch_size: int
         rows = torch.zeros((len(idx), T), dtype=torch.bool)
         rows[:, :-1] = loss_positions(attn)
         labels = input_ids[:, 1:][rows[:, :-1]]
-        out.append(LMBatch(list(idx), input_ids.to(device), attn.to(device), rows.to(device), labels.to(device)))
+        flat = rows.reshape(-1).nonzero().squeeze(1)
+        out.append(LMBatch(list(idx), input_ids.to(device), attn.to(device), rows.to(device), labels.to(device),
+                           flat.to(device), rows.sum(1).tolist(), bool((attn == 0).any())))
     return out
 
 
@@ -440,9 +465,8 @@ def lm_labels(logits: Tensor, batch: LMBatch, label_mode: LabelMode, seed: int) 
     per (``seed``, corpus index) with :func:`sample_labels` (sampled; the same whatever the batching)."""
     if label_mode is LabelMode.EMPIRICAL:
         return batch.labels
-    counts = batch.rows.sum(1).tolist()
     parts, off = [], 0
-    for idx, c in zip(batch.indices, counts):
+    for idx, c in zip(batch.indices, batch.counts):
         parts.append(sample_labels(logits[off:off + c], seed, idx))
         off += c
     return torch.cat(parts)
@@ -476,15 +500,15 @@ def plain_head(model: nn.Module, batch: LMBatch, skip: Sequence[nn.Module] = ())
 
 
 @contextlib.contextmanager
-def _hidden_at_rows(head: nn.Module, rows: Tensor) -> Iterator[list[Tensor]]:
-    """While active, ``head`` (the LM head) records the final hidden states at ``rows`` (``N x H``, still in
-    the autograd graph) and is fed an empty sequence instead, so the model forms no logits at all."""
+def _hidden_at_rows(head: nn.Module, batch: "LMBatch") -> Iterator[list[Tensor]]:
+    """While active, ``head`` (the LM head) records the final hidden states at ``batch``'s loss rows (``N x H``,
+    still in the autograd graph) and is fed an empty sequence instead, so the model forms no logits at all."""
     out: list[Tensor] = []
 
     def pre(mod, args):
         """Forward pre-hook: record ``h[rows]`` (``N x H``) and feed the head the empty ``B x 0 x H`` instead."""
         h = args[0]
-        out.append(h[rows])
+        out.append(batch.take(h))
         return (h[:, :0], *args[1:])
 
     handle = head.register_forward_pre_hook(pre)
@@ -502,7 +526,7 @@ def _ce_grad_rows(hidden: Tensor, head: nn.Module, batch: LMBatch, label_mode: L
     subtracted in place from the softmax (the only ``n x V`` buffers are ``z`` and its softmax, one chunk each).
     Labels as :func:`lm_labels` (sampled ones drawn from each sequence's own float32 logits)."""
     W, bias = head.weight, getattr(head, "bias", None)
-    counts = batch.rows.sum(1).tolist()
+    counts = batch.counts
     grads, start, i = [], 0, 0
     while i < len(counts):
         j, n = i, 0
@@ -539,8 +563,9 @@ def lm_backward(model: nn.Module, batch: LMBatch, label_mode: LabelMode, seed: i
         logits = lm_row_logits(model, batch, skip)
         F.cross_entropy(logits, lm_labels(logits, batch, label_mode, seed), reduction="sum").backward()
         return
-    with _hidden_at_rows(head, batch.rows) as hidden:
-        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    with _hidden_at_rows(head, batch) as hidden:
+        model(input_ids=batch.input_ids, attention_mask=static_attention_mask(model, batch.attention_mask, batch.padded),
+              use_cache=False)
     (h,) = hidden
     if h.requires_grad:
         with torch.profiler.record_function("crispedit.kfac.head_grad"):
@@ -605,7 +630,7 @@ def collect_lm_kfac(
                         cap = store[name]
                         if len(cap.inputs) != 1 or len(cap.grads) != 1:
                             raise RuntimeError(f"layer {name} was called {len(cap.inputs)} times in one forward")
-                        acc.add(name, cap.inputs[0][batch.rows], cap.grads[0][batch.rows])
+                        acc.add(name, batch.take(cap.inputs[0]), batch.take(cap.grads[0]))
                 bar.update(len(batch.indices))
     finally:
         bar.close()

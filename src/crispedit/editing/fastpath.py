@@ -9,7 +9,7 @@ Two savings, both exact (same numbers as a plain forward):
   projection (for SmolLM2 a quarter of the forward) runs on those rows only.
 
 Per-step work that does not depend on the weights is done once per batch: the flat indices of the target
-rows and their labels, the attention mask (:func:`static_attention_mask`: built once, so that no step reads a
+rows and their labels, the attention mask (:func:`~crispedit.models.static_attention_mask`: built once, so that no step reads a
 value back to the host) and the pass-through modules. Hugging Face models run without a KV cache
 (``use_cache=False``; training never reads it, and filling it copies every block's keys and values).
 
@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.tokenize import EncodedBatch
-from ..models import decoder_blocks
+from ..models import decoder_blocks, static_attention_mask
 
-__all__ = ["make_loss_fn", "plain_loss", "static_attention_mask", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
+__all__ = ["make_loss_fn", "plain_loss", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
            "target_rows"]
 
 
@@ -123,30 +123,6 @@ def prefix_fed(blocks: nn.ModuleList, k: int, passthrough: Sequence[nn.Module], 
         hook.remove()
         for i, b in enumerate(saved):
             blocks[i] = b
-
-
-def static_attention_mask(model: nn.Module, attention_mask: Tensor) -> Tensor | None:
-    """The attention mask to feed ``model`` for a right-padded batch whose key mask is ``attention_mask``
-    (``B x T``, 1 = token), built once so that no forward reads the mask back to the host (Hugging Face's mask
-    code asks ``padding_mask.all()`` of every forward to choose its causal shortcut):
-
-    * ``None`` when the batch has no padding (the model then takes its causal path, no mask at all);
-    * the ``B x 1 x T x T`` boolean mask ``causal & key_mask`` (True = attend) for a model running PyTorch's
-      scaled-dot-product attention with one full causal mask in every layer (no sliding window), which Hugging
-      Face passes through unchanged;
-    * ``attention_mask`` itself otherwise (the model builds its own masks, and reads).
-
-    :func:`make_loss_fn` checks the loss under this mask against the plain loss before using it."""
-    if bool(attention_mask.all()):
-        return None
-    cfg = getattr(model, "config", None)
-    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if (getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "sliding_window", None)
-            or layer_types != {"full_attention"}):
-        return attention_mask
-    T = attention_mask.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
-    return causal[None, None] & attention_mask.bool()[:, None, None, :]
 
 
 def target_rows(labels: Tensor) -> tuple[Tensor, Tensor]:
