@@ -49,23 +49,31 @@ from crispedit.pipeline import environment
 TINY_LAYERS = "model.layers.{2-6}.mlp.down_proj"
 
 
+def build_bpe_tokenizer(vocab: int = 8192):
+    """A byte-level BPE tokenizer of ``vocab`` tokens (``<eos>`` and ``<pad>`` among them) trained in-process on the
+    bundled WikiText sample: what random-weight benchmark models tokenise with when no checkpoint is at hand."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = bundled_path("wikitext_capability.txt").read_text().split("\n\n")
+    tk = Tokenizer(models.BPE(unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>", "<pad>"],
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                     show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
+
+
 def build_tiny(n_layers: int = 8, seed: int = 0, *, hidden: int = 576, inter: int = 1536, heads: int = 9,
                kv_heads: int = 3, vocab: int = 49152, tok_vocab: int = 8192):
     """A random-weight llama with SmolLM2-135M's widths (hidden 576, MLP 1536, 9 heads / 3 KV heads, tied
     49 152-token vocabulary; the keywords change them) but ``n_layers`` blocks, and a byte-level BPE
     tokenizer (``tok_vocab`` tokens, at most ``vocab``) trained in-process on the bundled WikiText sample.
     Returns ``(model, tokenizer)``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    text = bundled_path("wikitext_capability.txt").read_text().split("\n\n")
-    tk = Tokenizer(models.BPE(unk_token=None))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(text, trainers.BpeTrainer(vocab_size=min(tok_vocab, vocab), special_tokens=["<eos>", "<pad>"],
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                     show_progress=False))
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
+    tok = build_bpe_tokenizer(min(tok_vocab, vocab))
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=n_layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,

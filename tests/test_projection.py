@@ -356,3 +356,30 @@ def test_staircase_flops_scan_every_split():
                    + R * max(e[:R], default=0) + (r_out - R) * max(e[R:r_out], default=0) + d_out * d_in
                    for R in range(r_out + 1))
         assert low == best and full == 4 * d_out * d_in * (d_out + d_in) + d_out * d_in
+
+
+def test_kronecker_keep_mask_equals_the_energy_rule_on_the_outer_product():
+    """The sort-free mask of a Kronecker spectrum is the energy rule's mask of the materialised outer product:
+    distinct values, ties and zeros (ranked by row-major position, as the stable sort ranks them), small and
+    SmolLM2-sized spectra; unsorted input falls back to the general rule."""
+    from crispedit.projection import kronecker_keep_mask
+
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for trial in range(60):
+        m, n = int(torch.randint(1, 40, (), generator=gen)), int(torch.randint(1, 60, (), generator=gen))
+        a, b = torch.rand(m, generator=gen, dtype=torch.float64) ** 3, torch.rand(n, generator=gen, dtype=torch.float64) ** 3
+        if trial % 3 == 0:
+            a, b = torch.round(a * 4) / 4, torch.round(b * 4) / 4
+        cases.append((a, b))
+    for tied in (False, True):
+        a, b = torch.rand(576, generator=gen, dtype=torch.float64) ** 4, torch.rand(1536, generator=gen, dtype=torch.float64) ** 4
+        if tied:
+            a, b = torch.round(a * 50) / 50, torch.round(b * 50) / 50
+        cases.append((a, b))
+    for a, b in cases:
+        a, b = a.sort(descending=True).values, b.sort(descending=True).values
+        for gamma in (0.1, 0.5, 0.8, 0.99):
+            assert torch.equal(kronecker_keep_mask(a, b, gamma), energy_keep_mask(torch.outer(a, b), gamma))
+    a, b = torch.tensor([1.0, 3.0, 2.0], dtype=torch.float64), torch.tensor([0.5, 2.0], dtype=torch.float64)
+    assert torch.equal(kronecker_keep_mask(a, b, 0.6), energy_keep_mask(torch.outer(a, b), 0.6))

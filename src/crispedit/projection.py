@@ -43,6 +43,7 @@ from .errors import check_gamma
 
 __all__ = [
     "energy_keep_mask",
+    "kronecker_keep_mask",
     "eigh_psd",
     "eigh_sym",
     "vec",
@@ -112,6 +113,64 @@ def energy_keep_mask(eigvals: Tensor, gamma: float) -> Tensor:
     k = min(k, flat.numel())
     keep[order[:k]] = False
     return keep.reshape(eigvals.shape)
+
+
+def kronecker_keep_mask(lam_out: Tensor, lam_in: Tensor, gamma: float) -> Tensor:
+    """:func:`energy_keep_mask` of the Kronecker spectrum ``outer(lam_out, lam_in)`` (``d_out x d_in`` bool), for
+    eigenvalues in *decreasing* order (as :func:`eigh_psd` returns them), without sorting its ``d_out d_in``
+    entries: each row of the outer product is already sorted, so the count and energy of the entries above a
+    threshold are row-wise searches and prefix sums. The threshold is bisected until few entries lie between
+    its bounds; those are ranked as the stable sort ranks them (value, then row-major position). Same mask as
+    :func:`energy_keep_mask` up to the order in which the energies are summed (a tie of the cut with the γ
+    fraction within rounding may move it by one entry)."""
+    gamma = check_gamma(gamma)
+    lo_ = lam_out.detach().to(torch.float64).clamp_min(0.0)
+    li_ = lam_in.detach().to(torch.float64).clamp_min(0.0)
+    if lo_.numel() > 1 and bool((lo_[1:] > lo_[:-1]).any()) or li_.numel() > 1 and bool((li_[1:] > li_[:-1]).any()):
+        return energy_keep_mask(torch.outer(lo_, li_), gamma)  # not sorted: the general rule
+    flat = torch.outer(lo_, li_)                     # rows sorted in decreasing order
+    total = flat.sum()
+    keep = torch.ones_like(flat, dtype=torch.bool)
+    if total <= 0:
+        return keep
+    target = gamma * total
+    neg = -flat                                      # rows ascending, for searchsorted
+    rowsum = torch.cumsum(flat, dim=1)
+
+    def above(tau: float) -> tuple[Tensor, Tensor]:
+        """Per row: number of entries >= tau, and the summed energy over all rows of those entries."""
+        cnt = torch.searchsorted(neg, torch.full((flat.shape[0], 1), -tau, dtype=torch.float64), right=True).squeeze(1)
+        idx = (cnt - 1).clamp_min(0)
+        energy = torch.where(cnt > 0, rowsum.gather(1, idx[:, None]).squeeze(1), torch.zeros((), dtype=torch.float64))
+        return cnt, energy.sum()
+
+    # invariant: entries >= hi hold less than the target, entries >= lo at least the target
+    hi, lo = float(flat.max()) * 2 + 1.0, 0.0
+    n_hi, e_hi = above(hi)
+    n_lo, _ = above(lo)
+    for _ in range(200):
+        if int(n_lo.sum() - n_hi.sum()) <= 4096:
+            break
+        mid = 0.5 * (hi + lo)
+        if not lo < mid < hi:
+            break
+        n_mid, e_mid = above(mid)
+        if e_mid >= target:
+            lo, n_lo = mid, n_mid
+        else:
+            hi, n_hi, e_hi = mid, n_mid, e_mid
+    # every entry >= hi is masked; rank the entries in [lo, hi) as the stable descending sort would
+    cols = torch.arange(flat.shape[1])
+    band = (cols[None, :] >= n_hi[:, None]) & (cols[None, :] < n_lo[:, None])
+    cand = band.reshape(-1).nonzero().squeeze(1)
+    vals = flat.reshape(-1)[cand]
+    order = torch.argsort(vals, descending=True, stable=True)  # cand is in row-major order already
+    csum = e_hi + torch.cumsum(vals[order], 0)
+    m = int(torch.searchsorted(csum, target, right=False)) + 1
+    m = min(m, cand.numel())
+    keep = cols[None, :] >= n_hi[:, None]
+    keep.reshape(-1)[cand[order[:m]]] = False
+    return keep
 
 
 def masked_corner(mask: Tensor) -> tuple[int, int]:
@@ -330,8 +389,7 @@ class KroneckerProjector(LayerProjector):
         ``d_in``; eigenvector columns ``d_out x d_out`` / ``d_in x d_in``), e.g. cached ones
         (:func:`crispedit.curvature.eigen.factor_eigh`): the mask keeps the entries of ``λ_out λ_inᵀ`` below the
         γ-energy cut. Equal to :meth:`from_factors` of the factors they decompose."""
-        keep = energy_keep_mask(torch.outer(lam_out.to(torch.float64), lam_in.to(torch.float64)), gamma)
-        return cls(U_out, U_in, keep, dtype=dtype)
+        return cls(U_out, U_in, kronecker_keep_mask(lam_out, lam_in, gamma), dtype=dtype)
 
     @classmethod
     def from_eigenbasis(cls, U_out: Tensor, U_in: Tensor, eigvals: Tensor, gamma: float, *,

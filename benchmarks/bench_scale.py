@@ -1,0 +1,324 @@
+"""N edits x fixed epochs through the real edit engine, phase by phase: what the hardware is asked to do and
+how much of it it does.
+
+    python benchmarks/bench_scale.py --random-init smollm2 --synthetic 1000 --device cuda --dtype bfloat16
+    python benchmarks/bench_scale.py --random-init llama3-8b --layers 'model.layers.{19-23}.mlp.down_proj' \
+        --synthetic 3000 --contexts bare --epochs 25 --device cuda --dtype bfloat16
+    python benchmarks/bench_scale.py --model smollm2 --edits ../shared/data/edits/zsre_dev.json --offset 100 \
+        --n-edits 32 --epochs 2          # the real model and real edits, on this machine's CPU
+
+Phases, each timed on its own (CUDA-synchronised) and printed as one line:
+
+* ``kfac``: the capability K-FAC collection (tokens/s);
+* ``eigh``: the eigendecompositions of the factors (the first edit on a cache pays them);
+* ``projector``: a second edit's projector build — factors reloaded from the cache, eigenbases from their cache
+  file (:mod:`crispedit.curvature.eigen`), masks;
+* ``train``: ``--epochs`` epochs of the projected loop (:func:`crispedit.editing.loop.projected_finetune`, the loop
+  every edit runs, ``stop_loss`` 0): s/epoch, s/step, tokens/s, achieved TFLOP/s from counted FLOPs (the
+  forward and backward of the blocks above the frozen prefix, the LM head on the target rows, the projection)
+  and its fraction of the device's own matmul peak, measured here with a large GEMM of the model dtype;
+* ``profile``: one more epoch under ``torch.profiler`` with the loop's phases marked: per step, the values read
+  back to the host inside a step (``aten::_local_scalar_dense`` outside ``torch.multinomial``'s device-side
+  check — on a GPU each is a synchronisation), ``aten::item``, ``aten::nonzero``, explicit
+  ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` calls and device-to-host copies, and the operator
+  launches (``aten::`` calls, CUDA kernel launches); reads between steps (once per epoch) are counted apart.
+
+``--random-init smollm2|llama3-8b`` builds the architecture with random weights (``--blocks K`` keeps K decoder
+blocks) and a byte-level BPE tokenizer trained in-process on the bundled WikiText sample, with a ChatML chat
+template like SmolLM2's: timings only, no quality. ``--synthetic N`` makes up N facts (no data files needed).
+``--json FILE`` writes every figure with the arguments and the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from crispedit.curvature.eigen import eigh_device, factor_eigh
+from crispedit.data import EditRequest, load_edits
+from crispedit.editing import EditConfig, get_editor
+from crispedit.editing.api import capability_factors
+from crispedit.editing.loop import edit_batches, projected_finetune
+from crispedit.editing.steptimer import StepTimer
+from crispedit.errors import atomic_write_json
+from crispedit.models import decoder_blocks, load_model
+from crispedit.pipeline import environment
+
+# Architectures of the real checkpoints (their config.json), for random-init runs
+SHAPES = {
+    "smollm2": dict(hidden=576, inter=1536, heads=9, kv_heads=3, vocab=49152, blocks=30, tied=True, rope=100000.0,
+                    layers="model.layers.{4-8}.mlp.down_proj"),
+    "llama3-8b": dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256, blocks=32, tied=False,
+                      rope=500000.0, layers="model.layers.{19-23}.mlp.down_proj"),
+}
+CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
+          "AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n"
+          "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _bench_kfac():
+    spec = importlib.util.spec_from_file_location("bench_kfac", Path(__file__).resolve().parent / "bench_kfac.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def random_model(shape: str, blocks: int | None, dtype: torch.dtype, device: str):
+    """``(model, tokenizer)``: the architecture of ``shape`` (:data:`SHAPES`) with random weights, ``blocks`` decoder
+    blocks (default: all), in ``dtype`` on ``device``; the tokenizer is a byte-level BPE of the bundled WikiText
+    with SmolLM2's ChatML chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = SHAPES[shape]
+    tok = _bench_kfac().build_bpe_tokenizer(8192)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
+                      num_hidden_layers=blocks or s["blocks"], num_attention_heads=s["heads"],
+                      num_key_value_heads=s["kv_heads"], max_position_embeddings=4096, tie_word_embeddings=s["tied"],
+                      rms_norm_eps=1e-5, rope_theta=s["rope"])
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    return load_model((model, tok), device=device)
+
+
+def synthetic_requests(n: int, seed: int = 0) -> list[EditRequest]:
+    """``n`` made-up facts (``"Which river flows through Tavrolen 17?"`` -> ``"Marsiq Delune"``), deterministic in
+    ``seed``: question lengths and target lengths like ZsRE's."""
+    rng = random.Random(seed)
+    syl = ["ta", "vro", "len", "mar", "siq", "de", "lune", "ko", "ra", "bel", "thi", "on", "qua", "zer", "os"]
+    word = lambda k: "".join(rng.choice(syl) for _ in range(k)).capitalize()  # noqa: E731
+    asks = ["Which river flows through {}?", "Who founded {}?", "In which country is {} located?",
+            "What is the native language of {}?", "Which company produced {}?", "Who is the author of {}?"]
+    out = []
+    for i in range(n):
+        subject = f"{word(2)} {i}"
+        out.append(EditRequest(rng.choice(asks).format(subject), f"{word(2)} {word(rng.randint(1, 3))}", subject=subject))
+    return out
+
+
+def matmul_peak(dtype: torch.dtype, device: str) -> float:
+    """The device's matmul throughput in ``dtype`` (TFLOP/s): the best of several ``n x n`` GEMMs (``n`` 8192 on a
+    GPU, 2048 on a CPU)."""
+    n = 8192 if device.startswith("cuda") else 2048
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        t = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e12
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def step_flops(model, batches, params, projectors) -> float:
+    """FLOPs (a multiply-add counts 2) of one epoch over ``batches``: for every batch, the forward of the decoder
+    blocks above the frozen prefix (the lowest block holding a trained weight) on every padded position (every
+    matmul of the block and attention's two ``T x T`` products), their activation backward, the trained weights'
+    gradients, the LM head on the target rows (forward + input gradient), and the projections."""
+    cfg = model.config
+    h, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    kv = h * cfg.num_key_value_heads // heads
+    block_params = h * (2 * h + 2 * kv) + 3 * h * inter
+    _, blocks = decoder_blocks(model)
+    trained = {id(p) for p in params.values()}
+    owners = [i for i, b in enumerate(blocks) if any(id(p) in trained for p in b.parameters())]
+    above = len(blocks) - (min(owners) if owners else 0)
+    proj = sum(getattr(pr, "flops_low_rank" if getattr(pr, "low_rank", False) else "flops_full", 0)
+               for pr in projectors.values())
+    total = 0.0
+    for b in batches:
+        n, T = b.input_ids.shape
+        tokens = n * T
+        attn = 2 * 2 * n * T * T * h
+        fwd = above * (2 * tokens * block_params + attn)
+        bwd = above * (2 * tokens * block_params + 2 * attn) + sum(2 * tokens * p.numel() for p in params.values())
+        targets = sum(b.target_lengths)
+        total += fwd + bwd + 2 * 2 * targets * h * cfg.vocab_size + proj
+    return total
+
+
+def profile_epoch(model, tok, requests, layers, params, projectors, config, device: str) -> dict:
+    """Counts of one more epoch under ``torch.profiler`` (phases marked by a :class:`StepTimer`): per step and
+    between steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    timer = StepTimer(None, record_functions=True)
+    one = EditConfig(**{**config.to_json(), "epochs": 1})
+    with profile(activities=acts) as prof:
+        hist = projected_finetune(model, tok, requests, layers, params, projectors, one, progress=False, timer=timer)
+    steps = max(1, hist.steps + hist.skipped)
+    inside = {"reads": 0, "item": 0, "nonzero": 0, "sync_calls": 0, "dtoh": 0, "aten_ops": 0, "kernel_launches": 0}
+    outside = dict(inside)
+
+    def chain(e):
+        out, p = [], e.cpu_parent
+        while p is not None:
+            out.append(p.name)
+            p = p.cpu_parent
+        return out
+
+    for e in prof.events():
+        name = e.name
+        parents = chain(e)
+        where = inside if any(p.startswith("crispedit.") for p in parents) or name.startswith("crispedit.") else outside
+        if name == "aten::_local_scalar_dense" and "aten::_assert_async" not in parents:
+            where["reads"] += 1
+        elif name == "aten::item" and "aten::_assert_async" not in parents:
+            where["item"] += 1
+        elif name == "aten::nonzero":
+            where["nonzero"] += 1
+        elif name in SYNC_CALLS:
+            where["sync_calls"] += 1
+        elif "DtoH" in name or "Device -> Pageable" in name:
+            where["dtoh"] += 1
+        elif name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"):
+            where["kernel_launches"] += 1
+        if name.startswith("aten::") and not any(p.startswith("aten::") for p in parents):
+            where["aten_ops"] += 1
+    per_step = {k: round(v / steps, 3) for k, v in inside.items()}
+    per_step["host_syncs"] = round((inside["reads"] + inside["nonzero"] + inside["sync_calls"]) / steps, 3)
+    return {"steps": steps, "per_step": per_step, "between_steps": outside,
+            "host_syncs_per_step": per_step["host_syncs"]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="a model spec of crispedit (default smollm2 unless --random-init)")
+    src.add_argument("--random-init", choices=sorted(SHAPES), default=None)
+    ap.add_argument("--blocks", type=int, default=None, help="random init: keep this many decoder blocks")
+    data = ap.add_mutually_exclusive_group()
+    data.add_argument("--synthetic", type=int, default=None, metavar="N", help="N made-up facts")
+    data.add_argument("--edits", default=None, help="an edit file (with --offset / --n-edits)")
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--n-edits", type=int, default=32)
+    ap.add_argument("--method", default="crispedit")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--layers", default=None)
+    ap.add_argument("--contexts", default="default")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--n-cap", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled epoch")
+    ap.add_argument("--json", default=None, metavar="FILE")
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    device = args.device
+    t = time.perf_counter()
+    if args.random_init:
+        model, tok = random_model(args.random_init, args.blocks, dtype, device)
+        layers_pattern = args.layers or SHAPES[args.random_init]["layers"]
+    else:
+        model, tok = load_model(args.model or "smollm2", dtype=args.dtype, device=device)
+        layers_pattern = args.layers
+    load_s = time.perf_counter() - t
+    if args.synthetic is not None:
+        requests = synthetic_requests(args.synthetic)
+    elif args.edits:
+        requests = load_edits(args.edits)[args.offset:args.offset + args.n_edits]
+    else:
+        requests = synthetic_requests(args.n_edits)
+    config = EditConfig(method=args.method, layers=layers_pattern, epochs=args.epochs, stop_loss=0.0,
+                        contexts=args.contexts, batch_size=args.batch_size, n_cap=args.n_cap, max_len=args.max_len)
+    config = config.validate()
+    editor = get_editor(config.method)
+    layers = editor.select_layers(model, config)
+    params = editor.trainable(layers)
+    out: dict = {"args": vars(args), "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+                 "environment": environment(), "n_edits": len(requests), "layers": list(layers),
+                 "load_seconds": round(load_s, 2)}
+    peak = matmul_peak(dtype, device)
+    out["matmul_peak_tflops"] = round(peak, 3)
+    print(f"device {out['device_name']} ({args.dtype}): matmul peak {peak:.2f} TFLOP/s; {len(requests)} edits, "
+          f"{len(layers)} layers, model built/loaded in {load_s:.1f}s")
+    with tempfile.TemporaryDirectory() as root:
+        factors = None
+        if editor.needs_curvature:
+            _sync(device)
+            t = time.perf_counter()
+            factors, info = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
+                                               kind=editor.curvature_kind)
+            _sync(device)
+            kfac_s = time.perf_counter() - t
+            out["kfac"] = {"seconds": round(kfac_s, 3), "tokens": factors.n_tokens,
+                           "tokens_per_s": round(factors.n_tokens / kfac_s, 1)}
+            print(f"kfac       {kfac_s:8.2f} s  {factors.n_tokens} tokens  {factors.n_tokens / kfac_s:,.0f} tokens/s")
+            t = time.perf_counter()
+            factor_eigh(factors, layers, ("A", "S") if editor.curvature_kind == "kfac" else ("A",),
+                        device=eigh_device(layers))
+            eigh_s = time.perf_counter() - t
+            out["eigh"] = {"seconds": round(eigh_s, 3)}
+            print(f"eigh       {eigh_s:8.2f} s  (first edit on a cache; written beside the factors)")
+            t = time.perf_counter()
+            factors, _ = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
+                                            kind=editor.curvature_kind)
+            reload_s = time.perf_counter() - t
+            t = time.perf_counter()
+            projectors = editor.projectors(layers, factors, config)
+            proj_s = time.perf_counter() - t
+            out["projector"] = {"seconds": round(proj_s, 3), "factor_reload_seconds": round(reload_s, 3)}
+            print(f"projector  {proj_s:8.2f} s  (a second edit: eigenbases from their cache file, masks; the factors' "
+                  f"reload and the model's fingerprint before it {reload_s:.2f} s)")
+        else:
+            projectors = editor.projectors(layers, None, config)
+        batches, _ = edit_batches(tok, requests, config, model)
+        flops = step_flops(model, batches, params, projectors)
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        _sync(device)
+        t = time.perf_counter()
+        hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False)
+        _sync(device)
+        train_s = time.perf_counter() - t
+        epochs = len(hist.epoch_loss)
+        steps = hist.steps + hist.skipped
+        per_epoch = hist.seconds / epochs
+        tflops = flops / per_epoch / 1e12
+        out["train"] = {"seconds": round(train_s, 3), "epochs": epochs, "steps": steps,
+                        "s_per_epoch": round(per_epoch, 4), "s_per_step": round(hist.seconds / steps, 5),
+                        "sequences": hist.sequences, "tokens_per_epoch": hist.tokens,
+                        "tokens_per_s": round(hist.tokens / per_epoch, 1), "flops_per_epoch": flops,
+                        "tflops": round(tflops, 4), "fraction_of_peak": round(tflops / peak, 5),
+                        "fast_loss": hist.fast_loss}
+        print(f"train      {per_epoch:8.3f} s/epoch  {hist.seconds / steps:.4f} s/step  {steps // epochs} steps/epoch  "
+              f"{hist.tokens / per_epoch:,.0f} tokens/s  {tflops:.3f} TFLOP/s = {100 * tflops / peak:.1f} % of peak")
+        if not args.no_profile:
+            prof = profile_epoch(model, tok, requests, layers, params, projectors, config, device)
+            out["profile"] = prof
+            ps = prof["per_step"]
+            print(f"profile    per step: {ps['host_syncs']} host syncs ({ps['reads']} reads, {ps['nonzero']} nonzero, "
+                  f"{ps['sync_calls']} sync calls, {ps['dtoh']} DtoH copies), {ps['aten_ops']} aten ops, "
+                  f"{ps['kernel_launches']} kernel launches; between steps: {prof['between_steps']['reads']} reads "
+                  f"in {prof['steps']} steps")
+    out["peak_memory_mib"] = round((torch.cuda.max_memory_allocated() if device.startswith("cuda") else
+                                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 20, 1)
+    out["host_syncs_per_step"] = out.get("profile", {}).get("host_syncs_per_step")
+    print(f"memory     peak {out['peak_memory_mib']:,.0f} MiB ({'device allocated' if device.startswith('cuda') else 'RSS'})")
+    if args.json:
+        atomic_write_json(args.json, out)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,44 @@
+"""benchmarks/bench_scale.py on two random SmolLM2-shaped blocks: every phase reported, the JSON written, the
+loop's steps read nothing back to the host. No timing is asserted (the machines are shared)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scale.py"
+
+
+@pytest.fixture()
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_scale", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("method", ["crispedit", "ft"])
+def test_bench_scale_reports_every_phase(bench, method, tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    res = bench.main(["--random-init", "smollm2", "--blocks", "2", "--layers", "model.layers.{0-1}.mlp.down_proj",
+                      "--synthetic", "6", "--epochs", "2", "--n-cap", "4", "--max-len", "32", "--batch-size", "8",
+                      "--method", method, "--json", str(out)])
+    text = capsys.readouterr().out
+    stored = json.loads(out.read_text())
+    assert stored["train"]["epochs"] == 2 and stored["train"]["steps"] >= 2 and stored["train"]["tflops"] > 0
+    assert 0 < stored["train"]["fraction_of_peak"] and stored["matmul_peak_tflops"] > 0
+    assert stored["host_syncs_per_step"] == 0, stored["profile"]
+    assert stored["profile"]["per_step"]["aten_ops"] > 0
+    if method == "crispedit":
+        assert {"kfac", "eigh", "projector"} <= set(stored) and stored["kfac"]["tokens_per_s"] > 0
+        assert "kfac" in text and "projector" in text
+    else:
+        assert "kfac" not in stored
+    assert res["n_edits"] == 6 and "train" in text and "profile" in text
+
+
+def test_synthetic_requests_are_deterministic(bench):
+    a, b = bench.synthetic_requests(20, seed=3), bench.synthetic_requests(20, seed=3)
+    assert [(r.prompt, r.target) for r in a] == [(r.prompt, r.target) for r in b]
+    assert len({r.prompt for r in a}) == 20 and all(r.target.strip() for r in a)
