@@ -118,6 +118,16 @@ def _readonly_dir(tmp: Path) -> Path:
 
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_non_root = pytest.mark.skipif(ROOT, reason="root may write anywhere: permission bits are not enforced")
+# A directory under /proc: a virtual file system where creating a file fails (ENOENT) although the permission
+# bits allow it (os.access says writable, for root too) — the destination must be checked by trying it.
+VIRTUAL = Path("/proc/crispedit-no-such-dir")
+needs_proc = pytest.mark.skipif(not (Path("/proc/self").is_dir() and os.access("/proc", os.W_OK)),
+                                reason="needs a /proc that the permission bits call writable")
+
+
+def _virtual(case: str, build, msg: str = "cannot write in /proc"):
+    """A row whose output lies under :data:`VIRTUAL` (skipped without a suitable /proc)."""
+    return pytest.param(case, build, msg, marks=needs_proc)
 
 def _delta(tmp: Path, model: Path, *, other_base: bool = False) -> Path:
     """A delta file of a one-weight change of ``model`` (or, with ``other_base``, of a model that is not it)."""
@@ -259,6 +269,89 @@ CASES = [
                                                    "--rank", 2, "--out", t / "o", "--quiet"], "is not the base of delta"),
     ("delta-apply-out-is-file", lambda t, m: ["delta", "apply", _delta(t, m), "--model", m, "--out", _file(t, "o")],
      "is a file, not a directory"),
+    # 8. a destination whose parent takes no new entry although its permission bits allow it (issue 38): tried
+    # with a probe file before any work, for every sub-command that writes
+    _virtual("edit-out-on-virtual-fs", lambda t, m: _edit(t, m, out=VIRTUAL / "out")),
+    _virtual("eval-out-on-virtual-fs", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", VIRTUAL / "r.json"]),
+    _virtual("report-png-on-virtual-fs", lambda t, m: ["report", _run_file(t), "--out", t / "r.md", "--png", VIRTUAL / "r.png"]),
+    _virtual("report-out-on-virtual-fs", lambda t, m: ["report", _run_file(t), "--out", VIRTUAL / "r.md"]),
+    _virtual("cache-build-out-on-virtual-fs", lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS,
+                                                            "--out", VIRTUAL / "c.safetensors"]),
+    _virtual("cache-build-cache-dir-on-virtual-fs", lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS,
+                                                                  "--cache-dir", VIRTUAL]),
+    _virtual("session-init-out-on-virtual-fs", lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS,
+                                                             "--out", VIRTUAL / "s"]),
+    _virtual("session-export-out-on-virtual-fs", lambda t, m: ["session", "export", _session(t, m, {"round": 0, "files": {},
+                                                                                                   "rounds": []}),
+                                                               "--out", VIRTUAL / "e"]),
+    _virtual("session-plot-out-on-virtual-fs", lambda t, m: ["session", "plot", _session(t, m, {"round": 0, "files": {},
+                                                                                               "rounds": []}),
+                                                             "--out", VIRTUAL / "p.png"]),
+    _virtual("compare-out-on-virtual-fs", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2,
+                                                        "--methods", "ft", "--out", VIRTUAL / "c"]),
+    _virtual("delta-apply-out-on-virtual-fs", lambda t, m: ["delta", "apply", _delta(t, m), "--model", m,
+                                                            "--out", VIRTUAL / "o"]),
+    _virtual("mend-train-out-on-virtual-fs", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t),
+                                                           "--offset", 0, "--out", VIRTUAL / "m.safetensors"]),
+    _virtual("mend-train-cache-dir-on-virtual-fs", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t),
+                                                                 "--offset", 0, "--cache-dir", VIRTUAL]),
+    _virtual("study-out-on-virtual-fs", lambda t, m: ["study", "mnist", "--quick", "--out", VIRTUAL / "s"]),
+    # 9. every path option of the wrong kind (a file where a directory belongs, or the reverse): one line, before
+    # any work
+    ("cache-build-cache-dir-is-file", lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS,
+                                                    "--cache-dir", _file(t, "c")], "--cache-dir"),
+    ("cache-list-cache-dir-is-file", lambda t, m: ["cache", "list", "--cache-dir", _file(t, "c")],
+     "is a file, not a directory"),
+    ("cache-info-file-is-dir", lambda t, m: ["cache", "info", t], "is a directory, not a file"),
+    ("mend-train-cache-dir-is-file", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
+                                                   "--steps", 1, "--cache-dir", _file(t, "c")],
+     "is a file, not a directory"),
+    ("mend-train-init-is-dir", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
+                                             "--init", t], "is a directory, not a file"),
+    ("mend-train-cap-corpus-is-dir", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
+                                                   "--cap-corpus", t], "is a directory, not a file"),
+    ("edit-cache-is-dir", lambda t, m: _edit(t, m, "--cache", t), "is a directory, not a file"),
+    ("edit-cap-corpus-is-dir", lambda t, m: _edit(t, m, "--cap-corpus", t), "is a directory, not a file"),
+    ("edit-kl-text-is-dir", lambda t, m: _edit(t, m, "--kl-text", t), "is a directory, not a file"),
+    ("edit-mend-weights-is-dir", lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", t),
+     "is a directory, not a file"),
+    ("edit-model-is-file", lambda t, m: _edit(t, _file(t, "model.txt")), "is neither a model directory nor a .gguf file"),
+    ("eval-bench-dir-is-file", lambda t, m: ["eval", "--model", m, "--capabilities", "arc_challenge",
+                                             "--bench-dir", _file(t, "b"), "--out", t / "r.json"],
+     "benchmark directory"),
+    ("eval-edits-is-dir", lambda t, m: ["eval", "--model", m, "--edits", t, "--out", t / "r.json"],
+     "is a directory, not a file"),
+    ("report-run-is-dir", lambda t, m: ["report", t], "is a directory, not a file"),
+    ("compare-bench-dir-is-file", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2,
+                                                "--methods", "ft", "--capabilities", "arc_challenge",
+                                                "--bench-dir", _file(t, "b"), "--out", t / "c"], "benchmark directory"),
+    ("study-data-is-file", lambda t, m: ["study", "mnist", "--quick", "--data", _file(t, "d"), "--out", t / "s"],
+     "data directory"),
+    ("session-add-dir-is-file", lambda t, m: ["session", "add", _file(t, "s"), "--edits", _edits(t)],
+     "session directory"),
+    ("session-status-dir-is-file", lambda t, m: ["session", "status", _file(t, "s")], "is a file, not a directory"),
+    ("session-export-dir-is-file", lambda t, m: ["session", "export", _file(t, "s"), "--out", t / "e"],
+     "is a file, not a directory"),
+    ("session-plot-dir-is-file", lambda t, m: ["session", "plot", _file(t, "s"), "--out", t / "p.png"],
+     "is a file, not a directory"),
+    ("session-init-cache-is-dir", lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS, "--cache", t,
+                                                "--out", t / "s"], "is a directory, not a file"),
+    ("delta-info-file-is-dir", lambda t, m: ["delta", "info", t], "is a directory, not a file"),
+    # 10. mend train's numbers get edit's range checks, before any model loads (steps 0 saved an untrained network)
+    ("mend-train-steps-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--steps", 0,
+                                         "--out", t / "m.safetensors"], "mend steps must be between 1 and"),
+    ("mend-train-batch-size-negative", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
+                                                     "--batch-size", -4], "mend batch_size must be between 1 and"),
+    ("mend-train-lr-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--lr", 0],
+     "mend lr must lie in (0, 1]"),
+    ("mend-train-lr-huge", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--lr", 5],
+     "mend lr must lie in (0, 1]"),
+    ("mend-train-max-minutes-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
+                                               "--max-minutes", 0], "--max-minutes must be positive"),
+    ("mend-train-max-minutes-inf", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
+                                                 "--max-minutes", "inf"], "--max-minutes must be a finite number"),
+    ("mend-train-n-cap-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
+                                         "--n-cap", 0], "--n-cap must be a positive integer"),
 ]
 
 
@@ -342,3 +435,71 @@ def test_save_model_dir_refuses_non_finite(tiny_lm, tmp_path):
     with pytest.raises(CrispEditError, match=r"in model\.norm\.weight; nothing was saved"):
         save_model_dir(model, tok, tmp_path / "d")
     assert list((tmp_path / "d").iterdir()) == []
+
+
+READ_ONLY_CASES = [  # (id, builder(tmp, model, ro) -> argv); ro: a directory whose file system refuses new entries
+    ("edit-out", lambda t, m, ro: _edit(t, m, out=ro / "out")),
+    ("edit-overwrite-into", lambda t, m, ro: _edit(t, m, out=ro)),
+    ("eval-out", lambda t, m, ro: ["eval", "--model", m, "--edits", _edits(t), "--out", ro / "r.json"]),
+    ("report-png", lambda t, m, ro: ["report", _run_file(t), "--out", t / "r.md", "--png", ro / "sub" / "r.png"]),
+    ("cache-build-cache-dir", lambda t, m, ro: ["cache", "build", "--model", m, "--layers", LAYERS, "--cache-dir", ro]),
+    ("compare-out", lambda t, m, ro: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2, "--methods", "ft",
+                                      "--out", ro / "c"]),
+    ("mend-train-out", lambda t, m, ro: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
+                                         "--out", ro / "m.safetensors"]),
+    ("session-add", lambda t, m, ro: ["session", "add", _session(ro.parent, m, {"round": 0, "files": {}, "rounds": []}),
+                                      "--edits", _edits(t)]),
+]
+
+
+@pytest.mark.parametrize("case,build", READ_ONLY_CASES, ids=[c[0] for c in READ_ONLY_CASES])
+def test_destination_is_checked_by_trying_it(case, build, tiny_model_dir, tmp_path, iso_cache, capsys, monkeypatch):
+    """A destination directory whose permission bits allow writing but whose file system refuses a new entry
+    (read-only mount; simulated: creating a file in it raises EROFS) ends in one line naming the path and the
+    OS's reason, before any work, with nothing written — not a traceback after the pre-check passed."""
+    import errno
+    import tempfile
+
+    monkeypatch.chdir(tmp_path)
+    ro = tmp_path / ("sess" if case == "session-add" else "ro-fs")
+    argv = [str(a) for a in build(tmp_path, tiny_model_dir, ro)]
+    ro.mkdir(exist_ok=True)
+    assert os.access(ro, os.W_OK)
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*a, dir=None, **k):
+        """``tempfile.mkstemp`` that fails as on a read-only mount inside ``ro``."""
+        if dir is not None and Path(dir).resolve() == ro.resolve():
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(dir))
+        return real_mkstemp(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    capsys.readouterr()
+    before = _snapshot(tmp_path)
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, f"{case}: exit {code}\n{out}\n{err}"
+    lines = [ln for ln in err.splitlines() if "crispedit: error:" in ln]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "read-only file system" in lines[0] and str(ro) in lines[0], lines[0]
+    assert _snapshot(tmp_path) == before, f"{case}: something was written"
+
+
+def test_probe_leaves_nothing_and_names_the_reason(tmp_path, monkeypatch):
+    """:func:`check_dir_takes_entries` removes its probe file, and its error is one line with the OS's reason."""
+    import errno
+    import tempfile
+
+    from crispedit.errors import CrispEditError, check_dir_takes_entries, check_output_file
+
+    assert check_dir_takes_entries(tmp_path, "--out") == tmp_path and list(tmp_path.iterdir()) == []
+    assert check_output_file(tmp_path / "a" / "b.json") == tmp_path / "a" / "b.json" and list(tmp_path.iterdir()) == []
+
+    def refuse(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(CrispEditError, match=rf"^--out {tmp_path} is not writable \(no space left on device\)$"):
+        check_dir_takes_entries(tmp_path, "--out")
+    with pytest.raises(CrispEditError, match=r"--png .*r\.png: cannot write in .* \(no space left on device\)$"):
+        check_output_file(tmp_path / "new" / "r.png", "--png")

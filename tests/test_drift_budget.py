@@ -123,18 +123,20 @@ def test_budget_unit_scales_every_layer_by_one_factor():
     assert not budget.enforce() and budget.to_json()["hits"] == 1 and budget.to_json()["steps"] == 2
 
 
-@pytest.mark.parametrize("method", ["crispedit", "adam-nscl"])
+@pytest.mark.parametrize("method", ["crispedit", "adam-nscl", "ft", "locbf-ft"])
 def test_max_drift_keeps_the_predicted_drift_within_budget(method, tiny_lm, iso_cache):
+    """Every fine-tuning method holds the budget; ft and locbf-ft (no curvature of their own) are measured with
+    the capability factors fetched as ``predict_drift`` fetches them."""
     from crispedit.editing import restore
 
     model, tok = tiny_lm
-    free = edit(model, tok, REQS, cfg(method), progress=False)
+    free = edit(model, tok, REQS, cfg(method), progress=False, predict_drift=True)
     free_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     restore(model, free.original_weights)
     eps = free.kl_predicted["total"] / 10
     res = edit(model, tok, REQS, cfg(method, max_drift=eps), progress=False)
     assert res.drift_budget["hit"] and res.drift_budget["hits"] >= 1 and res.drift_budget["max_drift"] == eps
-    assert res.kl_predicted["total"] <= eps * 1.001
+    assert res.drift_budget["final_predicted"] <= eps * 1.001 and res.kl_predicted["total"] <= eps * 1.001
     assert res.kl_predicted["total"] >= eps * 0.5           # the edit still uses its budget
     restore(model, res.original_weights)
     loose = edit(model, tok, REQS, cfg(method, max_drift=1e3), progress=False)
@@ -144,11 +146,112 @@ def test_max_drift_keeps_the_predicted_drift_within_budget(method, tiny_lm, iso_
 
 @pytest.mark.parametrize("kw,msg", [(dict(max_drift=0), "max drift (--max-drift) must be positive"),
                                     (dict(max_drift=float("nan")), "must be a finite number"),
-                                    (dict(max_drift=0.1, method="ft"), "ft holds none"),
-                                    (dict(max_drift=0.1, method="lora"), "lora holds none")])
+                                    (dict(max_drift=0.1, method="memit"), "memit writes its change in one pass"),
+                                    (dict(drift_penalty=1.0, method="mend"), "mend writes its change in one pass")])
 def test_max_drift_validation(kw, msg):
     with pytest.raises(CrispEditError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         EditConfig(**kw)
+
+
+@pytest.mark.parametrize("method", ["crispedit", "adam-nscl", "ft", "lora", "locbf-ft"])
+def test_every_fine_tuning_method_takes_the_budget_and_the_penalty(method):
+    assert EditConfig(method=method, max_drift=0.1, drift_penalty=1.0).max_drift == 0.1
+
+
+def test_ft_budget_fetches_the_factors_and_the_penalty_runs(tiny_lm, iso_cache):
+    """``ft`` with ``max_drift`` collects the capability factors of its edit layers itself (as ``predict_drift``
+    does) and ends with the predicted drift within the budget; with ``drift_penalty`` it trains edit loss +
+    β · predicted drift and lands with less predicted drift than plain ft."""
+    from crispedit.editing import restore
+
+    model, tok = tiny_lm
+    res = edit(model, tok, REQS, cfg("ft", max_drift=0.05), progress=False)
+    assert res.cache_info["hit"] is False and res.kl_predicted is not None   # fetched without predict_drift
+    assert res.drift_budget["hit"] and res.drift_budget["final_predicted"] <= 0.05 * 1.001
+    assert res.kl_predicted["total"] <= 0.05 * 1.001
+    restore(model, res.original_weights)
+    plain = edit(model, tok, REQS, cfg("ft", epochs=40), progress=False, predict_drift=True)
+    restore(model, plain.original_weights)
+    pen = edit(model, tok, REQS, cfg("ft", epochs=40, drift_penalty=1.0), progress=False)
+    assert pen.cache_info["hit"] is True and pen.drift_budget["drift_penalty"] == 1.0 and pen.drift_budget["hits"] == 0
+    assert pen.kl_predicted["total"] < 0.8 * plain.kl_predicted["total"]
+    assert pen.history.epoch_loss[-1] < 0.5 * pen.history.epoch_loss[0]
+
+
+def test_lora_budget_acts_on_the_merged_update(tiny_lm, iso_cache):
+    """LoRA's budget is measured on its merged update (alpha/r)·B·A of the adapted q/v projections with their
+    capability factors: the merged change predicts at most the budget; the penalty lowers the prediction."""
+    from crispedit.editing import restore
+
+    model, tok = tiny_lm
+    torch.manual_seed(0)
+    free = edit(model, tok, REQS, cfg("lora", lr=5e-3, max_drift=1e6), progress=False)
+    assert set(free.kl_predicted["layers"]) == {f"model.layers.{i}.self_attn.{p}" for i in (1, 2) for p in ("q_proj", "v_proj")}
+    assert not free.drift_budget["hit"] and free.kl_predicted["total"] > 0
+    assert set(free.kl_predicted["layers"]) == set(mixing_layers(free.kl_predicted["layers"]))   # the under-read note
+    restore(model, free.original_weights)
+    eps = free.kl_predicted["total"] / 10
+    torch.manual_seed(0)
+    res = edit(model, tok, REQS, cfg("lora", lr=5e-3, max_drift=eps), progress=False)
+    assert res.drift_budget["hit"] and res.kl_predicted["total"] <= eps * 1.001 and res.kl_predicted["total"] >= eps * 0.5
+    assert not [n for n, _ in model.named_modules() if "lora_" in n]     # merged: no adapter left
+    restore(model, res.original_weights)
+    torch.manual_seed(0)
+    pen = edit(model, tok, REQS, cfg("lora", lr=5e-3, drift_penalty=1.0), progress=False)
+    assert pen.kl_predicted["total"] < 0.8 * free.kl_predicted["total"]
+
+
+def test_low_rank_budget_pulls_back_and_differentiates_through_the_product():
+    """:class:`LowRankDriftBudget`: ΔW = s·B·A; the pull-back scales B so that ΔW is scaled exactly, and the
+    penalty gradients of A and B are the chain rule of ∂p/∂ΔW (checked against autograd)."""
+    from types import SimpleNamespace
+
+    from crispedit.curvature.predicted import LowRankDriftBudget
+
+    g = torch.Generator().manual_seed(5)
+    mods = {n: torch.nn.Linear(5, 3, bias=False) for n in ("a", "b")}
+    factors = SimpleNamespace(A={n: spd(5, g).float() for n in mods}, S={n: spd(3, g).float() for n in mods})
+    ad = {n: (torch.nn.Parameter(torch.randn(2, 5, generator=g)), torch.nn.Parameter(torch.randn(3, 2, generator=g)), 1.5)
+          for n in mods}
+    budget = LowRankDriftBudget(ad, mods, factors, eps=1e-3, penalty=2.0)
+    dW = {n: 1.5 * (b @ a).detach() for n, (a, b, _) in ad.items()}
+    pred = sum(kron_form(dW[n], factors.A[n], factors.S[n]) ** 0.5 for n in mods) ** 2
+    assert budget.predicted() == pytest.approx(pred, rel=1e-5)
+    a_, b_ = {n: a.detach().clone().requires_grad_(True) for n, (a, _, _) in ad.items()}, \
+        {n: b.detach().clone().requires_grad_(True) for n, (_, b, _) in ad.items()}
+    q = [0.5 * ((factors.S[n] @ (1.5 * b_[n] @ a_[n])) * ((1.5 * b_[n] @ a_[n]) @ factors.A[n])).sum() for n in mods]
+    (sum(x.sqrt() for x in q) ** 2).backward()
+    for a, b, _ in ad.values():
+        a.grad, b.grad = torch.zeros_like(a), torch.zeros_like(b)
+    assert budget.add_penalty_gradient() == pytest.approx(pred, rel=1e-5)
+    for n, (a, b, _) in ad.items():
+        assert torch.allclose(a.grad, 2.0 * a_[n].grad, rtol=1e-4, atol=1e-6)
+        assert torch.allclose(b.grad, 2.0 * b_[n].grad, rtol=1e-4, atol=1e-6)
+    assert pred > 1e-3 and budget.enforce()
+    c = (1e-3 / pred) ** 0.5
+    for n, (a, b, _) in ad.items():
+        assert torch.allclose(1.5 * (b @ a).detach(), c * dW[n], rtol=1e-5, atol=1e-7)
+    assert budget.predicted() == pytest.approx(1e-3, rel=1e-4) and budget.to_json()["hits"] == 1
+
+
+@pytest.mark.parametrize("method", ["ft", "lora"])
+def test_session_of_a_method_without_curvature_spends_its_budget(method, tmp_path, tiny_model_dir, monkeypatch):
+    """An ft (or LoRA) session with a budget stores the capability factors it is measured with (of the edit
+    layers; LoRA: of its q/v projections) and holds each round within what is left."""
+    from crispedit.editing import SeqConfig
+    from crispedit.editing.session import Session
+
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    base = dict(method=method, layers=LAYERS, epochs=20, lr=1e-2 if method == "ft" else 5e-3, batch_size=4,
+                n_cap=6, max_len=48)
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), SeqConfig(edit={**base, "max_drift": 0.02}), progress=False)
+    assert (tmp_path / "s" / "cap_factors-0000.safetensors").is_file()
+    a = s.add(REQS[:2], plot=False)
+    assert a["drift_budget"]["hit"] and a["kl_predicted_round"] <= 0.02 * 1.001
+    assert a["drift_budget"]["final_predicted"] <= 0.02 * 1.001
+    plain = Session.create(tmp_path / "p", str(tiny_model_dir), SeqConfig(edit=base), progress=False)
+    assert not (tmp_path / "p" / "cap_factors-0000.safetensors").exists()   # no budget: nothing fetched (as before)
+    assert plain.add(REQS[:2], plot=False)["kl_predicted"] is None
 
 
 def test_session_budget_is_spent_round_by_round(tmp_path, tiny_model_dir, monkeypatch, capsys):
@@ -233,6 +336,25 @@ def test_cli_edit_reports_prediction_and_budget(tmp_path, tiny_model_dir, iso_ca
     assert json.loads((tmp_path / "b" / "edit_report.json").read_text())["config"]["max_drift"] == eps
 
 
+def test_cli_ft_with_a_budget_and_a_penalty(tmp_path, tiny_model_dir, iso_cache, capsys):
+    """``crispedit edit --method ft --max-drift EPS`` (no --predict-drift) fetches the factors, ends within the
+    budget (``summary.drift_budget.final_predicted`` and ``kl_predicted`` <= EPS) and prints the budget line;
+    ``--drift-penalty`` runs for ft too."""
+    edits = tmp_path / "e.json"
+    edits.write_text(json.dumps([r.to_json() for r in REQS]))
+    common = ["edit", "--model", str(tiny_model_dir), "--edits", str(edits), "--layers", LAYERS, "--n-cap", "6",
+              "--max-len", "48", "--epochs", "10", "--lr", "1e-2", "--batch-size", "4", "--no-wild", "--quiet",
+              "--method", "ft"]
+    assert main(common + ["--out", str(tmp_path / "b"), "--max-drift", "0.05"]) == 0
+    out = capsys.readouterr().out
+    s = json.loads((tmp_path / "b" / "edit_report.json").read_text())["summary"]
+    assert s["drift_budget"]["hit"] and s["drift_budget"]["final_predicted"] <= 0.05 * 1.001
+    assert s["kl_predicted"] <= 0.05 * 1.001 and "drift budget 0.05: hit" in out
+    assert main(common + ["--out", str(tmp_path / "p"), "--drift-penalty", "1"]) == 0
+    p = json.loads((tmp_path / "p" / "edit_report.json").read_text())["summary"]
+    assert p["drift_budget"]["drift_penalty"] == 1.0 and p["kl_predicted"] > 0
+
+
 def resolve_layers_names():
     return [f"model.layers.{i}.mlp.down_proj" for i in (1, 2)]
 
@@ -308,7 +430,7 @@ def test_penalty_gradient_is_the_gradient_of_the_coherent_prediction():
 
 def test_drift_penalty_lowers_the_predicted_drift_and_keeps_the_edit(tiny_lm, iso_cache):
     """``drift_penalty`` trains edit loss + β · predicted drift: the same edits land with a smaller predicted
-    drift than without it; ft (no factors) refuses it before any work."""
+    drift than without it; a one-pass method (memit) refuses it before any work."""
     model, tok = tiny_lm
     plain = edit(model, tok, REQS, cfg(epochs=40), progress=False)
     from crispedit.editing import restore
@@ -319,7 +441,7 @@ def test_drift_penalty_lowers_the_predicted_drift_and_keeps_the_edit(tiny_lm, is
     assert pen.kl_predicted["total"] < 0.8 * plain.kl_predicted["total"]
     assert pen.history.epoch_loss[-1] < 0.5 * pen.history.epoch_loss[0]
     with pytest.raises(CrispEditError, match="drift-penalty"):
-        cfg("ft", drift_penalty=1.0)
+        cfg("memit", drift_penalty=1.0)
     with pytest.raises(CrispEditError, match="drift penalty"):
         cfg(drift_penalty=-1.0)
 

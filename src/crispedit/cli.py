@@ -17,7 +17,7 @@ from .editing.flags import (add_curvature_args, add_edits_args, add_max_drift_ar
                             config_from_args, load_job_inputs)
 from .curvature.modes import CACHE_KINDS  # torch-free
 from .distributed import launched_world_size  # torch-free at import
-from .errors import CrispEditError, check_input_file, check_output_dir, check_output_file
+from .errors import CrispEditError, check_input_dir, check_input_file, check_output_dir, check_output_file
 
 # Modules that add sub-commands: each defines add_cli(subparsers) and sets `func` on its parsers; each is
 # torch-free at import (its commands import the heavy modules when they run).
@@ -86,6 +86,8 @@ def cmd_cache_build(args) -> int:
                         kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus, seed=args.seed)
     if args.out:
         check_output_file(args.out)
+    if args.cache_dir:
+        check_output_dir(args.cache_dir, "--cache-dir")  # a file there, or a root that takes no entries: now
     texts = capability_corpus(config.cap_corpus, config.n_cap)
     from .curvature.cache import save_factors
     from .distributed import is_main, process_group_from_env, world_size
@@ -129,6 +131,8 @@ def cmd_cache_info(args) -> int:
 
 def cmd_cache_list(args) -> int:
     """``crispedit cache list``: one line per cached factor file (layers, texts, length, labels, model)."""
+    if args.cache_dir:
+        check_input_dir(args.cache_dir, "--cache-dir", missing_ok=True)  # absent: nothing cached yet
     from .curvature.cache import load_factors
     from .models import cache_dir
 
@@ -175,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_max_drift_arg(p)
     p.add_argument("--predict-drift", action="store_true",
                    help="report kl_predicted for methods without curvature too (ft, locbf-ft: collects or reuses "
-                   "the capability factors)")
+                   "the capability factors; --max-drift and --drift-penalty fetch them anyway)")
     p.add_argument("--delta-only", action="store_true",
                    help="write only delta.safetensors (the changed tensors, reversible) and edit_report.json, "
                    "not the full model")

@@ -14,7 +14,7 @@ __all__ = ["add_cli", "cmd_compare"]
 def cmd_compare(args) -> int:
     """``crispedit compare``: validate every input, load the model once, run the methods, print the table."""
     from .editing.flags import config_from_args, load_job_inputs, method_options_from_args, parse_methods
-    from .evaluation.capabilities import parse_tasks
+    from .evaluation.capabilities import check_capability_inputs, parse_tasks
 
     from .editing.config import SeqConfig
     from .editing.registry import seq_row
@@ -31,6 +31,7 @@ def cmd_compare(args) -> int:
         if not any(seq_row(m)[1] for m in methods):
             raise CrispEditError("--seq-chunk sets the round size of the -seq rows, and none is being run")
     tasks = parse_tasks(args.capabilities)
+    check_capability_inputs(tasks, args.bench_dir)  # a wrong --bench-dir fails now, not after the first method ran
     check_output_dir(args.out)
     if args.limit is not None:
         check_positive_int("--limit", args.limit)

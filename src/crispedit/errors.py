@@ -288,6 +288,15 @@ def check_float(name: str, value: Any, lo: float | None = None, hi: float | None
     return v
 
 
+MAX_LR = 1.0  # an Adam step of more than 1 per weight destroys any model; larger values are typos
+
+
+def check_lr(name: str, value: Any) -> float:
+    """``value`` as an Adam learning rate: a finite number in ``(0, MAX_LR]`` (one-line error naming ``name``
+    otherwise). What ``edit --lr`` and ``mend train --lr`` accept."""
+    return check_float(name, value, 0.0, MAX_LR, lo_open=True)
+
+
 SEED_MAX = 2**32 - 1  # numpy's and most RNGs' limit; torch takes more, but a seed must work everywhere
 
 
@@ -351,6 +360,23 @@ def check_input_file(path: str | os.PathLike, what: str = "file") -> Path:
     return path
 
 
+def check_input_dir(path: str | os.PathLike, what: str = "directory", *, missing_ok: bool = False) -> Path:
+    """Check, before any work, that ``path`` is an existing, readable directory (not a file): one-line errors
+    ``"<what> not found: <path>"`` (unless ``missing_ok``), ``"<what> <path> is a file, not a directory"`` and
+    ``"<what> <path> is not readable (permission denied)"``. For directory inputs (``--bench-dir``, ``--data``,
+    a session directory, ``cache list --cache-dir``). Returns ``path``."""
+    path = Path(path)
+    if not path.exists():
+        if missing_ok:
+            return path
+        raise CrispEditError(f"{what} not found: {path}")
+    if not path.is_dir():
+        raise CrispEditError(f"{what} {path} is a file, not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise CrispEditError(f"{what} {path} is not readable (permission denied)")
+    return path
+
+
 def _nearest_existing(path: Path) -> Path:
     p = path
     while not p.exists() and not p.is_symlink():
@@ -360,17 +386,44 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
+def _os_reason(exc: OSError) -> str:
+    """The OS's reason for ``exc`` in lower case (``permission denied``, ``read-only file system``)."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return reason[:1].lower() + reason[1:]
+
+
+def check_dir_takes_entries(directory: str | os.PathLike, flag: str, path: str | os.PathLike | None = None) -> Path:
+    """Check, by trying, that new entries can be made in the existing directory ``directory``: create a
+    uniquely named empty probe file there (``.crispedit-probe-*.tmp``) and remove it. Permission bits are
+    not enough: a read-only or virtual file system (``/proc``, ``/sys``) refuses a new file even where
+    they allow it. One-line :class:`CrispEditError` naming ``flag``, the destination ``path`` (default:
+    ``directory``), ``directory`` and the OS's reason otherwise. Returns ``directory``."""
+    directory = Path(directory)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".crispedit-probe-", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        if path is None or Path(path) == directory:
+            raise CrispEditError(f"{flag} {directory} is not writable ({_os_reason(exc)})") from None
+        raise CrispEditError(f"{flag} {path}: cannot write in {directory} ({_os_reason(exc)})") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return directory
+
+
 def _check_parent(path: Path, flag: str) -> None:
+    """The nearest existing ancestor of ``path``'s parent is a directory that takes new entries (the temporary
+    sibling every write renames into place is made there, or the missing parents)."""
     parent = _nearest_existing(path.parent if path.parent != Path("") else Path("."))
     if not parent.is_dir():
         raise CrispEditError(f"{flag} {path}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CrispEditError(f"{flag} {path}: cannot write in {parent} (permission denied)")
+    check_dir_takes_entries(parent, flag, path)
 
 
 def check_output_file(path: str | os.PathLike, flag: str = "--out") -> Path:
     """Check, before any work, that a file can be written at ``path``: not a directory, and the nearest
-    existing parent is a writable directory (an existing file must be writable too). Returns ``path``."""
+    existing parent is a directory that takes new entries, tried with a probe file
+    (:func:`check_dir_takes_entries`; an existing file must be writable too). Returns ``path``."""
     path = Path(path)
     if path.is_dir():
         raise CrispEditError(f"{flag} {path} is a directory; give a file name")
@@ -383,7 +436,8 @@ def check_output_file(path: str | os.PathLike, flag: str = "--out") -> Path:
 def check_output_dir(path: str | os.PathLike, flag: str = "--out", *, overwrite: bool | None = None,
                      marker: str | None = None) -> list[str] | None:
     """Check, before any work, that ``path`` can become an output directory: not a file, and the nearest
-    existing parent (or ``path`` itself) is a writable directory.
+    existing parent (and ``path`` itself when it exists) is a directory that takes new entries, tried with
+    a probe file (:func:`check_dir_takes_entries`).
 
     With ``overwrite`` given (True/False), a non-empty ``path`` is refused unless ``overwrite`` is True
     and ``marker`` (the file crispedit writes last, e.g. ``edit_report.json``) shows an earlier crispedit
@@ -393,8 +447,7 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out", *, overwrite:
     if path.exists() and not path.is_dir():
         raise CrispEditError(f"{flag} {path} is a file, not a directory")
     if path.is_dir():
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise CrispEditError(f"{flag} {path} is not writable (permission denied)")
+        check_dir_takes_entries(path, flag)
     _check_parent(path, flag)
     if overwrite is None or not path.is_dir() or not any(path.iterdir()):
         return None

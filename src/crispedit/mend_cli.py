@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from .errors import CrispEditError, check_output_file
+from .errors import CrispEditError, check_float, check_int, check_output_dir, check_output_file, check_positive_int
 
 __all__ = ["add_cli", "cmd_mend_train", "TRAIN_OFFSET", "TRAIN_N"]
 
@@ -29,9 +29,13 @@ def _train_config(args):
 
 def cmd_mend_train(args) -> int:
     """``crispedit mend train``: check every input, load the model, train, write the network atomically."""
-    config = _train_config(args)
-    if args.max_minutes is not None and not args.max_minutes > 0:
-        raise CrispEditError(f"--max-minutes must be positive, got {args.max_minutes}")
+    config = _train_config(args)  # steps >= 1, batch size >= 1, lr in (0, 1]: the ranges `edit` checks
+    if args.max_minutes is not None:
+        check_float("--max-minutes", args.max_minutes, 0.0, lo_open=True)
+    if args.n_edits is not None:
+        check_positive_int("--n-edits", args.n_edits)
+    check_int("--offset", args.offset, 0)
+    check_positive_int("--n-cap", args.n_cap)
     prev = None
     if args.init:
         from .editing.methods.mend_net import read_network_meta
@@ -44,10 +48,8 @@ def cmd_mend_train(args) -> int:
         prev = read_network_meta(args.init)
     if args.out:
         check_output_file(args.out)
-    if args.n_edits is not None and args.n_edits < 1:
-        raise CrispEditError(f"--n-edits must be a positive integer, got {args.n_edits}")
-    if args.offset < 0:
-        raise CrispEditError(f"--offset must be non-negative, got {args.offset}")
+    if args.cache_dir:  # where the network goes without --out
+        check_output_dir(args.cache_dir, "--cache-dir")
     from .data import capability_corpus, load_edits
 
     passages = capability_corpus(args.cap_corpus, args.n_cap) if config.loc_texts else []

@@ -36,8 +36,8 @@ from torch import Tensor, nn
 
 from ..models import as_weight_matrix
 
-__all__ = ["layer_predicted_kl", "coherent_total", "predicted_kl", "DriftBudget", "steep_layers", "steep_note",
-           "mixing_layers", "mixing_note", "prediction_notes"]
+__all__ = ["layer_predicted_kl", "coherent_total", "predicted_kl", "DriftBudget", "LowRankDriftBudget", "steep_layers",
+           "steep_note", "mixing_layers", "mixing_note", "prediction_notes"]
 
 
 def layer_predicted_kl(dW: Tensor, A: Tensor, S: Tensor, dtype: torch.dtype = torch.float64) -> float:
@@ -97,19 +97,29 @@ class DriftBudget:
     :meth:`add_penalty_gradient` (between backward and projection) adds ``β · ∂p/∂ΔW_l`` to every layer's
     gradient, ``∂p/∂ΔW_l = (sqrt(p) / sqrt(q_l)) · S_l ΔW_l A_l``, so training minimises
     ``edit loss + β · predicted drift`` (nats per target token + β · nats per held-out token): among the
-    changes that make the edit, the ones the capability curvature says are flattest."""
+    changes that make the edit, the ones the capability curvature says are flattest.
+
+    The factors are the capability factors of the changed layers whatever the method: a curvature method's
+    own, those ``--predict-drift`` fetches for ft and locbf-ft, and for LoRA those of the adapted modules
+    (:class:`LowRankDriftBudget`). The prediction is second order: it reads small changes well and
+    under-reads large ones (README, "Drift budget and deltas"), so a budget holds the measured drift only as
+    well as the prediction reads it."""
 
     def __init__(self, params: Mapping[str, nn.Parameter], modules: Mapping[str, nn.Module], factors,
                  eps: float | None, penalty: float = 0.0):
-        missing = [n for n in params if n not in factors.A]
+        self.params, self.modules = dict(params), dict(modules)
+        self._setup(factors, {n: p.device for n, p in self.params.items()}, eps, penalty)
+        self.start = {n: p.detach().float().clone() for n, p in self.params.items()}
+
+    def _setup(self, factors, devices: Mapping[str, torch.device], eps: float | None, penalty: float) -> None:
+        """The budget, the penalty, the counters and each layer's factors (float32, on ``devices[name]``)."""
+        missing = [n for n in devices if n not in factors.A or n not in (getattr(factors, "S", None) or {})]
         if missing:
             raise ValueError(f"the drift budget has no K-FAC factors for {missing}")
         self.eps = None if eps is None else float(eps)
         self.penalty = float(penalty)
-        self.params, self.modules = dict(params), dict(modules)
-        self.start = {n: p.detach().float().clone() for n, p in self.params.items()}
-        self.A = {n: factors.A[n].to(device=p.device, dtype=torch.float32) for n, p in self.params.items()}
-        self.S = {n: factors.S[n].to(device=p.device, dtype=torch.float32) for n, p in self.params.items()}
+        self.A = {n: factors.A[n].to(device=d, dtype=torch.float32) for n, d in devices.items()}
+        self.S = {n: factors.S[n].to(device=d, dtype=torch.float32) for n, d in devices.items()}
         self.hits = 0
         self.last = 0.0
         self.steps = 0
@@ -124,6 +134,11 @@ class DriftBudget:
         return coherent_total(layer_predicted_kl(as_weight_matrix(self.modules[n], d), self.A[n], self.S[n],
                                                  torch.float32) for n, d in deltas.items())
 
+    def _pull_back(self, c: float, deltas: Mapping[str, Tensor]) -> None:
+        """Scale every layer's accumulated change by ``c``: ``W = W0 + c · ΔW``."""
+        for n, param in self.params.items():
+            param.copy_((self.start[n] + c * deltas[n]).to(param.dtype))
+
     @torch.no_grad()
     def enforce(self) -> bool:
         """Pull the accumulated change back onto the budget when its predicted drift exceeds ``eps``;
@@ -134,12 +149,29 @@ class DriftBudget:
         if self.eps is None or not math.isfinite(p) or p <= self.eps:
             self.last = p
             return False
-        c = math.sqrt(self.eps / p)
-        for n, param in self.params.items():
-            param.copy_((self.start[n] + c * deltas[n]).to(param.dtype))
+        self._pull_back(math.sqrt(self.eps / p), deltas)
         self.hits += 1
         self.last = self.eps
         return True
+
+    def _drift_gradients(self) -> tuple[float, dict[str, Tensor]]:
+        """The coherent predicted drift ``p`` of the accumulated change and ``∂p/∂ΔW_l`` of every layer with a
+        change (``d_out x d_in``, float32; a layer with ``q_l = 0`` is left out: its term is 0)."""
+        qs, SdA = {}, {}
+        for n, d in self.deltas().items():
+            dW = as_weight_matrix(self.modules[n], d)
+            SdA[n] = self.S[n] @ dW @ self.A[n]
+            qs[n] = 0.5 * float((dW * SdA[n]).sum())
+        total = coherent_total(qs.values())
+        root = math.sqrt(total)
+        return total, {n: SdA[n] * (root / math.sqrt(qs[n])) for n in qs if qs[n] > 0}
+
+    def _add_gradients(self, grads: Mapping[str, Tensor]) -> None:
+        """Add ``penalty · grads[l]`` (``∂p/∂ΔW_l``) to the gradient of each layer's weight (storage orientation)."""
+        for n, g in grads.items():
+            param = self.params[n]
+            if param.grad is not None:
+                param.grad.add_((as_weight_matrix(self.modules[n], g) * self.penalty).to(param.grad.dtype))
 
     @torch.no_grad()
     def add_penalty_gradient(self) -> float:
@@ -148,18 +180,8 @@ class DriftBudget:
         change yet (``q_l = 0``) gets nothing (its gradient term is 0)."""
         if self.penalty <= 0:
             return 0.0
-        qs, SdA = {}, {}
-        for n, d in self.deltas().items():
-            dW = as_weight_matrix(self.modules[n], d)
-            SdA[n] = self.S[n] @ dW @ self.A[n]
-            qs[n] = 0.5 * float((dW * SdA[n]).sum())
-        total = coherent_total(qs.values())
-        root = math.sqrt(total)
-        for n, param in self.params.items():
-            if qs[n] <= 0 or param.grad is None:
-                continue
-            g = as_weight_matrix(self.modules[n], SdA[n]) * (self.penalty * root / math.sqrt(qs[n]))
-            param.grad.add_(g.to(param.grad.dtype))
+        total, grads = self._drift_gradients()
+        self._add_gradients(grads)
         return total
 
     def to_json(self) -> dict:
@@ -167,6 +189,45 @@ class DriftBudget:
         ``steps`` checked, ``final_predicted`` (nats per token, float32 estimate) and ``drift_penalty`` (β)."""
         return {"max_drift": self.eps, "hit": self.hits > 0, "hits": self.hits, "steps": self.steps,
                 "final_predicted": self.last, "drift_penalty": self.penalty}
+
+
+class LowRankDriftBudget(DriftBudget):
+    """:class:`DriftBudget` on merged low-rank updates (LoRA): layer ``l`` changes by ``ΔW_l = s_l · B_l A_l``
+    (``A_l`` ``r x d_in``, ``B_l`` ``d_out x r``, ``s_l = alpha / r``), what merging the adapter adds to the
+    base weight. ``adapters``: name -> ``(A_l, B_l, s_l)``, the trained adapter matrices of the module
+    ``modules[name]`` (a linear layer: ``d_out x d_in`` orientation); ``factors`` cover every name.
+
+    The change is measured from ``B = 0`` (peft's initialisation: a fresh adapter is no change), so the pull
+    back is exact: scaling every ``B_l`` by ``c`` scales every ``ΔW_l`` by ``c``. The penalty's gradient is
+    the chain rule through the product, ``∂p/∂B_l = s_l · G_l A_lᵀ``, ``∂p/∂A_l = s_l · B_lᵀ G_l`` with
+    ``G_l = ∂p/∂ΔW_l``."""
+
+    def __init__(self, adapters: Mapping[str, tuple[nn.Parameter, nn.Parameter, float]],
+                 modules: Mapping[str, nn.Module], factors, eps: float | None, penalty: float = 0.0):
+        self.adapters = {n: (a, b, float(s)) for n, (a, b, s) in adapters.items()}
+        self.modules = dict(modules)
+        self.params = {}
+        self._setup(factors, {n: b.device for n, (_, b, _) in self.adapters.items()}, eps, penalty)
+
+    def deltas(self) -> dict[str, Tensor]:
+        """The merged update ``s · B A`` of every adapter (``d_out x d_in``, float32)."""
+        return {n: s * (b.detach().float() @ a.detach().float()) for n, (a, b, s) in self.adapters.items()}
+
+    def _pull_back(self, c: float, deltas: Mapping[str, Tensor]) -> None:
+        """Scale every merged update by ``c`` through its ``B``."""
+        for a, b, _ in self.adapters.values():
+            b.copy_((c * b.detach().float()).to(b.dtype))
+
+    def _add_gradients(self, grads: Mapping[str, Tensor]) -> None:
+        """Add ``penalty`` times the chain rule of ``grads[l]`` (``∂p/∂ΔW_l``) through ``s · B A`` to ``A.grad``
+        and ``B.grad``."""
+        for n, g in grads.items():
+            a, b, s = self.adapters[n]
+            af, bf = a.detach().float(), b.detach().float()
+            if b.grad is not None:
+                b.grad.add_((self.penalty * s * (g @ af.T)).to(b.grad.dtype))
+            if a.grad is not None:
+                a.grad.add_((self.penalty * s * (bf.T @ g)).to(a.grad.dtype))
 
 
 STEEP_FACTOR = 10.0   # a layer predicting this many times the other layers' median ...

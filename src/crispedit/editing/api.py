@@ -87,22 +87,26 @@ def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module]
 def edit_factors(model: nn.Module, tokenizer, editor, layers: dict[str, nn.Module], config: EditConfig, *,
                  factors: KFACFactors | None = None, cache_root: str | Path | None = None,
                  cache_file: str | Path | None = None, progress: bool | None = None,
-                 predict_drift: bool = False) -> tuple[KFACFactors | None, dict]:
+                 predict_drift: bool = False, fingerprint: str | None = None) -> tuple[KFACFactors | None, dict]:
     """The capability statistics an edit with ``editor`` on ``layers`` uses: those it needs
-    (``editor.needs_curvature``, of its ``curvature_kind``) or, with ``predict_drift``, the K-FAC factors
-    that predict the drift of a change of the layers' weights (not for editors that change other
-    parameters, such as LoRA's q/v projections). Given ``factors`` are checked to cover ``layers``;
-    otherwise fetched by :func:`capability_factors`. Returns ``(factors or None, info)`` (``info`` empty
-    when nothing was fetched)."""
+    (``editor.needs_curvature``, of its ``curvature_kind``, for ``layers``) or else the K-FAC factors of the
+    modules whose change the drift is predicted for (:meth:`Editor.drift_modules`): always when ``config`` sets
+    ``max_drift`` or ``drift_penalty`` (the budget and the penalty are measured with them: ft, locbf-ft, LoRA's
+    adapted modules), and with ``predict_drift`` when those are the edit layers (not LoRA's q/v projections).
+    Given ``factors`` are checked to cover those modules; otherwise fetched by :func:`capability_factors`.
+    Returns ``(factors or None, info)`` (``info`` empty when nothing was fetched)."""
     changed = editor.changes(model, layers, config)
     predictable = any(f"{n}.weight" in changed for n in layers)  # not LoRA's q/v projections
+    budget = config.max_drift is not None or config.drift_penalty > 0
     info: dict = {}
-    if not (editor.needs_curvature or (predict_drift and predictable)):
+    if not (editor.needs_curvature or budget or (predict_drift and predictable)):
         return factors, info
+    need = layers if editor.needs_curvature else editor.drift_modules(model, layers, config)
     if factors is None:
-        factors, info = capability_factors(model, tokenizer, layers, config, cache_root=cache_root,
-                                           cache_file=cache_file, progress=progress, kind=editor.curvature_kind)
-    missing = [n for n in layers if n not in factors.A]
+        factors, info = capability_factors(model, tokenizer, need, config, cache_root=cache_root,
+                                           cache_file=cache_file, fingerprint=fingerprint, progress=progress,
+                                           kind=editor.curvature_kind)
+    missing = [n for n in need if n not in factors.A]
     if missing:
         raise CrispEditError(f"curvature factors do not cover layers {missing}")
     return factors, info
@@ -117,8 +121,9 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     ``result.original_weights`` holds the pre-edit values of every parameter the editor declares it
     changes (:meth:`Editor.changes`, full parameter names), to measure drift or undo the edit with
     :func:`restore`. ``result.kl_predicted`` is the drift the capability factors predict for the change;
-    editors without curvature (ft, locbf-ft) get it only with ``predict_drift`` (their factors are then
-    fetched from the cache or collected, like a curvature editor's). A learning rate left unset is scaled
+    editors without curvature (ft, locbf-ft) get it only with ``predict_drift`` or a drift budget / penalty
+    (their factors are then fetched from the cache or collected, like a curvature editor's; LoRA's, of its
+    adapted modules, with a budget or penalty only). A learning rate left unset is scaled
     for the model's family in ``config`` itself (:meth:`EditConfig.for_family`), so that what a caller
     reports from ``config`` afterwards is what ran.
     """
@@ -135,13 +140,14 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
                                  cache_file=cache_file, progress=progress, predict_drift=predict_drift)
     cache_seconds = info.get("seconds", 0.0)
     original = snapshot(changed)
+    drift_modules = editor.drift_modules(model, layers, config)  # before apply: LoRA wraps them while it trains
     t0 = time.perf_counter()
     outcome = editor.apply(model, tokenizer, requests, EditContext(config, layers, factors, progress=progress))
     edit_seconds = time.perf_counter() - t0
     from ..curvature.predicted import predicted_kl
 
     return EditResult(list(layers), outcome.history, outcome.projector_stats, cache_seconds, edit_seconds, info,
-                      original, predicted_kl(layers, factors, original), outcome.drift_budget, inputs)
+                      original, predicted_kl(drift_modules, factors, original), outcome.drift_budget, inputs)
 
 
 def snapshot(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

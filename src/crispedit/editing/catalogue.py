@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import SEED_MAX, CrispEditError, check_float, check_int
+from ..errors import SEED_MAX, CrispEditError, check_float, check_int, check_lr
 from .registry import MethodConfig, MethodSpec, add_method
 
 __all__ = ["LoRAConfig", "LocBFConfig", "ClosedFormConfig", "MEMITConfig", "AlphaEditConfig", "UltraEditConfig",
@@ -219,9 +219,10 @@ class MENDTrainConfig:
 
     def validate(self) -> "MENDTrainConfig":
         """Every field in range (one-line :class:`CrispEditError` naming it); returns ``self``."""
-        self.steps = check_int("mend steps", self.steps, 0, 10_000_000)
+        self.steps = check_int("mend steps", self.steps, 1, 10_000_000)  # 0 steps would save an untrained network
         self.batch_size = check_int("mend batch_size", self.batch_size, 1, 100_000)
-        for name in ("lr", "edit_lr", "grad_clip"):
+        self.lr = check_lr("mend lr", self.lr)  # an Adam lr: the range `edit --lr` takes
+        for name in ("edit_lr", "grad_clip"):
             setattr(self, name, check_float(f"mend {name}", getattr(self, name), 0.0, 1e6, lo_open=True))
         self.lr_lr = check_float("mend lr_lr", self.lr_lr, 0.0, 1e6)
         self.rank = check_int("mend rank", self.rank, 1, 1_000_000)
@@ -255,17 +256,19 @@ _M = "crispedit.editing.methods"
 # sequential: "paper" = the paper's Table 1 has the method's sequential row (compare --methods all runs
 # <name>-seq); ultraedit has none of its own: it is lifelong by construction (its batch run already writes the
 # edits batch after batch with carried normalisation statistics; --ultraedit-batch-size is its round size).
+# drift_budget: the fine-tuning methods take --max-drift / --drift-penalty (LoRA on its merged update).
 BUILTIN_METHODS: tuple[MethodSpec, ...] = (
     MethodSpec("crispedit", "fine-tuning projected onto the low-curvature subspace of the capability K-FAC "
-               "(the paper)", MethodConfig, f"{_M}.crispedit:CrispEditEditor", curvature=True, sequential="paper"),
+               "(the paper)", MethodConfig, f"{_M}.crispedit:CrispEditEditor", curvature=True, sequential="paper",
+               drift_budget=True),
     MethodSpec("ft", "plain fine-tuning of the edit layers (no projection)", MethodConfig, f"{_M}.ft:FTEditor",
-               sequential="paper"),
+               sequential="paper", drift_budget=True),
     MethodSpec("adam-nscl", "fine-tuning projected onto the null space of the layer-input covariance (Adam-NSCL)",
-               MethodConfig, f"{_M}.adam_nscl:AdamNSCLEditor", curvature=True),
+               MethodConfig, f"{_M}.adam_nscl:AdamNSCLEditor", curvature=True, drift_budget=True),
     MethodSpec("lora", "low-rank adapter (peft) on q_proj/v_proj of the edit layers' blocks, merged after training",
-               LoRAConfig, f"{_M}.lora:LoRAEditor", sequential="paper"),
+               LoRAConfig, f"{_M}.lora:LoRAEditor", sequential="paper", drift_budget=True),
     MethodSpec("locbf-ft", "plain Adam on one MLP output projection (LocBF-FT)", LocBFConfig,
-               f"{_M}.locbf_ft:LocBFFTEditor"),
+               f"{_M}.locbf_ft:LocBFFTEditor", drift_budget=True),
     MethodSpec("memit", "closed-form key-value update of the edit layers' MLP output projections (MEMIT)",
                MEMITConfig, f"{_M}.memit:MEMITEditor"),
     MethodSpec("alphaedit", "MEMIT's update projected onto the null space of the preserved keys' covariance "

@@ -23,14 +23,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 
-from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int, check_positive_int
+from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int, check_lr, check_positive_int
 from .registry import MethodConfig, get_editor, method_names, method_spec
 
 __all__ = ["EditConfig", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
            "MIN_SEQ_ROUNDS", "default_seq_chunk"]
 
 DEFAULT_LR = 5e-4  # the paper's Adam learning rate; LoRA overrides it (LoRAConfig.SHARED)
-MAX_LR = 1.0  # an Adam step of more than 1 per weight destroys any model; larger values are typos
 MAX_EPOCHS = 100_000
 
 
@@ -71,9 +70,9 @@ class EditConfig:
     cap_corpus: str | None = None       # path; None = bundled WikiText sample
     seed: int = 0
     options: dict = field(default_factory=dict)  # the method's own settings (Editor.Config fields)
-    # trust region on the predicted KL drift (nats/token, curvature methods only); None = no budget
+    # trust region on the predicted KL drift (nats/token, fine-tuning methods; MethodSpec.drift_budget); None = no budget
     max_drift: float | None = None
-    # Lagrangian weight β on the predicted drift: train edit loss + β · predicted KL (curvature methods only)
+    # Lagrangian weight β on the predicted drift: train edit loss + β · predicted KL (fine-tuning methods)
     drift_penalty: float = 0.0
 
     def __post_init__(self) -> None:
@@ -91,7 +90,7 @@ class EditConfig:
         self.gamma = check_gamma(self.gamma)
         for name in ("batch_size", "epochs", "n_cap", "max_len", "kfac_batch_size"):
             setattr(self, name, check_positive_int(name.replace("_", "-"), getattr(self, name)))
-        self.lr = check_float("learning rate (--lr)", self.lr, 0.0, MAX_LR, lo_open=True)
+        self.lr = check_lr("learning rate (--lr)", self.lr)
         self.epochs = check_int("epochs", self.epochs, 1, MAX_EPOCHS)
         self.seed = check_int("seed", self.seed, 0, SEED_MAX)
         self.skip_loss = check_float("skip_loss", self.skip_loss, 0.0)
@@ -115,10 +114,10 @@ class EditConfig:
         if self.max_drift is not None or self.drift_penalty > 0:
             if self.max_drift is not None:
                 self.max_drift = check_float("max drift (--max-drift)", self.max_drift, 0.0, lo_open=True)
-            if not spec.curvature:
-                curv = ", ".join(n for n in method_names() if method_spec(n).curvature)
-                raise CrispEditError(f"--max-drift / --drift-penalty need the K-FAC factors of a curvature method ({curv}); "
-                                     f"{self.method} holds none")
+            if not spec.drift_budget:
+                ok = ", ".join(n for n in method_names() if method_spec(n).drift_budget)
+                raise CrispEditError(f"--max-drift / --drift-penalty act on the training steps of a fine-tuning method "
+                                     f"({ok}); {self.method} writes its change in one pass without them")
         return self
 
     def for_family(self, family: str | None) -> "EditConfig":

@@ -86,7 +86,8 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> Non
                    f"(default: 'default' = {DEFAULT_CONTEXTS}; chat only for models with a chat template)")
     p.add_argument("--drift-penalty", type=float, default=d["drift_penalty"], metavar="BETA",
                    help="train edit loss + BETA x the K-FAC predicted KL drift (nats/token) of the change, so the "
-                   f"edit takes the flattest directions (default {d['drift_penalty']:g}; crispedit and adam-nscl only)")
+                   f"edit takes the flattest directions (default {d['drift_penalty']:g}; fine-tuning methods: ft, "
+                   "locbf-ft and lora get the capability factors fetched, lora on its merged update)")
     p.add_argument("--answer-end", choices=list(ANSWER_ENDS), default=d["answer_end"],
                    help="what follows the target in training: auto = the chat end-of-turn in chat, a period "
                    "elsewhere (default); eos = EOS instead of the period; none = the target alone (the paper)")
@@ -98,7 +99,8 @@ def add_max_drift_arg(p: argparse.ArgumentParser, *, session: bool = False) -> N
     what = ("for the whole session, spent round by round" if session
             else "after every step the accumulated change is scaled back into it")
     p.add_argument("--max-drift", type=float, default=None, metavar="EPS",
-                   help=f"budget on the predicted KL drift in nats/token ({what}); crispedit and adam-nscl only")
+                   help=f"budget on the predicted KL drift in nats/token ({what}); fine-tuning methods (crispedit, "
+                   "adam-nscl, ft, locbf-ft, lora on its merged update); the prediction under-reads large moves such as ft's")
 
 
 def _dest(method: str, option: str) -> str:

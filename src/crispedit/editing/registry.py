@@ -70,8 +70,11 @@ class MethodSpec:
     """One method as the parser and the config see it: ``name`` (the ``--method`` value), ``summary``
     (one line for ``--help``), ``Config`` (its options dataclass) and ``editor``, the editor class as
     ``"module:Class"`` (imported only by :func:`editor_class`); ``curvature``: the editor needs (and
-    holds) capability K-FAC factors (its class's ``needs_curvature`` with ``curvature_kind == "kfac"``: what
-    ``--max-drift`` requires; the closed forms' input covariance does not count). ``sequential``: whether
+    holds) capability K-FAC factors (its class's ``needs_curvature`` with ``curvature_kind == "kfac"``; the
+    closed forms' input covariance does not count). ``drift_budget``: the method trains in steps the
+    ``--max-drift`` budget and the ``--drift-penalty`` act on (the fine-tuning methods, LoRA on its merged
+    update; a method without curvature gets the capability K-FAC factors fetched for them, as
+    ``--predict-drift`` does), not one closed-form or network pass. ``sequential``: whether
     ``<name>-seq`` (the method in sequential rounds through :mod:`crispedit.editing.sequential`) is a
     ``compare`` row — ``"paper"`` (the paper's Table 1 has it; part of ``--methods all``), ``"optional"``
     (may be named) or ``"none"`` (refused: the method has no sequential mode of its own)."""
@@ -82,6 +85,7 @@ class MethodSpec:
     editor: str
     curvature: bool = False
     sequential: str = "optional"
+    drift_budget: bool = False
 
     def __post_init__(self) -> None:
         if self.sequential not in SEQUENTIAL_MODES:
@@ -155,6 +159,12 @@ def _holds_kfac(cls: type) -> bool:
     return bool(getattr(cls, "needs_curvature", False)) and getattr(cls, "curvature_kind", "kfac") == "kfac"
 
 
+def _takes_drift_budget(cls: type) -> bool:
+    """Whether an editor class registered at run time takes ``--max-drift`` / ``--drift-penalty``: it holds K-FAC
+    factors, or it edits through the base class's ``apply`` (the shared loop, which applies the budget)."""
+    return _holds_kfac(cls) or getattr(getattr(cls, "apply", None), "__qualname__", "") == "Editor.apply"
+
+
 def register_editor(cls: type) -> type:
     """Class decorator: bind an editor class (a subclass of ``methods.base.Editor``) to its catalogue
     entry ``cls.name``, setting ``cls.summary`` and ``cls.Config`` from it (the entry is their one
@@ -165,7 +175,7 @@ def register_editor(cls: type) -> type:
     spec = _SPECS.get(cls.name)
     if spec is None:
         add_method(MethodSpec(cls.name, cls.summary, cls.Config, _location(cls),
-                              _holds_kfac(cls)))
+                              _holds_kfac(cls), drift_budget=_takes_drift_budget(cls)))
     elif spec.editor != _location(cls):
         raise ValueError(f"a method named {cls.name!r} is already registered (editor {spec.editor})")
     elif spec.curvature != _holds_kfac(cls):

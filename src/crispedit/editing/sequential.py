@@ -135,8 +135,9 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     change). With ``config.edit.max_drift`` the session has one budget: a sequential round may spend
     ``max_drift - drift_spent`` (``drift_spent``: the sum of the earlier rounds' ``kl_predicted_round``),
     enforced on its own change (:class:`~crispedit.curvature.predicted.DriftBudget` with the capability
-    factors); a batch-mode round re-edits the base and gets the whole budget. A spent budget is a
-    one-line error.
+    factors ``state.cap``, which a session of a method without curvature — ft, locbf-ft, LoRA on its adapted
+    modules — holds when it has a budget or penalty); a batch-mode round re-edits the base and gets the whole
+    budget. A spent budget is a one-line error.
     """
     ec = config.edit
     editor = get_editor(ec.method)
@@ -162,6 +163,7 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
         budget = {"session_budget": ec.max_drift, "spent_before": spent, "round_budget": remaining}
         ec = replace(ec, max_drift=remaining)
     start = dict(base_weights if batch else state.weights)
+    drift_modules = editor.drift_modules(model, layers, ec)  # what state.cap predicts the drift of (LoRA: q/v)
     outcome = editor.apply(model, tokenizer, train_requests,
                            EditContext(ec, layers, constraint, optimizer_state=state.optim if carry else {},
                                        reproject_momentum=config.reproject_momentum, keep_optimizer=carry,
@@ -171,7 +173,8 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
                    cap_ref=state.cap_ref)
     record: dict = {"train": outcome.history.to_json(), "optimizer_carried": outcome.optimizer_carried,
                     "projector_kept": {n: v["kept_fraction"] for n, v in outcome.projector_stats.items()}}
-    total, own = predicted_kl(layers, state.cap, base_weights, weights), predicted_kl(layers, state.cap, start, weights)
+    total = predicted_kl(drift_modules, state.cap, base_weights, weights)
+    own = predicted_kl(drift_modules, state.cap, start, weights)
     record["kl_predicted"] = None if total is None else total["total"]
     record["kl_predicted_round"] = None if own is None else own["total"]
     record["steep_layers"] = [] if total is None else steep_layers(total["layers"])  # of the change since the base
@@ -285,5 +288,6 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
         if on_round is not None:
             on_round(rec, n_rounds)
     return SeqResult(list(layers), chunk, records, original, time.perf_counter() - t0,
-                     float(info.get("seconds", 0.0)), info, predicted_kl(layers, factors, original), state,
+                     float(info.get("seconds", 0.0)), info,
+                     predicted_kl(editor.drift_modules(model, layers, ec), factors, original), state,
                      records[-1].get("drift_budget"))

@@ -53,7 +53,7 @@ from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors,
                       check_finite_tensors, check_output_dir, check_output_file, load_safetensors)
 from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..models import load_model, model_family, parameter, save_model_dir, weight_fingerprint
-from .api import capability_factors
+from .api import capability_factors, edit_factors
 from .contexts import DEFAULT_CONTEXTS, pinned_contexts
 from .registry import get_editor
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
@@ -142,10 +142,10 @@ class Session:
                 "layers": list(layers), "config": config.to_json(), "default_contexts": DEFAULT_CONTEXTS}
         files: dict[str, str] = {}
         with atomic_directory(path) as tmp:
-            if get_editor(config.edit.method).needs_curvature:
-                cap, info = capability_factors(m, tok, layers, config.edit, cache_root=cache_root, cache_file=cache_file,
-                                               fingerprint=fp, progress=progress,
-                                               kind=get_editor(config.edit.method).curvature_kind)
+            # a curvature method's constraint, or the factors a drift budget / penalty of ft, lora, ... is measured with
+            cap, info = edit_factors(m, tok, get_editor(config.edit.method), layers, config.edit, cache_root=cache_root,
+                                     cache_file=cache_file, progress=progress, fingerprint=fp)
+            if cap is not None:
                 files["cap_factors"] = "cap_factors-0000.safetensors"
                 atomic_save_safetensors(tmp / files["cap_factors"], cap.to_tensors(),
                                         {"n_tokens": str(cap.n_tokens), "source": json.dumps(info)})

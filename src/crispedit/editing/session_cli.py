@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import check_output_dir, check_output_file
+from ..errors import check_dir_takes_entries, check_output_dir, check_output_file
 from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
                     check_job_files, config_from_args)
 from .session_files import read_session_meta, read_session_state
@@ -28,9 +28,12 @@ def _epochs(train: dict) -> str:
 
 def _check_session(path) -> None:
     """One-line error unless ``path`` is a session directory whose ``session.json`` and ``state.json`` read
-    and have the expected shape (what :meth:`Session.open` checks first, here without torch)."""
+    and have the expected shape (what :meth:`Session.open` checks first, here without torch) and that takes
+    new entries (tried with a probe file: every command takes the session's lock file there, ``add`` writes
+    its round)."""
     read_session_meta(path)
     read_session_state(path)
+    check_dir_takes_entries(path, "session directory")
 
 
 def cmd_init(args) -> int:

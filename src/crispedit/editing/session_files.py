@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import CrispEditError, read_text_file
+from ..errors import CrispEditError, check_input_dir, read_text_file
 from .contexts import parse_contexts
 
 __all__ = ["SESSION_FORMAT", "SESSION_FILE", "STATE_FILE", "read_json", "check_session_meta", "check_session_state",
@@ -21,8 +21,7 @@ SESSION_FILE, STATE_FILE = "session.json", "state.json"
 def read_json(path: Path, what: str) -> dict:
     """The JSON object in ``path`` (a session file); one-line errors for a missing session directory, a
     directory that is not a session, and a file that is not valid JSON or not an object."""
-    if not path.parent.is_dir():
-        raise CrispEditError(f"session directory not found: {path.parent}")
+    check_input_dir(path.parent, "session directory")
     if not path.exists():
         raise CrispEditError(f"{path.parent} is not a crispedit session (no {path.name})")
     try:

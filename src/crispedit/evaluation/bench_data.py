@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import CrispEditError
+from ..errors import CrispEditError, check_input_dir
 
 __all__ = ["TASK_FILES", "MMLU_SUBJECTS", "bench_path", "required_files", "load_arc", "load_mmlu", "load_gsm8k",
            "load_truthfulqa_mc", "load_ifeval"]
@@ -59,9 +59,7 @@ def bench_path(bench_dir: str | os.PathLike | None, rel: str) -> Path:
 
 def required_files(task: str, bench_dir: str | os.PathLike) -> list[Path]:
     """The files ``task`` reads; raises a one-line error naming the first that is missing."""
-    root = Path(bench_dir).expanduser()
-    if not root.is_dir():
-        raise CrispEditError(f"benchmark directory not found: {root}")
+    root = check_input_dir(Path(bench_dir).expanduser(), "benchmark directory")
     paths = [root / rel for rel in TASK_FILES[task]]
     for p in paths:
         if not p.is_file():

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from ..errors import CrispEditError
+from ..errors import CrispEditError, check_input_dir
 from ..progress import show_progress
 from .bench_data import required_files
 
@@ -87,10 +87,7 @@ def resolve_bench_dir(bench_dir: str | os.PathLike | None) -> Path | None:
     d = bench_dir or os.environ.get("CRISPEDIT_BENCH_DIR")
     if not d:
         return None
-    p = Path(d).expanduser()
-    if not p.is_dir():
-        raise CrispEditError(f"benchmark directory not found: {p}")
-    return p
+    return check_input_dir(Path(d).expanduser(), "benchmark directory")
 
 
 def lm_eval_version() -> str | None:
@@ -101,6 +98,22 @@ def lm_eval_version() -> str | None:
         return version("lm_eval")
     except Exception:  # not installed
         return None
+
+
+def check_capability_inputs(tasks: Sequence[str], bench_dir: str | os.PathLike | None) -> Path | None:
+    """Check, before any work, what evaluating ``tasks`` needs: the benchmark directory (``bench_dir`` or
+    ``CRISPEDIT_BENCH_DIR``; :func:`resolve_bench_dir`) is a directory holding every file of every task, and
+    lm-evaluation-harness is installed. Returns that directory (``None`` without tasks, or without a directory:
+    lm-eval then reads the hub). One-line errors."""
+    if not tasks:
+        return None
+    bench = resolve_bench_dir(bench_dir)
+    if lm_eval_version() is None:
+        raise CrispEditError("capability tasks need lm-evaluation-harness: pip install lm-eval")
+    if bench is not None:
+        for t in tasks:
+            required_files(t, bench)
+    return bench
 
 
 def ensure_punkt_offline(root: str | os.PathLike | None = None) -> Path:

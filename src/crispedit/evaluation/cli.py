@@ -80,7 +80,7 @@ def _parse_limit(spec):
 def run_eval(args) -> dict:
     """Validate every input, then evaluate; returns the result dict (the caller writes it)."""
     from ..data import heldout_text, load_edits
-    from .capabilities import lm_eval_version, parse_tasks, required_files, resolve_bench_dir
+    from .capabilities import check_capability_inputs, parse_tasks
     from .judges import make_judge
     from .wild import WildConfig
 
@@ -100,12 +100,7 @@ def run_eval(args) -> dict:
     requests = load_edits(args.edits, limit=n_edits, offset=args.offset) if args.edits else None
     if requests is None and not tasks and not args.base:
         raise CrispEditError("nothing to evaluate: give --edits, --capabilities or --base")
-    bench = resolve_bench_dir(args.bench_dir) if tasks else None
-    if tasks and lm_eval_version() is None:
-        raise CrispEditError("capability tasks need lm-evaluation-harness: pip install lm-eval")
-    if bench is not None:
-        for t in tasks:
-            required_files(t, bench)
+    bench = check_capability_inputs(tasks, args.bench_dir)
     wild_cfg = (WildConfig(context=args.context, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                            template=args.context_template)
                 if args.protocol == "wild" else None)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import CrispEditError, atomic_write_bytes
+from ..errors import CrispEditError, atomic_write_bytes, check_input_dir
 
 __all__ = ["DATASETS", "ImageSplit", "load_idx", "load_dataset", "default_cache_dir", "resolve_data_dir"]
 
@@ -146,9 +146,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None, name: str, download: bo
         raise CrispEditError(f"unknown dataset {name!r}; choose from {sorted(DATASETS)}")
     files = [f for pair in _SPLIT_FILES.values() for f in pair]
     if data_dir is not None:
-        root = Path(data_dir).expanduser()
-        if not root.is_dir():
-            raise CrispEditError(f"data directory not found: {root}")
+        root = check_input_dir(Path(data_dir).expanduser(), "data directory")
         for cand in (root / name, root):
             if all((cand / f).is_file() for f in files):
                 return cand

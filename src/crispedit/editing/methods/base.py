@@ -153,15 +153,33 @@ class Editor:
                            optimizer_state(opt, params) if ctx.keep_optimizer else {}, carried,
                            None if budget is None else budget.to_json())
 
-    def drift_budget(self, params: dict[str, nn.Parameter], layers: dict[str, nn.Module], ctx: EditContext):
-        """The ``--max-drift`` trust region over ``params`` (a :class:`DriftBudget` from the edit's start, with
-        ``ctx.drift_factors`` or ``ctx.factors``), or ``None`` when ``ctx.config.max_drift`` is unset. One-line
-        error for an editor that holds no K-FAC factors."""
+    def drift_modules(self, model: nn.Module, layers: dict[str, nn.Module], config: EditConfig) -> dict[str, nn.Module]:
+        """The linear modules (module name -> module) whose weight change the drift is predicted for: the
+        capability K-FAC factors of these are what ``kl_predicted``, ``--max-drift`` and ``--drift-penalty``
+        are measured with. Default: the edit layers (LoRA: the adapted modules)."""
+        return layers
+
+    def budget_factors(self, ctx: EditContext) -> KFACFactors | None:
+        """The capability K-FAC factors ``--max-drift`` / ``--drift-penalty`` are measured with
+        (``ctx.drift_factors``, else ``ctx.factors``: those :func:`~crispedit.editing.api.edit_factors` fetched for
+        :meth:`drift_modules`, a curvature editor's own included), or ``None`` when ``ctx.config`` sets neither.
+        One-line error when one is set and no factors were given."""
         if ctx.config.max_drift is None and not ctx.config.drift_penalty:
             return None
         factors = ctx.drift_factors if ctx.drift_factors is not None else ctx.factors
-        if factors is None or not self.needs_curvature:
-            raise CrispEditError(f"--max-drift / --drift-penalty need K-FAC factors; method {self.name} holds none")
+        if factors is None:
+            raise CrispEditError(f"--max-drift / --drift-penalty need the capability K-FAC factors of the {self.name} "
+                                 "edit's layers, and none were given")
+        return factors
+
+    def drift_budget(self, params: dict[str, nn.Parameter], layers: dict[str, nn.Module], ctx: EditContext):
+        """The ``--max-drift`` trust region and ``--drift-penalty`` over ``params`` (a :class:`DriftBudget` from
+        the edit's start, with :meth:`budget_factors`), or ``None`` when ``ctx.config`` sets neither. Every
+        fine-tuning editor takes it: one without curvature of its own (ft, locbf-ft) is measured with the
+        capability factors fetched for it."""
+        factors = self.budget_factors(ctx)
+        if factors is None:
+            return None
         from ...curvature.predicted import DriftBudget
 
         return DriftBudget(params, layers, factors, ctx.config.max_drift, penalty=ctx.config.drift_penalty)

@@ -2,7 +2,9 @@
 projections of the edit layers' decoder blocks, trained by the shared projected loop (identity
 projector: plain Adam on ``A`` and ``B``; FT-M loss on the target tokens; the paper's lr 5e-3, early
 stop 0.01) and merged into the base weights with peft's ``merge_and_unload`` — the edited model has
-no adapter modules left; only ``q_proj``/``v_proj`` weights of those blocks change.
+no adapter modules left; only ``q_proj``/``v_proj`` weights of those blocks change. ``--max-drift`` and
+``--drift-penalty`` act on that merged update ``(alpha/r)·B·A``, measured with the capability K-FAC factors of
+the adapted modules (where attention mixes positions, which the prediction under-reads).
 
 Its options and the paper's defaults (r 8, alpha 32, dropout 0.1, lr 5e-3) are
 :class:`~crispedit.editing.catalogue.LoRAConfig`.
@@ -52,6 +54,24 @@ class LoRAEditor(Editor):
         """The merged adapters change the weights of the target modules (``...q_proj.weight``, ``...v_proj.weight``)."""
         return {f"{n}.weight": m.weight for n, m in self.target_modules(model, layers, config.method_config).items()}
 
+    def drift_modules(self, model, layers, config):
+        """The target modules: the merged update changes their weights, so their capability K-FAC factors are
+        what ``--max-drift`` / ``--drift-penalty`` measure it with."""
+        return self.target_modules(model, layers, config.method_config)
+
+    def drift_budget(self, params, layers, ctx: EditContext):
+        """The ``--max-drift`` / ``--drift-penalty`` budget on the merged update ``(alpha/r) · B A`` of every
+        adapted module (:class:`~crispedit.curvature.predicted.LowRankDriftBudget`); ``layers``: target name ->
+        its peft LoRA layer (``lora_A``, ``lora_B``, ``scaling``, the base linear). ``None`` without either."""
+        factors = self.budget_factors(ctx)
+        if factors is None:
+            return None
+        from ...curvature.predicted import LowRankDriftBudget
+
+        adapters = {n: (m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight, m.scaling[ADAPTER]) for n, m in layers.items()}
+        return LowRankDriftBudget(adapters, {n: m.get_base_layer() for n, m in layers.items()}, factors,
+                                  ctx.config.max_drift, penalty=ctx.config.drift_penalty)
+
     def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
         """Inject a fresh adapter, train its ``A``/``B`` with the projected loop (identity projectors),
         merge it with ``merge_and_unload`` (also on failure, so no adapter is ever left behind)."""
@@ -70,10 +90,12 @@ class LoRAEditor(Editor):
             params = {n: p for n, p in model.named_parameters() if f".lora_A.{ADAPTER}." in n or f".lora_B.{ADAPTER}." in n}
             owners = {n: modules[n.rpartition(".")[0]] for n in params}  # the adapter's own nn.Linear A / B
             projectors = identity_projectors(owners)
+            budget = self.drift_budget(params, {n: modules[n] for n in targets}, ctx)
             history = projected_finetune(model, tokenizer, requests, owners, params, projectors, ctx.config,
-                                         progress=ctx.progress)
+                                         progress=ctx.progress, drift_budget=budget)
         finally:
             tuner.merge_and_unload()
             for p, f in flags.items():
                 p.requires_grad_(f)
-        return EditOutcome(history, {n: {"kept_fraction": 1.0} for n in targets})
+        return EditOutcome(history, {n: {"kept_fraction": 1.0} for n in targets},
+                           drift_budget=None if budget is None else budget.to_json())
