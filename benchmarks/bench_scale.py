@@ -218,6 +218,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--contexts", default="default")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--batch-tokens", type=int, default=None, help="pack batches to N padded tokens instead")
     ap.add_argument("--n-cap", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled epoch")
@@ -240,7 +241,7 @@ def main(argv=None) -> dict:
     else:
         requests = synthetic_requests(args.n_edits)
     config = EditConfig(method=args.method, layers=layers_pattern, epochs=args.epochs, stop_loss=0.0,
-                        contexts=args.contexts, batch_size=args.batch_size, n_cap=args.n_cap, max_len=args.max_len)
+                        contexts=args.contexts, batch_size=args.batch_size, batch_tokens=args.batch_tokens, n_cap=args.n_cap, max_len=args.max_len)
     config = config.validate()
     editor = get_editor(config.method)
     layers = editor.select_layers(model, config)

@@ -332,3 +332,22 @@ def test_gen_prefixes_are_written_by_the_model_deterministically(tiny_lm):
     assert names == ["bare", "gen:2"] and sum(s.context == "gen" for s in seqs) == 2 * len(REQS)
     with pytest.raises(CrispEditError, match="needs the model"):
         sequences_for(tiny_tok, REQS, EditConfig(contexts="gen:2", n_cap=8))
+
+
+def test_token_budget_batches_pack_sorted_sequences_within_a_kind(tiny_tok):
+    """``batch_tokens``: every batch is one context kind, its padded size (rows x longest) within the budget unless
+    one sequence alone exceeds it, every sequence in exactly one batch; without it, ``batch_size`` sequences."""
+    from crispedit.data import EditRequest
+    from crispedit.editing.contexts import build_training_sequences, parse_contexts, training_batches
+
+    reqs = [EditRequest("Q " + "word " * (i % 7) + f"{i}?", f"Answer {i}") for i in range(20)]
+    seqs = build_training_sequences(tiny_tok, reqs, parse_contexts("bare,lead:2"), "auto")
+    plain = training_batches(tiny_tok, seqs, 8)
+    assert [b.input_ids.shape[0] for b in plain] == [8, 8, 4, 8, 8, 8, 8, 8]
+    packed = training_batches(tiny_tok, seqs, 8, batch_tokens=120)
+    assert sum(b.input_ids.shape[0] for b in packed) == len(seqs)
+    longest = max(len(s.ids) for s in seqs)
+    for b in packed:
+        n, T = b.input_ids.shape
+        assert n * T <= 120 or n == 1 and T == longest or n == 1
+    assert len(packed) < len(seqs)

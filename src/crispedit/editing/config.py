@@ -55,6 +55,7 @@ class EditConfig:
     lr: float | None = None             # None = the method's default (DEFAULT_LR; LoRA 5e-3)
     betas: tuple[float, float] = (0.9, 0.999)
     batch_size: int = 32
+    batch_tokens: int | None = None     # pack batches up to this many padded tokens instead (None = batch_size sequences)
     epochs: int = 100                   # maximum; stop_loss ends it earlier (paper: 25 steps, see above)
     skip_loss: float = 0.01
     stop_loss: float = 0.01
@@ -90,6 +91,8 @@ class EditConfig:
         self.gamma = check_gamma(self.gamma)
         for name in ("batch_size", "epochs", "n_cap", "max_len", "kfac_batch_size"):
             setattr(self, name, check_positive_int(name.replace("_", "-"), getattr(self, name)))
+        if self.batch_tokens is not None:
+            self.batch_tokens = check_positive_int("batch-tokens", self.batch_tokens)
         self.lr = check_lr("learning rate (--lr)", self.lr)
         self.epochs = check_int("epochs", self.epochs, 1, MAX_EPOCHS)
         self.seed = check_int("seed", self.seed, 0, SEED_MAX)
@@ -139,9 +142,12 @@ class EditConfig:
         return method_spec(self.method).Config.from_options(self.method, self.options)
 
     def to_json(self) -> dict:
-        """The config as a JSON-ready dict (what reports and sessions store)."""
+        """The config as a JSON-ready dict (what reports and sessions store; ``batch_tokens`` only when set, so a
+        config stored before it existed still reads as the same run)."""
         d = asdict(self)
         d["betas"] = list(self.betas)
+        if d["batch_tokens"] is None:
+            del d["batch_tokens"]
         return d
 
     @classmethod

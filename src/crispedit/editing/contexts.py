@@ -307,14 +307,27 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
     return out
 
 
-def training_batches(tokenizer, sequences: Sequence[TrainingSequence], batch_size: int) -> list[EncodedBatch]:
-    """Batches of at most ``batch_size`` sequences, each batch from one context kind."""
+def training_batches(tokenizer, sequences: Sequence[TrainingSequence], batch_size: int,
+                     batch_tokens: int | None = None) -> list[EncodedBatch]:
+    """Batches of the training sequences, each from one context kind: at most ``batch_size`` sequences in request
+    order, or — ``batch_tokens`` given — the kind's sequences sorted by length (stable) and packed while a batch's
+    padded size (sequences × its longest) stays within ``batch_tokens`` (a longer single sequence gets a batch of
+    its own)."""
     out = []
     kinds = list(dict.fromkeys(s.context for s in sequences))
     for kind in kinds:
         group = [s for s in sequences if s.context == kind]
-        for i in range(0, len(group), batch_size):
-            out.append(collate(tokenizer, [(s.ids, s.n_context) for s in group[i:i + batch_size]]))
+        if batch_tokens is None:
+            chunks = [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
+        else:
+            chunks, cur = [], []
+            for s in sorted(group, key=lambda s: len(s.ids)):
+                if cur and (len(cur) + 1) * len(s.ids) > batch_tokens:
+                    chunks.append(cur)
+                    cur = []
+                cur.append(s)
+            chunks += [cur] if cur else []
+        out += [collate(tokenizer, [(s.ids, s.n_context) for s in chunk]) for chunk in chunks]
     return out
 
 

@@ -98,11 +98,12 @@ def apply_projection(proj: LayerProjector, module: nn.Module, t: Tensor) -> Tens
 
 def edit_batches(tokenizer, requests: Sequence[EditRequest], config: EditConfig, model: nn.Module | None = None
                  ) -> tuple[list[EncodedBatch], list[str]]:
-    """The training batches for ``requests`` under ``config.contexts`` / ``config.answer_end`` and the
+    """The training batches for ``requests`` under ``config.contexts`` / ``config.answer_end`` (``config.batch_size``
+    sequences, or packed to ``config.batch_tokens`` padded tokens) and the
     context names used (``chat`` is dropped from ``default`` for models without a chat template;
     ``model`` writes the ``gen`` prefixes — pass it unedited)."""
     seqs, names = sequences_for(tokenizer, requests, config, model)
-    return training_batches(tokenizer, seqs, config.batch_size), names
+    return training_batches(tokenizer, seqs, config.batch_size, config.batch_tokens), names
 
 
 def target_count(batch: EncodedBatch) -> int:
