@@ -200,7 +200,7 @@ def profile_epoch(model, tok, requests, layers, params, projectors, config, devi
             "host_syncs_per_step": per_step["host_syncs"]}
 
 
-def main(argv=None) -> dict:
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="a model spec of crispedit (default smollm2 unless --random-init)")
@@ -211,7 +211,9 @@ def main(argv=None) -> dict:
     data.add_argument("--edits", default=None, help="an edit file (with --offset / --n-edits)")
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--n-edits", type=int, default=32)
-    ap.add_argument("--method", default="crispedit")
+    ap.add_argument("--method", default="crispedit",
+                    help="a method, or several separated by commas (each trains from the same weights; the last is "
+                         "the reference of the printed step-time ratios, e.g. crispedit,ft)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--layers", default=None)
@@ -223,7 +225,92 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled epoch")
     ap.add_argument("--json", default=None, metavar="FILE")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def run_method(method: str, args, model, tok, requests, layers_pattern, device: str, peak: float, root: str) -> dict:
+    """Every phase of one method (:func:`main`'s lines), the model's trained weights restored afterwards."""
+    config = EditConfig(method=method, layers=layers_pattern, epochs=args.epochs, stop_loss=0.0,
+                        contexts=args.contexts, batch_size=args.batch_size, batch_tokens=args.batch_tokens,
+                        n_cap=args.n_cap, max_len=args.max_len).validate()
+    editor = get_editor(config.method)
+    layers = editor.select_layers(model, config)
+    params = editor.trainable(layers)
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    out: dict = {"layers": list(layers)}
+    print(f"[{method}] {len(layers)} layers")
+    if editor.needs_curvature:
+        _sync(device)
+        t = time.perf_counter()
+        factors, info = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
+                                           kind=editor.curvature_kind)
+        _sync(device)
+        kfac_s = time.perf_counter() - t
+        out["kfac"] = {"seconds": round(kfac_s, 3), "tokens": factors.n_tokens, "cache_hit": info["hit"],
+                       "tokens_per_s": round(factors.n_tokens / kfac_s, 1)}
+        print(f"kfac       {kfac_s:8.2f} s  {factors.n_tokens} tokens  {factors.n_tokens / kfac_s:,.0f} tokens/s"
+              + ("  (cache hit)" if info["hit"] else ""))
+        t = time.perf_counter()
+        factor_eigh(factors, layers, ("A", "S") if editor.curvature_kind == "kfac" else ("A",),
+                    device=eigh_device(layers))
+        eigh_s = time.perf_counter() - t
+        out["eigh"] = {"seconds": round(eigh_s, 3)}
+        print(f"eigh       {eigh_s:8.2f} s  (first edit on a cache; written beside the factors)")
+        t = time.perf_counter()
+        factors, _ = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
+                                        kind=editor.curvature_kind)
+        reload_s = time.perf_counter() - t
+        t = time.perf_counter()
+        projectors = editor.projectors(layers, factors, config)
+        proj_s = time.perf_counter() - t
+        out["projector"] = {"seconds": round(proj_s, 3), "factor_reload_seconds": round(reload_s, 3)}
+        print(f"projector  {proj_s:8.2f} s  (a second edit: eigenbases from their cache file, masks; the factors' "
+              f"reload and the model's fingerprint before it {reload_s:.2f} s)")
+    else:
+        projectors = editor.projectors(layers, None, config)
+    batches, _ = edit_batches(tok, requests, config, model)
+    flops = step_flops(model, batches, params, projectors)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    t = time.perf_counter()
+    hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False)
+    _sync(device)
+    train_s = time.perf_counter() - t
+    epochs = len(hist.epoch_loss)
+    steps = hist.steps + hist.skipped
+    per_epoch = hist.seconds / epochs
+    tflops = flops / per_epoch / 1e12
+    out["train"] = {"seconds": round(train_s, 3), "epochs": epochs, "steps": steps,
+                    "s_per_epoch": round(per_epoch, 4), "s_per_step": round(hist.seconds / steps, 5),
+                    "sequences": hist.sequences, "tokens_per_epoch": hist.tokens,
+                    "tokens_per_s": round(hist.tokens / per_epoch, 1), "flops_per_epoch": flops,
+                    "tflops": round(tflops, 4), "fraction_of_peak": round(tflops / peak, 5), "fast_loss": hist.fast_loss}
+    print(f"train      {per_epoch:8.3f} s/epoch  {hist.seconds / steps:.4f} s/step  {steps // epochs} steps/epoch  "
+          f"{hist.tokens / per_epoch:,.0f} tokens/s  {tflops:.3f} TFLOP/s = {100 * tflops / peak:.1f} % of peak")
+    if not args.no_profile:
+        prof = profile_epoch(model, tok, requests, layers, params, projectors, config, device)
+        out["profile"] = prof
+        ps = prof["per_step"]
+        print(f"profile    per step: {ps['host_syncs']} host syncs ({ps['reads']} reads, {ps['nonzero']} nonzero, "
+              f"{ps['sync_calls']} sync calls, {ps['dtoh']} DtoH copies), {ps['aten_ops']} aten ops, "
+              f"{ps['kernel_launches']} kernel launches; between steps: {prof['between_steps']['reads']} reads "
+              f"in {prof['steps']} steps")
+    out["peak_memory_mib"] = round((torch.cuda.max_memory_allocated() if device.startswith("cuda") else
+                                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 20, 1)
+    out["host_syncs_per_step"] = out.get("profile", {}).get("host_syncs_per_step")
+    print(f"memory     peak {out['peak_memory_mib']:,.0f} MiB ({'device allocated' if device.startswith('cuda') else 'RSS'})")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(saved[n])
+    return out
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark (arguments as the command line's); returns what ``--json`` writes: one entry per method
+    under ``methods`` (its single method's figures also at the top level) and, for several methods, each one's
+    training s/step over the last one's (``step_ratio``)."""
+    args = _args(argv)
     dtype = getattr(torch, args.dtype)
     device = args.device
     t = time.perf_counter()
@@ -240,82 +327,22 @@ def main(argv=None) -> dict:
         requests = load_edits(args.edits)[args.offset:args.offset + args.n_edits]
     else:
         requests = synthetic_requests(args.n_edits)
-    config = EditConfig(method=args.method, layers=layers_pattern, epochs=args.epochs, stop_loss=0.0,
-                        contexts=args.contexts, batch_size=args.batch_size, batch_tokens=args.batch_tokens, n_cap=args.n_cap, max_len=args.max_len)
-    config = config.validate()
-    editor = get_editor(config.method)
-    layers = editor.select_layers(model, config)
-    params = editor.trainable(layers)
     out: dict = {"args": vars(args), "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-                 "environment": environment(), "n_edits": len(requests), "layers": list(layers),
-                 "load_seconds": round(load_s, 2)}
+                 "environment": environment(), "n_edits": len(requests), "load_seconds": round(load_s, 2)}
     peak = matmul_peak(dtype, device)
     out["matmul_peak_tflops"] = round(peak, 3)
     print(f"device {out['device_name']} ({args.dtype}): matmul peak {peak:.2f} TFLOP/s; {len(requests)} edits, "
-          f"{len(layers)} layers, model built/loaded in {load_s:.1f}s")
+          f"model built/loaded in {load_s:.1f}s")
+    methods = [m.strip() for m in args.method.split(",") if m.strip()]
     with tempfile.TemporaryDirectory() as root:
-        factors = None
-        if editor.needs_curvature:
-            _sync(device)
-            t = time.perf_counter()
-            factors, info = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
-                                               kind=editor.curvature_kind)
-            _sync(device)
-            kfac_s = time.perf_counter() - t
-            out["kfac"] = {"seconds": round(kfac_s, 3), "tokens": factors.n_tokens,
-                           "tokens_per_s": round(factors.n_tokens / kfac_s, 1)}
-            print(f"kfac       {kfac_s:8.2f} s  {factors.n_tokens} tokens  {factors.n_tokens / kfac_s:,.0f} tokens/s")
-            t = time.perf_counter()
-            factor_eigh(factors, layers, ("A", "S") if editor.curvature_kind == "kfac" else ("A",),
-                        device=eigh_device(layers))
-            eigh_s = time.perf_counter() - t
-            out["eigh"] = {"seconds": round(eigh_s, 3)}
-            print(f"eigh       {eigh_s:8.2f} s  (first edit on a cache; written beside the factors)")
-            t = time.perf_counter()
-            factors, _ = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
-                                            kind=editor.curvature_kind)
-            reload_s = time.perf_counter() - t
-            t = time.perf_counter()
-            projectors = editor.projectors(layers, factors, config)
-            proj_s = time.perf_counter() - t
-            out["projector"] = {"seconds": round(proj_s, 3), "factor_reload_seconds": round(reload_s, 3)}
-            print(f"projector  {proj_s:8.2f} s  (a second edit: eigenbases from their cache file, masks; the factors' "
-                  f"reload and the model's fingerprint before it {reload_s:.2f} s)")
-        else:
-            projectors = editor.projectors(layers, None, config)
-        batches, _ = edit_batches(tok, requests, config, model)
-        flops = step_flops(model, batches, params, projectors)
-        if device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
-        _sync(device)
-        t = time.perf_counter()
-        hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False)
-        _sync(device)
-        train_s = time.perf_counter() - t
-        epochs = len(hist.epoch_loss)
-        steps = hist.steps + hist.skipped
-        per_epoch = hist.seconds / epochs
-        tflops = flops / per_epoch / 1e12
-        out["train"] = {"seconds": round(train_s, 3), "epochs": epochs, "steps": steps,
-                        "s_per_epoch": round(per_epoch, 4), "s_per_step": round(hist.seconds / steps, 5),
-                        "sequences": hist.sequences, "tokens_per_epoch": hist.tokens,
-                        "tokens_per_s": round(hist.tokens / per_epoch, 1), "flops_per_epoch": flops,
-                        "tflops": round(tflops, 4), "fraction_of_peak": round(tflops / peak, 5),
-                        "fast_loss": hist.fast_loss}
-        print(f"train      {per_epoch:8.3f} s/epoch  {hist.seconds / steps:.4f} s/step  {steps // epochs} steps/epoch  "
-              f"{hist.tokens / per_epoch:,.0f} tokens/s  {tflops:.3f} TFLOP/s = {100 * tflops / peak:.1f} % of peak")
-        if not args.no_profile:
-            prof = profile_epoch(model, tok, requests, layers, params, projectors, config, device)
-            out["profile"] = prof
-            ps = prof["per_step"]
-            print(f"profile    per step: {ps['host_syncs']} host syncs ({ps['reads']} reads, {ps['nonzero']} nonzero, "
-                  f"{ps['sync_calls']} sync calls, {ps['dtoh']} DtoH copies), {ps['aten_ops']} aten ops, "
-                  f"{ps['kernel_launches']} kernel launches; between steps: {prof['between_steps']['reads']} reads "
-                  f"in {prof['steps']} steps")
-    out["peak_memory_mib"] = round((torch.cuda.max_memory_allocated() if device.startswith("cuda") else
-                                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 20, 1)
-    out["host_syncs_per_step"] = out.get("profile", {}).get("host_syncs_per_step")
-    print(f"memory     peak {out['peak_memory_mib']:,.0f} MiB ({'device allocated' if device.startswith('cuda') else 'RSS'})")
+        out["methods"] = {m: run_method(m, args, model, tok, requests, layers_pattern, device, peak, root)
+                          for m in methods}
+    if len(methods) == 1:
+        out.update(out["methods"][methods[0]])
+    else:
+        ref = out["methods"][methods[-1]]["train"]["s_per_step"]
+        out["step_ratio"] = {m: round(r["train"]["s_per_step"] / ref, 4) for m, r in out["methods"].items()}
+        print("step time / " + methods[-1] + ": " + ", ".join(f"{m} {v:.3f}" for m, v in out["step_ratio"].items()))
     if args.json:
         atomic_write_json(args.json, out)
     return out

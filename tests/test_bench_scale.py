@@ -38,6 +38,14 @@ def test_bench_scale_reports_every_phase(bench, method, tmp_path, capsys):
     assert res["n_edits"] == 6 and "train" in text and "profile" in text
 
 
+def test_bench_scale_compares_methods(bench, tmp_path, capsys):
+    res = bench.main(["--random-init", "smollm2", "--blocks", "2", "--layers", "model.layers.{0-1}.mlp.down_proj",
+                      "--synthetic", "4", "--epochs", "1", "--n-cap", "4", "--max-len", "32", "--batch-size", "8",
+                      "--method", "crispedit,ft", "--no-profile"])
+    assert set(res["methods"]) == {"crispedit", "ft"} and res["step_ratio"]["ft"] == 1.0
+    assert res["step_ratio"]["crispedit"] > 0 and "step time / ft" in capsys.readouterr().out
+
+
 def test_synthetic_requests_are_deterministic(bench):
     a, b = bench.synthetic_requests(20, seed=3), bench.synthetic_requests(20, seed=3)
     assert [(r.prompt, r.target) for r in a] == [(r.prompt, r.target) for r in b]
