@@ -151,3 +151,54 @@ def test_kfac_collection_reads_back_per_pass_not_per_batch(label_mode, tiny_lm):
             reads[n] = _host_reads(lambda: collect_lm_kfac(model, tok, texts, layers, batch_size=2, max_padding=None,
                                                            label_mode=label_mode, progress=False))
     assert reads[8] - reads[4] == 0, reads
+
+
+def test_epoch_batches_gather_the_cached_prefix_exactly(tiny_lm64):
+    """A batch made for one epoch from sequences of several cached batches (another composition, other padding)
+    has the plain loss and gradients: the frozen prefix states are gathered per sequence from the cache."""
+    from crispedit.editing.contexts import build_training_sequences, epoch_subset, parse_contexts, training_batches
+    from crispedit.editing.fastpath import make_loss_fn, plain_loss
+    from crispedit.models import resolve_layers
+
+    model, tok = tiny_lm64
+    layers = resolve_layers(model, "model.layers.{2-3}.mlp.down_proj")
+    params = {n: m.weight for n, m in layers.items()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params.values():
+        p.requires_grad_(True)
+    seqs = build_training_sequences(tok, REQS, parse_contexts("bare,lead:3"), "auto")
+    batches = training_batches(tok, seqs, 4)
+    loss_fn = make_loss_fn(model, params, batches)
+    assert loss_fn.fast
+    for epoch in range(3):
+        subset = epoch_subset(seqs, 2, 0, epoch)
+        assert len(subset) == 2 * len(REQS)
+        for b in training_batches(tok, seqs, 3, subset=subset):
+            prepared = loss_fn.prepare(b)
+            lf, lp = loss_fn(prepared), plain_loss(model, b)
+            assert torch.allclose(lf, lp, rtol=1e-10)
+            gf = torch.autograd.grad(lf, list(params.values()))
+            gp = torch.autograd.grad(plain_loss(model, b), list(params.values()))
+            assert all(torch.allclose(x, y, rtol=1e-8, atol=1e-12) for x, y in zip(gf, gp))
+    assert epoch_subset(seqs, 2, 0, 1) != epoch_subset(seqs, 2, 0, 2)
+    assert epoch_subset(seqs, 2, 0, 1) == epoch_subset(seqs, 2, 0, 1)
+    assert epoch_subset(seqs, 9, 0, 1) == list(range(len(seqs)))
+
+
+def test_context_sample_trains_a_sample_per_epoch(tiny_lm, iso_cache):
+    """--context-sample K: an epoch trains K sequences per request; the run is reproducible and the edit learns."""
+    model, tok = tiny_lm
+    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=4, lr=1e-2, batch_size=4,
+               n_cap=4, max_len=48, contexts="bare,lead:3", stop_loss=0.0, context_sample=2)
+    res = edit(model, tok, REQS, EditConfig(**cfg), progress=False)
+    assert res.history.sequences == 2 * len(REQS) and res.history.fast_loss
+    assert res.history.epoch_loss[-1] < res.history.epoch_loss[0]
+    after = {n: model.get_parameter(n).detach().clone() for n in res.original_weights}
+    from crispedit.editing import restore
+
+    restore(model, res.original_weights)
+    again = edit(model, tok, REQS, EditConfig(**cfg), progress=False)
+    assert again.history.epoch_loss == res.history.epoch_loss
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in after.items())
+    assert "context_sample" in EditConfig(**cfg).to_json() and "context_sample" not in EditConfig().to_json()

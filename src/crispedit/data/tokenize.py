@@ -30,17 +30,19 @@ def join_prompt_target(prompt: str, target: str) -> str:
 @dataclass
 class EncodedBatch:
     """A right-padded batch: ``input_ids``, ``attention_mask`` and ``labels`` are ``B x T`` (long);
-    ``labels`` is -100 where there is no loss; ``target_lengths[i]`` counts row i's target tokens."""
+    ``labels`` is -100 where there is no loss; ``target_lengths[i]`` counts row i's target tokens; ``keys[i]``
+    (optional) names row i's training sequence, for caches kept per sequence."""
 
     input_ids: Tensor       # B x T
     attention_mask: Tensor  # B x T
     labels: Tensor          # B x T, -100 where no loss
     target_lengths: list[int]
+    keys: list[int] | None = None  # which training sequence each row is (indices into the caller's list), if known
 
     def to(self, device) -> "EncodedBatch":
         """The same batch on ``device``."""
         return EncodedBatch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device),
-                            self.target_lengths)
+                            self.target_lengths, self.keys)
 
     @property
     def n_tokens(self) -> int:
@@ -61,8 +63,10 @@ def split_context_target(tokenizer, context: str, full: str, *, add_special_toke
     return ids, n
 
 
-def collate(tokenizer, rows: Sequence[tuple[list[int], int]], max_len: int = 512) -> EncodedBatch:
-    """Right-pad ``rows`` of ``(ids, n_context)`` into one batch (labels only on ``ids[n_context:]``)."""
+def collate(tokenizer, rows: Sequence[tuple[list[int], int]], max_len: int = 512,
+            keys: Sequence[int] | None = None) -> EncodedBatch:
+    """Right-pad ``rows`` of ``(ids, n_context)`` into one batch (labels only on ``ids[n_context:]``); ``keys``
+    name the rows (:attr:`EncodedBatch.keys`)."""
     import torch  # here, not at the top: edit contexts (parsed while the CLI checks arguments) import this module
 
     if not rows:
@@ -79,7 +83,7 @@ def collate(tokenizer, rows: Sequence[tuple[list[int], int]], max_len: int = 512
         ids_t[i, : len(ids)] = torch.tensor(ids)
         mask[i, : len(ids)] = 1
         labels[i, n: len(ids)] = torch.tensor(ids[n:])
-    return EncodedBatch(ids_t, mask, labels, [len(ids) - n for ids, n in rows])
+    return EncodedBatch(ids_t, mask, labels, [len(ids) - n for ids, n in rows], None if keys is None else list(keys))
 
 
 def encode_pairs(tokenizer, prompts: Sequence[str], targets: Sequence[str], max_len: int = 512) -> EncodedBatch:

@@ -56,6 +56,7 @@ class EditConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     batch_size: int = 32
     batch_tokens: int | None = None     # pack batches up to this many padded tokens instead (None = batch_size sequences)
+    context_sample: int | None = None   # train each request on a seeded sample of this many of its sequences per epoch
     epochs: int = 100                   # maximum; stop_loss ends it earlier (paper: 25 steps, see above)
     skip_loss: float = 0.01
     stop_loss: float = 0.01
@@ -93,6 +94,8 @@ class EditConfig:
             setattr(self, name, check_positive_int(name.replace("_", "-"), getattr(self, name)))
         if self.batch_tokens is not None:
             self.batch_tokens = check_positive_int("batch-tokens", self.batch_tokens)
+        if self.context_sample is not None:
+            self.context_sample = check_positive_int("context-sample", self.context_sample)
         self.lr = check_lr("learning rate (--lr)", self.lr)
         self.epochs = check_int("epochs", self.epochs, 1, MAX_EPOCHS)
         self.seed = check_int("seed", self.seed, 0, SEED_MAX)
@@ -142,12 +145,13 @@ class EditConfig:
         return method_spec(self.method).Config.from_options(self.method, self.options)
 
     def to_json(self) -> dict:
-        """The config as a JSON-ready dict (what reports and sessions store; ``batch_tokens`` only when set, so a
+        """The config as a JSON-ready dict (what reports and sessions store; ``batch_tokens`` and ``context_sample`` only when set, so a
         config stored before it existed still reads as the same run)."""
         d = asdict(self)
         d["betas"] = list(self.betas)
-        if d["batch_tokens"] is None:
-            del d["batch_tokens"]
+        for key in ("batch_tokens", "context_sample"):
+            if d[key] is None:
+                del d[key]
         return d
 
     @classmethod

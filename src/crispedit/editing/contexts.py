@@ -52,6 +52,7 @@ from ..errors import CrispEditError
 
 __all__ = ["CONTEXT_KINDS", "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence", "pinned_contexts",
            "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "GEN_STARTS", "build_training_sequences", "training_batches",
+           "epoch_subset",
            "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS"]
 
 CONTEXT_KINDS = ("bare", "chat", "prefix", "para", "gen", "wrap", "lead")
@@ -308,27 +309,46 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
 
 
 def training_batches(tokenizer, sequences: Sequence[TrainingSequence], batch_size: int,
-                     batch_tokens: int | None = None) -> list[EncodedBatch]:
-    """Batches of the training sequences, each from one context kind: at most ``batch_size`` sequences in request
-    order, or — ``batch_tokens`` given — the kind's sequences sorted by length (stable) and packed while a batch's
-    padded size (sequences × its longest) stays within ``batch_tokens`` (a longer single sequence gets a batch of
-    its own)."""
+                     batch_tokens: int | None = None, subset: Sequence[int] | None = None) -> list[EncodedBatch]:
+    """Batches of the training sequences (of ``sequences[i]`` for ``i`` in ``subset``, when given), each from one
+    context kind, with :attr:`~crispedit.data.tokenize.EncodedBatch.keys` = the sequences' indices in
+    ``sequences``: at most ``batch_size`` sequences in request order, or — ``batch_tokens`` given — the kind's
+    sequences sorted by length (stable) and packed while a batch's padded size (sequences × its longest) stays
+    within ``batch_tokens`` (a longer single sequence gets a batch of its own)."""
     out = []
-    kinds = list(dict.fromkeys(s.context for s in sequences))
+    chosen = list(range(len(sequences))) if subset is None else list(subset)
+    kinds = list(dict.fromkeys(sequences[i].context for i in chosen))
     for kind in kinds:
-        group = [s for s in sequences if s.context == kind]
+        group = [i for i in chosen if sequences[i].context == kind]
         if batch_tokens is None:
             chunks = [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
         else:
             chunks, cur = [], []
-            for s in sorted(group, key=lambda s: len(s.ids)):
-                if cur and (len(cur) + 1) * len(s.ids) > batch_tokens:
+            for i in sorted(group, key=lambda i: len(sequences[i].ids)):
+                if cur and (len(cur) + 1) * len(sequences[i].ids) > batch_tokens:
                     chunks.append(cur)
                     cur = []
-                cur.append(s)
+                cur.append(i)
             chunks += [cur] if cur else []
-        out += [collate(tokenizer, [(s.ids, s.n_context) for s in chunk]) for chunk in chunks]
+        out += [collate(tokenizer, [(sequences[i].ids, sequences[i].n_context) for i in chunk], keys=chunk)
+                for chunk in chunks]
     return out
+
+
+def epoch_subset(sequences: Sequence[TrainingSequence], per_request: int, seed: int, epoch: int) -> list[int]:
+    """The sequences one epoch trains under ``--context-sample per_request``: for every request, ``per_request`` of
+    its training sequences drawn without replacement (all of them when it has no more), seeded by ``(seed,
+    epoch)`` so that a run is reproducible and every epoch sees another sample. Indices into ``sequences``,
+    sorted."""
+    by_request: dict[int, list[int]] = {}
+    for i, s in enumerate(sequences):
+        by_request.setdefault(s.request, []).append(i)
+    rng = random.Random(f"context-sample:{seed}:{epoch}")
+    out: list[int] = []
+    for r in sorted(by_request):
+        idx = by_request[r]
+        out += idx if len(idx) <= per_request else rng.sample(idx, per_request)
+    return sorted(out)
 
 
 def sequences_for(tokenizer, requests: Sequence[EditRequest], config, model=None

@@ -21,7 +21,8 @@ silently falls back to the plain loss.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 from ..data.tokenize import EncodedBatch
 from ..models import decoder_blocks, static_attention_mask
 
-__all__ = ["make_loss_fn", "plain_loss", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
+__all__ = ["make_loss_fn", "LossFn", "Prepared", "plain_loss", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
            "target_rows"]
 
 
@@ -156,6 +157,20 @@ def rows_logits(model: nn.Module, rows: Tensor, **inputs) -> Tensor:
     return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
+@dataclass
+class Prepared:
+    """A batch made for one epoch (``--context-sample``), made ready on the host before it goes to the device:
+    ``batch`` (on the device), its target rows and tokens (:func:`target_rows`), its attention mask
+    (:func:`~crispedit.models.static_attention_mask`) and, for the fast loss, the flat rows of the cached
+    prefix table every position reads (``B x T``; padding reads the zero row)."""
+
+    batch: EncodedBatch
+    rows: Tensor
+    targets: Tensor
+    mask: Tensor | None
+    gather: Tensor | None = None
+
+
 class _FastLoss:
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch]):
         self.model, self.batches = model, batches
@@ -166,12 +181,26 @@ class _FastLoss:
         self.k = min(owners) if owners and not outside else 0
         self.tuple_len: int | None = None
         self.cache: list[Tensor] = []
+        # every cached prefix state in one table (``positions x d_model``, a zero row last), the batches' caches
+        # views into it, and where each keyed sequence starts in it: a batch of other rows gathers its states
+        self.table: Tensor | None = None
+        self.start: dict[int, int] = {}
         if self.k > 0:
             with torch.no_grad():
+                states = []
                 for b in batches:
                     h, self.tuple_len = capture_block_input(model, self.blocks, self.k, input_ids=b.input_ids,
                                                             attention_mask=b.attention_mask)
-                    self.cache.append(h)
+                    states.append(h)
+                d = states[0].shape[-1]
+                self.table = torch.cat([h.reshape(-1, d) for h in states] + [states[0].new_zeros(1, d)])
+                off = 0
+                for b, h in zip(batches, states):
+                    B, T = h.shape[:2]
+                    self.cache.append(self.table[off:off + B * T].view(B, T, d))
+                    for r, key in enumerate(b.keys or []):
+                        self.start[key] = off + r * T
+                    off += B * T
         self.passthrough = passthroughs(self.k, self.tuple_len)
         self.targets = [target_rows(b.labels) for b in batches]
         self.masks = [static_attention_mask(model, b.attention_mask) for b in batches]
@@ -182,21 +211,66 @@ class _FastLoss:
         own = batch is self.batches[index]
         rows, targets = self.targets[index] if own else target_rows(batch.labels)
         mask = self.masks[index] if own else batch.attention_mask
-        with prefix_fed(self.blocks, self.k, self.passthrough, self.cache[index] if self.k else None):
+        return self._loss(batch, rows, targets, mask, self.cache[index] if self.k else None)
+
+    def _loss(self, batch: EncodedBatch, rows: Tensor, targets: Tensor, mask, hidden: Tensor | None) -> Tensor:
+        with prefix_fed(self.blocks, self.k, self.passthrough, hidden):
             logits = rows_logits(self.model, rows, input_ids=batch.input_ids, attention_mask=mask)
         return F.cross_entropy(logits, targets)
 
+    def gather_index(self, batch: EncodedBatch) -> Tensor | None:
+        """For a batch (on the host) of keyed sequences that the cache holds: the table row of every position
+        (``B x T`` long; padding and positions past a sequence's cached length read the zero row). ``None``
+        without a cached prefix."""
+        if self.table is None:
+            return None
+        B, T = batch.input_ids.shape
+        lengths = batch.attention_mask.sum(1)
+        zero = self.table.shape[0] - 1
+        t = torch.arange(T)
+        starts = torch.tensor([self.start[k] for k in batch.keys])
+        return torch.where(t[None, :] < lengths[:, None], starts[:, None] + t[None, :], torch.full((), zero))
+
+    def prepared(self, p: Prepared) -> Tensor:
+        """The FT-M loss of an epoch's batch (:class:`Prepared`): its prefix states gathered from the table."""
+        hidden = None
+        if self.table is not None:
+            B, T = p.batch.input_ids.shape
+            hidden = self.table.index_select(0, p.gather.reshape(-1)).view(B, T, -1)
+        return self._loss(p.batch, p.rows, p.targets, p.mask, hidden)
+
+
+class LossFn:
+    """The edit loop's loss: ``loss_fn(i)`` is the FT-M loss (0-d, nats per target token) of the ``i``-th of the
+    batches it was made for; ``loss_fn(prepared)`` that of a batch made for one epoch (:meth:`prepare`).
+    ``fast``: whether the verified shortcut (cached frozen prefix, head on target rows) computes it."""
+
+    def __init__(self, model: nn.Module, batches: Sequence[EncodedBatch], fast_loss: "_FastLoss | None"):
+        self.model, self.batches, self._fast = model, batches, fast_loss
+        self.fast = fast_loss is not None
+        self.device = next(model.parameters()).device
+
+    def prepare(self, batch: EncodedBatch) -> Prepared:
+        """Ready a host batch of keyed sequences for the device, everything read from it computed on the host."""
+        rows, targets = target_rows(batch.labels)
+        mask = static_attention_mask(self.model, batch.attention_mask)
+        gather = self._fast.gather_index(batch) if self._fast is not None else None
+        to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        return Prepared(batch.to(self.device), to(rows), to(targets), to(mask), to(gather))
+
+    def __call__(self, item) -> Tensor:
+        if isinstance(item, Prepared):
+            return self._fast.prepared(item) if self._fast is not None else plain_loss(self.model, item.batch)
+        if self._fast is not None:
+            return self._fast(item, self.batches[item])
+        return plain_loss(self.model, self.batches[item])
+
 
 def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
-                 enabled: bool = True) -> Callable[[int], Tensor]:
-    """``loss_fn(batch_index)`` for the edit loop: the verified fast loss, or the plain one."""
-    def plain(i: int) -> Tensor:
-        """The plain FT-M loss (:func:`plain_loss`) of ``batches[i]``: 0-d, nats per target token."""
-        return plain_loss(model, batches[i])
-
-    plain.fast = False  # type: ignore[attr-defined]
+                 enabled: bool = True) -> LossFn:
+    """The edit loop's :class:`LossFn` over ``batches``: the verified fast loss, or the plain one."""
     if not enabled or not batches:
-        return plain
+        return LossFn(model, batches, None)
     # the check catches structural mismatches (a skipped logit transform gives a different loss), not
     # rounding: half-precision kernels may tile the smaller head matmul differently
     half = next(iter(params.values())).dtype in (torch.float16, torch.bfloat16) if params else False
@@ -211,15 +285,9 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
         with torch.no_grad():
             a, b = plain_loss(model, batches[i]), fast_loss(i, batches[i])
         if not torch.allclose(a, b, rtol=rtol, atol=1e-5):
-            return plain
+            return LossFn(model, batches, None)
     except Exception:  # any architecture the shortcut does not understand: use the plain loss
-        return plain
+        return LossFn(model, batches, None)
     finally:
         model.train(was_training)
-
-    def fast(i: int) -> Tensor:
-        """The fast FT-M loss of ``batches[i]`` (cached prefix, head on target rows only): 0-d, nats/target token."""
-        return fast_loss(i, batches[i])
-
-    fast.fast = True  # type: ignore[attr-defined]
-    return fast
+    return LossFn(model, batches, fast_loss)

@@ -82,6 +82,9 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> Non
     p.add_argument("--batch-tokens", type=int, default=None, metavar="N",
                    help="pack each step's batch up to N padded tokens (sequences x longest, length-sorted within a "
                         "context) instead of --batch-size sequences: fewer, fuller steps on a GPU")
+    p.add_argument("--context-sample", type=int, default=None, metavar="K",
+                   help="train each request on a seeded sample of K of its context sequences per epoch (every "
+                        "epoch another sample) instead of all of them: fewer tokens per epoch")
     p.add_argument("--projection", choices=[t.value for t in ProjectionTarget], default=d["projection_target"],
                    help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")
     p.add_argument("--contexts", default=d["contexts"],
@@ -135,6 +138,7 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
         options = method_options_from_args(args, [method]).get(method, {})
     return EditConfig(method=method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
                       batch_tokens=getattr(args, "batch_tokens", None),
+                      context_sample=getattr(args, "context_sample", None),
                       epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
                       seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,

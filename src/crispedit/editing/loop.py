@@ -37,7 +37,7 @@ from ..errors import CrispEditError
 from ..models import as_weight_matrix
 from ..projection import LayerProjector
 from .config import EditConfig, ProjectionTarget
-from .contexts import sequences_for, training_batches
+from .contexts import epoch_subset, sequences_for, training_batches
 from .fastpath import make_loss_fn, plain_loss as edit_loss
 from .optim import make_optimizer
 from .steptimer import NULL_TIMER, StepTimer
@@ -157,11 +157,16 @@ def projected_finetune(
         p.requires_grad_(True)
     opt = optimizer or make_optimizer(params, projectors, layers, config)
     gen = torch.Generator().manual_seed(config.seed)
-    batches, contexts = edit_batches(tokenizer, requests, config, model)
-    batches = [b.to(device) for b in batches]
+    seqs, contexts = sequences_for(tokenizer, requests, config, model)
+    batches = [b.to(device) for b in training_batches(tokenizer, seqs, config.batch_size, config.batch_tokens)]
     hist, t0 = TrainHistory(contexts=contexts), time.perf_counter()
-    hist.sequences = sum(b.input_ids.shape[0] for b in batches)
-    hist.tokens = sum(b.n_tokens for b in batches)
+    sample = config.context_sample
+    if sample is not None and is_distributed():
+        raise CrispEditError("--context-sample is not available under torch.distributed; train every context")
+    first = ([training_batches(tokenizer, seqs, config.batch_size, config.batch_tokens,
+                               epoch_subset(seqs, sample, config.seed, 0))] if sample is not None else [batches])
+    hist.sequences = sum(b.input_ids.shape[0] for b in first[0])  # per epoch
+    hist.tokens = sum(b.n_tokens for b in first[0])
     model.train()
     skipped = torch.zeros((), dtype=torch.int32, device=device)  # batches skipped so far, counted on the device
     n_batches = 0
@@ -180,9 +185,15 @@ def projected_finetune(
     bar = tqdm(range(config.epochs), desc=f"edit[{config.method}]", unit="epoch",
                disable=(None if progress is None else not progress))
     try:
-        for _epoch in bar:
+        for epoch in bar:
             losses = []
-            for bi in torch.randperm(len(batches), generator=gen).tolist():
+            if sample is None:
+                items = list(range(len(batches)))
+            else:  # --context-sample: this epoch's seeded sample of every request's sequences, readied on the host
+                host = first.pop() if first else training_batches(tokenizer, seqs, config.batch_size, config.batch_tokens,
+                                                                  epoch_subset(seqs, sample, config.seed, epoch))
+                items = [loss_fn.prepare(b) for b in host]
+            for bi in [items[i] for i in torch.randperm(len(items), generator=gen).tolist()]:
                 timer.start_step()
                 if shards is None:
                     with timer.phase("forward"):
