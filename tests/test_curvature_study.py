@@ -260,10 +260,12 @@ def test_config_rejects_bad_input():
 
 
 def test_cli_bad_arguments_are_one_line_errors(tmp_path, capsys):
-    rc = mnist_study.main(["study", "mnist", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")])
+    from crispedit import cli
+
+    rc = cli.main(["study", "mnist", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.count("\n") == 0 and "data directory not found" in err
-    rc = mnist_study.main(["study", "mnist", "--k-values", "1,x", "--out", str(tmp_path / "o")])
+    rc = cli.main(["study", "mnist", "--k-values", "1,x", "--out", str(tmp_path / "o")])
     assert rc == 2 and "--k-values" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -278,10 +280,8 @@ def test_quick_study_end_to_end_through_the_cli(tmp_path, capsys):
 
     out = tmp_path / "study"
     argv = ["study", "mnist", "--quick", "--data", str(DATA), "--out", str(out), "--k-values", "2", "--quiet"]
-    if "crispedit.experiments.mnist_study" in cli._COMMAND_MODULES:
-        rc = cli.main(argv)
-    else:  # pragma: no cover - before the command is wired into the main CLI
-        rc = mnist_study.main(argv)
+    assert "crispedit.experiments.mnist_cli" in cli._COMMAND_MODULES
+    rc = cli.main(argv)
     assert rc == 0
     printed = capsys.readouterr().out
     assert str(out / "tradeoff.png") in printed and "hessian" in printed

@@ -10,7 +10,7 @@ from conftest import build_llama
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.delta import apply_delta, build_delta, delta_fingerprint, export_lora, revert_delta, write_delta
-from crispedit.delta_cli import read_delta_header
+from crispedit.delta_format import read_delta_header
 from crispedit.editing import EditConfig, edit
 from crispedit.errors import CrispEditError
 from crispedit.models import load_model

@@ -27,7 +27,7 @@ _COMMAND_MODULES: list[str] = [
     "crispedit.compare_cli",
     "crispedit.delta_cli",
     "crispedit.mend_cli",
-    "crispedit.experiments.mnist_config",
+    "crispedit.experiments.mnist_cli",
 ]
 
 

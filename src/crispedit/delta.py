@@ -17,7 +17,7 @@ predicted / measured drift, and per tensor its shape, dtype and patch sizes. App
 whose fingerprint is not the base's (a wrong base, or a delta applied twice), revert one that is not
 the edited model's. :func:`export_lora` turns a delta into a peft LoRA adapter (truncated SVD).
 
-The header is read without torch by :func:`crispedit.delta_cli.read_delta_header` (``crispedit delta info``).
+The header is read without torch by :func:`crispedit.delta_format.read_delta_header` (``crispedit delta info``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from . import __version__
-from .delta_cli import DELTA_FILE, DELTA_FORMAT, DELTA_KIND, read_delta_header
+from .delta_format import DELTA_FILE, DELTA_FORMAT, DELTA_KIND, read_delta_header
 from .errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json, load_safetensors
 from .models import parameter
 

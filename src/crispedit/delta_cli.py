@@ -1,8 +1,9 @@
 """``crispedit delta info|apply|revert|export-lora``: edits as reversible delta files (:mod:`crispedit.delta`).
 
-Torch-free at import: the delta file's safetensors header (8-byte length + JSON) is read and checked here
-without torch (``delta info`` never imports it); ``apply``, ``revert`` and ``export-lora`` check their
-arguments and output directory, then import the heavy modules to load the model.
+Torch-free at import: the delta file's header is read and checked without torch
+(:func:`crispedit.delta_format.read_delta_header`; ``delta info`` never imports it); ``apply``, ``revert``
+and ``export-lora`` check their arguments and output directory, then import the heavy modules to load the
+model.
 """
 
 from __future__ import annotations
@@ -10,32 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import CrispEditError, check_output_dir, check_positive_int, read_safetensors_header
+from .delta_format import read_delta_header
+from .errors import check_output_dir, check_positive_int
 
-__all__ = ["DELTA_FILE", "DELTA_FORMAT", "DELTA_KIND", "read_delta_header", "add_cli"]
-
-DELTA_FILE = "delta.safetensors"
-DELTA_FORMAT = 1
-DELTA_KIND = "crispedit-delta"
-
-
-def read_delta_header(path: str | Path) -> dict:
-    """The crispedit metadata of delta file ``path`` (the JSON stored under ``crispedit_delta`` in its
-    safetensors header), with ``tensors`` added (name -> ``{"dtype", "shape", "bytes"}``). Torch-free.
-    One-line errors for a missing file, a file that is not safetensors, or a safetensors file that is
-    not a crispedit delta of this format."""
-    meta, table = read_safetensors_header(path, "delta", "crispedit_delta")
-    if meta.get("kind") != DELTA_KIND:
-        raise CrispEditError(f"{path} is not a crispedit delta")
-    if meta.get("format") != DELTA_FORMAT:
-        raise CrispEditError(f"delta {path} has format {meta.get('format')}, this crispedit reads {DELTA_FORMAT}")
-    for key in ("base_fingerprint", "edited_fingerprint", "parameters", "dtype"):
-        if key not in meta:
-            raise CrispEditError(f"delta {path} is malformed: no {key!r}")
-    meta["tensors"] = {k: {"dtype": v["dtype"], "shape": v["shape"],
-                           "bytes": v["data_offsets"][1] - v["data_offsets"][0]}
-                       for k, v in table.items()}
-    return meta
+__all__ = ["add_cli"]
 
 
 def cmd_info(args) -> int:

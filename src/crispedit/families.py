@@ -17,7 +17,7 @@ class FamilyDefaults:
     """Edit defaults of one model family: the edit window starts at block ``⌊start · N⌋`` of N and spans
     ``count`` blocks (at most; fewer for shallow models: ``min(count, N // 4)``, at least 1), and the
     method's default Adam learning rate is multiplied by ``lr_scale`` (an ``--lr`` the user gives is
-    never scaled). Measured per family in README "Where to edit"."""
+    never scaled). Measured per family in docs/where-to-edit.md."""
 
     start: float = 0.15
     count: int = 5
@@ -25,9 +25,9 @@ class FamilyDefaults:
 
 
 #: Families whose measured defaults differ from the rule measured on SmolLM2 (llama): Gemma-3-270M (18 blocks)
-#: drifted 0.54 nats/token (perplexity 31 → 58) at the paper's lr 5e-4 on {2-5}, its down_proj weights
-#: being 12× smaller (RMS 0.015 vs SmolLM2's 0.19) so that each Adam step moves them 12× more in relative
-#: terms; lr 5e-5 on {1-4} drifted 0.018 with the QA wrapper at 0.97 (README "Where to edit", Gemma).
+#: drifted far more at the paper's lr 5e-4 on {2-5}, its down_proj weights being much smaller than SmolLM2's
+#: so that each Adam step moves them more in relative terms; lr 5e-5 on {1-4} made the edits at a small drift
+#: (the figures: docs/where-to-edit.md, "Gemma-3-270M: a second family").
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "gemma3": FamilyDefaults(start=0.06, count=4, lr_scale=0.1),
     "gemma3_text": FamilyDefaults(start=0.06, count=4, lr_scale=0.1),

@@ -10,7 +10,8 @@ KL(base ‖ edited) of a change ``ΔW`` (``d_out x d_in``) of a linear layer is 
 per edited layer. K-FAC is block-diagonal: it drops the cross-layer terms ``vec(ΔW_l)ᵀ F_lm vec(ΔW_m)``. An
 edit changes its layers *coherently* (every layer pushes the same residual stream towards the same
 target), so those terms are not small: the block-diagonal sum ``Σ_l q_l`` underestimated the measured
-drift ~5× for crispedit on SmolLM2's five ``down_proj`` layers. By Cauchy–Schwarz in the Fisher inner
+drift several-fold for crispedit on SmolLM2's five ``down_proj`` layers (docs/drift.md, "Predicted drift").
+By Cauchy–Schwarz in the Fisher inner
 product, ``vec(ΔW)ᵀ F vec(ΔW) ≤ (Σ_l sqrt(vec(ΔW_l)ᵀ F_ll vec(ΔW_l)))²``, so the *coherent* bound
 
     kl_predicted = (Σ_l sqrt(q_l))²,   q_l = ½ · tr(ΔW_lᵀ S_l ΔW_l A_l)
@@ -102,7 +103,7 @@ class DriftBudget:
     The factors are the capability factors of the changed layers whatever the method: a curvature method's
     own, those ``--predict-drift`` fetches for ft and locbf-ft, and for LoRA those of the adapted modules
     (:class:`LowRankDriftBudget`). The prediction is second order: it reads small changes well and
-    under-reads large ones (README, "Drift budget and deltas"), so a budget holds the measured drift only as
+    under-reads large ones (docs/drift.md), so a budget holds the measured drift only as
     well as the prediction reads it."""
 
     def __init__(self, params: Mapping[str, nn.Parameter], modules: Mapping[str, nn.Module], factors,
@@ -238,9 +239,9 @@ def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, shar
     """The edit layers whose own predicted drift ``q_l`` (nats/token, :func:`predicted_kl`'s ``layers``)
     dominates: ``q_l`` above ``factor`` × the median of the other layers and at least ``share`` of ``Σ q``.
     Each as ``{"layer", "predicted", "share", "vs_median"}``, largest first; ``[]`` with fewer than two layers.
-    On SmolLM2, block 11's ``down_proj`` in ``{2-11}`` predicted 99 % of the drift (0.19 of 0.19) and the
-    edit drifted 20× more than ``{4-8}``; on Gemma-3-270M block 5 predicted 68–75 % in ``{2-5}``. An edit window
-    without such a layer is worth trying. Edit reports, compare rows and session rounds record them."""
+    On SmolLM2, block 11's ``down_proj`` in ``{2-11}`` predicted nearly all of the drift and the edit drifted
+    far more than ``{4-8}``; on Gemma-3-270M block 5 predicted most of it in ``{2-5}`` (docs/where-to-edit.md,
+    round 6 and Gemma-3-270M). An edit window without such a layer is worth trying. Edit reports, compare rows and session rounds record them."""
     vals = {k: float(v) for k, v in layers.items()}
     total = sum(vals.values())
     if len(vals) < 2 or not total > 0:
@@ -274,9 +275,8 @@ def mixing_layers(names) -> list[str]:
 
     K-FAC treats every position as an independent row of the layer, so on these matrices the predicted drift
     misses what a change does to *other* positions: on SmolLM2, crispedit on ``v_proj`` of blocks 4–8
-    (32 ZsRE edits) drifted 0.559 nats/token against a prediction of 0.141 (0.25×), while ``o_proj``
-    (0.91×) and ``down_proj`` (0.94×), which act after the mixing, are predicted well (README "Where to
-    edit", round 9). The prediction, ``--max-drift`` and ``--drift-penalty`` are not to be trusted there."""
+    (32 ZsRE edits) drifted several times its prediction, while ``o_proj`` and ``down_proj``, which act after
+    the mixing, are predicted well (docs/where-to-edit.md, round 9). The prediction, ``--max-drift`` and ``--drift-penalty`` are not to be trusted there."""
     return [n for n in names if str(n).rsplit(".", 1)[-1] in MIXING_NAMES]
 
 

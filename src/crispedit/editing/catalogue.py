@@ -84,7 +84,10 @@ class ClosedFormConfig(MethodConfig):
     """Options shared by the closed-form editors (MEMIT, AlphaEdit): ``batch_size`` edits per solve, the
     target-vector optimisation (``v_steps`` Adam steps at ``v_lr``, ``v_weight_decay``, ``clamp`` factor of
     ‖h‖, ``kl_factor`` on "{subject} is a") and the number of model-written ``prefixes`` (0: bare prompt
-    only). Defaults: MEMIT's (the authors' code) as given for CrispEdit's comparison."""
+    only). Defaults: EasyEdit's MEMIT settings for Llama-3 (``hparams/MEMIT/llama3-8b.yaml``: v* lr 0.5, clamp 4,
+    weight decay 1e-3; λ 15000 in :class:`MEMITConfig`), the baseline settings CrispEdit's paper says it used.
+    They are not MEMIT's authors' (who publish no Llama-3 config); the MEMIT config for Llama-3-8B in
+    AlphaEdit's code has lr 0.1, clamp 0.75, weight decay 0.5 (:class:`AlphaEditConfig`'s v* defaults)."""
 
     batch_size: int = 32
     v_steps: int = 25

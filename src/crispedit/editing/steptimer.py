@@ -2,7 +2,7 @@
 
 The loop brackets every part of a step with ``timer.phase(name)`` and every step with ``timer.start_step()``
 / ``timer.end_step()``. By default the loop uses :data:`NULL_TIMER`, whose methods do nothing (a shared
-``nullcontext``; a few hundred nanoseconds per step), so the figures a :class:`StepTimer` reports are of the
+``nullcontext``: next to nothing per step), so the figures a :class:`StepTimer` reports are of the
 loop every edit runs, not of a re-implementation (``benchmarks/bench_projection.py --profile``).
 
 Phases of a step, in loop order: ``forward`` (the edit loss, fast path or plain), ``bookkeeping`` (the

@@ -1,20 +1,18 @@
-"""Settings and command line of the MNIST curvature study (:mod:`.mnist_study`), torch-free.
+"""Settings of the MNIST curvature study (:mod:`.mnist_study`), torch-free.
 
-``crispedit study mnist`` is registered from here (``crispedit.cli._COMMAND_MODULES``) so that ``--help``
-and every mistake in the flags are answered without importing torch; the study itself (:func:`~.mnist_study.
-run_mnist_study`) is imported only when it runs.
+:class:`MnistStudyConfig` checks every setting without torch, so ``crispedit study mnist``
+(:mod:`.mnist_cli`) answers every mistake in its flags before the study is imported.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 
 from ..curvature.modes import OutputGrads
-from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int, check_output_dir
+from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int
 
-__all__ = ["METHODS", "MnistStudyConfig", "gamma_of", "config_from_args", "cmd_study_mnist", "add_cli"]
+__all__ = ["METHODS", "MnistStudyConfig", "gamma_of"]
 
 METHODS = ("none", "activation_cov", "kfac", "ekfac", "ggn", "hessian", "hessian_abs")  # cheap first
 
@@ -50,9 +48,9 @@ class MnistStudyConfig:
     finetune_momentum: float = 0.9
     recompute_drift: float = 0.25
     # Recomputations per fine-tuning run (the paper recomputes whenever the drift passes 25 %). Off by
-    # default: one exact Hessian of 512 examples costs ~330 s on one (shared) CPU core, and with even one
-    # recomputation per gamma the Hessian sweep alone takes ~55 min, so every method here uses the
-    # projector at the pre-trained weights; ``--max-recomputes 2`` is the paper's protocol.
+    # default: one exact Hessian of 512 examples takes minutes on a CPU core, so even one recomputation per
+    # gamma would multiply the Hessian sweep's time (docs/study.md, "Fine-tuning" and "Cost"); every method
+    # here uses the projector at the pre-trained weights. ``--max-recomputes 2`` is the paper's protocol.
     max_recomputes: int = 0
     # evaluation on the test sets (None: all 10k)
     eval_samples: int | None = None
@@ -109,75 +107,3 @@ def gamma_of(k: float) -> float:
     if not (0.0 < g < 1.0):
         raise CrispEditError(f"k = {k} gives gamma = {g!r}, which is not strictly between 0 and 1")
     return g
-
-
-# -----------------------------------------------------------------------------------------------
-# command line
-
-
-def _parse_list(text: str, kind: type, flag: str) -> tuple:
-    try:
-        return tuple(kind(x.strip()) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise CrispEditError(f"{flag}: cannot parse {text!r} as a comma-separated list") from None
-
-
-def config_from_args(args: argparse.Namespace) -> MnistStudyConfig:
-    """The validated :class:`MnistStudyConfig` of the parsed ``study mnist`` flags (``--quick``: the CI-sized
-    defaults)."""
-    overrides = {"seed": args.seed}
-    if args.data is not None:
-        overrides["data_dir"] = args.data
-    if args.out is not None:
-        overrides["out_dir"] = args.out
-    if args.methods:
-        overrides["methods"] = _parse_list(args.methods, str, "--methods")
-    if args.k_values:
-        overrides["k_values"] = _parse_list(args.k_values, float, "--k-values")
-    for flag in ("curvature_samples", "finetune_steps", "pretrain_epochs", "threads", "max_recomputes"):
-        if getattr(args, flag) is not None:
-            overrides[flag] = getattr(args, flag)
-    cfg = MnistStudyConfig.quick(**overrides) if args.quick else MnistStudyConfig(**overrides)
-    return cfg.validated()
-
-
-def cmd_study_mnist(args: argparse.Namespace) -> int:
-    """``crispedit study mnist``: check the flags and ``--out``, then run the study (torch is imported only
-    then) and print its table and output files."""
-    cfg = config_from_args(args)
-    check_output_dir(cfg.out_dir)  # an unwritable --out fails now, before torch is imported
-    from .mnist_study import format_table, run_mnist_study
-
-    report = run_mnist_study(cfg, progress=False if args.quiet else None)
-    print(format_table(report["rows"]))
-    print(f"total {report['total_seconds']:.0f}s")
-    for kind, path in report["files"].items():
-        print(f"{kind}: {path}")
-    return 0
-
-
-def add_cli(subparsers) -> None:
-    """Register ``crispedit study mnist``."""
-    study = subparsers.add_parser("study", help="small-scale experiments from the paper")
-    sub = study.add_subparsers(dest="study_command", metavar="{mnist}")
-    sub.required = True
-    p = sub.add_parser("mnist", help="curvature study: MNIST -> Fashion-MNIST with exact Hessian, GGN, K-FAC, "
-                                     "EK-FAC and activation-covariance projections")
-    p.add_argument("--data", default=None, help="directory with mnist/ and fashion_mnist/ IDX .gz files "
-                   "(default: user cache, downloading the official files when online)")
-    p.add_argument("--out", default=None, help=f"output directory (default {MnistStudyConfig.out_dir})")
-    p.add_argument("--quick", action="store_true", help="CI-sized run: tiny network, subsets, two gammas")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument("--k-values", default=None, help="comma-separated k for gamma = 1 - 10^-k (default "
-                   + ",".join(f"{k:g}" for k in MnistStudyConfig.k_values) + ")")
-    p.add_argument("--curvature-samples", type=int, default=None, help="MNIST training examples for every curvature")
-    p.add_argument("--finetune-steps", type=int, default=None, help="projected SGD steps on Fashion-MNIST")
-    p.add_argument("--pretrain-epochs", type=int, default=None)
-    p.add_argument("--max-recomputes", type=int, default=None,
-                   help="curvature recomputations per run when the weights drift > 25%% (full default 0; the paper's "
-                   "protocol is 2 but one exact Hessian takes minutes)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; "
-                   "use 1 on a busy machine)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_study_mnist)

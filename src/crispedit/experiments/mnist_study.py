@@ -26,7 +26,6 @@ Outputs in ``out_dir``: ``results.json`` (config, environment, pre-training, cur
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import platform
@@ -45,7 +44,7 @@ from ..curvature.exact import ParamLayout, ggn_matrix, hessian_matrix
 from ..errors import CrispEditError, atomic_write_json, check_output_dir
 from ..projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
 from .idx_data import ImageSplit, load_dataset
-from .mnist_config import METHODS, MnistStudyConfig, add_cli, gamma_of
+from .mnist_config import METHODS, MnistStudyConfig, gamma_of
 
 __all__ = [
     "METHODS",
@@ -54,7 +53,6 @@ __all__ = [
     "SmallLeNet",
     "run_mnist_study",
     "format_table",
-    "add_cli",
 ]
 
 METHOD_LABELS = {
@@ -476,17 +474,7 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:  # ``python -m crispedit.experiments.mnist_study``
-    """Command line of the MNIST curvature study; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="crispedit")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except CrispEditError as exc:
-        print(f"crispedit: error: {exc}", file=sys.stderr)
-        return 2
+if __name__ == "__main__":  # pragma: no cover - ``python -m crispedit.experiments.mnist_study study mnist ...``
+    from ..cli import main
 
-
-if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -4,8 +4,9 @@ An editor answers: which layers it edits (:meth:`Editor.select_layers`), which b
 its edit changes (:meth:`Editor.changes`: what callers snapshot and restore), and how it edits
 (:meth:`Editor.apply`). The default ``apply`` is the shared projected fine-tuning loop
 (:func:`crispedit.editing.loop.projected_finetune`) on :meth:`Editor.trainable` under
-:meth:`Editor.projectors`; a fine-tuning editor overrides only those two questions, a closed-form
-or adapter editor overrides ``apply`` itself (see ``lora.py``).
+:meth:`Editor.projectors`; a fine-tuning editor overrides only those two questions. The single-pass
+editors (MEMIT, AlphaEdit, UltraEdit, MEND) share the ``apply`` of :class:`~.single_pass.SinglePassEditor`
+and compute only their weight changes; an adapter editor overrides ``apply`` itself (see ``lora.py``).
 """
 
 from __future__ import annotations

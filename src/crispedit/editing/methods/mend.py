@@ -15,7 +15,6 @@ matrices of the last three decoder blocks (:func:`~.mend_net.default_layers`). O
 
 from __future__ import annotations
 
-import time
 import warnings
 from pathlib import Path
 
@@ -23,14 +22,13 @@ import torch
 from torch import nn
 
 from ...errors import CrispEditError
-from ...models import resolve_layers, weight_fingerprint, weight_matrix
+from ...models import resolve_layers, weight_fingerprint
 from ..catalogue import MENDConfig
-from ..loop import TrainHistory
 from ..registry import register_editor
-from .base import EditContext, EditOutcome, Editor
-from .closed_form import target_nll
+from .base import EditContext
 from .mend_net import (default_layers, default_weights_path, edit_factors, load_network, prompt_digests, read_network_meta,
                        train_command_hint)
+from .single_pass import SinglePassEditor
 
 __all__ = ["MENDConfig", "MENDEditor", "network_path"]
 
@@ -44,11 +42,11 @@ def network_path(model: nn.Module, layers: dict[str, nn.Module], cfg: MENDConfig
 
 
 @register_editor
-class MENDEditor(Editor):
-    """MEND: a trained gradient transform applied to one gradient of the requests (no iterations)."""
+class MENDEditor(SinglePassEditor):
+    """MEND: a trained gradient transform applied to one gradient of the requests (no iterations). The history's
+    ``epoch_loss`` holds the mean target NLL (nats/token, bare prompt) before and after; ``steps`` 1."""
 
     name = "mend"  # summary and Config (MENDConfig): its entry in editing/catalogue.py
-    carries_optimizer = False
 
     def select_layers(self, model, config):
         """``--layers``; else those of the ``weights`` file; else the MLP linears of the last 3 blocks."""
@@ -80,37 +78,35 @@ class MENDEditor(Editor):
         fp = weight_fingerprint(model)
         return load_network(self._network_file(model, layers, cfg, fp), layers, model_fingerprint=fp)
 
-    def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
-        """Load the network, compute every request's factors on the unedited model, add ``ΔW`` to each edit
-        layer. ``epoch_loss``: mean target NLL (nats/token, bare prompt) before and after; ``steps`` 1."""
-        cfg: MENDConfig = ctx.config.method_config
-        layers = ctx.layers
-        net = self._network(model, layers, cfg)
-        device = next(model.parameters()).device
-        net.to(device)
-        t0 = time.perf_counter()
-        history = TrainHistory(contexts=["bare"], single_pass=True)
-        history.epoch_loss.append(target_nll(model, tokenizer, requests))
-        factors = edit_factors(model, tokenizer, list(requests), layers, batch_size=cfg.batch_size)
-        with torch.no_grad():
-            deltas = {n: net.delta(n, U, D) for n, (U, D) in factors.items()}
-            for n, m in layers.items():
-                if not torch.isfinite(deltas[n]).all():
-                    raise CrispEditError(f"mend: the update of {n} is not finite")
-                W = weight_matrix(m)
-                W.add_(deltas[n].to(W.device, W.dtype))
-        history.steps = 1
-        history.sequences = len(requests)
-        history.tokens = sum(int(U.shape[0]) for U, _ in factors.values()) // max(len(layers), 1)
-        history.epoch_loss.append(target_nll(model, tokenizer, requests))
-        history.converged = history.epoch_loss[-1] <= ctx.config.stop_loss
-        history.seconds = time.perf_counter() - t0
-        alpha = net.alpha.detach().cpu().tolist()
+    def start(self, model, tokenizer, requests, ctx: EditContext) -> dict:
+        """Load the network (on the model's device) and count the requests it was trained on (a warning when
+        any were)."""
+        net = self._network(model, ctx.layers, ctx.config.method_config)
+        net.to(next(model.parameters()).device)
         seen = set(net.meta.get("training", {}).get("request_digests") or [])
         overlap = sum(d in seen for d in prompt_digests(requests))
         if overlap:
             warnings.warn(f"mend: {overlap} of the {len(requests)} edit requests were in the network's training slice; "
-                          "evaluate on requests disjoint from it", stacklevel=2)
-        stats = {n: {"kept_fraction": 1.0, "form": "mend", "alpha": alpha[i], "delta_norm": float(deltas[n].norm()),
-                     "train_overlap": overlap} for i, n in enumerate(layers)}
-        return EditOutcome(history, stats, {}, False)
+                          "evaluate on requests disjoint from it", stacklevel=3)
+        return {"net": net, "overlap": overlap, "deltas": {}}
+
+    def updates(self, model, tokenizer, requests, ctx: EditContext, state: dict, history):
+        """Every request's factors on the unedited model, then each layer's ``ΔW`` from them."""
+        cfg: MENDConfig = ctx.config.method_config
+        layers, net = ctx.layers, state["net"]
+        history.contexts = ["bare"]
+        factors = edit_factors(model, tokenizer, list(requests), layers, batch_size=cfg.batch_size)
+        with torch.no_grad():
+            state["deltas"] = {n: net.delta(n, U, D) for n, (U, D) in factors.items()}
+        for n in layers:
+            yield n, state["deltas"][n]
+        history.steps = 1
+        history.sequences = len(requests)
+        history.tokens = sum(int(U.shape[0]) for U, _ in factors.values()) // max(len(layers), 1)
+
+    def stats(self, layers, state):
+        """Per layer: the network's step ``alpha``, the norm of ``ΔW``, and how many requests it was trained on."""
+        alpha = state["net"].alpha.detach().cpu().tolist()
+        return {n: {"kept_fraction": 1.0, "form": "mend", "alpha": alpha[i],
+                    "delta_norm": float(state["deltas"][n].norm()), "train_overlap": state["overlap"]}
+                for i, n in enumerate(layers)}

@@ -42,12 +42,13 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...curvature.kfac import capture_io, frozen, head_on_rows
+from ...curvature.kfac import head_on_rows
 from ...data.edits import EditRequest
 from ...data.tokenize import encode_pairs
 from ...errors import CrispEditError, atomic_save_safetensors, load_safetensors, read_safetensors_header
 from ...models import cache_dir, decoder_blocks, is_linear, weight_matrix
 from ..catalogue import MENDTrainConfig
+from ..rows import input_gradient_rows
 from .ultraedit import RunningNorm
 
 __all__ = ["FORMAT_VERSION", "META_KEY", "MENDNetwork", "GradientTransform", "edit_factors", "added_deltas",
@@ -231,29 +232,27 @@ def edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditRequest], l
     and the positions after the last target token drop out). Model parameters get no gradient; chunks of
     ``batch_size`` requests give the same rows as one batch."""
     device = next(model.parameters()).device
-    out: dict[str, tuple[list, list]] = {n: ([], []) for n in layers}
+
+    def batches():
+        """The requests' ``prompt + " " + target`` sequences, ``batch_size`` at a time, on the model's device."""
+        for b in range(0, len(requests), batch_size):
+            chunk = requests[b:b + batch_size]
+            yield encode_pairs(tokenizer, [r.prompt for r in chunk], [r.target for r in chunk],
+                               max_len=10 ** 6).to(device)
+
     was_training = model.training
     model.eval()
     try:
-        with frozen(model), torch.enable_grad():
-            for b in range(0, len(requests), batch_size):
-                chunk = requests[b:b + batch_size]
-                batch = encode_pairs(tokenizer, [r.prompt for r in chunk], [r.target for r in chunk],
-                                     max_len=10 ** 6).to(device)
-                with capture_io(layers) as store:
-                    _request_losses(model, batch).sum().backward()
-                keep = batch.attention_mask.bool()
-                for n in layers:
-                    cap = store[n]
-                    if len(cap.inputs) != 1 or len(cap.grads) != 1:
-                        raise CrispEditError(f"mend: layer {n} ran {len(cap.inputs)} times in one forward")
-                    u, d = cap.inputs[0][keep].float(), cap.grads[0][keep].float()
-                    nz = (u != 0).any(-1) & (d != 0).any(-1)
-                    out[n][0].append(u[nz])
-                    out[n][1].append(d[nz])
+        rows = input_gradient_rows(model, layers, batches(),
+                                   lambda batch: (_request_losses(model, batch).sum(), batch.attention_mask.bool()),
+                                   what="mend", dtype=torch.float32)
     finally:
         model.train(was_training)
-    return {n: (torch.cat(u), torch.cat(d)) for n, (u, d) in out.items()}
+    out = {}
+    for n, (u, d) in rows.items():
+        nz = (u != 0).any(-1) & (d != 0).any(-1)
+        out[n] = (u[nz], d[nz])
+    return out
 
 
 @contextlib.contextmanager

@@ -18,20 +18,19 @@ added to the weight before the next batch. ``lr`` 1e-6 and ``ridge`` 1 are the a
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...curvature.kfac import capture_io, frozen
 from ...errors import CrispEditError
 from ...models import decoder_blocks, default_layer_pattern, resolve_layers, weight_matrix
 from ..catalogue import UltraEditConfig
 from ..loop import TrainHistory, edit_batches
 from ..registry import register_editor
-from .base import EditContext, EditOutcome, Editor
-from .closed_form import target_nll
+from ..rows import input_gradient_rows
+from .base import EditContext
+from .single_pass import SinglePassEditor
 
 __all__ = ["UltraEditConfig", "UltraEditEditor", "RunningNorm", "ultraedit_delta", "pseudo_values"]
 
@@ -120,12 +119,14 @@ def default_layers(model) -> str:
 
 
 @register_editor
-class UltraEditEditor(Editor):
-    """UltraEdit: per batch, normalised gradient pseudo-values written into the edit layers by a ridge solve."""
+class UltraEditEditor(SinglePassEditor):
+    """UltraEdit: per batch, normalised gradient pseudo-values written into the edit layers by a ridge solve. The
+    history's ``epoch_loss`` holds the mean target NLL (nats/token, bare prompt) before and after, ``steps`` the
+    number of batches written."""
 
     name = "ultraedit"  # summary and Config (UltraEditConfig): its entry in editing/catalogue.py
-    carries_optimizer = False
     carries_state = True  # the lifelong normalisation goes from round to round
+    form = "ridge"
 
     def select_layers(self, model, config):
         """``--layers``; else the authors' layout placed by depth (:func:`default_layers`)."""
@@ -138,33 +139,27 @@ class UltraEditEditor(Editor):
         batches, history.contexts = edit_batches(tokenizer, chunk, config, model)
         history.sequences += sum(b.input_ids.shape[0] for b in batches)
         history.tokens += sum(b.n_tokens for b in batches)
-        out: dict[str, tuple[list, list]] = {n: ([], []) for n in layers}
-        with frozen(model):
-            for b in batches:
-                b = b.to(device)
-                with capture_io(layers) as store:
-                    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
-                    labels = b.labels[:, 1:]
-                    pos = labels != -100
-                    F.cross_entropy(logits[pos], labels[pos]).backward()
-                for n in layers:
-                    cap = store[n]
-                    if len(cap.inputs) != 1 or len(cap.grads) != 1:
-                        raise CrispEditError(f"ultraedit: layer {n} ran {len(cap.inputs)} times in one forward")
-                    out[n][0].append(cap.inputs[0][:, :-1][pos].double().cpu())
-                    out[n][1].append(cap.grads[0][:, :-1][pos].double().cpu())
-        return {n: (torch.cat(h), torch.cat(g)) for n, (h, g) in out.items()}
 
-    def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
-        """Edit batch by batch (module docstring); the history's ``epoch_loss`` holds the mean target NLL
-        (nats/token, bare prompt) before and after, ``steps`` the number of batches written."""
+        def loss(b):
+            """The batch's mean cross-entropy over its target tokens, and the positions predicting them."""
+            b = b.to(device)
+            logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
+            labels = b.labels[:, 1:]
+            pos = labels != -100
+            return F.cross_entropy(logits[pos], labels[pos]), pos
+
+        return input_gradient_rows(model, layers, batches, loss, what="ultraedit", dtype=torch.float64, device="cpu")
+
+    def start(self, model, tokenizer, requests, ctx: EditContext) -> dict:
+        """Each edit layer's shape and running normalisation (continued from ``ctx.optimizer_state``)."""
+        shapes = {n: tuple(weight_matrix(m).shape) for n, m in ctx.layers.items()}
+        return {"shapes": shapes, "norms": {n: RunningNorm.from_tensors(ctx.optimizer_state, n, d_in + d_out)
+                                            for n, (d_out, d_in) in shapes.items()}}
+
+    def updates(self, model, tokenizer, requests, ctx: EditContext, state: dict, history):
+        """Batch by batch (module docstring), yielding each layer's ``ΔW`` in turn (the model in eval mode)."""
         cfg: UltraEditConfig = ctx.config.method_config
-        layers = ctx.layers
-        shapes = {n: tuple(weight_matrix(m).shape) for n, m in layers.items()}
-        norms = {n: RunningNorm.from_tensors(ctx.optimizer_state, n, d_in + d_out) for n, (d_out, d_in) in shapes.items()}
-        t0 = time.perf_counter()
-        history = TrainHistory(single_pass=True)
-        history.epoch_loss.append(target_nll(model, tokenizer, requests))
+        layers, shapes, norms = ctx.layers, state["shapes"], state["norms"]
         was_training = model.training
         model.eval()
         try:
@@ -177,17 +172,12 @@ class UltraEditEditor(Editor):
                     norms[n].update(torch.cat([H, G], 1))
                     h_hat, g_hat = norms[n](torch.cat([H, G], 1)).split([d_in, d_out], 1)
                     W = weight_matrix(m)
-                    dW = ultraedit_delta(H.to(W.device), pseudo_values(h_hat, g_hat, cfg.lr).to(W.device), cfg.ridge)
-                    if not torch.isfinite(dW).all():
-                        raise CrispEditError(f"ultraedit: the update of {n} is not finite")
-                    with torch.no_grad():
-                        W.add_(dW.to(W.dtype))
+                    V = pseudo_values(h_hat, g_hat, cfg.lr)
+                    yield n, ultraedit_delta(H.to(W.device), V.to(W.device), cfg.ridge)
                 history.steps += 1
         finally:
             model.train(was_training)
-        history.epoch_loss.append(target_nll(model, tokenizer, requests))
-        history.converged = history.epoch_loss[-1] <= ctx.config.stop_loss
-        history.seconds = time.perf_counter() - t0
-        state = {k: v for n in layers for k, v in norms[n].to_tensors(n).items()} if ctx.keep_optimizer else {}
-        return EditOutcome(history, {n: {"kept_fraction": 1.0, "form": "ridge"} for n in layers}, state,
-                           bool(ctx.optimizer_state))
+
+    def carried_state(self, state: dict) -> dict[str, Tensor]:
+        """The running normalisation of every layer (``<layer>::n``, ``::mean``, ``::m2``)."""
+        return {k: v for n, norm in state["norms"].items() for k, v in norm.to_tensors(n).items()}
