@@ -4,7 +4,7 @@
 Torch-free at import: the flags come from :class:`~crispedit.editing.catalogue.MENDTrainConfig`, every
 argument and input file is checked before the model (and torch) is loaded. The training requests default
 to ZsRE dev records 1000–1999 (``--offset 1000 --n-edits 1000``), disjoint from the evaluation slice
-(100–199) and the tuning slice (400–431) the README uses.
+(100–199) and the tuning slice (400–431) the docs' tables use.
 """
 
 from __future__ import annotations

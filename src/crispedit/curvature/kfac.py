@@ -211,11 +211,6 @@ class FactorAccumulator:
 # hooks
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    # transformers' GPT-2 style Conv1D: y = x @ W + b with W of shape (d_in, d_out)
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
 def layer_rows(module: nn.Module, inp: Tensor) -> Tensor:
     """Inputs of ``module`` as rows ``a`` such that the layer computes ``W_mat a`` per row.
 

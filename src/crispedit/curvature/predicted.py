@@ -260,7 +260,7 @@ def steep_note(st: dict) -> str:
     prediction in nats/token, its ratio to the other layers' median, and the advice to edit without it."""
     times = "" if st.get("vs_median") is None else f", {st['vs_median']:g}x the other layers' median"
     return (f"{st['layer']} predicts {st['share']:.0%} of the drift ({st['predicted']:.3g} nats/token{times}); "
-            "an edit without this layer may drift far less (see README 'Where to edit')")
+            "an edit without this layer may drift far less (see docs/where-to-edit.md)")
 
 
 # Last name component of the matrices whose outputs attention mixes across positions (query / key / value
@@ -285,8 +285,7 @@ def mixing_note(layers: list[str]) -> str:
     it did on SmolLM2's ``v_proj``."""
     shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
     return (f"{shown}: attention mixes these outputs across positions, which the K-FAC drift prediction does not "
-            "model (SmolLM2 v_proj: 0.25x the measured drift); kl_predicted, --max-drift and --drift-penalty "
-            "under-read it here (see README 'Where to edit')")
+            "model; kl_predicted, --max-drift and --drift-penalty under-read it here (see docs/where-to-edit.md)")
 
 
 def prediction_notes(summary: Mapping) -> list[str]:

@@ -4,8 +4,7 @@ Paper (Table "Default hyperparameters"): Adam lr 5e-4 (:data:`DEFAULT_LR`; a met
 LoRA 5e-3), batch 32, 25 steps, early stopping at loss 0.01 (batches below it are skipped, training stops
 once an epoch's mean loss is below it). Our default is up to 100 epochs over the edits, ended by that
 early stopping: the paper's 25 steps are thousands of edits / 32 per epoch x 25; for the tens of edits a
-user edits at once, 25 epochs stop short (SmolLM2, 32 held-out ZsRE edits, three edit contexts:
-teacher-forced rel 0.81 at 25 epochs, loss 0.20 still falling; 0.97 at 40). Curvature: sampled labels
+user edits at once, 25 epochs stop short (measured in docs/methods.md, "Training defaults"). Curvature: sampled labels
 (Gauss-Newton), gamma 0.8 (the paper uses 0.7 for ZsRE and 0.9 for CounterFact / WikiBigEdit on Llama-3-8B), 64 capability texts of at most 256
 tokens on CPU (the paper uses 10,000 Wikipedia documents of 512 tokens on a GPU).
 

@@ -2,7 +2,7 @@
 
 A user asks for a fact through many wrappers — a bare question, the model's chat template, after
 some unrelated text. Training only ``prompt + " " + target`` teaches the fact in that one format
-(on SmolLM2 the chat template then gives the new fact 3 % of the time). Each request is therefore
+(the chat template then rarely gives the new fact: docs/contexts.md). Each request is therefore
 trained under a set of *contexts* (``EditConfig.contexts``, CLI ``--contexts``):
 
 * ``bare``     — ``prompt + " " + target`` (the paper's FT-M format);
@@ -20,12 +20,13 @@ trained under a set of *contexts* (``EditConfig.contexts``, CLI ``--contexts``):
   their own words; none of them has the WILD QA template's ``Q:``/``A:`` form or wording.
 * ``lead:N``   — N of the :data:`ANSWER_LEADS` per request: a lead-in between the question and the
   target (``"{question}\n"``, ``"{question} -> "``, ``"{question}\nReply: "``, ...), so the answer is
-  also produced at positions other than right after the question mark or the chat header; on SmolLM2
-  (dev records 400–431) ``lead:4`` lifted the unseen QA wrapper from 0.66 to 0.91 and two other
-  untrained wrappers from 0.53 / 0.28 to 0.81 / 0.88 at the same drift. No lead-in says "answer" or
-  has the QA template's ``Q:``/``A:``.
+  also produced at positions other than right after the question mark or the chat header (what it does
+  for untrained wrappers: docs/where-to-edit.md, round 5). No lead-in says "answer" or has the QA
+  template's ``Q:``/``A:``.
 
 ``default`` expands to :data:`DEFAULT_CONTEXTS` minus ``chat`` for models without a chat template.
+``--context-sample K`` (:func:`epoch_subset`) trains each request on a seeded sample of K of its sequences per
+epoch, another sample every epoch, instead of all of them.
 The WILD evaluation's QA wrapper (``Please answer the question: ...``) is deliberately *not* a
 training context: it measures generalisation to a wrapper the edit never saw.
 
@@ -33,7 +34,7 @@ training context: it measures generalisation to a wrapper the edit never saw.
 context, and that end is trained too, so free generation states the new fact and stops. ``auto``
 (default): the chat template's end-of-turn (e.g. ``<|im_end|>``) for ``chat``, a period for ``bare``
 and ``prefix`` (none added when the target already ends in ``.!?``). ``eos``: the tokenizer's EOS
-instead of the period — measured worse on SmolLM2-Instruct, whose EOS is its end-of-turn token: taught
+instead of the period — worse on SmolLM2-Instruct (docs/where-to-edit.md), whose EOS is its end-of-turn token: taught
 after bare questions it strengthens the model's habit of ending the turn at once outside the chat
 template. ``none``: the target alone (the paper's FT-M).
 """

@@ -6,7 +6,7 @@ Two savings, both exact (same numbers as a plain forward):
   block that holds a trained parameter never change. They are computed once per batch; during
   training the blocks below are replaced by pass-throughs and the cached states are fed in.
 * **target-only logits**: the FT-M loss needs logits only at target positions, so the output
-  projection (for SmolLM2 a quarter of the forward) runs on those rows only.
+  projection (a large share of a small model's forward) runs on those rows only.
 
 Per-step work that does not depend on the weights is done once per batch: the flat indices of the target
 rows and their labels, the attention mask (:func:`~crispedit.models.static_attention_mask`: built once, so that no step reads a
