@@ -21,10 +21,11 @@ additions) and the weights stay identical on all of them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -123,6 +124,125 @@ def shard_batch(batch: EncodedBatch, r: int, w: int) -> EncodedBatch | None:
     return part if target_count(part) > 0 else None
 
 
+class _EpochPlan:
+    """The batches of every epoch and their losses: all training sequences in fixed batches, or (``--context-sample``)
+    a seeded sample of every request's sequences batched anew each epoch; under ``torch.distributed`` each
+    process takes its rows of every batch (:func:`shard_batch`) and its loss is scaled by its share of the batch's
+    target tokens, so the sum over processes is the batch mean."""
+
+    def __init__(self, model, tokenizer, requests, params, config: EditConfig, fast: bool, device):
+        self.tokenizer, self.config, self.device = tokenizer, config, device
+        self.seqs, self.contexts = sequences_for(tokenizer, requests, config, model)
+        self.batches = [b.to(device) for b in self._batch(None)]
+        self.sample = config.context_sample
+        if self.sample is not None and is_distributed():
+            raise CrispEditError("--context-sample is not available under torch.distributed; train every context")
+        self._first = self._batch(epoch_subset(self.seqs, self.sample, config.seed, 0)) if self.sample else self.batches
+        self.shards = None
+        if is_distributed():  # this process's rows of every batch and their share of its target tokens
+            parts = [shard_batch(b, rank(), world_size()) for b in self.batches]
+            self.shards, j = [], 0
+            for b, part in zip(self.batches, parts):
+                self.shards.append(None if part is None else (j, target_count(part) / target_count(b)))
+                j += part is not None
+            self.loss_fn = make_loss_fn(model, params, [p for p in parts if p is not None], enabled=fast)
+        else:
+            self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast)  # exact shortcut: prefix cached
+
+    def _batch(self, subset):
+        c = self.config
+        return training_batches(self.tokenizer, self.seqs, c.batch_size, c.batch_tokens, subset)
+
+    def per_epoch(self) -> tuple[int, int]:
+        """Sequences and non-padding tokens of one epoch (the first one's, under ``--context-sample``)."""
+        return sum(b.input_ids.shape[0] for b in self._first), sum(b.n_tokens for b in self._first)
+
+    def epoch(self, epoch: int, gen: torch.Generator) -> list:
+        """This epoch's items in a seeded random order: batch indices, or batches readied on the host."""
+        if self.sample is None:
+            items = list(range(len(self.batches)))
+        else:
+            host = self._first if epoch == 0 else self._batch(epoch_subset(self.seqs, self.sample, self.config.seed, epoch))
+            items = [self.loss_fn.prepare(b) for b in host]
+        return [items[i] for i in torch.randperm(len(items), generator=gen).tolist()]
+
+    def loss(self, item, timer) -> tuple[Tensor | None, Tensor]:
+        """The loss to backpropagate (``None``: this process holds no row of the batch) and the batch mean as a
+        0-d tensor on the device (summed over processes)."""
+        if self.shards is None:
+            with timer.phase("forward"):
+                loss = self.loss_fn(item)
+            return loss, loss.detach()
+        with timer.phase("forward"):
+            shard = self.shards[item]
+            loss = None if shard is None else self.loss_fn(shard[0]) * shard[1]
+        with timer.phase("bookkeeping"):
+            value = torch.zeros((), dtype=torch.float64, device=self.device)
+            if loss is not None:
+                value += loss.detach().double()
+            return loss, all_reduce_sum_(value)
+
+
+def _update(params, layers, projectors, target: ProjectionTarget, opt, active: Tensor, drift_budget, timer) -> None:
+    """The step after backward: the penalty gradient, the projection (of the gradient before Adam, or of its
+    update after it; the eigenbasis optimizer masks by itself), Adam gated by ``active``, the drift budget."""
+    if drift_budget is not None and drift_budget.penalty > 0:
+        with timer.phase("drift"):
+            drift_budget.add_penalty_gradient()  # + β ∂(predicted drift)/∂W, projected below
+    before = None
+    if target is ProjectionTarget.UPDATE:
+        with timer.phase("copies"):
+            before = {n: p.detach().float().clone() for n, p in params.items()}
+    with torch.no_grad():
+        if target is ProjectionTarget.GRADIENT:
+            with timer.phase("projection"):
+                for n, p in params.items():
+                    g = apply_projection(projectors[n], layers[n], p.grad)
+                    if g is p.grad:
+                        continue  # nothing masked (the identity): nothing to write
+                    if g.stride() == p.grad.stride():
+                        p.grad = g  # a fresh tensor: use it, no copy
+                    else:
+                        p.grad.copy_(g)
+        with timer.phase("optimizer"):
+            opt.step(active=active)  # an inactive (skipped) step changes nothing
+        if before is not None:
+            with timer.phase("projection"):
+                for n, p in params.items():
+                    delta = apply_projection(projectors[n], layers[n], p.detach().float() - before[n])
+                    p.copy_((before[n] + delta).to(p.dtype))
+        if drift_budget is not None and drift_budget.eps is not None:
+            with timer.phase("drift"):
+                drift_budget.enforce()  # same weights on every process: the same decision
+
+
+@contextlib.contextmanager
+def _training(model: nn.Module, params: dict[str, nn.Parameter], opt, bar) -> Iterator[None]:
+    """Within: only ``params`` require gradients; after (whatever happened): the progress bar closed, the model
+    in eval mode, no gradient held, every parameter's ``requires_grad`` as it was."""
+    flags = {p: p.requires_grad for p in model.parameters()}
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in params.values():
+            p.requires_grad_(True)
+        yield
+    finally:
+        bar.close()
+        model.eval()
+        opt.zero_grad(set_to_none=True)
+        for p, f in flags.items():
+            p.requires_grad_(f)
+
+
+def _sum_grads(params) -> None:
+    """Sum every parameter's gradient over the processes (a zero gradient where this process had none)."""
+    for p in params.values():
+        if p.grad is None:  # no rows here, or a parameter this shard did not reach
+            p.grad = torch.zeros_like(p)
+        all_reduce_sum_(p.grad)
+
+
 def projected_finetune(
     model: nn.Module,
     tokenizer,
@@ -148,67 +268,25 @@ def projected_finetune(
     phases cost nothing. Returns the :class:`TrainHistory`."""
     device = next(model.parameters()).device
     timer = NULL_TIMER if timer is None else timer
-    target = ProjectionTarget(config.projection_target)
     projectors = {n: pr.to(device) for n, pr in projectors.items()}  # built on CPU; applied where W lives
-    flags = {p: p.requires_grad for p in model.parameters()}
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for p in params.values():
-        p.requires_grad_(True)
     opt = optimizer or make_optimizer(params, projectors, layers, config)
     gen = torch.Generator().manual_seed(config.seed)
-    seqs, contexts = sequences_for(tokenizer, requests, config, model)
-    batches = [b.to(device) for b in training_batches(tokenizer, seqs, config.batch_size, config.batch_tokens)]
-    hist, t0 = TrainHistory(contexts=contexts), time.perf_counter()
-    sample = config.context_sample
-    if sample is not None and is_distributed():
-        raise CrispEditError("--context-sample is not available under torch.distributed; train every context")
-    first = ([training_batches(tokenizer, seqs, config.batch_size, config.batch_tokens,
-                               epoch_subset(seqs, sample, config.seed, 0))] if sample is not None else [batches])
-    hist.sequences = sum(b.input_ids.shape[0] for b in first[0])  # per epoch
-    hist.tokens = sum(b.n_tokens for b in first[0])
-    model.train()
+    t0 = time.perf_counter()
     skipped = torch.zeros((), dtype=torch.int32, device=device)  # batches skipped so far, counted on the device
     n_batches = 0
-    shards = None
-    if is_distributed():  # this process's rows of every batch and their share of its target tokens
-        parts = [shard_batch(b, rank(), world_size()) for b in batches]
-        local = [p for p in parts if p is not None]
-        shards, j = [], 0
-        for b, part in zip(batches, parts):
-            shards.append(None if part is None else (j, target_count(part) / target_count(b)))
-            j += part is not None
-        loss_fn = make_loss_fn(model, params, local, enabled=fast)
-    else:
-        loss_fn = make_loss_fn(model, params, batches, enabled=fast)  # exact shortcut: frozen prefix cached
-    hist.fast_loss = bool(getattr(loss_fn, "fast", False))
     bar = tqdm(range(config.epochs), desc=f"edit[{config.method}]", unit="epoch",
                disable=(None if progress is None else not progress))
-    try:
+    with _training(model, params, opt, bar):
+        plan = _EpochPlan(model, tokenizer, requests, params, config, fast, device)
+        hist = TrainHistory(contexts=plan.contexts, fast_loss=plan.loss_fn.fast)
+        hist.sequences, hist.tokens = plan.per_epoch()
+        model.train()
         for epoch in bar:
             losses = []
-            if sample is None:
-                items = list(range(len(batches)))
-            else:  # --context-sample: this epoch's seeded sample of every request's sequences, readied on the host
-                host = first.pop() if first else training_batches(tokenizer, seqs, config.batch_size, config.batch_tokens,
-                                                                  epoch_subset(seqs, sample, config.seed, epoch))
-                items = [loss_fn.prepare(b) for b in host]
-            for bi in [items[i] for i in torch.randperm(len(items), generator=gen).tolist()]:
+            for item in plan.epoch(epoch, gen):
                 timer.start_step()
-                if shards is None:
-                    with timer.phase("forward"):
-                        loss = loss_fn(bi)
-                    value = loss.detach()
-                else:  # this process's share of the batch mean; the sum over processes is the batch mean
-                    with timer.phase("forward"):
-                        loss = None if shards[bi] is None else loss_fn(shards[bi][0]) * shards[bi][1]
-                    with timer.phase("bookkeeping"):
-                        value = torch.zeros((), dtype=torch.float64, device=device)
-                        if loss is not None:
-                            value += loss.detach().double()
-                        all_reduce_sum_(value)
-                with timer.phase("bookkeeping"):
-                    # the skip rule, decided on the device: a batch already below skip_loss takes no step
+                loss, value = plan.loss(item, timer)
+                with timer.phase("bookkeeping"):  # the skip rule, on the device: below skip_loss, no step
                     active = ~(value < config.skip_loss)
                     losses.append(value)
                     skipped = skipped + (~active).to(torch.int32)
@@ -217,47 +295,16 @@ def projected_finetune(
                 with timer.phase("backward"):
                     if loss is not None:
                         loss.backward()
-                if shards is not None:
+                if plan.shards is not None:
                     with timer.phase("allreduce"):
-                        for p in params.values():
-                            if p.grad is None:  # no rows here, or a parameter this shard did not reach
-                                p.grad = torch.zeros_like(p)
-                            all_reduce_sum_(p.grad)
-                if drift_budget is not None and drift_budget.penalty > 0:
-                    with timer.phase("drift"):
-                        drift_budget.add_penalty_gradient()  # + β ∂(predicted drift)/∂W, projected below
-                # eigenbasis: EigenbasisAdam rotates and masks the raw gradient itself
-                before = None
-                if target is ProjectionTarget.UPDATE:
-                    with timer.phase("copies"):
-                        before = {n: p.detach().float().clone() for n, p in params.items()}
-                with torch.no_grad():
-                    if target is ProjectionTarget.GRADIENT:
-                        with timer.phase("projection"):
-                            for n, p in params.items():
-                                g = apply_projection(projectors[n], layers[n], p.grad)
-                                if g is p.grad:
-                                    continue  # nothing masked (the identity): nothing to write
-                                if g.stride() == p.grad.stride():
-                                    p.grad = g  # a fresh tensor: use it, no copy
-                                else:
-                                    p.grad.copy_(g)
-                    with timer.phase("optimizer"):
-                        opt.step(active=active)  # an inactive (skipped) step changes nothing
-                    if before is not None:
-                        with timer.phase("projection"):
-                            for n, p in params.items():
-                                delta = apply_projection(projectors[n], layers[n], p.detach().float() - before[n])
-                                p.copy_((before[n] + delta).to(p.dtype))
-                    if drift_budget is not None and drift_budget.eps is not None:
-                        with timer.phase("drift"):
-                            drift_budget.enforce()  # same weights on every process: the same decision
+                        _sum_grads(params)
+                _update(params, layers, projectors, ProjectionTarget(config.projection_target), opt, active,
+                        drift_budget, timer)
                 n_batches += 1
                 timer.end_step()
             # once per epoch: the mean loss (the stop rule) and the skipped count come back to the host
             mean, n_skipped = torch.stack([torch.stack([v.double() for v in losses]).mean(), skipped.double()]).tolist()
-            hist.skipped = int(n_skipped)
-            hist.steps = n_batches - hist.skipped
+            hist.skipped, hist.steps = int(n_skipped), n_batches - int(n_skipped)
             hist.epoch_loss.append(mean)
             bar.set_postfix(loss=f"{mean:.4f}")
             if not math.isfinite(mean):
@@ -266,12 +313,5 @@ def projected_finetune(
             if mean < config.stop_loss:
                 hist.converged = True
                 break
-    finally:
-        bar.close()
-        model.eval()
-        opt.zero_grad(set_to_none=True)
-        for p, f in flags.items():
-            p.requires_grad_(f)
     hist.seconds = time.perf_counter() - t0
     return hist
-
