@@ -108,7 +108,8 @@ def test_the_loop_reads_back_once_per_epoch(method, tiny_lm, iso_cache):
         saved = {n: p.detach().clone() for n, p in params.items()}
         hist = []
         reads[epochs] = _host_reads(lambda: hist.append(projected_finetune(model, tok, REQS, layers, params,
-                                                                           projectors, config, progress=False)))
+                                                                           projectors, config, progress=False,
+                                                                           sync_free=True)))
         steps[epochs] = hist[0].steps + hist[0].skipped
         assert hist[0].fast_loss
         with torch.no_grad():
@@ -121,13 +122,34 @@ def test_the_loop_reads_back_once_per_epoch(method, tiny_lm, iso_cache):
 
 def test_skip_rule_on_the_device_matches_the_host_rule(tiny_lm, iso_cache):
     """Batches whose loss is below skip_loss take no step: a threshold above every loss leaves the weights
-    untouched and counts every batch skipped; the stop rule still ends the run."""
+    untouched and counts every batch skipped; with a threshold in the middle of the losses the device-gated
+    rule (sync_free) and the host-read rule take the same steps and end with the same weights."""
+    from crispedit.editing.loop import projected_finetune
+    from crispedit.editing.registry import get_editor
+
     model, tok = tiny_lm
     res = edit(model, tok, REQS[:4], EditConfig(method="ft", layers="model.layers.{1-2}.mlp.down_proj", epochs=2,
                                                   lr=1e-2, batch_size=2, skip_loss=100.0, stop_loss=1e-9,
                                                   contexts="bare"), progress=False)
     assert res.history.steps == 0 and res.history.skipped == 4
     assert all(torch.equal(model.get_parameter(n), w) for n, w in res.original_weights.items())
+    config = EditConfig(method="ft", layers="model.layers.{1-2}.mlp.down_proj", epochs=12, lr=2e-2, batch_size=1,
+                        skip_loss=2.0, stop_loss=0.0, contexts="bare")
+    editor = get_editor("ft")
+    layers = editor.select_layers(model, config)
+    params = editor.trainable(layers)
+    start = {n: p.detach().clone() for n, p in params.items()}
+    out = {}
+    for sync_free in (True, False):
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(start[n])
+        hist = projected_finetune(model, tok, REQS, layers, params, editor.projectors(layers, None, config), config,
+                                  progress=False, sync_free=sync_free)
+        out[sync_free] = (hist.steps, hist.skipped, hist.epoch_loss, {n: p.detach().clone() for n, p in params.items()})
+    assert out[True][0] == out[False][0] and out[True][1] == out[False][1] and out[True][1] > 0
+    assert out[True][2] == pytest.approx(out[False][2], rel=1e-6)
+    assert all(torch.allclose(out[True][3][n], out[False][3][n], rtol=1e-6, atol=1e-7) for n in params)
 
 
 @pytest.mark.parametrize("label_mode", ["sampled", "empirical"])

@@ -4,9 +4,10 @@ Each request becomes one training sequence per edit context (:mod:`.contexts`: b
 template, natural-text prefixes; target followed by its answer end). FT-M loss (cross-entropy on the
 target tokens only; context and padding masked), Adam, mini-batches over the sequences, batches whose
 loss is already below ``skip_loss`` take no step, training stops once an epoch's mean loss is below
-``stop_loss``. Both rules are decided without reading a value back to the host inside a step: the skip
-test is a 0-d boolean on the device that gates the Adam step (:class:`.optim.GatedAdam`), and the losses
-and the skipped count are read once per epoch, for the stop test. Between ``backward`` and ``step`` every trained weight's gradient is projected
+``stop_loss``. On an accelerator both rules are decided without reading a value back to the host inside a
+step: the skip test is a 0-d boolean on the device that gates the Adam step (:class:`.optim.GatedAdam`), and
+the losses and the skipped count are read once per epoch, for the stop test. On the CPU, where a read costs
+nothing, the skip test is read and a skipped batch's backward is not run at all (the same steps). Between ``backward`` and ``step`` every trained weight's gradient is projected
 (``projection_target="gradient"``, the paper); alternatively the Adam update itself is projected after
 the step (``"update"``), or Adam runs in the K-FAC eigenbasis on the masked rotated gradient
 (``"eigenbasis"``, :class:`.optim.EigenbasisAdam`); the last two keep the weight change strictly
@@ -257,6 +258,7 @@ def projected_finetune(
     fast: bool = True,
     drift_budget=None,
     timer: StepTimer | None = None,
+    sync_free: bool | None = None,
 ) -> TrainHistory:
     """Edit ``model`` in place with ``requests``; only ``params`` train (any parameters: layer weights,
     adapter matrices; ``layers[name]`` is the module owning ``params[name]``, for its storage orientation)
@@ -265,8 +267,12 @@ def projected_finetune(
     ``drift_budget`` (a :class:`~crispedit.curvature.predicted.DriftBudget` over ``params``, ``--max-drift``)
     pulls the accumulated change back into its predicted-KL budget after every step. ``timer`` (a
     :class:`~.steptimer.StepTimer`) records the seconds of every phase of every step; without it the
-    phases cost nothing. Returns the :class:`TrainHistory`."""
+    phases cost nothing. ``sync_free`` (default: on an accelerator, not on the CPU): decide the skip rule on the
+    device, gating Adam, so that no step waits for the device; otherwise read the loss (free on the CPU, where
+    nothing runs asynchronously) and skip a batch's backward and step outright. Both take the same steps.
+    Returns the :class:`TrainHistory`."""
     device = next(model.parameters()).device
+    sync_free = device.type != "cpu" if sync_free is None else sync_free
     timer = NULL_TIMER if timer is None else timer
     projectors = {n: pr.to(device) for n, pr in projectors.items()}  # built on CPU; applied where W lives
     opt = optimizer or make_optimizer(params, projectors, layers, config)
@@ -286,10 +292,14 @@ def projected_finetune(
             for item in plan.epoch(epoch, gen):
                 timer.start_step()
                 loss, value = plan.loss(item, timer)
-                with timer.phase("bookkeeping"):  # the skip rule, on the device: below skip_loss, no step
-                    active = ~(value < config.skip_loss)
+                with timer.phase("bookkeeping"):  # the skip rule: a batch below skip_loss takes no step
                     losses.append(value)
+                    active = ~(value < config.skip_loss)
                     skipped = skipped + (~active).to(torch.int32)
+                    if not sync_free and not bool(active):  # read on the host: no backward for a skipped batch
+                        n_batches += 1
+                        timer.end_step(skipped=True)
+                        continue
                 with timer.phase("zero_grad"):
                     opt.zero_grad(set_to_none=True)
                 with timer.phase("backward"):
