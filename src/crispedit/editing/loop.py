@@ -267,10 +267,9 @@ def projected_finetune(
     ``drift_budget`` (a :class:`~crispedit.curvature.predicted.DriftBudget` over ``params``, ``--max-drift``)
     pulls the accumulated change back into its predicted-KL budget after every step. ``timer`` (a
     :class:`~.steptimer.StepTimer`) records the seconds of every phase of every step; without it the
-    phases cost nothing. ``sync_free`` (default: on an accelerator, not on the CPU): decide the skip rule on the
-    device, gating Adam, so that no step waits for the device; otherwise read the loss (free on the CPU, where
-    nothing runs asynchronously) and skip a batch's backward and step outright. Both take the same steps.
-    Returns the :class:`TrainHistory`."""
+    phases cost nothing. ``sync_free`` (default: on an accelerator): the skip rule gates Adam on the device, so
+    no step waits for it; else the loss is read (free on the CPU) and a skipped batch runs no backward. Both
+    take the same steps. Returns the :class:`TrainHistory`."""
     device = next(model.parameters()).device
     sync_free = device.type != "cpu" if sync_free is None else sync_free
     timer = NULL_TIMER if timer is None else timer
