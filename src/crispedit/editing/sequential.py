@@ -116,6 +116,20 @@ def _set_weights(model: nn.Module, weights: dict[str, Tensor]) -> None:
             parameter(model, name).copy_(w)
 
 
+def _round_budget(ec, spent: float):
+    """``(config, budget record)`` of a round that may spend what the session's ``--max-drift`` has left after
+    ``spent`` (nats/token predicted): the config with ``max_drift`` set to that remainder, and the record
+    (``None`` without a session budget). One-line error when the budget is spent."""
+    if ec.max_drift is None:
+        return ec, None
+    remaining = ec.max_drift - spent
+    if remaining <= ec.max_drift * 1e-3:  # (rounding of the float32 pull-back: under 0.1 % left is spent)
+        raise CrispEditError(f"the session's drift budget is spent ({spent:.6g} of {ec.max_drift:g} nats/token "
+                             "predicted); start a new session for more edits")
+    return replace(ec, max_drift=remaining), {"session_budget": ec.max_drift, "spent_before": spent,
+                                              "round_budget": remaining}
+
+
 def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], requests: Sequence[EditRequest],
               state: SeqState, config: SeqConfig, round_index: int, *, base_weights: dict[str, Tensor],
               union: Sequence[EditRequest] | None = None,
@@ -153,15 +167,7 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     carry = (config.carry_optimizer and ec.projection_target != "eigenbasis" and editor.carries_optimizer
              and not batch) or (editor.carries_state and not batch)
     train_requests = list(union) if batch else list(requests)
-    budget: dict | None = None
-    if ec.max_drift is not None:
-        spent = 0.0 if batch else float(drift_spent)
-        remaining = ec.max_drift - spent
-        if remaining <= ec.max_drift * 1e-3:  # (rounding of the float32 pull-back: under 0.1 % left is spent)
-            raise CrispEditError(f"the session's drift budget is spent ({spent:.6g} of {ec.max_drift:g} nats/token "
-                                 "predicted); start a new session for more edits")
-        budget = {"session_budget": ec.max_drift, "spent_before": spent, "round_budget": remaining}
-        ec = replace(ec, max_drift=remaining)
+    ec, budget = _round_budget(ec, 0.0 if batch else float(drift_spent))
     start = dict(base_weights if batch else state.weights)
     drift_modules = editor.drift_modules(model, layers, ec)  # what state.cap predicts the drift of (LoRA: q/v)
     outcome = editor.apply(model, tokenizer, train_requests,
