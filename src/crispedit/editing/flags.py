@@ -45,7 +45,7 @@ def add_curvature_args(p: argparse.ArgumentParser) -> None:
     """Edit layers and capability-curvature flags (``EditConfig`` fields ``layers`` .. ``seed``)."""
     d = DEFAULTS
     p.add_argument("--layers", default=d["layers"], help="module-path pattern, e.g. 'model.layers.{15-19}.mlp.down_proj' "
-                   "(default: per-architecture, see README)")
+                   "(default: per-architecture, see docs/cli.md, 'Choosing layers')")
     p.add_argument("--n-cap", type=int, default=d["n_cap"], help=f"number of capability texts for K-FAC (default {d['n_cap']})")
     p.add_argument("--max-len", type=int, default=d["max_len"], help=f"max tokens per capability text (default {d['max_len']})")
     p.add_argument("--label-mode", choices=["sampled", "empirical"], default=d["label_mode"],
