@@ -13,7 +13,8 @@ rows and their labels, the attention mask (:func:`~crispedit.models.static_atten
 value back to the host) and the pass-through modules. Hugging Face models run without a KV cache
 (``use_cache=False``; training never reads it, and filling it copies every block's keys and values).
 
-Before use, the fast loss is compared with the plain :func:`edit_loss` on the first batch; if they
+Before use, the fast loss is compared with the plain :func:`edit_loss` on the batch with the most padding
+(so a precomputed attention mask is checked too); if they
 differ (an architecture that post-processes logits, or decoder blocks with side effects) the loop
 silently falls back to the plain loss.
 """
