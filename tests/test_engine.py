@@ -224,3 +224,38 @@ def test_context_sample_trains_a_sample_per_epoch(tiny_lm, iso_cache):
     assert again.history.epoch_loss == res.history.epoch_loss
     assert all(torch.equal(model.get_parameter(n), w) for n, w in after.items())
     assert "context_sample" in EditConfig(**cfg).to_json() and "context_sample" not in EditConfig().to_json()
+
+
+def test_bf16_precision_trains_float32_weights(tiny_lm, iso_cache):
+    """--precision bf16: the forward runs under bfloat16 autocast, yet the trained weights, their gradients and
+    the projection stay float32; the edit learns, lands near the float32 run, and the stored config says bf16
+    (an fp32 config stores no key, and a stored config without one reads as fp32)."""
+    from crispedit.editing import restore
+
+    model, tok = tiny_lm
+    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=6, lr=1e-2, batch_size=4,
+               n_cap=4, max_len=48, contexts="bare", stop_loss=0.0)
+    out = {}
+    for precision in ("fp32", "bf16"):
+        res = edit(model, tok, REQS, EditConfig(**cfg, precision=precision), progress=False)
+        out[precision] = (res.history.epoch_loss, {n: model.get_parameter(n).detach().clone() for n in res.original_weights})
+        assert all(model.get_parameter(n).dtype == torch.float32 for n in res.original_weights)
+        restore(model, res.original_weights)
+    (l32, w32), (l16, w16) = out["fp32"], out["bf16"]
+    assert l16[-1] < l16[0] - 1.0 and l16 != l32  # it learned, and the arithmetic differed
+    assert l16 == pytest.approx(l32, rel=0.02)  # epoch by epoch, close to the float32 run
+    start = res.original_weights
+    for n in w32:
+        d32, d16 = w32[n] - start[n], w16[n] - start[n]
+        assert torch.nn.functional.cosine_similarity(d32.flatten(), d16.flatten(), dim=0) > 0.95
+    assert EditConfig(**cfg, precision="bf16").to_json()["precision"] == "bf16"
+    assert "precision" not in EditConfig(**cfg).to_json()
+    assert EditConfig.from_dict(EditConfig(**cfg).to_json()).precision == "fp32"
+
+
+def test_precision_is_checked():
+    """An unknown precision is a one-line error naming the field."""
+    from crispedit.errors import CrispEditError
+
+    with pytest.raises(CrispEditError, match="precision must be one of fp32, bf16"):
+        EditConfig(precision="fp16")

@@ -25,9 +25,10 @@ from enum import Enum
 from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int, check_lr, check_positive_int
 from .registry import MethodConfig, get_editor, method_names, method_spec
 
-__all__ = ["EditConfig", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
+__all__ = ["EditConfig", "PRECISIONS", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
            "MIN_SEQ_ROUNDS", "default_seq_chunk"]
 
+PRECISIONS = ("fp32", "bf16")  # the training forward's arithmetic (EditConfig.precision)
 DEFAULT_LR = 5e-4  # the paper's Adam learning rate; LoRA overrides it (LoRAConfig.SHARED)
 MAX_EPOCHS = 100_000
 
@@ -56,6 +57,7 @@ class EditConfig:
     batch_size: int = 32
     batch_tokens: int | None = None     # pack batches up to this many padded tokens instead (None = batch_size sequences)
     context_sample: int | None = None   # train each request on a seeded sample of this many of its sequences per epoch
+    precision: str = "fp32"             # the training forward: fp32, or bf16 autocast (weights, grads, Adam stay fp32)
     epochs: int = 100                   # maximum; stop_loss ends it earlier (paper: 25 steps, see above)
     skip_loss: float = 0.01
     stop_loss: float = 0.01
@@ -95,6 +97,8 @@ class EditConfig:
             self.batch_tokens = check_positive_int("batch-tokens", self.batch_tokens)
         if self.context_sample is not None:
             self.context_sample = check_positive_int("context-sample", self.context_sample)
+        if self.precision not in PRECISIONS:
+            raise CrispEditError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         self.lr = check_lr("learning rate (--lr)", self.lr)
         self.epochs = check_int("epochs", self.epochs, 1, MAX_EPOCHS)
         self.seed = check_int("seed", self.seed, 0, SEED_MAX)
@@ -144,13 +148,15 @@ class EditConfig:
         return method_spec(self.method).Config.from_options(self.method, self.options)
 
     def to_json(self) -> dict:
-        """The config as a JSON-ready dict (what reports and sessions store; ``batch_tokens`` and ``context_sample`` only when set, so a
-        config stored before it existed still reads as the same run)."""
+        """The config as a JSON-ready dict (what reports and sessions store; ``batch_tokens`` and ``context_sample`` only when set,
+        ``precision`` only when not ``fp32``, so a config stored before they existed still reads as the same run)."""
         d = asdict(self)
         d["betas"] = list(self.betas)
         for key in ("batch_tokens", "context_sample"):
             if d[key] is None:
                 del d[key]
+        if d["precision"] == "fp32":
+            del d["precision"]
         return d
 
     @classmethod
@@ -168,6 +174,7 @@ class EditConfig:
             # a stored config from before edit contexts existed (e.g. an older session): keep training
             # it the way it was trained
             d.update(contexts="bare", answer_end="none")
+        d.setdefault("precision", "fp32")  # stored without one: trained in float32 (whatever today's default)
         return cls(**d)
 
 

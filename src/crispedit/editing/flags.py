@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 from typing import Sequence
 
 from ..errors import CrispEditError, check_input_file
-from .config import EditConfig, ProjectionTarget
+from .config import PRECISIONS, EditConfig, ProjectionTarget
 from .contexts import ANSWER_ENDS, DEFAULT_CONTEXTS
 from .registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
 
@@ -85,6 +85,9 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> Non
     p.add_argument("--context-sample", type=int, default=None, metavar="K",
                    help="train each request on a seeded sample of K of its context sequences per epoch (every "
                         "epoch another sample) instead of all of them: fewer tokens per epoch")
+    p.add_argument("--precision", choices=PRECISIONS, default=d["precision"],
+                   help="the training forward and backward: fp32, or bf16 autocast (matmuls in bfloat16; the trained "
+                        "weights, their gradients, Adam and the projection stay float32)")
     p.add_argument("--projection", choices=[t.value for t in ProjectionTarget], default=d["projection_target"],
                    help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")
     p.add_argument("--contexts", default=d["contexts"],
@@ -139,6 +142,7 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
     return EditConfig(method=method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
                       batch_tokens=getattr(args, "batch_tokens", None),
                       context_sample=getattr(args, "context_sample", None),
+                      precision=getattr(args, "precision", "fp32"),
                       epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
                       seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,

@@ -150,6 +150,14 @@ class _EpochPlan:
         else:
             self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast)  # exact shortcut: prefix cached
 
+    def _arithmetic(self):
+        """The forward's arithmetic: under ``precision="bf16"`` an autocast region (matrix products in bfloat16;
+        the backward follows the forward's dtypes, the float32 weights receive float32 gradients), else nothing.
+        The frozen prefix of the fast path was computed at plan time, in the model's own dtype."""
+        if self.config.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _batch(self, subset):
         c = self.config
         return training_batches(self.tokenizer, self.seqs, c.batch_size, c.batch_tokens, subset)
@@ -171,10 +179,10 @@ class _EpochPlan:
         """The loss to backpropagate (``None``: this process holds no row of the batch) and the batch mean as a
         0-d tensor on the device (summed over processes)."""
         if self.shards is None:
-            with timer.phase("forward"):
+            with timer.phase("forward"), self._arithmetic():
                 loss = self.loss_fn(item)
             return loss, loss.detach()
-        with timer.phase("forward"):
+        with timer.phase("forward"), self._arithmetic():
             shard = self.shards[item]
             loss = None if shard is None else self.loss_fn(shard[0]) * shard[1]
         with timer.phase("bookkeeping"):
