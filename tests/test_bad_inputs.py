@@ -161,6 +161,9 @@ CASES = [
     # 2. output destinations checked before any work
     ("edit-out-is-file", lambda t, m: _edit(t, m, out=_file(t, "out")), "is a file, not a directory"),
     ("edit-out-under-file", lambda t, m: _edit(t, m, out=_file(t, "f") / "out"), "is a file, not a directory"),
+    ("edit-checkpoint-is-dir", lambda t, m: _edit(t, m, "--checkpoint", t), "is a directory"),
+    ("edit-checkpoint-foreign", lambda t, m: _edit(t, m, "--checkpoint", _file(t, "ck.safetensors", b"\x02" + b"\0" * 7 + b"{}")),
+     "is not a crispedit training checkpoint"),
     ("eval-out-is-dir", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", t, "--quiet"], "is a directory"),
     ("eval-out-under-file", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", _file(t, "f") / "r.json"],
      "is a file, not a directory"),

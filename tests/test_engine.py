@@ -259,3 +259,52 @@ def test_precision_is_checked():
 
     with pytest.raises(CrispEditError, match="precision must be one of fp32, bf16"):
         EditConfig(precision="fp16")
+
+
+def test_a_killed_edit_resumes_from_its_checkpoint(tiny_lm, iso_cache, tmp_path, monkeypatch):
+    """Training killed after its second epoch and run again with the same checkpoint goes on from epoch 3 and
+    ends with the weights, losses and step counts of the uninterrupted run; a finished run's checkpoint trains
+    nothing again; another run's checkpoint, and a truncated one, are one-line errors that change no weight."""
+    import crispedit.editing.loop as loop_mod
+    from crispedit.editing import restore
+    from crispedit.errors import CrispEditError
+
+    model, tok = tiny_lm
+    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=5, lr=1e-2, batch_size=3,
+               n_cap=4, max_len=48, contexts="bare,lead:2", stop_loss=0.0, skip_loss=0.5)
+    full = edit(model, tok, REQS, EditConfig(**cfg), progress=False)
+    want = {n: model.get_parameter(n).detach().clone() for n in full.original_weights}
+    restore(model, full.original_weights)
+
+    ck = tmp_path / "run.safetensors"
+    real_save, saves = loop_mod.save_checkpoint, []
+
+    def dying_save(*a, **k):
+        real_save(*a, **k)
+        saves.append(1)
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop_mod, "save_checkpoint", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
+    monkeypatch.setattr(loop_mod, "save_checkpoint", real_save)
+    restore(model, full.original_weights)  # what a new process starts from
+    res = edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
+    assert res.history.extra["resumed_at_epoch"] == 2
+    assert res.history.epoch_loss == full.history.epoch_loss
+    assert (res.history.steps, res.history.skipped) == (full.history.steps, full.history.skipped)
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
+
+    restore(model, full.original_weights)  # finished: the final state comes back, no epoch trains
+    again = edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
+    assert again.history.extra["resumed_at_epoch"] == 5 and again.history.epoch_loss == full.history.epoch_loss
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
+
+    restore(model, full.original_weights)
+    with pytest.raises(CrispEditError, match="belongs to another run"):
+        edit(model, tok, REQS, EditConfig(**{**cfg, "lr": 2e-2}), progress=False, checkpoint=ck)
+    ck.write_bytes(ck.read_bytes()[:-100])
+    with pytest.raises(CrispEditError, match="training checkpoint file .* truncated"):
+        edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in full.original_weights.items())

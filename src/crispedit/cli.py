@@ -36,6 +36,11 @@ def cmd_edit(args) -> int:
     the exit status."""
     config = config_from_args(args)  # validates before anything slow happens
     check_output_dir(args.out, overwrite=args.overwrite, marker="edit_report.json")
+    if args.checkpoint is not None:
+        check_output_file(args.checkpoint, "--checkpoint")
+        from .editing.checkpoint import check_checkpoint_file  # torch-free
+
+        check_checkpoint_file(args.checkpoint)
     from .distributed import is_main, process_group_from_env
 
     with process_group_from_env(args.device) as device:  # under torchrun: batches split across processes
@@ -49,7 +54,7 @@ def cmd_edit(args) -> int:
         report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
                               edits_path=str(args.edits), cache_file=args.cache, progress=progress,
                               wild=not args.no_wild, overwrite=args.overwrite, predict_drift=args.predict_drift,
-                              delta_only=args.delta_only)
+                              delta_only=args.delta_only, checkpoint=args.checkpoint)
     if not main_process:
         return 0
     from .editing.loop import training_brief
@@ -183,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta-only", action="store_true",
                    help="write only delta.safetensors (the changed tensors, reversible) and edit_report.json, "
                    "not the full model")
+    p.add_argument("--checkpoint", default=None, metavar="FILE",
+                   help="save the training state to FILE after every epoch and, when FILE holds this run (same "
+                        "model weights, edits and settings), go on from its last epoch: a killed edit resumes")
     p.add_argument("--kl-text", default=None, help="held-out text for kl_drift (default: bundled WikiText sample)")
     p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")
     p.add_argument("--out", required=True, help="output directory (HF model + delta.safetensors + edit_report.json); "

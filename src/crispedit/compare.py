@@ -7,7 +7,9 @@ lm-eval capability tasks), and record edit time and peak memory. The unedited ba
 evaluated once as the first row. After every method ``DIR/compare.json`` (atomic), ``DIR/compare.md``
 (shaped like the paper's Table 1) and ``DIR/compare.png`` (edit success vs capability retention) are
 rewritten, so a killed compare resumes: methods already in ``compare.json`` are not run again (their
-settings must match; other settings need another ``--out``). The command line is
+settings must match; other settings need another ``--out``), and a batch row killed while training goes on
+from its last finished epoch (``DIR/checkpoints/<method>.safetensors``, :mod:`crispedit.editing.checkpoint`;
+removed once its row is written). The command line is
 :mod:`crispedit.compare_cli` (it checks the arguments without importing this module's torch).
 
 Sequential rows: ``<method>-seq`` (e.g. ``crispedit-seq``, the paper's CrispEdit-Seq) runs ``<method>`` in
@@ -69,6 +71,7 @@ __all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "paret
 
 COMPARE_FORMAT = 1
 JSON_FILE, MD_FILE, PNG_FILE = "compare.json", "compare.md", "compare.png"
+CHECKPOINTS = "checkpoints"  # DIR/checkpoints/<method>.safetensors: a batch row's training, resumed after a kill
 
 
 def _status_kib(key: str) -> int | None:
@@ -265,7 +268,8 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                         res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=inner, predict_drift=True,
                                            on_round=None if progress is False else _round_line(method))
                     else:
-                        res = edit(model, tokenizer, requests, cfg, progress=inner, predict_drift=True)
+                        res = edit(model, tokenizer, requests, cfg, progress=inner, predict_drift=True,
+                                   checkpoint=out / CHECKPOINTS / f"{method}.safetensors")
             except BaseException:
                 restore(model, before)  # an interrupted edit leaves the base behind
                 raise
@@ -291,6 +295,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                 edit_seconds=round(res.edit_seconds, 2), cache_seconds=round(res.cache_seconds, 2),
                 wall_seconds=round(wall, 2), cache_hit=res.cache_info.get("hit"), memory=mem, **extra)
         write_outputs(out, payload)
+        (out / CHECKPOINTS / f"{method}.safetensors").unlink(missing_ok=True)  # the row holds what it was for
         r = payload["results"][method]
         if progress is not False:
             qa = r["wild"].get("qa") or {}

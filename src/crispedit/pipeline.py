@@ -78,7 +78,8 @@ def drift_summary(result: EditResult) -> dict:
 def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: EditConfig, out: str | Path, *,
                  model_spec: str = "<in-memory>", kl_text: str | None = None, edits_path: str | None = None,
                  cache_file: str | None = None, progress: bool | None = None, wild: bool = True,
-                 overwrite: bool = False, predict_drift: bool = False, delta_only: bool = False) -> dict:
+                 overwrite: bool = False, predict_drift: bool = False, delta_only: bool = False,
+                 checkpoint: str | Path | None = None) -> dict:
     """Edit, evaluate and save ``model`` to ``out`` (HF format + ``edit_report.json``). With ``wild``
     the report gets a ``wild`` section: free-generation rel / gen / locality under the qa, none and chat
     contexts (rule judge; chat only for models with a chat template). A non-empty ``out`` is refused
@@ -90,14 +91,15 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     ``predict_drift``: also report ``kl_predicted`` for editors without curvature (see
     :func:`crispedit.editing.edit`). Next to the model, ``out/delta.safetensors`` holds the edit as a
     reversible delta (:mod:`crispedit.delta`; the report's ``delta`` section); ``delta_only`` writes the
-    delta and the report but not the model."""
+    delta and the report but not the model. ``checkpoint``: the training's resumable state file
+    (:func:`crispedit.editing.edit`)."""
     out = Path(out)
     previous = check_output_dir(out, overwrite=overwrite, marker="edit_report.json")
     if kl_text is not None:
         heldout_text(kl_text, 1)  # fail early on a bad --kl-text, before any work
     t0 = time.perf_counter()
     result = edit(model, tokenizer, requests, config, cache_file=cache_file, progress=progress,
-                  predict_drift=predict_drift)
+                  predict_drift=predict_drift, checkpoint=checkpoint)
     changed = {n: parameter(model, n) for n in result.original_weights}
     check_finite_tensors(changed, f"the {config.method} edit")  # fail now, before evaluating a broken model
     ev = evaluate_edit(model, tokenizer, requests, result.original_weights, kl_text=kl_text, max_len=config.max_len,

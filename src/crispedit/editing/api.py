@@ -115,7 +115,7 @@ def edit_factors(model: nn.Module, tokenizer, editor, layers: dict[str, nn.Modul
 def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: EditConfig | None = None, *,
          factors: KFACFactors | None = None, cache_root: str | Path | None = None,
          cache_file: str | Path | None = None, progress: bool | None = None,
-         predict_drift: bool = False) -> EditResult:
+         predict_drift: bool = False, checkpoint: str | Path | None = None) -> EditResult:
     """Apply ``requests`` to ``model`` in place with ``config.method`` and return what happened.
 
     ``result.original_weights`` holds the pre-edit values of every parameter the editor declares it
@@ -125,7 +125,9 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     (their factors are then fetched from the cache or collected, like a curvature editor's; LoRA's, of its
     adapted modules, with a budget or penalty only). A learning rate left unset is scaled
     for the model's family in ``config`` itself (:meth:`EditConfig.for_family`), so that what a caller
-    reports from ``config`` afterwards is what ran.
+    reports from ``config`` afterwards is what ran. ``checkpoint``: a file the fine-tuning loop writes its state to
+    after every epoch and resumes from when it holds this run (same config, requests and starting weights;
+    :mod:`.checkpoint`); ``edit_seconds`` then counts the training seconds of the earlier runs too.
     """
     config = (config or EditConfig()).validate().for_family(model_family(model))
     if not requests:
@@ -142,8 +144,9 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     original = snapshot(changed)
     drift_modules = editor.drift_modules(model, layers, config)  # before apply: LoRA wraps them while it trains
     t0 = time.perf_counter()
-    outcome = editor.apply(model, tokenizer, requests, EditContext(config, layers, factors, progress=progress))
-    edit_seconds = time.perf_counter() - t0
+    outcome = editor.apply(model, tokenizer, requests, EditContext(config, layers, factors, progress=progress,
+                                                                   checkpoint=None if checkpoint is None else Path(checkpoint)))
+    edit_seconds = time.perf_counter() - t0 + outcome.history.extra.get("resumed_seconds", 0.0)
     from ..curvature.predicted import predicted_kl
 
     return EditResult(list(layers), outcome.history, outcome.projector_stats, cache_seconds, edit_seconds, info,

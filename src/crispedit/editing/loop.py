@@ -26,6 +26,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -38,6 +39,8 @@ from ..data.tokenize import EncodedBatch
 from ..errors import CrispEditError
 from ..models import as_weight_matrix
 from ..projection import LayerProjector
+from .checkpoint import (LoopState, budget_counters, load_checkpoint, restore_budget_counters, run_identity,
+                         save_checkpoint)
 from .config import EditConfig, ProjectionTarget
 from .contexts import epoch_subset, sequences_for, training_batches
 from .fastpath import make_loss_fn, plain_loss as edit_loss
@@ -267,6 +270,8 @@ def projected_finetune(
     drift_budget=None,
     timer: StepTimer | None = None,
     sync_free: bool | None = None,
+    checkpoint: str | Path | None = None,
+    checkpoint_every: int = 1,
 ) -> TrainHistory:
     """Edit ``model`` in place with ``requests``; only ``params`` train (any parameters: layer weights,
     adapter matrices; ``layers[name]`` is the module owning ``params[name]``, for its storage orientation)
@@ -277,7 +282,9 @@ def projected_finetune(
     :class:`~.steptimer.StepTimer`) records the seconds of every phase of every step; without it the
     phases cost nothing. ``sync_free`` (default: on an accelerator): the skip rule gates Adam on the device, so
     no step waits for it; else the loss is read (free on the CPU) and a skipped batch runs no backward. Both
-    take the same steps. Returns the :class:`TrainHistory`."""
+    take the same steps. ``checkpoint``: a file the loop's state is written to every ``checkpoint_every`` epochs
+    and after the last, and resumed from when it holds this run (:mod:`.checkpoint`). Returns the
+    :class:`TrainHistory`."""
     device = next(model.parameters()).device
     sync_free = device.type != "cpu" if sync_free is None else sync_free
     timer = NULL_TIMER if timer is None else timer
@@ -286,13 +293,25 @@ def projected_finetune(
     gen = torch.Generator().manual_seed(config.seed)
     t0 = time.perf_counter()
     skipped = torch.zeros((), dtype=torch.int32, device=device)  # batches skipped so far, counted on the device
-    n_batches = 0
-    bar = tqdm(range(config.epochs), desc=f"edit[{config.method}]", unit="epoch",
-               disable=(None if progress is None else not progress))
+    n_batches, start, spent, converged, losses0 = 0, 0, 0.0, False, []
+    if checkpoint is not None:
+        identity = run_identity(config.to_json(), requests, params, opt)
+        state = load_checkpoint(checkpoint, identity, params, opt)
+        if state is not None:  # go on after its last epoch
+            gen.set_state(state.generator)
+            skipped += state.skipped
+            n_batches, start, spent, converged, losses0 = (state.n_batches, state.epochs, state.seconds,
+                                                           state.converged, state.epoch_loss)
+            restore_budget_counters(drift_budget, state.budget)
+    bar = tqdm(range(start, config.epochs if not converged else start), desc=f"edit[{config.method}]", unit="epoch",
+               initial=start, total=config.epochs, disable=(None if progress is None else not progress))
     with _training(model, params, opt, bar):
         plan = _EpochPlan(model, tokenizer, requests, params, config, fast, device)
-        hist = TrainHistory(contexts=plan.contexts, fast_loss=plan.loss_fn.fast)
+        hist = TrainHistory(contexts=plan.contexts, fast_loss=plan.loss_fn.fast, epoch_loss=list(losses0),
+                            converged=converged, steps=n_batches - int(skipped), skipped=int(skipped))
         hist.sequences, hist.tokens = plan.per_epoch()
+        if start:
+            hist.extra.update(resumed_at_epoch=start, resumed_seconds=round(spent, 3))
         model.train()
         for epoch in bar:
             losses = []
@@ -327,8 +346,13 @@ def projected_finetune(
             if not math.isfinite(mean):
                 raise CrispEditError(f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} (lr {config.lr:g}); "
                                      "lower --lr or check the model and the inputs — nothing was saved")
-            if mean < config.stop_loss:
-                hist.converged = True
+            hist.converged = mean < config.stop_loss
+            if checkpoint is not None and (hist.converged or epoch + 1 == config.epochs
+                                           or (epoch + 1 - start) % checkpoint_every == 0):
+                state = LoopState(epoch + 1, hist.epoch_loss, n_batches, hist.skipped, hist.converged, gen.get_state(),
+                                  budget_counters(drift_budget), spent + time.perf_counter() - t0)
+                save_checkpoint(checkpoint, identity, state, params, opt)
+            if hist.converged:
                 break
-    hist.seconds = time.perf_counter() - t0
+    hist.seconds = spent + time.perf_counter() - t0
     return hist

@@ -41,7 +41,9 @@ class EditContext:
     subspace when ``reproject_momentum``; ``keep_optimizer``: return the final Adam state. For an editor
     with ``carries_state`` (AlphaEdit) ``optimizer_state`` is its own carried state instead.
     ``drift_factors``: the capability factors the ``config.max_drift`` budget is measured with (default:
-    ``factors``; sessions pass the capability factors alone, without the earlier edits')."""
+    ``factors``; sessions pass the capability factors alone, without the earlier edits'). ``checkpoint``: a file
+    the fine-tuning loop saves its state to and resumes from (:mod:`crispedit.editing.checkpoint`); editors
+    that do not run the loop on fixed starting weights ignore it."""
 
     config: EditConfig
     layers: dict[str, nn.Module]
@@ -51,6 +53,7 @@ class EditContext:
     reproject_momentum: bool = True
     keep_optimizer: bool = False
     progress: bool | None = None
+    checkpoint: Path | None = None
 
 
 @dataclass
@@ -149,7 +152,7 @@ class Editor:
                 reproject_first_moment(opt, params, projectors, layers)
         budget = self.drift_budget(params, layers, ctx)
         history = projected_finetune(model, tokenizer, requests, layers, params, projectors, cfg, optimizer=opt,
-                                     progress=ctx.progress, drift_budget=budget)
+                                     progress=ctx.progress, drift_budget=budget, checkpoint=ctx.checkpoint)
         return EditOutcome(history, {n: p.stats() for n, p in projectors.items()},
                            optimizer_state(opt, params) if ctx.keep_optimizer else {}, carried,
                            None if budget is None else budget.to_json())

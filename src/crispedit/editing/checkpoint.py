@@ -1,0 +1,147 @@
+"""Resumable training: the projected loop's state at the end of an epoch, in one safetensors file.
+
+A long edit (a thousand requests on a CPU) can be stopped — a closed laptop, a session's end, ``kill`` —
+and started again with the same command: :func:`~crispedit.editing.loop.projected_finetune` given a
+``checkpoint`` path writes, atomically, after every ``every`` epochs (and after the last): the trained
+tensors, the optimizer's state, the batch-order generator, the skip counters, the history so far and the
+drift budget's counters. A later run with the same path, the same config, the same requests and the same
+starting weights (:func:`run_identity`) loads it and goes on from the next epoch, so the resumed run takes
+exactly the steps the uninterrupted one would have (the per-epoch batch order comes from the saved
+generator; ``--context-sample`` draws from the seed and the epoch number). A checkpoint of another run is
+refused in one line (it is never silently overwritten); a damaged one too. A finished run's checkpoint
+holds its final state, so a resume after the training but before the caller saved its results trains
+nothing again. Tensors only, no pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from ..errors import CrispEditError, atomic_save_safetensors, load_safetensors, read_safetensors_header
+
+if TYPE_CHECKING:  # torch is imported by the functions that need it: the header check stays torch-free
+    import torch
+    from torch import Tensor, nn
+
+    from ..data.edits import EditRequest
+
+__all__ = ["run_identity", "LoopState", "save_checkpoint", "load_checkpoint", "check_checkpoint_file",
+           "CHECKPOINT_KIND"]
+
+CHECKPOINT_KIND = "training checkpoint"
+_KEY = "crispedit_checkpoint"
+_VERSION = 1
+_BUDGET_COUNTERS = ("hits", "last", "steps")
+
+
+def run_identity(config_json: dict, requests: Sequence[EditRequest], params: dict[str, nn.Parameter],
+                 opt: torch.optim.Optimizer | None = None) -> str:
+    """Digest (32 hex) of what determines a training run: the config (its JSON), the requests' content, the
+    trained tensors' names, shapes, dtypes and starting values, and the optimizer's starting state (a carried
+    Adam state, as in a session's later rounds)."""
+    import torch
+
+    from .optim import optimizer_state
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps({"config": config_json, "requests": [r.to_json() for r in requests]}, sort_keys=True).encode())
+    tensors = {f"param::{n}": p.detach() for n, p in params.items()}
+    if opt is not None:
+        tensors.update({f"opt::{k}": v for k, v in optimizer_state(opt, params).items()})
+    for name in sorted(tensors):
+        t = tensors[name].cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass
+class LoopState:
+    """The loop's counters after ``epochs`` finished epochs: ``epoch_loss`` (one mean loss per epoch,
+    nats/target token), ``n_batches`` batches seen, ``skipped`` of them below the skip loss, ``converged``
+    (the stop rule fired), the batch-order generator's state, the drift budget's counters and the training
+    seconds spent so far."""
+
+    epochs: int
+    epoch_loss: list[float]
+    n_batches: int
+    skipped: int
+    converged: bool
+    generator: Tensor
+    budget: dict
+    seconds: float = 0.0
+
+
+def save_checkpoint(path: str | Path, identity: str, state: LoopState, params: dict[str, nn.Parameter],
+                    opt: torch.optim.Optimizer) -> None:
+    """Write ``state``, the trained tensors ``params`` (as they are now) and ``opt``'s state to ``path``
+    atomically (temporary file + rename), tagged with ``identity`` (:func:`run_identity`)."""
+    tensors = {f"param::{n}": p.detach().cpu() for n, p in params.items()}
+    tensors.update({f"opt::{k}": v for k, v in optimizer_state(opt, params).items()})
+    tensors["generator"] = state.generator.cpu()
+    meta = {"version": _VERSION, "identity": identity, "epochs": state.epochs, "epoch_loss": state.epoch_loss,
+            "n_batches": state.n_batches, "skipped": state.skipped, "converged": state.converged,
+            "budget": state.budget, "seconds": state.seconds}
+    atomic_save_safetensors(path, tensors, metadata={_KEY: json.dumps(meta)})
+
+
+def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parameter],
+                    opt: torch.optim.Optimizer) -> LoopState | None:
+    """Load the checkpoint at ``path`` into ``params`` (in place) and ``opt`` and return its counters, or ``None``
+    when there is no file there. One-line :class:`CrispEditError` for a file of another run (other config,
+    requests, starting weights), another format, or a damaged file — ``params`` and ``opt`` untouched then."""
+    import torch
+
+    from .optim import load_optimizer_state
+
+    path = Path(path)
+    if not path.exists():
+        return None
+    meta, tensors = load_safetensors(path, CHECKPOINT_KIND, _KEY)
+    if meta.get("version") != _VERSION:
+        raise CrispEditError(f"{CHECKPOINT_KIND} file {path} has format version {meta.get('version')!r}, "
+                             f"this crispedit reads {_VERSION}; delete it to start over")
+    if meta.get("identity") != identity:
+        raise CrispEditError(f"{CHECKPOINT_KIND} file {path} belongs to another run (other config, edits or starting "
+                             "weights); delete it or give another path")
+    try:
+        stored = {n: tensors[f"param::{n}"] for n in params}
+        flat = {k[len("opt::"):]: v for k, v in tensors.items() if k.startswith("opt::")}
+        state = LoopState(int(meta["epochs"]), [float(x) for x in meta["epoch_loss"]], int(meta["n_batches"]),
+                          int(meta["skipped"]), bool(meta["converged"]), tensors["generator"], dict(meta["budget"]),
+                          float(meta.get("seconds", 0.0)))
+        for n, p in params.items():
+            if stored[n].shape != p.shape:
+                raise KeyError(n)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CrispEditError(f"{CHECKPOINT_KIND} file {path} is incomplete or corrupt (missing or bad {exc})") from None
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(stored[n].to(device=p.device, dtype=p.dtype))
+    opt.state.clear()
+    load_optimizer_state(opt, params, flat)
+    return state
+
+
+def check_checkpoint_file(path: str | Path) -> None:
+    """Before any work (torch-free): one-line :class:`CrispEditError` when ``path`` exists and is not a readable
+    crispedit training checkpoint (another kind of file, truncated). Whether it belongs to this run is checked
+    when the training starts (:func:`load_checkpoint`)."""
+    if Path(path).exists():
+        read_safetensors_header(path, CHECKPOINT_KIND, _KEY)
+
+
+def budget_counters(budget) -> dict:
+    """The drift budget's counters to checkpoint (``{}`` without a budget)."""
+    return {} if budget is None else {k: getattr(budget, k) for k in _BUDGET_COUNTERS if hasattr(budget, k)}
+
+
+def restore_budget_counters(budget, counters: dict) -> None:
+    """Put checkpointed counters back into the drift budget (nothing without one)."""
+    if budget is not None:
+        for k, v in counters.items():
+            setattr(budget, k, type(getattr(budget, k))(v))
