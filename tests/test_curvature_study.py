@@ -21,7 +21,7 @@ from crispedit.errors import CrispEditError
 from crispedit.experiments import mnist_study
 from crispedit.experiments.idx_data import load_dataset, load_idx
 from crispedit.experiments.mnist_study import MnistStudyConfig, gamma_of
-from crispedit.projection import DenseProjector, KroneckerProjector, eigh_psd, vec
+from crispedit.curvature.projection import DenseProjector, KroneckerProjector, eigh_psd, vec
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "images"
 D64 = torch.float64

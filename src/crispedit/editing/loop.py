@@ -37,7 +37,7 @@ from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
 from ..data.tokenize import EncodedBatch
 from ..errors import CrispEditError
 from ..models import as_weight_matrix
-from ..projection import LayerProjector
+from ..curvature.projection import LayerProjector
 from .config import EditConfig, ProjectionTarget
 from .contexts import epoch_subset, sequences_for, training_batches
 from .fastpath import make_loss_fn, plain_loss as edit_loss

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from ..curvature.ekfac import collect_classifier_ekfac, collect_classifier_kfac
 from ..curvature.exact import ParamLayout, ggn_matrix, hessian_matrix
 from ..errors import CrispEditError, atomic_write_json, check_output_dir
-from ..projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
+from ..curvature.projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
 from .idx_data import ImageSplit, load_dataset
 from .mnist_config import METHODS, MnistStudyConfig, gamma_of
 
@@ -162,7 +162,7 @@ class NoProjection(ParamProjector):
 
 
 class DenseParamProjector(ParamProjector):
-    """A :class:`~crispedit.projection.DenseProjector` acting on the flat vector of all weights."""
+    """A :class:`~crispedit.curvature.projection.DenseProjector` acting on the flat vector of all weights."""
 
     def __init__(self, layout: ParamLayout, projector: DenseProjector):
         self.layout, self.projector = layout, projector
@@ -179,7 +179,7 @@ class DenseParamProjector(ParamProjector):
 
 
 class LayerwiseParamProjector(ParamProjector):
-    """One :class:`~crispedit.projection.KroneckerProjector` per weight (block-diagonal)."""
+    """One :class:`~crispedit.curvature.projection.KroneckerProjector` per weight (block-diagonal)."""
 
     def __init__(self, projectors: dict[str, KroneckerProjector], shapes: dict[str, torch.Size]):
         self.projectors = projectors

@@ -2,7 +2,7 @@
 alone (the paper's "restrictive special case" of CrispEdit)."""
 
 from ...curvature.eigen import eigh_device, factor_eigh
-from ...projection import KroneckerProjector
+from ...curvature.projection import KroneckerProjector
 from ..registry import register_editor
 from .base import Editor
 

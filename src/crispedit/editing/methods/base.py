@@ -21,7 +21,7 @@ from ...curvature.kfac import KFACFactors
 from ...data.edits import EditRequest
 from ...errors import CrispEditError, file_digest
 from ...models import resolve_layers, weight_matrix
-from ...projection import IdentityProjector, LayerProjector
+from ...curvature.projection import IdentityProjector, LayerProjector
 from ..config import EditConfig
 from ..loop import TrainHistory, projected_finetune
 from ..optim import load_optimizer_state, make_optimizer, optimizer_state, reproject_first_moment

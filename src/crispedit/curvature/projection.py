@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .errors import check_gamma
+from ..errors import check_gamma
 
 __all__ = [
     "energy_keep_mask",
