@@ -191,7 +191,7 @@ def test_alphaedit_session_accumulates_preserved_keys(tiny_lm, tmp_path, iso_cac
     from safetensors.torch import load_file
 
     from crispedit.editing.config import SeqConfig
-    from crispedit.editing.session import Session
+    from crispedit.sessions.session import Session
 
     model, tok = tiny_lm
     opts = {"nullspace_threshold": 1.0, "l2": 1.0, "v_steps": 20, "v_lr": 0.5, "clamp": 4.0, "prefixes": 0}
@@ -270,7 +270,7 @@ def test_ultraedit_session_carries_the_normalisation(tiny_lm, tmp_path, iso_cach
     from safetensors.torch import load_file
 
     from crispedit.editing.config import SeqConfig
-    from crispedit.editing.session import Session
+    from crispedit.sessions.session import Session
 
     model, tok = tiny_lm
     sc = SeqConfig(edit=EditConfig(method="ultraedit", layers=LAYERS, contexts="bare", answer_end="none",

@@ -18,10 +18,10 @@ from crispedit.cli import main
 from crispedit.curvature.kfac import KFACFactors
 from crispedit.data import EditRequest, load_edits, save_edits_jsonl
 from crispedit.editing import EditConfig, get_editor
-from crispedit.editing import session as session_mod
+from crispedit.sessions import session as session_mod
 from crispedit.editing.optim import load_optimizer_state, optimizer_state, reproject_first_moment
-from crispedit.editing.sequential import SeqConfig, accumulate, combine_factors, round_edit_factors
-from crispedit.editing.session import Session
+from crispedit.sessions.sequential import SeqConfig, accumulate, combine_factors, round_edit_factors
+from crispedit.sessions.session import Session
 from crispedit.errors import CrispEditError
 from crispedit.models import load_model, resolve_layers
 

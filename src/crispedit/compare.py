@@ -12,7 +12,7 @@ settings must match; other settings need another ``--out``). The command line is
 
 Sequential rows: ``<method>-seq`` (e.g. ``crispedit-seq``, the paper's CrispEdit-Seq) runs ``<method>`` in
 ``ceil(n / chunk)`` rounds of ``chunk`` consecutive edits through the session machinery
-(:func:`crispedit.editing.sequential.run_sequence`, i.e. :func:`~crispedit.editing.sequential.run_round`
+(:func:`crispedit.sessions.sequential.run_sequence`, i.e. :func:`~crispedit.sessions.sequential.run_round`
 with a :class:`~crispedit.editing.SeqConfig`), and the final model is evaluated on all edits exactly like a
 batch row. Its row records ``rounds``, ``seq_chunk`` and ``round_seconds``; its stored ``config`` is the
 ``SeqConfig`` and, with ``seq_chunk``, what a resumed compare checks.
@@ -56,7 +56,7 @@ from .editing.config import default_seq_chunk
 from .editing.contexts import DEFAULT_CONTEXTS
 from .editing.loop import training_brief
 from .editing.registry import seq_row
-from .editing.sequential import run_sequence
+from .sessions.sequential import run_sequence
 from .errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
                      check_positive_int, read_text_file)
 from .evaluation import CONTEXTS, evaluate_edit

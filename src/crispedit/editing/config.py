@@ -11,7 +11,7 @@ tokens on CPU (the paper uses 10,000 Wikipedia documents of 512 tokens on a GPU)
 Method-specific settings live in each method's own config dataclass (its ``Config`` in the method
 catalogue, e.g. :class:`~crispedit.editing.catalogue.LoRAConfig`); ``EditConfig.options`` holds them,
 validated and completed with that method's defaults. :class:`SeqConfig` adds the settings of a
-sequential session (:mod:`.sequential`).
+sequential session (:mod:`crispedit.sessions.sequential`).
 
 Torch-free, like the catalogue it validates against: a command's arguments are checked before torch is
 imported.
@@ -189,7 +189,7 @@ def default_seq_chunk(n_edits: int) -> int:
 @dataclass
 class SeqConfig:
     """Everything that determines a sequential editing session (besides the base model): the edit
-    config of every round and the factor policy of :mod:`crispedit.editing.sequential` (validated on
+    config of every round and the factor policy of :mod:`crispedit.sessions.sequential` (validated on
     construction)."""
 
     edit: EditConfig = field(default_factory=EditConfig)

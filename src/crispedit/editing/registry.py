@@ -75,7 +75,7 @@ class MethodSpec:
     ``--max-drift`` budget and the ``--drift-penalty`` act on (the fine-tuning methods, LoRA on its merged
     update; a method without curvature gets the capability K-FAC factors fetched for them, as
     ``--predict-drift`` does), not one closed-form or network pass. ``sequential``: whether
-    ``<name>-seq`` (the method in sequential rounds through :mod:`crispedit.editing.sequential`) is a
+    ``<name>-seq`` (the method in sequential rounds through :mod:`crispedit.sessions.sequential`) is a
     ``compare`` row — ``"paper"`` (the paper's Table 1 has it; part of ``--methods all``), ``"optional"``
     (may be named) or ``"none"`` (refused: the method has no sequential mode of its own)."""
 

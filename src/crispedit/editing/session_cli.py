@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import check_dir_takes_entries, check_output_dir, check_output_file
 from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
                     check_job_files, config_from_args)
-from .session_files import read_session_meta, read_session_state
+from ..sessions.files import read_session_meta, read_session_state
 
 __all__ = ["add_cli"]
 
@@ -48,7 +48,7 @@ def cmd_init(args) -> int:
     if not existed:
         check_output_dir(args.out, "--out")
     check_job_files(args, edit.n_cap)
-    from .session import Session
+    from ..sessions.session import Session
 
     s = Session.create(args.out, args.model, config, dtype=args.dtype, device=args.device, cache_file=args.cache,
                        progress=None if not args.quiet else False)
@@ -64,7 +64,7 @@ def cmd_add(args) -> int:
     _check_session(args.dir)
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
     from .loop import training_brief
-    from .session import Session
+    from ..sessions.session import Session
 
     s = Session.open(args.dir, model=args.model, device=args.device)
     print(f"round {s.round + 1}: editing {len(requests)} requests from {args.edits}", flush=True)
@@ -85,7 +85,7 @@ def cmd_status(args) -> int:
     if args.plot:
         check_output_file(args.plot, "--plot")
     _check_session(args.dir)
-    from .session import Session
+    from ..sessions.session import Session
 
     st = Session.open(args.dir).status()
     if args.json:
@@ -111,7 +111,7 @@ def cmd_status(args) -> int:
         print(f"drift budget ({b['mode']}): {b['budget']:g} nats/token, spent {b['spent']:.5f}, "
               f"remaining {b['remaining']:.5f} (predicted)")
     if args.plot:
-        from .session import Session as S
+        from ..sessions.session import Session as S
 
         print(f"plot written to {S.open(args.dir).plot(args.plot)}")
     return 0
@@ -121,7 +121,7 @@ def cmd_export(args) -> int:
     """``crispedit session export``: write the session's current model as a Hugging Face directory."""
     check_output_dir(args.out, overwrite=args.overwrite, marker="crispedit_session.json")
     _check_session(args.dir)
-    from .session import Session
+    from ..sessions.session import Session
 
     s = Session.open(args.dir, model=args.model, device=args.device)
     out = s.export(args.out, overwrite=args.overwrite, progress=False if args.quiet else None, delta=args.delta)
@@ -135,7 +135,7 @@ def cmd_plot(args) -> int:
     check_output_file(args.out)
     for d in args.dirs:
         _check_session(d)
-    from .session import Session, plot_retention
+    from ..sessions.session import Session, plot_retention
 
     statuses = [Session.open(d).status() for d in args.dirs]
     out = plot_retention(statuses, args.out, labels=args.labels.split(",") if args.labels else None)

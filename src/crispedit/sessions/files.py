@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..editing.contexts import parse_contexts
 from ..errors import CrispEditError, check_input_dir, read_text_file
-from .contexts import parse_contexts
 
 __all__ = ["SESSION_FORMAT", "SESSION_FILE", "STATE_FILE", "read_json", "check_session_meta", "check_session_state",
            "read_session_meta", "read_session_state"]

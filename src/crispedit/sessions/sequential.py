@@ -25,7 +25,7 @@ is the paper's "FT Sequential" (no projection); ``method="lora"`` is "LoRA Seque
 trained and merged every round; only the merged weights carry over).
 
 The round itself is :meth:`Editor.apply` — the same set-up around the loop as a batch :func:`edit`.
-Rounds are driven either durably, one ``add`` at a time, by :class:`~crispedit.editing.session.Session`, or
+Rounds are driven either durably, one ``add`` at a time, by :class:`~crispedit.sessions.session.Session`, or
 in memory over consecutive chunks of one edit set by :func:`run_sequence` (``crispedit compare``'s
 ``<method>-seq`` rows).
 """
@@ -42,12 +42,12 @@ from torch import Tensor, nn
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
 from ..curvature.predicted import mixing_layers, predicted_kl, steep_layers
 from ..data.edits import EditRequest
+from ..editing.config import MODES, WEIGHTINGS, EditConfig, SeqConfig
+from ..editing.contexts import resolve_contexts, sequences_for
+from ..editing.methods import EditContext
+from ..editing.registry import get_editor
 from ..errors import CrispEditError, check_positive_int
 from ..models import model_family, parameter
-from .config import MODES, WEIGHTINGS, EditConfig, SeqConfig
-from .contexts import resolve_contexts, sequences_for
-from .methods import EditContext
-from .registry import get_editor
 
 __all__ = ["SeqConfig", "SeqState", "SeqResult", "combine_factors", "round_edit_factors", "run_round",
            "run_sequence", "drift_spent", "weight_drift", "WEIGHTINGS", "MODES"]
@@ -256,7 +256,7 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
     :func:`~crispedit.editing.api.edit` does, ``predict_drift`` included) are the rounds' constraint and
     the drift model. The model is left edited; ``result.original_weights`` undoes it. ``on_round(record,
     n_rounds)`` is called after every round (progress reports)."""
-    from .api import capability_factors, edit_factors, snapshot
+    from ..editing.api import capability_factors, edit_factors, snapshot
 
     config = config.validate()
     if config.mode != "sequential":

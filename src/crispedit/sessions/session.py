@@ -49,15 +49,15 @@ import torch
 
 from ..curvature.kfac import KFACFactors
 from ..data.edits import EditRequest, load_edits, save_edits_jsonl
+from ..editing.api import capability_factors, edit_factors
+from ..editing.contexts import DEFAULT_CONTEXTS, pinned_contexts
+from ..editing.registry import get_editor
 from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_figure, atomic_write_json,
                       check_finite_tensors, check_output_dir, check_output_file, load_safetensors)
 from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..models import load_model, model_family, parameter, save_model_dir, weight_fingerprint
-from .api import capability_factors, edit_factors
-from .contexts import DEFAULT_CONTEXTS, pinned_contexts
-from .registry import get_editor
+from .files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
-from .session_files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
 
 __all__ = ["Session", "SESSION_FORMAT", "plot_retention", "session_size"]
 
