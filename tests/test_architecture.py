@@ -173,8 +173,8 @@ def test_the_graph_has_the_edges_it_should():
     assert "crispedit.delta" in graph["crispedit.delta_cli"]  # inside a function
     assert "crispedit.experiments.mnist_study" in graph["crispedit.experiments.mnist_cli"]
     assert "crispedit.editing.catalogue" in graph["crispedit.editing"]  # `from . import catalogue` in __init__
-    assert {"crispedit.editing.config", "crispedit.editing.api"} <= graph["crispedit.compare"]  # lazy exports
-    assert "crispedit.editing" not in graph["crispedit.compare"]
+    assert {"crispedit.editing.config", "crispedit.editing.api"} <= graph["crispedit.experiments.compare"]  # lazy exports
+    assert "crispedit.editing" not in graph["crispedit.experiments.compare"]
     assert "crispedit.data" in graph["crispedit.demo"]  # a plain package re-export
     assert {"crispedit.data.corpus", "crispedit.data.edits"} <= graph["crispedit.data"]
     assert "crispedit.errors" in graph["crispedit.experiments.mnist_config"]  # two dots

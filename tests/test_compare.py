@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from crispedit import compare as compare_mod
+from crispedit.experiments import compare as compare_mod
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig

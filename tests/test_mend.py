@@ -237,7 +237,7 @@ def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache,
 
 
 def test_compare_runs_mend_beside_a_fine_tuning_method(tiny_lm, tmp_path, iso_cache):
-    import crispedit.compare as compare_mod
+    import crispedit.experiments.compare as compare_mod
 
     model, tok = tiny_lm
     fp = weight_fingerprint(model)
@@ -294,7 +294,7 @@ def test_target_only_logprobs_equal_the_full_forward(tiny_lm):
 
 
 def test_compare_refuses_mend_without_a_network_before_running_any_method(tiny_lm, tmp_path, iso_cache):
-    import crispedit.compare as compare_mod
+    import crispedit.experiments.compare as compare_mod
 
     model, tok = tiny_lm
     cfgs = {"ft": EditConfig(method="ft", layers=LAYERS, epochs=1), "mend": EditConfig(method="mend", layers=LAYERS)}

@@ -1,6 +1,6 @@
 """``crispedit compare`` on the command line (registered through ``crispedit.cli._COMMAND_MODULES``).
 
-Torch-free: every argument is checked here before :mod:`crispedit.compare` (torch) is imported."""
+Torch-free: every argument is checked here before :mod:`crispedit.experiments.compare` (torch) is imported."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def cmd_compare(args) -> int:
     first = configs[methods[0]]
     n_cap = (first.edit if isinstance(first, SeqConfig) else first).n_cap
     requests, model, tok, progress = load_job_inputs(args, n_cap)
-    from .compare import JSON_FILE, MD_FILE, PNG_FILE, compare_table, run_compare
+    from .experiments.compare import JSON_FILE, MD_FILE, PNG_FILE, compare_table, run_compare
 
     payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
                           edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},

@@ -48,20 +48,20 @@ from typing import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .curvature.predicted import prediction_notes
-from .data.edits import EditRequest
-from .editing import EditConfig, SeqConfig, edit, get_editor, restore
-from .editing.api import snapshot
-from .editing.config import default_seq_chunk
-from .editing.contexts import DEFAULT_CONTEXTS
-from .editing.loop import training_brief
-from .editing.registry import seq_row
-from .sessions.sequential import run_sequence
-from .errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
+from ..curvature.predicted import prediction_notes
+from ..data.edits import EditRequest
+from ..editing import EditConfig, SeqConfig, edit, get_editor, restore
+from ..editing.api import snapshot
+from ..editing.config import default_seq_chunk
+from ..editing.contexts import DEFAULT_CONTEXTS
+from ..editing.loop import training_brief
+from ..editing.registry import seq_row
+from ..errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
                      check_positive_int, read_text_file)
-from .evaluation import CONTEXTS, evaluate_edit
-from .evaluation.capabilities import paired_change
-from .models import model_family, weight_fingerprint
+from ..evaluation import CONTEXTS, evaluate_edit
+from ..evaluation.capabilities import paired_change
+from ..models import model_family, weight_fingerprint
+from ..sessions.sequential import run_sequence
 
 __all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "pareto_front", "pareto_points",
            "capability_changes",
@@ -279,7 +279,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                 restore(model, res.original_weights)
             if weight_fingerprint(model) != fp:
                 raise CrispEditError(f"restoring the base after {method} failed (fingerprint differs)")
-            from .pipeline import drift_summary
+            from ..pipeline import drift_summary
 
             ev["summary"].update(drift_summary(res))
             extra = (dict(rounds=len(res.rounds), seq_chunk=res.chunk, round_seconds=res.round_seconds,
