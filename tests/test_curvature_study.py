@@ -280,7 +280,7 @@ def test_quick_study_end_to_end_through_the_cli(tmp_path, capsys):
 
     out = tmp_path / "study"
     argv = ["study", "mnist", "--quick", "--data", str(DATA), "--out", str(out), "--k-values", "2", "--quiet"]
-    assert "crispedit.experiments.mnist_cli" in cli._COMMAND_MODULES
+    assert "crispedit.cli.mnist" in cli._COMMAND_MODULES
     rc = cli.main(argv)
     assert rc == 0
     printed = capsys.readouterr().out

@@ -261,7 +261,7 @@ def test_kill9_mid_round_resumes_to_uninterrupted_state(ref, tmp_path, monkeypat
     uninterrupted run ended."""
     monkeypatch.setenv("CRISPEDIT_CACHE", str(ref["cache"]))
     sess = _resume_copy(ref, tmp_path / "sess")
-    cmd = [sys.executable, "-m", "crispedit.cli", "session", "add", str(sess), "--edits", str(ref["files"][1]), "--quiet"]
+    cmd = [sys.executable, "-m", "crispedit", "session", "add", str(sess), "--edits", str(ref["files"][1]), "--quiet"]
     # 1) external kill -9 while the round trains (the "round 2: editing" line is printed before training)
     env = _env(ref["cache"])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -8,7 +8,7 @@ evaluated once as the first row. After every method ``DIR/compare.json`` (atomic
 (shaped like the paper's Table 1) and ``DIR/compare.png`` (edit success vs capability retention) are
 rewritten, so a killed compare resumes: methods already in ``compare.json`` are not run again (their
 settings must match; other settings need another ``--out``). The command line is
-:mod:`crispedit.compare_cli` (it checks the arguments without importing this module's torch).
+:mod:`crispedit.cli.compare` (it checks the arguments without importing this module's torch).
 
 Sequential rows: ``<method>-seq`` (e.g. ``crispedit-seq``, the paper's CrispEdit-Seq) runs ``<method>`` in
 ``ceil(n / chunk)`` rounds of ``chunk`` consecutive edits through the session machinery

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -472,9 +471,3 @@ def format_table(rows: Sequence[dict]) -> str:
         lines.append(f"{r['method']:<15} {k:>5} {g:>12} {r['mnist_acc']:>7.4f} {r['fashion_acc']:>8.4f} "
                      f"{r['kept_dims']:>6} {r['recomputes']:>6} {r['seconds']:>7.1f}")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # pragma: no cover - ``python -m crispedit.experiments.mnist_study study mnist ...``
-    from ..cli import main
-
-    sys.exit(main())

@@ -1,10 +1,10 @@
 """CLI flags shared by ``edit``, ``session init``, ``compare`` and ``cache build``, built from the config
 dataclasses: defaults come from :class:`EditConfig`'s fields, ``--method`` choices from the method
 catalogue, and every method's own options (its ``Config`` dataclass) become ``--<method>-<option>``
-flags. One low module, so the command modules (``cli.py``, ``editing/session_cli.py``) import it and
-never each other. Torch-free (it reads the catalogue, never an editor class): building the parser and
-checking the flags import neither torch nor transformers; :func:`load_job_inputs` imports them once
-every cheaper input has been checked."""
+flags. The command modules (``cli/edit.py``, ``cli/session.py``, ...) import it and never each other.
+Torch-free (it reads the catalogue, never an editor class): building the parser and checking the flags
+import neither torch nor transformers; :func:`load_job_inputs` imports them once every cheaper input has
+been checked."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Sequence
 
+from ..editing.config import EditConfig, ProjectionTarget
+from ..editing.contexts import ANSWER_ENDS, DEFAULT_CONTEXTS
+from ..editing.registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
 from ..errors import CrispEditError, check_input_file
-from .config import EditConfig, ProjectionTarget
-from .contexts import ANSWER_ENDS, DEFAULT_CONTEXTS
-from .registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
 
 __all__ = ["add_model_args", "add_edits_args", "add_curvature_args", "add_training_args", "add_method_option_args",
            "add_max_drift_arg",

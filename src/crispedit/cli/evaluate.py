@@ -28,7 +28,7 @@ def _versions() -> dict:
 
 def _parse_fewshot(spec: str | None):
     """None | "5" | "arc_challenge=5,mmlu=0" -> None | int | {task: int}."""
-    from .capabilities import parse_tasks
+    from ..evaluation.capabilities import parse_tasks
 
     if spec is None or spec == "":
         return None
@@ -58,7 +58,7 @@ def _parse_fewshot(spec: str | None):
 
 def _parse_limit(spec):
     """"200" | "all" | "arc_challenge=100,ifeval=50" -> 200 | None | {task: int or None} (unlisted: 200)."""
-    from .capabilities import parse_tasks
+    from ..evaluation.capabilities import parse_tasks
 
     def one(name: str, v: str):
         """``v`` as a positive int (errors name ``name``), None for ``all``."""
@@ -80,9 +80,9 @@ def _parse_limit(spec):
 def run_eval(args) -> dict:
     """Validate every input, then evaluate; returns the result dict (the caller writes it)."""
     from ..data import heldout_text, load_edits
-    from .capabilities import check_capability_inputs, parse_tasks
-    from .judges import make_judge
-    from .wild import WildConfig
+    from ..evaluation.capabilities import check_capability_inputs, parse_tasks
+    from ..evaluation.judges import make_judge
+    from ..evaluation.wild import WildConfig
 
     # --- validation: everything a user can get wrong fails here, before any model is loaded
     if args.protocol not in PROTOCOLS:
@@ -107,10 +107,10 @@ def run_eval(args) -> dict:
     judge = make_judge(args.judge) if (requests is not None and args.protocol == "wild") else None
     kl_texts = heldout_text(args.kl_text, args.kl_texts) if args.base else None
 
+    from ..evaluation.capabilities import capability_drift, run_capabilities
+    from ..evaluation.teacher_forced import edit_scores, summarize_edit_scores
+    from ..evaluation.wild import run_wild
     from ..models import load_model
-    from .capabilities import capability_drift, run_capabilities
-    from .teacher_forced import edit_scores, summarize_edit_scores
-    from .wild import run_wild
 
     progress = False if args.quiet else None
     timings: dict = {}
@@ -199,7 +199,7 @@ def cmd_eval(args) -> int:
 
 def cmd_report(args) -> int:
     """``crispedit report``: markdown table (and PNG) comparing ``crispedit eval`` result files."""
-    from .report import write_report
+    from ..evaluation.report import write_report
 
     out_md = args.out or None
     png = args.png

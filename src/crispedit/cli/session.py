@@ -1,7 +1,7 @@
 """``crispedit session init|add|status|export|plot``: durable sequential editing from the command line.
 
 Every command checks what it can without torch first — flags, the session directory's JSON files, edit
-files, output destinations — and imports :mod:`.session` (torch) only then."""
+files, output destinations — and imports :mod:`crispedit.sessions.session` (torch) only then."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 from ..errors import check_dir_takes_entries, check_output_dir, check_output_file
+from ..sessions.files import read_session_meta, read_session_state
 from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
                     check_job_files, config_from_args)
-from ..sessions.files import read_session_meta, read_session_state
 
 __all__ = ["add_cli"]
 
@@ -38,7 +38,7 @@ def _check_session(path) -> None:
 
 def cmd_init(args) -> int:
     """``crispedit session init``: create (or reopen) a session directory with its capability factors."""
-    from .config import SeqConfig
+    from ..editing.config import SeqConfig
 
     edit = config_from_args(args)  # the same mapping of training/curvature flags as `crispedit edit`
     config = SeqConfig(edit=edit, mode=args.mode, weighting=args.weighting, mix=args.mix,
@@ -63,7 +63,7 @@ def cmd_add(args) -> int:
 
     _check_session(args.dir)
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
-    from .loop import training_brief
+    from ..editing.loop import training_brief
     from ..sessions.session import Session
 
     s = Session.open(args.dir, model=args.model, device=args.device)

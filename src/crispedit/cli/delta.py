@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .delta_format import read_delta_header
-from .errors import check_output_dir, check_positive_int
+from ..delta_format import read_delta_header
+from ..errors import check_output_dir, check_positive_int
 
 __all__ = ["add_cli"]
 
@@ -56,7 +56,7 @@ def _prod(shape) -> int:
 
 
 def _load(args, meta: dict):
-    from .models import load_model
+    from ..models import load_model
 
     return load_model(args.model, dtype=meta["dtype"], device=None, trust_remote_code=args.trust_remote_code,
                       progress=False if args.quiet else None)
@@ -66,9 +66,9 @@ def _apply_or_revert(args, revert: bool) -> int:
     meta = read_delta_header(args.delta)
     check_output_dir(args.out, overwrite=False)
     model, tok = _load(args, meta)
-    from .delta import apply_delta, revert_delta
-    from .errors import atomic_directory, atomic_write_json
-    from .models import save_model_dir
+    from ..delta import apply_delta, revert_delta
+    from ..errors import atomic_directory, atomic_write_json
+    from ..models import save_model_dir
 
     (revert_delta if revert else apply_delta)(model, args.delta)
     verb = "reverted" if revert else "applied"
@@ -98,7 +98,7 @@ def cmd_export_lora(args) -> int:
     meta = read_delta_header(args.delta)
     check_output_dir(args.out, overwrite=False)
     model, tok = _load(args, meta)
-    from .delta import export_lora
+    from ..delta import export_lora
 
     report = export_lora(model, args.delta, rank, args.out, base_name=str(args.model), tokenizer=tok,
                          evaluate=args.evaluate)

@@ -2,7 +2,7 @@
 ``crispedit.cli._COMMAND_MODULES``).
 
 Torch-free at import: ``--help`` and every mistake in the flags are answered from the settings
-(:mod:`.mnist_config`) without importing torch; the study itself (:func:`~.mnist_study.run_mnist_study`)
+(:mod:`crispedit.experiments.mnist_config`) without importing torch; the study itself (:func:`crispedit.experiments.mnist_study.run_mnist_study`)
 is imported only when it runs.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import CrispEditError, check_output_dir
-from .mnist_config import METHODS, MnistStudyConfig
+from ..experiments.mnist_config import METHODS, MnistStudyConfig
 
 __all__ = ["config_from_args", "cmd_study_mnist", "add_cli"]
 
@@ -47,7 +47,7 @@ def cmd_study_mnist(args: argparse.Namespace) -> int:
     then) and print its table and output files."""
     cfg = config_from_args(args)
     check_output_dir(cfg.out_dir)  # an unwritable --out fails now, before torch is imported
-    from .mnist_study import format_table, run_mnist_study
+    from ..experiments.mnist_study import format_table, run_mnist_study
 
     report = run_mnist_study(cfg, progress=False if args.quiet else None)
     print(format_table(report["rows"]))

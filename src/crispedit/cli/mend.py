@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from .errors import CrispEditError, check_float, check_int, check_output_dir, check_output_file, check_positive_int
+from ..errors import CrispEditError, check_float, check_int, check_output_dir, check_output_file, check_positive_int
 
 __all__ = ["add_cli", "cmd_mend_train", "TRAIN_OFFSET", "TRAIN_N"]
 
@@ -20,7 +20,7 @@ TRAIN_OFFSET, TRAIN_N = 1000, 1000  # default training slice: disjoint from eval
 
 def _train_config(args):
     """The validated :class:`MENDTrainConfig` of the ``--<setting>`` flags (unset ones keep the defaults)."""
-    from .editing.catalogue import MENDTrainConfig
+    from ..editing.catalogue import MENDTrainConfig
 
     given = {f.name: getattr(args, f"mend_{f.name}") for f in fields(MENDTrainConfig)
              if getattr(args, f"mend_{f.name}", None) is not None}
@@ -38,7 +38,7 @@ def cmd_mend_train(args) -> int:
     check_positive_int("--n-cap", args.n_cap)
     prev = None
     if args.init:
-        from .editing.methods.mend_net import read_network_meta
+        from ..editing.methods.mend_net import read_network_meta
 
         fixed = sorted(f.name.replace("_", "-") for f in fields(config)
                        if f.name not in ("steps", "seed") and getattr(args, f"mend_{f.name}", None) is not None)
@@ -50,17 +50,17 @@ def cmd_mend_train(args) -> int:
         check_output_file(args.out)
     if args.cache_dir:  # where the network goes without --out
         check_output_dir(args.cache_dir, "--cache-dir")
-    from .data import capability_corpus, load_edits
+    from ..data import capability_corpus, load_edits
 
     passages = capability_corpus(args.cap_corpus, args.n_cap) if config.loc_texts else []
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
     if not requests:
         raise CrispEditError(f"{args.edits} has no edit requests from offset {args.offset}")
     progress = False if args.quiet else None
-    from .editing.methods.mend_net import (default_layers, default_weights_path, load_network, prompt_digests,
+    from ..editing.methods.mend_net import (default_layers, default_weights_path, load_network, prompt_digests,
                                            save_network)
-    from .editing.methods.mend_train import train_mend
-    from .models import load_model, resolve_layers, weight_fingerprint
+    from ..editing.methods.mend_train import train_mend
+    from ..models import load_model, resolve_layers, weight_fingerprint
 
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                             progress=progress)
@@ -93,8 +93,8 @@ def cmd_mend_train(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit mend train`` on ``subparsers``."""
-    from .editing.catalogue import MENDTrainConfig
-    from .editing.flags import add_model_args
+    from ..editing.catalogue import MENDTrainConfig
+    from .flags import add_model_args
 
     p = sub.add_parser("mend", help="train MEND's gradient-transform network (for --method mend)")
     msub = p.add_subparsers(dest="mend_command", required=True)

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CrispEditError, check_output_dir, check_positive_int
+from ..errors import CrispEditError, check_output_dir, check_positive_int
 
 __all__ = ["add_cli", "cmd_compare"]
 
 
 def cmd_compare(args) -> int:
     """``crispedit compare``: validate every input, load the model once, run the methods, print the table."""
-    from .editing.flags import config_from_args, load_job_inputs, method_options_from_args, parse_methods
-    from .evaluation.capabilities import check_capability_inputs, parse_tasks
-
-    from .editing.config import SeqConfig
-    from .editing.registry import seq_row
+    from ..editing.config import SeqConfig
+    from ..editing.registry import seq_row
+    from ..evaluation.capabilities import check_capability_inputs, parse_tasks
+    from .flags import config_from_args, load_job_inputs, method_options_from_args, parse_methods
 
     methods = parse_methods(args.methods)
     options = method_options_from_args(args, methods)
@@ -40,7 +39,7 @@ def cmd_compare(args) -> int:
     first = configs[methods[0]]
     n_cap = (first.edit if isinstance(first, SeqConfig) else first).n_cap
     requests, model, tok, progress = load_job_inputs(args, n_cap)
-    from .experiments.compare import JSON_FILE, MD_FILE, PNG_FILE, compare_table, run_compare
+    from ..experiments.compare import JSON_FILE, MD_FILE, PNG_FILE, compare_table, run_compare
 
     payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
                           edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},
@@ -53,9 +52,9 @@ def cmd_compare(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit compare`` on ``subparsers``."""
-    from .editing.flags import add_curvature_args, add_edits_args, add_model_args, add_training_args
-    from .editing.config import MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK
-    from .editing.registry import SEQ_SUFFIX, method_names, sequential_rows
+    from ..editing.config import MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK
+    from ..editing.registry import SEQ_SUFFIX, method_names, sequential_rows
+    from .flags import add_curvature_args, add_edits_args, add_model_args, add_training_args
 
     p = sub.add_parser("compare", help="run several editing methods on the same edits and tabulate them")
     add_model_args(p)
