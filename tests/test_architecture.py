@@ -7,7 +7,8 @@ the command line torch-free), under ``if TYPE_CHECKING``. An edge goes to the mo
 ``from pkg import sub`` to ``pkg.sub`` when that is a module, ``from pkg import name`` to ``pkg`` — or, when
 ``pkg`` exports ``name`` lazily (``_lazy.lazy_exports``), to the submodule that defines it. Parent packages
 whose ``__init__`` Python runs on the way are not edges of their own, and neither are imports by name
-string (``importlib.import_module``: ``cli._COMMAND_MODULES``, the method catalogue's editor locations).
+string (``importlib.import_module``: ``cli._COMMAND_MODULES``, the registry's built-in methods package and editor
+locations).
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ def test_the_graph_has_the_edges_it_should():
     assert "crispedit.delta_format" in graph["crispedit.delta"]  # module level, relative
     assert "crispedit.delta" in graph["crispedit.cli.delta"]  # inside a function
     assert "crispedit.experiments.mnist_study" in graph["crispedit.cli.mnist"]
-    assert "crispedit.editing.catalogue" in graph["crispedit.editing"]  # `from . import catalogue` in __init__
+    assert "crispedit.methods.memit" in graph["crispedit.methods.memit.editor"]  # `from . import MEMITConfig`
+    assert graph["crispedit.editing"] == {"crispedit._lazy"}  # lazy exports are no edges of the package itself
     assert {"crispedit.editing.config", "crispedit.editing.api"} <= graph["crispedit.experiments.compare"]  # lazy exports
     assert "crispedit.editing" not in graph["crispedit.experiments.compare"]
     assert "crispedit.data" in graph["crispedit.demo"]  # a plain package re-export

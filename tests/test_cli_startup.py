@@ -189,9 +189,9 @@ def test_probe_sees_an_import_of_torch(tmp_path):
 def test_catalogue_entries_match_their_editor_classes():
     """Each catalogue entry names an editor class that registers under that name and takes its summary
     and options from the entry (one source); an unknown method is one line naming the choices."""
-    from crispedit.editing.catalogue import BUILTIN_METHODS
     from crispedit.editing.registry import editor_class, method_names, method_spec
     from crispedit.errors import CrispEditError
+    from crispedit.methods import BUILTIN_METHODS
 
     assert {s.name for s in BUILTIN_METHODS} <= set(method_names())
     for spec in BUILTIN_METHODS:
@@ -204,14 +204,14 @@ def test_catalogue_entries_match_their_editor_classes():
 
 
 def test_a_catalogued_editor_may_not_restate_its_summary():
-    from crispedit.editing.methods import Editor
+    from crispedit.editing.editor import Editor
     from crispedit.editing.registry import register_editor
 
     class Twice(Editor):
         name = "ft"
         summary = "another summary"
 
-    Twice.__module__, Twice.__qualname__ = "crispedit.editing.methods.ft", "FTEditor"
+    Twice.__module__, Twice.__qualname__ = "crispedit.methods.ft", "FTEditor"
     with pytest.raises(ValueError, match="the catalogue entry of 'ft' holds them"):
         register_editor(Twice)
 

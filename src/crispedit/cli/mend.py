@@ -1,7 +1,7 @@
 """``crispedit mend train``: meta-train MEND's gradient-transform network (registered through
 ``crispedit.cli._COMMAND_MODULES``).
 
-Torch-free at import: the flags come from :class:`~crispedit.editing.catalogue.MENDTrainConfig`, every
+Torch-free at import: the flags come from :class:`~crispedit.methods.mend.MENDTrainConfig`, every
 argument and input file is checked before the model (and torch) is loaded. The training requests default
 to ZsRE dev records 1000–1999 (``--offset 1000 --n-edits 1000``), disjoint from the evaluation slice
 (100–199) and the tuning slice (400–431) the docs' tables use.
@@ -20,7 +20,7 @@ TRAIN_OFFSET, TRAIN_N = 1000, 1000  # default training slice: disjoint from eval
 
 def _train_config(args):
     """The validated :class:`MENDTrainConfig` of the ``--<setting>`` flags (unset ones keep the defaults)."""
-    from ..editing.catalogue import MENDTrainConfig
+    from ..methods.mend import MENDTrainConfig
 
     given = {f.name: getattr(args, f"mend_{f.name}") for f in fields(MENDTrainConfig)
              if getattr(args, f"mend_{f.name}", None) is not None}
@@ -38,7 +38,7 @@ def cmd_mend_train(args) -> int:
     check_positive_int("--n-cap", args.n_cap)
     prev = None
     if args.init:
-        from ..editing.methods.mend_net import read_network_meta
+        from ..methods.mend.net import read_network_meta
 
         fixed = sorted(f.name.replace("_", "-") for f in fields(config)
                        if f.name not in ("steps", "seed") and getattr(args, f"mend_{f.name}", None) is not None)
@@ -57,9 +57,9 @@ def cmd_mend_train(args) -> int:
     if not requests:
         raise CrispEditError(f"{args.edits} has no edit requests from offset {args.offset}")
     progress = False if args.quiet else None
-    from ..editing.methods.mend_net import (default_layers, default_weights_path, load_network, prompt_digests,
+    from ..methods.mend.net import (default_layers, default_weights_path, load_network, prompt_digests,
                                            save_network)
-    from ..editing.methods.mend_train import train_mend
+    from ..methods.mend.train import train_mend
     from ..models import load_model, resolve_layers, weight_fingerprint
 
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
@@ -93,7 +93,7 @@ def cmd_mend_train(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit mend train`` on ``subparsers``."""
-    from ..editing.catalogue import MENDTrainConfig
+    from ..methods.mend import MENDTrainConfig
     from .flags import add_model_args
 
     p = sub.add_parser("mend", help="train MEND's gradient-transform network (for --method mend)")

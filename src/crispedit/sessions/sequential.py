@@ -44,7 +44,7 @@ from ..curvature.predicted import mixing_layers, predicted_kl, steep_layers
 from ..data.edits import EditRequest
 from ..editing.config import MODES, WEIGHTINGS, EditConfig, SeqConfig
 from ..editing.contexts import resolve_contexts, sequences_for
-from ..editing.methods import EditContext
+from ..editing.editor import EditContext
 from ..editing.registry import get_editor
 from ..errors import CrispEditError, check_positive_int
 from ..models import model_family, parameter

@@ -23,14 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...editing.editor import EditContext
+from ...editing.loop import TrainHistory, edit_batches
+from ...editing.rows import input_gradient_rows
+from ...editing.single_pass import SinglePassEditor
 from ...errors import CrispEditError
 from ...models import decoder_blocks, default_layer_pattern, resolve_layers, weight_matrix
-from ..catalogue import UltraEditConfig
-from ..loop import TrainHistory, edit_batches
-from ..registry import register_editor
-from ..rows import input_gradient_rows
-from .base import EditContext
-from .single_pass import SinglePassEditor
+from . import UltraEditConfig
 
 __all__ = ["UltraEditConfig", "UltraEditEditor", "RunningNorm", "ultraedit_delta", "pseudo_values"]
 
@@ -118,13 +117,12 @@ def default_layers(model) -> str:
     return ",".join(parts)
 
 
-@register_editor
 class UltraEditEditor(SinglePassEditor):
     """UltraEdit: per batch, normalised gradient pseudo-values written into the edit layers by a ridge solve. The
     history's ``epoch_loss`` holds the mean target NLL (nats/token, bare prompt) before and after, ``steps`` the
     number of batches written."""
 
-    name = "ultraedit"  # summary and Config (UltraEditConfig): its entry in editing/catalogue.py
+    name = "ultraedit"
     carries_state = True  # the lifelong normalisation goes from round to round
     form = "ridge"
 

@@ -7,7 +7,7 @@ with ``P = U₀U₀ᵀ`` the projector onto the eigenvectors of the per-token ke
 whose eigenvalues are below ``nullspace_threshold`` (authors: 2e-2), ``K_p K_pᵀ`` the accumulated keys
 of earlier batches / session rounds (AlphaEdit-Seq), ``l2`` the ridge weight (authors' Llama-3 config:
 10). For any key ``k`` with ``Pk = 0`` (the span of C's large-eigenvalue directions) ``ΔW k = 0``.
-Options: :class:`~crispedit.editing.catalogue.AlphaEditConfig`. In a session the accumulated
+Options: :class:`~crispedit.methods.alphaedit.AlphaEditConfig`. In a session the accumulated
 ``K_p K_pᵀ`` is carried to the next round (stored with the session's state)."""
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..catalogue import AlphaEditConfig
-from ..keyvalue import layer_keys
-from ..registry import register_editor
-from .closed_form import ClosedFormEditor
+from ...editing.keyvalue import layer_keys
+from ..memit.closed_form import ClosedFormEditor
+from . import AlphaEditConfig
 
 __all__ = ["AlphaEditConfig", "AlphaEditEditor", "nullspace_projector", "alphaedit_delta"]
 
@@ -42,11 +41,10 @@ def alphaedit_delta(K: Tensor, R: Tensor, P: Tensor, KpKp: Tensor | None, l2: fl
     return torch.linalg.solve(P @ N + l2 * eye, P @ K @ R.T).T
 
 
-@register_editor
 class AlphaEditEditor(ClosedFormEditor):
     """AlphaEdit: MEMIT's closed form restricted to the null space of the capability keys' covariance."""
 
-    name = "alphaedit"  # summary and Config (AlphaEditConfig): its entry in editing/catalogue.py
+    name = "alphaedit"
     carries_state = True  # sessions carry K_p K_pᵀ whatever the optimizer setting
 
     def prepare(self, layers, C, cfg, ctx):

@@ -1,4 +1,4 @@
-"""The single-pass editors' shared skeleton: MEMIT and AlphaEdit (``closed_form.py``), UltraEdit, MEND.
+"""The single-pass editors' shared skeleton: MEMIT and AlphaEdit (``methods/memit/closed_form.py``), UltraEdit, MEND.
 
 Such an editor writes its change in one pass over the requests, without the projected loop:
 :meth:`SinglePassEditor.apply` measures the mean target NLL (:func:`target_nll`) before, takes the weight
@@ -17,12 +17,12 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...data.edits import EditRequest
-from ...data.tokenize import collate, join_prompt_target, split_context_target
-from ...errors import CrispEditError
-from ...models import weight_matrix
-from ..loop import TrainHistory
-from .base import EditContext, EditOutcome, Editor
+from ..data.edits import EditRequest
+from ..data.tokenize import collate, join_prompt_target, split_context_target
+from ..errors import CrispEditError
+from ..models import weight_matrix
+from .editor import EditContext, EditOutcome, Editor
+from .loop import TrainHistory
 
 __all__ = ["SinglePassEditor", "target_nll"]
 

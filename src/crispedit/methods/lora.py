@@ -6,35 +6,72 @@ no adapter modules left; only ``q_proj``/``v_proj`` weights of those blocks chan
 ``--drift-penalty`` act on that merged update ``(alpha/r)·B·A``, measured with the capability K-FAC factors of
 the adapted modules (where attention mixes positions, which the prediction under-reads).
 
-Its options and the paper's defaults (r 8, alpha 32, dropout 0.1, lr 5e-3) are
-:class:`~crispedit.editing.catalogue.LoRAConfig`.
+Its options and the paper's defaults (r 8, alpha 32, dropout 0.1, lr 5e-3) are :class:`LoRAConfig`.
 """
 
 from __future__ import annotations
 
-from torch import nn
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ...errors import CrispEditError
-from ...models import decoder_blocks
-from ..catalogue import LoRAConfig
-from ..loop import projected_finetune
-from ..registry import register_editor
-from .base import EditContext, EditOutcome, Editor, identity_projectors
+from ..editing.editor import EditContext, EditOutcome, Editor, identity_projectors
+from ..editing.registry import MethodConfig, MethodSpec
+from ..errors import CrispEditError, check_float, check_int
 
-__all__ = ["LoRAConfig", "LoRAEditor", "ADAPTER"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["LoRAConfig", "LoRAEditor", "ADAPTER", "METHOD"]
+
+
+@dataclass
+class LoRAConfig(MethodConfig):
+    """Rank ``r`` (≥ 1), scale ``alpha`` (ΔW = alpha/r · B A), adapter ``dropout`` in [0, 1), and the
+    comma-separated module names ``targets`` adapted in each edit layer's block. Paper defaults
+    (EasyEdit's LoRA config for Llama-3-8B): r 8, alpha 32, dropout 0.1; lr 5e-3."""
+
+    r: int = 8
+    alpha: float = 32.0
+    dropout: float = 0.1
+    targets: str = "q_proj,v_proj"
+    SHARED = {"lr": 5e-3}
+    HELP = {"r": "adapter rank (default 8)", "alpha": "adapter scale: delta W = alpha/r * B A (default 32)",
+            "dropout": "adapter dropout while training (default 0.1)",
+            "targets": "comma-separated module names adapted in each edit layer's block (default q_proj,v_proj)"}
+
+    def validate(self) -> "LoRAConfig":
+        """r a positive integer, alpha positive, dropout in [0, 1), targets non-empty."""
+        self.r = check_int("lora rank r", self.r, 1)
+        self.alpha = check_float("lora alpha", self.alpha, 0.0, lo_open=True)
+        self.dropout = check_float("lora dropout", self.dropout, 0.0, 1.0, hi_open=True)
+        if not [t for t in str(self.targets).split(",") if t.strip()]:
+            raise CrispEditError("lora targets is empty; give module names such as q_proj,v_proj")
+        return self
+
+    @property
+    def scale(self) -> float:
+        """``alpha / r``: the factor of ``B A`` in the merged weight."""
+        return self.alpha / self.r
+
+
+METHOD = MethodSpec("lora", "low-rank adapter (peft) on q_proj/v_proj of the edit layers' blocks, merged after "
+                    "training", LoRAConfig, f"{__name__}:LoRAEditor", sequential="paper", drift_budget=True)
 
 ADAPTER = "crispedit"  # the peft adapter name used while an edit trains
 
 
-@register_editor
 class LoRAEditor(Editor):
     """LoRA (peft) on the ``targets`` of the edit layers' blocks, merged after training."""
 
-    name = "lora"  # summary and Config (LoRAConfig): its entry in editing/catalogue.py
+    name = "lora"
     carries_optimizer = False  # each edit (session round) trains a fresh adapter
 
     def target_modules(self, model: nn.Module, layers: dict[str, nn.Module], cfg: LoRAConfig) -> dict[str, nn.Module]:
         """Full name -> linear module of every ``cfg.targets`` module in the blocks holding the edit layers."""
+        from torch import nn
+
+        from ..models import decoder_blocks
+
         prefix, blocks = decoder_blocks(model)
         indices = sorted({int(n[len(prefix) + 1:].split(".")[0]) for n in layers if n.startswith(prefix + ".")})
         if not indices:
@@ -66,7 +103,7 @@ class LoRAEditor(Editor):
         factors = self.budget_factors(ctx)
         if factors is None:
             return None
-        from ...curvature.predicted import LowRankDriftBudget
+        from ..curvature.predicted import LowRankDriftBudget
 
         adapters = {n: (m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight, m.scaling[ADAPTER]) for n, m in layers.items()}
         return LowRankDriftBudget(adapters, {n: m.get_base_layer() for n, m in layers.items()}, factors,
@@ -79,6 +116,7 @@ class LoRAEditor(Editor):
             from peft import LoraConfig, LoraModel
         except ImportError:
             raise CrispEditError("the lora method needs peft: pip install peft") from None
+        from ..editing.loop import projected_finetune
 
         cfg: LoRAConfig = ctx.config.method_config
         targets = self.target_modules(model, ctx.layers, cfg)

@@ -2,15 +2,15 @@
 turns one gradient of the edit requests into the weight update of every edit layer.
 
 The editor loads the network trained for this model and these layers (option ``weights``; default the
-cached one, :func:`~.mend_net.default_weights_path`), computes the factors ``(u, δ)`` of all requests on the
-unedited model in one gradient computation (:func:`~.mend_net.edit_factors`: chunks of ``batch_size``
+cached one, :func:`~.net.default_weights_path`), computes the factors ``(u, δ)`` of all requests on the
+unedited model in one gradient computation (:func:`~.net.edit_factors`: chunks of ``batch_size``
 requests, the same rows as one batch), and adds ``ΔW_l = −α_l Σ_t δ̃_t ũ_tᵀ`` to each edit layer's weight.
 No training happens here: train the network first with ``crispedit mend train`` (or
-:func:`~.mend_train.train_mend`) on edit requests disjoint from the evaluated ones.
+:func:`~.train.train_mend`) on edit requests disjoint from the evaluated ones.
 
 Edit layers: ``--layers``, else the layers stored in the ``weights`` file, else MEND's default — the MLP
-matrices of the last three decoder blocks (:func:`~.mend_net.default_layers`). Options:
-:class:`~crispedit.editing.catalogue.MENDConfig`.
+matrices of the last three decoder blocks (:func:`~.net.default_layers`). Options:
+:class:`~crispedit.methods.mend.MENDConfig`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ...editing.editor import EditContext
+from ...editing.single_pass import SinglePassEditor
 from ...errors import CrispEditError
 from ...models import resolve_layers, weight_fingerprint
-from ..catalogue import MENDConfig
-from ..registry import register_editor
-from .base import EditContext
-from .mend_net import (default_layers, default_weights_path, edit_factors, load_network, prompt_digests, read_network_meta,
-                       train_command_hint)
-from .single_pass import SinglePassEditor
+from . import MENDConfig
+from .net import (default_layers, default_weights_path, edit_factors, load_network, prompt_digests, read_network_meta,
+                  train_command_hint)
 
 __all__ = ["MENDConfig", "MENDEditor", "network_path"]
 
@@ -41,12 +40,11 @@ def network_path(model: nn.Module, layers: dict[str, nn.Module], cfg: MENDConfig
     return default_weights_path(fingerprint or weight_fingerprint(model), list(layers))
 
 
-@register_editor
 class MENDEditor(SinglePassEditor):
     """MEND: a trained gradient transform applied to one gradient of the requests (no iterations). The history's
     ``epoch_loss`` holds the mean target NLL (nats/token, bare prompt) before and after; ``steps`` 1."""
 
-    name = "mend"  # summary and Config (MENDConfig): its entry in editing/catalogue.py
+    name = "mend"
 
     def select_layers(self, model, config):
         """``--layers``; else those of the ``weights`` file; else the MLP linears of the last 3 blocks."""

@@ -1,7 +1,7 @@
-"""Meta-training of MEND's gradient-transform network (:mod:`.mend_net`).
+"""Meta-training of MEND's gradient-transform network (:mod:`.net`).
 
 One step (Mitchell et al. 2022, Alg. 1, with the authors' losses): take ``batch_size`` training requests;
-compute their factors ``(u, δ)`` on the base model (:func:`~.mend_net.edit_factors`) and, through the network,
+compute their factors ``(u, δ)`` on the base model (:func:`~.net.edit_factors`) and, through the network,
 the updates ``ΔW_l`` (the running normalisation takes the new rows first); run the model with ``W + ΔW``
 (forward hooks, the base weights untouched) and minimise
 
@@ -32,8 +32,8 @@ from ...data.edits import EditRequest
 from ...data.tokenize import collate
 from ...errors import CrispEditError
 from ...models import weight_matrix
-from ..catalogue import MENDTrainConfig
-from .mend_net import MENDNetwork, added_deltas, edit_factors, request_nll
+from . import MENDTrainConfig
+from .net import MENDNetwork, added_deltas, edit_factors, request_nll
 
 __all__ = ["MENDTrainHistory", "train_mend", "meta_loss", "locality_batches"]
 

@@ -3,15 +3,14 @@
 regularised by the per-token key covariance ``C = E[kkᵀ]`` of the capability corpus (λ = 15000, the
 authors' ``mom2_update_weight``). Keys, ``v*`` and the residual spread over the layers are
 :mod:`crispedit.editing.keyvalue`; the batch loop is :class:`.closed_form.ClosedFormEditor`. Options:
-:class:`~crispedit.editing.catalogue.MEMITConfig`."""
+:class:`~crispedit.methods.memit.MEMITConfig`."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ..catalogue import MEMITConfig
-from ..registry import register_editor
+from . import MEMITConfig
 from .closed_form import ClosedFormEditor
 
 __all__ = ["MEMITConfig", "MEMITEditor", "memit_delta"]
@@ -25,11 +24,10 @@ def memit_delta(K: Tensor, R: Tensor, C: Tensor, lam: float) -> Tensor:
     return R @ adj.T
 
 
-@register_editor
 class MEMITEditor(ClosedFormEditor):
     """MEMIT: closed-form, covariance-regularised key → value update of every edit layer."""
 
-    name = "memit"  # summary and Config (MEMITConfig): its entry in editing/catalogue.py
+    name = "memit"
 
     def solve(self, name, K, R, C, cfg, state):
         """:func:`memit_delta` with λ = ``cfg.cov_weight``."""

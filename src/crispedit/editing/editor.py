@@ -6,26 +6,31 @@ its edit changes (:meth:`Editor.changes`: what callers snapshot and restore), an
 (:func:`crispedit.editing.loop.projected_finetune`) on :meth:`Editor.trainable` under
 :meth:`Editor.projectors`; a fine-tuning editor overrides only those two questions. The single-pass
 editors (MEMIT, AlphaEdit, UltraEdit, MEND) share the ``apply`` of :class:`~.single_pass.SinglePassEditor`
-and compute only their weight changes; an adapter editor overrides ``apply`` itself (see ``lora.py``).
+and compute only their weight changes; an adapter editor overrides ``apply`` itself (see
+``methods/lora.py``). The editors themselves are the methods of :mod:`crispedit.methods`.
+
+Torch-free at import (torch and the loop are imported inside the methods that run them), so that a
+method module that subclasses :class:`Editor` can be read by the method catalogue — which the command
+line's ``--help`` and argument checks need — without importing torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from torch import Tensor, nn
+from ..errors import CrispEditError, file_digest
+from .config import EditConfig
+from .registry import MethodConfig
 
-from ...curvature.kfac import KFACFactors
-from ...data.edits import EditRequest
-from ...errors import CrispEditError, file_digest
-from ...models import resolve_layers, weight_matrix
-from ...curvature.projection import IdentityProjector, LayerProjector
-from ..config import EditConfig
-from ..loop import TrainHistory, projected_finetune
-from ..optim import load_optimizer_state, make_optimizer, optimizer_state, reproject_first_moment
-from ..registry import MethodConfig
+if TYPE_CHECKING:  # annotations only: importing them here would import torch
+    from torch import Tensor, nn
+
+    from ..curvature.kfac import KFACFactors
+    from ..curvature.projection import LayerProjector
+    from ..data.edits import EditRequest
+    from .loop import TrainHistory
 
 __all__ = ["Editor", "EditContext", "EditOutcome", "identity_projectors"]
 
@@ -70,6 +75,9 @@ class EditOutcome:
 
 def identity_projectors(modules: dict[str, nn.Module]) -> dict[str, LayerProjector]:
     """No projection: one :class:`IdentityProjector` of each module's ``d_out x d_in`` weight shape."""
+    from ..curvature.projection import IdentityProjector
+    from ..models import weight_matrix
+
     return {name: IdentityProjector(*weight_matrix(m).shape) for name, m in modules.items()}
 
 
@@ -84,8 +92,8 @@ class Editor:
     editor's own state — AlphaEdit's accumulated keys — goes from round to round through
     ``ctx.optimizer_state`` / ``EditOutcome.optimizer_state`` whatever ``carry_optimizer`` says), ``Config`` (the
     method's own :class:`MethodConfig` dataclass). A built-in editor sets only ``name`` (and its
-    behaviour): ``summary`` and ``Config`` come from its entry in :mod:`crispedit.editing.catalogue`
-    when :func:`~crispedit.editing.registry.register_editor` binds it."""
+    behaviour): ``summary`` and ``Config`` come from its method's ``METHOD`` entry (:mod:`crispedit.methods`)
+    when :func:`~crispedit.editing.registry.editor_class` loads it."""
 
     name = "base"
     summary = ""
@@ -117,6 +125,8 @@ class Editor:
 
     def select_layers(self, model: nn.Module, config: EditConfig) -> dict[str, nn.Module]:
         """The edit layers (module name -> linear module): ``config.layers`` or the per-architecture default."""
+        from ..models import resolve_layers
+
         return resolve_layers(model, config.layers)
 
     def trainable(self, layers: dict[str, nn.Module]) -> dict[str, nn.Parameter]:
@@ -138,6 +148,9 @@ class Editor:
     def apply(self, model: nn.Module, tokenizer, requests: Sequence[EditRequest], ctx: EditContext) -> EditOutcome:
         """Edit ``model`` in place with ``requests``; default: the projected loop on :meth:`trainable`
         under :meth:`projectors` (Adam, optionally continued from ``ctx.optimizer_state``)."""
+        from .loop import projected_finetune
+        from .optim import load_optimizer_state, make_optimizer, optimizer_state, reproject_first_moment
+
         cfg, layers = ctx.config, ctx.layers
         projectors = self.projectors(layers, ctx.factors, cfg)
         params = self.trainable(layers)
@@ -181,6 +194,6 @@ class Editor:
         factors = self.budget_factors(ctx)
         if factors is None:
             return None
-        from ...curvature.predicted import DriftBudget
+        from ..curvature.predicted import DriftBudget
 
         return DriftBudget(params, layers, factors, ctx.config.max_drift, penalty=ctx.config.drift_penalty)

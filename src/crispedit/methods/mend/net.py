@@ -17,7 +17,7 @@ with a per-layer scale and shift ``l``), and the update of layer ``l`` is
     ΔW_l = −α_l Σ_t δ̃_t ũ_tᵀ                          (``d_out x d_in``; α_l a learned step per layer).
 
 :class:`MENDNetwork` holds the transforms, the steps ``α`` and the normalisation statistics
-(:class:`~crispedit.editing.methods.ultraedit.RunningNorm`, one per shape, fitted while training and frozen
+(:class:`~crispedit.methods.ultraedit.editor.RunningNorm`, one per shape, fitted while training and frozen
 afterwards). :func:`edit_factors` runs the one forward/backward that gives ``(u, δ)``; its loss is the sum
 over requests of each request's mean target NLL (``prompt + " " + target``), so a request's factors do not
 depend on which other requests share its batch and ``ΔW`` of a batch is the sum of the requests'.
@@ -45,11 +45,11 @@ from torch import Tensor, nn
 from ...curvature.kfac import head_on_rows
 from ...data.edits import EditRequest
 from ...data.tokenize import encode_pairs
+from ...editing.rows import input_gradient_rows
 from ...errors import CrispEditError, atomic_save_safetensors, load_safetensors, read_safetensors_header
 from ...models import cache_dir, decoder_blocks, is_linear, weight_matrix
-from ..catalogue import MENDTrainConfig
-from ..rows import input_gradient_rows
-from .ultraedit import RunningNorm
+from ..ultraedit.editor import RunningNorm
+from . import MENDTrainConfig
 
 __all__ = ["FORMAT_VERSION", "META_KEY", "MENDNetwork", "GradientTransform", "edit_factors", "added_deltas",
            "default_layers", "default_weights_path", "save_network", "load_network", "read_network_meta",
