@@ -111,8 +111,12 @@ def _catalogue() -> dict[str, MethodSpec]:
     methods (:func:`crispedit.methods.discover`), so they precede any method registered at run time."""
     global _builtins_read
     if not _builtins_read:
-        _builtins_read = True
-        importlib.import_module(BUILTINS)
+        _builtins_read = True  # set first: the discovery itself adds entries through add_method
+        try:
+            importlib.import_module(BUILTINS)
+        except BaseException:
+            _builtins_read = False  # a broken method module: the next read tries again (and fails the same way)
+            raise
     return _SPECS
 
 

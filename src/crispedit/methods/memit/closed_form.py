@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ...data.edits import EditRequest
 from ...editing.editor import EditContext
 from ...editing.keyvalue import (KeyValueSettings, block_outputs, context_templates, edit_blocks, hidden_size, layer_keys,
-                        subject_span, target_values)
+                                 subject_span, target_values)
 from ...editing.single_pass import SinglePassEditor, target_nll
 from ...errors import CrispEditError
 from ...models import weight_matrix
