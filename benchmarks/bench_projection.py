@@ -38,7 +38,7 @@ from crispedit.data import BUNDLED_EDITS, bundled_path, load_edits
 from crispedit.editing import EditConfig, capability_factors, get_editor
 from crispedit.models import load_model, resolve_layers
 from crispedit.pipeline import environment
-from crispedit.projection import (KroneckerProjector, energy_keep_mask, kronecker_projection_flops, masked_corner,
+from crispedit.curvature.projection import (KroneckerProjector, energy_keep_mask, kronecker_projection_flops, masked_corner,
                                   row_extents, staircase_projection_flops)
 
 # Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B)
@@ -86,7 +86,7 @@ def _spectra(args, d_out: int, d_in: int) -> list[tuple[str, torch.Tensor, torch
     out = [(f"power {d:g}", power_law(d_out, d), power_law(d_in, d)) for d in args.decays]
     if args.cache:
         from crispedit.curvature.cache import load_factors
-        from crispedit.projection import eigh_psd
+        from crispedit.curvature.projection import eigh_psd
 
         f = load_factors(args.cache)
         name = args.layer or f.layers[len(f.layers) // 2]

@@ -1,4 +1,4 @@
-"""Architecture: the import graph of ``src/crispedit`` has no cycles.
+"""Architecture: the import graph of ``src/crispedit`` has no cycles and no upward imports.
 
 The graph is read from the source with :mod:`ast` (no module is imported: fast, torch-free). Every
 ``import crispedit...`` and ``from crispedit... import ...`` counts, relative imports too (resolved to
@@ -7,7 +7,27 @@ the command line torch-free), under ``if TYPE_CHECKING``. An edge goes to the mo
 ``from pkg import sub`` to ``pkg.sub`` when that is a module, ``from pkg import name`` to ``pkg`` — or, when
 ``pkg`` exports ``name`` lazily (``_lazy.lazy_exports``), to the submodule that defines it. Parent packages
 whose ``__init__`` Python runs on the way are not edges of their own, and neither are imports by name
-string (``importlib.import_module``: ``cli._COMMAND_MODULES``, the method catalogue's editor locations).
+string (``importlib.import_module``): the command modules the CLI lists (``cli._COMMAND_MODULES``), and the
+method registry's lookups — the built-in methods' package ``crispedit.methods`` (``registry.BUILTINS``) and
+each method's editor class (``MethodSpec.editor``), which the registry finds by name because the methods sit
+above it (a plugin lookup, not an import statement).
+
+The layers, lowest first (:data:`LAYERS`; a module may import from its own layer and those below):
+
+1. ``base`` — what everything uses: errors and checks, progress, lazy exports, per-family defaults, the
+   ``torch.distributed`` helpers, the delta file's header format, model loading, edit and text data.
+2. ``curvature`` — the capability loss's curvature (K-FAC, EK-FAC, exact), the cache, the predicted drift and
+   the projectors built from it: maths on a model, nothing about edits.
+3. ``evaluation`` — measures a model (teacher-forced, WILD, capabilities, KL drift); it never edits, so
+   whatever edits can evaluate.
+4. ``editing`` — the machinery every method shares: the registry and configs, the editor interface, the
+   projected loop and its fast path, contexts, optimiser, key-value and gradient-row collectors, batch ``edit``.
+5. ``methods`` — the editors, one module or package each, built on that machinery.
+6. ``jobs`` — ``delta`` (reversible delta files) and ``pipeline`` (one edit job: the output directory and
+   its report): what an edit leaves behind.
+7. ``sessions`` — sequential rounds and durable sessions (they edit, evaluate and write deltas).
+8. ``experiments`` — studies built on whole jobs and sessions (``compare``, the MNIST study) and the demo.
+9. ``cli`` — parses, calls the library, prints.
 """
 
 from __future__ import annotations
@@ -16,6 +36,21 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "crispedit"
+
+# (layer name, the packages and modules in it), lowest first; see the module docstring for what each holds.
+# The package's own ``__init__`` ("crispedit") is named exactly; every other entry covers its submodules too.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("crispedit", "crispedit._lazy", "crispedit.errors", "crispedit.progress", "crispedit.families",
+              "crispedit.distributed", "crispedit.delta_format", "crispedit.models", "crispedit.data")),
+    ("curvature", ("crispedit.curvature",)),
+    ("evaluation", ("crispedit.evaluation",)),
+    ("editing", ("crispedit.editing",)),
+    ("methods", ("crispedit.methods",)),
+    ("jobs", ("crispedit.delta", "crispedit.pipeline")),
+    ("sessions", ("crispedit.sessions",)),
+    ("experiments", ("crispedit.experiments", "crispedit.demo")),
+    ("cli", ("crispedit.cli", "crispedit.__main__")),
+)
 
 
 def module_files(root: Path) -> dict[str, Path]:
@@ -170,14 +205,60 @@ def test_the_package_has_no_import_cycles():
 def test_the_graph_has_the_edges_it_should():
     graph = import_graph()
     assert "crispedit.delta_format" in graph["crispedit.delta"]  # module level, relative
-    assert "crispedit.delta" in graph["crispedit.delta_cli"]  # inside a function
-    assert "crispedit.experiments.mnist_study" in graph["crispedit.experiments.mnist_cli"]
-    assert "crispedit.editing.catalogue" in graph["crispedit.editing"]  # `from . import catalogue` in __init__
-    assert {"crispedit.editing.config", "crispedit.editing.api"} <= graph["crispedit.compare"]  # lazy exports
-    assert "crispedit.editing" not in graph["crispedit.compare"]
+    assert "crispedit.delta" in graph["crispedit.cli.delta"]  # inside a function
+    assert "crispedit.experiments.mnist_study" in graph["crispedit.cli.mnist"]
+    assert "crispedit.methods.memit" in graph["crispedit.methods.memit.editor"]  # `from . import MEMITConfig`
+    assert graph["crispedit.editing"] == {"crispedit._lazy"}  # lazy exports are no edges of the package itself
+    assert {"crispedit.editing.config", "crispedit.editing.api"} <= graph["crispedit.experiments.compare"]  # lazy exports
+    assert "crispedit.editing" not in graph["crispedit.experiments.compare"]
     assert "crispedit.data" in graph["crispedit.demo"]  # a plain package re-export
     assert {"crispedit.data.corpus", "crispedit.data.edits"} <= graph["crispedit.data"]
     assert "crispedit.errors" in graph["crispedit.experiments.mnist_config"]  # two dots
+
+
+def layer_of(module: str, layers=LAYERS) -> tuple[int, str] | None:
+    """``(index, name)`` of the layer holding ``module``: the entry that names it or its longest enclosing
+    package (a top-level package entry, one without a dot, names only itself); ``None`` when no entry does."""
+    best = None
+    for i, (name, entries) in enumerate(layers):
+        for entry in entries:
+            covers = module == entry or ("." in entry and module.startswith(entry + "."))
+            if covers and (best is None or len(entry) > best[0]):
+                best = (len(entry), (i, name))
+    return None if best is None else best[1]
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Every edge of ``graph`` that goes to a higher layer than its module's, as ``"a (layer) -> b (layer)"``."""
+    out = []
+    for module, edges in sorted(graph.items()):
+        here = layer_of(module, layers)
+        for target in sorted(edges):
+            there = layer_of(target, layers)
+            if here is not None and there is not None and there[0] > here[0]:
+                out.append(f"{module} ({here[1]}) -> {target} ({there[1]})")
+    return out
+
+
+def test_every_module_has_a_layer():
+    missing = [m for m in import_graph() if layer_of(m) is None]
+    assert not missing, ("modules in no layer (add them to LAYERS in tests/test_architecture.py, where they "
+                         "belong):\n" + "\n".join(missing))
+
+
+def test_no_module_imports_from_a_layer_above():
+    upward = upward_imports(import_graph())
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_what_it_should():
+    layers = (("low", ("pkg", "pkg.a", "pkg.sub.deep")), ("mid", ("pkg.sub",)), ("high", ("pkg.top",)))
+    assert layer_of("pkg", layers) == (0, "low") and layer_of("pkg.a.x", layers) == (0, "low")
+    assert layer_of("pkg.sub.b", layers) == (1, "mid") and layer_of("pkg.sub.deep.c", layers) == (0, "low")
+    assert layer_of("pkg.other", layers) is None  # the top-level entry names the package's __init__ only
+    graph = {"pkg.a": {"pkg.sub.b"}, "pkg.sub.b": {"pkg.a", "pkg.sub.deep"}, "pkg.top": {"pkg.sub.b", "pkg"},
+             "pkg.sub.deep": {"pkg.top"}}
+    assert upward_imports(graph, layers) == ["pkg.a (low) -> pkg.sub.b (mid)", "pkg.sub.deep (low) -> pkg.top (high)"]
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:

@@ -92,7 +92,7 @@ def _model_variant(tmp: Path, model: Path, kind: str) -> Path:
 
 def _session(tmp: Path, model: Path, state) -> Path:
     """A session directory whose session.json is valid and whose state.json is ``state``."""
-    from crispedit.editing.sequential import SeqConfig
+    from crispedit.sessions.sequential import SeqConfig
 
     d = tmp / "sess"
     d.mkdir()

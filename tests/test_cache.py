@@ -164,7 +164,7 @@ def test_eigenbases_cached_beside_the_factors(tiny_lm, tmp_path, monkeypatch):
     same factors decomposes nothing; a rebuilt factor file (same key) or a damaged eigenbasis file is
     decomposed again; merged (in-memory) factors are never written."""
     from crispedit.curvature.eigen import eigen_cache_path, factor_eigh
-    from crispedit.projection import KroneckerProjector
+    from crispedit.curvature.projection import KroneckerProjector
 
     model, tok = tiny_lm
     layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")

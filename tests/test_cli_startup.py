@@ -189,9 +189,9 @@ def test_probe_sees_an_import_of_torch(tmp_path):
 def test_catalogue_entries_match_their_editor_classes():
     """Each catalogue entry names an editor class that registers under that name and takes its summary
     and options from the entry (one source); an unknown method is one line naming the choices."""
-    from crispedit.editing.catalogue import BUILTIN_METHODS
     from crispedit.editing.registry import editor_class, method_names, method_spec
     from crispedit.errors import CrispEditError
+    from crispedit.methods import BUILTIN_METHODS
 
     assert {s.name for s in BUILTIN_METHODS} <= set(method_names())
     for spec in BUILTIN_METHODS:
@@ -204,17 +204,68 @@ def test_catalogue_entries_match_their_editor_classes():
 
 
 def test_a_catalogued_editor_may_not_restate_its_summary():
-    from crispedit.editing.methods import Editor
+    from crispedit.editing.editor import Editor
     from crispedit.editing.registry import register_editor
 
     class Twice(Editor):
         name = "ft"
         summary = "another summary"
 
-    Twice.__module__, Twice.__qualname__ = "crispedit.editing.methods.ft", "FTEditor"
+    Twice.__module__, Twice.__qualname__ = "crispedit.methods.ft", "FTEditor"
     with pytest.raises(ValueError, match="the catalogue entry of 'ft' holds them"):
         register_editor(Twice)
 
+
+
+METHOD_MODULE = """
+from dataclasses import dataclass
+
+from crispedit.editing.editor import Editor
+from crispedit.editing.registry import MethodConfig, MethodSpec
+
+
+@dataclass
+class HalfConfig(MethodConfig):
+    share: float = 0.5
+
+
+METHOD = MethodSpec("half-ft", "fine-tuning of half the edit layers", HalfConfig, f"{__name__}:HalfFTEditor")
+
+
+class HalfFTEditor(Editor):
+    name = "half-ft"
+"""
+
+
+def test_a_method_is_one_module_that_discovery_finds(tmp_path, monkeypatch):
+    """One module with a ``METHOD`` in a methods package is all a method needs: :func:`discover` adds it to the
+    catalogue (options and summary known, the editor loaded only when asked for, bound to its entry); a public
+    module of the package without a ``METHOD`` is refused."""
+    import importlib
+
+    from crispedit.editing.registry import EDITORS, editor_class, method_names, method_spec
+    from crispedit.methods import discover
+
+    pkg = tmp_path / "more_methods"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_helpers.py").write_text("X = 1\n")  # private: not a method
+    (pkg / "half_ft.py").write_text(METHOD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert [s.name for s in discover("more_methods")] == ["half-ft"] and "half-ft" in method_names()
+        assert method_spec("half-ft").Config.from_options("half-ft", {"share": 0.25}).share == 0.25
+        cls = editor_class("half-ft")
+        assert (cls.__name__, cls.summary, cls.Config) == ("HalfFTEditor", method_spec("half-ft").summary,
+                                                           method_spec("half-ft").Config)
+        (pkg / "notes.py").write_text("X = 1\n")
+        importlib.invalidate_caches()
+        with pytest.raises(TypeError, match="more_methods.notes defines no METHOD"):
+            discover("more_methods")
+    finally:
+        EDITORS.pop("half-ft", None)
+        for name in [m for m in sys.modules if m == "more_methods" or m.startswith("more_methods.")]:
+            monkeypatch.delitem(sys.modules, name)
 
 MODULE_PROBE = """
 import json, runpy, sys

@@ -10,8 +10,8 @@ from crispedit.curvature.kfac import collect_lm_input_covariance
 from crispedit.data import EditRequest, capability_corpus
 from crispedit.editing import EditConfig, edit, get_editor
 from crispedit.editing.keyvalue import layer_keys, subject_span, subject_token_index
-from crispedit.editing.methods.alphaedit import alphaedit_delta, nullspace_projector
-from crispedit.editing.methods.memit import memit_delta
+from crispedit.methods.alphaedit.editor import alphaedit_delta, nullspace_projector
+from crispedit.methods.memit.editor import memit_delta
 from crispedit.errors import CrispEditError
 from crispedit.models import resolve_layers, weight_fingerprint
 
@@ -191,7 +191,7 @@ def test_alphaedit_session_accumulates_preserved_keys(tiny_lm, tmp_path, iso_cac
     from safetensors.torch import load_file
 
     from crispedit.editing.config import SeqConfig
-    from crispedit.editing.session import Session
+    from crispedit.sessions.session import Session
 
     model, tok = tiny_lm
     opts = {"nullspace_threshold": 1.0, "l2": 1.0, "v_steps": 20, "v_lr": 0.5, "clamp": 4.0, "prefixes": 0}
@@ -215,7 +215,7 @@ def test_alphaedit_session_accumulates_preserved_keys(tiny_lm, tmp_path, iso_cac
 
 
 def test_ultraedit_ridge_solve_and_running_normalisation_against_numpy():
-    from crispedit.editing.methods.ultraedit import RunningNorm, pseudo_values, ultraedit_delta
+    from crispedit.methods.ultraedit.editor import RunningNorm, pseudo_values, ultraedit_delta
 
     rng = np.random.default_rng(2)
     H, V = rng.standard_normal((7, 5)), rng.standard_normal((7, 3))
@@ -247,7 +247,7 @@ def test_ultraedit_default_layers_are_the_authors_layout_by_depth():
     18-24 of 32), placed by depth on other sizes; GPT-2-style blocks without them get the shared default."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from crispedit.editing.methods.ultraedit import default_layers
+    from crispedit.methods.ultraedit.editor import default_layers
     from crispedit.models import default_layer_pattern
 
     def llama(n):
@@ -270,7 +270,7 @@ def test_ultraedit_session_carries_the_normalisation(tiny_lm, tmp_path, iso_cach
     from safetensors.torch import load_file
 
     from crispedit.editing.config import SeqConfig
-    from crispedit.editing.session import Session
+    from crispedit.sessions.session import Session
 
     model, tok = tiny_lm
     sc = SeqConfig(edit=EditConfig(method="ultraedit", layers=LAYERS, contexts="bare", answer_end="none",

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from crispedit import compare as compare_mod
+from crispedit.experiments import compare as compare_mod
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
@@ -283,7 +283,7 @@ def test_compare_refuses_a_seq_row_without_a_sequential_config(tiny_lm, tmp_path
 
 def test_parse_methods_seq_rows_and_all():
     from crispedit.editing.config import default_seq_chunk
-    from crispedit.editing.flags import parse_methods
+    from crispedit.cli.flags import parse_methods
     from crispedit.editing.registry import method_names, seq_row
 
     assert parse_methods("crispedit-seq,ft,ft-seq,ft") == ["crispedit-seq", "ft", "ft-seq"]

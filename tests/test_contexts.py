@@ -13,7 +13,7 @@ from crispedit.editing.contexts import (ANSWER_LEADS, DEFAULT_CONTEXTS, QUESTION
 from crispedit.editing.optim import EigenbasisAdam
 from crispedit.errors import CrispEditError
 from crispedit.evaluation.wild import QA_TEMPLATE, WildConfig, check_template, render_prompt
-from crispedit.projection import IdentityProjector, KroneckerProjector
+from crispedit.curvature.projection import IdentityProjector, KroneckerProjector
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")

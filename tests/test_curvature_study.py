@@ -21,7 +21,7 @@ from crispedit.errors import CrispEditError
 from crispedit.experiments import mnist_study
 from crispedit.experiments.idx_data import load_dataset, load_idx
 from crispedit.experiments.mnist_study import MnistStudyConfig, gamma_of
-from crispedit.projection import DenseProjector, KroneckerProjector, eigh_psd, vec
+from crispedit.curvature.projection import DenseProjector, KroneckerProjector, eigh_psd, vec
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "images"
 D64 = torch.float64
@@ -280,7 +280,7 @@ def test_quick_study_end_to_end_through_the_cli(tmp_path, capsys):
 
     out = tmp_path / "study"
     argv = ["study", "mnist", "--quick", "--data", str(DATA), "--out", str(out), "--k-values", "2", "--quiet"]
-    assert "crispedit.experiments.mnist_cli" in cli._COMMAND_MODULES
+    assert "crispedit.cli.mnist" in cli._COMMAND_MODULES
     rc = cli.main(argv)
     assert rc == 0
     printed = capsys.readouterr().out

@@ -177,7 +177,7 @@ def test_export_lora_merges_to_base_plus_delta(tmp_path, tiny_model_dir, iso_cac
 
 def test_session_export_delta_applies_to_the_base(tmp_path, tiny_model_dir, monkeypatch, capsys):
     from crispedit.editing import SeqConfig
-    from crispedit.editing.session import Session
+    from crispedit.sessions.session import Session
 
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
     cfg = SeqConfig(edit=dict(layers=LAYERS, epochs=3, lr=1e-2, batch_size=4, n_cap=6, max_len=48))

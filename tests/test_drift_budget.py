@@ -239,7 +239,7 @@ def test_session_of_a_method_without_curvature_spends_its_budget(method, tmp_pat
     """An ft (or LoRA) session with a budget stores the capability factors it is measured with (of the edit
     layers; LoRA: of its q/v projections) and holds each round within what is left."""
     from crispedit.editing import SeqConfig
-    from crispedit.editing.session import Session
+    from crispedit.sessions.session import Session
 
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
     base = dict(method=method, layers=LAYERS, epochs=20, lr=1e-2 if method == "ft" else 5e-3, batch_size=4,
@@ -256,7 +256,7 @@ def test_session_of_a_method_without_curvature_spends_its_budget(method, tmp_pat
 
 def test_session_budget_is_spent_round_by_round(tmp_path, tiny_model_dir, monkeypatch, capsys):
     from crispedit.editing import SeqConfig
-    from crispedit.editing.session import Session
+    from crispedit.sessions.session import Session
 
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
     rounds = [REQS[:2], REQS[2:]]
@@ -281,8 +281,9 @@ def test_session_budget_is_spent_round_by_round(tmp_path, tiny_model_dir, monkey
 def test_session_round_records_steep_layers_and_status_names_them(tmp_path, tiny_model_dir, monkeypatch, capsys):
     """Each session round records ``steep_layers`` of the change since the base (the rule of the edit report);
     ``session status`` prints the last round's as notes."""
-    from crispedit.editing import SeqConfig, sequential
-    from crispedit.editing.session import Session
+    from crispedit.editing import SeqConfig
+    from crispedit.sessions import sequential
+    from crispedit.sessions.session import Session
 
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
     base = dict(method="crispedit", layers=LAYERS, epochs=5, lr=1e-2, batch_size=4, n_cap=6, max_len=48)
@@ -304,7 +305,7 @@ def test_session_round_records_steep_layers_and_status_names_them(tmp_path, tiny
 
 def test_session_budget_second_round_gets_the_rest(tmp_path, tiny_model_dir, monkeypatch):
     from crispedit.editing import SeqConfig
-    from crispedit.editing.session import Session
+    from crispedit.sessions.session import Session
 
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
     base = dict(method="crispedit", layers=LAYERS, epochs=20, lr=1e-2, batch_size=4, n_cap=6, max_len=48)

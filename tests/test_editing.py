@@ -196,7 +196,7 @@ def test_lora_merged_weights_equal_base_plus_scaled_BA(tiny_lm, monkeypatch):
     """After the edit, each target weight is exactly base + (alpha/r) B A of the trained adapter."""
     import peft
 
-    from crispedit.editing.methods import lora as lora_mod
+    from crispedit.methods import lora as lora_mod
 
     model, tok = tiny_lm
     captured = {}
@@ -230,7 +230,7 @@ def test_cli_choices_and_option_flags_come_from_the_registry():
 
     from crispedit.cli import build_parser
     from crispedit.editing import method_names, register_editor
-    from crispedit.editing.methods import Editor
+    from crispedit.editing.editor import Editor
     from crispedit.editing.registry import EDITORS
 
     def method_choices(parser):

@@ -7,7 +7,7 @@ import torch
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig, edit
 from crispedit.editing.optim import EigenbasisAdam, GatedAdam
-from crispedit.projection import IdentityProjector
+from crispedit.curvature.projection import IdentityProjector
 
 REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}") for i in range(6)]
 

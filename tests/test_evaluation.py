@@ -302,7 +302,7 @@ def test_cli_eval_bad_input_writes_nothing(tiny_model_dir, edits_file, tmp_path,
 
 
 def test_parse_limit_and_fewshot():
-    from crispedit.evaluation.cli import _parse_fewshot, _parse_limit
+    from crispedit.cli.evaluate import _parse_fewshot, _parse_limit
 
     assert _parse_limit("200") == 200 and _parse_limit("all") is None and _parse_limit(None) == 200
     assert _parse_limit("arc=100, ifeval=all") == {"arc_challenge": 100, "ifeval": None}

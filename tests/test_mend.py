@@ -10,10 +10,10 @@ import torch
 from crispedit.cli import main
 from crispedit.data import EditRequest, capability_corpus
 from crispedit.editing import EditConfig, edit, restore
-from crispedit.editing.catalogue import MENDTrainConfig
-from crispedit.editing.methods.mend_net import (MENDNetwork, default_layers, default_weights_path, edit_factors,
+from crispedit.methods.mend import MENDTrainConfig
+from crispedit.methods.mend.net import (MENDNetwork, default_layers, default_weights_path, edit_factors,
                                                 load_network, save_network)
-from crispedit.editing.methods.mend_train import meta_loss, train_mend
+from crispedit.methods.mend.train import meta_loss, train_mend
 from crispedit.errors import CrispEditError
 from crispedit.models import resolve_layers, weight_fingerprint
 
@@ -195,7 +195,7 @@ def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache,
     assert main([str(a) for a in train + ["--out", net]]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "trained 4 steps on 16 edits (offset 8)" in out and str(net) in out
-    from crispedit.editing.methods.mend_net import read_network_meta
+    from crispedit.methods.mend.net import read_network_meta
     meta = read_network_meta(net)
     assert meta["training"]["offset"] == 8 and meta["training"]["n_edits"] == 16 and meta["config"]["steps"] == 4
     common = ["edit", "--model", tiny_model_dir, "--edits", edits, "--n-edits", 4, "--method", "mend", "--no-wild", "--quiet"]
@@ -237,7 +237,7 @@ def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache,
 
 
 def test_compare_runs_mend_beside_a_fine_tuning_method(tiny_lm, tmp_path, iso_cache):
-    import crispedit.compare as compare_mod
+    import crispedit.experiments.compare as compare_mod
 
     model, tok = tiny_lm
     fp = weight_fingerprint(model)
@@ -281,7 +281,7 @@ def test_compare_runs_mend_beside_a_fine_tuning_method(tiny_lm, tmp_path, iso_ca
 
 def test_target_only_logprobs_equal_the_full_forward(tiny_lm):
     from crispedit.data.tokenize import encode_pairs
-    from crispedit.editing.methods.mend_net import target_token_logprobs
+    from crispedit.methods.mend.net import target_token_logprobs
 
     model, tok = tiny_lm
     batch = encode_pairs(tok, [r.prompt for r in HELD[:3]], [r.target for r in HELD[:3]])
@@ -294,7 +294,7 @@ def test_target_only_logprobs_equal_the_full_forward(tiny_lm):
 
 
 def test_compare_refuses_mend_without_a_network_before_running_any_method(tiny_lm, tmp_path, iso_cache):
-    import crispedit.compare as compare_mod
+    import crispedit.experiments.compare as compare_mod
 
     model, tok = tiny_lm
     cfgs = {"ft": EditConfig(method="ft", layers=LAYERS, epochs=1), "mend": EditConfig(method="mend", layers=LAYERS)}
@@ -320,7 +320,7 @@ def test_time_budget_stops_training_and_init_continues_a_saved_network(tiny_mode
     assert main([str(a) for a in train + ["--offset", 8, "--steps", 50, "--rank", 8, "--batch-size", 4, "--max-minutes", 1e-6,
                                           "--out", first]]) == 0, capsys.readouterr().err
     assert "trained 1 steps (stopped by --max-minutes" in capsys.readouterr().out
-    from crispedit.editing.methods.mend_net import read_network_meta
+    from crispedit.methods.mend.net import read_network_meta
     a = read_network_meta(first)
     assert a["training"]["history"]["stopped_early"] and a["training"]["total_steps"] == 1
     # continue on another slice: settings come from the file, the steps add up, both slices' digests are kept

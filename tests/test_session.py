@@ -18,10 +18,10 @@ from crispedit.cli import main
 from crispedit.curvature.kfac import KFACFactors
 from crispedit.data import EditRequest, load_edits, save_edits_jsonl
 from crispedit.editing import EditConfig, get_editor
-from crispedit.editing import session as session_mod
+from crispedit.sessions import session as session_mod
 from crispedit.editing.optim import load_optimizer_state, optimizer_state, reproject_first_moment
-from crispedit.editing.sequential import SeqConfig, accumulate, combine_factors, round_edit_factors
-from crispedit.editing.session import Session
+from crispedit.sessions.sequential import SeqConfig, accumulate, combine_factors, round_edit_factors
+from crispedit.sessions.session import Session
 from crispedit.errors import CrispEditError
 from crispedit.models import load_model, resolve_layers
 
@@ -261,7 +261,7 @@ def test_kill9_mid_round_resumes_to_uninterrupted_state(ref, tmp_path, monkeypat
     uninterrupted run ended."""
     monkeypatch.setenv("CRISPEDIT_CACHE", str(ref["cache"]))
     sess = _resume_copy(ref, tmp_path / "sess")
-    cmd = [sys.executable, "-m", "crispedit.cli", "session", "add", str(sess), "--edits", str(ref["files"][1]), "--quiet"]
+    cmd = [sys.executable, "-m", "crispedit", "session", "add", str(sess), "--edits", str(ref["files"][1]), "--quiet"]
     # 1) external kill -9 while the round trains (the "round 2: editing" line is printed before training)
     env = _env(ref["cache"])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

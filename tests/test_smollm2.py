@@ -47,7 +47,7 @@ def test_cli_edit_on_smollm2(tmp_path):
     if not env["CRISPEDIT_CACHE"]:
         env.pop("CRISPEDIT_CACHE")
     from crispedit.data import BUNDLED_EDITS, bundled_path
-    cmd = [sys.executable, "-m", "crispedit.cli", "edit", "--model", "smollm2", "--edits", str(bundled_path(BUNDLED_EDITS)),
+    cmd = [sys.executable, "-m", "crispedit", "edit", "--model", "smollm2", "--edits", str(bundled_path(BUNDLED_EDITS)),
            "--n-edits", "4", "--n-cap", "16", "--max-len", "64", "--epochs", "40", "--batch-size", "4", "--lr", "2e-3",
            "--out", str(out), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)

@@ -1,7 +1,7 @@
 """The delta file format (:mod:`crispedit.delta`): its file name, format number and kind, and the torch-free
 reader of its safetensors header (8-byte length + JSON).
 
-Torch-free, so ``crispedit delta info`` (:mod:`crispedit.delta_cli`) and the argument checks of the other
+Torch-free, so ``crispedit delta info`` (:mod:`crispedit.cli.delta`) and the argument checks of the other
 ``delta`` commands read a delta without importing torch; :mod:`crispedit.delta` writes and loads the same
 format with it.
 """

@@ -16,7 +16,7 @@ each edit layer's factors. They depend on nothing but the factors, so they are c
 Factors built in memory (a session's factors merged with earlier edits) have no ``source``: their eigenbases
 are computed once per object and never written.
 
-The decomposition itself is :func:`crispedit.projection.eigh_psd` in float64 (on the CPU through LAPACK; on
+The decomposition itself is :func:`crispedit.curvature.projection.eigh_psd` in float64 (on the CPU through LAPACK; on
 the factors' device otherwise), so a projector built from a cached eigenbasis is the projector built from the
 factors, bit for bit.
 """
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..errors import CrispEditError, atomic_save_safetensors, load_safetensors
-from ..projection import eigh_psd
+from .projection import eigh_psd
 from .kfac import KFACFactors
 
 __all__ = ["factor_eigh", "eigen_cache_path", "eigh_device", "EIGEN_FORMAT"]

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..projection import KroneckerProjector, eigh_psd
+from .projection import KroneckerProjector, eigh_psd
 from .kfac import FactorAccumulator, KFACFactors, capture_io, frozen
 from .modes import OutputGrads
 

@@ -3,9 +3,9 @@
 Everything here acts on the *whole* trainable parameter vector of a small network, flattened by a
 :class:`ParamLayout` with the library's column-major convention: each parameter is viewed as the
 matrix ``W = p.reshape(p.shape[0], -1)`` (``d_out x d_in``; for a Conv2d that is the patch matrix of
-:func:`crispedit.curvature.kfac.layer_rows`) and vectorised by :func:`crispedit.projection.vec`. The
+:func:`crispedit.curvature.kfac.layer_rows`) and vectorised by :func:`crispedit.curvature.projection.vec`. The
 diagonal block of a layer therefore lives in the same coordinates as its K-FAC factor ``A (x) S`` and
-as :meth:`crispedit.projection.KroneckerProjector.dense`.
+as :meth:`crispedit.curvature.projection.KroneckerProjector.dense`.
 
 The loss is the mean softmax cross-entropy over the given examples. Its Gauss-Newton matrix is
 
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 from tqdm.auto import tqdm
 
-from ..projection import unvec, vec
+from .projection import unvec, vec
 
 __all__ = [
     "ParamLayout",

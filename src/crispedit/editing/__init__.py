@@ -1,18 +1,20 @@
-"""Editing: the editors (``methods/``, one module per method), the shared projected loop, edit contexts,
-batch :func:`edit` and sequential sessions.
+"""Editing: the machinery every method shares — the method registry and :class:`EditConfig`, the editor
+interface (:mod:`.editor`) and the single-pass skeleton (:mod:`.single_pass`), the projected loop
+(:mod:`.loop`) with its fast path, contexts, optimiser and step timer, the key-value and gradient-row
+collectors of the closed-form and transform methods — and batch :func:`edit`. The methods themselves are
+:mod:`crispedit.methods`; sequential sessions are :mod:`crispedit.sessions`.
 
-Importing this package is cheap: it loads the torch-free method catalogue (so every method's name and
-options are known) and nothing else; each name below is imported from its module on first use.
+Importing this package is cheap: each name below is imported from its module on first use, and the method
+catalogue is read (torch-free) the first time a method is looked up.
 """
 
-from . import catalogue  # noqa: F401  (declares the built-in methods; torch-free)
 from .._lazy import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(["EditResult", "capability_factors", "curvature_spec", "edit", "restore"], ".api"),
     **dict.fromkeys(["DEFAULT_LR", "EditConfig", "ProjectionTarget", "SeqConfig"], ".config"),
+    **dict.fromkeys(["EditContext", "EditOutcome", "Editor"], ".editor"),
     **dict.fromkeys(["TrainHistory", "edit_loss", "projected_finetune"], ".loop"),
-    **dict.fromkeys(["EditContext", "EditOutcome", "Editor"], ".methods"),
     **dict.fromkeys(["EDITORS", "MethodConfig", "MethodSpec", "editor_class", "get_editor", "method_names",
                      "method_spec", "register_editor"], ".registry"),
 }

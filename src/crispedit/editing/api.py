@@ -19,8 +19,8 @@ from ..errors import CrispEditError
 from ..models import cache_dir, model_family, parameter, weight_fingerprint
 from .config import EditConfig
 from .contexts import resolve_contexts
+from .editor import EditContext
 from .loop import TrainHistory
-from .methods import EditContext
 from .registry import get_editor
 
 __all__ = ["EditResult", "edit", "restore", "snapshot", "capability_factors", "curvature_spec", "edit_factors"]

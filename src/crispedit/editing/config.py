@@ -8,10 +8,10 @@ user edits at once, 25 epochs stop short (measured in docs/methods.md, "Training
 (Gauss-Newton), gamma 0.8 (the paper uses 0.7 for ZsRE and 0.9 for CounterFact / WikiBigEdit on Llama-3-8B), 64 capability texts of at most 256
 tokens on CPU (the paper uses 10,000 Wikipedia documents of 512 tokens on a GPU).
 
-Method-specific settings live in each method's own config dataclass (its ``Config`` in the method
-catalogue, e.g. :class:`~crispedit.editing.catalogue.LoRAConfig`); ``EditConfig.options`` holds them,
+Method-specific settings live in each method's own config dataclass (its ``Config``, beside its editor
+in :mod:`crispedit.methods`, e.g. :class:`~crispedit.methods.lora.LoRAConfig`); ``EditConfig.options`` holds them,
 validated and completed with that method's defaults. :class:`SeqConfig` adds the settings of a
-sequential session (:mod:`.sequential`).
+sequential session (:mod:`crispedit.sessions.sequential`).
 
 Torch-free, like the catalogue it validates against: a command's arguments are checked before torch is
 imported.
@@ -196,7 +196,7 @@ def default_seq_chunk(n_edits: int) -> int:
 @dataclass
 class SeqConfig:
     """Everything that determines a sequential editing session (besides the base model): the edit
-    config of every round and the factor policy of :mod:`crispedit.editing.sequential` (validated on
+    config of every round and the factor policy of :mod:`crispedit.sessions.sequential` (validated on
     construction)."""
 
     edit: EditConfig = field(default_factory=EditConfig)

@@ -38,7 +38,7 @@ from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
 from ..data.tokenize import EncodedBatch
 from ..errors import CrispEditError
 from ..models import as_weight_matrix
-from ..projection import LayerProjector
+from ..curvature.projection import LayerProjector
 from .checkpoint import (LoopState, budget_counters, load_checkpoint, restore_budget_counters, run_identity,
                          save_checkpoint)
 from .config import EditConfig, ProjectionTarget

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ..errors import CrispEditError
 from ..models import as_weight_matrix
-from ..projection import IdentityProjector, LayerProjector
+from ..curvature.projection import IdentityProjector, LayerProjector
 from .config import EditConfig, ProjectionTarget
 
 __all__ = ["EigenbasisAdam", "GatedAdam", "adam_direction", "make_optimizer", "optimizer_state", "load_optimizer_state", "reproject_first_moment"]

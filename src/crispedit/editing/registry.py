@@ -5,12 +5,13 @@ Every method is one :class:`MethodSpec` — its ``--method`` name, a one-line su
 own defaults of shared settings such as the learning rate) and where its editor class lives. The CLI
 parser (``--method`` choices, ``--<method>-<option>`` flags) and :class:`~crispedit.editing.EditConfig`
 validation read only these entries, so a command that fails on its arguments never imports torch; the
-editor class (``editing/methods/``, which imports torch) is imported the first time an edit needs it
-(:func:`editor_class`). The built-in entries are declared in :mod:`.catalogue`, which
-``crispedit.editing`` imports on its own import (cheaply).
+editor class (which imports torch) is imported the first time an edit needs it (:func:`editor_class`).
 
-The lowest piece of ``editing``: it imports nothing from the package, so :mod:`.config` can check a
-method name and its options here.
+The built-in entries are each method's ``METHOD`` in :mod:`crispedit.methods`, which the first read of the
+catalogue imports by name (:data:`BUILTINS`): the methods sit above this module (they subclass the editor
+interface built on it), so it finds them the way it finds an editor class — by name, not by an import
+statement. The lowest piece of ``editing``: it imports nothing from the package, so :mod:`.config` can
+check a method name and its options here.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class MethodSpec:
     ``--max-drift`` budget and the ``--drift-penalty`` act on (the fine-tuning methods, LoRA on its merged
     update; a method without curvature gets the capability K-FAC factors fetched for them, as
     ``--predict-drift`` does), not one closed-form or network pass. ``sequential``: whether
-    ``<name>-seq`` (the method in sequential rounds through :mod:`crispedit.editing.sequential`) is a
+    ``<name>-seq`` (the method in sequential rounds through :mod:`crispedit.sessions.sequential`) is a
     ``compare`` row — ``"paper"`` (the paper's Table 1 has it; part of ``--methods all``), ``"optional"``
     (may be named) or ``"none"`` (refused: the method has no sequential mode of its own)."""
 
@@ -98,8 +99,25 @@ class MethodSpec:
         return dict(self.Config.SHARED)
 
 
-_SPECS: dict[str, MethodSpec] = {}
+BUILTINS = "crispedit.methods"  # the package whose modules declare the built-in methods (their ``METHOD``)
+
+_SPECS: dict[str, MethodSpec] = {}  # read through _catalogue(), which adds the built-in methods first
 _CLASSES: dict[str, type] = {}  # editor classes imported so far (or registered at run time), by name
+_builtins_read = False
+
+
+def _catalogue() -> dict[str, MethodSpec]:
+    """Every catalogue entry by name; the first call imports :data:`BUILTINS`, whose import adds the built-in
+    methods (:func:`crispedit.methods.discover`), so they precede any method registered at run time."""
+    global _builtins_read
+    if not _builtins_read:
+        _builtins_read = True  # set first: the discovery itself adds entries through add_method
+        try:
+            importlib.import_module(BUILTINS)
+        except BaseException:
+            _builtins_read = False  # a broken method module: the next read tries again (and fails the same way)
+            raise
+    return _SPECS
 
 
 def _location(cls: type) -> str:
@@ -110,23 +128,24 @@ def add_method(spec: MethodSpec) -> MethodSpec:
     """Add a catalogue entry (no import of its editor); a second, different entry of that name is refused."""
     if spec.name.endswith(SEQ_SUFFIX):
         raise ValueError(f"a method name may not end in {SEQ_SUFFIX!r} (the sequential rows' suffix): {spec.name!r}")
-    if spec.name in _SPECS and _SPECS[spec.name] != spec:
+    catalogue = _catalogue()
+    if spec.name in catalogue and catalogue[spec.name] != spec:
         raise ValueError(f"a method named {spec.name!r} is already registered")
-    _SPECS[spec.name] = spec
+    catalogue[spec.name] = spec
     return spec
 
 
 def method_spec(name: str) -> MethodSpec:
     """The catalogue entry of method ``name`` (one-line error naming the choices otherwise)."""
     try:
-        return _SPECS[name]
+        return _catalogue()[name]
     except (KeyError, TypeError):
         raise CrispEditError(f"unknown method {name!r}; choose one of {', '.join(method_names())}") from None
 
 
 def method_names() -> list[str]:
     """Every registered method name, sorted (the CLI's ``--method`` choices)."""
-    return sorted(_SPECS)
+    return sorted(_catalogue())
 
 
 def seq_row(name: str) -> tuple[str, bool]:
@@ -134,14 +153,14 @@ def seq_row(name: str) -> tuple[str, bool]:
     ``("lora", False)``. One-line :class:`CrispEditError` for an unknown method (with or without the suffix)
     or a ``-seq`` row of a method whose catalogue entry has no sequential mode."""
     name = str(name)
-    if not name.endswith(SEQ_SUFFIX) or name in _SPECS:
+    if not name.endswith(SEQ_SUFFIX) or name in _catalogue():
         method_spec(name)
         return name, False
     base = name[:-len(SEQ_SUFFIX)]
-    if base not in _SPECS:
+    if base not in _catalogue():
         raise CrispEditError(f"unknown method {name!r}: {base!r} is not a method; sequential rows exist for "
                              f"{', '.join(n + SEQ_SUFFIX for n in sequential_rows(every=True))}")
-    if _SPECS[base].sequential == "none":
+    if _catalogue()[base].sequential == "none":
         raise CrispEditError(f"{base} has no sequential mode, so there is no {name} row; sequential rows exist for "
                              f"{', '.join(n + SEQ_SUFFIX for n in sequential_rows(every=True))}")
     return base, True
@@ -151,7 +170,7 @@ def sequential_rows(every: bool = False) -> list[str]:
     """Methods (sorted) whose ``-seq`` row exists: those the paper's Table 1 has (``every=False``; what
     ``compare --methods all`` adds) or every one with a sequential mode (``every=True``)."""
     ok = ("paper", "optional") if every else ("paper",)
-    return [n for n in method_names() if _SPECS[n].sequential in ok]
+    return [n for n in method_names() if _catalogue()[n].sequential in ok]
 
 
 def _holds_kfac(cls: type) -> bool:
@@ -166,13 +185,14 @@ def _takes_drift_budget(cls: type) -> bool:
 
 
 def register_editor(cls: type) -> type:
-    """Class decorator: bind an editor class (a subclass of ``methods.base.Editor``) to its catalogue
-    entry ``cls.name``, setting ``cls.summary`` and ``cls.Config`` from it (the entry is their one
-    source; a catalogued class must not set them itself). A class without an entry (an editor added
-    at run time) gets one from its own ``name``, ``summary`` and ``Config``."""
+    """Bind an editor class (a subclass of :class:`~crispedit.editing.editor.Editor`) to its catalogue entry
+    ``cls.name``, setting ``cls.summary`` and ``cls.Config`` from it (the entry is their one source; a catalogued
+    class must not set them itself): :func:`editor_class` does this when it loads a built-in editor. A class
+    without an entry — an editor added at run time, which uses this as a class decorator — gets one from its
+    own ``name``, ``summary`` and ``Config``."""
     if _CLASSES.get(cls.name) is cls:
         return cls
-    spec = _SPECS.get(cls.name)
+    spec = _catalogue().get(cls.name)
     if spec is None:
         add_method(MethodSpec(cls.name, cls.summary, cls.Config, _location(cls),
                               _holds_kfac(cls), drift_budget=_takes_drift_budget(cls)))
@@ -199,8 +219,9 @@ def editor_class(name: str) -> type:
         cls = importlib.import_module(module)
         for part in qualname.split("."):
             cls = getattr(cls, part)
-        if _CLASSES.get(name) is not cls:  # its module did not apply @register_editor
-            register_editor(cls)
+        if getattr(cls, "name", None) != name:
+            raise ValueError(f"{spec.editor} is named {getattr(cls, 'name', None)!r}, not {name!r} (its METHOD)")
+        register_editor(cls)
     return _CLASSES[name]
 
 
@@ -215,7 +236,7 @@ class _Editors(MutableMapping):
     registers a class under its own name."""
 
     def __getitem__(self, name: str) -> type:
-        if name not in _SPECS:
+        if name not in _catalogue():
             raise KeyError(name)
         return editor_class(name)
 
@@ -225,14 +246,14 @@ class _Editors(MutableMapping):
         register_editor(cls)
 
     def __delitem__(self, name: str) -> None:
-        del _SPECS[name]
+        del _catalogue()[name]
         _CLASSES.pop(name, None)
 
     def __iter__(self) -> Iterator[str]:
         return iter(method_names())
 
     def __len__(self) -> int:
-        return len(_SPECS)
+        return len(_catalogue())
 
     def __repr__(self) -> str:
         return f"EDITORS({method_names()})"

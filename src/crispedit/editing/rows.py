@@ -1,7 +1,7 @@
 """Per-token rows of the edit layers' inputs and output gradients, from one backward of a loss per batch.
 
-UltraEdit's ridge solve (``methods/ultraedit.py``: the rows ``[h‖g]`` at the target-predicting positions of
-the edit contexts) and MEND's gradient transform (``methods/mend_net.py``: the factors ``(u, δ)`` of every
+UltraEdit's ridge solve (``methods/ultraedit/editor.py``: the rows ``[h‖g]`` at the target-predicting positions of
+the edit contexts) and MEND's gradient transform (``methods/mend/net.py``: the factors ``(u, δ)`` of every
 token of ``prompt + " " + target``) take these rows; each gives its own batches, loss and positions.
 """
 

@@ -1,0 +1,3 @@
+"""Studies built on whole edit jobs: ``compare`` (several methods on the same edits, one table and a
+Pareto figure: :mod:`.compare`) and the MNIST → Fashion-MNIST curvature study (:mod:`.mnist_study`, its
+torch-free settings in :mod:`.mnist_config`). Importing the package imports none of them."""

@@ -1,7 +1,7 @@
 """Settings of the MNIST curvature study (:mod:`.mnist_study`), torch-free.
 
 :class:`MnistStudyConfig` checks every setting without torch, so ``crispedit study mnist``
-(:mod:`.mnist_cli`) answers every mistake in its flags before the study is imported.
+(:mod:`crispedit.cli.mnist`) answers every mistake in its flags before the study is imported.
 """
 
 from __future__ import annotations

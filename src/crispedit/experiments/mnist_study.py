@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -42,7 +41,7 @@ from tqdm.auto import tqdm
 from ..curvature.ekfac import collect_classifier_ekfac, collect_classifier_kfac
 from ..curvature.exact import ParamLayout, ggn_matrix, hessian_matrix
 from ..errors import CrispEditError, atomic_write_json, check_output_dir
-from ..projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
+from ..curvature.projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
 from .idx_data import ImageSplit, load_dataset
 from .mnist_config import METHODS, MnistStudyConfig, gamma_of
 
@@ -162,7 +161,7 @@ class NoProjection(ParamProjector):
 
 
 class DenseParamProjector(ParamProjector):
-    """A :class:`~crispedit.projection.DenseProjector` acting on the flat vector of all weights."""
+    """A :class:`~crispedit.curvature.projection.DenseProjector` acting on the flat vector of all weights."""
 
     def __init__(self, layout: ParamLayout, projector: DenseProjector):
         self.layout, self.projector = layout, projector
@@ -179,7 +178,7 @@ class DenseParamProjector(ParamProjector):
 
 
 class LayerwiseParamProjector(ParamProjector):
-    """One :class:`~crispedit.projection.KroneckerProjector` per weight (block-diagonal)."""
+    """One :class:`~crispedit.curvature.projection.KroneckerProjector` per weight (block-diagonal)."""
 
     def __init__(self, projectors: dict[str, KroneckerProjector], shapes: dict[str, torch.Size]):
         self.projectors = projectors
@@ -472,9 +471,3 @@ def format_table(rows: Sequence[dict]) -> str:
         lines.append(f"{r['method']:<15} {k:>5} {g:>12} {r['mnist_acc']:>7.4f} {r['fashion_acc']:>8.4f} "
                      f"{r['kept_dims']:>6} {r['recomputes']:>6} {r['seconds']:>7.1f}")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # pragma: no cover - ``python -m crispedit.experiments.mnist_study study mnist ...``
-    from ..cli import main
-
-    sys.exit(main())

@@ -1,0 +1,111 @@
+"""``crispedit cache build|info|list``: the capability curvature caches (registered through
+``crispedit.cli._COMMAND_MODULES``). Torch-free at import; ``build`` may run under ``torchrun`` (the corpus
+sharded across processes, rank 0 writes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..curvature.modes import CACHE_KINDS  # torch-free
+from ..errors import CrispEditError, check_input_dir, check_input_file, check_output_dir, check_output_file
+from .flags import add_curvature_args, add_model_args
+
+__all__ = ["add_cli", "cmd_cache_build", "cmd_cache_info", "cmd_cache_list"]
+
+
+def cmd_cache_build(args) -> int:
+    """``crispedit cache build``: collect (or reuse) the capability K-FAC factors and optionally export them to
+    ``--out``."""
+    from ..data import capability_corpus
+    from ..editing import EditConfig
+
+    config = EditConfig(layers=args.layers, n_cap=args.n_cap, max_len=args.max_len, label_mode=args.label_mode,
+                        kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus, seed=args.seed)
+    if args.out:
+        check_output_file(args.out)
+    if args.cache_dir:
+        check_output_dir(args.cache_dir, "--cache-dir")  # a file there, or a root that takes no entries: now
+    texts = capability_corpus(config.cap_corpus, config.n_cap)
+    from ..curvature.cache import save_factors
+    from ..distributed import is_main, process_group_from_env, world_size
+    from ..editing import capability_factors, curvature_spec
+    from ..models import cache_dir, load_model, resolve_layers, weight_fingerprint
+
+    with process_group_from_env(args.device) as device:  # under torchrun: shard the corpus, rank 0 writes
+        progress = False if args.quiet or not is_main() else None
+        model, tok = load_model(args.model, dtype=args.dtype, device=device, trust_remote_code=args.trust_remote_code,
+                                progress=progress)
+        layers = resolve_layers(model, config.layers)
+        fp = weight_fingerprint(model)
+        factors, info = capability_factors(model, tok, layers, config, cache_root=args.cache_dir or cache_dir(),
+                                           fingerprint=fp, force=args.force, progress=progress, kind=args.kind)
+        path = info["path"]
+        if args.out:
+            if is_main():
+                save_factors(args.out, factors, curvature_spec(model, list(layers), texts, config, fp, args.kind),
+                             extra={"collect_seconds": info["seconds"], "processes": world_size()})
+            path = args.out
+        procs = f" on {world_size()} processes" if world_size() > 1 else ""
+        state = "reused" if info["hit"] else f"built in {info['seconds']:.1f}s{procs}"
+        if is_main():
+            what = "K-FAC factors" if args.kind == "kfac" else "input covariances"
+            print(f"{what} for {len(layers)} layers ({factors.n_tokens} tokens) {state}: {path}")
+    return 0
+
+
+def cmd_cache_info(args) -> int:
+    """``crispedit cache info FILE``: print a factor file's metadata and factor shapes as JSON."""
+    check_input_file(args.file, "curvature cache file")
+    from ..curvature.cache import load_factors
+
+    factors = load_factors(args.file)
+    meta = dict(factors.meta)
+    meta["shapes"] = {k: [list(factors.A[k].shape)] + ([list(factors.S[k].shape)] if k in factors.S else [])
+                      for k in factors.A}
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def cmd_cache_list(args) -> int:
+    """``crispedit cache list``: one line per cached factor file (layers, texts, length, labels, model)."""
+    if args.cache_dir:
+        check_input_dir(args.cache_dir, "--cache-dir", missing_ok=True)  # absent: nothing cached yet
+    from ..curvature.cache import load_factors
+    from ..models import cache_dir
+
+    root = Path(args.cache_dir or cache_dir()) / "kfac"
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+    if not files:
+        print(f"no cached factors under {root}")
+    for f in files:
+        try:
+            spec = load_factors(f).meta.get("spec", {})
+            print(f"{f}  kind={spec.get('kind', 'kfac')} layers={len(spec.get('layers', []))} n={spec.get('n_texts')} len={spec.get('max_len')} "
+                  f"labels={spec.get('label_mode')} model={str(spec.get('model_fingerprint'))[:12]}")
+        except CrispEditError as exc:
+            print(f"{f}  (unreadable: {exc})")
+    return 0
+
+
+def add_cli(sub) -> None:
+    """Register ``crispedit cache build|info|list`` on ``subparsers``."""
+    pc = sub.add_parser("cache", help="build or inspect K-FAC curvature caches")
+    csub = pc.add_subparsers(dest="cache_command", required=True)
+    b = csub.add_parser("build", help="collect capability K-FAC factors or input covariances (reused by `edit`)")
+    add_model_args(b)
+    add_curvature_args(b)
+    b.add_argument("--kind", choices=list(CACHE_KINDS), default="kfac",
+                   help="kfac: K-FAC factors A and S (crispedit, adam-nscl; default); input: the input covariance "
+                   "E[k k^T] alone, forward only (memit, alphaedit)")
+    b.add_argument("--cache-dir", default=None, help="cache root (default $CRISPEDIT_CACHE or ~/.cache/crispedit)")
+    b.add_argument("--out", default=None, help="also write the factors to this file (for `edit --cache`)")
+    b.add_argument("--force", action="store_true", help="recollect even if cached")
+    b.add_argument("--quiet", action="store_true")
+    b.set_defaults(func=cmd_cache_build, torchrun=True)  # may run under torchrun
+    i = csub.add_parser("info", help="print a cache file's metadata")
+    i.add_argument("file")
+    i.set_defaults(func=cmd_cache_info)
+    ls = csub.add_parser("list", help="list cached factor files")
+    ls.add_argument("--cache-dir", default=None)
+    ls.set_defaults(func=cmd_cache_list)

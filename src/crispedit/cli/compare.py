@@ -1,0 +1,80 @@
+"""``crispedit compare`` on the command line (registered through ``crispedit.cli._COMMAND_MODULES``).
+
+Torch-free: every argument is checked here before :mod:`crispedit.experiments.compare` (torch) is imported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CrispEditError, check_output_dir, check_positive_int
+
+__all__ = ["add_cli", "cmd_compare"]
+
+
+def cmd_compare(args) -> int:
+    """``crispedit compare``: validate every input, load the model once, run the methods, print the table."""
+    from ..editing.config import SeqConfig
+    from ..editing.registry import seq_row
+    from ..evaluation.capabilities import check_capability_inputs, parse_tasks
+    from .flags import config_from_args, load_job_inputs, method_options_from_args, parse_methods
+
+    methods = parse_methods(args.methods)
+    options = method_options_from_args(args, methods)
+    configs = {}
+    for m in methods:  # all validated up front; a -seq row: its method's config in sequential mode
+        base, seq = seq_row(m)
+        cfg = config_from_args(args, base, options.get(base, {}))
+        configs[m] = SeqConfig(edit=cfg, mode="sequential") if seq else cfg
+    if args.seq_chunk is not None:
+        check_positive_int("--seq-chunk", args.seq_chunk)
+        if not any(seq_row(m)[1] for m in methods):
+            raise CrispEditError("--seq-chunk sets the round size of the -seq rows, and none is being run")
+    tasks = parse_tasks(args.capabilities)
+    check_capability_inputs(tasks, args.bench_dir)  # a wrong --bench-dir fails now, not after the first method ran
+    check_output_dir(args.out)
+    if args.limit is not None:
+        check_positive_int("--limit", args.limit)
+    if args.n_edits is None or args.n_edits < 1:
+        raise CrispEditError(f"--n-edits must be a positive integer, got {args.n_edits}")
+    first = configs[methods[0]]
+    n_cap = (first.edit if isinstance(first, SeqConfig) else first).n_cap
+    requests, model, tok, progress = load_job_inputs(args, n_cap)
+    from ..experiments.compare import JSON_FILE, MD_FILE, PNG_FILE, compare_table, run_compare
+
+    payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
+                          edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},
+                          capabilities=tasks, limit=args.limit, bench_dir=args.bench_dir, kl_text=args.kl_text,
+                          seq_chunk=args.seq_chunk, progress=progress)
+    print(compare_table(payload))
+    print(f"written to {Path(args.out) / JSON_FILE} (+ {MD_FILE}, {PNG_FILE})")
+    return 0
+
+
+def add_cli(sub) -> None:
+    """Register ``crispedit compare`` on ``subparsers``."""
+    from ..editing.config import MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK
+    from ..editing.registry import SEQ_SUFFIX, method_names, sequential_rows
+    from .flags import add_curvature_args, add_edits_args, add_model_args, add_training_args
+
+    p = sub.add_parser("compare", help="run several editing methods on the same edits and tabulate them")
+    add_model_args(p)
+    add_curvature_args(p)
+    add_edits_args(p, n_required=True)
+    seqs = ", ".join(m + SEQ_SUFFIX for m in sequential_rows(every=True))
+    paper = ", ".join(m + SEQ_SUFFIX for m in sequential_rows())
+    p.add_argument("--methods", required=True,
+                   help=f"comma list of methods ({', '.join(method_names())}) and sequential rows ({seqs}: the method "
+                   f"in rounds of --seq-chunk edits), or all (every method plus {paper})")
+    p.add_argument("--seq-chunk", type=int, default=None, metavar="N",
+                   help=f"edits per round of the -seq rows (default min({PAPER_SEQ_CHUNK}, "
+                   f"ceil(n-edits/{MIN_SEQ_ROUNDS})): the paper's {PAPER_SEQ_CHUNK}, but about {MIN_SEQ_ROUNDS} "
+                   "rounds for small edit sets; 10 for 100 edits)")
+    p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png)")
+    p.add_argument("--capabilities", default=None,
+                   help="lm-eval capability tasks, e.g. arc_challenge,truthfulqa_mc2 (default none; needs crispedit[eval])")
+    p.add_argument("--limit", type=int, default=None, help="items per capability task (default: all)")
+    p.add_argument("--bench-dir", default=None, help="local benchmark files (see `crispedit eval`)")
+    p.add_argument("--kl-text", default=None, help="held-out text for KL drift (default: bundled WikiText sample)")
+    add_training_args(p, method=False)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_compare)

@@ -1,0 +1,25 @@
+"""``crispedit demo``: the embedded default job (registered through ``crispedit.cli._COMMAND_MODULES``)."""
+
+from __future__ import annotations
+
+__all__ = ["add_cli", "cmd_demo"]
+
+
+def cmd_demo(args) -> int:
+    """``crispedit demo``: the embedded default job (:func:`crispedit.demo.run_demo`)."""
+    from ..demo import run_demo
+
+    return run_demo(n_edits=args.n_edits, epochs=args.epochs, gamma=args.gamma, n_cap=args.n_cap, model_spec=args.model,
+                    show=args.show)
+
+
+def add_cli(sub) -> None:
+    """Register ``crispedit demo`` on ``subparsers``."""
+    d = sub.add_parser("demo", help="edit bundled ZsRE facts into SmolLM2 with crispedit and ft; show before/after")
+    d.add_argument("--model", default="smollm2")
+    d.add_argument("--n-edits", type=int, default=32)
+    d.add_argument("--epochs", type=int, default=100)
+    d.add_argument("--gamma", type=float, default=0.8)
+    d.add_argument("--n-cap", type=int, default=64)
+    d.add_argument("--show", type=int, default=6, help="rows in the before/after table")
+    d.set_defaults(func=cmd_demo)

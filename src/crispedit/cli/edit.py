@@ -1,0 +1,90 @@
+"""``crispedit edit``: validate every input, load the model, edit, evaluate and save the result (registered
+through ``crispedit.cli._COMMAND_MODULES``). Torch-free at import; the command imports torch once its cheap
+checks have passed."""
+
+from __future__ import annotations
+
+from ..errors import check_output_dir, check_output_file
+from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
+                    config_from_args, load_job_inputs)
+
+__all__ = ["add_cli", "cmd_edit"]
+
+
+def cmd_edit(args) -> int:
+    """``crispedit edit``: validate every input, load the model, edit, evaluate, save ``--out`` atomically; returns
+    the exit status."""
+    config = config_from_args(args)  # validates before anything slow happens
+    check_output_dir(args.out, overwrite=args.overwrite, marker="edit_report.json")
+    if args.checkpoint is not None:
+        check_output_file(args.checkpoint, "--checkpoint")
+        from ..editing.checkpoint import check_checkpoint_file  # torch-free
+
+        check_checkpoint_file(args.checkpoint)
+    from ..distributed import is_main, process_group_from_env
+
+    with process_group_from_env(args.device) as device:  # under torchrun: batches split across processes
+        args.device = device
+        requests, model, tok, progress = load_job_inputs(args, config.n_cap)
+        main_process = is_main()  # read inside: the group is gone after the block
+        if not main_process:
+            progress = False
+        from ..pipeline import run_edit_job
+
+        report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
+                              edits_path=str(args.edits), cache_file=args.cache, progress=progress,
+                              wild=not args.no_wild, overwrite=args.overwrite, predict_drift=args.predict_drift,
+                              delta_only=args.delta_only, checkpoint=args.checkpoint)
+    if not main_process:
+        return 0
+    from ..editing.loop import training_brief
+
+    s = report["summary"]
+    pred = "-" if s.get("kl_predicted") is None else f"{s['kl_predicted']:.5f}"
+    print(f"{config.method}: {len(requests)} edits, rel={s['rel']} gen={s['gen']} kl_drift={s['kl_drift']:.5f} "
+          f"kl_predicted={pred} edit={s['edit_seconds']:.1f}s cache={s['cache_seconds']:.1f}s "
+          f"{training_brief(report['training'], config.lr)}")
+    if s.get("drift_budget") and s["drift_budget"].get("max_drift") is not None:
+        b = s["drift_budget"]
+        print(f"  drift budget {b['max_drift']:g}: {'hit' if b['hit'] else 'not hit'} ({b['hits']} of {b['steps']} steps pulled back)")
+    for ctx, w in (report.get("wild") or {}).items():
+        if isinstance(w, dict):
+            print(f"  WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']}")
+    from ..curvature.predicted import prediction_notes
+
+    for line in prediction_notes(s):
+        print(f"  note: {line}")
+    if args.delta_only:
+        print(f"delta.safetensors and edit_report.json written to {args.out}")
+    else:
+        print(f"edited model and edit_report.json written to {args.out} (+ delta.safetensors)")
+    return 0
+
+
+def add_cli(sub) -> None:
+    """Register ``crispedit edit`` on ``subparsers`` (it may run under ``torchrun``: batches split across processes)."""
+    p = sub.add_parser("edit", help="edit facts into a model and save it with edit_report.json")
+    add_model_args(p)
+    add_curvature_args(p)
+    add_edits_args(p)
+    add_training_args(p)
+    add_max_drift_arg(p)
+    p.add_argument("--predict-drift", action="store_true",
+                   help="report kl_predicted for methods without curvature too (ft, locbf-ft: collects or reuses "
+                   "the capability factors; --max-drift and --drift-penalty fetch them anyway)")
+    p.add_argument("--delta-only", action="store_true",
+                   help="write only delta.safetensors (the changed tensors, reversible) and edit_report.json, "
+                   "not the full model")
+    p.add_argument("--checkpoint", default=None, metavar="FILE",
+                   help="save the training state to FILE after every epoch and, when FILE holds this run (same "
+                        "model weights, edits and settings), go on from its last epoch: a killed edit resumes")
+    p.add_argument("--kl-text", default=None, help="held-out text for kl_drift (default: bundled WikiText sample)")
+    p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")
+    p.add_argument("--out", required=True, help="output directory (HF model + delta.safetensors + edit_report.json); "
+                   "must be new or empty")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--out may hold an earlier edit: replace only the files that edit wrote, keep all others")
+    p.add_argument("--no-wild", action="store_true",
+                   help="skip the WILD section of the report (free generation under qa, none and chat contexts)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_edit, torchrun=True)  # may run under torchrun

@@ -1,0 +1,199 @@
+"""CLI flags shared by ``edit``, ``session init``, ``compare`` and ``cache build``, built from the config
+dataclasses: defaults come from :class:`EditConfig`'s fields, ``--method`` choices from the method
+catalogue, and every method's own options (its ``Config`` dataclass) become ``--<method>-<option>``
+flags. The command modules (``cli/edit.py``, ``cli/session.py``, ...) import it and never each other.
+Torch-free (it reads the catalogue, never an editor class): building the parser and checking the flags
+import neither torch nor transformers; :func:`load_job_inputs` imports them once every cheaper input has
+been checked."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+from typing import Sequence
+
+from ..editing.config import PRECISIONS, EditConfig, ProjectionTarget
+from ..editing.contexts import ANSWER_ENDS, DEFAULT_CONTEXTS
+from ..editing.registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
+from ..errors import CrispEditError, check_input_file
+
+__all__ = ["add_model_args", "add_edits_args", "add_curvature_args", "add_training_args", "add_method_option_args",
+           "add_max_drift_arg",
+           "config_from_args", "method_options_from_args", "parse_methods", "check_job_files", "load_job_inputs",
+           "DEFAULTS"]
+
+DEFAULTS = {f.name: f.default for f in fields(EditConfig) if f.default is not MISSING}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--model --dtype --device --trust-remote-code``."""
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file, an HF model dir or a hub id")
+    p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+
+
+def add_edits_args(p: argparse.ArgumentParser, *, n_required: bool = False) -> None:
+    """``--edits FILE --n-edits N --offset K`` (the edit requests a command reads)."""
+    p.add_argument("--edits", required=True, help="edit file: ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL")
+    p.add_argument("--n-edits", type=int, required=n_required, default=None,
+                   help="number of edits from --offset" + ("" if n_required else " (default: all)"))
+    p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
+
+
+def add_curvature_args(p: argparse.ArgumentParser) -> None:
+    """Edit layers and capability-curvature flags (``EditConfig`` fields ``layers`` .. ``seed``)."""
+    d = DEFAULTS
+    p.add_argument("--layers", default=d["layers"], help="module-path pattern, e.g. 'model.layers.{15-19}.mlp.down_proj' "
+                   "(default: per-architecture, see docs/cli.md, 'Choosing layers')")
+    p.add_argument("--n-cap", type=int, default=d["n_cap"], help=f"number of capability texts for K-FAC (default {d['n_cap']})")
+    p.add_argument("--max-len", type=int, default=d["max_len"], help=f"max tokens per capability text (default {d['max_len']})")
+    p.add_argument("--label-mode", choices=["sampled", "empirical"], default=d["label_mode"],
+                   help="K-FAC labels: sampled from the model (Gauss-Newton, default) or the text's own tokens")
+    p.add_argument("--cap-corpus", default=d["cap_corpus"], help="capability corpus (.txt/.jsonl/.json); default: bundled WikiText")
+    p.add_argument("--kfac-batch-size", type=int, default=d["kfac_batch_size"])
+    p.add_argument("--seed", type=int, default=d["seed"])
+
+
+def add_method_option_args(p: argparse.ArgumentParser) -> None:
+    """``--<method>-<option>`` for every option of every registered method's ``Config`` (default: the method's)."""
+    for method in method_names():
+        cfg_cls = method_spec(method).Config
+        for f in fields(cfg_cls):
+            kind = type(f.default) if f.default is not MISSING else str
+            help_ = cfg_cls.HELP.get(f.name, f"{method} option {f.name} (default {f.default})")
+            p.add_argument(f"--{method}-{f.name.replace('_', '-')}", dest=_dest(method, f.name),
+                           type=kind if kind in (int, float) else str, default=None, help=f"[{method}] {help_}")
+
+
+def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> None:
+    """``--method`` (choices: the catalogue), ``--gamma --epochs --lr --batch-size``, projection target,
+    edit contexts, answer end and the per-method option flags."""
+    d = DEFAULTS
+    if method:
+        p.add_argument("--method", default=d["method"], choices=method_names(),
+                       help="; ".join(f"{n}: {method_spec(n).summary}" for n in method_names()) + f" (default {d['method']})")
+    p.add_argument("--gamma", type=float, default=d["gamma"], help=f"energy threshold in (0, 1) (default {d['gamma']})")
+    p.add_argument("--epochs", type=int, default=d["epochs"],
+                   help=f"maximum epochs over the edits (default {d['epochs']}; the paper: 25); training stops "
+                        "earlier once an epoch's mean loss is below 0.01")
+    p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: the method's; 5e-4 (Gemma-3: 5e-5, crispedit.families), LoRA 5e-3)")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"], help=f"edit sequences per step (default {d['batch_size']})")
+    p.add_argument("--batch-tokens", type=int, default=None, metavar="N",
+                   help="pack each step's batch up to N padded tokens (sequences x longest, length-sorted within a "
+                        "context) instead of --batch-size sequences: fewer, fuller steps on a GPU")
+    p.add_argument("--context-sample", type=int, default=None, metavar="K",
+                   help="train each request on a seeded sample of K of its context sequences per epoch (every "
+                        "epoch another sample) instead of all of them: fewer tokens per epoch")
+    p.add_argument("--precision", choices=PRECISIONS, default=d["precision"],
+                   help="the training forward and backward: fp32, or bf16 autocast (matmuls in bfloat16; the trained "
+                        "weights, their gradients, Adam and the projection stay float32)")
+    p.add_argument("--projection", choices=[t.value for t in ProjectionTarget], default=d["projection_target"],
+                   help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")
+    p.add_argument("--contexts", default=d["contexts"],
+                   help="edit contexts each request is trained in: comma list of bare, chat, prefix:N, para:N, gen:N, wrap:N, lead:N "
+                   f"(default: 'default' = {DEFAULT_CONTEXTS}; chat only for models with a chat template)")
+    p.add_argument("--drift-penalty", type=float, default=d["drift_penalty"], metavar="BETA",
+                   help="train edit loss + BETA x the K-FAC predicted KL drift (nats/token) of the change, so the "
+                   f"edit takes the flattest directions (default {d['drift_penalty']:g}; fine-tuning methods: ft, "
+                   "locbf-ft and lora get the capability factors fetched, lora on its merged update)")
+    p.add_argument("--answer-end", choices=list(ANSWER_ENDS), default=d["answer_end"],
+                   help="what follows the target in training: auto = the chat end-of-turn in chat, a period "
+                   "elsewhere (default); eos = EOS instead of the period; none = the target alone (the paper)")
+    add_method_option_args(p)
+
+
+def add_max_drift_arg(p: argparse.ArgumentParser, *, session: bool = False) -> None:
+    """``--max-drift EPS``: the trust region on the K-FAC predicted KL drift (``EditConfig.max_drift``)."""
+    what = ("for the whole session, spent round by round" if session
+            else "after every step the accumulated change is scaled back into it")
+    p.add_argument("--max-drift", type=float, default=None, metavar="EPS",
+                   help=f"budget on the predicted KL drift in nats/token ({what}); fine-tuning methods (crispedit, "
+                   "adam-nscl, ft, locbf-ft, lora on its merged update); the prediction under-reads large moves such as ft's")
+
+
+def _dest(method: str, option: str) -> str:
+    return f"opt_{method.replace('-', '_')}__{option}"
+
+
+def method_options_from_args(args, methods: Sequence[str]) -> dict[str, dict]:
+    """``{method: {option: value}}`` from the ``--<method>-<option>`` flags that were given; a flag of a
+    method not among ``methods`` is a one-line error (a ``<method>-seq`` row counts as its method: the
+    flags apply to both rows)."""
+    methods = [seq_row(m)[0] for m in methods]
+    out: dict[str, dict] = {}
+    for method in method_names():
+        for f in fields(method_spec(method).Config):
+            value = getattr(args, _dest(method, f.name), None)
+            if value is None:
+                continue
+            if method not in methods:
+                raise CrispEditError(f"--{method}-{f.name.replace('_', '-')} applies to method {method}, "
+                                     f"which is not being run ({', '.join(methods)})")
+            out.setdefault(method, {})[f.name] = value
+    return out
+
+
+def config_from_args(args, method: str | None = None, options: dict | None = None) -> EditConfig:
+    """The validated :class:`EditConfig` of the parsed flags for ``method`` (default ``args.method``)."""
+    method = method or args.method
+    if options is None:
+        options = method_options_from_args(args, [method]).get(method, {})
+    return EditConfig(method=method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
+                      batch_tokens=getattr(args, "batch_tokens", None),
+                      context_sample=getattr(args, "context_sample", None),
+                      precision=getattr(args, "precision", "fp32"),
+                      epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
+                      label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
+                      seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,
+                      max_drift=getattr(args, "max_drift", None), drift_penalty=args.drift_penalty)
+
+
+def parse_methods(spec: str) -> list[str]:
+    """``"crispedit,ft,lora-seq"`` (or ``all``) -> compare rows in the given order, each once: registered
+    method names and ``<method>-seq`` sequential rows (:func:`~crispedit.editing.registry.seq_row`); one-line
+    error naming an unknown one. ``all`` = every method, then the paper's sequential rows
+    (:func:`~crispedit.editing.registry.sequential_rows`: crispedit-seq, ft-seq, lora-seq, alphaedit-seq)."""
+    items = [s.strip() for s in str(spec).split(",") if s.strip()]
+    if items == ["all"]:
+        return method_names() + [m + SEQ_SUFFIX for m in sequential_rows()]
+    if not items:
+        raise CrispEditError(f"--methods is empty; choose from {', '.join(method_names())}")
+    out: list[str] = []
+    for m in items:
+        seq_row(m)  # unknown (or a -seq row of a method without one) -> one-line error with the choices
+        if m not in out:
+            out.append(m)
+    return out
+
+
+def check_job_files(args, n_cap: int) -> None:
+    """Check the side files an editing command reads once its model is loaded, before that: ``--cap-corpus``
+    (``n_cap`` texts), ``--kl-text`` and that a ``--cache`` file and a ``--mend-weights`` file exist (each only when given; one-line
+    errors). Torch-free."""
+    from ..data import capability_corpus, heldout_text
+
+    if args.cap_corpus:
+        capability_corpus(args.cap_corpus, n_cap)
+    if args.kl_text is not None:
+        heldout_text(args.kl_text, 1)
+    if getattr(args, "cache", None):
+        check_input_file(args.cache, "curvature cache file")
+    if getattr(args, _dest("mend", "weights"), None):
+        check_input_file(getattr(args, _dest("mend", "weights")), "MEND network file (--mend-weights)")
+
+
+def load_job_inputs(args, n_cap: int):
+    """What an editing command reads, checked cheapest first: the side files (:func:`check_job_files`), the
+    edit requests, then the model (the first point where torch is imported). Returns ``(requests, model,
+    tokenizer, progress)`` where ``progress`` is ``False`` under ``--quiet`` and ``None`` (auto) otherwise."""
+    from ..data import load_edits
+
+    check_job_files(args, n_cap)
+    requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
+    progress = False if args.quiet else None
+    from ..models import load_model  # torch and transformers: only now that every cheaper input is checked
+
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
+                            progress=progress)
+    return requests, model, tok, progress

@@ -1,0 +1,31 @@
+"""CrispEdit: gradients projected onto the low-curvature subspace of the capability loss's K-FAC
+Gauss-Newton (the paper's method; energy threshold ``EditConfig.gamma``)."""
+
+from ..editing.editor import Editor
+from ..editing.registry import MethodConfig, MethodSpec
+
+__all__ = ["CrispEditEditor", "METHOD"]
+
+METHOD = MethodSpec("crispedit", "fine-tuning projected onto the low-curvature subspace of the capability K-FAC "
+                    "(the paper)", MethodConfig, f"{__name__}:CrispEditEditor", curvature=True, sequential="paper",
+                    drift_budget=True)
+
+
+class CrispEditEditor(Editor):
+    """CrispEdit: each edit layer's gradient is projected by ``U_out((U_outᵀ G U_in) ⊙ M)U_inᵀ`` with
+    ``A = U_in Λ U_inᵀ``, ``S = U_out Λ U_outᵀ`` the capability K-FAC factors and ``M`` the γ-energy mask."""
+
+    name = "crispedit"
+    needs_curvature = True
+
+    def projectors(self, layers, factors, config):
+        """One Kronecker projector per edit layer from its capability factors ``A``, ``S`` at ``config.gamma``
+        (their eigenbases computed once per factor set and cached beside cached factors:
+        :func:`~crispedit.curvature.eigen.factor_eigh`)."""
+        from ..curvature.eigen import eigh_device, factor_eigh
+        from ..curvature.projection import KroneckerProjector
+
+        assert factors is not None
+        eig = factor_eigh(factors, layers, ("A", "S"), device=eigh_device(layers))
+        return {name: KroneckerProjector.from_spectra(*eig[name, "S"], *eig[name, "A"], config.gamma)
+                for name in layers}

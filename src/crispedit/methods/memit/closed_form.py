@@ -1,0 +1,109 @@
+"""The closed-form editors' shared procedure (MEMIT and AlphaEdit differ only in the solve).
+
+:class:`ClosedFormEditor` (a :class:`~.single_pass.SinglePassEditor`) writes the requests in batches of
+``batch_size`` (the method config). Per batch: the target values ``v*`` at the output of the block holding
+the last edit layer (:func:`~crispedit.editing.keyvalue.target_values`); then for each edit layer ``i`` of
+``L``, in increasing depth, its keys ``K`` (``d_in x N``, the current model's), the residual
+``R = (V* − Z_now) / (L − i)`` (``d_model x N``) and the update ``ΔW`` of the layer's weight from
+:meth:`ClosedFormEditor.solve`, added in place before the next layer's keys are taken. Linear algebra in
+float64 on the model's device.
+
+The capability statistic is the per-token input covariance ``C = E[k kᵀ]`` of each edit layer
+(``curvature_kind = "input"``: an A-only, forward-only collection cached like the K-FAC factors).
+A request needs its ``subject``; every request is checked before the model is touched.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ...data.edits import EditRequest
+from ...editing.editor import EditContext
+from ...editing.keyvalue import (KeyValueSettings, block_outputs, context_templates, edit_blocks, hidden_size, layer_keys,
+                                 subject_span, target_values)
+from ...editing.single_pass import SinglePassEditor, target_nll
+from ...errors import CrispEditError
+from ...models import weight_matrix
+from . import ClosedFormConfig
+
+__all__ = ["ClosedFormEditor", "target_nll"]
+
+
+class ClosedFormEditor(SinglePassEditor):
+    """Base of the closed-form key-value editors: subclasses implement :meth:`solve` (and optionally
+    :meth:`prepare`, :meth:`after_batch`, :meth:`stats`, :meth:`carried_state`). Changes only the edit layers'
+    weights (the default :meth:`Editor.changes`). The history's ``epoch_loss`` holds the mean target NLL
+    (nats/token, bare prompt) before and after, ``steps`` the v* Adam steps and ``extra["vstar_nll"]`` the
+    mean v* target NLL (nats/token, over the templates) before and after its optimisation."""
+
+    needs_curvature = True
+    curvature_kind = "input"
+    form = "closed-form"
+    nonfinite_hint = " (ill-conditioned solve)"
+
+    def check_requests(self, requests):
+        """Every request has a subject that occurs in its prompt (one-line error naming the first that does not)."""
+        for i, r in enumerate(requests):
+            subject_span(r, i)
+
+    def prepare(self, layers: dict[str, nn.Module], C: dict[str, Tensor], cfg: ClosedFormConfig,
+                ctx: EditContext) -> dict:
+        """Per-edit state built once before the first batch (default: nothing)."""
+        return {}
+
+    def solve(self, name: str, K: Tensor, R: Tensor, C: Tensor, cfg: ClosedFormConfig, state: dict) -> Tensor:
+        """The update ``ΔW`` (``d_out x d_in``, float64) of layer ``name`` that maps keys ``K`` (``d_in x N``) to
+        residuals ``R`` (``d_out x N``), given the layer's input covariance ``C`` (``d_in x d_in``)."""
+        raise NotImplementedError
+
+    def after_batch(self, model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
+                    templates: Sequence[str], state: dict) -> None:
+        """Hook after each batch has been written (default: nothing)."""
+
+    def start(self, model, tokenizer, requests, ctx: EditContext) -> dict:
+        """Every request's subject, the input covariance of every edit layer, edit layers that write the residual
+        stream (one-line errors), before anything runs; the state holds the edited block and ``C``."""
+        layers = ctx.layers
+        self.check_requests(requests)
+        _, block = edit_blocks(model, layers)
+        if ctx.factors is None or any(n not in ctx.factors.A for n in layers):
+            raise CrispEditError(f"{self.name} needs the input covariance of every edit layer")
+        d_model = hidden_size(model)
+        for n, m in layers.items():
+            if weight_matrix(m).shape[0] != d_model:
+                raise CrispEditError(f"{self.name}: edit layer {n} writes {weight_matrix(m).shape[0]} features, not the "
+                                     f"residual stream's {d_model}; edit the MLP output projections (down_proj)")
+        return {"block": block, "C": {n: ctx.factors.A[n] for n in layers}}
+
+    def updates(self, model, tokenizer, requests, ctx: EditContext, state: dict, history):
+        """Write ``requests`` batch by batch (module docstring), yielding each layer's ``ΔW`` in turn."""
+        cfg: ClosedFormConfig = ctx.config.method_config
+        layers, block, C = ctx.layers, state["block"], state["C"]
+        history.contexts = ["bare"] + ([f"gen:{cfg.prefixes}"] if cfg.prefixes else [])
+        templates = context_templates(model, tokenizer, cfg.prefixes, seed=ctx.config.seed)
+        settings = KeyValueSettings(steps=cfg.v_steps, lr=cfg.v_lr, weight_decay=cfg.v_weight_decay, clamp=cfg.clamp,
+                                    kl_factor=cfg.kl_factor)
+        state.update(self.prepare(layers, C, cfg, ctx))
+        L = len(layers)
+        v_first = v_last = 0.0
+        for b in range(0, len(requests), cfg.batch_size):
+            chunk = list(requests[b:b + cfg.batch_size])
+            zs, rec = target_values(model, tokenizer, chunk, block, templates, settings)
+            history.steps += rec["steps"]
+            v_first += rec["nll_first"] * len(chunk)
+            v_last += rec["nll_last"] * len(chunk)
+            for i, (name, m) in enumerate(layers.items()):
+                K = layer_keys(model, tokenizer, chunk, m, templates).double().T          # d_in x N
+                R = (zs - block_outputs(model, tokenizer, chunk, block)).double().T / (L - i)  # d_out x N
+                W = weight_matrix(m)
+                yield name, self.solve(name, K.to(W.device), R.to(W.device), C[name].to(W.device, torch.float64),
+                                       cfg, state)
+            self.after_batch(model, tokenizer, chunk, layers, templates, state)
+        # how far v* itself got (mean over requests, every template): a low value here with a high
+        # epoch_loss[-1] says the solve, not the target values, held the edit back
+        n = max(len(requests), 1)
+        history.extra = {"vstar_nll": [round(v_first / n, 6), round(v_last / n, 6)]}
+        history.sequences = len(requests) * len(templates)

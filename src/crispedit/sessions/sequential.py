@@ -1,0 +1,299 @@
+"""CrispEdit-Seq: one editing round at a time, with streaming K-FAC constraints (paper, Algorithm 2).
+
+A round edits one chunk of requests with the shared projected loop
+(:func:`crispedit.editing.loop.projected_finetune`). Afterwards the K-FAC factors of the chunk's *full*
+``prompt + " " + target`` sequences (no prompt masking: the paper's ablation shows masking hurts) are
+collected on the edited model and folded into the accumulated edit factors by an exact token-weighted
+streaming average (so the accumulated edit factors equal a one-shot collection over the union of the
+chunks, for a fixed model). The next round's projector is rebuilt from capability + edit factors:
+
+* ``weighting="fixed"`` (default): ``(1 - mix) * cap + mix * edits`` with a fixed coefficient
+  (``mix=0.5``): earlier edits keep a constant share of the constraint however large the
+  capability corpus is;
+* ``weighting="tokens"``: the authors' code, a token-count-weighted average; the capability corpus
+  (thousands of tokens) swamps the edits (tens of tokens each).
+
+The Adam state is carried across rounds; when the projector changes its first moment is re-projected
+onto the new kept subspace (the authors do the same) so stale momentum cannot push the weights along
+directions that are now constrained. Optionally (``recompute_drift``, paper 0.25) the capability factors
+are recollected on the edited model once a trained weight has drifted by more than that relative
+Frobenius norm since they were last computed.
+
+``mode="batch"`` is the comparison baseline: every round re-edits the base model on the union of all
+rounds so far, with capability factors only (plain CrispEdit). ``method="ft"`` with ``mode="sequential"``
+is the paper's "FT Sequential" (no projection); ``method="lora"`` is "LoRA Sequential" (a fresh adapter
+trained and merged every round; only the merged weights carry over).
+
+The round itself is :meth:`Editor.apply` — the same set-up around the loop as a batch :func:`edit`.
+Rounds are driven either durably, one ``add`` at a time, by :class:`~crispedit.sessions.session.Session`, or
+in memory over consecutive chunks of one edit set by :func:`run_sequence` (``crispedit compare``'s
+``<method>-seq`` rows).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..curvature.kfac import KFACFactors, collect_lm_kfac
+from ..curvature.predicted import mixing_layers, predicted_kl, steep_layers
+from ..data.edits import EditRequest
+from ..editing.config import MODES, WEIGHTINGS, EditConfig, SeqConfig
+from ..editing.contexts import resolve_contexts, sequences_for
+from ..editing.editor import EditContext
+from ..editing.registry import get_editor
+from ..errors import CrispEditError, check_positive_int
+from ..models import model_family, parameter
+
+__all__ = ["SeqConfig", "SeqState", "SeqResult", "combine_factors", "round_edit_factors", "run_round",
+           "run_sequence", "drift_spent", "weight_drift", "WEIGHTINGS", "MODES"]
+
+@dataclass
+class SeqState:
+    """What carries from one round to the next (all CPU tensors; what a session stores)."""
+
+    weights: dict[str, Tensor]                  # current values of the parameters the editor changes, by full name
+    cap: KFACFactors | None = None              # capability factors
+    edits: KFACFactors | None = None            # accumulated edit factors (token-weighted average)
+    optim: dict[str, Tensor] = field(default_factory=dict)   # flattened Adam state
+    cap_ref: dict[str, Tensor] | None = None    # weights the capability factors were computed at (None: base)
+
+
+# ---------------------------------------------------------------------------------------------
+# factor policy
+
+
+def combine_factors(cap: KFACFactors, edits: KFACFactors | None, weighting: str, mix: float) -> KFACFactors:
+    """The constraint for the next round: capability factors merged with the accumulated edit factors."""
+    if edits is None:
+        return cap
+    if weighting == "tokens":
+        return cap.merged(edits)
+    if weighting == "fixed":
+        return cap.merged(edits, weight=mix)
+    raise CrispEditError(f"unknown factor weighting {weighting!r}")
+
+
+def round_edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
+                       config: EditConfig, round_index: int, progress: bool | None = None) -> KFACFactors:
+    """K-FAC factors of the requests' full training sequences — every edit context, context and
+    target (no prompt masking) — on ``model``: the edits are protected in the forms they were taught."""
+    texts = edit_texts(tokenizer, requests, config, model)
+    return collect_lm_kfac(model, tokenizer, texts, layers, max_len=config.max_len, batch_size=config.kfac_batch_size,
+                           label_mode=config.label_mode, seed=config.seed + 1000 * round_index, progress=progress,
+                           desc="K-FAC[edits]")
+
+
+def edit_texts(tokenizer, requests: Sequence[EditRequest], config: EditConfig, model: nn.Module | None = None
+               ) -> list[str]:
+    """The text of every training sequence of ``requests`` (context + target + answer end); ``model``
+    writes the ``gen`` prefixes when that context is used."""
+    return [s.text for s in sequences_for(tokenizer, requests, config, model)[0]]
+
+
+def accumulate(acc: KFACFactors | None, new: KFACFactors) -> KFACFactors:
+    """Exact streaming average (token-weighted): equals one collection over the union on a fixed model."""
+    return new if acc is None else acc.merged(new)
+
+
+# ---------------------------------------------------------------------------------------------
+# the round
+
+
+def weight_drift(weights: dict[str, Tensor], ref: dict[str, Tensor]) -> dict[str, float]:
+    """Relative Frobenius change ``|W - W_ref| / |W_ref|`` per layer."""
+    return {n: float((weights[n].double() - ref[n].double()).norm() / ref[n].double().norm().clamp_min(1e-30))
+            for n in weights}
+
+
+def _set_weights(model: nn.Module, weights: dict[str, Tensor]) -> None:
+    with torch.no_grad():
+        for name, w in weights.items():
+            parameter(model, name).copy_(w)
+
+
+def _round_budget(ec, spent: float):
+    """``(config, budget record)`` of a round that may spend what the session's ``--max-drift`` has left after
+    ``spent`` (nats/token predicted): the config with ``max_drift`` set to that remainder, and the record
+    (``None`` without a session budget). One-line error when the budget is spent."""
+    if ec.max_drift is None:
+        return ec, None
+    remaining = ec.max_drift - spent
+    if remaining <= ec.max_drift * 1e-3:  # (rounding of the float32 pull-back: under 0.1 % left is spent)
+        raise CrispEditError(f"the session's drift budget is spent ({spent:.6g} of {ec.max_drift:g} nats/token "
+                             "predicted); start a new session for more edits")
+    return replace(ec, max_drift=remaining), {"session_budget": ec.max_drift, "spent_before": spent,
+                                              "round_budget": remaining}
+
+
+def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], requests: Sequence[EditRequest],
+              state: SeqState, config: SeqConfig, round_index: int, *, base_weights: dict[str, Tensor],
+              union: Sequence[EditRequest] | None = None,
+              capability: Callable[[], KFACFactors] | None = None,
+              progress: bool | None = None, drift_spent: float = 0.0) -> tuple[SeqState, dict]:
+    """Apply one round (``round_index`` counts from 1) and return the new state and a record.
+
+    ``layers`` are the editor's edit layers (:meth:`Editor.select_layers`); ``state.weights`` and
+    ``base_weights`` hold the parameters the editor changes (:meth:`Editor.changes`, full names).
+    ``model``'s changed parameters are set from ``state.weights`` first, so the result depends only on
+    (state, requests, config, round_index): an interrupted round redone from the stored state gives
+    the same result. ``union`` (batch mode) is every request so far; ``capability`` recollects the
+    capability factors on the current model (used when ``recompute_drift`` triggers).
+
+    Drift: the record holds ``kl_predicted`` (the capability factors' predicted KL drift of the change from
+    the base, nats per token; what ``kl_drift`` measures) and ``kl_predicted_round`` (of this round's own
+    change). With ``config.edit.max_drift`` the session has one budget: a sequential round may spend
+    ``max_drift - drift_spent`` (``drift_spent``: the sum of the earlier rounds' ``kl_predicted_round``),
+    enforced on its own change (:class:`~crispedit.curvature.predicted.DriftBudget` with the capability
+    factors ``state.cap``, which a session of a method without curvature — ft, locbf-ft, LoRA on its adapted
+    modules — holds when it has a budget or penalty); a batch-mode round re-edits the base and gets the whole
+    budget. A spent budget is a one-line error.
+    """
+    ec = config.edit
+    editor = get_editor(ec.method)
+    batch = config.mode == "batch"
+    t0 = time.perf_counter()
+    _set_weights(model, base_weights if batch else state.weights)
+    constraint = None
+    if editor.needs_curvature:
+        if state.cap is None:
+            raise CrispEditError("this session has no capability factors")
+        constraint = state.cap if batch else combine_factors(state.cap, state.edits, config.weighting, config.mix)
+    # EigenbasisAdam's moments live in the previous round's eigenbasis: not carried into a new basis
+    carry = (config.carry_optimizer and ec.projection_target != "eigenbasis" and editor.carries_optimizer
+             and not batch) or (editor.carries_state and not batch)
+    train_requests = list(union) if batch else list(requests)
+    ec, budget = _round_budget(ec, 0.0 if batch else float(drift_spent))
+    start = dict(base_weights if batch else state.weights)
+    drift_modules = editor.drift_modules(model, layers, ec)  # what state.cap predicts the drift of (LoRA: q/v)
+    outcome = editor.apply(model, tokenizer, train_requests,
+                           EditContext(ec, layers, constraint, optimizer_state=state.optim if carry else {},
+                                       reproject_momentum=config.reproject_momentum, keep_optimizer=carry,
+                                       progress=progress, drift_factors=state.cap))
+    weights = {n: parameter(model, n).detach().cpu().clone() for n in base_weights}
+    new = SeqState(weights=weights, cap=state.cap, edits=state.edits, optim=outcome.optimizer_state,
+                   cap_ref=state.cap_ref)
+    record: dict = {"train": outcome.history.to_json(), "optimizer_carried": outcome.optimizer_carried,
+                    "projector_kept": {n: v["kept_fraction"] for n, v in outcome.projector_stats.items()}}
+    total = predicted_kl(drift_modules, state.cap, base_weights, weights)
+    own = predicted_kl(drift_modules, state.cap, start, weights)
+    record["kl_predicted"] = None if total is None else total["total"]
+    record["kl_predicted_round"] = None if own is None else own["total"]
+    record["steep_layers"] = [] if total is None else steep_layers(total["layers"])  # of the change since the base
+    record["mixing_layers"] = [] if total is None else mixing_layers(total["layers"])
+    if budget is not None:
+        record["drift_budget"] = {**budget, **(outcome.drift_budget or {}),
+                                  "remaining": ec.max_drift - (record["kl_predicted_round"] or 0.0)}
+    if editor.needs_curvature and editor.curvature_kind == "kfac" and not batch:
+        t1 = time.perf_counter()
+        new.edits = accumulate(state.edits, round_edit_factors(model, tokenizer, requests, layers, ec, round_index,
+                                                               progress=progress))
+        record["edit_factor_tokens"] = new.edits.n_tokens
+        record["edit_factor_seconds"] = round(time.perf_counter() - t1, 3)
+        if config.recompute_drift is not None:
+            drift = weight_drift(weights, state.cap_ref or base_weights)
+            record["drift_since_capability"] = {n: round(v, 5) for n, v in drift.items()}
+            if max(drift.values()) > config.recompute_drift:
+                if capability is None:
+                    raise CrispEditError("capability factors must be recomputed but no collector was given")
+                new.cap = capability()
+                new.cap_ref = {n: w.clone() for n, w in weights.items()}
+                record["capability_recomputed"] = True
+    record["edit_seconds"] = round(time.perf_counter() - t0, 3)
+    return new, record
+
+
+def drift_spent(rounds: Sequence[dict]) -> float:
+    """The drift budget the committed ``rounds`` (their :func:`run_round` records) spent: the sum of their own
+    predicted drift (``kl_predicted_round``, nats per token; rounds without a prediction spend nothing)."""
+    return float(sum(r.get("kl_predicted_round") or 0.0 for r in rounds))
+
+
+# ---------------------------------------------------------------------------------------------
+# a whole sequence in memory
+
+
+@dataclass
+class SeqResult:
+    """What :func:`run_sequence` did. Named like :class:`~crispedit.editing.api.EditResult` where they
+    agree: ``layers`` (edit layer names), ``original_weights`` (pre-edit values of every parameter the
+    editor changes, full name -> tensor on the model's device: undo with
+    :func:`~crispedit.editing.api.restore`), ``edit_seconds`` (all rounds, wall), ``cache_seconds`` /
+    ``cache_info`` (fetching the capability statistics), ``kl_predicted`` (K-FAC predicted per-token KL
+    drift of the final change from the base, nats; ``None`` without K-FAC factors for the changed weights),
+    ``drift_budget`` (the last round's, with ``max_drift``). Plus ``chunk`` (edits per round), ``rounds``
+    (one :func:`run_round` record per round, with ``round``, ``n_edits`` and ``edit_seconds``) and the final
+    :class:`SeqState`."""
+
+    layers: list[str]
+    chunk: int
+    rounds: list[dict]
+    original_weights: dict[str, Tensor]
+    edit_seconds: float
+    cache_seconds: float
+    cache_info: dict
+    kl_predicted: dict | None
+    state: SeqState
+    drift_budget: dict | None = None
+
+    @property
+    def round_seconds(self) -> list[float]:
+        """Wall seconds of each round (training, plus the edit-factor collection of crispedit-seq)."""
+        return [r["edit_seconds"] for r in self.rounds]
+
+
+def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: SeqConfig, chunk: int, *,
+                 factors: KFACFactors | None = None, cache_root=None, cache_file=None, progress: bool | None = None,
+                 predict_drift: bool = False, on_round: Callable[[dict, int], None] | None = None) -> SeqResult:
+    """Edit ``model`` in place in ``ceil(len(requests) / chunk)`` sequential rounds: round ``k`` is
+    :func:`run_round` on requests ``[(k-1)·chunk, k·chunk)`` from the state the previous round left (what a
+    session does one ``add`` at a time, here in memory, without per-round evaluation or files).
+    ``config.mode`` must be ``"sequential"``. The capability statistics (``factors``, or fetched like
+    :func:`~crispedit.editing.api.edit` does, ``predict_drift`` included) are the rounds' constraint and
+    the drift model. The model is left edited; ``result.original_weights`` undoes it. ``on_round(record,
+    n_rounds)`` is called after every round (progress reports)."""
+    from ..editing.api import capability_factors, edit_factors, snapshot
+
+    config = config.validate()
+    if config.mode != "sequential":
+        raise CrispEditError(f"run_sequence runs sequential rounds; session mode {config.mode!r} is not supported")
+    chunk = check_positive_int("edits per round (--seq-chunk)", chunk)
+    requests = list(requests)
+    if not requests:
+        raise CrispEditError("no edit requests given")
+    ec = config.edit.for_family(model_family(model))
+    editor = get_editor(ec.method)
+    editor.check_requests(requests)
+    resolve_contexts(ec.contexts, tokenizer)
+    layers = editor.select_layers(model, ec)
+    changed = editor.changes(model, layers, ec)
+    factors, info = edit_factors(model, tokenizer, editor, layers, ec, factors=factors, cache_root=cache_root,
+                                 cache_file=cache_file, progress=progress, predict_drift=predict_drift)
+    original = snapshot(changed)
+    base = {n: p.detach().cpu().clone() for n, p in changed.items()}
+    state = SeqState(weights=dict(base), cap=factors)
+
+    def capability() -> KFACFactors:  # recompute_drift: recollect on the current (edited) model
+        """Capability curvature factors collected afresh on the model's current (edited) weights."""
+        return capability_factors(model, tokenizer, layers, ec, cache_root=cache_root, progress=False,
+                                  kind=editor.curvature_kind)[0]
+
+    records: list[dict] = []
+    t0 = time.perf_counter()
+    n_rounds = -(-len(requests) // chunk)
+    for k, start in enumerate(range(0, len(requests), chunk), 1):
+        part = requests[start:start + chunk]
+        state, rec = run_round(model, tokenizer, layers, part, state, config, k, base_weights=base,
+                               capability=capability, progress=progress, drift_spent=drift_spent(records))
+        rec.update(round=k, n_edits=len(part))
+        records.append(rec)
+        if on_round is not None:
+            on_round(rec, n_rounds)
+    return SeqResult(list(layers), chunk, records, original, time.perf_counter() - t0,
+                     float(info.get("seconds", 0.0)), info,
+                     predicted_kl(editor.drift_modules(model, layers, ec), factors, original), state,
+                     records[-1].get("drift_budget"))
