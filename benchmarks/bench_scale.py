@@ -215,7 +215,8 @@ def _args(argv):
     ap.add_argument("--n-edits", type=int, default=32)
     ap.add_argument("--method", default="crispedit",
                     help="a method, or several separated by commas (each trains from the same weights; the last is "
-                         "the reference of the printed step-time ratios, e.g. crispedit,ft)")
+                         "the reference of the printed step-time ratios, e.g. crispedit,ft); METHOD:bf16 trains "
+                         "that entry with --precision bf16 (e.g. crispedit:bf16,crispedit)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--layers", default=None)
@@ -234,8 +235,10 @@ def _args(argv):
 
 
 def run_method(method: str, args, model, tok, requests, layers_pattern, device: str, peak: float, root: str) -> dict:
-    """Every phase of one method (:func:`main`'s lines), the model's trained weights restored afterwards."""
-    config = EditConfig(method=method, layers=layers_pattern, epochs=args.epochs, stop_loss=0.0,
+    """Every phase of one method (:func:`main`'s lines; ``method`` may end in ``:bf16`` / ``:fp32``, the training
+    precision), the model's trained weights restored afterwards."""
+    name, _, precision = method.partition(":")
+    config = EditConfig(method=name, precision=precision or "fp32", layers=layers_pattern, epochs=args.epochs, stop_loss=0.0,
                         contexts=args.contexts, batch_size=args.batch_size, batch_tokens=args.batch_tokens,
                         n_cap=args.n_cap, max_len=args.max_len).validate()
     editor = get_editor(config.method)
