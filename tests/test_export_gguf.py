@@ -24,7 +24,7 @@ REQS = [EditRequest(f"Who wrote book number {i}?", f" Author {chr(65 + i)}") for
 TEXTS = ["Who wrote book number 3? The answer is", "The river system contains 2024 creeks.", "  two  spaces\nnewline",
          "<eos> special token inside"]
 CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
-# Measured on this model (max |Δlogit| over the prompts' positions / std of the logits): f16 0.018, q8_0 0.43; the
+# Measured on this model (max |Δlogit| over the prompts' positions / std of the logits): f16 0.026, q8_0 0.47; the
 # bounds leave about a factor of two. Q8_0's own weight error (relative Frobenius, per matrix) measured 0.0052-0.0055.
 LOGIT_TOL = {"f32": 1e-6, "f16": 0.05, "q8_0": 1.0}
 
