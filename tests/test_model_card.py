@@ -171,6 +171,13 @@ def test_hub_base_model(spec, want):
     assert hub_base_model(spec) == want
 
 
+def test_a_downloaded_models_own_card_does_not_name_the_base(tmp_path):
+    """A local copy of a Hub model keeps that model's card, whose ``base_model`` is *its* base (SmolLM2-Instruct's
+    card names SmolLM2): only a crispedit card passes its base_model on."""
+    (tmp_path / CARD_FILE).write_text('---\nbase_model: "HuggingFaceTB/SmolLM2-135M"\nlibrary_name: transformers\n---\n')
+    assert hub_base_model(tmp_path) == str(tmp_path)
+
+
 def test_front_matter_reader_without_pyyaml(monkeypatch):
     """Without PyYAML the reader parses the ``key: value`` / ``- item`` lines crispedit writes, to the same dict."""
     import sys

@@ -56,18 +56,20 @@ _NOT = "not measured"
 
 def hub_base_model(spec: Any) -> str:
     """The ``base_model`` of a card for a model edited from ``spec`` (a ``--model`` value): the Hub id of
-    crispedit's named models (:data:`HUB_IDS`), the ``base_model`` of the card of a local base directory
-    that has one (an edit of an edit names the first base), a Hub id as given, else ``str(spec)``."""
+    crispedit's named models (:data:`HUB_IDS`), the ``base_model`` of the crispedit card (tagged ``crispedit``)
+    of a local base directory (an edit of an edit names the first base; another card's ``base_model`` is the
+    base of *that* model, not the model, so it is not used), a Hub id as given, else ``str(spec)``."""
     s = str(spec)
     if s.lower() in HUB_IDS:
         return HUB_IDS[s.lower()]
     path = Path(s).expanduser()
     if path.is_dir() and (path / CARD_FILE).is_file():
         try:
-            base = read_front_matter((path / CARD_FILE).read_text(encoding="utf-8")).get("base_model")
+            meta = read_front_matter((path / CARD_FILE).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError):
-            base = None
-        if isinstance(base, str) and base:
+            meta = {}
+        base, tags = meta.get("base_model"), meta.get("tags")
+        if isinstance(base, str) and base and isinstance(tags, list) and "crispedit" in tags:
             return base
     return s
 
