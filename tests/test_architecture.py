@@ -23,8 +23,9 @@ The layers, lowest first (:data:`LAYERS`; a module may import from its own layer
 4. ``editing`` — the machinery every method shares: the registry and configs, the editor interface, the
    projected loop and its fast path, contexts, optimiser, key-value and gradient-row collectors, batch ``edit``.
 5. ``methods`` — the editors, one module or package each, built on that machinery.
-6. ``jobs`` — ``delta`` (reversible delta files) and ``pipeline`` (one edit job: the output directory and
-   its report): what an edit leaves behind.
+6. ``jobs`` — ``delta`` (reversible delta files), ``pipeline`` (one edit job: the output directory and
+   its report), ``model_card`` (the README.md of a saved model) and ``export_gguf`` (a model directory as
+   one GGUF file): what an edit leaves behind.
 7. ``sessions`` — sequential rounds and durable sessions (they edit, evaluate and write deltas).
 8. ``experiments`` — studies built on whole jobs and sessions (``compare``, the MNIST study) and the demo.
 9. ``cli`` — parses, calls the library, prints.
@@ -46,7 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("evaluation", ("crispedit.evaluation",)),
     ("editing", ("crispedit.editing",)),
     ("methods", ("crispedit.methods",)),
-    ("jobs", ("crispedit.delta", "crispedit.pipeline")),
+    ("jobs", ("crispedit.delta", "crispedit.pipeline", "crispedit.model_card", "crispedit.export_gguf")),
     ("sessions", ("crispedit.sessions",)),
     ("experiments", ("crispedit.experiments", "crispedit.demo")),
     ("cli", ("crispedit.cli", "crispedit.__main__")),

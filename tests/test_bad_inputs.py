@@ -109,6 +109,15 @@ def _run_file(tmp: Path, name: str = "run.json") -> Path:
                                         "config": {"model": "m", "protocol": "wild", "context": "qa"}}))
 
 
+def _config_dir(tmp: Path, config: dict | None) -> Path:
+    """A directory holding only ``config.json`` (``config``; none when ``None``): a model directory by its looks."""
+    d = tmp / "cfg-only"
+    d.mkdir()
+    if config is not None:
+        (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
 def _readonly_dir(tmp: Path) -> Path:
     d = tmp / "ro"
     d.mkdir()
@@ -272,6 +281,22 @@ CASES = [
                                                    "--rank", 2, "--out", t / "o", "--quiet"], "is not the base of delta"),
     ("delta-apply-out-is-file", lambda t, m: ["delta", "apply", _delta(t, m), "--model", m, "--out", _file(t, "o")],
      "is a file, not a directory"),
+    # export gguf: everything is checked before the model loads; only llama-family models
+    ("export-gguf-missing-dir", lambda t, m: ["export", "gguf", t / "none", "--out", t / "x.gguf"],
+     "model directory not found"),
+    ("export-gguf-model-is-file", lambda t, m: ["export", "gguf", _file(t, "m"), "--out", t / "x.gguf"],
+     "is a file, not a directory"),
+    ("export-gguf-not-a-model-dir", lambda t, m: ["export", "gguf", _config_dir(t, None), "--out", t / "x.gguf"],
+     "is not a Hugging Face model directory (no config.json)"),
+    ("export-gguf-non-llama", lambda t, m: ["export", "gguf", _config_dir(t, {"model_type": "gpt2"}), "--out",
+                                            t / "x.gguf"], "is a gpt2 model"),
+    ("export-gguf-rope-scaling", lambda t, m: ["export", "gguf", _config_dir(t, {"model_type": "llama", "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0}}), "--out", t / "x.gguf"], "uses rope scaling 'llama3'"),
+    ("export-gguf-out-is-dir", lambda t, m: ["export", "gguf", m, "--out", t], "is a directory; give a file name"),
+    ("export-gguf-type", lambda t, m: ["export", "gguf", m, "--out", t / "x.gguf", "--type", "q4_k"],
+     "invalid choice: 'q4_k'"),
+    ("export-gguf-nonfinite", lambda t, m: ["export", "gguf", _model_variant(t, m, "nonfinite"), "--out", t / "x.gguf",
+                                            "--quiet"], "holds non-finite weights"),
     # 8. a destination whose parent takes no new entry although its permission bits allow it (issue 38): tried
     # with a probe file before any work, for every sub-command that writes
     _virtual("edit-out-on-virtual-fs", lambda t, m: _edit(t, m, out=VIRTUAL / "out")),
@@ -294,6 +319,7 @@ CASES = [
                                                         "--methods", "ft", "--out", VIRTUAL / "c"]),
     _virtual("delta-apply-out-on-virtual-fs", lambda t, m: ["delta", "apply", _delta(t, m), "--model", m,
                                                             "--out", VIRTUAL / "o"]),
+    _virtual("export-gguf-out-on-virtual-fs", lambda t, m: ["export", "gguf", m, "--out", VIRTUAL / "x.gguf"]),
     _virtual("mend-train-out-on-virtual-fs", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t),
                                                            "--offset", 0, "--out", VIRTUAL / "m.safetensors"]),
     _virtual("mend-train-cache-dir-on-virtual-fs", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t),
@@ -397,7 +423,7 @@ def test_matrix_covers_every_subcommand():
     from crispedit.cli import build_parser
 
     rows = " ".join(c.values[0] if hasattr(c, "marks") else c[0] for c in CASES)
-    for cmd in ("edit", "eval", "report", "study", "session", "cache", "compare", "demo", "delta", "mend"):
+    for cmd in ("edit", "eval", "report", "study", "session", "cache", "compare", "demo", "delta", "export", "mend"):
         assert cmd in rows or cmd == "edit", cmd
     assert {"edit", "cache", "demo", "eval", "report", "session", "compare", "study"} <= set(
         build_parser()._subparsers._group_actions[0].choices)

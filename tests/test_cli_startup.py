@@ -63,7 +63,7 @@ def test_every_command_is_covered():
     assert {("edit",), ("eval",), ("report",), ("demo",), ("compare",), ("cache", "build"), ("cache", "info"),
             ("cache", "list"), ("session", "init"), ("session", "add"), ("session", "status"), ("session", "export"),
             ("session", "plot"), ("study", "mnist"), ("delta", "info"), ("delta", "apply"), ("delta", "revert"),
-            ("delta", "export-lora")} <= set(COMMANDS)
+            ("delta", "export-lora"), ("export", "gguf")} <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "crispedit")
@@ -166,6 +166,14 @@ FAILING = [
                                            "--out", _file(t, "o")], "is not a safetensors file"),
     ("delta-export-rank", lambda t: ["delta", "export-lora", t / "d.safetensors", "--model", "smollm2", "--rank", 0,
                                      "--out", t / "l"], "--rank must be a positive integer"),
+    ("export-gguf-missing-dir", lambda t: ["export", "gguf", t / "none", "--out", t / "x.gguf"],
+     "model directory not found"),
+    ("export-gguf-non-llama", lambda t: ["export", "gguf", _file(t, "config.json", '{"model_type": "gpt2"}').parent,
+                                         "--out", t / "x.gguf"], "is a gpt2 model"),
+    ("export-gguf-out-is-dir", lambda t: ["export", "gguf", _file(t, "config.json", '{"model_type": "llama"}').parent,
+                                          "--out", t], "is a directory; give a file name"),
+    ("export-gguf-type", lambda t: ["export", "gguf", t, "--out", t / "x.gguf", "--type", "q4_k"],
+     "invalid choice: 'q4_k'"),
     ("study-k", lambda t: ["study", "mnist", "--k-values", "inf", "--out", t / "s"], "k values"),
     ("study-out-is-file", lambda t: ["study", "mnist", "--quick", "--out", _file(t, "s")], "is a file, not a directory"),
 ]

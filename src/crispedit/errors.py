@@ -69,6 +69,25 @@ def atomic_write_figure(path: str | os.PathLike, fig, dpi: int = 110) -> Path:
     return Path(path)
 
 
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path in ``path``'s directory for a writer that needs a file name (not bytes); it is
+    renamed onto ``path`` (normal permissions) when the block succeeds and removed when it fails, so
+    ``path`` is either the complete new file or as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, _umask_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
     """Save ``tensors`` as a safetensors file at ``path`` atomically (temporary file + rename)."""
     from safetensors.torch import save_file

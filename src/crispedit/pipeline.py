@@ -90,8 +90,9 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     (identical) edited model, and only rank 0 writes ``out``; the report then records ``processes``.
     ``predict_drift``: also report ``kl_predicted`` for editors without curvature (see
     :func:`crispedit.editing.edit`). Next to the model, ``out/delta.safetensors`` holds the edit as a
-    reversible delta (:mod:`crispedit.delta`; the report's ``delta`` section); ``delta_only`` writes the
-    delta and the report but not the model. ``checkpoint``: the training's resumable state file
+    reversible delta (:mod:`crispedit.delta`; the report's ``delta`` section) and ``out/README.md`` the model
+    card (:mod:`crispedit.model_card`; never over a README.md of the user's); ``delta_only`` writes the
+    delta and the report but not the model (and no card). ``checkpoint``: the training's resumable state file
     (:func:`crispedit.editing.edit`)."""
     out = Path(out)
     previous = check_output_dir(out, overwrite=overwrite, marker="edit_report.json")
@@ -112,6 +113,7 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
         report["processes"] = world_size()
     if is_main():  # under torchrun every process holds the same edited weights; rank 0 writes them
         from .delta import DELTA_FILE, delta_info, write_delta
+        from .model_card import build_card, card_may_replace, revert_lines, write_card
 
         with atomic_directory(out, previous=previous) as tmp:
             files = [] if delta_only else save_model_dir(model, tokenizer, tmp, progress=progress)  # refuses non-finite weights
@@ -121,6 +123,10 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
             report["delta"] = {"file": DELTA_FILE, "bytes": (tmp / DELTA_FILE).stat().st_size,
                                "tensors": sorted(dmeta["parameters"]), "base_fingerprint": dmeta["base_fingerprint"],
                                "edited_fingerprint": dmeta["edited_fingerprint"], "model_saved": not delta_only}
+            if not delta_only and card_may_replace(out, previous):  # a model folder gets its model card
+                card = build_card(report, made_by="`crispedit edit` (`crispedit.pipeline.run_edit_job`)",
+                                  revert=revert_lines(f"MODEL_DIR/{DELTA_FILE}"))
+                files.append(write_card(tmp, card))
             report["files"] = sorted(files + [DELTA_FILE, "edit_report.json"])  # what `--overwrite` may replace later
             atomic_write_json(tmp / "edit_report.json", report)
     barrier()

@@ -28,6 +28,7 @@ _COMMAND_MODULES: list[str] = [
     "crispedit.cli.session",
     "crispedit.cli.compare",
     "crispedit.cli.delta",
+    "crispedit.cli.export",
     "crispedit.cli.mend",
     "crispedit.cli.mnist",
 ]

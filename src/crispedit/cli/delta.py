@@ -70,15 +70,62 @@ def _apply_or_revert(args, revert: bool) -> int:
     from ..errors import atomic_directory, atomic_write_json
     from ..models import save_model_dir
 
+    from ..model_card import write_card
+
     (revert_delta if revert else apply_delta)(model, args.delta)
     verb = "reverted" if revert else "applied"
     with atomic_directory(args.out) as tmp:
         save_model_dir(model, tok, tmp, progress=False if args.quiet else None, what=f"the {verb} delta")
+        write_card(tmp, _card(args, meta, revert))
         atomic_write_json(tmp / "crispedit_delta.json", {"delta": str(args.delta), "operation": "revert" if revert else "apply",
                                                          "model": str(args.model), "method": meta.get("method"),
                                                          "result_fingerprint": meta["base_fingerprint" if revert else "edited_fingerprint"]})
     print(f"delta {verb}: {'base' if revert else 'edited'} model written to {args.out}")
     return 0
+
+
+def _edit_report_of(delta: str, meta: dict) -> dict:
+    """The ``edit_report.json`` next to ``delta`` when it was written with this very delta (same edited
+    fingerprint): its measurements describe the model ``delta apply`` writes, bit for bit. ``{}`` otherwise."""
+    path = Path(delta).parent / "edit_report.json"
+    try:
+        report = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    ok = isinstance(report, dict) and isinstance(report.get("delta"), dict) and \
+        report["delta"].get("edited_fingerprint") == meta["edited_fingerprint"]
+    return report if ok else {}
+
+
+def _card(args, meta: dict, revert: bool) -> str:
+    """The model card of the folder ``delta apply`` / ``revert`` writes (:mod:`crispedit.model_card`)."""
+    from ..model_card import build_card, hub_base_model, restored_card, revert_lines
+
+    # The delta's fingerprint check makes the model here the delta's base (apply) or its edited model (revert),
+    # so the base the delta recorded (e.g. `smollm2`) names it when --model is a bare local path.
+    recorded = meta.get("model") if isinstance(meta.get("model"), str) else None
+    delta = str(Path(args.delta).resolve())
+    if revert:
+        return restored_card(recorded or hub_base_model(args.model), method=meta.get("method") or "unknown",
+                             delta=delta, edited=str(args.model))
+    unresolved = hub_base_model(args.model) == str(args.model)
+    base_spec = recorded if recorded and unresolved and hub_base_model(recorded) != recorded else args.model
+    summary = {"kl_drift": meta.get("kl_drift"), "kl_predicted": meta.get("kl_predicted")}
+    report = {"method": meta.get("method"), "config": meta.get("config"), "model": base_spec,
+              "n_edits": len(meta.get("requests") or []), "requests": meta.get("requests") or [],
+              "summary": summary, "layers": meta.get("layers")}
+    earlier = _edit_report_of(args.delta, meta)
+    note = None
+    if earlier:
+        report.update(summary=earlier.get("summary") or summary, wild=earlier.get("wild"))
+        note = (f"The figures are those of the edit report written with this delta "
+                f"(`{Path(args.delta).parent.resolve() / 'edit_report.json'}`): the model here is bit-identical "
+                "to the one measured there.")
+    else:
+        note = ("Only the drift figures travel in the delta file; the others were not measured on this model "
+                "(`crispedit eval` measures them).")
+    return build_card(report, made_by=f"`crispedit delta apply` of `{delta}` to `{args.model}`",
+                      revert=revert_lines(delta, where="MODEL_DIR is this folder"), note=note)
 
 
 def cmd_apply(args) -> int:

@@ -55,6 +55,7 @@ from ..editing.registry import get_editor
 from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_figure, atomic_write_json,
                       check_finite_tensors, check_output_dir, check_output_file, load_safetensors)
 from ..evaluation import evaluate_edit, summarize_edit_scores
+from ..model_card import build_card, card_may_replace, revert_lines, write_card
 from ..models import load_model, model_family, parameter, save_model_dir, weight_fingerprint
 from .files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
@@ -271,11 +272,31 @@ class Session:
                 files = [DELTA_FILE]
             else:
                 files = save_model_dir(self._model, self._tok, tmp, progress=progress, what=f"session {self.path}")
+                if card_may_replace(out, previous):
+                    files.append(write_card(tmp, self._card(st)))
             atomic_write_json(tmp / marker, {"session": str(self.path.resolve()), "name": self.meta["name"],
                                              "base": self.meta["base"], "round": st["round"],
                                              "n_edits": sum(r["n_edits"] for r in st["rounds"]),
                                              "layers": self.meta["layers"], "files": sorted(files + [marker])})
         return out
+
+    def _card(self, st: dict) -> str:
+        """The model card of an export at committed state ``st``: the last round's measurements (teacher-forced
+        rel / gen over every edit so far, KL drift, perplexity, predicted drift); WILD is not run by sessions."""
+        last = st["rounds"][-1] if st["rounds"] else {}
+        summary = {k: last.get(k) for k in ("kl_drift", "kl_predicted", "ppl", "ppl_base")}
+        summary.update(rel=last.get("rel_all"), gen=last.get("gen_all"))
+        requests = [r.to_json() for reqs in self.edits() for r in reqs]
+        report = {"method": self.config.edit.method, "config": self.meta["config"], "model": self.meta["base"]["spec"],
+                  "n_edits": len(requests), "requests": requests, "summary": summary, "layers": self.meta["layers"]}
+        name = self.meta["name"]
+        return build_card(report, made_by=f"`crispedit session export` of session `{name}` at round {st['round']}",
+                          revert=["# MODEL_DIR is this folder; SESSION the session directory it was exported from",
+                                  "crispedit session export SESSION --delta --out DELTA_DIR   # the change as a delta",
+                                  *revert_lines("DELTA_DIR/delta.safetensors", where=None)],
+                          note=f"Session `{name}` ({self.config.mode} mode): {st['round']} round(s) of edits applied "
+                               "one after another; the figures are those measured after the last round, over all "
+                               "edits so far.")
 
     def plot(self, out: str | Path | None = None) -> Path:
         """Write the retention / KL-drift PNG (default ``retention.png`` in the session); returns its path."""
