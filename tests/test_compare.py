@@ -318,9 +318,11 @@ def test_pareto_front_on_hand_built_points():
     assert compare_mod.pareto_front({}) == [] and compare_mod.pareto_front({"x": (0.0, -1.0)}) == ["x"]
 
 
-def _row(qa, kl, caps=None):
-    return {"summary": {"kl_drift": kl, "rel": 0.0, "gen": 0.0}, "wild": {"qa": {"rel": qa, "gen": qa}},
-            "capabilities": caps or {}}
+def _row(qa, kl, caps=None, ppl=None):
+    summary = {"kl_drift": kl, "rel": 0.0, "gen": 0.0}
+    if ppl is not None:
+        summary.update(ppl=ppl, ppl_base=40.0)
+    return {"summary": summary, "wild": {"qa": {"rel": qa, "gen": qa}}, "capabilities": caps or {}}
 
 
 def test_pareto_points_and_the_table_marking():
@@ -333,9 +335,10 @@ def test_pareto_points_and_the_table_marking():
     p = compare_mod.pareto_points(payload)
     assert p["success"] == "WILD qa rel" and p["retention"].startswith("-KL drift")
     assert p["points"]["ft"] == [0.9, -0.05] and "base" not in p["points"]
-    assert p["front"] == ["crispedit", "ft", "ft-seq"]                          # lora: dominated by crispedit
+    assert p["front"] == p["kl_front"] == ["crispedit", "ft", "ft-seq"]         # lora: dominated by crispedit
+    assert list(p)[:3] == ["success", "kl", "kl_front"] and p["breaking"] == {}  # no perplexity stored: none marked
     table = compare_mod.compare_table(payload).splitlines()
-    assert table[0].endswith("| Pareto |")
+    assert table[0].endswith("| Pareto (KL) |")
     marks = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in table[2:7]}
     assert marks == {"base (unedited)": "–", "crispedit": "★", "ft": "★", "lora": "", "ft-seq": "★"}
     caps = dict(settings, evaluation={"capabilities": ["arc", "tqa"], "limit": 10})
@@ -347,10 +350,14 @@ def test_pareto_points_and_the_table_marking():
     assert p["kl_front"] == ["crispedit", "ft", "lora"]                           # ... but on the KL front it does
     payload = {"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results}
     table = compare_mod.compare_table(payload).splitlines()
-    assert table[0].endswith("| Pareto | Pareto (KL) |")
+    assert table[0].endswith("| Pareto (KL) | Pareto (capabilities) |")             # the KL front first
     marks = {line.split("|")[1].strip(): (line.split("|")[-3].strip(), line.split("|")[-2].strip())
              for line in table[2:6]}
-    assert marks == {"base (unedited)": ("–", "–"), "crispedit": ("★", "★"), "ft": ("★", "★"), "lora": ("", "★")}
+    assert marks == {"base (unedited)": ("–", "–"), "crispedit": ("★", "★"), "ft": ("★", "★"), "lora": ("★", "")}
+    fronts = [ln for ln in table if ln.startswith("Pareto front against KL drift")]
+    assert fronts == ["Pareto front against KL drift (Pareto (KL) ★): crispedit, ft, lora. Pareto front against "
+                      "capability retention (Pareto (capabilities) ★): crispedit, ft. Breaking the model (✗: held-out "
+                      "perplexity more than 2× the base's; on neither front): none."]
     assert not [ln for ln in table if ln.startswith("Capability change")]        # no per-item scores stored
 
 
@@ -417,3 +424,73 @@ def test_alphaedit_seq_carries_kp_like_the_batch_run_across_its_batches(tiny_lm,
     assert seq["summary"]["rel"] == res["alphaedit"]["summary"]["rel"]
     assert res["lora-seq"]["rounds"] == 3 and all(n.endswith(("q_proj.weight", "v_proj.weight"))
                                                    for n in res["lora-seq"]["changed"])
+
+
+def breaking_payload():
+    """Hand-built compare payload (capability tasks with per-item scores, perplexities against a base of 40):
+    lora edits best and drifts least of the rest but its perplexity is 2.5x the base's; ft is at 1.9x."""
+    settings = {"model": "m", "n_edits": 4, "edits": {}, "evaluation": {"capabilities": ["arc_challenge"], "limit": 4}}
+
+    def with_items(qa, kl, ppl, items):
+        r = _row(qa, kl, {"arc_challenge": sum(items) / len(items)}, ppl=ppl)
+        r["capability_details"] = {"arc_challenge": {"items": items}}
+        return r
+
+    results = {"base": with_items(0.0, 0.0, 40.0, [1.0, 0.0, 1.0, 0.0]),
+               "crispedit": with_items(0.8, 0.002, 41.0, [1.0, 0.0, 1.0, 1.0]),
+               "ft": with_items(0.9, 0.05, 76.0, [1.0, 0.0, 0.0, 0.0]),
+               "lora": with_items(1.0, 0.001, 100.0, [1.0, 1.0, 1.0, 1.0]),
+               "mend": _row(None, 13.0, {"arc_challenge": 0.75})}
+    results["mend"]["wild"]["qa"] = None
+    return {"format": compare_mod.COMPARE_FORMAT, "settings": settings,
+            "methods": ["crispedit", "ft", "lora", "mend"], "results": results}
+
+
+def test_a_row_whose_perplexity_more_than_doubles_breaks_the_model_and_is_on_neither_front():
+    """lora would dominate every row on both fronts; at 2.5x the base's perplexity it is marked ✗ and left out,
+    so crispedit and ft (1.9x: not breaking) make up both fronts. A row without a perplexity is never marked."""
+    payload = breaking_payload()
+    assert compare_mod.perplexity_ratios(payload) == {"crispedit": 1.025, "ft": 1.9, "lora": 2.5}
+    assert compare_mod.breaking_rows(payload) == {"lora": 2.5}
+    p = compare_mod.pareto_points(payload)
+    assert p["breaking"] == {"lora": 2.5} and "lora" in p["points"]
+    assert p["kl_front"] == p["front"] == ["crispedit", "ft"]
+    # without the rule lora alone would be on both fronts
+    assert compare_mod.pareto_front({m: (pt[0], -payload["results"][m]["summary"]["kl_drift"])
+                                     for m, pt in p["points"].items()}) == ["lora"]
+    table = compare_mod.compare_table(payload).splitlines()
+    cells = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]] for ln in table[2:7]}
+    head = [c.strip() for c in table[0].split("|")[1:-1]]
+    ppl, kl_col, cap_col = head.index("ppl (×base)"), head.index("Pareto (KL)"), head.index("Pareto (capabilities)")
+    assert kl_col < cap_col
+    assert cells["lora"][ppl] == "100.0 (×2.50) ✗" and cells["lora"][kl_col] == cells["lora"][cap_col] == "✗"
+    assert cells["ft"][ppl] == "76.0 (×1.90)" and cells["ft"][kl_col] == cells["ft"][cap_col] == "★"
+    assert cells["base (unedited)"][ppl] == "40.0" and cells["mend"][ppl] == "–"
+    line = next(ln for ln in table if ln.startswith("Pareto front against KL drift"))
+    assert line.index("KL drift") < line.index("capability retention") and line.endswith("front): lora (×2.50).")
+
+
+def test_render_outputs_redraws_a_stored_compare_without_running_anything(tmp_path):
+    """The stored compare.json is the input: compare.md and compare.png are rewritten from it (the picture has
+    the drift panel and the capability panel), its pareto section recomputed, its results kept as they were."""
+    pytest.importorskip("matplotlib")
+    payload = breaking_payload()
+    payload["pareto"] = {"front": ["lora"]}                 # an older stored front
+    (tmp_path / "compare.json").write_text(json.dumps(payload))
+    out = compare_mod.render_outputs(tmp_path)
+    stored = json.loads((tmp_path / "compare.json").read_text())
+    assert stored["results"] == payload["results"] and stored["pareto"]["kl_front"] == ["crispedit", "ft"]
+    assert out["pareto"] == stored["pareto"]
+    assert (tmp_path / "compare.md").read_text() == compare_mod.compare_table(stored)
+    png = (tmp_path / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width = int.from_bytes(png[16:20], "big")
+    assert width > 1200                                       # two panels side by side
+    payload["settings"]["evaluation"]["capabilities"] = []
+    compare_mod.plot_compare(payload, tmp_path / "one.png")
+    assert int.from_bytes((tmp_path / "one.png").read_bytes()[16:20], "big") < width   # drift panel only
+    with pytest.raises(CrispEditError, match="nothing to render"):
+        compare_mod.render_outputs(tmp_path / "missing")
+    (tmp_path / "compare.json").write_text(json.dumps(dict(payload, format=99)))
+    with pytest.raises(CrispEditError, match="format 99"):
+        compare_mod.render_outputs(tmp_path)

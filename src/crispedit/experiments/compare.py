@@ -5,12 +5,13 @@ For each method: restore the base (checked by weight fingerprint), edit with tha
 qa / none / chat with the rule judge, teacher-forced rel / gen, KL drift on held-out text, optional
 lm-eval capability tasks), and record edit time and peak memory. The unedited base model is
 evaluated once as the first row. After every method ``DIR/compare.json`` (atomic), ``DIR/compare.md``
-(shaped like the paper's Table 1) and ``DIR/compare.png`` (edit success vs capability retention) are
-rewritten, so a killed compare resumes: methods already in ``compare.json`` are not run again (their
-settings must match; other settings need another ``--out``), and a batch row killed while training goes on
-from its last finished epoch (``DIR/checkpoints/<method>.safetensors``, :mod:`crispedit.editing.checkpoint`;
-removed once its row is written). The command line is
-:mod:`crispedit.cli.compare` (it checks the arguments without importing this module's torch).
+(shaped like the paper's Table 1) and ``DIR/compare.png`` (edit success vs KL drift with the KL Pareto
+front; capability changes against the base with their paired standard errors) are rewritten, so a killed
+compare resumes: methods already in ``compare.json`` are not run again (their settings must match; other
+settings need another ``--out``), and a batch row killed while training goes on from its last finished epoch
+(``DIR/checkpoints/<method>.safetensors``, :mod:`crispedit.editing.checkpoint`; removed once its row is
+written). The command line is :mod:`crispedit.cli.compare` (it checks the arguments without importing this
+module's torch).
 
 Sequential rows: ``<method>-seq`` (e.g. ``crispedit-seq``, the paper's CrispEdit-Seq) runs ``<method>`` in
 ``ceil(n / chunk)`` rounds of ``chunk`` consecutive edits through the session machinery
@@ -19,16 +20,18 @@ with a :class:`~crispedit.editing.SeqConfig`), and the final model is evaluated 
 batch row. Its row records ``rounds``, ``seq_chunk`` and ``round_seconds``; its stored ``config`` is the
 ``SeqConfig`` and, with ``seq_chunk``, what a resumed compare checks.
 
-Pareto front (:func:`pareto_front`, :func:`pareto_points`): edit success is the WILD qa reliability (the
-paper's wrapper, never trained); capability retention is the mean over the capability tasks of
-score / base score when ``--capabilities`` ran, else minus the KL drift on held-out text. An edited row is
-on the front when no other edited row is at least as good on both and better on one; ``compare.json``
-→ ``pareto`` and the ``Pareto`` column of ``compare.md`` say which (the unedited base is not a candidate).
-With capability tasks a second front against minus the KL drift (``pareto.kl_front``, column ``Pareto
-(KL)``) is kept as well: capability scores on a ``--limit`` of items carry a sampling error of several
-points, the KL drift on the held-out text hardly any. Under the table, each task's change against the base
-on the same items (paired mean difference ± its standard error, in points) says which capability
-differences are larger than that error.
+Pareto fronts (:func:`pareto_front`, :func:`pareto_points`): edit success is the WILD qa reliability (the
+paper's wrapper, never trained). The primary front is against minus the KL drift on held-out text
+(``pareto.kl_front``, column ``Pareto (KL)``, the front drawn in ``compare.png``): capability scores on a
+``--limit`` of items carry a sampling error of several points, the KL drift hardly any. With
+``--capabilities`` a second front against capability retention — the mean over the tasks of score / base
+score — is kept too (``pareto.front``, column ``Pareto (capabilities)``). An edited row is on a front when
+no other candidate is at least as good on both and better on one; the unedited base is the reference, and
+a row that breaks the model — held-out perplexity more than :data:`BREAKING_PPL_RATIO` × the base's
+(``pareto.breaking``, ✗ in both columns, a red ✕ in the picture) — is no candidate for either front. Under the
+table, each task's change against the base on the same items (paired mean difference ± its standard error,
+in points) says which capability differences are larger than that error; the picture's second panel draws
+them. :func:`render_outputs` re-renders compare.md / compare.png from a stored compare.json.
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the edit (reset before each method);
 on CPU the process's peak resident set size during the edit (``VmHWM``, reset before each method
@@ -66,8 +69,8 @@ from ..models import model_family, weight_fingerprint
 from ..sessions.sequential import run_sequence
 
 __all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "pareto_front", "pareto_points",
-           "capability_changes",
-           "COMPARE_FORMAT"]
+           "capability_changes", "perplexity_ratios", "breaking_rows", "render_outputs",
+           "BREAKING_PPL_RATIO", "COMPARE_FORMAT"]
 
 COMPARE_FORMAT = 1
 JSON_FILE, MD_FILE, PNG_FILE = "compare.json", "compare.md", "compare.png"
@@ -323,6 +326,11 @@ def _duration(s: float | None) -> str:
     return f"{m}m {sec:02d}s" if m else f"{s:.1f}s"
 
 
+BREAKING_PPL_RATIO = 2.0  # a row whose held-out perplexity is more than this many times the base's breaks the model
+_TASK_LABELS = {"arc_challenge": "ARC-C", "truthfulqa_mc2": "TruthfulQA-MC2", "mmlu": "MMLU", "gsm8k_cot": "GSM8K",
+                "ifeval": "IFEval"}
+
+
 def pareto_front(points: dict[str, tuple[float | None, float | None]]) -> list[str]:
     """The names (in ``points`` order) on the Pareto front of two objectives, both to be maximised:
     ``points`` maps a name to ``(success, retention)``. A point is on the front unless another point is
@@ -346,24 +354,59 @@ def _retention(payload: dict, r: dict) -> float | None:
     return sum(ratios) / len(ratios) if ratios else None
 
 
+def perplexity_ratios(payload: dict) -> dict[str, float]:
+    """``{row: ratio}`` for each edited row: its perplexity on the held-out drift text divided by the unedited
+    base's on the same text (dimensionless; 1.0 = unchanged). The base perplexity is the one measured with the
+    row (``summary.ppl_base``), else the base row's ``summary.ppl``; rows without both numbers are left out."""
+    res = payload["results"]
+    base_row = ((res.get("base") or {}).get("summary") or {}).get("ppl")
+    out = {}
+    for m in payload["methods"]:
+        s = (res.get(m) or {}).get("summary") or {}
+        ppl, base = s.get("ppl"), s.get("ppl_base") or base_row
+        if m != "base" and ppl is not None and base:
+            out[m] = ppl / base
+    return out
+
+
+def breaking_rows(payload: dict) -> dict[str, float]:
+    """``{row: perplexity ratio}`` for the edited rows that break the model: held-out perplexity more than
+    :data:`BREAKING_PPL_RATIO` times the base's (:func:`perplexity_ratios`). They are not candidates for
+    either Pareto front (:func:`pareto_points`)."""
+    return {m: r for m, r in perplexity_ratios(payload).items() if r > BREAKING_PPL_RATIO}
+
+
 def pareto_points(payload: dict) -> dict:
-    """The Pareto picture of a compare payload: ``{"success": label, "retention": label, "points": {row:
-    [success, retention]}, "front": [rows], "kl_front": [rows]}`` over the edited rows (not the unedited
-    base). Success = WILD qa rel (fraction); retention = the mean over capability tasks of score / base
-    score when capability tasks ran (1.0 = unchanged), else minus the KL drift on held-out text
-    (nats/token; 0 = unchanged). :func:`pareto_front` picks the front; ``kl_front`` is always the front
-    against minus the KL drift (the same as ``front`` without capability tasks)."""
+    """The Pareto picture of a compare payload, over the edited rows (not the unedited base)::
+
+        {"success": label, "kl": label, "kl_front": [rows], "retention": label, "front": [rows],
+         "points": {row: [success, retention]}, "breaking": {row: perplexity ratio}, "breaking_rule": text}
+
+    Success = WILD qa rel (fraction). ``kl_front``: the front of success against minus the KL drift on
+    held-out text (nats/token; 0 = unchanged), the primary one. ``front``: the front against retention = the
+    mean over capability tasks of score / base score when capability tasks ran (1.0 = unchanged), else minus
+    the KL drift (then the same as ``kl_front``). ``breaking``: the rows whose held-out perplexity rose more
+    than :data:`BREAKING_PPL_RATIO` × the base's (:func:`breaking_rows`); they stay in ``points`` but are
+    excluded from both fronts, so a model that no longer works can neither sit on a front nor push a working
+    row off it. :func:`pareto_front` picks each front."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in payload["methods"] if m in res and m != "base"]
+    breaking = breaking_rows(payload)
+    candidates = [m for m in rows if m not in breaking]
     success = {m: (res[m]["wild"].get("qa") or {}).get("rel") for m in rows}
     points = {m: [success[m], _retention(payload, res[m])] for m in rows}
-    kl = {m: (success[m], -res[m]["summary"]["kl_drift"]) for m in rows}
+    kl = {m: (success[m], -res[m]["summary"]["kl_drift"]) for m in candidates}
     return {"success": "WILD qa rel",
+            "kl": "KL drift on held-out text (nats/token, lower is better)",
+            "kl_front": pareto_front(kl),
             "retention": ("mean capability score / base score over " + ", ".join(caps)) if caps
             else "-KL drift on held-out text (nats/token)",
-            "points": points, "front": pareto_front({m: tuple(p) for m, p in points.items()}),
-            "kl_front": pareto_front(kl)}
+            "front": pareto_front({m: tuple(points[m]) for m in candidates}),
+            "points": points,
+            "breaking": {m: round(r, 4) for m, r in breaking.items()},
+            "breaking_rule": f"held-out perplexity more than {BREAKING_PPL_RATIO:g}x the base's: breaks the model, "
+                             "not a candidate for either front"}
 
 
 def capability_changes(payload: dict) -> dict:
@@ -384,15 +427,34 @@ def capability_changes(payload: dict) -> dict:
     return out
 
 
+def _ppl_cell(r: dict, ratio: float | None) -> str:
+    ppl = r["summary"].get("ppl")
+    if ppl is None:
+        return "–"
+    text = f"{ppl:.1f}" if ppl < 1e4 else f"{ppl:.2e}"
+    if ratio is None:
+        return text
+    text += f" (×{ratio:.2f})" if ratio < 10 else f" (×{ratio:.3g})"
+    return text + (" ✗" if ratio > BREAKING_PPL_RATIO else "")
+
+
+def _ratio(r: float) -> str:
+    return f"×{r:.2f}" if r < 10 else f"×{r:.3g}"
+
+
 def compare_table(payload: dict) -> str:
     """The markdown table (the paper's Table 1 shape): WILD rel / gen per context, teacher-forced
-    rel / gen, KL drift, capability scores (percent), edit time (+ curvature time), peak memory and
-    ``Pareto`` (★ for the rows on the front of :func:`pareto_points`; with capability tasks also ``Pareto
-    (KL)``, its front against -KL drift). Per column the best edited method and those within 5 % (relative)
-    of it are in bold. Notes under the table give each row's paired capability change against the base
-    (:func:`capability_changes`, where per-item scores were kept), the ``-seq`` rows' rounds, chunk size and
-    mean time per round, and the drift prediction's notes per row
-    (:func:`~crispedit.curvature.predicted.prediction_notes`: steep layers, attention q/k/v layers)."""
+    rel / gen, capability scores (all in percent), KL drift and its K-FAC prediction (nats/token), held-out
+    perplexity with its ratio to the base's (✗: more than :data:`BREAKING_PPL_RATIO` ×, the row breaks the
+    model), edit time (+ curvature time), peak memory (MiB), then ``Pareto (KL)`` (★ for the rows on the front
+    of edit success against KL drift, :func:`pareto_points` ``kl_front``) and, with capability tasks,
+    ``Pareto (capabilities)`` (the front against capability retention); a breaking row shows ✗ in both, as
+    it is no candidate. Per column the best edited method and those within 5 % (relative) of it are in bold.
+    A line under the table names the rows on each front, the KL front first, and the breaking rows; notes
+    give each row's paired capability change against the base (:func:`capability_changes`, where per-item
+    scores were kept), the ``-seq`` rows' rounds, chunk size and mean time per round, and the drift
+    prediction's notes per row (:func:`~crispedit.curvature.predicted.prediction_notes`: steep layers,
+    attention q/k/v layers)."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
@@ -406,9 +468,17 @@ def compare_table(payload: dict) -> str:
             ("TF gen", lambda r: r["summary"].get("gen"), True)]
     cols += [(c, (lambda c: lambda r: r["capabilities"].get(c))(c), True) for c in caps]
     edited = [res[m] for m in rows if m != "base"]
-    head = ["method"] + [c[0] for c in cols] + ["KL drift", "KL pred", "edit time", "curvature", "peak mem MiB (+rise)",
-                                                "Pareto"] + (["Pareto (KL)"] if caps else [])
+    head = ["method"] + [c[0] for c in cols] + ["KL drift", "KL pred", "ppl (×base)", "edit time", "curvature",
+                                                "peak mem MiB (+rise)", "Pareto (KL)"] \
+        + (["Pareto (capabilities)"] if caps else [])
     pareto = pareto_points(payload)
+    ratios = perplexity_ratios(payload)
+    breaking = pareto["breaking"]
+
+    def mark(m, front):
+        """The Pareto cell of row ``m`` for ``front``: – for the base, ✗ for a breaking row, ★ on the front."""
+        return "–" if m == "base" else "✗" if m in breaking else "★" if m in front else ""
+
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in rows:
         r = res[m]
@@ -424,21 +494,30 @@ def compare_table(payload: dict) -> str:
         peak = "" if not mem else (f"{mem['peak_mib']:.0f} (+{mem['increase_mib']:.0f})" if mem.get("peak_mib")
                                    else f"+{mem['increase_mib']:.0f}")
         pred = r["summary"].get("kl_predicted")
-        cells += [f"{r['summary']['kl_drift']:.5f}", "–" if pred is None else f"{pred:.5f}", _duration(r.get("edit_seconds")),
+        cells += [f"{r['summary']['kl_drift']:.5f}", "–" if pred is None else f"{pred:.5f}",
+                  _ppl_cell(r, ratios.get(m)), _duration(r.get("edit_seconds")),
                   _duration(r.get("cache_seconds")) if r.get("cache_seconds") else "", peak,
-                  "–" if m == "base" else ("★" if m in pareto["front"] else "")]
+                  mark(m, pareto["kl_front"])]
         if caps:
-            cells.append("–" if m == "base" else ("★" if m in pareto["kl_front"] else ""))
+            cells.append(mark(m, pareto["front"]))
         lines.append("| " + " | ".join(cells) + " |")
     s = payload["settings"]
+    fronts = ("\nPareto front against KL drift (Pareto (KL) ★): " + (", ".join(pareto["kl_front"]) or "none")
+              + (". Pareto front against capability retention (Pareto (capabilities) ★): "
+                 + (", ".join(pareto["front"]) or "none") if caps else "")
+              + ". Breaking the model (✗: held-out perplexity more than "
+              f"{BREAKING_PPL_RATIO:g}× the base's; on neither front): "
+              + (", ".join(f"{m} ({_ratio(v)})" for m, v in breaking.items()) or "none") + ".\n")
     note = (f"\n{s['model']} · {s['n_edits']} edits {json.dumps(s['edits'])} · WILD rule judge (qa = the paper's "
             "wrapper, never trained) · TF = teacher-forced · KL drift = mean per-token KL(base‖edited) on held-out "
             "text (nats) · KL pred = the K-FAC prediction ½·Σ tr(ΔWᵀSΔWA) from the capability factors"
+            " · ppl = perplexity on the same held-out text (×base: over the unedited model's)"
             + (f" · capabilities: lm-eval, limit {s['evaluation']['limit']}" if caps else "")
             + f" · peak memory: {next((r['memory']['measure'] for r in edited if r.get('memory')), '–')}"
-            + f" · Pareto ★: on the front of edit success ({pareto['success']}) vs capability retention "
-            f"({pareto['retention']}) among the edited rows"
-            + (" · Pareto (KL) ★: the same against -KL drift" if caps else "") + "\n")
+            + f" · Pareto (KL) ★: on the front of edit success ({pareto['success']}) vs KL drift on held-out text "
+            "among the edited rows that do not break the model"
+            + (f" · Pareto (capabilities) ★: the same against capability retention ({pareto['retention']})"
+               if caps else "") + "\n")
     changes = capability_changes(payload)
     if changes:
         n_items = {c: len(((res["base"].get("capability_details") or {}).get(c) or {}).get("items") or [])
@@ -458,58 +537,186 @@ def compare_table(payload: dict) -> str:
     if pred_notes:
         note += "\nDrift prediction notes (a steep layer dominates it, or attention mixes what it models): " + "; ".join(
             f"{m}: {line}" for m, line in pred_notes) + "\n"
-    return "\n".join(lines) + "\n" + note
+    return "\n".join(lines) + "\n" + fronts + note
+
+
+def _place_labels(ax, anchors: list[tuple[float, float]], names: list[str], fontsize: int = 8,
+                  avoid: list | None = None) -> None:
+    """Annotate each anchor (data coordinates) with its name where the text overlaps no other label, no
+    marker and no box of ``avoid`` (display-coordinate bboxes, e.g. the legend's), trying offsets near the
+    point first, then farther ones with a leader line; where none fits, the least-overlapping offset. Call
+    once the axes' limits and layout are final."""
+    renderer = ax.figure.canvas.get_renderer()
+    box = ax.get_window_extent(renderer)
+    pts = [ax.transData.transform(a) for a in anchors]
+    near = [(6, 3, "left", "bottom"), (6, -3, "left", "top"), (-6, 3, "right", "bottom"), (-6, -3, "right", "top"),
+            (0, 8, "center", "bottom"), (0, -8, "center", "top")]
+    far = [(dx * k, dy * k, ha, va) for k in (2.5, 4, 6) for dx, dy, ha, va in
+           [(6, 6, "left", "bottom"), (6, -6, "left", "top"), (-6, 6, "right", "bottom"), (-6, -6, "right", "top"),
+            (0, 8, "center", "bottom"), (0, -8, "center", "top"), (8, 0, "left", "center"), (-8, 0, "right", "center")]]
+    placed = list(avoid or [])
+
+    def overlap(b, own):
+        """Overlap area (pixels²) of bbox ``b`` with the placed labels and the other markers, plus the part
+        outside the axes."""
+        area = 0.0
+        for o in placed:
+            area += max(0, min(b.x1, o.x1) - max(b.x0, o.x0)) * max(0, min(b.y1, o.y1) - max(b.y0, o.y0))
+        for i, (px, py) in enumerate(pts):
+            if i != own:
+                area += max(0, min(b.x1, px + 5) - max(b.x0, px - 5)) * max(0, min(b.y1, py + 5) - max(b.y0, py - 5))
+        inside = max(0, min(b.x1, box.x1) - max(b.x0, box.x0)) * max(0, min(b.y1, box.y1) - max(b.y0, box.y0))
+        return area + (b.width * b.height - inside) * 4
+
+    for i, (anchor, name) in enumerate(zip(anchors, names)):
+        ann = ax.annotate(name, anchor, textcoords="offset points", xytext=(0, 0), fontsize=fontsize)
+        best = None
+        for dx, dy, ha, va in near + far:
+            ann.set_position((dx, dy))
+            ann.set_ha(ha)
+            ann.set_va(va)
+            b = ann.get_window_extent(renderer)
+            cost = overlap(b, i)
+            if best is None or cost < best[0]:
+                best = (cost, (dx, dy, ha, va), b)
+            if cost == 0:
+                break
+        dx, dy, ha, va = best[1]
+        ann.set_position((dx, dy))
+        ann.set_ha(ha)
+        ann.set_va(va)
+        if abs(dx) > 8 or abs(dy) > 8:
+            ax.annotate("", anchor, xytext=(dx, dy), textcoords="offset points",
+                        arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6, shrinkA=0, shrinkB=3))
+        placed.append(best[2])
 
 
 def plot_compare(payload: dict, path: str | Path) -> None:
-    """Edit success (WILD QA rel) against capability retention (mean of capability score / base score;
-    without capability tasks: KL drift, log scale, lower is better), one labelled point per method; the
-    Pareto front (:func:`pareto_points`) ringed and joined by a dashed line."""
+    """Write the compare picture to ``path`` (PNG). Left panel: edit success (WILD QA rel, fraction) against
+    KL drift on held-out text (nats/token, log x axis; left = less drift), one labelled point per edited row;
+    the KL Pareto front (:func:`pareto_points` ``kl_front``) ringed and joined by a dashed line; a row that
+    breaks the model (held-out perplexity more than :data:`BREAKING_PPL_RATIO` × the base's,
+    :func:`breaking_rows`) drawn as a red ✕ with its own legend entry (it is never on the front). A drift of 0 is
+    drawn at 1e-6; rows without a QA result are left out. Right panel, when capability tasks ran: each
+    task's score change against the base (percentage points) per edited row, with the paired standard error
+    (:func:`capability_changes`; thick bar ± 1 SE, thin bar ± 2 SE); a row stored without per-item scores shows
+    its unpaired difference as a hollow marker without a bar; breaking rows' names in red."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
+    res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     pareto = pareto_points(payload)
+    breaking = pareto["breaking"]
+    rows = [m for m in pareto["points"] if pareto["points"][m][0] is not None]
+    xy = {m: (max(res[m]["summary"]["kl_drift"], 1e-6), pareto["points"][m][0]) for m in rows}
+    s = payload["settings"]
 
-    def xy(m):
-        """Plot position ``(x, y)`` of row ``m``: retention (NaN if unset; without capability tasks the KL drift,
-        floored at 1e-6) and success (0 if unset)."""
-        y, ret = pareto["points"][m]
-        x = (float("nan") if ret is None else ret) if caps else max(-ret, 1e-6)
-        return x, y or 0.0
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    for i, m in enumerate(pareto["points"]):
-        x, y = xy(m)
-        ax.scatter([x], [y], color=f"C{i % 10}", s=40)
-        ax.annotate(m, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=9)
-    front = sorted((xy(m) for m in pareto["front"]), key=lambda p: p[1])
-    if front:
-        ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="0.5", lw=1, zorder=0)
-        ax.scatter([p[0] for p in front], [p[1] for p in front], s=140, facecolors="none", edgecolors="k",
-                   linewidths=1, label="Pareto front")
-        ax.legend(fontsize=8, loc="lower left")
     if caps:
-        ax.set_xlabel("capability retention (mean score / base score)")
+        fig, (ax, axc) = plt.subplots(1, 2, figsize=(13, 5.6), gridspec_kw={"width_ratios": [1.35, 1]})
     else:
-        ax.set_xscale("log")
-        ax.invert_xaxis()
-        ax.set_xlabel("KL drift on held-out text (nats/token, log; right = less drift)")
+        fig, ax = plt.subplots(figsize=(7.4, 5.2))
+        axc = None
+    ok = [m for m in rows if m not in breaking]
+    bad = [m for m in rows if m in breaking]
+    handles = []
+    if ok:
+        ax.scatter([xy[m][0] for m in ok], [xy[m][1] for m in ok], color="C0", s=36, zorder=3)
+        handles.append(Line2D([], [], ls="", marker="o", color="C0", label="edited row"))
+    if bad:
+        ax.scatter([xy[m][0] for m in bad], [xy[m][1] for m in bad], color="C3", marker="X", s=70, zorder=3)
+        handles.append(Line2D([], [], ls="", marker="X", color="C3", markersize=8,
+                              label=f"breaks the model (perplexity > {BREAKING_PPL_RATIO:g}× base)"))
+    front = sorted((xy[m] for m in pareto["kl_front"] if m in xy), key=lambda p: p[0])
+    if front:
+        ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="0.4", lw=1, zorder=2)
+        ax.scatter([p[0] for p in front], [p[1] for p in front], s=170, facecolors="none", edgecolors="k",
+                   linewidths=1.1, zorder=4)
+        handles.append(Line2D([], [], ls="--", marker="o", color="0.4", markerfacecolor="none", markeredgecolor="k",
+                              markersize=11, label="Pareto front (success vs KL drift)"))
+    ax.set_xscale("log")
+    ax.set_xlabel("KL drift on held-out text (nats/token, log scale; left = less drift)")
     ax.set_ylabel("edit success (WILD QA rel)")
-    ax.set_ylim(-0.03, 1.03)
-    ax.grid(alpha=0.3)
-    ax.set_title(f"{payload['settings']['model']}: {payload['settings']['n_edits']} edits", fontsize=9)
+    ax.set_ylim(-0.04, 1.06)
+    if rows:
+        lo, hi = min(p[0] for p in xy.values()), max(p[0] for p in xy.values())
+        ax.set_xlim(lo / 2.5, hi * 2.5)
+    ax.grid(alpha=0.3, lw=0.5)
+    legend = ax.legend(handles=handles, fontsize=8, loc="best", framealpha=0.9)
+    ax.set_title(f"{s['model']}, {s['n_edits']} edits: edit success against drift", fontsize=10)
+
+    if axc is not None:
+        changes = capability_changes(payload)
+        base_caps = (res.get("base") or {}).get("capabilities") or {}
+        crow = [m for m in pareto["points"] if res[m].get("capabilities")]
+        n = len(crow)
+        markers, chandles, drawn = "osD^v<>", [], set()
+        for j, c in enumerate(caps):
+            off = (j - (len(caps) - 1) / 2) * 0.28
+            color = f"C{j + 1}" if j + 1 != 3 else "C9"
+            for i, m in enumerate(crow):
+                y = n - 1 - i + off
+                if c in changes.get(m, {}):
+                    d, e = changes[m][c]
+                    axc.plot([d - 2 * e, d + 2 * e], [y, y], color=color, lw=0.9, zorder=2)
+                    axc.plot([d - e, d + e], [y, y], color=color, lw=3, alpha=0.8, zorder=2)
+                    axc.plot([d], [y], marker=markers[j % len(markers)], color=color, ms=5, zorder=3)
+                    drawn.add("paired")
+                elif res[m]["capabilities"].get(c) is not None and base_caps.get(c) is not None:
+                    d = 100 * (res[m]["capabilities"][c] - base_caps[c])
+                    axc.plot([d], [y], marker=markers[j % len(markers)], color=color, ms=5, mfc="none", zorder=3)
+                    drawn.add("unpaired")
+            chandles.append(Line2D([], [], color=color, marker=markers[j % len(markers)], ls="",
+                                   label=_TASK_LABELS.get(c, c)))
+        if "paired" in drawn:
+            chandles.append(Line2D([], [], color="0.3", lw=3, label="± 1 paired SE"))
+            chandles.append(Line2D([], [], color="0.3", lw=0.9, label="± 2 paired SE"))
+        if "unpaired" in drawn:
+            chandles.append(Line2D([], [], color="0.3", marker="o", mfc="none", ls="",
+                                   label="no per-item scores for this row or the base:\nscore difference only, no SE"))
+        axc.axvline(0, color="0.3", lw=0.8, zorder=1)
+        axc.set_yticks(range(n))
+        axc.set_yticklabels([m + (" (breaks)" if m in breaking else "") for m in reversed(crow)], fontsize=8)
+        for label, m in zip(axc.get_yticklabels(), reversed(crow)):
+            if m in breaking:
+                label.set_color("C3")
+        axc.set_ylim(-0.7, n - 0.3)
+        axc.set_xlabel("capability score change against the base (percentage points)")
+        axc.grid(alpha=0.3, axis="x", lw=0.5)
+        axc.legend(handles=chandles, fontsize=8, loc="best", framealpha=0.9)
+        limit = s["evaluation"].get("limit") or "all"
+        axc.set_title(f"capabilities on {limit} items per task: change against the base", fontsize=10)
     fig.tight_layout()
+    fig.canvas.draw()
+    _place_labels(ax, [xy[m] for m in rows], rows, avoid=[legend.get_window_extent(fig.canvas.get_renderer())])
     atomic_write_figure(path, fig, dpi=120)
 
 
 def write_outputs(out: Path, payload: dict) -> None:
-    """Rewrite compare.json (atomic; its ``pareto`` section recomputed, :func:`pareto_points`), compare.md and
-    compare.png (derived; a plot failure is not fatal)."""
+    """Rewrite compare.json (atomic; its ``pareto`` section recomputed, :func:`pareto_points`), compare.md
+    (:func:`compare_table`) and compare.png (:func:`plot_compare`; derived, so a missing matplotlib is not
+    fatal)."""
     payload["pareto"] = pareto_points(payload)
     atomic_write_json(out / JSON_FILE, payload)
     atomic_write_bytes(out / MD_FILE, compare_table(payload).encode())
     with contextlib.suppress(ImportError):
         plot_compare(payload, out / PNG_FILE)
+
+
+def render_outputs(out: str | Path) -> dict:
+    """Re-render ``DIR/compare.md``, ``DIR/compare.png`` and ``compare.json``'s ``pareto`` section from a stored
+    ``DIR/compare.json`` (:func:`write_outputs`) without running or loading anything else; the measured
+    results are left as they are. Returns the payload; a missing file or another ``format`` is a
+    :class:`~crispedit.errors.CrispEditError`."""
+    out = Path(out)
+    path = out / JSON_FILE
+    if not path.is_file():
+        raise CrispEditError(f"{path} does not exist: nothing to render")
+    payload = json.loads(read_text_file(path, what="compare results"))
+    if payload.get("format") != COMPARE_FORMAT:
+        raise CrispEditError(f"{path} has format {payload.get('format')!r}, this crispedit writes {COMPARE_FORMAT}")
+    write_outputs(out, payload)
+    return payload
