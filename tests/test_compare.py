@@ -220,6 +220,11 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
         assert set(r["summary"]) == set(res["ft"]["summary"])              # measured exactly like a batch row
         assert r["summary"]["kl_drift"] > 0 and r["config"]["mode"] == "sequential"
         assert set(r["wild"]) >= {"qa", "none", "chat"}
+        # after every round, how much of round 1 (its 2 edits) still holds: teacher-forced and in the wild
+        ret = r["retention"]
+        assert len(ret) == 2 and all(x["n"] == 2 and 0 <= x["tf_rel"] <= 1 for x in ret)
+        assert all(set(x["wild"]) == {"qa", "chat"} and 0 <= x["wild"]["qa"] <= 1 for x in ret)
+        assert ret == [x["after_round"] for x in r["round_records"]]
     assert res["ft-seq"]["config"]["edit"]["method"] == "ft" and res["ft-seq"]["summary"]["kl_predicted"] > 0
     # crispedit-seq folded round 1's edits into round 2's constraint; ft-seq has no constraint to grow
     assert res["crispedit-seq"]["round_records"][0]["edit_factor_tokens"] > 0

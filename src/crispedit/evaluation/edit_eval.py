@@ -6,7 +6,7 @@ optional lm-eval capability tasks."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from ..data.edits import EditRequest
 from .drift import kl_drift
 from .teacher_forced import edit_scores, summarize_edit_scores
 
-__all__ = ["evaluate_edit"]
+__all__ = ["evaluate_edit", "retention_probe"]
 
 
 def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], base_weights: dict[str, torch.Tensor], *,
@@ -52,3 +52,25 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
         out["capabilities"] = run_capabilities(model, tokenizer, capabilities, limit=limit, bench_dir=bench_dir,
                                                progress=progress)
     return out
+
+
+def retention_probe(tokenizer, requests: Sequence[EditRequest], wild: Sequence[str] = ("qa", "chat"),
+                    batch_size: int = 32) -> Callable[[nn.Module], dict]:
+    """A measurement of whether ``requests`` (e.g. a sequential run's first round) still hold on a model: the
+    returned function gives ``{"n": len(requests), "tf_rel": mean teacher-forced reliability, "wild": {context:
+    WILD rel (fraction of prompts whose free answer the rule judge accepts)}}`` for the model it is called on
+    (chat skipped, ``None``, for tokenizers without a chat template)."""
+    requests = list(requests)
+
+    def measure(model: nn.Module) -> dict:
+        """The retention figures of ``requests`` on ``model`` as it is now."""
+        from .judges import RuleJudge
+        from .wild import wild_contexts
+
+        tf = summarize_edit_scores(edit_scores(model, tokenizer, requests, batch_size))
+        res = wild_contexts(model, tokenizer, requests, RuleJudge(), contexts=list(wild), batch_size=batch_size,
+                            progress=False)
+        return {"n": len(requests), "tf_rel": tf["rel"],
+                "wild": {c: None if res.get(c) is None else res[c]["rel"] for c in wild}}
+
+    return measure

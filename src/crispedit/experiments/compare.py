@@ -65,6 +65,7 @@ from ..errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, a
                      check_positive_int, read_text_file)
 from ..evaluation import CONTEXTS, evaluate_edit
 from ..evaluation.capabilities import paired_change
+from ..evaluation.edit_eval import retention_probe
 from ..models import model_family, weight_fingerprint
 from ..sessions.sequential import run_sequence
 
@@ -157,13 +158,22 @@ def _row(method: str, ev: dict, **extra) -> dict:
             "capability_details": ev.get("capabilities", {}), **extra}
 
 
+def _retention_brief(r: dict | None) -> str:
+    """`` round-1 edits: tf_rel=… qa=… chat=…`` for a round's ``after_round`` record (:func:`retention_probe`), or
+    ``""`` without one."""
+    if not r:
+        return ""
+    wild = " ".join(f"{c}={v}" for c, v in (r.get("wild") or {}).items() if v is not None)
+    return f"; round-1 edits: tf_rel={r.get('tf_rel')} {wild}".rstrip()
+
+
 def _round_line(method: str):
     """A :func:`run_sequence` ``on_round`` callback printing one line per finished round."""
     def report(rec: dict, n_rounds: int) -> None:
         """Print ``method``'s line for the round record ``rec``: edits, seconds, epochs and last epoch loss
         (a single-pass editor: its target NLL before -> after)."""
         tqdm.write(f"  {method} round {rec['round']}/{n_rounds}: {rec['n_edits']} edits, {rec['edit_seconds']:.1f}s, "
-                   f"{training_brief(rec.get('train') or {})}")
+                   f"{training_brief(rec.get('train') or {})}" + _retention_brief(rec.get("after_round")))
     return report
 
 
@@ -269,7 +279,8 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                 with peak_memory(device) as mem:
                     if seq:
                         res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=inner, predict_drift=True,
-                                           on_round=None if progress is False else _round_line(method))
+                                           on_round=None if progress is False else _round_line(method),
+                                           after_round=retention_probe(tokenizer, requests[:chunk]))
                     else:
                         res = edit(model, tokenizer, requests, cfg, progress=inner, predict_drift=True,
                                    checkpoint=out / CHECKPOINTS / f"{method}.safetensors")
@@ -290,7 +301,8 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
 
             ev["summary"].update(drift_summary(res))
             extra = (dict(rounds=len(res.rounds), seq_chunk=res.chunk, round_seconds=res.round_seconds,
-                          round_records=res.rounds) if seq else dict(training=res.history.to_json()))
+                          round_records=res.rounds, retention=[rec.get("after_round") for rec in res.rounds])
+                     if seq else dict(training=res.history.to_json()))
             payload["results"][method] = _row(
                 method, ev, config=cfg.to_json(), **({"inputs": inputs[method]} if inputs[method] else {}),
                 layers=res.layers, changed=sorted(res.original_weights),

@@ -248,14 +248,17 @@ class SeqResult:
 
 def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: SeqConfig, chunk: int, *,
                  factors: KFACFactors | None = None, cache_root=None, cache_file=None, progress: bool | None = None,
-                 predict_drift: bool = False, on_round: Callable[[dict, int], None] | None = None) -> SeqResult:
+                 predict_drift: bool = False, on_round: Callable[[dict, int], None] | None = None,
+                 after_round: Callable[[nn.Module], dict] | None = None) -> SeqResult:
     """Edit ``model`` in place in ``ceil(len(requests) / chunk)`` sequential rounds: round ``k`` is
     :func:`run_round` on requests ``[(k-1)·chunk, k·chunk)`` from the state the previous round left (what a
     session does one ``add`` at a time, here in memory, without per-round evaluation or files).
     ``config.mode`` must be ``"sequential"``. The capability statistics (``factors``, or fetched like
     :func:`~crispedit.editing.api.edit` does, ``predict_drift`` included) are the rounds' constraint and
     the drift model. The model is left edited; ``result.original_weights`` undoes it. ``on_round(record,
-    n_rounds)`` is called after every round (progress reports)."""
+    n_rounds)`` is called after every round (progress reports); ``after_round(model)``, before it, measures the
+    model as that round left it (e.g. how many of round 1's edits still hold), stored in the round's record
+    under ``after_round``."""
     from ..editing.api import capability_factors, edit_factors, snapshot
 
     config = config.validate()
@@ -290,6 +293,8 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
         state, rec = run_round(model, tokenizer, layers, part, state, config, k, base_weights=base,
                                capability=capability, progress=progress, drift_spent=drift_spent(records))
         rec.update(round=k, n_edits=len(part))
+        if after_round is not None:
+            rec["after_round"] = after_round(model)
         records.append(rec)
         if on_round is not None:
             on_round(rec, n_rounds)

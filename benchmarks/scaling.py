@@ -1,0 +1,133 @@
+"""How each method's edits and drift grow with the number of edits, from stored runs (issue 41's scaling figure).
+
+Reads any mix of ``crispedit compare`` outputs (a ``compare.json`` or its directory) and
+``benchmarks/edit_matrix.py`` outputs (their JSON), takes every edited row's WILD qa / chat reliability and
+generalisation, KL drift (nats/token on held-out text) and perplexity, keyed by method and number of edits,
+and writes a table (Markdown) and a four-panel PNG (QA rel, QA gen, KL drift on a log axis, perplexity; x: number
+of edits, log axis). An edit_matrix row counts when its overrides name only ``method`` and, optionally,
+the defaults' contexts (it is then the method at its defaults). Where two runs give the same method and size,
+the later file on the command line wins.
+
+    python benchmarks/scaling.py docs/results/wild_zsre_dev100_32.json docs/results/compare_zsre_dev100 \\
+        runs/compare_zsre_dev1000 --out docs/results/scaling_zsre
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from crispedit.editing.contexts import DEFAULT_CONTEXTS  # noqa: E402  (torch-free)
+from crispedit.errors import CrispEditError, atomic_write_bytes, atomic_write_figure  # noqa: E402
+
+KEYS = ("qa_rel", "qa_gen", "chat_rel", "chat_gen", "kl_drift", "ppl")
+
+
+def _point(wild: dict, summary: dict) -> dict:
+    """The figures of one edited row: WILD qa / chat rel and gen (fractions), KL drift (nats/token), perplexity."""
+    def w(ctx: str, k: str):
+        return (wild.get(ctx) or {}).get(k)
+    return {"qa_rel": w("qa", "rel"), "qa_gen": w("qa", "gen"), "chat_rel": w("chat", "rel"),
+            "chat_gen": w("chat", "gen"), "kl_drift": summary.get("kl_drift"), "ppl": summary.get("ppl")}
+
+
+def read_points(path: str | Path) -> dict[tuple[str, int], dict]:
+    """``{(method, n_edits): figures}`` of every edited row in one stored run (compare.json, its directory, or an
+    edit_matrix JSON); methods at non-default settings in an edit_matrix file are left out."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "compare.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CrispEditError(f"cannot read stored run {path}: {exc}") from None
+    out: dict[tuple[str, int], dict] = {}
+    if "settings" in data and isinstance(data.get("results"), dict):  # crispedit compare
+        n = int(data["settings"]["n_edits"])
+        for m, r in data["results"].items():
+            if m != "base" and isinstance(r, dict) and "summary" in r:
+                out[(m, n)] = _point(r.get("wild") or {}, r["summary"])
+        return out
+    if "args" in data and isinstance(data.get("results"), list):  # edit_matrix
+        n = int(data["args"]["n_edits"])
+        for r in data["results"]:
+            ov = dict(r.get("overrides") or {})
+            m = ov.pop("method", "crispedit")
+            if ov.pop("contexts", DEFAULT_CONTEXTS) == DEFAULT_CONTEXTS and not ov:
+                out[(m, n)] = _point(r.get("wild") or {}, r)
+        return out
+    raise CrispEditError(f"{path} is neither a compare.json nor an edit_matrix output")
+
+
+def scaling_table(points: dict[tuple[str, int], dict]) -> str:
+    """Markdown: one row per method and number of edits (sorted), the :data:`KEYS` figures."""
+    lines = ["| method | edits | WILD qa rel / gen | chat rel / gen | KL drift | perplexity |", "|---|---|---|---|---|---|"]
+
+    def f(v, fmt="{:.2f}"):
+        return "–" if v is None else fmt.format(v)
+    for (m, n) in sorted(points, key=lambda k: (k[0], k[1])):
+        p = points[(m, n)]
+        lines.append(f"| {m} | {n} | {f(p['qa_rel'])} / {f(p['qa_gen'])} | {f(p['chat_rel'])} / {f(p['chat_gen'])} | "
+                     f"{f(p['kl_drift'], '{:.5f}')} | {f(p['ppl'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_scaling(points: dict[tuple[str, int], dict], path: str | Path) -> None:
+    """Four panels against the number of edits (log x): WILD QA rel, QA gen, KL drift (log y), perplexity; one
+    line per method with a point per stored size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    panels = [("qa_rel", "WILD QA rel"), ("qa_gen", "WILD QA gen"), ("kl_drift", "KL drift (nats/token)"),
+              ("ppl", "perplexity")]
+    for method in sorted({m for m, _ in points}):
+        sizes = sorted(n for m, n in points if m == method)
+        for ax, (key, _) in zip(axes, panels):
+            xs = [n for n in sizes if points[(method, n)][key] is not None]
+            ax.plot(xs, [points[(method, n)][key] for n in xs], marker="o", label=method)
+    for ax, (key, title) in zip(axes, panels):
+        ax.set_xscale("log")
+        ax.set_xlabel("edits")
+        ax.set_title(title)
+        if key == "kl_drift":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    atomic_write_figure(path, fig)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """Read the runs, write ``OUT.md`` and ``OUT.png``, print the table; returns the exit status."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="compare.json files or directories, edit_matrix JSON files")
+    ap.add_argument("--out", required=True, help="output stem: writes OUT.md and OUT.png")
+    args = ap.parse_args(argv)
+    try:
+        points: dict[tuple[str, int], dict] = {}
+        for r in args.runs:
+            points.update(read_points(r))
+        if not points:
+            raise CrispEditError("the runs hold no edited rows")
+        table = scaling_table(points)
+        out = Path(args.out)
+        atomic_write_bytes(out.with_suffix(".md"), table.encode())
+        plot_scaling(points, out.with_suffix(".png"))
+    except CrispEditError as exc:
+        print(f"scaling: error: {exc}", file=sys.stderr)
+        return 2
+    print(table, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
