@@ -351,3 +351,32 @@ def test_token_budget_batches_pack_sorted_sequences_within_a_kind(tiny_tok):
         n, T = b.input_ids.shape
         assert n * T <= 120 or n == 1 and T == longest or n == 1
     assert len(packed) < len(seqs)
+
+
+def _golden_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "golden" / "make_training_sequences.py"
+    spec = importlib.util.spec_from_file_location("make_training_sequences", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_training_sequences_are_pinned():
+    """Every training context builds, token for token, the sequences the if-chain before the training-context
+    registry built (tests/golden/training_sequences.json, written by that code): a stored run retrains the same."""
+    import json
+    from pathlib import Path
+
+    mod = _golden_module()
+    stored = json.loads((Path(mod.__file__).parent / "training_sequences.json").read_text())
+    now = mod.golden()
+    assert [{k: c[k] for k in ("tokenizer", "contexts", "answer_end", "seed")} for c in now] == \
+        [{k: c[k] for k in ("tokenizer", "contexts", "answer_end", "seed")} for c in stored]
+    for new, old in zip(now, stored):
+        if "sequences" in old:
+            assert new["sequences"] == old["sequences"], (old["tokenizer"], old["contexts"])
+        assert (new.get("names"), new["n"], new["sha256"]) == (old.get("names"), old["n"], old["sha256"]), \
+            (old["tokenizer"], old["contexts"], old["answer_end"], old["seed"])
