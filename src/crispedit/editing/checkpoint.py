@@ -80,6 +80,8 @@ def save_checkpoint(path: str | Path, identity: str, state: LoopState, params: d
                     opt: torch.optim.Optimizer) -> None:
     """Write ``state``, the trained tensors ``params`` (as they are now) and ``opt``'s state to ``path``
     atomically (temporary file + rename), tagged with ``identity`` (:func:`run_identity`)."""
+    from .optim import optimizer_state
+
     tensors = {f"param::{n}": p.detach().cpu() for n, p in params.items()}
     tensors.update({f"opt::{k}": v for k, v in optimizer_state(opt, params).items()})
     tensors["generator"] = state.generator.cpu()
