@@ -216,6 +216,8 @@ def cmd_report(args) -> int:
 
 def add_cli(subparsers) -> None:
     """Register ``crispedit eval`` and ``crispedit report`` on ``subparsers``."""
+    from ..evaluation.wild import EVAL_WRAPPERS, HELD_OUT_WRAPPER  # torch-free: the --context choices
+
     p = subparsers.add_parser("eval", help="evaluate a model: WILD / teacher-forced edit metrics, lm-eval "
                               "capabilities, KL drift vs a base model")
     p.add_argument("--model", default="smollm2", help="model to evaluate: smollm2 (default), a .gguf file, an HF "
@@ -227,7 +229,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--n-edits", type=int, default=None, help="use only the first N edits")
     p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
     p.add_argument("--protocol", choices=PROTOCOLS, default="wild")
-    p.add_argument("--context", choices=("qa", "none", "chat"), default="qa", help="WILD prompt context (default qa)")
+    p.add_argument("--context", choices=tuple(EVAL_WRAPPERS), default=HELD_OUT_WRAPPER,
+                   help=f"WILD evaluation wrapper the questions are asked in (default {HELD_OUT_WRAPPER})")
     p.add_argument("--context-template", default=None, metavar="TEXT",
                    help="WILD with your own wrapper instead of --context, e.g. 'You are our support bot. "
                    "Customer: {question}\nBot:' ({question} exactly once; literal braces as {{ }})")

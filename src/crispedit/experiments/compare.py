@@ -60,7 +60,7 @@ from ..editing.loop import training_brief
 from ..editing.registry import seq_row
 from ..errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
                      check_positive_int, read_text_file)
-from ..evaluation import CONTEXTS, evaluate_edit
+from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER, evaluate_edit
 from ..evaluation.capabilities import paired_change
 from ..models import model_family, weight_fingerprint
 from ..sessions.sequential import run_sequence
@@ -210,7 +210,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                 # what --contexts 'default' meant when the rows ran: a row stored as 'default' under another
                 # default is another configuration
                 "default_contexts": DEFAULT_CONTEXTS,
-                "evaluation": {"wild": list(CONTEXTS), "judge": "rule", "capabilities": list(capabilities),
+                "evaluation": {"wild": list(EVAL_WRAPPERS), "judge": "rule", "capabilities": list(capabilities),
                                "limit": limit, "kl_text": kl_text or "bundled:wikitext_heldout.txt"}}
     payload = {"format": COMPARE_FORMAT, "settings": settings, "methods": list(methods), "results": {}}
     path = out / JSON_FILE
@@ -252,7 +252,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
             raise CrispEditError(f"the model is no longer the base before {method} (fingerprint changed)")
         inner = False if progress is None else progress  # one bar per method; the inner ones stay quiet
         if method == "base":
-            ev = evaluate_edit(model, tokenizer, requests, {}, kl_text=kl_text, wild=CONTEXTS,
+            ev = evaluate_edit(model, tokenizer, requests, {}, kl_text=kl_text, wild=tuple(EVAL_WRAPPERS),
                                capabilities=capabilities, limit=limit, bench_dir=bench_dir, progress=inner)
             payload["results"]["base"] = _row("base", ev)
         else:
@@ -277,7 +277,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
             wall = time.perf_counter() - t0
             try:
                 ev = evaluate_edit(model, tokenizer, requests, res.original_weights, kl_text=kl_text,
-                                   max_len=ecfg.max_len, wild=CONTEXTS, capabilities=capabilities, limit=limit,
+                                   max_len=ecfg.max_len, wild=tuple(EVAL_WRAPPERS), capabilities=capabilities, limit=limit,
                                    bench_dir=bench_dir, progress=inner)
             finally:
                 restore(model, res.original_weights)
@@ -298,8 +298,8 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
         (out / CHECKPOINTS / f"{method}.safetensors").unlink(missing_ok=True)  # the row holds what it was for
         r = payload["results"][method]
         if progress is not False:
-            qa = r["wild"].get("qa") or {}
-            tqdm.write(f"{method}: WILD qa rel={qa.get('rel')} gen={qa.get('gen')} tf rel={r['summary']['rel']} "
+            qa = r["wild"].get(HELD_OUT_WRAPPER) or {}
+            tqdm.write(f"{method}: WILD {HELD_OUT_WRAPPER} rel={qa.get('rel')} gen={qa.get('gen')} tf rel={r['summary']['rel']} "
                        f"kl_drift={r['summary']['kl_drift']:.5f} kl_predicted={r['summary'].get('kl_predicted')}"
                        + (f" edit={r['edit_seconds']:.1f}s" if "edit_seconds" in r else "")
                        + (f" ({r['rounds']} rounds of {r['seq_chunk']})" if "rounds" in r else ""))
@@ -356,10 +356,10 @@ def pareto_points(payload: dict) -> dict:
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in payload["methods"] if m in res and m != "base"]
-    success = {m: (res[m]["wild"].get("qa") or {}).get("rel") for m in rows}
+    success = {m: (res[m]["wild"].get(HELD_OUT_WRAPPER) or {}).get("rel") for m in rows}
     points = {m: [success[m], _retention(payload, res[m])] for m in rows}
     kl = {m: (success[m], -res[m]["summary"]["kl_drift"]) for m in rows}
-    return {"success": "WILD qa rel",
+    return {"success": f"WILD {HELD_OUT_WRAPPER} rel",
             "retention": ("mean capability score / base score over " + ", ".join(caps)) if caps
             else "-KL drift on held-out text (nats/token)",
             "points": points, "front": pareto_front({m: tuple(p) for m, p in points.items()}),
@@ -396,13 +396,10 @@ def compare_table(payload: dict) -> str:
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
-    cols = [("QA rel", lambda r: (r["wild"].get("qa") or {}).get("rel"), True),
-            ("QA gen", lambda r: (r["wild"].get("qa") or {}).get("gen"), True),
-            ("none rel", lambda r: (r["wild"].get("none") or {}).get("rel"), True),
-            ("none gen", lambda r: (r["wild"].get("none") or {}).get("gen"), True),
-            ("chat rel", lambda r: (r["wild"].get("chat") or {}).get("rel"), True),
-            ("chat gen", lambda r: (r["wild"].get("chat") or {}).get("gen"), True),
-            ("TF rel", lambda r: r["summary"].get("rel"), True),
+    wrappers = payload["settings"]["evaluation"].get("wild") or list(EVAL_WRAPPERS)
+    cols = [(f"{w.upper() if w == HELD_OUT_WRAPPER else w} {k}",
+             (lambda w, k: lambda r: (r["wild"].get(w) or {}).get(k))(w, k), True) for w in wrappers for k in ("rel", "gen")]
+    cols += [("TF rel", lambda r: r["summary"].get("rel"), True),
             ("TF gen", lambda r: r["summary"].get("gen"), True)]
     cols += [(c, (lambda c: lambda r: r["capabilities"].get(c))(c), True) for c in caps]
     edited = [res[m] for m in rows if m != "base"]
