@@ -382,34 +382,36 @@ def test_training_sequences_are_pinned():
             (old["tokenizer"], old["contexts"], old["answer_end"], old["seed"])
 
 
-def test_training_contexts_come_from_the_registry(tiny_tok, monkeypatch):
+def test_training_contexts_come_from_the_registry(tiny_tok):
     """A context registered with @training_context is parsed, named in errors and --help, and built."""
     from crispedit.cli import build_parser
     from crispedit.editing import contexts as ctx_mod
 
-    monkeypatch.setattr(ctx_mod, "TRAINING_CONTEXTS", dict(ctx_mod.TRAINING_CONTEXTS))
+    try:
+        @ctx_mod.training_context("shout", counted=True)
+        def _shout(m, i, r, count):
+            return [m.plain(i, "shout", r.prompt.upper() + "!" * k, r.target) for k in range(1, count + 1)]
 
-    @ctx_mod.training_context("shout", counted=True)
-    def _shout(m, i, r, count):
-        return [m.plain(i, "shout", r.prompt.upper() + "!" * k, r.target) for k in range(1, count + 1)]
+        specs = parse_contexts("bare,shout:2")
+        assert [str(c) for c in specs] == ["bare", "shout:2"]
+        seqs = build_training_sequences(tiny_tok, REQS[:2], specs, "none")
+        assert [(s.context, s.request) for s in seqs] == [("bare", 0), ("bare", 1), ("shout", 0), ("shout", 0),
+                                                          ("shout", 1), ("shout", 1)]
+        assert seqs[3].text == REQS[0].prompt.upper() + "!! " + REQS[0].target
+        with pytest.raises(CrispEditError, match="use bare, chat, prefix, para, gen, wrap, lead, shout"):
+            parse_contexts("loud")
+        with pytest.raises(CrispEditError, match="only prefix, para, gen, wrap, lead, shout take a count"):
+            parse_contexts("bare:2")
+        help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["edit"].format_help().split())
+        assert "lead:N, shout:N" in help_text
+        with pytest.raises(ValueError, match="taken"):
+            ctx_mod.training_context("bare")
+    finally:
+        ctx_mod.TRAINING_CONTEXTS.pop("shout", None)
+    assert tuple(ctx_mod.TRAINING_CONTEXTS) == ctx_mod.CONTEXT_KINDS
 
-    specs = parse_contexts("bare,shout:2")
-    assert [str(c) for c in specs] == ["bare", "shout:2"]
-    seqs = build_training_sequences(tiny_tok, REQS[:2], specs, "none")
-    assert [(s.context, s.request) for s in seqs] == [("bare", 0), ("bare", 1), ("shout", 0), ("shout", 0),
-                                                      ("shout", 1), ("shout", 1)]
-    assert seqs[3].text == REQS[0].prompt.upper() + "!! " + REQS[0].target
-    with pytest.raises(CrispEditError, match="use bare, chat, prefix, para, gen, wrap, lead, shout"):
-        parse_contexts("loud")
-    with pytest.raises(CrispEditError, match="only prefix, para, gen, wrap, lead, shout take a count"):
-        parse_contexts("bare:2")
-    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["edit"].format_help().split())
-    assert "lead:N, shout:N" in help_text
-    with pytest.raises(ValueError, match="taken"):
-        ctx_mod.training_context("bare")
 
-
-def test_eval_wrappers_come_from_the_registry(tiny_tok, monkeypatch):
+def test_eval_wrappers_come_from_the_registry(tiny_tok):
     """A wrapper registered with @eval_wrapper is an eval --context choice, a WildConfig context and renders;
     the training contexts never include the held-out wrapper."""
     from crispedit.cli import build_parser
@@ -418,15 +420,17 @@ def test_eval_wrappers_come_from_the_registry(tiny_tok, monkeypatch):
 
     assert wild.HELD_OUT_WRAPPER == "qa" and wild.HELD_OUT_WRAPPER not in TRAINING_CONTEXTS
     assert tuple(wild.EVAL_WRAPPERS) == wild.CONTEXTS == ("qa", "none", "chat")
-    monkeypatch.setattr(wild, "EVAL_WRAPPERS", dict(wild.EVAL_WRAPPERS))
+    try:
+        @wild.eval_wrapper("shout")
+        def _shout(tokenizer, question):
+            return question.upper()
 
-    @wild.eval_wrapper("shout")
-    def _shout(tokenizer, question):
-        return question.upper()
-
-    assert render_prompt(tiny_tok, "who?", "shout") == "WHO?"
-    assert WildConfig(context="shout").context == "shout"
-    eval_parser = build_parser()._subparsers._group_actions[0].choices["eval"]
-    assert eval_parser.parse_args(["--out", "x.json", "--context", "shout"]).context == "shout"
-    with pytest.raises(ValueError, match="taken"):
-        wild.eval_wrapper("custom")
+        assert render_prompt(tiny_tok, "who?", "shout") == "WHO?"
+        assert WildConfig(context="shout").context == "shout"
+        eval_parser = build_parser()._subparsers._group_actions[0].choices["eval"]
+        assert eval_parser.parse_args(["--out", "x.json", "--context", "shout"]).context == "shout"
+        with pytest.raises(ValueError, match="taken"):
+            wild.eval_wrapper("custom")
+    finally:
+        wild.EVAL_WRAPPERS.pop("shout", None)
+    assert tuple(wild.EVAL_WRAPPERS) == wild.CONTEXTS
