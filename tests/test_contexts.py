@@ -351,3 +351,86 @@ def test_token_budget_batches_pack_sorted_sequences_within_a_kind(tiny_tok):
         n, T = b.input_ids.shape
         assert n * T <= 120 or n == 1 and T == longest or n == 1
     assert len(packed) < len(seqs)
+
+
+def _golden_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "golden" / "make_training_sequences.py"
+    spec = importlib.util.spec_from_file_location("make_training_sequences", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_training_sequences_are_pinned():
+    """Every training context builds, token for token, the sequences the if-chain before the training-context
+    registry built (tests/golden/training_sequences.json, written by that code): a stored run retrains the same."""
+    import json
+    from pathlib import Path
+
+    mod = _golden_module()
+    stored = json.loads((Path(mod.__file__).parent / "training_sequences.json").read_text())
+    now = mod.golden()
+    assert [{k: c[k] for k in ("tokenizer", "contexts", "answer_end", "seed")} for c in now] == \
+        [{k: c[k] for k in ("tokenizer", "contexts", "answer_end", "seed")} for c in stored]
+    for new, old in zip(now, stored):
+        if "sequences" in old:
+            assert new["sequences"] == old["sequences"], (old["tokenizer"], old["contexts"])
+        assert (new.get("names"), new["n"], new["sha256"]) == (old.get("names"), old["n"], old["sha256"]), \
+            (old["tokenizer"], old["contexts"], old["answer_end"], old["seed"])
+
+
+def test_training_contexts_come_from_the_registry(tiny_tok):
+    """A context registered with @training_context is parsed, named in errors and --help, and built."""
+    from crispedit.cli import build_parser
+    from crispedit.editing import contexts as ctx_mod
+
+    try:
+        @ctx_mod.training_context("shout", counted=True)
+        def _shout(m, i, r, count):
+            return [m.plain(i, "shout", r.prompt.upper() + "!" * k, r.target) for k in range(1, count + 1)]
+
+        specs = parse_contexts("bare,shout:2")
+        assert [str(c) for c in specs] == ["bare", "shout:2"]
+        seqs = build_training_sequences(tiny_tok, REQS[:2], specs, "none")
+        assert [(s.context, s.request) for s in seqs] == [("bare", 0), ("bare", 1), ("shout", 0), ("shout", 0),
+                                                          ("shout", 1), ("shout", 1)]
+        assert seqs[3].text == REQS[0].prompt.upper() + "!! " + REQS[0].target
+        with pytest.raises(CrispEditError, match="use bare, chat, prefix, para, gen, wrap, lead, shout"):
+            parse_contexts("loud")
+        with pytest.raises(CrispEditError, match="only prefix, para, gen, wrap, lead, shout take a count"):
+            parse_contexts("bare:2")
+        help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["edit"].format_help().split())
+        assert "lead:N, shout:N" in help_text
+        with pytest.raises(ValueError, match="taken"):
+            ctx_mod.training_context("bare")
+    finally:
+        ctx_mod.TRAINING_CONTEXTS.pop("shout", None)
+    assert tuple(ctx_mod.TRAINING_CONTEXTS) == ctx_mod.CONTEXT_KINDS
+
+
+def test_eval_wrappers_come_from_the_registry(tiny_tok):
+    """A wrapper registered with @eval_wrapper is an eval --context choice, a WildConfig context and renders;
+    the training contexts never include the held-out wrapper."""
+    from crispedit.cli import build_parser
+    from crispedit.editing.contexts import TRAINING_CONTEXTS
+    from crispedit.evaluation import wild
+
+    assert wild.HELD_OUT_WRAPPER == "qa" and wild.HELD_OUT_WRAPPER not in TRAINING_CONTEXTS
+    assert tuple(wild.EVAL_WRAPPERS) == wild.CONTEXTS == ("qa", "none", "chat")
+    try:
+        @wild.eval_wrapper("shout")
+        def _shout(tokenizer, question):
+            return question.upper()
+
+        assert render_prompt(tiny_tok, "who?", "shout") == "WHO?"
+        assert WildConfig(context="shout").context == "shout"
+        eval_parser = build_parser()._subparsers._group_actions[0].choices["eval"]
+        assert eval_parser.parse_args(["--out", "x.json", "--context", "shout"]).context == "shout"
+        with pytest.raises(ValueError, match="taken"):
+            wild.eval_wrapper("custom")
+    finally:
+        wild.EVAL_WRAPPERS.pop("shout", None)
+    assert tuple(wild.EVAL_WRAPPERS) == wild.CONTEXTS

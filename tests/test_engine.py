@@ -265,7 +265,7 @@ def test_a_killed_edit_resumes_from_its_checkpoint(tiny_lm, iso_cache, tmp_path,
     """Training killed after its second epoch and run again with the same checkpoint goes on from epoch 3 and
     ends with the weights, losses and step counts of the uninterrupted run; a finished run's checkpoint trains
     nothing again; another run's checkpoint, and a truncated one, are one-line errors that change no weight."""
-    import crispedit.editing.loop as loop_mod
+    import crispedit.editing.checkpoint as ckpt_mod
     from crispedit.editing import restore
     from crispedit.errors import CrispEditError
 
@@ -277,7 +277,7 @@ def test_a_killed_edit_resumes_from_its_checkpoint(tiny_lm, iso_cache, tmp_path,
     restore(model, full.original_weights)
 
     ck = tmp_path / "run.safetensors"
-    real_save, saves = loop_mod.save_checkpoint, []
+    real_save, saves = ckpt_mod.save_checkpoint, []
 
     def dying_save(*a, **k):
         real_save(*a, **k)
@@ -285,10 +285,10 @@ def test_a_killed_edit_resumes_from_its_checkpoint(tiny_lm, iso_cache, tmp_path,
         if len(saves) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop_mod, "save_checkpoint", dying_save)
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", dying_save)
     with pytest.raises(KeyboardInterrupt):
         edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
-    monkeypatch.setattr(loop_mod, "save_checkpoint", real_save)
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", real_save)
     restore(model, full.original_weights)  # what a new process starts from
     res = edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
     assert res.history.extra["resumed_at_epoch"] == 2

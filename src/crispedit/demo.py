@@ -29,9 +29,9 @@ def _chat_answers(model, tok, prompts: list[str]) -> list[str]:
     from .evaluation.generation import generate_answers
     from .evaluation.wild import render_prompt
 
-    context = "chat" if getattr(tok, "chat_template", None) else "none"
-    rendered = [render_prompt(tok, p, context) for p in prompts]
-    return generate_answers(model, tok, rendered, max_new_tokens=24, add_special_tokens=context != "chat")
+    wrapper = "chat" if getattr(tok, "chat_template", None) else "none"  # the evaluation wrapper asked through
+    rendered = [render_prompt(tok, p, wrapper) for p in prompts]
+    return generate_answers(model, tok, rendered, max_new_tokens=24, add_special_tokens=wrapper != "chat")
 
 
 def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: int = 64, model_spec: str = "smollm2",
@@ -43,7 +43,7 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
     t0 = time.perf_counter()
     requests = load_edits(bundled_path(BUNDLED_EDITS), limit=check_positive_int("--n-edits", n_edits))
     from .editing import edit, restore  # torch: only once every argument is checked
-    from .evaluation import CONTEXTS, evaluate_edit
+    from .evaluation import EVAL_WRAPPERS, evaluate_edit
     from .models import load_model
 
     print(f"loading {model_spec} ...", flush=True)
@@ -59,7 +59,7 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
         cfg = EditConfig(method=method, gamma=gamma, epochs=epochs, n_cap=n_cap)
         print(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}) ...", flush=True)
         res = edit(model, tok, requests, cfg, progress=progress)
-        ev = evaluate_edit(model, tok, requests, res.original_weights, wild=CONTEXTS, progress=progress)
+        ev = evaluate_edit(model, tok, requests, res.original_weights, wild=tuple(EVAL_WRAPPERS), progress=progress)
         s = ev["summary"]
         answers[method] = _chat_answers(model, tok, prompts)
         rows.append((method, ev["wild"], s["rel"], s["kl_drift"], s["ppl"], s["ppl_base"],
@@ -77,15 +77,15 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
         print("<eos>: the model ends its reply at once")
     print()
     print("WILD (free generation, greedy, rule judge): rel / gen per context; qa = the paper's wrapper, never trained")
-    print(f"{'method':10} {'qa':>11} {'none':>11} {'chat':>11} {'tf rel':>7} {'kl_drift':>9} {'ppl':>7} "
+    print(f"{'method':10} " + "".join(f"{w:>11} " for w in EVAL_WRAPPERS) + f"{'tf rel':>7} {'kl_drift':>9} {'ppl':>7} "
           f"{'epochs':>6} {'edit s':>7}  contexts")
     for m, wild, rel, kl, ppl, ppl0, ep, es, ctxs in rows:
-        def cell(ctx: str) -> str:
-            """``rel/gen`` of this row's WILD context ``ctx`` to two decimals, ``-`` if it was not run."""
-            v = wild.get(ctx)
+        def cell(wrapper: str) -> str:
+            """``rel/gen`` of this row's WILD evaluation wrapper ``wrapper`` to two decimals, ``-`` if it was not run."""
+            v = wild.get(wrapper)
             return "-" if not v else f"{v['rel']:.2f}/{v['gen']:.2f}"
 
-        print(f"{m:10} {cell('qa'):>11} {cell('none'):>11} {cell('chat'):>11} {rel:7.3f} {kl:9.5f} {ppl:7.2f} "
+        print(f"{m:10} " + "".join(f"{cell(w):>11} " for w in EVAL_WRAPPERS) + f"{rel:7.3f} {kl:9.5f} {ppl:7.2f} "
               f"{ep:6d} {es:7.1f}  {','.join(ctxs)}")
     print(f"\nbase model perplexity on held-out WikiText: {rows[0][5]:.3f}; "
           f"kl_drift = mean per-token KL(base || edited) there. total {time.perf_counter() - t0:.0f}s")

@@ -24,10 +24,10 @@ class FamilyDefaults:
     lr_scale: float = 1.0
 
 
-#: Families whose measured defaults differ from the rule measured on SmolLM2 (llama): Gemma-3-270M (18 blocks)
-#: drifted far more at the paper's lr 5e-4 on {2-5}, its down_proj weights being much smaller than SmolLM2's
-#: so that each Adam step moves them more in relative terms; lr 5e-5 on {1-4} made the edits at a small drift
-#: (the figures: docs/where-to-edit.md, "Gemma-3-270M: a second family").
+#: Families whose measured defaults differ from the rule measured on SmolLM2 (llama). Gemma-3's ``down_proj``
+#: weights are much smaller than SmolLM2's, so each Adam step moves them more in relative terms: it edits with
+#: a scaled-down learning rate on an earlier window (why and the figures: docs/where-to-edit.md,
+#: "Gemma-3-270M: a second family").
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "gemma3": FamilyDefaults(start=0.06, count=4, lr_scale=0.1),
     "gemma3_text": FamilyDefaults(start=0.06, count=4, lr_scale=0.1),
@@ -36,5 +36,5 @@ FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
 
 def defaults_for(family: str | None) -> FamilyDefaults:
     """The :class:`FamilyDefaults` of ``family`` (a config ``model_type``): its entry in :data:`FAMILY_DEFAULTS`,
-    else the rule measured on SmolLM2 (start 15 %, 5 blocks, learning rate unscaled)."""
+    else the rule measured on SmolLM2 (:class:`FamilyDefaults`' own defaults)."""
     return FAMILY_DEFAULTS.get(family or "", FamilyDefaults())

@@ -350,12 +350,10 @@ def family_defaults(model: nn.Module) -> FamilyDefaults:
 
 
 def default_layer_pattern(model: nn.Module) -> str:
-    """Default edited layers: the MLP output projection of 5 consecutive blocks starting at 15 % of the
-    depth (SmolLM2-135M, 30 blocks: ``model.layers.{4-8}.mlp.down_proj``), fewer for shallow models;
-    families in :data:`~crispedit.families.FAMILY_DEFAULTS` have their own start and count (Gemma-3-270M: ``{1-4}``).
-
-    Chosen by the WILD sweep of docs/where-to-edit.md: on SmolLM2 the early blocks {4-8} generalise to the
-    unseen QA wrapper and to rephrasings far better than half depth {15-19} at a similar KL drift."""
+    """Default edited layers: the MLP output projection of ``count`` consecutive blocks starting at ``start`` of
+    the depth (:class:`~crispedit.families.FamilyDefaults`; SmolLM2-135M: ``model.layers.{4-8}.mlp.down_proj``),
+    fewer for shallow models; families in :data:`~crispedit.families.FAMILY_DEFAULTS` have their own start and
+    count. Chosen by the WILD sweeps of docs/where-to-edit.md (early blocks against half depth)."""
     model_type = model_family(model)
     if model_type not in MLP_OUT_PROJ:
         raise CrispEditError(

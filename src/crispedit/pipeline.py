@@ -22,7 +22,7 @@ from .data.edits import EditRequest
 from .distributed import barrier, is_main, world_size
 from .editing import EditConfig, EditResult, edit
 from .errors import atomic_directory, atomic_write_json, check_finite_tensors, check_output_dir
-from .evaluation import CONTEXTS, evaluate_edit
+from .evaluation import EVAL_WRAPPERS, evaluate_edit
 from .models import parameter, save_model_dir
 
 __all__ = ["run_edit_job", "build_report", "environment", "drift_summary", "steep_layers", "steep_note"]
@@ -104,7 +104,7 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     changed = {n: parameter(model, n) for n in result.original_weights}
     check_finite_tensors(changed, f"the {config.method} edit")  # fail now, before evaluating a broken model
     ev = evaluate_edit(model, tokenizer, requests, result.original_weights, kl_text=kl_text, max_len=config.max_len,
-                       wild=CONTEXTS if wild else (), progress=progress)
+                       wild=tuple(EVAL_WRAPPERS) if wild else (), progress=progress)
     report = build_report(config, model_spec, requests, result, ev["summary"], ev["per_edit"], kl_text, edits_path)
     if wild:
         report["wild"] = ev["wild"]

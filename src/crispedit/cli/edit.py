@@ -63,6 +63,8 @@ def cmd_edit(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit edit`` on ``subparsers`` (it may run under ``torchrun``: batches split across processes)."""
+    from ..evaluation.wild import EVAL_WRAPPERS  # torch-free: named in --no-wild's help
+
     p = sub.add_parser("edit", help="edit facts into a model and save it with edit_report.json")
     add_model_args(p)
     add_curvature_args(p)
@@ -85,6 +87,7 @@ def add_cli(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="--out may hold an earlier edit: replace only the files that edit wrote, keep all others")
     p.add_argument("--no-wild", action="store_true",
-                   help="skip the WILD section of the report (free generation under qa, none and chat contexts)")
+                   help="skip the WILD section of the report (free generation under the evaluation wrappers "
+                   + ", ".join(EVAL_WRAPPERS) + ")")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_edit, torchrun=True)  # may run under torchrun

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CrispEditError, atomic_write_json, check_int, check_output_file, check_positive_int
@@ -77,14 +78,29 @@ def _parse_limit(spec):
     return out
 
 
-def run_eval(args) -> dict:
-    """Validate every input, then evaluate; returns the result dict (the caller writes it)."""
+@dataclass
+class _EvalInputs:
+    """``crispedit eval``'s arguments once checked: the capability tasks with their item limits and shots, the edit
+    requests (``None``: no edit metrics), the local benchmark files, the WILD settings and judge, the KL texts."""
+
+    tasks: list
+    limit: object
+    n_edits: int | None
+    fewshot: object
+    requests: list | None
+    bench: object
+    wild_cfg: object
+    judge: object
+    kl_texts: list | None
+
+
+def _checked_inputs(args) -> _EvalInputs:
+    """Everything a user can get wrong fails here, in one line, before any model is loaded (torch-free)."""
     from ..data import heldout_text, load_edits
     from ..evaluation.capabilities import check_capability_inputs, parse_tasks
     from ..evaluation.judges import make_judge
     from ..evaluation.wild import WildConfig
 
-    # --- validation: everything a user can get wrong fails here, before any model is loaded
     if args.protocol not in PROTOCOLS:
         raise CrispEditError(f"unknown protocol {args.protocol!r} (use wild or teacher-forced)")
     tasks = parse_tasks(args.capabilities)
@@ -106,10 +122,79 @@ def run_eval(args) -> dict:
                 if args.protocol == "wild" else None)
     judge = make_judge(args.judge) if (requests is not None and args.protocol == "wild") else None
     kl_texts = heldout_text(args.kl_text, args.kl_texts) if args.base else None
+    return _EvalInputs(tasks, limit, n_edits, fewshot, requests, bench, wild_cfg, judge, kl_texts)
 
-    from ..evaluation.capabilities import capability_drift, run_capabilities
+
+def _edit_metrics(args, inp: _EvalInputs, model, tok, base, timings: dict, progress) -> tuple[dict, list | None, list | None]:
+    """The edit metrics of ``model`` on the requests — WILD (``generations``: its records) or teacher-forced
+    (``per_edit``) — as ``(edit, generations, per_edit)``; their seconds go into ``timings``."""
     from ..evaluation.teacher_forced import edit_scores, summarize_edit_scores
     from ..evaluation.wild import run_wild
+
+    t0 = time.perf_counter()
+    if args.protocol == "wild":
+        res = run_wild(model, tok, inp.requests, inp.judge, config=inp.wild_cfg, base=base, progress=progress)
+        edit = {k: res["summary"][k] for k in ("rel", "gen", "loc_vs_answer", "loc_vs_base", "n_edits")}
+        timings.update({f"wild_{k}": v for k, v in res["timings"].items()})
+        timings["edit_eval_s"] = round(time.perf_counter() - t0, 2)
+        return edit, res["records"], None
+    per_edit = edit_scores(model, tok, inp.requests, batch_size=args.batch_size, specificity=True)
+    s = summarize_edit_scores(per_edit)
+    edit = {"rel_token_acc": s["rel_token_acc"], "rel_exact": s["rel"],
+            "gen_token_acc": s["gen_token_acc"], "gen_exact": s["gen"],
+            "spec_token_acc": s.get("spec_token_acc"), "spec_exact": s.get("spec"),
+            "spec_cf": s.get("spec_cf"), "n_edits": len(inp.requests)}
+    timings["edit_eval_s"] = round(time.perf_counter() - t0, 2)
+    return edit, None, per_edit
+
+
+def _capability_metrics(args, inp: _EvalInputs, model, tok, base, timings: dict, progress) -> tuple[dict, dict]:
+    """The lm-eval capability scores (fractions) and, given a base model, the KL drift (nats/token) and
+    perplexities against it, as ``(capabilities, details)``; their seconds go into ``timings``."""
+    from ..evaluation.capabilities import capability_drift, run_capabilities
+
+    capabilities: dict = {}
+    details: dict = {}
+    if inp.tasks:
+        t0 = time.perf_counter()
+        details = run_capabilities(model, tok, inp.tasks, limit=inp.limit, bench_dir=inp.bench, num_fewshot=inp.fewshot,
+                                   apply_chat_template=args.chat_template, fewshot_as_multiturn=args.fewshot_multiturn,
+                                   batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
+                                   progress=progress)
+        capabilities.update({t: d["score"] for t, d in details.items()})
+        timings["capabilities_s"] = round(time.perf_counter() - t0, 2)
+        timings.update({f"{t}_s": d["seconds"] for t, d in details.items()})
+    if base is not None:
+        t0 = time.perf_counter()
+        drift = capability_drift(model, tok, base[0], inp.kl_texts, progress=progress)
+        capabilities.update({"kl_drift": drift["kl_drift"], "ppl": drift["ppl"], "ppl_base": drift["ppl_base"]})
+        details["drift"] = {**drift, "kl_text": args.kl_text or "bundled:wikitext_heldout.txt",
+                            "n_texts": len(inp.kl_texts)}
+        timings["drift_s"] = round(time.perf_counter() - t0, 2)
+    return capabilities, details
+
+
+def _eval_config(args, inp: _EvalInputs) -> dict:
+    """The ``config`` section of the result: every setting the evaluation ran with."""
+    wild_cfg, judge, tasks, bench = inp.wild_cfg, inp.judge, inp.tasks, inp.bench
+    return {
+        "model": str(args.model), "base": args.base, "edits": args.edits, "n_edits": inp.n_edits, "offset": args.offset,
+        "protocol": args.protocol, "context": wild_cfg.context if wild_cfg else None,
+        "context_template": wild_cfg.template if wild_cfg else None,
+        "judge": judge.config() if judge is not None else None,
+        "wild": ({"max_new_tokens": wild_cfg.max_new_tokens, "stop": list(wild_cfg.stop) + ["<eos>"]}
+                 if wild_cfg else None),
+        "capabilities": tasks, "limit": inp.limit, "bench_dir": str(bench) if bench else ("hub" if tasks else None),
+        "num_fewshot": inp.fewshot, "chat_template": args.chat_template,
+        "fewshot_multiturn": bool(args.fewshot_multiturn and args.chat_template), "max_gen_toks": args.max_gen_toks,
+        "batch_size": args.batch_size, "dtype": args.dtype, "device": args.device,
+        "kl_text": (args.kl_text or "bundled:wikitext_heldout.txt") if args.base else None,
+    }
+
+
+def run_eval(args) -> dict:
+    """Validate every input, then evaluate; returns the result dict (the caller writes it)."""
+    inp = _checked_inputs(args)
     from ..models import load_model
 
     progress = False if args.quiet else None
@@ -122,58 +207,12 @@ def run_eval(args) -> dict:
         base = load_model(args.base, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                           progress=progress)
     timings["load_s"] = round(time.perf_counter() - t0, 2)
-
     edit: dict = {}
     generations = per_edit = None
-    if requests is not None:
-        t0 = time.perf_counter()
-        if args.protocol == "wild":
-            res = run_wild(model, tok, requests, judge, config=wild_cfg, base=base, progress=progress)
-            edit = {k: res["summary"][k] for k in ("rel", "gen", "loc_vs_answer", "loc_vs_base", "n_edits")}
-            generations = res["records"]
-            timings.update({f"wild_{k}": v for k, v in res["timings"].items()})
-        else:
-            per_edit = edit_scores(model, tok, requests, batch_size=args.batch_size, specificity=True)
-            s = summarize_edit_scores(per_edit)
-            edit = {"rel_token_acc": s["rel_token_acc"], "rel_exact": s["rel"],
-                    "gen_token_acc": s["gen_token_acc"], "gen_exact": s["gen"],
-                    "spec_token_acc": s.get("spec_token_acc"), "spec_exact": s.get("spec"),
-                    "spec_cf": s.get("spec_cf"), "n_edits": len(requests)}
-        timings["edit_eval_s"] = round(time.perf_counter() - t0, 2)
-
-    capabilities: dict = {}
-    details: dict = {}
-    if tasks:
-        t0 = time.perf_counter()
-        details = run_capabilities(model, tok, tasks, limit=limit, bench_dir=bench, num_fewshot=fewshot,
-                                   apply_chat_template=args.chat_template, fewshot_as_multiturn=args.fewshot_multiturn,
-                                   batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
-                                   progress=progress)
-        capabilities.update({t: d["score"] for t, d in details.items()})
-        timings["capabilities_s"] = round(time.perf_counter() - t0, 2)
-        timings.update({f"{t}_s": d["seconds"] for t, d in details.items()})
-    if base is not None:
-        t0 = time.perf_counter()
-        drift = capability_drift(model, tok, base[0], kl_texts, progress=progress)
-        capabilities.update({"kl_drift": drift["kl_drift"], "ppl": drift["ppl"], "ppl_base": drift["ppl_base"]})
-        details["drift"] = {**drift, "kl_text": args.kl_text or "bundled:wikitext_heldout.txt",
-                            "n_texts": len(kl_texts)}
-        timings["drift_s"] = round(time.perf_counter() - t0, 2)
-
-    config = {
-        "model": str(args.model), "base": args.base, "edits": args.edits, "n_edits": n_edits, "offset": args.offset,
-        "protocol": args.protocol, "context": wild_cfg.context if wild_cfg else None,
-        "context_template": wild_cfg.template if wild_cfg else None,
-        "judge": judge.config() if judge is not None else None,
-        "wild": ({"max_new_tokens": wild_cfg.max_new_tokens, "stop": list(wild_cfg.stop) + ["<eos>"]}
-                 if wild_cfg else None),
-        "capabilities": tasks, "limit": limit, "bench_dir": str(bench) if bench else ("hub" if tasks else None),
-        "num_fewshot": fewshot, "chat_template": args.chat_template,
-        "fewshot_multiturn": bool(args.fewshot_multiturn and args.chat_template), "max_gen_toks": args.max_gen_toks,
-        "batch_size": args.batch_size, "dtype": args.dtype, "device": args.device,
-        "kl_text": (args.kl_text or "bundled:wikitext_heldout.txt") if args.base else None,
-    }
-    out = {"edit": edit, "capabilities": capabilities, "capability_details": details, "config": config,
+    if inp.requests is not None:
+        edit, generations, per_edit = _edit_metrics(args, inp, model, tok, base, timings, progress)
+    capabilities, details = _capability_metrics(args, inp, model, tok, base, timings, progress)
+    out = {"edit": edit, "capabilities": capabilities, "capability_details": details, "config": _eval_config(args, inp),
            "versions": _versions(), "timings": timings}
     if generations is not None:
         out["generations"] = generations
@@ -216,6 +255,8 @@ def cmd_report(args) -> int:
 
 def add_cli(subparsers) -> None:
     """Register ``crispedit eval`` and ``crispedit report`` on ``subparsers``."""
+    from ..evaluation.wild import EVAL_WRAPPERS, HELD_OUT_WRAPPER  # torch-free: the --context choices
+
     p = subparsers.add_parser("eval", help="evaluate a model: WILD / teacher-forced edit metrics, lm-eval "
                               "capabilities, KL drift vs a base model")
     p.add_argument("--model", default="smollm2", help="model to evaluate: smollm2 (default), a .gguf file, an HF "
@@ -227,7 +268,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--n-edits", type=int, default=None, help="use only the first N edits")
     p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
     p.add_argument("--protocol", choices=PROTOCOLS, default="wild")
-    p.add_argument("--context", choices=("qa", "none", "chat"), default="qa", help="WILD prompt context (default qa)")
+    p.add_argument("--context", choices=tuple(EVAL_WRAPPERS), default=HELD_OUT_WRAPPER,
+                   help=f"WILD evaluation wrapper the questions are asked in (default {HELD_OUT_WRAPPER})")
     p.add_argument("--context-template", default=None, metavar="TEXT",
                    help="WILD with your own wrapper instead of --context, e.g. 'You are our support bot. "
                    "Customer: {question}\nBot:' ({question} exactly once; literal braces as {{ }})")

@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 from typing import Sequence
 
 from ..editing.config import PRECISIONS, EditConfig, ProjectionTarget
-from ..editing.contexts import ANSWER_ENDS, DEFAULT_CONTEXTS
+from ..editing.contexts import ANSWER_ENDS, DEFAULT_CONTEXTS, TRAINING_CONTEXTS
 from ..editing.registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
 from ..errors import CrispEditError, check_input_file
 
@@ -68,7 +68,7 @@ def add_method_option_args(p: argparse.ArgumentParser) -> None:
 
 def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> None:
     """``--method`` (choices: the catalogue), ``--gamma --epochs --lr --batch-size``, projection target,
-    edit contexts, answer end and the per-method option flags."""
+    training contexts, answer end and the per-method option flags."""
     d = DEFAULTS
     if method:
         p.add_argument("--method", default=d["method"], choices=method_names(),
@@ -91,7 +91,8 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> Non
     p.add_argument("--projection", choices=[t.value for t in ProjectionTarget], default=d["projection_target"],
                    help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")
     p.add_argument("--contexts", default=d["contexts"],
-                   help="edit contexts each request is trained in: comma list of bare, chat, prefix:N, para:N, gen:N, wrap:N, lead:N "
+                   help="training contexts each request is trained in: comma list of "
+                   + ", ".join(name + (":N" if c.counted else "") for name, c in TRAINING_CONTEXTS.items()) + " "
                    f"(default: 'default' = {DEFAULT_CONTEXTS}; chat only for models with a chat template)")
     p.add_argument("--drift-penalty", type=float, default=d["drift_penalty"], metavar="BETA",
                    help="train edit loss + BETA x the K-FAC predicted KL drift (nats/token) of the change, so the "

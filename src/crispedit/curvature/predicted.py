@@ -9,8 +9,8 @@ KL(base ‖ edited) of a change ``ΔW`` (``d_out x d_in``) of a linear layer is 
 
 per edited layer. K-FAC is block-diagonal: it drops the cross-layer terms ``vec(ΔW_l)ᵀ F_lm vec(ΔW_m)``. An
 edit changes its layers *coherently* (every layer pushes the same residual stream towards the same
-target), so those terms are not small: the block-diagonal sum ``Σ_l q_l`` underestimated the measured
-drift several-fold for crispedit on SmolLM2's five ``down_proj`` layers (docs/drift.md, "Predicted drift").
+target), so those terms are not small: the block-diagonal sum ``Σ_l q_l`` underestimates the measured
+drift of an edit over several layers (the figures: docs/drift.md, "Predicted drift").
 By Cauchy–Schwarz in the Fisher inner
 product, ``vec(ΔW)ᵀ F vec(ΔW) ≤ (Σ_l sqrt(vec(ΔW_l)ᵀ F_ll vec(ΔW_l)))²``, so the *coherent* bound
 
@@ -239,9 +239,9 @@ def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, shar
     """The edit layers whose own predicted drift ``q_l`` (nats/token, :func:`predicted_kl`'s ``layers``)
     dominates: ``q_l`` above ``factor`` × the median of the other layers and at least ``share`` of ``Σ q``.
     Each as ``{"layer", "predicted", "share", "vs_median"}``, largest first; ``[]`` with fewer than two layers.
-    On SmolLM2, block 11's ``down_proj`` in ``{2-11}`` predicted nearly all of the drift and the edit drifted
-    far more than ``{4-8}``; on Gemma-3-270M block 5 predicted most of it in ``{2-5}`` (docs/where-to-edit.md,
-    round 6 and Gemma-3-270M). An edit window without such a layer is worth trying. Edit reports, compare rows and session rounds record them."""
+    A window holding such a layer drifted far more than one without it (the cases measured on SmolLM2 and
+    Gemma-3-270M: docs/where-to-edit.md, round 6 and Gemma-3-270M), so an edit window without it is worth
+    trying. Edit reports, compare rows and session rounds record them."""
     vals = {k: float(v) for k, v in layers.items()}
     total = sum(vals.values())
     if len(vals) < 2 or not total > 0:
@@ -274,9 +274,9 @@ def mixing_layers(names) -> list[str]:
     across positions: query, key and value projections (:data:`MIXING_NAMES`), in the given order.
 
     K-FAC treats every position as an independent row of the layer, so on these matrices the predicted drift
-    misses what a change does to *other* positions: on SmolLM2, crispedit on ``v_proj`` of blocks 4–8
-    (32 ZsRE edits) drifted several times its prediction, while ``o_proj`` and ``down_proj``, which act after
-    the mixing, are predicted well (docs/where-to-edit.md, round 9). The prediction, ``--max-drift`` and ``--drift-penalty`` are not to be trusted there."""
+    misses what a change does to *other* positions, while layers that act after the mixing (``o_proj``,
+    ``down_proj``) are predicted well (measured: docs/where-to-edit.md, round 9). The prediction, ``--max-drift``
+    and ``--drift-penalty`` are not to be trusted there."""
     return [n for n in names if str(n).rsplit(".", 1)[-1] in MIXING_NAMES]
 
 

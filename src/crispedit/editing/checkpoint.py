@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # torch is imported by the functions that need it: the header
 
     from ..data.edits import EditRequest
 
-__all__ = ["run_identity", "LoopState", "save_checkpoint", "load_checkpoint", "check_checkpoint_file",
+__all__ = ["run_identity", "LoopState", "LoopCheckpoint", "save_checkpoint", "load_checkpoint", "check_checkpoint_file",
            "CHECKPOINT_KIND"]
 
 CHECKPOINT_KIND = "training checkpoint"
@@ -147,3 +147,32 @@ def restore_budget_counters(budget, counters: dict) -> None:
     if budget is not None:
         for k, v in counters.items():
             setattr(budget, k, type(getattr(budget, k))(v))
+
+
+class LoopCheckpoint:
+    """The projected loop's checkpoint file, or none (``path`` ``None``: every method does nothing). Built before
+    the training starts: the run's :func:`run_identity` is taken from ``config_json``, ``requests``, the starting
+    ``params`` and ``opt``. :meth:`resume` loads a stored state of this run into ``params``, ``opt`` and the drift
+    ``budget``; :meth:`save_if_due` writes one every ``every`` epochs after the start and after the last."""
+
+    def __init__(self, path: str | Path | None, every: int, config_json: dict, requests: Sequence[EditRequest],
+                 params: dict[str, nn.Parameter], opt: torch.optim.Optimizer, budget=None):
+        self.path, self.every, self.params, self.opt, self.budget = path, every, params, opt, budget
+        self.identity = None if path is None else run_identity(config_json, requests, params, opt)
+
+    def resume(self) -> LoopState | None:
+        """The stored state of this run (its tensors and the budget's counters already put back), or ``None``
+        when there is no checkpoint to go on from."""
+        if self.path is None:
+            return None
+        state = load_checkpoint(self.path, self.identity, self.params, self.opt)
+        if state is not None:
+            restore_budget_counters(self.budget, state.budget)
+        return state
+
+    def save_if_due(self, state: LoopState, start: int, final: bool) -> None:
+        """Write ``state`` (its ``budget`` taken from the drift budget now) when ``final`` (converged or the last
+        epoch) or when ``every`` epochs have passed since ``start``, the epoch this call began at."""
+        if self.path is not None and (final or (state.epochs - start) % self.every == 0):
+            state.budget = budget_counters(self.budget)
+            save_checkpoint(self.path, self.identity, state, self.params, self.opt)

@@ -1,9 +1,13 @@
-"""Edit contexts: how one edit request becomes the training sequences of the projected loop.
+"""Training contexts: how one edit request becomes the training sequences of the projected loop.
 
 A user asks for a fact through many wrappers — a bare question, the model's chat template, after
 some unrelated text. Training only ``prompt + " " + target`` teaches the fact in that one format
 (the chat template then rarely gives the new fact: docs/contexts.md). Each request is therefore
-trained under a set of *contexts* (``EditConfig.contexts``, CLI ``--contexts``):
+trained under a set of *training contexts* (``EditConfig.contexts``, CLI ``--contexts``), each a
+:class:`TrainingContext` in the registry :data:`TRAINING_CONTEXTS` (name -> builder; the names ``--contexts``
+accepts come from it). Not to be confused with the *evaluation wrappers* of the WILD protocol
+(:data:`crispedit.evaluation.wild.EVAL_WRAPPERS`), which render a question for free generation and are
+never trained:
 
 * ``bare``     — ``prompt + " " + target`` (the paper's FT-M format);
 * ``chat``     — the model's own chat template: the prompt as the user turn, the target as the
@@ -30,13 +34,14 @@ epoch, another sample every epoch, instead of all of them.
 The WILD evaluation's QA wrapper (``Please answer the question: ...``) is deliberately *not* a
 training context: it measures generalisation to a wrapper the edit never saw.
 
+A new training context is one function registered with :func:`training_context` (docs/contexts.md shows one).
+
 *Answer termination* (``EditConfig.answer_end``): the target is followed by what ends an answer in that
 context, and that end is trained too, so free generation states the new fact and stops. ``auto``
 (default): the chat template's end-of-turn (e.g. ``<|im_end|>``) for ``chat``, a period for ``bare``
 and ``prefix`` (none added when the target already ends in ``.!?``). ``eos``: the tokenizer's EOS
-instead of the period — worse on SmolLM2-Instruct (docs/where-to-edit.md), whose EOS is its end-of-turn token: taught
-after bare questions it strengthens the model's habit of ending the turn at once outside the chat
-template. ``none``: the target alone (the paper's FT-M).
+instead of the period — worse on SmolLM2-Instruct, whose EOS is its end-of-turn token (measured in
+docs/where-to-edit.md). ``none``: the target alone (the paper's FT-M).
 """
 
 from __future__ import annotations
@@ -44,21 +49,19 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..data.corpus import capability_corpus
 from ..data.edits import EditRequest
 from ..data.tokenize import EncodedBatch, collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
 
-__all__ = ["CONTEXT_KINDS", "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence", "pinned_contexts",
+__all__ = ["TRAINING_CONTEXTS", "TrainingContext", "training_context", "SequenceMaker", "CONTEXT_KINDS",
+           "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence", "pinned_contexts",
            "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "GEN_STARTS", "build_training_sequences", "training_batches",
            "epoch_subset",
            "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS"]
 
-CONTEXT_KINDS = ("bare", "chat", "prefix", "para", "gen", "wrap", "lead")
-_PREFIXED = {"prefix": " ", "para": "\n\n", "gen": " "}  # prefix kind -> separator before the prompt
-_COUNTED = (*_PREFIXED, "wrap", "lead")  # kinds that take a count
 # Everyday wrappers a user puts around a question ({question} = the edit prompt). Deliberately free of the
 # WILD QA template's parts ("answer the question", "Q:", "A:") so that template stays unseen in training.
 QUESTION_WRAPPERS = (
@@ -108,14 +111,15 @@ DEFAULT_CONTEXTS = "bare,chat,prefix:2,lead:4"
 
 @dataclass(frozen=True)
 class ContextSpec:
-    """One context kind and how many sequences per request it contributes (``count`` > 1 only for
-    the counted kinds ``prefix``, ``para``, ``gen`` and ``wrap``)."""
+    """One training context (its name in :data:`TRAINING_CONTEXTS`) and how many sequences per request it
+    contributes (``count`` > 1 only for the counted ones: ``prefix``, ``para``, ``gen``, ``wrap``, ``lead``)."""
 
     kind: str
     count: int = 1
 
     def __str__(self) -> str:
-        return self.kind if self.kind not in _COUNTED else f"{self.kind}:{self.count}"
+        ctx = TRAINING_CONTEXTS.get(self.kind)
+        return f"{self.kind}:{self.count}" if ctx is not None and ctx.counted else self.kind
 
 
 def parse_contexts(spec: str) -> tuple[ContextSpec, ...]:
@@ -126,15 +130,16 @@ def parse_contexts(spec: str) -> tuple[ContextSpec, ...]:
     if spec.strip() == "default":
         return parse_contexts(DEFAULT_CONTEXTS)
     out: list[ContextSpec] = []
+    counted = [name for name, ctx in TRAINING_CONTEXTS.items() if ctx.counted]
     for item in spec.split(","):
         kind, _, n = item.strip().partition(":")
-        if kind not in CONTEXT_KINDS:
+        if kind not in TRAINING_CONTEXTS:
             raise CrispEditError(f"unknown edit context {kind!r} in --contexts {spec!r} "
-                                 f"(use {', '.join(CONTEXT_KINDS)}, e.g. 'bare,chat,prefix:2')")
+                                 f"(use {', '.join(TRAINING_CONTEXTS)}, e.g. 'bare,chat,prefix:2')")
         count = 1
         if n:
-            if kind not in _COUNTED:
-                raise CrispEditError(f"--contexts: only {', '.join(_COUNTED)} take a count, got {item.strip()!r}")
+            if kind not in counted:
+                raise CrispEditError(f"--contexts: only {', '.join(counted)} take a count, got {item.strip()!r}")
             try:
                 count = int(n)
             except ValueError:
@@ -153,14 +158,16 @@ def _has_chat_template(tokenizer) -> bool:
 
 def resolve_contexts(spec: str, tokenizer, default: str = DEFAULT_CONTEXTS) -> tuple[ContextSpec, ...]:
     """The contexts actually trained for ``tokenizer``: ``default`` (expanded to ``default``, normally
-    :data:`DEFAULT_CONTEXTS`) drops ``chat`` when the model has no chat template; an explicit ``chat``
-    without a template is an error."""
+    :data:`DEFAULT_CONTEXTS`) drops the contexts that need a chat template (``chat``) when the model has none;
+    an explicit ``chat`` without a template is an error."""
     is_default = spec.strip() == "default"
     contexts = parse_contexts(default if is_default else spec)
-    if not _has_chat_template(tokenizer) and any(c.kind == "chat" for c in contexts):
+    templated = [c.kind for c in contexts if TRAINING_CONTEXTS[c.kind].chat_template]
+    if not _has_chat_template(tokenizer) and templated:
         if not is_default:
-            raise CrispEditError("edit context 'chat' needs a tokenizer with a chat template (this model has none)")
-        contexts = tuple(c for c in contexts if c.kind != "chat")
+            raise CrispEditError(f"edit context {templated[0]!r} needs a tokenizer with a chat template "
+                                 "(this model has none)")
+        contexts = tuple(c for c in contexts if c.kind not in templated)
     return contexts
 
 
@@ -250,58 +257,145 @@ def _chat_rows(tokenizer, prompt: str, target: str, end: bool) -> tuple[list[int
     return ids, n, full
 
 
-def build_training_sequences(tokenizer, requests: Sequence[EditRequest], contexts: Sequence[ContextSpec],
-                             answer_end: str = "auto", *, prefixes: Sequence[str] = (), written: Sequence[str] = (),
-                             seed: int = 0, max_len: int = 512) -> list[TrainingSequence]:
-    """Every (request, context) training sequence, grouped by context kind (similar lengths batch
-    together), in request order within a kind. ``prefixes``: corpus sentences for ``prefix``/``para``;
-    ``written``: the model's own prefixes for ``gen`` (:func:`generated_prefixes`)."""
-    if answer_end not in ANSWER_ENDS:
-        raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {answer_end!r}")
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if answer_end == "eos" and eos is None:
-        raise CrispEditError("--answer-end eos needs a tokenizer with an EOS token (use auto or none)")
-    end_ids = [eos] if answer_end == "eos" else []
+class SequenceMaker:
+    """What every training context's builder shares: the tokenizer, the answer end (``auto`` | ``eos`` |
+    ``none``, checked here), the seed of the per-request draws and the two prefix pools (``prefixes``: corpus
+    sentences, ``written``: the model's own). :meth:`plain` writes one sequence."""
 
-    def plain(i: int, kind: str, ctx: str, target: str, sep: str = " ") -> TrainingSequence:
+    def __init__(self, tokenizer, answer_end: str = "auto", *, prefixes: Sequence[str] = (),
+                 written: Sequence[str] = (), seed: int = 0):
+        if answer_end not in ANSWER_ENDS:
+            raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {answer_end!r}")
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if answer_end == "eos" and eos is None:
+            raise CrispEditError("--answer-end eos needs a tokenizer with an EOS token (use auto or none)")
+        self.tokenizer, self.answer_end, self.seed = tokenizer, answer_end, seed
+        self.end_ids = [eos] if answer_end == "eos" else []
+        self.pools = {"prefixes": prefixes, "written": written}
+
+    def plain(self, i: int, kind: str, ctx: str, target: str, sep: str = " ") -> TrainingSequence:
         """The ``kind`` sequence of request ``i``: ``ctx + sep + target`` (under ``auto`` a target without a final
         ``.``/``!``/``?`` gets a full stop), then EOS under ``eos``; the context tokens carry no loss."""
         t = target
-        if answer_end == "auto" and t.rstrip()[-1:] not in (".", "!", "?"):
+        if self.answer_end == "auto" and t.rstrip()[-1:] not in (".", "!", "?"):
             t = t.rstrip() + "."
         full = join_prompt_target(ctx, t) if sep == " " else ctx + sep + t
-        ids, n = split_context_target(tokenizer, ctx, full, extra_target_ids=end_ids)
-        return TrainingSequence(kind, i, ids, n, full + (tokenizer.eos_token if end_ids else ""))
+        ids, n = split_context_target(self.tokenizer, ctx, full, extra_target_ids=self.end_ids)
+        return TrainingSequence(kind, i, ids, n, full + (self.tokenizer.eos_token if self.end_ids else ""))
 
+
+Builder = Callable[[SequenceMaker, int, EditRequest, int], "list[TrainingSequence]"]
+
+
+@dataclass(frozen=True)
+class TrainingContext:
+    """One training context: ``build(maker, i, request, count)`` returns the training sequences of request ``i``
+    in it (``count`` of them for a ``counted`` context, ``--contexts name:N``); ``pool`` names the prefixes it
+    draws from (``"prefixes"``: corpus sentences, ``"written"``: the model's own; ``None``: none);
+    ``chat_template``: it needs the tokenizer's chat template."""
+
+    name: str
+    build: Builder
+    counted: bool = False
+    pool: str | None = None
+    chat_template: bool = False
+
+    def check(self, maker: SequenceMaker) -> None:
+        """One-line error when ``maker`` lacks what this context needs (its prefix pool, a chat template)."""
+        if self.pool is not None and not maker.pools[self.pool]:
+            raise CrispEditError(f"edit context {self.name!r} needs prefix sentences; "
+                                 + ("none were written" if self.pool == "written" else "the capability corpus gave none"))
+        if self.chat_template and not _has_chat_template(maker.tokenizer):
+            raise CrispEditError(f"edit context {self.name!r} needs a tokenizer with a chat template")
+
+
+# name -> training context, in the order --contexts lists them; the CLI's names and their errors come from here
+TRAINING_CONTEXTS: dict[str, TrainingContext] = {}
+
+
+def training_context(name: str, *, counted: bool = False, pool: str | None = None, chat_template: bool = False):
+    """Decorator registering a builder ``(maker, i, request, count) -> [TrainingSequence]`` as the training
+    context ``name`` in :data:`TRAINING_CONTEXTS` (see :class:`TrainingContext` for the flags)."""
+    if not name.isidentifier() or name == "default" or name in TRAINING_CONTEXTS:
+        raise ValueError(f"training context name {name!r} is taken or not a plain word")
+    if pool not in (None, "prefixes", "written"):
+        raise ValueError(f"training context pool must be None, 'prefixes' or 'written', got {pool!r}")
+
+    def register(build: Builder) -> Builder:
+        """Record ``build`` under ``name``; returns it unchanged."""
+        TRAINING_CONTEXTS[name] = TrainingContext(name, build, counted, pool, chat_template)
+        return build
+    return register
+
+
+@training_context("bare")
+def _bare(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
+    """``prompt + " " + target`` (the paper's FT-M format)."""
+    return [m.plain(i, "bare", r.prompt, r.target)]
+
+
+@training_context("chat", chat_template=True)
+def _chat(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
+    """The chat template: the prompt as the user turn, the target as the reply (its turn end unless ``none``)."""
+    ids, n, text = _chat_rows(m.tokenizer, r.prompt, r.target, end=m.answer_end != "none")
+    return [TrainingSequence("chat", i, ids, n, text)]
+
+
+def _prefixed(kind: str, sep: str, pool: str, salted: bool) -> Builder:
+    """A builder of ``count`` prefixes drawn per request from ``pool``, then ``sep`` and the prompt; ``salted``: the
+    draw's seed names ``kind`` (so ``para`` draws differently from ``prefix``)."""
+    def build(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
+        """``count`` sequences of request ``i``: a drawn prefix, the separator, the prompt, the target."""
+        draws = m.pools[pool]
+        rng = random.Random(f"{m.seed}:{kind}:{r.prompt}:{r.target}" if salted else f"{m.seed}:{r.prompt}:{r.target}")
+        return [m.plain(i, kind, p + sep + r.prompt, r.target) for p in rng.sample(list(draws), min(count, len(draws)))]
+    return build
+
+
+training_context("prefix", counted=True, pool="prefixes")(_prefixed("prefix", " ", "prefixes", salted=False))
+training_context("para", counted=True, pool="prefixes")(_prefixed("para", "\n\n", "prefixes", salted=True))
+training_context("gen", counted=True, pool="written")(_prefixed("gen", " ", "written", salted=True))
+
+
+@training_context("wrap", counted=True)
+def _wrap(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
+    """``count`` of :data:`QUESTION_WRAPPERS` around the prompt, drawn per request."""
+    rng = random.Random(f"{m.seed}:wrap:{r.prompt}:{r.target}")
+    return [m.plain(i, "wrap", w.replace("{question}", r.prompt), r.target)
+            for w in rng.sample(QUESTION_WRAPPERS, min(count, len(QUESTION_WRAPPERS)))]
+
+
+@training_context("lead", counted=True)
+def _lead(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
+    """``count`` of :data:`ANSWER_LEADS` between the prompt and the target, drawn per request; the target follows
+    the lead-in with no space added."""
+    rng = random.Random(f"{m.seed}:lead:{r.prompt}:{r.target}")
+    out = []
+    for w in rng.sample(ANSWER_LEADS, min(count, len(ANSWER_LEADS))):
+        ctx = w.replace("{question}", r.prompt)
+        stripped = ctx.rstrip(" ")
+        out.append(m.plain(i, "lead", stripped, r.target, sep=ctx[len(stripped):]))
+    return out
+
+
+CONTEXT_KINDS = tuple(TRAINING_CONTEXTS)  # the built-in training contexts' names (the registry may gain more)
+
+
+def build_training_sequences(tokenizer, requests: Sequence[EditRequest], contexts: Sequence[ContextSpec],
+                             answer_end: str = "auto", *, prefixes: Sequence[str] = (), written: Sequence[str] = (),
+                             seed: int = 0, max_len: int = 512) -> list[TrainingSequence]:
+    """Every (request, context) training sequence, grouped by context (similar lengths batch together), in
+    request order within a context, each built by its :data:`TRAINING_CONTEXTS` entry. ``prefixes``: corpus
+    sentences for ``prefix``/``para``; ``written``: the model's own prefixes for ``gen`` (:func:`generated_prefixes`)."""
+    maker = SequenceMaker(tokenizer, answer_end, prefixes=prefixes, written=written, seed=seed)
     out: list[TrainingSequence] = []
     for spec in contexts:
-        pool = written if spec.kind == "gen" else prefixes
-        if spec.kind in _PREFIXED and not pool:
-            raise CrispEditError(f"edit context {spec.kind!r} needs prefix sentences; "
-                                 + ("none were written" if spec.kind == "gen" else "the capability corpus gave none"))
-        if spec.kind == "chat" and not _has_chat_template(tokenizer):
-            raise CrispEditError("edit context 'chat' needs a tokenizer with a chat template")
+        ctx = TRAINING_CONTEXTS.get(spec.kind)
+        if ctx is None:
+            raise CrispEditError(f"unknown edit context {spec.kind!r} (use {', '.join(TRAINING_CONTEXTS)})")
+        ctx.check(maker)
         for i, r in enumerate(requests):
-            if spec.kind == "bare":
-                out.append(plain(i, "bare", r.prompt, r.target))
-            elif spec.kind == "chat":
-                ids, n, text = _chat_rows(tokenizer, r.prompt, r.target, end=answer_end != "none")
-                out.append(TrainingSequence("chat", i, ids, n, text))
-            elif spec.kind == "wrap":  # wrappers drawn per request, seeded like the prefixes
-                rng = random.Random(f"{seed}:wrap:{r.prompt}:{r.target}")
-                for w in rng.sample(QUESTION_WRAPPERS, min(spec.count, len(QUESTION_WRAPPERS))):
-                    out.append(plain(i, "wrap", w.replace("{question}", r.prompt), r.target))
-            elif spec.kind == "lead":  # lead-ins drawn per request; the target follows with no space added
-                rng = random.Random(f"{seed}:lead:{r.prompt}:{r.target}")
-                for w in rng.sample(ANSWER_LEADS, min(spec.count, len(ANSWER_LEADS))):
-                    ctx = w.replace("{question}", r.prompt)
-                    stripped = ctx.rstrip(" ")
-                    out.append(plain(i, "lead", stripped, r.target, sep=ctx[len(stripped):]))
-            else:  # prefix / para / gen: prefixes drawn per request (para's draws differ from prefix's)
-                rng = random.Random(f"{seed}:{r.prompt}:{r.target}" if spec.kind == "prefix"
-                                    else f"{seed}:{spec.kind}:{r.prompt}:{r.target}")
-                for p in rng.sample(list(pool), min(spec.count, len(pool))):
-                    out.append(plain(i, spec.kind, p + _PREFIXED[spec.kind] + r.prompt, r.target))
+            out += ctx.build(maker, i, r, spec.count)
     for s in out:
         if len(s.ids) > max_len:
             raise CrispEditError(f"training sequence for edit {s.request} in context {s.context!r} is {len(s.ids)} "
@@ -358,12 +452,12 @@ def sequences_for(tokenizer, requests: Sequence[EditRequest], config, model=None
     from ``config.cap_corpus``, drawn with ``config.seed``; ``gen`` prefixes written by ``model``, which
     that context needs) and the names of the contexts used."""
     contexts = resolve_contexts(config.contexts, tokenizer)
-    kinds = {c.kind for c in contexts}
-    prefixes = prefix_pool(capability_corpus(config.cap_corpus, None)) if kinds & {"prefix", "para"} else []
+    pools = {TRAINING_CONTEXTS[c.kind].pool: c.kind for c in reversed(contexts)}  # pool -> first context using it
+    prefixes = prefix_pool(capability_corpus(config.cap_corpus, None)) if "prefixes" in pools else []
     written: list[str] = []
-    if "gen" in kinds:
+    if "written" in pools:
         if model is None:
-            raise CrispEditError("edit context 'gen' needs the model to write its prefixes")
+            raise CrispEditError(f"edit context {pools['written']!r} needs the model to write its prefixes")
         written = generated_prefixes(model, tokenizer, seed=config.seed)
     seqs = build_training_sequences(tokenizer, requests, contexts, config.answer_end, prefixes=prefixes,
                                     written=written, seed=config.seed)

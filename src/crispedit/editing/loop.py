@@ -39,8 +39,7 @@ from ..data.tokenize import EncodedBatch
 from ..errors import CrispEditError
 from ..models import as_weight_matrix
 from ..curvature.projection import LayerProjector
-from .checkpoint import (LoopState, budget_counters, load_checkpoint, restore_budget_counters, run_identity,
-                         save_checkpoint)
+from .checkpoint import LoopCheckpoint, LoopState
 from .config import EditConfig, ProjectionTarget
 from .contexts import epoch_subset, sequences_for, training_batches
 from .fastpath import make_loss_fn, plain_loss as edit_loss
@@ -255,24 +254,91 @@ def _sum_grads(params) -> None:
         all_reduce_sum_(p.grad)
 
 
-def projected_finetune(
-    model: nn.Module,
-    tokenizer,
-    requests: Sequence[EditRequest],
-    layers: dict[str, nn.Module],
-    params: dict[str, nn.Parameter],
-    projectors: dict[str, LayerProjector],
-    config: EditConfig,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-    progress: bool | None = None,
-    fast: bool = True,
-    drift_budget=None,
-    timer: StepTimer | None = None,
-    sync_free: bool | None = None,
-    checkpoint: str | Path | None = None,
-    checkpoint_every: int = 1,
-) -> TrainHistory:
+class _Counters:
+    """Where the loop stands across epochs (and across a resume): the batch-order ``generator``, the batches
+    run so far (``n_batches``) and skipped (``skipped``, a 0-d int32 on the device, read once per epoch), the
+    epoch this call starts at, the seconds of earlier calls, whether it converged and the losses so far."""
+
+    def __init__(self, seed: int, device, resumed: LoopState | None):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.skipped = torch.zeros((), dtype=torch.int32, device=device)
+        self.n_batches, self.start, self.spent, self.converged, self.epoch_loss = 0, 0, 0.0, False, []
+        if resumed is not None:  # go on after its last epoch
+            self.generator.set_state(resumed.generator)
+            self.skipped += resumed.skipped
+            self.n_batches, self.start, self.spent = resumed.n_batches, resumed.epochs, resumed.seconds
+            self.converged, self.epoch_loss = resumed.converged, resumed.epoch_loss
+
+    def history(self, plan: _EpochPlan) -> TrainHistory:
+        """The :class:`TrainHistory` this call starts from: the plan's contexts and sizes, a resumed run's figures."""
+        hist = TrainHistory(contexts=plan.contexts, fast_loss=plan.loss_fn.fast, epoch_loss=list(self.epoch_loss),
+                            converged=self.converged, steps=self.n_batches - int(self.skipped),
+                            skipped=int(self.skipped))
+        hist.sequences, hist.tokens = plan.per_epoch()
+        if self.start:
+            hist.extra.update(resumed_at_epoch=self.start, resumed_seconds=round(self.spent, 3))
+        return hist
+
+    def end_epoch(self, hist: TrainHistory, losses: list[Tensor], config: EditConfig) -> float:
+        """Once per epoch, the one read back to the host: the epoch's mean loss (nats/target token; appended to
+        ``hist``, which also gets the step counts and ``converged``: below ``config.stop_loss``). One-line error on a
+        non-finite loss."""
+        mean, n_skipped = torch.stack([torch.stack([v.double() for v in losses]).mean(), self.skipped.double()]).tolist()
+        hist.skipped, hist.steps = int(n_skipped), self.n_batches - int(n_skipped)
+        hist.epoch_loss.append(mean)
+        if not math.isfinite(mean):
+            raise CrispEditError(f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} (lr {config.lr:g}); "
+                                 "lower --lr or check the model and the inputs — nothing was saved")
+        hist.converged = mean < config.stop_loss
+        return mean
+
+    def state(self, epochs: int, hist: TrainHistory, seconds: float) -> LoopState:
+        """The checkpointable state after ``epochs`` epochs (``seconds`` in all, earlier calls included)."""
+        return LoopState(epochs, hist.epoch_loss, self.n_batches, hist.skipped, hist.converged,
+                         self.generator.get_state(), {}, seconds)
+
+
+class _Step:
+    """One batch of the loop: its loss, the skip rule (a batch whose loss is below ``config.skip_loss`` takes no
+    step; ``sync_free``: decided on the device, gating Adam, else read on the host and the backward not run), the
+    backward, the gradients summed over the processes (sharded plans) and the projected update (:func:`_update`)."""
+
+    def __init__(self, params, layers, projectors, opt, config: EditConfig, drift_budget, timer, sync_free: bool):
+        self.params, self.layers, self.projectors, self.opt = params, layers, projectors, opt
+        self.target, self.skip_loss = ProjectionTarget(config.projection_target), config.skip_loss
+        self.drift_budget, self.timer, self.sync_free = drift_budget, timer, sync_free
+
+    def __call__(self, plan: _EpochPlan, item, counters: _Counters) -> Tensor:
+        """Run ``item`` of ``plan`` (counted in ``counters``); returns its batch mean loss, a 0-d tensor on the device."""
+        timer = self.timer
+        timer.start_step()
+        loss, value = plan.loss(item, timer)
+        with timer.phase("bookkeeping"):  # the skip rule: a batch below skip_loss takes no step
+            active = ~(value < self.skip_loss)
+            counters.skipped = counters.skipped + (~active).to(torch.int32)
+            if not self.sync_free and not bool(active):  # read on the host: no backward for a skipped batch
+                counters.n_batches += 1
+                timer.end_step(skipped=True)
+                return value
+        with timer.phase("zero_grad"):
+            self.opt.zero_grad(set_to_none=True)
+        with timer.phase("backward"):
+            if loss is not None:
+                loss.backward()
+        if plan.shards is not None:
+            with timer.phase("allreduce"):
+                _sum_grads(self.params)
+        _update(self.params, self.layers, self.projectors, self.target, self.opt, active, self.drift_budget, timer)
+        counters.n_batches += 1
+        timer.end_step()
+        return value
+
+
+def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
+                       params: dict[str, nn.Parameter], projectors: dict[str, LayerProjector], config: EditConfig, *,
+                       optimizer: torch.optim.Optimizer | None = None, progress: bool | None = None, fast: bool = True,
+                       drift_budget=None, timer: StepTimer | None = None, sync_free: bool | None = None,
+                       checkpoint: str | Path | None = None, checkpoint_every: int = 1) -> TrainHistory:
     """Edit ``model`` in place with ``requests``; only ``params`` train (any parameters: layer weights,
     adapter matrices; ``layers[name]`` is the module owning ``params[name]``, for its storage orientation)
     and everything else is frozen for the duration. ``projectors[name]`` constrains ``params[name]``;
@@ -290,69 +356,22 @@ def projected_finetune(
     timer = NULL_TIMER if timer is None else timer
     projectors = {n: pr.to(device) for n, pr in projectors.items()}  # built on CPU; applied where W lives
     opt = optimizer or make_optimizer(params, projectors, layers, config)
-    gen = torch.Generator().manual_seed(config.seed)
     t0 = time.perf_counter()
-    skipped = torch.zeros((), dtype=torch.int32, device=device)  # batches skipped so far, counted on the device
-    n_batches, start, spent, converged, losses0 = 0, 0, 0.0, False, []
-    if checkpoint is not None:
-        identity = run_identity(config.to_json(), requests, params, opt)
-        state = load_checkpoint(checkpoint, identity, params, opt)
-        if state is not None:  # go on after its last epoch
-            gen.set_state(state.generator)
-            skipped += state.skipped
-            n_batches, start, spent, converged, losses0 = (state.n_batches, state.epochs, state.seconds,
-                                                           state.converged, state.epoch_loss)
-            restore_budget_counters(drift_budget, state.budget)
-    bar = tqdm(range(start, config.epochs if not converged else start), desc=f"edit[{config.method}]", unit="epoch",
-               initial=start, total=config.epochs, disable=(None if progress is None else not progress))
+    ckpt = LoopCheckpoint(checkpoint, checkpoint_every, config.to_json(), requests, params, opt, drift_budget)
+    run = _Counters(config.seed, device, ckpt.resume())
+    bar = tqdm(range(run.start, config.epochs if not run.converged else run.start), desc=f"edit[{config.method}]",
+               unit="epoch", initial=run.start, total=config.epochs, disable=(None if progress is None else not progress))
     with _training(model, params, opt, bar):
         plan = _EpochPlan(model, tokenizer, requests, params, config, fast, device)
-        hist = TrainHistory(contexts=plan.contexts, fast_loss=plan.loss_fn.fast, epoch_loss=list(losses0),
-                            converged=converged, steps=n_batches - int(skipped), skipped=int(skipped))
-        hist.sequences, hist.tokens = plan.per_epoch()
-        if start:
-            hist.extra.update(resumed_at_epoch=start, resumed_seconds=round(spent, 3))
+        hist = run.history(plan)
+        step = _Step(params, layers, projectors, opt, config, drift_budget, timer, sync_free)
         model.train()
         for epoch in bar:
-            losses = []
-            for item in plan.epoch(epoch, gen):
-                timer.start_step()
-                loss, value = plan.loss(item, timer)
-                with timer.phase("bookkeeping"):  # the skip rule: a batch below skip_loss takes no step
-                    losses.append(value)
-                    active = ~(value < config.skip_loss)
-                    skipped = skipped + (~active).to(torch.int32)
-                    if not sync_free and not bool(active):  # read on the host: no backward for a skipped batch
-                        n_batches += 1
-                        timer.end_step(skipped=True)
-                        continue
-                with timer.phase("zero_grad"):
-                    opt.zero_grad(set_to_none=True)
-                with timer.phase("backward"):
-                    if loss is not None:
-                        loss.backward()
-                if plan.shards is not None:
-                    with timer.phase("allreduce"):
-                        _sum_grads(params)
-                _update(params, layers, projectors, ProjectionTarget(config.projection_target), opt, active,
-                        drift_budget, timer)
-                n_batches += 1
-                timer.end_step()
-            # once per epoch: the mean loss (the stop rule) and the skipped count come back to the host
-            mean, n_skipped = torch.stack([torch.stack([v.double() for v in losses]).mean(), skipped.double()]).tolist()
-            hist.skipped, hist.steps = int(n_skipped), n_batches - int(n_skipped)
-            hist.epoch_loss.append(mean)
-            bar.set_postfix(loss=f"{mean:.4f}")
-            if not math.isfinite(mean):
-                raise CrispEditError(f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} (lr {config.lr:g}); "
-                                     "lower --lr or check the model and the inputs — nothing was saved")
-            hist.converged = mean < config.stop_loss
-            if checkpoint is not None and (hist.converged or epoch + 1 == config.epochs
-                                           or (epoch + 1 - start) % checkpoint_every == 0):
-                state = LoopState(epoch + 1, hist.epoch_loss, n_batches, hist.skipped, hist.converged, gen.get_state(),
-                                  budget_counters(drift_budget), spent + time.perf_counter() - t0)
-                save_checkpoint(checkpoint, identity, state, params, opt)
+            losses = [step(plan, item, run) for item in plan.epoch(epoch, run.generator)]
+            bar.set_postfix(loss=f"{run.end_epoch(hist, losses, config):.4f}")
+            ckpt.save_if_due(run.state(epoch + 1, hist, run.spent + time.perf_counter() - t0), run.start,
+                             final=hist.converged or epoch + 1 == config.epochs)
             if hist.converged:
                 break
-    hist.seconds = spent + time.perf_counter() - t0
+    hist.seconds = run.spent + time.perf_counter() - t0
     return hist

@@ -29,7 +29,7 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     Returns ``{"summary": {rel, gen, loc, rel_token_acc, ... (fractions in [0, 1]), "kl_drift" (nats per
     token, KL(base || edited) on ``kl_texts`` held-out paragraphs of at most ``max_len`` tokens), "ppl",
     "ppl_base", "kl_tokens"}, "per_edit": [one dict per request, in order]}`` plus ``"wild"``
-    (:func:`.wild.wild_contexts` for the ``wild`` contexts and the named ``wild_templates``, rule judge
+    (:func:`.wild.wild_wrappers` for the ``wild`` evaluation wrappers and the named ``wild_templates``, rule judge
     unless ``judge``) and
     ``"capabilities"`` (:func:`.capabilities.run_capabilities`, ``limit`` items per task) when asked."""
     per_edit = edit_scores(model, tokenizer, requests)
@@ -41,9 +41,9 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     out: dict = {"summary": summary, "per_edit": per_edit}
     if wild or wild_templates:
         from .judges import RuleJudge
-        from .wild import wild_contexts
+        from .wild import wild_wrappers
 
-        out["wild"] = wild_contexts(model, tokenizer, requests, judge or RuleJudge(), contexts=list(wild),
+        out["wild"] = wild_wrappers(model, tokenizer, requests, judge or RuleJudge(), wrappers=list(wild),
                                     templates=wild_templates, progress=progress)
         out["wild"]["judge"] = "rule" if judge is None else type(judge).__name__
     if capabilities:

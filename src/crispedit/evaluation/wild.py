@@ -1,12 +1,18 @@
 """WILD generation protocol (Yang et al. 2025, as used in the CrispEdit paper's appendix).
 
-For every edit request the model answers, greedily and with at most 40 new tokens cut at ".", "\\n"
-or EOS: the edit prompt (reliability, ``rel``), its rephrases (generalisation, ``gen``) and its
-locality prompts (locality). Each answer is rendered in one of three contexts:
+For every edit request the model answers, greedily and with a bounded number of new tokens
+(``WildConfig.max_new_tokens``) cut at ".", "\\n" or EOS: the edit prompt (reliability, ``rel``), its
+rephrases (generalisation, ``gen``) and its locality prompts (locality). Each question is rendered by one
+*evaluation wrapper*, a renderer in the registry :data:`EVAL_WRAPPERS` (name -> renderer; the CLI's
+``--context`` choices and the WILD keys of reports come from it):
 
 * ``qa``   — ``Please answer the question:\\n\\nQ: {question}\\nA:`` (the paper's "QA context");
 * ``none`` — the bare prompt ("no context");
-* ``chat`` — the model's own chat template with the prompt as the user turn.
+* ``chat`` — the model's own chat template with the prompt as the user turn;
+
+or by a user's own template with ``{question}`` (``custom``, ``--context-template``). Evaluation wrappers are
+not the *training contexts* of :mod:`crispedit.editing.contexts`: no training context uses the ``qa``
+wrapper (:data:`HELD_OUT_WRAPPER`), so it measures generalisation to a wrapper the edit never saw.
 
 A judge (:mod:`.judges`) grades each answer against its gold target. Locality is reported two ways:
 ``loc_vs_answer`` grades the locality answer against the dataset's answer; ``loc_vs_base`` is the
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
@@ -27,10 +33,63 @@ from .judges import normalize_answer
 if TYPE_CHECKING:  # torch only for annotations: WildConfig is checked before a model (or torch) loads
     from torch import nn
 
-__all__ = ["CONTEXTS", "QA_TEMPLATE", "WildConfig", "render_prompt", "run_wild", "wild_contexts", "check_template"]
+__all__ = ["EVAL_WRAPPERS", "EvalWrapper", "eval_wrapper", "HELD_OUT_WRAPPER", "CONTEXTS", "QA_TEMPLATE", "WildConfig",
+           "render_prompt", "run_wild", "wild_wrappers", "wild_contexts", "check_template"]
 
-CONTEXTS = ("qa", "none", "chat")
 QA_TEMPLATE = "Please answer the question:\n\nQ: {question}\nA:"
+
+
+@dataclass(frozen=True)
+class EvalWrapper:
+    """One evaluation wrapper: ``render(tokenizer, question)`` is the text the model answers; ``chat_template``:
+    it renders the tokenizer's chat template (so it is skipped for tokenizers without one, and the rendered text
+    carries its own special tokens: generation adds none)."""
+
+    name: str
+    render: Callable[[object, str], str]
+    chat_template: bool = False
+
+
+# name -> evaluation wrapper, in the order reports list them; --context's choices and the WILD keys come from here
+EVAL_WRAPPERS: dict[str, EvalWrapper] = {}
+
+
+def eval_wrapper(name: str, *, chat_template: bool = False):
+    """Decorator registering a renderer ``(tokenizer, question) -> text`` as the evaluation wrapper ``name`` in
+    :data:`EVAL_WRAPPERS` (``custom`` is reserved for a user's ``--context-template``)."""
+    if not name.isidentifier() or name == "custom" or name in EVAL_WRAPPERS:
+        raise ValueError(f"evaluation wrapper name {name!r} is taken or not a plain word")
+
+    def register(render: Callable[[object, str], str]) -> Callable[[object, str], str]:
+        """Record ``render`` under ``name``; returns it unchanged."""
+        EVAL_WRAPPERS[name] = EvalWrapper(name, render, chat_template)
+        return render
+    return register
+
+
+@eval_wrapper("qa")
+def _qa(tokenizer, question: str) -> str:
+    """:data:`QA_TEMPLATE` around ``question`` (the paper's QA context)."""
+    return QA_TEMPLATE.format(question=question)
+
+
+@eval_wrapper("none")
+def _none(tokenizer, question: str) -> str:
+    """``question`` as it is."""
+    return question
+
+
+@eval_wrapper("chat", chat_template=True)
+def _chat(tokenizer, question: str) -> str:
+    """The tokenizer's chat template as text: ``question`` as the user turn, then the generation prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise CrispEditError("--context chat needs a tokenizer with a chat template (this model has none)")
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+HELD_OUT_WRAPPER = "qa"  # the wrapper no training context uses: compare's edit success, the Pareto front's axis
+CONTEXTS = tuple(EVAL_WRAPPERS)  # the built-in evaluation wrappers' names (their former name; the registry may gain more)
 
 
 def check_template(template: str) -> str:
@@ -52,11 +111,11 @@ def check_template(template: str) -> str:
 
 @dataclass
 class WildConfig:
-    """One WILD run: ``context`` (qa | none | chat | custom), ``template`` for ``custom`` (a string with
-    ``{question}``), at most ``max_new_tokens`` greedy tokens cut at ``stop`` strings or EOS, prompts per
-    generation batch."""
+    """One WILD run: ``context`` — the evaluation wrapper, a name in :data:`EVAL_WRAPPERS` or ``custom`` (the
+    stored key keeps its old name) — ``template`` for ``custom`` (a string with ``{question}``), at most
+    ``max_new_tokens`` greedy tokens cut at ``stop`` strings or EOS, prompts per generation batch."""
 
-    context: str = "qa"
+    context: str = HELD_OUT_WRAPPER
     max_new_tokens: int = 40
     stop: tuple[str, ...] = (".", "\n")  # plus EOS, always
     batch_size: int = 32
@@ -65,12 +124,12 @@ class WildConfig:
     def __post_init__(self) -> None:
         if self.template is not None:
             self.template = check_template(self.template)
-            if self.context in ("qa", None):
+            if self.context in (HELD_OUT_WRAPPER, None):
                 self.context = "custom"
             elif self.context != "custom":
                 raise CrispEditError(f"give either a context ({self.context!r}) or a template, not both")
-        if self.context not in CONTEXTS + ("custom",):
-            raise CrispEditError(f"unknown context {self.context!r} (use one of: {', '.join(CONTEXTS)})")
+        if self.context not in EVAL_WRAPPERS and self.context != "custom":
+            raise CrispEditError(f"unknown context {self.context!r} (use one of: {', '.join(EVAL_WRAPPERS)})")
         if self.context == "custom" and self.template is None:
             raise CrispEditError("context 'custom' needs a template with {question}")
         if int(self.max_new_tokens) <= 0 or int(self.batch_size) <= 0:
@@ -78,20 +137,21 @@ class WildConfig:
 
 
 def render_prompt(tokenizer, question: str, context: str, template: str | None = None) -> str:
-    """The text fed to the model for ``question`` in ``context`` (chat: the template, as text;
-    custom: ``template`` with ``{question}`` filled in)."""
+    """The text fed to the model for ``question`` under the evaluation wrapper ``context`` (its
+    :data:`EVAL_WRAPPERS` renderer; chat: the template, as text; custom: ``template`` with ``{question}``
+    filled in)."""
     if context == "custom":
         return check_template(template or "").format(question=question)
-    if context == "qa":
-        return QA_TEMPLATE.format(question=question)
-    if context == "none":
-        return question
-    if context == "chat":
-        if not getattr(tokenizer, "chat_template", None):
-            raise CrispEditError("--context chat needs a tokenizer with a chat template (this model has none)")
-        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
-    raise CrispEditError(f"unknown context {context!r} (use one of: {', '.join(CONTEXTS)})")
+    wrapper = EVAL_WRAPPERS.get(context)
+    if wrapper is None:
+        raise CrispEditError(f"unknown context {context!r} (use one of: {', '.join(EVAL_WRAPPERS)})")
+    return wrapper.render(tokenizer, question)
+
+
+def _chat_wrapper(context: str) -> bool:
+    """Whether the evaluation wrapper ``context`` renders the chat template (``custom`` does not)."""
+    wrapper = EVAL_WRAPPERS.get(context)
+    return wrapper is not None and wrapper.chat_template
 
 
 def _mean(vals: Sequence[float]) -> float | None:
@@ -113,7 +173,7 @@ def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge
         kinds += [(i, "loc", p, a) for p, a in r.locality]
     rendered = [render_prompt(tokenizer, q, cfg.context, cfg.template) for _, _, q, _ in kinds]
     gen_kw = dict(max_new_tokens=cfg.max_new_tokens, stop=cfg.stop, batch_size=cfg.batch_size,
-                  add_special_tokens=cfg.context != "chat", progress=progress)
+                  add_special_tokens=not _chat_wrapper(cfg.context), progress=progress)
     t0 = time.perf_counter()
     answers = generate_answers(model, tokenizer, rendered, desc="WILD generate", **gen_kw)
     t_gen = time.perf_counter() - t0
@@ -157,20 +217,20 @@ def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge
                         "judge_s": round(t_judge, 2)}}
 
 
-def wild_contexts(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *,
-                  contexts: Sequence[str] = CONTEXTS, templates: dict[str, str] | None = None,
+def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *,
+                  wrappers: Sequence[str] = tuple(EVAL_WRAPPERS), templates: dict[str, str] | None = None,
                   batch_size: int = 32, progress: bool | None = None) -> dict:
-    """WILD summaries for several contexts at once: ``{context: {"rel", "gen", "loc_vs_answer", ...},
-    ..., "seconds": s}``. ``chat`` is skipped (``None``) for tokenizers without a chat template;
-    ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each context also keeps
+    """WILD summaries for several evaluation wrappers at once: ``{wrapper: {"rel", "gen", "loc_vs_answer", ...},
+    ..., "seconds": s}``. A chat-template wrapper (``chat``) is skipped (``None``) for tokenizers without a chat
+    template; ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each wrapper also keeps
     three ``examples`` and every ``answers`` row ``[rel answer, rel correct, [gen answers], [gen correct]]``."""
     out: dict = {}
     t0 = time.perf_counter()
-    runs = [(c, WildConfig(context=c, batch_size=batch_size)) for c in contexts]
+    runs = [(c, WildConfig(context=c, batch_size=batch_size)) for c in wrappers]
     runs += [(name, WildConfig(context="custom", template=t, batch_size=batch_size))
              for name, t in (templates or {}).items()]
     for name, cfg in runs:
-        if cfg.context == "chat" and not getattr(tokenizer, "chat_template", None):
+        if _chat_wrapper(cfg.context) and not getattr(tokenizer, "chat_template", None):
             out[name] = None
             continue
         res = run_wild(model, tokenizer, requests, judge, config=cfg, progress=progress)
@@ -182,3 +242,9 @@ def wild_contexts(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
                                  [g["correct"] for g in r["gen"]]] for r in res["records"]]
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
+
+
+def wild_contexts(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *,
+                  contexts: Sequence[str] = tuple(EVAL_WRAPPERS), **kwargs) -> dict:
+    """:func:`wild_wrappers` under its former name (``contexts`` = the evaluation wrappers): the same dict."""
+    return wild_wrappers(model, tokenizer, requests, judge, wrappers=contexts, **kwargs)

@@ -47,6 +47,7 @@ import hashlib
 import json
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -63,7 +64,7 @@ from ..editing.loop import training_brief
 from ..editing.registry import seq_row
 from ..errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
                      check_positive_int, read_text_file)
-from ..evaluation import CONTEXTS, evaluate_edit
+from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER, evaluate_edit
 from ..evaluation.capabilities import paired_change
 from ..evaluation.edit_eval import retention_probe
 from ..models import model_family, weight_fingerprint
@@ -177,22 +178,12 @@ def _round_line(method: str):
     return report
 
 
-def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequence[str], out: str | Path, *,
-                configs: dict[str, EditConfig | SeqConfig], model_spec: str = "<in-memory>",
-                edits_info: dict | None = None, capabilities: Sequence[str] = (), limit: int | None = None,
-                bench_dir: str | None = None, kl_text: str | None = None, seq_chunk: int | None = None,
-                progress: bool | None = None) -> dict:
-    """Run ``methods`` (each with ``configs[method]``) on ``requests`` from ``model``'s current weights
-    and write ``out``/compare.json, .md, .png; returns the compare.json payload. Methods already in an
-    existing compare.json with the same settings are kept and not rerun.
-
-    A ``<method>-seq`` row (module docstring) takes a :class:`SeqConfig` in ``mode="sequential"`` (an
-    :class:`EditConfig` is wrapped into one with the session defaults) and runs in rounds of ``seq_chunk``
-    edits (default :func:`~crispedit.editing.config.default_seq_chunk`: 10 for 100 edits)."""
-    if not requests:
-        raise CrispEditError("no edit requests given")
-    configs = dict(configs)
-    inputs: dict[str, dict[str, str]] = {}  # method -> option -> SHA-256 of the file it names (MEND's network)
+def _checked_configs(model, requests: Sequence[EditRequest], methods: Sequence[str],
+                     configs: dict[str, EditConfig | SeqConfig]) -> tuple[dict, dict[str, dict[str, str]]]:
+    """Every row's config checked against its method (an :class:`EditConfig` for a ``-seq`` row wrapped into a
+    :class:`SeqConfig`), with what the method needs of the requests and of the model checked before anything runs;
+    returns the configs and, per row, option -> SHA-256 of the file it names (MEND's network)."""
+    configs, inputs = dict(configs), {}
     for m in methods:
         base_method, seq = seq_row(m)
         cfg = configs[m]
@@ -210,8 +201,145 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
         ec.for_family(model_family(model))  # a default lr scaled now, so that a resumed compare compares what ran
         get_editor(base_method).check_ready(model, ec)
         inputs[m] = get_editor(base_method).input_digests(model, ec)
-    seqs = [m for m in methods if seq_row(m)[1]]
-    if seq_chunk is not None and not seqs:
+    return configs, inputs
+
+
+def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: dict, inputs: dict, chunk: int) -> None:
+    """Take the rows of an existing compare file at ``path`` into ``payload`` (its ``results`` and ``methods``), after
+    checking that it was written under the same settings and that every row asked for again ran with the same
+    configuration (the same files, the same round size); one-line errors otherwise. Nothing when there is none."""
+    if not path.is_file():
+        return
+    try:
+        old = json.loads(read_text_file(path, "compare file"))
+    except json.JSONDecodeError:
+        raise CrispEditError(f"{path} is corrupt; remove it or use another --out") from None
+    if not isinstance(old, dict) or not isinstance(old.get("settings", {}), dict) \
+            or not isinstance(old.get("results", {}), dict) or not isinstance(old.get("methods", []), list):
+        raise CrispEditError(f"{path} is not a crispedit compare file; remove it or use another --out")
+    settings = payload["settings"]
+    diff = [k for k in settings if old.get("settings", {}).get(k) != settings[k]]
+    if old.get("format") != COMPARE_FORMAT or diff:
+        raise CrispEditError(f"{path} was written with other settings ({', '.join(diff) or 'format'}); "
+                             "use another --out to compare under new settings")
+    payload["results"] = old.get("results", {})
+    for m in methods:
+        row, seq = payload["results"].get(m, {}), seq_row(m)[1]
+        stored = row.get("config")
+        if stored is not None and (_run_identity(_stored_config(stored, seq), row.get("inputs"))
+                                   != _run_identity(configs[m].to_json(), inputs[m] if "inputs" in row else None)
+                                   or (seq and row.get("seq_chunk") != chunk)):
+            other_chunk = seq and row.get("seq_chunk") != chunk
+            was = row.get("inputs") if isinstance(row.get("inputs"), dict) else {}
+            other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
+            what = (f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else
+                    f" (another {other_file[0]} file: sha256 {str(was[other_file[0]])[:12]}…, now "
+                    f"{inputs[m][other_file[0]][:12]}…)" if other_file else "")
+            raise CrispEditError(f"{path} holds {m} run with another configuration{what}; use another --out")
+    payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))
+
+
+@dataclass
+class _Bench:
+    """What every row of one compare shares: the model (the base between rows: ``fingerprint``), the requests, the
+    round size of ``-seq`` rows, the output directory (its row checkpoints) and how each row is evaluated (WILD
+    under every evaluation wrapper, the KL text, the capability tasks on ``limit`` items)."""
+
+    model: object
+    tokenizer: object
+    requests: Sequence[EditRequest]
+    out: Path
+    fingerprint: str
+    chunk: int
+    kl_text: str | None
+    capabilities: Sequence[str]
+    limit: int | None
+    bench_dir: str | None
+    progress: bool | None
+
+    def evaluate(self, base_weights: dict, **kw) -> dict:
+        """:func:`~crispedit.evaluation.evaluate_edit` of the model as it is now against ``base_weights``."""
+        return evaluate_edit(self.model, self.tokenizer, self.requests, base_weights, kl_text=self.kl_text,
+                             wild=tuple(EVAL_WRAPPERS), capabilities=self.capabilities, limit=self.limit,
+                             bench_dir=self.bench_dir, progress=self.inner, **kw)
+
+    @property
+    def inner(self) -> bool:
+        """The progress setting of one row's own work: one bar per row, the inner ones quiet unless asked for."""
+        return False if self.progress is None else self.progress
+
+    def check_base(self, when: str) -> None:
+        """One-line error unless the model holds the base weights (its fingerprint) ``when``."""
+        if weight_fingerprint(self.model) != self.fingerprint:
+            raise CrispEditError(when)
+
+
+def _edited_row(b: _Bench, method: str, cfg: EditConfig | SeqConfig, inputs: dict[str, str]) -> dict:
+    """Edit the base with ``method`` under ``cfg`` (a ``-seq`` row in rounds), measure its time and peak memory,
+    evaluate it and restore the base (also when the edit fails); returns the row for ``compare.json``."""
+    model, seq = b.model, isinstance(cfg, SeqConfig)
+    ecfg = cfg.edit if seq else cfg
+    t0 = time.perf_counter()
+    editor = get_editor(ecfg.method)
+    before = snapshot(editor.changes(model, editor.select_layers(model, ecfg), ecfg))
+    try:
+        with peak_memory(next(model.parameters()).device) as mem:
+            if seq:
+                res = run_sequence(model, b.tokenizer, b.requests, cfg, b.chunk, progress=b.inner, predict_drift=True,
+                                   on_round=None if b.progress is False else _round_line(method),
+                                   after_round=retention_probe(b.tokenizer, b.requests[:b.chunk]))
+            else:
+                res = edit(model, b.tokenizer, b.requests, cfg, progress=b.inner, predict_drift=True,
+                           checkpoint=b.out / CHECKPOINTS / f"{method}.safetensors")
+    except BaseException:
+        restore(model, before)  # an interrupted edit leaves the base behind
+        raise
+    del before
+    wall = time.perf_counter() - t0
+    try:
+        ev = b.evaluate(res.original_weights, max_len=ecfg.max_len)
+    finally:
+        restore(model, res.original_weights)
+    b.check_base(f"restoring the base after {method} failed (fingerprint differs)")
+    from ..pipeline import drift_summary
+
+    ev["summary"].update(drift_summary(res))
+    extra = (dict(rounds=len(res.rounds), seq_chunk=res.chunk, round_seconds=res.round_seconds,
+                  round_records=res.rounds, retention=[rec.get("after_round") for rec in res.rounds])
+             if seq else dict(training=res.history.to_json()))
+    return _row(method, ev, config=cfg.to_json(), **({"inputs": inputs} if inputs else {}),
+                layers=res.layers, changed=sorted(res.original_weights),
+                changed_numel=sum(t.numel() for t in res.original_weights.values()),
+                edit_seconds=round(res.edit_seconds, 2), cache_seconds=round(res.cache_seconds, 2),
+                wall_seconds=round(wall, 2), cache_hit=res.cache_info.get("hit"), memory=mem, **extra)
+
+
+def _row_line(method: str, r: dict) -> str:
+    """The line printed once ``method``'s row ``r`` is written: the held-out wrapper's WILD rel / gen, teacher-forced
+    rel, the KL drift measured and predicted, the edit time, a ``-seq`` row's rounds."""
+    qa = r["wild"].get(HELD_OUT_WRAPPER) or {}
+    return (f"{method}: WILD {HELD_OUT_WRAPPER} rel={qa.get('rel')} gen={qa.get('gen')} tf rel={r['summary']['rel']} "
+            f"kl_drift={r['summary']['kl_drift']:.5f} kl_predicted={r['summary'].get('kl_predicted')}"
+            + (f" edit={r['edit_seconds']:.1f}s" if "edit_seconds" in r else "")
+            + (f" ({r['rounds']} rounds of {r['seq_chunk']})" if "rounds" in r else ""))
+
+
+def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequence[str], out: str | Path, *,
+                configs: dict[str, EditConfig | SeqConfig], model_spec: str = "<in-memory>",
+                edits_info: dict | None = None, capabilities: Sequence[str] = (), limit: int | None = None,
+                bench_dir: str | None = None, kl_text: str | None = None, seq_chunk: int | None = None,
+                progress: bool | None = None) -> dict:
+    """Run ``methods`` (each with ``configs[method]``) on ``requests`` from ``model``'s current weights
+    and write ``out``/compare.json, .md, .png; returns the compare.json payload. Methods already in an
+    existing compare.json with the same settings are kept and not rerun.
+
+    A ``<method>-seq`` row (module docstring) takes a :class:`SeqConfig` in ``mode="sequential"`` (an
+    :class:`EditConfig` is wrapped into one with the session defaults) and runs in rounds of ``seq_chunk``
+    edits (default :func:`~crispedit.editing.config.default_seq_chunk` of the number of edits)."""
+    if not requests:
+        raise CrispEditError("no edit requests given")
+    configs, inputs = _checked_configs(model, requests, methods, configs)
+    if seq_chunk is not None and not any(seq_row(m)[1] for m in methods):
         raise CrispEditError("--seq-chunk sets the round size of the -seq rows, and none is being run")
     chunk = default_seq_chunk(len(requests)) if seq_chunk is None else check_positive_int("--seq-chunk", seq_chunk)
     out = Path(out)
@@ -223,101 +351,22 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                 # what --contexts 'default' meant when the rows ran: a row stored as 'default' under another
                 # default is another configuration
                 "default_contexts": DEFAULT_CONTEXTS,
-                "evaluation": {"wild": list(CONTEXTS), "judge": "rule", "capabilities": list(capabilities),
+                "evaluation": {"wild": list(EVAL_WRAPPERS), "judge": "rule", "capabilities": list(capabilities),
                                "limit": limit, "kl_text": kl_text or "bundled:wikitext_heldout.txt"}}
     payload = {"format": COMPARE_FORMAT, "settings": settings, "methods": list(methods), "results": {}}
-    path = out / JSON_FILE
-    if path.is_file():
-        try:
-            old = json.loads(read_text_file(path, "compare file"))
-        except json.JSONDecodeError:
-            raise CrispEditError(f"{path} is corrupt; remove it or use another --out") from None
-        if not isinstance(old, dict) or not isinstance(old.get("settings", {}), dict) \
-                or not isinstance(old.get("results", {}), dict) or not isinstance(old.get("methods", []), list):
-            raise CrispEditError(f"{path} is not a crispedit compare file; remove it or use another --out")
-        diff = [k for k in settings if old.get("settings", {}).get(k) != settings[k]]
-        if old.get("format") != COMPARE_FORMAT or diff:
-            raise CrispEditError(f"{path} was written with other settings ({', '.join(diff) or 'format'}); "
-                                 "use another --out to compare under new settings")
-        payload["results"] = old.get("results", {})
-        for m in methods:
-            row, seq = payload["results"].get(m, {}), seq_row(m)[1]
-            stored = row.get("config")
-            if stored is not None and (_run_identity(_stored_config(stored, seq), row.get("inputs"))
-                                       != _run_identity(configs[m].to_json(), inputs[m] if "inputs" in row else None)
-                                       or (seq and row.get("seq_chunk") != chunk)):
-                other_chunk = seq and row.get("seq_chunk") != chunk
-                was = row.get("inputs") if isinstance(row.get("inputs"), dict) else {}
-                other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
-                what = (f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else
-                        f" (another {other_file[0]} file: sha256 {str(was[other_file[0]])[:12]}…, now "
-                        f"{inputs[m][other_file[0]][:12]}…)" if other_file else "")
-                raise CrispEditError(f"{path} holds {m} run with another configuration{what}; use another --out")
-        payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))
-    device = next(model.parameters()).device
-    todo = [m for m in methods if m not in payload["results"]]
-    if "base" not in payload["results"]:
-        todo.insert(0, "base")
+    _resume_payload(out / JSON_FILE, payload, methods, configs, inputs, chunk)
+    bench = _Bench(model, tokenizer, requests, out, fp, chunk, kl_text, capabilities, limit, bench_dir, progress)
+    todo = ([] if "base" in payload["results"] else ["base"]) + [m for m in methods if m not in payload["results"]]
     bar = tqdm(todo, desc="compare", unit="method", disable=(None if progress is None else not progress))
     for method in bar:
         bar.set_postfix_str(method)
-        if weight_fingerprint(model) != fp:
-            raise CrispEditError(f"the model is no longer the base before {method} (fingerprint changed)")
-        inner = False if progress is None else progress  # one bar per method; the inner ones stay quiet
-        if method == "base":
-            ev = evaluate_edit(model, tokenizer, requests, {}, kl_text=kl_text, wild=CONTEXTS,
-                               capabilities=capabilities, limit=limit, bench_dir=bench_dir, progress=inner)
-            payload["results"]["base"] = _row("base", ev)
-        else:
-            cfg = configs[method]
-            seq = isinstance(cfg, SeqConfig)
-            ecfg = cfg.edit if seq else cfg
-            t0 = time.perf_counter()
-            editor = get_editor(ecfg.method)
-            before = snapshot(editor.changes(model, editor.select_layers(model, ecfg), ecfg))
-            try:
-                with peak_memory(device) as mem:
-                    if seq:
-                        res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=inner, predict_drift=True,
-                                           on_round=None if progress is False else _round_line(method),
-                                           after_round=retention_probe(tokenizer, requests[:chunk]))
-                    else:
-                        res = edit(model, tokenizer, requests, cfg, progress=inner, predict_drift=True,
-                                   checkpoint=out / CHECKPOINTS / f"{method}.safetensors")
-            except BaseException:
-                restore(model, before)  # an interrupted edit leaves the base behind
-                raise
-            del before
-            wall = time.perf_counter() - t0
-            try:
-                ev = evaluate_edit(model, tokenizer, requests, res.original_weights, kl_text=kl_text,
-                                   max_len=ecfg.max_len, wild=CONTEXTS, capabilities=capabilities, limit=limit,
-                                   bench_dir=bench_dir, progress=inner)
-            finally:
-                restore(model, res.original_weights)
-            if weight_fingerprint(model) != fp:
-                raise CrispEditError(f"restoring the base after {method} failed (fingerprint differs)")
-            from ..pipeline import drift_summary
-
-            ev["summary"].update(drift_summary(res))
-            extra = (dict(rounds=len(res.rounds), seq_chunk=res.chunk, round_seconds=res.round_seconds,
-                          round_records=res.rounds, retention=[rec.get("after_round") for rec in res.rounds])
-                     if seq else dict(training=res.history.to_json()))
-            payload["results"][method] = _row(
-                method, ev, config=cfg.to_json(), **({"inputs": inputs[method]} if inputs[method] else {}),
-                layers=res.layers, changed=sorted(res.original_weights),
-                changed_numel=sum(t.numel() for t in res.original_weights.values()),
-                edit_seconds=round(res.edit_seconds, 2), cache_seconds=round(res.cache_seconds, 2),
-                wall_seconds=round(wall, 2), cache_hit=res.cache_info.get("hit"), memory=mem, **extra)
+        bench.check_base(f"the model is no longer the base before {method} (fingerprint changed)")
+        payload["results"][method] = (_row("base", bench.evaluate({})) if method == "base"
+                                      else _edited_row(bench, method, configs[method], inputs[method]))
         write_outputs(out, payload)
         (out / CHECKPOINTS / f"{method}.safetensors").unlink(missing_ok=True)  # the row holds what it was for
-        r = payload["results"][method]
         if progress is not False:
-            qa = r["wild"].get("qa") or {}
-            tqdm.write(f"{method}: WILD qa rel={qa.get('rel')} gen={qa.get('gen')} tf rel={r['summary']['rel']} "
-                       f"kl_drift={r['summary']['kl_drift']:.5f} kl_predicted={r['summary'].get('kl_predicted')}"
-                       + (f" edit={r['edit_seconds']:.1f}s" if "edit_seconds" in r else "")
-                       + (f" ({r['rounds']} rounds of {r['seq_chunk']})" if "rounds" in r else ""))
+            tqdm.write(_row_line(method, payload["results"][method]))
     bar.close()
     write_outputs(out, payload)
     return payload
@@ -406,10 +455,10 @@ def pareto_points(payload: dict) -> dict:
     rows = [m for m in payload["methods"] if m in res and m != "base"]
     breaking = breaking_rows(payload)
     candidates = [m for m in rows if m not in breaking]
-    success = {m: (res[m]["wild"].get("qa") or {}).get("rel") for m in rows}
+    success = {m: (res[m]["wild"].get(HELD_OUT_WRAPPER) or {}).get("rel") for m in rows}
     points = {m: [success[m], _retention(payload, res[m])] for m in rows}
     kl = {m: (success[m], -res[m]["summary"]["kl_drift"]) for m in candidates}
-    return {"success": "WILD qa rel",
+    return {"success": f"WILD {HELD_OUT_WRAPPER} rel",
             "kl": "KL drift on held-out text (nats/token, lower is better)",
             "kl_front": pareto_front(kl),
             "retention": ("mean capability score / base score over " + ", ".join(caps)) if caps
@@ -470,13 +519,10 @@ def compare_table(payload: dict) -> str:
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
-    cols = [("QA rel", lambda r: (r["wild"].get("qa") or {}).get("rel"), True),
-            ("QA gen", lambda r: (r["wild"].get("qa") or {}).get("gen"), True),
-            ("none rel", lambda r: (r["wild"].get("none") or {}).get("rel"), True),
-            ("none gen", lambda r: (r["wild"].get("none") or {}).get("gen"), True),
-            ("chat rel", lambda r: (r["wild"].get("chat") or {}).get("rel"), True),
-            ("chat gen", lambda r: (r["wild"].get("chat") or {}).get("gen"), True),
-            ("TF rel", lambda r: r["summary"].get("rel"), True),
+    wrappers = payload["settings"]["evaluation"].get("wild") or list(EVAL_WRAPPERS)
+    cols = [(f"{w.upper() if w == HELD_OUT_WRAPPER else w} {k}",
+             (lambda w, k: lambda r: (r["wild"].get(w) or {}).get(k))(w, k), True) for w in wrappers for k in ("rel", "gen")]
+    cols += [("TF rel", lambda r: r["summary"].get("rel"), True),
             ("TF gen", lambda r: r["summary"].get("gen"), True)]
     cols += [(c, (lambda c: lambda r: r["capabilities"].get(c))(c), True) for c in caps]
     edited = [res[m] for m in rows if m != "base"]

@@ -47,15 +47,15 @@ class MnistStudyConfig:
     finetune_lr: float = 0.005
     finetune_momentum: float = 0.9
     recompute_drift: float = 0.25
-    # Recomputations per fine-tuning run (the paper recomputes whenever the drift passes 25 %). Off by
-    # default: one exact Hessian of 512 examples takes minutes on a CPU core, so even one recomputation per
-    # gamma would multiply the Hessian sweep's time (docs/study.md, "Fine-tuning" and "Cost"); every method
-    # here uses the projector at the pre-trained weights. ``--max-recomputes 2`` is the paper's protocol.
+    # Recomputations per fine-tuning run (the paper recomputes whenever the drift passes ``recompute_drift``).
+    # Off by default: an exact Hessian is the study's most expensive step, so even one recomputation per gamma
+    # would multiply the Hessian sweep's time (the timings: docs/study.md, "Fine-tuning" and "Cost"); every
+    # method here uses the projector at the pre-trained weights. ``--max-recomputes 2`` is the paper's protocol.
     max_recomputes: int = 0
     # evaluation on the test sets (None: all 10k)
     eval_samples: int | None = None
-    # CPU threads for torch (None: torch's default). On a busy machine 1 is much faster than 2:
-    # OpenMP threads that wait for each other at every op collapse under oversubscription.
+    # CPU threads for torch (None: torch's default). On a busy machine fewer threads can be faster: OpenMP
+    # threads that wait for each other at every op collapse under oversubscription (docs/study.md).
     threads: int | None = None
 
     @classmethod

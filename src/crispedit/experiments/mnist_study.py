@@ -351,6 +351,132 @@ def _row(method: str, k: float | None, mnist: float, fashion: float, kept: int, 
             "kept_fraction": round(kept / n_params, 5), "recomputes": recomputes, "seconds": round(seconds, 2)}
 
 
+@dataclasses.dataclass
+class _Splits:
+    """The study's images (normalised): the MNIST and Fashion-MNIST training sets and a seeded test subset of
+    ``cfg.eval_samples`` images of each."""
+
+    mnist_train: ImageSplit
+    mnist_test: ImageSplit
+    fashion_train: ImageSplit
+    fashion_test: ImageSplit
+
+    @classmethod
+    def load(cls, cfg: MnistStudyConfig) -> "_Splits":
+        """Read the four splits from ``cfg.data_dir`` (downloaded when missing), in this order."""
+        mnist_train = _normalise(load_dataset("mnist", "train", cfg.data_dir))
+        mnist_test = _normalise(load_dataset("mnist", "test", cfg.data_dir)).subset(cfg.eval_samples, cfg.seed)
+        fashion_train = _normalise(load_dataset("fashion_mnist", "train", cfg.data_dir))
+        fashion_test = _normalise(load_dataset("fashion_mnist", "test", cfg.data_dir)).subset(cfg.eval_samples, cfg.seed)
+        return cls(mnist_train, mnist_test, fashion_train, fashion_test)
+
+
+def _pretrained(model: SmallLeNet, splits: _Splits, cfg: MnistStudyConfig, progress, log) -> dict:
+    """Pre-train ``model`` on MNIST and measure it: ``{"mnist_acc", "fashion_acc"}`` (test accuracies) and
+    ``"seconds"``; a warning line when MNIST stays below ``cfg.target_accuracy``."""
+    t0 = time.perf_counter()
+    pretrain(model, splits.mnist_train.subset(cfg.pretrain_samples, cfg.seed), cfg, progress)
+    pre = {"mnist_acc": accuracy(model, splits.mnist_test), "fashion_acc": accuracy(model, splits.fashion_test),
+           "seconds": round(time.perf_counter() - t0, 2)}
+    log(f"pre-trained: MNIST test acc {pre['mnist_acc']:.4f}, Fashion test acc {pre['fashion_acc']:.4f} "
+        f"({pre['seconds']:.0f}s)")
+    if pre["mnist_acc"] < cfg.target_accuracy:
+        log(f"warning: pre-training reached {pre['mnist_acc']:.4f} < target {cfg.target_accuracy}")
+    return pre
+
+
+class _Study:
+    """One study under way from the pre-trained ``model`` (its weights ``theta0``): the rows so far (accuracies,
+    kept dimensions, seconds), the curvature's seconds and spectrum per method, the results payload
+    (:meth:`payload`, also written as ``results.partial.json`` after every row)."""
+
+    def __init__(self, cfg: MnistStudyConfig, model: SmallLeNet, splits: _Splits, pre: dict, t_start: float,
+                 progress: bool | None, log: Callable[[str], None]):
+        self.cfg, self.model, self.splits, self.pre, self.t_start = cfg, model, splits, pre, t_start
+        self.progress, self.log, self.out_dir = progress, log, Path(cfg.out_dir)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.theta0 = {k: v.clone() for k, v in model.state_dict().items()}
+        self.curv_data = splits.mnist_train.subset(cfg.curvature_samples, cfg.seed + 2)
+        self.rows = [_row("pretrained", None, pre["mnist_acc"], pre["fashion_acc"], 0, self.n_params, 0.0)]
+        self.curvature_info: dict[str, dict] = {}
+        self.hessian0: Tensor | None = None  # the Hessian at the pre-trained weights, shared by hessian and hessian_abs
+
+    def payload(self, done: bool) -> dict:
+        """The study's results payload so far (``complete``: ``done``): config, environment, network, rows."""
+        return {
+            "study": "mnist_to_fashion_mnist_curvature",
+            "complete": done,
+            "config": dataclasses.asdict(self.cfg),
+            "environment": _environment(),
+            "network": {"class": "SmallLeNet", "parameters": self.n_params,
+                        "shapes": {n: list(p.shape) for n, p in self.model.named_parameters()}},
+            "pretrained": self.pre,
+            "curvature": self.curvature_info,
+            "rows": self.rows,
+            "total_seconds": round(time.perf_counter() - self.t_start, 1),
+        }
+
+    def _finetune_row(self, method: str, k: float | None, make_projector, kept: int | None = None) -> None:
+        """Fine-tune from ``theta0``'s copy in the model on Fashion-MNIST under ``make_projector`` and add its row
+        (``kept``: the kept dimensions to report instead of the projector's); the partial results are written."""
+        t0 = time.perf_counter()
+        desc = "fine-tune (none)" if k is None else f"fine-tune ({method}, k={k:g})"
+        info = finetune(self.model, self.splits.fashion_train, self.cfg, make_projector, self.progress, desc)
+        self.rows.append(_row(method, k, accuracy(self.model, self.splits.mnist_test),
+                              accuracy(self.model, self.splits.fashion_test),
+                              info["kept_dims"] if kept is None else kept, self.n_params, time.perf_counter() - t0,
+                              info["recomputes"] if kept is None else 0))
+        self.log(_format_row(self.rows[-1]))
+        atomic_write_json(self.out_dir / "results.partial.json", self.payload(False))  # inspectable as it goes
+
+    def run_method(self, method: str) -> None:
+        """Add ``method``'s rows: plain fine-tuning for ``none``; else its curvature at ``theta0`` (seconds and
+        spectrum recorded), then one projected fine-tuning per ``k`` of ``cfg.k_values``."""
+        cfg, model = self.cfg, self.model
+        model.load_state_dict(self.theta0)
+        if method == "none":
+            return self._finetune_row("none", None, lambda: NoProjection(self.n_params), kept=self.n_params)
+        t0 = time.perf_counter()
+        is_hessian = method in ("hessian", "hessian_abs")
+        if is_hessian and self.hessian0 is None:
+            self.hessian0 = hessian_at(model, self.curv_data, cfg, self.progress)
+        curv0 = compute_curvature(method, model, self.curv_data, cfg, self.progress, count_negative=True,
+                                  hessian=self.hessian0 if is_hessian else None)
+        info = self.curvature_info[method] = {"seconds_at_theta0": round(time.perf_counter() - t0, 2)}
+        if isinstance(curv0, DenseCurvature):
+            info["spectrum"] = curv0.spectrum
+        self.log(f"{method}: curvature at the pre-trained weights in {info['seconds_at_theta0']:.1f}s")
+        for k in cfg.k_values:
+            gamma = gamma_of(k)
+            model.load_state_dict(self.theta0)
+            first = [True]
+
+            def make_projector() -> ParamProjector:
+                """The projector at ``gamma``: first from the curvature at the pre-trained weights, then from
+                curvature recomputed at the current weights."""
+                if first[0]:  # the shared curvature at the pre-trained weights
+                    first[0] = False
+                    return curv0.projector(gamma)
+                return compute_curvature(method, model, self.curv_data, cfg, progress=False).projector(gamma)
+
+            self._finetune_row(method, k, make_projector)
+
+    def finish(self) -> dict:
+        """Write ``results.json``, ``results.csv`` and ``tradeoff.png``, drop the partial file; the final payload
+        with the ``files`` written."""
+        from .study_report import write_csv, write_plot
+
+        final, out_dir = self.payload(True), self.out_dir
+        atomic_write_json(out_dir / "results.json", final)
+        write_csv(out_dir / "results.csv", self.rows)
+        write_plot(out_dir / "tradeoff.png", self.rows,
+                   title=f"MNIST → Fashion-MNIST, SmallLeNet ({self.n_params} parameters)")
+        (out_dir / "results.partial.json").unlink(missing_ok=True)
+        final["files"] = {"json": str(out_dir / "results.json"), "csv": str(out_dir / "results.csv"),
+                          "png": str(out_dir / "tradeoff.png")}
+        return final
+
+
 def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Callable[[str], None] | None = print) -> dict:
     """Run the study, write ``results.json``, ``results.csv`` and ``tradeoff.png`` to ``cfg.out_dir``
     and return the JSON report (a dict)."""
@@ -361,98 +487,15 @@ def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Ca
         torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    mnist_train = _normalise(load_dataset("mnist", "train", cfg.data_dir))
-    mnist_test = _normalise(load_dataset("mnist", "test", cfg.data_dir)).subset(cfg.eval_samples, cfg.seed)
-    fashion_train = _normalise(load_dataset("fashion_mnist", "train", cfg.data_dir))
-    fashion_test = _normalise(load_dataset("fashion_mnist", "test", cfg.data_dir)).subset(cfg.eval_samples, cfg.seed)
-    out_dir = Path(cfg.out_dir)
-
+    splits = _Splits.load(cfg)
     model = SmallLeNet(cfg.conv1_channels, cfg.conv2_channels, cfg.hidden)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"network: {n_params} parameters (conv {cfg.conv1_channels}/{cfg.conv2_channels}, hidden {cfg.hidden}); "
         f"dense {n_params}x{n_params} float64 matrix = {8 * n_params ** 2 / 2 ** 20:.0f} MiB")
-    t0 = time.perf_counter()
-    pretrain(model, mnist_train.subset(cfg.pretrain_samples, cfg.seed), cfg, progress)
-    pre = {"mnist_acc": accuracy(model, mnist_test), "fashion_acc": accuracy(model, fashion_test),
-           "seconds": round(time.perf_counter() - t0, 2)}
-    log(f"pre-trained: MNIST test acc {pre['mnist_acc']:.4f}, Fashion test acc {pre['fashion_acc']:.4f} "
-        f"({pre['seconds']:.0f}s)")
-    if pre["mnist_acc"] < cfg.target_accuracy:
-        log(f"warning: pre-training reached {pre['mnist_acc']:.4f} < target {cfg.target_accuracy}")
-    theta0 = {k: v.clone() for k, v in model.state_dict().items()}
-    curv_data = mnist_train.subset(cfg.curvature_samples, cfg.seed + 2)
-
-    rows = [_row("pretrained", None, pre["mnist_acc"], pre["fashion_acc"], 0, n_params, 0.0)]
-    curvature_info: dict[str, dict] = {}
-    hessian0: Tensor | None = None  # the Hessian at the pre-trained weights, shared by hessian and hessian_abs
-    from .study_report import write_csv, write_plot
-
-    def report(done: bool) -> dict:
-        """The study's results payload so far (``complete``: ``done``): config, environment, network, rows."""
-        return {
-            "study": "mnist_to_fashion_mnist_curvature",
-            "complete": done,
-            "config": dataclasses.asdict(cfg),
-            "environment": _environment(),
-            "network": {"class": "SmallLeNet", "parameters": n_params,
-                        "shapes": {n: list(p.shape) for n, p in model.named_parameters()}},
-            "pretrained": pre,
-            "curvature": curvature_info,
-            "rows": rows,
-            "total_seconds": round(time.perf_counter() - t_start, 1),
-        }
-
-    def save_partial() -> None:  # a long run can be inspected (and survives an interrupt) as it goes
-        """Write the payload so far to ``results.partial.json`` in ``out_dir`` (atomically)."""
-        atomic_write_json(out_dir / "results.partial.json", report(False))
-
+    study = _Study(cfg, model, splits, _pretrained(model, splits, cfg, progress, log), t_start, progress, log)
     for method in cfg.methods:
-        model.load_state_dict(theta0)
-        if method == "none":
-            t0 = time.perf_counter()
-            info = finetune(model, fashion_train, cfg, lambda: NoProjection(n_params), progress, "fine-tune (none)")
-            rows.append(_row("none", None, accuracy(model, mnist_test), accuracy(model, fashion_test), n_params,
-                             n_params, time.perf_counter() - t0))
-            log(_format_row(rows[-1]))
-            save_partial()
-            continue
-        t0 = time.perf_counter()
-        is_hessian = method in ("hessian", "hessian_abs")
-        if is_hessian and hessian0 is None:
-            hessian0 = hessian_at(model, curv_data, cfg, progress)
-        curv0 = compute_curvature(method, model, curv_data, cfg, progress, count_negative=True,
-                                  hessian=hessian0 if is_hessian else None)
-        curvature_info[method] = {"seconds_at_theta0": round(time.perf_counter() - t0, 2)}
-        if isinstance(curv0, DenseCurvature):
-            curvature_info[method]["spectrum"] = curv0.spectrum
-        log(f"{method}: curvature at the pre-trained weights in {curvature_info[method]['seconds_at_theta0']:.1f}s")
-        for k in cfg.k_values:
-            gamma = gamma_of(k)
-            model.load_state_dict(theta0)
-            first = [True]
-
-            def make_projector() -> ParamProjector:
-                """The projector at ``gamma``: first from the curvature at the pre-trained weights, then from
-                curvature recomputed at the current weights."""
-                if first[0]:  # the shared curvature at the pre-trained weights
-                    first[0] = False
-                    return curv0.projector(gamma)
-                return compute_curvature(method, model, curv_data, cfg, progress=False).projector(gamma)
-
-            t0 = time.perf_counter()
-            info = finetune(model, fashion_train, cfg, make_projector, progress, f"fine-tune ({method}, k={k:g})")
-            rows.append(_row(method, k, accuracy(model, mnist_test), accuracy(model, fashion_test), info["kept_dims"],
-                             n_params, time.perf_counter() - t0, info["recomputes"]))
-            log(_format_row(rows[-1]))
-            save_partial()
-    final = report(True)
-    atomic_write_json(out_dir / "results.json", final)
-    write_csv(out_dir / "results.csv", rows)
-    write_plot(out_dir / "tradeoff.png", rows, title=f"MNIST → Fashion-MNIST, SmallLeNet ({n_params} parameters)")
-    (out_dir / "results.partial.json").unlink(missing_ok=True)
-    final["files"] = {"json": str(out_dir / "results.json"), "csv": str(out_dir / "results.csv"),
-                      "png": str(out_dir / "tradeoff.png")}
-    return final
+        study.run_method(method)
+    return study.finish()
 
 
 def _format_row(r: dict) -> str:
