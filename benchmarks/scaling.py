@@ -3,7 +3,7 @@
 Reads any mix of ``crispedit compare`` outputs (a ``compare.json`` or its directory) and
 ``benchmarks/edit_matrix.py`` outputs (their JSON), takes every edited row's WILD qa / chat reliability and
 generalisation, KL drift (nats/token on held-out text) and perplexity, keyed by method and number of edits,
-and writes a table (Markdown) and a four-panel PNG (QA rel, QA gen, KL drift on a log axis, perplexity; x: number
+and writes a table (Markdown) and a four-panel PNG (QA rel, QA gen, KL drift and perplexity on log axes; x: number
 of edits, log axis). An edit_matrix row counts when its overrides name only ``method`` and, optionally,
 the defaults' contexts (it is then the method at its defaults). Where two runs give the same method and size,
 the later file on the command line wins.
@@ -78,7 +78,7 @@ def scaling_table(points: dict[tuple[str, int], dict]) -> str:
 
 
 def plot_scaling(points: dict[tuple[str, int], dict], path: str | Path) -> None:
-    """Four panels against the number of edits (log x): WILD QA rel, QA gen, KL drift (log y), perplexity; one
+    """Four panels against the number of edits (log x): WILD QA rel, QA gen, KL drift and perplexity (log y); one
     line per method with a point per stored size."""
     import matplotlib
 
@@ -88,16 +88,18 @@ def plot_scaling(points: dict[tuple[str, int], dict], path: str | Path) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     panels = [("qa_rel", "WILD QA rel"), ("qa_gen", "WILD QA gen"), ("kl_drift", "KL drift (nats/token)"),
               ("ppl", "perplexity")]
-    for method in sorted({m for m, _ in points}):
+    colours = plt.get_cmap("tab20").colors
+    for i, method in enumerate(sorted({m for m, _ in points})):
         sizes = sorted(n for m, n in points if m == method)
         for ax, (key, _) in zip(axes, panels):
             xs = [n for n in sizes if points[(method, n)][key] is not None]
-            ax.plot(xs, [points[(method, n)][key] for n in xs], marker="o", label=method)
+            ax.plot(xs, [points[(method, n)][key] for n in xs], marker="o", label=method,
+                    color=colours[i % len(colours)])
     for ax, (key, title) in zip(axes, panels):
         ax.set_xscale("log")
         ax.set_xlabel("edits")
         ax.set_title(title)
-        if key == "kl_drift":
+        if key in ("kl_drift", "ppl"):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
