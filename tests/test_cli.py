@@ -163,6 +163,10 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tiny_model_dir, iso_cache, capsys)
     lines = [ln for ln in out.splitlines() if ln.startswith(("crispedit ", "ft "))]
     assert len(lines) == 2 and all("bare,prefix:2,lead:4" in ln for ln in lines)
     assert "kl_drift" in out and "WILD" in out
+    # output that is not a terminal: a line per phase and per few epochs instead of bars
+    assert "] loading " in out and "] editing with crispedit" in out and "] ft: edited in" in out
+    assert "capability curvature (kfac): collecting over 4 texts" in out
+    assert "edit[crispedit] epoch 2/2" in out and "edit[ft] epoch 2/2" in out
 
 
 def test_overwrite_replaces_only_crispedits_files_quietly(tiny_model_dir, tmp_path, iso_cache, capsys):

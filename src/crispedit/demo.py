@@ -35,36 +35,64 @@ def _chat_answers(model, tok, prompts: list[str]) -> list[str]:
 
 
 def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: int = 64, model_spec: str = "smollm2",
-             show: int = 6, methods: tuple[str, ...] = ("crispedit", "ft"), progress: bool | None = None) -> int:
-    """Run the demo and print its tables; returns the exit status (0)."""
-    for method in methods:  # every number checked before the model is loaded
-        EditConfig(method=method, gamma=gamma, epochs=epochs, n_cap=n_cap)
+             show: int = 6, methods: tuple[str, ...] = ("crispedit", "ft"), progress: bool | None = None,
+             precision: str = "fp32") -> int:
+    """Run the demo and print its tables; returns the exit status (0). Every phase prints a line with the seconds
+    since the start; where progress bars do not show (output not a terminal) the edit loop and the curvature
+    collection add a line every few epochs / per phase (:func:`~crispedit.progress.progress_lines`)."""
+    from .progress import progress_lines
+
+    def configs():
+        return {m: EditConfig(method=m, gamma=gamma, epochs=epochs, n_cap=n_cap, precision=precision) for m in methods}
+
+    configs()  # every number checked before the model is loaded
     show = check_int("--show", show, 0)
     t0 = time.perf_counter()
     requests = load_edits(bundled_path(BUNDLED_EDITS), limit=check_positive_int("--n-edits", n_edits))
+
+    def say(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:5.0f} s] {msg}", flush=True)
+
+    with progress_lines(progress):
+        rows, answers = _run_methods(model_spec, requests, configs(), requests[:show], progress, say)
+    _print_tables(requests[:show], answers, rows, methods)
+    print(f"\nbase model perplexity on held-out WikiText: {rows[0][5]:.3f}; "
+          f"kl_drift = mean per-token KL(base || edited) there. total {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say) -> tuple[list, dict]:
+    """Load the model, ask the ``shown`` questions, edit with each config in turn (restoring the base weights
+    after each) and evaluate it; the demo's rows and the answers before and after each method."""
     from .editing import edit, restore  # torch: only once every argument is checked
     from .evaluation import EVAL_WRAPPERS, evaluate_edit
     from .models import load_model
 
-    print(f"loading {model_spec} ...", flush=True)
+    say(f"loading {model_spec} ...")
     model, tok = load_model(model_spec, progress=progress)
     via = "its chat template" if getattr(tok, "chat_template", None) else "the bare question (no chat template)"
-    print(f"loaded in {time.perf_counter() - t0:.1f}s; editing {len(requests)} ZsRE facts; answers below are "
-          f"asked through {via}", flush=True)
-    shown = requests[:show]
+    say(f"loaded; editing {len(requests)} ZsRE facts; answers below are asked through {via}")
     prompts = [r.prompt for r in shown]
     answers = {"before": _chat_answers(model, tok, prompts)}
     rows = []
-    for method in methods:
-        cfg = EditConfig(method=method, gamma=gamma, epochs=epochs, n_cap=n_cap)
-        print(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}) ...", flush=True)
+    for method, cfg in configs.items():
+        say(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}, precision {cfg.precision}) ...")
         res = edit(model, tok, requests, cfg, progress=progress)
+        say(f"{method}: edited in {res.edit_seconds:.0f} s ({len(res.history.epoch_loss)} epochs); evaluating "
+            f"(WILD {', '.join(EVAL_WRAPPERS)}, teacher-forced, KL drift) ...")
         ev = evaluate_edit(model, tok, requests, res.original_weights, wild=tuple(EVAL_WRAPPERS), progress=progress)
         s = ev["summary"]
         answers[method] = _chat_answers(model, tok, prompts)
         rows.append((method, ev["wild"], s["rel"], s["kl_drift"], s["ppl"], s["ppl_base"],
                      len(res.history.epoch_loss), res.edit_seconds, res.history.contexts))
         restore(model, res.original_weights)
+    say("done")
+    return rows, answers
+
+
+def _print_tables(shown, answers: dict, rows: list, methods) -> None:
+    """The before/after answers table and the WILD / drift table."""
+    from .evaluation import EVAL_WRAPPERS
 
     w, c = 40, 20
     print()
@@ -87,6 +115,3 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
 
         print(f"{m:10} " + "".join(f"{cell(w):>11} " for w in EVAL_WRAPPERS) + f"{rel:7.3f} {kl:9.5f} {ppl:7.2f} "
               f"{ep:6d} {es:7.1f}  {','.join(ctxs)}")
-    print(f"\nbase model perplexity on held-out WikiText: {rows[0][5]:.3f}; "
-          f"kl_drift = mean per-token KL(base || edited) there. total {time.perf_counter() - t0:.0f}s")
-    return 0

@@ -4,11 +4,36 @@ from ``disable=None``; this helper is for the libraries' bars that crispedit swi
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
+from typing import Iterator, TextIO
 
-__all__ = ["show_progress"]
+__all__ = ["show_progress", "progress_lines"]
 
 
 def show_progress(progress: bool | None) -> bool:
     """Whether a progress bar shows: ``progress`` itself when given, else whether stderr is a terminal."""
     return sys.stderr.isatty() if progress is None else bool(progress)
+
+
+@contextlib.contextmanager
+def progress_lines(progress: bool | None, stream: TextIO | None = None) -> Iterator[bool]:
+    """Within: where bars do not show (:func:`show_progress` false), crispedit's INFO log lines — curvature
+    collected or cached, every few epochs of an edit — are printed to ``stream`` (default stdout), one line
+    each, instead of the bars; yields whether lines are on. The handler is removed afterwards."""
+    on = not show_progress(progress)
+    if not on:
+        yield False
+        return
+    logger = logging.getLogger("crispedit")
+    handler = logging.StreamHandler(stream or sys.stdout)
+    handler.setFormatter(logging.Formatter("  %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield True
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -10,7 +10,7 @@ def cmd_demo(args) -> int:
     from ..demo import run_demo
 
     return run_demo(n_edits=args.n_edits, epochs=args.epochs, gamma=args.gamma, n_cap=args.n_cap, model_spec=args.model,
-                    show=args.show)
+                    show=args.show, precision=args.precision)
 
 
 def add_cli(sub) -> None:
@@ -22,4 +22,6 @@ def add_cli(sub) -> None:
     d.add_argument("--gamma", type=float, default=0.8)
     d.add_argument("--n-cap", type=int, default=64)
     d.add_argument("--show", type=int, default=6, help="rows in the before/after table")
+    d.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="the training forward's precision (as crispedit edit --precision)")
     d.set_defaults(func=cmd_demo)

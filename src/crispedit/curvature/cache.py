@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -37,6 +38,7 @@ from .kfac import KFACFactors, LabelMode, collect_lm_input_covariance, collect_l
 __all__ = ["CurvatureSpec", "KINDS", "cache_key", "save_factors", "load_factors", "get_or_build_factors", "layer_shapes",
            "FORMAT_VERSION"]
 
+_log = logging.getLogger("crispedit.curvature")
 FORMAT_VERSION = 1
 KINDS = CACHE_KINDS  # what a cache entry holds: K-FAC factors A and S, or the input covariance A alone
 
@@ -184,8 +186,10 @@ def get_or_build_factors(
         except CrispEditError:
             pass  # a damaged entry is rebuilt below (and replaced atomically)
     if all_agree(factors is not None):  # every process takes the same branch (collectives follow)
+        _log.info("capability curvature: cached (%s)", path.name)
         return factors, {"path": str(path), "hit": True, "seconds": time.perf_counter() - t0,
                          "spec": factors.meta.get("spec")}
+    _log.info("capability curvature (%s): collecting over %d texts of <= %d tokens", spec.kind, len(texts), spec.max_len)
     if spec.kind == "input":
         factors = collect_lm_input_covariance(model, tokenizer, texts, layers, max_len=spec.max_len,
                                               batch_size=batch_size, stat_dtype=stat_dtype, progress=progress)
@@ -194,6 +198,7 @@ def get_or_build_factors(
                                   label_mode=LabelMode(spec.label_mode), seed=spec.seed, stat_dtype=stat_dtype,
                                   progress=progress)
     seconds = time.perf_counter() - t0
+    _log.info("capability curvature: collected in %.0f s", seconds)
     if is_main():
         save_factors(path, factors, spec, extra={"collect_seconds": seconds, "processes": world_size()})
         factors.source = {"path": str(path), **_source_of(path)}

@@ -23,6 +23,7 @@ additions) and the weights stay identical on all of them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ from .contexts import epoch_subset, sequences_for, training_batches
 from .fastpath import make_loss_fn, plain_loss as edit_loss
 from .optim import make_optimizer
 from .steptimer import NULL_TIMER, StepTimer
+
+_log = logging.getLogger("crispedit.edit")
+LOG_EVERY = 5  # epochs between the loop's INFO lines (for output that is not a terminal: no bar there)
 
 __all__ = ["projected_finetune", "edit_loss", "TrainHistory", "training_brief", "apply_projection", "edit_batches",
            "shard_batch"]
@@ -368,7 +372,11 @@ def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditReque
         model.train()
         for epoch in bar:
             losses = [step(plan, item, run) for item in plan.epoch(epoch, run.generator)]
-            bar.set_postfix(loss=f"{run.end_epoch(hist, losses, config):.4f}")
+            loss = run.end_epoch(hist, losses, config)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            if (epoch + 1) % LOG_EVERY == 0 or hist.converged or epoch + 1 == config.epochs:
+                _log.info("edit[%s] epoch %d/%d: loss %.4f, %.0f s", config.method, epoch + 1, config.epochs, loss,
+                          run.spent + time.perf_counter() - t0)
             ckpt.save_if_due(run.state(epoch + 1, hist, run.spent + time.perf_counter() - t0), run.start,
                              final=hist.converged or epoch + 1 == config.epochs)
             if hist.converged:
