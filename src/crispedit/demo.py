@@ -43,6 +43,7 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
     from .progress import progress_lines
 
     def configs():
+        """One :class:`EditConfig` per method (checks every number)."""
         return {m: EditConfig(method=m, gamma=gamma, epochs=epochs, n_cap=n_cap, precision=precision) for m in methods}
 
     configs()  # every number checked before the model is loaded
@@ -51,6 +52,7 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
     requests = load_edits(bundled_path(BUNDLED_EDITS), limit=check_positive_int("--n-edits", n_edits))
 
     def say(msg: str) -> None:
+        """Print ``msg`` after the seconds since the start."""
         print(f"[{time.perf_counter() - t0:5.0f} s] {msg}", flush=True)
 
     with progress_lines(progress):
