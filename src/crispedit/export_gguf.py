@@ -181,29 +181,29 @@ def tokenizer_fields(tokenizer, vocab_size: int) -> dict:
             "chat_template": template if isinstance(template, str) else None}
 
 
-def export_gguf(model_dir: str | Path, out: str | Path, *, qtype: str = "f16", progress: bool | None = None) -> dict:
-    """Write the llama-family model in ``model_dir`` as GGUF file ``out`` (``qtype``: ``f16``, ``q8_0`` or ``f32``; see
-    the module docstring for what goes in). Checks first (:func:`check_export`), writes atomically. Returns
-    ``{"out", "bytes", "seconds", "tensors", "types"}`` (``types``: GGML type name -> tensor count)."""
-    check_export(model_dir, out, qtype)
-    t0 = time.perf_counter()
-    import numpy as np
-    import torch
-    from gguf import GGUFWriter
-    from gguf.constants import GGML_QUANT_VERSION, GGMLQuantizationType, LlamaFileType
-    from gguf.quants import quantize
-
-    from .models import load_model
-
-    model, tok = load_model(str(model_dir), dtype="float32", progress=progress)
-    cfg = model.config
+def _llama_dims(cfg) -> dict:
+    """The attention and rotary settings of a llama ``cfg`` (a transformers config) that the GGUF metadata and the
+    rotary permutation need: ``heads`` and ``kv_heads`` (query and key/value head counts; ``kv_heads`` falls back
+    to ``heads``), ``head_dim`` (the size of one head; ``hidden_size / heads`` where the config gives none) and
+    ``theta`` (the rotary base frequency, from ``rope_parameters`` or else ``rope_theta``, 10000 by default)."""
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rope = getattr(cfg, "rope_parameters", None) or {}
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     theta = theta if theta is not None else getattr(cfg, "rope_theta", 10000.0)
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    tk = tokenizer_fields(tok, cfg.vocab_size)
+    return {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "theta": theta}
+
+
+def _gguf_tensors(model, qtype: str, heads: int, kv_heads: int, tied: bool) -> list[tuple]:
+    """The parameters of ``model`` (state-dict order) as ``(llama.cpp name, numpy array, raw GGML type or None)``:
+    the q and k projections permuted to llama.cpp's rotary layout (:func:`permute_rotary` with ``heads`` and
+    ``kv_heads``); vectors float32; matrices float32 for ``f32``, Q8_0 blocks (a uint8 array of packed blocks,
+    raw type Q8_0) for ``q8_0`` where the row length is a multiple of 32, float16 otherwise. ``lm_head`` is
+    left out when the embeddings are ``tied``. One-line error for a parameter holding inf or nan."""
+    import numpy as np
+    import torch
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
 
     tensors = []
     for name, p in model.state_dict().items():
@@ -226,53 +226,101 @@ def export_gguf(model_dir: str | Path, out: str | Path, *, qtype: str = "f16", p
                             GGMLQuantizationType.Q8_0))
         else:
             tensors.append((gname, np.ascontiguousarray(w, dtype=np.float16), None))
+    return tensors
+
+
+def _add_model_metadata(writer, name: str, cfg, qtype: str, dims: dict) -> None:
+    """Add to ``writer`` (a ``GGUFWriter``) the general keys (type, ``name``, file type for ``qtype``, the
+    quantization version for ``q8_0``) and the ``llama.*`` hyperparameters of ``cfg`` with the head settings
+    ``dims`` (:func:`_llama_dims`); key and value lengths only when heads × head size is not the hidden size."""
+    from gguf.constants import GGML_QUANT_VERSION, LlamaFileType
+
+    heads, head_dim = dims["heads"], dims["head_dim"]
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_file_type(int({"f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0,
+                              "f32": LlamaFileType.ALL_F32}[qtype]))
+    if qtype == "q8_0":
+        writer.add_quantization_version(GGML_QUANT_VERSION)
+    writer.add_context_length(int(cfg.max_position_embeddings))
+    writer.add_embedding_length(int(cfg.hidden_size))
+    writer.add_block_count(int(cfg.num_hidden_layers))
+    writer.add_feed_forward_length(int(cfg.intermediate_size))
+    writer.add_head_count(int(heads))
+    writer.add_head_count_kv(int(dims["kv_heads"]))
+    writer.add_rope_freq_base(float(dims["theta"]))
+    writer.add_rope_dimension_count(int(head_dim))
+    if head_dim * heads != cfg.hidden_size:
+        writer.add_key_length(int(head_dim))
+        writer.add_value_length(int(head_dim))
+    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    writer.add_vocab_size(int(cfg.vocab_size))
+
+
+def _add_tokenizer_metadata(writer, tk: dict) -> None:
+    """Add to ``writer`` (a ``GGUFWriter``) the ``tokenizer.ggml.*`` keys from ``tk`` (:func:`tokenizer_fields`):
+    model ``gpt2``, pre-tokenizer name, tokens, token types, merges, the special ids that are set, whether BOS /
+    EOS are added, and the chat template when there is one."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tk["pre"])
+    writer.add_token_list(tk["tokens"])
+    writer.add_token_types(tk["token_types"])
+    writer.add_token_merges(tk["merges"])
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                     ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+        if tk[key] is not None:
+            add(int(tk[key]))
+    writer.add_add_bos_token(bool(tk["add_bos"]))
+    writer.add_add_eos_token(bool(tk["add_eos"]))
+    if tk["chat_template"]:
+        writer.add_chat_template(tk["chat_template"])
+
+
+def _write_gguf(path: Path, name: str, cfg, qtype: str, dims: dict, tk: dict, tensors: list[tuple],
+                progress: bool | None) -> dict[str, int]:
+    """Write the GGUF file ``path`` (architecture ``llama``): the model metadata (:func:`_add_model_metadata`),
+    the tokenizer metadata ``tk`` and the ``tensors`` (:func:`_gguf_tensors`), in that order; the writer is
+    closed even on failure. Returns the tensor count per GGML type name (``F32``, ``F16``, ``Q8_0``)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    types: dict[str, int] = {}
+    writer = GGUFWriter(str(path), "llama")
+    try:
+        _add_model_metadata(writer, name, cfg, qtype, dims)
+        _add_tokenizer_metadata(writer, tk)
+        for gname, data, raw in tensors:
+            writer.add_tensor(gname, data, raw_dtype=raw)
+            kind = raw.name if raw is not None else ("F32" if data.dtype == np.float32 else "F16")
+            types[kind] = types.get(kind, 0) + 1
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=bool(progress))
+    finally:
+        writer.close()
+    return types
+
+
+def export_gguf(model_dir: str | Path, out: str | Path, *, qtype: str = "f16", progress: bool | None = None) -> dict:
+    """Write the llama-family model in ``model_dir`` as GGUF file ``out`` (``qtype``: ``f16``, ``q8_0`` or ``f32``; see
+    the module docstring for what goes in). Checks first (:func:`check_export`), writes atomically. Returns
+    ``{"out", "bytes", "seconds", "tensors", "types"}`` (``types``: GGML type name -> tensor count)."""
+    check_export(model_dir, out, qtype)
+    t0 = time.perf_counter()
+    import gguf  # noqa: F401  (a missing gguf package fails here, before the model loads)
+
+    from .models import load_model
+
+    model, tok = load_model(str(model_dir), dtype="float32", progress=progress)
+    cfg = model.config
+    dims = _llama_dims(cfg)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    tk = tokenizer_fields(tok, cfg.vocab_size)
+    tensors = _gguf_tensors(model, qtype, dims["heads"], dims["kv_heads"], tied)
     del model
 
     name = Path(model_dir).resolve().name
-    types: dict[str, int] = {}
     with atomic_file(out) as tmp:
-        writer = GGUFWriter(str(tmp), "llama")
-        try:
-            writer.add_type("model")
-            writer.add_name(name)
-            writer.add_file_type(int({"f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0,
-                                      "f32": LlamaFileType.ALL_F32}[qtype]))
-            if qtype == "q8_0":
-                writer.add_quantization_version(GGML_QUANT_VERSION)
-            writer.add_context_length(int(cfg.max_position_embeddings))
-            writer.add_embedding_length(int(cfg.hidden_size))
-            writer.add_block_count(int(cfg.num_hidden_layers))
-            writer.add_feed_forward_length(int(cfg.intermediate_size))
-            writer.add_head_count(int(heads))
-            writer.add_head_count_kv(int(kv_heads))
-            writer.add_rope_freq_base(float(theta))
-            writer.add_rope_dimension_count(int(head_dim))
-            if head_dim * heads != cfg.hidden_size:
-                writer.add_key_length(int(head_dim))
-                writer.add_value_length(int(head_dim))
-            writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-            writer.add_vocab_size(int(cfg.vocab_size))
-            writer.add_tokenizer_model("gpt2")
-            writer.add_tokenizer_pre(tk["pre"])
-            writer.add_token_list(tk["tokens"])
-            writer.add_token_types(tk["token_types"])
-            writer.add_token_merges(tk["merges"])
-            for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                             ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
-                if tk[key] is not None:
-                    add(int(tk[key]))
-            writer.add_add_bos_token(bool(tk["add_bos"]))
-            writer.add_add_eos_token(bool(tk["add_eos"]))
-            if tk["chat_template"]:
-                writer.add_chat_template(tk["chat_template"])
-            for gname, data, raw in tensors:
-                writer.add_tensor(gname, data, raw_dtype=raw)
-                kind = raw.name if raw is not None else ("F32" if data.dtype == np.float32 else "F16")
-                types[kind] = types.get(kind, 0) + 1
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file(progress=bool(progress))
-        finally:
-            writer.close()
+        types = _write_gguf(tmp, name, cfg, qtype, dims, tk, tensors, progress)
     return {"out": str(out), "bytes": Path(out).stat().st_size, "seconds": round(time.perf_counter() - t0, 2),
             "tensors": len(tensors), "types": types}

@@ -503,70 +503,72 @@ def _ratio(r: float) -> str:
     return f"×{r:.2f}" if r < 10 else f"×{r:.3g}"
 
 
-def compare_table(payload: dict) -> str:
-    """The markdown table (the paper's Table 1 shape): WILD rel / gen per context, teacher-forced
-    rel / gen, capability scores (all in percent), KL drift and its K-FAC prediction (nats/token), held-out
-    perplexity with its ratio to the base's (✗: more than :data:`BREAKING_PPL_RATIO` ×, the row breaks the
-    model), edit time (+ curvature time), peak memory (MiB), then ``Pareto (KL)`` (★ for the rows on the front
-    of edit success against KL drift, :func:`pareto_points` ``kl_front``) and, with capability tasks,
-    ``Pareto (capabilities)`` (the front against capability retention); a breaking row shows ✗ in both, as
-    it is no candidate. Per column the best edited method and those within 5 % (relative) of it are in bold.
-    A line under the table names the rows on each front, the KL front first, and the breaking rows; notes
-    give each row's paired capability change against the base (:func:`capability_changes`, where per-item
-    scores were kept), the ``-seq`` rows' rounds, chunk size and mean time per round, and the drift
-    prediction's notes per row (:func:`~crispedit.curvature.predicted.prediction_notes`: steep layers,
-    attention q/k/v layers)."""
-    res = payload["results"]
+def _table_columns(payload: dict) -> list[tuple]:
+    """The table's value columns before the drift ones, as ``(header, getter, higher_is_better)``: WILD rel and
+    gen per context (the held-out wrapper's name upper-cased), teacher-forced rel and gen, then one column per
+    capability task. Each getter maps a result row to its stored score (a fraction in [0, 1], shown in percent)
+    or None where the row has none."""
     caps = payload["settings"]["evaluation"]["capabilities"]
-    rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
     wrappers = payload["settings"]["evaluation"].get("wild") or list(EVAL_WRAPPERS)
     cols = [(f"{w.upper() if w == HELD_OUT_WRAPPER else w} {k}",
              (lambda w, k: lambda r: (r["wild"].get(w) or {}).get(k))(w, k), True) for w in wrappers for k in ("rel", "gen")]
     cols += [("TF rel", lambda r: r["summary"].get("rel"), True),
             ("TF gen", lambda r: r["summary"].get("gen"), True)]
     cols += [(c, (lambda c: lambda r: r["capabilities"].get(c))(c), True) for c in caps]
-    edited = [res[m] for m in rows if m != "base"]
-    head = ["method"] + [c[0] for c in cols] + ["KL drift", "KL pred", "ppl (×base)", "edit time", "curvature",
-                                                "peak mem MiB (+rise)", "Pareto (KL)"] \
-        + (["Pareto (capabilities)"] if caps else [])
-    pareto = pareto_points(payload)
-    ratios = perplexity_ratios(payload)
+    return cols
+
+
+def _pareto_mark(m: str, front: list[str], breaking: dict) -> str:
+    """The Pareto cell of row ``m`` for ``front``: – for the base, ✗ for a breaking row, ★ on the front."""
+    return "–" if m == "base" else "✗" if m in breaking else "★" if m in front else ""
+
+
+def _table_row(m: str, r: dict, cols: list[tuple], edited: list[dict], ratio: float | None, pareto: dict,
+               caps: list[str]) -> str:
+    """The markdown table line of row ``m`` (result ``r``): its name, each of ``cols`` in percent (bold, for an
+    edited row, where within 5 % (relative) of the best of the ``edited`` rows), KL drift and its prediction
+    (nats/token), perplexity with its ``ratio`` to the base's, edit and curvature time, peak memory (MiB, with
+    its rise) and the Pareto marks (the capability one only with ``caps``)."""
+    cells = [m if m != "base" else "base (unedited)"]
+    for _, get, _higher in cols:
+        v = get(r)
+        best = max((x for x in (get(e) for e in edited) if x is not None), default=None)
+        text = _pct(v)
+        if m != "base" and v is not None and best is not None and best > 0 and v >= 0.95 * best:
+            text = f"**{text}**"
+        cells.append(text)
+    mem = r.get("memory") or {}
+    peak = "" if not mem else (f"{mem['peak_mib']:.0f} (+{mem['increase_mib']:.0f})" if mem.get("peak_mib")
+                               else f"+{mem['increase_mib']:.0f}")
+    pred = r["summary"].get("kl_predicted")
+    cells += [f"{r['summary']['kl_drift']:.5f}", "–" if pred is None else f"{pred:.5f}",
+              _ppl_cell(r, ratio), _duration(r.get("edit_seconds")),
+              _duration(r.get("cache_seconds")) if r.get("cache_seconds") else "", peak,
+              _pareto_mark(m, pareto["kl_front"], pareto["breaking"])]
+    if caps:
+        cells.append(_pareto_mark(m, pareto["front"], pareto["breaking"]))
+    return "| " + " | ".join(cells) + " |"
+
+
+def _fronts_line(pareto: dict, caps: list[str]) -> str:
+    """The paragraph under the table naming the rows on the KL front, on the capability front (only with
+    ``caps``) and the breaking rows with their perplexity ratios to the base's."""
     breaking = pareto["breaking"]
+    return ("\nPareto front against KL drift (Pareto (KL) ★): " + (", ".join(pareto["kl_front"]) or "none")
+            + (". Pareto front against capability retention (Pareto (capabilities) ★): "
+               + (", ".join(pareto["front"]) or "none") if caps else "")
+            + ". Breaking the model (✗: held-out perplexity more than "
+            f"{BREAKING_PPL_RATIO:g}× the base's; on neither front): "
+            + (", ".join(f"{m} ({_ratio(v)})" for m, v in breaking.items()) or "none") + ".\n")
 
-    def mark(m, front):
-        """The Pareto cell of row ``m`` for ``front``: – for the base, ✗ for a breaking row, ★ on the front."""
-        return "–" if m == "base" else "✗" if m in breaking else "★" if m in front else ""
 
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for m in rows:
-        r = res[m]
-        cells = [m if m != "base" else "base (unedited)"]
-        for _, get, _higher in cols:
-            v = get(r)
-            best = max((x for x in (get(e) for e in edited) if x is not None), default=None)
-            text = _pct(v)
-            if m != "base" and v is not None and best is not None and best > 0 and v >= 0.95 * best:
-                text = f"**{text}**"
-            cells.append(text)
-        mem = r.get("memory") or {}
-        peak = "" if not mem else (f"{mem['peak_mib']:.0f} (+{mem['increase_mib']:.0f})" if mem.get("peak_mib")
-                                   else f"+{mem['increase_mib']:.0f}")
-        pred = r["summary"].get("kl_predicted")
-        cells += [f"{r['summary']['kl_drift']:.5f}", "–" if pred is None else f"{pred:.5f}",
-                  _ppl_cell(r, ratios.get(m)), _duration(r.get("edit_seconds")),
-                  _duration(r.get("cache_seconds")) if r.get("cache_seconds") else "", peak,
-                  mark(m, pareto["kl_front"])]
-        if caps:
-            cells.append(mark(m, pareto["front"]))
-        lines.append("| " + " | ".join(cells) + " |")
+def _settings_note(payload: dict, edited: list[dict], pareto: dict) -> str:
+    """The note under the fronts: model, number of edits and their sources, what each column measures (and
+    in which unit), the capability tasks' item limit, how peak memory was measured (from the first of the
+    ``edited`` rows that recorded it) and what each Pareto column means."""
     s = payload["settings"]
-    fronts = ("\nPareto front against KL drift (Pareto (KL) ★): " + (", ".join(pareto["kl_front"]) or "none")
-              + (". Pareto front against capability retention (Pareto (capabilities) ★): "
-                 + (", ".join(pareto["front"]) or "none") if caps else "")
-              + ". Breaking the model (✗: held-out perplexity more than "
-              f"{BREAKING_PPL_RATIO:g}× the base's; on neither front): "
-              + (", ".join(f"{m} ({_ratio(v)})" for m, v in breaking.items()) or "none") + ".\n")
-    note = (f"\n{s['model']} · {s['n_edits']} edits {json.dumps(s['edits'])} · WILD rule judge (qa = the paper's "
+    caps = s["evaluation"]["capabilities"]
+    return (f"\n{s['model']} · {s['n_edits']} edits {json.dumps(s['edits'])} · WILD rule judge (qa = the paper's "
             "wrapper, never trained) · TF = teacher-forced · KL drift = mean per-token KL(base‖edited) on held-out "
             "text (nats) · KL pred = the K-FAC prediction ½·Σ tr(ΔWᵀSΔWA) from the capability factors"
             " · ppl = perplexity on the same held-out text (×base: over the unedited model's)"
@@ -576,6 +578,16 @@ def compare_table(payload: dict) -> str:
             "among the edited rows that do not break the model"
             + (f" · Pareto (capabilities) ★: the same against capability retention ({pareto['retention']})"
                if caps else "") + "\n")
+
+
+def _row_notes(payload: dict, rows: list[str]) -> str:
+    """The notes on single ``rows`` after the settings note, each a paragraph present only where it applies:
+    the paired capability change against the base (points ± standard error, with the items per task;
+    :func:`capability_changes`), the ``-seq`` rows' rounds, chunk size and mean seconds per round, and the
+    drift prediction's notes (:func:`~crispedit.curvature.predicted.prediction_notes`). Empty when none apply."""
+    res = payload["results"]
+    caps = payload["settings"]["evaluation"]["capabilities"]
+    note = ""
     changes = capability_changes(payload)
     if changes:
         n_items = {c: len(((res["base"].get("capability_details") or {}).get(c) or {}).get("items") or [])
@@ -595,7 +607,36 @@ def compare_table(payload: dict) -> str:
     if pred_notes:
         note += "\nDrift prediction notes (a steep layer dominates it, or attention mixes what it models): " + "; ".join(
             f"{m}: {line}" for m, line in pred_notes) + "\n"
-    return "\n".join(lines) + "\n" + fronts + note
+    return note
+
+
+def compare_table(payload: dict) -> str:
+    """The markdown table (the paper's Table 1 shape): WILD rel / gen per context, teacher-forced
+    rel / gen, capability scores (all in percent), KL drift and its K-FAC prediction (nats/token), held-out
+    perplexity with its ratio to the base's (✗: more than :data:`BREAKING_PPL_RATIO` ×, the row breaks the
+    model), edit time (+ curvature time), peak memory (MiB), then ``Pareto (KL)`` (★ for the rows on the front
+    of edit success against KL drift, :func:`pareto_points` ``kl_front``) and, with capability tasks,
+    ``Pareto (capabilities)`` (the front against capability retention); a breaking row shows ✗ in both, as
+    it is no candidate. Per column the best edited method and those within 5 % (relative) of it are in bold.
+    A line under the table names the rows on each front, the KL front first, and the breaking rows; notes
+    give each row's paired capability change against the base (:func:`capability_changes`, where per-item
+    scores were kept), the ``-seq`` rows' rounds, chunk size and mean time per round, and the drift
+    prediction's notes per row (:func:`~crispedit.curvature.predicted.prediction_notes`: steep layers,
+    attention q/k/v layers)."""
+    res = payload["results"]
+    caps = payload["settings"]["evaluation"]["capabilities"]
+    rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
+    cols = _table_columns(payload)
+    edited = [res[m] for m in rows if m != "base"]
+    head = ["method"] + [c[0] for c in cols] + ["KL drift", "KL pred", "ppl (×base)", "edit time", "curvature",
+                                                "peak mem MiB (+rise)", "Pareto (KL)"] \
+        + (["Pareto (capabilities)"] if caps else [])
+    pareto = pareto_points(payload)
+    ratios = perplexity_ratios(payload)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += [_table_row(m, res[m], cols, edited, ratios.get(m), pareto, caps) for m in rows]
+    return ("\n".join(lines) + "\n" + _fronts_line(pareto, caps) + _settings_note(payload, edited, pareto)
+            + _row_notes(payload, rows))
 
 
 def _place_labels(ax, anchors: list[tuple[float, float]], names: list[str], fontsize: int = 8,
@@ -649,35 +690,15 @@ def _place_labels(ax, anchors: list[tuple[float, float]], names: list[str], font
         placed.append(best[2])
 
 
-def plot_compare(payload: dict, path: str | Path) -> None:
-    """Write the compare picture to ``path`` (PNG). Left panel: edit success (WILD QA rel, fraction) against
-    KL drift on held-out text (nats/token, log x axis; left = less drift), one labelled point per edited row;
-    the KL Pareto front (:func:`pareto_points` ``kl_front``) ringed and joined by a dashed line; a row that
-    breaks the model (held-out perplexity more than :data:`BREAKING_PPL_RATIO` × the base's,
-    :func:`breaking_rows`) drawn as a red ✕ with its own legend entry (it is never on the front). A drift of 0 is
-    drawn at 1e-6; rows without a QA result are left out. Right panel, when capability tasks ran: each
-    task's score change against the base (percentage points) per edited row, with the paired standard error
-    (:func:`capability_changes`; thick bar ± 1 SE, thin bar ± 2 SE); a row stored without per-item scores shows
-    its unpaired difference as a hollow marker without a bar; breaking rows' names in red."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _plot_success_panel(ax, payload: dict, pareto: dict, rows: list[str], xy: dict):
+    """Draw the left panel of the compare picture on ``ax``: edit success (fraction) against KL drift
+    (nats/token, log x axis) at ``xy[m]`` for each of ``rows``, rows that do not break the model as dots and
+    breaking rows as red ✕, the KL Pareto front ringed and joined by a dashed line, with axis labels, limits,
+    grid, legend and title (no point labels yet). Returns the legend, whose box the labels must avoid."""
     from matplotlib.lines import Line2D
 
-    res = payload["results"]
-    caps = payload["settings"]["evaluation"]["capabilities"]
-    pareto = pareto_points(payload)
     breaking = pareto["breaking"]
-    rows = [m for m in pareto["points"] if pareto["points"][m][0] is not None]
-    xy = {m: (max(res[m]["summary"]["kl_drift"], 1e-6), pareto["points"][m][0]) for m in rows}
     s = payload["settings"]
-
-    if caps:
-        fig, (ax, axc) = plt.subplots(1, 2, figsize=(13, 5.6), gridspec_kw={"width_ratios": [1.35, 1]})
-    else:
-        fig, ax = plt.subplots(figsize=(7.4, 5.2))
-        axc = None
     ok = [m for m in rows if m not in breaking]
     bad = [m for m in rows if m in breaking]
     handles = []
@@ -705,48 +726,91 @@ def plot_compare(payload: dict, path: str | Path) -> None:
     ax.grid(alpha=0.3, lw=0.5)
     legend = ax.legend(handles=handles, fontsize=8, loc="best", framealpha=0.9)
     ax.set_title(f"{s['model']}, {s['n_edits']} edits: edit success against drift", fontsize=10)
+    return legend
 
+
+def _plot_capability_panel(axc, payload: dict, pareto: dict) -> None:
+    """Draw the right panel of the compare picture on ``axc``: one line per row with capability scores (the
+    first at the top), per task a marker offset within the line at the score change against the base
+    (percentage points), with ± 1 (thick) and ± 2 (thin) paired standard-error bars where per-item scores
+    were kept (:func:`capability_changes`), else the unpaired difference as a hollow marker without a bar;
+    a zero line, legend and title, breaking rows' names marked and in red."""
+    from matplotlib.lines import Line2D
+
+    res = payload["results"]
+    caps = payload["settings"]["evaluation"]["capabilities"]
+    breaking = pareto["breaking"]
+    changes = capability_changes(payload)
+    base_caps = (res.get("base") or {}).get("capabilities") or {}
+    crow = [m for m in pareto["points"] if res[m].get("capabilities")]
+    n = len(crow)
+    markers, chandles, drawn = "osD^v<>", [], set()
+    for j, c in enumerate(caps):
+        off = (j - (len(caps) - 1) / 2) * 0.28
+        color = f"C{j + 1}" if j + 1 != 3 else "C9"
+        for i, m in enumerate(crow):
+            y = n - 1 - i + off
+            if c in changes.get(m, {}):
+                d, e = changes[m][c]
+                axc.plot([d - 2 * e, d + 2 * e], [y, y], color=color, lw=0.9, zorder=2)
+                axc.plot([d - e, d + e], [y, y], color=color, lw=3, alpha=0.8, zorder=2)
+                axc.plot([d], [y], marker=markers[j % len(markers)], color=color, ms=5, zorder=3)
+                drawn.add("paired")
+            elif res[m]["capabilities"].get(c) is not None and base_caps.get(c) is not None:
+                d = 100 * (res[m]["capabilities"][c] - base_caps[c])
+                axc.plot([d], [y], marker=markers[j % len(markers)], color=color, ms=5, mfc="none", zorder=3)
+                drawn.add("unpaired")
+        chandles.append(Line2D([], [], color=color, marker=markers[j % len(markers)], ls="",
+                               label=_TASK_LABELS.get(c, c)))
+    if "paired" in drawn:
+        chandles.append(Line2D([], [], color="0.3", lw=3, label="± 1 paired SE"))
+        chandles.append(Line2D([], [], color="0.3", lw=0.9, label="± 2 paired SE"))
+    if "unpaired" in drawn:
+        chandles.append(Line2D([], [], color="0.3", marker="o", mfc="none", ls="",
+                               label="no per-item scores for this row or the base:\nscore difference only, no SE"))
+    axc.axvline(0, color="0.3", lw=0.8, zorder=1)
+    axc.set_yticks(range(n))
+    axc.set_yticklabels([m + (" (breaks)" if m in breaking else "") for m in reversed(crow)], fontsize=8)
+    for label, m in zip(axc.get_yticklabels(), reversed(crow)):
+        if m in breaking:
+            label.set_color("C3")
+    axc.set_ylim(-0.7, n - 0.3)
+    axc.set_xlabel("capability score change against the base (percentage points)")
+    axc.grid(alpha=0.3, axis="x", lw=0.5)
+    axc.legend(handles=chandles, fontsize=8, loc="best", framealpha=0.9)
+    limit = payload["settings"]["evaluation"].get("limit") or "all"
+    axc.set_title(f"capabilities on {limit} items per task: change against the base", fontsize=10)
+
+
+def plot_compare(payload: dict, path: str | Path) -> None:
+    """Write the compare picture to ``path`` (PNG). Left panel: edit success (WILD QA rel, fraction) against
+    KL drift on held-out text (nats/token, log x axis; left = less drift), one labelled point per edited row;
+    the KL Pareto front (:func:`pareto_points` ``kl_front``) ringed and joined by a dashed line; a row that
+    breaks the model (held-out perplexity more than :data:`BREAKING_PPL_RATIO` × the base's,
+    :func:`breaking_rows`) drawn as a red ✕ with its own legend entry (it is never on the front). A drift of 0 is
+    drawn at 1e-6; rows without a QA result are left out. Right panel, when capability tasks ran: each
+    task's score change against the base (percentage points) per edited row, with the paired standard error
+    (:func:`capability_changes`; thick bar ± 1 SE, thin bar ± 2 SE); a row stored without per-item scores shows
+    its unpaired difference as a hollow marker without a bar; breaking rows' names in red."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = payload["results"]
+    caps = payload["settings"]["evaluation"]["capabilities"]
+    pareto = pareto_points(payload)
+    rows = [m for m in pareto["points"] if pareto["points"][m][0] is not None]
+    xy = {m: (max(res[m]["summary"]["kl_drift"], 1e-6), pareto["points"][m][0]) for m in rows}
+
+    if caps:
+        fig, (ax, axc) = plt.subplots(1, 2, figsize=(13, 5.6), gridspec_kw={"width_ratios": [1.35, 1]})
+    else:
+        fig, ax = plt.subplots(figsize=(7.4, 5.2))
+        axc = None
+    legend = _plot_success_panel(ax, payload, pareto, rows, xy)
     if axc is not None:
-        changes = capability_changes(payload)
-        base_caps = (res.get("base") or {}).get("capabilities") or {}
-        crow = [m for m in pareto["points"] if res[m].get("capabilities")]
-        n = len(crow)
-        markers, chandles, drawn = "osD^v<>", [], set()
-        for j, c in enumerate(caps):
-            off = (j - (len(caps) - 1) / 2) * 0.28
-            color = f"C{j + 1}" if j + 1 != 3 else "C9"
-            for i, m in enumerate(crow):
-                y = n - 1 - i + off
-                if c in changes.get(m, {}):
-                    d, e = changes[m][c]
-                    axc.plot([d - 2 * e, d + 2 * e], [y, y], color=color, lw=0.9, zorder=2)
-                    axc.plot([d - e, d + e], [y, y], color=color, lw=3, alpha=0.8, zorder=2)
-                    axc.plot([d], [y], marker=markers[j % len(markers)], color=color, ms=5, zorder=3)
-                    drawn.add("paired")
-                elif res[m]["capabilities"].get(c) is not None and base_caps.get(c) is not None:
-                    d = 100 * (res[m]["capabilities"][c] - base_caps[c])
-                    axc.plot([d], [y], marker=markers[j % len(markers)], color=color, ms=5, mfc="none", zorder=3)
-                    drawn.add("unpaired")
-            chandles.append(Line2D([], [], color=color, marker=markers[j % len(markers)], ls="",
-                                   label=_TASK_LABELS.get(c, c)))
-        if "paired" in drawn:
-            chandles.append(Line2D([], [], color="0.3", lw=3, label="± 1 paired SE"))
-            chandles.append(Line2D([], [], color="0.3", lw=0.9, label="± 2 paired SE"))
-        if "unpaired" in drawn:
-            chandles.append(Line2D([], [], color="0.3", marker="o", mfc="none", ls="",
-                                   label="no per-item scores for this row or the base:\nscore difference only, no SE"))
-        axc.axvline(0, color="0.3", lw=0.8, zorder=1)
-        axc.set_yticks(range(n))
-        axc.set_yticklabels([m + (" (breaks)" if m in breaking else "") for m in reversed(crow)], fontsize=8)
-        for label, m in zip(axc.get_yticklabels(), reversed(crow)):
-            if m in breaking:
-                label.set_color("C3")
-        axc.set_ylim(-0.7, n - 0.3)
-        axc.set_xlabel("capability score change against the base (percentage points)")
-        axc.grid(alpha=0.3, axis="x", lw=0.5)
-        axc.legend(handles=chandles, fontsize=8, loc="best", framealpha=0.9)
-        limit = s["evaluation"].get("limit") or "all"
-        axc.set_title(f"capabilities on {limit} items per task: change against the base", fontsize=10)
+        _plot_capability_panel(axc, payload, pareto)
     fig.tight_layout()
     fig.canvas.draw()
     _place_labels(ax, [xy[m] for m in rows], rows, avoid=[legend.get_window_extent(fig.canvas.get_renderer())])
