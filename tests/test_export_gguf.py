@@ -191,3 +191,22 @@ def test_non_llama_family_is_one_line_naming_it(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a gpt2 model" in err and "llama-family" in err
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_loading_a_gguf_shows_no_conversion_bar_unless_asked(tiny_model_dir, tmp_path, iso_cache, capsys):
+    """``load_model(<file>.gguf, progress=False)`` converts without transformers' plain-tqdm GGUF bar (output
+    that is not a terminal stays quiet); ``progress=True`` shows it; the module's tqdm is restored after."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from crispedit.models import load_model
+
+    out = tmp_path / "tiny.gguf"
+    assert main(["export", "gguf", str(tiny_model_dir), "--out", str(out), "--type", "f32", "--quiet"]) == 0
+    capsys.readouterr()
+    bar = gguf_utils.tqdm
+    load_model(str(out), progress=False)
+    assert "de-quantizing" not in capsys.readouterr().err and gguf_utils.tqdm is bar
+    out2 = tmp_path / "again" / "tiny.gguf"   # another file: converted again, now with the bar
+    out2.parent.mkdir()
+    assert main(["export", "gguf", str(tiny_model_dir), "--out", str(out2), "--type", "f16", "--quiet"]) == 0
+    load_model(str(out2), progress=True)
+    assert "de-quantizing" in capsys.readouterr().err and gguf_utils.tqdm is bar

@@ -34,10 +34,13 @@ def _chat_answers(model, tok, prompts: list[str]) -> list[str]:
     return generate_answers(model, tok, rendered, max_new_tokens=24, add_special_tokens=wrapper != "chat")
 
 
-def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: int = 64, model_spec: str = "smollm2",
+def run_demo(n_edits: int = 6, epochs: int = 100, gamma: float = 0.8, n_cap: int = 16, model_spec: str = "smollm2",
              show: int = 6, methods: tuple[str, ...] = ("crispedit", "ft"), progress: bool | None = None,
-             precision: str = "fp32") -> int:
-    """Run the demo and print its tables; returns the exit status (0). Every phase prints a line with the seconds
+             precision: str = "bf16", kl_texts: int = 16) -> int:
+    """Run the demo and print its tables; returns the exit status (0). Sized to be short: ``n_edits`` bundled
+    edits, ``n_cap`` capability texts for the curvature, a bfloat16 training forward, the drift on ``kl_texts``
+    held-out paragraphs; ``crispedit demo --n-edits 32 --n-cap 64 --precision fp32 --kl-texts 32`` is the
+    library's defaults at the size of the earlier demo. Every phase prints a line with the seconds
     since the start; where progress bars do not show (output not a terminal) the edit loop and the curvature
     collection add a line every few epochs / per phase (:func:`~crispedit.progress.progress_lines`)."""
     from .progress import progress_lines
@@ -48,6 +51,7 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
 
     configs()  # every number checked before the model is loaded
     show = check_int("--show", show, 0)
+    kl_texts = check_positive_int("--kl-texts", kl_texts)
     t0 = time.perf_counter()
     requests = load_edits(bundled_path(BUNDLED_EDITS), limit=check_positive_int("--n-edits", n_edits))
 
@@ -56,14 +60,14 @@ def run_demo(n_edits: int = 32, epochs: int = 100, gamma: float = 0.8, n_cap: in
         print(f"[{time.perf_counter() - t0:5.0f} s] {msg}", flush=True)
 
     with progress_lines(progress):
-        rows, answers = _run_methods(model_spec, requests, configs(), requests[:show], progress, say)
+        rows, answers = _run_methods(model_spec, requests, configs(), requests[:show], progress, say, kl_texts)
     _print_tables(requests[:show], answers, rows, methods)
     print(f"\nbase model perplexity on held-out WikiText: {rows[0][5]:.3f}; "
-          f"kl_drift = mean per-token KL(base || edited) there. total {time.perf_counter() - t0:.0f}s")
+          f"kl_drift = mean per-token KL(base || edited) on {kl_texts} paragraphs there. total {time.perf_counter() - t0:.0f}s")
     return 0
 
 
-def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say) -> tuple[list, dict]:
+def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say, kl_texts: int) -> tuple[list, dict]:
     """Load the model, ask the ``shown`` questions, edit with each config in turn (restoring the base weights
     after each) and evaluate it; the demo's rows and the answers before and after each method."""
     from .editing import edit, restore  # torch: only once every argument is checked
@@ -82,7 +86,8 @@ def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say)
         res = edit(model, tok, requests, cfg, progress=progress)
         say(f"{method}: edited in {res.edit_seconds:.0f} s ({len(res.history.epoch_loss)} epochs); evaluating "
             f"(WILD {', '.join(EVAL_WRAPPERS)}, teacher-forced, KL drift) ...")
-        ev = evaluate_edit(model, tok, requests, res.original_weights, wild=tuple(EVAL_WRAPPERS), progress=progress)
+        ev = evaluate_edit(model, tok, requests, res.original_weights, wild=tuple(EVAL_WRAPPERS), kl_texts=kl_texts,
+                           progress=progress)
         s = ev["summary"]
         answers[method] = _chat_answers(model, tok, prompts)
         rows.append((method, ev["wild"], s["rel"], s["kl_drift"], s["ppl"], s["ppl_base"],

@@ -22,6 +22,7 @@ per architecture (the MLP output projection of five consecutive blocks starting 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -149,10 +150,20 @@ def _hf_progress(progress: bool | None):
     show = show_progress(progress)
     was = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if show else hf_logging.disable_progress_bar)()
+    # the GGUF conversion bar is a plain tqdm that ignores the switch above: quieted here for the duration
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover - a transformers without GGUF support
+        gguf_utils = None
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None and not show:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+        if bar is not None:
+            gguf_utils.tqdm = bar
 
 
 def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:

@@ -10,18 +10,20 @@ def cmd_demo(args) -> int:
     from ..demo import run_demo
 
     return run_demo(n_edits=args.n_edits, epochs=args.epochs, gamma=args.gamma, n_cap=args.n_cap, model_spec=args.model,
-                    show=args.show, precision=args.precision)
+                    show=args.show, precision=args.precision,
+                    kl_texts=args.kl_texts)
 
 
 def add_cli(sub) -> None:
     """Register ``crispedit demo`` on ``subparsers``."""
     d = sub.add_parser("demo", help="edit bundled ZsRE facts into SmolLM2 with crispedit and ft; show before/after")
     d.add_argument("--model", default="smollm2")
-    d.add_argument("--n-edits", type=int, default=32)
+    d.add_argument("--n-edits", type=int, default=6)
     d.add_argument("--epochs", type=int, default=100)
     d.add_argument("--gamma", type=float, default=0.8)
-    d.add_argument("--n-cap", type=int, default=64)
+    d.add_argument("--n-cap", type=int, default=16, help="capability texts for the curvature")
     d.add_argument("--show", type=int, default=6, help="rows in the before/after table")
-    d.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+    d.add_argument("--precision", choices=("fp32", "bf16"), default="bf16",
                    help="the training forward's precision (as crispedit edit --precision)")
+    d.add_argument("--kl-texts", type=int, default=16, help="held-out paragraphs the KL drift is measured on")
     d.set_defaults(func=cmd_demo)
