@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from conftest import build_llama
 from crispedit.cli import main
 from crispedit.data import EditRequest
-from crispedit.delta import apply_delta, build_delta, delta_fingerprint, export_lora, revert_delta, write_delta
+from crispedit.delta import (apply_delta, build_delta, delta_fingerprint, export_lora, revert_delta,
+                             revert_delta_tensors, write_delta)
 from crispedit.delta_format import read_delta_header
 from crispedit.editing import EditConfig, edit
 from crispedit.errors import CrispEditError
@@ -60,6 +61,18 @@ def test_apply_revert_bit_exact_with_patches_and_refusals(tiny_lm, tmp_path):
     assert same_bits(bits(model), edited)                                 # the edited model, bit for bit
     with pytest.raises(CrispEditError, match="already applied to this model"):
         apply_delta(model, path)
+
+
+def test_in_memory_delta_reverts_bit_exact_and_refuses_twice(tiny_lm, tmp_path):
+    """The delta :func:`build_delta` returns, never written, reverts like the file (patches included)."""
+    model, res, _, _, base, edited = edited_pair(tiny_lm, tmp_path)
+    tensors, header = build_delta(model, res.original_weights, {"method": "crispedit"})
+    assert f"{W1}::revert_idx" in tensors                                  # the patch is exercised
+    meta = revert_delta_tensors(model, tensors, header)
+    assert same_bits(bits(model), base) and W1 in meta["parameters"]
+    with pytest.raises(CrispEditError, match="delta in-memory delta is not applied to this model"):
+        revert_delta_tensors(model, tensors, header)
+    assert same_bits(bits(model), base)                                   # the refusal changed nothing
 
 
 def test_patches_are_needed(tiny_lm, tmp_path):

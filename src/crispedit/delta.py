@@ -39,7 +39,7 @@ from .errors import CrispEditError, atomic_directory, atomic_save_safetensors, a
 from .models import parameter
 
 __all__ = ["DELTA_FILE", "DELTA_FORMAT", "delta_fingerprint", "build_delta", "write_delta", "load_delta",
-           "apply_delta", "revert_delta", "export_lora", "delta_info"]
+           "apply_delta", "revert_delta", "revert_delta_tensors", "export_lora", "delta_info"]
 
 _CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "n_embd", "n_layer", "n_head", "d_model")
@@ -181,7 +181,18 @@ def revert_delta(model: nn.Module, path: str | Path) -> dict:
     """Take the edit of delta ``path`` out of ``model`` (the edited model; checked by fingerprint) in place,
     bit for bit (``edited - ΔW`` on the CPU, then the revert patch). Returns the delta's metadata."""
     tensors, meta = load_delta(path)
-    current = _check_model(model, meta, "edited_fingerprint", path)
+    return revert_delta_tensors(model, tensors, meta, path)
+
+
+def revert_delta_tensors(model: nn.Module, tensors: Mapping[str, Tensor], meta: dict | Mapping[str, str],
+                         source: str | Path = "in-memory delta") -> dict:
+    """:func:`revert_delta` for a delta held in memory: ``tensors`` and ``meta`` as :func:`build_delta` returns
+    them (its header map, or the decoded metadata :func:`load_delta` gives); ``source`` names it in errors.
+    ``model`` must be the delta's edited model (checked by fingerprint); afterwards it holds the base bit for
+    bit. Returns the delta's metadata."""
+    if "crispedit_delta" in meta:
+        meta = json.loads(meta["crispedit_delta"])
+    current = _check_model(model, meta, "edited_fingerprint", source)
     _set(model, {n: _patched(current[n] - tensors[n], tensors, n, "revert") for n in meta["parameters"]})
     return meta
 
