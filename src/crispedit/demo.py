@@ -18,20 +18,23 @@ from .data import BUNDLED_EDITS, bundled_path, load_edits
 from .editing.config import EditConfig
 from .errors import check_int, check_positive_int
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "chat_answers"]
 
 
 def _short(s: str, n: int) -> str:
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
-def _chat_answers(model, tok, prompts: list[str]) -> list[str]:
+def chat_answers(model, tok, prompts: list[str], max_new_tokens: int = 24) -> list[str]:
+    """The model's greedy answers (at most ``max_new_tokens`` tokens each, cut at ".", a newline or EOS) to ``prompts`` asked
+    the way a user asks an instruct model: through its chat template (the ``chat`` evaluation wrapper), or
+    bare for a tokenizer without one. Shared by the demo's before/after table and the playground."""
     from .evaluation.generation import generate_answers
     from .evaluation.wild import render_prompt
 
     wrapper = "chat" if getattr(tok, "chat_template", None) else "none"  # the evaluation wrapper asked through
     rendered = [render_prompt(tok, p, wrapper) for p in prompts]
-    return generate_answers(model, tok, rendered, max_new_tokens=24, add_special_tokens=wrapper != "chat")
+    return generate_answers(model, tok, rendered, max_new_tokens=max_new_tokens, add_special_tokens=wrapper != "chat")
 
 
 def run_demo(n_edits: int = 6, epochs: int = 100, gamma: float = 0.8, n_cap: int = 16, model_spec: str = "smollm2",
@@ -79,7 +82,7 @@ def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say,
     via = "its chat template" if getattr(tok, "chat_template", None) else "the bare question (no chat template)"
     say(f"loaded; editing {len(requests)} ZsRE facts; answers below are asked through {via}")
     prompts = [r.prompt for r in shown]
-    answers = {"before": _chat_answers(model, tok, prompts)}
+    answers = {"before": chat_answers(model, tok, prompts)}
     rows = []
     for method, cfg in configs.items():
         say(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}, precision {cfg.precision}) ...")
@@ -89,7 +92,7 @@ def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say,
         ev = evaluate_edit(model, tok, requests, res.original_weights, wild=tuple(EVAL_WRAPPERS), kl_texts=kl_texts,
                            progress=progress)
         s = ev["summary"]
-        answers[method] = _chat_answers(model, tok, prompts)
+        answers[method] = chat_answers(model, tok, prompts)
         rows.append((method, ev["wild"], s["rel"], s["kl_drift"], s["ppl"], s["ppl_base"],
                      len(res.history.epoch_loss), res.edit_seconds, res.history.contexts))
         restore(model, res.original_weights)
