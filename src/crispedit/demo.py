@@ -26,9 +26,10 @@ def _short(s: str, n: int) -> str:
 
 
 def chat_answers(model, tok, prompts: list[str], max_new_tokens: int = 24) -> list[str]:
-    """The model's greedy answers (at most ``max_new_tokens`` tokens each, cut at ".", a newline or EOS) to ``prompts`` asked
-    the way a user asks an instruct model: through its chat template (the ``chat`` evaluation wrapper), or
-    bare for a tokenizer without one. Shared by the demo's before/after table and the playground."""
+    """The model's greedy answers (at most ``max_new_tokens`` tokens each, cut at ".", a newline or EOS) to
+    ``prompts`` asked the way a user asks an instruct model: through its chat template (the ``chat``
+    evaluation wrapper), or bare for a tokenizer without one. Shared by the demo's before/after table and
+    the playground."""
     from .evaluation.generation import generate_answers
     from .evaluation.wild import render_prompt
 
