@@ -55,9 +55,10 @@ def add_curvature_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d["seed"])
 
 
-def add_method_option_args(p: argparse.ArgumentParser) -> None:
-    """``--<method>-<option>`` for every option of every registered method's ``Config`` (default: the method's)."""
-    for method in method_names():
+def add_method_option_args(p: argparse.ArgumentParser, methods: Sequence[str] | None = None) -> None:
+    """``--<method>-<option>`` for every option of every registered method's ``Config`` (default: the method's);
+    ``methods``: only those methods' options (a command that runs one method)."""
+    for method in method_names() if methods is None else methods:
         cfg_cls = method_spec(method).Config
         for f in fields(cfg_cls):
             kind = type(f.default) if f.default is not MISSING else str
@@ -66,9 +67,9 @@ def add_method_option_args(p: argparse.ArgumentParser) -> None:
                            type=kind if kind in (int, float) else str, default=None, help=f"[{method}] {help_}")
 
 
-def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> None:
+def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, options: Sequence[str] | None = None) -> None:
     """``--method`` (choices: the catalogue), ``--gamma --epochs --lr --batch-size``, projection target,
-    training contexts, answer end and the per-method option flags."""
+    training contexts, answer end and the per-method option flags (``options``: only those methods')."""
     d = DEFAULTS
     if method:
         p.add_argument("--method", default=d["method"], choices=method_names(),
@@ -101,7 +102,7 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True) -> Non
     p.add_argument("--answer-end", choices=list(ANSWER_ENDS), default=d["answer_end"],
                    help="what follows the target in training: auto = the chat end-of-turn in chat, a period "
                    "elsewhere (default); eos = EOS instead of the period; none = the target alone (the paper)")
-    add_method_option_args(p)
+    add_method_option_args(p, options)
 
 
 def add_max_drift_arg(p: argparse.ArgumentParser, *, session: bool = False) -> None:
