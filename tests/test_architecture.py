@@ -27,7 +27,8 @@ The layers, lowest first (:data:`LAYERS`; a module may import from its own layer
    its report), ``model_card`` (the README.md of a saved model) and ``export_gguf`` (a model directory as
    one GGUF file): what an edit leaves behind.
 7. ``sessions`` — sequential rounds and durable sessions (they edit, evaluate and write deltas).
-8. ``experiments`` — studies built on whole jobs and sessions (``compare``, the MNIST study) and the demo.
+8. ``experiments`` — studies built on whole jobs and sessions (``compare``, the MNIST study), the demo and
+   the playground (a local web page that asks, edits and undoes on one model).
 9. ``cli`` — parses, calls the library, prints.
 """
 
@@ -49,7 +50,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("methods", ("crispedit.methods",)),
     ("jobs", ("crispedit.delta", "crispedit.pipeline", "crispedit.model_card", "crispedit.export_gguf")),
     ("sessions", ("crispedit.sessions",)),
-    ("experiments", ("crispedit.experiments", "crispedit.demo")),
+    ("experiments", ("crispedit.experiments", "crispedit.demo", "crispedit.playground")),
     ("cli", ("crispedit.cli", "crispedit.__main__")),
 )
 

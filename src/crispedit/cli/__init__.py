@@ -24,6 +24,7 @@ _COMMAND_MODULES: list[str] = [
     "crispedit.cli.edit",
     "crispedit.cli.cache",
     "crispedit.cli.demo",
+    "crispedit.cli.playground",
     "crispedit.cli.evaluate",
     "crispedit.cli.session",
     "crispedit.cli.compare",

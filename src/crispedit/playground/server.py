@@ -1,0 +1,175 @@
+"""The playground's web side: a FastAPI app over a :class:`~.engine.Playground`, served by uvicorn.
+
+Routes: ``GET /`` (the page, ``static/index.html``), ``GET /playground.js`` and ``/playground.css``, ``GET
+/api/state``, and ``POST /api/ask`` (``{"question"}``), ``/api/edit`` (``{"question", "answer"}``) and
+``/api/undo`` (no body). Every answer is JSON; a refused request is ``{"error": one line}`` with status 400
+(bad input, nothing to undo), 409 (busy: another request holds the model), 415 (a POST whose body is not
+declared JSON: a form another site posts cross-origin is refused before it is read) or 500 (a bug, its
+traceback on the server's stderr). With ``allowed_hosts`` (the default for a loopback address), a request
+naming another host is refused: a web page cannot reach the server through a rebound DNS name.
+
+fastapi and uvicorn are imported by the functions that need them, never by ``import crispedit``;
+:func:`require_web_packages` names the one that is missing in a line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import socket
+import sys
+import threading
+import time
+import traceback
+from importlib import resources
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+from ..errors import CrispEditError, check_int
+from .engine import PlaygroundBusy
+
+if TYPE_CHECKING:
+    from .engine import Playground
+
+__all__ = ["require_web_packages", "create_app", "bind", "url_of", "serve", "running_server", "LOOPBACK_HOSTS",
+           "STATIC_FILES"]
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+STATIC_FILES = {"/": ("index.html", "text/html"), "/playground.js": ("playground.js", "text/javascript"),
+                "/playground.css": ("playground.css", "text/css")}
+_CSP = "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+
+
+def require_web_packages() -> None:
+    """One-line :class:`CrispEditError` naming what is missing when fastapi or uvicorn is not installed
+    (found without importing either)."""
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CrispEditError(f"crispedit playground needs {' and '.join(missing)}, which "
+                             f"{'is' if len(missing) == 1 else 'are'} not installed: pip install {' '.join(missing)} "
+                             "(or pip install 'crispedit[playground]')")
+
+
+def _static(name: str) -> str:
+    return resources.files(__package__).joinpath("static", name).read_text(encoding="utf-8")
+
+
+def create_app(playground: Playground, *, allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS):
+    """The FastAPI app serving the page and the API over ``playground`` (see the module docstring);
+    ``allowed_hosts``: the ``Host`` names a request may give (``None``: any, for a server bound to a public
+    address)."""
+    require_web_packages()
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+
+    app = FastAPI(title="crispedit playground", docs_url=None, redoc_url=None, openapi_url=None)
+    if allowed_hosts is not None:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
+    pages = {path: (_static(name), kind) for path, (name, kind) in STATIC_FILES.items()}
+
+    # Starlette routes (app.add_route): each endpoint gets the request itself, no FastAPI parameter parsing
+    async def page(request: Request) -> Response:
+        """One of :data:`STATIC_FILES`, uncached, under a same-origin-only content security policy."""
+        text, kind = pages[request.url.path]
+        return Response(text, media_type=kind, headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-store"})
+
+    for path in pages:
+        app.add_route(path, page, methods=["GET"], include_in_schema=False)
+
+    async def call(request: Request, action: Callable[[dict], dict]) -> JSONResponse:
+        """``action(body)`` on a worker thread, its result or its refusal as JSON (module docstring)."""
+        from starlette.concurrency import run_in_threadpool
+
+        if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            return JSONResponse({"error": "send the request as JSON (Content-Type: application/json)"}, 415)
+        try:
+            body = await request.json() if int(request.headers.get("content-length") or 0) else {}
+        except ValueError:
+            return JSONResponse({"error": "the request body is not valid JSON"}, 400)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": f"the request body must be a JSON object, got {type(body).__name__}"}, 400)
+        try:
+            return JSONResponse(await run_in_threadpool(action, body))
+        except PlaygroundBusy as exc:
+            return JSONResponse({"error": str(exc), "busy": True}, 409)
+        except CrispEditError as exc:
+            return JSONResponse({"error": str(exc)}, 400)
+        except Exception as exc:  # a bug: the page gets a line, the server's log the traceback
+            traceback.print_exc(file=sys.stderr)
+            return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}".splitlines()[0]}, 500)
+
+    routes = {"/api/state": ("GET", lambda body: playground.state()),
+              "/api/ask": ("POST", lambda body: playground.ask(body.get("question"))),
+              "/api/edit": ("POST", lambda body: playground.edit(body.get("question"), body.get("answer"))),
+              "/api/undo": ("POST", lambda body: playground.undo())}
+    def route(action: Callable[[dict], dict]):
+        """The endpoint answering with ``action``."""
+        async def endpoint(request: Request) -> JSONResponse:
+            """The JSON answer of this route's action (:func:`create_app`)."""
+            return await call(request, action)
+
+        return endpoint
+
+    for path, (method, action) in routes.items():
+        app.add_route(path, route(action), methods=[method], include_in_schema=False)
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound (not yet listening) to ``host``:``port`` (``0``: a free port the system picks); one-line
+    :class:`CrispEditError` when the port is out of range or the address cannot be taken (in use, not this
+    machine's). Binding first lets a command refuse a taken port before it loads a model."""
+    port = check_int("--port", port, 0, 65535)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise CrispEditError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise CrispEditError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """``http://host:port/`` of a bound socket (IPv6 addresses bracketed; a wildcard address as given)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+
+
+def _server(app, log_level: str):
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False))
+
+
+def serve(app, sock: socket.socket, *, log_level: str = "warning") -> None:
+    """Serve ``app`` on the bound ``sock`` in this thread until Ctrl-C (uvicorn)."""
+    _server(app, log_level).run(sockets=[sock])
+
+
+@contextlib.contextmanager
+def running_server(app, host: str = "127.0.0.1", port: int = 0, *, timeout: float = 30.0) -> Iterator[str]:
+    """``app`` served by uvicorn on a daemon thread while the block runs; yields its URL (``port`` 0: a free
+    one). Waits up to ``timeout`` seconds for the server to start; stops it and joins the thread on exit."""
+    sock = bind(host, port)
+    server = _server(app, "warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="crispedit-playground", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            sock.close()
+            raise RuntimeError(f"the playground server did not start within {timeout:g} s")
+        time.sleep(0.02)
+    try:
+        yield url_of(sock)
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
