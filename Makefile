@@ -1,6 +1,7 @@
 # crispedit — two entry points that work on a fresh CPU machine:
 #   make demo   edit ~32 facts into SmolLM2 with crispedit and ft, print before/after + drift
-#   make test   unit tests + the real-model tests chosen for CI
+#   make test   unit tests + the real-model tests chosen for CI (installs chromium for the playground's
+#               browser test when it is missing and apt-get can, as root; goes on without it otherwise)
 PY      ?= python3
 VENV    ?= .venv
 VPY     := $(VENV)/bin/python
@@ -24,6 +25,7 @@ demo: venv
 	$(VENV)/bin/crispedit demo
 
 test: venv
+	-sh scripts/ensure_chromium.sh
 	$(VPY) -m pytest -q -m "not slow or ci"
 
 test-all: venv
