@@ -7,6 +7,7 @@ is checked. The last test, on SmolLM2, is ``slow``."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -89,7 +90,8 @@ def test_ask_edit_undo_through_the_api(pg, client):
     assert isinstance(r1["wild_qa"]["correct"], bool) and isinstance(r1["wild_qa"]["answer"], str)
     d = r1["drift"]
     assert d["measured"] > 0 and d["predicted"] > 0 and d["edit_predicted"] == pytest.approx(d["predicted"])
-    assert d["texts"] == 2 and r1["edit_seconds"] > 0 and r1["seconds"] >= r1["edit_seconds"] + r1["eval_seconds"] - 0.01
+    assert d["texts"] == 2 and r1["edit_seconds"] > 0
+    assert r1["seconds"] >= r1["edit_seconds"] + r1["eval_seconds"] - 0.01
     assert r1["epochs"] >= 1 and r1["state"]["edits"] == [{"question": Q1, "answer": A1, "undoable": True}]
 
     r2 = client.post("/api/edit", json={"question": Q2, "answer": A2}).json()
@@ -126,7 +128,8 @@ BAD = [  # (id, path, request keyword arguments, status, text of the error)
      "the new answer is 301 characters long; the playground takes at most 300"),
     ("long-question", "/api/ask", {"json": {"question": "y" * 400}}, 400, "the question is 400 characters long"),
     ("no-answer", "/api/edit", {"json": {"question": Q1}}, 400, "the new answer must be text, got nothing"),
-    ("number-answer", "/api/edit", {"json": {"question": Q1, "answer": 5}}, 400, "the new answer must be text, got int"),
+    ("number-answer", "/api/edit", {"json": {"question": Q1, "answer": 5}}, 400,
+     "the new answer must be text, got int"),
     ("empty-question", "/api/ask", {"json": {"question": ""}}, 400, "the question is empty"),
     ("not-an-object", "/api/edit", {"json": [Q1, A1]}, 400, "the request body must be a JSON object, got list"),
     ("not-json", "/api/edit", {"content": "{question", "headers": {"content-type": "application/json"}}, 400,
@@ -237,7 +240,8 @@ def test_missing_fastapi_is_one_line(monkeypatch, tiny_model_dir, capsys):
     import crispedit.playground.server as server
 
     real = server.importlib.util.find_spec
-    monkeypatch.setattr(server.importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
+    monkeypatch.setattr(server.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "fastapi" else real(name, *a))
     with pytest.raises(CrispEditError, match=r"needs fastapi, which is not installed: pip install fastapi \(or"):
         require_web_packages()
     assert main(["playground", "--model", str(tiny_model_dir)]) == 2
@@ -245,7 +249,8 @@ def test_missing_fastapi_is_one_line(monkeypatch, tiny_model_dir, capsys):
     assert err.count("crispedit: error:") == 1 and "needs fastapi" in err
 
 
-@pytest.mark.parametrize("flag,value,msg", [("--port", 70000, "--port must be"), ("--kl-texts", 0, "--kl-texts must be"),
+@pytest.mark.parametrize("flag,value,msg", [("--port", 70000, "--port must be"),
+                                            ("--kl-texts", 0, "--kl-texts must be"),
                                             ("--max-chars", -1, "--max-chars must be"), ("--gamma", 1.5, "gamma must")])
 def test_cli_refuses_bad_flags_before_loading(flag, value, msg, tiny_model_dir, monkeypatch, capsys):
     import crispedit.models
@@ -343,7 +348,8 @@ def test_the_page_in_a_browser(pg, monkeypatch):
             expect(page.locator("#wild")).to_contain_text("answered")
             expect(page.locator("#wild-prompt")).to_contain_text(f"Q: {Q1}")
             expect(page.locator("#drift")).to_contain_text("nats/token on 2 held-out paragraph(s) (predicted")
-            expect(page.locator("#edit-time")).to_contain_text("epoch(s)")
+            timing = re.compile(r"^edit [0-9.e-]+ s \(\d+ epochs?\), measuring [0-9.e-]+ s, [0-9.e-]+ s in all$")
+            expect(page.locator("#edit-time")).to_have_text(timing)
             expect(page.locator("#edits li")).to_have_text([f"{Q1} → {A1}"])
             assert changed(base, bits(pg.model)) == set(pg.params)
 

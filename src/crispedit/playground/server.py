@@ -81,7 +81,8 @@ def create_app(playground: Playground, *, allowed_hosts: Sequence[str] | None = 
         """``action(body)`` on a worker thread, its result or its refusal as JSON (module docstring)."""
         from starlette.concurrency import run_in_threadpool
 
-        if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if request.method == "POST" and kind != "application/json":
             return JSONResponse({"error": "send the request as JSON (Content-Type: application/json)"}, 415)
         try:
             body = await request.json() if int(request.headers.get("content-length") or 0) else {}

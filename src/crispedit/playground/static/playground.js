@@ -53,6 +53,7 @@ async function call(path, body) {
 
 function fmt(x) {
   if (x === null || x === undefined) return "–";
+  if (Math.abs(x) >= 1000) return String(Math.round(x));
   return Math.abs(x) < 1e-3 && x !== 0 ? x.toExponential(2) : x.toPrecision(3);
 }
 
@@ -60,7 +61,8 @@ function renderState(state) {
   const layers = state.layers.length > 2 ? `${state.layers[0]} … ${state.layers[state.layers.length - 1]}`
     : state.layers.join(", ");
   const curv = state.curvature.hit ? "loaded from the cache" : "collected at start-up";
-  $("info").textContent = `${state.model} · ${state.method}, γ ${state.gamma} · ${state.layers.length} edit layer(s): `
+  $("info").textContent = `${state.model} · ${state.method}, γ ${state.gamma} · `
+    + `${state.layers.length} edit layer(s): `
     + `${layers} · curvature ${curv} (${fmt(state.curvature.seconds)} s) · questions asked through the ${state.via}`;
   const list = $("edits");
   list.replaceChildren(...state.edits.map((e) => {
@@ -102,14 +104,16 @@ function edit() {
     const r = await call("/api/edit", { question: $("question").value, answer: $("target").value });
     $("new-answer").textContent = shown(r.answer);
     const wild = $("wild");
-    wild.textContent = `${r.wild_qa.correct ? "✓ correct" : "✗ not the new answer"} — answered “${r.wild_qa.answer}”`;
+    const verdict = r.wild_qa.correct ? "✓ correct" : "✗ not the new answer";
+    wild.textContent = `${verdict} — answered “${r.wild_qa.answer}”`;
     wild.className = r.wild_qa.correct ? "ok" : "no";
     $("wild-prompt").textContent = r.wild_qa.prompt;
     const d = r.drift;
     $("drift").textContent = `measured ${fmt(d.measured)} nats/token on ${d.texts} held-out paragraph(s) `
       + `(predicted ${fmt(d.predicted)}; this edit alone predicted ${fmt(d.edit_predicted)}); `
       + `perplexity ${fmt(d.ppl)} (start-up ${fmt(d.ppl_base)})`;
-    $("edit-time").textContent = `edit ${fmt(r.edit_seconds)} s (${r.epochs} epoch(s)), measuring `
+    const epochs = `${r.epochs} epoch${r.epochs === 1 ? "" : "s"}`;
+    $("edit-time").textContent = `edit ${fmt(r.edit_seconds)} s (${epochs}), measuring `
       + `${fmt(r.eval_seconds)} s, ${fmt(r.seconds)} s in all`;
     $("result").hidden = false;
     $("result").dataset.edits = String(r.state.edits.length);
