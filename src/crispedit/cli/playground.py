@@ -39,13 +39,16 @@ def cmd_playground(args) -> int:
         from ..models import load_model  # torch: only now that every cheaper input is checked
         from ..playground.engine import Playground
 
+        from ..progress import progress_lines
+
         progress = False if args.quiet else None
-        print(f"loading {args.model} ...", flush=True)
-        model, tok = load_model(args.model, dtype=args.dtype, device=args.device,
-                                trust_remote_code=args.trust_remote_code, progress=progress)
-        print("fetching the capability curvature (once; every edit reuses it) ...", flush=True)
-        pg = Playground(model, tok, config, cache_file=args.cache, kl_text=args.kl_text, kl_texts=args.kl_texts,
-                        max_chars=args.max_chars, undo_depth=args.undo_depth, name=args.model, progress=progress)
+        with progress_lines(progress):  # off a terminal: a line per phase instead of bars
+            print(f"loading {args.model} ...", flush=True)
+            model, tok = load_model(args.model, dtype=args.dtype, device=args.device,
+                                    trust_remote_code=args.trust_remote_code, progress=progress)
+            print("fetching the capability curvature (once; every edit reuses it) ...", flush=True)
+            pg = Playground(model, tok, config, cache_file=args.cache, kl_text=args.kl_text, kl_texts=args.kl_texts,
+                            max_chars=args.max_chars, undo_depth=args.undo_depth, name=args.model, progress=progress)
         where = "the cache" if pg.cache["hit"] else "a new collection"
         print(f"curvature of {len(pg.layers)} edit layer(s) from {where} in {pg.cache['seconds']:.1f} s", flush=True)
         app = create_app(pg, allowed_hosts=LOOPBACK_HOSTS if is_loopback(args.host) else None)
