@@ -387,7 +387,21 @@ def test_one_smollm2_edit_in_the_playground_takes_at_most_a_minute(iso_cache):
                                          "answer": "Chichester River"})
         seconds = time.perf_counter() - t0
         assert r.status_code == 200, r.text
+        print(f"\none SmolLM2 edit in the playground: {seconds:.1f} s ({r.json()['edit_seconds']} s training, "
+              f"{r.json()['epochs']} epochs, {r.json()['eval_seconds']} s measuring)")
         assert seconds <= 60, f"one edit took {seconds:.1f} s ({r.json()['edit_seconds']} s training)"
         assert r.json()["drift"]["measured"] >= 0 and "Charity Creek" in r.json()["wild_qa"]["prompt"]
         assert http.post("/api/undo", json={}).status_code == 200
     assert all(torch.equal(p.detach(), base[n]) for n, p in pg.params.items())
+
+
+def test_playground_config_doubles_only_a_default_learning_rate_per_family():
+    """The playground's edit: bf16 forward, twice the family's default lr (Gemma-3's scaling kept); a given lr kept."""
+    from crispedit.editing.config import EditConfig
+    from crispedit.playground.engine import playground_config
+
+    c = playground_config(None, "llama")
+    assert (c.precision, c.lr) == ("bf16", pytest.approx(1e-3))
+    assert playground_config(None, "gemma3_text").lr == pytest.approx(1e-4)
+    assert playground_config(EditConfig(lr=3e-4), "llama").lr == pytest.approx(3e-4)
+    assert playground_config(EditConfig(precision="fp32").validate(), "llama").lr == pytest.approx(1e-3)
