@@ -11,6 +11,20 @@ import torch
 torch.set_num_threads(1)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(path: str | Path, name: str | None = None):
+    """The Python file ``path`` (relative to the repository root, e.g. ``benchmarks/scaling.py``, or absolute)
+    imported as a module named ``name`` (default: its stem) — benchmark scripts and other files that are not
+    in a package."""
+    import importlib.util
+
+    path = REPO / path
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def build_tokenizer(vocab_size: int = 320):

@@ -1,12 +1,12 @@
 """benchmarks/bench_kfac.py on a minute model: the report, the factor check against kronfluence (when it is
 installed) and the clear skip when it is not. No timing is asserted (the machines are shared)."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kfac.py"
 SMALL = ["--tiny", "--tiny-blocks", "2", "--layers", "model.layers.{0-1}.mlp.down_proj", "--n", "3", "--max-len", "12",
@@ -15,10 +15,7 @@ SMALL = ["--tiny", "--tiny-blocks", "2", "--layers", "model.layers.{0-1}.mlp.dow
 
 @pytest.fixture()
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kfac", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(BENCH, "bench_kfac")
 
 
 def run(bench, monkeypatch, capsys, *extra):

@@ -1,21 +1,18 @@
 """benchmarks/bench_scale.py on two random SmolLM2-shaped blocks: every phase reported, the JSON written, the
 loop's steps read nothing back to the host. No timing is asserted (the machines are shared)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scale.py"
 
 
 @pytest.fixture()
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_scale", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(BENCH, "bench_scale")
 
 
 @pytest.mark.parametrize("method", ["crispedit", "ft"])

@@ -362,12 +362,9 @@ def resolve_layers_names():
 
 def test_edit_matrix_records_kl_pred(tmp_path):
     """benchmarks/edit_matrix.py's table carries kl_pred, its ratio and budget hits; the .pred.png is drawn."""
-    import importlib.util
-    from pathlib import Path
+    from conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("edit_matrix", Path(__file__).parents[1] / "benchmarks" / "edit_matrix.py")
-    em = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(em)
+    em = load_script("benchmarks/edit_matrix.py")
     row = dict(run="method=crispedit", rel=1.0, gen=0.5, wild={}, kl_drift=0.002, kl_predicted=0.003, epochs=3,
                edit_seconds=1.0, drift_budget={"max_drift": 0.003, "hits": 4, "steps": 9, "hit": True})
     ft = dict(row, run="method=ft", kl_predicted=None, drift_budget=None)
@@ -382,14 +379,11 @@ def test_edit_matrix_records_kl_pred(tmp_path):
 
 def test_edit_matrix_runs_set_a_methods_own_options():
     """``options.NAME=VALUE`` in a run goes to the method's own config (``EditConfig.options``), which validates it."""
-    import importlib.util
-    from pathlib import Path
+    from conftest import load_script
 
     from crispedit import EditConfig
 
-    spec = importlib.util.spec_from_file_location("edit_matrix", Path(__file__).parents[1] / "benchmarks" / "edit_matrix.py")
-    em = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(em)
+    em = load_script("benchmarks/edit_matrix.py")
     runs = em.parse_runs("method=ultraedit;options.lr=0.001;options.ridge=2|method=crispedit;gamma=0.9")
     assert runs == [{"method": "ultraedit", "options": {"lr": 0.001, "ridge": 2}}, {"method": "crispedit", "gamma": 0.9}]
     cfg = EditConfig(**runs[0])

@@ -1,20 +1,17 @@
 """benchmarks/scaling.py: points from compare.json and edit_matrix files, the table, the picture, bad input."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scaling.py"
 
 
 @pytest.fixture()
 def scaling():
-    spec = importlib.util.spec_from_file_location("scaling", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "scaling")
 
 
 def _row(qa, drift):

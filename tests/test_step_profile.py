@@ -2,13 +2,13 @@
 on a tiny model, its phases add up to the step, and timing a run does not change what the run computes. No
 speed is asserted (the machines are shared)."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 from crispedit.data import BUNDLED_EDITS, bundled_path, load_edits
 from crispedit.editing import EditConfig, capability_factors, get_editor
@@ -22,10 +22,7 @@ PATTERN = "model.layers.{1-2}.mlp.down_proj"
 
 @pytest.fixture()
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_projection", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(BENCH, "bench_projection")
 
 
 def _setup(tiny_lm, iso_cache):
