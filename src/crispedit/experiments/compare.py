@@ -488,15 +488,14 @@ def capability_changes(payload: dict) -> dict:
     return out
 
 
-def _ppl_cell(r: dict, ratio: float | None) -> str:
+def _ppl_cell(r: dict, ratio: float | None, breaks: bool) -> str:
     ppl = r["summary"].get("ppl")
     if ppl is None:
         return "–"
     text = f"{ppl:.1f}" if ppl < 1e4 else f"{ppl:.2e}"
     if ratio is None:
         return text
-    text += f" (×{ratio:.2f})" if ratio < 10 else f" (×{ratio:.3g})"
-    return text + (" ✗" if ratio > BREAKING_PPL_RATIO else "")
+    return f"{text} ({_ratio(ratio)})" + (" ✗" if breaks else "")
 
 
 def _ratio(r: float) -> str:
@@ -542,7 +541,7 @@ def _table_row(m: str, r: dict, cols: list[tuple], edited: list[dict], ratio: fl
                                else f"+{mem['increase_mib']:.0f}")
     pred = r["summary"].get("kl_predicted")
     cells += [f"{r['summary']['kl_drift']:.5f}", "–" if pred is None else f"{pred:.5f}",
-              _ppl_cell(r, ratio), _duration(r.get("edit_seconds")),
+              _ppl_cell(r, ratio, m in pareto["breaking"]), _duration(r.get("edit_seconds")),
               _duration(r.get("cache_seconds")) if r.get("cache_seconds") else "", peak,
               _pareto_mark(m, pareto["kl_front"], pareto["breaking"])]
     if caps:
