@@ -52,6 +52,7 @@ from crispedit.editing.steptimer import StepTimer
 from crispedit.errors import atomic_write_json
 from crispedit.models import decoder_blocks, load_model
 from crispedit.pipeline import environment
+from crispedit.progress import progress_lines
 
 # Architectures of the real checkpoints (their config.json), for random-init runs
 SHAPES = {
@@ -216,7 +217,8 @@ def _args(argv):
     ap.add_argument("--method", default="crispedit",
                     help="a method, or several separated by commas (each trains from the same weights; the last is "
                          "the reference of the printed step-time ratios, e.g. crispedit,ft); METHOD:bf16 trains "
-                         "that entry with --precision bf16 (e.g. crispedit:bf16,crispedit)")
+                         "that entry with --precision bf16, METHOD:tf32 with --projection-precision tf32, "
+                         "METHOD:bf16+tf32 both (e.g. crispedit:bf16,crispedit)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--layers", default=None)
@@ -224,6 +226,8 @@ def _args(argv):
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--batch-tokens", type=int, default=None, help="pack batches to N padded tokens instead")
+    ap.add_argument("--projection-precision", choices=("fp32", "tf32"), default="fp32",
+                    help="the projection's GEMMs on a GPU (EditConfig.projection_precision)")
     ap.add_argument("--n-cap", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled epoch")
@@ -235,11 +239,17 @@ def _args(argv):
 
 
 def run_method(method: str, args, model, tok, requests, layers_pattern, device: str, peak: float, root: str) -> dict:
-    """Every phase of one method (:func:`main`'s lines; ``method`` may end in ``:bf16`` / ``:fp32``, the training
-    precision), the model's trained weights restored afterwards."""
-    name, _, precision = method.partition(":")
-    config = EditConfig(method=name, precision=precision or "fp32", layers=layers_pattern, epochs=args.epochs, stop_loss=0.0,
+    """Every phase of one method (:func:`main`'s lines; ``method`` may end in ``:bf16`` / ``:fp32`` (the training
+    precision), ``:tf32`` (the projection's GEMMs) or both joined by ``+``), the model's trained weights restored
+    afterwards."""
+    name, _, suffix = method.partition(":")
+    modes = set(suffix.split("+")) - {""}
+    if modes - {"bf16", "fp32", "tf32"}:
+        raise SystemExit(f"bench_scale: unknown method suffix in {method!r} (bf16, fp32, tf32, joined by +)")
+    config = EditConfig(method=name, precision="bf16" if "bf16" in modes else "fp32", layers=layers_pattern,
+                        epochs=args.epochs, stop_loss=0.0,
                         contexts=args.contexts, batch_size=args.batch_size, batch_tokens=args.batch_tokens,
+                        projection_precision="tf32" if "tf32" in modes else args.projection_precision,
                         n_cap=args.n_cap, max_len=args.max_len).validate()
     editor = get_editor(config.method)
     layers = editor.select_layers(model, config)
@@ -345,7 +355,7 @@ def main(argv=None) -> dict:
     print(f"device {out['device_name']} ({args.dtype}): matmul peak {peak:.2f} TFLOP/s; {len(requests)} edits, "
           f"model built/loaded in {load_s:.1f}s")
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory() as root, progress_lines(False):  # the loop's every-5-epochs lines
         out["methods"] = {m: run_method(m, args, model, tok, requests, layers_pattern, device, peak, root)
                           for m in methods}
     if len(methods) == 1:

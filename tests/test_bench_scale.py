@@ -39,9 +39,9 @@ def test_bench_scale_reports_every_phase(bench, method, tmp_path, capsys):
 def test_bench_scale_compares_methods(bench, tmp_path, capsys):
     res = bench.main(["--random-init", "smollm2", "--blocks", "2", "--layers", "model.layers.{0-1}.mlp.down_proj",
                       "--synthetic", "4", "--epochs", "1", "--n-cap", "4", "--max-len", "32", "--batch-size", "8",
-                      "--method", "crispedit:bf16,crispedit,ft", "--no-profile"])
-    assert set(res["methods"]) == {"crispedit:bf16", "crispedit", "ft"} and res["step_ratio"]["ft"] == 1.0
-    assert res["step_ratio"]["crispedit"] > 0 and res["step_ratio"]["crispedit:bf16"] > 0
+                      "--method", "crispedit:bf16+tf32,crispedit,ft", "--no-profile"])
+    assert set(res["methods"]) == {"crispedit:bf16+tf32", "crispedit", "ft"} and res["step_ratio"]["ft"] == 1.0
+    assert res["step_ratio"]["crispedit"] > 0 and res["step_ratio"]["crispedit:bf16+tf32"] > 0
     assert "step time / ft" in capsys.readouterr().out
 
 

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Sequence
 
-from ..editing.config import PRECISIONS, EditConfig, ProjectionTarget
+from ..editing.config import PRECISIONS, PROJECTION_PRECISIONS, EditConfig, ProjectionTarget
 from ..editing.contexts import ANSWER_ENDS, DEFAULT_CONTEXTS, TRAINING_CONTEXTS
 from ..editing.registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
 from ..errors import CrispEditError, check_input_file
@@ -89,6 +89,9 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, option
     p.add_argument("--precision", choices=PRECISIONS, default=d["precision"],
                    help="the training forward and backward: fp32, or bf16 autocast (matmuls in bfloat16; the trained "
                         "weights, their gradients, Adam and the projection stay float32)")
+    p.add_argument("--projection-precision", choices=PROJECTION_PRECISIONS, default=d["projection_precision"],
+                   help="the projection's matrix products on a GPU: fp32, or tf32 tensor cores (inputs rounded to "
+                        "10 mantissa bits, float32 sums; docs/curvature.md bounds what leaks); the CPU always fp32")
     p.add_argument("--projection", choices=[t.value for t in ProjectionTarget], default=d["projection_target"],
                    help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")
     p.add_argument("--contexts", default=d["contexts"],
@@ -145,6 +148,7 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
                       batch_tokens=getattr(args, "batch_tokens", None),
                       context_sample=getattr(args, "context_sample", None),
                       precision=getattr(args, "precision", "fp32"),
+                      projection_precision=getattr(args, "projection_precision", "fp32"),
                       epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
                       seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,

@@ -34,7 +34,9 @@ All maths runs in float32 or float64 whatever the dtype of the gradient; results
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -57,7 +59,49 @@ __all__ = [
     "staircase_projection_flops",
     "masked_corner",
     "row_extents",
+    "ROTATION_PRECISIONS",
+    "rotation_precision",
 ]
+
+ROTATION_PRECISIONS = ("fp32", "tf32")  # the projection's GEMMs on a GPU (EditConfig.projection_precision)
+
+
+@contextlib.contextmanager
+def rotation_precision(mode: str, device: torch.device | str) -> Iterator[None]:
+    """The float32 matrix products inside the block run in ``mode``: ``"fp32"`` (full float32, the default)
+    or ``"tf32"`` (CUDA tensor cores: inputs rounded to a 10-bit mantissa, float32 accumulation) when
+    ``device`` is a CUDA device; elsewhere, and for ``"fp32"``, nothing changes. The previous setting is
+    restored on exit. Operands, results, factors and eigenbases stay float32 tensors either way."""
+    if mode not in ROTATION_PRECISIONS:
+        raise ValueError(f"rotation precision must be one of {', '.join(ROTATION_PRECISIONS)}, not {mode!r}")
+    if mode == "fp32" or torch.device(device).type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
+        before = matmul.fp32_precision
+        matmul.fp32_precision = "tf32"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = before
+    else:  # pragma: no cover - older torch
+        before = matmul.allow_tf32
+        matmul.allow_tf32 = True
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = before
+
+
+def tf32_gemms(X: Tensor) -> bool:
+    """Whether float32 matrix products on ``X``'s device run in TF32 now (a CUDA tensor with TF32 allowed)."""
+    if not X.is_cuda:
+        return False
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        return matmul.fp32_precision == "tf32"
+    return bool(matmul.allow_tf32)  # pragma: no cover - older torch
 
 
 def vec(X: Tensor) -> Tensor:
@@ -431,8 +475,10 @@ class KroneckerProjector(LayerProjector):
     def project(self, Q: Tensor) -> Tensor:
         """``U_out ((U_out^T Q U_in) * M) U_in^T`` for ``Q`` of shape ``d_out x d_in`` (any strides), computed
         in ``self.dtype`` in the full or the low-rank form (:attr:`low_rank`), cast back to ``Q``'s dtype.
-        ``Q`` itself is returned when nothing is masked."""
-        if not self.low_rank:
+        ``Q`` itself is returned when nothing is masked. Under TF32 matrix products (:func:`rotation_precision`)
+        the full form runs whatever :attr:`low_rank` says: the low-rank form subtracts the masked part, so that
+        part's rounding errors would stay in the step, while the full form masks after rounding."""
+        if not self.low_rank or (self.r_in and tf32_gemms(Q)):
             return self.unrotate(self.rotate(Q)).to(Q.dtype)
         if self.r_in == 0:
             return Q

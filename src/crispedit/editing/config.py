@@ -25,10 +25,12 @@ from enum import Enum
 from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int, check_lr, check_positive_int
 from .registry import MethodConfig, get_editor, method_names, method_spec
 
-__all__ = ["EditConfig", "PRECISIONS", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
+__all__ = ["EditConfig", "PRECISIONS", "PROJECTION_PRECISIONS", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
            "MIN_SEQ_ROUNDS", "default_seq_chunk"]
 
 PRECISIONS = ("fp32", "bf16")  # the training forward's arithmetic (EditConfig.precision)
+# the projection's GEMMs (EditConfig.projection_precision); curvature.projection.ROTATION_PRECISIONS, torch-free here
+PROJECTION_PRECISIONS = ("fp32", "tf32")
 DEFAULT_LR = 5e-4  # the paper's Adam learning rate; LoRA overrides it (LoRAConfig.SHARED)
 MAX_EPOCHS = 100_000
 
@@ -58,6 +60,7 @@ class EditConfig:
     batch_tokens: int | None = None     # pack batches up to this many padded tokens instead (None = batch_size sequences)
     context_sample: int | None = None   # train each request on a seeded sample of this many of its sequences per epoch
     precision: str = "fp32"             # the training forward: fp32, or bf16 autocast (weights, grads, Adam stay fp32)
+    projection_precision: str = "fp32"  # the projection's GEMMs on a GPU: fp32, or tf32 tensor cores (CPU: always fp32)
     epochs: int = 100                   # maximum; stop_loss ends it earlier (paper: 25 steps, see above)
     skip_loss: float = 0.01
     stop_loss: float = 0.01
@@ -99,6 +102,9 @@ class EditConfig:
             self.context_sample = check_positive_int("context-sample", self.context_sample)
         if self.precision not in PRECISIONS:
             raise CrispEditError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.projection_precision not in PROJECTION_PRECISIONS:
+            raise CrispEditError(f"projection precision must be one of {', '.join(PROJECTION_PRECISIONS)}, "
+                                 f"got {self.projection_precision!r}")
         self.lr = check_lr("learning rate (--lr)", self.lr)
         self.epochs = check_int("epochs", self.epochs, 1, MAX_EPOCHS)
         self.seed = check_int("seed", self.seed, 0, SEED_MAX)
@@ -149,14 +155,15 @@ class EditConfig:
 
     def to_json(self) -> dict:
         """The config as a JSON-ready dict (what reports and sessions store; ``batch_tokens`` and ``context_sample`` only when set,
-        ``precision`` only when not ``fp32``, so a config stored before they existed still reads as the same run)."""
+        ``precision`` and ``projection_precision`` only when not ``fp32``, so a config stored before they existed still reads as the same run)."""
         d = asdict(self)
         d["betas"] = list(self.betas)
         for key in ("batch_tokens", "context_sample"):
             if d[key] is None:
                 del d[key]
-        if d["precision"] == "fp32":
-            del d["precision"]
+        for key in ("precision", "projection_precision"):
+            if d[key] == "fp32":
+                del d[key]
         return d
 
     @classmethod
@@ -175,6 +182,7 @@ class EditConfig:
             # it the way it was trained
             d.update(contexts="bare", answer_end="none")
         d.setdefault("precision", "fp32")  # stored without one: trained in float32 (whatever today's default)
+        d.setdefault("projection_precision", "fp32")
         return cls(**d)
 
 

@@ -39,7 +39,7 @@ from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
 from ..data.tokenize import EncodedBatch
 from ..errors import CrispEditError
 from ..models import as_weight_matrix
-from ..curvature.projection import LayerProjector
+from ..curvature.projection import LayerProjector, rotation_precision
 from .checkpoint import LoopCheckpoint, LoopState
 from .config import EditConfig, ProjectionTarget
 from .contexts import epoch_subset, sequences_for, training_batches
@@ -198,9 +198,11 @@ class _EpochPlan:
             return loss, all_reduce_sum_(value)
 
 
-def _update(params, layers, projectors, target: ProjectionTarget, opt, active: Tensor, drift_budget, timer) -> None:
+def _update(params, layers, projectors, target: ProjectionTarget, opt, active: Tensor, drift_budget, timer,
+            rotations: str = "fp32") -> None:
     """The step after backward: the penalty gradient, the projection (of the gradient before Adam, or of its
-    update after it; the eigenbasis optimizer masks by itself), Adam gated by ``active``, the drift budget."""
+    update after it; the eigenbasis optimizer masks by itself), Adam gated by ``active``, the drift budget.
+    ``rotations``: the projection's float32 GEMMs on a GPU (:func:`rotation_precision`)."""
     if drift_budget is not None and drift_budget.penalty > 0:
         with timer.phase("drift"):
             drift_budget.add_penalty_gradient()  # + β ∂(predicted drift)/∂W, projected below
@@ -208,7 +210,8 @@ def _update(params, layers, projectors, target: ProjectionTarget, opt, active: T
     if target is ProjectionTarget.UPDATE:
         with timer.phase("copies"):
             before = {n: p.detach().float().clone() for n, p in params.items()}
-    with torch.no_grad():
+    device = next(iter(params.values())).device if params else "cpu"
+    with torch.no_grad(), rotation_precision(rotations, device):
         if target is ProjectionTarget.GRADIENT:
             with timer.phase("projection"):
                 for n, p in params.items():
@@ -311,6 +314,7 @@ class _Step:
         self.params, self.layers, self.projectors, self.opt = params, layers, projectors, opt
         self.target, self.skip_loss = ProjectionTarget(config.projection_target), config.skip_loss
         self.drift_budget, self.timer, self.sync_free = drift_budget, timer, sync_free
+        self.rotations = config.projection_precision
 
     def __call__(self, plan: _EpochPlan, item, counters: _Counters) -> Tensor:
         """Run ``item`` of ``plan`` (counted in ``counters``); returns its batch mean loss, a 0-d tensor on the device."""
@@ -332,7 +336,8 @@ class _Step:
         if plan.shards is not None:
             with timer.phase("allreduce"):
                 _sum_grads(self.params)
-        _update(self.params, self.layers, self.projectors, self.target, self.opt, active, self.drift_budget, timer)
+        _update(self.params, self.layers, self.projectors, self.target, self.opt, active, self.drift_budget, timer,
+                self.rotations)
         counters.n_batches += 1
         timer.end_step()
         return value

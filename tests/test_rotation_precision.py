@@ -1,0 +1,172 @@
+"""The projection's GEMMs in TF32 (``EditConfig.projection_precision="tf32"``, issue 37 item f): what leaks into
+the masked (high-curvature) subspace stays below 1e-3 of the projected step's norm.
+
+On a CPU the TF32 arithmetic is emulated — every matrix product's operands rounded to TF32's 10-bit mantissa
+(round to nearest), the sums in float32, which is what a tensor core does — through a ``TorchFunctionMode``
+around the projector's own code; on a CUDA device (``-m cuda`` not needed: the test runs whenever one is there)
+the real tensor-core path is measured at SmolLM2's and Llama-3-8B's ``down_proj`` shapes. Gradients are built
+the way a batch makes them (``Σ_t g_t a_tᵀ`` with ``a``, ``g`` drawn from the factors), so most of their norm lies
+in the masked subspace, as in training — the hard case for rounding."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from crispedit.curvature import projection
+from crispedit.curvature.projection import KroneckerProjector, rotation_precision
+from crispedit.editing.config import PROJECTION_PRECISIONS, EditConfig
+from crispedit.errors import CrispEditError
+
+LEAK_BOUND = 1e-3
+
+
+def tf32_round(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (float32) rounded to nearest at a 10-bit mantissa (TF32's), kept as float32."""
+    bits = t.contiguous().view(torch.int32)
+    rounded = (bits + 0x1000) & ~0x1FFF
+    return rounded.view(torch.float32).reshape(t.shape)
+
+
+class EmulatedTF32(TorchFunctionMode):
+    """Matrix products with their float32 operands rounded to TF32 first (sums stay float32)."""
+
+    OPS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.mm}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.OPS:
+            args = tuple(tf32_round(a) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
+                         for a in args)
+        return func(*args, **kwargs)
+
+
+def random_factors(d_out: int, d_in: int, gen: torch.Generator, device="cpu"):
+    """Eigenbases (random orthogonal, float64) and power-law spectra like collected K-FAC factors'."""
+    def basis(d):
+        q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64, device=device))
+        return q
+    lam = lambda d: (torch.arange(1, d + 1, dtype=torch.float64) ** -1.5).to(device)  # noqa: E731
+    return lam(d_out), basis(d_out), lam(d_in), basis(d_in)
+
+
+def batch_gradient(lam_out, U_out, lam_in, U_in, tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """``Σ_t g_t a_tᵀ`` over ``tokens`` pairs with ``a ~ N(0, A)``, ``g ~ N(0, S)`` (float64)."""
+    def draw(lam, U):
+        z = torch.randn(len(lam), tokens, generator=gen, dtype=torch.float64, device=U.device)
+        return U @ (lam.sqrt()[:, None] * z)
+    a, g = draw(lam_in, U_in), draw(lam_out, U_out)
+    return g @ a.T
+
+
+def leak(proj64: KroneckerProjector, step: torch.Tensor) -> float:
+    """``‖(I - P) s‖ / ‖s‖`` in float64: the part of ``s`` in the masked subspace, relative to ``s``."""
+    s = step.double()
+    return float((s - proj64.project(s)).norm() / s.norm())
+
+
+def _case(d_out, d_in, gamma, gen, device="cpu", tokens=256):
+    lam_out, U_out, lam_in, U_in = random_factors(d_out, d_in, gen, device)
+    proj = KroneckerProjector.from_spectra(lam_out, U_out, lam_in, U_in, gamma)  # float32, as training runs it
+    exact = KroneckerProjector.from_spectra(lam_out, U_out, lam_in, U_in, gamma, dtype=torch.float64)
+    G = batch_gradient(lam_out, U_out, lam_in, U_in, tokens, gen).float()
+    return proj, exact, G
+
+
+@pytest.mark.parametrize("gamma", [0.7, 0.8, 0.9])
+def test_emulated_tf32_projection_leaks_below_the_bound(gamma, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    proj, exact, G = _case(576, 1536, gamma, gen)
+    proj = KroneckerProjector(proj.U_out, proj.U_in, proj.mask, form="low_rank")
+    fp32 = proj.project(G)
+    monkeypatch.setattr(projection, "tf32_gemms", lambda X: True)  # what a CUDA tensor under TF32 reports
+    with EmulatedTF32():
+        tf32 = proj.project(G)
+    assert not torch.equal(fp32, tf32)  # the emulation did round
+    # the masked part of the gradient (≈ γ of its squared norm) is what rounding could leak back
+    assert float(exact.project(G.double()).norm() / G.norm()) < 0.8
+    print(f"γ {gamma}: leak fp32 {leak(exact, fp32):.2e}, tf32 {leak(exact, tf32):.2e}; "
+          f"step difference {float((tf32 - fp32).norm() / fp32.norm()):.2e}")
+    assert leak(exact, fp32) < 1e-5
+    assert leak(exact, tf32) < LEAK_BOUND / 5
+    assert float((tf32 - fp32).norm() / fp32.norm()) < 5 * LEAK_BOUND  # TF32's relative error of the step
+
+
+def test_tf32_runs_the_full_form_because_the_low_rank_one_leaks(monkeypatch):
+    """The low-rank form under TF32 leaks the masked part's rounding (measured: up to about the bound at
+    γ 0.9), which is why :meth:`project` switches to the full form there."""
+    gen = torch.Generator().manual_seed(0)
+    proj, exact, G = _case(576, 1536, 0.9, gen)
+    proj = KroneckerProjector(proj.U_out, proj.U_in, proj.mask, form="low_rank")
+    with EmulatedTF32():
+        leaky = proj.project(G)  # a CPU tensor: tf32_gemms is False, the low-rank form runs
+        monkeypatch.setattr(projection, "tf32_gemms", lambda X: True)
+        full = proj.project(G)
+    assert leak(exact, full) < LEAK_BOUND / 5 < leak(exact, leaky)
+    with EmulatedTF32():
+        assert torch.equal(full, proj.unrotate(proj.rotate(G)))
+
+
+def test_emulation_is_tf32_rounding():
+    x = torch.tensor([1.0, 1.0 + 2 ** -10, 1.0 + 2 ** -11, 1.0 + 2 ** -12, -3.0 - 2 ** -12])
+    assert tf32_round(x).tolist() == [1.0, 1.0 + 2 ** -10, 1.0 + 2 ** -10, 1.0, -3.0]
+
+
+def test_cpu_ignores_tf32_and_restores_nothing():
+    gen = torch.Generator().manual_seed(1)
+    proj, _, G = _case(64, 96, 0.8, gen)
+    before = torch.backends.cuda.matmul.fp32_precision
+    with rotation_precision("tf32", "cpu"):
+        out = proj.project(G)
+    assert torch.equal(out, proj.project(G))
+    assert torch.backends.cuda.matmul.fp32_precision == before
+
+
+def test_bad_modes_are_refused():
+    with pytest.raises(ValueError, match="rotation precision"):
+        with rotation_precision("bf16", "cpu"):
+            pass
+    with pytest.raises(CrispEditError, match="projection precision"):
+        EditConfig(projection_precision="bf16")
+    assert PROJECTION_PRECISIONS == ("fp32", "tf32")
+
+
+def test_config_stores_tf32_only_when_set():
+    assert "projection_precision" not in EditConfig().to_json()
+    d = EditConfig(projection_precision="tf32").to_json()
+    assert d["projection_precision"] == "tf32"
+    assert EditConfig.from_dict(d).projection_precision == "tf32"
+    assert EditConfig.from_dict(EditConfig().to_json()).projection_precision == "fp32"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the real tensor-core path)")
+@pytest.mark.parametrize("shape", [(576, 1536), (4096, 14336)])
+def test_cuda_tf32_projection_leaks_below_the_bound(shape):
+    gen = torch.Generator("cuda").manual_seed(0)
+    proj, exact, G = _case(*shape, 0.8, gen, device="cuda", tokens=512)
+    fp32 = proj.project(G)
+    outside = torch.backends.cuda.matmul.fp32_precision
+    with rotation_precision("tf32", "cuda"):
+        inside = torch.backends.cuda.matmul.fp32_precision
+        tf32 = proj.project(G)
+    assert inside == "tf32" and torch.backends.cuda.matmul.fp32_precision == outside
+    assert not torch.equal(fp32, tf32)  # tensor cores did round
+    lk = leak(exact, tf32)
+
+    def ms(mode):  # a diagnostic for the GPU run's log (no assertion on time)
+        with rotation_precision(mode, "cuda"):
+            proj.project(G)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(5):
+                proj.project(G)
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t) / 5 * 1e3
+
+    print(f"{shape} γ 0.8 ({'low-rank' if proj.low_rank else 'full'} form in fp32): leak fp32 {leak(exact, fp32):.2e}, "
+          f"tf32 {lk:.2e}; step difference {float((tf32 - fp32).norm() / fp32.norm()):.2e}; "
+          f"one projection fp32 {ms('fp32'):.2f} ms, tf32 {ms('tf32'):.2f} ms")
+    assert lk < LEAK_BOUND
