@@ -3,6 +3,7 @@
 # repository root; results land in $OUT). Random-init weights of the real shapes: timings only.
 #   bash benchmarks/gpu_scale.sh            # everything (at most 10 minutes: each case under a timeout)
 #   QUICK=1 bash benchmarks/gpu_scale.sh    # a smoke run (small shapes) to check the script itself
+#   SHORT=1 bash benchmarks/gpu_scale.sh    # about 3 minutes: TF32 leak, token batches, a profiled epoch
 set -uo pipefail
 OUT=${OUT:-runs/gpu_scale}
 mkdir -p "$OUT"
@@ -12,6 +13,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/device.txt"
 if [ "${QUICK:-0}" = 1 ]; then
   $PY benchmarks/bench_scale.py --random-init smollm2 --blocks 4 --layers 'model.layers.{1-3}.mlp.down_proj' \
       --synthetic 64 --epochs 2 --n-cap 8 --device cuda --dtype bfloat16 --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.txt"
+  exit 0
+fi
+if [ "${SHORT:-0}" = 1 ]; then  # a follow-up in about 3 minutes: leak test, token batches fp32/tf32, profile, K-FAC
+  timeout 45 $PY -m pytest -q -s -p no:cacheprovider tests/test_rotation_precision.py -k cuda 2>&1 | tee "$OUT/tf32_leak.txt"
+  # the first entry warms the process up (cuBLAS, kernels); the ratios are against the last
+  timeout 100 $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 1000 --epochs 2 --device cuda \
+      --dtype bfloat16 --batch-tokens 16384 --n-cap 512 --no-profile --method crispedit,crispedit:tf32,crispedit \
+      --json "$OUT/smollm2_1000_tokens_b.json" 2>&1 | tee "$OUT/smollm2_1000_tokens_b.txt"
+  timeout 50 $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 100 --epochs 1 --device cuda \
+      --dtype bfloat16 --json "$OUT/smollm2_100_profile.json" 2>&1 | tee "$OUT/smollm2_100_profile.txt"
   exit 0
 fi
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -481,7 +481,8 @@ def weight_fingerprint(model: nn.Module) -> str:
         data = t.detach().cpu().contiguous()
         if data.dtype == torch.bfloat16:
             data = data.view(torch.int16)
-        h.update(data.numpy().tobytes())
+        if data.numel():
+            h.update(memoryview(data.numpy().reshape(-1)).cast("B"))  # the bytes of tobytes(), without the copy
     return h.hexdigest()
 
 

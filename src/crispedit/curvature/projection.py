@@ -166,10 +166,10 @@ def kronecker_keep_mask(lam_out: Tensor, lam_in: Tensor, gamma: float) -> Tensor
     threshold are row-wise searches and prefix sums. The threshold is bisected until few entries lie between
     its bounds; those are ranked as the stable sort ranks them (value, then row-major position). Same mask as
     :func:`energy_keep_mask` up to the order in which the energies are summed (a tie of the cut with the γ
-    fraction within rounding may move it by one entry)."""
+    fraction within rounding may move it by one entry). Computed on the CPU whatever the eigenvalues' device."""
     gamma = check_gamma(gamma)
-    lo_ = lam_out.detach().to(torch.float64).clamp_min(0.0)
-    li_ = lam_in.detach().to(torch.float64).clamp_min(0.0)
+    lo_ = lam_out.detach().to("cpu", torch.float64).clamp_min(0.0)  # a bisection of host reads: on the CPU
+    li_ = lam_in.detach().to("cpu", torch.float64).clamp_min(0.0)
     if lo_.numel() > 1 and bool((lo_[1:] > lo_[:-1]).any()) or li_.numel() > 1 and bool((li_[1:] > li_[:-1]).any()):
         return energy_keep_mask(torch.outer(lo_, li_), gamma)  # not sorted: the general rule
     flat = torch.outer(lo_, li_)                     # rows sorted in decreasing order
@@ -387,7 +387,7 @@ class KroneckerProjector(LayerProjector):
             raise ValueError(f"form must be 'auto', 'full' or 'low_rank', not {self.form!r}")
         self.U_in = self.U_in.to(self.dtype).contiguous()
         self.U_out = None if self.U_out is None else self.U_out.to(self.dtype).contiguous()
-        self.mask = self.mask.to(self.dtype).contiguous()
+        self.mask = self.mask.to(device=self.U_in.device, dtype=self.dtype).contiguous()
         self.d_in = self.U_in.shape[0]
         self.d_out = self.mask.shape[0] if self.U_out is None else self.U_out.shape[0]
         if self.U_out is None and self.mask.shape[0] == 1:
