@@ -77,37 +77,48 @@ def _case(d_out, d_in, gamma, gen, device="cpu", tokens=256):
 
 
 @pytest.mark.parametrize("gamma", [0.7, 0.8, 0.9])
-def test_emulated_tf32_projection_leaks_below_the_bound(gamma, monkeypatch):
+def test_emulated_tf32_full_form_leaks_below_the_bound(gamma):
     gen = torch.Generator().manual_seed(0)
     proj, exact, G = _case(576, 1536, gamma, gen)
-    proj = KroneckerProjector(proj.U_out, proj.U_in, proj.mask, form="low_rank")
     fp32 = proj.project(G)
-    monkeypatch.setattr(projection, "tf32_gemms", lambda X: True)  # what a CUDA tensor under TF32 reports
     with EmulatedTF32():
-        tf32 = proj.project(G)
+        tf32 = proj.unrotate(proj.rotate(G))  # what project() runs under TF32 when the full form pays
     assert not torch.equal(fp32, tf32)  # the emulation did round
     # the masked part of the gradient (≈ γ of its squared norm) is what rounding could leak back
     assert float(exact.project(G.double()).norm() / G.norm()) < 0.8
-    print(f"γ {gamma}: leak fp32 {leak(exact, fp32):.2e}, tf32 {leak(exact, tf32):.2e}; "
-          f"step difference {float((tf32 - fp32).norm() / fp32.norm()):.2e}")
     assert leak(exact, fp32) < 1e-5
     assert leak(exact, tf32) < LEAK_BOUND / 5
     assert float((tf32 - fp32).norm() / fp32.norm()) < 5 * LEAK_BOUND  # TF32's relative error of the step
 
 
-def test_tf32_runs_the_full_form_because_the_low_rank_one_leaks(monkeypatch):
-    """The low-rank form under TF32 leaks the masked part's rounding (measured: up to about the bound at
-    γ 0.9), which is why :meth:`project` switches to the full form there."""
+def test_the_low_rank_form_in_tf32_would_leak():
+    """Why :meth:`project` never runs the low-rank form in TF32: it subtracts the masked part, whose rounding stays
+    in the step (at γ 0.9 about the bound itself), while the full form masks after rounding."""
     gen = torch.Generator().manual_seed(0)
     proj, exact, G = _case(576, 1536, 0.9, gen)
-    proj = KroneckerProjector(proj.U_out, proj.U_in, proj.mask, form="low_rank")
     with EmulatedTF32():
-        leaky = proj.project(G)  # a CPU tensor: tf32_gemms is False, the low-rank form runs
-        monkeypatch.setattr(projection, "tf32_gemms", lambda X: True)
-        full = proj.project(G)
-    assert leak(exact, full) < LEAK_BOUND / 5 < leak(exact, leaky)
-    with EmulatedTF32():
-        assert torch.equal(full, proj.unrotate(proj.rotate(G)))
+        low_rank = proj._low_rank(G)
+        full = proj.unrotate(proj.rotate(G))
+    assert leak(exact, full) < LEAK_BOUND / 5 < leak(exact, low_rank)
+
+
+def test_tf32_picks_the_full_form_only_where_it_pays(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    lam_out, U_out, lam_in, U_in = random_factors(96, 160, gen)
+    steep = KroneckerProjector.from_spectra(lam_out, U_out, lam_in, U_in, 0.8)          # a small masked corner
+    flat = KroneckerProjector.from_spectra(lam_out ** 0.1, U_out, lam_in ** 0.1, U_in, 0.8)  # a large one
+    assert steep.low_rank and flat.flops_full <= projection.TF32_FULL_FORM_RATIO * flat.flops_low_rank
+    assert steep.flops_full > projection.TF32_FULL_FORM_RATIO * steep.flops_low_rank
+    assert flat.tf32_full_form() and not steep.tf32_full_form()
+    G = batch_gradient(lam_out, U_out, lam_in, U_in, 64, gen).float()
+    calls = []
+    monkeypatch.setattr(projection, "tf32_gemms", lambda X: True)  # what a CUDA tensor under TF32 reports
+    monkeypatch.setattr(KroneckerProjector, "_low_rank", lambda self, Q: calls.append("low_rank") or Q)
+    monkeypatch.setattr(KroneckerProjector, "rotate", lambda self, Q: calls.append("full") or Q)
+    monkeypatch.setattr(KroneckerProjector, "unrotate", lambda self, C: C)
+    steep.project(G)
+    flat.project(G)
+    assert calls == ["low_rank", "full"]
 
 
 def test_emulation_is_tf32_rounding():
@@ -153,7 +164,7 @@ def test_cuda_tf32_projection_leaks_below_the_bound(shape):
         inside = torch.backends.cuda.matmul.fp32_precision
         tf32 = proj.project(G)
     assert inside == "tf32" and torch.backends.cuda.matmul.fp32_precision == outside
-    assert not torch.equal(fp32, tf32)  # tensor cores did round
+    assert proj.tf32_full_form() == (not torch.equal(fp32, tf32))  # tensor cores rounded where they ran
     lk = leak(exact, tf32)
 
     def ms(mode):  # a diagnostic for the GPU run's log (no assertion on time)
@@ -166,7 +177,8 @@ def test_cuda_tf32_projection_leaks_below_the_bound(shape):
             torch.cuda.synchronize()
         return (time.perf_counter() - t) / 5 * 1e3
 
-    print(f"{shape} γ 0.8 ({'low-rank' if proj.low_rank else 'full'} form in fp32): leak fp32 {leak(exact, fp32):.2e}, "
+    print(f"{shape} γ 0.8 (fp32: {'low-rank' if proj.low_rank else 'full'} form; tf32: "
+          f"{'full form' if proj.tf32_full_form() else 'low-rank form in fp32'}): leak fp32 {leak(exact, fp32):.2e}, "
           f"tf32 {lk:.2e}; step difference {float((tf32 - fp32).norm() / fp32.norm()):.2e}; "
           f"one projection fp32 {ms('fp32'):.2f} ms, tf32 {ms('tf32'):.2f} ms")
     assert lk < LEAK_BOUND

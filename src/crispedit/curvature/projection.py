@@ -61,37 +61,53 @@ __all__ = [
     "row_extents",
     "ROTATION_PRECISIONS",
     "rotation_precision",
+    "tf32_gemms",
+    "TF32_FULL_FORM_RATIO",
 ]
 
 ROTATION_PRECISIONS = ("fp32", "tf32")  # the projection's GEMMs on a GPU (EditConfig.projection_precision)
 
 
+# The full form in TF32 runs where its FLOPs are at most this many times the low-rank form's (H100: TF32 GEMMs run
+# about 7x float32's; measured at Llama-3-8B's down_proj with a small masked corner, the low-rank form in float32
+# took 1.05 ms and the full form in TF32 12.1 ms); elsewhere the low-rank form runs in float32.
+TF32_FULL_FORM_RATIO = 4.0
+
+
+def _set_tf32(on: bool) -> object:
+    """Switch CUDA's float32 matmuls to TF32 (``on``) or full float32; returns the previous setting."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
+        before, matmul.fp32_precision = matmul.fp32_precision, ("tf32" if on else "ieee")
+    else:  # pragma: no cover - older torch
+        before, matmul.allow_tf32 = matmul.allow_tf32, on
+    return before
+
+
+def _restore_tf32(before: object) -> None:
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = before
+    else:  # pragma: no cover - older torch
+        matmul.allow_tf32 = before
+
+
 @contextlib.contextmanager
 def rotation_precision(mode: str, device: torch.device | str) -> Iterator[None]:
-    """The float32 matrix products inside the block run in ``mode``: ``"fp32"`` (full float32, the default)
-    or ``"tf32"`` (CUDA tensor cores: inputs rounded to a 10-bit mantissa, float32 accumulation) when
-    ``device`` is a CUDA device; elsewhere, and for ``"fp32"``, nothing changes. The previous setting is
+    """The float32 matrix products inside the block run in ``mode`` when ``device`` is a CUDA device:
+    ``"fp32"`` (full float32, whatever the process set globally) or ``"tf32"`` (tensor cores: inputs rounded
+    to a 10-bit mantissa, float32 accumulation). On other devices nothing changes. The previous setting is
     restored on exit. Operands, results, factors and eigenbases stay float32 tensors either way."""
     if mode not in ROTATION_PRECISIONS:
         raise ValueError(f"rotation precision must be one of {', '.join(ROTATION_PRECISIONS)}, not {mode!r}")
-    if mode == "fp32" or torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda":
         yield
         return
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
-        before = matmul.fp32_precision
-        matmul.fp32_precision = "tf32"
-        try:
-            yield
-        finally:
-            matmul.fp32_precision = before
-    else:  # pragma: no cover - older torch
-        before = matmul.allow_tf32
-        matmul.allow_tf32 = True
-        try:
-            yield
-        finally:
-            matmul.allow_tf32 = before
+    before = _set_tf32(mode == "tf32")
+    try:
+        yield
+    finally:
+        _restore_tf32(before)
 
 
 def tf32_gemms(X: Tensor) -> bool:
@@ -475,11 +491,28 @@ class KroneckerProjector(LayerProjector):
     def project(self, Q: Tensor) -> Tensor:
         """``U_out ((U_out^T Q U_in) * M) U_in^T`` for ``Q`` of shape ``d_out x d_in`` (any strides), computed
         in ``self.dtype`` in the full or the low-rank form (:attr:`low_rank`), cast back to ``Q``'s dtype.
-        ``Q`` itself is returned when nothing is masked. Under TF32 matrix products (:func:`rotation_precision`)
-        the full form runs whatever :attr:`low_rank` says: the low-rank form subtracts the masked part, so that
-        part's rounding errors would stay in the step, while the full form masks after rounding."""
-        if not self.low_rank or (self.r_in and tf32_gemms(Q)):
+        ``Q`` itself is returned when nothing is masked.
+
+        Under TF32 matrix products (:func:`rotation_precision`) the low-rank form never runs in TF32: it subtracts
+        the masked part, so that part's rounding errors would stay in the step, while the full form masks after
+        rounding. So there the full form runs in TF32 when :meth:`tf32_full_form` says it pays, else the low-rank
+        form in float32."""
+        if self.r_in and tf32_gemms(Q):
+            if not self.low_rank or self.tf32_full_form():
+                return self.unrotate(self.rotate(Q)).to(Q.dtype)
+            with rotation_precision("fp32", Q.device):
+                return self._low_rank(Q)
+        if not self.low_rank:
             return self.unrotate(self.rotate(Q)).to(Q.dtype)
+        return self._low_rank(Q)
+
+    def tf32_full_form(self) -> bool:
+        """Whether, with TF32 matrix products, :meth:`project` runs the full form in TF32 (its FLOPs at most
+        :data:`TF32_FULL_FORM_RATIO` times the low-rank form's) rather than the low-rank form in float32."""
+        return self.flops_full <= TF32_FULL_FORM_RATIO * self.flops_low_rank
+
+    def _low_rank(self, Q: Tensor) -> Tensor:
+        """:meth:`project` in the low-rank form: ``Q`` minus its masked corner blocks."""
         if self.r_in == 0:
             return Q
         X = Q.to(self.dtype)
