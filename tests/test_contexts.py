@@ -353,6 +353,29 @@ def test_token_budget_batches_pack_sorted_sequences_within_a_kind(tiny_tok):
     assert len(packed) < len(seqs)
 
 
+def test_length_ordered_batches_keep_the_steps_and_cut_the_padding(tiny_tok):
+    """``batch_order="length"``: the same batch sizes per kind as request order, every sequence once, each batch
+    one kind, and no more padded tokens than request order (here strictly fewer)."""
+    from crispedit.data import EditRequest
+    from crispedit.editing.contexts import build_training_sequences, parse_contexts, training_batches
+
+    reqs = [EditRequest("Q " + "word " * ((i * 5) % 9) + f"{i}?", f"Answer {i}") for i in range(20)]
+    seqs = build_training_sequences(tiny_tok, reqs, parse_contexts("bare,lead:2"), "auto")
+    plain = training_batches(tiny_tok, seqs, 8)
+    ordered = training_batches(tiny_tok, seqs, 8, by_length=True)
+    assert [b.input_ids.shape[0] for b in ordered] == [b.input_ids.shape[0] for b in plain]
+    assert sorted(k for b in ordered for k in b.keys) == list(range(len(seqs)))
+    assert all(len({seqs[k].context for k in b.keys}) == 1 for b in ordered)
+    assert sum(b.input_ids.numel() for b in ordered) < sum(b.input_ids.numel() for b in plain)
+    lengths = [[len(seqs[k].ids) for k in b.keys] for b in ordered]
+    assert all(max(a) <= min(b) for a, b in zip(lengths[:2], lengths[1:3]))  # bare's batches ascend in length
+    d = EditConfig(batch_order="length").to_json()
+    assert d["batch_order"] == "length" and "batch_order" not in EditConfig().to_json()
+    assert EditConfig.from_dict(d).batch_order == "length"
+    with pytest.raises(CrispEditError, match="batch order"):
+        EditConfig(batch_order="random")
+
+
 def _golden_module():
     import importlib.util
     from pathlib import Path

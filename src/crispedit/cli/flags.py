@@ -12,7 +12,7 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Sequence
 
-from ..editing.config import PRECISIONS, PROJECTION_PRECISIONS, EditConfig, ProjectionTarget
+from ..editing.config import BATCH_ORDERS, PRECISIONS, PROJECTION_PRECISIONS, EditConfig, ProjectionTarget
 from ..editing.contexts import ANSWER_ENDS, DEFAULT_CONTEXTS, TRAINING_CONTEXTS
 from ..editing.registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
 from ..errors import CrispEditError, check_input_file
@@ -83,6 +83,9 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, option
     p.add_argument("--batch-tokens", type=int, default=None, metavar="N",
                    help="pack each step's batch up to N padded tokens (sequences x longest, length-sorted within a "
                         "context) instead of --batch-size sequences: fewer, fuller steps on a GPU")
+    p.add_argument("--batch-order", choices=BATCH_ORDERS, default=d["batch_order"],
+                   help="which sequences of a context share a batch of --batch-size: in request order (default), or "
+                        "sorted by length (the same number of steps, little padding: fewer tokens computed)")
     p.add_argument("--context-sample", type=int, default=None, metavar="K",
                    help="train each request on a seeded sample of K of its context sequences per epoch (every "
                         "epoch another sample) instead of all of them: fewer tokens per epoch")
@@ -146,6 +149,7 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
         options = method_options_from_args(args, [method]).get(method, {})
     return EditConfig(method=method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
                       batch_tokens=getattr(args, "batch_tokens", None),
+                      batch_order=getattr(args, "batch_order", "request"),
                       context_sample=getattr(args, "context_sample", None),
                       precision=getattr(args, "precision", "fp32"),
                       projection_precision=getattr(args, "projection_precision", "fp32"),

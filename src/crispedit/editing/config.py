@@ -25,12 +25,13 @@ from enum import Enum
 from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int, check_lr, check_positive_int
 from .registry import MethodConfig, get_editor, method_names, method_spec
 
-__all__ = ["EditConfig", "PRECISIONS", "PROJECTION_PRECISIONS", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
+__all__ = ["EditConfig", "PRECISIONS", "PROJECTION_PRECISIONS", "BATCH_ORDERS", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
            "MIN_SEQ_ROUNDS", "default_seq_chunk"]
 
 PRECISIONS = ("fp32", "bf16")  # the training forward's arithmetic (EditConfig.precision)
 # the projection's GEMMs (EditConfig.projection_precision); curvature.projection.ROTATION_PRECISIONS, torch-free here
 PROJECTION_PRECISIONS = ("fp32", "tf32")
+BATCH_ORDERS = ("request", "length")  # EditConfig.batch_order: which sequences of a context share a batch
 DEFAULT_LR = 5e-4  # the paper's Adam learning rate; LoRA overrides it (LoRAConfig.SHARED)
 MAX_EPOCHS = 100_000
 
@@ -58,6 +59,7 @@ class EditConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     batch_size: int = 32
     batch_tokens: int | None = None     # pack batches up to this many padded tokens instead (None = batch_size sequences)
+    batch_order: str = "request"        # batch_size sequences of one context in request order, or sorted by "length"
     context_sample: int | None = None   # train each request on a seeded sample of this many of its sequences per epoch
     precision: str = "fp32"             # the training forward: fp32, or bf16 autocast (weights, grads, Adam stay fp32)
     projection_precision: str = "fp32"  # the projection's GEMMs on a GPU: fp32, or tf32 tensor cores (CPU: always fp32)
@@ -98,6 +100,8 @@ class EditConfig:
             setattr(self, name, check_positive_int(name.replace("_", "-"), getattr(self, name)))
         if self.batch_tokens is not None:
             self.batch_tokens = check_positive_int("batch-tokens", self.batch_tokens)
+        if self.batch_order not in BATCH_ORDERS:
+            raise CrispEditError(f"batch order must be one of {', '.join(BATCH_ORDERS)}, got {self.batch_order!r}")
         if self.context_sample is not None:
             self.context_sample = check_positive_int("context-sample", self.context_sample)
         if self.precision not in PRECISIONS:
@@ -155,7 +159,7 @@ class EditConfig:
 
     def to_json(self) -> dict:
         """The config as a JSON-ready dict (what reports and sessions store; ``batch_tokens`` and ``context_sample`` only when set,
-        ``precision`` and ``projection_precision`` only when not ``fp32``, so a config stored before they existed still reads as the same run)."""
+        ``precision`` and ``projection_precision`` only when not ``fp32``, ``batch_order`` only when not ``request``, so a config stored before they existed still reads as the same run)."""
         d = asdict(self)
         d["betas"] = list(self.betas)
         for key in ("batch_tokens", "context_sample"):
@@ -164,6 +168,8 @@ class EditConfig:
         for key in ("precision", "projection_precision"):
             if d[key] == "fp32":
                 del d[key]
+        if d["batch_order"] == "request":
+            del d["batch_order"]
         return d
 
     @classmethod
@@ -183,6 +189,7 @@ class EditConfig:
             d.update(contexts="bare", answer_end="none")
         d.setdefault("precision", "fp32")  # stored without one: trained in float32 (whatever today's default)
         d.setdefault("projection_precision", "fp32")
+        d.setdefault("batch_order", "request")
         return cls(**d)
 
 

@@ -404,18 +404,23 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
 
 
 def training_batches(tokenizer, sequences: Sequence[TrainingSequence], batch_size: int,
-                     batch_tokens: int | None = None, subset: Sequence[int] | None = None) -> list[EncodedBatch]:
+                     batch_tokens: int | None = None, subset: Sequence[int] | None = None,
+                     by_length: bool = False) -> list[EncodedBatch]:
     """Batches of the training sequences (of ``sequences[i]`` for ``i`` in ``subset``, when given), each from one
     context kind, with :attr:`~crispedit.data.tokenize.EncodedBatch.keys` = the sequences' indices in
-    ``sequences``: at most ``batch_size`` sequences in request order, or — ``batch_tokens`` given — the kind's
-    sequences sorted by length (stable) and packed while a batch's padded size (sequences × its longest) stays
-    within ``batch_tokens`` (a longer single sequence gets a batch of its own)."""
+    ``sequences``: at most ``batch_size`` sequences in request order (``by_length``: the kind's sequences sorted
+    by length (stable) first, so a batch holds sequences of similar length and little padding — the same
+    number of batches), or — ``batch_tokens`` given — the kind's sequences sorted by length and packed while a
+    batch's padded size (sequences × its longest) stays within ``batch_tokens`` (a longer single sequence gets
+    a batch of its own)."""
     out = []
     chosen = list(range(len(sequences))) if subset is None else list(subset)
     kinds = list(dict.fromkeys(sequences[i].context for i in chosen))
     for kind in kinds:
         group = [i for i in chosen if sequences[i].context == kind]
         if batch_tokens is None:
+            if by_length:
+                group = sorted(group, key=lambda i: len(sequences[i].ids))
             chunks = [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
         else:
             chunks, cur = [], []

@@ -111,7 +111,8 @@ def edit_batches(tokenizer, requests: Sequence[EditRequest], config: EditConfig,
     context names used (``chat`` is dropped from ``default`` for models without a chat template;
     ``model`` writes the ``gen`` prefixes — pass it unedited)."""
     seqs, names = sequences_for(tokenizer, requests, config, model)
-    return training_batches(tokenizer, seqs, config.batch_size, config.batch_tokens), names
+    return training_batches(tokenizer, seqs, config.batch_size, config.batch_tokens,
+                            by_length=config.batch_order == "length"), names
 
 
 def target_count(batch: EncodedBatch) -> int:
@@ -166,7 +167,8 @@ class _EpochPlan:
 
     def _batch(self, subset):
         c = self.config
-        return training_batches(self.tokenizer, self.seqs, c.batch_size, c.batch_tokens, subset)
+        return training_batches(self.tokenizer, self.seqs, c.batch_size, c.batch_tokens, subset,
+                                by_length=c.batch_order == "length")
 
     def per_epoch(self) -> tuple[int, int]:
         """Sequences and non-padding tokens of one epoch (the first one's, under ``--context-sample``)."""
