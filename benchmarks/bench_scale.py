@@ -18,7 +18,8 @@ Phases, each timed on its own (CUDA-synchronised) and printed as one line:
   every edit runs, ``stop_loss`` 0): s/epoch, s/step, tokens/s, achieved TFLOP/s from counted FLOPs (the
   forward and backward of the blocks above the frozen prefix, the LM head on the target rows, the projection)
   and its fraction of the device's own matmul peak, measured here with a large GEMM of the model dtype;
-* ``profile``: one more epoch under ``torch.profiler`` with the loop's phases marked: per step, the values read
+* ``profile``: one more epoch (of the first ``--profile-requests`` edits) under ``torch.profiler`` with the loop's
+  phases marked: per step, the values read
   back to the host inside a step (``aten::_local_scalar_dense`` outside ``torch.multinomial``'s device-side
   check — on a GPU each is a synchronisation), ``aten::item``, ``aten::nonzero``, explicit
   ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` calls and device-to-host copies, and the operator
@@ -232,6 +233,9 @@ def _args(argv):
     ap.add_argument("--n-cap", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled epoch")
+    ap.add_argument("--profile-requests", type=int, default=64, metavar="N",
+                    help="the profiled epoch runs the first N edits (default 64): per-step counts need a few steps, "
+                         "and the profiler's events of a whole large epoch take minutes to read")
     ap.add_argument("--sync-free", choices=("auto", "on", "off"), default="auto",
                     help="the loop's skip rule on the device (on; the accelerator default) or read on the host "
                          "(off; the CPU default, where a read is free and a skipped batch's backward is saved)")
@@ -316,7 +320,8 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
     print(f"train      {per_epoch:8.3f} s/epoch  {hist.seconds / steps:.4f} s/step  {steps // epochs} steps/epoch  "
           f"{hist.tokens / per_epoch:,.0f} tokens/s  {tflops:.3f} TFLOP/s = {100 * tflops / peak:.1f} % of peak")
     if not args.no_profile:
-        prof = profile_epoch(model, tok, requests, layers, params, projectors, config, device, sync_free)
+        prof = profile_epoch(model, tok, requests[:args.profile_requests], layers, params, projectors, config, device,
+                             sync_free)
         out["profile"] = prof
         ps = prof["per_step"]
         print(f"profile    per step: {ps['host_syncs']} host syncs ({ps['reads']} reads, {ps['nonzero']} nonzero, "
