@@ -294,6 +294,38 @@ def test_low_rank_form_equals_full_form_on_collected_factors(tiny_lm, gamma):
         assert (low.project(Q) - full.project(Q)).abs().max() <= 2e-6 * Q.abs().max(), (name, low.stats())
 
 
+def _float32_eigh_matches_float64(f, layers, gammas=(0.7, 0.8, 0.9), tol=1e-5):
+    """Masks equal and projections within ``tol`` (relative) between eigendecompositions in float32 (a GPU's
+    :func:`~crispedit.curvature.eigen.eigh_dtype`) and float64 of the collected factors ``f``."""
+    from crispedit.curvature.projection import eigh_psd
+
+    for name in layers:
+        A, S = f.A[name], f.S[name]
+        spectra = {dt: (*eigh_psd(S, dt), *eigh_psd(A, dt)) for dt in (torch.float32, torch.float64)}
+        Q = torch.randn(*S.shape[:1], A.shape[0], generator=torch.Generator().manual_seed(0), dtype=D)
+        for gamma in gammas:
+            p32, p64 = (KroneckerProjector.from_spectra(*(t.double() for t in spectra[dt]), gamma, dtype=D)
+                        for dt in (torch.float32, torch.float64))
+            assert torch.equal(p32.mask, p64.mask), (name, gamma)
+            ref = p64.project(Q)
+            assert float((p32.project(Q) - ref).norm() / ref.norm()) <= tol, (name, gamma)
+
+
+def test_float32_eigh_gives_the_float64_mask_and_projector(tiny_lm):
+    """Issue 37 (b): float32 decompositions (what a GPU runs) change neither the mask nor, beyond 1e-5, the
+    projector of collected factors."""
+    from crispedit.curvature.eigen import eigh_dtype
+    from crispedit.curvature.kfac import collect_lm_kfac
+    from crispedit.data import capability_corpus
+    from crispedit.models import resolve_layers
+
+    assert eigh_dtype("cpu") == torch.float64 and eigh_dtype("cuda") == torch.float32
+    model, tok = tiny_lm
+    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
+    f = collect_lm_kfac(model, tok, capability_corpus(None, 8), layers, max_len=64, batch_size=4, progress=False)
+    _float32_eigh_matches_float64(f, layers)
+
+
 def hyperbolic_factors(d_out, d_in, seed=0):
     """Random orthogonal eigenbases with spectra whose masked top is a thin cross (reaches far along both
     axes, covers little area): what real K-FAC spectra look like."""

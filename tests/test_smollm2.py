@@ -77,3 +77,18 @@ def test_crispedit_drifts_less_than_ft(smol):
         drift[method] = kl_drift(model, tok, texts, base_weights=res.original_weights)["kl_drift"]
         restore(model, res.original_weights)
     assert drift["crispedit"] < 0.5 * drift["ft"]
+
+
+def test_float32_eigh_on_smollm2_factors(smol):
+    """Issue 37 (b) on SmolLM2's real capability factors (64 texts, its five default layers): float32
+    decompositions (a GPU's) give the float64 masks and projectors within 1e-5."""
+    from test_projection import _float32_eigh_matches_float64
+
+    from crispedit.editing import EditConfig
+    from crispedit.editing.api import capability_factors
+    from crispedit.models import resolve_layers
+
+    model, tok = smol
+    layers = resolve_layers(model, None)
+    f, _ = capability_factors(model, tok, layers, EditConfig(), progress=False)
+    _float32_eigh_matches_float64(f, layers)

@@ -35,7 +35,7 @@ from ..errors import CrispEditError, atomic_save_safetensors, load_safetensors
 from .projection import eigh_psd
 from .kfac import KFACFactors
 
-__all__ = ["factor_eigh", "eigen_cache_path", "eigh_device", "EIGEN_FORMAT"]
+__all__ = ["factor_eigh", "eigen_cache_path", "eigh_device", "eigh_dtype", "EIGEN_FORMAT"]
 
 EIGEN_FORMAT = 1
 _META_KEY = "crispedit-eigh"
@@ -43,13 +43,20 @@ _META_KEY = "crispedit-eigh"
 
 def eigh_device(modules) -> torch.device | None:
     """Where the eigendecompositions of the factors of ``modules`` (name -> linear module) run: the modules' CUDA
-    device when their weights live on one (a float64 ``eigh`` there is far faster than on a few CPU cores at large
+    device when their weights live on one (an ``eigh`` there is far faster than on a few CPU cores at large
     widths), else ``None`` (where the factors lie: the CPU)."""
     for m in modules.values():
         w = getattr(m, "weight", None)
         if isinstance(w, Tensor) and w.device.type == "cuda":
             return w.device
     return None
+
+
+def eigh_dtype(device: torch.device | str) -> torch.dtype:
+    """The arithmetic of :func:`factor_eigh`'s decompositions on ``device``: float32 on a CUDA device (the float32
+    factors' own precision; on collected factors it gives float64's masks and, within the tolerance of
+    docs/curvature.md, its projectors: tested), float64 elsewhere (LAPACK on the CPU)."""
+    return torch.float32 if torch.device(device).type == "cuda" else torch.float64
 
 
 def eigen_cache_path(factors: KFACFactors) -> Path | None:
@@ -110,7 +117,7 @@ def factor_eigh(factors: KFACFactors, names: Iterable[str], which: Sequence[str]
     ``d``) and ``U`` float32 (``d x d``, columns the matching eigenvectors). Each is computed at most once per
     factor set (kept on ``factors`` and, for cached factors, in the eigenbasis cache file of
     :func:`eigen_cache_path`). ``device``: where to decompose what is not cached (default: where the factor
-    lies; a CUDA device runs ``torch.linalg.eigh`` in float64 there)."""
+    lies; a CUDA device runs ``torch.linalg.eigh`` there, in :func:`eigh_dtype`)."""
     wanted = [(n, w) for n in names for w in which]
     for n, w in wanted:
         if w not in ("A", "S"):
@@ -129,7 +136,7 @@ def factor_eigh(factors: KFACFactors, names: Iterable[str], which: Sequence[str]
             M = (factors.A if w == "A" else factors.S)[n]
             if device is not None:
                 M = M.to(device)
-            evals, U = eigh_psd(M, torch.float64)
+            evals, U = eigh_psd(M, eigh_dtype(M.device))
             memo[(n, w)] = (evals.cpu(), U.to(torch.float32).cpu())
         if path is not None:
             _save(path, factors, memo)
