@@ -73,9 +73,11 @@ def eigen_cache_path(factors: KFACFactors) -> Path | None:
     return path.parent.parent / "eigh" / f"{key}.safetensors"
 
 
-def _load(path: Path, factors: KFACFactors) -> dict[tuple[str, str], tuple[Tensor, Tensor]]:
+def _load(path: Path, factors: KFACFactors, dtype: torch.dtype = torch.float64
+          ) -> dict[tuple[str, str], tuple[Tensor, Tensor]]:
     """The eigenbases stored at ``path`` if the file was made for exactly these factors (same key and write id,
-    same format), else ``{}``; a damaged file reads as ``{}``."""
+    same format) in the arithmetic ``dtype`` (files from before it was recorded: float64), else ``{}``; a damaged
+    file reads as ``{}``."""
     if not path.is_file():
         return {}
     try:
@@ -83,7 +85,8 @@ def _load(path: Path, factors: KFACFactors) -> dict[tuple[str, str], tuple[Tenso
     except CrispEditError:
         return {}
     if (meta.get("format") != EIGEN_FORMAT or meta.get("factors_key") != factors.source.get("key")
-            or meta.get("factors_write") != factors.source.get("write")):
+            or meta.get("factors_write") != factors.source.get("write")
+            or meta.get("eigh_dtype", "float64") != _dtype_name(dtype)):
         return {}
     out = {}
     for key, t in tensors.items():
@@ -95,14 +98,20 @@ def _load(path: Path, factors: KFACFactors) -> dict[tuple[str, str], tuple[Tenso
     return out
 
 
-def _save(path: Path, factors: KFACFactors, eig: dict[tuple[str, str], tuple[Tensor, Tensor]]) -> None:
-    """Write every eigenbasis in ``eig`` to ``path`` atomically (best effort: an unwritable cache is skipped)."""
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _save(path: Path, factors: KFACFactors, eig: dict[tuple[str, str], tuple[Tensor, Tensor]],
+          dtype: torch.dtype = torch.float64) -> None:
+    """Write every eigenbasis in ``eig`` (decomposed in ``dtype``) to ``path`` atomically (best effort: an
+    unwritable cache is skipped)."""
     tensors = {}
     for (name, which), (evals, U) in eig.items():
         tensors[f"{name}::{which}::evals"] = evals.cpu()
         tensors[f"{name}::{which}::U"] = U.cpu()
     meta = {"format": EIGEN_FORMAT, "factors_key": factors.source.get("key"),
-            "factors_write": factors.source.get("write"),
+            "factors_write": factors.source.get("write"), "eigh_dtype": _dtype_name(dtype),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         atomic_save_safetensors(path, tensors, metadata={_META_KEY: json.dumps(meta)})
@@ -117,7 +126,9 @@ def factor_eigh(factors: KFACFactors, names: Iterable[str], which: Sequence[str]
     ``d``) and ``U`` float32 (``d x d``, columns the matching eigenvectors). Each is computed at most once per
     factor set (kept on ``factors`` and, for cached factors, in the eigenbasis cache file of
     :func:`eigen_cache_path`). ``device``: where to decompose what is not cached (default: where the factor
-    lies; a CUDA device runs ``torch.linalg.eigh`` there, in :func:`eigh_dtype`)."""
+    lies; a CUDA device runs ``torch.linalg.eigh`` there, in :func:`eigh_dtype`). A cache file decomposed in
+    another arithmetic than this device's (a GPU's float32, a CPU's float64) is decomposed again and rewritten,
+    so a projector from a cached eigenbasis equals the one from this device's own decomposition."""
     wanted = [(n, w) for n in names for w in which]
     for n, w in wanted:
         if w not in ("A", "S"):
@@ -127,8 +138,11 @@ def factor_eigh(factors: KFACFactors, names: Iterable[str], which: Sequence[str]
     memo = factors._eigh
     missing = [k for k in wanted if k not in memo]
     path = eigen_cache_path(factors) if missing else None
+    if missing:
+        n, w = missing[0]
+        dtype = eigh_dtype(device if device is not None else (factors.A if w == "A" else factors.S)[n].device)
     if path is not None:
-        stored = _load(path, factors)
+        stored = _load(path, factors, dtype)
         memo.update({k: v for k, v in stored.items() if k not in memo})
         missing = [k for k in wanted if k not in memo]
     if missing:
@@ -136,8 +150,8 @@ def factor_eigh(factors: KFACFactors, names: Iterable[str], which: Sequence[str]
             M = (factors.A if w == "A" else factors.S)[n]
             if device is not None:
                 M = M.to(device)
-            evals, U = eigh_psd(M, eigh_dtype(M.device))
-            memo[(n, w)] = (evals.cpu(), U.to(torch.float32).cpu())
+            evals, U = eigh_psd(M, dtype)
+            memo[(n, w)] = (evals.to(torch.float64).cpu(), U.to(torch.float32).cpu())
         if path is not None:
-            _save(path, factors, memo)
+            _save(path, factors, memo, dtype)
     return {k: memo[k] for k in wanted}
