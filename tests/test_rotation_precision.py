@@ -136,6 +136,30 @@ def test_cpu_ignores_tf32_and_restores_nothing():
     assert torch.backends.cuda.matmul.fp32_precision == before
 
 
+def test_cuda_flags_switch_only_when_needed_and_are_restored():
+    """The CUDA flags (settable without a GPU): ``fp32`` in the default state sets nothing (no mixing with a
+    legacy ``allow_tf32`` setting); under a process-wide TF32 it forces full float32 inside and restores after;
+    ``tf32`` switches on inside and restores after."""
+    matmul = torch.backends.cuda.matmul
+    global_before, flag_before = torch.get_float32_matmul_precision(), matmul.fp32_precision
+    try:
+        torch.set_float32_matmul_precision("highest")
+        matmul.fp32_precision = "none"
+        with rotation_precision("fp32", "cuda"):
+            assert matmul.fp32_precision == "none" and not projection._cuda_tf32()
+        with rotation_precision("tf32", "cuda"):
+            assert projection._cuda_tf32()
+        assert matmul.fp32_precision == "none"
+        torch.set_float32_matmul_precision("high")
+        assert projection._cuda_tf32()
+        with rotation_precision("fp32", "cuda"):
+            assert not projection._cuda_tf32()
+        assert projection._cuda_tf32()
+    finally:
+        torch.set_float32_matmul_precision(global_before)
+        matmul.fp32_precision = flag_before
+
+
 def test_bad_modes_are_refused():
     with pytest.raises(ValueError, match="rotation precision"):
         with rotation_precision("bf16", "cpu"):

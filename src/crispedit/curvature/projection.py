@@ -74,8 +74,15 @@ ROTATION_PRECISIONS = ("fp32", "tf32")  # the projection's GEMMs on a GPU (EditC
 TF32_FULL_FORM_RATIO = 4.0
 
 
+_UNCHANGED = object()
+
+
 def _set_tf32(on: bool) -> object:
-    """Switch CUDA's float32 matmuls to TF32 (``on``) or full float32; returns the previous setting."""
+    """Switch CUDA's float32 matmuls to TF32 (``on``) or full float32 unless they already are (then nothing is
+    set, so a process that configured TF32 through the legacy ``allow_tf32`` flag never sees the two APIs
+    mixed in the default case); returns what :func:`_restore_tf32` needs."""
+    if _cuda_tf32() == on:
+        return _UNCHANGED
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
         before, matmul.fp32_precision = matmul.fp32_precision, ("tf32" if on else "ieee")
@@ -85,11 +92,25 @@ def _set_tf32(on: bool) -> object:
 
 
 def _restore_tf32(before: object) -> None:
+    if before is _UNCHANGED:
+        return
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):
         matmul.fp32_precision = before
     else:  # pragma: no cover - older torch
         matmul.allow_tf32 = before
+
+
+def _cuda_tf32() -> bool:
+    """Whether CUDA's float32 matmuls run in TF32 now (the per-backend setting, else the process-wide
+    ``torch.get_float32_matmul_precision()``)."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        mode = matmul.fp32_precision
+        if mode == "none":
+            return torch.get_float32_matmul_precision() != "highest"
+        return mode == "tf32"
+    return bool(matmul.allow_tf32)  # pragma: no cover - older torch
 
 
 @contextlib.contextmanager
@@ -112,12 +133,7 @@ def rotation_precision(mode: str, device: torch.device | str) -> Iterator[None]:
 
 def tf32_gemms(X: Tensor) -> bool:
     """Whether float32 matrix products on ``X``'s device run in TF32 now (a CUDA tensor with TF32 allowed)."""
-    if not X.is_cuda:
-        return False
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        return matmul.fp32_precision == "tf32"
-    return bool(matmul.allow_tf32)  # pragma: no cover - older torch
+    return X.is_cuda and _cuda_tf32()
 
 
 def vec(X: Tensor) -> Tensor:
