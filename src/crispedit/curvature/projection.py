@@ -513,14 +513,10 @@ class KroneckerProjector(LayerProjector):
         the masked part, so that part's rounding errors would stay in the step, while the full form masks after
         rounding. So there the full form runs in TF32 when :meth:`tf32_full_form` says it pays, else the low-rank
         form in float32."""
-        if self.r_in and tf32_gemms(Q):
-            if not self.low_rank or self.tf32_full_form():
-                return self.unrotate(self.rotate(Q)).to(Q.dtype)
-            with rotation_precision("fp32", Q.device):
-                return self._low_rank(Q)
-        if not self.low_rank:
+        if not self.low_rank or (self.r_in and tf32_gemms(Q) and self.tf32_full_form()):
             return self.unrotate(self.rotate(Q)).to(Q.dtype)
-        return self._low_rank(Q)
+        with rotation_precision("fp32", Q.device):  # a no-op unless TF32 is on
+            return self._low_rank(Q)
 
     def tf32_full_form(self) -> bool:
         """Whether, with TF32 matrix products, :meth:`project` runs the full form in TF32 (its FLOPs at most

@@ -201,10 +201,10 @@ class _EpochPlan:
 
 
 def _update(params, layers, projectors, target: ProjectionTarget, opt, active: Tensor, drift_budget, timer,
-            rotations: str = "fp32") -> None:
+            rotations: tuple[str, torch.device | str] = ("fp32", "cpu")) -> None:
     """The step after backward: the penalty gradient, the projection (of the gradient before Adam, or of its
     update after it; the eigenbasis optimizer masks by itself), Adam gated by ``active``, the drift budget.
-    ``rotations``: the projection's float32 GEMMs on a GPU (:func:`rotation_precision`)."""
+    ``rotations``: ``(mode, device)`` of the projection's float32 GEMMs (:func:`rotation_precision`)."""
     if drift_budget is not None and drift_budget.penalty > 0:
         with timer.phase("drift"):
             drift_budget.add_penalty_gradient()  # + β ∂(predicted drift)/∂W, projected below
@@ -212,8 +212,7 @@ def _update(params, layers, projectors, target: ProjectionTarget, opt, active: T
     if target is ProjectionTarget.UPDATE:
         with timer.phase("copies"):
             before = {n: p.detach().float().clone() for n, p in params.items()}
-    device = next(iter(params.values())).device if params else "cpu"
-    with torch.no_grad(), rotation_precision(rotations, device):
+    with torch.no_grad(), rotation_precision(*rotations):
         if target is ProjectionTarget.GRADIENT:
             with timer.phase("projection"):
                 for n, p in params.items():
@@ -316,7 +315,7 @@ class _Step:
         self.params, self.layers, self.projectors, self.opt = params, layers, projectors, opt
         self.target, self.skip_loss = ProjectionTarget(config.projection_target), config.skip_loss
         self.drift_budget, self.timer, self.sync_free = drift_budget, timer, sync_free
-        self.rotations = config.projection_precision
+        self.rotations = (config.projection_precision, next(iter(params.values())).device if params else "cpu")
 
     def __call__(self, plan: _EpochPlan, item, counters: _Counters) -> Tensor:
         """Run ``item`` of ``plan`` (counted in ``counters``); returns its batch mean loss, a 0-d tensor on the device."""
