@@ -48,6 +48,7 @@ import torch
 from crispedit.curvature.eigen import eigh_device, factor_eigh
 from crispedit.data import EditRequest, load_edits
 from crispedit.editing import EditConfig, get_editor
+from crispedit.editing.config import PROJECTION_PRECISIONS
 from crispedit.editing.api import capability_factors
 from crispedit.editing.loop import edit_batches, projected_finetune
 from crispedit.editing.steptimer import StepTimer
@@ -228,7 +229,7 @@ def _args(argv):
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--batch-tokens", type=int, default=None, help="pack batches to N padded tokens instead")
-    ap.add_argument("--projection-precision", choices=("fp32", "tf32"), default="fp32",
+    ap.add_argument("--projection-precision", choices=PROJECTION_PRECISIONS, default="fp32",
                     help="the projection's GEMMs on a GPU (EditConfig.projection_precision)")
     ap.add_argument("--n-cap", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=256)

@@ -162,14 +162,9 @@ class EditConfig:
         ``precision`` and ``projection_precision`` only when not ``fp32``, ``batch_order`` only when not ``request``, so a config stored before they existed still reads as the same run)."""
         d = asdict(self)
         d["betas"] = list(self.betas)
-        for key in ("batch_tokens", "context_sample"):
-            if d[key] is None:
+        for key, unset in _STORED_WHEN_SET.items():
+            if d[key] == unset:
                 del d[key]
-        for key in ("precision", "projection_precision"):
-            if d[key] == "fp32":
-                del d[key]
-        if d["batch_order"] == "request":
-            del d["batch_order"]
         return d
 
     @classmethod
@@ -187,10 +182,15 @@ class EditConfig:
             # a stored config from before edit contexts existed (e.g. an older session): keep training
             # it the way it was trained
             d.update(contexts="bare", answer_end="none")
-        d.setdefault("precision", "fp32")  # stored without one: trained in float32 (whatever today's default)
-        d.setdefault("projection_precision", "fp32")
-        d.setdefault("batch_order", "request")
+        for key, unset in _STORED_WHEN_SET.items():  # stored without one: trained that way (whatever today's default)
+            d.setdefault(key, unset)
         return cls(**d)
+
+
+# Fields to_json stores only when they differ from these values (what a config stored before the field existed
+# meant), and from_dict fills in when absent
+_STORED_WHEN_SET = {"batch_tokens": None, "context_sample": None, "precision": "fp32", "projection_precision": "fp32",
+                    "batch_order": "request"}
 
 
 WEIGHTINGS = ("fixed", "tokens")
