@@ -18,6 +18,10 @@ Phases, each timed on its own (CUDA-synchronised) and printed as one line:
   every edit runs, ``stop_loss`` 0): s/epoch, s/step, tokens/s, achieved TFLOP/s from counted FLOPs (the
   forward and backward of the blocks above the frozen prefix, the LM head on the target rows, the projection)
   and its fraction of the device's own matmul peak, measured here with a large GEMM of the model dtype;
+* ``kfac prof`` (``--profile-kfac``): the collection once more under ``torch.profiler`` (:func:`profile_kfac`): per
+  batch the ``aten::`` calls, kernel launches, host reads and synchronisations, and the operators that took the
+  most host and device time — where a collection bound by its host spends it (``--kfac-batch-size`` changes the
+  batches, not the factors);
 * ``profile``: one more epoch (of the first ``--profile-requests`` edits) under ``torch.profiler`` with the loop's
   phases marked: per step, the values read
   back to the host inside a step (``aten::_local_scalar_dense`` outside ``torch.multinomial``'s device-side
@@ -172,6 +176,19 @@ def profile_epoch(model, tok, requests, layers, params, projectors, config, devi
         hist = projected_finetune(model, tok, requests, layers, params, projectors, one, progress=False, timer=timer,
                                   sync_free=sync_free)
     steps = max(1, hist.steps + hist.skipped)
+    inside, outside = _tally(prof, lambda name, parents: any(p.startswith("crispedit.") for p in parents)
+                             or name.startswith("crispedit."))
+    per_step = {k: round(v / steps, 3) for k, v in inside.items()}
+    per_step["host_syncs"] = round((inside["reads"] + inside["nonzero"] + inside["sync_calls"]) / steps, 3)
+    return {"steps": steps, "per_step": per_step, "between_steps": outside,
+            "host_syncs_per_step": per_step["host_syncs"]}
+
+
+def _tally(prof, inside_of) -> tuple[dict, dict]:
+    """Counts of a ``torch.profiler`` run's events, split by ``inside_of(name, parent names)``: values read back
+    to the host (``reads``: ``aten::_local_scalar_dense`` outside ``aten::_assert_async``), ``item``,
+    ``nonzero``, explicit synchronisations, device-to-host copies, CUDA kernel launches and top-level
+    ``aten::`` calls (one not nested in another)."""
     inside = {"reads": 0, "item": 0, "nonzero": 0, "sync_calls": 0, "dtoh": 0, "aten_ops": 0, "kernel_launches": 0}
     outside = dict(inside)
 
@@ -185,7 +202,7 @@ def profile_epoch(model, tok, requests, layers, params, projectors, config, devi
     for e in prof.events():
         name = e.name
         parents = chain(e)
-        where = inside if any(p.startswith("crispedit.") for p in parents) or name.startswith("crispedit.") else outside
+        where = inside if inside_of(name, parents) else outside
         if name == "aten::_local_scalar_dense" and "aten::_assert_async" not in parents:
             where["reads"] += 1
         elif name == "aten::item" and "aten::_assert_async" not in parents:
@@ -200,10 +217,42 @@ def profile_epoch(model, tok, requests, layers, params, projectors, config, devi
             where["kernel_launches"] += 1
         if name.startswith("aten::") and not any(p.startswith("aten::") for p in parents):
             where["aten_ops"] += 1
-    per_step = {k: round(v / steps, 3) for k, v in inside.items()}
-    per_step["host_syncs"] = round((inside["reads"] + inside["nonzero"] + inside["sync_calls"]) / steps, 3)
-    return {"steps": steps, "per_step": per_step, "between_steps": outside,
-            "host_syncs_per_step": per_step["host_syncs"]}
+    return inside, outside
+
+
+def profile_kfac(model, tok, layers, config, device: str, top: int = 12) -> dict:
+    """One more K-FAC collection (the capability corpus of ``config``, not cached) under ``torch.profiler``: its
+    batches and seconds, per batch the host reads, synchronisations, ``aten::`` calls and kernel launches
+    (:func:`_tally`), and the ``top`` operators by self CPU time and, on a GPU, by self device time (each
+    ``(name, calls, milliseconds)``), so a collection bound by the host shows where its time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from crispedit.curvature.kfac import collect_lm_kfac, lm_batches
+    from crispedit.data.corpus import capability_corpus
+
+    texts = capability_corpus(config.cap_corpus, config.n_cap)
+    n_batches = len(lm_batches(tok, texts, max_len=config.max_len, batch_size=config.kfac_batch_size, device="cpu"))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    _sync(device)
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        factors = collect_lm_kfac(model, tok, texts, layers, max_len=config.max_len, batch_size=config.kfac_batch_size,
+                                  label_mode=config.label_mode, seed=config.seed, progress=False)
+        _sync(device)
+    seconds = time.perf_counter() - t
+    counts, _ = _tally(prof, lambda name, parents: True)
+    per_batch = {k: round(v / max(1, n_batches), 1) for k, v in counts.items()}
+    ev = prof.key_averages()
+
+    def ranked(attr):
+        rows = sorted(ev, key=lambda e: getattr(e, attr, 0) or 0, reverse=True)[:top]
+        return [(e.key, e.count, round((getattr(e, attr, 0) or 0) / 1e3, 2)) for e in rows if getattr(e, attr, 0)]
+
+    out = {"batches": n_batches, "tokens": factors.n_tokens, "seconds": round(seconds, 3), "per_batch": per_batch,
+           "top_self_cpu": ranked("self_cpu_time_total")}
+    if device.startswith("cuda"):
+        out["top_self_device"] = ranked("self_device_time_total")
+    return out
 
 
 def _args(argv):
@@ -233,6 +282,10 @@ def _args(argv):
                     help="the projection's GEMMs on a GPU (EditConfig.projection_precision)")
     ap.add_argument("--n-cap", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--kfac-batch-size", type=int, default=EditConfig.kfac_batch_size,
+                    help="texts per K-FAC batch (the factors do not depend on it)")
+    ap.add_argument("--profile-kfac", action="store_true",
+                    help="collect the K-FAC factors once more under torch.profiler: per batch counts, top operators")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled epoch")
     ap.add_argument("--profile-requests", type=int, default=64, metavar="N",
                     help="the profiled epoch runs the first N edits (default 64): per-step counts need a few steps, "
@@ -256,7 +309,7 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
                         epochs=args.epochs, stop_loss=0.0,
                         contexts=args.contexts, batch_size=args.batch_size, batch_tokens=args.batch_tokens,
                         projection_precision="tf32" if "tf32" in modes else args.projection_precision,
-                        n_cap=args.n_cap, max_len=args.max_len).validate()
+                        n_cap=args.n_cap, max_len=args.max_len, kfac_batch_size=args.kfac_batch_size).validate()
     editor = get_editor(config.method)
     layers = editor.select_layers(model, config)
     params = editor.trainable(layers)
@@ -295,6 +348,16 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
         out["projector"] = {"seconds": round(proj_s, 3), "factor_reload_seconds": round(reload_s, 3)}
         print(f"projector  {proj_s:8.2f} s  (a second edit: eigenbases from their cache file, masks; the factors' "
               f"reload {reload_s:.2f} s)")
+        if args.profile_kfac:
+            kp = profile_kfac(model, tok, layers, config, device)
+            out["kfac_profile"] = kp
+            pb = kp["per_batch"]
+            print(f"kfac prof  {kp['seconds']:8.2f} s  {kp['batches']} batches of <= {config.kfac_batch_size} texts, "
+                  f"{kp['tokens'] / kp['seconds']:,.0f} tokens/s under the profiler; per batch {pb['aten_ops']} aten "
+                  f"ops, {pb['kernel_launches']} kernel launches, {pb['reads']} reads, {pb['sync_calls']} sync calls")
+            for key in ("top_self_cpu", "top_self_device"):
+                for op, calls, ms in kp.get(key, []):
+                    print(f"           {key[4:]:>9}  {ms:10.1f} ms  {calls:6d} calls  {op}")
     else:
         projectors = editor.projectors(layers, None, config)
     batches, _ = edit_batches(tok, requests, config, model)

@@ -20,7 +20,8 @@ def test_bench_scale_reports_every_phase(bench, method, tmp_path, capsys):
     out = tmp_path / "scale.json"
     res = bench.main(["--random-init", "smollm2", "--blocks", "2", "--layers", "model.layers.{0-1}.mlp.down_proj",
                       "--synthetic", "6", "--epochs", "2", "--n-cap", "4", "--max-len", "32", "--batch-size", "8",
-                      "--method", method, "--sync-free", "on", "--json", str(out)])
+                      "--method", method, "--sync-free", "on", "--kfac-batch-size", "2", "--profile-kfac",
+                      "--json", str(out)])
     text = capsys.readouterr().out
     stored = json.loads(out.read_text())
     assert stored["train"]["epochs"] == 2 and stored["train"]["steps"] >= 2 and stored["train"]["tflops"] > 0
@@ -31,6 +32,9 @@ def test_bench_scale_reports_every_phase(bench, method, tmp_path, capsys):
     if method == "crispedit":
         assert {"kfac", "eigh", "projector"} <= set(stored) and stored["kfac"]["tokens_per_s"] > 0
         assert "kfac" in text and "projector" in text
+        prof = stored["kfac_profile"]  # 4 texts in batches of at most 2
+        assert prof["batches"] >= 2 and prof["tokens"] == stored["kfac"]["tokens"]
+        assert prof["per_batch"]["aten_ops"] > 0 and prof["top_self_cpu"] and "kfac prof" in text
     else:
         assert "kfac" not in stored
     assert res["n_edits"] == 6 and "train" in text and "profile" in text
