@@ -32,12 +32,15 @@ Phases, each timed on its own (CUDA-synchronised) and printed as one line:
 ``--random-init smollm2|llama3-8b`` builds the architecture with random weights (``--blocks K`` keeps K decoder
 blocks) and a byte-level BPE tokenizer trained in-process on the bundled WikiText sample, with a ChatML chat
 template like SmolLM2's: timings only, no quality. ``--synthetic N`` makes up N facts (no data files needed).
-``--json FILE`` writes every figure with the arguments and the environment.
+``--json FILE`` writes every figure with the arguments and the environment. A ``--method`` entry may end in
+``:bf16`` (training precision), ``:tf32`` (the projection's GEMMs), ``:compile`` or ``:graphs`` (the decoder
+blocks under ``torch.compile``, the latter with CUDA graphs: its first run compiles, a second is timed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import random
@@ -255,6 +258,26 @@ def profile_kfac(model, tok, layers, config, device: str, top: int = 12) -> dict
     return out
 
 
+@contextlib.contextmanager
+def compiled_blocks(model, mode: str | None):
+    """While active, every decoder block of ``model`` is ``torch.compile(block, mode=mode, dynamic=True)`` (the
+    same parameters: the loop trains them as before); ``mode=None`` changes nothing. An experiment for issue
+    37 (e): a step of small batches on a GPU is bound by its host's operator launches, which compiled blocks
+    (and, with ``"reduce-overhead"``, CUDA graphs) cut."""
+    if mode is None:
+        yield
+        return
+    _, blocks = decoder_blocks(model)
+    saved = list(blocks)
+    try:
+        for i, b in enumerate(saved):
+            blocks[i] = torch.compile(b, mode=mode, dynamic=True)
+        yield
+    finally:
+        for i, b in enumerate(saved):
+            blocks[i] = b
+
+
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
@@ -299,12 +322,14 @@ def _args(argv):
 
 def run_method(method: str, args, model, tok, requests, layers_pattern, device: str, peak: float, root: str) -> dict:
     """Every phase of one method (:func:`main`'s lines; ``method`` may end in ``:bf16`` / ``:fp32`` (the training
-    precision), ``:tf32`` (the projection's GEMMs) or both joined by ``+``), the model's trained weights restored
-    afterwards."""
+    precision), ``:tf32`` (the projection's GEMMs), ``:compile`` / ``:graphs`` (the decoder blocks under
+    ``torch.compile``, :func:`compiled_blocks`), joined by ``+``), the model's trained weights restored afterwards."""
     name, _, suffix = method.partition(":")
     modes = set(suffix.split("+")) - {""}
-    if modes - {"bf16", "fp32", "tf32"}:
-        raise SystemExit(f"bench_scale: unknown method suffix in {method!r} (bf16, fp32, tf32, joined by +)")
+    if modes - {"bf16", "fp32", "tf32", "compile", "graphs"}:
+        raise SystemExit(f"bench_scale: unknown method suffix in {method!r} (bf16, fp32, tf32, compile, graphs, "
+                         "joined by +)")
+    compile_mode = "reduce-overhead" if "graphs" in modes else "default" if "compile" in modes else None
     config = EditConfig(method=name, precision="bf16" if "bf16" in modes else "fp32", layers=layers_pattern,
                         epochs=args.epochs, stop_loss=0.0,
                         contexts=args.contexts, batch_size=args.batch_size, batch_tokens=args.batch_tokens,
@@ -367,10 +392,23 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
     _sync(device)
     t = time.perf_counter()
     sync_free = {"auto": None, "on": True, "off": False}[args.sync_free]
-    hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
-                              sync_free=sync_free)
-    _sync(device)
-    train_s = time.perf_counter() - t
+    with compiled_blocks(model, compile_mode):
+        hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
+                                  sync_free=sync_free)
+        _sync(device)
+        train_s = time.perf_counter() - t
+        if compile_mode:  # the first epoch pays the compilation; a second run of the same epochs shows the step
+            t = time.perf_counter()
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(saved[n])
+            hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
+                                      sync_free=sync_free)
+            _sync(device)
+            out["compile"] = {"mode": compile_mode, "first_run_seconds": round(train_s, 3)}
+            print(f"compile    {compile_mode}: the first run (compiling) {train_s:.2f} s; the figures below are a "
+                  f"second run of the same epochs")
+            train_s = time.perf_counter() - t
     epochs = len(hist.epoch_loss)
     steps = hist.steps + hist.skipped
     per_epoch = hist.seconds / epochs
@@ -384,8 +422,9 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
     print(f"train      {per_epoch:8.3f} s/epoch  {hist.seconds / steps:.4f} s/step  {steps // epochs} steps/epoch  "
           f"{hist.tokens / per_epoch:,.0f} tokens/s  {tflops:.3f} TFLOP/s = {100 * tflops / peak:.1f} % of peak")
     if not args.no_profile:
-        prof = profile_epoch(model, tok, requests[:args.profile_requests], layers, params, projectors, config, device,
-                             sync_free)
+        with compiled_blocks(model, compile_mode):
+            prof = profile_epoch(model, tok, requests[:args.profile_requests], layers, params, projectors, config,
+                                 device, sync_free)
         out["profile"] = prof
         ps = prof["per_step"]
         print(f"profile    per step: {ps['host_syncs']} host syncs ({ps['reads']} reads, {ps['nonzero']} nonzero, "

@@ -4,6 +4,8 @@
 #   bash benchmarks/gpu_scale.sh            # everything (at most 10 minutes: each case under a timeout)
 #   QUICK=1 bash benchmarks/gpu_scale.sh    # a smoke run (small shapes) to check the script itself
 #   SHORT=1 bash benchmarks/gpu_scale.sh    # about 3 minutes: TF32 leak, token batches, a profiled epoch
+#   HOST=1 bash benchmarks/gpu_scale.sh     # about 5 minutes: where the host-bound K-FAC batch and step go
+#                                           # (profiled K-FAC at 8 and 64 texts a batch; eager / compiled / CUDA-graph blocks)
 set -uo pipefail
 OUT=${OUT:-runs/gpu_scale}
 mkdir -p "$OUT"
@@ -23,6 +25,20 @@ if [ "${SHORT:-0}" = 1 ]; then  # a follow-up in about 3 minutes: leak test, tok
       --json "$OUT/smollm2_1000_tokens_b.json" 2>&1 | tee "$OUT/smollm2_1000_tokens_b.txt"
   timeout 50 $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 100 --epochs 1 --device cuda \
       --dtype bfloat16 --json "$OUT/smollm2_100_profile.json" 2>&1 | tee "$OUT/smollm2_100_profile.txt"
+  exit 0
+fi
+if [ "${HOST:-0}" = 1 ]; then
+  # the CUDA-only tests first (TF32 forcing, float32 eigh), then K-FAC under the profiler at two batch sizes
+  timeout 60 $PY -m pytest -q -s -p no:cacheprovider tests -k cuda 2>&1 | tail -5 | tee "$OUT/cuda_tests.txt"
+  for kb in 8 64; do
+    timeout 80 $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 64 --epochs 1 --device cuda \
+        --dtype bfloat16 --n-cap 512 --kfac-batch-size $kb --profile-kfac --no-profile \
+        --json "$OUT/kfac_profile_b$kb.json" 2>&1 | tee "$OUT/kfac_profile_b$kb.txt"
+  done
+  # 1 000 edits, default contexts, 32-sequence batches: eager against compiled blocks against CUDA graphs
+  timeout 200 $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 1000 --epochs 1 --device cuda \
+      --dtype bfloat16 --n-cap 64 --profile-requests 32 --method crispedit,crispedit:compile,crispedit:graphs,crispedit \
+      --json "$OUT/smollm2_1000_compile.json" 2>&1 | tee "$OUT/smollm2_1000_compile.txt"
   exit 0
 fi
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"

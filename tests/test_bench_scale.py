@@ -53,3 +53,16 @@ def test_synthetic_requests_are_deterministic(bench):
     a, b = bench.synthetic_requests(20, seed=3), bench.synthetic_requests(20, seed=3)
     assert [(r.prompt, r.target) for r in a] == [(r.prompt, r.target) for r in b]
     assert len({r.prompt for r in a}) == 20 and all(r.target.strip() for r in a)
+
+
+@pytest.mark.slow
+def test_bench_scale_compiled_blocks(bench, capsys):
+    """The ``:compile`` entry (issue 37 e): the decoder blocks run under ``torch.compile`` (minutes on a CPU),
+    the first run's compile time is reported apart, the second run trains the same steps."""
+    res = bench.main(["--random-init", "smollm2", "--blocks", "2", "--layers", "model.layers.1.mlp.down_proj",
+                      "--synthetic", "4", "--epochs", "1", "--n-cap", "4", "--max-len", "32", "--batch-size", "4",
+                      "--no-profile", "--method", "crispedit:compile,crispedit"])
+    comp = res["methods"]["crispedit:compile"]
+    assert comp["compile"]["mode"] == "default" and comp["compile"]["first_run_seconds"] > 0
+    assert comp["train"]["steps"] == res["methods"]["crispedit"]["train"]["steps"] and "step_ratio" in res
+    assert "compile    default" in capsys.readouterr().out

@@ -294,14 +294,17 @@ def test_low_rank_form_equals_full_form_on_collected_factors(tiny_lm, gamma):
         assert (low.project(Q) - full.project(Q)).abs().max() <= 2e-6 * Q.abs().max(), (name, low.stats())
 
 
-def _float32_eigh_matches_float64(f, layers, gammas=(0.7, 0.8, 0.9), tol=1e-5):
+def _float32_eigh_matches_float64(f, layers, gammas=(0.7, 0.8, 0.9), tol=1e-5, device="cpu"):
     """Masks equal and projections within ``tol`` (relative) between eigendecompositions in float32 (a GPU's
-    :func:`~crispedit.curvature.eigen.eigh_dtype`) and float64 of the collected factors ``f``."""
+    :func:`~crispedit.curvature.eigen.eigh_dtype`; run on ``device``) and float64 (on the CPU) of the collected
+    factors ``f``."""
     from crispedit.curvature.projection import eigh_psd
 
     for name in layers:
         A, S = f.A[name], f.S[name]
-        spectra = {dt: (*eigh_psd(S, dt), *eigh_psd(A, dt)) for dt in (torch.float32, torch.float64)}
+        spectra = {torch.float64: (*eigh_psd(S, torch.float64), *eigh_psd(A, torch.float64)),
+                   torch.float32: tuple(t.cpu() for t in (*eigh_psd(S.to(device), torch.float32),
+                                                          *eigh_psd(A.to(device), torch.float32)))}
         Q = torch.randn(*S.shape[:1], A.shape[0], generator=torch.Generator().manual_seed(0), dtype=D)
         for gamma in gammas:
             p32, p64 = (KroneckerProjector.from_spectra(*(t.double() for t in spectra[dt]), gamma, dtype=D)
@@ -324,6 +327,19 @@ def test_float32_eigh_gives_the_float64_mask_and_projector(tiny_lm):
     layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
     f = collect_lm_kfac(model, tok, capability_corpus(None, 8), layers, max_len=64, batch_size=4, progress=False)
     _float32_eigh_matches_float64(f, layers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (its float32 eigensolver)")
+def test_cuda_float32_eigh_gives_the_float64_mask_and_projector(tiny_lm):
+    """The same on a GPU's own float32 eigensolver (cuSOLVER), against the CPU's float64."""
+    from crispedit.curvature.kfac import collect_lm_kfac
+    from crispedit.data import capability_corpus
+    from crispedit.models import resolve_layers
+
+    model, tok = tiny_lm
+    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
+    f = collect_lm_kfac(model, tok, capability_corpus(None, 8), layers, max_len=64, batch_size=4, progress=False)
+    _float32_eigh_matches_float64(f, layers, device="cuda")
 
 
 def hyperbolic_factors(d_out, d_in, seed=0):
