@@ -340,104 +340,106 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
     params = editor.trainable(layers)
     saved = {n: p.detach().clone() for n, p in params.items()}
     out: dict = {"layers": list(layers)}
-    print(f"[{method}] {len(layers)} layers")
-    if editor.needs_curvature:
-        t = time.perf_counter()
-        fingerprint = weight_fingerprint(model)  # the cache key's model part: every weight's bytes hashed once
-        fp_s = time.perf_counter() - t
-        out["fingerprint"] = {"seconds": round(fp_s, 3)}
-        print(f"fingerprint{fp_s:8.2f} s  (the weights hashed for the curvature cache key, once per edit)")
-        _sync(device)
-        t = time.perf_counter()
-        factors, info = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
-                                           kind=editor.curvature_kind, fingerprint=fingerprint)
-        _sync(device)
-        kfac_s = time.perf_counter() - t
-        out["kfac"] = {"seconds": round(kfac_s, 3), "tokens": factors.n_tokens, "cache_hit": info["hit"],
-                       "tokens_per_s": round(factors.n_tokens / kfac_s, 1)}
-        print(f"kfac       {kfac_s:8.2f} s  {factors.n_tokens} tokens  {factors.n_tokens / kfac_s:,.0f} tokens/s"
-              + ("  (cache hit)" if info["hit"] else ""))
-        t = time.perf_counter()
-        factor_eigh(factors, layers, ("A", "S") if editor.curvature_kind == "kfac" else ("A",),
-                    device=eigh_device(layers))
-        eigh_s = time.perf_counter() - t
-        out["eigh"] = {"seconds": round(eigh_s, 3)}
-        print(f"eigh       {eigh_s:8.2f} s  (first edit on a cache; written beside the factors)")
-        t = time.perf_counter()
-        factors, _ = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
-                                        kind=editor.curvature_kind, fingerprint=fingerprint)
-        reload_s = time.perf_counter() - t
-        t = time.perf_counter()
-        projectors = editor.projectors(layers, factors, config)
-        proj_s = time.perf_counter() - t
-        out["projector"] = {"seconds": round(proj_s, 3), "factor_reload_seconds": round(reload_s, 3)}
-        print(f"projector  {proj_s:8.2f} s  (a second edit: eigenbases from their cache file, masks; the factors' "
-              f"reload {reload_s:.2f} s)")
-        if args.profile_kfac:
-            kp = profile_kfac(model, tok, layers, config, device)
-            out["kfac_profile"] = kp
-            pb = kp["per_batch"]
-            print(f"kfac prof  {kp['seconds']:8.2f} s  {kp['batches']} batches of <= {config.kfac_batch_size} texts, "
-                  f"{kp['tokens'] / kp['seconds']:,.0f} tokens/s under the profiler; per batch {pb['aten_ops']} aten "
-                  f"ops, {pb['kernel_launches']} kernel launches, {pb['reads']} reads, {pb['sync_calls']} sync calls")
-            for key in ("top_self_cpu", "top_self_device"):
-                for op, calls, ms in kp.get(key, []):
-                    print(f"           {key[4:]:>9}  {ms:10.1f} ms  {calls:6d} calls  {op}")
-    else:
-        projectors = editor.projectors(layers, None, config)
-    batches, _ = edit_batches(tok, requests, config, model)
-    flops = step_flops(model, batches, params, projectors)
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    _sync(device)
-    t = time.perf_counter()
-    sync_free = {"auto": None, "on": True, "off": False}[args.sync_free]
-    with compiled_blocks(model, compile_mode):
-        hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
-                                  sync_free=sync_free)
-        _sync(device)
-        train_s = time.perf_counter() - t
-        if compile_mode:  # the first epoch pays the compilation; a second run of the same epochs shows the step
+    try:
+        print(f"[{method}] {len(layers)} layers")
+        if editor.needs_curvature:
             t = time.perf_counter()
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(saved[n])
+            fingerprint = weight_fingerprint(model)  # the cache key's model part: every weight's bytes hashed once
+            fp_s = time.perf_counter() - t
+            out["fingerprint"] = {"seconds": round(fp_s, 3)}
+            print(f"fingerprint{fp_s:8.2f} s  (the weights hashed for the curvature cache key, once per edit)")
+            _sync(device)
+            t = time.perf_counter()
+            factors, info = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
+                                               kind=editor.curvature_kind, fingerprint=fingerprint)
+            _sync(device)
+            kfac_s = time.perf_counter() - t
+            out["kfac"] = {"seconds": round(kfac_s, 3), "tokens": factors.n_tokens, "cache_hit": info["hit"],
+                           "tokens_per_s": round(factors.n_tokens / kfac_s, 1)}
+            print(f"kfac       {kfac_s:8.2f} s  {factors.n_tokens} tokens  {factors.n_tokens / kfac_s:,.0f} tokens/s"
+                  + ("  (cache hit)" if info["hit"] else ""))
+            t = time.perf_counter()
+            factor_eigh(factors, layers, ("A", "S") if editor.curvature_kind == "kfac" else ("A",),
+                        device=eigh_device(layers))
+            eigh_s = time.perf_counter() - t
+            out["eigh"] = {"seconds": round(eigh_s, 3)}
+            print(f"eigh       {eigh_s:8.2f} s  (first edit on a cache; written beside the factors)")
+            t = time.perf_counter()
+            factors, _ = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
+                                            kind=editor.curvature_kind, fingerprint=fingerprint)
+            reload_s = time.perf_counter() - t
+            t = time.perf_counter()
+            projectors = editor.projectors(layers, factors, config)
+            proj_s = time.perf_counter() - t
+            out["projector"] = {"seconds": round(proj_s, 3), "factor_reload_seconds": round(reload_s, 3)}
+            print(f"projector  {proj_s:8.2f} s  (a second edit: eigenbases from their cache file, masks; the factors' "
+                  f"reload {reload_s:.2f} s)")
+            if args.profile_kfac:
+                kp = profile_kfac(model, tok, layers, config, device)
+                out["kfac_profile"] = kp
+                pb = kp["per_batch"]
+                print(f"kfac prof  {kp['seconds']:8.2f} s  {kp['batches']} batches of <= {config.kfac_batch_size} texts, "
+                      f"{kp['tokens'] / kp['seconds']:,.0f} tokens/s under the profiler; per batch {pb['aten_ops']} aten "
+                      f"ops, {pb['kernel_launches']} kernel launches, {pb['reads']} reads, {pb['sync_calls']} sync calls")
+                for key in ("top_self_cpu", "top_self_device"):
+                    for op, calls, ms in kp.get(key, []):
+                        print(f"           {key[4:]:>9}  {ms:10.1f} ms  {calls:6d} calls  {op}")
+        else:
+            projectors = editor.projectors(layers, None, config)
+        batches, _ = edit_batches(tok, requests, config, model)
+        flops = step_flops(model, batches, params, projectors)
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        _sync(device)
+        t = time.perf_counter()
+        sync_free = {"auto": None, "on": True, "off": False}[args.sync_free]
+        with compiled_blocks(model, compile_mode):
             hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
                                       sync_free=sync_free)
             _sync(device)
-            out["compile"] = {"mode": compile_mode, "first_run_seconds": round(train_s, 3)}
-            print(f"compile    {compile_mode}: the first run (compiling) {train_s:.2f} s; the figures below are a "
-                  f"second run of the same epochs")
             train_s = time.perf_counter() - t
-    epochs = len(hist.epoch_loss)
-    steps = hist.steps + hist.skipped
-    per_epoch = hist.seconds / epochs
-    tflops = flops / per_epoch / 1e12
-    out["train"] = {"seconds": round(train_s, 3), "epochs": epochs, "steps": steps,
-                    "s_per_epoch": round(per_epoch, 4), "s_per_step": round(hist.seconds / steps, 5),
-                    "sequences": hist.sequences, "tokens_per_epoch": hist.tokens,
-                    "tokens_per_s": round(hist.tokens / per_epoch, 1), "flops_per_epoch": flops,
-                    "tflops": round(tflops, 4), "fraction_of_peak": round(tflops / peak, 5), "fast_loss": hist.fast_loss,
-                    "skipped_batches": hist.skipped, "sync_free": device.startswith("cuda") if sync_free is None else sync_free}
-    print(f"train      {per_epoch:8.3f} s/epoch  {hist.seconds / steps:.4f} s/step  {steps // epochs} steps/epoch  "
-          f"{hist.tokens / per_epoch:,.0f} tokens/s  {tflops:.3f} TFLOP/s = {100 * tflops / peak:.1f} % of peak")
-    if not args.no_profile:
-        with compiled_blocks(model, compile_mode):
-            prof = profile_epoch(model, tok, requests[:args.profile_requests], layers, params, projectors, config,
-                                 device, sync_free)
-        out["profile"] = prof
-        ps = prof["per_step"]
-        print(f"profile    per step: {ps['host_syncs']} host syncs ({ps['reads']} reads, {ps['nonzero']} nonzero, "
-              f"{ps['sync_calls']} sync calls, {ps['dtoh']} DtoH copies), {ps['aten_ops']} aten ops, "
-              f"{ps['kernel_launches']} kernel launches; between steps: {prof['between_steps']['reads']} reads "
-              f"in {prof['steps']} steps")
-    out["peak_memory_mib"] = round((torch.cuda.max_memory_allocated() if device.startswith("cuda") else
-                                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 20, 1)
-    out["host_syncs_per_step"] = out.get("profile", {}).get("host_syncs_per_step")
-    print(f"memory     peak {out['peak_memory_mib']:,.0f} MiB ({'device allocated' if device.startswith('cuda') else 'RSS'})")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(saved[n])
+            if compile_mode:  # the first epoch pays the compilation; a second run of the same epochs shows the step
+                t = time.perf_counter()
+                with torch.no_grad():
+                    for n, p in params.items():
+                        p.copy_(saved[n])
+                hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
+                                          sync_free=sync_free)
+                _sync(device)
+                out["compile"] = {"mode": compile_mode, "first_run_seconds": round(train_s, 3)}
+                print(f"compile    {compile_mode}: the first run (compiling) {train_s:.2f} s; the figures below are a "
+                      f"second run of the same epochs")
+                train_s = time.perf_counter() - t
+        epochs = len(hist.epoch_loss)
+        steps = hist.steps + hist.skipped
+        per_epoch = hist.seconds / epochs
+        tflops = flops / per_epoch / 1e12
+        out["train"] = {"seconds": round(train_s, 3), "epochs": epochs, "steps": steps,
+                        "s_per_epoch": round(per_epoch, 4), "s_per_step": round(hist.seconds / steps, 5),
+                        "sequences": hist.sequences, "tokens_per_epoch": hist.tokens,
+                        "tokens_per_s": round(hist.tokens / per_epoch, 1), "flops_per_epoch": flops,
+                        "tflops": round(tflops, 4), "fraction_of_peak": round(tflops / peak, 5), "fast_loss": hist.fast_loss,
+                        "skipped_batches": hist.skipped, "sync_free": device.startswith("cuda") if sync_free is None else sync_free}
+        print(f"train      {per_epoch:8.3f} s/epoch  {hist.seconds / steps:.4f} s/step  {steps // epochs} steps/epoch  "
+              f"{hist.tokens / per_epoch:,.0f} tokens/s  {tflops:.3f} TFLOP/s = {100 * tflops / peak:.1f} % of peak")
+        if not args.no_profile:
+            with compiled_blocks(model, compile_mode):
+                prof = profile_epoch(model, tok, requests[:args.profile_requests], layers, params, projectors, config,
+                                     device, sync_free)
+            out["profile"] = prof
+            ps = prof["per_step"]
+            print(f"profile    per step: {ps['host_syncs']} host syncs ({ps['reads']} reads, {ps['nonzero']} nonzero, "
+                  f"{ps['sync_calls']} sync calls, {ps['dtoh']} DtoH copies), {ps['aten_ops']} aten ops, "
+                  f"{ps['kernel_launches']} kernel launches; between steps: {prof['between_steps']['reads']} reads "
+                  f"in {prof['steps']} steps")
+        out["peak_memory_mib"] = round((torch.cuda.max_memory_allocated() if device.startswith("cuda") else
+                                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 20, 1)
+        out["host_syncs_per_step"] = out.get("profile", {}).get("host_syncs_per_step")
+        print(f"memory     peak {out['peak_memory_mib']:,.0f} MiB ({'device allocated' if device.startswith('cuda') else 'RSS'})")
+    finally:  # the next entry (or a failed one) starts from the same weights
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved[n])
     return out
 
 
@@ -470,13 +472,22 @@ def main(argv=None) -> dict:
           f"model built/loaded in {load_s:.1f}s")
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     with tempfile.TemporaryDirectory() as root, progress_lines(False):  # the loop's every-5-epochs lines
-        out["methods"] = {m: run_method(m, args, model, tok, requests, layers_pattern, device, peak, root)
-                          for m in methods}
+        out["methods"] = {}
+        for m in methods:
+            try:
+                out["methods"][m] = run_method(m, args, model, tok, requests, layers_pattern, device, peak, root)
+            except Exception as e:  # an experimental entry (:compile, :graphs) that fails leaves the others measured
+                if not {"compile", "graphs"} & set(m.partition(":")[2].split("+")):
+                    raise
+                out["methods"][m] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                print(f"[{m}] failed: {out['methods'][m]['error']}")
+                torch._dynamo.reset()
     if len(methods) == 1:
         out.update(out["methods"][methods[0]])
     else:
         ref = out["methods"][methods[-1]]["train"]["s_per_step"]
-        out["step_ratio"] = {m: round(r["train"]["s_per_step"] / ref, 4) for m, r in out["methods"].items()}
+        out["step_ratio"] = {m: round(r["train"]["s_per_step"] / ref, 4) for m, r in out["methods"].items()
+                             if "train" in r}
         print("step time / " + methods[-1] + ": " + ", ".join(f"{m} {v:.3f}" for m, v in out["step_ratio"].items()))
     if args.json:
         atomic_write_json(args.json, out)

@@ -66,3 +66,18 @@ def test_bench_scale_compiled_blocks(bench, capsys):
     assert comp["compile"]["mode"] == "default" and comp["compile"]["first_run_seconds"] > 0
     assert comp["train"]["steps"] == res["methods"]["crispedit"]["train"]["steps"] and "step_ratio" in res
     assert "compile    default" in capsys.readouterr().out
+
+
+def test_a_failing_compiled_entry_leaves_the_others_measured(bench, monkeypatch, capsys):
+    """A ``:graphs`` / ``:compile`` entry that fails (an unsupported backend, say) is reported as an error and the
+    next entries run from the same weights; other failures still raise."""
+    def broken(*a, **k):
+        raise RuntimeError("no backend here")
+
+    monkeypatch.setattr(bench.torch, "compile", broken)
+    res = bench.main(["--random-init", "smollm2", "--blocks", "2", "--layers", "model.layers.1.mlp.down_proj",
+                      "--synthetic", "4", "--epochs", "1", "--n-cap", "4", "--max-len", "32", "--batch-size", "4",
+                      "--no-profile", "--method", "ft:graphs,ft"])
+    assert res["methods"]["ft:graphs"]["error"] == "RuntimeError: no backend here"
+    assert res["methods"]["ft"]["train"]["steps"] > 0 and res["step_ratio"] == {"ft": 1.0}
+    assert "[ft:graphs] failed" in capsys.readouterr().out
