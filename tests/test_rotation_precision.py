@@ -206,3 +206,27 @@ def test_cuda_tf32_projection_leaks_below_the_bound(shape):
           f"tf32 {lk:.2e}; step difference {float((tf32 - fp32).norm() / fp32.norm()):.2e}; "
           f"one projection fp32 {ms('fp32'):.2f} ms, tf32 {ms('tf32'):.2f} ms")
     assert lk < LEAK_BOUND
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the real tensor-core path)")
+def test_cuda_fp32_mode_forces_full_float32_under_a_global_tf32():
+    """A process that turned TF32 on for everything (``set_float32_matmul_precision("high")``) still gets the
+    projection in full float32 under ``rotation_precision("fp32")``: what ``"highest"`` gives, not TF32's."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    proj, _, G = _case(576, 1536, 0.8, gen, device="cuda", tokens=512)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        ref = proj.project(G)
+        torch.set_float32_matmul_precision("high")
+        with rotation_precision("fp32", "cuda"):
+            forced = proj.project(G)
+        loose = proj.project(G)
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+    def rel(x):
+        return float((x - ref).norm() / ref.norm())
+
+    print(f"global TF32: forced fp32 differs from 'highest' by {rel(forced):.1e}, unforced by {rel(loose):.1e}")
+    assert rel(forced) < 1e-6 < 1e-5 < rel(loose)
