@@ -259,6 +259,19 @@ def profile_kfac(model, tok, layers, config, device: str, top: int = 12) -> dict
 
 
 @contextlib.contextmanager
+def restored(params: dict):
+    """A copy of ``params``' values (name -> tensor) for the block; the parameters get them back on exit, however
+    the block ends."""
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    try:
+        yield saved
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved[n])
+
+
+@contextlib.contextmanager
 def compiled_blocks(model, mode: str | None):
     """While active, every decoder block of ``model`` is ``torch.compile(block, mode=mode, dynamic=True)`` (the
     same parameters: the loop trains them as before); ``mode=None`` changes nothing. An experiment for issue
@@ -323,7 +336,8 @@ def _args(argv):
 def run_method(method: str, args, model, tok, requests, layers_pattern, device: str, peak: float, root: str) -> dict:
     """Every phase of one method (:func:`main`'s lines; ``method`` may end in ``:bf16`` / ``:fp32`` (the training
     precision), ``:tf32`` (the projection's GEMMs), ``:compile`` / ``:graphs`` (the decoder blocks under
-    ``torch.compile``, :func:`compiled_blocks`), joined by ``+``), the model's trained weights restored afterwards."""
+    ``torch.compile``, :func:`compiled_blocks`), joined by ``+``), the model's trained weights restored afterwards
+    (:func:`restored`, also when the entry fails)."""
     name, _, suffix = method.partition(":")
     modes = set(suffix.split("+")) - {""}
     if modes - {"bf16", "fp32", "tf32", "compile", "graphs"}:
@@ -338,9 +352,8 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
     editor = get_editor(config.method)
     layers = editor.select_layers(model, config)
     params = editor.trainable(layers)
-    saved = {n: p.detach().clone() for n, p in params.items()}
     out: dict = {"layers": list(layers)}
-    try:
+    with restored(params) as saved:  # the next entry (or a failed one) leaves the weights as they were
         print(f"[{method}] {len(layers)} layers")
         if editor.needs_curvature:
             t = time.perf_counter()
@@ -436,10 +449,6 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
                                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 20, 1)
         out["host_syncs_per_step"] = out.get("profile", {}).get("host_syncs_per_step")
         print(f"memory     peak {out['peak_memory_mib']:,.0f} MiB ({'device allocated' if device.startswith('cuda') else 'RSS'})")
-    finally:  # the next entry (or a failed one) starts from the same weights
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(saved[n])
     return out
 
 
