@@ -230,11 +230,10 @@ def profile_kfac(model, tok, layers, config, device: str, top: int = 12) -> dict
     ``(name, calls, milliseconds)``), so a collection bound by the host shows where its time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from crispedit.curvature.kfac import collect_lm_kfac, lm_batches
+    from crispedit.curvature.kfac import collect_lm_kfac
     from crispedit.data.corpus import capability_corpus
 
     texts = capability_corpus(config.cap_corpus, config.n_cap)
-    n_batches = len(lm_batches(tok, texts, max_len=config.max_len, batch_size=config.kfac_batch_size, device="cpu"))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     _sync(device)
     t = time.perf_counter()
@@ -244,6 +243,7 @@ def profile_kfac(model, tok, layers, config, device: str, top: int = 12) -> dict
         _sync(device)
     seconds = time.perf_counter() - t
     counts, _ = _tally(prof, lambda name, parents: True)
+    n_batches = sum(1 for e in prof.events() if e.name == "crispedit.kfac.statistics")  # one range per batch
     per_batch = {k: round(v / max(1, n_batches), 1) for k, v in counts.items()}
     ev = prof.key_averages()
 
@@ -260,11 +260,11 @@ def profile_kfac(model, tok, layers, config, device: str, top: int = 12) -> dict
 
 @contextlib.contextmanager
 def restored(params: dict):
-    """A copy of ``params``' values (name -> tensor) for the block; the parameters get them back on exit, however
-    the block ends."""
+    """The parameters ``params`` (name -> parameter) get back on exit the values they had on entry, however the
+    block ends."""
     saved = {n: p.detach().clone() for n, p in params.items()}
     try:
-        yield saved
+        yield
     finally:
         with torch.no_grad():
             for n, p in params.items():
@@ -353,7 +353,7 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
     layers = editor.select_layers(model, config)
     params = editor.trainable(layers)
     out: dict = {"layers": list(layers)}
-    with restored(params) as saved:  # the next entry (or a failed one) leaves the weights as they were
+    with restored(params):  # the next entry (or a failed one) leaves the weights as they were
         print(f"[{method}] {len(layers)} layers")
         if editor.needs_curvature:
             t = time.perf_counter()
@@ -403,26 +403,24 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
         flops = step_flops(model, batches, params, projectors)
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        _sync(device)
-        t = time.perf_counter()
         sync_free = {"auto": None, "on": True, "off": False}[args.sync_free]
         with compiled_blocks(model, compile_mode):
+            if compile_mode:  # a first run pays the compilation (its training undone); the timed run shows the step
+                with restored(params):
+                    t = time.perf_counter()
+                    projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
+                                       sync_free=sync_free)
+                    _sync(device)
+                    first_s = time.perf_counter() - t
+                out["compile"] = {"mode": compile_mode, "first_run_seconds": round(first_s, 3)}
+                print(f"compile    {compile_mode}: the first run (compiling) {first_s:.2f} s; the figures below are a "
+                      f"second run of the same epochs")
+            _sync(device)
+            t = time.perf_counter()
             hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
                                       sync_free=sync_free)
             _sync(device)
             train_s = time.perf_counter() - t
-            if compile_mode:  # the first epoch pays the compilation; a second run of the same epochs shows the step
-                t = time.perf_counter()
-                with torch.no_grad():
-                    for n, p in params.items():
-                        p.copy_(saved[n])
-                hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
-                                          sync_free=sync_free)
-                _sync(device)
-                out["compile"] = {"mode": compile_mode, "first_run_seconds": round(train_s, 3)}
-                print(f"compile    {compile_mode}: the first run (compiling) {train_s:.2f} s; the figures below are a "
-                      f"second run of the same epochs")
-                train_s = time.perf_counter() - t
         epochs = len(hist.epoch_loss)
         steps = hist.steps + hist.skipped
         per_epoch = hist.seconds / epochs
