@@ -42,6 +42,7 @@ __all__ = [
     "cache_dir",
     "gemma3_gguf_path",
     "static_attention_mask",
+    "takes_full_masks",
     "load_model",
     "check_device",
     "save_model_dir",
@@ -486,6 +487,15 @@ def weight_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def takes_full_masks(model: nn.Module) -> bool:
+    """Whether ``model`` runs PyTorch's scaled-dot-product attention with one full causal mask in every layer (no
+    sliding window), so that a ``B x 1 x T x T`` boolean mask fed to it reaches every attention unchanged."""
+    cfg = getattr(model, "config", None)
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    return (getattr(cfg, "_attn_implementation", None) == "sdpa" and not getattr(cfg, "sliding_window", None)
+            and layer_types == {"full_attention"})
+
+
 def static_attention_mask(model: nn.Module, attention_mask: torch.Tensor, padded: bool | None = None
                           ) -> torch.Tensor | None:
     """The attention mask to feed ``model`` for a right-padded batch whose key mask is ``attention_mask``
@@ -504,10 +514,7 @@ def static_attention_mask(model: nn.Module, attention_mask: torch.Tensor, padded
     against the plain loss before using it; the K-FAC collection feeds it to every forward."""
     if not (bool((attention_mask == 0).any()) if padded is None else padded):
         return None
-    cfg = getattr(model, "config", None)
-    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if (getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "sliding_window", None)
-            or layer_types != {"full_attention"}):
+    if not takes_full_masks(model):
         return attention_mask
     T = attention_mask.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()

@@ -1,12 +1,16 @@
 """Exact shortcuts for the edit loss when the same batches are seen for many epochs.
 
-Two savings, both exact (same numbers as a plain forward):
+Three savings, all exact (same numbers as a plain forward up to the order of the additions):
 
 * **frozen prefix**: only the chosen layers train, so the hidden states entering the lowest decoder
   block that holds a trained parameter never change. They are computed once per batch; during
   training the blocks below are replaced by pass-throughs and the cached states are fed in.
 * **target-only logits**: the FT-M loss needs logits only at target positions, so the output
   projection (a large share of a small model's forward) runs on those rows only.
+* **shared prefixes**: positions that several sequences of a batch share (the chat template's header, a
+  request's question under several lead-ins) are computed once, the batch packed as prefix trees
+  (:mod:`.prefixtree`), where a cost model says it pays and the model takes full attention masks (PyTorch's
+  scaled-dot-product attention, no sliding window) and has no dropout; :func:`prefix_sharing` turns it off.
 
 Per-step work that does not depend on the weights is done once per batch: the flat indices of the target
 rows and their labels, the attention mask (:func:`~crispedit.models.static_attention_mask`: built once, so that no step reads a
@@ -16,12 +20,14 @@ value back to the host) and the pass-through modules. Hugging Face models run wi
 Before use, the fast loss is compared with the plain :func:`edit_loss` on the batch with the most padding
 (so a precomputed attention mask is checked too); if they
 differ (an architecture that post-processes logits, or decoder blocks with side effects) the loop
-silently falls back to the plain loss.
+silently falls back to the plain loss. The packed loss is compared the same way on the batch whose packing saves
+the most, and packing is dropped if it differs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -30,10 +36,34 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.tokenize import EncodedBatch
-from ..models import decoder_blocks, static_attention_mask
+from ..models import decoder_blocks, static_attention_mask, takes_full_masks
+from .prefixtree import PackedBatch, pack_prefixes, packing_pays
 
 __all__ = ["make_loss_fn", "LossFn", "Prepared", "plain_loss", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
-           "target_rows"]
+           "target_rows", "prefix_sharing"]
+
+_SHARING = contextvars.ContextVar("crispedit_prefix_sharing", default=True)
+
+
+@contextlib.contextmanager
+def prefix_sharing(enabled: bool) -> Iterator[None]:
+    """Within: fast losses made by :func:`make_loss_fn` pack shared prefixes (:mod:`.prefixtree`) only if
+    ``enabled`` (default outside: on). For measuring the packing and for tests; results agree either way."""
+    token = _SHARING.set(enabled)
+    try:
+        yield
+    finally:
+        _SHARING.reset(token)
+
+
+def _may_pack(model: nn.Module) -> bool:
+    """Whether packing is on and can be exact for ``model``: full attention masks reach every layer, and no dropout
+    (a shared position would draw one dropout mask for all the sequences it stands for)."""
+    if not _SHARING.get() or not takes_full_masks(model):
+        return False
+    cfg = getattr(model, "config", None)
+    rates = [v for k, v in (vars(cfg).items() if cfg is not None else ()) if "dropout" in k and isinstance(v, (int, float))]
+    return not any(v > 0 for v in rates) and not any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
 
 def _up(x: Tensor) -> Tensor:
@@ -163,13 +193,15 @@ class Prepared:
     """A batch made for one epoch (``--context-sample``), made ready on the host before it goes to the device:
     ``batch`` (on the device), its target rows and tokens (:func:`target_rows`), its attention mask
     (:func:`~crispedit.models.static_attention_mask`) and, for the fast loss, the flat rows of the cached
-    prefix table every position reads (``B x T``; padding reads the zero row)."""
+    prefix table every position reads (``B x T``; padding reads the zero row) — or, where the batch is packed as
+    prefix trees (``packed``), of every packed position (``R·L``)."""
 
     batch: EncodedBatch
     rows: Tensor
     targets: Tensor
     mask: Tensor | None
     gather: Tensor | None = None
+    packed: PackedBatch | None = None  # the batch as prefix trees; ``gather`` then indexes its packed positions
 
 
 class _FastLoss:
@@ -205,14 +237,43 @@ class _FastLoss:
         self.passthrough = passthroughs(self.k, self.tuple_len)
         self.targets = [target_rows(b.labels) for b in batches]
         self.masks = [static_attention_mask(model, b.attention_mask) for b in batches]
+        self.pack = _may_pack(model)
+        self.packed = [self.packing(b) for b in batches]
+
+    def packing(self, batch: EncodedBatch) -> PackedBatch | None:
+        """``batch`` packed as prefix trees (on its device) where packing is allowed and pays, else ``None``."""
+        if not self.pack:
+            return None
+        p = pack_prefixes(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.labels.cpu())
+        return p.to(batch.input_ids.device) if packing_pays(tuple(batch.input_ids.shape), p) else None
+
+    def positions(self) -> int:
+        """Positions one pass over the batches computes: ``R·L`` of a packed batch, ``B·T`` of the others."""
+        return sum(p.input_ids.numel() if p is not None else b.input_ids.numel()
+                   for b, p in zip(self.batches, self.packed))
 
     def __call__(self, index: int, batch: EncodedBatch) -> Tensor:
         """The FT-M loss of ``batch`` (``self.batches[index]``, whose prefix states are cached): 0-d, float32
         or better, nats per target token."""
         own = batch is self.batches[index]
+        if own and self.packed[index] is not None:
+            states = self.cache[index].reshape(-1, self.cache[index].shape[-1]) if self.k else None
+            return self.packed_loss(self.packed[index], states, None)
         rows, targets = self.targets[index] if own else target_rows(batch.labels)
         mask = self.masks[index] if own else batch.attention_mask
         return self._loss(batch, rows, targets, mask, self.cache[index] if self.k else None)
+
+    def packed_loss(self, p: PackedBatch, states: Tensor | None, gather: Tensor | None) -> Tensor:
+        """The FT-M loss of a batch packed as prefix trees: every packed position fed the cached prefix state of a
+        position it stands for (``states`` row ``p.source``, or ``states`` row ``gather`` when given; ``states``
+        ``None`` without a cached prefix)."""
+        hidden = None
+        if states is not None:
+            hidden = states.index_select(0, p.source if gather is None else gather).view(*p.shape, -1)
+        with prefix_fed(self.blocks, self.k, self.passthrough, hidden):
+            logits = rows_logits(self.model, p.rows, input_ids=p.input_ids, attention_mask=p.mask,
+                                 position_ids=p.position_ids)
+        return F.cross_entropy(logits, p.targets)
 
     def _loss(self, batch: EncodedBatch, rows: Tensor, targets: Tensor, mask, hidden: Tensor | None) -> Tensor:
         with prefix_fed(self.blocks, self.k, self.passthrough, hidden):
@@ -234,6 +295,8 @@ class _FastLoss:
 
     def prepared(self, p: Prepared) -> Tensor:
         """The FT-M loss of an epoch's batch (:class:`Prepared`): its prefix states gathered from the table."""
+        if p.packed is not None:
+            return self.packed_loss(p.packed, self.table, p.gather)
         hidden = None
         if self.table is not None:
             B, T = p.batch.input_ids.shape
@@ -251,13 +314,26 @@ class LossFn:
         self.fast = fast_loss is not None
         self.device = next(model.parameters()).device
 
+    def layout(self) -> dict:
+        """What one pass over the batches computes: ``positions_per_epoch`` (the fast loss's packed and padded
+        positions, or the padded tokens of the plain loss), ``padded_per_epoch`` (``B·T`` summed) and
+        ``packed_batches`` (batches packed as prefix trees)."""
+        padded = sum(b.input_ids.numel() for b in self.batches)
+        fast = self._fast
+        return {"positions_per_epoch": padded if fast is None else fast.positions(), "padded_per_epoch": padded,
+                "packed_batches": 0 if fast is None else sum(p is not None for p in fast.packed)}
+
     def prepare(self, batch: EncodedBatch) -> Prepared:
         """Ready a host batch of keyed sequences for the device, everything read from it computed on the host."""
         rows, targets = target_rows(batch.labels)
         mask = static_attention_mask(self.model, batch.attention_mask)
         gather = self._fast.gather_index(batch) if self._fast is not None else None
+        packed = self._fast.packing(batch) if self._fast is not None else None
+        if packed is not None and gather is not None:  # the table row of every packed position
+            gather = gather.reshape(-1).index_select(0, packed.source.cpu())
         to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
-        return Prepared(batch.to(self.device), to(rows), to(targets), to(mask), to(gather))
+        return Prepared(batch.to(self.device), to(rows), to(targets), to(mask), to(gather),
+                        None if packed is None else packed.to(self.device))
 
     def __call__(self, item) -> Tensor:
         if isinstance(item, Prepared):
@@ -287,6 +363,13 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
             a, b = plain_loss(model, batches[i]), fast_loss(i, batches[i])
         if not torch.allclose(a, b, rtol=rtol, atol=1e-5):
             return LossFn(model, batches, None)
+        packed = [j for j, p in enumerate(fast_loss.packed) if p is not None]
+        if packed:  # checked on the batch whose packing saves the most positions
+            j = max(packed, key=lambda j: batches[j].input_ids.numel() - fast_loss.packed[j].input_ids.numel())
+            with torch.no_grad():
+                a, b = plain_loss(model, batches[j]), fast_loss(j, batches[j])
+            if not torch.allclose(a, b, rtol=rtol, atol=1e-5):
+                fast_loss.pack, fast_loss.packed = False, [None] * len(batches)
     except Exception:  # any architecture the shortcut does not understand: use the plain loss
         return LossFn(model, batches, None)
     finally:

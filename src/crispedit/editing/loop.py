@@ -283,6 +283,8 @@ class _Counters:
                             converged=self.converged, steps=self.n_batches - int(self.skipped),
                             skipped=int(self.skipped))
         hist.sequences, hist.tokens = plan.per_epoch()
+        if plan.sample is None and plan.shards is None:  # fixed batches: what an epoch computes
+            hist.extra.update(plan.loss_fn.layout())
         if self.start:
             hist.extra.update(resumed_at_epoch=self.start, resumed_seconds=round(self.spent, 3))
         return hist
