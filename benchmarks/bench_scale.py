@@ -57,6 +57,7 @@ from crispedit.data import EditRequest, load_edits
 from crispedit.editing import EditConfig, get_editor
 from crispedit.editing.config import PROJECTION_PRECISIONS
 from crispedit.editing.api import capability_factors
+from crispedit.editing.fastpath import may_pack, pack_if_it_pays, prefix_sharing
 from crispedit.editing.loop import edit_batches, projected_finetune
 from crispedit.editing.steptimer import StepTimer
 from crispedit.errors import atomic_write_json
@@ -139,11 +140,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def step_flops(model, batches, params, projectors) -> float:
+def step_flops(model, batches, params, projectors, packed=None) -> float:
     """FLOPs (a multiply-add counts 2) of one epoch over ``batches``: for every batch, the forward of the decoder
-    blocks above the frozen prefix (the lowest block holding a trained weight) on every padded position (every
-    matmul of the block and attention's two ``T x T`` products), their activation backward, the trained weights'
-    gradients, the LM head on the target rows (forward + input gradient), and the projections."""
+    blocks above the frozen prefix (the lowest block holding a trained weight) on every position it computes (the
+    ``B x T`` padded batch, or the ``R x L`` layout of its entry in ``packed`` where given and not ``None``: shared
+    prefixes computed once; every matmul of the block and attention's two ``T x T`` products), their activation
+    backward, the trained weights' gradients, the LM head on the target rows (forward + input gradient), and the
+    projections."""
     cfg = model.config
     h, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     kv = h * cfg.num_key_value_heads // heads
@@ -155,8 +158,8 @@ def step_flops(model, batches, params, projectors) -> float:
     proj = sum(getattr(pr, "flops_low_rank" if getattr(pr, "low_rank", False) else "flops_full", 0)
                for pr in projectors.values())
     total = 0.0
-    for b in batches:
-        n, T = b.input_ids.shape
+    for b, p in zip(batches, packed or [None] * len(batches)):
+        n, T = (p if p is not None else b.input_ids).shape
         tokens = n * T
         attn = 2 * 2 * n * T * T * h
         fwd = above * (2 * tokens * block_params + attn)
@@ -306,7 +309,8 @@ def _args(argv):
                     help="a method, or several separated by commas (each trains from the same weights; the last is "
                          "the reference of the printed step-time ratios, e.g. crispedit,ft); METHOD:bf16 trains "
                          "that entry with --precision bf16, METHOD:tf32 with --projection-precision tf32, "
-                         "METHOD:bf16+tf32 both (e.g. crispedit:bf16,crispedit)")
+                         "METHOD:bf16+tf32 both (e.g. crispedit:bf16,crispedit), METHOD:compile / :graphs with "
+                         "compiled decoder blocks, METHOD:noshare without shared-prefix packing")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--layers", default=None)
@@ -336,13 +340,15 @@ def _args(argv):
 def run_method(method: str, args, model, tok, requests, layers_pattern, device: str, peak: float, root: str) -> dict:
     """Every phase of one method (:func:`main`'s lines; ``method`` may end in ``:bf16`` / ``:fp32`` (the training
     precision), ``:tf32`` (the projection's GEMMs), ``:compile`` / ``:graphs`` (the decoder blocks under
-    ``torch.compile``, :func:`compiled_blocks`), joined by ``+``), the model's trained weights restored afterwards
+    ``torch.compile``, :func:`compiled_blocks`), ``:noshare`` (no shared-prefix packing, every batch padded),
+    joined by ``+``), the model's trained weights restored afterwards
     (:func:`restored`, also when the entry fails)."""
     name, _, suffix = method.partition(":")
     modes = set(suffix.split("+")) - {""}
-    if modes - {"bf16", "fp32", "tf32", "compile", "graphs"}:
+    if modes - {"bf16", "fp32", "tf32", "compile", "graphs", "noshare"}:
         raise SystemExit(f"bench_scale: unknown method suffix in {method!r} (bf16, fp32, tf32, compile, graphs, "
-                         "joined by +)")
+                         "noshare, joined by +)")
+    share = "noshare" not in modes
     compile_mode = "reduce-overhead" if "graphs" in modes else "default" if "compile" in modes else None
     config = EditConfig(method=name, precision="bf16" if "bf16" in modes else "fp32", layers=layers_pattern,
                         epochs=args.epochs, stop_loss=0.0,
@@ -400,11 +406,10 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
         else:
             projectors = editor.projectors(layers, None, config)
         batches, _ = edit_batches(tok, requests, config, model)
-        flops = step_flops(model, batches, params, projectors)
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         sync_free = {"auto": None, "on": True, "off": False}[args.sync_free]
-        with compiled_blocks(model, compile_mode):
+        with compiled_blocks(model, compile_mode), prefix_sharing(share):
             if compile_mode:  # a first run pays the compilation (its training undone); the timed run shows the step
                 with restored(params):
                     t = time.perf_counter()
@@ -421,6 +426,10 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
                                       sync_free=sync_free)
             _sync(device)
             train_s = time.perf_counter() - t
+        # the FLOPs of what ran: packed batches (shared prefixes computed once) counted in their packed layout
+        packed = share and hist.extra.get("packed_batches", 0) > 0 and may_pack(model)
+        flops = step_flops(model, batches, params, projectors,
+                           packed=[pack_if_it_pays(b) for b in batches] if packed else None)
         epochs = len(hist.epoch_loss)
         steps = hist.steps + hist.skipped
         per_epoch = hist.seconds / epochs
@@ -428,11 +437,18 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
         out["train"] = {"seconds": round(train_s, 3), "epochs": epochs, "steps": steps,
                         "s_per_epoch": round(per_epoch, 4), "s_per_step": round(hist.seconds / steps, 5),
                         "sequences": hist.sequences, "tokens_per_epoch": hist.tokens,
+                        "positions_per_epoch": hist.extra.get("positions_per_epoch"),
+                        "padded_per_epoch": hist.extra.get("padded_per_epoch"),
+                        "packed_batches": hist.extra.get("packed_batches"),
                         "tokens_per_s": round(hist.tokens / per_epoch, 1), "flops_per_epoch": flops,
                         "tflops": round(tflops, 4), "fraction_of_peak": round(tflops / peak, 5), "fast_loss": hist.fast_loss,
                         "skipped_batches": hist.skipped, "sync_free": device.startswith("cuda") if sync_free is None else sync_free}
         print(f"train      {per_epoch:8.3f} s/epoch  {hist.seconds / steps:.4f} s/step  {steps // epochs} steps/epoch  "
               f"{hist.tokens / per_epoch:,.0f} tokens/s  {tflops:.3f} TFLOP/s = {100 * tflops / peak:.1f} % of peak")
+        if hist.extra.get("positions_per_epoch") is not None:
+            print(f"           {hist.extra['positions_per_epoch']:,} positions computed per epoch of "
+                  f"{hist.extra['padded_per_epoch']:,} padded ({hist.extra['packed_batches']} batches packed as prefix "
+                  f"trees)")
         if not args.no_profile:
             with compiled_blocks(model, compile_mode):
                 prof = profile_epoch(model, tok, requests[:args.profile_requests], layers, params, projectors, config,

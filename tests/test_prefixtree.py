@@ -73,6 +73,22 @@ def test_pack_prefixes_layout(tiny_tok):
     assert not packing_pays(tuple(b.input_ids.shape), p, margin=0.0)
 
 
+def test_large_groups_split_into_trees_of_bounded_size(tiny_tok, tiny_lm64):
+    """A group over ``max_nodes`` becomes several trees (the shared beginning computed once per tree), each a
+    separate row of at most ``max_nodes`` positions, with the same loss."""
+    model, tok = tiny_lm64
+    b = _batch(tok, [HEADER + " " + q for q in QUESTIONS * 4], TARGETS * 4)
+    whole = pack_prefixes(b.input_ids, b.attention_mask, b.labels, max_nodes=None)
+    cap = b.input_ids.shape[1] + 2  # the longest sequence fits, not two different ones
+    split = pack_prefixes(b.input_ids, b.attention_mask, b.labels, max_nodes=cap)
+    assert whole.shape[0] == 1 and split.shape[0] >= 2 and split.shape[1] <= cap
+    assert whole.nodes < split.nodes < int(b.attention_mask.sum())
+    params = _train(model, "model.layers.0.mlp.down_proj")
+    fast = _FastLoss(model, params, [b])
+    for p in (whole, split):
+        assert torch.allclose(fast.packed_loss(p, None, None), plain_loss(model, b), rtol=1e-10)
+
+
 @pytest.mark.parametrize("pattern,k", [("model.layers.{2-3}.mlp.down_proj", 2), ("model.layers.0.mlp.down_proj", 0)])
 def test_packed_loss_and_gradients_equal_the_padded_batch(tiny_lm64, pattern, k):
     model, tok = tiny_lm64

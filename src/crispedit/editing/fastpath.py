@@ -40,7 +40,7 @@ from ..models import decoder_blocks, static_attention_mask, takes_full_masks
 from .prefixtree import PackedBatch, pack_prefixes, packing_pays
 
 __all__ = ["make_loss_fn", "LossFn", "Prepared", "plain_loss", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
-           "target_rows", "prefix_sharing"]
+           "target_rows", "prefix_sharing", "may_pack", "pack_if_it_pays"]
 
 _SHARING = contextvars.ContextVar("crispedit_prefix_sharing", default=True)
 
@@ -56,7 +56,7 @@ def prefix_sharing(enabled: bool) -> Iterator[None]:
         _SHARING.reset(token)
 
 
-def _may_pack(model: nn.Module) -> bool:
+def may_pack(model: nn.Module) -> bool:
     """Whether packing is on and can be exact for ``model``: full attention masks reach every layer, and no dropout
     (a shared position would draw one dropout mask for all the sequences it stands for)."""
     if not _SHARING.get() or not takes_full_masks(model):
@@ -82,6 +82,13 @@ def plain_loss(model: nn.Module, batch: EncodedBatch) -> Tensor:
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **no_cache_kwargs(model)).logits[:, :-1]
     labels = batch.labels[:, 1:]
     return F.cross_entropy(_up(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+def pack_if_it_pays(batch: EncodedBatch) -> PackedBatch | None:
+    """``batch`` packed as prefix trees (:func:`~.prefixtree.pack_prefixes`, on the batch's device) where
+    :func:`~.prefixtree.packing_pays` says so, else ``None``; whether a model allows packing is :func:`may_pack`."""
+    p = pack_prefixes(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.labels.cpu())
+    return p.to(batch.input_ids.device) if packing_pays(tuple(batch.input_ids.shape), p) else None
 
 
 class _Stop(Exception):
@@ -237,15 +244,12 @@ class _FastLoss:
         self.passthrough = passthroughs(self.k, self.tuple_len)
         self.targets = [target_rows(b.labels) for b in batches]
         self.masks = [static_attention_mask(model, b.attention_mask) for b in batches]
-        self.pack = _may_pack(model)
+        self.pack = may_pack(model)
         self.packed = [self.packing(b) for b in batches]
 
     def packing(self, batch: EncodedBatch) -> PackedBatch | None:
         """``batch`` packed as prefix trees (on its device) where packing is allowed and pays, else ``None``."""
-        if not self.pack:
-            return None
-        p = pack_prefixes(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.labels.cpu())
-        return p.to(batch.input_ids.device) if packing_pays(tuple(batch.input_ids.shape), p) else None
+        return pack_if_it_pays(batch) if self.pack else None
 
     def positions(self) -> int:
         """Positions one pass over the batches computes: ``R·L`` of a packed batch, ``B·T`` of the others."""

@@ -5,7 +5,8 @@ with the same n tokens have the same states at those n positions in every layer,
 default training contexts repeat beginnings inside a batch: every ``chat`` sequence starts with the template's
 header, and a request's ``lead`` sequences share its question. :func:`pack_prefixes` merges them. Sequences with a
 common beginning of at least ``min_shared`` tokens form a group; each group becomes a prefix tree (one node per
-distinct beginning), and the trees are packed first-fit into rows, several to a row where they fit. A node attends
+distinct beginning; a large group several trees of at most ``max_nodes`` nodes), and the trees are packed
+first-fit into rows, several to a row where they fit. A node attends
 to itself and its ancestors only (a ``R x 1 x L x L`` boolean mask, block-diagonal over the trees of a row) at its
 depth as position id, so it computes exactly the states of the positions it stands for. A target token is predicted
 from the node of the position before it: the packed loss has the padded batch's terms, one per target token of
@@ -27,9 +28,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["PackedBatch", "pack_prefixes", "packing_pays", "group_sequences", "ATTENTION_LENGTH", "MIN_SHARED"]
+__all__ = ["PackedBatch", "pack_prefixes", "packing_pays", "group_sequences", "ATTENTION_LENGTH", "MIN_SHARED",
+           "MAX_TREE_NODES"]
 
 MIN_SHARED = 4  # sequences join a group when they share at least this many leading tokens
+# a group's tree is split beyond this many nodes: on this project's CPU a SmolLM2 batch of 32 chat sequences ran
+# 10 % faster as three trees of ≈ 250 nodes than as one of ≈ 680 (each position's attention is cheaper)
+MAX_TREE_NODES = 256
 # the row length at which a position's attention costs as much as the rest of its work in a decoder block; from
 # fitting fast-path steps of SmolLM2 on this project's 2-core CPU (packed rows of 457 → 1 236 positions cost
 # 3.7 → 4.6 ms per position, padded batches ≈ 3.1 ms): about 2 700, rounded down to stay on the cautious side
@@ -88,35 +93,66 @@ def group_sequences(seqs: Sequence[Sequence[int]], min_shared: int = MIN_SHARED)
     return sorted((sorted(g) for g in groups), key=lambda g: g[0])
 
 
-def pack_prefixes(input_ids: Tensor, attention_mask: Tensor, labels: Tensor,
-                  min_shared: int = MIN_SHARED) -> PackedBatch:
+class _Tree:
+    """One prefix tree under construction: per node its token, parent (-1 at the root), depth and the flat
+    ``b·T + t`` position it was first seen at; per sequence ``(b, its nodes)``."""
+
+    def __init__(self):
+        self.index: dict[tuple[int, int], int] = {}
+        self.tok: list[int] = []
+        self.par: list[int] = []
+        self.dep: list[int] = []
+        self.src: list[int] = []
+        self.paths: list[tuple[int, list[int]]] = []
+
+    def new_nodes(self, seq: Sequence[int]) -> int:
+        """How many nodes adding ``seq`` would create."""
+        parent = -1
+        for t, x in enumerate(seq):
+            parent = self.index.get((parent, x), -2)
+            if parent == -2:
+                return len(seq) - t
+        return 0
+
+    def add(self, b: int, seq: Sequence[int], T: int) -> None:
+        """Add sequence ``b`` of a ``B x T`` batch."""
+        parent, path = -1, []
+        for t, x in enumerate(seq):
+            node = self.index.get((parent, x))
+            if node is None:
+                node = self.index[(parent, x)] = len(self.tok)
+                self.tok.append(x), self.par.append(parent), self.dep.append(t), self.src.append(b * T + t)
+            path.append(node)
+            parent = node
+        self.paths.append((b, path))
+
+
+def pack_prefixes(input_ids: Tensor, attention_mask: Tensor, labels: Tensor, min_shared: int = MIN_SHARED,
+                  max_nodes: int | None = MAX_TREE_NODES) -> PackedBatch:
     """Pack a right-padded batch (``B x T`` ``input_ids``, ``attention_mask`` 1 = token, ``labels`` -100 = no
     target; on the host) into prefix trees (see the module docstring): one tree per group of
-    :func:`group_sequences`, the trees placed first-fit in decreasing size into rows as long as the largest tree."""
+    :func:`group_sequences` — split, in sorted order, into trees of at most ``max_nodes`` nodes (``None``: no
+    limit; a longer row makes every position's attention dearer, so the shared beginning is then computed once per
+    tree) —
+    the trees placed first-fit in decreasing size into rows as long as the largest tree."""
     ids, lab = input_ids.tolist(), labels.tolist()
     lengths = attention_mask.sum(1).tolist()
     B, T = input_ids.shape
     seqs = [ids[b][:lengths[b]] for b in range(B)]
-    trees = []  # per group: tokens, parents (within the tree), depths, sources, and per sequence its nodes
+    trees: list[_Tree] = []
     for group in group_sequences(seqs, min_shared):
-        index: dict[tuple[int, int], int] = {}
-        tok, par, dep, src, paths = [], [], [], [], []
-        for b in group:
-            parent, path = -1, []
-            for t, x in enumerate(seqs[b]):
-                node = index.get((parent, x))
-                if node is None:
-                    node = index[(parent, x)] = len(tok)
-                    tok.append(x), par.append(parent), dep.append(t), src.append(b * T + t)
-                path.append(node)
-                parent = node
-            paths.append((b, path))
-        trees.append((tok, par, dep, src, paths))
-    L = max(len(t[0]) for t in trees)
+        tree = _Tree()
+        for b in sorted(group, key=lambda b: seqs[b]):
+            if max_nodes is not None and tree.paths and len(tree.tok) + tree.new_nodes(seqs[b]) > max_nodes:
+                trees.append(tree)
+                tree = _Tree()
+            tree.add(b, seqs[b], T)
+        trees.append(tree)
+    L = max(len(t.tok) for t in trees)
     rows_fill: list[int] = []  # used length of each row
     place = [0] * len(trees)   # (row, offset) of each tree, as row * L + offset
-    for g in sorted(range(len(trees)), key=lambda g: -len(trees[g][0])):
-        n = len(trees[g][0])
+    for g in sorted(range(len(trees)), key=lambda g: -len(trees[g].tok)):
+        n = len(trees[g].tok)
         r = next((r for r, used in enumerate(rows_fill) if used + n <= L), None)
         if r is None:
             r = len(rows_fill)
@@ -130,15 +166,15 @@ def pack_prefixes(input_ids: Tensor, attention_mask: Tensor, labels: Tensor,
     mask = np.zeros((R, L, L), dtype=bool)
     mask[:, np.arange(L), np.arange(L)] = True  # every position attends to itself (padding: only itself)
     rows, targets = [], []
-    for (tok, par, dep, src, paths), start in zip(trees, place):
+    for tree, start in zip(trees, place):
         r, off = divmod(start, L)
-        n = len(tok)
-        flat_ids[start:start + n], flat_pos[start:start + n], flat_src[start:start + n] = tok, dep, src
+        n = len(tree.tok)
+        flat_ids[start:start + n], flat_pos[start:start + n], flat_src[start:start + n] = tree.tok, tree.dep, tree.src
         m = mask[r]
-        for j, p in enumerate(par):  # nodes come after their parents: copy the parent's ancestors
+        for j, p in enumerate(tree.par):  # nodes come after their parents: copy the parent's ancestors
             if p >= 0:
                 m[off + j, off:off + j] = m[off + p, off:off + j]
-        for b, path in paths:
+        for b, path in tree.paths:
             for t in range(len(path) - 1):
                 if lab[b][t + 1] != -100:
                     rows.append(start + path[t])
@@ -146,7 +182,7 @@ def pack_prefixes(input_ids: Tensor, attention_mask: Tensor, labels: Tensor,
     return PackedBatch(torch.from_numpy(flat_ids).view(R, L), torch.from_numpy(flat_pos).view(R, L),
                        torch.from_numpy(mask).unsqueeze(1), torch.from_numpy(flat_src),
                        torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
-                       sum(len(t[0]) for t in trees))
+                       sum(len(t.tok) for t in trees))
 
 
 def _cost(rows: int, length: int, attention_length: int) -> float:
