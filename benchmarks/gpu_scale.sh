@@ -35,9 +35,11 @@ if [ "${HOST:-0}" = 1 ]; then
         --dtype bfloat16 --n-cap 512 --kfac-batch-size $kb --profile-kfac --no-profile \
         --json "$OUT/kfac_profile_b$kb.json" 2>&1 | tee "$OUT/kfac_profile_b$kb.txt"
   done
-  # 1 000 edits, default contexts, 32-sequence batches: eager against compiled blocks against CUDA graphs
-  timeout 200 $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 1000 --epochs 1 --device cuda \
-      --dtype bfloat16 --n-cap 64 --profile-requests 32 --method crispedit,crispedit:compile,crispedit:graphs,crispedit \
+  # 1 000 edits, default contexts, 32-sequence batches: eager against compiled blocks against CUDA graphs, and
+  # without the shared-prefix packing (noshare)
+  timeout 240 $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 1000 --epochs 1 --device cuda \
+      --dtype bfloat16 --n-cap 64 --profile-requests 32 \
+      --method crispedit,crispedit:noshare,crispedit:compile,crispedit:graphs,crispedit \
       --json "$OUT/smollm2_1000_compile.json" 2>&1 | tee "$OUT/smollm2_1000_compile.txt"
   exit 0
 fi
