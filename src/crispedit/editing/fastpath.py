@@ -258,11 +258,16 @@ class _FastLoss:
 
     def __call__(self, index: int, batch: EncodedBatch) -> Tensor:
         """The FT-M loss of ``batch`` (``self.batches[index]``, whose prefix states are cached): 0-d, float32
-        or better, nats per target token."""
-        own = batch is self.batches[index]
-        if own and self.packed[index] is not None:
+        or better, nats per target token; from its prefix trees where it is packed."""
+        if batch is self.batches[index] and self.packed[index] is not None:
             states = self.cache[index].reshape(-1, self.cache[index].shape[-1]) if self.k else None
             return self.packed_loss(self.packed[index], states, None)
+        return self.padded(index, batch)
+
+    def padded(self, index: int, batch: EncodedBatch) -> Tensor:
+        """As :meth:`__call__`, always from the padded batch (its precomputed attention mask where it is the
+        cached batch)."""
+        own = batch is self.batches[index]
         rows, targets = self.targets[index] if own else target_rows(batch.labels)
         mask = self.masks[index] if own else batch.attention_mask
         return self._loss(batch, rows, targets, mask, self.cache[index] if self.k else None)
@@ -334,7 +339,7 @@ class LossFn:
         gather = self._fast.gather_index(batch) if self._fast is not None else None
         packed = self._fast.packing(batch) if self._fast is not None else None
         if packed is not None and gather is not None:  # the table row of every packed position
-            gather = gather.reshape(-1).index_select(0, packed.source.cpu())
+            gather = gather.reshape(-1).index_select(0, packed.source)
         to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
         return Prepared(batch.to(self.device), to(rows), to(targets), to(mask), to(gather),
                         None if packed is None else packed.to(self.device))
@@ -364,7 +369,7 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
         # checked on the batch with the most padding, so a precomputed attention mask is checked too
         i = max(range(len(batches)), key=lambda j: int((batches[j].attention_mask == 0).sum()))
         with torch.no_grad():
-            a, b = plain_loss(model, batches[i]), fast_loss(i, batches[i])
+            a, b = plain_loss(model, batches[i]), fast_loss.padded(i, batches[i])
         if not torch.allclose(a, b, rtol=rtol, atol=1e-5):
             return LossFn(model, batches, None)
         packed = [j for j, p in enumerate(fast_loss.packed) if p is not None]
