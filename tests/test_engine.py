@@ -317,3 +317,72 @@ def test_a_killed_edit_resumes_from_its_checkpoint(tiny_lm, iso_cache, tmp_path,
     with pytest.raises(CrispEditError, match="training checkpoint file .* truncated"):
         edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
     assert all(torch.equal(model.get_parameter(n), w) for n, w in full.original_weights.items())
+
+
+def test_a_checkpoint_resumes_under_another_epoch_cap(tiny_lm, iso_cache, tmp_path, monkeypatch):
+    """The epoch cap is not part of a run's identity: a run stopped by a cap of 2 and resumed under a cap of 4
+    ends with the losses, counters and weights of a run capped at 4 from the start; a checkpoint holding more
+    epochs than the new cap is refused in one line; a format-1 file (identity with the cap) resumes under its
+    own cap only and is written back as format 2."""
+    import crispedit.editing.checkpoint as ckpt_mod
+    from crispedit.editing import restore
+    from crispedit.errors import CrispEditError
+
+    model, tok = tiny_lm
+    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", lr=1e-2, batch_size=3, n_cap=4,
+               max_len=48, contexts="bare,lead:2", stop_loss=0.0, skip_loss=0.5)
+    full = edit(model, tok, REQS, EditConfig(**cfg, epochs=4), progress=False)
+    want = {n: model.get_parameter(n).detach().clone() for n in full.original_weights}
+    restore(model, full.original_weights)
+
+    ck = tmp_path / "run.safetensors"
+    short = edit(model, tok, REQS, EditConfig(**cfg, epochs=2), progress=False, checkpoint=ck)
+    assert short.history.epoch_loss == full.history.epoch_loss[:2]
+    restore(model, full.original_weights)
+    res = edit(model, tok, REQS, EditConfig(**cfg, epochs=4), progress=False, checkpoint=ck)
+    assert res.history.extra["resumed_at_epoch"] == 2 and res.history.epoch_loss == full.history.epoch_loss
+    assert (res.history.steps, res.history.skipped) == (full.history.steps, full.history.skipped)
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
+
+    restore(model, full.original_weights)
+    with pytest.raises(CrispEditError, match="holds 4 trained epochs, more than the cap of 3 epochs"):
+        edit(model, tok, REQS, EditConfig(**cfg, epochs=3), progress=False, checkpoint=ck)
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in full.original_weights.items())
+
+    # a format-1 file (written as the previous crispedit did), killed after its first epoch under a cap of 2
+    ck.unlink()
+    real_identity, real_save = ckpt_mod.run_identity, ckpt_mod.save_checkpoint
+    monkeypatch.setattr(ckpt_mod, "_VERSION", 1)
+    monkeypatch.setattr(ckpt_mod, "run_identity", lambda *a, **k: real_identity(*a, **{**k, "with_cap": True}))
+
+    def dying_save(*a, **k):
+        real_save(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        edit(model, tok, REQS, EditConfig(**cfg, epochs=2), progress=False, checkpoint=ck)
+    monkeypatch.undo()
+    assert _version(ck) == 1
+    restore(model, full.original_weights)
+    with pytest.raises(CrispEditError, match="another --epochs: a format-1 file resumes under its own cap"):
+        edit(model, tok, REQS, EditConfig(**cfg, epochs=4), progress=False, checkpoint=ck)
+    res = edit(model, tok, REQS, EditConfig(**cfg, epochs=2), progress=False, checkpoint=ck)
+    assert res.history.extra["resumed_at_epoch"] == 1 and res.history.epoch_loss == full.history.epoch_loss[:2]
+    assert _version(ck) == 2
+    restore(model, full.original_weights)
+    res = edit(model, tok, REQS, EditConfig(**cfg, epochs=4), progress=False, checkpoint=ck)
+    assert res.history.extra["resumed_at_epoch"] == 2 and res.history.epoch_loss == full.history.epoch_loss
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
+
+
+def _version(path) -> int:
+    """The format version in a training checkpoint's metadata."""
+    import json as _json
+
+    from safetensors import safe_open
+
+    from crispedit.editing.checkpoint import _KEY
+
+    with safe_open(str(path), "pt") as f:
+        return _json.loads(f.metadata()[_KEY])["version"]

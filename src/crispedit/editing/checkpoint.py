@@ -10,7 +10,11 @@ exactly the steps the uninterrupted one would have (the per-epoch batch order co
 generator; ``--context-sample`` draws from the seed and the epoch number). A checkpoint of another run is
 refused in one line (it is never silently overwritten); a damaged one too. A finished run's checkpoint
 holds its final state, so a resume after the training but before the caller saved its results trains
-nothing again. Tensors only, no pickle.
+nothing again. The epoch cap (``epochs``) is not part of a run's identity: it bounds the run without changing
+any step before it (the learning rate has no schedule over the epochs), so a run may be resumed under a
+larger cap (train longer) or a smaller one not below the epochs already trained. Files of format version 1
+(whose identity included the cap) still resume under their own cap; the next save writes version 2.
+Tensors only, no pickle.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..errors import CrispEditError, atomic_save_safetensors, load_safetensors, read_safetensors_header
 
@@ -34,19 +38,23 @@ __all__ = ["run_identity", "LoopState", "LoopCheckpoint", "save_checkpoint", "lo
 
 CHECKPOINT_KIND = "training checkpoint"
 _KEY = "crispedit_checkpoint"
-_VERSION = 1
+_VERSION = 2
+_LEGACY_VERSION = 1  # identity over the whole config, the epoch cap included
 _BUDGET_COUNTERS = ("hits", "last", "steps")
 
 
 def run_identity(config_json: dict, requests: Sequence[EditRequest], params: dict[str, nn.Parameter],
-                 opt: torch.optim.Optimizer | None = None) -> str:
-    """Digest (32 hex) of what determines a training run: the config (its JSON), the requests' content, the
-    trained tensors' names, shapes, dtypes and starting values, and the optimizer's starting state (a carried
-    Adam state, as in a session's later rounds)."""
+                 opt: torch.optim.Optimizer | None = None, *, with_cap: bool = False) -> str:
+    """Digest (32 hex) of what determines a training run: the config (its JSON, without the epoch cap
+    ``epochs`` unless ``with_cap``, the format-1 identity), the requests' content, the trained tensors' names,
+    shapes, dtypes and starting values, and the optimizer's starting state (a carried Adam state, as in a
+    session's later rounds)."""
     import torch
 
     from .optim import optimizer_state
 
+    if not with_cap:
+        config_json = {k: v for k, v in config_json.items() if k != "epochs"}
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps({"config": config_json, "requests": [r.to_json() for r in requests]}, sort_keys=True).encode())
     tensors = {f"param::{n}": p.detach() for n, p in params.items()}
@@ -92,10 +100,13 @@ def save_checkpoint(path: str | Path, identity: str, state: LoopState, params: d
 
 
 def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parameter],
-                    opt: torch.optim.Optimizer) -> LoopState | None:
+                    opt: torch.optim.Optimizer, *, legacy_identity: Callable[[], str] | None = None,
+                    max_epochs: int | None = None) -> LoopState | None:
     """Load the checkpoint at ``path`` into ``params`` (in place) and ``opt`` and return its counters, or ``None``
-    when there is no file there. One-line :class:`CrispEditError` for a file of another run (other config,
-    requests, starting weights), another format, or a damaged file — ``params`` and ``opt`` untouched then."""
+    when there is no file there. ``identity`` is the run's :func:`run_identity`; ``legacy_identity`` computes the
+    format-1 one (the cap included) for an older file. One-line :class:`CrispEditError` for a file of another run
+    (other config, requests, starting weights), one holding more than ``max_epochs`` trained epochs, another
+    format, or a damaged file — ``params`` and ``opt`` untouched then."""
     import torch
 
     from .optim import load_optimizer_state
@@ -104,12 +115,18 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
     if not path.exists():
         return None
     meta, tensors = load_safetensors(path, CHECKPOINT_KIND, _KEY)
-    if meta.get("version") != _VERSION:
-        raise CrispEditError(f"{CHECKPOINT_KIND} file {path} has format version {meta.get('version')!r}, "
+    version = meta.get("version")
+    if version not in (_VERSION, _LEGACY_VERSION) or (version == _LEGACY_VERSION and legacy_identity is None):
+        raise CrispEditError(f"{CHECKPOINT_KIND} file {path} has format version {version!r}, "
                              f"this crispedit reads {_VERSION}; delete it to start over")
-    if meta.get("identity") != identity:
+    if meta.get("identity") != (identity if version == _VERSION else legacy_identity()):
         raise CrispEditError(f"{CHECKPOINT_KIND} file {path} belongs to another run (other config, edits or starting "
-                             "weights); delete it or give another path")
+                             "weights" + (", or another --epochs: a format-1 file resumes under its own cap"
+                                          if version == _LEGACY_VERSION else "") + "); delete it or give another path")
+    trained = meta.get("epochs")
+    if max_epochs is not None and isinstance(trained, int) and trained > max_epochs:
+        raise CrispEditError(f"{CHECKPOINT_KIND} file {path} holds {trained} trained epochs, more than the cap of "
+                             f"{max_epochs} epochs; raise --epochs to at least {trained} or delete it")
     try:
         stored = {n: tensors[f"param::{n}"] for n in params}
         flat = {k[len("opt::"):]: v for k, v in tensors.items() if k.startswith("opt::")}
@@ -159,13 +176,17 @@ class LoopCheckpoint:
                  params: dict[str, nn.Parameter], opt: torch.optim.Optimizer, budget=None):
         self.path, self.every, self.params, self.opt, self.budget = path, every, params, opt, budget
         self.identity = None if path is None else run_identity(config_json, requests, params, opt)
+        self.max_epochs = config_json.get("epochs")
+        # a format-1 file's identity, computed only when one is found (before any training changes params)
+        self._legacy = lambda: run_identity(config_json, requests, params, opt, with_cap=True)
 
     def resume(self) -> LoopState | None:
         """The stored state of this run (its tensors and the budget's counters already put back), or ``None``
         when there is no checkpoint to go on from."""
         if self.path is None:
             return None
-        state = load_checkpoint(self.path, self.identity, self.params, self.opt)
+        state = load_checkpoint(self.path, self.identity, self.params, self.opt, legacy_identity=self._legacy,
+                                max_epochs=self.max_epochs)
         if state is not None:
             restore_budget_counters(self.budget, state.budget)
         return state
