@@ -226,18 +226,20 @@ class _FastLoss:
         self.table: Tensor | None = None
         self.start: dict[int, int] = {}
         if self.k > 0:
+            # written in place batch by batch: the table is the part of an edit's memory that grows with the
+            # edit set, and gathering the states first and concatenating them would hold it twice
+            total, off = sum(b.input_ids.numel() for b in batches), 0
             with torch.no_grad():
-                states = []
                 for b in batches:
                     h, self.tuple_len = capture_block_input(model, self.blocks, self.k, input_ids=b.input_ids,
                                                             attention_mask=b.attention_mask)
-                    states.append(h)
-                d = states[0].shape[-1]
-                self.table = torch.cat([h.reshape(-1, d) for h in states] + [states[0].new_zeros(1, d)])
-                off = 0
-                for b, h in zip(batches, states):
-                    B, T = h.shape[:2]
-                    self.cache.append(self.table[off:off + B * T].view(B, T, d))
+                    (B, T), d = h.shape[:2], h.shape[-1]
+                    if self.table is None:
+                        self.table = h.new_empty(total + 1, d)
+                        self.table[total].zero_()
+                    view = self.table[off:off + B * T].view(B, T, d)
+                    view.copy_(h)
+                    self.cache.append(view)
                     for r, key in enumerate(b.keys or []):
                         self.start[key] = off + r * T
                     off += B * T
