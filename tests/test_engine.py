@@ -299,8 +299,11 @@ def test_a_killed_edit_resumes_from_its_checkpoint(tiny_lm, iso_cache, tmp_path,
         edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
     monkeypatch.setattr(ckpt_mod, "save_checkpoint", real_save)
     restore(model, full.original_weights)  # what a new process starts from
+    _drop_meta_key(ck, "epoch_seconds")  # as a checkpoint of an earlier crispedit, which did not time its epochs
     res = edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
     assert res.history.extra["resumed_at_epoch"] == 2
+    assert res.history.epoch_seconds[:2] == [None, None] and all(x > 0 for x in res.history.epoch_seconds[2:])
+    assert len(res.history.to_json()["epoch_seconds"]) == 5 == len(full.history.epoch_seconds)
     assert res.history.epoch_loss == full.history.epoch_loss
     assert (res.history.steps, res.history.skipped) == (full.history.steps, full.history.skipped)
     assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
@@ -374,6 +377,21 @@ def test_a_checkpoint_resumes_under_another_epoch_cap(tiny_lm, iso_cache, tmp_pa
     res = edit(model, tok, REQS, EditConfig(**cfg, epochs=4), progress=False, checkpoint=ck)
     assert res.history.extra["resumed_at_epoch"] == 2 and res.history.epoch_loss == full.history.epoch_loss
     assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
+
+
+def _drop_meta_key(path, key: str) -> None:
+    """Rewrite a training checkpoint without ``key`` in its metadata."""
+    import json as _json
+
+    from safetensors import safe_open
+
+    from crispedit.editing.checkpoint import _KEY
+    from crispedit.errors import atomic_save_safetensors
+
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = _json.loads(f.metadata()[_KEY]), {k: f.get_tensor(k) for k in f.keys()}
+    meta.pop(key)
+    atomic_save_safetensors(path, tensors, metadata={_KEY: _json.dumps(meta)})
 
 
 def _version(path) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -71,8 +71,8 @@ def run_identity(config_json: dict, requests: Sequence[EditRequest], params: dic
 class LoopState:
     """The loop's counters after ``epochs`` finished epochs: ``epoch_loss`` (one mean loss per epoch,
     nats/target token), ``n_batches`` batches seen, ``skipped`` of them below the skip loss, ``converged``
-    (the stop rule fired), the batch-order generator's state, the drift budget's counters and the training
-    seconds spent so far."""
+    (the stop rule fired), the batch-order generator's state, the drift budget's counters, the training
+    seconds spent so far and each epoch's wall seconds (``epoch_seconds``, ``None`` where not timed)."""
 
     epochs: int
     epoch_loss: list[float]
@@ -82,6 +82,7 @@ class LoopState:
     generator: Tensor
     budget: dict
     seconds: float = 0.0
+    epoch_seconds: list = field(default_factory=list)  # wall seconds per epoch, None where not timed
 
 
 def save_checkpoint(path: str | Path, identity: str, state: LoopState, params: dict[str, nn.Parameter],
@@ -95,7 +96,7 @@ def save_checkpoint(path: str | Path, identity: str, state: LoopState, params: d
     tensors["generator"] = state.generator.cpu()
     meta = {"version": _VERSION, "identity": identity, "epochs": state.epochs, "epoch_loss": state.epoch_loss,
             "n_batches": state.n_batches, "skipped": state.skipped, "converged": state.converged,
-            "budget": state.budget, "seconds": state.seconds}
+            "budget": state.budget, "seconds": state.seconds, "epoch_seconds": state.epoch_seconds}
     atomic_save_safetensors(path, tensors, metadata={_KEY: json.dumps(meta)})
 
 
@@ -132,7 +133,8 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
         flat = {k[len("opt::"):]: v for k, v in tensors.items() if k.startswith("opt::")}
         state = LoopState(int(meta["epochs"]), [float(x) for x in meta["epoch_loss"]], int(meta["n_batches"]),
                           int(meta["skipped"]), bool(meta["converged"]), tensors["generator"], dict(meta["budget"]),
-                          float(meta.get("seconds", 0.0)))
+                          float(meta.get("seconds", 0.0)),
+                          [None if x is None else float(x) for x in meta.get("epoch_seconds", [])])
         for n, p in params.items():
             if stored[n].shape != p.shape:
                 raise KeyError(n)

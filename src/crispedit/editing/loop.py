@@ -75,6 +75,9 @@ class TrainHistory:
     tokens: int = 0
     extra: dict = field(default_factory=dict)
     single_pass: bool = False
+    # wall seconds of each epoch (None for epochs a resumed checkpoint did not time); a process stopped
+    # (SIGSTOP) or starved by another job shows as one long epoch
+    epoch_seconds: list[float | None] = field(default_factory=list)
 
     def to_json(self) -> dict:
         """JSON-ready summary (the ``training`` section of an edit report; a single-pass editor's also
@@ -82,7 +85,10 @@ class TrainHistory:
         return {"epoch_loss": [round(x, 6) for x in self.epoch_loss],
                 "epochs": 0 if self.single_pass else len(self.epoch_loss),
                 "steps": self.steps, "skipped_batches": self.skipped, "converged": self.converged,
-                "seconds": round(self.seconds, 3), "fast_loss": self.fast_loss, "contexts": self.contexts,
+                "seconds": round(self.seconds, 3),
+                **({"epoch_seconds": [None if x is None else round(x, 2) for x in self.epoch_seconds]}
+                   if self.epoch_seconds else {}),
+                "fast_loss": self.fast_loss, "contexts": self.contexts,
                 "sequences": self.sequences, "tokens_per_epoch": self.tokens,
                 **({"single_pass": True} if self.single_pass else {}), **self.extra}
 
@@ -271,17 +277,20 @@ class _Counters:
         self.generator = torch.Generator().manual_seed(seed)
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
         self.n_batches, self.start, self.spent, self.converged, self.epoch_loss = 0, 0, 0.0, False, []
+        self.epoch_seconds: list[float | None] = []
         if resumed is not None:  # go on after its last epoch
             self.generator.set_state(resumed.generator)
             self.skipped += resumed.skipped
             self.n_batches, self.start, self.spent = resumed.n_batches, resumed.epochs, resumed.seconds
             self.converged, self.epoch_loss = resumed.converged, resumed.epoch_loss
+            known = list(resumed.epoch_seconds)[-resumed.epochs:] if resumed.epochs else []
+            self.epoch_seconds = [None] * (resumed.epochs - len(known)) + known
 
     def history(self, plan: _EpochPlan) -> TrainHistory:
         """The :class:`TrainHistory` this call starts from: the plan's contexts and sizes, a resumed run's figures."""
         hist = TrainHistory(contexts=plan.contexts, fast_loss=plan.loss_fn.fast, epoch_loss=list(self.epoch_loss),
                             converged=self.converged, steps=self.n_batches - int(self.skipped),
-                            skipped=int(self.skipped))
+                            skipped=int(self.skipped), epoch_seconds=list(self.epoch_seconds))
         hist.sequences, hist.tokens = plan.per_epoch()
         if plan.sample is None and plan.shards is None:  # fixed batches: what an epoch computes
             hist.extra.update(plan.loss_fn.layout())
@@ -305,7 +314,7 @@ class _Counters:
     def state(self, epochs: int, hist: TrainHistory, seconds: float) -> LoopState:
         """The checkpointable state after ``epochs`` epochs (``seconds`` in all, earlier calls included)."""
         return LoopState(epochs, hist.epoch_loss, self.n_batches, hist.skipped, hist.converged,
-                         self.generator.get_state(), {}, seconds)
+                         self.generator.get_state(), {}, seconds, hist.epoch_seconds)
 
 
 class _Step:
@@ -379,8 +388,10 @@ def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditReque
         step = _Step(params, layers, projectors, opt, config, drift_budget, timer, sync_free)
         model.train()
         for epoch in bar:
+            t_epoch = time.perf_counter()
             losses = [step(plan, item, run) for item in plan.epoch(epoch, run.generator)]
             loss = run.end_epoch(hist, losses, config)
+            hist.epoch_seconds.append(time.perf_counter() - t_epoch)
             bar.set_postfix(loss=f"{loss:.4f}")
             if (epoch + 1) % LOG_EVERY == 0 or hist.converged or epoch + 1 == config.epochs:
                 _log.info("edit[%s] epoch %d/%d: loss %.4f, %.0f s", config.method, epoch + 1, config.epochs, loss,
