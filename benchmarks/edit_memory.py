@@ -33,11 +33,9 @@ PHASES = ("loaded", "prepared", "first_step", "last_step")
 
 def _mib() -> tuple[int, int]:
     """(VmHWM, VmRSS) of this process in MiB."""
-    vals = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(("VmHWM:", "VmRSS:")):
-            vals[line.split(":")[0]] = int(line.split()[1]) // 1024
-    return vals["VmHWM"], vals["VmRSS"]
+    from crispedit.experiments.compare import proc_status_kib
+
+    return proc_status_kib("VmHWM") // 1024, proc_status_kib("VmRSS") // 1024
 
 
 class _Enough(Exception):

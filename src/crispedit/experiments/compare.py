@@ -79,7 +79,9 @@ JSON_FILE, MD_FILE, PNG_FILE = "compare.json", "compare.md", "compare.png"
 CHECKPOINTS = "checkpoints"  # DIR/checkpoints/<method>.safetensors: a batch row's training, resumed after a kill
 
 
-def _status_kib(key: str) -> int | None:
+def proc_status_kib(key: str) -> int | None:
+    """A field of ``/proc/self/status`` in KiB (``"VmRSS"``, ``"VmHWM"``), or ``None`` where there is none
+    (not Linux)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(key + ":"):
@@ -108,9 +110,9 @@ def peak_memory(device: torch.device) -> Iterator[dict]:
     with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
         reset = True
-    rss0, max0 = _status_kib("VmRSS"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss0, max0 = proc_status_kib("VmRSS"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     yield out
-    hwm = _status_kib("VmHWM")
+    hwm = proc_status_kib("VmHWM")
     if reset and hwm is not None and rss0 is not None:
         out.update(measure="peak RSS (VmHWM, reset before the method)", peak_mib=round(hwm / 1024, 1),
                    increase_mib=round((hwm - rss0) / 1024, 1))
