@@ -63,7 +63,7 @@ def _tensor_files(d: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def _strip(rounds: list[dict]) -> list[dict]:
     """Round records without wall-clock fields."""
-    drop = {"finished", "seconds", "edit_seconds", "edit_factor_seconds"}
+    drop = {"finished", "seconds", "edit_seconds", "edit_factor_seconds", "epoch_seconds"}
 
     def clean(x):
         if isinstance(x, dict):
