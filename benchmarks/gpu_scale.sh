@@ -6,11 +6,16 @@
 #   SHORT=1 bash benchmarks/gpu_scale.sh    # about 3 minutes: TF32 leak, token batches, a profiled epoch
 #   HOST=1 bash benchmarks/gpu_scale.sh     # about 5 minutes: where the host-bound K-FAC batch and step go
 #                                           # (profiled K-FAC at 8 and 64 texts a batch; eager / compiled / CUDA-graph blocks)
+# The device image may lack xxhash (weight fingerprints) and cannot reach PyPI: fetch its wheel here first, untracked
+# so that it travels with the checkout:
+#   pip download xxhash --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 --no-deps -d gpu_wheels
 set -uo pipefail
 OUT=${OUT:-runs/gpu_scale}
 mkdir -p "$OUT"
 PY=${PY:-python}
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+$PY -c "import xxhash" 2>/dev/null || $PY -m pip install -q --no-index --find-links gpu_wheels xxhash \
+  || { echo "xxhash is missing and gpu_wheels/ holds no wheel for it (see the top of this script)"; exit 2; }
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/device.txt"
 if [ "${QUICK:-0}" = 1 ]; then
   $PY benchmarks/bench_scale.py --random-init smollm2 --blocks 4 --layers 'model.layers.{1-3}.mlp.down_proj' \

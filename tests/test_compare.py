@@ -74,6 +74,28 @@ def test_compare_runs_every_method_from_the_same_base_and_resumes(tiny_lm, tmp_p
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compare_written_under_the_legacy_fingerprint_resumes(tiny_lm, tmp_path, iso_cache, monkeypatch):
+    """A compare.json from before the XXH3 fingerprints names its base by the blake2b digest: the same base
+    resumes it (the stored rows kept, the file's fingerprint brought up to date); another base does not."""
+    from crispedit.models import legacy_weight_fingerprint
+
+    model, tok = tiny_lm
+    out = tmp_path / "cmp"
+    compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
+    stored = json.loads((out / "compare.json").read_text())
+    stored["settings"]["fingerprint"] = legacy_weight_fingerprint(model)
+    (out / "compare.json").write_text(json.dumps(stored))
+    ran = counting_edit(monkeypatch)
+    payload = compare_mod.run_compare(model, tok, REQS, ["ft", "lora"], out, configs=configs(["ft", "lora"]),
+                                      progress=False)
+    assert ran == ["lora"] and payload["results"]["ft"] == stored["results"]["ft"]
+    assert json.loads((out / "compare.json").read_text())["settings"]["fingerprint"] == weight_fingerprint(model)
+    stored["settings"]["fingerprint"] = "0" * 32
+    (out / "compare.json").write_text(json.dumps(stored))
+    with pytest.raises(CrispEditError, match="other settings \\(fingerprint\\)"):
+        compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
+
+
 def test_compare_refuses_other_settings_in_the_same_dir(tiny_lm, tmp_path, iso_cache):
     model, tok = tiny_lm
     out = tmp_path / "cmp"

@@ -379,6 +379,26 @@ def test_lora_seq_stores_the_merged_projections_and_export_matches(tmp_path, tin
     assert not any("lora" in n for n in model.state_dict())
 
 
+def test_session_stored_under_the_legacy_fingerprint_opens_on_its_base_only(ref, tmp_path, tiny_tok):
+    """Sessions created before the XXH3 fingerprints store the blake2b one: the same base still opens them."""
+    from crispedit.models import legacy_weight_fingerprint
+
+    sess = tmp_path / "old"
+    shutil.copytree(ref["sess"], sess)
+    meta = json.loads((sess / "session.json").read_text())
+    model, _ = load_model(str(ref["model_dir"]))
+    meta["base"]["fingerprint"] = legacy_weight_fingerprint(model)
+    (sess / "session.json").write_text(json.dumps(meta))
+    s = Session.open(sess, model=str(ref["model_dir"]))
+    s._ensure_model()                                   # what add/export do first: load the base, check it
+    assert s.round == 2 and s._model is not None
+    other = tmp_path / "other_model"
+    build_llama(len(tiny_tok), seed=1).save_pretrained(other)
+    tiny_tok.save_pretrained(other)
+    with pytest.raises(CrispEditError, match="refusing to mix bases"):
+        Session.open(sess, model=str(other))
+
+
 def test_session_written_with_module_name_keys_still_opens(ref, tmp_path):
     """Sessions from before editors declared their parameters stored weights under module names."""
     from safetensors.torch import load_file, save_file

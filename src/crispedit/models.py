@@ -50,6 +50,10 @@ __all__ = [
     "default_layer_pattern",
     "expand_pattern",
     "weight_fingerprint",
+    "legacy_weight_fingerprint",
+    "is_legacy_fingerprint",
+    "fingerprint_matches",
+    "FINGERPRINT_PREFIX",
     "decoder_blocks",
     "MLP_OUT_PROJ",
     "family_defaults",
@@ -472,10 +476,13 @@ def parameter(model: nn.Module, name: str) -> torch.Tensor:
         raise CrispEditError(f"no parameter or module named {name!r} in this {type(model).__name__}") from None
 
 
-def weight_fingerprint(model: nn.Module) -> str:
-    """Digest of the model type and every parameter and buffer (names, shapes, dtypes and bytes); the
-    same weights loaded from different paths give the same fingerprint."""
-    h = hashlib.blake2b(digest_size=16)
+FINGERPRINT_PREFIX = "xxh3-"  # weight_fingerprint's digests; legacy_weight_fingerprint's have no prefix
+_LEGACY_FINGERPRINT = re.compile(r"[0-9a-f]{32}")
+
+
+def _hash_weights(model: nn.Module, h) -> str:
+    """Feed ``h`` (a hashlib-style object) the model type and every parameter and buffer in name order (name,
+    shape, dtype, then its bytes; bfloat16 as 16-bit integers) and return its hex digest."""
     h.update(str(getattr(getattr(model, "config", None), "model_type", type(model).__name__)).encode())
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
@@ -485,6 +492,39 @@ def weight_fingerprint(model: nn.Module) -> str:
         if data.numel():
             h.update(memoryview(data.numpy().reshape(-1)).cast("B"))  # the bytes of tobytes(), without the copy
     return h.hexdigest()
+
+
+def weight_fingerprint(model: nn.Module) -> str:
+    """Identity of the model's weights: ``"xxh3-"`` and the 32-hex-digit XXH3-128 digest of the model type and
+    every parameter and buffer (names, shapes, dtypes and bytes). The same weights loaded from different paths
+    give the same fingerprint; any changed byte gives another. XXH3 (the hash Hugging Face ``datasets`` keys its
+    caches with) reads memory at its bandwidth, where the cryptographic hash of :func:`legacy_weight_fingerprint`
+    took minutes for an 8B model. Not a defence against crafted collisions: it names caches, it does not
+    authenticate them."""
+    import xxhash
+
+    return FINGERPRINT_PREFIX + _hash_weights(model, xxhash.xxh3_128())
+
+
+def legacy_weight_fingerprint(model: nn.Module) -> str:
+    """The fingerprint written before :func:`weight_fingerprint` moved to XXH3: the 32-hex-digit blake2b-128
+    digest of the same bytes. Computed only to recognise a session, compare run, factor file or MEND network
+    stored under it (:func:`fingerprint_matches`)."""
+    return _hash_weights(model, hashlib.blake2b(digest_size=16))
+
+
+def is_legacy_fingerprint(fingerprint: str) -> bool:
+    """Whether ``fingerprint`` is in the format of :func:`legacy_weight_fingerprint` (32 lowercase hex digits)."""
+    return isinstance(fingerprint, str) and _LEGACY_FINGERPRINT.fullmatch(fingerprint) is not None
+
+
+def fingerprint_matches(stored: str, current: str, model: nn.Module | None = None) -> bool:
+    """Whether a fingerprint ``stored`` in a file names the weights whose :func:`weight_fingerprint` is
+    ``current``: equal, or ``stored`` is a legacy fingerprint equal to ``model``'s
+    :func:`legacy_weight_fingerprint` (computed only then; without ``model`` a legacy one never matches)."""
+    if stored == current:
+        return True
+    return model is not None and is_legacy_fingerprint(stored) and legacy_weight_fingerprint(model) == stored
 
 
 def takes_full_masks(model: nn.Module) -> bool:

@@ -23,6 +23,7 @@ import json
 import logging
 import time
 import uuid
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -106,20 +107,25 @@ def _show(v) -> str:
 
 
 def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model_fingerprint: str | None = None,
-                 layers: Sequence[str] | None = None, shapes: dict[str, tuple[int, int]] | None = None) -> KFACFactors:
+                 layers: Sequence[str] | None = None, shapes: dict[str, tuple[int, int]] | None = None,
+                 model: nn.Module | None = None) -> KFACFactors:
     """Load factors, refusing a file made for another model, other layers or another configuration.
 
     ``expect`` is the full spec the caller would build (every field is compared: model fingerprint,
     layers, corpus digest, number of texts, max length, label mode, seed, dtypes, format); without it only
     ``model_fingerprint`` / ``layers`` are checked. ``shapes`` (layer -> ``(d_out, d_in)`` of its weight)
-    checks each factor's size: A is ``d_in x d_in``, S is ``d_out x d_out``."""
+    checks each factor's size: A is ``d_in x d_in``, S is ``d_out x d_out``. ``model`` (the model the
+    fingerprint is of), when given, also accepts a file stored under its legacy fingerprint
+    (:func:`~crispedit.models.fingerprint_matches`)."""
+    from ..models import fingerprint_matches
+
     path = Path(path)
     meta, tensors = load_safetensors(path, "curvature cache", "crispedit")
     spec = meta.get("spec", {})
     if not isinstance(spec, dict):
         raise CrispEditError(f"curvature cache file {path} has corrupt metadata (no spec)")
     fp = expect.model_fingerprint if expect else model_fingerprint
-    if fp is not None and spec.get("model_fingerprint") != fp:
+    if fp is not None and not fingerprint_matches(spec.get("model_fingerprint"), fp, model):
         raise CrispEditError(
             f"curvature cache {path} was built for another model (fingerprint {str(spec.get('model_fingerprint'))[:12]}…, "
             f"this model is {fp[:12]}…)")
@@ -133,7 +139,7 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
     if want_layers is not None and spec.get("layers") != want_layers:
         raise CrispEditError(f"curvature cache {path} covers layers {spec.get('layers')}, not {want_layers}")
     if expect is not None:
-        diff = [k for k, v in expect.as_dict().items() if spec.get(k) != v]
+        diff = [k for k, v in expect.as_dict().items() if spec.get(k) != v and k != "model_fingerprint"]
         if diff:
             detail = ", ".join(f"{k}={_show(spec.get(k))} (asked: {_show(v)})" for k, v in expect.as_dict().items()
                                if k in diff)
@@ -157,6 +163,28 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
     return factors
 
 
+def _legacy_path(model: nn.Module, spec: CurvatureSpec, root: Path) -> Path | None:
+    """Where the entry for ``spec`` lies when it was written under ``model``'s legacy (blake2b) weight fingerprint,
+    if that file exists; ``None`` at once when no entry of the cache has a legacy fingerprint (the legacy digest,
+    a full pass over the weights, is computed only when one has)."""
+    from ..errors import read_safetensors_header
+    from ..models import is_legacy_fingerprint, legacy_weight_fingerprint
+
+    def stored(p: Path):
+        """The model fingerprint in entry ``p``'s header (``None`` when unreadable)."""
+        try:
+            return read_safetensors_header(p, "curvature cache", "crispedit")[0].get("spec", {}).get("model_fingerprint")
+        except (CrispEditError, AttributeError):
+            return None
+
+    if is_legacy_fingerprint(spec.model_fingerprint) or not any(
+            is_legacy_fingerprint(stored(p)) for p in (root / "kfac").glob("*.safetensors")):
+        return None
+    old = dataclasses.replace(spec, model_fingerprint=legacy_weight_fingerprint(model))
+    path = root / "kfac" / f"{cache_key(old)}.safetensors"
+    return path if path.is_file() else None
+
+
 def get_or_build_factors(
     model: nn.Module,
     tokenizer,
@@ -176,18 +204,20 @@ def get_or_build_factors(
     arguments: the file is used only if every process could read it (otherwise all of them collect, and a
     cache root that is not shared by all processes means no hits); the collection is sharded across the
     processes (:func:`~crispedit.curvature.kfac.collect_lm_kfac`), only rank 0 writes the file, and every
-    process returns, with the same factors, once it is written."""
+    process returns, with the same factors, once it is written. An entry written under the model's legacy weight
+    fingerprint (before XXH3) is found and used as it is."""
     path = Path(root) / "kfac" / f"{cache_key(spec)}.safetensors"
     t0 = time.perf_counter()
     factors = None
-    if path.is_file() and not force:
+    found = None if force else path if path.is_file() else _legacy_path(model, spec, Path(root))
+    if found is not None:
         try:
-            factors = load_factors(path, spec, shapes=layer_shapes(layers))
+            factors = load_factors(found, spec, shapes=layer_shapes(layers), model=model)
         except CrispEditError:
-            pass  # a damaged entry is rebuilt below (and replaced atomically)
+            pass  # a damaged entry is rebuilt below (and replaced atomically; under the current key)
     if all_agree(factors is not None):  # every process takes the same branch (collectives follow)
-        _log.info("capability curvature: cached (%s)", path.name)
-        return factors, {"path": str(path), "hit": True, "seconds": time.perf_counter() - t0,
+        _log.info("capability curvature: cached (%s)", found.name)
+        return factors, {"path": str(found), "hit": True, "seconds": time.perf_counter() - t0,
                          "spec": factors.meta.get("spec")}
     _log.info("capability curvature (%s): collecting over %d texts of <= %d tokens", spec.kind, len(texts), spec.max_len)
     if spec.kind == "input":

@@ -77,7 +77,7 @@ def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module]
     spec = curvature_spec(model, list(layers), texts, config, fingerprint, kind)
     if cache_file is not None:
         t0 = time.perf_counter()
-        factors = load_factors(cache_file, spec, shapes=layer_shapes(layers))
+        factors = load_factors(cache_file, spec, shapes=layer_shapes(layers), model=model)
         return factors, {"path": str(cache_file), "hit": True, "seconds": time.perf_counter() - t0,
                          "spec": factors.meta.get("spec")}
     return get_or_build_factors(model, tokenizer, layers, texts, spec, root=cache_root or cache_dir(),

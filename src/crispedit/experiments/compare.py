@@ -67,7 +67,7 @@ from ..errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, a
 from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER, evaluate_edit
 from ..evaluation.capabilities import paired_change
 from ..evaluation.edit_eval import retention_probe
-from ..models import model_family, weight_fingerprint
+from ..models import fingerprint_matches, model_family, weight_fingerprint
 from ..sessions.sequential import run_sequence
 
 __all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "pareto_front", "pareto_points",
@@ -206,10 +206,13 @@ def _checked_configs(model, requests: Sequence[EditRequest], methods: Sequence[s
     return configs, inputs
 
 
-def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: dict, inputs: dict, chunk: int) -> None:
+def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: dict, inputs: dict, chunk: int,
+                    model: torch.nn.Module | None = None) -> None:
     """Take the rows of an existing compare file at ``path`` into ``payload`` (its ``results`` and ``methods``), after
     checking that it was written under the same settings and that every row asked for again ran with the same
-    configuration (the same files, the same round size); one-line errors otherwise. Nothing when there is none."""
+    configuration (the same files, the same round size); one-line errors otherwise. Nothing when there is none.
+    A file written under ``model``'s legacy weight fingerprint counts as the same base (the file's next write
+    stores the current one)."""
     if not path.is_file():
         return
     try:
@@ -219,8 +222,11 @@ def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: 
     if not isinstance(old, dict) or not isinstance(old.get("settings", {}), dict) \
             or not isinstance(old.get("results", {}), dict) or not isinstance(old.get("methods", []), list):
         raise CrispEditError(f"{path} is not a crispedit compare file; remove it or use another --out")
-    settings = payload["settings"]
-    diff = [k for k in settings if old.get("settings", {}).get(k) != settings[k]]
+    settings, was = payload["settings"], old.get("settings", {})
+    if was.get("fingerprint") != settings["fingerprint"] and fingerprint_matches(was.get("fingerprint"),
+                                                                                  settings["fingerprint"], model):
+        was["fingerprint"] = settings["fingerprint"]
+    diff = [k for k in settings if was.get(k) != settings[k]]
     if old.get("format") != COMPARE_FORMAT or diff:
         raise CrispEditError(f"{path} was written with other settings ({', '.join(diff) or 'format'}); "
                              "use another --out to compare under new settings")
@@ -356,7 +362,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                 "evaluation": {"wild": list(EVAL_WRAPPERS), "judge": "rule", "capabilities": list(capabilities),
                                "limit": limit, "kl_text": kl_text or "bundled:wikitext_heldout.txt"}}
     payload = {"format": COMPARE_FORMAT, "settings": settings, "methods": list(methods), "results": {}}
-    _resume_payload(out / JSON_FILE, payload, methods, configs, inputs, chunk)
+    _resume_payload(out / JSON_FILE, payload, methods, configs, inputs, chunk, model)
     bench = _Bench(model, tokenizer, requests, out, fp, chunk, kl_text, capabilities, limit, bench_dir, progress)
     todo = ([] if "base" in payload["results"] else ["base"]) + [m for m in methods if m not in payload["results"]]
     bar = tqdm(todo, desc="compare", unit="method", disable=(None if progress is None else not progress))

@@ -56,7 +56,7 @@ from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors,
                       check_finite_tensors, check_output_dir, check_output_file, load_safetensors)
 from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..model_card import build_card, card_may_replace, revert_lines, write_card
-from ..models import load_model, model_family, parameter, save_model_dir, weight_fingerprint
+from ..models import fingerprint_matches, load_model, model_family, parameter, save_model_dir, weight_fingerprint
 from .files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
 
@@ -368,7 +368,7 @@ class Session:
             raise CrispEditError(f"session {self.path} was created on an in-memory model; pass the base model to open it")
         model, tok = load_model(arg, dtype=None if isinstance(arg, tuple) else base["dtype"], device=self._device)
         fp = weight_fingerprint(model)
-        if fp != base["fingerprint"]:
+        if not fingerprint_matches(base["fingerprint"], fp, model):  # a session stored before XXH3 too
             shown = "the given model" if isinstance(arg, tuple) else repr(str(arg))
             raise CrispEditError(f"session {self.path} was created on base {base['spec']!r} (fingerprint {base['fingerprint'][:12]}…); "
                                  f"{shown} has fingerprint {fp[:12]}… — refusing to mix bases")

@@ -24,7 +24,7 @@ from torch import nn
 from ...editing.editor import EditContext
 from ...editing.single_pass import SinglePassEditor
 from ...errors import CrispEditError
-from ...models import resolve_layers, weight_fingerprint
+from ...models import legacy_weight_fingerprint, resolve_layers, weight_fingerprint
 from . import MENDConfig
 from .net import (default_layers, default_weights_path, edit_factors, load_network, prompt_digests, read_network_meta,
                   train_command_hint)
@@ -34,10 +34,16 @@ __all__ = ["MENDConfig", "MENDEditor", "network_path"]
 
 def network_path(model: nn.Module, layers: dict[str, nn.Module], cfg: MENDConfig, fingerprint: str | None = None):
     """The network file the editor uses: ``cfg.weights`` when set, else the default cache location for this
-    model's fingerprint and ``layers``."""
+    model's fingerprint and ``layers`` (where a network trained before the XXH3 fingerprints lies under the
+    legacy one, that file)."""
     if cfg.weights:
         return cfg.weights
-    return default_weights_path(fingerprint or weight_fingerprint(model), list(layers))
+    path = default_weights_path(fingerprint or weight_fingerprint(model), list(layers))
+    if not path.is_file():
+        legacy = default_weights_path(legacy_weight_fingerprint(model), list(layers))
+        if legacy.is_file():
+            return legacy
+    return path
 
 
 class MENDEditor(SinglePassEditor):
@@ -74,7 +80,7 @@ class MENDEditor(SinglePassEditor):
     def _network(self, model, layers, cfg: MENDConfig):
         """The trained network for ``model`` and ``layers`` (``cfg.weights`` or the default cache file), checked."""
         fp = weight_fingerprint(model)
-        return load_network(self._network_file(model, layers, cfg, fp), layers, model_fingerprint=fp)
+        return load_network(self._network_file(model, layers, cfg, fp), layers, model_fingerprint=fp, model=model)
 
     def start(self, model, tokenizer, requests, ctx: EditContext) -> dict:
         """Load the network (on the model's device) and count the requests it was trained on (a warning when

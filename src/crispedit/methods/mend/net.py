@@ -47,7 +47,7 @@ from ...data.edits import EditRequest
 from ...data.tokenize import encode_pairs
 from ...editing.rows import input_gradient_rows
 from ...errors import CrispEditError, atomic_save_safetensors, load_safetensors, read_safetensors_header
-from ...models import cache_dir, decoder_blocks, is_linear, weight_matrix
+from ...models import cache_dir, decoder_blocks, fingerprint_matches, is_linear, weight_matrix
 from ..ultraedit.editor import RunningNorm
 from . import MENDTrainConfig
 
@@ -325,12 +325,14 @@ def read_network_meta(path: str | Path) -> dict:
     return meta
 
 
-def load_network(path: str | Path, layers: dict[str, nn.Module], *, model_fingerprint: str | None) -> MENDNetwork:
+def load_network(path: str | Path, layers: dict[str, nn.Module], *, model_fingerprint: str | None,
+                 model: nn.Module | None = None) -> MENDNetwork:
     """The network in ``path`` for edit ``layers`` (name -> module) of the model with ``model_fingerprint``
-    (``None``: not checked). One-line errors when it was trained for another model, other layers or other
-    shapes, or the file is damaged."""
+    (``None``: not checked; ``model``, when given, also recognises a network stored under its legacy fingerprint,
+    :func:`~crispedit.models.fingerprint_matches`). One-line errors when it was trained for another model, other
+    layers or other shapes, or the file is damaged."""
     meta = read_network_meta(path)
-    if model_fingerprint is not None and meta["model_fingerprint"] != model_fingerprint:
+    if model_fingerprint is not None and not fingerprint_matches(meta["model_fingerprint"], model_fingerprint, model):
         raise CrispEditError(f"MEND network {path} was trained for another model (fingerprint "
                              f"{str(meta['model_fingerprint'])[:12]}…, this model is {model_fingerprint[:12]}…; an already edited model, "
                              "e.g. a later session round, counts as another); train one for this model with "
