@@ -2,8 +2,9 @@
 
 Reads any mix of ``crispedit compare`` outputs (a ``compare.json`` or its directory) and
 ``benchmarks/edit_matrix.py`` outputs (their JSON), takes every edited row's WILD qa / chat reliability and
-generalisation, KL drift (nats/token on held-out text) and perplexity, keyed by method and number of edits,
-and writes a table (Markdown) and a four-panel PNG (QA rel, QA gen, KL drift and perplexity on log axes; x: number
+generalisation, KL drift (nats/token on held-out text), the drift the K-FAC quadratic model predicted (and the
+measured / predicted ratio: how far the prediction, what ``--max-drift`` budgets, under-reads at each size) and
+perplexity, keyed by method and number of edits, and writes a table (Markdown) and a four-panel PNG (QA rel, QA gen, KL drift and perplexity on log axes; x: number
 of edits, log axis). An edit_matrix row counts when its overrides name only ``method`` and, optionally,
 the defaults' contexts (it is then the method at its defaults). Where two runs give the same method and size,
 the later file on the command line wins.
@@ -25,15 +26,17 @@ sys.path.insert(0, str(ROOT / "src"))
 from crispedit.editing.contexts import DEFAULT_CONTEXTS  # noqa: E402  (torch-free)
 from crispedit.errors import CrispEditError, atomic_write_bytes, atomic_write_figure  # noqa: E402
 
-KEYS = ("qa_rel", "qa_gen", "chat_rel", "chat_gen", "kl_drift", "ppl")
+KEYS = ("qa_rel", "qa_gen", "chat_rel", "chat_gen", "kl_drift", "kl_predicted", "ppl")
 
 
 def _point(wild: dict, summary: dict) -> dict:
-    """The figures of one edited row: WILD qa / chat rel and gen (fractions), KL drift (nats/token), perplexity."""
+    """The figures of one edited row: WILD qa / chat rel and gen (fractions), KL drift and its K-FAC prediction
+    (nats/token; ``None`` where the row has none), perplexity."""
     def w(ctx: str, k: str):
         return (wild.get(ctx) or {}).get(k)
     return {"qa_rel": w("qa", "rel"), "qa_gen": w("qa", "gen"), "chat_rel": w("chat", "rel"),
-            "chat_gen": w("chat", "gen"), "kl_drift": summary.get("kl_drift"), "ppl": summary.get("ppl")}
+            "chat_gen": w("chat", "gen"), "kl_drift": summary.get("kl_drift"),
+            "kl_predicted": summary.get("kl_predicted"), "ppl": summary.get("ppl")}
 
 
 def read_points(path: str | Path) -> dict[tuple[str, int], dict]:
@@ -65,15 +68,19 @@ def read_points(path: str | Path) -> dict[tuple[str, int], dict]:
 
 
 def scaling_table(points: dict[tuple[str, int], dict]) -> str:
-    """Markdown: one row per method and number of edits (sorted), the :data:`KEYS` figures."""
-    lines = ["| method | edits | WILD qa rel / gen | chat rel / gen | KL drift | perplexity |", "|---|---|---|---|---|---|"]
+    """Markdown: one row per method and number of edits (sorted), the :data:`KEYS` figures and the measured /
+    predicted drift ratio."""
+    lines = ["| method | edits | WILD qa rel / gen | chat rel / gen | KL drift | predicted (measured / pred.) | perplexity |",
+             "|---|---|---|---|---|---|---|"]
 
     def f(v, fmt="{:.2f}"):
         return "–" if v is None else fmt.format(v)
     for (m, n) in sorted(points, key=lambda k: (k[0], k[1])):
         p = points[(m, n)]
+        pred, drift = p.get("kl_predicted"), p["kl_drift"]
+        ratio = f" ({drift / pred:.2f}×)" if pred and drift is not None else ""
         lines.append(f"| {m} | {n} | {f(p['qa_rel'])} / {f(p['qa_gen'])} | {f(p['chat_rel'])} / {f(p['chat_gen'])} | "
-                     f"{f(p['kl_drift'], '{:.5f}')} | {f(p['ppl'])} |")
+                     f"{f(drift, '{:.5f}')} | {f(pred, '{:.5f}')}{ratio} | {f(p['ppl'])} |")
     return "\n".join(lines) + "\n"
 
 
