@@ -4,6 +4,8 @@
 #   bash benchmarks/gpu_scale.sh            # everything (at most 10 minutes: each case under a timeout)
 #   QUICK=1 bash benchmarks/gpu_scale.sh    # a smoke run (small shapes) to check the script itself
 #   SHORT=1 bash benchmarks/gpu_scale.sh    # about 3 minutes: TF32 leak, token batches, a profiled epoch
+#   WALL=1 bash benchmarks/gpu_scale.sh     # about 7 minutes: the Llama-3-8B-shaped wall mark alone (XXH3 fingerprint,
+#                                           # the TF32 form rule), with a longer budget than the full run gives it
 #   HOST=1 bash benchmarks/gpu_scale.sh     # about 5 minutes: where the host-bound K-FAC batch and step go
 #                                           # (profiled K-FAC at 8 and 64 texts a batch; eager / compiled / CUDA-graph blocks)
 # The device image may lack xxhash (weight fingerprints) and cannot reach PyPI: fetch its wheel here first, untracked
@@ -30,6 +32,12 @@ if [ "${SHORT:-0}" = 1 ]; then  # a follow-up in about 3 minutes: leak test, tok
       --json "$OUT/smollm2_1000_tokens_b.json" 2>&1 | tee "$OUT/smollm2_1000_tokens_b.txt"
   timeout 50 $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 100 --epochs 1 --device cuda \
       --dtype bfloat16 --json "$OUT/smollm2_100_profile.json" 2>&1 | tee "$OUT/smollm2_100_profile.txt"
+  exit 0
+fi
+if [ "${WALL:-0}" = 1 ]; then
+  timeout ${T_8B:-480} $PY benchmarks/bench_scale.py --random-init llama3-8b --synthetic 3000 --contexts bare --epochs 25 \
+      --device cuda --dtype bfloat16 --n-cap 64 --no-profile --projection-precision tf32 \
+      --json "$OUT/llama3_8b_3000_wall.json" 2>&1 | tee "$OUT/llama3_8b_3000_wall.txt"
   exit 0
 fi
 if [ "${HOST:-0}" = 1 ]; then
