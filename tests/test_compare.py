@@ -264,6 +264,60 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
                                 seq_chunk=2, progress=False)
 
 
+def test_a_seq_row_killed_between_or_inside_rounds_resumes_where_it_stopped(tiny_lm, tmp_path, iso_cache, monkeypatch):
+    """A -seq row keeps its finished rounds (and the round in progress its finished epochs) across a kill: the
+    resumed row trains only what was left and ends exactly where the uninterrupted row does."""
+    import crispedit.editing.checkpoint as ckpt_mod
+    import crispedit.sessions.sequential as seq_mod
+
+    model, tok = tiny_lm
+    methods = ["crispedit-seq"]
+    whole = compare_mod.run_compare(model, tok, REQS, methods, tmp_path / "whole", configs=seq_configs(methods),
+                                    seq_chunk=1, progress=False)["results"]["crispedit-seq"]
+    assert not list((tmp_path / "whole" / "checkpoints").glob("*"))   # removed once the row is written
+    real_round, real_save = seq_mod.run_round, ckpt_mod.save_checkpoint
+    rounds = []
+
+    def counting_round(*a, **kw):
+        rounds.append(a[6])                                        # round_index
+        return real_round(*a, **kw)
+
+    monkeypatch.setattr(seq_mod, "run_round", counting_round)
+    out = tmp_path / "cut"
+    seq_file = out / "checkpoints" / "crispedit-seq.safetensors"
+
+    def dying_save(path, *a, **kw):                                # dies right after round 2's first epoch is saved
+        real_save(path, *a, **kw)
+        if seq_file.exists() and len(rounds) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=1,
+                                progress=False)
+    assert rounds == [1, 2] and (out / "checkpoints" / "crispedit-seq.round.safetensors").exists()
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", real_save)
+    rounds.clear()
+    resumed = compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=1,
+                                      progress=False)["results"]["crispedit-seq"]
+    assert rounds == [2, 3]                                        # round 1 came from the checkpoint
+    def measured(d):  # without the wall-clock entries (edit_seconds, epoch_seconds, ...)
+        if isinstance(d, dict):
+            return {k: measured(v) for k, v in d.items() if not k.endswith("seconds") and k != "resumed_at_epoch"}
+        return [measured(v) for v in d] if isinstance(d, list) else d
+    assert resumed["round_records"][1]["train"]["resumed_at_epoch"] == 1      # round 2 went on from its epoch 1
+    assert measured(resumed["round_records"]) == measured(whole["round_records"])
+    assert measured(resumed["summary"]) == measured(whole["summary"]) and measured(resumed["wild"]) == measured(whole["wild"])
+    assert resumed["edit_seconds"] >= sum(resumed["round_seconds"]) - 0.01
+    assert not list((out / "checkpoints").glob("*"))
+    # a checkpoint of another run is refused in one line, not overwritten
+    (out / "compare.json").unlink()
+    seq_mod.save_sequence_checkpoint(seq_file, "another run", seq_mod.SeqState(weights={}), [], 0.0)
+    with pytest.raises(CrispEditError, match="sequence checkpoint file .* belongs to another run"):
+        compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=1,
+                                progress=False)
+
+
 def timeless(d):
     """``d`` without its ``seconds`` entries (at any depth): the measurements alone."""
     if isinstance(d, dict):

@@ -322,6 +322,43 @@ def test_a_killed_edit_resumes_from_its_checkpoint(tiny_lm, iso_cache, tmp_path,
     assert all(torch.equal(model.get_parameter(n), w) for n, w in full.original_weights.items())
 
 
+def test_a_killed_lora_edit_resumes_exactly_with_its_dropout(tiny_lm, iso_cache, tmp_path, monkeypatch):
+    """LoRA's adapter init and dropout come from generators seeded with the config's seed (the caller's left as
+    they were), and the checkpoint keeps the generators' states: a LoRA edit killed after an epoch and resumed ends
+    with the uninterrupted edit's losses and weights, and two edits from the same weights are the same."""
+    import crispedit.editing.checkpoint as ckpt_mod
+    from crispedit.editing import restore
+
+    model, tok = tiny_lm
+    cfg = dict(method="lora", layers="model.layers.{1-2}.mlp.down_proj", epochs=3, batch_size=3, max_len=48,
+               contexts="bare", stop_loss=0.0)
+    outside = torch.get_rng_state()
+    full = edit(model, tok, REQS, EditConfig(**cfg), progress=False)
+    assert torch.equal(torch.get_rng_state(), outside)          # the caller's generator untouched
+    want = {n: model.get_parameter(n).detach().clone() for n in full.original_weights}
+    restore(model, full.original_weights)
+    twice = edit(model, tok, REQS, EditConfig(**cfg), progress=False)
+    assert twice.history.epoch_loss == full.history.epoch_loss
+    restore(model, full.original_weights)
+
+    ck = tmp_path / "lora.safetensors"
+    real_save = ckpt_mod.save_checkpoint
+
+    def dying_save(*a, **k):
+        real_save(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", real_save)
+    restore(model, full.original_weights)
+    torch.manual_seed(1234)                                    # another process: other generator states
+    res = edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
+    assert res.history.extra["resumed_at_epoch"] == 1 and res.history.epoch_loss == full.history.epoch_loss
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
+
+
 def test_a_checkpoint_resumes_under_another_epoch_cap(tiny_lm, iso_cache, tmp_path, monkeypatch):
     """The epoch cap is not part of a run's identity: a run stopped by a cap of 2 and resumed under a cap of 4
     ends with the losses, counters and weights of a run capped at 4 from the start; a checkpoint holding more

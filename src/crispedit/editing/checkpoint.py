@@ -63,7 +63,7 @@ def run_identity(config_json: dict, requests: Sequence[EditRequest], params: dic
     for name in sorted(tensors):
         t = tensors[name].cpu().contiguous()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # (0-d: Adam's step)
     return h.hexdigest()
 
 
@@ -85,15 +85,29 @@ class LoopState:
     epoch_seconds: list = field(default_factory=list)  # wall seconds per epoch, None where not timed
 
 
+def _global_rng(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
+    """The global random generators' states now: the CPU's (``rng_cpu``) and, for parameters on a CUDA device,
+    that device's (``rng_cuda``) — what dropout (LoRA's adapters) draws from in the epochs to come."""
+    import torch
+
+    out = {"rng_cpu": torch.get_rng_state()}
+    dev = next((p.device for p in params.values() if p.device.type == "cuda"), None)
+    if dev is not None:
+        out["rng_cuda"] = torch.cuda.get_rng_state(dev)
+    return out
+
+
 def save_checkpoint(path: str | Path, identity: str, state: LoopState, params: dict[str, nn.Parameter],
                     opt: torch.optim.Optimizer) -> None:
-    """Write ``state``, the trained tensors ``params`` (as they are now) and ``opt``'s state to ``path``
-    atomically (temporary file + rename), tagged with ``identity`` (:func:`run_identity`)."""
+    """Write ``state``, the trained tensors ``params`` (as they are now), ``opt``'s state and the global random
+    generators' states (so that dropout goes on as it would have) to ``path`` atomically (temporary file +
+    rename), tagged with ``identity`` (:func:`run_identity`)."""
     from .optim import optimizer_state
 
     tensors = {f"param::{n}": p.detach().cpu() for n, p in params.items()}
     tensors.update({f"opt::{k}": v for k, v in optimizer_state(opt, params).items()})
     tensors["generator"] = state.generator.cpu()
+    tensors.update(_global_rng(params))
     meta = {"version": _VERSION, "identity": identity, "epochs": state.epochs, "epoch_loss": state.epoch_loss,
             "n_batches": state.n_batches, "skipped": state.skipped, "converged": state.converged,
             "budget": state.budget, "seconds": state.seconds, "epoch_seconds": state.epoch_seconds}
@@ -103,8 +117,8 @@ def save_checkpoint(path: str | Path, identity: str, state: LoopState, params: d
 def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parameter],
                     opt: torch.optim.Optimizer, *, legacy_identity: Callable[[], str] | None = None,
                     max_epochs: int | None = None) -> LoopState | None:
-    """Load the checkpoint at ``path`` into ``params`` (in place) and ``opt`` and return its counters, or ``None``
-    when there is no file there. ``identity`` is the run's :func:`run_identity`; ``legacy_identity`` computes the
+    """Load the checkpoint at ``path`` into ``params`` (in place) and ``opt``, set the global random generators to
+    their stored states, and return its counters, or ``None`` when there is no file there. ``identity`` is the run's :func:`run_identity`; ``legacy_identity`` computes the
     format-1 one (the cap included) for an older file. One-line :class:`CrispEditError` for a file of another run
     (other config, requests, starting weights), one holding more than ``max_epochs`` trained epochs, another
     format, or a damaged file — ``params`` and ``opt`` untouched then."""
@@ -145,6 +159,11 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
             p.copy_(stored[n].to(device=p.device, dtype=p.dtype))
     opt.state.clear()
     load_optimizer_state(opt, params, flat)
+    if "rng_cpu" in tensors:  # (files written before it was stored: the generators as they are)
+        torch.set_rng_state(tensors["rng_cpu"])
+    dev = next((p.device for p in params.values() if p.device.type == "cuda"), None)
+    if dev is not None and "rng_cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["rng_cuda"], dev)
     return state
 
 

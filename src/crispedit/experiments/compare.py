@@ -10,7 +10,8 @@ front; capability changes against the base with their paired standard errors) ar
 compare resumes: methods already in ``compare.json`` are not run again (their settings must match; other
 settings need another ``--out``), and a batch row killed while training goes on from its last finished epoch
 (``DIR/checkpoints/<method>.safetensors``, :mod:`crispedit.editing.checkpoint`; removed once its row is
-written). The command line is :mod:`crispedit.cli.compare` (it checks the arguments without importing this
+written); a ``-seq`` row from its last finished round and, within the round in progress, its last epoch (the
+same file, :func:`~crispedit.sessions.sequential.save_sequence_checkpoint`, and ``<method>.round.safetensors``). The command line is :mod:`crispedit.cli.compare` (it checks the arguments without importing this
 module's torch).
 
 Sequential rows: ``<method>-seq`` (e.g. ``crispedit-seq``, the paper's CrispEdit-Seq) runs ``<method>`` in
@@ -76,7 +77,7 @@ __all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "paret
 
 COMPARE_FORMAT = 1
 JSON_FILE, MD_FILE, PNG_FILE = "compare.json", "compare.md", "compare.png"
-CHECKPOINTS = "checkpoints"  # DIR/checkpoints/<method>.safetensors: a batch row's training, resumed after a kill
+CHECKPOINTS = "checkpoints"  # DIR/checkpoints/<method>.safetensors: a row's training (or rounds), resumed after a kill
 
 
 def proc_status_kib(key: str) -> int | None:
@@ -295,7 +296,8 @@ def _edited_row(b: _Bench, method: str, cfg: EditConfig | SeqConfig, inputs: dic
             if seq:
                 res = run_sequence(model, b.tokenizer, b.requests, cfg, b.chunk, progress=b.inner, predict_drift=True,
                                    on_round=None if b.progress is False else _round_line(method),
-                                   after_round=retention_probe(b.tokenizer, b.requests[:b.chunk]))
+                                   after_round=retention_probe(b.tokenizer, b.requests[:b.chunk]),
+                                   checkpoint=b.out / CHECKPOINTS / f"{method}.safetensors")
             else:
                 res = edit(model, b.tokenizer, b.requests, cfg, progress=b.inner, predict_drift=True,
                            checkpoint=b.out / CHECKPOINTS / f"{method}.safetensors")

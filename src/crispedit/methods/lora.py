@@ -111,29 +111,37 @@ class LoRAEditor(Editor):
 
     def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
         """Inject a fresh adapter, train its ``A``/``B`` with the projected loop (identity projectors),
-        merge it with ``merge_and_unload`` (also on failure, so no adapter is ever left behind)."""
+        merge it with ``merge_and_unload`` (also on failure, so no adapter is ever left behind). The adapter's
+        initialisation and its dropout draw from generators seeded with ``config.seed`` (forked: the caller's
+        are left as they were), so an edit is the same every time and a ``checkpoint`` resumes it exactly."""
         try:
             from peft import LoraConfig, LoraModel
         except ImportError:
             raise CrispEditError("the lora method needs peft: pip install peft") from None
+        import torch
+
         from ..editing.loop import projected_finetune
 
         cfg: LoRAConfig = ctx.config.method_config
         targets = self.target_modules(model, ctx.layers, cfg)
         flags = {p: p.requires_grad for p in model.parameters()}  # peft freezes the base model
-        tuner = LoraModel(model, LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
-                                            target_modules=list(targets)), ADAPTER)
-        try:
-            modules = dict(model.named_modules())
-            params = {n: p for n, p in model.named_parameters() if f".lora_A.{ADAPTER}." in n or f".lora_B.{ADAPTER}." in n}
-            owners = {n: modules[n.rpartition(".")[0]] for n in params}  # the adapter's own nn.Linear A / B
-            projectors = identity_projectors(owners)
-            budget = self.drift_budget(params, {n: modules[n] for n in targets}, ctx)
-            history = projected_finetune(model, tokenizer, requests, owners, params, projectors, ctx.config,
-                                         progress=ctx.progress, drift_budget=budget)
-        finally:
-            tuner.merge_and_unload()
-            for p, f in flags.items():
-                p.requires_grad_(f)
+        device = next(model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(ctx.config.seed)
+            tuner = LoraModel(model, LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
+                                                target_modules=list(targets)), ADAPTER)
+            try:
+                modules = dict(model.named_modules())
+                params = {n: p for n, p in model.named_parameters()
+                          if f".lora_A.{ADAPTER}." in n or f".lora_B.{ADAPTER}." in n}
+                owners = {n: modules[n.rpartition(".")[0]] for n in params}  # the adapter's own nn.Linear A / B
+                projectors = identity_projectors(owners)
+                budget = self.drift_budget(params, {n: modules[n] for n in targets}, ctx)
+                history = projected_finetune(model, tokenizer, requests, owners, params, projectors, ctx.config,
+                                             progress=ctx.progress, drift_budget=budget, checkpoint=ctx.checkpoint)
+            finally:
+                tuner.merge_and_unload()
+                for p, f in flags.items():
+                    p.requires_grad_(f)
         return EditOutcome(history, {n: {"kept_fraction": 1.0} for n in targets},
                            drift_budget=None if budget is None else budget.to_json())

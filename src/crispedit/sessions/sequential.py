@@ -32,8 +32,10 @@ in memory over consecutive chunks of one edit set by :func:`run_sequence` (``cri
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -46,11 +48,13 @@ from ..editing.config import MODES, WEIGHTINGS, EditConfig, SeqConfig
 from ..editing.contexts import resolve_contexts, sequences_for
 from ..editing.editor import EditContext
 from ..editing.registry import get_editor
-from ..errors import CrispEditError, check_positive_int
+from ..editing.checkpoint import run_identity
+from ..errors import CrispEditError, atomic_save_safetensors, check_positive_int, load_safetensors
 from ..models import model_family, parameter
 
 __all__ = ["SeqConfig", "SeqState", "SeqResult", "combine_factors", "round_edit_factors", "run_round",
-           "run_sequence", "drift_spent", "weight_drift", "WEIGHTINGS", "MODES"]
+           "run_sequence", "drift_spent", "weight_drift", "save_sequence_checkpoint", "load_sequence_checkpoint",
+           "SEQ_CHECKPOINT_KIND", "WEIGHTINGS", "MODES"]
 
 @dataclass
 class SeqState:
@@ -61,6 +65,38 @@ class SeqState:
     edits: KFACFactors | None = None            # accumulated edit factors (token-weighted average)
     optim: dict[str, Tensor] = field(default_factory=dict)   # flattened Adam state
     cap_ref: dict[str, Tensor] | None = None    # weights the capability factors were computed at (None: base)
+
+    def to_tensors(self) -> tuple[dict[str, Tensor], dict]:
+        """The state as one flat tensor dict (``weights::<name>``, ``cap::<layer>::A`` / ``::S``, ``edits::...``,
+        ``optim::<key>``, ``cap_ref::<name>``; contiguous CPU tensors) and the JSON-ready facts the tensors do not
+        hold (the factors' token counts, which parts are present): what :meth:`from_tensors` takes back."""
+        out = {f"weights::{n}": t for n, t in self.weights.items()}
+        meta: dict = {}
+        for part in ("cap", "edits"):
+            f = getattr(self, part)
+            if f is not None:
+                out.update({f"{part}::{k}": t for k, t in f.to_tensors().items()})
+                meta[f"{part}_tokens"] = int(f.n_tokens)
+        out.update({f"optim::{k}": t for k, t in self.optim.items()})
+        if self.cap_ref is not None:
+            out.update({f"cap_ref::{n}": t for n, t in self.cap_ref.items()})
+            meta["cap_ref"] = True
+        return {k: t.detach().cpu().contiguous() for k, t in out.items()}, meta
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], meta: dict) -> "SeqState":
+        """The state :meth:`to_tensors` wrote as ``(tensors, meta)``."""
+        def part(prefix: str) -> dict[str, Tensor]:
+            """The tensors stored under ``prefix``, keyed by the rest of their names."""
+            return {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+
+        def factors(name: str) -> KFACFactors | None:
+            """The factors stored under ``name`` (``cap`` or ``edits``), or ``None`` when the state had none."""
+            return (KFACFactors.from_tensors(part(f"{name}::"), int(meta[f"{name}_tokens"]))
+                    if f"{name}_tokens" in meta else None)
+
+        return cls(weights=part("weights::"), cap=factors("cap"), edits=factors("edits"), optim=part("optim::"),
+                   cap_ref=part("cap_ref::") if meta.get("cap_ref") else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,7 +170,8 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
               state: SeqState, config: SeqConfig, round_index: int, *, base_weights: dict[str, Tensor],
               union: Sequence[EditRequest] | None = None,
               capability: Callable[[], KFACFactors] | None = None,
-              progress: bool | None = None, drift_spent: float = 0.0) -> tuple[SeqState, dict]:
+              progress: bool | None = None, drift_spent: float = 0.0,
+              checkpoint: Path | None = None) -> tuple[SeqState, dict]:
     """Apply one round (``round_index`` counts from 1) and return the new state and a record.
 
     ``layers`` are the editor's edit layers (:meth:`Editor.select_layers`); ``state.weights`` and
@@ -152,6 +189,10 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     factors ``state.cap``, which a session of a method without curvature — ft, locbf-ft, LoRA on its adapted
     modules — holds when it has a budget or penalty); a batch-mode round re-edits the base and gets the whole
     budget. A spent budget is a one-line error.
+
+    ``checkpoint``: a file the round's fine-tuning loop saves its state to after every epoch and resumes from
+    (:mod:`crispedit.editing.checkpoint`; its identity covers the round's starting weights and carried optimizer
+    state), so a round killed while training goes on from its last epoch.
     """
     ec = config.edit
     editor = get_editor(ec.method)
@@ -173,7 +214,7 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     outcome = editor.apply(model, tokenizer, train_requests,
                            EditContext(ec, layers, constraint, optimizer_state=state.optim if carry else {},
                                        reproject_momentum=config.reproject_momentum, keep_optimizer=carry,
-                                       progress=progress, drift_factors=state.cap))
+                                       progress=progress, drift_factors=state.cap, checkpoint=checkpoint))
     weights = {n: parameter(model, n).detach().cpu().clone() for n in base_weights}
     new = SeqState(weights=weights, cap=state.cap, edits=state.edits, optim=outcome.optimizer_state,
                    cap_ref=state.cap_ref)
@@ -214,6 +255,50 @@ def drift_spent(rounds: Sequence[dict]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# a sequence's checkpoint
+
+SEQ_CHECKPOINT_KIND = "sequence checkpoint"
+_SEQ_KEY = "crispedit_sequence"
+_SEQ_VERSION = 1
+
+
+def save_sequence_checkpoint(path: str | Path, identity: str, state: SeqState, records: Sequence[dict],
+                             seconds: float) -> None:
+    """Write, atomically, a sequence's progress after its last finished round to ``path`` (safetensors): the
+    :class:`SeqState` (:meth:`SeqState.to_tensors`), the rounds' records, the seconds spent so far and the run's
+    ``identity`` (:func:`~crispedit.editing.checkpoint.run_identity` of the sequence's configuration, chunk,
+    requests and starting weights)."""
+    tensors, state_meta = state.to_tensors()
+    meta = {"version": _SEQ_VERSION, "identity": identity, "rounds": list(records), "seconds": float(seconds),
+            "state": state_meta}
+    atomic_save_safetensors(path, tensors, metadata={_SEQ_KEY: json.dumps(meta)})
+
+
+def load_sequence_checkpoint(path: str | Path, identity: str) -> tuple[SeqState, list[dict], float] | None:
+    """``(state, records, seconds)`` stored at ``path`` by :func:`save_sequence_checkpoint` for the run with
+    ``identity``, or ``None`` when there is no file. One-line :class:`CrispEditError` for a file of another run,
+    another format or a damaged file."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    meta, tensors = load_safetensors(path, SEQ_CHECKPOINT_KIND, _SEQ_KEY)
+    if meta.get("version") != _SEQ_VERSION:
+        raise CrispEditError(f"{SEQ_CHECKPOINT_KIND} file {path} has format version {meta.get('version')!r}, this "
+                             f"crispedit reads {_SEQ_VERSION}; delete it to start over")
+    if meta.get("identity") != identity:
+        raise CrispEditError(f"{SEQ_CHECKPOINT_KIND} file {path} belongs to another run (other config, round size, "
+                             "edits or starting weights); delete it or give another path")
+    try:
+        state = SeqState.from_tensors(tensors, dict(meta["state"]))
+        records = [dict(r) for r in meta["rounds"]]
+        seconds = float(meta["seconds"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CrispEditError(f"{SEQ_CHECKPOINT_KIND} file {path} is incomplete or corrupt (missing or bad {exc})"
+                             ) from None
+    return state, records, seconds
+
+
+# ---------------------------------------------------------------------------------------------
 # a whole sequence in memory
 
 
@@ -249,7 +334,8 @@ class SeqResult:
 def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: SeqConfig, chunk: int, *,
                  factors: KFACFactors | None = None, cache_root=None, cache_file=None, progress: bool | None = None,
                  predict_drift: bool = False, on_round: Callable[[dict, int], None] | None = None,
-                 after_round: Callable[[nn.Module], dict] | None = None) -> SeqResult:
+                 after_round: Callable[[nn.Module], dict] | None = None,
+                 checkpoint: str | Path | None = None) -> SeqResult:
     """Edit ``model`` in place in ``ceil(len(requests) / chunk)`` sequential rounds: round ``k`` is
     :func:`run_round` on requests ``[(k-1)·chunk, k·chunk)`` from the state the previous round left (what a
     session does one ``add`` at a time, here in memory, without per-round evaluation or files).
@@ -258,7 +344,14 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
     the drift model. The model is left edited; ``result.original_weights`` undoes it. ``on_round(record,
     n_rounds)`` is called after every round (progress reports); ``after_round(model)``, before it, measures the
     model as that round left it (e.g. how many of round 1's edits still hold), stored in the round's record
-    under ``after_round``."""
+    under ``after_round``.
+
+    ``checkpoint``: a file that holds, after every round, the state and the records so far
+    (:func:`save_sequence_checkpoint`); a run with the same file, configuration, chunk, requests and starting
+    weights goes on after the last stored round, and the round in progress goes on from its last epoch (its loop
+    checkpoints beside it, ``<stem>.round.safetensors``), so the resumed sequence is the uninterrupted one.
+    ``edit_seconds`` then counts the earlier runs' seconds too. The caller removes the file once it has kept the
+    result."""
     from ..editing.api import capability_factors, edit_factors, snapshot
 
     config = config.validate()
@@ -279,26 +372,42 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
     original = snapshot(changed)
     base = {n: p.detach().cpu().clone() for n, p in changed.items()}
     state = SeqState(weights=dict(base), cap=factors)
+    records: list[dict] = []
+    earlier = 0.0
+    ck = identity = round_ck = None
+    if checkpoint is not None:
+        ck = Path(checkpoint)
+        round_ck = ck.with_name(ck.name.removesuffix(".safetensors") + ".round.safetensors")
+        identity = run_identity({"sequence": config.to_json(), "chunk": chunk}, requests, base)
+        stored = load_sequence_checkpoint(ck, identity)
+        if stored is not None:
+            state, records, earlier = stored
+            _set_weights(model, state.weights)
 
     def capability() -> KFACFactors:  # recompute_drift: recollect on the current (edited) model
         """Capability curvature factors collected afresh on the model's current (edited) weights."""
         return capability_factors(model, tokenizer, layers, ec, cache_root=cache_root, progress=False,
                                   kind=editor.curvature_kind)[0]
 
-    records: list[dict] = []
     t0 = time.perf_counter()
     n_rounds = -(-len(requests) // chunk)
     for k, start in enumerate(range(0, len(requests), chunk), 1):
+        if k <= len(records):  # stored by an earlier run
+            continue
         part = requests[start:start + chunk]
         state, rec = run_round(model, tokenizer, layers, part, state, config, k, base_weights=base,
-                               capability=capability, progress=progress, drift_spent=drift_spent(records))
+                               capability=capability, progress=progress, drift_spent=drift_spent(records),
+                               checkpoint=round_ck)
         rec.update(round=k, n_edits=len(part))
         if after_round is not None:
             rec["after_round"] = after_round(model)
         records.append(rec)
+        if ck is not None:
+            save_sequence_checkpoint(ck, identity, state, records, earlier + time.perf_counter() - t0)
+            round_ck.unlink(missing_ok=True)
         if on_round is not None:
             on_round(rec, n_rounds)
-    return SeqResult(list(layers), chunk, records, original, time.perf_counter() - t0,
+    return SeqResult(list(layers), chunk, records, original, earlier + time.perf_counter() - t0,
                      float(info.get("seconds", 0.0)), info,
                      predicted_kl(editor.drift_modules(model, layers, ec), factors, original), state,
                      records[-1].get("drift_budget"))
