@@ -62,8 +62,9 @@ def _tensor_files(d: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _strip(rounds: list[dict]) -> list[dict]:
-    """Round records without wall-clock fields."""
-    drop = {"finished", "seconds", "edit_seconds", "edit_factor_seconds", "epoch_seconds"}
+    """Round records without wall-clock fields and the marks of a resumed training (where it went on)."""
+    drop = {"finished", "seconds", "edit_seconds", "edit_factor_seconds", "epoch_seconds", "resumed_at_epoch",
+            "resumed_seconds"}
 
     def clean(x):
         if isinstance(x, dict):
@@ -239,7 +240,11 @@ def test_resume_after_crash_between_writes(phase, ref, tmp_path, monkeypatch):
     assert not list(sess.glob(".*.tmp"))
     if not committed:
         assert not (sess / "weights-0002.safetensors").exists() and not (sess / "rounds" / "round-0002.jsonl").exists()
-        s.add(load_edits(ref["files"][1]), source=str(ref["files"][1]), plot=False)
+        assert len(list(sess.glob("training-0002-*.safetensors"))) == 1      # the round's training was kept
+        (sess / "training-0002-0123abcd.safetensors").write_bytes(b"other edits'")   # stale: deleted by add
+        rec = s.add(load_edits(ref["files"][1]), source=str(ref["files"][1]), plot=False)
+        assert rec["train"]["resumed_at_epoch"] == rec["train"]["epochs"]  # ... and nothing trained again
+    assert not list(sess.glob("training-*"))                              # removed with the commit
     assert_same_session(sess, ref["sess"])
 
 

@@ -13,6 +13,7 @@ Accepted inputs (a JSON list or JSONL, one record per line); the format is auto-
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, Iterable
 
 from ..errors import CrispEditError, atomic_write_bytes, read_text_file
 
-__all__ = ["EditRequest", "load_edits", "parse_edits", "save_edits_jsonl", "detect_format"]
+__all__ = ["EditRequest", "load_edits", "parse_edits", "save_edits_jsonl", "detect_format", "requests_digest"]
 
 
 @dataclass
@@ -201,3 +202,9 @@ def save_edits_jsonl(path: str | Path, edits: Iterable[EditRequest]) -> None:
     """Write ``edits`` to ``path`` as crispedit JSONL (one request per line), atomically."""
     data = "".join(json.dumps(e.to_json()) + "\n" for e in edits)
     atomic_write_bytes(path, data.encode())
+
+
+def requests_digest(requests: Iterable[EditRequest]) -> str:
+    """Digest (24 hex) of the requests' content (prompts, targets, rephrasings, locality), in order."""
+    blob = json.dumps([r.to_json() for r in requests], sort_keys=True).encode()
+    return hashlib.blake2b(blob, digest_size=12).hexdigest()

@@ -44,7 +44,6 @@ its increase over the resident size at the start. Where the reset is impossible 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import resource
 import time
@@ -56,7 +55,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..curvature.predicted import prediction_notes
-from ..data.edits import EditRequest
+from ..data.edits import EditRequest, requests_digest
 from ..editing import EditConfig, SeqConfig, edit, get_editor, restore
 from ..editing.api import snapshot
 from ..editing.config import default_seq_chunk
@@ -121,12 +120,6 @@ def peak_memory(device: torch.device) -> Iterator[dict]:
         grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - max0
         out.update(measure="ru_maxrss increase (process-lifetime peak, not reset)", peak_mib=None,
                    increase_mib=round(grown / 1024, 1))
-
-
-def requests_digest(requests: Sequence[EditRequest]) -> str:
-    """Digest of the requests' content (prompts, targets, rephrasings, locality)."""
-    blob = json.dumps([r.to_json() for r in requests], sort_keys=True).encode()
-    return hashlib.blake2b(blob, digest_size=12).hexdigest()
 
 
 def _stored_config(stored: dict, sequential: bool = False) -> dict:

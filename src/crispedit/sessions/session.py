@@ -13,6 +13,7 @@ JSON metadata; never the whole model. Layout::
     cap_factors-NNNN.safetensors  capability K-FAC factors (collected at init = 0000, or recollected)
     cap_ref-NNNN.safetensors      weights the recollected capability factors belong to (drift option)
     rounds/round-NNNN.jsonl       the edits applied in round NNNN (crispedit JSONL schema)
+    training-NNNN-<edits>.safetensors  round NNNN's training checkpoint while it runs (removed at the commit)
     retention.png                 reliability of every round's edits over time + KL drift (derived)
 
 Commit protocol for round ``k``: train; evaluate; write round ``k``'s files under new names (each
@@ -20,9 +21,9 @@ through a temporary file + rename); then atomically replace ``state.json`` namin
 is the commit; finally delete the files of round ``k-1`` that are no longer named. A crash (kill -9
 included) at any point leaves ``state.json`` at round ``k-1`` with all its files intact; the next
 ``add`` (under an exclusive ``flock``) first deletes orphans — files not named by ``state.json``, temp
-files, edit logs past the committed round — and redoes round ``k`` from the stored state. Every round
-is deterministic given (stored state, edits, config), so the resumed session ends exactly where an
-uninterrupted one would.
+files, edit logs past the committed round — and redoes round ``k`` from the stored state, its training going
+on from the last epoch its checkpoint holds when the same edits are added again. Every round is deterministic
+given (stored state, edits, config), so the resumed session ends exactly where an uninterrupted one would.
 
 Opening a session checks the base model's weight fingerprint and, when a configuration is given, that
 it equals the stored one; either mismatch is refused with a one-line :class:`CrispEditError`.
@@ -48,7 +49,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..curvature.kfac import KFACFactors
-from ..data.edits import EditRequest, load_edits, save_edits_jsonl
+from ..data.edits import EditRequest, load_edits, requests_digest, save_edits_jsonl
 from ..editing.api import capability_factors, edit_factors
 from ..editing.contexts import DEFAULT_CONTEXTS, pinned_contexts
 from ..editing.registry import get_editor
@@ -65,6 +66,7 @@ __all__ = ["Session", "SESSION_FORMAT", "plot_retention", "session_size"]
 LOCK_FILE, PLOT_FILE = ".lock", "retention.png"
 _TENSOR_FILE = re.compile(r"^(weights|optim|edit_factors|cap_factors|cap_ref)-(\d{4,})\.safetensors$")
 _ROUND_FILE = re.compile(r"^round-(\d{4,})\.jsonl$")
+_TRAINING_FILE = re.compile(r"^training-(\d{4,})-[0-9a-f]+\.safetensors$")  # a round's training checkpoint
 FAULT_ENV = "CRISPEDIT_SESSION_FAULT"
 
 
@@ -208,6 +210,7 @@ class Session:
             earlier = [self._round_requests(i) for i in range(1, k)]
             union = [r for rs in earlier for r in rs] + requests
             new, rec = run_round(self._model, self._tok, self._layers, requests, state, self.config, k,
+                                 checkpoint=self._training_file(k, requests),
                                  base_weights=self._base, union=union,
                                  capability=lambda: self._recollect_capability(), progress=progress,
                                  drift_spent=drift_spent(st["rounds"]))
@@ -326,14 +329,28 @@ class Session:
         finally:
             fh.close()
 
+    def _training_file(self, k: int, requests: Sequence[EditRequest]) -> Path:
+        """The checkpoint round ``k``'s training keeps beside the session (``training-NNNN-<edits>.safetensors``,
+        named by the round and a digest of its edits), so that an ``add`` killed while training goes on from its
+        last epoch when the same edits are added again; another round's or other edits' training files are
+        deleted here (they cannot resume anything)."""
+        path = self.path / f"training-{k:04d}-{requests_digest(requests)}.safetensors"
+        for f in self.path.iterdir():
+            if _TRAINING_FILE.match(f.name) and f != path:
+                f.unlink(missing_ok=True)
+        return path
+
     def _cleanup(self) -> None:
-        """Delete what no committed state names: files of an interrupted round, temp files."""
+        """Delete what no committed state names: files of an interrupted round, temp files, the training
+        checkpoints of committed rounds (an interrupted round's stays: :meth:`_training_file`)."""
         st = self._read_state()
         named = set(st["files"].values())
         for f in self.path.iterdir():
             if f.name.startswith(".") and (f.name.endswith(".tmp") or f.name.endswith(".old")):
                 shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
             elif _TENSOR_FILE.match(f.name) and f.name not in named:
+                f.unlink(missing_ok=True)
+            elif (m := _TRAINING_FILE.match(f.name)) and int(m.group(1)) <= st["round"]:
                 f.unlink(missing_ok=True)
         rdir = self.path / "rounds"
         if rdir.is_dir():
