@@ -382,6 +382,9 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
         stored = load_sequence_checkpoint(ck, identity)
         if stored is not None:
             state, records, earlier = stored
+            if set(state.weights) != set(base) or any(state.weights[n].shape != t.shape for n, t in base.items()):
+                raise CrispEditError(f"{SEQ_CHECKPOINT_KIND} file {ck} is incomplete or corrupt (its weights are "
+                                     "not this sequence's parameters)")
             _set_weights(model, state.weights)
 
     def capability() -> KFACFactors:  # recompute_drift: recollect on the current (edited) model
