@@ -186,6 +186,48 @@ def test_alphaedit_leaves_preserved_keys_unchanged(tiny_lm, iso_cache):
         assert kept == pytest.approx(1 - big.shape[1] / big.shape[0])
 
 
+@pytest.mark.parametrize("method", ["alphaedit", "memit"])
+def test_a_killed_closed_form_edit_resumes_after_its_last_batch(method, tiny_lm, iso_cache, tmp_path, monkeypatch):
+    """A closed-form edit of several batches killed after batch 2 goes on from batch 3 with the layers' weights,
+    AlphaEdit's accumulated K_p K_pᵀ and the v* counters of the stored run, and ends where the uninterrupted edit
+    ends; another run's checkpoint is refused in one line."""
+    import crispedit.methods.memit.closed_form as cf
+    from crispedit.editing import restore
+    from crispedit.methods.memit.closed_form import _BatchCheckpoint
+
+    model, tok = tiny_lm
+    opts = {"batch_size": 1, "v_steps": 10, "v_lr": 0.5, "clamp": 4.0, "prefixes": 0,
+            **({"nullspace_threshold": 1.0, "l2": 1.0} if method == "alphaedit" else {})}
+    cfg = EditConfig(method=method, layers=LAYERS, n_cap=6, max_len=48, options=opts)
+    full = edit(model, tok, REQS[:3], cfg, progress=False)
+    want = {n: model.get_parameter(n).detach().clone() for n in full.original_weights}
+    restore(model, full.original_weights)
+    ck, real_save = tmp_path / "cf.safetensors", _BatchCheckpoint.save
+
+    def dying_save(self, batches, *a, **k):
+        real_save(self, batches, *a, **k)
+        if batches == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cf._BatchCheckpoint, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=ck)
+    monkeypatch.undo()
+    from crispedit.editing.checkpoint import check_checkpoint_file
+    check_checkpoint_file(ck)                                      # `crispedit edit --checkpoint` takes it
+    restore(model, full.original_weights)                          # a new process starts from the base
+    res = edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=ck)
+    assert res.history.extra["resumed_at_batch"] == 2 and res.history.steps == full.history.steps
+    assert res.history.extra["vstar_nll"] == full.history.extra["vstar_nll"]
+    assert res.history.epoch_loss == pytest.approx(full.history.epoch_loss, abs=1e-5)
+    for n, w in want.items():
+        assert torch.allclose(model.get_parameter(n), w, atol=1e-6), n
+    restore(model, full.original_weights)
+    with pytest.raises(CrispEditError, match="closed-form checkpoint file .* belongs to another run"):
+        edit(model, tok, REQS[:2], cfg, progress=False, checkpoint=ck)
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in full.original_weights.items())
+
+
 def test_alphaedit_session_accumulates_preserved_keys(tiny_lm, tmp_path, iso_cache):
     """AlphaEdit-Seq: each round's keys join K_p K_pᵀ, stored with the session and used by the next round."""
     from safetensors.torch import load_file

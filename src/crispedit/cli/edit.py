@@ -78,8 +78,9 @@ def add_cli(sub) -> None:
                    help="write only delta.safetensors (the changed tensors, reversible) and edit_report.json, "
                    "not the full model")
     p.add_argument("--checkpoint", default=None, metavar="FILE",
-                   help="save the training state to FILE after every epoch and, when FILE holds this run (same "
-                        "model weights, edits and settings), go on from its last epoch: a killed edit resumes")
+                   help="save the training state to FILE after every epoch (memit, alphaedit: every batch of edits) "
+                        "and, when FILE holds this run (same model weights, edits and settings), go on from there: "
+                        "a killed edit resumes")
     p.add_argument("--kl-text", default=None, help="held-out text for kl_drift (default: bundled WikiText sample)")
     p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")
     p.add_argument("--out", required=True, help="output directory (HF model + delta.safetensors + edit_report.json); "

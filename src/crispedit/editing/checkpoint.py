@@ -38,6 +38,7 @@ __all__ = ["run_identity", "LoopState", "LoopCheckpoint", "save_checkpoint", "lo
 
 CHECKPOINT_KIND = "training checkpoint"
 _KEY = "crispedit_checkpoint"
+CLOSED_FORM_KEY = "crispedit_closed_form"  # the metadata key of a closed-form editor's batch checkpoint
 _VERSION = 2
 _LEGACY_VERSION = 1  # identity over the whole config, the epoch cap included
 _BUDGET_COUNTERS = ("hits", "last", "steps")
@@ -170,9 +171,12 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
 def check_checkpoint_file(path: str | Path) -> None:
     """Before any work (torch-free): one-line :class:`CrispEditError` when ``path`` exists and is not a readable
     crispedit training checkpoint (another kind of file, truncated). Whether it belongs to this run is checked
-    when the training starts (:func:`load_checkpoint`)."""
+    when the training starts (:func:`load_checkpoint`). A closed-form editor's batch checkpoint (MEMIT, AlphaEdit:
+    its own metadata key, :data:`CLOSED_FORM_KEY`) counts as one."""
     if Path(path).exists():
-        read_safetensors_header(path, CHECKPOINT_KIND, _KEY)
+        raw, _ = read_safetensors_header(path, CHECKPOINT_KIND, None)
+        if CLOSED_FORM_KEY not in raw:
+            read_safetensors_header(path, CHECKPOINT_KIND, _KEY)
 
 
 def budget_counters(budget) -> dict:

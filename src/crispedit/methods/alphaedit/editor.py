@@ -69,6 +69,10 @@ class AlphaEditEditor(ClosedFormEditor):
         return {n: {"kept_fraction": float(torch.trace(state["P"][n])) / state["P"][n].shape[0], "form": "nullspace"}
                 for n in layers}
 
+    def restore_carried(self, state, tensors):
+        """``K_p K_pᵀ`` of every layer from a batch checkpoint (:meth:`carried_state`'s keys)."""
+        state["KpKp"] = {n: tensors[n + KEY].double() for n in state["KpKp"]}
+
     def carried_state(self, state):
         """The accumulated ``K_p K_pᵀ`` of every layer (``<layer>::KpKp``)."""
         return {n + KEY: t.cpu() for n, t in state["KpKp"].items()}

@@ -15,6 +15,7 @@ A request needs its ``subject``; every request is checked before the model is to
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import torch
@@ -25,7 +26,8 @@ from ...editing.editor import EditContext
 from ...editing.keyvalue import (KeyValueSettings, block_outputs, context_templates, edit_blocks, hidden_size, layer_keys,
                                  subject_span, target_values)
 from ...editing.single_pass import SinglePassEditor, target_nll
-from ...errors import CrispEditError
+from ...editing.checkpoint import CLOSED_FORM_KEY, run_identity
+from ...errors import CrispEditError, atomic_save_safetensors, load_safetensors
 from ...models import weight_matrix
 from . import ClosedFormConfig
 
@@ -63,6 +65,9 @@ class ClosedFormEditor(SinglePassEditor):
                     templates: Sequence[str], state: dict) -> None:
         """Hook after each batch has been written (default: nothing)."""
 
+    def restore_carried(self, state: dict, tensors: dict[str, Tensor]) -> None:
+        """Put back into ``state`` what :meth:`carried_state` returned (a batch checkpoint; default: nothing)."""
+
     def start(self, model, tokenizer, requests, ctx: EditContext) -> dict:
         """Every request's subject, the input covariance of every edit layer, edit layers that write the residual
         stream (one-line errors), before anything runs; the state holds the edited block and ``C``."""
@@ -88,8 +93,11 @@ class ClosedFormEditor(SinglePassEditor):
                                     kl_factor=cfg.kl_factor)
         state.update(self.prepare(layers, C, cfg, ctx))
         L = len(layers)
-        v_first = v_last = 0.0
-        for b in range(0, len(requests), cfg.batch_size):
+        ck = _BatchCheckpoint(ctx, requests, layers)
+        done, (v_first, v_last) = ck.resume(self, state, history), ck.sums
+        for k, b in enumerate(range(0, len(requests), cfg.batch_size)):
+            if k < done:  # written by an earlier run (its weights and state came from the checkpoint)
+                continue
             chunk = list(requests[b:b + cfg.batch_size])
             zs, rec = target_values(model, tokenizer, chunk, block, templates, settings)
             history.steps += rec["steps"]
@@ -102,8 +110,58 @@ class ClosedFormEditor(SinglePassEditor):
                 yield name, self.solve(name, K.to(W.device), R.to(W.device), C[name].to(W.device, torch.float64),
                                        cfg, state)
             self.after_batch(model, tokenizer, chunk, layers, templates, state)
+            ck.save(k + 1, self.carried_state(state), history.steps, v_first, v_last)
         # how far v* itself got (mean over requests, every template): a low value here with a high
         # epoch_loss[-1] says the solve, not the target values, held the edit back
         n = max(len(requests), 1)
-        history.extra = {"vstar_nll": [round(v_first / n, 6), round(v_last / n, 6)]}
+        history.extra["vstar_nll"] = [round(v_first / n, 6), round(v_last / n, 6)]
         history.sequences = len(requests) * len(templates)
+
+
+class _BatchCheckpoint:
+    """A closed-form edit's progress after each finished batch, in ``ctx.checkpoint`` (none: every method does
+    nothing): the edit layers' weights, the editor's carried state (AlphaEdit's ``K_p K_pᵀ``), the v* counters and
+    the number of batches written, tagged with the run's identity (config, requests, the layers' starting weights
+    and the carried state it started from: :func:`~crispedit.editing.checkpoint.run_identity`). Taken after the
+    context templates are written, so a resumed run writes the same ones (they come from the unedited model)."""
+
+    KIND, KEY, VERSION = "closed-form checkpoint", CLOSED_FORM_KEY, 1
+
+    def __init__(self, ctx: EditContext, requests: Sequence[EditRequest], layers: dict[str, nn.Module]):
+        self.path, self.layers, self.sums = ctx.checkpoint, layers, (0.0, 0.0)
+        start = {f"weight::{n}": m.weight for n, m in layers.items()}
+        start.update({f"carried::{k}": t for k, t in ctx.optimizer_state.items()})
+        self.identity = None if self.path is None else run_identity(ctx.config.to_json(), requests, start)
+
+    def resume(self, editor: "ClosedFormEditor", state: dict, history) -> int:
+        """The number of batches a stored run wrote (0 without one), its weights put into the layers, its carried
+        state into ``state``, its counters into ``history`` and :attr:`sums`; one-line errors for another run's or
+        a damaged file."""
+        if self.path is None or not self.path.exists():
+            return 0
+        meta, tensors = load_safetensors(self.path, self.KIND, self.KEY)
+        if meta.get("version") != self.VERSION or meta.get("identity") != self.identity:
+            raise CrispEditError(f"{self.KIND} file {self.path} belongs to another run (other config, edits or starting "
+                                 "weights) or another crispedit; delete it or give another path")
+        try:
+            with torch.no_grad():
+                for n, m in self.layers.items():
+                    m.weight.copy_(tensors[f"weight::{n}"].to(m.weight.device, m.weight.dtype))
+            editor.restore_carried(state, {k[len("carried::"):]: t for k, t in tensors.items() if k.startswith("carried::")})
+            history.steps = int(meta["steps"])
+            self.sums = (float(meta["v_first"]), float(meta["v_last"]))
+            done = int(meta["batches"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise CrispEditError(f"{self.KIND} file {self.path} is incomplete or corrupt ({exc})") from None
+        history.extra["resumed_at_batch"] = done
+        return done
+
+    def save(self, batches: int, carried: dict[str, Tensor], steps: int, v_first: float, v_last: float) -> None:
+        """Write the progress after ``batches`` written batches (atomically)."""
+        if self.path is None:
+            return
+        tensors = {f"weight::{n}": m.weight.detach().cpu().contiguous() for n, m in self.layers.items()}
+        tensors.update({f"carried::{k}": t.detach().cpu().contiguous() for k, t in carried.items()})
+        meta = {"version": self.VERSION, "identity": self.identity, "batches": batches, "steps": int(steps),
+                "v_first": float(v_first), "v_last": float(v_last)}
+        atomic_save_safetensors(self.path, tensors, metadata={self.KEY: json.dumps(meta)})
