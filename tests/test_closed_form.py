@@ -218,6 +218,7 @@ def test_a_killed_closed_form_edit_resumes_after_its_last_batch(method, tiny_lm,
     restore(model, full.original_weights)                          # a new process starts from the base
     res = edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=ck)
     assert res.history.extra["resumed_at_batch"] == 2 and res.history.steps == full.history.steps
+    assert res.history.seconds >= res.history.extra["resumed_seconds"] > 0        # the killed run's time counts
     assert res.history.extra["vstar_nll"] == full.history.extra["vstar_nll"]
     assert res.history.epoch_loss == pytest.approx(full.history.epoch_loss, abs=1e-5)
     for n, w in want.items():

@@ -99,7 +99,7 @@ class SinglePassEditor(Editor):
                 self.add_update(ctx.layers[name], name, dW)
         history.epoch_loss.append(target_nll(model, tokenizer, requests))
         history.converged = history.epoch_loss[-1] <= ctx.config.stop_loss
-        history.seconds = time.perf_counter() - t0
+        history.seconds = time.perf_counter() - t0 + history.extra.get("resumed_seconds", 0.0)  # + a resumed run's
         return EditOutcome(history, self.stats(ctx.layers, state),
                            self.carried_state(state) if ctx.keep_optimizer else {},
                            self.carries_state and bool(ctx.optimizer_state))

@@ -16,6 +16,7 @@ A request needs its ``subject``; every request is checked before the model is to
 from __future__ import annotations
 
 import json
+import time
 from typing import Sequence
 
 import torch
@@ -129,6 +130,7 @@ class _BatchCheckpoint:
 
     def __init__(self, ctx: EditContext, requests: Sequence[EditRequest], layers: dict[str, nn.Module]):
         self.path, self.layers, self.sums = ctx.checkpoint, layers, (0.0, 0.0)
+        self.t0, self.earlier = time.perf_counter(), 0.0  # seconds of this run, and of the stored runs
         start = {f"weight::{n}": m.weight for n, m in layers.items()}
         start.update({f"carried::{k}": t for k, t in ctx.optimizer_state.items()})
         self.identity = None if self.path is None else run_identity(ctx.config.to_json(), requests, start)
@@ -151,9 +153,10 @@ class _BatchCheckpoint:
             history.steps = int(meta["steps"])
             self.sums = (float(meta["v_first"]), float(meta["v_last"]))
             done = int(meta["batches"])
+            self.earlier = float(meta.get("seconds", 0.0))
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise CrispEditError(f"{self.KIND} file {self.path} is incomplete or corrupt ({exc})") from None
-        history.extra["resumed_at_batch"] = done
+        history.extra.update(resumed_at_batch=done, resumed_seconds=round(self.earlier, 3))
         return done
 
     def save(self, batches: int, carried: dict[str, Tensor], steps: int, v_first: float, v_last: float) -> None:
@@ -163,5 +166,6 @@ class _BatchCheckpoint:
         tensors = {f"weight::{n}": m.weight.detach().cpu().contiguous() for n, m in self.layers.items()}
         tensors.update({f"carried::{k}": t.detach().cpu().contiguous() for k, t in carried.items()})
         meta = {"version": self.VERSION, "identity": self.identity, "batches": batches, "steps": int(steps),
-                "v_first": float(v_first), "v_last": float(v_last)}
+                "v_first": float(v_first), "v_last": float(v_last),
+                "seconds": self.earlier + time.perf_counter() - self.t0}
         atomic_save_safetensors(self.path, tensors, metadata={self.KEY: json.dumps(meta)})
