@@ -145,10 +145,10 @@ class _BatchCheckpoint:
         if meta.get("version") != self.VERSION or meta.get("identity") != self.identity:
             raise CrispEditError(f"{self.KIND} file {self.path} belongs to another run (other config, edits or starting "
                                  "weights) or another crispedit; delete it or give another path")
-        try:
-            with torch.no_grad():
-                for n, m in self.layers.items():
-                    m.weight.copy_(tensors[f"weight::{n}"].to(m.weight.device, m.weight.dtype))
+        try:  # everything read and checked before the layers change
+            weights = {n: tensors[f"weight::{n}"] for n in self.layers}
+            if any(w.shape != m.weight.shape for w, m in zip(weights.values(), self.layers.values())):
+                raise ValueError("a layer's weight has another shape")
             editor.restore_carried(state, {k[len("carried::"):]: t for k, t in tensors.items() if k.startswith("carried::")})
             history.steps = int(meta["steps"])
             self.sums = (float(meta["v_first"]), float(meta["v_last"]))
@@ -156,6 +156,9 @@ class _BatchCheckpoint:
             self.earlier = float(meta.get("seconds", 0.0))
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise CrispEditError(f"{self.KIND} file {self.path} is incomplete or corrupt ({exc})") from None
+        with torch.no_grad():
+            for n, m in self.layers.items():
+                m.weight.copy_(weights[n].to(m.weight.device, m.weight.dtype))
         history.extra.update(resumed_at_batch=done, resumed_seconds=round(self.earlier, 3))
         return done
 
