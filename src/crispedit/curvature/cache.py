@@ -173,7 +173,8 @@ def _legacy_path(model: nn.Module, spec: CurvatureSpec, root: Path) -> Path | No
     def stored(p: Path):
         """The model fingerprint in entry ``p``'s header (``None`` when unreadable)."""
         try:
-            return read_safetensors_header(p, "curvature cache", "crispedit")[0].get("spec", {}).get("model_fingerprint")
+            meta = read_safetensors_header(p, "curvature cache", "crispedit")[0]
+            return meta.get("spec", {}).get("model_fingerprint")
         except (CrispEditError, AttributeError):
             return None
 

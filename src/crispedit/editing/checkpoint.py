@@ -119,7 +119,8 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
                     opt: torch.optim.Optimizer, *, legacy_identity: Callable[[], str] | None = None,
                     max_epochs: int | None = None) -> LoopState | None:
     """Load the checkpoint at ``path`` into ``params`` (in place) and ``opt``, set the global random generators to
-    their stored states, and return its counters, or ``None`` when there is no file there. ``identity`` is the run's :func:`run_identity`; ``legacy_identity`` computes the
+    their stored states, and return its counters, or ``None`` when there is no file there. ``identity`` is the
+    run's :func:`run_identity`; ``legacy_identity`` computes the
     format-1 one (the cap included) for an older file. One-line :class:`CrispEditError` for a file of another run
     (other config, requests, starting weights), one holding more than ``max_epochs`` trained epochs, another
     format, or a damaged file — ``params`` and ``opt`` untouched then."""

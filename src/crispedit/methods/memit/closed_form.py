@@ -143,13 +143,14 @@ class _BatchCheckpoint:
             return 0
         meta, tensors = load_safetensors(self.path, self.KIND, self.KEY)
         if meta.get("version") != self.VERSION or meta.get("identity") != self.identity:
-            raise CrispEditError(f"{self.KIND} file {self.path} belongs to another run (other config, edits or starting "
-                                 "weights) or another crispedit; delete it or give another path")
+            raise CrispEditError(f"{self.KIND} file {self.path} belongs to another run (other config, edits or "
+                                 "starting weights) or another crispedit; delete it or give another path")
         try:  # everything read and checked before the layers change
             weights = {n: tensors[f"weight::{n}"] for n in self.layers}
             if any(w.shape != m.weight.shape for w, m in zip(weights.values(), self.layers.values())):
                 raise ValueError("a layer's weight has another shape")
-            editor.restore_carried(state, {k[len("carried::"):]: t for k, t in tensors.items() if k.startswith("carried::")})
+            carried = {k[len("carried::"):]: t for k, t in tensors.items() if k.startswith("carried::")}
+            editor.restore_carried(state, carried)
             history.steps = int(meta["steps"])
             self.sums = (float(meta["v_first"]), float(meta["v_last"]))
             done = int(meta["batches"])
