@@ -379,19 +379,23 @@ def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditReque
     opt = optimizer or make_optimizer(params, projectors, layers, config)
     t0 = time.perf_counter()
     ckpt = LoopCheckpoint(checkpoint, checkpoint_every, config.to_json(), requests, params, opt, drift_budget)
-    run = _Counters(config.seed, device, ckpt.resume())
-    bar = tqdm(range(run.start, config.epochs if not run.converged else run.start), desc=f"edit[{config.method}]",
-               unit="epoch", initial=run.start, total=config.epochs, disable=(None if progress is None else not progress))
+    bar = tqdm(desc=f"edit[{config.method}]", unit="epoch", total=config.epochs,
+               disable=(None if progress is None else not progress))
     with _training(model, params, opt, bar):
+        # the plan — training sequences (the lead-ins the model writes), the fast path's checks — from the starting
+        # weights, before a checkpoint's are loaded: a resumed run trains on what the uninterrupted one did
         plan = _EpochPlan(model, tokenizer, requests, params, config, fast, device)
+        run = _Counters(config.seed, device, ckpt.resume())
+        bar.update(run.start)
         hist = run.history(plan)
         step = _Step(params, layers, projectors, opt, config, drift_budget, timer, sync_free)
         model.train()
-        for epoch in bar:
+        for epoch in range(run.start, config.epochs if not run.converged else run.start):
             t_epoch = time.perf_counter()
             losses = [step(plan, item, run) for item in plan.epoch(epoch, run.generator)]
             loss = run.end_epoch(hist, losses, config)
             hist.epoch_seconds.append(time.perf_counter() - t_epoch)
+            bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
             if (epoch + 1) % LOG_EVERY == 0 or hist.converged or epoch + 1 == config.epochs:
                 _log.info("edit[%s] epoch %d/%d: loss %.4f, %.0f s", config.method, epoch + 1, config.epochs, loss,
