@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # torch is imported by the functions that need it: the header
     from ..data.edits import EditRequest
 
 __all__ = ["run_identity", "LoopState", "LoopCheckpoint", "save_checkpoint", "load_checkpoint", "check_checkpoint_file",
-           "CHECKPOINT_KIND"]
+           "load_run_file", "CHECKPOINT_KIND", "CLOSED_FORM_KEY"]
 
 CHECKPOINT_KIND = "training checkpoint"
 _KEY = "crispedit_checkpoint"
@@ -167,6 +167,23 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
     if dev is not None and "rng_cuda" in tensors:
         torch.cuda.set_rng_state(tensors["rng_cuda"], dev)
     return state
+
+
+def load_run_file(path: str | Path, kind: str, key: str, version: int, identity: str) -> tuple[dict, dict] | None:
+    """``(meta, tensors)`` of a resumable run's file at ``path`` (metadata JSON under ``key``), or ``None`` when there
+    is none; one-line :class:`CrispEditError` for a damaged file, another ``version`` or another run's
+    ``identity``. What the sequence and closed-form checkpoints share."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    meta, tensors = load_safetensors(path, kind, key)
+    if meta.get("version") != version:
+        raise CrispEditError(f"{kind} file {path} has format version {meta.get('version')!r}, this crispedit reads "
+                             f"{version}; delete it to start over")
+    if meta.get("identity") != identity:
+        raise CrispEditError(f"{kind} file {path} belongs to another run (other config, edits or starting weights); "
+                             "delete it or give another path")
+    return meta, tensors
 
 
 def check_checkpoint_file(path: str | Path) -> None:

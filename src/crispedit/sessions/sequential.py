@@ -48,8 +48,8 @@ from ..editing.config import MODES, WEIGHTINGS, EditConfig, SeqConfig
 from ..editing.contexts import resolve_contexts, sequences_for
 from ..editing.editor import EditContext
 from ..editing.registry import get_editor
-from ..editing.checkpoint import run_identity
-from ..errors import CrispEditError, atomic_save_safetensors, check_positive_int, load_safetensors
+from ..editing.checkpoint import load_run_file, run_identity
+from ..errors import CrispEditError, atomic_save_safetensors, check_positive_int
 from ..models import model_family, parameter
 
 __all__ = ["SeqConfig", "SeqState", "SeqResult", "combine_factors", "round_edit_factors", "run_round",
@@ -278,16 +278,10 @@ def load_sequence_checkpoint(path: str | Path, identity: str) -> tuple[SeqState,
     """``(state, records, seconds)`` stored at ``path`` by :func:`save_sequence_checkpoint` for the run with
     ``identity``, or ``None`` when there is no file. One-line :class:`CrispEditError` for a file of another run,
     another format or a damaged file."""
-    path = Path(path)
-    if not path.exists():
+    stored = load_run_file(path, SEQ_CHECKPOINT_KIND, _SEQ_KEY, _SEQ_VERSION, identity)
+    if stored is None:
         return None
-    meta, tensors = load_safetensors(path, SEQ_CHECKPOINT_KIND, _SEQ_KEY)
-    if meta.get("version") != _SEQ_VERSION:
-        raise CrispEditError(f"{SEQ_CHECKPOINT_KIND} file {path} has format version {meta.get('version')!r}, this "
-                             f"crispedit reads {_SEQ_VERSION}; delete it to start over")
-    if meta.get("identity") != identity:
-        raise CrispEditError(f"{SEQ_CHECKPOINT_KIND} file {path} belongs to another run (other config, round size, "
-                             "edits or starting weights); delete it or give another path")
+    meta, tensors = stored
     try:
         state = SeqState.from_tensors(tensors, dict(meta["state"]))
         records = [dict(r) for r in meta["rounds"]]
@@ -329,6 +323,20 @@ class SeqResult:
     def round_seconds(self) -> list[float]:
         """Wall seconds of each round (training, plus the edit-factor collection of crispedit-seq)."""
         return [r["edit_seconds"] for r in self.rounds]
+
+
+def _resumed(model: nn.Module, path: Path, identity: str, base: dict[str, Tensor]
+             ) -> tuple[SeqState, list[dict], float] | None:
+    """:func:`load_sequence_checkpoint` checked against the sequence's parameters ``base``, its weights put into
+    ``model``; ``None`` without a file."""
+    stored = load_sequence_checkpoint(path, identity)
+    if stored is not None:
+        state = stored[0]
+        if set(state.weights) != set(base) or any(state.weights[n].shape != t.shape for n, t in base.items()):
+            raise CrispEditError(f"{SEQ_CHECKPOINT_KIND} file {path} is incomplete or corrupt (its weights are "
+                                 "not this sequence's parameters)")
+        _set_weights(model, state.weights)
+    return stored
 
 
 def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: SeqConfig, chunk: int, *,
@@ -379,13 +387,7 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
         ck = Path(checkpoint)
         round_ck = ck.with_name(ck.name.removesuffix(".safetensors") + ".round.safetensors")
         identity = run_identity({"sequence": config.to_json(), "chunk": chunk}, requests, base)
-        stored = load_sequence_checkpoint(ck, identity)
-        if stored is not None:
-            state, records, earlier = stored
-            if set(state.weights) != set(base) or any(state.weights[n].shape != t.shape for n, t in base.items()):
-                raise CrispEditError(f"{SEQ_CHECKPOINT_KIND} file {ck} is incomplete or corrupt (its weights are "
-                                     "not this sequence's parameters)")
-            _set_weights(model, state.weights)
+        state, records, earlier = _resumed(model, ck, identity, base) or (state, records, earlier)
 
     def capability() -> KFACFactors:  # recompute_drift: recollect on the current (edited) model
         """Capability curvature factors collected afresh on the model's current (edited) weights."""

@@ -27,8 +27,8 @@ from ...editing.editor import EditContext
 from ...editing.keyvalue import (KeyValueSettings, block_outputs, context_templates, edit_blocks, hidden_size, layer_keys,
                                  subject_span, target_values)
 from ...editing.single_pass import SinglePassEditor, target_nll
-from ...editing.checkpoint import CLOSED_FORM_KEY, run_identity
-from ...errors import CrispEditError, atomic_save_safetensors, load_safetensors
+from ...editing.checkpoint import CLOSED_FORM_KEY, load_run_file, run_identity
+from ...errors import CrispEditError, atomic_save_safetensors
 from ...models import weight_matrix
 from . import ClosedFormConfig
 
@@ -139,12 +139,11 @@ class _BatchCheckpoint:
         """The number of batches a stored run wrote (0 without one), its weights put into the layers, its carried
         state into ``state``, its counters into ``history`` and :attr:`sums`; one-line errors for another run's or
         a damaged file."""
-        if self.path is None or not self.path.exists():
+        stored = None if self.path is None else load_run_file(self.path, self.KIND, self.KEY, self.VERSION,
+                                                               self.identity)
+        if stored is None:
             return 0
-        meta, tensors = load_safetensors(self.path, self.KIND, self.KEY)
-        if meta.get("version") != self.VERSION or meta.get("identity") != self.identity:
-            raise CrispEditError(f"{self.KIND} file {self.path} belongs to another run (other config, edits or "
-                                 "starting weights) or another crispedit; delete it or give another path")
+        meta, tensors = stored
         try:  # everything read and checked before the layers change
             weights = {n: tensors[f"weight::{n}"] for n in self.layers}
             if any(w.shape != m.weight.shape for w, m in zip(weights.values(), self.layers.values())):
