@@ -56,6 +56,31 @@ def build_llama(vocab_size: int, *, layers: int = 4, hidden: int = 32, inter: in
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory):
+    """Every test's crispedit cache is a directory of this session's (unless ``CRISPEDIT_CACHE`` is set when pytest
+    starts): no test reads K-FAC factors or eigenbases another run of the suite left in the user's cache — the
+    tiny models' weights, hence their cache keys, are the same in every run, so an entry written by older code
+    would be found and used. (A test's ``monkeypatch.undo()`` also drops ``iso_cache``'s setting: it falls back to
+    this one.) Converted models are shared with the user's cache (``models/``), so the GGUF is converted once."""
+    import os
+
+    from crispedit.models import cache_dir
+
+    if os.environ.get("CRISPEDIT_CACHE"):
+        yield Path(os.environ["CRISPEDIT_CACHE"])
+        return
+    user_models = cache_dir() / "models"
+    root = tmp_path_factory.mktemp("crispedit_cache")
+    user_models.mkdir(parents=True, exist_ok=True)
+    (root / "models").symlink_to(user_models, target_is_directory=True)
+    os.environ["CRISPEDIT_CACHE"] = str(root)
+    try:
+        yield root
+    finally:
+        os.environ.pop("CRISPEDIT_CACHE", None)
+
+
 @pytest.fixture(scope="session")
 def tiny_tok():
     return build_tokenizer()

@@ -209,10 +209,10 @@ def test_a_killed_closed_form_edit_resumes_after_its_last_batch(method, tiny_lm,
         if batches == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(cf._BatchCheckpoint, "save", dying_save)
-    with pytest.raises(KeyboardInterrupt):
-        edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=ck)
-    monkeypatch.undo()
+    with monkeypatch.context() as m:  # (monkeypatch.undo() would also drop iso_cache's CRISPEDIT_CACHE)
+        m.setattr(cf._BatchCheckpoint, "save", dying_save)
+        with pytest.raises(KeyboardInterrupt):
+            edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=ck)
     from crispedit.editing.checkpoint import check_checkpoint_file
     check_checkpoint_file(ck)                                      # `crispedit edit --checkpoint` takes it
     restore(model, full.original_weights)                          # a new process starts from the base

@@ -392,17 +392,17 @@ def test_a_checkpoint_resumes_under_another_epoch_cap(tiny_lm, iso_cache, tmp_pa
     # a format-1 file (written as the previous crispedit did), killed after its first epoch under a cap of 2
     ck.unlink()
     real_identity, real_save = ckpt_mod.run_identity, ckpt_mod.save_checkpoint
-    monkeypatch.setattr(ckpt_mod, "_VERSION", 1)
-    monkeypatch.setattr(ckpt_mod, "run_identity", lambda *a, **k: real_identity(*a, **{**k, "with_cap": True}))
 
     def dying_save(*a, **k):
         real_save(*a, **k)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt_mod, "save_checkpoint", dying_save)
-    with pytest.raises(KeyboardInterrupt):
-        edit(model, tok, REQS, EditConfig(**cfg, epochs=2), progress=False, checkpoint=ck)
-    monkeypatch.undo()
+    with monkeypatch.context() as m:  # (monkeypatch.undo() would also drop iso_cache's CRISPEDIT_CACHE)
+        m.setattr(ckpt_mod, "_VERSION", 1)
+        m.setattr(ckpt_mod, "run_identity", lambda *a, **k: real_identity(*a, **{**k, "with_cap": True}))
+        m.setattr(ckpt_mod, "save_checkpoint", dying_save)
+        with pytest.raises(KeyboardInterrupt):
+            edit(model, tok, REQS, EditConfig(**cfg, epochs=2), progress=False, checkpoint=ck)
     assert _version(ck) == 1
     restore(model, full.original_weights)
     with pytest.raises(CrispEditError, match="another --epochs: a format-1 file resumes under its own cap"):
