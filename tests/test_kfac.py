@@ -114,6 +114,14 @@ def test_sample_labels_follow_the_predictive_distribution():
     freq = torch.bincount(labels, minlength=3).double() / labels.numel()
     assert torch.allclose(freq, torch.softmax(logits[0].double(), 0), atol=0.015)
     assert torch.equal(labels, sample_labels(logits, seed=3, index=0))
+    # a peaked, wide distribution: impossible labels never come, the frequencies still follow
+    wide = torch.full((30000, 1000), float("-inf"))
+    wide[:, [0, 7, 999]] = torch.tensor([0.0, 1.0, 3.0])
+    got = sample_labels(wide, seed=1, index=5)
+    assert set(got.unique().tolist()) <= {0, 7, 999}
+    freq = torch.bincount(got, minlength=1000)[[0, 7, 999]].double() / got.numel()
+    assert torch.allclose(freq, torch.softmax(torch.tensor([0.0, 1.0, 3.0], dtype=torch.float64), 0), atol=0.012)
+    assert not torch.equal(got, sample_labels(wide, seed=1, index=6))       # another sequence, another draw
 
 
 def test_conv2d_rows_reproduce_the_convolution():

