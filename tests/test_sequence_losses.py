@@ -1,0 +1,49 @@
+"""benchmarks/sequence_losses.py: per-sequence losses after every epoch of a real edit, and the token-cost bound."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_script
+
+from crispedit.data import EditRequest
+from crispedit.editing import EditConfig
+from crispedit.editing.fastpath import plain_loss
+from crispedit.editing.loop import _Counters, _EpochPlan, edit_batches
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sequence_losses.py"
+
+
+@pytest.fixture()
+def script():
+    return load_script(SCRIPT, "sequence_losses")
+
+
+def test_each_epochs_sequence_losses_are_the_edited_models(script, tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    reqs = [EditRequest(f"Who founded company {i}?", f"Person {i}") for i in range(5)]
+    config = EditConfig(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", contexts="bare,lead:1",
+                        batch_size=4, epochs=3, stop_loss=0.0, lr=1e-2, n_cap=4, max_len=48)
+    init, end = _EpochPlan.__init__, _Counters.end_epoch
+    rec = script.record(model, tok, reqs, config)
+    assert (_EpochPlan.__init__, _Counters.end_epoch) == (init, end)          # the loop is left as it was
+    assert len(rec["epochs"]) == 3 and rec["history"]["epochs"] == 3
+    batches, _ = edit_batches(tok, reqs, config, model)
+    last = rec["epochs"][-1]["rows"]
+    assert len(last) == sum(b.input_ids.shape[0] for b in batches) == 10
+    with torch.no_grad():  # the last probe is the edited model's loss, batch by batch
+        for i, b in enumerate(batches):
+            rows = [r for r in last if r[0] == i]
+            assert sum(r[1] for r in rows) / sum(r[2] for r in rows) == pytest.approx(float(plain_loss(model, b)), rel=1e-5)
+    assert rec["epochs"][0]["rows"] != last                                    # taken after each epoch, not once
+
+
+def test_the_token_cost_counts_only_sequences_above_the_skip_loss(script):
+    # two sequences of 10 and 30 tokens: the second is below the skip loss after epoch 1, the first after epoch 2
+    rec = {"skip_loss": 0.1, "epochs": [
+        {"rows": [[0, 5.0, 2, 10], [0, 0.1, 2, 30]]},
+        {"rows": [[0, 0.1, 2, 10], [0, 0.1, 2, 30]]},
+        {"rows": [[0, 0.1, 2, 10], [0, 0.1, 2, 30]]}]}
+    got = script.analyse(rec)
+    assert got["below_skip_loss"] == [1, 2, 2]
+    assert got["token_cost_ratio"] == round((40 + 10 + 0) / 120, 3)
