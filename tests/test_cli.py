@@ -223,3 +223,26 @@ def test_input_cache_kind_and_closed_form_methods_from_the_cli(tiny_model_dir, t
     code, _, err = run(["edit", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--cache", cov,
                         "--out", tmp_path / "c"] + layers, capsys)
     assert code == 2 and "holds input statistics, not kfac" in err
+
+
+def test_log_level_info_prints_the_edits_progress_on_stderr(tiny_model_dir, tmp_path, iso_cache, capsys, monkeypatch):
+    """Off a terminal there are no bars: ``--log-level info`` (or $CRISPEDIT_LOG_LEVEL) prints the edit's progress
+    — the curvature collection and the epochs — one timed line each on stderr; the default prints none of it; a
+    level that is not one gets one error line."""
+    edits = edits_file(tmp_path)
+    code, _, err = run(["--log-level", "info"] + common(tiny_model_dir, edits, tmp_path / "a"), capsys)
+    assert code == 0
+    lines = [ln for ln in err.splitlines() if "crispedit." in ln]
+    assert any("capability curvature" in ln for ln in lines)
+    assert any("edit[crispedit] epoch 3/3: loss" in ln for ln in lines)
+    assert all(ln[:4].isdigit() for ln in lines)                      # each line starts with its time
+    code, _, err = run(common(tiny_model_dir, edits, tmp_path / "b"), capsys)
+    assert code == 0 and "edit[crispedit] epoch" not in err
+    monkeypatch.setenv("CRISPEDIT_LOG_LEVEL", "INFO")
+    code, _, err = run(common(tiny_model_dir, edits, tmp_path / "c"), capsys)
+    assert code == 0 and "edit[crispedit] epoch 3/3" in err
+    monkeypatch.setenv("CRISPEDIT_LOG_LEVEL", "chatty")
+    code, _, err = run(common(tiny_model_dir, edits, tmp_path / "d"), capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        "crispedit: error: log level 'chatty' (from CRISPEDIT_LOG_LEVEL?) is not one of debug, info, warning, error"]
+    assert not (tmp_path / "d").exists()

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 
 from ..distributed import launched_world_size  # torch-free at import
 from ..errors import CrispEditError
+from ..progress import log_lines
 
 __all__ = ["build_parser", "main"]
 
@@ -43,9 +46,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"crispedit: error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _check_log_level(level: str) -> int:
+    """The :mod:`logging` level of a ``--log-level`` / ``$CRISPEDIT_LOG_LEVEL`` value; one-line error for another."""
+    if level not in LOG_LEVELS:  # (from $CRISPEDIT_LOG_LEVEL: argparse checks only the flag)
+        raise CrispEditError(f"log level {level!r} (from CRISPEDIT_LOG_LEVEL?) is not one of {', '.join(LOG_LEVELS)}")
+    return getattr(logging, level.upper())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``crispedit`` argument parser with the sub-commands of every module in ``_COMMAND_MODULES``."""
     parser = _Parser(prog="crispedit", description="Non-destructive knowledge editing of LLMs (CrispEdit)")
+    parser.add_argument("--log-level", default=os.environ.get("CRISPEDIT_LOG_LEVEL", "warning").lower(),
+                        choices=LOG_LEVELS, help="messages to print on stderr, with their time: info adds the "
+                        "progress of long work (an edit's epochs every few, the curvature collection) for output "
+                        "that is not a terminal, where there are no progress bars (default $CRISPEDIT_LOG_LEVEL or "
+                        "warning); give it before the command")
     sub = parser.add_subparsers(dest="command", required=True)
     for mod in _COMMAND_MODULES:
         importlib.import_module(mod).add_cli(sub)
@@ -60,13 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a flag argparse refused (one line printed already)
         return exc.code if isinstance(exc.code, int) else 2
     try:
+        level = _check_log_level(args.log_level)
         if not getattr(args, "torchrun", False) and launched_world_size() > 1:
             raise CrispEditError(f"{parser.prog} {args.command}: only `cache build` and `edit` run under torchrun; "
                                  "run this command in one process (it reuses the factors a torchrun cache build wrote)")
-        return int(args.func(args) or 0)
+        with log_lines(level, sys.stderr, "%(asctime)s %(name)s: %(message)s"):
+            return int(args.func(args) or 0)
     except CrispEditError as exc:
         print(f"crispedit: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("crispedit: interrupted", file=sys.stderr)
         return 130
+

@@ -48,7 +48,8 @@ from .optim import make_optimizer
 from .steptimer import NULL_TIMER, StepTimer
 
 _log = logging.getLogger("crispedit.edit")
-LOG_EVERY = 5  # epochs between the loop's INFO lines (for output that is not a terminal: no bar there)
+LOG_EVERY = 5  # epochs between the loop's INFO lines (for output that is not a terminal: no bar there) ...
+LOG_SECONDS = 60.0  # ... or fewer, once this many seconds have passed since the last line (long epochs)
 
 __all__ = ["projected_finetune", "edit_loss", "TrainHistory", "training_brief", "apply_projection", "edit_batches",
            "shard_batch"]
@@ -390,6 +391,7 @@ def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditReque
         hist = run.history(plan)
         step = _Step(params, layers, projectors, opt, config, drift_budget, timer, sync_free)
         model.train()
+        logged = time.perf_counter()
         for epoch in range(run.start, config.epochs if not run.converged else run.start):
             t_epoch = time.perf_counter()
             losses = [step(plan, item, run) for item in plan.epoch(epoch, run.generator)]
@@ -397,7 +399,9 @@ def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditReque
             hist.epoch_seconds.append(time.perf_counter() - t_epoch)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
-            if (epoch + 1) % LOG_EVERY == 0 or hist.converged or epoch + 1 == config.epochs:
+            if ((epoch + 1) % LOG_EVERY == 0 or hist.converged or epoch + 1 == config.epochs
+                    or time.perf_counter() - logged >= LOG_SECONDS):
+                logged = time.perf_counter()
                 _log.info("edit[%s] epoch %d/%d: loss %.4f, %.0f s", config.method, epoch + 1, config.epochs, loss,
                           run.spent + time.perf_counter() - t0)
             ckpt.save_if_due(run.state(epoch + 1, hist, run.spent + time.perf_counter() - t0), run.start,

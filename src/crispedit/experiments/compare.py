@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import resource
 import time
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ from ..evaluation.capabilities import paired_change
 from ..evaluation.edit_eval import retention_probe
 from ..models import fingerprint_matches, model_family, weight_fingerprint
 from ..sessions.sequential import run_sequence
+
+_log = logging.getLogger("crispedit.compare")
 
 __all__ = ["run_compare", "compare_table", "plot_compare", "peak_memory", "pareto_front", "pareto_points",
            "capability_changes", "perplexity_ratios", "breaking_rows", "render_outputs",
@@ -284,6 +287,7 @@ def _edited_row(b: _Bench, method: str, cfg: EditConfig | SeqConfig, inputs: dic
     t0 = time.perf_counter()
     editor = get_editor(ecfg.method)
     before = snapshot(editor.changes(model, editor.select_layers(model, ecfg), ecfg))
+    _log.info("compare: %s: editing %d edits%s", method, len(b.requests), f" in rounds of {b.chunk}" if seq else "")
     try:
         with peak_memory(next(model.parameters()).device) as mem:
             if seq:
@@ -299,6 +303,7 @@ def _edited_row(b: _Bench, method: str, cfg: EditConfig | SeqConfig, inputs: dic
         raise
     del before
     wall = time.perf_counter() - t0
+    _log.info("compare: %s: edited in %.0f s; evaluating", method, res.edit_seconds)
     try:
         ev = b.evaluate(res.original_weights, max_len=ecfg.max_len)
     finally:
