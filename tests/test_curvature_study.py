@@ -189,6 +189,21 @@ def test_ekfac_eigenvalues_are_the_ggn_diagonal_in_the_kronecker_eigenbasis(tiny
     assert proj.dense().shape == G.shape
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["exact", "sampled"])
+def test_ekfac_runs_where_the_model_is(tiny, mode):
+    """A model on a GPU: the exact output gradients' identity, the bases and the sums go to its device (the
+    result comes back on the CPU) and give the CPU's eigenvalues; sampled labels are drawn on the CPU from the
+    seed, so the same ones."""
+    model, X, Y = tiny
+    batches = [(X[:3], Y[:3]), (X[3:], Y[3:])]
+    ek = collect_classifier_ekfac(model, batches, ["fc1"], mode=mode)
+    gpu = [(x.cuda(), y.cuda()) for x, y in batches]
+    got = ekfac_eigenvalues(model.cuda(), gpu, ek.U_out, ek.U_in, mode=mode)["fc1"]
+    assert got.device.type == "cpu"
+    torch.testing.assert_close(got, ek.eigvals["fc1"], rtol=1e-9, atol=1e-14)
+
+
 # --------------------------------------------------------------------------------------------
 # data and user errors
 

@@ -72,7 +72,7 @@ def _output_grads(logits: Tensor, targets: Tensor, mode: OutputGrads, generator:
     p = torch.softmax(logits.detach().double(), dim=-1)
     C = p.shape[-1]
     if mode is OutputGrads.EXACT:
-        eye = torch.eye(C, dtype=p.dtype)
+        eye = torch.eye(C, dtype=p.dtype, device=p.device)
         # pass c: sqrt(p_c) (p - e_c); sum_c outer products = diag(p) - p p^T
         out = p.sqrt().T.unsqueeze(-1) * (p.unsqueeze(0) - eye.unsqueeze(1))
     else:
@@ -192,9 +192,11 @@ def ekfac_eigenvalues(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]]
         for x, y in batches:
             inputs, grads = _run_layers(model, mods, x, y, mode, gen)
             for name in mods:
-                a_t = inputs[name].to(torch.float64) @ U_in[name].to(torch.float64)  # B x T x d_in
+                dev = inputs[name].device  # (the bases and sums go where the model runs; the result to the CPU)
+                sums[name] = sums[name].to(dev)
+                a_t = inputs[name].to(torch.float64) @ U_in[name].to(dev, torch.float64)  # B x T x d_in
                 for g in grads[name]:
-                    g_t = g.to(torch.float64) @ U_out[name].to(torch.float64)  # B x T x d_out
+                    g_t = g.to(torch.float64) @ U_out[name].to(dev, torch.float64)  # B x T x d_out
                     if per == "example" and a_t.shape[1] > 1:
                         dW = torch.einsum("bto,bti->boi", g_t, a_t)
                         sums[name] += (dW * dW).sum(0)
@@ -203,7 +205,7 @@ def ekfac_eigenvalues(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]]
             count += x.shape[0]
     finally:
         model.train(was_training)
-    return {n: sums[n] / count for n in mods}
+    return {n: (sums[n] / count).cpu() for n in mods}
 
 
 def collect_classifier_ekfac(model: nn.Module, batches, layers: Iterable[str] | None = None, *,
