@@ -42,7 +42,7 @@ if [ "${WALL:-0}" = 1 ]; then
 fi
 if [ "${HOST:-0}" = 1 ]; then
   # the CUDA-only tests first (TF32 forcing, float32 eigh), then K-FAC under the profiler at two batch sizes
-  timeout 60 $PY -m pytest -q -s -p no:cacheprovider tests/test_rotation_precision.py tests/test_projection.py -k cuda 2>&1 | tail -5 | tee "$OUT/cuda_tests.txt"
+  timeout 60 $PY -m pytest -q -s -p no:cacheprovider tests/test_rotation_precision.py tests/test_projection.py tests/test_curvature_study.py -k cuda 2>&1 | tail -5 | tee "$OUT/cuda_tests.txt"
   for kb in 8 64; do
     timeout 80 $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 64 --epochs 1 --device cuda \
         --dtype bfloat16 --n-cap 512 --kfac-batch-size $kb --profile-kfac --no-profile \
