@@ -90,4 +90,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("crispedit: interrupted", file=sys.stderr)
         return 130
-
