@@ -253,6 +253,8 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
     assert "edit_factor_tokens" not in res["ft-seq"]["round_records"][0]
     md = (out / "compare.md").read_text()
     assert "| ft-seq |" in md and "ft-seq: 2 rounds of 2" in md and "crispedit-seq: 2 rounds of 2" in md
+    assert "Round-1 retention: the first round's 2 edits" in md and "| crispedit-seq | WILD qa rel |" in md
+    assert (out / "retention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ran = counting_runs(monkeypatch)                              # a third run: nothing left to do
     compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=2, progress=False)
     assert ran == []

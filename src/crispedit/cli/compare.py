@@ -69,7 +69,7 @@ def add_cli(sub) -> None:
                    help=f"edits per round of the -seq rows (default min({PAPER_SEQ_CHUNK}, "
                    f"ceil(n-edits/{MIN_SEQ_ROUNDS})): the paper's {PAPER_SEQ_CHUNK}, but about {MIN_SEQ_ROUNDS} "
                    "rounds for small edit sets; 10 for 100 edits)")
-    p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png)")
+    p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png; retention.png with -seq rows)")
     p.add_argument("--capabilities", default=None,
                    help="lm-eval capability tasks, e.g. arc_challenge,truthfulqa_mc2 (default none; needs crispedit[eval])")
     p.add_argument("--limit", type=int, default=None, help="items per capability task (default: all)")

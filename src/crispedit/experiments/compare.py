@@ -6,7 +6,8 @@ qa / none / chat with the rule judge, teacher-forced rel / gen, KL drift on held
 lm-eval capability tasks), and record edit time and peak memory. The unedited base model is
 evaluated once as the first row. After every method ``DIR/compare.json`` (atomic), ``DIR/compare.md``
 (shaped like the paper's Table 1) and ``DIR/compare.png`` (edit success vs KL drift with the KL Pareto
-front; capability changes against the base with their paired standard errors) are rewritten, so a killed
+front; capability changes against the base with their paired standard errors; with ``-seq`` rows also
+``DIR/retention.png``, :mod:`crispedit.experiments.retention`) are rewritten, so a killed
 compare resumes: methods already in ``compare.json`` are not run again (their settings must match; other
 settings need another ``--out``), and a batch row killed while training goes on from its last finished epoch
 (``DIR/checkpoints/<method>.safetensors``, :mod:`crispedit.editing.checkpoint`; removed once its row is
@@ -68,6 +69,7 @@ from ..errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, a
 from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER, evaluate_edit
 from ..evaluation.capabilities import paired_change
 from ..evaluation.edit_eval import retention_probe
+from .retention import RETENTION_PNG, plot_retention, retention_table
 from ..models import fingerprint_matches, model_family, weight_fingerprint
 from ..sessions.sequential import run_sequence
 
@@ -629,7 +631,8 @@ def compare_table(payload: dict) -> str:
     give each row's paired capability change against the base (:func:`capability_changes`, where per-item
     scores were kept), the ``-seq`` rows' rounds, chunk size and mean time per round, and the drift
     prediction's notes per row (:func:`~crispedit.curvature.predicted.prediction_notes`: steep layers,
-    attention q/k/v layers)."""
+    attention q/k/v layers), and the ``-seq`` rows' round-1 retention after every round
+    (:func:`~crispedit.experiments.retention.retention_table`)."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
@@ -643,7 +646,7 @@ def compare_table(payload: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += [_table_row(m, res[m], cols, edited, ratios.get(m), pareto, caps) for m in rows]
     return ("\n".join(lines) + "\n" + _fronts_line(pareto, caps) + _settings_note(payload, edited, pareto)
-            + _row_notes(payload, rows))
+            + _row_notes(payload, rows) + retention_table(payload))
 
 
 def _place_labels(ax, anchors: list[tuple[float, float]], names: list[str], fontsize: int = 8,
@@ -826,13 +829,15 @@ def plot_compare(payload: dict, path: str | Path) -> None:
 
 def write_outputs(out: Path, payload: dict) -> None:
     """Rewrite compare.json (atomic; its ``pareto`` section recomputed, :func:`pareto_points`), compare.md
-    (:func:`compare_table`) and compare.png (:func:`plot_compare`; derived, so a missing matplotlib is not
-    fatal)."""
+    (:func:`compare_table`), compare.png (:func:`plot_compare`) and, when ``-seq`` rows carry round-1 retention,
+    retention.png (:func:`~crispedit.experiments.retention.plot_retention`); the pictures are derived, so a
+    missing matplotlib is not fatal."""
     payload["pareto"] = pareto_points(payload)
     atomic_write_json(out / JSON_FILE, payload)
     atomic_write_bytes(out / MD_FILE, compare_table(payload).encode())
     with contextlib.suppress(ImportError):
         plot_compare(payload, out / PNG_FILE)
+        plot_retention(payload, out / RETENTION_PNG)
 
 
 def render_outputs(out: str | Path) -> dict:

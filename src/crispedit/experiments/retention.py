@@ -1,0 +1,124 @@
+"""Round-1 retention of a compare's sequential rows: does what the first round taught still hold later?
+
+A ``-seq`` row of ``crispedit compare`` stores, for every round, the first round's edits measured on the model
+as it stood after that round (``retention``: one :func:`~crispedit.evaluation.edit_eval.retention_probe` record
+per round — ``n`` edits, teacher-forced ``tf_rel``, ``wild`` ``{"qa": rel, "chat": rel}``, each a fraction of
+the round-1 edits). This module turns those records into the compare's retention table (markdown,
+:func:`retention_table`), its summary per row (:func:`retention_summary`: the fraction after the last round,
+and that fraction over the one after round 1 — what of what round 1 achieved is kept) and its picture
+(:func:`plot_retention`, ``DIR/retention.png``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import atomic_write_figure
+
+__all__ = ["retention_rows", "retention_series", "retention_summary", "retention_table", "plot_retention",
+           "RETENTION_PNG"]
+
+RETENTION_PNG = "retention.png"
+_MEASURES = (("tf_rel", "teacher-forced rel"), ("qa", "WILD qa rel"), ("chat", "WILD chat rel"))
+
+
+def retention_rows(payload: dict) -> list[str]:
+    """The rows of a compare payload (``compare.json``) that hold a per-round retention record, in the
+    payload's method order."""
+    res = payload.get("results", {})
+    return [m for m in payload.get("methods", []) if m in res and any(res[m].get("retention") or [])]
+
+
+def retention_series(row: dict) -> dict[str, list[float | None]]:
+    """``{measure: [fraction after round 1, after round 2, …]}`` for one ``-seq`` row, measures ``tf_rel``, ``qa``
+    and ``chat`` (fractions of the round-1 edits; ``None`` where a round has no record or the measure was not
+    taken, e.g. ``chat`` for a tokenizer without a chat template)."""
+    out: dict[str, list[float | None]] = {k: [] for k, _ in _MEASURES}
+    for rec in row.get("retention") or []:
+        rec = rec or {}
+        wild = rec.get("wild") or {}
+        out["tf_rel"].append(rec.get("tf_rel"))
+        for k in ("qa", "chat"):
+            out[k].append(wild.get(k))
+    return out
+
+
+def retention_summary(row: dict) -> dict[str, dict]:
+    """Per measure of :func:`retention_series`: ``{"first": fraction after round 1, "last": after the last
+    round, "kept": last / first}`` (``kept`` ``None`` where ``first`` is 0 or either is missing) — ``last`` is
+    the fraction of round 1's edits that still hold after the last round, ``kept`` the share of what round 1
+    achieved that survives."""
+    out = {}
+    for k, series in retention_series(row).items():
+        first = series[0] if series else None
+        last = series[-1] if series else None
+        kept = last / first if first and last is not None else None
+        out[k] = {"first": first, "last": last, "kept": kept}
+    return out
+
+
+def _fmt(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
+def retention_table(payload: dict) -> str:
+    """The markdown section on round-1 retention (``""`` when no row has one): a heading line, then a table with
+    one line per ``-seq`` row and measure — the fraction of round 1's edits that hold after each round, then
+    ``kept`` (after the last round over after round 1)."""
+    rows = retention_rows(payload)
+    if not rows:
+        return ""
+    res = payload["results"]
+    n_rounds = max(len(res[m]["retention"]) for m in rows)
+    n = next((rec.get("n") for m in rows for rec in res[m]["retention"] if rec and rec.get("n")), None)
+    head = ["row", "measure"] + [f"r{i + 1}" for i in range(n_rounds)] + ["kept (last / r1)"]
+    lines = ["", f"Round-1 retention: the first round's {n or ''} edits measured after every round (fraction that "
+             "holds; kept = after the last round over after round 1):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in rows:
+        series, summary = retention_series(res[m]), retention_summary(res[m])
+        for k, label in _MEASURES:
+            if all(v is None for v in series[k]):
+                continue
+            cells = [_fmt(v) for v in series[k]] + [""] * (n_rounds - len(series[k]))
+            lines.append("| " + " | ".join([m, label] + cells + [_fmt(summary[k]["kept"])]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_retention(payload: dict, path: str | Path) -> bool:
+    """Write the retention picture to ``path`` (PNG): one panel per measure (teacher-forced, WILD qa, WILD chat
+    rel of the round-1 edits, fraction, 0–1) against the round after which it was measured, one line per
+    ``-seq`` row. Returns ``False`` (and writes nothing) when no row has a retention record."""
+    rows = retention_rows(payload)
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = payload["results"]
+    measures = [(k, label) for k, label in _MEASURES
+                if any(v is not None for m in rows for v in retention_series(res[m])[k])]
+    from matplotlib.ticker import MaxNLocator
+
+    colors = {m: f"C{i % 10}" for i, m in enumerate(rows)}            # one colour per row in every panel
+    fig, axes = plt.subplots(1, len(measures), figsize=(4.2 * len(measures), 3.8), sharey=True, squeeze=False)
+    for ax, (k, label) in zip(axes[0], measures):
+        for m in rows:
+            series = retention_series(res[m])[k]
+            pts = [(i + 1, v) for i, v in enumerate(series) if v is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3.5, color=colors[m])
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("after round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("round-1 edits that hold (fraction)")
+    handles = [plt.Line2D([], [], color=colors[m], marker="o", ms=3.5) for m in rows]
+    axes[0][0].legend(handles, rows, fontsize=8, loc="lower left")
+    fig.suptitle("Round-1 retention of the sequential rows", fontsize=11)
+    fig.tight_layout()
+    atomic_write_figure(path, fig, dpi=120)
+    return True

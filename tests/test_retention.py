@@ -1,0 +1,42 @@
+"""Round-1 retention of sequential compare rows: the series, the summary, the markdown table and the picture."""
+
+from crispedit.experiments.retention import (plot_retention, retention_rows, retention_series, retention_summary,
+                                             retention_table)
+
+
+def _rec(tf, qa, chat):
+    return {"n": 4, "tf_rel": tf, "wild": {"qa": qa, "chat": chat}}
+
+
+PAYLOAD = {"methods": ["crispedit", "crispedit-seq", "ft-seq"],
+           "results": {"base": {}, "crispedit": {"summary": {}},
+                       "crispedit-seq": {"retention": [_rec(1.0, 0.75, 1.0), _rec(1.0, 0.5, 0.75), _rec(0.75, 0.5, 0.5)]},
+                       "ft-seq": {"retention": [_rec(1.0, 0.5, None), None, _rec(0.25, 0.0, None)]}}}
+
+
+def test_series_and_summary_read_each_rounds_record():
+    assert retention_rows(PAYLOAD) == ["crispedit-seq", "ft-seq"]      # batch rows have no rounds
+    s = retention_series(PAYLOAD["results"]["ft-seq"])
+    assert s == {"tf_rel": [1.0, None, 0.25], "qa": [0.5, None, 0.0], "chat": [None, None, None]}
+    summ = retention_summary(PAYLOAD["results"]["crispedit-seq"])
+    assert summ["qa"] == {"first": 0.75, "last": 0.5, "kept": 0.5 / 0.75}
+    assert summ["tf_rel"]["kept"] == 0.75 and summ["chat"]["kept"] == 0.5
+    ft = retention_summary(PAYLOAD["results"]["ft-seq"])
+    assert ft["qa"]["kept"] == 0.0 and ft["chat"]["kept"] is None      # never measured: no ratio
+
+
+def test_table_lists_every_round_and_the_kept_share():
+    md = retention_table(PAYLOAD)
+    assert "the first round's 4 edits" in md
+    assert "| row | measure | r1 | r2 | r3 | kept (last / r1) |" in md
+    assert "| crispedit-seq | WILD qa rel | 0.75 | 0.50 | 0.50 | 0.67 |" in md
+    assert "| ft-seq | teacher-forced rel | 1.00 | – | 0.25 | 0.25 |" in md
+    assert "| ft-seq | WILD chat rel |" not in md                         # a measure never taken is left out
+    assert retention_table({"methods": ["ft"], "results": {"ft": {}}}) == ""
+
+
+def test_picture_is_written_only_with_retention(tmp_path):
+    assert plot_retention(PAYLOAD, tmp_path / "r.png") is True
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    assert plot_retention({"methods": [], "results": {}}, tmp_path / "none.png") is False
+    assert not (tmp_path / "none.png").exists()
