@@ -1,0 +1,43 @@
+"""benchmarks/seq_retention.py: sequential runs from the base with round-1 retention after every round."""
+
+from pathlib import Path
+
+import pytest
+from conftest import load_script
+
+from crispedit.data import EditRequest
+from crispedit.errors import CrispEditError
+from crispedit.models import weight_fingerprint
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "seq_retention.py"
+REQS = [EditRequest(f"Who founded company {i}?", f"Person {chr(65 + i)}") for i in range(4)]
+BASE = {"layers": "model.layers.{1-2}.mlp.down_proj", "contexts": "bare", "batch_size": 2, "epochs": 2,
+        "stop_loss": 0.0, "lr": 1e-2, "n_cap": 4, "max_len": 48}
+
+
+@pytest.fixture()
+def script():
+    return load_script(SCRIPT, "seq_retention")
+
+
+def test_overrides_split_between_the_edit_and_the_sequence(script):
+    cfg = script.seq_config({"gamma": 0.99, "seq.mix": 0.8, "seq.weighting": "tokens"})
+    assert cfg.edit.method == "crispedit" and cfg.edit.gamma == 0.99
+    assert cfg.mix == 0.8 and cfg.weighting == "tokens" and cfg.mode == "sequential"
+    with pytest.raises(CrispEditError):
+        script.seq_config({"gamma": 1.5})
+    with pytest.raises(TypeError):
+        script.seq_config({"seq.no_such_field": 1})
+
+
+def test_each_run_starts_from_the_base_and_probes_round_one_after_every_round(script, tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    fp = weight_fingerprint(model)
+    runs = [script.run_one(model, tok, REQS, dict(BASE), 2), script.run_one(model, tok, REQS, {**BASE, "gamma": 0.99}, 2)]
+    assert weight_fingerprint(model) == fp                                     # restored after each run
+    for r in runs:
+        assert [x["round"] for x in r["rounds"]] == [1, 2] and all(x["epochs"] == 2 for x in r["rounds"])
+        assert all(0 <= x["tf_rel"] <= 1 and 0 <= x["qa"] <= 1 for x in r["rounds"])
+    assert runs[1]["config"]["edit"]["gamma"] == 0.99 and "gamma=0.99" in runs[1]["run"]
+    md = script.table(runs)
+    assert md.count("| tf_rel |") == 2 and "| r1 | r2 | seconds |" in md
