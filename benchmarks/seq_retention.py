@@ -36,29 +36,37 @@ def seq_config(overrides: dict):
     return SeqConfig(edit=EditConfig(**edit_kw), **seq_kw)
 
 
-def run_one(model, tokenizer, requests, overrides: dict, chunk: int) -> dict:
+def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa", "chat"), on_round=None) -> dict:
     """One sequential run from the base: ``{"run": label, "config": SeqConfig JSON, "rounds": [{"round", "epochs",
-    "seconds", "tf_rel", "qa", "chat"}], "edit_seconds"}``; the model is restored to the base afterwards."""
+    "last_loss", "seconds", "tf_rel", <one WILD rel per context of wild>}], "edit_seconds"}``; the model is
+    restored to the base afterwards. ``wild=()`` probes teacher-forced only (about half the probe's time);
+    ``on_round(partial)`` is called after every round with the run so far (``edit_seconds`` ``None``)."""
     from crispedit.editing import restore
     from crispedit.evaluation.edit_eval import retention_probe
     from crispedit.sessions.sequential import run_sequence
 
     cfg = seq_config(overrides)
     rounds = []
+    wild = tuple(wild)
 
     def report(rec: dict, n_rounds: int) -> None:
         """Keep and print one round's retention line."""
         after = rec.get("after_round") or {}
-        row = {"round": rec["round"], "epochs": (rec.get("train") or {}).get("epochs"),
+        train = rec.get("train") or {}
+        row = {"round": rec["round"], "epochs": train.get("epochs"),
+               "last_loss": (train.get("epoch_loss") or [None])[-1],
                "seconds": round(rec["edit_seconds"], 1), "tf_rel": after.get("tf_rel"),
-               **{k: (after.get("wild") or {}).get(k) for k in ("qa", "chat")}}
+               **{k: (after.get("wild") or {}).get(k) for k in wild}}
         rounds.append(row)
         print(f"  [{label(overrides)}] round {row['round']}/{n_rounds}: {row['epochs']} epochs, {row['seconds']} s; "
-              f"round-1 edits tf_rel={row['tf_rel']} qa={row['qa']} chat={row['chat']}", flush=True)
+              f"round-1 edits " + " ".join(f"{k}={row[k]}" for k in ("tf_rel",) + wild), flush=True)
+        if on_round is not None:
+            on_round({"run": label(overrides), "config": cfg.to_json(), "rounds": list(rounds),
+                      "edit_seconds": None})
 
     t0 = time.perf_counter()
     res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=False, on_round=report,
-                       after_round=retention_probe(tokenizer, requests[:chunk]))
+                       after_round=retention_probe(tokenizer, requests[:chunk], wild=wild))
     restore(model, res.original_weights)
     return {"run": label(overrides), "config": cfg.to_json(), "rounds": rounds,
             "edit_seconds": round(time.perf_counter() - t0, 1)}
@@ -70,10 +78,11 @@ def table(results: list[dict]) -> str:
     lines = ["| run | measure | " + " | ".join(f"r{i + 1}" for i in range(n)) + " | seconds |",
              "|" + "---|" * (n + 3)]
     for r in results:
-        for k in ("tf_rel", "qa", "chat"):
-            cells = ["–" if x[k] is None else f"{x[k]:.2f}" for x in r["rounds"]]
-            lines.append(f"| {r['run']} | {k} | " + " | ".join(cells + [""] * (n - len(cells)))
-                         + f" | {r['edit_seconds']:.0f} |")
+        measures = [k for k in r["rounds"][0] if k not in ("round", "epochs", "last_loss", "seconds")]
+        secs = "–" if r["edit_seconds"] is None else f"{r['edit_seconds']:.0f}"
+        for k in measures:
+            cells = ["–" if x.get(k) is None else f"{x[k]:.2f}" for x in r["rounds"]]
+            lines.append(f"| {r['run']} | {k} | " + " | ".join(cells + [""] * (n - len(cells))) + f" | {secs} |")
     return "\n".join(lines) + "\n"
 
 
@@ -83,8 +92,11 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--chunk", type=int, default=100, help="edits per round")
     ap.add_argument("--runs", required=True, help="'k=v;k=v|k=v' overrides, one run each")
-    ap.add_argument("--json", help="write every run's rounds here (rewritten after each run)")
+    ap.add_argument("--wild", default="qa,chat",
+                    help="WILD wrappers to probe after each round (comma list; '' = teacher-forced only)")
+    ap.add_argument("--json", help="write every run's rounds here (rewritten after every round)")
     args = ap.parse_args()
+    wild = tuple(w for w in args.wild.split(",") if w)
     from crispedit.data import load_edits
     from crispedit.errors import atomic_write_json
     from crispedit.models import load_model
@@ -95,12 +107,18 @@ def main() -> None:
         seq_config(r)                       # a bad key fails before the model loads
     model, tok = load_model(args.model)
     requests = load_edits(path, limit=n, offset=offset)
-    results = []
-    for r in runs:
-        results.append(run_one(model, tok, requests, r, args.chunk))
+    results: list[dict] = []
+
+    def save(partial: dict | None = None) -> None:
+        """Rewrite ``--json`` with the finished runs and, given one, the run in progress."""
         if args.json:
             atomic_write_json(args.json, {"edits": {"file": path, "offset": offset, "n": len(requests)},
-                                          "chunk": args.chunk, "model": args.model, "runs": results})
+                                          "chunk": args.chunk, "model": args.model, "wild": list(wild),
+                                          "runs": results + ([partial] if partial else [])})
+
+    for r in runs:
+        results.append(run_one(model, tok, requests, r, args.chunk, wild=wild, on_round=save))
+        save()
     print(table(results))
 
 

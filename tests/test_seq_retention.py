@@ -41,3 +41,14 @@ def test_each_run_starts_from_the_base_and_probes_round_one_after_every_round(sc
     assert runs[1]["config"]["edit"]["gamma"] == 0.99 and "gamma=0.99" in runs[1]["run"]
     md = script.table(runs)
     assert md.count("| tf_rel |") == 2 and "| r1 | r2 | seconds |" in md
+
+
+def test_teacher_forced_only_probe_and_a_record_after_every_round(script, tiny_lm, iso_cache):
+    model, tok = tiny_lm
+    seen = []
+    run = script.run_one(model, tok, REQS, dict(BASE), 2, wild=(), on_round=seen.append)
+    assert [len(p["rounds"]) for p in seen] == [1, 2] and all(p["edit_seconds"] is None for p in seen)
+    assert all(set(x) == {"round", "epochs", "last_loss", "seconds", "tf_rel"} for x in run["rounds"])
+    assert all(x["last_loss"] >= 0 for x in run["rounds"])
+    md = script.table([run, seen[0]])
+    assert md.count("| tf_rel |") == 2 and "| qa |" not in md and "| – |" in md

@@ -59,7 +59,7 @@ def retention_probe(tokenizer, requests: Sequence[EditRequest], wild: Sequence[s
     """A measurement of whether ``requests`` (e.g. a sequential run's first round) still hold on a model: the
     returned function gives ``{"n": len(requests), "tf_rel": mean teacher-forced reliability, "wild": {context:
     WILD rel (fraction of prompts whose free answer the rule judge accepts)}}`` for the model it is called on
-    (chat skipped, ``None``, for tokenizers without a chat template)."""
+    (chat skipped, ``None``, for tokenizers without a chat template; ``wild=()`` measures teacher-forced only)."""
     requests = list(requests)
 
     def measure(model: nn.Module) -> dict:
@@ -69,7 +69,7 @@ def retention_probe(tokenizer, requests: Sequence[EditRequest], wild: Sequence[s
 
         tf = summarize_edit_scores(edit_scores(model, tokenizer, requests, batch_size))
         res = wild_contexts(model, tokenizer, requests, RuleJudge(), contexts=list(wild), batch_size=batch_size,
-                            progress=False)
+                            progress=False) if wild else {}
         return {"n": len(requests), "tf_rel": tf["rel"],
                 "wild": {c: None if res.get(c) is None else res[c]["rel"] for c in wild}}
 
