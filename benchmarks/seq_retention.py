@@ -46,6 +46,7 @@ def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa",
     from crispedit.sessions.sequential import run_sequence
 
     cfg = seq_config(overrides)
+    head = {"run": label(overrides), "config": cfg.to_json()}
     rounds = []
     wild = tuple(wild)
 
@@ -58,18 +59,16 @@ def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa",
                "seconds": round(rec["edit_seconds"], 1), "tf_rel": after.get("tf_rel"),
                **{k: (after.get("wild") or {}).get(k) for k in wild}}
         rounds.append(row)
-        print(f"  [{label(overrides)}] round {row['round']}/{n_rounds}: {row['epochs']} epochs, {row['seconds']} s; "
+        print(f"  [{head['run']}] round {row['round']}/{n_rounds}: {row['epochs']} epochs, {row['seconds']} s; "
               f"round-1 edits " + " ".join(f"{k}={row[k]}" for k in ("tf_rel",) + wild), flush=True)
         if on_round is not None:
-            on_round({"run": label(overrides), "config": cfg.to_json(), "rounds": list(rounds),
-                      "edit_seconds": None})
+            on_round({**head, "rounds": list(rounds), "edit_seconds": None})
 
     t0 = time.perf_counter()
     res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=False, on_round=report,
                        after_round=retention_probe(tokenizer, requests[:chunk], wild=wild))
     restore(model, res.original_weights)
-    return {"run": label(overrides), "config": cfg.to_json(), "rounds": rounds,
-            "edit_seconds": round(time.perf_counter() - t0, 1)}
+    return {**head, "rounds": rounds, "edit_seconds": round(time.perf_counter() - t0, 1)}
 
 
 def table(results: list[dict]) -> str:
