@@ -38,7 +38,8 @@ def seq_config(overrides: dict):
 
 def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa", "chat"), on_round=None) -> dict:
     """One sequential run from the base: ``{"run": label, "config": SeqConfig JSON, "rounds": [{"round", "epochs",
-    "last_loss", "seconds", "tf_rel", <one WILD rel per context of wild>}], "edit_seconds"}``; the model is
+    "last_loss", "seconds", "tf_rel", <one WILD rel per context of wild>, "kept"}], "edit_seconds"}`` — ``kept``
+    the mean over the edited layers of the fraction of directions the round's projector left free; the model is
     restored to the base afterwards. ``wild=()`` probes teacher-forced only (about half the probe's time);
     ``on_round(partial)`` is called after every round with the run so far (``edit_seconds`` ``None``)."""
     from crispedit.editing import restore
@@ -54,10 +55,12 @@ def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa",
         """Keep and print one round's retention line."""
         after = rec.get("after_round") or {}
         train = rec.get("train") or {}
+        kept = list((rec.get("projector_kept") or {}).values())
         row = {"round": rec["round"], "epochs": train.get("epochs"),
                "last_loss": (train.get("epoch_loss") or [None])[-1],
                "seconds": round(rec["edit_seconds"], 1), "tf_rel": after.get("tf_rel"),
-               **{k: (after.get("wild") or {}).get(k) for k in wild}}
+               **{k: (after.get("wild") or {}).get(k) for k in wild},
+               "kept": round(sum(kept) / len(kept), 4) if kept else None}
         rounds.append(row)
         print(f"  [{head['run']}] round {row['round']}/{n_rounds}: {row['epochs']} epochs, {row['seconds']} s; "
               f"round-1 edits " + " ".join(f"{k}={row[k]}" for k in ("tf_rel",) + wild), flush=True)

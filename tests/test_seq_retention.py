@@ -48,7 +48,8 @@ def test_teacher_forced_only_probe_and_a_record_after_every_round(script, tiny_l
     seen = []
     run = script.run_one(model, tok, REQS, dict(BASE), 2, wild=(), on_round=seen.append)
     assert [len(p["rounds"]) for p in seen] == [1, 2] and all(p["edit_seconds"] is None for p in seen)
-    assert all(set(x) == {"round", "epochs", "last_loss", "seconds", "tf_rel"} for x in run["rounds"])
+    assert all(set(x) == {"round", "epochs", "last_loss", "seconds", "tf_rel", "kept"} for x in run["rounds"])
+    assert all(0 < x["kept"] <= 1 for x in run["rounds"])                   # the projector's free fraction
     assert all(x["last_loss"] >= 0 for x in run["rounds"])
     md = script.table([run, seen[0]])
-    assert md.count("| tf_rel |") == 2 and "| qa |" not in md and "| – |" in md
+    assert md.count("| tf_rel |") == 2 and "| qa |" not in md and "| – |" in md and md.count("| kept |") == 2
