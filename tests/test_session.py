@@ -155,6 +155,29 @@ def test_combine_weightings():
     assert combine_factors(cap, None, "fixed", 0.5) is cap
     with pytest.raises(CrispEditError):
         SeqConfig(weighting="nope")
+
+
+def test_trace_weighting_mixes_energy_shares_whatever_the_scales():
+    """``trace``: the edit factors scaled to the capability factors' traces before the fixed mix, so ten times
+    larger edit factors (as SmolLM2's edit S is) take ``mix`` of the energy, not nine tenths of it."""
+    g = torch.Generator().manual_seed(0)
+    psd = lambda d: (lambda x: x @ x.T)(torch.randn(d, d + 2, generator=g))  # noqa: E731
+    cap = KFACFactors({"l": psd(4)}, {"l": psd(3)}, 500)
+    ed = KFACFactors({"l": 7.0 * psd(4)}, {"l": 10.0 * psd(3)}, 50)
+    tr = lambda m: float(torch.diagonal(m).sum())  # noqa: E731
+    scaled = ed.rescaled_to(cap)
+    for k in ("A", "S"):
+        mine, ref = getattr(scaled, k)["l"], getattr(cap, k)["l"]
+        assert tr(mine) == pytest.approx(tr(ref), rel=1e-6)
+        torch.testing.assert_close(mine / tr(mine), getattr(ed, k)["l"] / tr(getattr(ed, k)["l"]))  # shape kept
+    mixed = combine_factors(cap, ed, "trace", 0.3)
+    torch.testing.assert_close(mixed.S["l"], 0.7 * cap.S["l"] + 0.3 * scaled.S["l"])
+    raw = combine_factors(cap, ed, "fixed", 0.3)
+    assert 0.3 * tr(scaled.S["l"]) / tr(mixed.S["l"]) == pytest.approx(0.3)
+    assert 0.3 * tr(ed.S["l"]) / tr(raw.S["l"]) > 0.5                        # raw: the edits dominate
+    zero = KFACFactors({"l": torch.zeros(4, 4)}, {"l": psd(3)}, 1).rescaled_to(cap)
+    assert torch.equal(zero.A["l"], torch.zeros(4, 4))                         # nothing to scale
+    assert SeqConfig(weighting="trace").weighting == "trace"
     with pytest.raises(CrispEditError):
         SeqConfig(mix=1.5)
 

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from ..errors import check_dir_takes_entries, check_output_dir, check_output_file
+from ..editing.config import WEIGHTINGS
 from ..sessions.files import read_session_meta, read_session_state
 from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
                     check_job_files, config_from_args)
@@ -154,9 +155,11 @@ def add_cli(sub) -> None:
     i.add_argument("--out", required=True, help="session directory to create")
     i.add_argument("--mode", default="sequential", choices=["sequential", "batch"],
                    help="sequential rounds (default) or re-edit the base on the union of all rounds (baseline)")
-    i.add_argument("--weighting", default="fixed", choices=["fixed", "tokens"],
-                   help="capability vs edit factors: fixed mixing coefficient (default) or token counts (authors' code)")
-    i.add_argument("--mix", type=float, default=0.5, help="share of the edit factors with --weighting fixed (default 0.5)")
+    i.add_argument("--weighting", default="fixed", choices=list(WEIGHTINGS),
+                   help="capability vs edit factors: fixed mixing coefficient (default), the same after scaling the edit "
+                        "factors to the capability factors' traces (trace), or token counts (authors' code)")
+    i.add_argument("--mix", type=float, default=0.5,
+                   help="share of the edit factors with --weighting fixed or trace (default 0.5)")
     i.add_argument("--recompute-drift", type=float, default=None,
                    help="recollect capability factors once a weight drifted by more than this (paper: 0.25; default off)")
     i.add_argument("--no-carry-optimizer", action="store_true", help="fresh Adam state every round")

@@ -111,6 +111,17 @@ class KFACFactors:
         S = {k: a * self.S[k] + b * other.S[k].to(self.S[k]) for k in self.S}
         return KFACFactors(A, S, self.n_tokens + other.n_tokens, dict(self.meta))
 
+    def rescaled_to(self, ref: "KFACFactors") -> "KFACFactors":
+        """These factors with every ``A`` and ``S`` scaled to the trace of ``ref``'s factor of the same layer
+        (same shapes, fp32 or better as stored; a zero-trace factor is left as it is): what makes a fixed mixing
+        coefficient a share of each factor's energy when two sets live on different scales."""
+        def scale(mine: Tensor, theirs: Tensor) -> Tensor:
+            t = float(torch.diagonal(mine).double().sum())
+            return mine if t <= 0 else mine * (float(torch.diagonal(theirs).double().sum()) / t)
+
+        return KFACFactors({k: scale(v, ref.A[k]) for k, v in self.A.items()},
+                           {k: scale(v, ref.S[k]) for k, v in self.S.items()}, self.n_tokens, dict(self.meta))
+
     def to_tensors(self) -> dict[str, Tensor]:
         """``{"<layer>::A": A, "<layer>::S": S}`` (S only where present: input-covariance sets hold A alone)."""
         out = {}

@@ -10,6 +10,9 @@ chunks, for a fixed model). The next round's projector is rebuilt from capabilit
 * ``weighting="fixed"`` (default): ``(1 - mix) * cap + mix * edits`` with a fixed coefficient
   (``mix=0.5``): earlier edits keep a constant share of the constraint however large the
   capability corpus is;
+* ``weighting="trace"``: the same mix of the two sets after the edit factors are scaled to the capability
+  factors' traces, layer by layer, so ``mix`` is the edits' share of each factor's energy (with raw factors the
+  edits' output-gradient covariance, several times the capability one's, takes most of it whatever ``mix``);
 * ``weighting="tokens"``: the authors' code, a token-count-weighted average; the capability corpus
   (thousands of tokens) swamps the edits (tens of tokens each).
 
@@ -104,13 +107,16 @@ class SeqState:
 
 
 def combine_factors(cap: KFACFactors, edits: KFACFactors | None, weighting: str, mix: float) -> KFACFactors:
-    """The constraint for the next round: capability factors merged with the accumulated edit factors."""
+    """The constraint for the next round: capability factors merged with the accumulated edit factors
+    (``weighting`` and ``mix`` as the module docstring says; per layer, same shapes as ``cap``)."""
     if edits is None:
         return cap
     if weighting == "tokens":
         return cap.merged(edits)
     if weighting == "fixed":
         return cap.merged(edits, weight=mix)
+    if weighting == "trace":
+        return cap.merged(edits.rescaled_to(cap), weight=mix)
     raise CrispEditError(f"unknown factor weighting {weighting!r}")
 
 
