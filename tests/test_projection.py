@@ -3,6 +3,7 @@ import torch
 
 from crispedit.errors import CrispEditError
 from crispedit.curvature.projection import (DenseProjector, KroneckerProjector, eigh_psd, energy_keep_mask,
+                                  per_source_keep_mask,
                                   kfac_quadratic_form, kronecker_projection_flops, unvec, vec)
 
 D = torch.float64
@@ -431,3 +432,30 @@ def test_kronecker_keep_mask_equals_the_energy_rule_on_the_outer_product():
             assert torch.equal(kronecker_keep_mask(a, b, gamma), energy_keep_mask(torch.outer(a, b), gamma))
     a, b = torch.tensor([1.0, 3.0, 2.0], dtype=torch.float64), torch.tensor([0.5, 2.0], dtype=torch.float64)
     assert torch.equal(kronecker_keep_mask(a, b, 0.6), energy_keep_mask(torch.outer(a, b), 0.6))
+
+
+def test_per_source_mask_masks_gamma_of_each_sources_energy():
+    """Each source's energy on the masked entries of the merged basis is at least γ of its total (exactly its
+    curvature along those directions: tr(P (A ⊗ S)) summed from the dense Kronecker product), with a source
+    100× larger than the other and one dominant direction; the single merged cut leaves the small one bare."""
+    gamma = 0.8
+    A1, S1 = rand_psd(6, seed=7), rand_psd(5, seed=8)
+    g = torch.Generator().manual_seed(9)
+    v = torch.randn(5, 1, generator=g, dtype=D)
+    A2, S2 = 100 * rand_psd(6, seed=10), 100 * (rand_psd(5, seed=11) + 50 * v @ v.T)   # large, one outlier
+    lam_in, U_in = eigh_psd(A1 + A2)
+    lam_out, U_out = eigh_psd(S1 + S2)
+    keep = per_source_keep_mask(U_out, U_in, [(A1, S1), (A2, S2)], gamma)
+    assert keep.shape == (5, 6) and keep.dtype == torch.bool
+    basis = torch.kron(U_in, U_out)                          # column-major vec: columns = entries (i, j), j major
+    masked = basis[:, ~keep.T.reshape(-1)]
+    for A, S in ((A1, S1), (A2, S2)):
+        G = torch.kron(A, S)
+        assert torch.trace(masked.T @ G @ masked) >= gamma * torch.trace(G) * (1 - 1e-9)
+    merged = KroneckerProjector.from_factors(A1 + A2, S1 + S2, gamma, dtype=torch.float64).mask.bool()
+    assert (~keep).sum() > (~merged).sum()                   # the union masks more than the merged cut
+    Pm = basis[:, ~merged.T.reshape(-1)]
+    G1 = torch.kron(A1, S1)
+    assert torch.trace(Pm.T @ G1 @ Pm) < gamma * torch.trace(G1)   # which leaves the small source under γ
+    P = KroneckerProjector(U_out, U_in, keep, dtype=torch.float64)
+    torch.testing.assert_close(P.dense(), basis[:, keep.T.reshape(-1)] @ basis[:, keep.T.reshape(-1)].T)

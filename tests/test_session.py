@@ -182,6 +182,33 @@ def test_trace_weighting_mixes_energy_shares_whatever_the_scales():
         SeqConfig(mix=1.5)
 
 
+def test_each_weighting_masks_each_sets_energy_in_the_merged_basis(tmp_path, tiny_model_dir, monkeypatch):
+    """``each``: the constraint is the trace mix carrying its two parts; crispedit's projector is the merged
+    eigenbasis with :func:`per_source_keep_mask` of the parts; a session runs its rounds with it."""
+    from crispedit.curvature.eigen import factor_eigh
+    from crispedit.curvature.projection import per_source_keep_mask
+    from crispedit.methods.crispedit import CrispEditEditor
+
+    g = torch.Generator().manual_seed(1)
+    psd = lambda d: (lambda x: x @ x.T)(torch.randn(d, d + 1, generator=g))  # noqa: E731
+    cap = KFACFactors({"l": psd(5)}, {"l": psd(4)}, 300)
+    ed = KFACFactors({"l": 9.0 * psd(5)}, {"l": 20.0 * psd(4)}, 30)
+    each = combine_factors(cap, ed, "each", 0.5)
+    assert each.parts == (cap, ed) and combine_factors(cap, ed, "trace", 0.5).parts == ()
+    torch.testing.assert_close(each.A["l"], combine_factors(cap, ed, "trace", 0.5).A["l"])
+    proj = CrispEditEditor().projectors({"l": None}, each, EditConfig(gamma=0.8))["l"]
+    eig = factor_eigh(each, ["l"], ("A", "S"))
+    want = per_source_keep_mask(eig["l", "S"][1], eig["l", "A"][1], [(cap.A["l"], cap.S["l"]), (ed.A["l"], ed.S["l"])], 0.8)
+    assert torch.equal(proj.mask.bool(), want)
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), _config(edit={"epochs": 3}, weighting="each"), progress=False)
+    for reqs in ROUNDS:
+        s.add(reqs, plot=False)
+    st = s.status()
+    assert [set(r["retention"]) for r in st["rounds"]] == [{"1"}, {"1", "2"}]
+    assert all(0 < v < 1 for v in st["rounds"][1]["projector_kept"].values())
+
+
 def test_optimizer_state_roundtrip_and_reprojection(tiny_lm, iso_cache):
     from crispedit.editing import capability_factors
 

@@ -157,9 +157,10 @@ def add_cli(sub) -> None:
                    help="sequential rounds (default) or re-edit the base on the union of all rounds (baseline)")
     i.add_argument("--weighting", default="fixed", choices=list(WEIGHTINGS),
                    help="capability vs edit factors: fixed mixing coefficient (default), the same after scaling the edit "
-                        "factors to the capability factors' traces (trace), or token counts (authors' code)")
+                        "factors to the capability factors' traces (trace), that basis with gamma of each set's "
+                        "energy masked (each), or token counts (authors' code)")
     i.add_argument("--mix", type=float, default=0.5,
-                   help="share of the edit factors with --weighting fixed or trace (default 0.5)")
+                   help="share of the edit factors with --weighting fixed, trace or each (default 0.5)")
     i.add_argument("--recompute-drift", type=float, default=None,
                    help="recollect capability factors once a weight drifted by more than this (paper: 0.25; default off)")
     i.add_argument("--no-carry-optimizer", action="store_true", help="fresh Adam state every round")

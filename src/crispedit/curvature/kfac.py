@@ -78,6 +78,9 @@ class LabelMode(str, Enum):
 class KFACFactors:
     """Per-layer K-FAC factors, normalised by the number of rows (tokens) they average over.
 
+    ``parts``: for a merged constraint whose projector masks each part's energy separately (CrispEdit-Seq's
+    ``weighting="each"``), the factor sets it was merged from; empty otherwise (never stored).
+
     ``source``: the cache file these factors were read from or written to (``path``, ``key``, ``write`` — the file's uid;
     empty for factors built or merged in memory) — what identifies their cached eigenbases
     (:mod:`crispedit.curvature.eigen`); ``_eigh`` holds the eigendecompositions computed for this object."""
@@ -88,6 +91,7 @@ class KFACFactors:
     meta: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict, compare=False, repr=False)
     _eigh: dict = field(default_factory=dict, compare=False, repr=False)
+    parts: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def layers(self) -> list[str]:

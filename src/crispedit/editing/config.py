@@ -193,7 +193,7 @@ _STORED_WHEN_SET = {"batch_tokens": None, "context_sample": None, "precision": "
                     "batch_order": "request"}
 
 
-WEIGHTINGS = ("fixed", "trace", "tokens")
+WEIGHTINGS = ("fixed", "trace", "each", "tokens")
 MODES = ("sequential", "batch")
 PAPER_SEQ_CHUNK = 100  # CrispEdit-Seq's chunk size (paper, Table "Default hyperparameters"; 3000 edits = 30 rounds)
 MIN_SEQ_ROUNDS = 10    # ... but a small edit set is still cut into about this many rounds
@@ -216,8 +216,8 @@ class SeqConfig:
 
     edit: EditConfig = field(default_factory=EditConfig)
     mode: str = "sequential"            # "sequential" (CrispEdit-Seq / FT Sequential) or "batch" (union re-edit)
-    weighting: str = "fixed"            # capability vs edit factors: "fixed" / "trace" (mix) or "tokens" (authors')
-    mix: float = 0.5                    # share of the edit factors when weighting="fixed" or "trace"
+    weighting: str = "fixed"            # capability vs edit factors: "fixed" / "trace" / "each" (mix), "tokens" (authors')
+    mix: float = 0.5                    # share of the edit factors when weighting is "fixed", "trace" or "each"
     carry_optimizer: bool = True        # keep Adam's state across rounds
     reproject_momentum: bool = True     # re-project Adam's first moment when the projector changes
     recompute_drift: float | None = None  # recollect capability factors past this relative drift (paper 0.25)
