@@ -14,6 +14,7 @@ Every run starts from the base weights. Run alone: one model job at a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -36,12 +37,53 @@ def seq_config(overrides: dict):
     return SeqConfig(edit=EditConfig(**edit_kw), **seq_kw)
 
 
-def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa", "chat"), on_round=None) -> dict:
+def spectrum(factors) -> dict:
+    """Per layer (its block index) of a :class:`~crispedit.curvature.kfac.KFACFactors`: trace, largest eigenvalue and
+    the top-5 eigenvalues' share of the trace of ``A`` and of ``S`` (float64 eigenvalues)."""
+    import torch
+
+    out = {}
+    for name in sorted(factors.A):
+        row = {}
+        for k, M in (("A", factors.A[name]), ("S", factors.S[name])):
+            lam = torch.linalg.eigvalsh(M.double()).flip(0).clamp_min(0.0)
+            tr = float(lam.sum())
+            row.update({f"tr{k}": round(tr, 6), f"top{k}": round(float(lam[0]), 6),
+                        f"top5{k}_share": round(float(lam[:5].sum()) / tr, 4) if tr > 0 else 0.0})
+        out[name] = row
+    return out
+
+
+@contextlib.contextmanager
+def factor_spectra(rounds: list):
+    """While open, every call of :func:`crispedit.sessions.sequential.accumulate` (once per round, after it is
+    edited) appends ``{"chunk": spectrum of the round's edit factors, "accumulated": of the running average}`` to
+    ``rounds``: what the next round's projector is built from besides the capability factors."""
+    from crispedit.sessions import sequential
+
+    real = sequential.accumulate
+
+    def recording(acc, new):
+        out = real(acc, new)
+        rounds.append({"chunk": spectrum(new), "accumulated": spectrum(out)})
+        return out
+
+    sequential.accumulate = recording
+    try:
+        yield
+    finally:
+        sequential.accumulate = real
+
+
+def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa", "chat"), on_round=None,
+            spectra: bool = False) -> dict:
     """One sequential run from the base: ``{"run": label, "config": SeqConfig JSON, "rounds": [{"round", "epochs",
     "last_loss", "seconds", "tf_rel", <one WILD rel per context of wild>, "kept"}], "edit_seconds"}`` — ``kept``
     the mean over the edited layers of the fraction of directions the round's projector left free; the model is
     restored to the base afterwards. ``wild=()`` probes teacher-forced only (about half the probe's time);
-    ``on_round(partial)`` is called after every round with the run so far (``edit_seconds`` ``None``)."""
+    ``on_round(partial)`` is called after every round with the run so far (``edit_seconds`` ``None``).
+    ``spectra``: each row also holds ``factors`` (:func:`factor_spectra`'s entry of its round) and the result
+    ``capability`` (the capability factors' :func:`spectrum`)."""
     from crispedit.editing import restore
     from crispedit.evaluation.edit_eval import retention_probe
     from crispedit.sessions.sequential import run_sequence
@@ -61,17 +103,24 @@ def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa",
                "seconds": round(rec["edit_seconds"], 1), "tf_rel": after.get("tf_rel"),
                **{k: (after.get("wild") or {}).get(k) for k in wild},
                "kept": round(sum(kept) / len(kept), 4) if kept else None}
+        if spectra and len(seen) >= rec["round"]:
+            row["factors"] = seen[rec["round"] - 1]
         rounds.append(row)
         print(f"  [{head['run']}] round {row['round']}/{n_rounds}: {row['epochs']} epochs, {row['seconds']} s; "
               f"round-1 edits " + " ".join(f"{k}={row[k]}" for k in ("tf_rel",) + wild), flush=True)
         if on_round is not None:
             on_round({**head, "rounds": list(rounds), "edit_seconds": None})
 
+    seen: list[dict] = []
     t0 = time.perf_counter()
-    res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=False, on_round=report,
-                       after_round=retention_probe(tokenizer, requests[:chunk], wild=wild))
+    with factor_spectra(seen) if spectra else contextlib.nullcontext():
+        res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=False, on_round=report,
+                           after_round=retention_probe(tokenizer, requests[:chunk], wild=wild))
     restore(model, res.original_weights)
-    return {**head, "rounds": rounds, "edit_seconds": round(time.perf_counter() - t0, 1)}
+    out = {**head, "rounds": rounds, "edit_seconds": round(time.perf_counter() - t0, 1)}
+    if spectra and res.state.cap is not None:
+        out["capability"] = spectrum(res.state.cap)
+    return out
 
 
 def table(results: list[dict]) -> str:
@@ -80,7 +129,7 @@ def table(results: list[dict]) -> str:
     lines = ["| run | measure | " + " | ".join(f"r{i + 1}" for i in range(n)) + " | seconds |",
              "|" + "---|" * (n + 3)]
     for r in results:
-        measures = [k for k in r["rounds"][0] if k not in ("round", "epochs", "last_loss", "seconds")]
+        measures = [k for k in r["rounds"][0] if k not in ("round", "epochs", "last_loss", "seconds", "factors")]
         secs = "–" if r["edit_seconds"] is None else f"{r['edit_seconds']:.0f}"
         for k in measures:
             cells = ["–" if x.get(k) is None else f"{x[k]:.2f}" for x in r["rounds"]]
@@ -97,6 +146,8 @@ def main() -> None:
     ap.add_argument("--wild", default="qa,chat",
                     help="WILD wrappers to probe after each round (comma list; '' = teacher-forced only)")
     ap.add_argument("--json", help="write every run's rounds here (rewritten after every round)")
+    ap.add_argument("--spectra", action="store_true",
+                    help="record per round the trace and top eigenvalues of the edit factors (chunk and accumulated)")
     args = ap.parse_args()
     wild = tuple(w for w in args.wild.split(",") if w)
     from crispedit.data import load_edits
@@ -119,7 +170,7 @@ def main() -> None:
                                           "runs": results + ([partial] if partial else [])})
 
     for r in runs:
-        results.append(run_one(model, tok, requests, r, args.chunk, wild=wild, on_round=save))
+        results.append(run_one(model, tok, requests, r, args.chunk, wild=wild, on_round=save, spectra=args.spectra))
         save()
     print(table(results))
 

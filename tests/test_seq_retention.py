@@ -53,3 +53,20 @@ def test_teacher_forced_only_probe_and_a_record_after_every_round(script, tiny_l
     assert all(x["last_loss"] >= 0 for x in run["rounds"])
     md = script.table([run, seen[0]])
     assert md.count("| tf_rel |") == 2 and "| qa |" not in md and "| – |" in md and md.count("| kept |") == 2
+
+
+def test_spectra_record_each_rounds_edit_factors(script, tiny_lm, iso_cache):
+    """``spectra``: every round's row holds the trace / top eigenvalue / top-5 share of the round's edit factors and
+    of their running average, per layer; the run holds the capability factors' (the projector's other input)."""
+    model, tok = tiny_lm
+    run = script.run_one(model, tok, REQS, dict(BASE), 2, wild=(), spectra=True)
+    first, second = (x["factors"] for x in run["rounds"])
+    layers = ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
+    assert sorted(first["chunk"]) == layers and sorted(run["capability"]) == layers
+    for part in (first["chunk"], second["accumulated"], run["capability"]):
+        for v in part.values():
+            assert v["trA"] > 0 and v["trS"] > 0 and 0 < v["top5A_share"] <= 1 and 0 < v["topS"] <= v["trS"]
+    assert first["accumulated"] == first["chunk"]                 # one chunk: the average is the chunk
+    assert "| factors |" not in script.table([run])
+    from crispedit.sessions import sequential
+    assert sequential.accumulate.__name__ == "accumulate"          # the wrapper is removed afterwards
