@@ -12,11 +12,11 @@ chunks, for a fixed model). The next round's projector is rebuilt from capabilit
   capability corpus is;
 * ``weighting="trace"``: the same mix of the two sets after the edit factors are scaled to the capability
   factors' traces, layer by layer, so ``mix`` is the edits' share of each factor's energy (with raw factors the
-  edits' output-gradient covariance, several times the capability one's, takes most of it whatever ``mix``);
+  edits' output-gradient covariance, when larger than the capability one, takes most of it whatever ``mix``);
 * ``weighting="each"``: the eigenbasis of ``trace``'s mix, with a mask that covers γ of the capability factors'
   energy *and* γ of the accumulated edit factors' energy, each measured in that basis
   (:func:`~crispedit.curvature.projection.per_source_keep_mask`): neither set can take the whole budget, by its
-  scale or by one outlier direction (one round of SmolLM2's edits put 96 % of its S energy in one direction);
+  scale or by one outlier direction (measured: docs/results.md, CrispEdit-Seq at 1 000 edits);
 * ``weighting="tokens"``: the authors' code, a token-count-weighted average; the capability corpus
   (thousands of tokens) swamps the edits (tens of tokens each).
 
