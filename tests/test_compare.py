@@ -141,6 +141,18 @@ def test_compare_cli_seq_row_with_the_default_chunk(tiny_model_dir, tmp_path, is
     assert "lora-seq: 2 rounds of 1" in capsys.readouterr().out
 
 
+def test_compare_cli_seq_weighting_reaches_the_seq_row(tiny_model_dir, tmp_path, iso_cache):
+    """``--seq-weighting each``: the crispedit-seq row runs with it (and says so in its stored config)."""
+    out = tmp_path / "cmp"
+    args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2, "--layers", LAYERS,
+            "--methods", "crispedit-seq", "--seq-weighting", "each", "--out", out, "--epochs", 2, "--n-cap", 4,
+            "--max-len", 32, "--contexts", "bare", "--quiet"]
+    assert main([str(a) for a in args]) == 0
+    row = json.loads((out / "compare.json").read_text())["results"]["crispedit-seq"]
+    assert row["config"]["weighting"] == "each" and row["rounds"] == 2
+    assert all(0 < v < 1 for v in row["round_records"][1]["projector_kept"].values())
+
+
 @pytest.mark.parametrize("extra,msg", [(["--methods", "ft,rome"], "unknown method 'rome'"),
                                        (["--methods", "ft", "--lora-r", "4"], "--lora-r applies to method lora"),
                                        (["--methods", "lora", "--lora-r", "0"], "lora rank r must be at least 1"),

@@ -24,7 +24,7 @@ def cmd_compare(args) -> int:
     for m in methods:  # all validated up front; a -seq row: its method's config in sequential mode
         base, seq = seq_row(m)
         cfg = config_from_args(args, base, options.get(base, {}))
-        configs[m] = SeqConfig(edit=cfg, mode="sequential") if seq else cfg
+        configs[m] = SeqConfig(edit=cfg, mode="sequential", weighting=args.seq_weighting) if seq else cfg
     if args.seq_chunk is not None:
         check_positive_int("--seq-chunk", args.seq_chunk)
         if not any(seq_row(m)[1] for m in methods):
@@ -52,7 +52,7 @@ def cmd_compare(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit compare`` on ``subparsers``."""
-    from ..editing.config import MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK
+    from ..editing.config import MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK, WEIGHTINGS, SeqConfig
     from ..editing.registry import SEQ_SUFFIX, method_names, sequential_rows
     from .flags import add_curvature_args, add_edits_args, add_model_args, add_training_args
 
@@ -69,6 +69,9 @@ def add_cli(sub) -> None:
                    help=f"edits per round of the -seq rows (default min({PAPER_SEQ_CHUNK}, "
                    f"ceil(n-edits/{MIN_SEQ_ROUNDS})): the paper's {PAPER_SEQ_CHUNK}, but about {MIN_SEQ_ROUNDS} "
                    "rounds for small edit sets; 10 for 100 edits)")
+    p.add_argument("--seq-weighting", default=SeqConfig.weighting, choices=list(WEIGHTINGS),
+                   help="how the -seq rows of curvature methods combine capability and edit factors (default "
+                        f"{SeqConfig.weighting}; as `crispedit session init --weighting`)")
     p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png; retention.png with -seq rows)")
     p.add_argument("--capabilities", default=None,
                    help="lm-eval capability tasks, e.g. arc_challenge,truthfulqa_mc2 (default none; needs crispedit[eval])")
