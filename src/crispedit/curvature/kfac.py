@@ -120,6 +120,7 @@ class KFACFactors:
         (same shapes, fp32 or better as stored; a zero-trace factor is left as it is): what makes a fixed mixing
         coefficient a share of each factor's energy when two sets live on different scales."""
         def scale(mine: Tensor, theirs: Tensor) -> Tensor:
+            """``mine`` times ``tr(theirs) / tr(mine)`` (``mine`` itself when its trace is not positive)."""
             t = float(torch.diagonal(mine).double().sum())
             return mine if t <= 0 else mine * (float(torch.diagonal(theirs).double().sum()) / t)
 
