@@ -1,5 +1,6 @@
 """`crispedit compare`: same edits, same base, same evaluation for every method; resumable."""
 
+import dataclasses
 import json
 
 import pytest
@@ -276,6 +277,14 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
     with pytest.raises(CrispEditError, match="holds ft-seq run with another configuration"):
         compare_mod.run_compare(model, tok, REQS, ["ft-seq"], out, configs=seq_configs(["ft-seq"], epochs=5),
                                 seq_chunk=2, progress=False)
+    # the factor weighting: it names the stored one for a crispedit-seq row, and does not matter to ft-seq's rounds
+    other = {m: dataclasses.replace(c, weighting="fixed") if m.endswith("-seq") else c
+             for m, c in seq_configs(methods).items()}
+    with pytest.raises(CrispEditError, match=r"factor weighting each, now fixed: --seq-weighting each resumes it"):
+        compare_mod.run_compare(model, tok, REQS, methods, out, configs=other, seq_chunk=2, progress=False)
+    compare_mod.run_compare(model, tok, REQS, ["ft-seq"], out, configs={"ft-seq": other["ft-seq"]}, seq_chunk=2,
+                            progress=False)
+    assert ran == []
 
 
 def test_a_seq_row_killed_between_or_inside_rounds_resumes_where_it_stopped(tiny_lm, tmp_path, iso_cache, monkeypatch):

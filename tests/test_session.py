@@ -249,7 +249,7 @@ def test_cli_session_reference_run(ref, capsys):
     assert (sess / "retention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [len(r) for r in Session.open(sess).edits()] == [4, 4]
     assert main(["session", "status", str(sess)]) == 0
-    assert "crispedit-seq[fixed]" in capsys.readouterr().out
+    assert "crispedit-seq[each]" in capsys.readouterr().out
     # the exported model is the base with the session's weights in the trained layers
     model, _ = load_model(str(ref["export"]))
     base, _ = load_model(str(ref["model_dir"]))
@@ -354,6 +354,27 @@ def test_refuses_other_base_and_changed_config(ref, tmp_path, tiny_tok, monkeypa
     assert main(["session", "add", str(ref["sess"]), "--edits", str(ref["files"][0]), "--model", str(other)]) == 2
     assert main(["session", "status", str(tmp_path)]) == 2
     assert json.loads((ref["sess"] / "state.json").read_text())["round"] == 2   # nothing changed
+
+
+def test_a_reopened_session_keeps_its_weighting(ref, tmp_path, monkeypatch):
+    """The default weighting changed once (``fixed`` -> ``each``): ``session init`` without ``--weighting`` reopens a
+    session under the weighting stored in it, an explicit other one is refused, and methods whose rounds merge no
+    edit factors (ft, batch mode) are the same session under any weighting."""
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(ref["cache"]))
+    old = tmp_path / "old"
+    shutil.copytree(ref["snap"], old)
+    meta = json.loads((old / "session.json").read_text())
+    assert meta["config"]["weighting"] == SeqConfig.weighting == "each"
+    meta["config"]["weighting"] = "fixed"                                      # as sessions were created before
+    (old / "session.json").write_text(json.dumps(meta))
+    init = ["session", "init", "--model", str(ref["model_dir"]), "--out", str(old), *INIT]
+    assert main(init) == 0
+    assert main(init + ["--weighting", "each"]) == 2
+    assert json.loads((old / "session.json").read_text())["config"]["weighting"] == "fixed"
+    ft = EditConfig(method="ft", layers=LAYERS)
+    assert SeqConfig(edit=ft, weighting="fixed").identity() == SeqConfig(edit=ft).identity()
+    assert SeqConfig(mode="batch", weighting="fixed").identity() == SeqConfig(mode="batch").identity()
+    assert SeqConfig(weighting="fixed").identity() != SeqConfig().identity()
 
 
 def test_session_size_bound(ref):

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ..errors import check_dir_takes_entries, check_output_dir, check_output_file
-from ..editing.config import WEIGHTINGS
+from ..editing.config import WEIGHTINGS, SeqConfig
 from ..sessions.files import read_session_meta, read_session_state
 from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
                     check_job_files, config_from_args)
@@ -39,13 +39,14 @@ def _check_session(path) -> None:
 
 def cmd_init(args) -> int:
     """``crispedit session init``: create (or reopen) a session directory with its capability factors."""
-    from ..editing.config import SeqConfig
-
     edit = config_from_args(args)  # the same mapping of training/curvature flags as `crispedit edit`
-    config = SeqConfig(edit=edit, mode=args.mode, weighting=args.weighting, mix=args.mix,
+    existed = (Path(args.out) / "session.json").is_file()
+    weighting = args.weighting
+    if weighting is None:  # a reopened session keeps the default it was created under (it changed once)
+        weighting = read_session_meta(args.out)["config"].get("weighting") if existed else SeqConfig.weighting
+    config = SeqConfig(edit=edit, mode=args.mode, weighting=weighting, mix=args.mix,
                        carry_optimizer=not args.no_carry_optimizer, reproject_momentum=not args.no_reproject_momentum,
                        recompute_drift=args.recompute_drift, kl_text=args.kl_text, kl_texts=args.kl_texts)
-    existed = (Path(args.out) / "session.json").is_file()
     if not existed:
         check_output_dir(args.out, "--out")
     check_job_files(args, edit.n_cap)
@@ -155,10 +156,10 @@ def add_cli(sub) -> None:
     i.add_argument("--out", required=True, help="session directory to create")
     i.add_argument("--mode", default="sequential", choices=["sequential", "batch"],
                    help="sequential rounds (default) or re-edit the base on the union of all rounds (baseline)")
-    i.add_argument("--weighting", default="fixed", choices=list(WEIGHTINGS),
-                   help="capability vs edit factors: fixed mixing coefficient (default), the same after scaling the edit "
-                        "factors to the capability factors' traces (trace), that basis with gamma of each set's "
-                        "energy masked (each), or token counts (authors' code)")
+    i.add_argument("--weighting", default=None, choices=list(WEIGHTINGS),
+                   help="capability vs edit factors: gamma of each set's energy masked in the trace-scaled mix's "
+                        "eigenbasis (each, default; a reopened session keeps its own), that mix alone (trace), a "
+                        "fixed mixing coefficient on the raw factors (fixed), or token counts (authors' code)")
     i.add_argument("--mix", type=float, default=0.5,
                    help="share of the edit factors with --weighting fixed, trace or each (default 0.5)")
     i.add_argument("--recompute-drift", type=float, default=None,

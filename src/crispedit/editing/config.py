@@ -216,7 +216,7 @@ class SeqConfig:
 
     edit: EditConfig = field(default_factory=EditConfig)
     mode: str = "sequential"            # "sequential" (CrispEdit-Seq / FT Sequential) or "batch" (union re-edit)
-    weighting: str = "fixed"            # capability vs edit factors: "fixed" / "trace" / "each" (mix), "tokens" (authors')
+    weighting: str = "each"             # capability vs edit factors: "each" / "trace" / "fixed" (mix), "tokens" (authors')
     mix: float = 0.5                    # share of the edit factors when weighting is "fixed", "trace" or "each"
     carry_optimizer: bool = True        # keep Adam's state across rounds
     reproject_momentum: bool = True     # re-project Adam's first moment when the projector changes
@@ -247,9 +247,25 @@ class SeqConfig:
         """Display name: ``<method>-seq[weighting]`` or ``<method>-batch``."""
         if self.mode == "batch":
             return f"{self.edit.method}-batch"
+        return f"{self.edit.method}-seq" + (f"[{self.weighting}]" if self.uses_weighting else "")
+
+    @property
+    def uses_weighting(self) -> bool:
+        """Whether ``weighting`` and ``mix`` change the rounds: sequential mode of a K-FAC curvature method (the
+        only rounds that merge edit factors into their constraint)."""
+        if self.mode == "batch":
+            return False
         ed = get_editor(self.edit.method)
-        return f"{self.edit.method}-seq" + (f"[{self.weighting}]" if ed.needs_curvature and ed.curvature_kind == "kfac"
-                                            else "")
+        return bool(ed.needs_curvature and ed.curvature_kind == "kfac")
+
+    def identity(self) -> dict:
+        """:meth:`to_json` without the fields that do not change the rounds (``weighting`` and ``mix`` where
+        :attr:`uses_weighting` is false): what a reopened session or a resumed compare row is matched on, so an
+        ``ft`` session stored under another default weighting is still the same session."""
+        d = self.to_json()
+        if not self.uses_weighting:
+            d.pop("weighting"), d.pop("mix")
+        return d
 
     def to_json(self) -> dict:
         """The session config as a JSON-ready dict."""

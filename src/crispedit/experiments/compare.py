@@ -132,7 +132,7 @@ def _stored_config(stored: dict, sequential: bool = False) -> dict:
     ``max_drift``, at their defaults; a ``SeqConfig`` for a ``-seq`` row), or as stored when it no longer
     validates."""
     try:
-        return (SeqConfig if sequential else EditConfig).from_dict(stored).to_json()
+        return SeqConfig.from_dict(stored).identity() if sequential else EditConfig.from_dict(stored).to_json()
     except (CrispEditError, TypeError):
         return stored
 
@@ -234,12 +234,17 @@ def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: 
         row, seq = payload["results"].get(m, {}), seq_row(m)[1]
         stored = row.get("config")
         if stored is not None and (_run_identity(_stored_config(stored, seq), row.get("inputs"))
-                                   != _run_identity(configs[m].to_json(), inputs[m] if "inputs" in row else None)
+                                   != _run_identity(configs[m].identity() if seq else configs[m].to_json(),
+                                                    inputs[m] if "inputs" in row else None)
                                    or (seq and row.get("seq_chunk") != chunk)):
             other_chunk = seq and row.get("seq_chunk") != chunk
             was = row.get("inputs") if isinstance(row.get("inputs"), dict) else {}
             other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
+            w = stored.get("weighting") if seq and configs[m].uses_weighting and isinstance(stored, dict) else None
+            w = w if w != getattr(configs[m], "weighting", None) else None
             what = (f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else
+                    f" (factor weighting {w}, now {configs[m].weighting}: --seq-weighting {w} resumes it)"
+                    if w else
                     f" (another {other_file[0]} file: sha256 {str(was[other_file[0]])[:12]}…, now "
                     f"{inputs[m][other_file[0]][:12]}…)" if other_file else "")
             raise CrispEditError(f"{path} holds {m} run with another configuration{what}; use another --out")

@@ -7,13 +7,13 @@ collected on the edited model and folded into the accumulated edit factors by an
 streaming average (so the accumulated edit factors equal a one-shot collection over the union of the
 chunks, for a fixed model). The next round's projector is rebuilt from capability + edit factors:
 
-* ``weighting="fixed"`` (default): ``(1 - mix) * cap + mix * edits`` with a fixed coefficient
+* ``weighting="fixed"``: ``(1 - mix) * cap + mix * edits`` with a fixed coefficient
   (``mix=0.5``): earlier edits keep a constant share of the constraint however large the
   capability corpus is;
 * ``weighting="trace"``: the same mix of the two sets after the edit factors are scaled to the capability
   factors' traces, layer by layer, so ``mix`` is the edits' share of each factor's energy (with raw factors the
   edits' output-gradient covariance, when larger than the capability one, takes most of it whatever ``mix``);
-* ``weighting="each"``: the eigenbasis of ``trace``'s mix, with a mask that covers γ of the capability factors'
+* ``weighting="each"`` (default): the eigenbasis of ``trace``'s mix, with a mask that covers γ of the capability factors'
   energy *and* γ of the accumulated edit factors' energy, each measured in that basis
   (:func:`~crispedit.curvature.projection.per_source_keep_mask`): neither set can take the whole budget, by its
   scale or by one outlier direction (measured: docs/results.md, CrispEdit-Seq at 1 000 edits);

@@ -166,9 +166,9 @@ class Session:
         path = Path(path)
         meta = read_session_meta(path)
         if config is not None:
-            stored = SeqConfig.from_dict(meta["config"]).to_json()
+            stored = SeqConfig.from_dict(meta["config"]).identity()
             config.validate().edit.for_family(meta["base"].get("model_type"))  # as create() scaled it
-            given = config.to_json()
+            given = config.identity()
             diff = sorted(_diff_keys(stored, given))
             if diff:
                 raise CrispEditError(f"session {path} was created with a different configuration ({', '.join(diff)}); "
