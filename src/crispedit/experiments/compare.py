@@ -240,8 +240,8 @@ def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: 
             other_chunk = seq and row.get("seq_chunk") != chunk
             was = row.get("inputs") if isinstance(row.get("inputs"), dict) else {}
             other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
-            w = stored.get("weighting") if seq and configs[m].uses_weighting and isinstance(stored, dict) else None
-            w = w if w != getattr(configs[m], "weighting", None) else None
+            w = (seq and configs[m].uses_weighting and isinstance(stored, dict)
+                 and stored.get("weighting") != configs[m].weighting and stored.get("weighting"))
             what = (f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else
                     f" (factor weighting {w}, now {configs[m].weighting}: --seq-weighting {w} resumes it)"
                     if w else
