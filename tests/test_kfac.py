@@ -13,9 +13,10 @@ from crispedit.models import resolve_layers
 TEXTS = [t[:300] for t in capability_corpus(None, 5)] + ["Short one.", "Another, slightly longer, text here."]
 
 
-def brute_force_kfac(model, tok, texts, layer_names, label_mode, seed, max_len=64):
+def brute_force_kfac(model, tok, texts, layer_names, label_mode, seed, max_len=64, loss_from=None):
     """One sequence at a time, no padding; g from additive zero probes (parameter-style autograd),
-    accumulated token by token in Python."""
+    accumulated token by token in Python (with ``loss_from``, text ``i``'s positions predicting tokens before
+    ``loss_from[i]`` left out)."""
     modules = dict(model.named_modules())
     A = {n: 0.0 for n in layer_names}
     S = {n: 0.0 for n in layer_names}
@@ -43,12 +44,13 @@ def brute_force_kfac(model, tok, texts, layer_names, label_mode, seed, max_len=6
         labels = ids[0, 1:] if label_mode == "empirical" else sample_labels(logits, seed, i)
         loss = F.cross_entropy(logits, labels, reduction="sum")
         grads = torch.autograd.grad(loss, [probes[n] for n in layer_names])
+        first = 0 if loss_from is None else max(loss_from[i] - 1, 0)
         for n, g in zip(layer_names, grads):
-            for t in range(T - 1):
+            for t in range(first, T - 1):
                 a_t, g_t = inputs[n][0, t], g[0, t]
                 A[n] = A[n] + torch.outer(a_t, a_t)
                 S[n] = S[n] + torch.outer(g_t, g_t)
-        count += T - 1
+        count += max(T - 1 - first, 0)
     return {n: A[n] / count for n in layer_names}, {n: S[n] / count for n in layer_names}, count
 
 
@@ -64,6 +66,30 @@ def test_kfac_matches_brute_force(tiny_lm64, label_mode):
         assert torch.allclose(f.A[name].double(), A[name], rtol=1e-5, atol=1e-8), name
         assert torch.allclose(f.S[name].double(), S[name], rtol=1e-4, atol=1e-9), name
     assert f.meta["label_mode"] == label_mode
+
+
+def test_loss_from_keeps_only_the_target_rows(tiny_lm64):
+    """Token-id input with ``loss_from`` (a prompt left out, as CrispEdit-Seq's target-only edit factors): the
+    factors average exactly the positions that predict tokens from ``loss_from[i]`` on; ``loss_from`` all zero
+    and token ids give the text path's factors."""
+    model, tok = tiny_lm64
+    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
+    ids = tok(TEXTS, truncation=True, max_length=64)["input_ids"]
+    start = [min(5 + i, len(x) - 1) for i, x in enumerate(ids)]
+    kw = dict(max_len=64, batch_size=3, label_mode="empirical", stat_dtype=torch.float64, progress=False)
+    f = collect_lm_kfac(model, tok, ids, layers, loss_from=start, **kw)
+    A, S, n = brute_force_kfac(model, tok, TEXTS, list(layers), "empirical", seed=0, loss_from=start)
+    assert f.n_tokens == n == sum(len(x) - max(s, 1) for x, s in zip(ids, start))
+    for name in layers:
+        assert torch.allclose(f.A[name].double(), A[name], rtol=1e-5, atol=1e-8), name
+        assert torch.allclose(f.S[name].double(), S[name], rtol=1e-4, atol=1e-9), name
+    whole = collect_lm_kfac(model, tok, TEXTS, layers, **kw)
+    zero = collect_lm_kfac(model, tok, ids, layers, loss_from=[0] * len(ids), **kw)
+    assert zero.n_tokens == whole.n_tokens
+    for name in layers:
+        assert torch.allclose(zero.A[name], whole.A[name]) and torch.allclose(zero.S[name], whole.S[name])
+    with pytest.raises(ValueError, match="loss_from has 1 entries"):
+        collect_lm_kfac(model, tok, ids, layers, loss_from=[0], **kw)
 
 
 def test_batching_and_padding_do_not_change_factors(tiny_lm64):

@@ -144,6 +144,27 @@ def test_streaming_merge_equals_union(tiny_lm64):
         torch.testing.assert_close(acc.S[n], union.S[n], rtol=1e-5, atol=1e-7)
 
 
+def test_target_edit_factors_cover_the_trained_tokens_only(tiny_lm64):
+    """``edit_factors="target"``: the edit factors average the positions that predict each training sequence's
+    target (and answer end) — the tokens the round trained — and nothing of the prompts."""
+    from crispedit.editing.contexts import sequences_for
+
+    model, tok = tiny_lm64
+    layers = resolve_layers(model, LAYERS)
+    cfg = EditConfig(layers=LAYERS, label_mode="empirical", max_len=256, kfac_batch_size=3)
+    full = round_edit_factors(model, tok, ROUNDS[0], layers, cfg, 1)
+    target = round_edit_factors(model, tok, ROUNDS[0], layers, cfg, 1, rows="target")
+    seqs = sequences_for(tok, ROUNDS[0], cfg, model)[0]
+    assert target.n_tokens == sum(len(s.ids) - s.n_context for s in seqs) < full.n_tokens
+    assert not torch.allclose(target.S[next(iter(layers))], full.S[next(iter(layers))])
+    with pytest.raises(CrispEditError, match="edit factor rows must be one of full, target"):
+        SeqConfig(edit_factors="prompt")
+    with pytest.raises(CrispEditError, match="edit factor rows"):
+        round_edit_factors(model, tok, ROUNDS[0], layers, cfg, 1, rows="prompt")
+    ft = SeqConfig(edit=EditConfig(method="ft", layers=LAYERS), edit_factors="target")
+    assert "edit_factors" not in ft.identity() and SeqConfig(edit_factors="target").identity()["edit_factors"] == "target"
+
+
 def test_combine_weightings():
     g = torch.Generator().manual_seed(0)
     mk = lambda n: KFACFactors({"l": torch.randn(3, 3, generator=g)}, {"l": torch.randn(2, 2, generator=g)}, n)  # noqa: E731

@@ -410,12 +410,18 @@ class LMBatch:
         return int(self.labels.numel())
 
 
-def lm_batches(tokenizer, texts: Sequence[str], *, max_len: int, batch_size: int,
-               max_padding: float | None = 0.25, device: torch.device | str = "cpu") -> list[LMBatch]:
-    """Tokenise ``texts`` once (truncated to ``max_len`` tokens, the tokenizer's special tokens included)
-    and group them with :func:`plan_batches`; each batch is right-padded with the tokenizer's pad id
-    (masking comes from the attention mask, never from the token id) and put on ``device``."""
-    ids = tokenizer(list(texts), truncation=True, max_length=max_len)["input_ids"]
+def lm_batches(tokenizer, texts: Sequence[str] | Sequence[Sequence[int]], *, max_len: int, batch_size: int,
+               max_padding: float | None = 0.25, device: torch.device | str = "cpu",
+               loss_from: Sequence[int] | None = None) -> list[LMBatch]:
+    """Tokenise ``texts`` once (truncated to ``max_len`` tokens, the tokenizer's special tokens included;
+    sequences of token ids are taken as they are, truncated the same way) and group them with
+    :func:`plan_batches`; each batch is right-padded with the tokenizer's pad id (masking comes from the
+    attention mask, never from the token id) and put on ``device``. ``loss_from`` (one int per text): only
+    the positions predicting token ``loss_from[i]`` or later of text ``i`` are loss rows (a prompt's tokens
+    left out); default every position with a real next token."""
+    ids = _token_ids(tokenizer, texts, max_len)
+    if loss_from is not None and len(loss_from) != len(ids):
+        raise ValueError(f"loss_from has {len(loss_from)} entries for {len(ids)} texts")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     out = []
     for idx in plan_batches([len(x) for x in ids], batch_size, max_padding):
@@ -427,11 +433,24 @@ def lm_batches(tokenizer, texts: Sequence[str], *, max_len: int, batch_size: int
             attn[r, :len(ids[i])] = 1
         rows = torch.zeros((len(idx), T), dtype=torch.bool)
         rows[:, :-1] = loss_positions(attn)
+        if loss_from is not None:  # position t predicts token t + 1
+            first = torch.tensor([max(int(loss_from[i]) - 1, 0) for i in idx])
+            rows &= torch.arange(T)[None, :] >= first[:, None]
         labels = input_ids[:, 1:][rows[:, :-1]]
         flat = rows.reshape(-1).nonzero().squeeze(1)
         out.append(LMBatch(list(idx), input_ids.to(device), attn.to(device), rows.to(device), labels.to(device),
                            flat.to(device), rows.sum(1).tolist(), bool((attn == 0).any())))
     return out
+
+
+def _token_ids(tokenizer, texts, max_len: int) -> list[list[int]]:
+    """Token ids of ``texts`` (strings are tokenised, id sequences copied), each truncated to ``max_len``."""
+    texts = list(texts)
+    if all(isinstance(t, str) for t in texts):
+        return tokenizer(texts, truncation=True, max_length=max_len)["input_ids"] if texts else []
+    if any(isinstance(t, str) for t in texts):
+        raise TypeError("texts must be all strings or all token-id sequences")
+    return [[int(x) for x in t][:max_len] for t in texts]
 
 
 @contextlib.contextmanager
@@ -593,7 +612,7 @@ def lm_backward(model: nn.Module, batch: LMBatch, label_mode: LabelMode, seed: i
 def collect_lm_kfac(
     model: nn.Module,
     tokenizer,
-    texts: Sequence[str],
+    texts: Sequence[str] | Sequence[Sequence[int]],
     layers: dict[str, nn.Module],
     *,
     max_len: int = 256,
@@ -606,15 +625,17 @@ def collect_lm_kfac(
     desc: str = "K-FAC",
     distributed: bool | None = None,
     max_padding: float | None = 0.25,
+    loss_from: Sequence[int] | None = None,
 ) -> KFACFactors:
     """K-FAC factors of the next-token loss of ``model`` on ``texts`` for all ``layers`` in one pass:
     ``A`` (``d_in x d_in``) and ``S`` (``d_out x d_out``) per layer, in ``out_dtype``.
 
-    Each text is tokenised once (truncated to ``max_len``); texts are grouped into right-padded batches of
-    at most ``batch_size`` by :func:`plan_batches` (by length, at most ``max_padding`` of a batch padding;
-    ``None`` keeps corpus order). Every position with a real next token contributes one row to ``A`` and
-    ``S``; factors are divided by the number of such rows, so the batching changes nothing but the order
-    of the float64 additions. The LM head and the loss are computed at those positions only, and backward
+    Each text is tokenised once (truncated to ``max_len``; token-id sequences are used as given); texts are
+    grouped into right-padded batches of at most ``batch_size`` by :func:`plan_batches` (by length, at most
+    ``max_padding`` of a batch padding; ``None`` keeps corpus order). Every position with a real next token
+    (with ``loss_from``, only those predicting token ``loss_from[i]`` or later of text ``i``: :func:`lm_batches`)
+    contributes one row to ``A`` and ``S``; factors are divided by the number of such rows, so the batching
+    changes nothing but the order of the float64 additions. The LM head and the loss are computed at those positions only, and backward
     stops at the lowest hooked layer (:func:`capture_io`).
 
     ``distributed`` (default: whether a ``torch.distributed`` group of several processes is initialised):
@@ -630,7 +651,7 @@ def collect_lm_kfac(
     was_training = model.training
     model.eval()
     batches = lm_batches(tokenizer, texts, max_len=max_len, batch_size=batch_size, max_padding=max_padding,
-                         device=device)
+                         device=device, loss_from=loss_from)
     shard = distributed if distributed is not None else is_distributed()
     mine = batches[rank()::world_size()] if shard else batches
     quiet = True if rank() != 0 else (None if progress is None else not progress)  # one bar: rank 0's

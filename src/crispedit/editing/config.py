@@ -195,6 +195,7 @@ _STORED_WHEN_SET = {"batch_tokens": None, "context_sample": None, "precision": "
 
 WEIGHTINGS = ("fixed", "trace", "each", "tokens")
 MODES = ("sequential", "batch")
+EDIT_FACTOR_ROWS = ("full", "target")
 PAPER_SEQ_CHUNK = 100  # CrispEdit-Seq's chunk size (paper, Table "Default hyperparameters"; 3000 edits = 30 rounds)
 MIN_SEQ_ROUNDS = 10    # ... but a small edit set is still cut into about this many rounds
 
@@ -218,6 +219,7 @@ class SeqConfig:
     mode: str = "sequential"            # "sequential" (CrispEdit-Seq / FT Sequential) or "batch" (union re-edit)
     weighting: str = "each"             # capability vs edit factors: "each" / "trace" / "fixed" (mix), "tokens" (authors')
     mix: float = 0.5                    # share of the edit factors when weighting is "fixed", "trace" or "each"
+    edit_factors: str = "full"          # positions of the edit factors: "full" sequences (paper) or "target" only
     carry_optimizer: bool = True        # keep Adam's state across rounds
     reproject_momentum: bool = True     # re-project Adam's first moment when the projector changes
     recompute_drift: float | None = None  # recollect capability factors past this relative drift (paper 0.25)
@@ -237,6 +239,9 @@ class SeqConfig:
         if self.weighting not in WEIGHTINGS:
             raise CrispEditError(f"factor weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         self.mix = check_float("mix", self.mix, 0.0, 1.0, lo_open=True, hi_open=True)
+        if self.edit_factors not in EDIT_FACTOR_ROWS:
+            raise CrispEditError(f"edit factor rows must be one of {', '.join(EDIT_FACTOR_ROWS)}, "
+                                 f"got {self.edit_factors!r}")
         if self.recompute_drift is not None:
             self.recompute_drift = check_float("recompute drift threshold", self.recompute_drift, 0.0, lo_open=True)
         self.kl_texts = check_positive_int("kl-texts", self.kl_texts)
@@ -259,12 +264,12 @@ class SeqConfig:
         return bool(ed.needs_curvature and ed.curvature_kind == "kfac")
 
     def identity(self) -> dict:
-        """:meth:`to_json` without the fields that do not change the rounds (``weighting`` and ``mix`` where
-        :attr:`uses_weighting` is false): what a reopened session or a resumed compare row is matched on, so an
-        ``ft`` session stored under another default weighting is still the same session."""
+        """:meth:`to_json` without the fields that do not change the rounds (``weighting``, ``mix`` and
+        ``edit_factors`` where :attr:`uses_weighting` is false): what a reopened session or a resumed compare row is
+        matched on, so an ``ft`` session stored under another default weighting is still the same session."""
         d = self.to_json()
         if not self.uses_weighting:
-            d.pop("weighting"), d.pop("mix")
+            d.pop("weighting"), d.pop("mix"), d.pop("edit_factors")
         return d
 
     def to_json(self) -> dict:

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
 from ..curvature.predicted import mixing_layers, predicted_kl, steep_layers
 from ..data.edits import EditRequest
-from ..editing.config import MODES, WEIGHTINGS, EditConfig, SeqConfig
+from ..editing.config import EDIT_FACTOR_ROWS, MODES, WEIGHTINGS, EditConfig, SeqConfig
 from ..editing.contexts import resolve_contexts, sequences_for
 from ..editing.editor import EditContext
 from ..editing.registry import get_editor
@@ -128,13 +128,21 @@ def combine_factors(cap: KFACFactors, edits: KFACFactors | None, weighting: str,
 
 
 def round_edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
-                       config: EditConfig, round_index: int, progress: bool | None = None) -> KFACFactors:
-    """K-FAC factors of the requests' full training sequences — every edit context, context and
-    target (no prompt masking) — on ``model``: the edits are protected in the forms they were taught."""
-    texts = edit_texts(tokenizer, requests, config, model)
-    return collect_lm_kfac(model, tokenizer, texts, layers, max_len=config.max_len, batch_size=config.kfac_batch_size,
-                           label_mode=config.label_mode, seed=config.seed + 1000 * round_index, progress=progress,
-                           desc="K-FAC[edits]")
+                       config: EditConfig, round_index: int, progress: bool | None = None,
+                       rows: str = "full") -> KFACFactors:
+    """K-FAC factors of the requests' training sequences — every edit context — on ``model``: the edits are
+    protected in the forms they were taught. ``rows="full"`` (the paper): every position of context and target
+    (no prompt masking); ``"target"``: only the positions that predict the target (and answer end) tokens, the
+    loss the round trained, so the factors describe the edits' own curvature rather than the prompts'."""
+    if rows not in EDIT_FACTOR_ROWS:
+        raise CrispEditError(f"edit factor rows must be one of {', '.join(EDIT_FACTOR_ROWS)}, got {rows!r}")
+    kw = dict(max_len=config.max_len, batch_size=config.kfac_batch_size, label_mode=config.label_mode,
+              seed=config.seed + 1000 * round_index, progress=progress, desc="K-FAC[edits]")
+    if rows == "full":
+        return collect_lm_kfac(model, tokenizer, edit_texts(tokenizer, requests, config, model), layers, **kw)
+    seqs = sequences_for(tokenizer, requests, config, model)[0]
+    return collect_lm_kfac(model, tokenizer, [s.ids for s in seqs], layers, loss_from=[s.n_context for s in seqs],
+                           **kw)
 
 
 def edit_texts(tokenizer, requests: Sequence[EditRequest], config: EditConfig, model: nn.Module | None = None
@@ -245,7 +253,7 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     if editor.needs_curvature and editor.curvature_kind == "kfac" and not batch:
         t1 = time.perf_counter()
         new.edits = accumulate(state.edits, round_edit_factors(model, tokenizer, requests, layers, ec, round_index,
-                                                               progress=progress))
+                                                               progress=progress, rows=config.edit_factors))
         record["edit_factor_tokens"] = new.edits.n_tokens
         record["edit_factor_seconds"] = round(time.perf_counter() - t1, 3)
         if config.recompute_drift is not None:
