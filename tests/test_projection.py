@@ -459,3 +459,9 @@ def test_per_source_mask_masks_gamma_of_each_sources_energy():
     assert torch.trace(Pm.T @ G1 @ Pm) < gamma * torch.trace(G1)   # which leaves the small source under γ
     P = KroneckerProjector(U_out, U_in, keep, dtype=torch.float64)
     torch.testing.assert_close(P.dense(), basis[:, keep.T.reshape(-1)] @ basis[:, keep.T.reshape(-1)].T)
+    # one threshold per source: the intersection of each source's own cut, so a higher one masks more
+    per = per_source_keep_mask(U_out, U_in, [(A1, S1), (A2, S2)], [gamma, 0.95])
+    own = [per_source_keep_mask(U_out, U_in, [src], g) for src, g in (((A1, S1), gamma), ((A2, S2), 0.95))]
+    assert torch.equal(per, own[0] & own[1]) and bool((keep | ~per).all()) and (~per).sum() > (~keep).sum()
+    with pytest.raises(ValueError, match="1 energy thresholds for 2 sources"):
+        per_source_keep_mask(U_out, U_in, [(A1, S1), (A2, S2)], [gamma])

@@ -221,6 +221,15 @@ def test_each_weighting_masks_each_sets_energy_in_the_merged_basis(tmp_path, tin
     eig = factor_eigh(each, ["l"], ("A", "S"))
     want = per_source_keep_mask(eig["l", "S"][1], eig["l", "A"][1], [(cap.A["l"], cap.S["l"]), (ed.A["l"], ed.S["l"])], 0.8)
     assert torch.equal(proj.mask.bool(), want)
+    # edit_gamma: the edit factors' own threshold (the capability factors keep the config's γ)
+    hi = combine_factors(cap, ed, "each", 0.5, edit_gamma=0.95)
+    assert hi.part_gammas == (None, 0.95) and each.part_gammas == (None, None)
+    proj_hi = CrispEditEditor().projectors({"l": None}, hi, EditConfig(gamma=0.8))["l"]
+    want_hi = per_source_keep_mask(eig["l", "S"][1], eig["l", "A"][1], [(cap.A["l"], cap.S["l"]),
+                                                                        (ed.A["l"], ed.S["l"])], [0.8, 0.95])
+    assert torch.equal(proj_hi.mask.bool(), want_hi) and proj_hi.mask.sum() <= proj.mask.sum()
+    with pytest.raises(CrispEditError, match="edit gamma must lie strictly between 0 and 1"):
+        SeqConfig(edit_gamma=1.0)
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
     s = Session.create(tmp_path / "s", str(tiny_model_dir), _config(edit={"epochs": 3}, weighting="each"), progress=False)
     for reqs in ROUNDS:
@@ -392,6 +401,11 @@ def test_a_reopened_session_keeps_its_weighting(ref, tmp_path, monkeypatch):
     assert main(init) == 0
     assert main(init + ["--weighting", "each"]) == 2
     assert json.loads((old / "session.json").read_text())["config"]["weighting"] == "fixed"
+    meta["config"]["edit_gamma"] = 0.95                                          # --edit-gamma: kept on reopening too
+    (old / "session.json").write_text(json.dumps(meta))
+    assert main(init) == 0
+    assert main(init + ["--edit-gamma", "0.9"]) == 2
+    assert json.loads((old / "session.json").read_text())["config"]["edit_gamma"] == 0.95
     ft = EditConfig(method="ft", layers=LAYERS)
     assert SeqConfig(edit=ft, weighting="fixed").identity() == SeqConfig(edit=ft).identity()
     assert SeqConfig(mode="batch", weighting="fixed").identity() == SeqConfig(mode="batch").identity()

@@ -238,14 +238,14 @@ def atomic_directory(path: str | os.PathLike, *, previous: Iterable[str] | None 
         raise
 
 
-def check_gamma(gamma: float) -> float:
-    """``gamma`` as a float strictly inside (0, 1) (one-line error otherwise)."""
+def check_gamma(gamma: float, what: str = "gamma") -> float:
+    """``gamma`` as a float strictly inside (0, 1) (one-line error naming ``what`` otherwise)."""
     try:
         g = float(gamma)
     except (TypeError, ValueError):
-        raise CrispEditError(f"gamma must be a number in (0, 1), got {gamma!r}") from None
+        raise CrispEditError(f"{what} must be a number in (0, 1), got {gamma!r}") from None
     if not (0.0 < g < 1.0):
-        raise CrispEditError(f"gamma must lie strictly between 0 and 1, got {g}")
+        raise CrispEditError(f"{what} must lie strictly between 0 and 1, got {g}")
     return g
 
 

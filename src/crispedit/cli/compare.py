@@ -24,7 +24,8 @@ def cmd_compare(args) -> int:
     for m in methods:  # all validated up front; a -seq row: its method's config in sequential mode
         base, seq = seq_row(m)
         cfg = config_from_args(args, base, options.get(base, {}))
-        configs[m] = SeqConfig(edit=cfg, mode="sequential", weighting=args.seq_weighting) if seq else cfg
+        configs[m] = SeqConfig(edit=cfg, mode="sequential", weighting=args.seq_weighting,
+                               edit_gamma=args.seq_edit_gamma) if seq else cfg
     if args.seq_chunk is not None:
         check_positive_int("--seq-chunk", args.seq_chunk)
         if not any(seq_row(m)[1] for m in methods):
@@ -72,6 +73,9 @@ def add_cli(sub) -> None:
     p.add_argument("--seq-weighting", default=SeqConfig.weighting, choices=list(WEIGHTINGS),
                    help="how the -seq rows of curvature methods combine capability and edit factors (default "
                         f"{SeqConfig.weighting}; as `crispedit session init --weighting`)")
+    p.add_argument("--seq-edit-gamma", type=float, default=None, metavar="G",
+                   help="with --seq-weighting each: the energy of the accumulated edit factors masked (default: "
+                        "--gamma; as `crispedit session init --edit-gamma`)")
     p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png; retention.png with -seq rows)")
     p.add_argument("--capabilities", default=None,
                    help="lm-eval capability tasks, e.g. arc_challenge,truthfulqa_mc2 (default none; needs crispedit[eval])")

@@ -41,10 +41,12 @@ def cmd_init(args) -> int:
     """``crispedit session init``: create (or reopen) a session directory with its capability factors."""
     edit = config_from_args(args)  # the same mapping of training/curvature flags as `crispedit edit`
     existed = (Path(args.out) / "session.json").is_file()
+    stored = read_session_meta(args.out)["config"] if existed else {}
     weighting = args.weighting
     if weighting is None:  # a reopened session keeps the default it was created under (it changed once)
-        weighting = read_session_meta(args.out)["config"].get("weighting") if existed else SeqConfig.weighting
-    config = SeqConfig(edit=edit, mode=args.mode, weighting=weighting, mix=args.mix,
+        weighting = stored.get("weighting") if existed else SeqConfig.weighting
+    edit_gamma = stored.get("edit_gamma") if args.edit_gamma is None else args.edit_gamma  # reopened: its own
+    config = SeqConfig(edit=edit, mode=args.mode, weighting=weighting, mix=args.mix, edit_gamma=edit_gamma,
                        carry_optimizer=not args.no_carry_optimizer, reproject_momentum=not args.no_reproject_momentum,
                        recompute_drift=args.recompute_drift, kl_text=args.kl_text, kl_texts=args.kl_texts)
     if not existed:
@@ -162,6 +164,9 @@ def add_cli(sub) -> None:
                         "fixed mixing coefficient on the raw factors (fixed), or token counts (authors' code)")
     i.add_argument("--mix", type=float, default=0.5,
                    help="share of the edit factors with --weighting fixed, trace or each (default 0.5)")
+    i.add_argument("--edit-gamma", type=float, default=None, metavar="G",
+                   help="with --weighting each: the energy of the accumulated edit factors masked (default: --gamma; "
+                        "higher protects earlier rounds' edits more and leaves later rounds less room)")
     i.add_argument("--recompute-drift", type=float, default=None,
                    help="recollect capability factors once a weight drifted by more than this (paper: 0.25; default off)")
     i.add_argument("--no-carry-optimizer", action="store_true", help="fresh Adam state every round")

@@ -79,7 +79,8 @@ class KFACFactors:
     """Per-layer K-FAC factors, normalised by the number of rows (tokens) they average over.
 
     ``parts``: for a merged constraint whose projector masks each part's energy separately (CrispEdit-Seq's
-    ``weighting="each"``), the factor sets it was merged from; empty otherwise (never stored).
+    ``weighting="each"``), the factor sets it was merged from; empty otherwise (never stored). ``part_gammas``:
+    the energy threshold of each part (``None``: the edit config's γ); empty: γ for every part.
 
     ``source``: the cache file these factors were read from or written to (``path``, ``key``, ``write`` — the file's uid;
     empty for factors built or merged in memory) — what identifies their cached eigenbases
@@ -92,6 +93,7 @@ class KFACFactors:
     source: dict = field(default_factory=dict, compare=False, repr=False)
     _eigh: dict = field(default_factory=dict, compare=False, repr=False)
     parts: tuple = field(default=(), compare=False, repr=False)
+    part_gammas: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def layers(self) -> list[str]:

@@ -250,20 +250,25 @@ def kronecker_keep_mask(lam_out: Tensor, lam_in: Tensor, gamma: float) -> Tensor
     return keep
 
 
-def per_source_keep_mask(U_out: Tensor, U_in: Tensor, sources: Sequence[tuple[Tensor, Tensor]], gamma: float) -> Tensor:
+def per_source_keep_mask(U_out: Tensor, U_in: Tensor, sources: Sequence[tuple[Tensor, Tensor]],
+                         gamma: float | Sequence[float]) -> Tensor:
     """Keep mask (``d_out x d_in`` bool) in the Kronecker eigenbasis ``U_out ⊗ U_in`` (orthonormal columns,
-    ``d_out x d_out`` / ``d_in x d_in``) that masks at least ``gamma`` of *each* source's K-FAC energy: source
-    ``(A, S)`` (``d_in x d_in``, ``d_out x d_out``) puts ``(u_iᵀ S u_i)(v_jᵀ A v_j)`` on entry ``(i, j)`` — exactly
-    its curvature along that basis direction, summing to ``tr(S) tr(A)`` — and an entry is masked when it is in
-    any source's :func:`energy_keep_mask` cut. Unlike the cut of one merged spectrum, no source can take the
-    whole budget by scale or by a single outlier direction. Energies in float64, on the CPU."""
+    ``d_out x d_out`` / ``d_in x d_in``) that masks at least ``gamma`` of *each* source's K-FAC energy (one
+    ``gamma`` for all, or one per source): source ``(A, S)`` (``d_in x d_in``, ``d_out x d_out``) puts
+    ``(u_iᵀ S u_i)(v_jᵀ A v_j)`` on entry ``(i, j)`` — exactly its curvature along that basis direction, summing to
+    ``tr(S) tr(A)`` — and an entry is masked when it is in any source's :func:`energy_keep_mask` cut. Unlike the
+    cut of one merged spectrum, no source can take the whole budget by scale or by a single outlier direction.
+    Energies in float64, on the CPU."""
+    gammas = [gamma] * len(sources) if isinstance(gamma, (int, float)) else list(gamma)
+    if len(gammas) != len(sources):
+        raise ValueError(f"{len(gammas)} energy thresholds for {len(sources)} sources")
     Uo, Ui = U_out.detach().to("cpu", torch.float64), U_in.detach().to("cpu", torch.float64)
     keep = torch.ones(Uo.shape[1], Ui.shape[1], dtype=torch.bool)
-    for A, S in sources:
+    for (A, S), g in zip(sources, gammas):
         d_in = ((A.detach().to("cpu", torch.float64) @ Ui) * Ui).sum(0).clamp_min(0.0)
         d_out = ((S.detach().to("cpu", torch.float64) @ Uo) * Uo).sum(0).clamp_min(0.0)
         o_out, o_in = torch.argsort(d_out, descending=True), torch.argsort(d_in, descending=True)
-        sorted_keep = kronecker_keep_mask(d_out[o_out], d_in[o_in], gamma)
+        sorted_keep = kronecker_keep_mask(d_out[o_out], d_in[o_in], g)
         mine = torch.empty_like(sorted_keep)
         mine[o_out[:, None], o_in[None, :]] = sorted_keep
         keep &= mine

@@ -220,6 +220,7 @@ class SeqConfig:
     weighting: str = "each"             # capability vs edit factors: "each" / "trace" / "fixed" (mix), "tokens" (authors')
     mix: float = 0.5                    # share of the edit factors when weighting is "fixed", "trace" or "each"
     edit_factors: str = "full"          # positions of the edit factors: "full" sequences (paper) or "target" only
+    edit_gamma: float | None = None     # energy masked of the edit factors under "each" (None: edit.gamma)
     carry_optimizer: bool = True        # keep Adam's state across rounds
     reproject_momentum: bool = True     # re-project Adam's first moment when the projector changes
     recompute_drift: float | None = None  # recollect capability factors past this relative drift (paper 0.25)
@@ -239,6 +240,8 @@ class SeqConfig:
         if self.weighting not in WEIGHTINGS:
             raise CrispEditError(f"factor weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         self.mix = check_float("mix", self.mix, 0.0, 1.0, lo_open=True, hi_open=True)
+        if self.edit_gamma is not None:
+            self.edit_gamma = check_gamma(self.edit_gamma, "edit gamma")
         if self.edit_factors not in EDIT_FACTOR_ROWS:
             raise CrispEditError(f"edit factor rows must be one of {', '.join(EDIT_FACTOR_ROWS)}, "
                                  f"got {self.edit_factors!r}")
@@ -264,12 +267,12 @@ class SeqConfig:
         return bool(ed.needs_curvature and ed.curvature_kind == "kfac")
 
     def identity(self) -> dict:
-        """:meth:`to_json` without the fields that do not change the rounds (``weighting``, ``mix`` and
-        ``edit_factors`` where :attr:`uses_weighting` is false): what a reopened session or a resumed compare row is
+        """:meth:`to_json` without the fields that do not change the rounds (``weighting``, ``mix``,
+        ``edit_factors`` and ``edit_gamma`` where :attr:`uses_weighting` is false): what a reopened session or a resumed compare row is
         matched on, so an ``ft`` session stored under another default weighting is still the same session."""
         d = self.to_json()
         if not self.uses_weighting:
-            d.pop("weighting"), d.pop("mix"), d.pop("edit_factors")
+            d.pop("weighting"), d.pop("mix"), d.pop("edit_factors"), d.pop("edit_gamma")
         return d
 
     def to_json(self) -> dict:

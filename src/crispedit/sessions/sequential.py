@@ -110,9 +110,11 @@ class SeqState:
 # factor policy
 
 
-def combine_factors(cap: KFACFactors, edits: KFACFactors | None, weighting: str, mix: float) -> KFACFactors:
+def combine_factors(cap: KFACFactors, edits: KFACFactors | None, weighting: str, mix: float,
+                    edit_gamma: float | None = None) -> KFACFactors:
     """The constraint for the next round: capability factors merged with the accumulated edit factors
-    (``weighting`` and ``mix`` as the module docstring says; per layer, same shapes as ``cap``)."""
+    (``weighting`` and ``mix`` as the module docstring says; per layer, same shapes as ``cap``); under ``each``
+    the edit factors' energy is masked to ``edit_gamma`` (``None``: the edit config's γ)."""
     if edits is None:
         return cap
     if weighting == "tokens":
@@ -122,7 +124,7 @@ def combine_factors(cap: KFACFactors, edits: KFACFactors | None, weighting: str,
     if weighting in ("trace", "each"):
         merged = cap.merged(edits.rescaled_to(cap), weight=mix)
         if weighting == "each":
-            merged.parts = (cap, edits)
+            merged.parts, merged.part_gammas = (cap, edits), (None, edit_gamma)
         return merged
     raise CrispEditError(f"unknown factor weighting {weighting!r}")
 
@@ -224,7 +226,8 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     if editor.needs_curvature:
         if state.cap is None:
             raise CrispEditError("this session has no capability factors")
-        constraint = state.cap if batch else combine_factors(state.cap, state.edits, config.weighting, config.mix)
+        constraint = state.cap if batch else combine_factors(state.cap, state.edits, config.weighting, config.mix,
+                                                                    config.edit_gamma)
     # EigenbasisAdam's moments live in the previous round's eigenbasis: not carried into a new basis
     carry = (config.carry_optimizer and ec.projection_target != "eigenbasis" and editor.carries_optimizer
              and not batch) or (editor.carries_state and not batch)
