@@ -253,23 +253,30 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     if budget is not None:
         record["drift_budget"] = {**budget, **(outcome.drift_budget or {}),
                                   "remaining": ec.max_drift - (record["kl_predicted_round"] or 0.0)}
-    if editor.needs_curvature and editor.curvature_kind == "kfac" and not batch:
+    if config.uses_weighting:  # the rounds that merge edit factors into their constraint
         t1 = time.perf_counter()
         new.edits = accumulate(state.edits, round_edit_factors(model, tokenizer, requests, layers, ec, round_index,
                                                                progress=progress, rows=config.edit_factors))
         record["edit_factor_tokens"] = new.edits.n_tokens
         record["edit_factor_seconds"] = round(time.perf_counter() - t1, 3)
         if config.recompute_drift is not None:
-            drift = weight_drift(weights, state.cap_ref or base_weights)
-            record["drift_since_capability"] = {n: round(v, 5) for n, v in drift.items()}
-            if max(drift.values()) > config.recompute_drift:
-                if capability is None:
-                    raise CrispEditError("capability factors must be recomputed but no collector was given")
-                new.cap = capability()
-                new.cap_ref = {n: w.clone() for n, w in weights.items()}
-                record["capability_recomputed"] = True
+            _recompute_capability(new, state.cap_ref or base_weights, config.recompute_drift, capability, record)
     record["edit_seconds"] = round(time.perf_counter() - t0, 3)
     return new, record
+
+
+def _recompute_capability(new: SeqState, ref: dict[str, Tensor], threshold: float,
+                          capability: Callable[[], KFACFactors] | None, record: dict) -> None:
+    """``recompute_drift``: record each trained weight's relative drift from ``ref`` (the weights the capability
+    factors were last collected on) and, past ``threshold``, recollect them on the current model into ``new``."""
+    drift = weight_drift(new.weights, ref)
+    record["drift_since_capability"] = {n: round(v, 5) for n, v in drift.items()}
+    if max(drift.values()) > threshold:
+        if capability is None:
+            raise CrispEditError("capability factors must be recomputed but no collector was given")
+        new.cap = capability()
+        new.cap_ref = {n: w.clone() for n, w in new.weights.items()}
+        record["capability_recomputed"] = True
 
 
 def drift_spent(rounds: Sequence[dict]) -> float:
