@@ -329,6 +329,9 @@ def test_a_seq_row_killed_between_or_inside_rounds_resumes_where_it_stopped(tiny
             return {k: measured(v) for k, v in d.items() if not k.endswith("seconds") and k != "resumed_at_epoch"}
         return [measured(v) for v in d] if isinstance(d, list) else d
     assert resumed["round_records"][1]["train"]["resumed_at_epoch"] == 1      # round 2 went on from its epoch 1
+    r2 = resumed["round_records"][1]                  # its seconds count the killed run's epoch 1 and all the rest
+    assert r2["train"]["resumed_seconds"] > 0
+    assert resumed["round_seconds"][1] >= r2["train"]["seconds"] + r2["edit_factor_seconds"] - 0.01
     assert measured(resumed["round_records"]) == measured(whole["round_records"])
     assert measured(resumed["summary"]) == measured(whole["summary"]) and measured(resumed["wild"]) == measured(whole["wild"])
     assert resumed["edit_seconds"] >= sum(resumed["round_seconds"]) - 0.01

@@ -261,7 +261,8 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
         record["edit_factor_seconds"] = round(time.perf_counter() - t1, 3)
         if config.recompute_drift is not None:
             _recompute_capability(new, state.cap_ref or base_weights, config.recompute_drift, capability, record)
-    record["edit_seconds"] = round(time.perf_counter() - t0, 3)
+    # a round resumed from its loop checkpoint also counts the killed run's training seconds
+    record["edit_seconds"] = round(time.perf_counter() - t0 + outcome.history.extra.get("resumed_seconds", 0.0), 3)
     return new, record
 
 
@@ -352,7 +353,8 @@ class SeqResult:
 
     @property
     def round_seconds(self) -> list[float]:
-        """Wall seconds of each round (training, plus the edit-factor collection of crispedit-seq)."""
+        """Wall seconds of each round (training, plus the edit-factor collection of crispedit-seq; a round resumed
+        from its loop checkpoint adds the killed run's training seconds)."""
         return [r["edit_seconds"] for r in self.rounds]
 
 
@@ -435,6 +437,7 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
                                capability=capability, progress=progress, drift_spent=drift_spent(records),
                                checkpoint=round_ck)
         rec.update(round=k, n_edits=len(part))
+        earlier += float(rec["train"].get("resumed_seconds", 0.0))  # the killed run's part of this round
         if after_round is not None:
             rec["after_round"] = after_round(model)
         records.append(rec)
