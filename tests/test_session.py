@@ -387,8 +387,9 @@ def test_refuses_other_base_and_changed_config(ref, tmp_path, tiny_tok, monkeypa
 
 
 def test_a_reopened_session_keeps_its_weighting(ref, tmp_path, monkeypatch):
-    """The default weighting changed once (``fixed`` -> ``each``): ``session init`` without ``--weighting`` reopens a
-    session under the weighting stored in it, an explicit other one is refused, and methods whose rounds merge no
+    """The default weighting changed once (``fixed`` -> ``each``), and the edit factors' γ (the edit γ -> 0.95):
+    ``session init`` without ``--weighting`` / ``--edit-gamma`` reopens a session under the values stored in it (a
+    session stored before ``edit_gamma`` existed: the edit γ), an explicit other one is refused, and methods whose rounds merge no
     edit factors (ft, batch mode) are the same session under any weighting."""
     monkeypatch.setenv("CRISPEDIT_CACHE", str(ref["cache"]))
     old = tmp_path / "old"
@@ -406,6 +407,11 @@ def test_a_reopened_session_keeps_its_weighting(ref, tmp_path, monkeypatch):
     assert main(init) == 0
     assert main(init + ["--edit-gamma", "0.9"]) == 2
     assert json.loads((old / "session.json").read_text())["config"]["edit_gamma"] == 0.95
+    del meta["config"]["edit_gamma"]           # made before the option (and its 0.95 default): the edit γ, kept
+    (old / "session.json").write_text(json.dumps(meta))
+    assert SeqConfig.from_dict(meta["config"]).edit_gamma is None and SeqConfig().edit_gamma == 0.95
+    assert main(init) == 0
+    assert main(init + ["--edit-gamma", "0.95"]) == 2
     ft = EditConfig(method="ft", layers=LAYERS)
     assert SeqConfig(edit=ft, weighting="fixed").identity() == SeqConfig(edit=ft).identity()
     assert SeqConfig(mode="batch", weighting="fixed").identity() == SeqConfig(mode="batch").identity()

@@ -73,9 +73,9 @@ def add_cli(sub) -> None:
     p.add_argument("--seq-weighting", default=SeqConfig.weighting, choices=list(WEIGHTINGS),
                    help="how the -seq rows of curvature methods combine capability and edit factors (default "
                         f"{SeqConfig.weighting}; as `crispedit session init --weighting`)")
-    p.add_argument("--seq-edit-gamma", type=float, default=None, metavar="G",
-                   help="with --seq-weighting each: the energy of the accumulated edit factors masked (default: "
-                        "--gamma; as `crispedit session init --edit-gamma`)")
+    p.add_argument("--seq-edit-gamma", type=float, default=SeqConfig.edit_gamma, metavar="G",
+                   help="with --seq-weighting each: the energy of the accumulated edit factors masked (default "
+                        f"{SeqConfig.edit_gamma}; as `crispedit session init --edit-gamma`)")
     p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png; retention.png with -seq rows)")
     p.add_argument("--capabilities", default=None,
                    help="lm-eval capability tasks, e.g. arc_challenge,truthfulqa_mc2 (default none; needs crispedit[eval])")

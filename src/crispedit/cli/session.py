@@ -45,7 +45,9 @@ def cmd_init(args) -> int:
     weighting = args.weighting
     if weighting is None:  # a reopened session keeps the default it was created under (it changed once)
         weighting = stored.get("weighting") if existed else SeqConfig.weighting
-    edit_gamma = stored.get("edit_gamma") if args.edit_gamma is None else args.edit_gamma  # reopened: its own
+    edit_gamma = args.edit_gamma
+    if edit_gamma is None:  # a reopened session keeps its own (sessions made before the option: the edit γ)
+        edit_gamma = stored.get("edit_gamma") if existed else SeqConfig.edit_gamma
     config = SeqConfig(edit=edit, mode=args.mode, weighting=weighting, mix=args.mix, edit_gamma=edit_gamma,
                        carry_optimizer=not args.no_carry_optimizer, reproject_momentum=not args.no_reproject_momentum,
                        recompute_drift=args.recompute_drift, kl_text=args.kl_text, kl_texts=args.kl_texts)
@@ -165,8 +167,9 @@ def add_cli(sub) -> None:
     i.add_argument("--mix", type=float, default=0.5,
                    help="share of the edit factors with --weighting fixed, trace or each (default 0.5)")
     i.add_argument("--edit-gamma", type=float, default=None, metavar="G",
-                   help="with --weighting each: the energy of the accumulated edit factors masked (default: --gamma; "
-                        "higher protects earlier rounds' edits more and leaves later rounds less room)")
+                   help=f"with --weighting each: the energy of the accumulated edit factors masked (default "
+                        f"{SeqConfig.edit_gamma}; a reopened session keeps its own; higher protects earlier rounds' "
+                        "edits more and leaves later rounds less room)")
     i.add_argument("--recompute-drift", type=float, default=None,
                    help="recollect capability factors once a weight drifted by more than this (paper: 0.25; default off)")
     i.add_argument("--no-carry-optimizer", action="store_true", help="fresh Adam state every round")

@@ -220,7 +220,7 @@ class SeqConfig:
     weighting: str = "each"             # capability vs edit factors: "each" / "trace" / "fixed" (mix), "tokens" (authors')
     mix: float = 0.5                    # share of the edit factors when weighting is "fixed", "trace" or "each"
     edit_factors: str = "full"          # positions of the edit factors: "full" sequences (paper) or "target" only
-    edit_gamma: float | None = None     # energy masked of the edit factors under "each" (None: edit.gamma)
+    edit_gamma: float | None = 0.95     # energy masked of the edit factors under "each" (None: edit.gamma)
     carry_optimizer: bool = True        # keep Adam's state across rounds
     reproject_momentum: bool = True     # re-project Adam's first moment when the projector changes
     recompute_drift: float | None = None  # recollect capability factors past this relative drift (paper 0.25)
@@ -289,6 +289,7 @@ class SeqConfig:
         if unknown:
             raise CrispEditError(f"unknown session config keys: {', '.join(unknown)}")
         d = dict(d)
+        d.setdefault("edit_gamma", None)  # stored before the field existed: those rounds masked at the edit γ
         if isinstance(d.get("edit"), dict):
             d["edit"] = EditConfig.from_dict(d["edit"])
         return cls(**d)
