@@ -285,6 +285,21 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
     compare_mod.run_compare(model, tok, REQS, ["ft-seq"], out, configs={"ft-seq": other["ft-seq"]}, seq_chunk=2,
                             progress=False)
     assert ran == []
+    # the edit factors' γ: named the same way; a row stored before the option (no key) ran at the edit γ
+    crisp = seq_configs(["crispedit-seq"])["crispedit-seq"]
+    with pytest.raises(CrispEditError, match=r"edit-factor gamma 0.95, now 0.9: --seq-edit-gamma 0.95 resumes it"):
+        compare_mod.run_compare(model, tok, REQS, ["crispedit-seq"], out, seq_chunk=2, progress=False,
+                                configs={"crispedit-seq": dataclasses.replace(crisp, edit_gamma=0.9)})
+    stored = json.loads((out / "compare.json").read_text())
+    del stored["results"]["crispedit-seq"]["config"]["edit_gamma"]
+    (out / "compare.json").write_text(json.dumps(stored))
+    g = crisp.edit.gamma
+    with pytest.raises(CrispEditError, match=rf"edit-factor gamma {g}, now 0.95: --seq-edit-gamma {g} resumes it"):
+        compare_mod.run_compare(model, tok, REQS, ["crispedit-seq"], out, seq_chunk=2, progress=False,
+                                configs={"crispedit-seq": crisp})
+    compare_mod.run_compare(model, tok, REQS, ["crispedit-seq"], out, seq_chunk=2, progress=False,
+                            configs={"crispedit-seq": dataclasses.replace(crisp, edit_gamma=g)})
+    assert ran == []
 
 
 def test_a_seq_row_killed_between_or_inside_rounds_resumes_where_it_stopped(tiny_lm, tmp_path, iso_cache, monkeypatch):

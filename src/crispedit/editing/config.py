@@ -268,11 +268,14 @@ class SeqConfig:
 
     def identity(self) -> dict:
         """:meth:`to_json` without the fields that do not change the rounds (``weighting``, ``mix``,
-        ``edit_factors`` and ``edit_gamma`` where :attr:`uses_weighting` is false): what a reopened session or a resumed compare row is
-        matched on, so an ``ft`` session stored under another default weighting is still the same session."""
+        ``edit_factors`` and ``edit_gamma`` where :attr:`uses_weighting` is false; an ``edit_gamma`` of ``None`` as the
+        edit γ it stands for): what a reopened session or a resumed compare row is matched on, so an ``ft`` session
+        stored under another default weighting is still the same session."""
         d = self.to_json()
         if not self.uses_weighting:
             d.pop("weighting"), d.pop("mix"), d.pop("edit_factors"), d.pop("edit_gamma")
+        elif d["edit_gamma"] is None:  # the edit γ, spelled out: the same rounds as that value given explicitly
+            d["edit_gamma"] = d["edit"]["gamma"]
         return d
 
     def to_json(self) -> dict:
