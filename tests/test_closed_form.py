@@ -1,6 +1,8 @@
 """Closed-form editors (MEMIT, AlphaEdit): their solves against direct least squares, the input-covariance
 collection and cache kind, subject location, and edits on the tiny random llama."""
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -187,10 +189,11 @@ def test_alphaedit_leaves_preserved_keys_unchanged(tiny_lm, iso_cache):
 
 
 @pytest.mark.parametrize("method", ["alphaedit", "memit"])
-def test_a_killed_closed_form_edit_resumes_after_its_last_batch(method, tiny_lm, iso_cache, tmp_path, monkeypatch):
+def test_a_killed_closed_form_edit_resumes_after_its_last_batch(method, tiny_lm, iso_cache, tmp_path, monkeypatch,
+                                                                caplog):
     """A closed-form edit of several batches killed after batch 2 goes on from batch 3 with the layers' weights,
     AlphaEdit's accumulated K_p K_pᵀ and the v* counters of the stored run, and ends where the uninterrupted edit
-    ends; another run's checkpoint is refused in one line."""
+    ends, reporting (INFO) the batches it wrote; another run's checkpoint is refused in one line."""
     import crispedit.methods.memit.closed_form as cf
     from crispedit.editing import restore
     from crispedit.methods.memit.closed_form import _BatchCheckpoint
@@ -216,8 +219,11 @@ def test_a_killed_closed_form_edit_resumes_after_its_last_batch(method, tiny_lm,
     from crispedit.editing.checkpoint import check_checkpoint_file
     check_checkpoint_file(ck)                                      # `crispedit edit --checkpoint` takes it
     restore(model, full.original_weights)                          # a new process starts from the base
-    res = edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=ck)
+    with caplog.at_level(logging.INFO, logger="crispedit.edit"):
+        res = edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=ck)
     assert res.history.extra["resumed_at_batch"] == 2 and res.history.steps == full.history.steps
+    logged = [r.getMessage() for r in caplog.records if r.name == "crispedit.edit"]
+    assert [m.split(":")[0] for m in logged] == [f"edit[{method}] batch 3/3 written"]  # only what this run wrote
     assert res.history.seconds >= res.history.extra["resumed_seconds"] > 0        # the killed run's time counts
     assert res.history.extra["vstar_nll"] == full.history.extra["vstar_nll"]
     assert res.history.epoch_loss == pytest.approx(full.history.epoch_loss, abs=1e-5)

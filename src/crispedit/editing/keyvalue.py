@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -258,14 +258,16 @@ class _DeltaForward:
 
 
 def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], block: nn.Module,
-                  templates: Sequence[str], settings: KeyValueSettings) -> tuple[Tensor, dict]:
+                  templates: Sequence[str], settings: KeyValueSettings,
+                  on_chunk: Callable[[int], None] | None = None) -> tuple[Tensor, dict]:
     """``v*`` of every request at ``block``'s output (module docstring): ``N x d_model`` float32, and a record
     (mean first / last NLL per target token, Adam steps summed over requests, mean ‖δ‖/‖h‖).
 
     Each request has its own ``δ``, loss, early stop and clamp, exactly as the authors optimise one
     request at a time; ``settings.chunk`` requests share each forward (Adam acts per element, and a
     request that has stopped keeps its ``δ``), so the result equals the one-at-a-time optimisation up
-    to the padding's rounding."""
+    to the padding's rounding. ``on_chunk(n)`` is called after each chunk with the number of its requests
+    (progress reports)."""
     from ..curvature.kfac import frozen
 
     out, first, last, steps = [], [], [], 0
@@ -277,6 +279,8 @@ def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
                 v, f, l, st = _optimise_chunk(model, tokenizer, requests[b:b + settings.chunk], b, block, templates,
                                               settings)
                 out.append(v)
+                if on_chunk is not None:
+                    on_chunk(len(f))
                 first += f
                 last += l
                 steps += st

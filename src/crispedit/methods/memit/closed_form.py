@@ -16,16 +16,19 @@ A request needs its ``subject``; every request is checked before the model is to
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Sequence
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from ...data.edits import EditRequest
 from ...editing.editor import EditContext
 from ...editing.keyvalue import (KeyValueSettings, block_outputs, context_templates, edit_blocks, hidden_size, layer_keys,
                                  subject_span, target_values)
+from ...editing.loop import LOG_SECONDS
 from ...editing.single_pass import SinglePassEditor, target_nll
 from ...editing.checkpoint import CLOSED_FORM_KEY, load_run_file, run_identity
 from ...errors import CrispEditError, atomic_save_safetensors
@@ -33,6 +36,8 @@ from ...models import weight_matrix
 from . import ClosedFormConfig
 
 __all__ = ["ClosedFormEditor", "target_nll"]
+
+_log = logging.getLogger("crispedit.edit")
 
 
 class ClosedFormEditor(SinglePassEditor):
@@ -96,11 +101,12 @@ class ClosedFormEditor(SinglePassEditor):
         L = len(layers)
         ck = _BatchCheckpoint(ctx, requests, layers)
         done, (v_first, v_last) = ck.resume(self, state, history), ck.sums
+        report = _Progress(self.name, len(requests), min(done * cfg.batch_size, len(requests)), ctx.progress)
         for k, b in enumerate(range(0, len(requests), cfg.batch_size)):
             if k < done:  # written by an earlier run (its weights and state came from the checkpoint)
                 continue
             chunk = list(requests[b:b + cfg.batch_size])
-            zs, rec = target_values(model, tokenizer, chunk, block, templates, settings)
+            zs, rec = target_values(model, tokenizer, chunk, block, templates, settings, on_chunk=report)
             history.steps += rec["steps"]
             v_first += rec["nll_first"] * len(chunk)
             v_last += rec["nll_last"] * len(chunk)
@@ -112,11 +118,44 @@ class ClosedFormEditor(SinglePassEditor):
                                        cfg, state)
             self.after_batch(model, tokenizer, chunk, layers, templates, state)
             ck.save(k + 1, self.carried_state(state), history.steps, v_first, v_last)
+            report.batch(k + 1, -(-len(requests) // cfg.batch_size), rec)
+        report.close()
         # how far v* itself got (mean over requests, every template): a low value here with a high
         # epoch_loss[-1] says the solve, not the target values, held the edit back
         n = max(len(requests), 1)
         history.extra["vstar_nll"] = [round(v_first / n, 6), round(v_last / n, 6)]
         history.sequences = len(requests) * len(templates)
+
+
+class _Progress:
+    """A closed-form edit's progress: a bar over the requests whose ``v*`` is found (shown as
+    :func:`~crispedit.progress.show_progress` says), an INFO line at most every ``LOG_SECONDS`` while they are,
+    and one after every written batch (``v*`` target NLL before / after, nats/token; seconds since this run
+    started)."""
+
+    def __init__(self, name: str, total: int, done: int, progress: bool | None):
+        self.name, self.total, self.done, self.t0 = name, total, done, time.perf_counter()
+        self.logged = self.t0
+        self.bar = tqdm(desc=f"edit[{name}] v*", unit="edit", total=total, initial=done,
+                        disable=(None if progress is None else not progress))
+
+    def __call__(self, n: int) -> None:
+        """``n`` more requests have their ``v*``."""
+        self.done += n
+        self.bar.update(n)
+        if time.perf_counter() - self.logged >= LOG_SECONDS:
+            self.logged = time.perf_counter()
+            _log.info("edit[%s] v*: %d/%d edits, %.0f s", self.name, self.done, self.total, self.logged - self.t0)
+
+    def batch(self, k: int, n_batches: int, rec: dict) -> None:
+        """Batch ``k`` of ``n_batches`` is written; ``rec``: its :func:`target_values` record."""
+        self.logged = time.perf_counter()
+        _log.info("edit[%s] batch %d/%d written: v* NLL %.3f -> %.3f, %.0f s", self.name, k, n_batches,
+                  rec["nll_first"], rec["nll_last"], self.logged - self.t0)
+
+    def close(self) -> None:
+        """Close the bar."""
+        self.bar.close()
 
 
 class _BatchCheckpoint:
