@@ -242,14 +242,13 @@ def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: 
             other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
             w = (seq and configs[m].uses_weighting and isinstance(stored, dict)
                  and stored.get("weighting") != configs[m].weighting and stored.get("weighting"))
-            g = (seq and configs[m].uses_weighting and not w
-                 and _stored_config(stored, True).get("edit_gamma") != configs[m].identity()["edit_gamma"]
-                 and _stored_config(stored, True).get("edit_gamma"))
+            g_now = configs[m].identity().get("edit_gamma") if seq and configs[m].uses_weighting else None
+            g = not w and g_now is not None and _stored_config(stored, True).get("edit_gamma")
+            g = g if g != g_now else None
             what = (f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else
                     f" (factor weighting {w}, now {configs[m].weighting}: --seq-weighting {w} resumes it)"
                     if w else
-                    f" (edit-factor gamma {g}, now {configs[m].identity()['edit_gamma']}: --seq-edit-gamma {g} "
-                    "resumes it)" if g else
+                    f" (edit-factor gamma {g}, now {g_now}: --seq-edit-gamma {g} resumes it)" if g else
                     f" (another {other_file[0]} file: sha256 {str(was[other_file[0]])[:12]}…, now "
                     f"{inputs[m][other_file[0]][:12]}…)" if other_file else "")
             raise CrispEditError(f"{path} holds {m} run with another configuration{what}; use another --out")
