@@ -242,7 +242,7 @@ def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: 
             other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
             w = (seq and configs[m].uses_weighting and isinstance(stored, dict)
                  and stored.get("weighting") != configs[m].weighting and stored.get("weighting"))
-            g_now = configs[m].identity().get("edit_gamma") if seq and configs[m].uses_weighting else None
+            g_now = configs[m].identity().get("edit_gamma") if seq else None  # None where the rounds merge no factors
             g = not w and g_now is not None and _stored_config(stored, True).get("edit_gamma")
             g = g if g != g_now else None
             what = (f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else
