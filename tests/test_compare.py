@@ -260,6 +260,11 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
         assert len(ret) == 2 and all(x["n"] == 2 and 0 <= x["tf_rel"] <= 1 for x in ret)
         assert all(set(x["wild"]) == {"qa", "chat"} and 0 <= x["wild"]["qa"] <= 1 for x in ret)
         assert ret == [x["after_round"] for x in r["round_records"]]
+        # every edit's teacher-forced scores, in edit order: round 1's after the last round is its retention there
+        tf = r["tf"]
+        assert len(tf["rel"]) == len(tf["gen"]) == len(REQS) and set(tf["rel"]) <= {0, 1}
+        assert sum(tf["rel"]) / len(REQS) == pytest.approx(r["summary"]["rel"], abs=1e-3)
+        assert sum(tf["rel"][:2]) / 2 == pytest.approx(ret[-1]["tf_rel"], abs=1e-3)
     assert res["ft-seq"]["config"]["edit"]["method"] == "ft" and res["ft-seq"]["summary"]["kl_predicted"] > 0
     # crispedit-seq folded round 1's edits into round 2's constraint; ft-seq has no constraint to grow
     assert res["crispedit-seq"]["round_records"][0]["edit_factor_tokens"] > 0

@@ -155,9 +155,14 @@ def _run_identity(config: dict, inputs: dict[str, str] | None) -> dict:
 
 
 def _row(method: str, ev: dict, **extra) -> dict:
+    """A compare row from :func:`~crispedit.evaluation.evaluate_edit`'s result: its summary, WILD, capabilities
+    and, in edit order, every edit's teacher-forced ``tf.rel`` (0/1) and ``tf.gen`` (fraction of its rephrasings,
+    ``None`` without any), so the retention of any subset — a sequential run's first round — reads off a row."""
     caps = {k: v["score"] for k, v in ev.get("capabilities", {}).items()}
+    per_edit = ev.get("per_edit") or []
+    tf = {"rel": [int(e["rel"]) for e in per_edit], "gen": [e["gen"] for e in per_edit]} if per_edit else {}
     return {"method": method, "summary": ev["summary"], "wild": ev.get("wild", {}), "capabilities": caps,
-            "capability_details": ev.get("capabilities", {}), **extra}
+            "capability_details": ev.get("capabilities", {}), **({"tf": tf} if tf else {}), **extra}
 
 
 def _retention_brief(r: dict | None) -> str:
