@@ -443,3 +443,54 @@ def test_closed_form_layers_must_write_the_residual_stream(layers, msg, tiny_lm,
     with pytest.raises(CrispEditError, match=msg):
         edit(model, tok, REQS, EditConfig(method="memit", layers=layers, n_cap=4, max_len=32), progress=False)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("method", ["memit", "alphaedit"])
+def test_sequential_rounds_write_their_templates_with_the_unedited_model(method, tiny_lm, iso_cache):
+    """Every round of a closed-form sequence draws MEMIT's context templates from the unedited model (the authors'
+    code draws them once per process): while the model writes its prefixes in round 2 it holds the base weights,
+    although round 2 starts from round 1's edit; afterwards it holds the edited weights again."""
+    from crispedit.editing import SeqConfig
+    from crispedit.sessions.sequential import run_sequence
+
+    model, tok = tiny_lm
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)]
+    base = {n: model.get_parameter(n).detach().clone() for n in names}
+    seen = []
+    generate = model.generate
+
+    def spy(*a, **kw):  # generated_prefixes is the only caller of generate during an edit
+        seen.append({n: model.get_parameter(n).detach().clone() for n in names})
+        return generate(*a, **kw)
+
+    model.generate = spy
+    options = {"prefixes": 2, "v_steps": 2, **({"nullspace_threshold": 1.0} if method == "alphaedit" else {})}
+    cfg = SeqConfig(edit=EditConfig(method=method, layers=LAYERS, n_cap=4, max_len=32, options=options),
+                    mode="sequential")
+    run_sequence(model, tok, REQS, cfg, chunk=2, progress=False)
+    assert len(seen) >= 2 and len(seen) % 2 == 0                     # both rounds wrote their templates ...
+    assert all(torch.equal(s[n], base[n]) for s in seen for n in names)  # ... with the base weights in
+    assert any(not torch.equal(model.get_parameter(n), base[n]) for n in names)  # and the edit is back in place
+
+
+def test_a_batched_alphaedit_run_is_alphaedit_seq_in_rounds_of_its_batch_size(tiny_lm, iso_cache):
+    """AlphaEdit over 4 requests in batches of 2 (each batch solved on the model the previous one left, ``K_pK_pᵀ``
+    accumulated) writes the same weights, bit for bit, as AlphaEdit-Seq in 2 rounds of 2: the rounds draw their templates from
+    the unedited model, as the batches do."""
+    from crispedit.editing import SeqConfig
+    from crispedit.sessions.sequential import run_sequence
+
+    model, tok = tiny_lm
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)]
+    base = {n: model.get_parameter(n).detach().clone() for n in names}
+    options = {"prefixes": 2, "v_steps": 3, "nullspace_threshold": 1.0, "batch_size": 2}
+    cfg = EditConfig(method="alphaedit", layers=LAYERS, n_cap=4, max_len=32, options=options)
+    edit(model, tok, REQS, cfg, progress=False)
+    batched = {n: model.get_parameter(n).detach().clone() for n in names}
+    with torch.no_grad():
+        for n in names:
+            model.get_parameter(n).copy_(base[n])
+    run_sequence(model, tok, REQS, SeqConfig(edit=cfg, mode="sequential"), chunk=2, progress=False)
+    for n in names:
+        assert not torch.equal(batched[n], base[n])
+        torch.testing.assert_close(model.get_parameter(n), batched[n], rtol=0, atol=0)

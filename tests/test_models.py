@@ -83,3 +83,40 @@ def test_load_model_specs(tiny_model_dir, tiny_tok, tmp_path):
         load_model(str(tmp_path / "x.gguf"))
     with pytest.raises(CrispEditError, match="unknown dtype"):
         load_model(str(tiny_model_dir), dtype="float8")
+
+
+def test_with_weights_swaps_in_and_restores_bit_for_bit_even_on_error(tiny_lm):
+    """``with_weights`` puts the given values in for the block and the previous ones back after, exception or not."""
+    from crispedit.models import with_weights
+
+    model, _ = tiny_lm
+    name = "model.layers.1.mlp.down_proj.weight"
+    p = model.get_parameter(name)
+    before = p.detach().clone()
+    other = torch.randn_like(before, dtype=torch.float64)  # any dtype: copied into the parameter's
+    with with_weights(model, {name: other}):
+        assert torch.equal(p, other.to(p.dtype))
+    assert torch.equal(p, before)
+    with pytest.raises(RuntimeError, match="boom"):
+        with with_weights(model, {name: other}):
+            raise RuntimeError("boom")
+    assert torch.equal(p, before)
+    with with_weights(model, None):
+        assert torch.equal(p, before)
+
+
+def test_parameter_reads_through_a_peft_wrapped_module(tiny_lm):
+    """``<module>.weight`` of a module a LoRA adapter wraps is its base layer's weight (the name a LoRA session stores)."""
+    from peft import LoraConfig, LoraModel
+
+    from crispedit.models import parameter
+
+    model, _ = tiny_lm
+    name = "model.layers.0.self_attn.q_proj.weight"
+    w = model.get_parameter(name)
+    tuner = LoraModel(model, LoraConfig(r=2, target_modules=["model.layers.0.self_attn.q_proj"]), "e")
+    try:
+        assert "model.layers.0.self_attn.q_proj.base_layer.weight" in dict(model.named_parameters())
+        assert parameter(model, name) is w       # peft's `weight` property names the base layer's
+    finally:
+        tuner.merge_and_unload()

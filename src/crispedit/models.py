@@ -29,7 +29,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from .families import FamilyDefaults, defaults_for
 from .progress import show_progress
 
 __all__ = [
+    "with_weights",
     "cache_dir",
     "gemma3_gguf_path",
     "static_attention_mask",
@@ -465,7 +466,9 @@ def resolve_layers(model: nn.Module, pattern: str | None = None) -> dict[str, nn
 
 def parameter(model: nn.Module, name: str) -> torch.Tensor:
     """The parameter named ``name`` (e.g. ``model.layers.1.mlp.down_proj.weight``); a module name
-    (the key of snapshots written before editors declared their parameters) means its ``weight``."""
+    (the key of snapshots written before editors declared their parameters) means its ``weight``. Under a
+    peft LoRA adapter ``<module>.weight`` still names the wrapped base layer's weight (peft's ``weight``
+    property), so a LoRA session's stored names resolve while its adapter trains."""
     try:
         return model.get_parameter(name)
     except AttributeError:
@@ -474,6 +477,27 @@ def parameter(model: nn.Module, name: str) -> torch.Tensor:
         return model.get_submodule(name).weight
     except AttributeError:
         raise CrispEditError(f"no parameter or module named {name!r} in this {type(model).__name__}") from None
+
+
+@contextlib.contextmanager
+def with_weights(model: nn.Module, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    """Within the block the parameters of ``model`` named in ``weights`` (full name -> tensor of the parameter's
+    shape, any device or dtype; :func:`parameter` resolves the names) hold those values; on exit each gets back the
+    value it had, bit for bit. ``None`` or empty: nothing changes."""
+    if not weights:
+        yield
+        return
+    params = {n: parameter(model, n) for n in weights}
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(weights[n])
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved[n])
 
 
 FINGERPRINT_PREFIX = "xxh3-"  # weight_fingerprint's digests; legacy_weight_fingerprint's have no prefix

@@ -46,10 +46,12 @@ docs/where-to-edit.md). ``none``: the target alone (the paper's FT-M).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import random
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..data.corpus import capability_corpus
 from ..data.edits import EditRequest
@@ -58,7 +60,7 @@ from ..errors import CrispEditError
 
 __all__ = ["TRAINING_CONTEXTS", "TrainingContext", "training_context", "SequenceMaker", "CONTEXT_KINDS",
            "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence", "pinned_contexts",
-           "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "GEN_STARTS", "build_training_sequences", "training_batches",
+           "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "prefixes_from", "GEN_STARTS", "build_training_sequences", "training_batches",
            "epoch_subset",
            "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS"]
 
@@ -194,19 +196,40 @@ def prefix_pool(texts: Sequence[str], min_words: int = 5, max_words: int = 25) -
     return pool
 
 
+@contextlib.contextmanager
+def prefixes_from(weights: dict | None) -> Iterator[None]:
+    """Within the block, :func:`generated_prefixes` writes with ``weights`` (full parameter name -> tensor: the
+    unedited values of the parameters an edit changes) put into the model for the time it writes, whatever the
+    model holds then. A session's later rounds run under it with the session's base weights, so every round
+    draws the prefixes of the unedited model — MEMIT's context templates, the ``gen`` training context — as the
+    authors' code does (it draws them once per process). ``None``: the model as it is."""
+    token = _PREFIX_WEIGHTS.set(weights)
+    try:
+        yield
+    finally:
+        _PREFIX_WEIGHTS.reset(token)
+
+
+_PREFIX_WEIGHTS: contextvars.ContextVar = contextvars.ContextVar("crispedit_prefix_weights", default=None)
+
+
 def generated_prefixes(model, tokenizer, per_start: int = 4, max_new_tokens: int = 10, seed: int = 0) -> list[str]:
     """Prefixes written by ``model`` itself: ``per_start`` sampled continuations (top-k 5, at most
     ``max_new_tokens`` tokens, seeded, the global RNG untouched) of each of :data:`GEN_STARTS`, on one
     line each and closed with a period — ``len(GEN_STARTS) * per_start`` strings. Call it on the
-    unedited model; the rows of one start share a length, so no padding is involved."""
+    unedited model (or under :func:`prefixes_from`, which puts the unedited weights in while it writes); the
+    rows of one start share a length, so no padding is involved."""
     import torch
+
+    from ..models import with_weights
 
     out: list[str] = []
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(),
+              with_weights(model, _PREFIX_WEIGHTS.get())):
             torch.manual_seed(seed)
             for start in GEN_STARTS:
                 ids = tokenizer(start, return_tensors="pt")["input_ids"].to(device).repeat(per_start, 1)

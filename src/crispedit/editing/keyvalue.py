@@ -89,7 +89,8 @@ def context_templates(model: nn.Module, tokenizer, n_prefixes: int, seed: int = 
     """MEMIT's context templates: ``"{}"`` (the bare prompt) and ``n_prefixes`` short texts the model writes
     itself (:func:`~crispedit.editing.contexts.generated_prefixes`: ≤ 10 tokens after "The", "Therefore",
     "Because", "I", "You", drawn round-robin over the starts), each followed by ``" {}"``. Call it on the
-    unedited model."""
+    unedited model; a session's later rounds get the unedited model's through
+    :func:`~crispedit.editing.contexts.prefixes_from`."""
     if n_prefixes <= 0:
         return ["{}"]
     from .contexts import GEN_STARTS, generated_prefixes

@@ -52,7 +52,7 @@ from ..curvature.kfac import KFACFactors, collect_lm_kfac
 from ..curvature.predicted import mixing_layers, predicted_kl, steep_layers
 from ..data.edits import EditRequest
 from ..editing.config import EDIT_FACTOR_ROWS, MODES, WEIGHTINGS, EditConfig, SeqConfig
-from ..editing.contexts import resolve_contexts, sequences_for
+from ..editing.contexts import prefixes_from, resolve_contexts, sequences_for
 from ..editing.editor import EditContext
 from ..editing.registry import get_editor
 from ..editing.checkpoint import load_run_file, run_identity
@@ -202,7 +202,9 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     ``model``'s changed parameters are set from ``state.weights`` first, so the result depends only on
     (state, requests, config, round_index): an interrupted round redone from the stored state gives
     the same result. ``union`` (batch mode) is every request so far; ``capability`` recollects the
-    capability factors on the current model (used when ``recompute_drift`` triggers).
+    capability factors on the current model (used when ``recompute_drift`` triggers). The prefixes the model
+    writes itself (MEMIT's context templates, the ``gen`` context) are the unedited model's in every round
+    (:func:`~crispedit.editing.contexts.prefixes_from` with ``base_weights``).
 
     Drift: the record holds ``kl_predicted`` (the capability factors' predicted KL drift of the change from
     the base, nats per token; what ``kl_drift`` measures) and ``kl_predicted_round`` (of this round's own
@@ -235,10 +237,11 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     ec, budget = _round_budget(ec, 0.0 if batch else float(drift_spent))
     start = dict(base_weights if batch else state.weights)
     drift_modules = editor.drift_modules(model, layers, ec)  # what state.cap predicts the drift of (LoRA: q/v)
-    outcome = editor.apply(model, tokenizer, train_requests,
-                           EditContext(ec, layers, constraint, optimizer_state=state.optim if carry else {},
-                                       reproject_momentum=config.reproject_momentum, keep_optimizer=carry,
-                                       progress=progress, drift_factors=state.cap, checkpoint=checkpoint))
+    with prefixes_from(base_weights):  # the prefixes the model writes itself: the unedited model's, every round
+        outcome = editor.apply(model, tokenizer, train_requests,
+                               EditContext(ec, layers, constraint, optimizer_state=state.optim if carry else {},
+                                           reproject_momentum=config.reproject_momentum, keep_optimizer=carry,
+                                           progress=progress, drift_factors=state.cap, checkpoint=checkpoint))
     weights = {n: parameter(model, n).detach().cpu().clone() for n in base_weights}
     new = SeqState(weights=weights, cap=state.cap, edits=state.edits, optim=outcome.optimizer_state,
                    cap_ref=state.cap_ref)
@@ -255,8 +258,9 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
                                   "remaining": ec.max_drift - (record["kl_predicted_round"] or 0.0)}
     if config.uses_weighting:  # the rounds that merge edit factors into their constraint
         t1 = time.perf_counter()
-        new.edits = accumulate(state.edits, round_edit_factors(model, tokenizer, requests, layers, ec, round_index,
-                                                               progress=progress, rows=config.edit_factors))
+        with prefixes_from(base_weights):  # the texts the round trained; their factors on the edited model
+            new.edits = accumulate(state.edits, round_edit_factors(model, tokenizer, requests, layers, ec, round_index,
+                                                                   progress=progress, rows=config.edit_factors))
         record["edit_factor_tokens"] = new.edits.n_tokens
         record["edit_factor_seconds"] = round(time.perf_counter() - t1, 3)
         if config.recompute_drift is not None:
