@@ -218,6 +218,21 @@ def test_a_killed_closed_form_edit_resumes_after_its_last_batch(method, tiny_lm,
             edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=ck)
     from crispedit.editing.checkpoint import check_checkpoint_file
     check_checkpoint_file(ck)                                      # `crispedit edit --checkpoint` takes it
+    held = full.history.extra["first_batch_tf_rel"]                # batch 1's edits after each batch
+    assert len(held) == 3 and all(0 <= x <= 1 for x in held)
+    # a file written before that list was kept: the resumed run measures it for the last stored batch
+    import json
+
+    from safetensors.torch import load_file, safe_open, save_file
+    with safe_open(str(ck), "pt") as f:
+        meta = f.metadata()
+    legacy = {**json.loads(meta[cf.CLOSED_FORM_KEY])}
+    del legacy["first_batch_tf_rel"]
+    old = tmp_path / "old.safetensors"
+    save_file(load_file(str(ck)), str(old), metadata={cf.CLOSED_FORM_KEY: json.dumps(legacy)})
+    restore(model, full.original_weights)
+    got = edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=old).history.extra["first_batch_tf_rel"]
+    assert got[0] is None and got[1:] == pytest.approx(held[1:], abs=1e-6)
     restore(model, full.original_weights)                          # a new process starts from the base
     with caplog.at_level(logging.INFO, logger="crispedit.edit"):
         res = edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=ck)
@@ -226,6 +241,7 @@ def test_a_killed_closed_form_edit_resumes_after_its_last_batch(method, tiny_lm,
     assert [m.split(":")[0] for m in logged] == [f"edit[{method}] batch 3/3 written"]  # only what this run wrote
     assert res.history.seconds >= res.history.extra["resumed_seconds"] > 0        # the killed run's time counts
     assert res.history.extra["vstar_nll"] == full.history.extra["vstar_nll"]
+    assert res.history.extra["first_batch_tf_rel"] == pytest.approx(held, abs=1e-6)  # kept through the kill
     assert res.history.epoch_loss == pytest.approx(full.history.epoch_loss, abs=1e-5)
     for n, w in want.items():
         assert torch.allclose(model.get_parameter(n), w, atol=1e-6), n

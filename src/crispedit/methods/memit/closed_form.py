@@ -98,10 +98,13 @@ class ClosedFormEditor(SinglePassEditor):
         settings = KeyValueSettings(steps=cfg.v_steps, lr=cfg.v_lr, weight_decay=cfg.v_weight_decay, clamp=cfg.clamp,
                                     kl_factor=cfg.kl_factor)
         state.update(self.prepare(layers, C, cfg, ctx))
-        L = len(layers)
+        L, n_batches = len(layers), -(-len(requests) // cfg.batch_size)
         ck = _BatchCheckpoint(ctx, requests, layers)
         done, (v_first, v_last) = ck.resume(self, state, history), ck.sums
         report = _Progress(self.name, len(requests), min(done * cfg.batch_size, len(requests)), ctx.progress)
+        held = ck.first_batch_tf  # batch 1's edits, teacher-forced, after each batch (a batched run is sequential)
+        if n_batches > 1 and done and len(held) < done:  # a file written before it was kept: measure it now
+            held[:] = held + [None] * (done - len(held) - 1) + [_tf_rel(model, tokenizer, requests[:cfg.batch_size])]
         for k, b in enumerate(range(0, len(requests), cfg.batch_size)):
             if k < done:  # written by an earlier run (its weights and state came from the checkpoint)
                 continue
@@ -117,14 +120,27 @@ class ClosedFormEditor(SinglePassEditor):
                 yield name, self.solve(name, K.to(W.device), R.to(W.device), C[name].to(W.device, torch.float64),
                                        cfg, state)
             self.after_batch(model, tokenizer, chunk, layers, templates, state)
+            if n_batches > 1:
+                held.append(_tf_rel(model, tokenizer, requests[:cfg.batch_size]))
             ck.save(k + 1, self.carried_state(state), history.steps, v_first, v_last)
-            report.batch(k + 1, -(-len(requests) // cfg.batch_size), rec)
+            report.batch(k + 1, n_batches, rec, held[-1] if held else None)
         report.close()
+        if n_batches > 1:
+            history.extra["first_batch_tf_rel"] = [None if x is None else round(x, 4) for x in held]
         # how far v* itself got (mean over requests, every template): a low value here with a high
         # epoch_loss[-1] says the solve, not the target values, held the edit back
         n = max(len(requests), 1)
         history.extra["vstar_nll"] = [round(v_first / n, 6), round(v_last / n, 6)]
         history.sequences = len(requests) * len(templates)
+
+
+def _tf_rel(model: nn.Module, tokenizer, requests: Sequence[EditRequest]) -> float:
+    """Teacher-forced reliability of ``requests`` on ``model`` now: the fraction whose target is the greedy
+    continuation of its prompt at every target token (:func:`~crispedit.evaluation.teacher_forced.score_pairs`)."""
+    from ...evaluation.teacher_forced import score_pairs
+
+    scores = score_pairs(model, tokenizer, [r.prompt for r in requests], [r.target for r in requests])
+    return sum(s.exact for s in scores) / max(len(scores), 1)
 
 
 class _Progress:
@@ -147,11 +163,13 @@ class _Progress:
             self.logged = time.perf_counter()
             _log.info("edit[%s] v*: %d/%d edits, %.0f s", self.name, self.done, self.total, self.logged - self.t0)
 
-    def batch(self, k: int, n_batches: int, rec: dict) -> None:
-        """Batch ``k`` of ``n_batches`` is written; ``rec``: its :func:`target_values` record."""
+    def batch(self, k: int, n_batches: int, rec: dict, held: float | None = None) -> None:
+        """Batch ``k`` of ``n_batches`` is written; ``rec``: its :func:`target_values` record; ``held``: the
+        teacher-forced reliability of batch 1's edits now."""
         self.logged = time.perf_counter()
-        _log.info("edit[%s] batch %d/%d written: v* NLL %.3f -> %.3f, %.0f s", self.name, k, n_batches,
-                  rec["nll_first"], rec["nll_last"], self.logged - self.t0)
+        _log.info("edit[%s] batch %d/%d written: v* NLL %.3f -> %.3f%s, %.0f s", self.name, k, n_batches,
+                  rec["nll_first"], rec["nll_last"], "" if held is None else f"; batch 1's edits hold {held:.2f}",
+                  self.logged - self.t0)
 
     def close(self) -> None:
         """Close the bar."""
@@ -169,6 +187,7 @@ class _BatchCheckpoint:
 
     def __init__(self, ctx: EditContext, requests: Sequence[EditRequest], layers: dict[str, nn.Module]):
         self.path, self.layers, self.sums = ctx.checkpoint, layers, (0.0, 0.0)
+        self.first_batch_tf: list[float | None] = []  # batch 1's edits after each written batch (stored runs' too)
         self.t0, self.earlier = time.perf_counter(), 0.0  # seconds of this run, and of the stored runs
         start = {f"weight::{n}": m.weight for n, m in layers.items()}
         start.update({f"carried::{k}": t for k, t in ctx.optimizer_state.items()})
@@ -193,6 +212,7 @@ class _BatchCheckpoint:
             self.sums = (float(meta["v_first"]), float(meta["v_last"]))
             done = int(meta["batches"])
             self.earlier = float(meta.get("seconds", 0.0))
+            self.first_batch_tf = [None if x is None else float(x) for x in meta.get("first_batch_tf_rel", [])][:done]
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise CrispEditError(f"{self.KIND} file {self.path} is incomplete or corrupt ({exc})") from None
         with torch.no_grad():
@@ -209,5 +229,5 @@ class _BatchCheckpoint:
         tensors.update({f"carried::{k}": t.detach().cpu().contiguous() for k, t in carried.items()})
         meta = {"version": self.VERSION, "identity": self.identity, "batches": batches, "steps": int(steps),
                 "v_first": float(v_first), "v_last": float(v_last),
-                "seconds": self.earlier + time.perf_counter() - self.t0}
+                "seconds": self.earlier + time.perf_counter() - self.t0, "first_batch_tf_rel": self.first_batch_tf}
         atomic_save_safetensors(self.path, tensors, metadata={self.KEY: json.dumps(meta)})
