@@ -40,3 +40,22 @@ def test_picture_is_written_only_with_retention(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     assert plot_retention({"methods": [], "results": {}}, tmp_path / "none.png") is False
     assert not (tmp_path / "none.png").exists()
+
+
+def test_a_batched_closed_form_row_reads_as_its_first_batch_after_every_batch(tmp_path):
+    """A batched AlphaEdit row (AlphaEdit-Seq in rounds of its batch size) joins the table with its first batch's
+    teacher-forced series; a round it did not measure (a resumed older checkpoint) reads as missing."""
+    payload = {"methods": ["alphaedit", "memit", "ft-seq"],
+               "results": {"alphaedit": {"training": {"first_batch_tf_rel": [None, 0.5, 0.25]}},
+                           "memit": {"training": {"first_batch_tf_rel": None}},     # one batch: no series
+                           "ft-seq": PAYLOAD["results"]["ft-seq"]}}
+    assert retention_rows(payload) == ["alphaedit", "ft-seq"]
+    s = retention_series(payload["results"]["alphaedit"])
+    assert s == {"tf_rel": [None, 0.5, 0.25], "qa": [None] * 3, "chat": [None] * 3}
+    assert retention_summary(payload["results"]["alphaedit"])["tf_rel"]["kept"] is None   # no round 1 to divide by
+    md = retention_table(payload)
+    assert "| alphaedit (batch 1, after each batch) | teacher-forced rel | – | 0.50 | 0.25 | – |" in md
+    assert "alphaedit (batch 1, after each batch) | WILD qa rel" not in md
+    only = retention_table({"methods": ["alphaedit"], "results": {"alphaedit": payload["results"]["alphaedit"]}})
+    assert "the first round's edits measured" in only
+    assert plot_retention(payload, tmp_path / "r.png") is True

@@ -3,7 +3,9 @@
 A ``-seq`` row of ``crispedit compare`` stores, for every round, the first round's edits measured on the model
 as it stood after that round (``retention``: one :func:`~crispedit.evaluation.edit_eval.retention_probe` record
 per round — ``n`` edits, teacher-forced ``tf_rel``, ``wild`` ``{"qa": rel, "chat": rel}``, each a fraction of
-the round-1 edits). This module turns those records into the compare's retention table (markdown,
+the round-1 edits); a batched closed-form row (MEMIT, AlphaEdit over several batches — AlphaEdit-Seq in rounds of
+its batch size) stores its first batch's teacher-forced reliability after every batch (``training.first_batch_tf_rel``),
+read here as the same series without WILD measures. This module turns those records into the compare's retention table (markdown,
 :func:`retention_table`), its summary per row (:func:`retention_summary`: the fraction after the last round,
 and that fraction over the one after round 1 — what of what round 1 achieved is kept) and its picture
 (:func:`plot_retention`, ``DIR/retention.png``).
@@ -22,18 +24,29 @@ RETENTION_PNG = "retention.png"
 _MEASURES = (("tf_rel", "teacher-forced rel"), ("qa", "WILD qa rel"), ("chat", "WILD chat rel"))
 
 
+def _batches(row: dict) -> list:
+    """A batched closed-form row's teacher-forced reliability of its first batch after every batch (its report's
+    ``training.first_batch_tf_rel``; a batched AlphaEdit run is AlphaEdit-Seq in rounds of its batch size)."""
+    return list((row.get("training") or {}).get("first_batch_tf_rel") or [])
+
+
 def retention_rows(payload: dict) -> list[str]:
-    """The rows of a compare payload (``compare.json``) that hold a per-round retention record, in the
-    payload's method order."""
+    """The rows of a compare payload (``compare.json``) that hold a per-round retention record — a ``-seq`` row's
+    probes, or a batched closed-form row's first batch after every batch — in the payload's method order."""
     res = payload.get("results", {})
-    return [m for m in payload.get("methods", []) if m in res and any(res[m].get("retention") or [])]
+    return [m for m in payload.get("methods", []) if m in res
+            and (any(res[m].get("retention") or []) or any(v is not None for v in _batches(res[m])))]
 
 
 def retention_series(row: dict) -> dict[str, list[float | None]]:
     """``{measure: [fraction after round 1, after round 2, …]}`` for one ``-seq`` row, measures ``tf_rel``, ``qa``
     and ``chat`` (fractions of the round-1 edits; ``None`` where a round has no record or the measure was not
-    taken, e.g. ``chat`` for a tokenizer without a chat template)."""
+    taken, e.g. ``chat`` for a tokenizer without a chat template). A batched closed-form row gives its first
+    batch's teacher-forced series (batches for rounds) and no WILD measures."""
     out: dict[str, list[float | None]] = {k: [] for k, _ in _MEASURES}
+    if not row.get("retention") and _batches(row):
+        held = _batches(row)
+        return {"tf_rel": held, "qa": [None] * len(held), "chat": [None] * len(held)}
     for rec in row.get("retention") or []:
         rec = rec or {}
         wild = rec.get("wild") or {}
@@ -69,10 +82,10 @@ def retention_table(payload: dict) -> str:
     if not rows:
         return ""
     res = payload["results"]
-    n_rounds = max(len(res[m]["retention"]) for m in rows)
-    n = next((rec.get("n") for m in rows for rec in res[m]["retention"] if rec and rec.get("n")), None)
+    n_rounds = max(len(retention_series(res[m])["tf_rel"]) for m in rows)
+    n = next((rec.get("n") for m in rows for rec in res[m].get("retention") or [] if rec and rec.get("n")), None)
     head = ["row", "measure"] + [f"r{i + 1}" for i in range(n_rounds)] + ["kept (last / r1)"]
-    lines = ["", f"Round-1 retention: the first round's {n or ''} edits measured after every round (fraction that "
+    lines = ["", f"Round-1 retention: the first round's {f'{n} ' if n else ''}edits measured after every round (fraction that "
              "holds; kept = after the last round over after round 1):", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in rows:
@@ -81,7 +94,8 @@ def retention_table(payload: dict) -> str:
             if all(v is None for v in series[k]):
                 continue
             cells = [_fmt(v) for v in series[k]] + [""] * (n_rounds - len(series[k]))
-            lines.append("| " + " | ".join([m, label] + cells + [_fmt(summary[k]["kept"])]) + " |")
+            name = m if res[m].get("retention") else f"{m} (batch 1, after each batch)"
+            lines.append("| " + " | ".join([name, label] + cells + [_fmt(summary[k]["kept"])]) + " |")
     return "\n".join(lines) + "\n"
 
 
