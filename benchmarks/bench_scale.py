@@ -61,7 +61,7 @@ from crispedit.editing.fastpath import may_pack, pack_if_it_pays, prefix_sharing
 from crispedit.editing.loop import edit_batches, projected_finetune
 from crispedit.editing.steptimer import StepTimer
 from crispedit.errors import atomic_write_json
-from crispedit.models import decoder_blocks, load_model, weight_fingerprint
+from crispedit.models import decoder_blocks, load_model, restoring, weight_fingerprint
 from crispedit.pipeline import environment
 from crispedit.progress import progress_lines
 
@@ -262,19 +262,6 @@ def profile_kfac(model, tok, layers, config, device: str, top: int = 12) -> dict
 
 
 @contextlib.contextmanager
-def restored(params: dict):
-    """The parameters ``params`` (name -> parameter) get back on exit the values they had on entry, however the
-    block ends."""
-    saved = {n: p.detach().clone() for n, p in params.items()}
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(saved[n])
-
-
-@contextlib.contextmanager
 def compiled_blocks(model, mode: str | None):
     """While active, every decoder block of ``model`` is ``torch.compile(block, mode=mode, dynamic=True)`` (the
     same parameters: the loop trains them as before); ``mode=None`` changes nothing. An experiment for issue
@@ -359,7 +346,7 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
     layers = editor.select_layers(model, config)
     params = editor.trainable(layers)
     out: dict = {"layers": list(layers)}
-    with restored(params):  # the next entry (or a failed one) leaves the weights as they were
+    with restoring(params):  # the next entry (or a failed one) leaves the weights as they were
         print(f"[{method}] {len(layers)} layers")
         if editor.needs_curvature:
             t = time.perf_counter()
@@ -411,7 +398,7 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
         sync_free = {"auto": None, "on": True, "off": False}[args.sync_free]
         with compiled_blocks(model, compile_mode), prefix_sharing(share):
             if compile_mode:  # a first run pays the compilation (its training undone); the timed run shows the step
-                with restored(params):
+                with restoring(params):
                     t = time.perf_counter()
                     projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
                                        sync_free=sync_free)

@@ -40,6 +40,7 @@ from .progress import show_progress
 
 __all__ = [
     "with_weights",
+    "restoring",
     "cache_dir",
     "gemma3_gguf_path",
     "static_attention_mask",
@@ -480,24 +481,32 @@ def parameter(model: nn.Module, name: str) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def with_weights(model: nn.Module, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
-    """Within the block the parameters of ``model`` named in ``weights`` (full name -> tensor of the parameter's
-    shape, any device or dtype; :func:`parameter` resolves the names) hold those values; on exit each gets back the
-    value it had, bit for bit. ``None`` or empty: nothing changes."""
-    if not weights:
-        yield
-        return
-    params = {n: parameter(model, n) for n in weights}
+def restoring(params: dict[str, torch.Tensor]) -> Iterator[None]:
+    """On exit, however the block ends, each tensor of ``params`` (name -> parameter) gets back the value it had on
+    entry, bit for bit."""
     saved = {n: p.detach().clone() for n, p in params.items()}
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(weights[n])
     try:
         yield
     finally:
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(saved[n])
+
+
+@contextlib.contextmanager
+def with_weights(model: nn.Module, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    """Within the block the parameters of ``model`` named in ``weights`` (full name -> tensor of the parameter's
+    shape, any device or dtype; :func:`parameter` resolves the names) hold those values; on exit each gets back the
+    value it had, bit for bit (:func:`restoring`). ``None`` or empty: nothing changes."""
+    if not weights:
+        yield
+        return
+    params = {n: parameter(model, n) for n in weights}
+    with restoring(params):
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(weights[n])
+        yield
 
 
 FINGERPRINT_PREFIX = "xxh3-"  # weight_fingerprint's digests; legacy_weight_fingerprint's have no prefix
