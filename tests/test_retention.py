@@ -1,6 +1,6 @@
 """Round-1 retention of sequential compare rows: the series, the summary, the markdown table and the picture."""
 
-from crispedit.experiments.retention import (plot_retention, retention_rows, retention_series, retention_summary,
+from crispedit.experiments.retention import (final_by_round, plot_retention, retention_rows, retention_series, retention_summary,
                                              retention_table)
 
 
@@ -59,3 +59,22 @@ def test_a_batched_closed_form_row_reads_as_its_first_batch_after_every_batch(tm
     only = retention_table({"methods": ["alphaedit"], "results": {"alphaedit": payload["results"]["alphaedit"]}})
     assert "the first round's edits measured" in only
     assert plot_retention(payload, tmp_path / "r.png") is True
+
+
+def test_every_rounds_edits_on_the_final_model_read_off_the_per_edit_records():
+    """Rounds are consecutive slices of the round size (``seq_chunk``; a closed-form row's batch size), the last
+    one shorter; each measure is the mean of its per-edit verdicts, and a measure without them is left out."""
+    seq = {"seq_chunk": 2, "retention": [_rec(1.0, 1.0, 1.0)], "tf": {"rel": [0, 0, 1, 0, 1]},
+           "wild": {"qa": {"answers": [["a", True, [], []], ["b", False, [], []], ["c", True, [], []],
+                                       ["d", True, [], []], ["e", False, [], []]]}}}
+    assert final_by_round(seq) == {"tf_rel": [0.0, 0.5, 1.0], "qa": [0.5, 1.0, 0.0]}
+    batched = {"config": {"options": {"batch_size": 3}}, "training": {"first_batch_tf_rel": [1.0, 0.5]},
+               "tf": {"rel": [1, 0, 0, 1, 1, 1]}}
+    assert final_by_round(batched) == {"tf_rel": [1 / 3, 1.0]}
+    assert final_by_round({"tf": {"rel": [1, 0]}}) == {}                  # a batch row: no rounds
+    assert final_by_round({"config": {"options": {"batch_size": 3}}, "tf": {"rel": [1, 0]}}) == {}  # one batch
+    md = retention_table({"methods": ["ft-seq"], "results": {"ft-seq": seq}})
+    assert "Every round's edits on the final model" in md
+    assert "| ft-seq | teacher-forced rel | 0.00 | 0.50 | 1.00 |" in md
+    assert "| ft-seq | WILD qa rel | 0.50 | 1.00 | 0.00 |" in md
+    assert "Every round's edits" not in retention_table(PAYLOAD)            # rows stored without per-edit records

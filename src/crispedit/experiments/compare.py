@@ -645,8 +645,8 @@ def compare_table(payload: dict) -> str:
     give each row's paired capability change against the base (:func:`capability_changes`, where per-item
     scores were kept), the ``-seq`` rows' rounds, chunk size and mean time per round, and the drift
     prediction's notes per row (:func:`~crispedit.curvature.predicted.prediction_notes`: steep layers,
-    attention q/k/v layers), and the ``-seq`` rows' round-1 retention after every round
-    (:func:`~crispedit.experiments.retention.retention_table`)."""
+    attention q/k/v layers), and the ``-seq`` rows' round-1 retention after every round and every round's edits
+    on the final model (:func:`~crispedit.experiments.retention.retention_table`)."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     rows = [m for m in ["base"] + list(payload["methods"]) if m in res]

@@ -8,7 +8,9 @@ its batch size) stores its first batch's teacher-forced reliability after every 
 read here as the same series without WILD measures. This module turns those records into the compare's retention table (markdown,
 :func:`retention_table`), its summary per row (:func:`retention_summary`: the fraction after the last round,
 and that fraction over the one after round 1 — what of what round 1 achieved is kept) and its picture
-(:func:`plot_retention`, ``DIR/retention.png``).
+(:func:`plot_retention`, ``DIR/retention.png``). From the rows' per-edit records it also reads every round's
+edits on the *final* model (:func:`final_by_round`: which rounds the last one overwrote), a second table under
+the first.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from ..errors import atomic_write_figure
 
 __all__ = ["retention_rows", "retention_series", "retention_summary", "retention_table", "plot_retention",
-           "RETENTION_PNG"]
+           "final_by_round", "RETENTION_PNG"]
 
 RETENTION_PNG = "retention.png"
 _MEASURES = (("tf_rel", "teacher-forced rel"), ("qa", "WILD qa rel"), ("chat", "WILD chat rel"))
@@ -54,6 +56,29 @@ def retention_series(row: dict) -> dict[str, list[float | None]]:
         for k in ("qa", "chat"):
             out[k].append(wild.get(k))
     return out
+
+
+def _round_size(row: dict) -> int | None:
+    """Edits per round: a ``-seq`` row's ``seq_chunk``, a batched closed-form row's batch size (``options``)."""
+    if row.get("seq_chunk"):
+        return int(row["seq_chunk"])
+    size = ((row.get("config") or {}).get("options") or {}).get("batch_size")
+    return int(size) if size and _batches(row) else None
+
+
+def final_by_round(row: dict) -> dict[str, list[float]]:
+    """``{measure: [fraction of round k's edits that hold on the final model for k = 1, 2, …]}`` — measures
+    ``tf_rel`` (from the row's per-edit ``tf.rel``), ``qa`` and ``chat`` (per-edit WILD verdicts), rounds being
+    consecutive slices of the edits of the row's round (or batch) size, the last possibly shorter. ``{}`` for a
+    row without rounds; a measure without per-edit records (rows stored before they were kept) is left out."""
+    size = _round_size(row)
+    if not size:
+        return {}
+    per_edit = {"tf_rel": list((row.get("tf") or {}).get("rel") or [])}
+    for k in ("qa", "chat"):
+        per_edit[k] = [a[1] for a in ((row.get("wild") or {}).get(k) or {}).get("answers") or []]
+    return {k: [sum(map(float, v[i:i + size])) / len(v[i:i + size]) for i in range(0, len(v), size)]
+            for k, v in per_edit.items() if v}
 
 
 def retention_summary(row: dict) -> dict[str, dict]:
@@ -96,6 +121,24 @@ def retention_table(payload: dict) -> str:
             cells = [_fmt(v) for v in series[k]] + [""] * (n_rounds - len(series[k]))
             name = m if res[m].get("retention") else f"{m} (batch 1, after each batch)"
             lines.append("| " + " | ".join([name, label] + cells + [_fmt(summary[k]["kept"])]) + " |")
+    return "\n".join(lines) + "\n" + _final_table(payload, rows)
+
+
+def _final_table(payload: dict, rows: list[str]) -> str:
+    """The markdown table of :func:`final_by_round` for ``rows`` (``""`` when none has per-edit records)."""
+    finals = {m: final_by_round(payload["results"][m]) for m in rows}
+    finals = {m: f for m, f in finals.items() if f}
+    if not finals:
+        return ""
+    n_rounds = max(len(v) for f in finals.values() for v in f.values())
+    head = ["row", "measure"] + [f"r{i + 1}" for i in range(n_rounds)]
+    lines = ["", "Every round's edits on the final model (fraction that holds, oldest round first):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m, f in finals.items():
+        for k, label in _MEASURES:
+            if k in f:
+                lines.append("| " + " | ".join([m, label] + [_fmt(v) for v in f[k]]
+                                               + [""] * (n_rounds - len(f[k]))) + " |")
     return "\n".join(lines) + "\n"
 
 
