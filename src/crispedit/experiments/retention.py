@@ -16,6 +16,7 @@ the first.
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import fmean
 
 from ..errors import atomic_write_figure
 
@@ -77,8 +78,7 @@ def final_by_round(row: dict) -> dict[str, list[float]]:
     per_edit = {"tf_rel": list((row.get("tf") or {}).get("rel") or [])}
     for k in ("qa", "chat"):
         per_edit[k] = [a[1] for a in ((row.get("wild") or {}).get(k) or {}).get("answers") or []]
-    return {k: [sum(map(float, v[i:i + size])) / len(v[i:i + size]) for i in range(0, len(v), size)]
-            for k, v in per_edit.items() if v}
+    return {k: [fmean(map(float, v[i:i + size])) for i in range(0, len(v), size)] for k, v in per_edit.items() if v}
 
 
 def retention_summary(row: dict) -> dict[str, dict]:
@@ -99,6 +99,18 @@ def _fmt(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}"
 
 
+def _round_table(title: str, n_rounds: int, body: list[tuple[str, str, list, list[str]]],
+                 tail_head: tuple[str, ...] = ()) -> str:
+    """A markdown section: ``title``, then a table of ``row | measure | r1 … r<n_rounds> | *tail_head*`` with one
+    line per ``(row, measure, fractions per round, tail cells)`` of ``body`` (missing rounds left blank)."""
+    head = ["row", "measure"] + [f"r{i + 1}" for i in range(n_rounds)] + list(tail_head)
+    lines = ["", title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, label, series, tail in body:
+        cells = [_fmt(v) for v in series] + [""] * (n_rounds - len(series))
+        lines.append("| " + " | ".join([name, label] + cells + tail) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def retention_table(payload: dict) -> str:
     """The markdown section on round-1 retention (``""`` when no row has one): a heading line, then a table with
     one line per ``-seq`` row and measure — the fraction of round 1's edits that hold after each round, then
@@ -109,19 +121,15 @@ def retention_table(payload: dict) -> str:
     res = payload["results"]
     n_rounds = max(len(retention_series(res[m])["tf_rel"]) for m in rows)
     n = next((rec.get("n") for m in rows for rec in res[m].get("retention") or [] if rec and rec.get("n")), None)
-    head = ["row", "measure"] + [f"r{i + 1}" for i in range(n_rounds)] + ["kept (last / r1)"]
-    lines = ["", f"Round-1 retention: the first round's {f'{n} ' if n else ''}edits measured after every round (fraction that "
-             "holds; kept = after the last round over after round 1):", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for m in rows:
         series, summary = retention_series(res[m]), retention_summary(res[m])
-        for k, label in _MEASURES:
-            if all(v is None for v in series[k]):
-                continue
-            cells = [_fmt(v) for v in series[k]] + [""] * (n_rounds - len(series[k]))
-            name = m if res[m].get("retention") else f"{m} (batch 1, after each batch)"
-            lines.append("| " + " | ".join([name, label] + cells + [_fmt(summary[k]["kept"])]) + " |")
-    return "\n".join(lines) + "\n" + _final_table(payload, rows)
+        name = m if res[m].get("retention") else f"{m} (batch 1, after each batch)"
+        body += [(name, label, series[k], [_fmt(summary[k]["kept"])]) for k, label in _MEASURES
+                 if any(v is not None for v in series[k])]
+    title = (f"Round-1 retention: the first round's {f'{n} ' if n else ''}edits measured after every round (fraction "
+             "that holds; kept = after the last round over after round 1):")
+    return _round_table(title, n_rounds, body, ("kept (last / r1)",)) + _final_table(payload, rows)
 
 
 def _final_table(payload: dict, rows: list[str]) -> str:
@@ -131,15 +139,9 @@ def _final_table(payload: dict, rows: list[str]) -> str:
     if not finals:
         return ""
     n_rounds = max(len(v) for f in finals.values() for v in f.values())
-    head = ["row", "measure"] + [f"r{i + 1}" for i in range(n_rounds)]
-    lines = ["", "Every round's edits on the final model (fraction that holds, oldest round first):", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for m, f in finals.items():
-        for k, label in _MEASURES:
-            if k in f:
-                lines.append("| " + " | ".join([m, label] + [_fmt(v) for v in f[k]]
-                                               + [""] * (n_rounds - len(f[k]))) + " |")
-    return "\n".join(lines) + "\n"
+    body = [(m, label, f[k], []) for m, f in finals.items() for k, label in _MEASURES if k in f]
+    return _round_table("Every round's edits on the final model (fraction that holds, oldest round first):",
+                        n_rounds, body)
 
 
 def plot_retention(payload: dict, path: str | Path) -> bool:
