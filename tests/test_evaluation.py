@@ -232,6 +232,26 @@ def test_run_wild_schema_and_base_agreement(tiny_lm):
     assert no_base["summary"]["loc_vs_base"] is None
 
 
+def test_evaluate_edit_logs_each_phase(tiny_lm, tmp_path, caplog):
+    """A long evaluation leaves a trail at info level: one line per finished phase (teacher-forced, drift, each WILD
+    wrapper) with its figures and seconds."""
+    import logging
+
+    from crispedit.evaluation import evaluate_edit
+
+    model, tok = tiny_lm
+    text = tmp_path / "heldout.txt"
+    text.write_text("The river runs to the sea.\n\nA second paragraph of held-out text.\n")
+    with caplog.at_level(logging.INFO, logger="crispedit.evaluate"):
+        out = evaluate_edit(model, tok, REQS, {}, kl_text=str(text), kl_texts=2, wild=("qa", "none"), progress=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "crispedit.evaluate"]
+    assert len(lines) == 4, lines
+    assert lines[0].startswith(f"evaluate: teacher-forced rel {out['summary']['rel']}") and "2 edits" in lines[0]
+    assert lines[1].startswith("evaluate: KL drift 0.00000") and f"{out['summary']['ppl']:.2f}" in lines[1]
+    assert lines[2].startswith(f"evaluate: WILD qa rel {out['wild']['qa']['rel']} gen {out['wild']['qa']['gen']}")
+    assert lines[3].startswith("evaluate: WILD none rel") and lines[3].endswith(" s)")
+
+
 def test_teacher_forced_specificity_and_counterfact(tiny_lm):
     from crispedit.evaluation.teacher_forced import edit_scores, score_pairs, summarize_edit_scores
 

@@ -5,6 +5,8 @@ optional lm-eval capability tasks."""
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -17,6 +19,8 @@ from .drift import kl_drift
 from .teacher_forced import edit_scores, summarize_edit_scores
 
 __all__ = ["evaluate_edit", "retention_probe"]
+
+_log = logging.getLogger("crispedit.evaluate")  # one info line per finished phase: a long evaluation leaves a trail
 
 
 def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], base_weights: dict[str, torch.Tensor], *,
@@ -32,12 +36,18 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     (:func:`.wild.wild_wrappers` for the ``wild`` evaluation wrappers and the named ``wild_templates``, rule judge
     unless ``judge``) and
     ``"capabilities"`` (:func:`.capabilities.run_capabilities`, ``limit`` items per task) when asked."""
+    t0 = time.perf_counter()
     per_edit = edit_scores(model, tokenizer, requests)
     summary = summarize_edit_scores(per_edit)
+    _log.info("evaluate: teacher-forced rel %s gen %s over %d edits (%.0f s)", summary.get("rel"), summary.get("gen"),
+              len(requests), time.perf_counter() - t0)
+    t0 = time.perf_counter()
     drift = kl_drift(model, tokenizer, heldout_text(kl_text, kl_texts), base_weights=base_weights, max_len=max_len,
                      progress=progress)
     summary.update({"kl_drift": round(drift["kl_drift"], 6), "ppl": round(drift["ppl"], 4),
                     "ppl_base": round(drift["ppl_base"], 4), "kl_tokens": drift["tokens"]})
+    _log.info("evaluate: KL drift %.5f nats/token, perplexity %.2f (base %.2f) (%.0f s)", drift["kl_drift"],
+              drift["ppl"], drift["ppl_base"], time.perf_counter() - t0)
     out: dict = {"summary": summary, "per_edit": per_edit}
     if wild or wild_templates:
         from .judges import RuleJudge
@@ -51,6 +61,9 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
 
         out["capabilities"] = run_capabilities(model, tokenizer, capabilities, limit=limit, bench_dir=bench_dir,
                                                progress=progress)
+        for name, c in out["capabilities"].items():
+            _log.info("evaluate: %s %s %s (%s items, %.0f s)", name, c.get("metric"), c.get("score"), c.get("n"),
+                      c.get("seconds") or 0)
     return out
 
 

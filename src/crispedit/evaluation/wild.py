@@ -22,6 +22,7 @@ to the same rendered prompt (needs a base model). Scores are means over edits of
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -35,6 +36,8 @@ if TYPE_CHECKING:  # torch only for annotations: WildConfig is checked before a 
 
 __all__ = ["EVAL_WRAPPERS", "EvalWrapper", "eval_wrapper", "HELD_OUT_WRAPPER", "CONTEXTS", "QA_TEMPLATE", "WildConfig",
            "render_prompt", "run_wild", "wild_wrappers", "wild_contexts", "check_template"]
+
+_log = logging.getLogger("crispedit.evaluate")  # one info line per wrapper evaluated
 
 QA_TEMPLATE = "Please answer the question:\n\nQ: {question}\nA:"
 
@@ -233,8 +236,11 @@ def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
         if _chat_wrapper(cfg.context) and not getattr(tokenizer, "chat_template", None):
             out[name] = None
             continue
+        t1 = time.perf_counter()
         res = run_wild(model, tokenizer, requests, judge, config=cfg, progress=progress)
         out[name] = {k: res["summary"][k] for k in ("rel", "gen", "loc_vs_answer")}
+        _log.info("evaluate: WILD %s rel %s gen %s over %d edits (%.0f s)", name, out[name]["rel"], out[name]["gen"],
+                  len(requests), time.perf_counter() - t1)
         out[name]["examples"] = [{"prompt": r["prompt"], "target": r["target"], "answer": r["rel"]["answer"]}
                                  for r in res["records"][:3]]
         # every answer, compactly: [rel answer, rel correct, [gen answers], [gen correct]] per edit
