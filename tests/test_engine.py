@@ -262,6 +262,35 @@ def test_bf16_precision_trains_float32_weights(tiny_lm, iso_cache):
     assert EditConfig.from_dict(EditConfig(**cfg).to_json()).precision == "fp32"
 
 
+def test_auto_precision_is_bf16_only_where_native(tiny_lm, iso_cache, monkeypatch, caplog):
+    """--precision auto runs as bf16 where the device computes it natively and as fp32 elsewhere (the same losses as
+    an fp32 run), and the report says which; an explicit bf16 where it is emulated runs as asked, with a warning."""
+    import logging
+
+    import crispedit.editing.loop as loop
+    from crispedit.editing import restore
+    from crispedit.models import native_bf16
+
+    assert isinstance(native_bf16("cpu"), bool) and native_bf16("meta") is False
+    model, tok = tiny_lm
+    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=3, lr=1e-2, batch_size=4,
+               n_cap=4, max_len=48, contexts="bare", stop_loss=0.0)
+    runs = {}
+    for precision, native in (("fp32", False), ("auto", False), ("auto", True), ("bf16", True), ("bf16", False)):
+        monkeypatch.setattr(loop, "native_bf16", lambda device, native=native: native)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="crispedit.edit"):
+            res = edit(model, tok, REQS, EditConfig(**cfg, precision=precision), progress=False)
+        restore(model, res.original_weights)
+        runs[precision, native] = res.history
+        assert ("emulated" in caplog.text) == (precision == "bf16" and not native)
+    assert runs["auto", False].epoch_loss == runs["fp32", False].epoch_loss
+    assert runs["auto", False].extra["precision"] == "fp32" and "precision" not in runs["fp32", False].extra
+    assert runs["auto", True].epoch_loss == runs["bf16", True].epoch_loss != runs["fp32", False].epoch_loss
+    assert runs["auto", True].extra["precision"] == runs["bf16", False].extra["precision"] == "bf16"
+    assert EditConfig(**cfg, precision="auto").to_json()["precision"] == "auto"
+
+
 def test_precision_is_checked():
     """An unknown precision is a one-line error naming the field."""
     from crispedit.errors import CrispEditError

@@ -40,9 +40,10 @@ def chat_answers(model, tok, prompts: list[str], max_new_tokens: int = 24) -> li
 
 def run_demo(n_edits: int = 6, epochs: int = 100, gamma: float = 0.8, n_cap: int = 16, model_spec: str = "smollm2",
              show: int = 6, methods: tuple[str, ...] = ("crispedit", "ft"), progress: bool | None = None,
-             precision: str = "bf16", kl_texts: int = 16) -> int:
+             precision: str = "auto", kl_texts: int = 16) -> int:
     """Run the demo and print its tables; returns the exit status (0). Sized to be short: ``n_edits`` bundled
-    edits, ``n_cap`` capability texts for the curvature, a bfloat16 training forward, the drift on ``kl_texts``
+    edits, ``n_cap`` capability texts for the curvature, a bfloat16 training forward where the hardware has it
+    natively (``precision`` ``"auto"``; float32 elsewhere), the drift on ``kl_texts``
     held-out paragraphs; ``crispedit demo --n-edits 32 --n-cap 64 --precision fp32 --kl-texts 32`` is the
     library's defaults at the size of the earlier demo. Every phase prints a line with the seconds
     since the start; where progress bars do not show (output not a terminal) the edit loop and the curvature
@@ -88,7 +89,8 @@ def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say,
     for method, cfg in configs.items():
         say(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}, precision {cfg.precision}) ...")
         res = edit(model, tok, requests, cfg, progress=progress)
-        say(f"{method}: edited in {res.edit_seconds:.0f} s ({len(res.history.epoch_loss)} epochs); evaluating "
+        ran = res.history.extra.get("precision", cfg.precision)  # what auto / bf16 ran as here
+        say(f"{method}: edited in {res.edit_seconds:.0f} s ({len(res.history.epoch_loss)} epochs, {ran}); evaluating "
             f"(WILD {', '.join(EVAL_WRAPPERS)}, teacher-forced, KL drift) ...")
         ev = evaluate_edit(model, tok, requests, res.original_weights, wild=tuple(EVAL_WRAPPERS), kl_texts=kl_texts,
                            progress=progress)

@@ -39,6 +39,7 @@ from .families import FamilyDefaults, defaults_for
 from .progress import show_progress
 
 __all__ = [
+    "native_bf16",
     "with_weights",
     "restoring",
     "cache_dir",
@@ -256,6 +257,22 @@ def _check_local_model_dir(source: Path, trust_remote_code: bool) -> None:
     if not any(source.glob("*.safetensors")) and any(p.suffix in (".bin", ".pt", ".pth") for p in source.iterdir()):
         raise CrispEditError(f"model {str(source)!r} has only pickled (.bin/.pt) weights, which crispedit never loads; "
                              "convert them to safetensors")
+
+
+def native_bf16(device) -> bool:
+    """Whether ``device`` (a :class:`torch.device` or its name) computes bfloat16 matrix products natively, so that a
+    bfloat16 autocast forward is faster than float32: a CUDA device that supports bfloat16, or a CPU whose oneDNN
+    has bfloat16 kernels (AVX-512 or AMX). False elsewhere, e.g. a CPU with AVX2 only, where bfloat16 is emulated
+    and many times slower than float32."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if dev.type != "cpu":
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return False
 
 
 def check_device(device: str | None) -> str | None:

@@ -23,7 +23,8 @@ def add_cli(sub) -> None:
     d.add_argument("--gamma", type=float, default=0.8)
     d.add_argument("--n-cap", type=int, default=16, help="capability texts for the curvature")
     d.add_argument("--show", type=int, default=6, help="rows in the before/after table")
-    d.add_argument("--precision", choices=("fp32", "bf16"), default="bf16",
-                   help="the training forward's precision (as crispedit edit --precision)")
+    d.add_argument("--precision", choices=("fp32", "bf16", "auto"), default="auto",
+                   help="the training forward's precision (as crispedit edit --precision; default auto: bf16 where "
+                   "the hardware computes it natively, else fp32)")
     d.add_argument("--kl-texts", type=int, default=16, help="held-out paragraphs the KL drift is measured on")
     d.set_defaults(func=cmd_demo)

@@ -90,8 +90,9 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, option
                    help="train each request on a seeded sample of K of its context sequences per epoch (every "
                         "epoch another sample) instead of all of them: fewer tokens per epoch")
     p.add_argument("--precision", choices=PRECISIONS, default=d["precision"],
-                   help="the training forward and backward: fp32, or bf16 autocast (matmuls in bfloat16; the trained "
-                        "weights, their gradients, Adam and the projection stay float32)")
+                   help="the training forward and backward: fp32, bf16 autocast (matmuls in bfloat16; the trained "
+                        "weights, their gradients, Adam and the projection stay float32), or auto: bf16 where the "
+                        "device computes it natively (a GPU, a CPU with AVX-512 or AMX), else fp32")
     p.add_argument("--projection-precision", choices=PROJECTION_PRECISIONS, default=d["projection_precision"],
                    help="the projection's matrix products on a GPU: fp32, or tf32 tensor cores (inputs rounded to "
                         "10 mantissa bits, float32 sums; docs/curvature.md bounds what leaks); the CPU always fp32")

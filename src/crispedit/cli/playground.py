@@ -72,7 +72,7 @@ def add_cli(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = a free one, printed)")
     add_curvature_args(p)
     add_training_args(p, method=False, options=["crispedit"])
-    p.set_defaults(precision="bf16")  # an edit in under a minute on a CPU (the library: fp32); lr: engine.LR_FACTOR
+    p.set_defaults(precision="auto")  # bf16 where native: an edit in under a minute on a CPU; lr: engine.LR_FACTOR
     add_max_drift_arg(p)
     p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")
     p.add_argument("--kl-text", default=None, help="held-out text the drift is measured on (default: bundled WikiText)")

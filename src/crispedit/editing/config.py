@@ -28,7 +28,9 @@ from .registry import MethodConfig, get_editor, method_names, method_spec
 __all__ = ["EditConfig", "PRECISIONS", "PROJECTION_PRECISIONS", "BATCH_ORDERS", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
            "MIN_SEQ_ROUNDS", "default_seq_chunk"]
 
-PRECISIONS = ("fp32", "bf16")  # the training forward's arithmetic (EditConfig.precision)
+# the training forward's arithmetic (EditConfig.precision); "auto" is bf16 where the device has it natively
+# (crispedit.models.native_bf16), else fp32, decided when the edit runs
+PRECISIONS = ("fp32", "bf16", "auto")
 # the projection's GEMMs (EditConfig.projection_precision); curvature.projection.ROTATION_PRECISIONS, torch-free here
 PROJECTION_PRECISIONS = ("fp32", "tf32")
 BATCH_ORDERS = ("request", "length")  # EditConfig.batch_order: which sequences of a context share a batch
@@ -61,7 +63,7 @@ class EditConfig:
     batch_tokens: int | None = None     # pack batches up to this many padded tokens instead (None = batch_size sequences)
     batch_order: str = "request"        # batch_size sequences of one context in request order, or sorted by "length"
     context_sample: int | None = None   # train each request on a seeded sample of this many of its sequences per epoch
-    precision: str = "fp32"             # the training forward: fp32, or bf16 autocast (weights, grads, Adam stay fp32)
+    precision: str = "fp32"             # the training forward: fp32, bf16 autocast (weights, grads, Adam stay fp32), auto
     projection_precision: str = "fp32"  # the projection's GEMMs on a GPU: fp32, or tf32 tensor cores (CPU: always fp32)
     epochs: int = 100                   # maximum; stop_loss ends it earlier (paper: 25 steps, see above)
     skip_loss: float = 0.01

@@ -38,7 +38,7 @@ from ..data.edits import EditRequest
 from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
 from ..data.tokenize import EncodedBatch
 from ..errors import CrispEditError
-from ..models import as_weight_matrix
+from ..models import as_weight_matrix, native_bf16
 from ..curvature.projection import LayerProjector, rotation_precision
 from .checkpoint import LoopCheckpoint, LoopState
 from .config import EditConfig, ProjectionTarget
@@ -51,7 +51,7 @@ _log = logging.getLogger("crispedit.edit")
 LOG_EVERY = 5  # epochs between the loop's INFO lines (for output that is not a terminal: no bar there) ...
 LOG_SECONDS = 60.0  # ... or fewer, once this many seconds have passed since the last line (long epochs)
 
-__all__ = ["projected_finetune", "edit_loss", "TrainHistory", "training_brief", "apply_projection", "edit_batches",
+__all__ = ["projected_finetune", "edit_loss", "TrainHistory", "training_brief", "apply_projection", "edit_batches", "resolve_precision",
            "shard_batch"]
 
 
@@ -139,6 +139,19 @@ def shard_batch(batch: EncodedBatch, r: int, w: int) -> EncodedBatch | None:
     return part if target_count(part) > 0 else None
 
 
+def resolve_precision(precision: str, device) -> str:
+    """The training forward's arithmetic an edit runs with on ``device``: ``"bf16"`` or ``"fp32"``; ``"auto"`` is
+    bf16 where the device has it natively (:func:`~crispedit.models.native_bf16`), else fp32. An explicit bf16 on a
+    device that emulates it runs as asked, with a warning that fp32 would be faster."""
+    native = native_bf16(device)
+    if precision == "auto":
+        return "bf16" if native else "fp32"
+    if precision == "bf16" and not native:
+        _log.warning("bf16 on %s is emulated here (no native bfloat16 arithmetic: a CPU without AVX-512 or AMX), "
+                     "many times slower than fp32; --precision fp32 or auto is faster", torch.device(device).type)
+    return precision
+
+
 class _EpochPlan:
     """The batches of every epoch and their losses: all training sequences in fixed batches, or (``--context-sample``)
     a seeded sample of every request's sequences batched anew each epoch; under ``torch.distributed`` each
@@ -147,6 +160,7 @@ class _EpochPlan:
 
     def __init__(self, model, tokenizer, requests, params, config: EditConfig, fast: bool, device):
         self.tokenizer, self.config, self.device = tokenizer, config, device
+        self.precision = resolve_precision(config.precision, device)
         self.seqs, self.contexts = sequences_for(tokenizer, requests, config, model)
         self.batches = [b.to(device) for b in self._batch(None)]
         self.sample = config.context_sample
@@ -165,10 +179,10 @@ class _EpochPlan:
             self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast)  # exact shortcut: prefix cached
 
     def _arithmetic(self):
-        """The forward's arithmetic: under ``precision="bf16"`` an autocast region (matrix products in bfloat16;
-        the backward follows the forward's dtypes, the float32 weights receive float32 gradients), else nothing.
-        The frozen prefix of the fast path was computed at plan time, in the model's own dtype."""
-        if self.config.precision == "bf16":
+        """The forward's arithmetic: under bfloat16 (:attr:`precision`) an autocast region (matrix products in
+        bfloat16; the backward follows the forward's dtypes, the float32 weights receive float32 gradients), else
+        nothing. The frozen prefix of the fast path was computed at plan time, in the model's own dtype."""
+        if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -293,6 +307,8 @@ class _Counters:
                             converged=self.converged, steps=self.n_batches - int(self.skipped),
                             skipped=int(self.skipped), epoch_seconds=list(self.epoch_seconds))
         hist.sequences, hist.tokens = plan.per_epoch()
+        if plan.config.precision != "fp32":  # what bf16 / auto ran as on this device
+            hist.extra["precision"] = plan.precision
         if plan.sample is None and plan.shards is None:  # fixed batches: what an epoch computes
             hist.extra.update(plan.loss_fn.layout())
         if self.start:

@@ -69,12 +69,13 @@ LR_FACTOR = 2.0  # the playground's default learning rate over the library's (pe
 
 def playground_config(config, family: str | None):
     """The :class:`~crispedit.editing.config.EditConfig` an edit in the playground runs with, validated for the
-    model family ``family``: ``config`` (default: crispedit's defaults with ``precision="bf16"``); when its
+    model family ``family``: ``config`` (default: crispedit's defaults with ``precision="auto"``: a bfloat16
+    training forward where the hardware has it natively); when its
     learning rate was left unset, :data:`LR_FACTOR` times the method's default for that family (the family
     scaling, e.g. Gemma-3's, kept), so an edit takes fewer epochs. An lr the user gave is kept."""
     from ..editing.config import EditConfig
 
-    config = config or EditConfig(precision="bf16")
+    config = config or EditConfig(precision="auto")
     default_lr = config.lr is None or getattr(config, "_lr_family_scaled", True) is False
     config = config.validate().for_family(family)
     if default_lr:
@@ -84,8 +85,8 @@ def playground_config(config, family: str | None):
 
 class Playground:
     """A model to ask and edit. ``config``: the :class:`~crispedit.editing.config.EditConfig` every edit runs with
-    (default: :func:`playground_config` — crispedit's defaults with a bfloat16 training forward and twice the
-    learning rate, for an edit in under a minute on a CPU); its capability factors are fetched here, once, from ``cache_file``, from the
+    (default: :func:`playground_config` — crispedit's defaults with a bfloat16 training forward where the hardware
+    has it natively and twice the learning rate, for an edit in under a minute on a CPU); its capability factors are fetched here, once, from ``cache_file``, from the
     content-addressed cache under ``cache_root`` or collected (:func:`~crispedit.editing.api.edit_factors`).
     ``kl_text`` / ``kl_texts``: the held-out text the drift is measured on (default: bundled WikiText);
     ``max_chars``: the longest question or answer taken; ``undo_depth``: how many of the latest edits keep
