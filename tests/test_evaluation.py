@@ -173,6 +173,32 @@ def test_generate_answers_batched_matches_single_and_stops(tiny_lm):
         assert a == cut_at_stop(r, (".", "\n")) or r.lstrip().startswith(a)
 
 
+@pytest.mark.parametrize("fixture", ["tiny_lm", "tiny_lm64"])
+def test_generate_answers_computes_a_shared_prefix_once_with_the_same_answers(fixture, request, monkeypatch):
+    """Prompts that share a long prefix (a chat template's system turn): the prefix is computed once and its cache
+    copied to every row, the rest of each prompt padded after it, and every answer is the one the whole prompt
+    gives alone and the one plain left-padded batches give (float32 and float64)."""
+    import crispedit.evaluation.generation as generation
+    from crispedit.models import takes_full_masks
+
+    model, tok = request.getfixturevalue(fixture)
+    assert takes_full_masks(model)
+    head = "System: you are a helpful assistant who answers every question in a few words, no more.\nUser: "
+    prompts = [head + q for q in ("Who is the king?", "Where is Reedy Glacier?", "a", "What river is Charity Creek in? Tell me")]
+    ids = tok(prompts)["input_ids"]
+    forwards = []  # the input shape of every forward (a hook: generate reads the forward's signature)
+    hook = model.register_forward_pre_hook(lambda mod, a, k: forwards.append(tuple(k["input_ids"].shape)),
+                                           with_kwargs=True)
+    shared = generate_answers(model, tok, prompts, max_new_tokens=10, batch_size=4, stop=())
+    hook.remove()
+    p = generation._prefix_cache(model, ids, "cpu")[0]
+    assert p >= generation.MIN_SHARED_PREFIX and forwards[0] == (1, p) and forwards[1][1] == max(len(x) for x in ids) - p
+    monkeypatch.setattr(generation, "_shares_prefix", lambda m: False)
+    plain = generate_answers(model, tok, prompts, max_new_tokens=10, batch_size=4, stop=())
+    alone = [generate_answers(model, tok, [q], max_new_tokens=10, stop=())[0] for q in prompts]
+    assert shared == plain == alone
+
+
 def _scripted(model, tok, scripts):
     """Make ``model`` emit ``scripts[row]`` token by token (then EOS) whatever its weights say; returns
     a list that records the number of forward calls (prefill + one per generated token)."""

@@ -4,10 +4,17 @@ Prompts are sorted by length before batching (less left padding, fewer wasted po
 answers are returned in the caller's order. Generation stops per sequence at EOS (the tokenizer's
 and the model's generation-config EOS ids, e.g. ``<|im_end|>`` for chat models) or as soon as a
 stop string appears; the answer is cut before the first stop string.
+
+A prefix that every prompt shares (a chat template's system turn, a wrapper's instruction) is computed once: its
+KV cache is copied to every row of a batch and the rest of each prompt follows it, padded between the prefix and
+its own tokens (masked there; positions count real tokens only), so each row sees what it would alone. This is
+done for models with one full attention mask in every layer (:func:`~crispedit.models.takes_full_masks`); others
+generate from the whole prompt.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -88,26 +95,68 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[str], *, max
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    ids = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
+    order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))
     outs: list[str | None] = [None] * len(prompts)
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
     was_training = model.training
     model.eval()
     try:
+        prefix, cache = _prefix_cache(model, ids, device)
         for start in tqdm(range(0, len(order), batch_size), desc=desc,
                           disable=(None if progress is None else not progress)):
             idx = order[start:start + batch_size]
-            enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True,
-                            add_special_tokens=add_special_tokens).to(device)
-            plen = enc["input_ids"].shape[1]
+            input_ids, mask = _left_padded([ids[i] for i in idx], prefix, pad, device)
+            plen = input_ids.shape[1]
             criteria = _stop_criteria(tokenizer, plen, stop, skip_leading_stop) if any(stop) else None
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                 temperature=None, top_p=None, top_k=None,
-                                 pad_token_id=pad, eos_token_id=eos or None, stopping_criteria=criteria)
+            kw = {}
+            if cache is not None:
+                kw["past_key_values"] = copy.deepcopy(cache)
+                kw["past_key_values"].batch_repeat_interleave(len(idx))
+            gen = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None,
+                                 pad_token_id=pad, eos_token_id=eos or None, stopping_criteria=criteria, **kw)
             for i, row in zip(idx, gen[:, plen:]):
                 outs[i] = cut_at_stop(tokenizer.decode(row, skip_special_tokens=True), stop, skip_leading_stop)
     finally:
-        tokenizer.padding_side = side
         model.train(was_training)
     return [o if o is not None else "" for o in outs]
+
+
+MIN_SHARED_PREFIX = 16  # tokens: a shorter common prefix does not pay for its cache copy per batch (docs/evaluation.md)
+
+
+def _prefix_cache(model: nn.Module, ids: Sequence[Sequence[int]], device) -> tuple[int, object | None]:
+    """The length ``P`` of the token prefix every prompt of ``ids`` shares (at least one token of each prompt left
+    after it) and its KV cache (batch 1), or ``(0, None)`` when it is shorter than :data:`MIN_SHARED_PREFIX` or the
+    model cannot take a mask with padding between the prefix and the rest (:func:`_shares_prefix`)."""
+    if len(ids) < 2 or not _shares_prefix(model):
+        return 0, None
+    first, n = ids[0], min(len(x) for x in ids) - 1
+    p = 0
+    while p < n and all(x[p] == first[p] for x in ids):
+        p += 1
+    if p < MIN_SHARED_PREFIX:
+        return 0, None
+    out = model(input_ids=torch.tensor([first[:p]], device=device), use_cache=True)
+    return p, out.past_key_values
+
+
+def _shares_prefix(model: nn.Module) -> bool:
+    """Whether a cached shared prefix can be exact for ``model``: full attention masks in every layer and a
+    Hugging Face cache that can be copied per row (``batch_repeat_interleave``)."""
+    from ..models import takes_full_masks
+
+    return takes_full_masks(model) and getattr(model, "generate", None) is not None
+
+
+def _left_padded(rows: Sequence[Sequence[int]], prefix: int, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` (``B x T``) of token rows padded to the longest: on the left, or — with a
+    shared ``prefix`` of that many tokens — between the prefix and the rest of each row (mask 0 there)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, r in enumerate(rows):
+        gap = width - len(r)
+        ids[b, :prefix], mask[b, :prefix] = torch.tensor(r[:prefix], dtype=torch.long), 1
+        ids[b, prefix + gap:], mask[b, prefix + gap:] = torch.tensor(r[prefix:], dtype=torch.long), 1
+    return ids.to(device), mask.to(device)
