@@ -199,11 +199,56 @@ def test_generate_answers_computes_a_shared_prefix_once_with_the_same_answers(fi
     assert shared == plain == alone
 
 
-def _scripted(model, tok, scripts):
+@pytest.mark.parametrize("family", ["gemma3", "gpt2"])
+def test_generate_answers_matches_hf_generate_on_other_families(family, tiny_tok):
+    """The greedy loop that drops ended rows gives Hugging Face ``generate``'s greedy tokens, batched or alone, on a
+    model with sliding-window layers (Gemma-3, a window shorter than the answers; no shared-prefix cache there) and
+    on one with learned absolute positions (GPT-2, where left padding's positions must count real tokens)."""
+    import transformers
+
+    import crispedit.evaluation.generation as generation
+
+    torch.manual_seed(0)
+    if family == "gemma3":
+        cfg = transformers.Gemma3TextConfig(vocab_size=len(tiny_tok), hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                                            head_dim=16, sliding_window=4, pad_token_id=1, eos_token_id=0,
+                                            bos_token_id=0, attn_implementation="sdpa")
+        model = transformers.Gemma3ForCausalLM(cfg).eval()
+        assert not generation._shares_prefix(model)
+    else:
+        cfg = transformers.GPT2Config(vocab_size=len(tiny_tok), n_embd=32, n_layer=2, n_head=2, pad_token_id=1,
+                                      eos_token_id=0, bos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg).eval()
+    head = "System: you are a helpful assistant who answers every question in a few words, no more.\nUser: "
+    prompts = [head + q for q in ("Who is the king?", "a", "What river is Charity Creek in? Tell me")]
+    batched = generate_answers(model, tiny_tok, prompts, max_new_tokens=12, batch_size=3, stop=())
+    alone = [generate_answers(model, tiny_tok, [q], max_new_tokens=12, stop=())[0] for q in prompts]
+    with torch.no_grad():
+        hf = []
+        for q in prompts:
+            enc = tiny_tok(q, return_tensors="pt")
+            g = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=1, eos_token_id=0)
+            hf.append(tiny_tok.decode(g[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    assert batched == alone == hf
+
+
+def _scripted(model, tok, scripts, monkeypatch):
     """Make ``model`` emit ``scripts[row]`` token by token (then EOS) whatever its weights say; returns
-    a list that records the number of forward calls (prefill + one per generated token)."""
+    a list that records the number of forward calls (prefill + one per generated token). Rows that ended leave
+    the batch (their cache rows selected away): the script follows the rows still in it."""
+    from transformers import DynamicCache
+
     ids = [tok(s, add_special_tokens=False).input_ids + [tok.eos_token_id] for s in scripts]
-    calls = [0]
+    calls, alive = [0], [list(range(len(scripts)))]
+    select = DynamicCache.batch_select_indices
+
+    def batch_select_indices(self, indices):
+        """The cache's own selection, and the script's rows with it."""
+        select(self, indices)
+        alive[0] = [alive[0][j] for j in indices.tolist()]
+
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", batch_select_indices)
     orig = model.forward
 
     def forward(*args, **kwargs):
@@ -211,26 +256,28 @@ def _scripted(model, tok, scripts):
         step = calls[0]
         calls[0] += 1
         logits = torch.full_like(out.logits[:, -1], -1e9)
-        for r in range(logits.shape[0]):
-            logits[r, ids[r][min(step, len(ids[r]) - 1)]] = 0.0
+        for j, r in enumerate(alive[0]):
+            logits[j, ids[r][min(step, len(ids[r]) - 1)]] = 0.0
         out.logits[:, -1] = logits
         return out
 
     model.forward = forward
-    return calls
+    return calls, alive
 
 
-def test_generate_stops_at_stop_strings_and_eos(tiny_lm):
+def test_generate_stops_at_stop_strings_and_eos(tiny_lm, monkeypatch):
+    """Each row stops at a stop string or EOS and leaves the batch; the batch ends when its last row does."""
     model, tok = tiny_lm
     scripts = [" Paris. It is the capital of France and more words follow here",
                "\n\nLondon\nis big and the rest keeps going on and on and on",
                " Rome"]
-    calls = _scripted(model, tok, scripts)
+    calls, alive = _scripted(model, tok, scripts, monkeypatch)
     out = generate_answers(model, tok, ["Q1", "Q2", "Q3"], max_new_tokens=30, batch_size=3)
     assert out == ["Paris", "London", "Rome"]             # cut before ".", "\n" (after leading ones), at EOS
     longest_needed = len(tok("\n\nLondon\n", add_special_tokens=False).input_ids)
     assert calls[0] <= longest_needed + 2                # generation stopped early, not after 30 tokens
-    calls[0] = 0
+    assert alive[0] == [1]                               # the longest answer's row decoded last, alone
+    calls[0], alive[0] = 0, [0, 1, 2]
     raw = generate_answers(model, tok, ["Q1", "Q2", "Q3"], max_new_tokens=30, batch_size=3, stop=())
     assert raw[0].startswith("Paris. It is") and raw[2] == "Rome"   # no stop strings: only EOS / the cap
 

@@ -15,7 +15,7 @@ generate from the whole prompt.
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -37,34 +37,52 @@ def cut_at_stop(text: str, stop: Sequence[str], skip_leading: bool = True) -> st
 
 
 class _StopOnStrings:
-    """Per-sequence stopping criterion: done once the new text (after leading whitespace, when
-    ``skip_leading``) contains a stop string. Finished rows are padded by ``generate``."""
+    """Whether a row's new tokens end its answer: an EOS id, or a stop string in the new text (after leading
+    whitespace, when ``skip_leading``; the last 48 tokens are decoded)."""
 
-    def __init__(self, tokenizer, prompt_len: int, stop: Sequence[str], skip_leading: bool):
-        self.tok, self.start, self.stop, self.skip = tokenizer, prompt_len, [s for s in stop if s], skip_leading
+    def __init__(self, tokenizer, stop: Sequence[str], skip_leading: bool, eos: set[int]):
+        self.tok, self.stop, self.skip, self.eos = tokenizer, [s for s in stop if s], skip_leading, eos
 
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        done = []
-        for row in input_ids[:, self.start:]:
-            text = self.tok.decode(row[-48:] if row.shape[0] > 48 else row, skip_special_tokens=True)
-            if self.skip and row.shape[0] <= 48:
-                text = text.lstrip()
-            done.append(any(s in text for s in self.stop))
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-def _stop_criteria(tokenizer, prompt_len: int, stop: Sequence[str], skip_leading: bool):
-    """A transformers ``StoppingCriteriaList`` holding :class:`_StopOnStrings` (transformers is imported
-    here, not at module load, so the CLI parses its arguments without it)."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    global _StopCriterion
-    if _StopCriterion is None:
-        _StopCriterion = type("StopOnStrings", (_StopOnStrings, StoppingCriteria), {})
-    return StoppingCriteriaList([_StopCriterion(tokenizer, prompt_len, stop, skip_leading)])
+    def __call__(self, row: list[int]) -> bool:
+        if row[-1] in self.eos:
+            return True
+        if not self.stop:
+            return False
+        text = self.tok.decode(row[-48:], skip_special_tokens=True)
+        if self.skip and len(row) <= 48:
+            text = text.lstrip()
+        return any(s in text for s in self.stop)
 
 
-_StopCriterion = None
+def _greedy(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, past, max_new_tokens: int,
+            done: Callable[[list[int]], bool]) -> list[list[int]]:
+    """Greedy decoding of a left-padded batch (``B x T`` ids and key mask; ``past``: a KV cache of its first
+    positions, or ``None``): each row's new tokens up to and including the one after which ``done`` says it has
+    ended, at most ``max_new_tokens``. Rows that have ended leave the batch (their cache rows dropped), so the
+    steps after most answers ended cost what the remaining rows cost. Positions count real tokens only."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    start = 0 if past is None else past.get_seq_length()
+    out = model(input_ids=input_ids[:, start:], attention_mask=mask, position_ids=pos[:, start:],
+                past_key_values=past, use_cache=True, logits_to_keep=1)
+    past, last = out.past_key_values, pos[:, -1]
+    alive = list(range(input_ids.shape[0]))
+    rows: list[list[int]] = [[] for _ in alive]
+    for step in range(max_new_tokens):
+        nxt = out.logits[:, -1].argmax(-1)
+        for r, t in zip(alive, nxt.tolist()):
+            rows[r].append(t)
+        keep = [j for j, r in enumerate(alive) if not done(rows[r])]
+        if not keep or step == max_new_tokens - 1:
+            break
+        if len(keep) < len(alive):
+            sel = torch.tensor(keep, device=mask.device)
+            past.batch_select_indices(sel)
+            mask, nxt, last, alive = mask[sel], nxt[sel], last[sel], [alive[j] for j in keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        last = last + 1
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None], past_key_values=past,
+                    use_cache=True)
+    return rows
 
 
 def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
@@ -106,16 +124,13 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[str], *, max
                           disable=(None if progress is None else not progress)):
             idx = order[start:start + batch_size]
             input_ids, mask = _left_padded([ids[i] for i in idx], prefix, pad, device)
-            plen = input_ids.shape[1]
-            criteria = _stop_criteria(tokenizer, plen, stop, skip_leading_stop) if any(stop) else None
-            kw = {}
+            past = None
             if cache is not None:
-                kw["past_key_values"] = copy.deepcopy(cache)
-                kw["past_key_values"].batch_repeat_interleave(len(idx))
-            gen = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None,
-                                 pad_token_id=pad, eos_token_id=eos or None, stopping_criteria=criteria, **kw)
-            for i, row in zip(idx, gen[:, plen:]):
+                past = copy.deepcopy(cache)
+                past.batch_repeat_interleave(len(idx))
+            done = _StopOnStrings(tokenizer, stop, skip_leading_stop, set(eos))
+            rows = _greedy(model, input_ids, mask, past, max_new_tokens, done)
+            for i, row in zip(idx, rows):
                 outs[i] = cut_at_stop(tokenizer.decode(row, skip_special_tokens=True), stop, skip_leading_stop)
     finally:
         model.train(was_training)
@@ -142,11 +157,11 @@ def _prefix_cache(model: nn.Module, ids: Sequence[Sequence[int]], device) -> tup
 
 
 def _shares_prefix(model: nn.Module) -> bool:
-    """Whether a cached shared prefix can be exact for ``model``: full attention masks in every layer and a
-    Hugging Face cache that can be copied per row (``batch_repeat_interleave``)."""
+    """Whether a cached shared prefix can be exact for ``model``: one full attention mask in every layer (no
+    sliding window, whose cache layers keep only their window)."""
     from ..models import takes_full_masks
 
-    return takes_full_masks(model) and getattr(model, "generate", None) is not None
+    return takes_full_masks(model)
 
 
 def _left_padded(rows: Sequence[Sequence[int]], prefix: int, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
