@@ -15,6 +15,7 @@ generate from the whole prompt.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Callable, Sequence
 
 import torch
@@ -62,8 +63,9 @@ def _greedy(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, past,
     steps after most answers ended cost what the remaining rows cost. Positions count real tokens only."""
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     start = 0 if past is None else past.get_seq_length()
+    head = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     out = model(input_ids=input_ids[:, start:], attention_mask=mask, position_ids=pos[:, start:],
-                past_key_values=past, use_cache=True, logits_to_keep=1)
+                past_key_values=past, use_cache=True, **head)
     past, last = out.past_key_values, pos[:, -1]
     alive = list(range(input_ids.shape[0]))
     rows: list[list[int]] = [[] for _ in alive]
