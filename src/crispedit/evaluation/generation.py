@@ -3,7 +3,8 @@
 Prompts are sorted by length before batching (less left padding, fewer wasted positions) and the
 answers are returned in the caller's order. Generation stops per sequence at EOS (the tokenizer's
 and the model's generation-config EOS ids, e.g. ``<|im_end|>`` for chat models) or as soon as a
-stop string appears; the answer is cut before the first stop string.
+stop string appears; the answer is cut before the first stop string. Decoding is a short greedy loop
+(:func:`_greedy`) rather than ``model.generate``, so that a row whose answer has ended leaves the batch.
 
 A prefix that every prompt shares (a chat template's system turn, a wrapper's instruction) is computed once: its
 KV cache is copied to every row of a batch and the rest of each prompt follows it, padded between the prefix and
