@@ -16,6 +16,7 @@ def cmd_demo(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit demo`` on ``subparsers``."""
+    from ..editing.config import PRECISIONS  # torch-free
     d = sub.add_parser("demo", help="edit bundled ZsRE facts into SmolLM2 with crispedit and ft; show before/after")
     d.add_argument("--model", default="smollm2")
     d.add_argument("--n-edits", type=int, default=6)
@@ -23,7 +24,7 @@ def add_cli(sub) -> None:
     d.add_argument("--gamma", type=float, default=0.8)
     d.add_argument("--n-cap", type=int, default=16, help="capability texts for the curvature")
     d.add_argument("--show", type=int, default=6, help="rows in the before/after table")
-    d.add_argument("--precision", choices=("fp32", "bf16", "auto"), default="auto",
+    d.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="the training forward's precision (as crispedit edit --precision; default auto: bf16 where "
                    "the hardware computes it natively, else fp32)")
     d.add_argument("--kl-texts", type=int, default=16, help="held-out paragraphs the KL drift is measured on")

@@ -123,6 +123,7 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[str], *, max
     model.eval()
     try:
         prefix, cache = _prefix_cache(model, ids, device)
+        done = _StopOnStrings(tokenizer, stop, skip_leading_stop, set(eos))
         for start in tqdm(range(0, len(order), batch_size), desc=desc,
                           disable=(None if progress is None else not progress)):
             idx = order[start:start + batch_size]
@@ -131,7 +132,6 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[str], *, max
             if cache is not None:
                 past = copy.deepcopy(cache)
                 past.batch_repeat_interleave(len(idx))
-            done = _StopOnStrings(tokenizer, stop, skip_leading_stop, set(eos))
             rows = _greedy(model, input_ids, mask, past, max_new_tokens, done)
             for i, row in zip(idx, rows):
                 outs[i] = cut_at_stop(tokenizer.decode(row, skip_special_tokens=True), stop, skip_leading_stop)

@@ -222,7 +222,7 @@ def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge
 
 def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *,
                   wrappers: Sequence[str] = tuple(EVAL_WRAPPERS), templates: dict[str, str] | None = None,
-                  batch_size: int = 64, progress: bool | None = None) -> dict:
+                  batch_size: int = WildConfig.batch_size, progress: bool | None = None) -> dict:
     """WILD summaries for several evaluation wrappers at once: ``{wrapper: {"rel", "gen", "loc_vs_answer", ...},
     ..., "seconds": s}``. A chat-template wrapper (``chat``) is skipped (``None``) for tokenizers without a chat
     template; ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each wrapper also keeps
