@@ -120,3 +120,22 @@ def test_parameter_reads_through_a_peft_wrapped_module(tiny_lm):
         assert parameter(model, name) is w       # peft's `weight` property names the base layer's
     finally:
         tuner.merge_and_unload()
+
+
+def test_last_logits_only_keeps_the_cache_and_the_last_logits(tiny_lm):
+    """A forward with :func:`last_logits_only` leaves the KV cache a full forward's and its last logits equal up to
+    rounding, and computes logits for that position alone; a forward without the argument gets no keyword arguments."""
+    from crispedit.models import last_logits_only
+
+    model, _ = tiny_lm
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=True)
+        short = model(input_ids=ids, use_cache=True, **last_logits_only(model))
+    assert last_logits_only(model) == {"logits_to_keep": 1}
+    assert short.logits.shape[1] == 1
+    torch.testing.assert_close(short.logits[:, -1], full.logits[:, -1])  # one row vs nine: rounding only
+    for (k1, v1), (k2, v2) in zip(((l.keys, l.values) for l in full.past_key_values.layers),
+                                  ((l.keys, l.values) for l in short.past_key_values.layers)):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert last_logits_only(torch.nn.Linear(2, 2)) == {}

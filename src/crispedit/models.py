@@ -25,6 +25,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -46,6 +47,7 @@ __all__ = [
     "gemma3_gguf_path",
     "static_attention_mask",
     "takes_full_masks",
+    "last_logits_only",
     "load_model",
     "check_device",
     "save_model_dir",
@@ -584,6 +586,14 @@ def takes_full_masks(model: nn.Module) -> bool:
     layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     return (getattr(cfg, "_attn_implementation", None) == "sdpa" and not getattr(cfg, "sliding_window", None)
             and layer_types == {"full_attention"})
+
+
+def last_logits_only(model: nn.Module) -> dict:
+    """``{"logits_to_keep": 1}`` where ``model.forward`` takes it (Hugging Face causal LMs), else ``{}``: keyword
+    arguments for a forward whose output is wanted for its KV cache and last position only, so that the output
+    projection (``vocab x d_model``, a large share of a small model's forward) skips every other position. The
+    cache is the same either way."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def static_attention_mask(model: nn.Module, attention_mask: torch.Tensor, padded: bool | None = None

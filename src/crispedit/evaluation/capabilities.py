@@ -231,6 +231,8 @@ def _prefix_sharing_lm_class():
     from lm_eval.models.huggingface import HFLM
     from tqdm.auto import tqdm
 
+    from ..models import last_logits_only
+
     class PrefixSharingHFLM(HFLM):
         """lm-eval's HF model, scoring requests that share a context in one forward pass."""
         def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -253,6 +255,7 @@ def _prefix_sharing_lm_class():
             skip = set(fallback)
             dev = self.model.device if hasattr(self.model, "device") else next(self.model.parameters()).device
             bs = max(int(self.batch_size) if str(self.batch_size).isdigit() else 8, 1)
+            head = last_logits_only(self.model)  # the context's cache is wanted, not its logits
             with torch.no_grad():
                 for ctx, idx in tqdm(groups.items(), desc="loglikelihood (shared contexts)",
                                      disable=disable_tqdm or None):
@@ -262,7 +265,8 @@ def _prefix_sharing_lm_class():
                     prefix = list(ctx[:-1])
                     cache = None
                     if prefix:
-                        cache = self.model(input_ids=torch.tensor([prefix], device=dev), use_cache=True).past_key_values
+                        cache = self.model(input_ids=torch.tensor([prefix], device=dev), use_cache=True,
+                                           **head).past_key_values
                     for s in range(0, len(idx), bs):
                         chunk = idx[s:s + bs]
                         conts = [encoded[i][1] for i in chunk]

@@ -16,12 +16,13 @@ generate from the whole prompt.
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+
+from ..models import last_logits_only, takes_full_masks
 
 __all__ = ["generate_answers", "cut_at_stop", "eos_token_ids"]
 
@@ -64,7 +65,7 @@ def _greedy(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, past,
     steps after most answers ended cost what the remaining rows cost. Positions count real tokens only."""
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     start = 0 if past is None else past.get_seq_length()
-    head = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    head = last_logits_only(model)
     out = model(input_ids=input_ids[:, start:], attention_mask=mask, position_ids=pos[:, start:],
                 past_key_values=past, use_cache=True, **head)
     past, last = out.past_key_values, pos[:, -1]
@@ -155,15 +156,13 @@ def _prefix_cache(model: nn.Module, ids: Sequence[Sequence[int]], device) -> tup
         p += 1
     if p < MIN_SHARED_PREFIX:
         return 0, None
-    out = model(input_ids=torch.tensor([first[:p]], device=device), use_cache=True)
+    out = model(input_ids=torch.tensor([first[:p]], device=device), use_cache=True, **last_logits_only(model))
     return p, out.past_key_values
 
 
 def _shares_prefix(model: nn.Module) -> bool:
     """Whether a cached shared prefix can be exact for ``model``: one full attention mask in every layer (no
     sliding window, whose cache layers keep only their window)."""
-    from ..models import takes_full_masks
-
     return takes_full_masks(model)
 
 
