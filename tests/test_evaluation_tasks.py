@@ -126,11 +126,25 @@ def test_prefix_sharing_matches_stock_loglikelihood(lm):
     reqs = [Instance("loglikelihood", {}, (ctx, c), i) for i, c in
             enumerate([" Carbon dioxide", " Oxygen", " Nitrogen gas in the air", " Helium"])]
     reqs.append(Instance("loglikelihood", {}, ("Another context", " x"), 4))
+    # contexts behind one long preamble (TruthfulQA's, an MMLU subject's): built on the preamble's cache, one
+    # of them the preamble alone plus its last token, one the same as another item's
+    preamble = "Q: What is the capital of France?\nA: Paris.\n\nQ: How many legs has a spider?\nA: Eight.\n\n"
+    assert len(tok(preamble)["input_ids"]) > C.MIN_SHARED_CONTEXT
+    for q in ["Q: Which gas do plants absorb?\nA:", "Q: Who wrote Hamlet?\nA:", "Q:", "Q: Who wrote Hamlet?\nA:"]:
+        reqs += [Instance("loglikelihood", {}, (preamble + q, c), len(reqs) + j)
+                 for j, c in enumerate([" Yes", " No idea"])]
     stock = HFLM(pretrained=model, tokenizer=tok, batch_size=2, device="cpu").loglikelihood(reqs, disable_tqdm=True)
-    shared = C._prefix_sharing_lm_class()(pretrained=model, tokenizer=tok, batch_size=2,
-                                          device="cpu").loglikelihood(reqs, disable_tqdm=True)
+    lm = C._prefix_sharing_lm_class()(pretrained=model, tokenizer=tok, batch_size=2, device="cpu")
+    calls = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        shared = lm.loglikelihood(reqs, disable_tqdm=True)
+    finally:
+        hook.remove()
     for (a, ga), (b, gb) in zip(stock, shared):
         assert a == pytest.approx(b, abs=1e-4) and ga == gb
+    n_pre = len(tok(preamble)["input_ids"])
+    assert sum(1 for n in calls if n >= n_pre) == 1  # the preamble ran once, not once per item
 
 
 def test_punkt_offline(tmp_path, monkeypatch):

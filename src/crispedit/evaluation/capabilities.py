@@ -215,14 +215,61 @@ def paired_change(items: Sequence[float] | None, base_items: Sequence[float] | N
     return sum(d) / len(d), item_stderr(d) or 0.0
 
 
+MIN_SHARED_CONTEXT = 32  # tokens: a shorter beginning shared with the previous context is recomputed, not copied
+
+
+class _ContextCaches:
+    """KV caches (batch 1) of multiple-choice contexts, each built on the longest beginning it shares with the
+    last context computed in full — a task's fixed preamble (TruthfulQA's six Q/A pairs, an MMLU subject's five
+    examples) is then run once, not once per item. Reuse needs at least :data:`MIN_SHARED_CONTEXT` shared tokens
+    and a cache that can be cut back exactly (full attention in every layer: no sliding window). Contexts met in
+    sorted token order share the most. Callers copy a returned cache before extending it."""
+
+    def __init__(self, model: nn.Module, device):
+        from ..models import last_logits_only, takes_full_masks
+
+        self.model, self.device, self.head = model, device, last_logits_only(model)
+        self.reuse = takes_full_masks(model)
+        self.anchor: list[int] = []
+        self.anchor_cache = None
+
+    def _run(self, ids: list[int], past):
+        import torch
+
+        return self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=past, use_cache=True,
+                          **self.head).past_key_values
+
+    def __call__(self, prefix: list[int]):
+        """The KV cache of the token list ``prefix`` (``None`` for an empty one)."""
+        import copy
+
+        if not prefix:
+            return None
+        n = 0
+        if self.anchor_cache is not None:
+            limit = min(len(self.anchor), len(prefix))
+            while n < limit and self.anchor[n] == prefix[n]:
+                n += 1
+        if n >= MIN_SHARED_CONTEXT:
+            cache = copy.deepcopy(self.anchor_cache)
+            if len(self.anchor) > n:  # a negative count removes that many tokens in every transformers version
+                cache.crop(n - len(self.anchor))
+            return self._run(prefix[n:], cache) if n < len(prefix) else cache
+        cache = self._run(prefix, None)
+        if self.reuse:
+            self.anchor, self.anchor_cache = list(prefix), cache
+        return cache
+
+
 def _prefix_sharing_lm_class():
     """An ``HFLM`` whose loglikelihood encodes each shared context once (KV cache) for all its choices.
 
     lm-eval's stock HFLM re-runs the whole context for every answer choice of a multiple-choice item
     (25-shot ARC: ~2.5k tokens x 4 choices). Here requests are grouped by their tokenised context, the
-    context minus its last token is run once with ``use_cache``, and the choices are scored as one
-    batch on top of that cache. Results equal the stock ones (tested); requests longer than the model's
-    window fall back to the stock path (which truncates from the left).
+    context minus its last token is run once with ``use_cache`` (on the cache of the beginning it shares with
+    the context before it, :class:`_ContextCaches`), and the choices are scored as one batch on top of that
+    cache. Results equal the stock ones (tested); requests longer than the model's window fall back to the
+    stock path (which truncates from the left).
     """
     import copy
 
@@ -230,8 +277,6 @@ def _prefix_sharing_lm_class():
     import torch.nn.functional as F
     from lm_eval.models.huggingface import HFLM
     from tqdm.auto import tqdm
-
-    from ..models import last_logits_only
 
     class PrefixSharingHFLM(HFLM):
         """lm-eval's HF model, scoring requests that share a context in one forward pass."""
@@ -255,43 +300,42 @@ def _prefix_sharing_lm_class():
             skip = set(fallback)
             dev = self.model.device if hasattr(self.model, "device") else next(self.model.parameters()).device
             bs = max(int(self.batch_size) if str(self.batch_size).isdigit() else 8, 1)
-            head = last_logits_only(self.model)  # the context's cache is wanted, not its logits
+            caches = _ContextCaches(self.model, dev)
             with torch.no_grad():
-                for ctx, idx in tqdm(groups.items(), desc="loglikelihood (shared contexts)",
-                                     disable=disable_tqdm or None):
-                    idx = [i for i in idx if i not in skip]
+                for ctx in tqdm(sorted(groups), desc="loglikelihood (shared contexts)", disable=disable_tqdm or None):
+                    idx = [i for i in groups[ctx] if i not in skip]
                     if not idx:
                         continue
-                    prefix = list(ctx[:-1])
-                    cache = None
-                    if prefix:
-                        cache = self.model(input_ids=torch.tensor([prefix], device=dev), use_cache=True,
-                                           **head).past_key_values
+                    cache = caches(list(ctx[:-1]))
                     for s in range(0, len(idx), bs):
-                        chunk = idx[s:s + bs]
-                        conts = [encoded[i][1] for i in chunk]
-                        L = max(len(k) for k in conts)
-                        ids = torch.full((len(chunk), L), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-                        mask = torch.zeros((len(chunk), len(prefix) + L), dtype=torch.long)
-                        mask[:, :len(prefix)] = 1
-                        for r, k in enumerate(conts):
-                            row = [ctx[-1]] + list(k[:-1])
-                            ids[r, :len(row)] = torch.tensor(row)
-                            mask[r, len(prefix):len(prefix) + len(row)] = 1
-                        past = None
-                        if cache is not None:
-                            past = copy.deepcopy(cache)
-                            past.batch_repeat_interleave(len(chunk))
-                        logits = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                                            past_key_values=past, use_cache=past is not None).logits
-                        logp = F.log_softmax(logits.float(), dim=-1)
-                        for r, (i, k) in enumerate(zip(chunk, conts)):
-                            tgt = torch.tensor(k, device=dev)
-                            lp = logp[r, :len(k)]
-                            ans = (float(lp.gather(-1, tgt[:, None]).sum()), bool((lp.argmax(-1) == tgt).all()))
+                        for i, ans in self._score_choices(ctx, [encoded[i][1] for i in idx[s:s + bs]], cache, dev,
+                                                          idx[s:s + bs]):
                             results[i] = ans
                             self.cache_hook.add_partial("loglikelihood", requests[i].args, ans)
             return results
+
+        def _score_choices(self, ctx: tuple, conts: list[list[int]], cache, dev, idx: list[int]):
+            """``(request index, (log-likelihood, is_greedy))`` of each continuation token list in ``conts`` after
+            the context ``ctx``, one batch on copies of ``cache`` (the KV cache of ``ctx[:-1]``, or ``None``)."""
+            n_prefix, L = len(ctx) - 1, max(len(k) for k in conts)
+            ids = torch.full((len(conts), L), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+            mask = torch.zeros((len(conts), n_prefix + L), dtype=torch.long)
+            mask[:, :n_prefix] = 1
+            for r, k in enumerate(conts):
+                row = [ctx[-1]] + list(k[:-1])
+                ids[r, :len(row)] = torch.tensor(row)
+                mask[r, n_prefix:n_prefix + len(row)] = 1
+            past = None
+            if cache is not None:
+                past = copy.deepcopy(cache)
+                past.batch_repeat_interleave(len(conts))
+            logits = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), past_key_values=past,
+                                use_cache=past is not None).logits
+            logp = F.log_softmax(logits.float(), dim=-1)
+            for r, (i, k) in enumerate(zip(idx, conts)):
+                tgt = torch.tensor(k, device=dev)
+                lp = logp[r, :len(k)]
+                yield i, (float(lp.gather(-1, tgt[:, None]).sum()), bool((lp.argmax(-1) == tgt).all()))
 
     return PrefixSharingHFLM
 
