@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import crispedit.evaluation.capabilities as C
-import crispedit.models as M
 from crispedit.errors import atomic_write_json
 from crispedit.models import load_model
 
@@ -27,15 +26,21 @@ from crispedit.models import load_model
 def run(model, tok, task: str, limit: int, bench_dir: str, shortcuts: bool) -> tuple[float, float, list[float]]:
     """Seconds of one :func:`~crispedit.evaluation.capabilities.run_capabilities` call for ``task`` on ``limit``
     items with the context shortcuts on or off, its score and its per-item values."""
-    keep_min, keep_head = C.MIN_SHARED_CONTEXT, M.last_logits_only
+    orig = C._ContextCaches.__init__
+
+    def plain_init(self, *a, **k):
+        """The caches' constructor, then both shortcuts off: every context in full, logits at every position."""
+        orig(self, *a, **k)
+        self.head, self.reuse = {}, False
+
     if not shortcuts:
-        C.MIN_SHARED_CONTEXT, M.last_logits_only = 10 ** 9, (lambda model: {})
+        C._ContextCaches.__init__ = plain_init
     try:
         t0 = time.perf_counter()
         res = C.run_capabilities(model, tok, [task], limit=limit, bench_dir=bench_dir, progress=False)[task]
         return time.perf_counter() - t0, res["score"], res["items"]
     finally:
-        C.MIN_SHARED_CONTEXT, M.last_logits_only = keep_min, keep_head
+        C._ContextCaches.__init__ = orig
 
 
 def main() -> None:
