@@ -2,10 +2,12 @@
 
 Reads any mix of ``crispedit compare`` outputs (a ``compare.json`` or its directory) and
 ``benchmarks/edit_matrix.py`` outputs (their JSON), takes every edited row's WILD qa / chat reliability and
-generalisation, KL drift (nats/token on held-out text), the drift the K-FAC quadratic model predicted (and the
+generalisation, the QA wrapper's crosstalk (the share of edits answered with another edit's target; for a row
+stored before it was recorded, computed from its stored answers and the compare's edit file where that file can
+be read), KL drift (nats/token on held-out text), the drift the K-FAC quadratic model predicted (and the
 measured / predicted ratio: how far the prediction, what ``--max-drift`` budgets, under-reads at each size) and
-perplexity, keyed by method and number of edits, and writes a table (Markdown) and a four-panel PNG (QA rel, QA gen, KL drift and perplexity on log axes; x: number
-of edits, log axis). An edit_matrix row counts when its overrides name only ``method`` and, optionally,
+perplexity, keyed by method and number of edits, and writes a table (Markdown) and a four-panel PNG (QA rel, QA
+gen, KL drift and perplexity on log axes; x: number of edits, log axis). An edit_matrix row counts when its overrides name only ``method`` and, optionally,
 the defaults' contexts (it is then the method at its defaults). Where two runs give the same method and size,
 the later file on the command line wins.
 
@@ -23,20 +25,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from crispedit.data.edits import load_edits  # noqa: E402  (torch-free)
 from crispedit.editing.contexts import DEFAULT_CONTEXTS  # noqa: E402  (torch-free)
 from crispedit.errors import CrispEditError, atomic_write_bytes, atomic_write_figure  # noqa: E402
+from crispedit.evaluation.wild import crosstalk  # noqa: E402  (torch-free)
 
-KEYS = ("qa_rel", "qa_gen", "chat_rel", "chat_gen", "kl_drift", "kl_predicted", "ppl")
+KEYS = ("qa_rel", "qa_gen", "qa_cross", "chat_rel", "chat_gen", "kl_drift", "kl_predicted", "ppl")
 
 
-def _point(wild: dict, summary: dict) -> dict:
-    """The figures of one edited row: WILD qa / chat rel and gen (fractions), KL drift and its K-FAC prediction
-    (nats/token; ``None`` where the row has none), perplexity."""
+def _point(wild: dict, summary: dict, targets: list[str] | None = None) -> dict:
+    """The figures of one edited row: WILD qa / chat rel and gen, the qa wrapper's crosstalk (fractions), KL drift
+    and its K-FAC prediction (nats/token; ``None`` where the row has none), perplexity. A row stored before
+    crosstalk was recorded gets it from its stored answers and the edits' ``targets`` (in order) where given."""
     def w(ctx: str, k: str):
         return (wild.get(ctx) or {}).get(k)
-    return {"qa_rel": w("qa", "rel"), "qa_gen": w("qa", "gen"), "chat_rel": w("chat", "rel"),
+    cross = w("qa", "cross")
+    answers = w("qa", "answers")
+    if cross is None and targets and answers and len(answers) == len(targets):
+        cross = crosstalk([a[0] for a in answers], targets, [a[1] for a in answers])
+    return {"qa_rel": w("qa", "rel"), "qa_gen": w("qa", "gen"), "qa_cross": cross, "chat_rel": w("chat", "rel"),
             "chat_gen": w("chat", "gen"), "kl_drift": summary.get("kl_drift"),
             "kl_predicted": summary.get("kl_predicted"), "ppl": summary.get("ppl")}
+
+
+def _targets(edits: dict) -> list[str] | None:
+    """The targets of a compare's edits (``settings.edits``: file, offset, n), the file read relative to the
+    working directory or the repository; ``None`` where it cannot be read."""
+    for base in (Path.cwd(), ROOT):
+        path = base / str(edits.get("file", ""))
+        if edits.get("file") and path.is_file():
+            try:
+                return [r.target for r in load_edits(path, limit=int(edits["n"]), offset=int(edits.get("offset", 0)))]
+            except (CrispEditError, KeyError, ValueError):
+                return None
+    return None
 
 
 def read_points(path: str | Path) -> dict[tuple[str, int], dict]:
@@ -52,9 +74,10 @@ def read_points(path: str | Path) -> dict[tuple[str, int], dict]:
     out: dict[tuple[str, int], dict] = {}
     if "settings" in data and isinstance(data.get("results"), dict):  # crispedit compare
         n = int(data["settings"]["n_edits"])
+        targets = _targets(data["settings"].get("edits") or {})
         for m, r in data["results"].items():
             if m != "base" and isinstance(r, dict) and "summary" in r:
-                out[(m, n)] = _point(r.get("wild") or {}, r["summary"])
+                out[(m, n)] = _point(r.get("wild") or {}, r["summary"], targets)
         return out
     if "args" in data and isinstance(data.get("results"), list):  # edit_matrix
         n = int(data["args"]["n_edits"])
@@ -70,8 +93,8 @@ def read_points(path: str | Path) -> dict[tuple[str, int], dict]:
 def scaling_table(points: dict[tuple[str, int], dict]) -> str:
     """Markdown: one row per method and number of edits (sorted), the :data:`KEYS` figures and the measured /
     predicted drift ratio."""
-    lines = ["| method | edits | WILD qa rel / gen | chat rel / gen | KL drift | predicted (measured / pred.) | perplexity |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | edits | WILD qa rel / gen | qa crosstalk | chat rel / gen | KL drift | predicted (measured / pred.) "
+             "| perplexity |", "|---|---|---|---|---|---|---|---|"]
 
     def f(v, fmt="{:.2f}"):
         return "–" if v is None else fmt.format(v)
@@ -79,7 +102,8 @@ def scaling_table(points: dict[tuple[str, int], dict]) -> str:
         p = points[(m, n)]
         pred, drift = p.get("kl_predicted"), p["kl_drift"]
         ratio = f" ({drift / pred:.2f}×)" if pred and drift is not None else ""
-        lines.append(f"| {m} | {n} | {f(p['qa_rel'])} / {f(p['qa_gen'])} | {f(p['chat_rel'])} / {f(p['chat_gen'])} | "
+        lines.append(f"| {m} | {n} | {f(p['qa_rel'])} / {f(p['qa_gen'])} | {f(p['qa_cross'], '{:.3f}')} | "
+                     f"{f(p['chat_rel'])} / {f(p['chat_gen'])} | "
                      f"{f(drift, '{:.5f}')} | {f(pred, '{:.5f}')}{ratio} | {f(p['ppl'])} |")
     return "\n".join(lines) + "\n"
 

@@ -533,6 +533,23 @@ def test_compare_table_notes_a_steep_layer():
     assert len(notes) == 1 and "wide: model.layers.4.self_attn.v_proj: attention mixes" in notes[0]
 
 
+def test_compare_table_notes_crosstalk_per_wrapper():
+    """Rows whose WILD wrappers carry ``cross`` get it in percent, wrapper by wrapper, the base row's too (chance);
+    rows stored without it (older runs) add nothing."""
+    settings = {"model": "m", "n_edits": 4, "edits": {}, "evaluation": {"capabilities": [], "limit": None}}
+    crisp, old = _row(0.8, 0.002), _row(0.9, 0.05)
+    crisp["wild"] = {"qa": {"rel": 0.8, "gen": 0.5, "cross": 0.118}, "none": {"rel": 1.0, "gen": 0.3, "cross": 0.0},
+                     "chat": None}
+    base = _row(0.0, 0.0)
+    base["wild"]["qa"]["cross"] = 0.01
+    payload = {"settings": settings, "methods": ["crispedit", "old"],
+               "results": {"base": base, "crispedit": crisp, "old": old}}
+    notes = [ln for ln in compare_mod.compare_table(payload).splitlines() if ln.startswith("Crosstalk")]
+    assert len(notes) == 1 and notes[0].endswith("chance): base: 1.0 (qa); crispedit: 11.8 / 0.0 (qa / none)")
+    del crisp["wild"]["qa"]["cross"], crisp["wild"]["none"]["cross"], base["wild"]["qa"]["cross"]
+    assert "Crosstalk" not in compare_mod.compare_table(payload)
+
+
 def test_alphaedit_seq_carries_kp_like_the_batch_run_across_its_batches(tiny_lm, tmp_path, iso_cache):
     """AlphaEdit-Seq: K_p K_pᵀ goes from round to round through the session state. With no model-written
     prefixes (so both runs use the same key templates) rounds of one edit give exactly what one alphaedit

@@ -15,7 +15,7 @@ from crispedit.data import EditRequest
 from crispedit.errors import CrispEditError
 from crispedit.evaluation.generation import cut_at_stop, generate_answers
 from crispedit.evaluation.judges import GRADER_PROMPT, OpenAIJudge, RuleJudge, normalize_answer, parse_grade
-from crispedit.evaluation.wild import QA_TEMPLATE, WildConfig, render_prompt, run_wild
+from crispedit.evaluation.wild import QA_TEMPLATE, WildConfig, crosstalk, render_prompt, run_wild
 
 Q = "What are the names of Barack Obama's children?"
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<eos>\n{% endfor %}"
@@ -295,14 +295,30 @@ def test_run_wild_schema_and_base_agreement(tiny_lm):
     model, tok = tiny_lm
     res = run_wild(model, tok, REQS, RuleJudge(), config=WildConfig(max_new_tokens=6), base=(model, tok), progress=False)
     s = res["summary"]
-    assert set(s) >= {"rel", "gen", "loc_vs_answer", "loc_vs_base"}
+    assert set(s) >= {"rel", "gen", "loc_vs_answer", "loc_vs_base", "cross"}
     assert s["loc_vs_base"] == 1.0  # the base model agrees with itself
+    answers = [r["rel"]["answer"] for r in res["records"]]
+    assert s["cross"] == crosstalk(answers, [r.target for r in REQS], [r["rel"]["correct"] for r in res["records"]])
     rec = res["records"][0]
     assert rec["rel"]["question"] == REQS[0].prompt and isinstance(rec["rel"]["answer"], str)
     assert len(rec["gen"]) == 1 and rec["loc"][0]["base_answer"] == rec["loc"][0]["answer"]
     assert res["records"][1]["gen"] == []
     no_base = run_wild(model, tok, REQS[:1], RuleJudge(), config=WildConfig(max_new_tokens=4), progress=False)
     assert no_base["summary"]["loc_vs_base"] is None
+
+
+def test_crosstalk_counts_misses_that_give_another_edits_target():
+    """A miss counts when its answer begins, word for word after normalisation, with another edit's target; a
+    correct answer, the edit's own target, a longer word that merely starts with a target ("Paristown") and an
+    unrelated miss do not."""
+    targets = ["Paris", "the Thames", "Rome", "Paris", "Oz"]
+    answers = ["Paris", "Thames, in London", "Paris.", "Rome", "Ozone layer"]
+    correct = [True, True, False, False, False]
+    # edit 2 answers another edit's "Paris", edit 3 another edit's "Rome"; "Ozone" is not the target "Oz"
+    assert crosstalk(answers, targets, correct) == 0.4
+    assert crosstalk(["Paristown"], ["Rome"], [False]) == 0.0 and crosstalk([], [], []) is None
+    assert crosstalk(["the Thames river"], ["Paris", "Thames"], [False, True]) == 1.0  # articles dropped
+    assert crosstalk(["Paris"], ["Paris"], [False]) == 0.0       # its own target (a judge's miss): not another's
 
 
 def test_evaluate_edit_logs_each_phase(tiny_lm, tmp_path, caplog):

@@ -38,6 +38,31 @@ def test_points_from_both_formats_make_a_table_and_a_picture(scaling, tmp_path, 
     assert table in capsys.readouterr().out
 
 
+def test_crosstalk_is_read_where_stored_and_computed_from_answers_where_not(scaling, tmp_path):
+    """A compare row that stored ``cross`` keeps it; an older row gets it from its stored answers and the edit file
+    its settings name; without a readable edit file it is ``–``."""
+    edits = tmp_path / "edits.json"
+    edits.write_text(json.dumps([{"prompt": f"Q{i}?", "target_new": t} for i, t in enumerate(["Paris", "Rome", "Oslo",
+                                                                                             "Bern"])]))
+    new, old = _row(0.5, 0.01), _row(0.25, 0.02)
+    new["wild"]["qa"]["cross"] = 0.25
+    old["wild"]["qa"]["answers"] = [["Rome", False, [], []], ["Rome", True, [], []], ["Bern, Switzerland", False, [], []],
+                                    ["Paris", False, [], []]]
+    cmp_dir = tmp_path / "cmp"
+    cmp_dir.mkdir()
+    settings = {"n_edits": 3, "edits": {"file": str(edits), "offset": 1, "n": 3}}
+    old["wild"]["qa"]["answers"].pop(0)   # the 3 edits from offset 1: Rome, Oslo, Bern
+    (cmp_dir / "compare.json").write_text(json.dumps({"settings": settings, "results": {"crispedit": new, "ft": old}}))
+    points = scaling.read_points(cmp_dir)
+    assert points[("crispedit", 3)]["qa_cross"] == 0.25
+    # "Bern, Switzerland" for Oslo counts; "Paris" for Bern does not: edit 0 (Paris) is outside the compare's slice
+    assert points[("ft", 3)]["qa_cross"] == round(1 / 3, 4)
+    settings["edits"]["file"] = str(tmp_path / "gone.json")
+    (cmp_dir / "compare.json").write_text(json.dumps({"settings": settings, "results": {"ft": old}}))
+    assert scaling.read_points(cmp_dir)[("ft", 3)]["qa_cross"] is None
+    assert "| ft | 3 | 0.25 / 0.12 | – |" in scaling.scaling_table(scaling.read_points(cmp_dir))
+
+
 def test_a_file_of_another_kind_is_one_line(scaling, tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text("[1, 2]")

@@ -16,7 +16,7 @@ from ..errors import CrispEditError, atomic_write_bytes, check_output_file, read
 __all__ = ["load_run", "run_rows", "run_labels", "markdown_table", "plot_runs", "render_runs_png",
            "write_report"]
 
-_EDIT_ORDER = ["rel", "gen", "loc_vs_answer", "loc_vs_base", "rel_token_acc", "rel_exact", "gen_token_acc",
+_EDIT_ORDER = ["rel", "gen", "loc_vs_answer", "loc_vs_base", "cross", "rel_token_acc", "rel_exact", "gen_token_acc",
                "gen_exact", "spec_token_acc", "spec_exact", "spec_cf"]
 _UNBOUNDED = {"kl_drift", "ppl", "ppl_base"}
 

@@ -18,6 +18,8 @@ A judge (:mod:`.judges`) grades each answer against its gold target. Locality is
 ``loc_vs_answer`` grades the locality answer against the dataset's answer; ``loc_vs_base`` is the
 share of locality answers identical (after :func:`normalize_answer`) to the pre-edit model's answer
 to the same rendered prompt (needs a base model). Scores are means over edits of per-edit means.
+``cross`` (:func:`crosstalk`) is the share of edits whose reliability answer misses its target and names another
+edit's target instead: with many edits at once, a new fact answered for the wrong subject.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ if TYPE_CHECKING:  # torch only for annotations: WildConfig is checked before a 
     from torch import nn
 
 __all__ = ["EVAL_WRAPPERS", "EvalWrapper", "eval_wrapper", "HELD_OUT_WRAPPER", "CONTEXTS", "QA_TEMPLATE", "WildConfig",
-           "render_prompt", "run_wild", "wild_wrappers", "wild_contexts", "check_template"]
+           "render_prompt", "run_wild", "crosstalk", "wild_wrappers", "wild_contexts", "check_template"]
 
 _log = logging.getLogger("crispedit.evaluate")  # one info line per wrapper evaluated
 
@@ -162,6 +164,24 @@ def _mean(vals: Sequence[float]) -> float | None:
     return round(sum(vals) / len(vals), 4) if vals else None
 
 
+def crosstalk(answers: Sequence[str], targets: Sequence[str], correct: Sequence[bool]) -> float | None:
+    """Share of edits (a fraction in [0, 1]) whose answer misses its own target and begins with *another* edit's
+    target — after :func:`normalize_answer`, at a word boundary: the new fact landed on the wrong subject.
+    ``answers``, ``targets`` and ``correct`` (the judge's verdicts) are aligned per edit; ``None`` for no edits."""
+    if not answers:
+        return None
+    norm = [tuple(normalize_answer(t).split()) for t in targets]
+    known = {t for t in norm if t}
+    longest = max((len(t) for t in known), default=0)
+    hits = 0
+    for ans, own, ok in zip(answers, norm, correct):
+        if ok:
+            continue
+        words = tuple(normalize_answer(ans).split())
+        hits += any(words[:k] in known and words[:k] != own for k in range(1, min(longest, len(words)) + 1))
+    return round(hits / len(answers), 4)
+
+
 def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *, config: WildConfig | None = None,
              base: tuple[nn.Module, object] | None = None, progress: bool | None = None) -> dict:
     """Run the protocol; returns ``{"summary", "records", "config", "timings"}`` (records hold raw
@@ -213,6 +233,8 @@ def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge
         "loc_vs_answer": _mean([_mean([x["correct"] for x in rec["loc"]]) for rec in records]),
         "loc_vs_base": (_mean([_mean([x["agrees_with_base"] for x in rec["loc"]]) for rec in records])
                         if base is not None else None),
+        "cross": crosstalk([rec["rel"]["answer"] for rec in records], [rec["target"] for rec in records],
+                           [rec["rel"]["correct"] for rec in records]),
         "n_edits": len(requests), "n_generations": len(answers) + len(base_answers),
     }
     return {"summary": summary, "records": records, "config": {**asdict(cfg), "stop": list(cfg.stop) + ["<eos>"]},
@@ -223,8 +245,8 @@ def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge
 def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *,
                   wrappers: Sequence[str] = tuple(EVAL_WRAPPERS), templates: dict[str, str] | None = None,
                   batch_size: int = WildConfig.batch_size, progress: bool | None = None) -> dict:
-    """WILD summaries for several evaluation wrappers at once: ``{wrapper: {"rel", "gen", "loc_vs_answer", ...},
-    ..., "seconds": s}``. A chat-template wrapper (``chat``) is skipped (``None``) for tokenizers without a chat
+    """WILD summaries for several evaluation wrappers at once: ``{wrapper: {"rel", "gen", "loc_vs_answer",
+    "cross", ...}, ..., "seconds": s}``. A chat-template wrapper (``chat``) is skipped (``None``) for tokenizers without a chat
     template; ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each wrapper also keeps
     three ``examples`` and every ``answers`` row ``[rel answer, rel correct, [gen answers], [gen correct]]``."""
     out: dict = {}
@@ -238,7 +260,7 @@ def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
             continue
         t1 = time.perf_counter()
         res = run_wild(model, tokenizer, requests, judge, config=cfg, progress=progress)
-        out[name] = {k: res["summary"][k] for k in ("rel", "gen", "loc_vs_answer")}
+        out[name] = {k: res["summary"][k] for k in ("rel", "gen", "loc_vs_answer", "cross")}
         _log.info("evaluate: WILD %s rel %s gen %s over %d edits (%.0f s)", name, out[name]["rel"], out[name]["gen"],
                   len(requests), time.perf_counter() - t1)
         out[name]["examples"] = [{"prompt": r["prompt"], "target": r["target"], "answer": r["rel"]["answer"]}

@@ -603,11 +603,28 @@ def _settings_note(payload: dict, edited: list[dict], pareto: dict) -> str:
                if caps else "") + "\n")
 
 
+def _crosstalk_note(res: dict, rows: list[str]) -> str:
+    """The note on the ``rows`` whose WILD wrappers carry ``cross`` (:func:`~crispedit.evaluation.wild.crosstalk`):
+    per row, the percent of edits answered with another edit's target, wrapper by wrapper — the base row's is the
+    level common answers reach by chance; empty when no row has it."""
+    cells = []
+    for m in rows:
+        wild = res[m].get("wild") or {}
+        got = [(c, w["cross"]) for c, w in wild.items() if isinstance(w, dict) and w.get("cross") is not None]
+        if got:
+            cells.append(f"{m}: " + " / ".join(f"{v * 100:.1f}" for _, v in got)
+                         + " (" + " / ".join(c for c, _ in got) + ")")
+    if not cells:
+        return ""
+    return ("\nCrosstalk (WILD reliability answers that miss their own target and give another edit's, percent of "
+            "edits; the base row's is chance): " + "; ".join(cells) + "\n")
+
+
 def _row_notes(payload: dict, rows: list[str]) -> str:
     """The notes on single ``rows`` after the settings note, each a paragraph present only where it applies:
     the paired capability change against the base (points ± standard error, with the items per task;
-    :func:`capability_changes`), the ``-seq`` rows' rounds, chunk size and mean seconds per round, and the
-    drift prediction's notes (:func:`~crispedit.curvature.predicted.prediction_notes`). Empty when none apply."""
+    :func:`capability_changes`), the crosstalk of each row's WILD wrappers (:func:`_crosstalk_note`), the ``-seq``
+    rows' rounds, chunk size and mean seconds per round, and the drift prediction's notes (:func:`~crispedit.curvature.predicted.prediction_notes`). Empty when none apply."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     note = ""
@@ -619,6 +636,7 @@ def _row_notes(payload: dict, rows: list[str]) -> str:
                  "error, points; " + ", ".join(f"{c}: {n_items[c]} items" for c in caps if n_items[c]) + "): "
                  + "; ".join(f"{m}: " + ", ".join(f"{c} {d:+.1f} ± {e:.1f}" for c, (d, e) in ch.items())
                              for m, ch in changes.items()) + "\n")
+    note += _crosstalk_note(res, rows)
     seq = [(m, res[m]) for m in rows if "rounds" in res[m]]
     if seq:
         note += ("\nSequential rows (the method in rounds of consecutive edits, each round from the previous "
