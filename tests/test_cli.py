@@ -43,7 +43,9 @@ def test_edit_writes_loadable_model_and_report(tiny_model_dir, tmp_path, iso_cac
     # free-generation WILD section per context (the tiny tokenizer has no chat template: chat is None)
     assert set(report["wild"]) >= {"qa", "none", "chat", "seconds"} and report["wild"]["chat"] is None
     for ctx in ("qa", "none"):
-        assert 0 <= report["wild"][ctx]["rel"] <= 1 and len(report["wild"][ctx]["examples"]) == 3
+        w = report["wild"][ctx]
+        assert 0 <= w["rel"] <= 1 and len(w["examples"]) == 3 and 0 <= w["cross"] <= 1 - w["rel"]
+        assert f"WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']} crosstalk={w['cross']}" in stdout
     assert report["training"]["contexts"] == ["bare", "prefix:2", "lead:4"] and report["training"]["sequences"] == 28
     assert report["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
     from transformers import AutoModelForCausalLM

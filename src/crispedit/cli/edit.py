@@ -49,7 +49,8 @@ def cmd_edit(args) -> int:
         print(f"  drift budget {b['max_drift']:g}: {'hit' if b['hit'] else 'not hit'} ({b['hits']} of {b['steps']} steps pulled back)")
     for ctx, w in (report.get("wild") or {}).items():
         if isinstance(w, dict):
-            print(f"  WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']}")
+            cross = f" crosstalk={w['cross']}" if w.get("cross") is not None else ""
+            print(f"  WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']}{cross}")
     from ..curvature.predicted import prediction_notes
 
     for line in prediction_notes(s):
