@@ -550,6 +550,21 @@ def test_compare_table_notes_crosstalk_per_wrapper():
     assert "Crosstalk" not in compare_mod.compare_table(payload)
 
 
+def test_a_resumed_compare_gives_its_older_rows_crosstalk_from_their_stored_answers():
+    """Rows stored before ``cross`` existed get it from their answers (as the evaluation computes it); a stored
+    value, a wrapper without answers or with another number of them, and a skipped wrapper stay as they are."""
+    reqs = [EditRequest(f"Q{i}?", t) for i, t in enumerate(["Paris", "Rome", "Oslo"])]
+    answers = [["Paris", True, [], []], ["Oslo", False, [], []], ["Nowhere", False, [], []]]
+    results = {"base": {"wild": {"qa": {"rel": 0.0, "answers": answers}}},
+               "ft": {"wild": {"qa": {"rel": 0.3, "cross": 0.5, "answers": answers}, "none": {"rel": 1.0},
+                               "chat": None, "seconds": 3.0}},
+               "x": {"wild": {"qa": {"rel": 0.3, "answers": answers[:2]}}}}
+    compare_mod._backfill_crosstalk(results, reqs)
+    assert results["base"]["wild"]["qa"]["cross"] == round(1 / 3, 4)   # "Oslo" for Rome
+    assert results["ft"]["wild"]["qa"]["cross"] == 0.5 and "cross" not in results["ft"]["wild"]["none"]
+    assert "cross" not in results["x"]["wild"]["qa"]
+
+
 def test_alphaedit_seq_carries_kp_like_the_batch_run_across_its_batches(tiny_lm, tmp_path, iso_cache):
     """AlphaEdit-Seq: K_p K_pᵀ goes from round to round through the session state. With no model-written
     prefixes (so both runs use the same key templates) rounds of one edit give exactly what one alphaedit

@@ -69,6 +69,7 @@ from ..errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, a
 from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER, evaluate_edit
 from ..evaluation.capabilities import paired_change
 from ..evaluation.edit_eval import retention_probe
+from ..evaluation.wild import crosstalk
 from .retention import RETENTION_PNG, plot_retention, retention_table
 from ..models import fingerprint_matches, model_family, weight_fingerprint
 from ..sessions.sequential import run_sequence
@@ -260,6 +261,17 @@ def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: 
     payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))
 
 
+def _backfill_crosstalk(results: dict, requests: Sequence[EditRequest]) -> None:
+    """Give each stored row's WILD wrappers that kept every answer but predate ``cross`` their crosstalk, from
+    those answers and the ``requests``' targets — the same :func:`~crispedit.evaluation.wild.crosstalk` an
+    evaluation records now — so that a resumed compare's note covers its older rows too."""
+    targets = [r.target for r in requests]
+    for row in results.values():
+        for w in ((row or {}).get("wild") or {}).values():
+            if isinstance(w, dict) and "cross" not in w and len(w.get("answers") or []) == len(targets):
+                w["cross"] = crosstalk([a[0] for a in w["answers"]], targets, [a[1] for a in w["answers"]])
+
+
 @dataclass
 class _Bench:
     """What every row of one compare shares: the model (the base between rows: ``fingerprint``), the requests, the
@@ -379,6 +391,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                                "limit": limit, "kl_text": kl_text or "bundled:wikitext_heldout.txt"}}
     payload = {"format": COMPARE_FORMAT, "settings": settings, "methods": list(methods), "results": {}}
     _resume_payload(out / JSON_FILE, payload, methods, configs, inputs, chunk, model)
+    _backfill_crosstalk(payload["results"], requests)
     bench = _Bench(model, tokenizer, requests, out, fp, chunk, kl_text, capabilities, limit, bench_dir, progress)
     todo = ([] if "base" in payload["results"] else ["base"]) + [m for m in methods if m not in payload["results"]]
     bar = tqdm(todo, desc="compare", unit="method", disable=(None if progress is None else not progress))
