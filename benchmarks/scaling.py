@@ -6,8 +6,8 @@ generalisation, the QA wrapper's crosstalk (the share of edits answered with ano
 stored before it was recorded, computed from its stored answers and the compare's edit file where that file can
 be read), KL drift (nats/token on held-out text), the drift the K-FAC quadratic model predicted (and the
 measured / predicted ratio: how far the prediction, what ``--max-drift`` budgets, under-reads at each size) and
-perplexity, keyed by method and number of edits, and writes a table (Markdown) and a four-panel PNG (QA rel, QA
-gen, KL drift and perplexity on log axes; x: number of edits, log axis). An edit_matrix row counts when its overrides name only ``method`` and, optionally,
+perplexity, keyed by method and number of edits, and writes a table (Markdown) and a five-panel PNG (QA rel, QA
+gen, QA crosstalk, KL drift and perplexity on log axes; x: number of edits, log axis). An edit_matrix row counts when its overrides name only ``method`` and, optionally,
 the defaults' contexts (it is then the method at its defaults). Where two runs give the same method and size,
 the later file on the command line wins.
 
@@ -109,16 +109,16 @@ def scaling_table(points: dict[tuple[str, int], dict]) -> str:
 
 
 def plot_scaling(points: dict[tuple[str, int], dict], path: str | Path) -> None:
-    """Four panels against the number of edits (log x): WILD QA rel, QA gen, KL drift and perplexity (log y); one
-    line per method with a point per stored size."""
+    """Five panels against the number of edits (log x): WILD QA rel, QA gen, QA crosstalk, KL drift and perplexity
+    (log y); one line per method with a point per stored size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
-    panels = [("qa_rel", "WILD QA rel"), ("qa_gen", "WILD QA gen"), ("kl_drift", "KL drift (nats/token)"),
-              ("ppl", "perplexity")]
+    fig, axes = plt.subplots(1, 5, figsize=(20, 3.8))
+    panels = [("qa_rel", "WILD QA rel"), ("qa_gen", "WILD QA gen"), ("qa_cross", "WILD QA crosstalk"),
+              ("kl_drift", "KL drift (nats/token)"), ("ppl", "perplexity")]
     colours = plt.get_cmap("tab20").colors
     for i, method in enumerate(sorted({m for m, _ in points})):
         sizes = sorted(n for m, n in points if m == method)
