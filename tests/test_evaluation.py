@@ -317,8 +317,13 @@ def test_crosstalk_counts_misses_that_give_another_edits_target():
     # edit 2 answers another edit's "Paris", edit 3 another edit's "Rome"; "Ozone" is not the target "Oz"
     assert crosstalk(answers, targets, correct) == 0.4
     assert crosstalk(["Paristown"], ["Rome"], [False]) == 0.0 and crosstalk([], [], []) is None
-    assert crosstalk(["the Thames river"], ["Paris", "Thames"], [False, True]) == 1.0  # articles dropped
+    assert crosstalk(["the Thames river", "Thames"], ["Paris", "Thames"], [False, True]) == 0.5  # articles dropped
     assert crosstalk(["Paris"], ["Paris"], [False]) == 0.0       # its own target (a judge's miss): not another's
+    # a truncation of its own target is a near miss, not another edit's answer
+    assert crosstalk(["New York", "New York"], ["New York City", "New York"], [False, True]) == 0.0
+    assert crosstalk(["New York", "New York"], ["Newark", "New York"], [False, True]) == 0.5
+    with pytest.raises(ValueError, match="one answer, target and verdict per edit, got 1, 2 and 1"):
+        crosstalk(["Paris"], ["Paris", "Rome"], [False])
 
 
 def test_evaluate_edit_logs_each_phase(tiny_lm, tmp_path, caplog):

@@ -166,8 +166,12 @@ def _mean(vals: Sequence[float]) -> float | None:
 
 def crosstalk(answers: Sequence[str], targets: Sequence[str], correct: Sequence[bool]) -> float | None:
     """Share of edits (a fraction in [0, 1]) whose answer misses its own target and begins with *another* edit's
-    target — after :func:`normalize_answer`, at a word boundary: the new fact landed on the wrong subject.
+    target — after :func:`normalize_answer`, at a word boundary, and not where that target is how the edit's own
+    begins: the new fact landed on the wrong subject.
     ``answers``, ``targets`` and ``correct`` (the judge's verdicts) are aligned per edit; ``None`` for no edits."""
+    if not len(answers) == len(targets) == len(correct):
+        raise ValueError(f"crosstalk needs one answer, target and verdict per edit, got {len(answers)}, "
+                         f"{len(targets)} and {len(correct)}")
     if not answers:
         return None
     norm = [tuple(normalize_answer(t).split()) for t in targets]
@@ -178,7 +182,8 @@ def crosstalk(answers: Sequence[str], targets: Sequence[str], correct: Sequence[
         if ok:
             continue
         words = tuple(normalize_answer(ans).split())
-        hits += any(words[:k] in known and words[:k] != own for k in range(1, min(longest, len(words)) + 1))
+        # words[:k] is another edit's target, and not the start of this edit's own ("New York" for "New York City")
+        hits += any(words[:k] in known and words[:k] != own[:k] for k in range(1, min(longest, len(words)) + 1))
     return round(hits / len(answers), 4)
 
 
