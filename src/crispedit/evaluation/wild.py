@@ -251,8 +251,8 @@ def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
                   wrappers: Sequence[str] = tuple(EVAL_WRAPPERS), templates: dict[str, str] | None = None,
                   batch_size: int = WildConfig.batch_size, progress: bool | None = None) -> dict:
     """WILD summaries for several evaluation wrappers at once: ``{wrapper: {"rel", "gen", "loc_vs_answer",
-    "cross", ...}, ..., "seconds": s}``. A chat-template wrapper (``chat``) is skipped (``None``) for tokenizers without a chat
-    template; ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each wrapper also keeps
+    "cross", ...}, ..., "seconds": s}``. A chat-template wrapper (``chat``) is skipped (``None``) for tokenizers
+    without a chat template; ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each wrapper also keeps
     three ``examples`` and every ``answers`` row ``[rel answer, rel correct, [gen answers], [gen correct]]``."""
     out: dict = {}
     t0 = time.perf_counter()
