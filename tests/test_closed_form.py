@@ -395,6 +395,48 @@ def test_target_values_side_by_side_equal_one_at_a_time(tiny_lm):
     assert rec["nll_last"] == pytest.approx(sum(r["nll_last"] for _, r in one) / 4, rel=1e-4)
 
 
+def test_keys_and_block_outputs_stop_the_forward_at_their_layer(tiny_lm):
+    """Keys and block outputs come from a forward stopped at their layer: nothing above it runs (no later
+    block, no output head), and the tensors are those a full forward passes through the layer."""
+    from crispedit.editing import keyvalue as kv
+    from crispedit.models import decoder_blocks
+
+    model, tok = tiny_lm
+    _, blocks = decoder_blocks(model)
+    layer, block = blocks[1].mlp.down_proj, blocks[1]
+    templates = ["{}", "Once upon a time {}"]
+    ran: list[str] = []
+    hooks = [blocks[2].register_forward_pre_hook(lambda m, a: ran.append("block 2")),
+             model.lm_head.register_forward_pre_hook(lambda m, a: ran.append("head"))]
+    try:
+        K = kv.layer_keys(model, tok, REQS, layer, templates)
+        H = kv.block_outputs(model, tok, REQS, block)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert ran == []
+    texts, ends = kv._filled(REQS, templates)
+    enc, pos = kv._positions(tok, texts, ends, "cpu")
+    seen: dict = {}
+
+    def keep(key, value):
+        seen.setdefault(key, value)    # a hook that returns None leaves the forward as it was
+
+    h1 = layer.register_forward_hook(lambda m, a, o: keep("k", a[0]))
+    h2 = block.register_forward_hook(lambda m, a, o: keep("h", o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        model(**enc)
+        k_full = seen["k"][torch.arange(len(pos)), pos].view(len(REQS), 2, -1)
+        seen.clear()
+        bare = [r.prompt for r in REQS]
+        enc1, pos1 = kv._positions(tok, bare, [kv.subject_span(r)[1] for r in REQS], "cpu")
+        model(**enc1)
+    h1.remove()
+    h2.remove()
+    assert torch.equal(K, 0.5 * (k_full[:, 0] + k_full[:, 1:].mean(1)))
+    assert torch.equal(H, seen["h"][torch.arange(len(pos1)), pos1])
+
+
 @pytest.mark.parametrize("last", [False, True])
 def test_v_star_forward_shortcut_equals_the_plain_forward(tiny_lm, last):
     """The v* steps run only the blocks above the v* block on its cached output, the head on the needed rows:

@@ -39,7 +39,7 @@ from ..data.tokenize import EncodedBatch
 from ..models import decoder_blocks, static_attention_mask, takes_full_masks
 from .prefixtree import PackedBatch, pack_prefixes, packing_pays
 
-__all__ = ["make_loss_fn", "LossFn", "Prepared", "plain_loss", "no_cache_kwargs", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
+__all__ = ["make_loss_fn", "LossFn", "Prepared", "plain_loss", "no_cache_kwargs", "capture_block_input", "forward_until", "prefix_fed", "passthroughs", "rows_logits",
            "target_rows", "prefix_sharing", "may_pack", "pack_if_it_pays"]
 
 _SHARING = contextvars.ContextVar("crispedit_prefix_sharing", default=True)
@@ -93,6 +93,36 @@ def pack_if_it_pays(batch: EncodedBatch) -> PackedBatch | None:
 
 class _Stop(Exception):
     pass
+
+
+def forward_until(model: nn.Module, module: nn.Module, *, output: bool, **inputs) -> Tensor:
+    """The first positional input (``output=False``) or the output hidden states (``output=True``; the first
+    element of a tuple output) of ``module`` in one forward of ``model(**inputs)``, detached; the forward is
+    stopped right there, so nothing above ``module`` (later blocks, the output head over every position) runs.
+    Exact: the same tensor the full forward passes through ``module``. Shapes are ``module``'s
+    (``B x T x d`` for a decoder block or a linear layer inside one)."""
+    store: list[Tensor] = []
+
+    def pre(mod, args):
+        """Forward pre-hook: store the input and stop the forward."""
+        store.append(args[0].detach())
+        raise _Stop
+
+    def post(mod, args, out):
+        """Forward hook: store the output hidden states and stop the forward."""
+        store.append((out[0] if isinstance(out, tuple) else out).detach())
+        raise _Stop
+
+    handle = module.register_forward_hook(post) if output else module.register_forward_pre_hook(pre)
+    try:
+        model(**inputs, **no_cache_kwargs(model))
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not store:
+        raise RuntimeError(f"{type(module).__name__} did not run in the model's forward")
+    return store[0]
 
 
 class _Passthrough(nn.Module):

@@ -34,7 +34,7 @@ from ..data.edits import EditRequest
 from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
 from ..models import decoder_blocks
-from .fastpath import capture_block_input, no_cache_kwargs, passthroughs, prefix_fed, rows_logits, target_rows
+from .fastpath import capture_block_input, forward_until, no_cache_kwargs, passthroughs, prefix_fed, rows_logits, target_rows
 
 __all__ = ["KeyValueSettings", "subject_span", "subject_token_index", "context_templates", "edit_blocks",
            "layer_keys", "block_outputs", "target_values", "hidden_size", "KL_TEMPLATE"]
@@ -153,13 +153,7 @@ def layer_keys(model: nn.Module, tokenizer, requests: Sequence[EditRequest], lay
     rows: list[Tensor] = []
     for b in range(0, len(texts), batch_size):
         enc, pos = _positions(tokenizer, texts[b:b + batch_size], ends[b:b + batch_size], device)
-        grabbed: list[Tensor] = []
-        handle = layer.register_forward_hook(lambda m, a, o: grabbed.append(a[0].detach()))
-        try:
-            model(**enc)
-        finally:
-            handle.remove()
-        x = grabbed[0]
+        x = forward_until(model, layer, output=False, **enc)  # nothing above the layer runs
         rows.append(x[torch.arange(len(pos), device=device), pos].float())
     k = torch.cat(rows).view(len(requests), len(templates), -1)
     return k[:, 0] if len(templates) == 1 else 0.5 * (k[:, 0] + k[:, 1:].mean(1))
@@ -183,13 +177,8 @@ def block_outputs(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     rows = []
     for b in range(0, len(texts), batch_size):
         enc, pos = _positions(tokenizer, texts[b:b + batch_size], ends[b:b + batch_size], device)
-        grabbed: list[Tensor] = []
-        handle = block.register_forward_hook(lambda m, a, o: grabbed.append(_hidden(o).detach()))
-        try:
-            model(**enc)
-        finally:
-            handle.remove()
-        rows.append(grabbed[0][torch.arange(len(pos), device=device), pos].float())
+        h = forward_until(model, block, output=True, **enc)  # nothing above the block runs
+        rows.append(h[torch.arange(len(pos), device=device), pos].float())
     return torch.cat(rows)
 
 
