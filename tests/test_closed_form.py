@@ -11,6 +11,7 @@ from crispedit.curvature.cache import CurvatureSpec, cache_key, get_or_build_fac
 from crispedit.curvature.kfac import collect_lm_input_covariance
 from crispedit.data import EditRequest, capability_corpus
 from crispedit.editing import EditConfig, edit, get_editor
+from crispedit.editing.fastpath import prefix_sharing
 from crispedit.editing.keyvalue import layer_keys, subject_span, subject_token_index
 from crispedit.methods.alphaedit.editor import alphaedit_delta, nullspace_projector
 from crispedit.methods.memit.editor import memit_delta
@@ -463,6 +464,41 @@ def test_v_star_forward_shortcut_equals_the_plain_forward(tiny_lm, last):
     (gb,) = torch.autograd.grad(b.square().sum(), delta)
     assert a.shape == (3, full.shape[-1])
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) and torch.allclose(ga, gb, rtol=1e-3, atol=1e-5)
+
+
+def test_v_star_packed_forward_equals_the_plain_forward(tiny_lm):
+    """Rows that share a long beginning (a context template's prefix over several requests) run packed as prefix
+    trees: the same logits and δ-gradients as the full forward; where a δ position is shared with another row
+    (one prompt the beginning of another), the packing is not used."""
+    from crispedit.editing import keyvalue as kv
+    from crispedit.models import decoder_blocks
+
+    model, tok = tiny_lm
+    _, blocks = decoder_blocks(model)
+    prefix = "Once upon a time in a land far away there lived"
+    texts = [f"{prefix} {w} and the tale" for w in ("alpha beta", "gamma", "delta epsilon zeta", "eta")]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    enc = {k: enc[k] for k in ("input_ids", "attention_mask")}
+    n_pre = len(tok(prefix)["input_ids"])
+    lengths = enc["attention_mask"].sum(1)
+    pos = torch.tensor([n_pre + 1, n_pre, n_pre + 2, n_pre])         # a token after the shared prefix
+    T = enc["input_ids"].shape[1]
+    rows = torch.cat([b * T + torch.arange(int(lengths[b]) - 3, int(lengths[b]) - 1) for b in range(4)])
+    fwd = kv._DeltaForward(model, blocks[1], enc, pos, rows)
+    assert fwd.fast and fwd.packed is not None and fwd.packed.nodes < int(lengths.sum())
+    delta = torch.randn(4, fwd.h.shape[-1], generator=torch.Generator().manual_seed(1), requires_grad=True)
+    a = fwd(delta)
+    (ga,) = torch.autograd.grad(a.square().sum(), delta)
+    with kv._add_at(blocks[1], pos, delta):
+        full = model(**enc).logits
+    b = full.reshape(-1, full.shape[-1])[rows].float()
+    (gb,) = torch.autograd.grad(b.square().sum(), delta)
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) and torch.allclose(ga, gb, rtol=1e-3, atol=1e-5)
+    with prefix_sharing(False):
+        assert kv._DeltaForward(model, blocks[1], enc, pos, rows).packed is None
+    # δ inside the shared prefix: every row passes through that node, so the rows are not packed
+    shared = kv._DeltaForward(model, blocks[1], enc, torch.tensor([n_pre - 2] * 4), rows)
+    assert shared.fast and shared.packed is None
 
 
 def test_alphaedit_seq_from_the_cli(tiny_model_dir, tmp_path, iso_cache, capsys):

@@ -69,6 +69,14 @@ def test_pack_prefixes_layout(tiny_tok):
              int(flat_ids[j]) == int(b.input_ids.reshape(-1)[p.source[j]]) and int(flat_pos[j]) == int(p.source[j]) % T]
     assert len(nodes) >= p.nodes and R * L >= p.nodes and bool(p.mask[:, 0].diagonal(dim1=1, dim2=2).all())
     assert set(p.rows.tolist()) <= set(nodes)  # targets are predicted from nodes only
+    # ``where`` inverts ``source``: each real position is computed by a node holding its token at its depth, one
+    # node per distinct beginning, and padding maps to -1
+    real = b.attention_mask.bool()
+    assert bool((p.where[~real] == -1).all()) and bool((p.where[real] >= 0).all())
+    w = p.where[real]
+    assert torch.equal(flat_ids[w], b.input_ids[real]) and torch.equal(flat_pos[w], real.nonzero()[:, 1])
+    assert len(set(w.tolist())) == p.nodes and set(w.tolist()) <= set(nodes)
+    assert torch.equal(p.where.view(-1)[p.source[w]], w)
     assert packing_pays(tuple(b.input_ids.shape), p, margin=10.0)
     assert not packing_pays(tuple(b.input_ids.shape), p, margin=0.0)
 

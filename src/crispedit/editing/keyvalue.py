@@ -34,7 +34,9 @@ from ..data.edits import EditRequest
 from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
 from ..models import decoder_blocks
-from .fastpath import capture_block_input, forward_until, no_cache_kwargs, passthroughs, prefix_fed, rows_logits, target_rows
+from .fastpath import (capture_block_input, forward_until, may_pack, no_cache_kwargs, passthroughs, prefix_fed, rows_logits,
+                       target_rows)
+from .prefixtree import PackedBatch, pack_prefixes, packing_pays
 
 __all__ = ["KeyValueSettings", "subject_span", "subject_token_index", "context_templates", "edit_blocks",
            "layer_keys", "block_outputs", "target_values", "hidden_size", "KL_TEMPLATE"]
@@ -205,12 +207,16 @@ def _add_at(block: nn.Module, pos: Tensor, delta: Tensor) -> Iterator[list]:
 
 class _DeltaForward:
     """Logits at chosen positions of ``model(**enc)`` with ``δ`` added to ``block``'s output at given
-    positions, for the ``v*`` steps. Exact shortcut, as the edit loop's (:mod:`.fastpath`): the model is
+    positions, for the ``v*`` steps. Exact shortcuts, as the edit loop's (:mod:`.fastpath`): the model is
     frozen and ``δ`` enters at ``block``'s output, so everything up to it is computed once and each step
-    runs only the blocks above it, with the output head on the needed rows only. It is checked against
-    the plain forward (hook on ``block``, full logits) once; where the two differ, or ``block`` is the
-    last block or not a decoder block, the plain forward is used. ``self.h`` holds ``block``'s unedited
-    output (``B x T x d_model``)."""
+    runs only the blocks above it, with the output head on the needed rows only; and where the rows share
+    beginnings (the context templates' prefixes, across the requests of a chunk) and the cost model says it
+    pays, the blocks above run on the batch packed as prefix trees (:mod:`.prefixtree`), each shared position
+    once — used only where every ``δ`` position is a node of its own row alone, so no ``δ`` reaches another
+    row. Each shortcut is checked once (the cached one against the plain forward, hook on ``block`` and full
+    logits, at ``δ = 0``; the packed one against the cached one at a random ``δ``); where one differs, or
+    ``block`` is the last block or not a decoder block, the plainer forward is used. ``self.h`` holds
+    ``block``'s unedited output (``B x T x d_model``)."""
 
     def __init__(self, model: nn.Module, block: nn.Module, enc: dict, pos: Tensor, rows: Tensor):
         self.model, self.block, self.enc, self.pos, self.rows = model, block, enc, pos, rows
@@ -218,6 +224,7 @@ class _DeltaForward:
         _, blocks = decoder_blocks(model)
         self.blocks, self.k = blocks, next((i + 1 for i, b in enumerate(blocks) if b is block), 0)
         self.fast = 0 < self.k < len(blocks)
+        self.packed: PackedBatch | None = None
         with torch.no_grad():
             plain, seen = self._plain(torch.zeros(len(pos), hidden_size(model), device=pos.device))
             if self.fast:
@@ -227,6 +234,30 @@ class _DeltaForward:
                 self.fast = bool(torch.allclose(self._fast(zero), plain, rtol=1e-4, atol=1e-4))
             if not self.fast:
                 self.h = seen
+            elif may_pack(model):
+                self._try_packing()
+
+    def _try_packing(self) -> None:
+        """Set ``self.packed`` (and its cached states, ``δ`` positions and logit rows) where packing pays, keeps
+        every ``δ`` position to its own row, and gives the cached forward's logits at a random ``δ``."""
+        ids, mask = self.enc["input_ids"], self.enc["attention_mask"]
+        p = pack_prefixes(ids.cpu(), mask.cpu(), torch.full_like(ids, -100).cpu())
+        if not packing_pays(tuple(ids.shape), p):
+            return
+        where = p.where.to(ids.device)
+        node = where[self.arange, self.pos]
+        rows_through = torch.bincount(where[where >= 0], minlength=p.input_ids.numel())
+        if bool((node < 0).any()) or bool((rows_through[node.clamp_min(0)] != 1).any()):
+            return  # a δ position is padding or shared with another row: δ would reach that row too
+        p = p.to(ids.device)
+        d = self.h.shape[-1]
+        self.packed, self.node, self.prow = p, node, where.view(-1)[self.rows]
+        self.hp = self.h.reshape(-1, d).index_select(0, p.source)
+        gen = torch.Generator().manual_seed(0)
+        probe = (torch.randn(len(self.pos), d, generator=gen) * 0.1).to(self.h.device, torch.float32)
+        probe = probe * self.h[self.arange, self.pos].float().norm(dim=1, keepdim=True)
+        if not torch.allclose(self._packed(probe), self._fast(probe), rtol=1e-4, atol=1e-4):
+            self.packed = None
 
     def _plain(self, delta: Tensor) -> tuple[Tensor, Tensor]:
         """Logits at ``rows`` from the full forward with ``delta`` added by a hook, and ``block``'s output
@@ -241,9 +272,19 @@ class _DeltaForward:
         with prefix_fed(self.blocks, self.k, self.passthrough, h):
             return rows_logits(self.model, self.rows, **self.enc).float()
 
+    def _packed(self, delta: Tensor) -> Tensor:
+        p = self.packed
+        h = self.hp.clone()
+        h[self.node] += delta.to(h.dtype)
+        with prefix_fed(self.blocks, self.k, self.passthrough, h.view(*p.shape, -1)):
+            return rows_logits(self.model, self.prow, input_ids=p.input_ids, attention_mask=p.mask,
+                               position_ids=p.position_ids).float()
+
     def __call__(self, delta: Tensor) -> Tensor:
         """``R x vocab`` float32 logits at ``rows`` with ``delta`` (``len(pos) x d_model``, one per row of
         ``enc``) added at each row's position; differentiable in ``delta``."""
+        if self.packed is not None:
+            return self._packed(delta)
         return self._fast(delta) if self.fast else self._plain(delta)[0]
 
 

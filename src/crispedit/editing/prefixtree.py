@@ -48,8 +48,10 @@ class PackedBatch:
     its ancestors and itself, padding to itself), ``source`` (``R·L`` long: for every packed position, the flat
     index ``b·T + t`` of a position of the batch that it stands for; padding points at 0), ``rows`` / ``targets``
     (the flat packed positions that predict a target token, with repeats where sequences share the position, and
-    those tokens: the packed counterpart of :func:`~crispedit.editing.fastpath.target_rows`) and ``nodes`` (the
-    distinct positions: what a forward computes besides the packing's padding)."""
+    those tokens: the packed counterpart of :func:`~crispedit.editing.fastpath.target_rows`), ``nodes`` (the
+    distinct positions: what a forward computes besides the packing's padding) and ``where`` (``B x T`` long: the
+    flat packed position ``r·L + l`` that computes each position of the batch; -1 at padding — the inverse of
+    ``source``, many to one where sequences share a beginning)."""
 
     input_ids: Tensor
     position_ids: Tensor
@@ -58,6 +60,7 @@ class PackedBatch:
     rows: Tensor
     targets: Tensor
     nodes: int
+    where: Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -67,7 +70,8 @@ class PackedBatch:
     def to(self, device) -> "PackedBatch":
         """The same packing on ``device``."""
         return PackedBatch(*(t.to(device) for t in (self.input_ids, self.position_ids, self.mask, self.source,
-                                                     self.rows, self.targets)), self.nodes)
+                                                     self.rows, self.targets)), self.nodes,
+                           None if self.where is None else self.where.to(device))
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -166,6 +170,7 @@ def pack_prefixes(input_ids: Tensor, attention_mask: Tensor, labels: Tensor, min
     mask = np.zeros((R, L, L), dtype=bool)
     mask[:, np.arange(L), np.arange(L)] = True  # every position attends to itself (padding: only itself)
     rows, targets = [], []
+    where = np.full((B, T), -1, dtype=np.int64)
     for tree, start in zip(trees, place):
         r, off = divmod(start, L)
         n = len(tree.tok)
@@ -175,6 +180,7 @@ def pack_prefixes(input_ids: Tensor, attention_mask: Tensor, labels: Tensor, min
             if p >= 0:
                 m[off + j, off:off + j] = m[off + p, off:off + j]
         for b, path in tree.paths:
+            where[b, :len(path)] = start + np.asarray(path, dtype=np.int64)
             for t in range(len(path) - 1):
                 if lab[b][t + 1] != -100:
                     rows.append(start + path[t])
@@ -182,7 +188,7 @@ def pack_prefixes(input_ids: Tensor, attention_mask: Tensor, labels: Tensor, min
     return PackedBatch(torch.from_numpy(flat_ids).view(R, L), torch.from_numpy(flat_pos).view(R, L),
                        torch.from_numpy(mask).unsqueeze(1), torch.from_numpy(flat_src),
                        torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
-                       sum(len(t.tok) for t in trees))
+                       sum(len(t.tok) for t in trees), torch.from_numpy(where))
 
 
 def _cost(rows: int, length: int, attention_length: int) -> float:
