@@ -95,6 +95,18 @@ class _Stop(Exception):
     pass
 
 
+def _run_until_stopped(model: nn.Module, handles: list, inputs: dict) -> None:
+    """One forward of ``model(**inputs)`` (no KV cache) that a hook may end by raising :class:`_Stop`; the hooks'
+    ``handles`` are removed afterwards."""
+    try:
+        model(**inputs, **no_cache_kwargs(model))
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def forward_until(model: nn.Module, module: nn.Module, *, output: bool, **inputs) -> Tensor:
     """The first positional input (``output=False``) or the output hidden states (``output=True``; the first
     element of a tuple output) of ``module`` in one forward of ``model(**inputs)``, detached; the forward is
@@ -113,13 +125,8 @@ def forward_until(model: nn.Module, module: nn.Module, *, output: bool, **inputs
         store.append((out[0] if isinstance(out, tuple) else out).detach())
         raise _Stop
 
-    handle = module.register_forward_hook(post) if output else module.register_forward_pre_hook(pre)
-    try:
-        model(**inputs, **no_cache_kwargs(model))
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
+    _run_until_stopped(model, [module.register_forward_hook(post) if output else module.register_forward_pre_hook(pre)],
+                       inputs)
     if not store:
         raise RuntimeError(f"{type(module).__name__} did not run in the model's forward")
     return store[0]
@@ -160,15 +167,8 @@ def capture_block_input(model: nn.Module, blocks: nn.ModuleList, k: int, **input
         """Forward hook on block ``k - 1``: note the length of its output tuple (None if not a tuple)."""
         store["tuple_len"] = len(out) if isinstance(out, tuple) else None
 
-    h1 = blocks[k].register_forward_pre_hook(pre, with_kwargs=True)
-    h2 = blocks[k - 1].register_forward_hook(post)
-    try:
-        model(**inputs, **no_cache_kwargs(model))
-    except _Stop:
-        pass
-    finally:
-        h1.remove()
-        h2.remove()
+    _run_until_stopped(model, [blocks[k].register_forward_pre_hook(pre, with_kwargs=True),
+                               blocks[k - 1].register_forward_hook(post)], inputs)
     return store["h"], store.get("tuple_len")
 
 
