@@ -84,11 +84,12 @@ def plain_loss(model: nn.Module, batch: EncodedBatch) -> Tensor:
     return F.cross_entropy(_up(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
-def pack_if_it_pays(batch: EncodedBatch) -> PackedBatch | None:
-    """``batch`` packed as prefix trees (:func:`~.prefixtree.pack_prefixes`, on the batch's device) where
-    :func:`~.prefixtree.packing_pays` says so, else ``None``; whether a model allows packing is :func:`may_pack`."""
-    p = pack_prefixes(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.labels.cpu())
-    return p.to(batch.input_ids.device) if packing_pays(tuple(batch.input_ids.shape), p) else None
+def pack_if_it_pays(input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> PackedBatch | None:
+    """A right-padded ``B x T`` batch (``labels`` -100 = no target) packed as prefix trees
+    (:func:`~.prefixtree.pack_prefixes`, on the batch's device) where :func:`~.prefixtree.packing_pays` says so,
+    else ``None``; whether a model allows packing is :func:`may_pack`."""
+    p = pack_prefixes(input_ids.cpu(), attention_mask.cpu(), labels.cpu())
+    return p.to(input_ids.device) if packing_pays(tuple(input_ids.shape), p) else None
 
 
 class _Stop(Exception):
@@ -281,7 +282,7 @@ class _FastLoss:
 
     def packing(self, batch: EncodedBatch) -> PackedBatch | None:
         """``batch`` packed as prefix trees (on its device) where packing is allowed and pays, else ``None``."""
-        return pack_if_it_pays(batch) if self.pack else None
+        return pack_if_it_pays(batch.input_ids, batch.attention_mask, batch.labels) if self.pack else None
 
     def positions(self) -> int:
         """Positions one pass over the batches computes: ``R·L`` of a packed batch, ``B·T`` of the others."""

@@ -34,9 +34,9 @@ from ..data.edits import EditRequest
 from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
 from ..models import decoder_blocks
-from .fastpath import (capture_block_input, forward_until, may_pack, no_cache_kwargs, passthroughs, prefix_fed, rows_logits,
-                       target_rows)
-from .prefixtree import PackedBatch, pack_prefixes, packing_pays
+from .fastpath import (capture_block_input, forward_until, may_pack, no_cache_kwargs, pack_if_it_pays, passthroughs,
+                       prefix_fed, rows_logits, target_rows)
+from .prefixtree import PackedBatch
 
 __all__ = ["KeyValueSettings", "subject_span", "subject_token_index", "context_templates", "edit_blocks",
            "layer_keys", "block_outputs", "target_values", "hidden_size", "KL_TEMPLATE"]
@@ -240,16 +240,15 @@ class _DeltaForward:
     def _try_packing(self) -> None:
         """Set ``self.packed`` (and its cached states, ``δ`` positions and logit rows) where packing pays, keeps
         every ``δ`` position to its own row, and gives the cached forward's logits at a random ``δ``."""
-        ids, mask = self.enc["input_ids"], self.enc["attention_mask"]
-        p = pack_prefixes(ids.cpu(), mask.cpu(), torch.full_like(ids, -100).cpu())
-        if not packing_pays(tuple(ids.shape), p):
+        ids = self.enc["input_ids"]
+        p = pack_if_it_pays(ids, self.enc["attention_mask"], torch.full_like(ids, -100))
+        if p is None:
             return
-        where = p.where.to(ids.device)
+        where = p.where
         node = where[self.arange, self.pos]
         rows_through = torch.bincount(where[where >= 0], minlength=p.input_ids.numel())
         if bool((node < 0).any()) or bool((rows_through[node.clamp_min(0)] != 1).any()):
             return  # a δ position is padding or shared with another row: δ would reach that row too
-        p = p.to(ids.device)
         d = self.h.shape[-1]
         self.packed, self.node, self.prow = p, node, where.view(-1)[self.rows]
         self.hp = self.h.reshape(-1, d).index_select(0, p.source)
