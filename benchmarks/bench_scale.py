@@ -416,7 +416,7 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
         # the FLOPs of what ran: packed batches (shared prefixes computed once) counted in their packed layout
         packed = share and hist.extra.get("packed_batches", 0) > 0 and may_pack(model)
         flops = step_flops(model, batches, params, projectors,
-                           packed=[pack_if_it_pays(b) for b in batches] if packed else None)
+                           packed=[pack_if_it_pays(b.input_ids, b.attention_mask, b.labels) for b in batches] if packed else None)
         epochs = len(hist.epoch_loss)
         steps = hist.steps + hist.skipped
         per_epoch = hist.seconds / epochs
