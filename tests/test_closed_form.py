@@ -484,8 +484,9 @@ def test_v_star_packed_forward_equals_the_plain_forward(tiny_lm):
     pos = torch.tensor([n_pre + 1, n_pre, n_pre + 2, n_pre])         # a token after the shared prefix
     T = enc["input_ids"].shape[1]
     rows = torch.cat([b * T + torch.arange(int(lengths[b]) - 3, int(lengths[b]) - 1) for b in range(4)])
-    fwd = kv._DeltaForward(model, blocks[1], enc, pos, rows)
-    assert fwd.fast and fwd.packed is not None and fwd.packed.nodes < int(lengths.sum())
+    with kv.suffix_steps(False):                                      # the suffix forward would be preferred
+        fwd = kv._DeltaForward(model, blocks[1], enc, pos, rows)
+    assert fwd.fast and fwd.suffix is None and fwd.packed is not None and fwd.packed.nodes < int(lengths.sum())
     delta = torch.randn(4, fwd.h.shape[-1], generator=torch.Generator().manual_seed(1), requires_grad=True)
     a = fwd(delta)
     (ga,) = torch.autograd.grad(a.square().sum(), delta)
@@ -494,11 +495,49 @@ def test_v_star_packed_forward_equals_the_plain_forward(tiny_lm):
     b = full.reshape(-1, full.shape[-1])[rows].float()
     (gb,) = torch.autograd.grad(b.square().sum(), delta)
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) and torch.allclose(ga, gb, rtol=1e-3, atol=1e-5)
-    with prefix_sharing(False):
+    with prefix_sharing(False), kv.suffix_steps(False):
         assert kv._DeltaForward(model, blocks[1], enc, pos, rows).packed is None
     # δ inside the shared prefix: every row passes through that node, so the rows are not packed
-    shared = kv._DeltaForward(model, blocks[1], enc, torch.tensor([n_pre - 2] * 4), rows)
+    with kv.suffix_steps(False):
+        shared = kv._DeltaForward(model, blocks[1], enc, torch.tensor([n_pre - 2] * 4), rows)
     assert shared.fast and shared.packed is None
+
+
+def test_v_star_suffix_forward_equals_the_plain_forward(tiny_lm):
+    """The v* steps run only each row's positions from its δ on, over the earlier positions' cached keys and values:
+    the same logits and δ-gradients as the full forward, on rows of different lengths and δ positions (the suffixes
+    right-padded, the pasts left-padded); where a logit row lies before its row's δ, the suffix is not used."""
+    from crispedit.editing import keyvalue as kv
+    from crispedit.models import decoder_blocks
+
+    model, tok = tiny_lm
+    _, blocks = decoder_blocks(model)
+    texts = ["Once upon a time alpha beta and the tale", "gamma delta", "In a land far away epsilon zeta eta theta",
+             "iota kappa lambda mu nu xi"]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    enc = {k: enc[k] for k in ("input_ids", "attention_mask")}
+    lengths = enc["attention_mask"].sum(1)
+    assert len(set(lengths.tolist())) > 1                              # the batch is padded
+    pos = torch.tensor([5, 0, 3, int(lengths[3]) - 1])                  # δ first, in the middle and last of a row
+    T = enc["input_ids"].shape[1]
+    rows = torch.cat([b * T + torch.arange(int(pos[b]), int(lengths[b])) for b in range(4)])
+    fwd = kv._DeltaForward(model, blocks[1], enc, pos, rows)
+    assert fwd.fast and fwd.suffix is not None
+    assert fwd.suffix["inputs"]["input_ids"].shape[1] == int((lengths - pos).max()) < T
+    delta = torch.randn(4, fwd.h.shape[-1], generator=torch.Generator().manual_seed(2), requires_grad=True)
+    a = fwd(delta)
+    (ga,) = torch.autograd.grad(a.square().sum(), delta)
+    with kv._add_at(blocks[1], pos, delta):
+        full = model(**enc).logits
+    b = full.reshape(-1, full.shape[-1])[rows].float()
+    (gb,) = torch.autograd.grad(b.square().sum(), delta)
+    assert a.shape == b.shape
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) and torch.allclose(ga, gb, rtol=1e-3, atol=1e-5)
+    # a logit row before its row's δ position would need the past's logits: the cached forward serves
+    early = torch.cat([rows, torch.tensor([T + 0])]) if int(pos[1]) > 0 else torch.cat([rows, torch.tensor([4])])
+    assert kv._DeltaForward(model, blocks[1], enc, pos, early).suffix is None
+    with kv.suffix_steps(False):
+        assert kv._DeltaForward(model, blocks[1], enc, pos, rows).suffix is None
 
 
 def test_alphaedit_seq_from_the_cli(tiny_model_dir, tmp_path, iso_cache, capsys):
@@ -588,3 +627,13 @@ def test_a_batched_alphaedit_run_is_alphaedit_seq_in_rounds_of_its_batch_size(ti
     for n in names:
         assert not torch.equal(batched[n], base[n])
         torch.testing.assert_close(model.get_parameter(n), batched[n], rtol=0, atol=0)
+
+
+def test_suffix_layout_packs_suffixes_first_fit_with_their_pasts():
+    """Suffixes packed longest first into rows of the longest one's length, each row's pasts side by side and
+    left-padded; every index a flat ``b·T + t`` into the batch, -1 for padding."""
+    from crispedit.editing.keyvalue import _suffix_layout
+
+    lay = _suffix_layout([2, 1, 3], [5, 2, 4], T=6)      # suffix lengths 3, 1, 1
+    assert lay["new"] == [[2, 3, 4], [6 + 1, 12 + 3, -1]]
+    assert lay["past"] == [[-1, -1, 0, 1], [6 + 0, 12 + 0, 12 + 1, 12 + 2]]

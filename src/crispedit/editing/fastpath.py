@@ -214,13 +214,15 @@ def rows_logits(model: nn.Module, rows: Tensor, **inputs) -> Tensor:
     """Logits (float32 or better) of the flat positions ``rows`` (indices into the row-major ``B x T``
     positions) of ``model(**inputs)``: the decoder's last hidden states at those rows through the output
     head (and the final logit soft-cap where the config has one), so the head runs on those rows only.
-    ``R x vocab``. Falls back to the full logits when the model has no separate decoder / head."""
+    ``R x vocab``. Falls back to the full logits when the model has no separate decoder / head. Runs without a KV
+    cache unless ``inputs`` pass one (``past_key_values``, ``use_cache``)."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kwargs = {**no_cache_kwargs(model), **inputs}
     if base is None or head is None:
-        logits = model(**inputs, **no_cache_kwargs(model)).logits
+        logits = model(**kwargs).logits
         return _up(logits.reshape(-1, logits.shape[-1]).index_select(0, rows))
-    hidden = base(**inputs, **no_cache_kwargs(model)).last_hidden_state
+    hidden = base(**kwargs).last_hidden_state
     logits = _up(head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)))
     softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     return torch.tanh(logits / softcap) * softcap if softcap else logits
