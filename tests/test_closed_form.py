@@ -438,6 +438,22 @@ def test_keys_and_block_outputs_stop_the_forward_at_their_layer(tiny_lm):
     assert torch.equal(H, seen["h"][torch.arange(len(pos1)), pos1])
 
 
+def _assert_full_forward_agrees(fwd, model, block, enc, pos, rows, seed):
+    """``fwd``'s logits at ``rows`` and their δ-gradient (random δ, ``seed``) equal the full forward's with δ added
+    at ``pos`` of ``block``'s output by a hook."""
+    from crispedit.editing import keyvalue as kv
+
+    delta = torch.randn(len(pos), fwd.h.shape[-1], generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    a = fwd(delta)
+    (ga,) = torch.autograd.grad(a.square().sum(), delta)
+    with kv._add_at(block, pos, delta):
+        full = model(**enc).logits
+    b = full.reshape(-1, full.shape[-1])[rows].float()
+    (gb,) = torch.autograd.grad(b.square().sum(), delta)
+    assert a.shape == (len(rows), full.shape[-1])
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) and torch.allclose(ga, gb, rtol=1e-3, atol=1e-5)
+
+
 @pytest.mark.parametrize("last", [False, True])
 def test_v_star_forward_shortcut_equals_the_plain_forward(tiny_lm, last):
     """The v* steps run only the blocks above the v* block on its cached output, the head on the needed rows:
@@ -455,15 +471,7 @@ def test_v_star_forward_shortcut_equals_the_plain_forward(tiny_lm, last):
     rows = torch.tensor([1, 2, enc["input_ids"].shape[1] + 1])
     fwd = kv._DeltaForward(model, block, enc, pos, rows)
     assert fwd.fast is (not last)
-    delta = torch.randn(2, fwd.h.shape[-1], generator=torch.Generator().manual_seed(0), requires_grad=True)
-    a = fwd(delta)
-    (ga,) = torch.autograd.grad(a.square().sum(), delta)
-    with kv._add_at(block, pos, delta):
-        full = model(**enc).logits
-    b = full.reshape(-1, full.shape[-1])[rows].float()
-    (gb,) = torch.autograd.grad(b.square().sum(), delta)
-    assert a.shape == (3, full.shape[-1])
-    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) and torch.allclose(ga, gb, rtol=1e-3, atol=1e-5)
+    _assert_full_forward_agrees(fwd, model, block, enc, pos, rows, seed=0)
 
 
 def test_v_star_packed_forward_equals_the_plain_forward(tiny_lm):
@@ -487,14 +495,7 @@ def test_v_star_packed_forward_equals_the_plain_forward(tiny_lm):
     with kv.suffix_steps(False):                                      # the suffix forward would be preferred
         fwd = kv._DeltaForward(model, blocks[1], enc, pos, rows)
     assert fwd.fast and fwd.suffix is None and fwd.packed is not None and fwd.packed.nodes < int(lengths.sum())
-    delta = torch.randn(4, fwd.h.shape[-1], generator=torch.Generator().manual_seed(1), requires_grad=True)
-    a = fwd(delta)
-    (ga,) = torch.autograd.grad(a.square().sum(), delta)
-    with kv._add_at(blocks[1], pos, delta):
-        full = model(**enc).logits
-    b = full.reshape(-1, full.shape[-1])[rows].float()
-    (gb,) = torch.autograd.grad(b.square().sum(), delta)
-    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) and torch.allclose(ga, gb, rtol=1e-3, atol=1e-5)
+    _assert_full_forward_agrees(fwd, model, blocks[1], enc, pos, rows, seed=1)
     with prefix_sharing(False), kv.suffix_steps(False):
         assert kv._DeltaForward(model, blocks[1], enc, pos, rows).packed is None
     # δ inside the shared prefix: every row passes through that node, so the rows are not packed
@@ -506,7 +507,9 @@ def test_v_star_packed_forward_equals_the_plain_forward(tiny_lm):
 def test_v_star_suffix_forward_equals_the_plain_forward(tiny_lm):
     """The v* steps run only each row's positions from its δ on, over the earlier positions' cached keys and values:
     the same logits and δ-gradients as the full forward, on rows of different lengths and δ positions (the suffixes
-    right-padded, the pasts left-padded); where a logit row lies before its row's δ, the suffix is not used."""
+    packed first-fit, the pasts left-padded); where a logit row lies before its row's δ, the suffix is not used. The
+    checks' outcomes are shared through ``verdicts``: a later forward skips them and still agrees, and a failed check
+    keeps the later forwards off the shortcut."""
     from crispedit.editing import keyvalue as kv
     from crispedit.models import decoder_blocks
 
@@ -521,20 +524,17 @@ def test_v_star_suffix_forward_equals_the_plain_forward(tiny_lm):
     pos = torch.tensor([5, 0, 3, int(lengths[3]) - 1])                  # δ first, in the middle and last of a row
     T = enc["input_ids"].shape[1]
     rows = torch.cat([b * T + torch.arange(int(pos[b]), int(lengths[b])) for b in range(4)])
-    fwd = kv._DeltaForward(model, blocks[1], enc, pos, rows)
-    assert fwd.fast and fwd.suffix is not None
+    verdicts: dict = {}
+    fwd = kv._DeltaForward(model, blocks[1], enc, pos, rows, verdicts)
+    assert fwd.fast and fwd.suffix is not None and verdicts == {"fast": True, "suffix": True}
     assert fwd.suffix["inputs"]["input_ids"].shape[1] == int((lengths - pos).max()) < T
-    delta = torch.randn(4, fwd.h.shape[-1], generator=torch.Generator().manual_seed(2), requires_grad=True)
-    a = fwd(delta)
-    (ga,) = torch.autograd.grad(a.square().sum(), delta)
-    with kv._add_at(blocks[1], pos, delta):
-        full = model(**enc).logits
-    b = full.reshape(-1, full.shape[-1])[rows].float()
-    (gb,) = torch.autograd.grad(b.square().sum(), delta)
-    assert a.shape == b.shape
-    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) and torch.allclose(ga, gb, rtol=1e-3, atol=1e-5)
+    _assert_full_forward_agrees(fwd, model, blocks[1], enc, pos, rows, seed=2)
+    later = kv._DeltaForward(model, blocks[1], enc, pos, rows, verdicts)          # checks skipped
+    assert later.suffix is not None
+    _assert_full_forward_agrees(later, model, blocks[1], enc, pos, rows, seed=3)
+    assert kv._DeltaForward(model, blocks[1], enc, pos, rows, {"fast": True, "suffix": False}).suffix is None
     # a logit row before its row's δ position would need the past's logits: the cached forward serves
-    early = torch.cat([rows, torch.tensor([T + 0])]) if int(pos[1]) > 0 else torch.cat([rows, torch.tensor([4])])
+    early = torch.cat([rows, torch.tensor([4])])                                  # row 0, position 4 < its δ at 5
     assert kv._DeltaForward(model, blocks[1], enc, pos, early).suffix is None
     with kv.suffix_steps(False):
         assert kv._DeltaForward(model, blocks[1], enc, pos, rows).suffix is None
