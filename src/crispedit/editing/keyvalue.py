@@ -294,11 +294,16 @@ class _DeltaForward:
                 if ok is not None:
                     v["packed"] = ok
 
-    def _probe(self) -> Tensor:
-        """A fixed random ``δ`` (``len(pos) x d_model``, a tenth of each row's ``‖h‖`` per unit) for the checks."""
+    def _agrees_with_cached(self, forward: Callable[[Tensor], Tensor]) -> bool:
+        """Whether ``forward`` gives the cached forward's logits at a fixed random ``δ`` (a tenth of each row's
+        ``‖h‖`` per unit); a forward that raises does not agree."""
         gen = torch.Generator().manual_seed(0)
         probe = (torch.randn(len(self.pos), self.h.shape[-1], generator=gen) * 0.1).to(self.h.device, torch.float32)
-        return probe * self.h[self.arange, self.pos].float().norm(dim=1, keepdim=True)
+        probe = probe * self.h[self.arange, self.pos].float().norm(dim=1, keepdim=True)
+        try:
+            return bool(torch.allclose(forward(probe), self._fast(probe), rtol=1e-4, atol=1e-4))
+        except Exception:
+            return False
 
     def _try_suffix(self, check: bool) -> bool | None:
         """Set ``self.suffix`` where every logit row lies at or after its row's ``δ`` position and the model fills a
@@ -328,15 +333,17 @@ class _DeltaForward:
         end = (s + 1).scatter_reduce(0, rb, rt + 1, "amax")            # one past each row's last logit row
         lay = _suffix_layout(s.tolist(), end.tolist(), T)
         new_src, past_src = (torch.tensor(x, device=dev) for x in (lay["new"], lay["past"]))
-        new_b, past_b = new_src // T, past_src // T
         new_ok, past_ok = new_src >= 0, past_src >= 0
         new_src, past_src = new_src.clamp_min(0), past_src.clamp_min(0)
+        new_b, past_b = new_src // T, past_src // T
         R, Q = new_src.shape
+
+        past_at = past_b * P + past_src % T                             # into the B x P positions run above
 
         def past(x: Tensor) -> Tensor:
             """A block's ``B x heads x P x d_head`` keys or values at the packed rows' past slots."""
             flat = x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])   # (B·P) x heads x d_head
-            return flat[(past_src // T) * P + past_src % T].transpose(1, 2)
+            return flat[past_at].transpose(1, 2)
 
         same = new_b[:, :, None] == new_b[:, None, :]
         causal = new_src[:, None, :] <= new_src[:, :, None]
@@ -346,6 +353,7 @@ class _DeltaForward:
         slot = torch.full((len(s) * T,), -1, dtype=torch.long, device=dev)
         slot[new_src[new_ok]] = torch.arange(R * Q, device=dev).view(R, Q)[new_ok]
         self.suffix = {
+            "cache": DynamicCache,
             "kv": [None if e is None else (past(e[0]), past(e[1])) for e in full],
             "inputs": {"input_ids": ids.view(-1)[new_src], "position_ids": new_src % T,
                        "attention_mask": torch.cat([past_cols, new_cols], 2)[:, None]},
@@ -353,14 +361,9 @@ class _DeltaForward:
             "delta_at": slot[torch.arange(len(s), device=dev) * T + s],
             "rows": slot[self.rows],
         }
-        if check:
-            try:
-                ok = bool(torch.allclose(self._suffix(self._probe()), self._fast(self._probe()), rtol=1e-4, atol=1e-4))
-            except Exception:
-                ok = False
-            if not ok:
-                self.suffix = None
-            return ok
+        if check and not self._agrees_with_cached(self._suffix):
+            self.suffix = None
+            return False
         return True
 
     def _try_packing(self, check: bool) -> bool | None:
@@ -379,11 +382,9 @@ class _DeltaForward:
         d = self.h.shape[-1]
         self.packed, self.node, self.prow = p, node, where.view(-1)[self.rows]
         self.hp = self.h.reshape(-1, d).index_select(0, p.source)
-        if check:
-            ok = bool(torch.allclose(self._packed(self._probe()), self._fast(self._probe()), rtol=1e-4, atol=1e-4))
-            if not ok:
-                self.packed = None
-            return ok
+        if check and not self._agrees_with_cached(self._packed):
+            self.packed = None
+            return False
         return True
 
     def _plain(self, delta: Tensor) -> tuple[Tensor, Tensor]:
@@ -400,12 +401,10 @@ class _DeltaForward:
             return rows_logits(self.model, self.rows, **self.enc).float()
 
     def _suffix(self, delta: Tensor) -> Tensor:
-        from transformers import DynamicCache
-
         sx = self.suffix
         h = sx["h"].clone()
         h.view(-1, h.shape[-1])[sx["delta_at"]] += delta.to(h.dtype)
-        cache = DynamicCache(ddp_cache_data=[(None, None) if e is None else e for e in sx["kv"]])
+        cache = sx["cache"](ddp_cache_data=[(None, None) if e is None else e for e in sx["kv"]])
         with prefix_fed(self.blocks, self.k, self.passthrough, h):
             return rows_logits(self.model, sx["rows"], past_key_values=cache, use_cache=True, **sx["inputs"]).float()
 
