@@ -1,6 +1,7 @@
 """Closed-form editors (MEMIT, AlphaEdit): their solves against direct least squares, the input-covariance
 collection and cache kind, subject location, and edits on the tiny random llama."""
 
+import contextlib
 import logging
 
 import numpy as np
@@ -394,6 +395,84 @@ def test_target_values_side_by_side_equal_one_at_a_time(tiny_lm):
     assert rec["steps"] == sum(r["steps"] for _, r in one)
     assert 0 < rec["steps"] < 4 * 7                      # some stopped early
     assert rec["nll_last"] == pytest.approx(sum(r["nll_last"] for _, r in one) / 4, rel=1e-4)
+
+
+def _reference_v_star(model, tok, r, block, templates, st):
+    """One request's ``v*`` from the keyvalue module docstring, written plainly: every step two full forwards with
+    ``δ`` added by a hook, the context rows and the essence prompt apart; the stop rule and the clamp as the
+    authors'. ``(v*, first NLL, last NLL, Adam steps)``."""
+    from crispedit.data.tokenize import collate, join_prompt_target, split_context_target
+    from crispedit.editing import keyvalue as kv
+
+    _, end = kv.subject_span(r)
+    ctx = [t.replace("{}", r.prompt, 1) for t in templates]
+    batch = collate(tok, [split_context_target(tok, c, join_prompt_target(c, r.target)) for c in ctx])
+    pos = torch.tensor([kv.subject_token_index(tok, c, t.index("{}") + end) for c, t in zip(ctx, templates)])
+    subj = r.subject.strip()
+    kl_text = kv.KL_TEMPLATE.format(subj)
+    kl_ids = torch.tensor([tok(kl_text)["input_ids"]])
+    kl_pos = torch.tensor([kv.subject_token_index(tok, kl_text, len(subj))])
+    with torch.no_grad(), kv._add_at(block, pos, torch.zeros(len(pos), 1)) as seen:
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    h0 = seen[0][0, pos[0]].float()
+    delta = torch.zeros(h0.shape[0], requires_grad=True)
+    opt = torch.optim.Adam([delta], lr=st.lr)
+    kl0 = first = None
+    steps = 0
+    for it in range(st.steps):
+        opt.zero_grad()
+        with kv._add_at(block, pos, delta.expand(len(pos), -1)):
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.labels[:, 1:].clamp_min(0)[..., None])[..., 0]
+        tmask = batch.labels[:, 1:] != -100
+        nll = (-(lp * tmask).sum(1) / tmask.sum(1)).mean()
+        with kv._add_at(block, kl_pos, delta[None]):
+            kl_logp = torch.log_softmax(model(input_ids=kl_ids).logits[0, kl_pos[0]].float(), -1)
+        kl0 = kl_logp.detach() if kl0 is None else kl0
+        loss = nll + st.kl_factor * (kl_logp.exp() * (kl_logp - kl0)).sum() + st.weight_decay * delta.norm() / h0.norm() ** 2
+        first = float(nll.detach()) if first is None else first
+        if float(loss.detach()) < st.stop_loss or it == st.steps - 1:
+            return (h0 + delta).detach(), first, float(nll.detach()), steps
+        loss.backward()
+        opt.step()
+        steps += 1
+        with torch.no_grad():
+            cap = st.clamp * h0.norm()
+            if delta.norm() > cap:
+                delta *= cap / delta.norm()
+    raise AssertionError("unreachable: the last step stops")
+
+
+@pytest.mark.parametrize("shortcuts", ["suffix", "plain"])
+def test_target_values_equal_a_plain_per_request_optimisation(tiny_lm, shortcuts, monkeypatch):
+    """The chunked ``v*`` optimisation — target rows and essence prompts in one forward, suffix-only steps (or,
+    with the shortcuts off, the cached forward) — gives what a plain loop per request gives: full forwards with δ
+    hooked in, the KL prompt run apart."""
+    from crispedit.editing import keyvalue as kv
+
+    model, tok = tiny_lm
+    _, block = kv.edit_blocks(model, resolve_layers(model, LAYERS))
+    templates = kv.context_templates(model, tok, 2)
+    reqs = REQS[:3] + [EditRequest("Famous for the long book number 7 series", "Zed", subject="book number 7")]
+    # kl_factor 2: the KL term weighs in the gradient; stop_loss 6: requests stop at different steps
+    st = kv.KeyValueSettings(steps=6, lr=0.5, clamp=0.5, stop_loss=6.0, kl_factor=2.0, chunk=4)
+    ref = [_reference_v_star(model, tok, r, block, templates, st) for r in reqs]
+    used: list[str] = []
+    for name in ("_suffix", "_fast"):
+        def spy(self, delta, _f=getattr(kv._DeltaForward, name), _n=name):
+            used.append(_n)
+            return _f(self, delta)
+        monkeypatch.setattr(kv._DeltaForward, name, spy)
+    with contextlib.ExitStack() as stack:
+        if shortcuts == "plain":
+            stack.enter_context(kv.suffix_steps(False))
+            stack.enter_context(prefix_sharing(False))
+        V, rec = kv.target_values(model, tok, reqs, block, templates, st)
+    assert ("_suffix" in used) is (shortcuts == "suffix") and "_fast" in used    # the checks run the cached one
+    assert torch.allclose(V, torch.stack([v for v, *_ in ref]), rtol=1e-4, atol=1e-4)
+    assert rec["steps"] == sum(s for *_, s in ref) and 0 < rec["steps"] < 4 * 5
+    assert rec["nll_first"] == pytest.approx(sum(f for _, f, _, _ in ref) / 4, rel=1e-4)
+    assert rec["nll_last"] == pytest.approx(sum(l for _, _, l, _ in ref) / 4, rel=1e-4)
 
 
 def test_keys_and_block_outputs_stop_the_forward_at_their_layer(tiny_lm):

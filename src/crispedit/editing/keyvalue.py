@@ -440,7 +440,7 @@ def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     from ..curvature.kfac import frozen
 
     out, first, last, steps = [], [], [], 0
-    verdicts: dict = {"targets": {}, "kl": {}}  # each shortcut checked on the first chunk that can use it
+    verdicts: dict = {}  # each shortcut checked on the first chunk that can use it
     was_training = model.training
     model.eval()
     try:
@@ -465,7 +465,7 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
     """:func:`target_values` for one chunk: ``(v* rows, first NLLs, last NLLs, Adam steps)``."""
     device = next(model.parameters()).device
     n, n_t = len(requests), len(templates)
-    rows, pos, kl_texts, kl_ends = [], [], [], []
+    rows, pos, kl_rows, kl_pos = [], [], [], []
     for i, r in enumerate(requests):
         _, end = subject_span(r, offset + i)
         for t in templates:
@@ -474,21 +474,25 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
             rows.append(split_context_target(tokenizer, ctx, join_prompt_target(ctx, r.target)))
             pos.append(subject_token_index(tokenizer, ctx, pre + end))
         subj = (r.subject or "").strip()
-        kl_texts.append(KL_TEMPLATE.format(r.prompt[end - len(subj):end]))
-        kl_ends.append(len(subj))
-    batch = collate(tokenizer, rows, max_len=10 ** 6).to(device)
-    pos_t = torch.tensor(pos, device=device)
-    owner = torch.arange(n, device=device).repeat_interleave(n_t)     # request of each row
-    kl_enc, kl_pos = _positions(tokenizer, kl_texts, kl_ends, device)
-    labels = batch.labels[:, 1:]
+        kl_text = KL_TEMPLATE.format(r.prompt[end - len(subj):end])
+        ids = list(tokenizer(kl_text)["input_ids"])
+        kl_rows.append((ids, len(ids)))                                # no target: its logits feed the KL term
+        kl_pos.append(subject_token_index(tokenizer, kl_text, len(subj)))
+    m = len(rows)
+    # one batch, one forward a step: the n·n_t target rows, then the n KL rows (logits at their δ position only)
+    batch = collate(tokenizer, rows + kl_rows, max_len=10 ** 6).to(device)
+    T = batch.input_ids.shape[1]
+    pos_t = torch.tensor(pos + kl_pos, device=device)
+    owner = torch.arange(n, device=device).repeat_interleave(n_t)     # request of each target row
+    labels = batch.labels[:m, 1:]
     tmask = labels != -100
     n_tgt = tmask.sum(1).clamp_min(1)
     enc = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    fwd = _DeltaForward(model, block, enc, pos_t, target_rows(batch.labels)[0],  # the order of [:, :-1][tmask]
-                        verdicts["targets"])
-    kl_fwd = _DeltaForward(model, block, kl_enc, kl_pos,
-                           torch.arange(n, device=device) * kl_enc["input_ids"].shape[1] + kl_pos, verdicts["kl"])
-    h0 = fwd.h[torch.arange(0, n * n_t, n_t, device=device), pos_t[::n_t]].float()
+    t_rows = target_rows(batch.labels)[0]                               # the order of [:m, :-1][tmask]
+    kl_at = (m + torch.arange(n, device=device)) * T + pos_t[m:]
+    fwd = _DeltaForward(model, block, enc, pos_t, torch.cat([t_rows, kl_at]), verdicts)
+    n_r = len(t_rows)
+    h0 = fwd.h[torch.arange(0, m, n_t, device=device), pos_t[:m:n_t]].float()
     delta = torch.zeros(n, h0.shape[1], device=device, dtype=torch.float32, requires_grad=True)
     opt = torch.optim.Adam([delta], lr=settings.lr)
     kl0 = None
@@ -498,8 +502,9 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
     steps = 0
     for it in range(settings.steps):
         opt.zero_grad()
-        lp = torch.log_softmax(fwd(delta[owner]), -1)                       # target positions only
-        kl_logp = torch.log_softmax(kl_fwd(delta), -1)                      # the subject's last token
+        logits = fwd(torch.cat([delta[owner], delta]))
+        lp = torch.log_softmax(logits[:n_r], -1)                            # target positions only
+        kl_logp = torch.log_softmax(logits[n_r:], -1)                       # the subject's last token
         if kl0 is None:
             kl0 = kl_logp.detach()
         tok_lp = torch.zeros(labels.shape, device=device)
