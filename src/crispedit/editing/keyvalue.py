@@ -484,6 +484,7 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
     T = batch.input_ids.shape[1]
     pos_t = torch.tensor(pos + kl_pos, device=device)
     owner = torch.arange(n, device=device).repeat_interleave(n_t)     # request of each target row
+    row_request = torch.cat([owner, torch.arange(n, device=device)])  # ... and of every row, KL rows last
     labels = batch.labels[:m, 1:]
     tmask = labels != -100
     n_tgt = tmask.sum(1).clamp_min(1)
@@ -502,7 +503,7 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
     steps = 0
     for it in range(settings.steps):
         opt.zero_grad()
-        logits = fwd(torch.cat([delta[owner], delta]))
+        logits = fwd(delta[row_request])
         lp = torch.log_softmax(logits[:n_r], -1)                            # target positions only
         kl_logp = torch.log_softmax(logits[n_r:], -1)                       # the subject's last token
         if kl0 is None:
