@@ -128,6 +128,20 @@ def _check_bias_free(layers: dict[str, nn.Module]) -> None:
             raise ValueError(f"layer {name} has a bias; the classifier K-FAC here models bias-free layers")
 
 
+def _layer_passes(model: nn.Module, layers: dict[str, nn.Module], batches: Iterable[tuple[Tensor, Tensor]],
+                  mode: OutputGrads, gen: torch.Generator):
+    """For each ``(inputs, labels)`` of ``batches``: ``(B, layer inputs, output-gradient passes)`` as
+    :func:`_run_layers` gives them (``B`` examples), the model in eval mode meanwhile and its mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        for x, y in batches:
+            inputs, grads = _run_layers(model, layers, x, y, mode, gen)
+            yield x.shape[0], inputs, grads
+    finally:
+        model.train(was_training)
+
+
 def collect_classifier_kfac(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]],
                             layers: Iterable[str] | None = None, *, mode: OutputGrads | str = OutputGrads.EXACT,
                             seed: int = 0, stat_dtype: torch.dtype = torch.float64) -> KFACFactors:
@@ -143,22 +157,16 @@ def collect_classifier_kfac(model: nn.Module, batches: Iterable[tuple[Tensor, Te
     accA, accS = FactorAccumulator(stat_dtype), FactorAccumulator(stat_dtype)
     rows_per_example: dict[str, int] = {}
     passes = 1
-    was_training = model.training
-    model.eval()
-    try:
-        for x, y in batches:
-            inputs, grads = _run_layers(model, mods, x, y, mode, gen)
-            for name in mods:
-                a = inputs[name].reshape(-1, inputs[name].shape[-1])
-                g = torch.cat([gk.reshape(-1, gk.shape[-1]) for gk in grads[name]])
-                rows_per_example[name] = inputs[name].shape[1]
-                passes = len(grads[name])
-                # A and S see different row counts (S stacks the backward passes), hence two
-                # accumulators; the 1-column partner statistic of each is ignored.
-                accA.add(name, a, a[:, :1])
-                accS.add(name, g[:, :1], g)
-    finally:
-        model.train(was_training)
+    for _, inputs, grads in _layer_passes(model, mods, batches, mode, gen):
+        for name in mods:
+            a = inputs[name].reshape(-1, inputs[name].shape[-1])
+            g = torch.cat([gk.reshape(-1, gk.shape[-1]) for gk in grads[name]])
+            rows_per_example[name] = inputs[name].shape[1]
+            passes = len(grads[name])
+            # A and S see different row counts (S stacks the backward passes), hence two
+            # accumulators; the 1-column partner statistic of each is ignored.
+            accA.add(name, a, a[:, :1])
+            accS.add(name, g[:, :1], g)
     names = list(mods)
     A = accA.factors(names, out_dtype=torch.float64).A
     S_rows = accS.factors(names, out_dtype=torch.float64).S  # sum / (passes * rows)
@@ -186,25 +194,19 @@ def ekfac_eigenvalues(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]]
     gen = torch.Generator().manual_seed(seed)
     sums = {n: torch.zeros(U_out[n].shape[1], U_in[n].shape[1], dtype=torch.float64) for n in mods}
     count = 0
-    was_training = model.training
-    model.eval()
-    try:
-        for x, y in batches:
-            inputs, grads = _run_layers(model, mods, x, y, mode, gen)
-            for name in mods:
-                dev = inputs[name].device  # (the bases and sums go where the model runs; the result to the CPU)
-                sums[name] = sums[name].to(dev)
-                a_t = inputs[name].to(torch.float64) @ U_in[name].to(dev, torch.float64)  # B x T x d_in
-                for g in grads[name]:
-                    g_t = g.to(torch.float64) @ U_out[name].to(dev, torch.float64)  # B x T x d_out
-                    if per == "example" and a_t.shape[1] > 1:
-                        dW = torch.einsum("bto,bti->boi", g_t, a_t)
-                        sums[name] += (dW * dW).sum(0)
-                    else:  # one row per example, or rows squared separately
-                        sums[name] += torch.einsum("bto,bti->oi", g_t * g_t, a_t * a_t)
-            count += x.shape[0]
-    finally:
-        model.train(was_training)
+    for n_examples, inputs, grads in _layer_passes(model, mods, batches, mode, gen):
+        for name in mods:
+            dev = inputs[name].device  # (the bases and sums go where the model runs; the result to the CPU)
+            sums[name] = sums[name].to(dev)
+            a_t = inputs[name].to(torch.float64) @ U_in[name].to(dev, torch.float64)  # B x T x d_in
+            for g in grads[name]:
+                g_t = g.to(torch.float64) @ U_out[name].to(dev, torch.float64)  # B x T x d_out
+                if per == "example" and a_t.shape[1] > 1:
+                    dW = torch.einsum("bto,bti->boi", g_t, a_t)
+                    sums[name] += (dW * dW).sum(0)
+                else:  # one row per example, or rows squared separately
+                    sums[name] += torch.einsum("bto,bti->oi", g_t * g_t, a_t * a_t)
+        count += n_examples
     return {n: (sums[n] / count).cpu() for n in mods}
 
 
