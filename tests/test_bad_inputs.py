@@ -209,6 +209,7 @@ CASES = [
     ("seed-huge", lambda t, m: _edit(t, m, "--seed", 2**70), "seed must be between 0 and"),
     ("seed-negative", lambda t, m: _edit(t, m, "--seed", -1), "seed must be between 0 and"),
     ("epochs-huge", lambda t, m: _edit(t, m, "--epochs", 10**9), "epochs must be between"),
+    ("plateau-negative", lambda t, m: _edit(t, m, "--plateau", -1), "plateau epochs (--plateau) must be between"),
     ("memit-no-subject", lambda t, m: _edit(t, m, "--method", "memit"), "edit request 0 ('Who founded club 0?') has no subject"),
     ("memit-kfac-cache", lambda t, m: _with_subjects(_edit(t, m, "--method", "memit", "--cache", _cache(t, m)), t),
      "holds kfac statistics, not input"),

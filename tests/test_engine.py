@@ -445,6 +445,64 @@ def test_a_checkpoint_resumes_under_another_epoch_cap(tiny_lm, iso_cache, tmp_pa
     assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
 
 
+
+def test_the_plateau_rule_on_loss_curves():
+    """``plateaued``: only near the goal (below twice the stop loss), only after ``epochs`` epochs without a
+    ``delta`` relative fall of the best loss, never with the rule off."""
+    from crispedit.editing.loop import plateaued
+
+    flat = [0.5, 0.1, 0.0121, 0.0120, 0.01199, 0.01198, 0.01197]
+    assert plateaued(flat, 0.01, 3, 0.02)  # best 0.01197 of the last 3 is not 2 % below 0.0120
+    assert not plateaued(flat, 0.01, 0, 0.02)  # off
+    assert not plateaued(flat, 0.01, 6, 0.02)  # fewer than epochs + 1 losses
+    assert not plateaued(flat, 0.01, 3, 0.001)  # a 0.25 % fall counts when delta is 0.1 %
+    assert not plateaued(flat, 0.005, 3, 0.02)  # 0.0120 is above twice a 0.005 stop loss: still far from the goal
+    falling = [0.5, 0.1, 0.05, 0.03, 0.019, 0.015, 0.0125]
+    assert not plateaued(falling, 0.01, 3, 0.02)
+    bounced = [0.5, 0.012, 0.3, 0.2, 0.015]  # worse than its best: stalled (below the band again)
+    assert plateaued(bounced, 0.01, 3, 0.02)
+
+
+def test_a_stalled_edit_stops_at_its_plateau(tiny_lm, iso_cache, tmp_path):
+    """With ``plateau_epochs`` an edit whose loss no longer falls stops after that many epochs, on the trajectory of
+    the run without the rule (same losses, same weights at that epoch), reports ``plateaued`` and not
+    ``converged``; its final checkpoint trains nothing more when run again; without the rule it runs to the cap.
+    A config stored without the fields (before the rule) reads as the rule off."""
+    from crispedit.editing import restore
+
+    model, tok = tiny_lm
+    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", lr=1e-7, batch_size=3, n_cap=4,
+               max_len=48, contexts="bare", skip_loss=0.0)
+    probe = edit(model, tok, REQS, EditConfig(**cfg, epochs=1, stop_loss=0.0), progress=False)
+    restore(model, probe.original_weights)
+    cfg["stop_loss"] = 0.7 * probe.history.epoch_loss[0]  # the loss sits between the stop loss and twice it
+    ref = edit(model, tok, REQS, EditConfig(**cfg, epochs=5, plateau_epochs=0), progress=False)
+    want = {n: model.get_parameter(n).detach().clone() for n in ref.original_weights}
+    assert len(ref.history.epoch_loss) == 5 and not ref.history.plateaued and not ref.history.converged
+    assert "plateaued" not in ref.history.to_json()
+    assert "plateau_epochs" not in EditConfig(**cfg, plateau_epochs=0).to_json()  # off: stored as before the rule
+    assert EditConfig.from_dict(EditConfig(**cfg, plateau_epochs=0).to_json()).plateau_epochs == 0
+    restore(model, ref.original_weights)
+
+    ck = tmp_path / "run.safetensors"
+    res = edit(model, tok, REQS, EditConfig(**cfg, epochs=50, plateau_epochs=4), progress=False, checkpoint=ck)
+    assert res.history.epoch_loss == ref.history.epoch_loss  # stopped after 4 + 1 epochs, on the same path
+    assert res.history.plateaued and not res.history.converged and res.history.to_json()["plateaued"] is True
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
+    assert EditConfig(**cfg, plateau_epochs=4).to_json()["plateau_epochs"] == 4
+    restore(model, ref.original_weights)
+    again = edit(model, tok, REQS, EditConfig(**cfg, epochs=50, plateau_epochs=4), progress=False, checkpoint=ck)
+    assert again.history.extra["resumed_at_epoch"] == 5 and again.history.plateaued
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
+
+
+@pytest.mark.parametrize("bad", [dict(plateau_epochs=-1), dict(plateau_delta=0.0), dict(plateau_delta=1.0)])
+def test_plateau_settings_are_checked(bad):
+    from crispedit.errors import CrispEditError
+
+    with pytest.raises(CrispEditError, match="plateau"):
+        EditConfig(**bad)
+
 def _drop_meta_key(path, key: str) -> None:
     """Rewrite a training checkpoint without ``key`` in its metadata."""
     import json as _json

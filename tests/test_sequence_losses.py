@@ -47,3 +47,20 @@ def test_the_token_cost_counts_only_sequences_above_the_skip_loss(script):
     got = script.analyse(rec)
     assert got["below_skip_loss"] == [1, 2, 2]
     assert got["token_cost_ratio"] == round((40 + 10 + 0) / 120, 3)
+
+
+def test_plateau_curves_finds_where_the_rule_would_stop(tmp_path, capsys):
+    """benchmarks/plateau_curves.py: a stored run that stalls above its stop loss is reported with the epoch the
+    plateau rule stops at and its share of the seconds; a falling curve and a single-pass one are not."""
+    import json
+
+    script = load_script(SCRIPT.with_name("plateau_curves.py"), "plateau_curves")
+    stall = [0.5, 0.1, 0.0121] + [0.0120] * 9
+    report = {"config": {"stop_loss": 0.01}, "training": {"epoch_loss": stall, "epoch_seconds": [2.0] * 12},
+              "other": {"training": {"epoch_loss": [0.5, 0.1, 0.05, 0.02, 0.0099]}},
+              "closed": {"training": {"epoch_loss": [3.0, 0.1, 0.1, 0.1, 0.1], "single_pass": True}}}
+    (tmp_path / "run.json").write_text(json.dumps(report))
+    assert script.main([str(tmp_path), "--epochs", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "/training: stops at epoch 11 of 12 (loss 0.012;" in out and "22 of 24 s (0.92)" in out
+    assert "1 of 2 curves stop earlier" in out

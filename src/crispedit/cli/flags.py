@@ -77,7 +77,10 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, option
     p.add_argument("--gamma", type=float, default=d["gamma"], help=f"energy threshold in (0, 1) (default {d['gamma']})")
     p.add_argument("--epochs", type=int, default=d["epochs"],
                    help=f"maximum epochs over the edits (default {d['epochs']}; the paper: 25); training stops "
-                        "earlier once an epoch's mean loss is below 0.01")
+                        "earlier once an epoch's mean loss is below 0.01, or at a plateau (--plateau)")
+    p.add_argument("--plateau", type=int, default=d["plateau_epochs"], metavar="N",
+                   help="also stop once the epoch loss is below twice the stop loss and its best has not fallen by "
+                   f"{d['plateau_delta'] * 100:g}%% in N epochs (default {d['plateau_epochs']}; 0: the paper's rule alone)")
     p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: the method's; 5e-4 (Gemma-3: 5e-5, crispedit.families), LoRA 5e-3)")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help=f"edit sequences per step (default {d['batch_size']})")
     p.add_argument("--batch-tokens", type=int, default=None, metavar="N",
@@ -154,7 +157,8 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
                       context_sample=getattr(args, "context_sample", None),
                       precision=getattr(args, "precision", "fp32"),
                       projection_precision=getattr(args, "projection_precision", "fp32"),
-                      epochs=args.epochs, projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
+                      epochs=args.epochs, plateau_epochs=getattr(args, "plateau", 0),
+                      projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
                       seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,
                       max_drift=getattr(args, "max_drift", None), drift_penalty=args.drift_penalty)

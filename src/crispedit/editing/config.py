@@ -68,6 +68,11 @@ class EditConfig:
     epochs: int = 100                   # maximum; stop_loss ends it earlier (paper: 25 steps, see above)
     skip_loss: float = 0.01
     stop_loss: float = 0.01
+    # also stop at a plateau near the stop loss (editing/loop.py: plateaued): this many epochs without a
+    # plateau_delta relative fall of the best epoch loss, the last one below PLATEAU_BAND x stop_loss; 0 = off (the
+    # paper's rule alone, and what a config stored without the field ran)
+    plateau_epochs: int = 8
+    plateau_delta: float = 0.02
     projection_target: str = ProjectionTarget.GRADIENT.value
     # how each request becomes training sequences (editing/contexts.py)
     contexts: str = "default"           # e.g. "bare,chat,prefix:2,lead:4"; "default" = DEFAULT_CONTEXTS
@@ -116,6 +121,8 @@ class EditConfig:
         self.seed = check_int("seed", self.seed, 0, SEED_MAX)
         self.skip_loss = check_float("skip_loss", self.skip_loss, 0.0)
         self.stop_loss = check_float("stop_loss", self.stop_loss, 0.0)
+        self.plateau_epochs = check_int("plateau epochs (--plateau)", self.plateau_epochs, 0, MAX_EPOCHS)
+        self.plateau_delta = check_float("plateau delta", self.plateau_delta, 0.0, 1.0, lo_open=True, hi_open=True)
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise CrispEditError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         self.betas = tuple(check_float("Adam beta", b, 0.0, 1.0, hi_open=True) for b in self.betas)  # type: ignore[assignment]
@@ -161,7 +168,9 @@ class EditConfig:
 
     def to_json(self) -> dict:
         """The config as a JSON-ready dict (what reports and sessions store; ``batch_tokens`` and ``context_sample`` only when set,
-        ``precision`` and ``projection_precision`` only when not ``fp32``, ``batch_order`` only when not ``request``, so a config stored before they existed still reads as the same run)."""
+        ``precision`` and ``projection_precision`` only when not ``fp32``, ``batch_order`` only when not ``request``, the plateau rule's
+        fields only when the rule is on or ``plateau_delta`` is not 0.02, so a config stored before they existed
+        still reads as the same run: the rule off)."""
         d = asdict(self)
         d["betas"] = list(self.betas)
         for key, unset in _STORED_WHEN_SET.items():
@@ -192,7 +201,7 @@ class EditConfig:
 # Fields to_json stores only when they differ from these values (what a config stored before the field existed
 # meant), and from_dict fills in when absent
 _STORED_WHEN_SET = {"batch_tokens": None, "context_sample": None, "precision": "fp32", "projection_precision": "fp32",
-                    "batch_order": "request"}
+                    "batch_order": "request", "plateau_epochs": 0, "plateau_delta": 0.02}
 
 
 WEIGHTINGS = ("fixed", "trace", "each", "tokens")

@@ -4,8 +4,8 @@ Each request becomes one training sequence per edit context (:mod:`.contexts`: b
 template, natural-text prefixes; target followed by its answer end). FT-M loss (cross-entropy on the
 target tokens only; context and padding masked), Adam, mini-batches over the sequences, batches whose
 loss is already below ``skip_loss`` take no step, training stops once an epoch's mean loss is below
-``stop_loss``. On an accelerator both rules are decided without reading a value back to the host inside a
-step: the skip test is a 0-d boolean on the device that gates the Adam step (:class:`.optim.GatedAdam`), and
+``stop_loss`` (or, with ``plateau_epochs``, once it has stalled just above it: :func:`plateaued`). On an
+accelerator both rules are decided without reading a value back to the host inside a step: the skip test is a 0-d boolean on the device that gates the Adam step (:class:`.optim.GatedAdam`), and
 the losses and the skipped count are read once per epoch, for the stop test. On the CPU, where a read costs
 nothing, the skip test is read and a skipped batch's backward is not run at all (the same steps). Between ``backward`` and ``step`` every trained weight's gradient is projected
 (``projection_target="gradient"``, the paper); alternatively the Adam update itself is projected after
@@ -50,9 +50,10 @@ from .steptimer import NULL_TIMER, StepTimer
 _log = logging.getLogger("crispedit.edit")
 LOG_EVERY = 5  # epochs between the loop's INFO lines (for output that is not a terminal: no bar there) ...
 LOG_SECONDS = 60.0  # ... or fewer, once this many seconds have passed since the last line (long epochs)
+PLATEAU_BAND = 2.0  # the plateau rule acts only once the epoch loss is below this many times the stop loss
 
 __all__ = ["projected_finetune", "edit_loss", "TrainHistory", "training_brief", "apply_projection", "edit_batches", "resolve_precision",
-           "shard_batch"]
+           "shard_batch", "plateaued", "PLATEAU_BAND"]
 
 
 @dataclass
@@ -79,6 +80,8 @@ class TrainHistory:
     # wall seconds of each epoch (None for epochs a resumed checkpoint did not time); a process stopped
     # (SIGSTOP) or starved by another job shows as one long epoch
     epoch_seconds: list[float | None] = field(default_factory=list)
+    # the plateau rule (EditConfig.plateau_epochs) ended the run before the stop loss or the epoch cap
+    plateaued: bool = False
 
     def to_json(self) -> dict:
         """JSON-ready summary (the ``training`` section of an edit report; a single-pass editor's also
@@ -86,7 +89,7 @@ class TrainHistory:
         return {"epoch_loss": [round(x, 6) for x in self.epoch_loss],
                 "epochs": 0 if self.single_pass else len(self.epoch_loss),
                 "steps": self.steps, "skipped_batches": self.skipped, "converged": self.converged,
-                "seconds": round(self.seconds, 3),
+                **({"plateaued": True} if self.plateaued else {}), "seconds": round(self.seconds, 3),
                 **({"epoch_seconds": [None if x is None else round(x, 2) for x in self.epoch_seconds]}
                    if self.epoch_seconds else {}),
                 "fast_loss": self.fast_loss, "contexts": self.contexts,
@@ -104,6 +107,17 @@ def training_brief(train: dict, lr: float | None = None) -> str:
         return "single-pass" + (f" target_nll={loss[0]:.4g}->{loss[-1]:.4g}" if len(loss) >= 2 else "")
     return (f"epochs={train.get('epochs')}" + (f" last_loss={loss[-1]:.4g}" if loss else "")
             + ("" if lr is None else f" lr={lr:g}"))
+
+
+def plateaued(epoch_loss: Sequence[float], stop_loss: float, epochs: int, delta: float) -> bool:
+    """Whether an edit's loss has stalled just above its goal, so that more epochs would buy nothing: the last
+    epoch's mean loss (nats/target token) is below ``PLATEAU_BAND × stop_loss`` and the lowest of the last
+    ``epochs`` epoch losses is not ``delta`` (a fraction) below the lowest before them. ``False`` with
+    ``epochs`` 0 (the rule off) or fewer than ``epochs + 1`` losses. A function of the losses alone, so a
+    resumed run decides as the uninterrupted one did."""
+    if epochs <= 0 or len(epoch_loss) <= epochs or not epoch_loss[-1] < PLATEAU_BAND * stop_loss:
+        return False
+    return min(epoch_loss[-epochs:]) > (1.0 - delta) * min(epoch_loss[:-epochs])
 
 
 def apply_projection(proj: LayerProjector, module: nn.Module, t: Tensor) -> Tensor:
@@ -303,8 +317,11 @@ class _Counters:
 
     def history(self, plan: _EpochPlan) -> TrainHistory:
         """The :class:`TrainHistory` this call starts from: the plan's contexts and sizes, a resumed run's figures."""
+        c = plan.config
         hist = TrainHistory(contexts=plan.contexts, fast_loss=plan.loss_fn.fast, epoch_loss=list(self.epoch_loss),
                             converged=self.converged, steps=self.n_batches - int(self.skipped),
+                            plateaued=not self.converged and plateaued(self.epoch_loss, c.stop_loss, c.plateau_epochs,
+                                                                        c.plateau_delta),
                             skipped=int(self.skipped), epoch_seconds=list(self.epoch_seconds))
         hist.sequences, hist.tokens = plan.per_epoch()
         if plan.config.precision != "fp32":  # what bf16 / auto ran as on this device
@@ -326,6 +343,8 @@ class _Counters:
             raise CrispEditError(f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} (lr {config.lr:g}); "
                                  "lower --lr or check the model and the inputs — nothing was saved")
         hist.converged = mean < config.stop_loss
+        hist.plateaued = not hist.converged and plateaued(hist.epoch_loss, config.stop_loss, config.plateau_epochs,
+                                                          config.plateau_delta)
         return mean
 
     def state(self, epochs: int, hist: TrainHistory, seconds: float) -> LoopState:
@@ -408,21 +427,26 @@ def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditReque
         step = _Step(params, layers, projectors, opt, config, drift_budget, timer, sync_free)
         model.train()
         logged = time.perf_counter()
-        for epoch in range(run.start, config.epochs if not run.converged else run.start):
+        for epoch in range(run.start, run.start if hist.converged or hist.plateaued else config.epochs):
             t_epoch = time.perf_counter()
             losses = [step(plan, item, run) for item in plan.epoch(epoch, run.generator)]
             loss = run.end_epoch(hist, losses, config)
             hist.epoch_seconds.append(time.perf_counter() - t_epoch)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
-            if ((epoch + 1) % LOG_EVERY == 0 or hist.converged or epoch + 1 == config.epochs
+            done = hist.converged or hist.plateaued
+            if ((epoch + 1) % LOG_EVERY == 0 or done or epoch + 1 == config.epochs
                     or time.perf_counter() - logged >= LOG_SECONDS):
                 logged = time.perf_counter()
                 _log.info("edit[%s] epoch %d/%d: loss %.4f, %.0f s", config.method, epoch + 1, config.epochs, loss,
                           run.spent + time.perf_counter() - t0)
             ckpt.save_if_due(run.state(epoch + 1, hist, run.spent + time.perf_counter() - t0), run.start,
-                             final=hist.converged or epoch + 1 == config.epochs)
-            if hist.converged:
+                             final=done or epoch + 1 == config.epochs)
+            if hist.plateaued:
+                _log.info("edit[%s] stopped at a plateau after epoch %d: the best loss of the last %d epochs is not "
+                          "%g%% below the earlier best", config.method, epoch + 1, config.plateau_epochs,
+                          100 * config.plateau_delta)
+            if done:
                 break
     hist.seconds = run.spent + time.perf_counter() - t0
     return hist
