@@ -52,7 +52,7 @@ def _load(path: Path):
 
 
 def main(argv=None) -> int:
-    from crispedit.editing.loop import plateaued
+    from crispedit.editing.loop import plateau_stop
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", help="JSON files, safetensors checkpoints or folders (searched for *.json)")
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         for where, loss, secs, stop in curves(data, str(f)):
             n += 1
             stop = args.stop_loss if stop is None else float(stop)
-            at = next((k for k in range(1, len(loss)) if plateaued(loss[:k], stop, args.epochs, args.delta)), None)
+            at = plateau_stop(loss, stop, args.epochs, args.delta)
             if at is None:
                 continue
             stopped += 1

@@ -117,6 +117,27 @@ def test_compare_refuses_other_settings_in_the_same_dir(tiny_lm, tmp_path, iso_c
         compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
 
 
+def test_rows_stored_before_the_plateau_rule_resume_where_it_changes_nothing(tiny_lm, tmp_path, iso_cache, monkeypatch):
+    """A row stored without the plateau fields (the rule off) is today's default run when today's rule would have
+    stopped none of its training: it resumes, not rerun; a stored curve the rule would have cut is another run."""
+    model, tok = tiny_lm
+    out = tmp_path / "cmp"
+    compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
+    old = json.loads((out / "compare.json").read_text())
+    assert old["results"]["ft"]["config"]["plateau_epochs"] == 8
+    del old["results"]["ft"]["config"]["plateau_epochs"]   # as written before the rule: read as off
+    (out / "compare.json").write_text(json.dumps(old))
+    ran = counting_edit(monkeypatch)
+    again = compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
+    assert ran == [] and again["results"]["ft"]["summary"] == old["results"]["ft"]["summary"]
+    old["results"]["ft"]["training"]["epoch_loss"] = [0.5, 0.1, 0.0121] + [0.0120] * 9   # stalled: cut at epoch 11
+    (out / "compare.json").write_text(json.dumps(old))
+    with pytest.raises(CrispEditError, match="holds ft run with another configuration"):
+        compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
+    off = compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"], plateau_epochs=0),
+                                  progress=False)  # asked with the rule off, as the row ran: resumed
+    assert ran == [] and off["results"]["ft"]["training"]["epoch_loss"][-1] == 0.0120
+
 def test_compare_cli(tiny_model_dir, tmp_path, iso_cache, capsys):
     out = tmp_path / "cmp"
     args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2, "--layers", LAYERS,

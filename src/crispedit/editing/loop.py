@@ -53,7 +53,7 @@ LOG_SECONDS = 60.0  # ... or fewer, once this many seconds have passed since the
 PLATEAU_BAND = 2.0  # the plateau rule acts only once the epoch loss is below this many times the stop loss
 
 __all__ = ["projected_finetune", "edit_loss", "TrainHistory", "training_brief", "apply_projection", "edit_batches", "resolve_precision",
-           "shard_batch", "plateaued", "PLATEAU_BAND"]
+           "shard_batch", "plateaued", "plateau_stop", "PLATEAU_BAND"]
 
 
 @dataclass
@@ -118,6 +118,12 @@ def plateaued(epoch_loss: Sequence[float], stop_loss: float, epochs: int, delta:
     if epochs <= 0 or len(epoch_loss) <= epochs or not epoch_loss[-1] < PLATEAU_BAND * stop_loss:
         return False
     return min(epoch_loss[-epochs:]) > (1.0 - delta) * min(epoch_loss[:-epochs])
+
+
+def plateau_stop(epoch_loss: Sequence[float], stop_loss: float, epochs: int, delta: float) -> int | None:
+    """The epoch (1-based) at which :func:`plateaued` would have ended a run with these epoch losses before its
+    last epoch, or ``None`` (the run trains exactly as it did under that rule)."""
+    return next((k for k in range(1, len(epoch_loss)) if plateaued(epoch_loss[:k], stop_loss, epochs, delta)), None)
 
 
 def apply_projection(proj: LayerProjector, module: nn.Module, t: Tensor) -> Tensor:

@@ -155,6 +155,30 @@ def _run_identity(config: dict, inputs: dict[str, str] | None) -> dict:
     return {**config, "edit": {**edit_json, "options": keyed}}
 
 
+_PLATEAU_KEYS = ("plateau_epochs", "plateau_delta")
+
+
+def _without_plateau(identity: dict) -> dict:
+    """A row's config identity (an ``EditConfig`` JSON, or a ``SeqConfig``'s with its ``edit``) without the plateau
+    rule's fields."""
+    if isinstance(identity.get("edit"), dict):
+        return {**identity, "edit": _without_plateau(identity["edit"])}
+    return {k: v for k, v in identity.items() if k not in _PLATEAU_KEYS}
+
+
+def _plateau_changes_nothing(row: dict, config: EditConfig) -> bool:
+    """Whether a stored row trained as ``config``'s plateau rule would have trained it: none of its training runs
+    (``training``; every round's ``train``) was ended by a plateau rule, and ``config``'s would have ended none of
+    them before its last epoch — then a row stored under another plateau setting (one from before the rule) is
+    the run asked for."""
+    from ..editing.loop import plateau_stop
+
+    trains = [row.get("training")] + [r.get("train") for r in row.get("round_records") or [] if isinstance(r, dict)]
+    return all(t.get("single_pass") or (not t.get("plateaued") and plateau_stop(
+        t.get("epoch_loss") or [], config.stop_loss, config.plateau_epochs, config.plateau_delta) is None)
+        for t in trains if isinstance(t, dict))
+
+
 def _row(method: str, ev: dict, **extra) -> dict:
     """A compare row from :func:`~crispedit.evaluation.evaluate_edit`'s result: its summary, WILD, capabilities
     and, in edit order, every edit's teacher-forced ``tf.rel`` (0/1) and ``tf.gen`` (fraction of its rephrasings,
@@ -239,10 +263,12 @@ def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: 
     for m in methods:
         row, seq = payload["results"].get(m, {}), seq_row(m)[1]
         stored = row.get("config")
-        if stored is not None and (_run_identity(_stored_config(stored, seq), row.get("inputs"))
-                                   != _run_identity(configs[m].identity() if seq else configs[m].to_json(),
-                                                    inputs[m] if "inputs" in row else None)
-                                   or (seq and row.get("seq_chunk") != chunk)):
+        was_id = stored is not None and _run_identity(_stored_config(stored, seq), row.get("inputs"))
+        now_id = _run_identity(configs[m].identity() if seq else configs[m].to_json(), inputs[m] if "inputs" in row else None)
+        if stored is not None and was_id != now_id and _without_plateau(was_id) == _without_plateau(now_id) \
+                and _plateau_changes_nothing(row, configs[m].edit if seq else configs[m]):
+            now_id = was_id  # stored under another plateau setting, which would have stopped none of its runs
+        if stored is not None and (was_id != now_id or (seq and row.get("seq_chunk") != chunk)):
             other_chunk = seq and row.get("seq_chunk") != chunk
             was = row.get("inputs") if isinstance(row.get("inputs"), dict) else {}
             other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
