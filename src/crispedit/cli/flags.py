@@ -157,7 +157,7 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
                       context_sample=getattr(args, "context_sample", None),
                       precision=getattr(args, "precision", "fp32"),
                       projection_precision=getattr(args, "projection_precision", "fp32"),
-                      epochs=args.epochs, plateau_epochs=getattr(args, "plateau", 0),
+                      epochs=args.epochs, plateau_epochs=args.plateau,
                       projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
                       seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,

@@ -5,8 +5,8 @@ template, natural-text prefixes; target followed by its answer end). FT-M loss (
 target tokens only; context and padding masked), Adam, mini-batches over the sequences, batches whose
 loss is already below ``skip_loss`` take no step, training stops once an epoch's mean loss is below
 ``stop_loss`` (or, with ``plateau_epochs``, once it has stalled just above it: :func:`plateaued`). On an
-accelerator both rules are decided without reading a value back to the host inside a step: the skip test is a 0-d boolean on the device that gates the Adam step (:class:`.optim.GatedAdam`), and
-the losses and the skipped count are read once per epoch, for the stop test. On the CPU, where a read costs
+accelerator both rules are decided without reading a value back to the host inside a step: the skip test is a
+0-d boolean on the device that gates the Adam step (:class:`.optim.GatedAdam`), and the losses and the skipped count are read once per epoch, for the stop test. On the CPU, where a read costs
 nothing, the skip test is read and a skipped batch's backward is not run at all (the same steps). Between ``backward`` and ``step`` every trained weight's gradient is projected
 (``projection_target="gradient"``, the paper); alternatively the Adam update itself is projected after
 the step (``"update"``), or Adam runs in the K-FAC eigenbasis on the masked rotated gradient
@@ -124,6 +124,11 @@ def plateau_stop(epoch_loss: Sequence[float], stop_loss: float, epochs: int, del
     """The epoch (1-based) at which :func:`plateaued` would have ended a run with these epoch losses before its
     last epoch, or ``None`` (the run trains exactly as it did under that rule)."""
     return next((k for k in range(1, len(epoch_loss)) if plateaued(epoch_loss[:k], stop_loss, epochs, delta)), None)
+
+
+def _stalled(epoch_loss: Sequence[float], converged: bool, config: EditConfig) -> bool:
+    """Whether ``config``'s plateau rule ends a run that has not converged after these epoch losses."""
+    return not converged and plateaued(epoch_loss, config.stop_loss, config.plateau_epochs, config.plateau_delta)
 
 
 def apply_projection(proj: LayerProjector, module: nn.Module, t: Tensor) -> Tensor:
@@ -323,11 +328,9 @@ class _Counters:
 
     def history(self, plan: _EpochPlan) -> TrainHistory:
         """The :class:`TrainHistory` this call starts from: the plan's contexts and sizes, a resumed run's figures."""
-        c = plan.config
         hist = TrainHistory(contexts=plan.contexts, fast_loss=plan.loss_fn.fast, epoch_loss=list(self.epoch_loss),
                             converged=self.converged, steps=self.n_batches - int(self.skipped),
-                            plateaued=not self.converged and plateaued(self.epoch_loss, c.stop_loss, c.plateau_epochs,
-                                                                        c.plateau_delta),
+                            plateaued=_stalled(self.epoch_loss, self.converged, plan.config),
                             skipped=int(self.skipped), epoch_seconds=list(self.epoch_seconds))
         hist.sequences, hist.tokens = plan.per_epoch()
         if plan.config.precision != "fp32":  # what bf16 / auto ran as on this device
@@ -349,8 +352,7 @@ class _Counters:
             raise CrispEditError(f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} (lr {config.lr:g}); "
                                  "lower --lr or check the model and the inputs — nothing was saved")
         hist.converged = mean < config.stop_loss
-        hist.plateaued = not hist.converged and plateaued(hist.epoch_loss, config.stop_loss, config.plateau_epochs,
-                                                          config.plateau_delta)
+        hist.plateaued = _stalled(hist.epoch_loss, hist.converged, config)
         return mean
 
     def state(self, epochs: int, hist: TrainHistory, seconds: float) -> LoopState:

@@ -263,12 +263,15 @@ def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: 
     for m in methods:
         row, seq = payload["results"].get(m, {}), seq_row(m)[1]
         stored = row.get("config")
-        was_id = stored is not None and _run_identity(_stored_config(stored, seq), row.get("inputs"))
-        now_id = _run_identity(configs[m].identity() if seq else configs[m].to_json(), inputs[m] if "inputs" in row else None)
-        if stored is not None and was_id != now_id and _without_plateau(was_id) == _without_plateau(now_id) \
-                and _plateau_changes_nothing(row, configs[m].edit if seq else configs[m]):
-            now_id = was_id  # stored under another plateau setting, which would have stopped none of its runs
-        if stored is not None and (was_id != now_id or (seq and row.get("seq_chunk") != chunk)):
+        same = True
+        if stored is not None:
+            was_id = _run_identity(_stored_config(stored, seq), row.get("inputs"))
+            now_id = _run_identity(configs[m].identity() if seq else configs[m].to_json(),
+                                   inputs[m] if "inputs" in row else None)
+            # stored under another plateau setting that would have stopped none of its runs: the same run
+            same = was_id == now_id or (_without_plateau(was_id) == _without_plateau(now_id)
+                                        and _plateau_changes_nothing(row, configs[m].edit if seq else configs[m]))
+        if stored is not None and (not same or (seq and row.get("seq_chunk") != chunk)):
             other_chunk = seq and row.get("seq_chunk") != chunk
             was = row.get("inputs") if isinstance(row.get("inputs"), dict) else {}
             other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
