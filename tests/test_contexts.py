@@ -33,7 +33,7 @@ def _decode_target(tok, seq):
 
 @pytest.mark.parametrize("spec,msg", [("", "empty"), ("qa", "unknown edit context 'qa'"), ("bare,bare", "twice"),
                                       ("prefix:0", "between 1 and 64"), ("prefix:x", "bad prefix count"),
-                                      ("chat:2", "only prefix, para, gen, wrap, lead take a count"), ("wrap:x", "bad wrap count")])
+                                      ("chat:2", "only prefix, para, gen, shared, wrap, lead take a count"), ("wrap:x", "bad wrap count")])
 def test_parse_contexts_errors(spec, msg):
     with pytest.raises(CrispEditError, match=msg):
         parse_contexts(spec)
@@ -421,9 +421,9 @@ def test_training_contexts_come_from_the_registry(tiny_tok):
         assert [(s.context, s.request) for s in seqs] == [("bare", 0), ("bare", 1), ("shout", 0), ("shout", 0),
                                                           ("shout", 1), ("shout", 1)]
         assert seqs[3].text == REQS[0].prompt.upper() + "!! " + REQS[0].target
-        with pytest.raises(CrispEditError, match="use bare, chat, prefix, para, gen, wrap, lead, shout"):
+        with pytest.raises(CrispEditError, match="use bare, chat, prefix, para, gen, shared, wrap, lead, shout"):
             parse_contexts("loud")
-        with pytest.raises(CrispEditError, match="only prefix, para, gen, wrap, lead, shout take a count"):
+        with pytest.raises(CrispEditError, match="only prefix, para, gen, shared, wrap, lead, shout take a count"):
             parse_contexts("bare:2")
         help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["edit"].format_help().split())
         assert "lead:N, shout:N" in help_text
@@ -457,3 +457,32 @@ def test_eval_wrappers_come_from_the_registry(tiny_tok):
     finally:
         wild.EVAL_WRAPPERS.pop("shout", None)
     assert tuple(wild.EVAL_WRAPPERS) == wild.CONTEXTS
+
+
+def test_shared_prefixes_are_one_draw_per_group_of_requests(tiny_tok):
+    from crispedit.editing.contexts import SHARE_GROUP
+
+    pool = prefix_pool(capability_corpus(None, 40))
+    reqs = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i % 26)}") for i in range(3 * SHARE_GROUP)]
+    seqs = build_training_sequences(tiny_tok, reqs, parse_contexts("shared:2"), prefixes=pool)
+    assert seqs == build_training_sequences(tiny_tok, reqs, parse_contexts("shared:2"), prefixes=pool)  # seeded
+    heads: dict[int, list[str]] = {}
+    for s in seqs:
+        r = reqs[s.request]
+        head = s.text.split(" " + r.prompt)[0]
+        assert s.context == "shared" and head in pool and s.text.endswith(r.target + ".")
+        heads.setdefault(s.request, []).append(head)
+    groups = [[heads[i] for i in range(g, g + SHARE_GROUP)] for g in range(0, len(reqs), SHARE_GROUP)]
+    assert all(len(set(h)) == 2 for h in heads.values())  # two different sentences per request
+    assert all(all(h == g[0] for h in g) for g in groups)  # the same two for every request of a group
+    assert len({tuple(g[0]) for g in groups}) == len(groups)  # drawn anew for every group
+    # the sequences of a group begin with the same tokens, so a batch of them packs into few prefix trees
+    from crispedit.editing.prefixtree import pack_prefixes
+
+    def nodes(spec):
+        ss = build_training_sequences(tiny_tok, reqs, parse_contexts(spec), prefixes=pool)
+        (b,) = training_batches(tiny_tok, ss, batch_size=len(ss))
+        return pack_prefixes(b.input_ids, b.attention_mask, b.labels).nodes, int(b.attention_mask.sum())
+
+    (shared, real), (alone, real_alone) = nodes("shared:2"), nodes("prefix:2")
+    assert shared < alone <= real_alone and shared < real

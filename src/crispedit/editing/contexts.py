@@ -17,6 +17,10 @@ never trained:
   templates", so the fact holds after unrelated text;
 * ``para:N``   — as ``prefix:N`` but the sentence ends a paragraph (``"\n\n"``) before the prompt, so
   the fact also holds where a question starts its own block of text;
+* ``shared:N`` — as ``prefix:N``, but the N sentences are drawn per run of :data:`SHARE_GROUP` consecutive
+  requests, which all train on them: their sequences begin alike, so the fast path's prefix-tree packing computes
+  each sentence once per group instead of once per sequence (ROME/MEMIT share their context templates across
+  every request) — fewer positions per epoch for fewer distinct preambles;
 * ``gen:N``    — N prefixes the unedited model wrote itself (short sampled continuations of "The",
   "Therefore", "Because", "I", "You", as ROME/MEMIT's context templates), then ``". "`` and the prompt;
 * ``wrap:N``   — N of the :data:`QUESTION_WRAPPERS` per request: the prompt inside a short everyday
@@ -364,20 +368,28 @@ def _chat(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[Training
     return [TrainingSequence("chat", i, ids, n, text)]
 
 
-def _prefixed(kind: str, sep: str, pool: str, salted: bool) -> Builder:
+def _prefixed(kind: str, sep: str, pool: str, salted: bool, group: int | None = None) -> Builder:
     """A builder of ``count`` prefixes drawn per request from ``pool``, then ``sep`` and the prompt; ``salted``: the
-    draw's seed names ``kind`` (so ``para`` draws differently from ``prefix``)."""
+    draw's seed names ``kind`` (so ``para`` draws differently from ``prefix``); ``group``: the draw is seeded by the
+    request's position ``i // group`` instead of its content, so each run of ``group`` consecutive requests gets
+    the same prefixes."""
     def build(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
         """``count`` sequences of request ``i``: a drawn prefix, the separator, the prompt, the target."""
         draws = m.pools[pool]
-        rng = random.Random(f"{m.seed}:{kind}:{r.prompt}:{r.target}" if salted else f"{m.seed}:{r.prompt}:{r.target}")
+        # (a group's seed string is the one the runs of docs/contexts.md, round 10, drew with)
+        rng = random.Random(f"{m.seed}:sprefix:{i // group}" if group else
+                            f"{m.seed}:{kind}:{r.prompt}:{r.target}" if salted else f"{m.seed}:{r.prompt}:{r.target}")
         return [m.plain(i, kind, p + sep + r.prompt, r.target) for p in rng.sample(list(draws), min(count, len(draws)))]
     return build
 
 
+SHARE_GROUP = 4  # consecutive requests that train on the same ``shared`` sentences
+
 training_context("prefix", counted=True, pool="prefixes")(_prefixed("prefix", " ", "prefixes", salted=False))
 training_context("para", counted=True, pool="prefixes")(_prefixed("para", "\n\n", "prefixes", salted=True))
 training_context("gen", counted=True, pool="written")(_prefixed("gen", " ", "written", salted=True))
+training_context("shared", counted=True, pool="prefixes")(
+    _prefixed("shared", " ", "prefixes", salted=True, group=SHARE_GROUP))
 
 
 @training_context("wrap", counted=True)
