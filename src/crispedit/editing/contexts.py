@@ -20,7 +20,8 @@ never trained:
 * ``shared:N`` — as ``prefix:N``, but the N sentences are drawn per run of :data:`SHARE_GROUP` consecutive
   requests, which all train on them: their sequences begin alike, so the fast path's prefix-tree packing computes
   each sentence once per group instead of once per sequence (ROME/MEMIT share their context templates across
-  every request) — fewer positions per epoch for fewer distinct preambles;
+  every request) — fewer positions per epoch for fewer distinct preambles (in request-order batches: sorting by
+  length, ``--batch-order length`` or ``--batch-tokens``, scatters a group);
 * ``gen:N``    — N prefixes the unedited model wrote itself (short sampled continuations of "The",
   "Therefore", "Because", "I", "You", as ROME/MEMIT's context templates), then ``". "`` and the prompt;
 * ``wrap:N``   — N of the :data:`QUESTION_WRAPPERS` per request: the prompt inside a short everyday
