@@ -372,8 +372,8 @@ def _chat(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[Training
 def _prefixed(kind: str, sep: str, pool: str, salted: bool, group: int | None = None) -> Builder:
     """A builder of ``count`` prefixes drawn per request from ``pool``, then ``sep`` and the prompt; ``salted``: the
     draw's seed names ``kind`` (so ``para`` draws differently from ``prefix``); ``group``: the draw is seeded by the
-    request's position ``i // group`` instead of its content, so each run of ``group`` consecutive requests gets
-    the same prefixes."""
+    request's position ``i // group`` instead of its content (``salted`` then has no say), so each run of ``group``
+    consecutive requests gets the same prefixes."""
     def build(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
         """``count`` sequences of request ``i``: a drawn prefix, the separator, the prompt, the target."""
         draws = m.pools[pool]
@@ -390,7 +390,7 @@ training_context("prefix", counted=True, pool="prefixes")(_prefixed("prefix", " 
 training_context("para", counted=True, pool="prefixes")(_prefixed("para", "\n\n", "prefixes", salted=True))
 training_context("gen", counted=True, pool="written")(_prefixed("gen", " ", "written", salted=True))
 training_context("shared", counted=True, pool="prefixes")(
-    _prefixed("shared", " ", "prefixes", salted=True, group=SHARE_GROUP))
+    _prefixed("shared", " ", "prefixes", salted=False, group=SHARE_GROUP))
 
 
 @training_context("wrap", counted=True)
