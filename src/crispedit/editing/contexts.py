@@ -369,28 +369,28 @@ def _chat(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[Training
     return [TrainingSequence("chat", i, ids, n, text)]
 
 
-def _prefixed(kind: str, sep: str, pool: str, salted: bool, group: int | None = None) -> Builder:
-    """A builder of ``count`` prefixes drawn per request from ``pool``, then ``sep`` and the prompt; ``salted``: the
-    draw's seed names ``kind`` (so ``para`` draws differently from ``prefix``); ``group``: the draw is seeded by the
-    request's position ``i // group`` instead of its content (``salted`` then has no say), so each run of ``group``
-    consecutive requests gets the same prefixes."""
+def _prefixed(kind: str, sep: str, pool: str, salt: str | None, group: int | None = None) -> Builder:
+    """A builder of ``count`` prefixes drawn per request from ``pool``, then ``sep`` and the prompt. The draw is
+    seeded by the request's content, or with ``group`` by its position ``i // group`` (so each run of ``group``
+    consecutive requests gets the same prefixes); ``salt`` (if any) names the draw in the seed, so that ``para``
+    draws differently from ``prefix``."""
     def build(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
         """``count`` sequences of request ``i``: a drawn prefix, the separator, the prompt, the target."""
         draws = m.pools[pool]
-        # (a group's seed string is the one the runs of docs/contexts.md, round 10, drew with)
-        rng = random.Random(f"{m.seed}:sprefix:{i // group}" if group else
-                            f"{m.seed}:{kind}:{r.prompt}:{r.target}" if salted else f"{m.seed}:{r.prompt}:{r.target}")
+        key = f"{i // group}" if group else f"{r.prompt}:{r.target}"
+        rng = random.Random(f"{m.seed}:{salt}:{key}" if salt else f"{m.seed}:{key}")
         return [m.plain(i, kind, p + sep + r.prompt, r.target) for p in rng.sample(list(draws), min(count, len(draws)))]
     return build
 
 
 SHARE_GROUP = 4  # consecutive requests that train on the same ``shared`` sentences
 
-training_context("prefix", counted=True, pool="prefixes")(_prefixed("prefix", " ", "prefixes", salted=False))
-training_context("para", counted=True, pool="prefixes")(_prefixed("para", "\n\n", "prefixes", salted=True))
-training_context("gen", counted=True, pool="written")(_prefixed("gen", " ", "written", salted=True))
+training_context("prefix", counted=True, pool="prefixes")(_prefixed("prefix", " ", "prefixes", salt=None))
+training_context("para", counted=True, pool="prefixes")(_prefixed("para", "\n\n", "prefixes", salt="para"))
+training_context("gen", counted=True, pool="written")(_prefixed("gen", " ", "written", salt="gen"))
+# salted "sprefix": the name the runs of docs/contexts.md (round 10) drew with, so the shipped context repeats them
 training_context("shared", counted=True, pool="prefixes")(
-    _prefixed("shared", " ", "prefixes", salted=False, group=SHARE_GROUP))
+    _prefixed("shared", " ", "prefixes", salt="sprefix", group=SHARE_GROUP))
 
 
 @training_context("wrap", counted=True)
