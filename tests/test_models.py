@@ -139,3 +139,76 @@ def test_last_logits_only_keeps_the_cache_and_the_last_logits(tiny_lm):
                                   ((l.keys, l.values) for l in short.past_key_values.layers)):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
     assert last_logits_only(torch.nn.Linear(2, 2)) == {}
+
+
+def _long_text(tok_json, n_min: int = 600) -> str:
+    """A text that the ``tokenizers.Tokenizer`` read from ``tok_json`` encodes to at least ``n_min`` tokens."""
+    text = "The river system contains many creeks, and each creek has a name. "
+    while len(tok_json.encode(text).ids) < n_min:
+        text += text
+    return text
+
+
+def assert_tokenizer_file_reads_as(folder, base):
+    """``folder/tokenizer.json`` read with the ``tokenizers`` library (as servers read it) truncates and pads
+    nothing, as ``base``'s, and encodes a 600-token text to the same 600+ ids."""
+    from tokenizers import Tokenizer
+
+    got, want = (Tokenizer.from_file(str(d / "tokenizer.json")) for d in (folder, base))
+    assert (got.truncation, got.padding) == (want.truncation, want.padding) == (None, None)
+    text = _long_text(want)
+    assert len(want.encode(text).ids) >= 600 and got.encode(text).ids == want.encode(text).ids
+
+
+def test_an_edited_folder_tokenizer_cuts_no_input(tiny_model_dir, tmp_path, iso_cache):
+    """The evaluation's ``tokenizer(..., truncation=True, max_length=...)`` leaves truncation set on the fast
+    tokenizer's backend; the edited folder's ``tokenizer.json`` must not carry it (nor padding)."""
+    from crispedit.data import EditRequest
+    from crispedit.editing import EditConfig
+    from crispedit.pipeline import run_edit_job
+
+    model, tok = load_model(str(tiny_model_dir))
+    reqs = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}") for i in range(2)]
+    cfg = EditConfig(method="ft", layers="model.layers.{1-2}.mlp.down_proj", epochs=1, lr=1e-2, batch_size=4,
+                     n_cap=6, max_len=48)
+    run_edit_job(model, tok, reqs, cfg, tmp_path / "edited", model_spec=str(tiny_model_dir), wild=False,
+                 progress=False)
+    assert_tokenizer_file_reads_as(tmp_path / "edited", tiny_model_dir)
+
+
+def test_save_model_dir_writes_the_tokenizer_backend_as_loaded(tiny_model_dir, tmp_path):
+    """Truncation and padding that calls left on the backend are not saved, and stay set in memory afterwards; a
+    base whose own ``tokenizer.json`` truncates keeps exactly its setting; a tokenizer that did not come from
+    ``load_model`` is saved with neither."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from crispedit.models import save_model_dir
+
+    model, tok = load_model(str(tiny_model_dir))
+    tok(["one short text", "and a second one"], truncation=True, max_length=16, padding=True)
+    assert tok.backend_tokenizer.truncation["max_length"] == 16 and tok.backend_tokenizer.padding is not None
+    save_model_dir(model, tok, tmp_path / "saved")
+    assert_tokenizer_file_reads_as(tmp_path / "saved", tiny_model_dir)
+    assert tok.backend_tokenizer.truncation["max_length"] == 16 and tok.backend_tokenizer.padding is not None
+
+    base = tmp_path / "base-truncating"                  # a base folder that truncates at 100 in its own file
+    shutil.copytree(tiny_model_dir, base)
+    spec = json.loads((base / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 100, "strategy": "LongestFirst", "stride": 0}
+    (base / "tokenizer.json").write_text(json.dumps(spec))
+    model, tok = load_model(str(base))
+    tok(["one short text"], truncation=True, max_length=16)
+    save_model_dir(model, tok, tmp_path / "saved2")
+    saved = Tokenizer.from_file(str(tmp_path / "saved2" / "tokenizer.json"))
+    assert saved.truncation == Tokenizer.from_file(str(base / "tokenizer.json")).truncation
+    assert saved.truncation["max_length"] == 100 and saved.padding is None
+
+    from conftest import build_tokenizer
+
+    other = build_tokenizer()                            # not from load_model
+    other(["one short text"], truncation=True, max_length=16, padding="max_length")
+    save_model_dir(model, other, tmp_path / "saved3")
+    assert_tokenizer_file_reads_as(tmp_path / "saved3", tiny_model_dir)

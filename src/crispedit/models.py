@@ -29,6 +29,7 @@ import inspect
 import json
 import os
 import re
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -51,6 +52,7 @@ __all__ = [
     "load_model",
     "check_device",
     "save_model_dir",
+    "backend_as_loaded",
     "resolve_layers",
     "default_layer_pattern",
     "expand_pattern",
@@ -235,6 +237,7 @@ def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None,
         source = spec_s  # hub id
     with _translate_load_errors(spec_s, trust_remote_code), _hf_progress(progress):
         tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+        _remember_backend_state(tok)
         model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype, trust_remote_code=trust_remote_code,
                                                      use_safetensors=True)  # pickled weights are never loaded
     if device:
@@ -339,8 +342,60 @@ def save_model_dir(model, tokenizer, directory: str | Path, *, progress: bool | 
     before = {p.name for p in directory.iterdir()} if directory.is_dir() else set()
     with _hf_progress(progress):
         model.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
+        with backend_as_loaded(tokenizer):
+            tokenizer.save_pretrained(directory)
     return sorted({p.name for p in directory.iterdir()} - before)
+
+
+# The truncation and padding each fast tokenizer's backend had when load_model loaded it (weakly keyed: a tokenizer
+# is not kept alive by this record).
+_LOADED_BACKEND: "weakref.WeakKeyDictionary[Any, tuple[dict | None, dict | None]]" = weakref.WeakKeyDictionary()
+
+
+def _remember_backend_state(tok) -> None:
+    """Record the truncation and padding of ``tok``'s backend (a fast tokenizer's ``tokenizers.Tokenizer``) as
+    loaded, for :func:`backend_as_loaded`; nothing for a slow tokenizer."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        with contextlib.suppress(TypeError):  # an object that takes no weak reference: saved with neither
+            _LOADED_BACKEND[tok] = (backend.truncation, backend.padding)
+
+
+def _set_backend_state(backend, truncation: dict | None, padding: dict | None) -> None:
+    """Give the ``tokenizers.Tokenizer`` ``backend`` these truncation and padding settings (``None``: off), in the
+    dict shapes its ``truncation`` / ``padding`` properties return."""
+    if truncation is None:
+        backend.no_truncation()
+    else:
+        backend.enable_truncation(**truncation)
+    if padding is None:
+        backend.no_padding()
+    else:
+        backend.enable_padding(**padding)
+
+
+@contextlib.contextmanager
+def backend_as_loaded(tokenizer) -> Iterator[None]:
+    """Inside the block, the backend of the fast ``tokenizer`` truncates and pads as it did when :func:`load_model`
+    loaded it (neither, for a tokenizer that did not come from there); its current settings are put back on exit.
+    transformers' ``tokenizer(..., truncation=True, max_length=n)`` and ``padding=...`` leave those settings on the
+    backend, and ``save_pretrained`` writes the backend into ``tokenizer.json``, where anything reading that file
+    with the ``tokenizers`` library (servers do) would cut or pad every input as the last call did; saving inside
+    this block writes the loaded settings instead. A slow tokenizer (no backend) passes unchanged."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        yield
+        return
+    now = (backend.truncation, backend.padding)
+    try:
+        loaded = _LOADED_BACKEND.get(tokenizer, (None, None))
+    except TypeError:
+        loaded = (None, None)
+    _set_backend_state(backend, *loaded)
+    try:
+        yield
+    finally:
+        _set_backend_state(backend, *now)
 
 
 def _ensure_pad(tok) -> None:
