@@ -27,7 +27,7 @@ def load_script(path: str | Path, name: str | None = None):
     return mod
 
 
-def build_tokenizer(vocab_size: int = 320):
+def build_tokenizer(vocab_size: int = 320, eos: str = "<eos>"):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,10 +37,10 @@ def build_tokenizer(vocab_size: int = 320):
     tk = Tokenizer(models.BPE(unk_token=None))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>", "<pad>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos, "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tk.train_from_iterator(text, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, pad_token="<pad>")
 
 
 def build_llama(vocab_size: int, *, layers: int = 4, hidden: int = 32, inter: int = 48, seed: int = 0,

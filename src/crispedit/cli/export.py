@@ -10,7 +10,8 @@ __all__ = ["add_cli"]
 
 
 def cmd_gguf(args) -> int:
-    """``crispedit export gguf``: write the GGUF file and print one line saying what it holds."""
+    """``crispedit export gguf``: write the GGUF file and print what it holds, its name and where its tokenizer came
+    from."""
     from ..export_gguf import check_export
 
     check_export(args.model_dir, args.out, args.type)
@@ -20,6 +21,9 @@ def cmd_gguf(args) -> int:
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(info["types"].items()))
     print(f"GGUF ({args.type}; {info['tensors']} tensors: {kinds}) written to {info['out']}: "
           f"{info['bytes'] / 2**20:.1f} MiB in {info['seconds']:.1f} s")
+    origin = (f"tokenizer and provenance carried from {info['source']}" if info["source"] else
+              "tokenizer from the folder's tokenizer.json (no source GGUF found)")
+    print(f"  named {info['name']!r}; pre-tokenizer {info['pre']}; {origin}")
     return 0
 
 
