@@ -3,16 +3,20 @@
 Every mistake a user can make (bad edit file, unknown layer, gamma out of range, a cache built for
 another model...) raises :class:`CrispEditError` with a one-line message naming the offending input.
 The CLI prints that line and exits non-zero; nothing is half-written because every write goes to a
-temporary file in the destination directory first and is renamed into place.
+temporary file in the destination directory first and is renamed into place. A write the system refuses
+midway (no space left, a read-only file system, no permission) is a :class:`WriteError` naming the
+destination and the OS's reason.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -30,22 +34,135 @@ class CrispEditError(Exception):
     """An error caused by user input; its message is one line that names the problem."""
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+class WriteError(CrispEditError, OSError):
+    """A file could not be written: ``path`` (the destination, never a temporary name) and ``reason`` (the
+    OS's words in lower case, e.g. ``no space left on device``). A :class:`CrispEditError` (one line) and an
+    :class:`OSError` (what a caller that skips an unwritable file catches)."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        self.path, self.reason = Path(path), reason
+        super().__init__(f"cannot write {self.path}: {reason} (nothing was written)")
+
+
+#: The errors a write meets from its surroundings rather than from a bug.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+_OS_ERROR_CODE = re.compile(r"\(?os error (\d+)\)?|\[Errno (\d+)\]")
+_NEARLY_FULL = 1 << 20  # bytes: less free space than this after a short write means the disk filled up
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling (at most 8 deep)."""
+    seen: list[BaseException] = []
+    while exc is not None and len(seen) < 8 and not any(exc is s for s in seen):
+        seen.append(exc)
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _free_bytes(directory: Path) -> int | None:
+    """Bytes still free to this process on ``directory``'s file system (``None``: unknown)."""
     try:
+        st = os.statvfs(directory)
+    except (OSError, AttributeError):
+        return None
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+
+
+def write_failure(exc: BaseException, directory: str | os.PathLike | None = None) -> str | None:
+    """Why a write failed, in the OS's words in lower case (``no space left on device``, ``read-only file
+    system``, ``permission denied``), or ``None`` when ``exc`` is no I/O failure (a bug, or a user error
+    already). Read from an :class:`OSError`'s code or from a writer's message that carries one (safetensors'
+    and tokenizers' ``... (os error 28)``), along ``exc``'s causes. An :class:`OSError` without a code (numpy's
+    short write ``"N requested and M written"``, what GGUF writers raise) is ``no space left on device`` when
+    ``directory``'s file system has (almost) no free space left; a short write on a disk with room is
+    described by its own text."""
+    if isinstance(exc, CrispEditError):
+        return None
+    plain = None
+    for e in _chain(exc):
+        code = e.errno if isinstance(e, OSError) else None
+        if not code:
+            m = _OS_ERROR_CODE.search(str(e))
+            code = int(m.group(1) or m.group(2)) if m else None
+        if code:
+            return _os_reason(OSError(code, os.strerror(code)))
+        if isinstance(e, OSError) and plain is None:
+            plain = e
+    if plain is None:
+        return None
+    free = _free_bytes(Path(directory)) if directory is not None else None
+    if free is not None and free < _NEARLY_FULL:
+        return _os_reason(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    text = (str(plain).splitlines() or [""])[0]
+    return f"the write stopped short ({text})" if _SHORT_WRITE.search(text) else None
+
+
+def _destination(exc: BaseException, tmp: Path, path: Path) -> Path | None:
+    """The file a failed write through the temporary ``tmp`` (renamed onto ``path`` on success) meant: ``path``,
+    or the file of the same name inside ``path`` when the error names one inside ``tmp``; ``None`` when the error
+    names a file elsewhere (something the block read, not what it wrote)."""
+    named = exc.path if isinstance(exc, WriteError) else getattr(exc, "filename", None)
+    if named is None:
+        return path
+    named = Path(os.fsdecode(named))
+    if named == tmp or named == path:
+        return path
+    for root in (tmp, path):
+        with contextlib.suppress(ValueError):
+            return path / named.relative_to(root)
+    return None
+
+
+@contextlib.contextmanager
+def _writing(path: Path, tmp: Path | None, cleanup) -> Iterator[None]:
+    """Run a write of ``path`` (through ``tmp``, removed by ``cleanup()`` on any failure): an I/O failure
+    (:func:`write_failure`, judged before the temporary file is removed) becomes a :class:`WriteError` naming
+    the destination; anything else propagates as it is."""
+    try:
+        yield
+    except BaseException as exc:
+        reason, dest = None, _destination(exc, tmp, path) if tmp is not None else path
+        if isinstance(exc, WriteError):
+            reason = exc.reason
+        elif isinstance(exc, Exception) and dest is not None:
+            reason = write_failure(exc, tmp.parent if tmp is not None else _nearest_existing(path.parent))
+        cleanup()
+        if reason is None or dest is None or (isinstance(exc, WriteError) and dest == exc.path):
+            raise
+        raise WriteError(dest, reason) from exc
+
+
+def os_error_line(exc: OSError) -> str | None:
+    """One line for an :class:`OSError` that reached the command line outside crispedit's writers: ``"<file>:
+    <the OS's reason>"`` when it names a file, the reason alone for a failure a write meets from its surroundings
+    (:data:`WRITE_ERRNOS`: no space, read-only, permission, quota, file size); ``None`` for any other (a bug,
+    whose traceback helps)."""
+    if exc.errno is None or not (exc.filename or exc.errno in WRITE_ERRNOS):
+        return None
+    reason = _os_reason(OSError(exc.errno, exc.strerror or os.strerror(exc.errno)))
+    return f"{os.fsdecode(exc.filename)}: {reason}" if exc.filename else reason
+
+
+def _unlink(path: str | os.PathLike) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory and a rename; a write the
+    system refuses is a :class:`WriteError` (and ``path`` is as it was)."""
+    path = Path(path)
+    with _writing(path, None, lambda: None):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with _writing(path, Path(tmp), lambda: _unlink(tmp)):
         os.fchmod(fd, _umask_mode())  # mkstemp makes 0600 files; give the file normal permissions
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -73,37 +190,26 @@ def atomic_write_figure(path: str | os.PathLike, fig, dpi: int = 110) -> Path:
 def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path in ``path``'s directory for a writer that needs a file name (not bytes); it is
     renamed onto ``path`` (normal permissions) when the block succeeds and removed when it fails, so
-    ``path`` is either the complete new file or as it was."""
+    ``path`` is either the complete new file or as it was. An I/O failure in the block (:func:`write_failure`)
+    is a :class:`WriteError` naming ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with _writing(path, None, lambda: None):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    try:
+    with _writing(path, Path(tmp), lambda: _unlink(tmp)):
         yield Path(tmp)
         os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
-    """Save ``tensors`` as a safetensors file at ``path`` atomically (temporary file + rename)."""
+    """Save ``tensors`` as a safetensors file at ``path`` atomically (temporary file + rename, normal
+    permissions: safetensors writes 0600); a write the system refuses is a :class:`WriteError`."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.chmod(tmp, _umask_mode())  # safetensors always writes 0600; give the file normal permissions
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the size of a file's JSON header
@@ -202,12 +308,14 @@ def atomic_directory(path: str | os.PathLike, *, previous: Iterable[str] | None 
     earlier run wrote there) only those are touched: each new file is renamed into ``path`` (a
     ``*.json`` report last, so it marks a complete write), files of ``previous`` the new run did not
     write are deleted, and every other file in ``path`` is kept. On failure the temporary directory is
-    removed and ``path`` is left as it was (or absent).
+    removed and ``path`` is left as it was (or absent); an I/O failure (:func:`write_failure`) is a
+    :class:`WriteError` naming the file of ``path`` that could not be written.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
+    with _writing(path, None, lambda: None):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    with _writing(path, tmp, lambda: shutil.rmtree(tmp, ignore_errors=True)):
         os.chmod(tmp, _umask_mode(0o777))
         yield tmp
         for f in tmp.rglob("*"):  # safetensors (save_pretrained too) writes 0600 files: normal permissions
@@ -233,9 +341,6 @@ def atomic_directory(path: str | os.PathLike, *, previous: Iterable[str] | None 
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def check_gamma(gamma: float, what: str = "gamma") -> float:

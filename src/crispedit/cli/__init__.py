@@ -3,9 +3,10 @@
 One module per sub-command family (``_COMMAND_MODULES``): each defines ``add_cli(subparsers)``, sets
 ``func`` on its parsers (and ``torchrun=True`` on those that may run under ``torchrun``) and is torch-free
 at import; :mod:`.flags` holds the flags several commands share. Errors a user can cause are printed as one
-line (``crispedit: error: ...``) with exit status 2. Building the parser and checking the arguments import
-neither torch nor transformers (the method catalogue and the configs are torch-free); a command imports
-them once its cheap checks have passed.
+line (``crispedit: error: ...``) with exit status 2, and so is an :class:`OSError` that names a file or
+refuses a write (no space, read-only, permission) on its way out of a command. Building the parser and
+checking the arguments import neither torch nor transformers (the method catalogue and the configs are
+torch-free); a command imports them once its cheap checks have passed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import sys
 
 from ..distributed import launched_world_size  # torch-free at import
-from ..errors import CrispEditError
+from ..errors import CrispEditError, os_error_line
 from ..progress import log_lines
 
 __all__ = ["build_parser", "main"]
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point: run one sub-command; user errors print one ``crispedit: error:`` line and return 2."""
+    """CLI entry point: run one sub-command; user errors (and the file system's refusals, :func:`os_error_line`)
+    print one ``crispedit: error:`` line and return 2."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -86,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.func(args) or 0)
     except CrispEditError as exc:
         print(f"crispedit: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # crispedit's writers raise WriteError; this is what another path met
+        line = os_error_line(exc)
+        if line is None:
+            raise
+        print(f"crispedit: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("crispedit: interrupted", file=sys.stderr)
