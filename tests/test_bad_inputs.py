@@ -284,6 +284,8 @@ CASES = [
      "is not applied to this model"),
     ("delta-export-lora-other-base", lambda t, m: ["delta", "export-lora", _delta(t, m, other_base=True), "--model", m,
                                                    "--rank", 2, "--out", t / "o", "--quiet"], "is not the base of delta"),
+    ("delta-export-lora-rank-too-large", lambda t, m: ["delta", "export-lora", _delta(t, m), "--model", m, "--rank",
+                                                       2**70, "--out", t / "o", "--quiet"], "at most 32 (min(d_out, d_in)"),
     ("delta-apply-out-is-file", lambda t, m: ["delta", "apply", _delta(t, m), "--model", m, "--out", _file(t, "o")],
      "is a file, not a directory"),
     # export gguf: everything is checked before the model loads; only llama-family models

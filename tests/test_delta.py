@@ -260,3 +260,44 @@ def test_damaged_and_foreign_delta_files_are_refused_in_one_line(tiny_lm, tmp_pa
             with pytest.raises(CrispEditError, match=match) as exc:
                 read(f)
             assert "\n" not in str(exc.value)
+
+
+def test_export_lora_rank_is_bounded_by_the_delta_before_any_work(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """A LoRA rank above the largest min(d_out, d_in) of the delta's changed matrices (the tiny down_proj is
+    32 x 48: 32) is one line before the model loads, however large; the bound itself exports. The library
+    refuses it before any SVD, and a delta that changed no matrix has nothing to export."""
+    import crispedit.models
+    from crispedit.delta_format import lora_rank_limit
+
+    model, _ = load_model(str(tiny_model_dir))
+    w = model.get_parameter(W1)
+    base = {W1: w.detach().clone()}
+    with torch.no_grad():
+        w[0, 0] += 0.5
+    delta = tmp_path / "d.safetensors"
+    meta = write_delta(delta, model, base, {"method": "test"})
+    assert lora_rank_limit(meta) == 32
+    revert_delta(model, delta)
+    monkeypatch.setattr(crispedit.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    for rank in (33, 2**40, 2**70):
+        assert main(["delta", "export-lora", str(delta), "--model", str(tiny_model_dir), "--rank", str(rank),
+                     "--out", str(tmp_path / "lora"), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"crispedit: error: --rank {rank} is more than a LoRA adapter of the layers of delta {delta} can "
+                       "hold: at most 32 (min(d_out, d_in) of its largest changed matrix)\n")
+    assert not (tmp_path / "lora").exists()
+    monkeypatch.setattr(torch.linalg, "svd", lambda *a, **k: pytest.fail("the SVD ran"))
+    with pytest.raises(CrispEditError, match="rank 1180591620717411303424 is more than"):
+        export_lora(model, delta, 2**70, tmp_path / "lora")
+    monkeypatch.undo()
+    assert main(["delta", "export-lora", str(delta), "--model", str(tiny_model_dir), "--rank", "32",
+                 "--out", str(tmp_path / "lora"), "--quiet"]) == 0
+    assert json.loads((tmp_path / "lora" / "crispedit_lora.json").read_text())["rank"] == 32
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    p = model.get_parameter(norm)
+    base = {norm: p.detach().clone()}
+    with torch.no_grad():
+        p[0] += 1.0
+    write_delta(tmp_path / "n.safetensors", model, base, {"method": "test"})
+    with pytest.raises(CrispEditError, match="changes no weight matrix"):
+        export_lora(model, tmp_path / "n.safetensors", 1, tmp_path / "lora-n")

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from . import __version__
-from .delta_format import DELTA_FILE, DELTA_FORMAT, DELTA_KIND, read_delta_header
+from .delta_format import DELTA_FILE, DELTA_FORMAT, DELTA_KIND, check_lora_rank, read_delta_header
 from .errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json, load_safetensors
 from .models import parameter
 
@@ -204,11 +204,13 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
     base; checked by fingerprint; peft layers are injected into it). Per changed ``nn.Linear`` weight
     ``ΔW`` (``d_out x d_in``): truncated SVD in float64, ``B = U_r √s_r`` (``d_out x r``), ``A = √s_r V_rᵀ``
     (``r x d_in``), ``r = min(rank, d_out, d_in)`` padded with zeros to ``rank``; ``lora_alpha = rank`` so
-    the merged weight is ``W + B A``. Returns per module: ``rank`` used, ``rank_full`` (numerical rank of
-    ΔW), ``rel_error`` (``‖ΔW − B A‖_F / ‖ΔW‖_F``) and ``shape``. With ``evaluate`` (and ``tokenizer``) the
-    edit requests stored in the delta are scored teacher-forced (rel, gen, token accuracies) with the full
-    delta and with the adapter, under the key ``"scores"`` (``{"delta": ..., "adapter": ...}``); everything
-    is also written to ``out/crispedit_lora.json``."""
+    the merged weight is ``W + B A``; a ``rank`` above the largest ``min(d_out, d_in)`` of the delta is refused
+    before any work (:func:`~crispedit.delta_format.check_lora_rank`). Returns per module: ``rank`` used,
+    ``rank_full`` (numerical rank of ΔW), ``rel_error`` (``‖ΔW − B A‖_F / ‖ΔW‖_F``) and ``shape``. With
+    ``evaluate`` (and ``tokenizer``) the edit requests stored in the delta are scored teacher-forced (rel, gen,
+    token accuracies) with the full delta and with the adapter, under the key ``"scores"`` (``{"delta": ...,
+    "adapter": ...}``); everything is also written to ``out/crispedit_lora.json``."""
+    rank = check_lora_rank("rank", rank, read_delta_header(path), path)
     from peft import LoraConfig, get_peft_model
 
     tensors, meta = load_delta(path)

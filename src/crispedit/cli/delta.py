@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..delta_format import read_delta_header
-from ..errors import check_output_dir, check_positive_int
+from ..delta_format import check_lora_rank, read_delta_header
+from ..errors import check_output_dir
 
 __all__ = ["add_cli"]
 
@@ -141,8 +141,8 @@ def cmd_revert(args) -> int:
 def cmd_export_lora(args) -> int:
     """``crispedit delta export-lora DELTA --model BASE --rank R --out DIR``: a peft LoRA adapter (truncated
     SVD of every ΔW), printing the relative Frobenius error per layer."""
-    rank = check_positive_int("--rank", args.rank)
     meta = read_delta_header(args.delta)
+    rank = check_lora_rank("--rank", args.rank, meta, args.delta)
     check_output_dir(args.out, overwrite=False)
     model, tok = _load(args, meta)
     from ..delta import export_lora
@@ -184,7 +184,8 @@ def add_cli(sub) -> None:
     e = ds.add_parser("export-lora", help="write the delta as a peft LoRA adapter (truncated SVD of each ΔW)")
     e.add_argument("delta")
     e.add_argument("--model", required=True, metavar="BASE", help="the base model (checked by fingerprint)")
-    e.add_argument("--rank", type=int, required=True, help="adapter rank R")
+    e.add_argument("--rank", type=int, required=True,
+                   help="adapter rank R: at most min(d_out, d_in) of the delta's largest changed matrix")
     e.add_argument("--out", required=True, help="adapter directory; must be new or empty")
     e.add_argument("--evaluate", action="store_true",
                    help="also score the delta's own edit requests (teacher-forced rel/gen) with the full delta and "
