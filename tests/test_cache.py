@@ -262,10 +262,11 @@ def test_eigenbases_cached_beside_the_factors(tiny_lm, tmp_path, monkeypatch):
     f5, _ = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
     factor_eigh(f5, layers, ("A",))
     assert len(calls) == n + 2
-    # a file decomposed in another arithmetic (a GPU's float32) is decomposed again here, and the other way round
+    # a file decomposed in another arithmetic (float32: an older version on a GPU) is decomposed again here; the
+    # check runs both ways
     from crispedit.curvature import eigen
 
-    monkeypatch.setattr(eigen, "eigh_dtype", lambda device: torch.float32)  # as on a CUDA device
+    monkeypatch.setattr(eigen, "eigh_dtype", lambda device: torch.float32)  # as an older version on a GPU
     f6, _ = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
     eig6 = factor_eigh(f6, layers, ("A",))
     assert len(calls) == n + 4 and all(v[0].dtype == torch.float64 for v in eig6.values())
@@ -276,7 +277,7 @@ def test_eigenbases_cached_beside_the_factors(tiny_lm, tmp_path, monkeypatch):
     calls = _count_eigh(monkeypatch)
     f8, _ = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
     factor_eigh(f8, layers, ("A",))
-    assert len(calls) == 2  # back on the CPU: float64 again
+    assert len(calls) == 2  # today's float64 (every device): decomposed again
     merged = f1.merged(f1)
     assert merged.source == {} and eigen_cache_path(merged) is None
     with pytest.raises(CrispEditError, match="no S factor"):

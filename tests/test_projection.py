@@ -295,44 +295,87 @@ def test_low_rank_form_equals_full_form_on_collected_factors(tiny_lm, gamma):
         assert (low.project(Q) - full.project(Q)).abs().max() <= 2e-6 * Q.abs().max(), (name, low.stats())
 
 
-def _float32_eigh_matches_float64(f, layers, gammas=(0.7, 0.8, 0.9), tol=1e-5, device="cpu"):
-    """Masks equal and projections within ``tol`` (relative) between eigendecompositions in float32 (a GPU's
-    :func:`~crispedit.curvature.eigen.eigh_dtype`; run on ``device``) and float64 (on the CPU) of the collected
-    factors ``f``."""
-    from crispedit.curvature.projection import eigh_psd
+def wide_spectrum_spd(n, seed=0, decades=8.0):
+    """A random ``n x n`` symmetric positive definite float32 matrix ``U diag(λ) Uᵀ``, ``λ`` log-spaced from 1 down to
+    ``10**-decades``: as wide as a real K-FAC factor's spectrum, where a float32 eigensolver's eigenvectors near the
+    γ cut are off by about ``ε₃₂ / gap``."""
+    g = torch.Generator().manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=D))[0]
+    return ((U * torch.logspace(0.0, -decades, n, dtype=D)) @ U.T).float()
 
+
+def paper_projection(A, S, gamma, Q):
+    """The paper's projection of ``Q`` (``d_out x d_in``) for the K-FAC factors ``A`` (``d_in``) and ``S`` (``d_out``),
+    all in float64 and independent of the code under test: ``U_out((U_outᵀ Q U_in) ⊙ M)U_inᵀ`` with torch's float64
+    eigendecompositions and ``M`` the γ-energy mask of the sorted Kronecker spectrum."""
+    lam_in, U_in = torch.linalg.eigh(A.double())
+    lam_out, U_out = torch.linalg.eigh(S.double())
+    lam_in, U_in, lam_out, U_out = lam_in.flip(0).clamp_min(0), U_in.flip(1), lam_out.flip(0).clamp_min(0), U_out.flip(1)
+    M = energy_keep_mask(torch.outer(lam_out, lam_in), gamma).double()
+    return U_out @ ((U_out.T @ Q.double() @ U_in) * M) @ U_in.T
+
+
+def _rel(x, ref):
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+def _factor_eigh_errors(A, S, gammas, device=None):
+    """Relative error, per γ, of the projector crispedit builds from :func:`~crispedit.curvature.eigen.factor_eigh`
+    of the factors ``A``, ``S`` (decomposed on ``device``; float32 bases and projection, as every editor uses them)
+    against :func:`paper_projection`, on one random gradient."""
+    from crispedit.curvature.eigen import factor_eigh
+    from crispedit.curvature.kfac import KFACFactors
+
+    eig = factor_eigh(KFACFactors({"l": A}, {"l": S}, 100), ["l"], device=device)
+    Q = torch.randn(S.shape[0], A.shape[0], generator=torch.Generator().manual_seed(3), dtype=D)
+    return {g: _rel(KroneckerProjector.from_spectra(*eig["l", "S"], *eig["l", "A"], g).project(Q.float()),
+                    paper_projection(A, S, g, Q)) for g in gammas}
+
+
+def test_factor_eigh_decomposes_in_float64_on_every_device(monkeypatch):
+    """Float32 factors with a wide spectrum: the projector from factor_eigh matches the paper's float64 formula to
+    1e-6 up to γ 0.999. A float32 eigensolver (what a GPU ran before: eigh_dtype float32 there) misses by far more,
+    so the bound catches it, and eigh_dtype says float64 whatever the device."""
+    from crispedit.curvature import eigen
+
+    assert {eigen.eigh_dtype(d) for d in ("cpu", "cuda", "cuda:1", "mps", torch.device("cpu"))} == {torch.float64}
+    A, S = wide_spectrum_spd(96, seed=1), wide_spectrum_spd(64, seed=2)
+    gammas = (0.8, 0.99, 0.999)
+    assert max(_factor_eigh_errors(A, S, gammas).values()) <= 1e-6
+    monkeypatch.setattr(eigen, "eigh_dtype", lambda device: torch.float32)   # the old arithmetic on a GPU
+    assert _factor_eigh_errors(A, S, gammas)[0.999] > 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_factor_eigh_matches_the_float64_formula():
+    """The same on a GPU's own eigensolver (cuSOLVER): decomposed there, in float64."""
+    A, S = wide_spectrum_spd(96, seed=1), wide_spectrum_spd(64, seed=2)
+    assert max(_factor_eigh_errors(A, S, (0.8, 0.99, 0.999), device="cuda").values()) <= 1e-6
+
+
+def _stored_eigenbasis_matches_float64(f, layers, gammas=(0.7, 0.8, 0.9, 0.99, 0.999), tol=5e-6, device=None):
+    """For the collected factors ``f`` of ``layers``: the projectors built from :func:`factor_eigh` (float64
+    decompositions on ``device``, eigenvectors stored and applied in float32) have the float64 masks and project
+    within ``tol`` (relative) of :func:`paper_projection`."""
+    from crispedit.curvature.eigen import factor_eigh
+
+    eig = factor_eigh(f, layers, device=device)
     for name in layers:
         A, S = f.A[name], f.S[name]
-        spectra = {torch.float64: (*eigh_psd(S, torch.float64), *eigh_psd(A, torch.float64)),
-                   torch.float32: tuple(t.cpu() for t in (*eigh_psd(S.to(device), torch.float32),
-                                                          *eigh_psd(A.to(device), torch.float32)))}
-        Q = torch.randn(*S.shape[:1], A.shape[0], generator=torch.Generator().manual_seed(0), dtype=D)
+        assert eig[name, "A"][1].dtype == torch.float32 and eig[name, "A"][0].dtype == torch.float64
+        Q = torch.randn(S.shape[0], A.shape[0], generator=torch.Generator().manual_seed(0), dtype=D)
         for gamma in gammas:
-            p32, p64 = (KroneckerProjector.from_spectra(*(t.double() for t in spectra[dt]), gamma, dtype=D)
-                        for dt in (torch.float32, torch.float64))
-            assert torch.equal(p32.mask, p64.mask), (name, gamma)
-            ref = p64.project(Q)
-            assert float((p32.project(Q) - ref).norm() / ref.norm()) <= tol, (name, gamma)
+            got = KroneckerProjector.from_spectra(*eig[name, "S"], *eig[name, "A"], gamma)
+            ref = KroneckerProjector.from_factors(A.double(), S.double(), gamma, dtype=D)
+            assert torch.equal(got.mask.bool(), ref.mask.bool()), (name, gamma)
+            err = _rel(got.project(Q.float()), paper_projection(A, S, gamma, Q))
+            assert err <= tol, (name, gamma, err)
 
 
-def test_float32_eigh_gives_the_float64_mask_and_projector(tiny_lm):
-    """Issue 37 (b): float32 decompositions (what a GPU runs) change neither the mask nor, beyond 1e-5, the
-    projector of collected factors."""
-    from crispedit.curvature.eigen import eigh_dtype
-    from crispedit.curvature.kfac import collect_lm_kfac
-    from crispedit.data import capability_corpus
-    from crispedit.models import resolve_layers
-
-    assert eigh_dtype("cpu") == torch.float64 and eigh_dtype("cuda") == torch.float32
-    model, tok = tiny_lm
-    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
-    f = collect_lm_kfac(model, tok, capability_corpus(None, 8), layers, max_len=64, batch_size=4, progress=False)
-    _float32_eigh_matches_float64(f, layers)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (its float32 eigensolver)")
-def test_cuda_float32_eigh_gives_the_float64_mask_and_projector(tiny_lm):
-    """The same on a GPU's own float32 eigensolver (cuSOLVER), against the CPU's float64."""
+def test_stored_float32_eigenbases_give_the_float64_projector(tiny_lm):
+    """Eigenvectors kept in float32 after the float64 decomposition (factor_eigh's memory and cache) change neither
+    the mask nor, beyond 5e-6 relative up to γ 0.999 (where 2 % of the directions are kept), the projection of
+    collected factors."""
     from crispedit.curvature.kfac import collect_lm_kfac
     from crispedit.data import capability_corpus
     from crispedit.models import resolve_layers
@@ -340,7 +383,20 @@ def test_cuda_float32_eigh_gives_the_float64_mask_and_projector(tiny_lm):
     model, tok = tiny_lm
     layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
     f = collect_lm_kfac(model, tok, capability_corpus(None, 8), layers, max_len=64, batch_size=4, progress=False)
-    _float32_eigh_matches_float64(f, layers, device="cuda")
+    _stored_eigenbasis_matches_float64(f, layers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_stored_eigenbases_give_the_float64_projector(tiny_lm):
+    """The same with the decompositions on a GPU."""
+    from crispedit.curvature.kfac import collect_lm_kfac
+    from crispedit.data import capability_corpus
+    from crispedit.models import resolve_layers
+
+    model, tok = tiny_lm
+    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
+    f = collect_lm_kfac(model, tok, capability_corpus(None, 8), layers, max_len=64, batch_size=4, progress=False)
+    _stored_eigenbasis_matches_float64(f, layers, device="cuda")
 
 
 def hyperbolic_factors(d_out, d_in, seed=0):

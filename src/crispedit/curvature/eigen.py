@@ -16,9 +16,12 @@ each edit layer's factors. They depend on nothing but the factors, so they are c
 Factors built in memory (a session's factors merged with earlier edits) have no ``source``: their eigenbases
 are computed once per object and never written.
 
-The decomposition itself is :func:`crispedit.curvature.projection.eigh_psd` in float64 (on the CPU through LAPACK; on
-the factors' device otherwise), so a projector built from a cached eigenbasis is the projector built from the
-factors, bit for bit.
+The decomposition itself is :func:`crispedit.curvature.projection.eigh_psd` in float64 on every device (on the CPU
+through LAPACK; on the factors' device otherwise): a float32 solver's eigenvectors of a factor's wide spectrum mix
+the directions a projector masks with those it keeps (its error grows with γ), so no device decomposes in float32.
+The eigenvectors are then stored in float32, the precision every projector applies them in, so a projector built
+from a cached eigenbasis is the projector built from the factors, bit for bit (the error that rounding costs
+against a float64 projector is bounded in tests/test_projection.py).
 """
 
 from __future__ import annotations
@@ -53,10 +56,12 @@ def eigh_device(modules) -> torch.device | None:
 
 
 def eigh_dtype(device: torch.device | str) -> torch.dtype:
-    """The arithmetic of :func:`factor_eigh`'s decompositions on ``device``: float32 on a CUDA device (the float32
-    factors' own precision; on collected factors it gives float64's masks and, within the tolerance of
-    docs/curvature.md, its projectors: tested), float64 elsewhere (LAPACK on the CPU)."""
-    return torch.float32 if torch.device(device).type == "cuda" else torch.float64
+    """The arithmetic of :func:`factor_eigh`'s decompositions on ``device``: float64 on every device. A float32
+    solver (a GPU's, or LAPACK's ``ssyevd``) leaves eigenvector errors of about ``ε₃₂ ‖A‖ / gap``; in a factor's
+    wide spectrum they mix masked and kept directions, and the projector drifts from the paper's by far more
+    than float32's rounding of its result (most at γ near 1). The cache file records this arithmetic, so a file
+    an older version decomposed in float32 on a GPU is decomposed again."""
+    return torch.float64
 
 
 def eigen_cache_path(factors: KFACFactors) -> Path | None:
@@ -126,9 +131,9 @@ def factor_eigh(factors: KFACFactors, names: Iterable[str], which: Sequence[str]
     ``d``) and ``U`` float32 (``d x d``, columns the matching eigenvectors). Each is computed at most once per
     factor set (kept on ``factors`` and, for cached factors, in the eigenbasis cache file of
     :func:`eigen_cache_path`). ``device``: where to decompose what is not cached (default: where the factor
-    lies; a CUDA device runs ``torch.linalg.eigh`` there, in :func:`eigh_dtype`). A cache file decomposed in
-    another arithmetic than this device's (a GPU's float32, a CPU's float64) is decomposed again and rewritten,
-    so a projector from a cached eigenbasis equals the one from this device's own decomposition."""
+    lies; a CUDA device runs ``torch.linalg.eigh`` there), in float64 on every device (:func:`eigh_dtype`). A cache
+    file decomposed in another arithmetic (an older version's float32 on a GPU) is decomposed again and rewritten,
+    so a projector from a cached eigenbasis equals the one from a float64 decomposition of the factors."""
     wanted = [(n, w) for n in names for w in which]
     for n, w in wanted:
         if w not in ("A", "S"):
@@ -151,6 +156,10 @@ def factor_eigh(factors: KFACFactors, names: Iterable[str], which: Sequence[str]
             if device is not None:
                 M = M.to(device)
             evals, U = eigh_psd(M, dtype)
+            # Kept in float32 (after the float64 decomposition): every projector casts its bases to float32 anyway
+            # (KroneckerProjector's dtype), so float64 here would change no projection and double the memory and the
+            # cache file of each d x d basis. The rounding's cost against a float64
+            # projector is bounded by tests/test_projection.py.
             memo[(n, w)] = (evals.to(torch.float64).cpu(), U.to(torch.float32).cpu())
         if path is not None:
             _save(path, factors, memo, dtype)

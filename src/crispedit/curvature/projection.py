@@ -149,11 +149,13 @@ def unvec(v: Tensor, d_out: int, d_in: int) -> Tensor:
 
 def eigh_sym(M: Tensor, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
     """Eigendecomposition of a symmetric matrix in ``dtype`` (symmetrised first), eigenvalues in
-    *increasing* order, unclamped."""
+    *increasing* order, unclamped. The solver runs in ``dtype`` itself: float32 is a float32 solver on every
+    device (never float64 rounded to float32)."""
     Md = M.detach().to(dtype)
     Md = 0.5 * (Md + Md.T)
-    if Md.device.type == "cpu":
-        # LAPACK's divide-and-conquer through numpy is faster than torch's CPU eigh (docs/benchmarks.md)
+    if Md.device.type == "cpu" and dtype == torch.float64:
+        # LAPACK's divide-and-conquer through numpy is faster than torch's CPU eigh (docs/benchmarks.md); numpy would
+        # compute a float32 matrix in float64, so other dtypes go to torch
         import numpy as np
 
         ev, U = np.linalg.eigh(Md.numpy())
