@@ -20,7 +20,8 @@ from crispedit.cli import main
 from crispedit.editing import EditConfig
 from crispedit.errors import CrispEditError
 from crispedit.playground.engine import Playground, PlaygroundBusy
-from crispedit.playground.server import STATIC_FILES, bind, create_app, require_web_packages, running_server
+from crispedit.playground.server import (STATIC_FILES, bind, create_app, host_allowed, require_web_packages,
+                                         running_server, url_of)
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 SETTINGS = dict(layers=LAYERS, n_cap=4, max_len=32, epochs=2, lr=1e-2)
@@ -121,6 +122,7 @@ def test_curvature_is_fetched_once_at_start_up(pg, tiny_tok, monkeypatch):
     assert again.cache["hit"] is True
 
 
+JSON = {"content-type": "application/json"}
 BAD = [  # (id, path, request keyword arguments, status, text of the error)
     ("empty-answer", "/api/edit", {"json": {"question": Q1, "answer": ""}}, 400, "the new answer is empty"),
     ("blank-question", "/api/edit", {"json": {"question": " \n ", "answer": A1}}, 400, "the question is empty"),
@@ -138,6 +140,15 @@ BAD = [  # (id, path, request keyword arguments, status, text of the error)
                                 "headers": {"content-type": "application/x-www-form-urlencoded"}}, 415,
      "send the request as JSON"),
     ("undo-not-json", "/api/undo", {}, 415, "send the request as JSON"),  # a cross-site form cannot undo either
+    # valid JSON the decoder cannot take (it recurses once per level) and text no tokenizer takes
+    ("nested-100000-deep", "/api/edit", {"content": "[" * 100_000 + "]" * 100_000, "headers": JSON}, 400,
+     "the request body is nested too deeply"),
+    ("nested-object", "/api/ask", {"content": '{"a":' * 100_000 + "1" + "}" * 100_000, "headers": JSON}, 400,
+     "the request body is nested too deeply"),
+    ("lone-surrogate-ask", "/api/ask", {"content": '{"question": "\\ud800"}', "headers": JSON}, 400,
+     "the question holds a lone surrogate (character 1), which is not text"),
+    ("lone-surrogate-edit", "/api/edit", {"content": '{"question": "Who?", "answer": "Ma\\udfffra"}', "headers": JSON},
+     400, "the new answer holds a lone surrogate (character 3), which is not text"),
 ]
 
 
@@ -153,7 +164,50 @@ def test_bad_input_is_refused_and_changes_nothing(case, path, kwargs, status, ms
 
 def test_another_host_is_refused(edited):
     r = edited[1].get("/api/state", headers={"host": "attacker.example"})
-    assert r.status_code == 400 and "Invalid host" in r.text
+    assert r.status_code == 400 and "Invalid host" in r.json()["error"]
+
+
+LOOPBACK_SPELLINGS = ["127.0.0.1", "127.0.0.1:8000", "localhost", "localhost:8000", "LocalHost:1", "[::1]",
+                      "[::1]:8000", "::1", "[0:0:0:0:0:0:0:1]:80", "localhost:"]
+OTHER_HOSTS = ["attacker.example", "attacker.example:8000", "127.0.0.1.attacker.example", "[::2]:8000", "[::1",
+               "[::1]x", "localhost:8000:1", "localhost:http", "::1]", "", " "]
+
+
+@pytest.mark.parametrize("header", LOOPBACK_SPELLINGS)
+def test_every_loopback_spelling_is_served(header, edited):
+    """The Host header of every spelling of this machine's names a browser sends (with a port or not, an IPv6
+    address in brackets) is answered; the allowed list holds ``::1`` while the header carries ``[::1]``."""
+    r = edited[1].get("/api/state", headers={"host": header})
+    assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+
+
+@pytest.mark.parametrize("header", OTHER_HOSTS)
+def test_other_and_malformed_hosts_are_refused(header, edited):
+    r = edited[1].get("/api/state", headers={"host": header})
+    assert r.status_code == 400 and r.json()["error"].startswith("Invalid host header"), r.text
+    assert not host_allowed(header, ["127.0.0.1", "localhost", "::1"])
+
+
+def test_host_allowed_compares_names_and_addresses():
+    assert host_allowed("[::1]:8000", ["::1"]) and host_allowed("[::1]", ["[::1]"]) and host_allowed("::1", ["[0::1]"])
+    assert host_allowed("127.0.0.2:80", ["127.0.0.2"]) and not host_allowed("127.0.0.2:80", ["127.0.0.1"])
+    assert not host_allowed(None, ["localhost"]) and not host_allowed("localhost", [])
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_a_real_client_reaches_the_url_a_loopback_server_prints(host, edited):
+    """uvicorn on the address, a real HTTP client on the URL it prints: the Host header it sends is served."""
+    import json
+    import urllib.request
+
+    try:
+        bind(host, 0).close()
+    except CrispEditError as exc:
+        pytest.skip(f"no {host} here: {exc}")
+    app = create_app(edited[0])
+    with running_server(app, host, 0) as url:
+        with urllib.request.urlopen(url + "api/state", timeout=30) as r:
+            assert r.status == 200 and json.loads(r.read())["model"] == "tiny"
 
 
 def hold_edits(monkeypatch) -> tuple[threading.Event, threading.Event]:
@@ -274,6 +328,35 @@ def test_cli_refuses_a_taken_port_before_loading(tiny_model_dir, monkeypatch, ca
         taken.close()
     err = capsys.readouterr().err
     assert err.count("crispedit: error:") == 1 and f"cannot listen on 127.0.0.1:{port}" in err, err
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]", "127.0.0.2"])
+def test_cli_on_a_loopback_address_answers_at_the_url_it_prints(host, tiny_model_dir, iso_cache, monkeypatch, capsys):
+    """``--host`` in another loopback spelling: the URL the command prints is one its server answers (the Host
+    header a browser sends for it is allowed), and it still refuses other hosts."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    import crispedit.playground.server as server
+
+    try:
+        bind(host, 0).close()
+    except CrispEditError as exc:
+        pytest.skip(f"no {host} here: {exc}")
+    seen = {}
+
+    def serve(app, sock):
+        seen["url"] = url_of(sock)
+        with TestClient(app, base_url=seen["url"].rstrip("/")) as c:
+            seen["state"] = c.get("/api/state")
+            seen["other"] = c.get("/api/state", headers={"host": "attacker.example"})
+
+    monkeypatch.setattr(server, "serve", serve)
+    assert main(["playground", "--model", str(tiny_model_dir), "--host", host, "--port", "0", "--layers", LAYERS,
+                 "--n-cap", "4", "--max-len", "32", "--kl-texts", "1", "--quiet"]) == 0
+    assert f"crispedit playground: {seen['url']}" in capsys.readouterr().out
+    assert seen["state"].status_code == 200, seen["state"].text
+    assert seen["other"].status_code == 400
 
 
 def test_cli_serves_the_playground(tiny_model_dir, iso_cache, monkeypatch, capsys):

@@ -14,11 +14,12 @@ __all__ = ["add_cli", "cmd_playground", "is_loopback"]
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine only (``localhost``, ``127.x.x.x``, ``::1``)."""
+    """Whether ``host`` names this machine only (``localhost``, ``127.x.x.x``, ``::1`` or ``[::1]``)."""
+    host = host.strip().lower()
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host).is_loopback
     except ValueError:
         return False
 
@@ -51,7 +52,9 @@ def cmd_playground(args) -> int:
                             max_chars=args.max_chars, undo_depth=args.undo_depth, name=args.model, progress=progress)
         where = "the cache" if pg.cache["hit"] else "a new collection"
         print(f"curvature of {len(pg.layers)} edit layer(s) from {where} in {pg.cache['seconds']:.1f} s", flush=True)
-        app = create_app(pg, allowed_hosts=LOOPBACK_HOSTS if is_loopback(args.host) else None)
+        # a loopback server answers to this machine's names, the one given and the address it prints
+        allowed = (*LOOPBACK_HOSTS, args.host, sock.getsockname()[0]) if is_loopback(args.host) else None
+        app = create_app(pg, allowed_hosts=allowed)
         if not is_loopback(args.host):
             print(f"note: {args.host} is reachable from other machines; anyone who reaches it can edit this model")
         print(f"crispedit playground: {url_of(sock)} (Ctrl-C stops it)", flush=True)

@@ -43,8 +43,9 @@ class PlaygroundBusy(CrispEditError):
 
 
 def check_text(what: str, value: Any, max_chars: int) -> str:
-    """``value`` stripped, once it is a non-empty string of at most ``max_chars`` characters; one-line
-    :class:`CrispEditError` naming ``what`` otherwise."""
+    """``value`` stripped, once it is a non-empty string of at most ``max_chars`` characters, all of them text
+    (no lone surrogate, which valid JSON can carry and no tokenizer takes); one-line :class:`CrispEditError`
+    naming ``what`` otherwise."""
     if not isinstance(value, str):
         raise CrispEditError(f"the {what} must be text, got {'nothing' if value is None else type(value).__name__}")
     text = value.strip()
@@ -52,6 +53,9 @@ def check_text(what: str, value: Any, max_chars: int) -> str:
         raise CrispEditError(f"the {what} is empty")
     if len(text) > max_chars:
         raise CrispEditError(f"the {what} is {len(text)} characters long; the playground takes at most {max_chars}")
+    bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+    if bad is not None:
+        raise CrispEditError(f"the {what} holds a lone surrogate (character {bad + 1}), which is not text")
     return text
 
 
