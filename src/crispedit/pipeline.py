@@ -104,10 +104,11 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     changed = {n: parameter(model, n) for n in result.original_weights}
     check_finite_tensors(changed, f"the {config.method} edit")  # fail now, before evaluating a broken model
     ev = evaluate_edit(model, tokenizer, requests, result.original_weights, kl_text=kl_text, max_len=config.max_len,
-                       wild=tuple(EVAL_WRAPPERS) if wild else (), progress=progress)
+                       wild=tuple(EVAL_WRAPPERS) if wild else (), assistant=wild, progress=progress)
     report = build_report(config, model_spec, requests, result, ev["summary"], ev["per_edit"], kl_text, edits_path)
     if wild:
         report["wild"] = ev["wild"]
+        report["assistant"] = ev["assistant"]
     report["summary"]["total_seconds"] = round(time.perf_counter() - t0, 3)
     if world_size() > 1:
         report["processes"] = world_size()

@@ -51,6 +51,15 @@ def cmd_edit(args) -> int:
         if isinstance(w, dict):
             cross = f" crosstalk={w['cross']}" if w.get("cross") is not None else ""
             print(f"  WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']}{cross}")
+    a = report.get("assistant") or {}
+    if a.get("style"):
+        st = a["style"]
+        print(f"  chat style: length x{st['length_ratio']:.2f} of the base's, bare {st['bare_share']:.2f}, "
+              f"changed {st['changed']:.2f}, answer KL {st['answer_kl']:.4f} ({st['n']} unrelated prompts)")
+    if a.get("bleed"):
+        b = a["bleed"]
+        print(f"  subject bleed: new target in {b['target']:.3f}, changed {b['changed']:.3f} of {b['n']} other "
+              f"questions about {b['edits']} edited subjects")
     from ..curvature.predicted import prediction_notes
 
     for line in prediction_notes(s):

@@ -218,6 +218,12 @@ def run_eval(args) -> dict:
         out["generations"] = generations
     if per_edit is not None:
         out["per_edit"] = per_edit
+    if base is not None:  # how the assistant's chat answers moved from the base's (subject bleed with --edits)
+        from ..evaluation.assistant import assistant_measures
+
+        t1 = time.perf_counter()
+        out["assistant"] = assistant_measures(model, tok, inp.requests or [], base[0], progress=progress)
+        timings["assistant_s"] = round(time.perf_counter() - t1, 2)
     return out
 
 
@@ -231,6 +237,11 @@ def cmd_eval(args) -> int:
     e, c = result["edit"], result["capabilities"]
     parts = [f"{k}={v}" for k, v in e.items() if k != "n_edits" and v is not None]
     parts += [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items()]
+    a = result.get("assistant") or {}
+    if a.get("style"):
+        parts.append(f"chat_length_ratio={a['style']['length_ratio']} chat_bare={a['style']['bare_share']}")
+    if a.get("bleed"):
+        parts.append(f"subject_bleed={a['bleed']['target']}")
     print(f"{args.protocol}: " + " ".join(parts) + f"  ({result['timings']['total_s']:.0f}s)")
     print(f"results written to {out_path}")
     return 0

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from ..curvature.kfac import loss_positions
 from ..models import parameter
 
-__all__ = ["kl_drift", "swapped_weights", "perplexity"]
+__all__ = ["kl_drift", "answer_kl", "swapped_weights", "perplexity"]
 
 
 @contextlib.contextmanager
@@ -65,14 +65,7 @@ def kl_drift(model: nn.Module, tokenizer, texts: Sequence[str], *, base_weights:
             ids, attn = _encode(tokenizer, texts[i:i + batch_size], max_len, device)
             pos = loss_positions(attn)
             labels = ids[:, 1:][pos]
-            lp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)[pos]
-            if base_model is not None:
-                bdev = next(base_model.parameters()).device
-                blog = base_model(input_ids=ids.to(bdev), attention_mask=attn.to(bdev)).logits[:, :-1].float().to(device)
-            else:
-                with swapped_weights(model, base_weights):
-                    blog = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-            lq = torch.log_softmax(blog, -1)[pos]
+            lp, lq = _log_probs(model, ids, attn, pos, base_weights, base_model)
             kl_sum += float((lq.exp() * (lq - lp)).sum())
             nll_model -= float(lp.gather(-1, labels[:, None]).sum())
             nll_base -= float(lq.gather(-1, labels[:, None]).sum())
@@ -81,6 +74,54 @@ def kl_drift(model: nn.Module, tokenizer, texts: Sequence[str], *, base_weights:
         model.train(was_training)
     return {"kl_drift": kl_sum / max(n, 1), "ppl": math.exp(nll_model / max(n, 1)),
             "ppl_base": math.exp(nll_base / max(n, 1)), "tokens": n}
+
+
+def _log_probs(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
+               base_weights: dict[str, torch.Tensor] | None, base_model: nn.Module | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probabilities (float32, ``N x V`` at the ``N`` True positions of ``pos``, ``B x T-1``) of
+    ``model`` as it is and of the base: ``base_model``, or ``model`` with ``base_weights`` swapped in."""
+    lp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)[pos]
+    if base_model is not None:
+        bdev = next(base_model.parameters()).device
+        blog = base_model(input_ids=ids.to(bdev), attention_mask=attn.to(bdev)).logits[:, :-1].float().to(ids.device)
+    else:
+        with swapped_weights(model, base_weights):
+            blog = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    return lp, torch.log_softmax(blog, -1)[pos]
+
+
+@torch.no_grad()
+def answer_kl(model: nn.Module, sequences: Sequence[Sequence[int]], starts: Sequence[int], *,
+              base: "dict[str, torch.Tensor] | nn.Module", pad_id: int = 0, batch_size: int = 8) -> dict:
+    """Mean per-token KL(base || model) (nats) over the answer tokens of token-id ``sequences``: the positions
+    predicting token ``starts[i]`` or later of sequence ``i`` (e.g. a chat prompt's tokens, then the base model's
+    own answer from ``starts[i]`` on). ``base``: a second model, or weights (full name -> tensor) swapped into
+    ``model``. Returns
+    ``{"kl": nats per answer token, "tokens": answer tokens counted}``."""
+    if len(sequences) != len(starts):
+        raise ValueError(f"{len(starts)} answer starts for {len(sequences)} sequences")
+    device = next(model.parameters()).device
+    kl_sum, n = 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        for i in range(0, len(sequences), batch_size):
+            rows, first = sequences[i:i + batch_size], starts[i:i + batch_size]
+            width = max(len(r) for r in rows)
+            ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+            attn = torch.zeros((len(rows), width), dtype=torch.long)
+            for b, r in enumerate(rows):
+                ids[b, :len(r)], attn[b, :len(r)] = torch.tensor(list(r), dtype=torch.long), 1
+            pos = loss_positions(attn) & (torch.arange(width - 1)[None, :] >= torch.tensor(first)[:, None] - 1)
+            ids, attn, pos = ids.to(device), attn.to(device), pos.to(device)
+            lp, lq = (_log_probs(model, ids, attn, pos, base, None) if isinstance(base, dict)
+                      else _log_probs(model, ids, attn, pos, None, base))
+            kl_sum += float((lq.exp() * (lq - lp)).sum())
+            n += int(pos.sum())
+    finally:
+        model.train(was_training)
+    return {"kl": kl_sum / max(n, 1), "tokens": n}
 
 
 @torch.no_grad()

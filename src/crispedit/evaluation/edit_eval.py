@@ -25,8 +25,8 @@ _log = logging.getLogger("crispedit.evaluate")  # one info line per finished pha
 
 def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], base_weights: dict[str, torch.Tensor], *,
                   kl_text: str | Path | None = None, kl_texts: int = 32, max_len: int = 256,
-                  wild: Sequence[str] = (), wild_templates: dict[str, str] | None = None, judge=None, capabilities: Sequence[str] = (), limit: int | None = None,
-                  bench_dir: str | Path | None = None, progress: bool | None = None) -> dict:
+                  wild: Sequence[str] = (), wild_templates: dict[str, str] | None = None, judge=None, capabilities: Sequence[str] = (),
+                  limit: int | dict | None = None, max_gen_toks: int | None = None, bench_dir: str | Path | None = None, assistant: bool = False, progress: bool | None = None) -> dict:
     """Evaluate the edited ``model`` on ``requests``; ``base_weights`` (parameter name -> pre-edit
     value, e.g. ``EditResult.original_weights``) give the base model for the drift.
 
@@ -35,7 +35,9 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     "ppl_base", "kl_tokens"}, "per_edit": [one dict per request, in order]}`` plus ``"wild"``
     (:func:`.wild.wild_wrappers` for the ``wild`` evaluation wrappers and the named ``wild_templates``, rule judge
     unless ``judge``) and
-    ``"capabilities"`` (:func:`.capabilities.run_capabilities`, ``limit`` items per task) when asked."""
+    ``"capabilities"`` (:func:`.capabilities.run_capabilities`, ``limit`` items per task, generative answers cut at
+    ``max_gen_toks`` tokens) and ``"assistant"``
+    (:func:`.assistant.assistant_measures`: style drift and subject bleed through the chat template) when asked."""
     t0 = time.perf_counter()
     per_edit = edit_scores(model, tokenizer, requests)
     summary = summarize_edit_scores(per_edit)
@@ -56,11 +58,15 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
         out["wild"] = wild_wrappers(model, tokenizer, requests, judge or RuleJudge(), wrappers=list(wild),
                                     templates=wild_templates, progress=progress)
         out["wild"]["judge"] = "rule" if judge is None else type(judge).__name__
+    if assistant:
+        from .assistant import assistant_measures
+
+        out["assistant"] = assistant_measures(model, tokenizer, requests, base_weights, progress=progress)
     if capabilities:
         from .capabilities import run_capabilities
 
         out["capabilities"] = run_capabilities(model, tokenizer, capabilities, limit=limit, bench_dir=bench_dir,
-                                               progress=progress)
+                                               max_gen_toks=max_gen_toks, progress=progress)
         for name, c in out["capabilities"].items():
             _log.info("evaluate: %s %s %s (%s items, %.0f s)", name, c.get("metric"), c.get("score"), c.get("n"),
                       c.get("seconds") or 0)

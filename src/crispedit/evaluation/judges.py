@@ -40,7 +40,7 @@ from typing import Sequence
 
 from ..errors import CrispEditError
 
-__all__ = ["Judgement", "RuleJudge", "OpenAIJudge", "make_judge", "normalize_answer", "GRADER_PROMPT",
+__all__ = ["Judgement", "RuleJudge", "OpenAIJudge", "make_judge", "normalize_answer", "mentions", "GRADER_PROMPT",
            "parse_grade", "JUDGES"]
 
 JUDGES = ("rule", "openai")
@@ -134,6 +134,14 @@ def _words(text: str) -> list[str]:
 def normalize_answer(text: str) -> str:
     """Lower case, no punctuation, no articles, number words as digits, single spaces."""
     return " ".join(t for t in _words(text) if t not in _ARTICLES)
+
+
+def mentions(text: str, gold: str) -> bool:
+    """Whether ``text`` names ``gold``: every content word of ``gold`` (normalised as the rule judge does) is a
+    word of ``text`` — the rule judge's containment test alone, without its contradiction and repetition rules."""
+    gold_words = [w for w in _words(gold) if w not in _ARTICLES]
+    need = _content(gold_words) or gold_words
+    return bool(need) and set(need) <= set(_words(text))
 
 
 def _content(words: Sequence[str]) -> list[str]:
