@@ -142,11 +142,20 @@ def test_compare_cli(tiny_model_dir, tmp_path, iso_cache, capsys):
     out = tmp_path / "cmp"
     args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2, "--layers", LAYERS,
             "--methods", "ft,lora", "--out", out, "--epochs", 2, "--n-cap", 4, "--max-len", 32, "--contexts", "bare",
-            "--lora-r", 4, "--quiet"]
+            "--lora-r", 4, "--quiet", "--limit", 2, "--max-gen-toks", 8]
     assert main([str(a) for a in args]) == 0
     payload = json.loads((out / "compare.json").read_text())
     assert payload["methods"] == ["ft", "lora"] and payload["results"]["lora"]["config"]["options"]["r"] == 4
-    assert "| lora |" in capsys.readouterr().out
+    # IFEval by default, offline from the prompts bundled in the package, paired with the base on the same items
+    assert payload["settings"]["evaluation"]["capabilities"] == ["ifeval"]
+    assert payload["settings"]["evaluation"]["max_gen_toks"] == 8
+    for row in ("base", "ft", "lora"):
+        ifeval = payload["results"][row]["capability_details"]["ifeval"]
+        assert ifeval["source"] == "bundled" and ifeval["n"] == 2 and len(ifeval["items"]) == 2
+        assert set(payload["results"][row]["assistant"]) == {"style", "bleed"}
+    assert payload["results"]["base"]["assistant"]["style"]["length_ratio"] == 1.0
+    table = capsys.readouterr().out
+    assert "| lora |" in table and "chat len" in table and "bleed" in table
 
 
 def test_compare_cli_seq_row_with_the_default_chunk(tiny_model_dir, tmp_path, iso_cache, capsys):
@@ -155,7 +164,7 @@ def test_compare_cli_seq_row_with_the_default_chunk(tiny_model_dir, tmp_path, is
     out = tmp_path / "cmp"
     args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2, "--layers", LAYERS,
             "--methods", "lora-seq", "--out", out, "--epochs", 2, "--n-cap", 4, "--max-len", 32, "--contexts", "bare",
-            "--lora-r", 4, "--quiet"]
+            "--lora-r", 4, "--quiet", "--capabilities", "none"]
     assert main([str(a) for a in args]) == 0
     row = json.loads((out / "compare.json").read_text())["results"]["lora-seq"]
     assert row["rounds"] == 2 and row["seq_chunk"] == 1 and row["config"]["mode"] == "sequential"
@@ -168,7 +177,7 @@ def test_compare_cli_seq_weighting_reaches_the_seq_row(tiny_model_dir, tmp_path,
     out = tmp_path / "cmp"
     args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2, "--layers", LAYERS,
             "--methods", "crispedit-seq", "--seq-weighting", "each", "--out", out, "--epochs", 2, "--n-cap", 4,
-            "--max-len", 32, "--contexts", "bare", "--quiet"]
+            "--max-len", 32, "--contexts", "bare", "--quiet", "--capabilities", "none"]
     assert main([str(a) for a in args]) == 0
     row = json.loads((out / "compare.json").read_text())["results"]["crispedit-seq"]
     assert row["config"]["weighting"] == "each" and row["rounds"] == 2

@@ -8,7 +8,11 @@ from pathlib import Path
 
 from ..errors import CrispEditError, check_output_dir, check_positive_int
 
-__all__ = ["add_cli", "cmd_compare"]
+__all__ = ["add_cli", "cmd_compare", "DEFAULT_CAPABILITIES", "DEFAULT_LIMITS", "GEN_TOKENS"]
+
+DEFAULT_CAPABILITIES = "ifeval"
+DEFAULT_LIMITS = {"ifeval": 48}  # items per task without --limit (other tasks: all): what a CPU evaluates per row
+GEN_TOKENS = 256  # generative tasks' answers are cut here (IFEval's own cap is 1280 tokens): what a CPU can run
 
 
 def cmd_compare(args) -> int:
@@ -35,6 +39,8 @@ def cmd_compare(args) -> int:
     check_output_dir(args.out)
     if args.limit is not None:
         check_positive_int("--limit", args.limit)
+    limit = args.limit if args.limit is not None else {t: DEFAULT_LIMITS.get(t) for t in tasks}
+    check_positive_int("--max-gen-toks", args.max_gen_toks)
     if args.n_edits is None or args.n_edits < 1:
         raise CrispEditError(f"--n-edits must be a positive integer, got {args.n_edits}")
     first = configs[methods[0]]
@@ -44,7 +50,8 @@ def cmd_compare(args) -> int:
 
     payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
                           edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},
-                          capabilities=tasks, limit=args.limit, bench_dir=args.bench_dir, kl_text=args.kl_text,
+                          capabilities=tasks, limit=limit, max_gen_toks=args.max_gen_toks, bench_dir=args.bench_dir,
+                          kl_text=args.kl_text,
                           seq_chunk=args.seq_chunk, progress=progress)
     print(compare_table(payload))
     print(f"written to {Path(args.out) / JSON_FILE} (+ {MD_FILE}, {PNG_FILE})")
@@ -77,9 +84,14 @@ def add_cli(sub) -> None:
                    help="with --seq-weighting each: the energy of the accumulated edit factors masked (default "
                         f"{SeqConfig.edit_gamma}; as `crispedit session init --edit-gamma`)")
     p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png; retention.png with -seq rows)")
-    p.add_argument("--capabilities", default=None,
-                   help="lm-eval capability tasks, e.g. arc_challenge,truthfulqa_mc2 (default none; needs crispedit[eval])")
-    p.add_argument("--limit", type=int, default=None, help="items per capability task (default: all)")
+    p.add_argument("--capabilities", default=DEFAULT_CAPABILITIES,
+                   help="lm-eval capability tasks, e.g. ifeval,arc_challenge,truthfulqa_mc2, or none (default "
+                        f"{DEFAULT_CAPABILITIES}: the assistant's instruction following; needs crispedit[eval])")
+    p.add_argument("--limit", type=int, default=None,
+                   help=f"items per capability task (default: all, but IFEval's first {DEFAULT_LIMITS['ifeval']} prompts)")
+    p.add_argument("--max-gen-toks", type=int, default=GEN_TOKENS, metavar="N",
+                   help=f"answers of generative capability tasks (IFEval) are cut at N tokens, base and edited rows "
+                        f"alike (default {GEN_TOKENS}; IFEval's own cap is 1280)")
     p.add_argument("--bench-dir", default=None, help="local benchmark files (see `crispedit eval`)")
     p.add_argument("--kl-text", default=None, help="held-out text for KL drift (default: bundled WikiText sample)")
     add_training_args(p, method=False)

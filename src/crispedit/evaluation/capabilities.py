@@ -35,10 +35,13 @@ from .bench_data import required_files
 if TYPE_CHECKING:  # torch only for annotations: task names and bench files are checked without it
     from torch import nn
 
-__all__ = ["CapabilityTask", "TASKS", "TASKS_DIR", "parse_tasks", "resolve_bench_dir", "ensure_punkt_offline",
+__all__ = ["CapabilityTask", "TASKS", "TASKS_DIR", "BUNDLED_BENCH", "BUNDLED_TASKS", "parse_tasks", "resolve_bench_dir", "ensure_punkt_offline",
            "run_capabilities", "capability_drift", "lm_eval_version", "item_scores", "item_stderr", "paired_change"]
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+# benchmarks shipped in the package (with their licences), read from there when no --bench-dir is given
+BUNDLED_BENCH = Path(__file__).resolve().parent / "bundled"
+BUNDLED_TASKS = ("ifeval",)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class CapabilityTask:
     hub: str            # stock lm-eval task name (hub data)
     shots: int          # the paper's shot count
     metric: str         # headline metric key in lm-eval's results
+    chat: bool = False  # asked through the model's chat template when it has one (an assistant's task)
 
 
 TASKS = {t.name: t for t in (
@@ -57,7 +61,7 @@ TASKS = {t.name: t for t in (
     CapabilityTask("mmlu", "crispedit_mmlu", "mmlu", 5, "acc,none"),
     CapabilityTask("gsm8k_cot", "crispedit_gsm8k_cot", "gsm8k_cot", 8, "exact_match,strict-match"),
     CapabilityTask("truthfulqa_mc2", "crispedit_truthfulqa_mc2", "truthfulqa_mc2", 0, "acc,none"),
-    CapabilityTask("ifeval", "crispedit_ifeval", "ifeval", 0, "prompt_level_strict_acc,none"),
+    CapabilityTask("ifeval", "crispedit_ifeval", "ifeval", 0, "prompt_level_strict_acc,none", chat=True),
 )}
 _ALIASES = {"arc": "arc_challenge", "arc-c": "arc_challenge", "arc_c": "arc_challenge", "gsm8k": "gsm8k_cot",
             "truthfulqa": "truthfulqa_mc2", "tqa": "truthfulqa_mc2"}
@@ -354,6 +358,8 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
     ``num_fewshot``: None = the paper's shots; an int for every task; or ``{task: shots}``.
     ``max_gen_toks`` caps generation for generative tasks (IFEval's own cap is 1280 tokens).
     ``share_prefix`` scores all choices of an item on one cached context (same numbers, faster).
+    ``apply_chat_template``: every task through the model's chat template; a task marked ``chat`` (IFEval: an
+    assistant's instructions) goes through it anyway when the tokenizer has one (the result's ``chat_template``).
     """
     names = parse_tasks(list(tasks))
     if not names:
@@ -380,30 +386,38 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
         # the evaluator calls these without disable_tqdm: bind it on this instance only
         for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
             setattr(lm, name, functools.partial(getattr(lm, name), disable_tqdm=True))
-    if root is not None:
-        tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"bench_dir": str(root)})
-    else:
-        tm = TaskManager()
+    managers: dict = {}
+
+    def manager(where: Path | None):
+        """One lm-eval task manager per benchmark source: a local directory, or the hub (``None``)."""
+        if where not in managers:
+            managers[where] = (TaskManager() if where is None else TaskManager(
+                include_path=str(TASKS_DIR), include_defaults=False, metadata={"bench_dir": str(where)}))
+        return managers[where]
+
     out = {}
     for n in names:
         spec = TASKS[n]
+        where = root if root is not None else BUNDLED_BENCH if n in BUNDLED_TASKS else None
+        tm = manager(where)
         shots = (num_fewshot.get(n, spec.shots) if isinstance(num_fewshot, dict)
                  else spec.shots if num_fewshot is None else int(num_fewshot))
-        task_name = spec.local if root is not None else spec.hub
+        task_name = spec.local if where is not None else spec.hub
         n_limit = limit.get(n, 200) if isinstance(limit, dict) else limit
+        chat = apply_chat_template or (spec.chat and bool(getattr(tokenizer, "chat_template", None)))
         t0 = time.perf_counter()
         try:
             with _lm_eval_request_bars(show):
                 res = simple_evaluate(model=lm, tasks=[task_name], num_fewshot=shots, limit=n_limit, task_manager=tm,
-                                      apply_chat_template=apply_chat_template,
-                                      fewshot_as_multiturn=fewshot_as_multiturn and apply_chat_template,
+                                      apply_chat_template=chat,
+                                      fewshot_as_multiturn=fewshot_as_multiturn and chat,
                                       gen_kwargs=({"max_gen_toks": int(max_gen_toks)} if max_gen_toks else None),
                                       log_samples=True, bootstrap_iters=0,
                                       verbosity="ERROR" if progress is False else "WARNING")
         except CrispEditError:
             raise
         except Exception as exc:
-            if root is None:
+            if where is None:
                 raise CrispEditError(f"{n}: could not load the benchmark from the hub ({type(exc).__name__}); "
                                      "pass --bench-dir DIR or set CRISPEDIT_BENCH_DIR") from exc
             raise
@@ -414,7 +428,8 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
         items = item_scores(res.get("samples") or {}, spec.metric)
         out[n] = {"score": metrics.get(spec.metric), "metric": spec.metric, "metrics": metrics,
                   "stderr": None if items is None else round(item_stderr(items) or 0.0, 6), "items": items,
-                  "num_fewshot": shots, "limit": n_limit, "n": count, "source": "local" if root is not None else "hub",
+                  "num_fewshot": shots, "limit": n_limit, "n": count, "chat_template": chat,
+                  "source": "hub" if where is None else "bundled" if root is None else "local",
                   "seconds": round(time.perf_counter() - t0, 2)}
         if progress is not False:
             se = "" if out[n]["stderr"] is None else f" ± {out[n]['stderr']:.4f}"

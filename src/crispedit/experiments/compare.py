@@ -187,7 +187,8 @@ def _row(method: str, ev: dict, **extra) -> dict:
     per_edit = ev.get("per_edit") or []
     tf = {"rel": [int(e["rel"]) for e in per_edit], "gen": [e["gen"] for e in per_edit]} if per_edit else {}
     return {"method": method, "summary": ev["summary"], "wild": ev.get("wild", {}), "capabilities": caps,
-            "capability_details": ev.get("capabilities", {}), **({"tf": tf} if tf else {}), **extra}
+            "capability_details": ev.get("capabilities", {}), **({"tf": tf} if tf else {}),
+            **({"assistant": ev["assistant"]} if ev.get("assistant") else {}), **extra}
 
 
 def _retention_brief(r: dict | None) -> str:
@@ -315,7 +316,8 @@ class _Bench:
     chunk: int
     kl_text: str | None
     capabilities: Sequence[str]
-    limit: int | None
+    limit: int | dict | None
+    max_gen_toks: int | None
     bench_dir: str | None
     progress: bool | None
 
@@ -323,7 +325,7 @@ class _Bench:
         """:func:`~crispedit.evaluation.evaluate_edit` of the model as it is now against ``base_weights``."""
         return evaluate_edit(self.model, self.tokenizer, self.requests, base_weights, kl_text=self.kl_text,
                              wild=tuple(EVAL_WRAPPERS), capabilities=self.capabilities, limit=self.limit,
-                             bench_dir=self.bench_dir, progress=self.inner, **kw)
+                             max_gen_toks=self.max_gen_toks, bench_dir=self.bench_dir, assistant=True, progress=self.inner, **kw)
 
     @property
     def inner(self) -> bool:
@@ -391,8 +393,8 @@ def _row_line(method: str, r: dict) -> str:
 
 def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequence[str], out: str | Path, *,
                 configs: dict[str, EditConfig | SeqConfig], model_spec: str = "<in-memory>",
-                edits_info: dict | None = None, capabilities: Sequence[str] = (), limit: int | None = None,
-                bench_dir: str | None = None, kl_text: str | None = None, seq_chunk: int | None = None,
+                edits_info: dict | None = None, capabilities: Sequence[str] = (), limit: int | dict | None = None,
+                max_gen_toks: int | None = None, bench_dir: str | None = None, kl_text: str | None = None, seq_chunk: int | None = None,
                 progress: bool | None = None) -> dict:
     """Run ``methods`` (each with ``configs[method]``) on ``requests`` from ``model``'s current weights
     and write ``out``/compare.json, .md, .png; returns the compare.json payload. Methods already in an
@@ -417,11 +419,13 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                 # default is another configuration
                 "default_contexts": DEFAULT_CONTEXTS,
                 "evaluation": {"wild": list(EVAL_WRAPPERS), "judge": "rule", "capabilities": list(capabilities),
-                               "limit": limit, "kl_text": kl_text or "bundled:wikitext_heldout.txt"}}
+                               "limit": limit, "max_gen_toks": max_gen_toks,
+                               "kl_text": kl_text or "bundled:wikitext_heldout.txt"}}
     payload = {"format": COMPARE_FORMAT, "settings": settings, "methods": list(methods), "results": {}}
     _resume_payload(out / JSON_FILE, payload, methods, configs, inputs, chunk, model)
     _backfill_crosstalk(payload["results"], requests)
-    bench = _Bench(model, tokenizer, requests, out, fp, chunk, kl_text, capabilities, limit, bench_dir, progress)
+    bench = _Bench(model, tokenizer, requests, out, fp, chunk, kl_text, capabilities, limit, max_gen_toks, bench_dir,
+                   progress)
     todo = ([] if "base" in payload["results"] else ["base"]) + [m for m in methods if m not in payload["results"]]
     bar = tqdm(todo, desc="compare", unit="method", disable=(None if progress is None else not progress))
     for method in bar:
@@ -440,6 +444,13 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
 
 # ---------------------------------------------------------------------------------------------
 # outputs
+
+
+def _limit_text(limit) -> str:
+    """A stored capability item limit as words: ``"limit 250"``, ``"all items"`` or ``"ifeval 48, mmlu all"``."""
+    if isinstance(limit, dict):
+        return ", ".join(f"{t} {'all' if n is None else n}" for t, n in limit.items()) or "all items"
+    return "all items" if limit is None else f"limit {limit}"
 
 
 def _pct(v) -> str:
@@ -568,11 +579,18 @@ def _ratio(r: float) -> str:
     return f"×{r:.2f}" if r < 10 else f"×{r:.3g}"
 
 
+def _assistant(r: dict, part: str, key: str):
+    """One figure of a row's ``assistant`` section (:mod:`~crispedit.evaluation.assistant`), or None."""
+    return ((r.get("assistant") or {}).get(part) or {}).get(key)
+
+
 def _table_columns(payload: dict) -> list[tuple]:
     """The table's value columns before the drift ones, as ``(header, getter, higher_is_better)``: WILD rel and
-    gen per context (the held-out wrapper's name upper-cased), teacher-forced rel and gen, then one column per
-    capability task. Each getter maps a result row to its stored score (a fraction in [0, 1], shown in percent)
-    or None where the row has none."""
+    gen per context (the held-out wrapper's name upper-cased), teacher-forced rel and gen, one column per
+    capability task, then the chat measures (``higher_is_better`` None: never bold): the style drift's answer
+    length over the base's (a ratio) and the share of long answers turned bare, and the subject bleed (the share
+    of other questions about an edited subject answered with its new target). Each getter maps a result row to
+    its stored score (a fraction in [0, 1], shown in percent; the ratio as ×) or None where the row has none."""
     caps = payload["settings"]["evaluation"]["capabilities"]
     wrappers = payload["settings"]["evaluation"].get("wild") or list(EVAL_WRAPPERS)
     cols = [(f"{w.upper() if w == HELD_OUT_WRAPPER else w} {k}",
@@ -580,6 +598,9 @@ def _table_columns(payload: dict) -> list[tuple]:
     cols += [("TF rel", lambda r: r["summary"].get("rel"), True),
             ("TF gen", lambda r: r["summary"].get("gen"), True)]
     cols += [(c, (lambda c: lambda r: r["capabilities"].get(c))(c), True) for c in caps]
+    cols += [("chat len", lambda r: _assistant(r, "style", "length_ratio"), None),
+             ("chat bare", lambda r: _assistant(r, "style", "bare_share"), None),
+             ("bleed", lambda r: _assistant(r, "bleed", "target"), None)]
     return cols
 
 
@@ -595,8 +616,11 @@ def _table_row(m: str, r: dict, cols: list[tuple], edited: list[dict], ratio: fl
     (nats/token), perplexity with its ``ratio`` to the base's, edit and curvature time, peak memory (MiB, with
     its rise) and the Pareto marks (the capability one only with ``caps``)."""
     cells = [m if m != "base" else "base (unedited)"]
-    for _, get, _higher in cols:
+    for head, get, higher in cols:
         v = get(r)
+        if higher is None:
+            cells.append("–" if v is None else f"×{v:.2f}" if head == "chat len" else _pct(v))
+            continue
         best = max((x for x in (get(e) for e in edited) if x is not None), default=None)
         text = _pct(v)
         if m != "base" and v is not None and best is not None and best > 0 and v >= 0.95 * best:
@@ -637,7 +661,7 @@ def _settings_note(payload: dict, edited: list[dict], pareto: dict) -> str:
             "wrapper, never trained) · TF = teacher-forced · KL drift = mean per-token KL(base‖edited) on held-out "
             "text (nats) · KL pred = the K-FAC prediction ½·Σ tr(ΔWᵀSΔWA) from the capability factors"
             " · ppl = perplexity on the same held-out text (×base: over the unedited model's)"
-            + (f" · capabilities: lm-eval, limit {s['evaluation']['limit']}" if caps else "")
+            + (f" · capabilities: lm-eval, {_limit_text(s['evaluation'].get('limit'))}" if caps else "")
             + f" · peak memory: {next((r['memory']['measure'] for r in edited if r.get('memory')), '–')}"
             + f" · Pareto (KL) ★: on the front of edit success ({pareto['success']}) vs KL drift on held-out text "
             "among the edited rows that do not break the model"
@@ -862,8 +886,8 @@ def _plot_capability_panel(axc, payload: dict, pareto: dict) -> None:
     axc.set_xlabel("capability score change against the base (percentage points)")
     axc.grid(alpha=0.3, axis="x", lw=0.5)
     axc.legend(handles=chandles, fontsize=8, loc="best", framealpha=0.9)
-    limit = payload["settings"]["evaluation"].get("limit") or "all"
-    axc.set_title(f"capabilities on {limit} items per task: change against the base", fontsize=10)
+    axc.set_title(f"capabilities ({_limit_text(payload['settings']['evaluation'].get('limit'))}): change against the "
+                  "base", fontsize=10)
 
 
 def plot_compare(payload: dict, path: str | Path) -> None:
