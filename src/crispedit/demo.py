@@ -6,8 +6,10 @@ with plain fine-tuning (same layers, optimiser, epochs and edit contexts), then 
 * a before/after table of the answers the model gives *through its chat template* (how a user asks an
   instruct model; a bare question makes it answer ``<eos>`` before editing, which shows nothing);
 * for each method, WILD reliability / generalisation under the qa (the paper's wrapper, never trained),
-  none (bare question) and chat contexts (rule judge), teacher-forced reliability, and the KL drift on
-  held-out text.
+  none (bare question) and chat contexts (rule judge), teacher-forced reliability, the KL drift on
+  held-out text, and what the edit did to the assistant elsewhere (:mod:`crispedit.evaluation.assistant`): the
+  length of its chat answers to unrelated prompts over the base's, and the share of other questions about an
+  edited subject now answered with its new target.
 """
 
 from __future__ import annotations
@@ -93,11 +95,11 @@ def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say,
         say(f"{method}: edited in {res.edit_seconds:.0f} s ({len(res.history.epoch_loss)} epochs, {ran}); evaluating "
             f"(WILD {', '.join(EVAL_WRAPPERS)}, teacher-forced, KL drift) ...")
         ev = evaluate_edit(model, tok, requests, res.original_weights, wild=tuple(EVAL_WRAPPERS), kl_texts=kl_texts,
-                           progress=progress)
+                           assistant=True, progress=progress)
         s = ev["summary"]
         answers[method] = chat_answers(model, tok, prompts)
         rows.append((method, ev["wild"], s["rel"], s["kl_drift"], s["ppl"], s["ppl_base"],
-                     len(res.history.epoch_loss), res.edit_seconds, res.history.contexts))
+                     len(res.history.epoch_loss), res.edit_seconds, res.history.contexts, ev["assistant"]))
         restore(model, res.original_weights)
     say("done")
     return rows, answers
@@ -119,12 +121,15 @@ def _print_tables(shown, answers: dict, rows: list, methods) -> None:
     print()
     print("WILD (free generation, greedy, rule judge): rel / gen per context; qa = the paper's wrapper, never trained")
     print(f"{'method':10} " + "".join(f"{w:>11} " for w in EVAL_WRAPPERS) + f"{'tf rel':>7} {'kl_drift':>9} {'ppl':>7} "
-          f"{'epochs':>6} {'edit s':>7}  contexts")
-    for m, wild, rel, kl, ppl, ppl0, ep, es, ctxs in rows:
+          f"{'chat len':>8} {'bleed':>5} {'epochs':>6} {'edit s':>7}  contexts")
+    for m, wild, rel, kl, ppl, ppl0, ep, es, ctxs, helper in rows:
         def cell(wrapper: str) -> str:
             """``rel/gen`` of this row's WILD evaluation wrapper ``wrapper`` to two decimals, ``-`` if it was not run."""
             v = wild.get(wrapper)
             return "-" if not v else f"{v['rel']:.2f}/{v['gen']:.2f}"
 
+        bleed = "-" if not helper["bleed"] else f"{helper['bleed']['target']:.2f}"
         print(f"{m:10} " + "".join(f"{cell(w):>11} " for w in EVAL_WRAPPERS) + f"{rel:7.3f} {kl:9.5f} {ppl:7.2f} "
-              f"{ep:6d} {es:7.1f}  {','.join(ctxs)}")
+              f"{'x%.2f' % helper['style']['length_ratio']:>8} {bleed:>5} {ep:6d} {es:7.1f}  {','.join(ctxs)}")
+    print("chat len: the edited model's chat answers to unrelated prompts, in tokens, over the base's; bleed: the "
+          "share of other questions about an edited subject now answered with its new target")

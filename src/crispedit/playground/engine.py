@@ -36,6 +36,7 @@ __all__ = ["Playground", "PlaygroundBusy", "check_text", "DEFAULT_MAX_CHARS", "D
 DEFAULT_MAX_CHARS = 300  # per question and per answer
 DEFAULT_KL_TEXTS = 8  # held-out paragraphs the drift is measured on after each edit
 DEFAULT_UNDO_DEPTH = 32  # deltas kept for undo (SmolLM2's default layers: about 18 MB each)
+STYLE_PROMPTS = 8  # unrelated prompts whose answers are compared with the start-up model's after each edit
 
 
 class PlaygroundBusy(CrispEditError):
@@ -120,6 +121,10 @@ class Playground:
         self.drift_modules = editor.drift_modules(model, self.layers, self.config)
         self.params = editor.changes(model, self.layers, self.config)
         self.start_weights = snapshot(self.params)  # the model at start-up: what the drift is measured from
+        from ..evaluation.assistant import base_style_answers, style_prompts
+
+        self.style_prompts = style_prompts(STYLE_PROMPTS)
+        self.style_base = base_style_answers(model, tokenizer, self.style_prompts)  # asked once, at start-up
         self.edits: list[_Applied] = []
         self._lock = threading.Lock()
         self._running: tuple[str, float] | None = None
@@ -158,29 +163,35 @@ class Playground:
             answer = self._answer(question)
         return {"question": question, "answer": answer, "seconds": round(time.perf_counter() - t0, 3)}
 
-    def edit(self, question: Any, answer: Any) -> dict:
+    def edit(self, question: Any, answer: Any, subject: Any = None) -> dict:
         """Edit ``answer`` in as the answer to ``question`` and measure it (:meth:`_edit` documents the result);
-        the weights are as before when it raises."""
+        ``subject`` (optional: what the question is about) adds the subject-bleed check. The weights are as
+        before when it raises."""
         question = check_text("question", question, self.max_chars)
         answer = check_text("new answer", answer, self.max_chars)
+        subject = None if subject is None or (isinstance(subject, str) and not subject.strip()) else check_text(
+            "subject", subject, self.max_chars)
         with self._hold("an edit"):
-            return self._edit(question, answer)
+            return self._edit(question, answer, subject)
 
-    def _edit(self, question: str, target: str) -> dict:
+    def _edit(self, question: str, target: str, subject: str | None = None) -> dict:
         """Train, check, keep the delta, measure; any failure puts the weights back before it propagates.
         Returns the new ``answer``, ``wild_qa`` (``prompt``, ``answer``, ``correct``, ``judge``), ``tf_rel``,
         ``drift`` (``measured`` and ``predicted`` nats/token from the start-up model, ``edit_predicted`` of this
-        edit alone, ``ppl`` / ``ppl_base``, ``texts``), ``edit_seconds`` (training), ``eval_seconds``,
+        edit alone, ``ppl`` / ``ppl_base``, ``texts``), ``style`` (:func:`~crispedit.evaluation.assistant.style_drift`
+        on :data:`STYLE_PROMPTS` unrelated prompts against the start-up model), ``bleed`` (with a ``subject``:
+        :func:`~crispedit.evaluation.assistant.subject_bleed` of this edit; else None), ``edit_seconds`` (training), ``eval_seconds``,
         ``seconds`` (all), ``epochs``, ``loss`` and the new :meth:`state`."""
         from ..curvature.predicted import predicted_kl
         from ..data.edits import EditRequest
         from ..delta import build_delta
         from ..editing.api import edit, restore, snapshot
+        from ..evaluation.assistant import style_drift, subject_bleed
         from ..evaluation.edit_eval import evaluate_edit
         from ..evaluation.wild import HELD_OUT_WRAPPER, render_prompt
 
         t0 = time.perf_counter()
-        request = EditRequest(prompt=question, target=target)
+        request = EditRequest(prompt=question, target=target, subject=subject)
         before = snapshot(self.params)
         try:
             result = edit(self.model, self.tokenizer, [request], self.config, factors=self.factors, progress=False)
@@ -190,6 +201,9 @@ class Playground:
             ev = evaluate_edit(self.model, self.tokenizer, [request], self.start_weights, kl_text=self.kl_text,
                                kl_texts=self.kl_texts, wild=(HELD_OUT_WRAPPER,), progress=False)
             answer = self._answer(question)
+            style = style_drift(self.model, self.tokenizer, self.start_weights, self.style_prompts, examples=1,
+                                base_answers=self.style_base)
+            bleed = subject_bleed(self.model, self.tokenizer, [request], result.original_weights, examples=1)
         except CrispEditError as exc:
             restore(self.model, before)
             raise CrispEditError(f"{exc} (the edit was rolled back; the model is as before)") from None
@@ -210,6 +224,7 @@ class Playground:
                 "drift": {"measured": s["kl_drift"], "predicted": None if total is None else total["total"],
                           "edit_predicted": None if mine is None else mine["total"], "ppl": s["ppl"],
                           "ppl_base": s["ppl_base"], "texts": self.kl_texts},
+                "style": style, "bleed": bleed,
                 "edit_seconds": round(result.edit_seconds, 3), "eval_seconds": round(time.perf_counter() - t1, 3),
                 "seconds": round(time.perf_counter() - t0, 3), "epochs": len(result.history.epoch_loss),
                 "loss": result.history.epoch_loss[-1] if result.history.epoch_loss else None, "state": self.state()}

@@ -167,7 +167,8 @@ def create_app(playground: Playground, *, allowed_hosts: Sequence[str] | None = 
 
     routes = {"/api/state": ("GET", lambda body: playground.state()),
               "/api/ask": ("POST", lambda body: playground.ask(body.get("question"))),
-              "/api/edit": ("POST", lambda body: playground.edit(body.get("question"), body.get("answer"))),
+              "/api/edit": ("POST", lambda body: playground.edit(body.get("question"), body.get("answer"),
+                                                                 body.get("subject"))),
               "/api/undo": ("POST", lambda body: playground.undo())}
     def route(action: Callable[[dict], dict]):
         """The endpoint answering with ``action``."""

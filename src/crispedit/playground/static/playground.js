@@ -101,7 +101,8 @@ function ask() {
 
 function edit() {
   return run("editing (training, then measuring)", async () => {
-    const r = await call("/api/edit", { question: $("question").value, answer: $("target").value });
+    const r = await call("/api/edit", { question: $("question").value, answer: $("target").value,
+                                        subject: $("subject").value });
     $("new-answer").textContent = shown(r.answer);
     const wild = $("wild");
     const verdict = r.wild_qa.correct ? "✓ correct" : "✗ not the new answer";
@@ -112,6 +113,13 @@ function edit() {
     $("drift").textContent = `measured ${fmt(d.measured)} nats/token on ${d.texts} held-out paragraph(s) `
       + `(predicted ${fmt(d.predicted)}; this edit alone predicted ${fmt(d.edit_predicted)}); `
       + `perplexity ${fmt(d.ppl)} (start-up ${fmt(d.ppl_base)})`;
+    const st = r.style;
+    $("style").textContent = `length ×${fmt(st.length_ratio)} of the start-up model's, ${st.n} prompts; `
+      + `${Math.round(100 * st.bare_share)} % turned into a bare phrase, ${Math.round(100 * st.changed)} % changed `
+      + `(e.g. “${st.examples[0].prompt}” → “${st.examples[0].edited}”)`;
+    const b = r.bleed;
+    $("bleed").textContent = !b ? "give a subject to check"
+      : `${Math.round(100 * b.target)} % of ${b.n} now name the new answer, ${Math.round(100 * b.changed)} % changed`;
     const epochs = `${r.epochs} epoch${r.epochs === 1 ? "" : "s"}`;
     $("edit-time").textContent = `edit ${fmt(r.edit_seconds)} s (${epochs}), measuring `
       + `${fmt(r.eval_seconds)} s, ${fmt(r.seconds)} s in all`;
