@@ -56,7 +56,6 @@ def _cache(tmp: Path, model: Path, *, n_cap: int = 4, max_len: int = 32, label_m
     """A factor file for the tiny model built with the given settings (identity factors)."""
     from crispedit.curvature.cache import save_factors
     from crispedit.curvature.kfac import KFACFactors
-    from crispedit.data import capability_corpus
     from crispedit.editing import EditConfig, curvature_spec
     from crispedit.models import load_model
 
@@ -64,7 +63,7 @@ def _cache(tmp: Path, model: Path, *, n_cap: int = 4, max_len: int = 32, label_m
     d_in, d_out = size or (48, 32)
     f = KFACFactors({n: torch.eye(d_in) for n in NAMES}, {n: torch.eye(d_out) for n in NAMES}, 10)
     cfg = EditConfig(n_cap=n_cap, max_len=max_len, label_mode=label_mode, layers=LAYERS)
-    spec = curvature_spec(m, NAMES, capability_corpus(None, n_cap), cfg)
+    spec = curvature_spec(m, NAMES, cfg)
     return save_factors(tmp / "factors.safetensors", f, spec)
 
 

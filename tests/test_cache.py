@@ -282,3 +282,55 @@ def test_eigenbases_cached_beside_the_factors(tiny_lm, tmp_path, monkeypatch):
     assert merged.source == {} and eigen_cache_path(merged) is None
     with pytest.raises(CrispEditError, match="no S factor"):
         factor_eigh(KFACFactors({"x": torch.eye(2)}, {}, 3), ["x"], ("S",))
+
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_cap_chat_adds_the_models_own_chat_answers_to_the_capability_corpus(tiny_lm, tmp_path, monkeypatch):
+    """With ``cap_chat`` the capability corpus is the texts plus chat transcripts of the model's own greedy answers,
+    of which only the answer positions count; the cache key names the prompts (not the answers), so a cached
+    entry is found without generating them; ``cap_chat`` 0 keeps the text-only key."""
+    import copy
+
+    from crispedit.data.corpus import chat_prompts
+    from crispedit.editing import EditConfig, capability_factors, curvature_spec
+    from crispedit.editing.api import capability_sequences
+    from crispedit.evaluation import generation
+    from crispedit.models import resolve_layers
+
+    model, tok = tiny_lm
+    tok = copy.deepcopy(tok)
+    tok.chat_template = CHAT
+    layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
+    plain, chat = EditConfig(n_cap=4, layers=None), EditConfig(n_cap=4, cap_chat=3)
+    s0, s1 = curvature_spec(model, list(layers), plain), curvature_spec(model, list(layers), chat)
+    assert s0.corpus_digest != s1.corpus_digest and (s0.n_texts, s1.n_texts) == (4, 7)
+    seqs, loss_from = capability_sequences(model, tok, chat)
+    assert len(seqs) == 7 and loss_from[:4] == [0] * 4 and all(k > 0 for k in loss_from[4:])
+    for p, ids, k in zip(chat_prompts(3), seqs[4:], loss_from[4:]):
+        text = tok.decode(ids)
+        assert text.startswith(f"<|user|>{p}<eos><|assistant|>") and tok.decode(ids[:k]).endswith("<|assistant|>")
+    assert capability_sequences(model, tok, plain) == (list(__import__("crispedit").data.capability_corpus(None, 4)), None)
+
+    calls = []
+    real = generation.generate_answers
+    monkeypatch.setattr(generation, "generate_answers", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    f1, info1 = capability_factors(model, tok, layers, chat, cache_root=tmp_path)
+    f2, info2 = capability_factors(model, tok, layers, chat, cache_root=tmp_path)
+    assert (info1["hit"], info2["hit"], len(calls)) == (False, True, 1)
+    f0, _ = capability_factors(model, tok, layers, plain, cache_root=tmp_path)
+    name = next(iter(layers))
+    assert f1.n_tokens > f0.n_tokens and not torch.allclose(f1.A[name], f0.A[name])
+    assert torch.equal(f1.A[name], f2.A[name])
+
+
+def test_cap_chat_out_of_range_is_one_line():
+    from crispedit.editing import EditConfig
+    from crispedit.errors import CrispEditError
+
+    with pytest.raises(CrispEditError, match="cap-chat"):
+        EditConfig(cap_chat=10_000)
+    with pytest.raises(CrispEditError, match="cap-chat"):
+        EditConfig(cap_chat=-1)

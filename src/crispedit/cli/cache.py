@@ -21,12 +21,13 @@ def cmd_cache_build(args) -> int:
     from ..editing import EditConfig
 
     config = EditConfig(layers=args.layers, n_cap=args.n_cap, max_len=args.max_len, label_mode=args.label_mode,
-                        kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus, seed=args.seed)
+                        kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus, cap_chat=args.cap_chat,
+                        seed=args.seed)
     if args.out:
         check_output_file(args.out)
     if args.cache_dir:
         check_output_dir(args.cache_dir, "--cache-dir")  # a file there, or a root that takes no entries: now
-    texts = capability_corpus(config.cap_corpus, config.n_cap)
+    capability_corpus(config.cap_corpus, config.n_cap)  # a bad corpus fails before the model loads
     from ..curvature.cache import save_factors
     from ..distributed import is_main, process_group_from_env, world_size
     from ..editing import capability_factors, curvature_spec
@@ -43,7 +44,7 @@ def cmd_cache_build(args) -> int:
         path = info["path"]
         if args.out:
             if is_main():
-                save_factors(args.out, factors, curvature_spec(model, list(layers), texts, config, fp, args.kind),
+                save_factors(args.out, factors, curvature_spec(model, list(layers), config, fp, args.kind),
                              extra={"collect_seconds": info["seconds"], "processes": world_size()})
             path = args.out
         procs = f" on {world_size()} processes" if world_size() > 1 else ""

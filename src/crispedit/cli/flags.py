@@ -51,6 +51,9 @@ def add_curvature_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-mode", choices=["sampled", "empirical"], default=d["label_mode"],
                    help="K-FAC labels: sampled from the model (Gauss-Newton, default) or the text's own tokens")
     p.add_argument("--cap-corpus", default=d["cap_corpus"], help="capability corpus (.txt/.jsonl/.json); default: bundled WikiText")
+    p.add_argument("--cap-chat", type=int, default=d["cap_chat"], metavar="N",
+                   help="bundled chat prompts whose answers, written by the unedited model through its chat template, "
+                        f"join the capability corpus, so the curvature protects how it answers (default {d['cap_chat']})")
     p.add_argument("--kfac-batch-size", type=int, default=d["kfac_batch_size"])
     p.add_argument("--seed", type=int, default=d["seed"])
 
@@ -160,7 +163,7 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
                       epochs=args.epochs, plateau_epochs=args.plateau,
                       projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
-                      seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,
+                      cap_chat=args.cap_chat, seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,
                       max_drift=getattr(args, "max_drift", None), drift_penalty=args.drift_penalty)
 
 

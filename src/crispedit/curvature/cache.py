@@ -26,7 +26,7 @@ import uuid
 import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -190,7 +190,7 @@ def get_or_build_factors(
     model: nn.Module,
     tokenizer,
     layers: dict[str, nn.Module],
-    texts: Sequence[str],
+    texts: Sequence[str] | Callable[[], tuple[Sequence, Sequence[int] | None]],
     spec: CurvatureSpec,
     *,
     root: str | Path,
@@ -199,7 +199,10 @@ def get_or_build_factors(
     force: bool = False,
     progress: bool | None = None,
 ) -> tuple[KFACFactors, dict]:
-    """Return cached factors for ``spec`` or collect and cache them. ``info`` says which happened.
+    """Return cached factors for ``spec`` or collect and cache them. ``info`` says which happened. ``texts``: the
+    corpus, or a function returning ``(sequences, loss_from)`` (texts or token-id sequences, and the first
+    counted position of each, as :func:`~crispedit.curvature.kfac.collect_lm_kfac` takes them) called only when
+    the factors are collected.
 
     Under ``torch.distributed`` (several processes, e.g. ``torchrun``) every process calls it with the same
     arguments: the file is used only if every process could read it (otherwise all of them collect, and a
@@ -220,14 +223,18 @@ def get_or_build_factors(
         _log.info("capability curvature: cached (%s)", found.name)
         return factors, {"path": str(found), "hit": True, "seconds": time.perf_counter() - t0,
                          "spec": factors.meta.get("spec")}
+    loss_from = None
+    if callable(texts):
+        texts, loss_from = texts()
     _log.info("capability curvature (%s): collecting over %d texts of <= %d tokens", spec.kind, len(texts), spec.max_len)
     if spec.kind == "input":
         factors = collect_lm_input_covariance(model, tokenizer, texts, layers, max_len=spec.max_len,
-                                              batch_size=batch_size, stat_dtype=stat_dtype, progress=progress)
+                                              batch_size=batch_size, stat_dtype=stat_dtype, progress=progress,
+                                              loss_from=loss_from)
     else:
         factors = collect_lm_kfac(model, tokenizer, texts, layers, max_len=spec.max_len, batch_size=batch_size,
                                   label_mode=LabelMode(spec.label_mode), seed=spec.seed, stat_dtype=stat_dtype,
-                                  progress=progress)
+                                  progress=progress, loss_from=loss_from)
     seconds = time.perf_counter() - t0
     _log.info("capability curvature: collected in %.0f s", seconds)
     if is_main():

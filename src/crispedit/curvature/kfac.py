@@ -687,10 +687,26 @@ class _StopForward(Exception):
     """Raised by a hook once the highest needed layer has run: the rest of the forward is skipped."""
 
 
+def _covariance_batches(tokenizer, texts, max_len: int, batch_size: int, loss_from: Sequence[int] | None,
+                        device) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """``(input_ids, attention_mask, counted)`` (``B x T``) batches of ``texts`` in corpus order: every non-padding
+    token counted, or — with ``loss_from`` — the loss rows :func:`lm_batches` gives."""
+    if loss_from is None:
+        for b in range(0, len(texts), batch_size):
+            enc = tokenizer(list(texts[b:b + batch_size]), return_tensors="pt", padding=True, truncation=True,
+                            max_length=max_len)
+            mask = enc["attention_mask"].to(device)
+            yield enc["input_ids"].to(device), mask, mask.bool()
+        return
+    for batch in lm_batches(tokenizer, texts, max_len=max_len, batch_size=batch_size, max_padding=None,
+                            device=device, loss_from=loss_from):
+        yield batch.input_ids, batch.attention_mask, batch.rows
+
+
 def collect_lm_input_covariance(
     model: nn.Module,
     tokenizer,
-    texts: Sequence[str],
+    texts: Sequence[str] | Sequence[Sequence[int]],
     layers: dict[str, nn.Module],
     *,
     max_len: int = 256,
@@ -699,13 +715,16 @@ def collect_lm_input_covariance(
     out_dtype: torch.dtype = torch.float32,
     progress: bool | None = None,
     desc: str = "input covariance",
+    loss_from: Sequence[int] | None = None,
 ) -> KFACFactors:
     """The uncentred input covariance ``C = E[k kᵀ]`` (``d_in x d_in``) of every layer in ``layers`` over
     every non-padding token of ``texts`` (tokenised, truncated to ``max_len``, right-padded): MEMIT's
     ``mom2`` statistic, K-FAC's ``A`` without the loss. Forward only, no labels, no gradients; the forward
     stops once the last of ``layers`` has run. Products in ``stat_dtype``, sums in float64, divided by
     the token count; returned as :class:`KFACFactors` with ``A`` only (``S`` empty). In several
-    processes every process runs every batch (no sharding)."""
+    processes every process runs every batch (no sharding). With ``loss_from`` (one int per text; ``texts`` may
+    then be token-id sequences) only the positions that :func:`lm_batches` counts for it are taken: those
+    predicting token ``loss_from[i]`` or later of text ``i``."""
     device = next(model.parameters()).device
     order = {id(m): i for i, m in enumerate(model.modules())}
     last = max(layers.values(), key=lambda m: order[id(m)])
@@ -733,16 +752,13 @@ def collect_lm_input_covariance(
     handles = [m.register_forward_hook(make_hook(n, m)) for n, m in layers.items()]
     try:
         with frozen(model), torch.no_grad():
-            for b in range(0, len(texts), batch_size):
-                chunk = list(texts[b:b + batch_size])
-                enc = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_len)
-                mask = enc["attention_mask"].to(device).bool()
+            for ids, attn, mask in _covariance_batches(tokenizer, texts, max_len, batch_size, loss_from, device):
                 try:
-                    model(input_ids=enc["input_ids"].to(device), attention_mask=mask.long())
+                    model(input_ids=ids, attention_mask=attn)
                 except _StopForward:
                     pass
                 rows += int(mask.sum())
-                bar.update(len(chunk))
+                bar.update(ids.shape[0])
     finally:
         for h in handles:
             h.remove()

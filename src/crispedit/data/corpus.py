@@ -16,7 +16,8 @@ from typing import Sequence
 
 from ..errors import CrispEditError, read_text_file
 
-__all__ = ["bundled_path", "load_texts", "capability_corpus", "heldout_text", "corpus_digest", "BUNDLED_EDITS"]
+__all__ = ["bundled_path", "load_texts", "capability_corpus", "heldout_text", "corpus_digest", "chat_prompts",
+           "BUNDLED_EDITS", "CHAT_PROMPTS"]
 
 
 def bundled_path(name: str) -> Path:
@@ -78,6 +79,19 @@ def load_texts(path: str | Path, n: int | None = None, min_chars: int = 1) -> li
 def capability_corpus(path: str | Path | None = None, n: int | None = 64) -> list[str]:
     """The capability corpus: ``path`` or the bundled WikiText sample (662 paragraphs)."""
     return load_texts(path or bundled_path("wikitext_capability.txt"), n)
+
+
+CHAT_PROMPTS = 75  # prompts in the bundled chat_prompts.json
+
+
+def chat_prompts(n: int | None = None) -> list[str]:
+    """The first ``n`` (None: all :data:`CHAT_PROMPTS`) of the bundled everyday prompts (questions, explanations,
+    requests, small sums) whose chat answers, written by the model being edited, join the capability corpus
+    (``EditConfig.cap_chat``); disjoint from the style-drift prompts the evaluation asks."""
+    prompts = json.loads(read_text_file(bundled_path("chat_prompts.json"), "bundled chat prompts"))["prompts"]
+    if n is not None and not 0 <= n <= len(prompts):
+        raise CrispEditError(f"--cap-chat must be between 0 and {len(prompts)} (the bundled chat prompts), got {n}")
+    return prompts if n is None else prompts[:n]
 
 
 def heldout_text(path: str | Path | None = None, n: int | None = 32) -> list[str]:

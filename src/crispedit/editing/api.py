@@ -13,7 +13,7 @@ from torch import nn
 
 from ..curvature.cache import CurvatureSpec, get_or_build_factors, layer_shapes, load_factors
 from ..curvature.kfac import KFACFactors
-from ..data.corpus import capability_corpus, corpus_digest
+from ..data.corpus import capability_corpus, chat_prompts, corpus_digest
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
 from ..models import cache_dir, model_family, parameter, weight_fingerprint
@@ -23,7 +23,8 @@ from .editor import EditContext
 from .loop import TrainHistory
 from .registry import get_editor
 
-__all__ = ["EditResult", "edit", "restore", "snapshot", "capability_factors", "curvature_spec", "edit_factors"]
+__all__ = ["EditResult", "edit", "restore", "snapshot", "capability_factors", "capability_sequences", "curvature_spec",
+           "edit_factors", "CHAT_ANSWER_TOKENS"]
 
 
 @dataclass
@@ -49,16 +50,29 @@ class EditResult:
     inputs: dict[str, str] = field(default_factory=dict)
 
 
-def curvature_spec(model: nn.Module, layers: Sequence[str], texts: Sequence[str], config: EditConfig,
+CHAT_ANSWER_TOKENS = 128  # at most this many tokens of the model's own answer per capability chat prompt
+
+
+def _corpus_key(config: EditConfig) -> tuple[list[str], list[str]]:
+    """The capability corpus of ``config`` as its content address sees it: the texts (``cap_corpus``, ``n_cap``) and
+    the chat prompts whose answers join them (``cap_chat``). The answers are not read: they are a function of the
+    model (its fingerprint is in the key), the prompts and :data:`CHAT_ANSWER_TOKENS`, so a cached entry is found
+    without generating them."""
+    return capability_corpus(config.cap_corpus, config.n_cap), chat_prompts(config.cap_chat)
+
+
+def curvature_spec(model: nn.Module, layers: Sequence[str], config: EditConfig,
                    fingerprint: str | None = None, kind: str = "kfac") -> CurvatureSpec:
-    """The content-address of a capability statistics collection for ``model``, ``layers`` and ``texts``
-    under ``config``: K-FAC factors (``kind="kfac"``) or the input covariance alone (``kind="input"``, which
-    depends on neither labels nor seed: label mode ``none``, seed 0)."""
+    """The content-address of a capability statistics collection for ``model`` and ``layers`` under ``config``
+    (its capability texts and chat prompts, :func:`_corpus_key`): K-FAC factors (``kind="kfac"``) or the input
+    covariance alone (``kind="input"``, which depends on neither labels nor seed: label mode ``none``, seed 0)."""
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     inp = kind == "input"
+    texts, chat = _corpus_key(config)
+    digest = corpus_digest(texts if not chat else [*texts, f"chat answers of at most {CHAT_ANSWER_TOKENS} tokens:", *chat])
     return CurvatureSpec(
         model_fingerprint=fingerprint or weight_fingerprint(model), layers=tuple(layers),
-        corpus_digest=corpus_digest(texts), n_texts=len(texts), max_len=config.max_len,
+        corpus_digest=digest, n_texts=len(texts) + len(chat), max_len=config.max_len,
         label_mode="none" if inp else config.label_mode, seed=0 if inp else config.seed, stat_dtype="float32",
         model_dtype=dtype, kind=kind,
     )
@@ -73,15 +87,46 @@ def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module]
     what this edit asks for), else from the content-addressed cache, else collected and cached. ``info``
     holds the path, whether it was a hit, the seconds and the spec the factors were built with."""
     fingerprint = fingerprint or weight_fingerprint(model)
-    texts = capability_corpus(config.cap_corpus, config.n_cap)
-    spec = curvature_spec(model, list(layers), texts, config, fingerprint, kind)
+    spec = curvature_spec(model, list(layers), config, fingerprint, kind)
     if cache_file is not None:
         t0 = time.perf_counter()
         factors = load_factors(cache_file, spec, shapes=layer_shapes(layers), model=model)
         return factors, {"path": str(cache_file), "hit": True, "seconds": time.perf_counter() - t0,
                          "spec": factors.meta.get("spec")}
-    return get_or_build_factors(model, tokenizer, layers, texts, spec, root=cache_root or cache_dir(),
-                                batch_size=config.kfac_batch_size, force=force, progress=progress)
+    return get_or_build_factors(model, tokenizer, layers, lambda: capability_sequences(model, tokenizer, config), spec,
+                                root=cache_root or cache_dir(), batch_size=config.kfac_batch_size, force=force,
+                                progress=progress)
+
+
+def capability_sequences(model: nn.Module, tokenizer, config: EditConfig) -> tuple[list, list[int] | None]:
+    """What the capability statistics of ``config`` are collected on, as ``(sequences, loss_from)`` for
+    :func:`~crispedit.curvature.kfac.collect_lm_kfac`: the capability texts alone (``loss_from`` None) or, with
+    ``cap_chat``, every text's token ids (cut to ``max_len``, every position counted) followed by the chat
+    transcripts of the ``cap_chat`` bundled prompts — the prompt through the chat template, then ``model``'s own
+    greedy answer of at most :data:`CHAT_ANSWER_TOKENS` tokens and its end of turn — of which only the answer's
+    positions count. Models without a chat template answer the bare prompt."""
+    texts, chat = _corpus_key(config)
+    if not chat:
+        return texts, None
+    from ..evaluation.generation import generate_answers
+
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    shown = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             if templated else p for p in chat]
+    answers = generate_answers(model, tokenizer, shown, max_new_tokens=CHAT_ANSWER_TOKENS, stop=(),
+                               add_special_tokens=not templated, progress=False, desc="capability chat answers")
+    ids = [x[:config.max_len] for x in tokenizer(texts, truncation=True, max_length=config.max_len)["input_ids"]]
+    loss_from = [0] * len(ids)
+    for p, a in zip(chat, answers):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) if templated else p
+        full = (tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": a}],
+                                              tokenize=False) if templated else f"{p} {a}")
+        head = tokenizer(prompt, add_special_tokens=not templated)["input_ids"]
+        seq = tokenizer(full, add_special_tokens=not templated)["input_ids"][:config.max_len]
+        ids.append(seq)
+        loss_from.append(min(len(head), len(seq) - 1))
+    return ids, loss_from
 
 
 def edit_factors(model: nn.Module, tokenizer, editor, layers: dict[str, nn.Module], config: EditConfig, *,

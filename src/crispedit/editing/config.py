@@ -83,6 +83,9 @@ class EditConfig:
     label_mode: str = "sampled"
     kfac_batch_size: int = 8
     cap_corpus: str | None = None       # path; None = bundled WikiText sample
+    # bundled chat prompts whose answers, written by the unedited model through its chat template, join the
+    # capability corpus, so the curvature also protects how the assistant answers (0 = text alone)
+    cap_chat: int = 0
     seed: int = 0
     options: dict = field(default_factory=dict)  # the method's own settings (Editor.Config fields)
     # trust region on the predicted KL drift (nats/token, fine-tuning methods; MethodSpec.drift_budget); None = no budget
@@ -119,6 +122,9 @@ class EditConfig:
         self.lr = check_lr("learning rate (--lr)", self.lr)
         self.epochs = check_int("epochs", self.epochs, 1, MAX_EPOCHS)
         self.seed = check_int("seed", self.seed, 0, SEED_MAX)
+        from ..data.corpus import CHAT_PROMPTS
+
+        self.cap_chat = check_int("cap-chat", self.cap_chat, 0, CHAT_PROMPTS)
         self.skip_loss = check_float("skip_loss", self.skip_loss, 0.0)
         self.stop_loss = check_float("stop_loss", self.stop_loss, 0.0)
         self.plateau_epochs = check_int("plateau epochs (--plateau)", self.plateau_epochs, 0, MAX_EPOCHS)
