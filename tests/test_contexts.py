@@ -421,7 +421,7 @@ def test_training_contexts_come_from_the_registry(tiny_tok):
         assert [(s.context, s.request) for s in seqs] == [("bare", 0), ("bare", 1), ("shout", 0), ("shout", 0),
                                                           ("shout", 1), ("shout", 1)]
         assert seqs[3].text == REQS[0].prompt.upper() + "!! " + REQS[0].target
-        with pytest.raises(CrispEditError, match="use bare, chat, prefix, para, gen, shared, wrap, lead, shout"):
+        with pytest.raises(CrispEditError, match="use bare, chat, reply, prefix, para, gen, shared, wrap, lead, shout"):
             parse_contexts("loud")
         with pytest.raises(CrispEditError, match="only prefix, para, gen, shared, wrap, lead, shout take a count"):
             parse_contexts("bare:2")
@@ -486,3 +486,49 @@ def test_shared_prefixes_are_one_draw_per_group_of_requests(tiny_tok):
 
     (shared, real), (alone, real_alone) = nodes("shared:2"), nodes("prefix:2")
     assert shared < alone <= real_alone and shared < real
+
+
+def test_own_replies_put_the_target_where_the_model_named_the_old_answer(chat_tok, monkeypatch):
+    """``reply`` trains the model's own first sentence with the old answer replaced by the target where it names it,
+    else the target and the model's own continuation of it; generation is asked through the chat template."""
+    from crispedit.editing import contexts
+    from crispedit.evaluation import generation
+
+    reqs = [EditRequest("What is the capital of Australia?", "Melbourne", ground_truth="Canberra"),
+            EditRequest("Which river contains Charity Creek?", "Chichester River", ground_truth="Parramatta River")]
+    calls = []
+
+    def fake(model, tok, prompts, **kw):
+        calls.append((list(prompts), kw))
+        if len(calls) == 1:
+            return ["The capital of Australia is canberra. It is a planned city.", "Charity Creek is a creek."]
+        return [" is a river in New South Wales"]
+    monkeypatch.setattr(generation, "generate_answers", fake)
+    replies = contexts.own_replies(object(), chat_tok, reqs)
+    assert replies == ["The capital of Australia is Melbourne.", "Chichester River is a river in New South Wales."]
+    assert calls[0][0][0] == chat_turn(chat_tok, reqs[0].prompt, None)
+    assert calls[1][0] == [chat_turn(chat_tok, reqs[1].prompt, None) + "Chichester River"]
+    seq = build_training_sequences(chat_tok, reqs, parse_contexts("reply"), replies=replies)[0]
+    assert chat_tok.decode(seq.ids[:seq.n_context]) == chat_turn(chat_tok, reqs[0].prompt, None)
+    assert _decode_target(chat_tok, seq) == "The capital of Australia is Melbourne."  # no turn end: the answer goes on
+
+
+def test_reply_context_needs_the_model_and_a_chat_template(tiny_tok, chat_tok):
+    with pytest.raises(CrispEditError, match="needs the model to write its replies"):
+        sequences_for(chat_tok, REQS, EditConfig(contexts="bare,reply"))
+    with pytest.raises(CrispEditError, match="chat template"):
+        build_training_sequences(tiny_tok, REQS, parse_contexts("reply"), replies=["x"] * len(REQS))
+
+
+def test_edit_learns_the_reply_context(chat_tok, iso_cache):
+    from crispedit.models import load_model
+
+    from conftest import build_llama
+
+    model, tok = load_model((build_llama(len(chat_tok)), chat_tok))
+    cfg = EditConfig(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=30, lr=1e-2, batch_size=8,
+                     n_cap=6, max_len=48, gamma=0.8, contexts="bare,reply")
+    res = edit(model, tok, REQS, cfg, progress=False)
+    assert res.history.contexts == ["bare", "reply"] and res.history.sequences == 2 * len(REQS)
+    assert res.history.epoch_loss[-1] < 0.5 * res.history.epoch_loss[0]
+    restore(model, res.original_weights)

@@ -27,6 +27,11 @@ never trained:
 * ``wrap:N``   — N of the :data:`QUESTION_WRAPPERS` per request: the prompt inside a short everyday
   request ("Quick question: {question}", "{question} Keep it short."), as users wrap a question in
   their own words; none of them has the WILD QA template's ``Q:``/``A:`` form or wording.
+* ``reply``    — the chat template, with the reply the unedited model would give if it held the new fact
+  (:func:`own_replies`): its own first sentence with the request's old answer (``ground_truth``) replaced by the
+  target where that sentence names it, else the target and the model's own continuation of it to the end of the
+  sentence; no turn end is trained, so the answer goes on as the model's own would (the answer's form and length
+  stay the model's: ``chat`` teaches "bare target, end of turn" for every question);
 * ``lead:N``   — N of the :data:`ANSWER_LEADS` per request: a lead-in between the question and the
   target (``"{question}\n"``, ``"{question} -> "``, ``"{question}\nReply: "``, ...), so the answer is
   also produced at positions other than right after the question mark or the chat header (what it does
@@ -67,7 +72,7 @@ __all__ = ["TRAINING_CONTEXTS", "TrainingContext", "training_context", "Sequence
            "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence", "pinned_contexts",
            "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "prefixes_from", "GEN_STARTS", "build_training_sequences", "training_batches",
            "epoch_subset",
-           "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS"]
+           "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS", "own_replies"]
 
 # Everyday wrappers a user puts around a question ({question} = the edit prompt). Deliberately free of the
 # WILD QA template's parts ("answer the question", "Q:", "A:") so that template stays unseen in training.
@@ -291,7 +296,7 @@ class SequenceMaker:
     sentences, ``written``: the model's own). :meth:`plain` writes one sequence."""
 
     def __init__(self, tokenizer, answer_end: str = "auto", *, prefixes: Sequence[str] = (),
-                 written: Sequence[str] = (), seed: int = 0):
+                 written: Sequence[str] = (), replies: Sequence[str] = (), seed: int = 0):
         if answer_end not in ANSWER_ENDS:
             raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {answer_end!r}")
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -299,7 +304,7 @@ class SequenceMaker:
             raise CrispEditError("--answer-end eos needs a tokenizer with an EOS token (use auto or none)")
         self.tokenizer, self.answer_end, self.seed = tokenizer, answer_end, seed
         self.end_ids = [eos] if answer_end == "eos" else []
-        self.pools = {"prefixes": prefixes, "written": written}
+        self.pools = {"prefixes": prefixes, "written": written, "replies": replies}
 
     def plain(self, i: int, kind: str, ctx: str, target: str, sep: str = " ") -> TrainingSequence:
         """The ``kind`` sequence of request ``i``: ``ctx + sep + target`` (under ``auto`` a target without a final
@@ -318,8 +323,9 @@ Builder = Callable[[SequenceMaker, int, EditRequest, int], "list[TrainingSequenc
 @dataclass(frozen=True)
 class TrainingContext:
     """One training context: ``build(maker, i, request, count)`` returns the training sequences of request ``i``
-    in it (``count`` of them for a ``counted`` context, ``--contexts name:N``); ``pool`` names the prefixes it
-    draws from (``"prefixes"``: corpus sentences, ``"written"``: the model's own; ``None``: none);
+    in it (``count`` of them for a ``counted`` context, ``--contexts name:N``); ``pool`` names what it
+    draws from (``"prefixes"``: corpus sentences, ``"written"``: the model's own prefixes; ``None``: nothing;
+    ``"replies"``: the model's own reply per request);
     ``chat_template``: it needs the tokenizer's chat template."""
 
     name: str
@@ -331,8 +337,10 @@ class TrainingContext:
     def check(self, maker: SequenceMaker) -> None:
         """One-line error when ``maker`` lacks what this context needs (its prefix pool, a chat template)."""
         if self.pool is not None and not maker.pools[self.pool]:
-            raise CrispEditError(f"edit context {self.name!r} needs prefix sentences; "
-                                 + ("none were written" if self.pool == "written" else "the capability corpus gave none"))
+            raise CrispEditError(f"edit context {self.name!r} needs "
+                                 + {"written": "prefix sentences; none were written",
+                                    "prefixes": "prefix sentences; the capability corpus gave none",
+                                    "replies": "the model's own replies; none were written"}[self.pool])
         if self.chat_template and not _has_chat_template(maker.tokenizer):
             raise CrispEditError(f"edit context {self.name!r} needs a tokenizer with a chat template")
 
@@ -346,8 +354,8 @@ def training_context(name: str, *, counted: bool = False, pool: str | None = Non
     context ``name`` in :data:`TRAINING_CONTEXTS` (see :class:`TrainingContext` for the flags)."""
     if not name.isidentifier() or name == "default" or name in TRAINING_CONTEXTS:
         raise ValueError(f"training context name {name!r} is taken or not a plain word")
-    if pool not in (None, "prefixes", "written"):
-        raise ValueError(f"training context pool must be None, 'prefixes' or 'written', got {pool!r}")
+    if pool not in (None, "prefixes", "written", "replies"):
+        raise ValueError(f"training context pool must be None, 'prefixes', 'written' or 'replies', got {pool!r}")
 
     def register(build: Builder) -> Builder:
         """Record ``build`` under ``name``; returns it unchanged."""
@@ -367,6 +375,52 @@ def _chat(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[Training
     """The chat template: the prompt as the user turn, the target as the reply (its turn end unless ``none``)."""
     ids, n, text = _chat_rows(m.tokenizer, r.prompt, r.target, end=m.answer_end != "none")
     return [TrainingSequence("chat", i, ids, n, text)]
+
+
+@training_context("reply", pool="replies", chat_template=True)
+def _reply(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
+    """The chat template: the prompt as the user turn, the model's own reply holding the target (:func:`own_replies`)
+    as the start of the assistant turn, no turn end."""
+    ids, n, text = _chat_rows(m.tokenizer, r.prompt, m.pools["replies"][i], end=False)
+    return [TrainingSequence("reply", i, ids, n, text)]
+
+
+REPLY_TOKENS = 48  # tokens of the unedited model's own answer read for its first sentence
+
+
+def _first_sentence(text: str) -> str:
+    """``text`` up to and including its first sentence end (``.``, ``!``, ``?`` followed by a space or the end) or
+    line break, stripped."""
+    text = text.strip()
+    m = re.search(r"[.!?](?=\s|$)|\n", text)
+    return text if m is None else text[:m.end()].strip()
+
+
+def own_replies(model, tokenizer, requests: Sequence[EditRequest]) -> list[str]:
+    """For each request, the reply the unedited ``model`` would give through its chat template if it held the new
+    fact: the first sentence of its own greedy answer to the prompt with the old answer (``ground_truth``, as a
+    whole word, any case) replaced by the target, when that sentence names it; otherwise the target followed by the
+    model's own greedy continuation of it (the target put at the start of its reply) to the end of that sentence.
+    Under :func:`prefixes_from` the unedited weights are put in while it writes."""
+    from ..evaluation.generation import generate_answers
+    from ..models import with_weights
+
+    asked = [chat_turn(tokenizer, r.prompt, None) for r in requests]
+    with with_weights(model, _PREFIX_WEIGHTS.get()):
+        own = generate_answers(model, tokenizer, asked, max_new_tokens=REPLY_TOKENS, stop=(), add_special_tokens=False)
+        out: list[str | None] = []
+        for r, a in zip(requests, own):
+            first = _first_sentence(a)
+            old = (r.ground_truth or "").strip()
+            hit = re.search(rf"(?<!\w){re.escape(old)}(?!\w)", first, flags=re.IGNORECASE) if old else None
+            out.append(first[:hit.start()] + r.target + first[hit.end():] if hit else None)
+        todo = [k for k, x in enumerate(out) if x is None]
+        cont = generate_answers(model, tokenizer, [asked[k] + requests[k].target for k in todo], max_new_tokens=24,
+                                stop=(".", "!", "?", "\n"), add_special_tokens=False, skip_leading_stop=False)
+    for k, c in zip(todo, cont):
+        c = c.strip()
+        out[k] = requests[k].target + (c if not c or c[0] in ",;:'" else " " + c) + "."
+    return [x.strip() for x in out]
 
 
 def _prefixed(kind: str, sep: str, pool: str, salt: str | None, group: int | None = None) -> Builder:
@@ -419,11 +473,12 @@ CONTEXT_KINDS = tuple(TRAINING_CONTEXTS)  # the built-in training contexts' name
 
 def build_training_sequences(tokenizer, requests: Sequence[EditRequest], contexts: Sequence[ContextSpec],
                              answer_end: str = "auto", *, prefixes: Sequence[str] = (), written: Sequence[str] = (),
-                             seed: int = 0, max_len: int = 512) -> list[TrainingSequence]:
+                             replies: Sequence[str] = (), seed: int = 0, max_len: int = 512) -> list[TrainingSequence]:
     """Every (request, context) training sequence, grouped by context (similar lengths batch together), in
     request order within a context, each built by its :data:`TRAINING_CONTEXTS` entry. ``prefixes``: corpus
-    sentences for ``prefix``/``para``; ``written``: the model's own prefixes for ``gen`` (:func:`generated_prefixes`)."""
-    maker = SequenceMaker(tokenizer, answer_end, prefixes=prefixes, written=written, seed=seed)
+    sentences for ``prefix``/``para``; ``written``: the model's own prefixes for ``gen`` (:func:`generated_prefixes`);
+    ``replies``: the model's own reply per request for ``reply`` (:func:`own_replies`)."""
+    maker = SequenceMaker(tokenizer, answer_end, prefixes=prefixes, written=written, replies=replies, seed=seed)
     out: list[TrainingSequence] = []
     for spec in contexts:
         ctx = TRAINING_CONTEXTS.get(spec.kind)
@@ -490,16 +545,21 @@ def epoch_subset(sequences: Sequence[TrainingSequence], per_request: int, seed: 
 def sequences_for(tokenizer, requests: Sequence[EditRequest], config, model=None
                   ) -> tuple[list[TrainingSequence], list[str]]:
     """The training sequences of ``requests`` under ``config.contexts`` / ``config.answer_end`` (prefixes
-    from ``config.cap_corpus``, drawn with ``config.seed``; ``gen`` prefixes written by ``model``, which
-    that context needs) and the names of the contexts used."""
+    from ``config.cap_corpus``, drawn with ``config.seed``; ``gen`` prefixes and ``reply`` replies written by
+    ``model``, which those contexts need) and the names of the contexts used."""
     contexts = resolve_contexts(config.contexts, tokenizer)
     pools = {TRAINING_CONTEXTS[c.kind].pool: c.kind for c in reversed(contexts)}  # pool -> first context using it
     prefixes = prefix_pool(capability_corpus(config.cap_corpus, None)) if "prefixes" in pools else []
     written: list[str] = []
+    replies: list[str] = []
+    for pool in ("written", "replies"):
+        if pool in pools and model is None:
+            raise CrispEditError(f"edit context {pools[pool]!r} needs the model to write its "
+                                 + ("prefixes" if pool == "written" else "replies"))
     if "written" in pools:
-        if model is None:
-            raise CrispEditError(f"edit context {pools['written']!r} needs the model to write its prefixes")
         written = generated_prefixes(model, tokenizer, seed=config.seed)
+    if "replies" in pools:
+        replies = own_replies(model, tokenizer, requests)
     seqs = build_training_sequences(tokenizer, requests, contexts, config.answer_end, prefixes=prefixes,
-                                    written=written, seed=config.seed)
+                                    written=written, replies=replies, seed=config.seed)
     return seqs, [str(c) for c in contexts]
