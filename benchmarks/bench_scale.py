@@ -27,10 +27,14 @@ Phases, each timed on its own (CUDA-synchronised) and printed as one line:
   back to the host inside a step (``aten::_local_scalar_dense`` outside ``torch.multinomial``'s device-side
   check — on a GPU each is a synchronisation), ``aten::item``, ``aten::nonzero``, explicit
   ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` calls and device-to-host copies, and the operator
-  launches (``aten::`` calls, CUDA kernel launches); reads between steps (once per epoch) are counted apart.
+  launches (``aten::`` calls, CUDA kernel launches); reads between steps (once per epoch) are counted apart, and
+  so is the skip rule's read on the loop's host path (``skip_reads``: one per step with ``--sync-free off``, the
+  CPU default, where it waits for nothing and spares a skipped batch its backward; none on the accelerator's
+  path). ``host_syncs`` counts every other read, synchronisation and ``nonzero``: 0 per step on either path.
 
 ``--random-init smollm2|llama3-8b`` builds the architecture with random weights (``--blocks K`` keeps K decoder
-blocks) and a byte-level BPE tokenizer trained in-process on the bundled WikiText sample, with a ChatML chat
+blocks; without ``--layers`` it edits the real checkpoint's layers where the K blocks hold them, else crispedit's
+default layers for K blocks) and a byte-level BPE tokenizer trained in-process on the bundled WikiText sample, with a ChatML chat
 template like SmolLM2's: timings only, no quality. ``--synthetic N`` makes up N facts (no data files needed).
 ``--json FILE`` writes every figure with the arguments and the environment. A ``--method`` entry may end in
 ``:bf16`` (training precision), ``:tf32`` (the projection's GEMMs), ``:compile`` or ``:graphs`` (the decoder
@@ -60,8 +64,9 @@ from crispedit.editing.api import capability_factors
 from crispedit.editing.fastpath import may_pack, pack_if_it_pays, prefix_sharing
 from crispedit.editing.loop import edit_batches, projected_finetune
 from crispedit.editing.steptimer import StepTimer
-from crispedit.errors import atomic_write_json
-from crispedit.models import decoder_blocks, load_model, restoring, weight_fingerprint
+from crispedit.errors import CrispEditError, atomic_write_json
+from crispedit.models import (decoder_blocks, default_layer_pattern, expand_pattern, load_model, restoring,
+                              weight_fingerprint)
 from crispedit.pipeline import environment
 from crispedit.progress import progress_lines
 
@@ -103,6 +108,15 @@ def random_model(shape: str, blocks: int | None, dtype: torch.dtype, device: str
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype).eval()
     return load_model((model, tok), device=device)
+
+
+def random_init_layers(shape: str, model) -> str:
+    """The ``--layers`` default of a ``--random-init`` run: the real checkpoint's layers of ``shape`` (:data:`SHAPES`)
+    when ``model``'s blocks hold them all, else crispedit's default layers for its depth
+    (:func:`~crispedit.models.default_layer_pattern`: a ``--blocks`` model too shallow for the real ones)."""
+    pattern = SHAPES[shape]["layers"]
+    modules = dict(model.named_modules())
+    return pattern if all(name in modules for name in expand_pattern(pattern)) else default_layer_pattern(model)
 
 
 def synthetic_requests(n: int, seed: int = 0) -> list[EditRequest]:
@@ -172,7 +186,8 @@ def step_flops(model, batches, params, projectors, packed=None) -> float:
 def profile_epoch(model, tok, requests, layers, params, projectors, config, device: str,
                   sync_free: bool | None = None) -> dict:
     """Counts of one more epoch under ``torch.profiler`` (phases marked by a :class:`StepTimer`): per step and
-    between steps."""
+    between steps (:func:`_tally`); ``host_syncs_per_step`` (reads, ``nonzero`` and synchronisations in a step,
+    the skip rule's host read apart) and ``skip_reads_per_step`` (that read: 1 on the host path, 0 sync-free)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
@@ -187,15 +202,17 @@ def profile_epoch(model, tok, requests, layers, params, projectors, config, devi
     per_step = {k: round(v / steps, 3) for k, v in inside.items()}
     per_step["host_syncs"] = round((inside["reads"] + inside["nonzero"] + inside["sync_calls"]) / steps, 3)
     return {"steps": steps, "per_step": per_step, "between_steps": outside,
-            "host_syncs_per_step": per_step["host_syncs"]}
+            "host_syncs_per_step": per_step["host_syncs"], "skip_reads_per_step": per_step["skip_reads"]}
 
 
 def _tally(prof, inside_of) -> tuple[dict, dict]:
     """Counts of a ``torch.profiler`` run's events, split by ``inside_of(name, parent names)``: values read back
-    to the host (``reads``: ``aten::_local_scalar_dense`` outside ``aten::_assert_async``), ``item``,
-    ``nonzero``, explicit synchronisations, device-to-host copies, CUDA kernel launches and top-level
-    ``aten::`` calls (one not nested in another)."""
-    inside = {"reads": 0, "item": 0, "nonzero": 0, "sync_calls": 0, "dtoh": 0, "aten_ops": 0, "kernel_launches": 0}
+    to the host (``reads``: ``aten::_local_scalar_dense`` outside ``aten::_assert_async``; ``skip_reads`` those
+    of the loop's ``crispedit.skip_read`` phase, the skip rule read on the host), ``item``, ``nonzero``, explicit
+    synchronisations, device-to-host copies, CUDA kernel launches and top-level ``aten::`` calls (one not
+    nested in another)."""
+    inside = {"reads": 0, "skip_reads": 0, "item": 0, "nonzero": 0, "sync_calls": 0, "dtoh": 0, "aten_ops": 0,
+              "kernel_launches": 0}
     outside = dict(inside)
 
     def chain(e):
@@ -210,7 +227,7 @@ def _tally(prof, inside_of) -> tuple[dict, dict]:
         parents = chain(e)
         where = inside if inside_of(name, parents) else outside
         if name == "aten::_local_scalar_dense" and "aten::_assert_async" not in parents:
-            where["reads"] += 1
+            where["skip_reads" if "crispedit.skip_read" in parents else "reads"] += 1
         elif name == "aten::item" and "aten::_assert_async" not in parents:
             where["item"] += 1
         elif name == "aten::nonzero":
@@ -286,7 +303,9 @@ def _args(argv):
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="a model spec of crispedit (default smollm2 unless --random-init)")
     src.add_argument("--random-init", choices=sorted(SHAPES), default=None)
-    ap.add_argument("--blocks", type=int, default=None, help="random init: keep this many decoder blocks")
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="random init: keep this many decoder blocks (without --layers: the real checkpoint's edit "
+                         "layers where they fit, else crispedit's default layers for this depth)")
     data = ap.add_mutually_exclusive_group()
     data.add_argument("--synthetic", type=int, default=None, metavar="N", help="N made-up facts")
     data.add_argument("--edits", default=None, help="an edit file (with --offset / --n-edits)")
@@ -321,7 +340,10 @@ def _args(argv):
                     help="the loop's skip rule on the device (on; the accelerator default) or read on the host "
                          "(off; the CPU default, where a read is free and a skipped batch's backward is saved)")
     ap.add_argument("--json", default=None, metavar="FILE")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.blocks is not None and args.blocks < 1:
+        ap.error(f"--blocks must be at least 1, got {args.blocks}")
+    return args
 
 
 def run_method(method: str, args, model, tok, requests, layers_pattern, device: str, peak: float, root: str) -> dict:
@@ -347,7 +369,7 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
     params = editor.trainable(layers)
     out: dict = {"layers": list(layers)}
     with restoring(params):  # the next entry (or a failed one) leaves the weights as they were
-        print(f"[{method}] {len(layers)} layers")
+        print(f"[{method}] {len(layers)} layers ({layers_pattern})")
         if editor.needs_curvature:
             t = time.perf_counter()
             fingerprint = weight_fingerprint(model)  # the cache key's model part: every weight's bytes hashed once
@@ -446,6 +468,9 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
                   f"{ps['sync_calls']} sync calls, {ps['dtoh']} DtoH copies), {ps['aten_ops']} aten ops, "
                   f"{ps['kernel_launches']} kernel launches; between steps: {prof['between_steps']['reads']} reads "
                   f"in {prof['steps']} steps")
+            if ps["skip_reads"]:
+                print(f"           and {ps['skip_reads']} skip-rule reads per step: the loop's host path (--sync-free "
+                      "off, the CPU default) reads the skip test to spare a skipped batch its backward")
         out["peak_memory_mib"] = round((torch.cuda.max_memory_allocated() if device.startswith("cuda") else
                                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 20, 1)
         out["host_syncs_per_step"] = out.get("profile", {}).get("host_syncs_per_step")
@@ -463,7 +488,7 @@ def main(argv=None) -> dict:
     t = time.perf_counter()
     if args.random_init:
         model, tok = random_model(args.random_init, args.blocks, dtype, device)
-        layers_pattern = args.layers or SHAPES[args.random_init]["layers"]
+        layers_pattern = args.layers or random_init_layers(args.random_init, model)
     else:
         model, tok = load_model(args.model or "smollm2", dtype=args.dtype, device=device)
         layers_pattern = args.layers
@@ -505,4 +530,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    try:
+        sys.exit(0 if main() else 1)
+    except CrispEditError as exc:  # a layer, an edit file, a setting the library refused: one line
+        sys.exit(f"bench_scale: error: {exc}")

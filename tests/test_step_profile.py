@@ -129,3 +129,35 @@ def test_factors_from_a_cache_file_map_onto_other_layers_in_order(bench, tiny_lm
         assert torch.equal(mapped.A[b], factors.A[a]) and torch.equal(mapped.S[b], factors.S[a])
     with pytest.raises(SystemExit, match="does not fit"):
         bench.factors_from_file(info["path"], resolve_layers(model, "model.layers.{2-3}.mlp.up_proj"))
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_the_only_read_in_a_step_is_the_host_skip_rule(sync_free, tiny_lm, iso_cache):
+    """Under ``torch.profiler``, the values read back to the host inside the steps of the real loop: on its host
+    path (the CPU default) exactly one per batch, in the ``skip_read`` phase (it decides the batch's backward, so
+    it cannot wait for the epoch's end); on the sync-free path none. Any other read inside a step fails this."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, tok, layers, factors, reqs = _setup(tiny_lm, iso_cache)
+    cfg = EditConfig(epochs=2, contexts="bare", batch_size=2, stop_loss=0.0)
+    editor = get_editor("crispedit")
+    timer = StepTimer(record_functions=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        hist = projected_finetune(model, tok, reqs, layers, editor.trainable(layers),
+                                  editor.projectors(layers, factors, cfg), cfg, progress=False, timer=timer,
+                                  sync_free=sync_free)
+    phases = {}
+    for e in prof.events():
+        if e.name != "aten::_local_scalar_dense":
+            continue
+        parents, p = [], e.cpu_parent
+        while p is not None:
+            parents.append(p.name)
+            p = p.cpu_parent
+        phase = next((n for n in parents if n.startswith("crispedit.")), "between steps")
+        phases[phase] = phases.get(phase, 0) + 1
+    batches = hist.steps + hist.skipped
+    assert batches == 6 and len(hist.epoch_loss) == 2
+    in_steps = {k: v for k, v in phases.items() if k != "between steps"}
+    assert in_steps == ({} if sync_free else {"crispedit.skip_read": batches}), phases
+    assert all(("skip_read" in r) is not sync_free for r in timer.steps + timer.skipped)

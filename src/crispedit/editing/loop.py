@@ -380,7 +380,13 @@ class _Step:
         with timer.phase("bookkeeping"):  # the skip rule: a batch below skip_loss takes no step
             active = ~(value < self.skip_loss)
             counters.skipped = counters.skipped + (~active).to(torch.int32)
-            if not self.sync_free and not bool(active):  # read on the host: no backward for a skipped batch
+        if not self.sync_free:
+            # The host path's one read per step, on purpose: it decides whether this batch runs its backward, so it
+            # cannot wait for the epoch's end; on the CPU (its default) it waits for nothing and spares a skipped
+            # batch its backward and update. The sync-free path (an accelerator's) reads nothing per step.
+            with timer.phase("skip_read"):
+                skip = not bool(active)
+            if skip:
                 counters.n_batches += 1
                 timer.end_step(skipped=True)
                 return value

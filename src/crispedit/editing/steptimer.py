@@ -6,7 +6,8 @@ The loop brackets every part of a step with ``timer.phase(name)`` and every step
 loop every edit runs, not of a re-implementation (``benchmarks/bench_projection.py --profile``).
 
 Phases of a step, in loop order: ``forward`` (the edit loss, fast path or plain), ``bookkeeping`` (the
-on-device skip test and the loss kept for the epoch mean; nothing is read back to the host),
+on-device skip test and the loss kept for the epoch mean; nothing is read back to the host), ``skip_read``
+(the skip test read on the host: the loop's only read in a step, on its host path — the CPU default — only),
 ``zero_grad``, ``backward``, ``allreduce`` (gradients summed over processes, under ``torch.distributed``
 only), ``copies`` (the weights kept before an update-projected step), ``projection`` (the gradient, or the
 update after the step), ``optimizer`` (the Adam step), ``drift`` (the ``--max-drift`` trust region). The
@@ -26,7 +27,7 @@ import torch
 __all__ = ["StepTimer", "NULL_TIMER", "MAIN_PHASES", "OTHER_PHASES"]
 
 MAIN_PHASES = ("forward", "backward", "projection", "optimizer")
-OTHER_PHASES = ("bookkeeping", "zero_grad", "allreduce", "copies", "drift")
+OTHER_PHASES = ("bookkeeping", "skip_read", "zero_grad", "allreduce", "copies", "drift")
 
 
 class _NullTimer:
