@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ..delta_format import check_lora_rank, read_delta_header
-from ..errors import check_output_dir
+from ..errors import check_output_dir, check_positive_int
 
 __all__ = ["add_cli"]
 
@@ -141,8 +141,9 @@ def cmd_revert(args) -> int:
 def cmd_export_lora(args) -> int:
     """``crispedit delta export-lora DELTA --model BASE --rank R --out DIR``: a peft LoRA adapter (truncated
     SVD of every ΔW), printing the relative Frobenius error per layer."""
+    rank = check_positive_int("--rank", args.rank)  # before the delta is read
     meta = read_delta_header(args.delta)
-    rank = check_lora_rank("--rank", args.rank, meta, args.delta)
+    check_lora_rank("--rank", rank, meta, args.delta)
     check_output_dir(args.out, overwrite=False)
     model, tok = _load(args, meta)
     from ..delta import export_lora
