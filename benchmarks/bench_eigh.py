@@ -151,8 +151,11 @@ def main(argv=None) -> dict:
     if args.factors:
         gammas = [float(g) for g in args.gammas.split(",") if g.strip()]
         print(f"projection error against the float64 formula (crispedit / float32 eigh), {args.factors}")
-        out = {"command": command, "commit": _commit(), "torch": torch.__version__, "factors": str(args.factors),
-               "gammas": gammas, "layers": projection_errors(args.factors, gammas, args.seed)}
+        from crispedit.errors import read_safetensors_header
+
+        spec = read_safetensors_header(args.factors, "curvature cache", "crispedit")[0].get("spec", {})
+        out = {"command": command, "commit": _commit(), "torch": torch.__version__, "factors": Path(args.factors).name,
+               "factors_spec": spec, "gammas": gammas, "layers": projection_errors(args.factors, gammas, args.seed)}
         if args.json:
             atomic_write_json(args.json, out)
         return out
