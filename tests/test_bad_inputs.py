@@ -89,23 +89,48 @@ def _model_variant(tmp: Path, model: Path, kind: str) -> Path:
     return d
 
 
-def _session(tmp: Path, model: Path, state) -> Path:
-    """A session directory whose session.json is valid and whose state.json is ``state``."""
+def _session(tmp: Path, model: Path, state, *, version: str | None = None) -> Path:
+    """A session directory whose session.json is valid (written by this crispedit, or by ``version``) and whose
+    state.json is ``state`` (an object gets this crispedit's version and format)."""
+    from crispedit.editing.contexts import DEFAULT_CONTEXTS
+    from crispedit.errors import VERSION_KEY, stamped
     from crispedit.sessions.sequential import SeqConfig
 
     d = tmp / "sess"
     d.mkdir()
-    meta = {"format": 1, "name": "crispedit-seq", "created": "now", "layers": NAMES,
-            "base": {"spec": str(model), "fingerprint": "0" * 32, "dtype": "float32", "model_type": "llama"},
-            "config": SeqConfig().to_json()}
+    meta = stamped({"format": 1, "name": "crispedit-seq", "created": "now", "layers": NAMES,
+                    "base": {"spec": str(model), "fingerprint": "0" * 32, "dtype": "float32", "model_type": "llama"},
+                    "config": SeqConfig().to_json(), "default_contexts": DEFAULT_CONTEXTS})
+    if version is not None:
+        meta[VERSION_KEY] = version
     (d / "session.json").write_text(json.dumps(meta))
-    (d / "state.json").write_text(json.dumps(state))
+    (d / "state.json").write_text(json.dumps(stamped({"format": 1, **state}) if isinstance(state, dict) else state))
     return d
 
 
-def _run_file(tmp: Path, name: str = "run.json") -> Path:
-    return _file(tmp, name, json.dumps({"edit": {"rel": 0.5, "gen": 0.25}, "capabilities": {},
-                                        "config": {"model": "m", "protocol": "wild", "context": "qa"}}))
+def _run_file(tmp: Path, name: str = "run.json", version: str | None = None) -> Path:
+    """A ``crispedit eval`` result file written by this crispedit (or claiming ``version``)."""
+    from crispedit.errors import VERSION_KEY, stamped
+
+    run = stamped({"edit": {"rel": 0.5, "gen": 0.25}, "capabilities": {},
+                   "config": {"model": "m", "protocol": "wild", "context": "qa"}})
+    if version is not None:
+        run[VERSION_KEY] = version
+    return _file(tmp, name, json.dumps(run))
+
+
+def _older(tmp: Path, path: Path, key: str) -> Path:
+    """``path`` (a crispedit safetensors file, its metadata under ``key``) rewritten as crispedit 0.0.9 wrote it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from crispedit.errors import VERSION_KEY
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta, tensors = dict(fh.metadata()), {k: fh.get_tensor(k) for k in fh.keys()}
+    meta[key] = json.dumps({**json.loads(meta[key]), VERSION_KEY: "0.0.9"})
+    save_file(tensors, str(path), metadata=meta)
+    return path
 
 
 def _config_dir(tmp: Path, config: dict | None) -> Path:
@@ -272,6 +297,19 @@ CASES = [
      "(round 1) is malformed: no 'n_edits'"),
     ("report-run-wrong-shape", lambda t, m: ["report", _file(t, "run.json", '{"edit": [], "capabilities": {}}')],
      "not a `crispedit eval` result"),
+    # files another crispedit version wrote: refused in one line naming that version
+    ("session-other-version", lambda t, m: ["session", "status", _session(t, m, {"round": 0, "files": {}, "rounds": []},
+                                                                       version="0.0.9")],
+     "was written by crispedit 0.0.9; this is crispedit"),
+    ("report-run-other-version", lambda t, m: ["report", _run_file(t, version="0.0.9")],
+     "run.json was written by crispedit 0.0.9; this is crispedit"),
+    ("delta-other-version", lambda t, m: ["delta", "info", _older(t, _delta(t, m), "crispedit_delta")],
+     "d.safetensors was written by crispedit 0.0.9; this is crispedit"),
+    ("cache-other-version", lambda t, m: _edit(t, m, "--cache", _older(t, _cache(t, m), "crispedit")),
+     "was written by crispedit 0.0.9; this is crispedit"),
+    ("edit-overwrite-other-version", lambda t, m: _edit(t, m, "--overwrite", out=_file(
+        t, "edit_report.json", json.dumps({"crispedit_version": "0.0.9", "files": []})).parent),
+     "edit_report.json was written by crispedit 0.0.9; this is crispedit"),
     # 7. a non-empty --out is refused unless --overwrite (and then only an earlier crispedit output)
     ("edit-out-not-empty", lambda t, m: _edit(t, m, out=_file(t, "keep.txt").parent), "is not empty; pass --overwrite"),
     ("edit-overwrite-foreign", lambda t, m: _edit(t, m, "--overwrite", out=_file(t, "keep.txt").parent),

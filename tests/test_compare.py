@@ -9,7 +9,7 @@ from crispedit.experiments import compare as compare_mod
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
-from crispedit.errors import CrispEditError
+from crispedit.errors import CrispEditError, stamped
 from crispedit.models import weight_fingerprint
 
 from test_cli import edits_file
@@ -75,28 +75,6 @@ def test_compare_runs_every_method_from_the_same_base_and_resumes(tiny_lm, tmp_p
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_compare_written_under_the_legacy_fingerprint_resumes(tiny_lm, tmp_path, iso_cache, monkeypatch):
-    """A compare.json from before the XXH3 fingerprints names its base by the blake2b digest: the same base
-    resumes it (the stored rows kept, the file's fingerprint brought up to date); another base does not."""
-    from crispedit.models import legacy_weight_fingerprint
-
-    model, tok = tiny_lm
-    out = tmp_path / "cmp"
-    compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
-    stored = json.loads((out / "compare.json").read_text())
-    stored["settings"]["fingerprint"] = legacy_weight_fingerprint(model)
-    (out / "compare.json").write_text(json.dumps(stored))
-    ran = counting_edit(monkeypatch)
-    payload = compare_mod.run_compare(model, tok, REQS, ["ft", "lora"], out, configs=configs(["ft", "lora"]),
-                                      progress=False)
-    assert ran == ["lora"] and payload["results"]["ft"] == stored["results"]["ft"]
-    assert json.loads((out / "compare.json").read_text())["settings"]["fingerprint"] == weight_fingerprint(model)
-    stored["settings"]["fingerprint"] = "0" * 32
-    (out / "compare.json").write_text(json.dumps(stored))
-    with pytest.raises(CrispEditError, match="other settings \\(fingerprint\\)"):
-        compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
-
-
 def test_compare_refuses_other_settings_in_the_same_dir(tiny_lm, tmp_path, iso_cache):
     model, tok = tiny_lm
     out = tmp_path / "cmp"
@@ -105,38 +83,23 @@ def test_compare_refuses_other_settings_in_the_same_dir(tiny_lm, tmp_path, iso_c
         compare_mod.run_compare(model, tok, REQS[:2], ["ft"], out, configs=configs(["ft"]), progress=False)
     with pytest.raises(compare_mod.CrispEditError, match="holds ft run with another configuration"):
         compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"], epochs=5), progress=False)
-    old = json.loads((out / "compare.json").read_text())      # written before EditConfig had max_drift
-    del old["results"]["ft"]["config"]["max_drift"]
-    (out / "compare.json").write_text(json.dumps(old))
+    old = json.loads((out / "compare.json").read_text())
     again = compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
     assert again["results"]["ft"]["summary"] == old["results"]["ft"]["summary"]   # resumed, not rerun
-    # rows stored as contexts 'default' under an older default are another configuration: refused
-    old["settings"]["default_contexts"] = "bare,chat,prefix:2"
+    config = old["results"]["ft"]["config"]
+    del config["max_drift"]                                   # a row whose config lacks a field: another one
     (out / "compare.json").write_text(json.dumps(old))
-    with pytest.raises(compare_mod.CrispEditError, match="other settings.*default_contexts"):
+    with pytest.raises(compare_mod.CrispEditError, match="holds ft run with another configuration"):
         compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
+    config["max_drift"] = None
+    # rows stored as contexts 'default' under another default are another configuration: refused
+    for key, value in (("default_contexts", "bare,chat,prefix:2"), ("fingerprint", "xxh3-" + "0" * 32)):
+        bad = json.loads(json.dumps(old))
+        bad["settings"][key] = value
+        (out / "compare.json").write_text(json.dumps(bad))
+        with pytest.raises(compare_mod.CrispEditError, match=f"other settings \\({key}\\)"):
+            compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
 
-
-def test_rows_stored_before_the_plateau_rule_resume_where_it_changes_nothing(tiny_lm, tmp_path, iso_cache, monkeypatch):
-    """A row stored without the plateau fields (the rule off) is today's default run when today's rule would have
-    stopped none of its training: it resumes, not rerun; a stored curve the rule would have cut is another run."""
-    model, tok = tiny_lm
-    out = tmp_path / "cmp"
-    compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
-    old = json.loads((out / "compare.json").read_text())
-    assert old["results"]["ft"]["config"]["plateau_epochs"] == 8
-    del old["results"]["ft"]["config"]["plateau_epochs"]   # as written before the rule: read as off
-    (out / "compare.json").write_text(json.dumps(old))
-    ran = counting_edit(monkeypatch)
-    again = compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
-    assert ran == [] and again["results"]["ft"]["summary"] == old["results"]["ft"]["summary"]
-    old["results"]["ft"]["training"]["epoch_loss"] = [0.5, 0.1, 0.0121] + [0.0120] * 9   # stalled: cut at epoch 11
-    (out / "compare.json").write_text(json.dumps(old))
-    with pytest.raises(CrispEditError, match="holds ft run with another configuration"):
-        compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
-    off = compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"], plateau_epochs=0),
-                                  progress=False)  # asked with the rule off, as the row ran: resumed
-    assert ran == [] and off["results"]["ft"]["training"]["epoch_loss"][-1] == 0.0120
 
 def test_compare_cli(tiny_model_dir, tmp_path, iso_cache, capsys):
     out = tmp_path / "cmp"
@@ -320,20 +283,11 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
     compare_mod.run_compare(model, tok, REQS, ["ft-seq"], out, configs={"ft-seq": other["ft-seq"]}, seq_chunk=2,
                             progress=False)
     assert ran == []
-    # the edit factors' γ: named the same way; a row stored before the option (no key) ran at the edit γ
+    # the edit factors' γ: named the same way
     crisp = seq_configs(["crispedit-seq"])["crispedit-seq"]
     with pytest.raises(CrispEditError, match=r"edit-factor gamma 0.95, now 0.9: --seq-edit-gamma 0.95 resumes it"):
         compare_mod.run_compare(model, tok, REQS, ["crispedit-seq"], out, seq_chunk=2, progress=False,
                                 configs={"crispedit-seq": dataclasses.replace(crisp, edit_gamma=0.9)})
-    stored = json.loads((out / "compare.json").read_text())
-    del stored["results"]["crispedit-seq"]["config"]["edit_gamma"]
-    (out / "compare.json").write_text(json.dumps(stored))
-    g = crisp.edit.gamma
-    with pytest.raises(CrispEditError, match=rf"edit-factor gamma {g}, now 0.95: --seq-edit-gamma {g} resumes it"):
-        compare_mod.run_compare(model, tok, REQS, ["crispedit-seq"], out, seq_chunk=2, progress=False,
-                                configs={"crispedit-seq": crisp})
-    compare_mod.run_compare(model, tok, REQS, ["crispedit-seq"], out, seq_chunk=2, progress=False,
-                            configs={"crispedit-seq": dataclasses.replace(crisp, edit_gamma=g)})
     assert ran == []
 
 
@@ -565,7 +519,7 @@ def test_compare_table_notes_a_steep_layer():
 
 def test_compare_table_notes_crosstalk_per_wrapper():
     """Rows whose WILD wrappers carry ``cross`` get it in percent, wrapper by wrapper, the base row's too (chance);
-    rows stored without it (older runs) add nothing."""
+    rows without it add nothing."""
     settings = {"model": "m", "n_edits": 4, "edits": {}, "evaluation": {"capabilities": [], "limit": None}}
     crisp, old = _row(0.8, 0.002), _row(0.9, 0.05)
     crisp["wild"] = {"qa": {"rel": 0.8, "gen": 0.5, "cross": 0.118}, "none": {"rel": 1.0, "gen": 0.3, "cross": 0.0},
@@ -578,21 +532,6 @@ def test_compare_table_notes_crosstalk_per_wrapper():
     assert len(notes) == 1 and notes[0].endswith("chance): base: 1.0 (qa); crispedit: 11.8 / 0.0 (qa / none)")
     del crisp["wild"]["qa"]["cross"], crisp["wild"]["none"]["cross"], base["wild"]["qa"]["cross"]
     assert "Crosstalk" not in compare_mod.compare_table(payload)
-
-
-def test_a_resumed_compare_gives_its_older_rows_crosstalk_from_their_stored_answers():
-    """Rows stored before ``cross`` existed get it from their answers (as the evaluation computes it); a stored
-    value, a wrapper without answers or with another number of them, and a skipped wrapper stay as they are."""
-    reqs = [EditRequest(f"Q{i}?", t) for i, t in enumerate(["Paris", "Rome", "Oslo"])]
-    answers = [["Paris", True, [], []], ["Oslo", False, [], []], ["Nowhere", False, [], []]]
-    results = {"base": {"wild": {"qa": {"rel": 0.0, "answers": answers}}},
-               "ft": {"wild": {"qa": {"rel": 0.3, "cross": 0.5, "answers": answers}, "none": {"rel": 1.0},
-                               "chat": None, "seconds": 3.0}},
-               "x": {"wild": {"qa": {"rel": 0.3, "answers": answers[:2]}}}}
-    compare_mod._backfill_crosstalk(results, reqs)
-    assert results["base"]["wild"]["qa"]["cross"] == round(1 / 3, 4)   # "Oslo" for Rome
-    assert results["ft"]["wild"]["qa"]["cross"] == 0.5 and "cross" not in results["ft"]["wild"]["none"]
-    assert "cross" not in results["x"]["wild"]["qa"]
 
 
 def test_alphaedit_seq_carries_kp_like_the_batch_run_across_its_batches(tiny_lm, tmp_path, iso_cache):
@@ -631,8 +570,8 @@ def breaking_payload():
                "lora": with_items(1.0, 0.001, 100.0, [1.0, 1.0, 1.0, 1.0]),
                "mend": _row(None, 13.0, {"arc_challenge": 0.75})}
     results["mend"]["wild"]["qa"] = None
-    return {"format": compare_mod.COMPARE_FORMAT, "settings": settings,
-            "methods": ["crispedit", "ft", "lora", "mend"], "results": results}
+    return stamped({"format": compare_mod.COMPARE_FORMAT, "settings": settings,
+                    "methods": ["crispedit", "ft", "lora", "mend"], "results": results})
 
 
 def test_a_row_whose_perplexity_more_than_doubles_breaks_the_model_and_is_on_neither_front():
@@ -664,7 +603,7 @@ def test_render_outputs_redraws_a_stored_compare_without_running_anything(tmp_pa
     the drift panel and the capability panel), its pareto section recomputed, its results kept as they were."""
     pytest.importorskip("matplotlib")
     payload = breaking_payload()
-    payload["pareto"] = {"front": ["lora"]}                 # an older stored front
+    payload["pareto"] = {"front": ["lora"]}                 # a stale stored front
     (tmp_path / "compare.json").write_text(json.dumps(payload))
     out = compare_mod.render_outputs(tmp_path)
     stored = json.loads((tmp_path / "compare.json").read_text())
@@ -681,5 +620,5 @@ def test_render_outputs_redraws_a_stored_compare_without_running_anything(tmp_pa
     with pytest.raises(CrispEditError, match="nothing to render"):
         compare_mod.render_outputs(tmp_path / "missing")
     (tmp_path / "compare.json").write_text(json.dumps(dict(payload, format=99)))
-    with pytest.raises(CrispEditError, match="format 99"):
+    with pytest.raises(CrispEditError, match="with format 99; this crispedit writes format 1"):
         compare_mod.render_outputs(tmp_path)

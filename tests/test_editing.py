@@ -178,10 +178,8 @@ def test_method_defaults_and_stored_options():
     assert lora.lr == 5e-3 and lora.options == {"r": 8, "alpha": 32.0, "dropout": 0.1, "targets": "q_proj,v_proj"}
     assert EditConfig(method="lora", lr=1e-3).lr == 1e-3 and EditConfig().lr == 5e-4
     assert EditConfig.from_dict(lora.to_json()).to_json() == lora.to_json()
-    # a config stored by an older crispedit (explicit lr, the empty `extra` field) still reads
-    old = {k: v for k, v in EditConfig().to_json().items() if k != "options"}
-    old["extra"] = {}
-    assert EditConfig.from_dict(old).options == {}
+    with pytest.raises(CrispEditError, match="unknown edit config keys: extra"):
+        EditConfig.from_dict({**EditConfig().to_json(), "extra": {}})
 
 
 def test_locbf_layer_out_of_range(tiny_lm):

@@ -12,7 +12,7 @@ import torch
 
 from crispedit.cli import main
 from crispedit.data import EditRequest
-from crispedit.errors import CrispEditError
+from crispedit.errors import CrispEditError, stamped
 from crispedit.evaluation.generation import cut_at_stop, generate_answers
 from crispedit.evaluation.judges import GRADER_PROMPT, OpenAIJudge, RuleJudge, normalize_answer, parse_grade
 from crispedit.evaluation.wild import QA_TEMPLATE, WildConfig, crosstalk, render_prompt, run_wild
@@ -436,9 +436,9 @@ def test_report_table_and_figure(tmp_path, capsys):
     runs = []
     for name, rel, arc in (("smollm2", 0.01, 0.29), ("/tmp/edited", 0.9, 0.28)):
         p = tmp_path / f"{rel}.json"
-        p.write_text(json.dumps({"edit": {"rel": rel, "gen": rel / 2, "loc_vs_answer": 0.1, "loc_vs_base": None},
-                                 "capabilities": {"arc_challenge": arc, "kl_drift": 0.002, "ppl": 20.5},
-                                 "config": {"model": name, "protocol": "wild", "context": "qa"}}))
+        p.write_text(json.dumps(stamped({"edit": {"rel": rel, "gen": rel / 2, "loc_vs_answer": 0.1, "loc_vs_base": None},
+                                         "capabilities": {"arc_challenge": arc, "kl_drift": 0.002, "ppl": 20.5},
+                                         "config": {"model": name, "protocol": "wild", "context": "qa"}})))
         runs.append(str(p))
     md = tmp_path / "report.md"
     assert main(["report", *runs, "--out", str(md)]) == 0
@@ -461,8 +461,8 @@ def test_report_labels_disambiguate_same_model(tmp_path):
     paths = []
     for name in ("ft", "crisp"):
         p = tmp_path / f"{name}.json"
-        p.write_text(json.dumps({"edit": {"rel": 0.5}, "capabilities": {},
-                                 "config": {"model": "runs/edited", "protocol": "wild", "context": "qa"}}))
+        p.write_text(json.dumps(stamped({"edit": {"rel": 0.5}, "capabilities": {},
+                                         "config": {"model": "runs/edited", "protocol": "wild", "context": "qa"}})))
         paths.append(p)
     table = markdown_table([load_run(p) for p in paths])
     assert "edited [wild/qa] (ft)" in table and "edited [wild/qa] (crisp)" in table

@@ -17,7 +17,7 @@ from conftest import build_llama, build_tokenizer
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig, edit
-from crispedit.errors import CrispEditError
+from crispedit.errors import CrispEditError, stamped
 from crispedit.export_gguf import GGUF_TYPES, gguf_tensor_name, permute_rotary, tokenizer_fields
 
 REQS = [EditRequest(f"Who wrote book number {i}?", f" Author {chr(65 + i)}") for i in range(4)]
@@ -288,11 +288,11 @@ def test_export_of_a_model_from_a_gguf_carries_its_tokenizer_provenance_and_name
 
     again = tmp_path / "edited-again"                            # an edit of the edit: its record names `out`
     again.mkdir()
-    (again / "edit_report.json").write_text(json.dumps({"model": str(out), "method": "ft", "n_edits": 1}))
+    (again / "edit_report.json").write_text(json.dumps(stamped({"model": str(out), "method": "ft", "n_edits": 1})))
     assert source_gguf(again) == base
     loop = tmp_path / "loop"                                     # a record naming its own folder ends the search
     loop.mkdir()
-    (loop / "edit_report.json").write_text(json.dumps({"model": str(loop)}))
+    (loop / "edit_report.json").write_text(json.dumps(stamped({"model": str(loop)})))
     assert source_gguf(loop) is None
 
     other = tmp_path / "other.gguf"                              # another vocabulary: not this model's file

@@ -126,26 +126,6 @@ def test_save_load_round_trip_and_refusals(tiny_lm, tmp_path):
         load_network(tmp_path / "absent.safetensors", layers, model_fingerprint=fp)
 
 
-def test_a_network_trained_under_the_legacy_fingerprint_is_found_and_loads(tiny_lm, iso_cache):
-    """A default-path network written before the XXH3 fingerprints lies under the blake2b key: the editor finds
-    it there and accepts its metadata for this model (and for no other)."""
-    from crispedit.methods.mend.editor import network_path
-    from crispedit.models import legacy_weight_fingerprint
-
-    model, tok = tiny_lm
-    layers = resolve_layers(model, LAYERS)
-    net, _ = trained(model, tok, layers, steps=2)
-    old = legacy_weight_fingerprint(model)
-    path = save_network(default_weights_path(old, list(layers)), net, model_fingerprint=old)
-    cfg = EditConfig(method="mend", layers=LAYERS).method_config
-    assert Path(network_path(model, layers, cfg)) == path
-    back = load_network(path, layers, model_fingerprint=weight_fingerprint(model), model=model)
-    assert all(torch.equal(v, back.state_dict()[k]) for k, v in net.state_dict().items())
-    with pytest.raises(CrispEditError, match="trained for another model"):
-        load_network(path, layers, model_fingerprint=weight_fingerprint(model))   # no model to check the old key
-    edit(model, tok, HELD[:2], EditConfig(method="mend", layers=LAYERS), progress=False)  # the default path
-
-
 def test_editor_with_a_trained_network_beats_the_identity_and_changes_only_its_layers(tiny_lm, tmp_path, iso_cache):
     model, tok = tiny_lm
     layers = resolve_layers(model, LAYERS)

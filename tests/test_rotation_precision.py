@@ -169,8 +169,8 @@ def test_bad_modes_are_refused():
     assert PROJECTION_PRECISIONS == ("fp32", "tf32")
 
 
-def test_config_stores_tf32_only_when_set():
-    assert "projection_precision" not in EditConfig().to_json()
+def test_config_stores_the_projection_precision():
+    assert EditConfig().to_json()["projection_precision"] == "fp32"
     d = EditConfig(projection_precision="tf32").to_json()
     assert d["projection_precision"] == "tf32"
     assert EditConfig.from_dict(d).projection_precision == "tf32"

@@ -386,32 +386,17 @@ def test_refuses_other_base_and_changed_config(ref, tmp_path, tiny_tok, monkeypa
     assert json.loads((ref["sess"] / "state.json").read_text())["round"] == 2   # nothing changed
 
 
-def test_a_reopened_session_keeps_its_weighting(ref, tmp_path, monkeypatch):
-    """The default weighting changed once (``fixed`` -> ``each``), and the edit factors' γ (the edit γ -> 0.95):
-    ``session init`` without ``--weighting`` / ``--edit-gamma`` reopens a session under the values stored in it (a
-    session stored before ``edit_gamma`` existed: the edit γ), an explicit other one is refused, and methods whose rounds merge no
-    edit factors (ft, batch mode) are the same session under any weighting."""
+def test_weighting_is_part_of_a_sessions_identity_only_where_rounds_merge_edit_factors(ref, tmp_path, monkeypatch):
+    """``session init`` on an existing session reopens it under the same flags and refuses another ``--weighting`` /
+    ``--edit-gamma``; methods whose rounds merge no edit factors (ft, batch mode) are the same session under any
+    weighting."""
     monkeypatch.setenv("CRISPEDIT_CACHE", str(ref["cache"]))
     old = tmp_path / "old"
     shutil.copytree(ref["snap"], old)
-    meta = json.loads((old / "session.json").read_text())
-    assert meta["config"]["weighting"] == SeqConfig.weighting == "each"
-    meta["config"]["weighting"] = "fixed"                                      # as sessions were created before
-    (old / "session.json").write_text(json.dumps(meta))
     init = ["session", "init", "--model", str(ref["model_dir"]), "--out", str(old), *INIT]
     assert main(init) == 0
-    assert main(init + ["--weighting", "each"]) == 2
-    assert json.loads((old / "session.json").read_text())["config"]["weighting"] == "fixed"
-    meta["config"]["edit_gamma"] = 0.95                                          # --edit-gamma: kept on reopening too
-    (old / "session.json").write_text(json.dumps(meta))
-    assert main(init) == 0
+    assert main(init + ["--weighting", "fixed"]) == 2
     assert main(init + ["--edit-gamma", "0.9"]) == 2
-    assert json.loads((old / "session.json").read_text())["config"]["edit_gamma"] == 0.95
-    del meta["config"]["edit_gamma"]           # made before the option (and its 0.95 default): the edit γ, kept
-    (old / "session.json").write_text(json.dumps(meta))
-    assert SeqConfig.from_dict(meta["config"]).edit_gamma is None and SeqConfig().edit_gamma == 0.95
-    assert main(init) == 0
-    assert main(init + ["--edit-gamma", "0.95"]) == 2
     ft = EditConfig(method="ft", layers=LAYERS)
     assert SeqConfig(edit=ft, weighting="fixed").identity() == SeqConfig(edit=ft).identity()
     assert SeqConfig(mode="batch", weighting="fixed").identity() == SeqConfig(mode="batch").identity()
@@ -496,41 +481,6 @@ def test_lora_seq_stores_the_merged_projections_and_export_matches(tmp_path, tin
     assert not any("lora" in n for n in model.state_dict())
 
 
-def test_session_stored_under_the_legacy_fingerprint_opens_on_its_base_only(ref, tmp_path, tiny_tok):
-    """Sessions created before the XXH3 fingerprints store the blake2b one: the same base still opens them."""
-    from crispedit.models import legacy_weight_fingerprint
-
-    sess = tmp_path / "old"
-    shutil.copytree(ref["sess"], sess)
-    meta = json.loads((sess / "session.json").read_text())
-    model, _ = load_model(str(ref["model_dir"]))
-    meta["base"]["fingerprint"] = legacy_weight_fingerprint(model)
-    (sess / "session.json").write_text(json.dumps(meta))
-    s = Session.open(sess, model=str(ref["model_dir"]))
-    s._ensure_model()                                   # what add/export do first: load the base, check it
-    assert s.round == 2 and s._model is not None
-    other = tmp_path / "other_model"
-    build_llama(len(tiny_tok), seed=1).save_pretrained(other)
-    tiny_tok.save_pretrained(other)
-    with pytest.raises(CrispEditError, match="refusing to mix bases"):
-        Session.open(sess, model=str(other))
-
-
-def test_session_written_with_module_name_keys_still_opens(ref, tmp_path):
-    """Sessions from before editors declared their parameters stored weights under module names."""
-    from safetensors.torch import load_file, save_file
-
-    sess = tmp_path / "old"
-    shutil.copytree(ref["sess"], sess)
-    f = sess / "weights-0002.safetensors"
-    w = load_file(str(f))
-    save_file({n.removesuffix(".weight"): t for n, t in w.items()}, str(f))
-    s = Session.open(sess, model=str(ref["model_dir"]))
-    s.export(tmp_path / "exp")
-    model, _ = load_model(str(tmp_path / "exp"))
-    assert all(torch.equal(model.get_parameter(n), t) for n, t in w.items())
-
-
 def test_export_overwrite_keeps_other_files(ref, tmp_path, capsys):
     """A second export into a used --out needs --overwrite and then replaces only the earlier export's files."""
     out = tmp_path / "exp"
@@ -546,7 +496,7 @@ def test_export_overwrite_keeps_other_files(ref, tmp_path, capsys):
 
 def test_session_keeps_its_meaning_of_default_contexts(tmp_path, tiny_model_dir, monkeypatch):
     """A session created under another DEFAULT_CONTEXTS keeps training what 'default' meant then (its
-    rounds stay reproducible after an upgrade); a session without the record warns and takes today's."""
+    rounds stay reproducible); a session without the record is malformed."""
     from crispedit.editing.contexts import DEFAULT_CONTEXTS
 
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
@@ -558,16 +508,15 @@ def test_session_keeps_its_meaning_of_default_contexts(tmp_path, tiny_model_dir,
     seen = []
     monkeypatch.setattr(session_mod, "run_round", lambda model, tok, layers, reqs, state, config, *a, **k:
                         seen.append(config.edit.contexts) or (_ for _ in ()).throw(RuntimeError("stop")))
-    meta["default_contexts"] = "bare,prefix:3"             # as if created under an older default
+    meta["default_contexts"] = "bare,prefix:3"             # as if created under another default
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(RuntimeError, match="stop"):
         Session.open(tmp_path / "s", config=_config(edit={"epochs": 1})).add(ROUNDS[0], plot=False)
     assert seen == ["bare,prefix:3"]
-    del meta["default_contexts"]                            # written before the field existed
+    del meta["default_contexts"]
     meta_file.write_text(json.dumps(meta))
-    with pytest.warns(UserWarning, match="today's default"), pytest.raises(RuntimeError, match="stop"):
-        Session.open(tmp_path / "s").add(ROUNDS[0], plot=False)
-    assert seen[-1] == "default"
+    with pytest.raises(CrispEditError, match="malformed: no 'default_contexts'"):
+        Session.open(tmp_path / "s")
     meta["default_contexts"] = "bare,nonsense:2"
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(CrispEditError, match="malformed: 'default_contexts'"):

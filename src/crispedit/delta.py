@@ -10,7 +10,8 @@ also carries two small patches, found when the delta is written by replaying the
 
 Applying is ``base + ΔW`` then the apply patch (on the CPU, in the stored dtype — the same operations as
 when the patches were found), reverting ``edited - ΔW`` then the revert patch: both are bit-exact. The
-safetensors header holds JSON metadata (``crispedit-delta``, :data:`DELTA_FORMAT`): the base and the
+safetensors header holds JSON metadata (``crispedit-delta``, :data:`DELTA_FORMAT`, the crispedit version that
+wrote it — another version's delta is refused in one line): the base and the
 edited fingerprint (:func:`delta_fingerprint`: the architecture part of the model config, the
 parameter structure, and the changed tensors' values), method, config, the edit requests,
 predicted / measured drift, and per tensor its shape, dtype and patch sizes. Apply refuses a model
@@ -33,9 +34,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import __version__
 from .delta_format import DELTA_FILE, DELTA_FORMAT, DELTA_KIND, check_lora_rank, read_delta_header
-from .errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json, load_safetensors
+from .errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json, load_safetensors, stamped
 from .models import parameter
 
 __all__ = ["DELTA_FILE", "DELTA_FORMAT", "delta_fingerprint", "build_delta", "write_delta", "load_delta",
@@ -104,13 +104,13 @@ def build_delta(model: nn.Module, base_weights: Mapping[str, Tensor], info: dict
         params[name] = {"shape": list(d.shape), "dtype": str(d.dtype).replace("torch.", ""),
                         "apply_patch": int(ai.numel()), "revert_patch": int(ri.numel())}
         base_vals[name], edited_vals[name] = base, edited
-    meta = {"kind": DELTA_KIND, "format": DELTA_FORMAT, "crispedit": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "base_fingerprint": delta_fingerprint(model, base_vals),
-            "edited_fingerprint": delta_fingerprint(model, edited_vals),
-            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-            "model_type": getattr(getattr(model, "config", None), "model_type", type(model).__name__),
-            "parameters": params, **(info or {})}
+    meta = stamped({"kind": DELTA_KIND, "format": DELTA_FORMAT,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "base_fingerprint": delta_fingerprint(model, base_vals),
+                    "edited_fingerprint": delta_fingerprint(model, edited_vals),
+                    "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                    "model_type": getattr(getattr(model, "config", None), "model_type", type(model).__name__),
+                    "parameters": params, **(info or {})})
     return tensors, {"crispedit_delta": json.dumps(meta)}
 
 

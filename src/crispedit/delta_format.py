@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CrispEditError, check_positive_int, read_safetensors_header
+from .errors import CrispEditError, check_positive_int, check_written_by, read_safetensors_header
 
 __all__ = ["DELTA_FILE", "DELTA_FORMAT", "DELTA_KIND", "read_delta_header", "lora_rank_limit", "check_lora_rank"]
 
@@ -22,13 +22,13 @@ DELTA_KIND = "crispedit-delta"
 def read_delta_header(path: str | Path) -> dict:
     """The crispedit metadata of delta file ``path`` (the JSON stored under ``crispedit_delta`` in its
     safetensors header), with ``tensors`` added (name -> ``{"dtype", "shape", "bytes"}``). Torch-free.
-    One-line errors for a missing file, a file that is not safetensors, or a safetensors file that is
-    not a crispedit delta of this format."""
+    One-line errors for a missing file, a file that is not safetensors, a safetensors file that is not a
+    crispedit delta, or a delta another crispedit version wrote or of another format
+    (:func:`~crispedit.errors.check_written_by`)."""
     meta, table = read_safetensors_header(path, "delta", "crispedit_delta")
     if meta.get("kind") != DELTA_KIND:
         raise CrispEditError(f"{path} is not a crispedit delta")
-    if meta.get("format") != DELTA_FORMAT:
-        raise CrispEditError(f"delta {path} has format {meta.get('format')}, this crispedit reads {DELTA_FORMAT}")
+    check_written_by(meta, f"delta {path}", "write it again with this crispedit", format=DELTA_FORMAT)
     for key in ("base_fingerprint", "edited_fingerprint", "parameters", "dtype"):
         if key not in meta:
             raise CrispEditError(f"delta {path} is malformed: no {key!r}")

@@ -34,6 +34,60 @@ class CrispEditError(Exception):
     """An error caused by user input; its message is one line that names the problem."""
 
 
+class VersionError(CrispEditError):
+    """A stored file that another crispedit version wrote (or this one in another format): crispedit is 0.x and
+    reads back only what this very version writes (:func:`check_written_by`)."""
+
+
+#: The key under which every file crispedit reads back (edit report, compare.json, checkpoints, sessions, cache
+#: entries, deltas, MEND networks, eval results) records the crispedit version that wrote it.
+VERSION_KEY = "crispedit_version"
+
+
+def crispedit_version() -> str:
+    """This crispedit's version (``crispedit.__version__``)."""
+    from . import __version__
+
+    return __version__
+
+
+def stamped(record: dict) -> dict:
+    """``record`` with this crispedit's version under :data:`VERSION_KEY` (first): what a writer stores, so that
+    :func:`check_written_by` can tell the file is this version's."""
+    return {VERSION_KEY: crispedit_version(), **{k: v for k, v in record.items() if k != VERSION_KEY}}
+
+
+def check_written_by(record: Any, where: str | os.PathLike, then: str = "rerun it", **formats: Any) -> dict:
+    """``record`` (a stored file's JSON, or its crispedit metadata) when this crispedit version wrote it — its
+    :data:`VERSION_KEY` is ``crispedit.__version__`` and each key of ``formats`` holds the given value (a format
+    number) — else a one-line :class:`VersionError` naming the version that wrote ``where``, e.g. ``runs/x/compare.json
+    was written by crispedit 0.0.9; this is crispedit 0.1.0 — rerun it`` (``then``: what to do instead).
+    crispedit is 0.x: files of other versions are refused, never converted."""
+    now = crispedit_version()
+    written = record.get(VERSION_KEY) if isinstance(record, dict) else None
+    if written == now:
+        other = next(((k, record.get(k), v) for k, v in formats.items() if record.get(k) != v), None)
+        if other is None:
+            return record
+        raise VersionError(f"{where} was written by crispedit {now} with {other[0]} {other[1]!r}; this crispedit "
+                           f"writes {other[0]} {other[2]!r} — {then}")
+    who = f"crispedit {written}" if isinstance(written, str) and written else "a crispedit that recorded no version"
+    raise VersionError(f"{where} was written by {who}; this is crispedit {now} — {then}")
+
+
+def read_record(path: str | os.PathLike, then: str = "rerun it") -> dict:
+    """The JSON object crispedit wrote at ``path`` beside its output (a model folder's ``edit_report.json``,
+    ``crispedit_delta.json``, ``crispedit_session.json``), checked by :func:`check_written_by` (``then``: what its
+    one-line :class:`VersionError` advises); ``{}`` when there is no such file or it is not a JSON object."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # UnicodeDecodeError, JSONDecodeError
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return check_written_by(record, path, then)
+
+
 class WriteError(CrispEditError, OSError):
     """A file could not be written: ``path`` (the destination, never a temporary name) and ``reason`` (the
     OS's words in lower case, e.g. ``no space left on device``). A :class:`CrispEditError` (one line) and an
@@ -566,7 +620,8 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out", *, overwrite:
     With ``overwrite`` given (True/False), a non-empty ``path`` is refused unless ``overwrite`` is True
     and ``marker`` (the file crispedit writes last, e.g. ``edit_report.json``) shows an earlier crispedit
     output there; then the names of the files that run wrote (the marker's ``"files"`` list, else just
-    the marker) are returned, for :func:`atomic_directory`'s ``previous``. Returns None otherwise."""
+    the marker) are returned, for :func:`atomic_directory`'s ``previous``; a marker another crispedit version
+    wrote is refused (:func:`check_written_by`). Returns None otherwise."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CrispEditError(f"{flag} {path} is a file, not a directory")
@@ -582,9 +637,6 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out", *, overwrite:
     if mark is None or not mark.is_file():
         raise CrispEditError(f"{flag} {path} holds no earlier crispedit output ({marker}); refusing to overwrite "
                              "it even with --overwrite")
-    try:
-        files = json.loads(mark.read_text(encoding="utf-8")).get("files")
-    except (ValueError, OSError, AttributeError):
-        files = None
+    files = read_record(mark, f"remove {path} or choose another directory").get("files")
     names = [str(f) for f in files if isinstance(f, str)] if isinstance(files, list) else []
     return sorted(set(names) | {marker})

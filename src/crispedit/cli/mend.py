@@ -67,7 +67,7 @@ def cmd_mend_train(args) -> int:
     layers = resolve_layers(model, args.layers or ",".join(prev["layers"] if prev else default_layers(model)))
     fp = weight_fingerprint(model)
     path = args.out or default_weights_path(fp, list(layers), args.cache_dir)
-    start = load_network(args.init, layers, model_fingerprint=fp, model=model) if args.init else None
+    start = load_network(args.init, layers, model_fingerprint=fp) if args.init else None
     net, hist = train_mend(model, tok, requests, layers, config, passages=passages, net=start,
                            max_seconds=None if args.max_minutes is None else 60.0 * args.max_minutes, progress=progress)
     h = hist.to_json()

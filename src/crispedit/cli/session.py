@@ -41,14 +41,9 @@ def cmd_init(args) -> int:
     """``crispedit session init``: create (or reopen) a session directory with its capability factors."""
     edit = config_from_args(args)  # the same mapping of training/curvature flags as `crispedit edit`
     existed = (Path(args.out) / "session.json").is_file()
-    stored = read_session_meta(args.out)["config"] if existed else {}
-    weighting = args.weighting
-    if weighting is None:  # a reopened session keeps the default it was created under (it changed once)
-        weighting = stored.get("weighting") if existed else SeqConfig.weighting
-    edit_gamma = args.edit_gamma
-    if edit_gamma is None:  # a reopened session keeps its own (sessions made before the option: the edit γ)
-        edit_gamma = stored.get("edit_gamma") if existed else SeqConfig.edit_gamma
-    config = SeqConfig(edit=edit, mode=args.mode, weighting=weighting, mix=args.mix, edit_gamma=edit_gamma,
+    if existed:
+        read_session_meta(args.out)  # another version's session is refused before any work
+    config = SeqConfig(edit=edit, mode=args.mode, weighting=args.weighting, mix=args.mix, edit_gamma=args.edit_gamma,
                        carry_optimizer=not args.no_carry_optimizer, reproject_momentum=not args.no_reproject_momentum,
                        recompute_drift=args.recompute_drift, kl_text=args.kl_text, kl_texts=args.kl_texts)
     if not existed:
@@ -160,16 +155,16 @@ def add_cli(sub) -> None:
     i.add_argument("--out", required=True, help="session directory to create")
     i.add_argument("--mode", default="sequential", choices=["sequential", "batch"],
                    help="sequential rounds (default) or re-edit the base on the union of all rounds (baseline)")
-    i.add_argument("--weighting", default=None, choices=list(WEIGHTINGS),
+    i.add_argument("--weighting", default=SeqConfig.weighting, choices=list(WEIGHTINGS),
                    help="capability vs edit factors: gamma of each set's energy masked in the trace-scaled mix's "
-                        "eigenbasis (each, default; a reopened session keeps its own), that mix alone (trace), a "
+                        "eigenbasis (each, the default), that mix alone (trace), a "
                         "fixed mixing coefficient on the raw factors (fixed), or token counts (authors' code)")
     i.add_argument("--mix", type=float, default=0.5,
                    help="share of the edit factors with --weighting fixed, trace or each (default 0.5)")
-    i.add_argument("--edit-gamma", type=float, default=None, metavar="G",
+    i.add_argument("--edit-gamma", type=float, default=SeqConfig.edit_gamma, metavar="G",
                    help=f"with --weighting each: the energy of the accumulated edit factors masked (default "
-                        f"{SeqConfig.edit_gamma}; a reopened session keeps its own; higher protects earlier rounds' "
-                        "edits more and leaves later rounds less room)")
+                        f"{SeqConfig.edit_gamma}; higher protects earlier rounds' edits more and leaves later rounds "
+                        "less room)")
     i.add_argument("--recompute-drift", type=float, default=None,
                    help="recollect capability factors once a weight drifted by more than this (paper: 0.25; default off)")
     i.add_argument("--no-carry-optimizer", action="store_true", help="fresh Adam state every round")

@@ -8,12 +8,14 @@ processes that collected the factors: a multi-process build gives the one-proces
 written to a temporary name and renamed, so a reader sees either nothing or a complete file; under
 ``torch.distributed`` only rank 0 writes. Every
 load re-checks the metadata against what the caller expects, so a file is never silently used for
-another model or configuration, and a truncated or corrupt file is reported as such.
+another model or configuration, and a truncated or corrupt file is reported as such. Each file records the
+crispedit version that wrote it: :func:`load_factors` refuses another version's file in one line, and
+:func:`get_or_build_factors` takes such an entry for a miss and rebuilds it (a cache is a cache), saying so in a
+log line.
 
 Two kinds share the format, the key and the checks: ``kfac`` (capability K-FAC factors ``A`` and ``S``) and
 ``input`` (``A = E[k kᵀ]`` alone, forward only, no labels: MEMIT / AlphaEdit's key covariance, see
-:func:`~crispedit.curvature.kfac.collect_lm_input_covariance`). ``kind`` enters the spec only when it is
-not ``kfac``, so K-FAC entries written before input caches existed keep their keys.
+:func:`~crispedit.curvature.kfac.collect_lm_input_covariance`); ``kind`` is part of the spec, hence of the key.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import json
 import logging
 import time
 import uuid
-import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from ..distributed import all_agree, barrier, is_main, world_size
-from ..errors import CrispEditError, atomic_save_safetensors, load_safetensors
+from ..errors import CrispEditError, VersionError, atomic_save_safetensors, check_written_by, load_safetensors, stamped
 from .modes import CACHE_KINDS
 from .kfac import KFACFactors, LabelMode, collect_lm_input_covariance, collect_lm_kfac
 
@@ -61,12 +62,9 @@ class CurvatureSpec:
     kind: str = "kfac"  # KINDS; input covariances have label_mode "none"
 
     def as_dict(self) -> dict:
-        """The spec as a JSON-ready dict (``layers`` as a list; ``kind`` only when not ``kfac``): what factor
-        files store and the key hashes."""
+        """The spec as a JSON-ready dict (``layers`` as a list): what factor files store and the key hashes."""
         d = asdict(self)
         d["layers"] = list(self.layers)
-        if d["kind"] == "kfac":
-            del d["kind"]
         return d
 
 
@@ -78,24 +76,25 @@ def cache_key(spec: CurvatureSpec) -> str:
 
 def save_factors(path: str | Path, factors: KFACFactors, spec: CurvatureSpec, extra: dict | None = None) -> Path:
     """Write ``factors`` (A: ``d_in x d_in``, S: ``d_out x d_out`` per layer, float32) to ``path`` as safetensors
-    atomically, with the spec, its key, the token count, a UTC timestamp, a random ``uid`` (which write this is: what
-    cached eigenbases are matched against) and ``extra`` as metadata; returns ``path``."""
+    atomically, with this crispedit's version, the spec, its key, the token count, a UTC timestamp, a random ``uid``
+    (which write this is: what cached eigenbases are matched against) and ``extra`` as metadata; returns ``path``."""
     path = Path(path)
-    meta = {"spec": spec.as_dict(), "key": cache_key(spec), "n_tokens": factors.n_tokens,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "uid": uuid.uuid4().hex, **(extra or {})}
+    meta = stamped({"spec": spec.as_dict(), "key": cache_key(spec), "n_tokens": factors.n_tokens,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "uid": uuid.uuid4().hex,
+                    **(extra or {})})
     atomic_save_safetensors(path, factors.to_tensors(), metadata={"crispedit": json.dumps(meta)})
     return path
 
 
 def _source_of(path: Path) -> dict:
-    """``key`` and ``write`` (its ``uid``, or its creation time for older files) of the factor file at ``path`` (read from its header; ``{}`` if unreadable)."""
+    """``key`` and ``write`` (its ``uid``) of the factor file at ``path`` (read from its header; ``{}`` if unreadable)."""
     from ..errors import read_safetensors_header
 
     try:
         meta, _ = read_safetensors_header(path, "curvature cache", "crispedit")
     except CrispEditError:
         return {}
-    return {"key": meta.get("key"), "write": meta.get("uid") or meta.get("created")}
+    return {"key": meta.get("key"), "write": meta.get("uid")}
 
 
 def _show(v) -> str:
@@ -107,25 +106,22 @@ def _show(v) -> str:
 
 
 def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model_fingerprint: str | None = None,
-                 layers: Sequence[str] | None = None, shapes: dict[str, tuple[int, int]] | None = None,
-                 model: nn.Module | None = None) -> KFACFactors:
+                 layers: Sequence[str] | None = None, shapes: dict[str, tuple[int, int]] | None = None) -> KFACFactors:
     """Load factors, refusing a file made for another model, other layers or another configuration.
 
     ``expect`` is the full spec the caller would build (every field is compared: model fingerprint,
     layers, corpus digest, number of texts, max length, label mode, seed, dtypes, format); without it only
     ``model_fingerprint`` / ``layers`` are checked. ``shapes`` (layer -> ``(d_out, d_in)`` of its weight)
-    checks each factor's size: A is ``d_in x d_in``, S is ``d_out x d_out``. ``model`` (the model the
-    fingerprint is of), when given, also accepts a file stored under its legacy fingerprint
-    (:func:`~crispedit.models.fingerprint_matches`)."""
-    from ..models import fingerprint_matches
-
+    checks each factor's size: A is ``d_in x d_in``, S is ``d_out x d_out``. A file another crispedit version
+    wrote is a :class:`~crispedit.errors.VersionError` (one line)."""
     path = Path(path)
     meta, tensors = load_safetensors(path, "curvature cache", "crispedit")
+    check_written_by(meta, f"curvature cache {path}", "rebuild it with `crispedit cache build`")
     spec = meta.get("spec", {})
     if not isinstance(spec, dict):
         raise CrispEditError(f"curvature cache file {path} has corrupt metadata (no spec)")
     fp = expect.model_fingerprint if expect else model_fingerprint
-    if fp is not None and not fingerprint_matches(spec.get("model_fingerprint"), fp, model):
+    if fp is not None and spec.get("model_fingerprint") != fp:
         raise CrispEditError(
             f"curvature cache {path} was built for another model (fingerprint {str(spec.get('model_fingerprint'))[:12]}…, "
             f"this model is {fp[:12]}…)")
@@ -146,7 +142,7 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
             raise CrispEditError(f"curvature cache {path} was built with a different configuration: {detail}; "
                                  "rebuild it with `crispedit cache build` and the same flags as the edit")
     factors = KFACFactors.from_tensors(tensors, int(meta.get("n_tokens", 0)), meta)
-    factors.source = {"path": str(path), "key": meta.get("key"), "write": meta.get("uid") or meta.get("created")}
+    factors.source = {"path": str(path), "key": meta.get("key"), "write": meta.get("uid")}
     has_s = kind == "kfac"
     for name in spec.get("layers", []):
         if name not in factors.A or (has_s and name not in factors.S):
@@ -161,29 +157,6 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
                 raise CrispEditError(f"curvature cache {path}: factors for {name} are for a {got_out}x"
                                      f"{factors.A[name].shape[0]} layer, this layer is {d_out}x{d_in}")
     return factors
-
-
-def _legacy_path(model: nn.Module, spec: CurvatureSpec, root: Path) -> Path | None:
-    """Where the entry for ``spec`` lies when it was written under ``model``'s legacy (blake2b) weight fingerprint,
-    if that file exists; ``None`` at once when no entry of the cache has a legacy fingerprint (the legacy digest,
-    a full pass over the weights, is computed only when one has)."""
-    from ..errors import read_safetensors_header
-    from ..models import is_legacy_fingerprint, legacy_weight_fingerprint
-
-    def stored(p: Path):
-        """The model fingerprint in entry ``p``'s header (``None`` when unreadable)."""
-        try:
-            meta = read_safetensors_header(p, "curvature cache", "crispedit")[0]
-            return meta.get("spec", {}).get("model_fingerprint")
-        except (CrispEditError, AttributeError):
-            return None
-
-    if is_legacy_fingerprint(spec.model_fingerprint) or not any(
-            is_legacy_fingerprint(stored(p)) for p in (root / "kfac").glob("*.safetensors")):
-        return None
-    old = dataclasses.replace(spec, model_fingerprint=legacy_weight_fingerprint(model))
-    path = root / "kfac" / f"{cache_key(old)}.safetensors"
-    return path if path.is_file() else None
 
 
 def get_or_build_factors(
@@ -208,20 +181,21 @@ def get_or_build_factors(
     arguments: the file is used only if every process could read it (otherwise all of them collect, and a
     cache root that is not shared by all processes means no hits); the collection is sharded across the
     processes (:func:`~crispedit.curvature.kfac.collect_lm_kfac`), only rank 0 writes the file, and every
-    process returns, with the same factors, once it is written. An entry written under the model's legacy weight
-    fingerprint (before XXH3) is found and used as it is."""
+    process returns, with the same factors, once it is written. An entry another crispedit version wrote is a miss:
+    it is rebuilt (and replaced), with a log line saying so."""
     path = Path(root) / "kfac" / f"{cache_key(spec)}.safetensors"
     t0 = time.perf_counter()
     factors = None
-    found = None if force else path if path.is_file() else _legacy_path(model, spec, Path(root))
-    if found is not None:
+    if not force and path.is_file():
         try:
-            factors = load_factors(found, spec, shapes=layer_shapes(layers), model=model)
+            factors = load_factors(path, spec, shapes=layer_shapes(layers))
+        except VersionError as exc:
+            _log.warning("%s; rebuilding the entry", exc)
         except CrispEditError:
-            pass  # a damaged entry is rebuilt below (and replaced atomically; under the current key)
+            pass  # a damaged entry is rebuilt below (and replaced atomically)
     if all_agree(factors is not None):  # every process takes the same branch (collectives follow)
-        _log.info("capability curvature: cached (%s)", found.name)
-        return factors, {"path": str(found), "hit": True, "seconds": time.perf_counter() - t0,
+        _log.info("capability curvature: cached (%s)", path.name)
+        return factors, {"path": str(path), "hit": True, "seconds": time.perf_counter() - t0,
                          "spec": factors.meta.get("spec")}
     loss_from = None
     if callable(texts):

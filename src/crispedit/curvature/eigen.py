@@ -8,10 +8,11 @@ each edit layer's factors. They depend on nothing but the factors, so they are c
 * on disk, for factors that came from the content-addressed cache (``factors.source`` holds the file's key and
   write id — its ``uid`` — set by :mod:`crispedit.curvature.cache`): ``<cache root>/eigh/<key>.safetensors`` holds, per
   layer and factor, the eigenvalues (float64, decreasing, clamped at zero) and the eigenvectors (float32
-  columns — the precision every projector applies them in). Its metadata records the factor file's key and
-  write id; an eigenbasis file made for an older factor file of the same key (rebuilt with
-  ``--force``), a truncated one or one missing a layer is recomputed and replaced atomically. A cache
-  directory that cannot be written only costs the saving.
+  columns — the precision every projector applies them in). Its metadata records the crispedit version that
+  wrote it and the factor file's key and write id; an eigenbasis file of another crispedit version (logged), one
+  made for another write of the factor file of the same key (rebuilt with ``--force``), a truncated one or one
+  missing a layer is recomputed and replaced atomically. A cache directory that cannot be written only costs the
+  saving.
 
 Factors built in memory (a session's factors merged with earlier edits) have no ``source``: their eigenbases
 are computed once per object and never written.
@@ -27,6 +28,7 @@ against a float64 projector is bounded in tests/test_projection.py).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -34,7 +36,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..errors import CrispEditError, atomic_save_safetensors, load_safetensors
+from ..errors import CrispEditError, VersionError, atomic_save_safetensors, check_written_by, load_safetensors, stamped
 from .projection import eigh_psd
 from .kfac import KFACFactors
 
@@ -42,6 +44,7 @@ __all__ = ["factor_eigh", "eigen_cache_path", "eigh_device", "eigh_dtype", "EIGE
 
 EIGEN_FORMAT = 1
 _META_KEY = "crispedit-eigh"
+_log = logging.getLogger("crispedit.curvature")
 
 
 def eigh_device(modules) -> torch.device | None:
@@ -59,8 +62,8 @@ def eigh_dtype(device: torch.device | str) -> torch.dtype:
     """The arithmetic of :func:`factor_eigh`'s decompositions on ``device``: float64 on every device. A float32
     solver (a GPU's, or LAPACK's ``ssyevd``) leaves eigenvector errors of about ``ε₃₂ ‖A‖ / gap``; in a factor's
     wide spectrum they mix masked and kept directions, and the projector drifts from the paper's by far more
-    than float32's rounding of its result (most at γ near 1). The cache file records this arithmetic, so a file
-    an older version decomposed in float32 on a GPU is decomposed again."""
+    than float32's rounding of its result (most at γ near 1). The cache file records this arithmetic, and a file
+    decomposed in another one is decomposed again."""
     return torch.float64
 
 
@@ -80,18 +83,21 @@ def eigen_cache_path(factors: KFACFactors) -> Path | None:
 
 def _load(path: Path, factors: KFACFactors, dtype: torch.dtype = torch.float64
           ) -> dict[tuple[str, str], tuple[Tensor, Tensor]]:
-    """The eigenbases stored at ``path`` if the file was made for exactly these factors (same key and write id,
-    same format) in the arithmetic ``dtype`` (files from before it was recorded: float64), else ``{}``; a damaged
-    file reads as ``{}``."""
+    """The eigenbases stored at ``path`` if this crispedit version wrote the file, in its format, for exactly these
+    factors (same key and write id) in the arithmetic ``dtype``, else ``{}`` (another version's file: with a log
+    line); a damaged file reads as ``{}``."""
     if not path.is_file():
         return {}
     try:
         meta, tensors = load_safetensors(path, "eigenbasis cache", _META_KEY)
+        check_written_by(meta, f"eigenbasis cache {path}", "decomposing again", format=EIGEN_FORMAT)
+    except VersionError as exc:
+        _log.warning("%s", exc)
+        return {}
     except CrispEditError:
         return {}
-    if (meta.get("format") != EIGEN_FORMAT or meta.get("factors_key") != factors.source.get("key")
-            or meta.get("factors_write") != factors.source.get("write")
-            or meta.get("eigh_dtype", "float64") != _dtype_name(dtype)):
+    if (meta.get("factors_key") != factors.source.get("key") or meta.get("factors_write") != factors.source.get("write")
+            or meta.get("eigh_dtype") != _dtype_name(dtype)):
         return {}
     out = {}
     for key, t in tensors.items():
@@ -115,9 +121,9 @@ def _save(path: Path, factors: KFACFactors, eig: dict[tuple[str, str], tuple[Ten
     for (name, which), (evals, U) in eig.items():
         tensors[f"{name}::{which}::evals"] = evals.cpu()
         tensors[f"{name}::{which}::U"] = U.cpu()
-    meta = {"format": EIGEN_FORMAT, "factors_key": factors.source.get("key"),
-            "factors_write": factors.source.get("write"), "eigh_dtype": _dtype_name(dtype),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    meta = stamped({"format": EIGEN_FORMAT, "factors_key": factors.source.get("key"),
+                    "factors_write": factors.source.get("write"), "eigh_dtype": _dtype_name(dtype),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     try:
         atomic_save_safetensors(path, tensors, metadata={_META_KEY: json.dumps(meta)})
     except OSError:
@@ -132,8 +138,8 @@ def factor_eigh(factors: KFACFactors, names: Iterable[str], which: Sequence[str]
     factor set (kept on ``factors`` and, for cached factors, in the eigenbasis cache file of
     :func:`eigen_cache_path`). ``device``: where to decompose what is not cached (default: where the factor
     lies; a CUDA device runs ``torch.linalg.eigh`` there), in float64 on every device (:func:`eigh_dtype`). A cache
-    file decomposed in another arithmetic (an older version's float32 on a GPU) is decomposed again and rewritten,
-    so a projector from a cached eigenbasis equals the one from a float64 decomposition of the factors."""
+    file decomposed in another arithmetic is decomposed again and rewritten, so a projector from a cached eigenbasis
+    equals the one from a float64 decomposition of the factors."""
     wanted = [(n, w) for n in names for w in which]
     for n, w in wanted:
         if w not in ("A", "S"):

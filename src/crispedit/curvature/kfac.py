@@ -321,9 +321,8 @@ def sample_labels(logits: Tensor, seed: int, index: int) -> Tensor:
     collected on a GPU are another sample of the same statistics, not the CPU's bit for bit).
 
     Drawn by inversion: one uniform per position against the float64 cumulative distribution (``T x V``), the
-    label the first entry above it — exactly categorical, and on a CPU 15× cheaper than ``torch.multinomial``,
-    which draws an exponential variate per vocabulary entry (≈ 1 ms a token at SmolLM2's 49 152; an eighth of the
-    collection). Factors collected before it drew another (equally valid) sample."""
+    label the first entry above it — exactly categorical, and on a CPU far cheaper than ``torch.multinomial``,
+    which draws an exponential variate per vocabulary entry (docs/benchmarks.md)."""
     gen = torch.Generator(device=logits.device).manual_seed(_seq_seed(seed, index))
     cdf = torch.softmax(logits.detach().float(), dim=-1).double().cumsum(-1)
     u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]

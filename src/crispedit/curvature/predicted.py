@@ -239,9 +239,8 @@ def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, shar
     """The edit layers whose own predicted drift ``q_l`` (nats/token, :func:`predicted_kl`'s ``layers``)
     dominates: ``q_l`` above ``factor`` × the median of the other layers and at least ``share`` of ``Σ q``.
     Each as ``{"layer", "predicted", "share", "vs_median"}``, largest first; ``[]`` with fewer than two layers.
-    A window holding such a layer drifted far more than one without it (the cases measured on SmolLM2 and
-    Gemma-3-270M: docs/where-to-edit.md, round 6 and Gemma-3-270M), so an edit window without it is worth
-    trying. Edit reports, compare rows and session rounds record them."""
+    A window holding such a layer drifts far more than one without it (docs/where-to-edit.md), so an edit window
+    without it is worth trying. Edit reports, compare rows and session rounds record them."""
     vals = {k: float(v) for k, v in layers.items()}
     total = sum(vals.values())
     if len(vals) < 2 or not total > 0:
@@ -275,17 +274,16 @@ def mixing_layers(names) -> list[str]:
 
     K-FAC treats every position as an independent row of the layer, so on these matrices the predicted drift
     misses what a change does to *other* positions, while layers that act after the mixing (``o_proj``,
-    ``down_proj``) are predicted well (measured: docs/where-to-edit.md, round 9). The prediction, ``--max-drift``
+    ``down_proj``) are predicted well (docs/where-to-edit.md). The prediction, ``--max-drift``
     and ``--drift-penalty`` are not to be trusted there."""
     return [n for n in names if str(n).rsplit(".", 1)[-1] in MIXING_NAMES]
 
 
 def mixing_note(layers: list[str]) -> str:
-    """One line on :func:`mixing_layers`: which edit layers the drift prediction under-reads and by how much
-    it did on SmolLM2's ``v_proj``."""
+    """One line on :func:`mixing_layers`: which edit layers the drift prediction under-reads, and why."""
     shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
     return (f"{shown}: attention mixes these outputs across positions, which the K-FAC drift prediction does not "
-            "model (SmolLM2 v_proj: 0.25x the measured drift); kl_predicted, --max-drift and --drift-penalty "
+            "model; kl_predicted, --max-drift and --drift-penalty "
             "under-read it here (see docs/where-to-edit.md)")
 
 

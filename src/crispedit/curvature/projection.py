@@ -69,9 +69,9 @@ __all__ = [
 ROTATION_PRECISIONS = ("fp32", "tf32")  # the projection's GEMMs on a GPU (EditConfig.projection_precision)
 
 
-# The full form in TF32 runs where its FLOPs are at most this many times the low-rank form's (H100: TF32 GEMMs run
-# about 7x float32's; measured at Llama-3-8B's down_proj with a small masked corner, the low-rank form in float32
-# took 1.05 ms and the full form in TF32 12.1 ms); elsewhere the low-rank form runs in float32.
+# The full form in TF32 runs where its FLOPs are at most this many times the low-rank form's: TF32 GEMMs run several
+# times faster than float32's, so up to there the full form costs less (docs/benchmarks.md); elsewhere the low-rank
+# form runs in float32.
 TF32_FULL_FORM_RATIO = 4.0
 
 
@@ -80,7 +80,7 @@ _UNCHANGED = object()
 
 def _set_tf32(on: bool) -> object:
     """Switch CUDA's float32 matmuls to TF32 (``on``) or full float32 unless they already are (then nothing is
-    set, so a process that configured TF32 through the legacy ``allow_tf32`` flag never sees the two APIs
+    set, so a process that configured TF32 through torch's earlier ``allow_tf32`` flag never sees the two APIs
     mixed in the default case); returns what :func:`_restore_tf32` needs."""
     if _cuda_tf32() == on:
         return _UNCHANGED

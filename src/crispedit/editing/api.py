@@ -90,7 +90,7 @@ def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module]
     spec = curvature_spec(model, list(layers), config, fingerprint, kind)
     if cache_file is not None:
         t0 = time.perf_counter()
-        factors = load_factors(cache_file, spec, shapes=layer_shapes(layers), model=model)
+        factors = load_factors(cache_file, spec, shapes=layer_shapes(layers))
         return factors, {"path": str(cache_file), "hit": True, "seconds": time.perf_counter() - t0,
                          "spec": factors.meta.get("spec")}
     return get_or_build_factors(model, tokenizer, layers, lambda: capability_sequences(model, tokenizer, config), spec,

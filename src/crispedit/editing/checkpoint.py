@@ -12,8 +12,8 @@ refused in one line (it is never silently overwritten); a damaged one too. A fin
 holds its final state, so a resume after the training but before the caller saved its results trains
 nothing again. The epoch cap (``epochs``) is not part of a run's identity: it bounds the run without changing
 any step before it (the learning rate has no schedule over the epochs), so a run may be resumed under a
-larger cap (train longer) or a smaller one not below the epochs already trained. Files of format version 1
-(whose identity included the cap) still resume under their own cap; the next save writes version 2.
+larger cap (train longer) or a smaller one not below the epochs already trained. Every file records the crispedit
+version that wrote it; another version's is refused in one line (:func:`~crispedit.errors.check_written_by`).
 Tensors only, no pickle.
 """
 
@@ -23,9 +23,10 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from ..errors import CrispEditError, atomic_save_safetensors, load_safetensors, read_safetensors_header
+from ..errors import (CrispEditError, atomic_save_safetensors, check_written_by, load_safetensors,
+                      read_safetensors_header, stamped)
 
 if TYPE_CHECKING:  # torch is imported by the functions that need it: the header check stays torch-free
     import torch
@@ -39,23 +40,22 @@ __all__ = ["run_identity", "LoopState", "LoopCheckpoint", "save_checkpoint", "lo
 CHECKPOINT_KIND = "training checkpoint"
 _KEY = "crispedit_checkpoint"
 CLOSED_FORM_KEY = "crispedit_closed_form"  # the metadata key of a closed-form editor's batch checkpoint
-_VERSION = 2
-_LEGACY_VERSION = 1  # identity over the whole config, the epoch cap included
+_FORMAT = 2  # the file's layout (the crispedit version that wrote it is recorded beside it)
+_THEN = "delete it to start over"
 _BUDGET_COUNTERS = ("hits", "last", "steps")
 
 
 def run_identity(config_json: dict, requests: Sequence[EditRequest], params: dict[str, nn.Parameter],
-                 opt: torch.optim.Optimizer | None = None, *, with_cap: bool = False) -> str:
+                 opt: torch.optim.Optimizer | None = None) -> str:
     """Digest (32 hex) of what determines a training run: the config (its JSON, without the epoch cap
-    ``epochs`` unless ``with_cap``, the format-1 identity), the requests' content, the trained tensors' names,
+    ``epochs``), the requests' content, the trained tensors' names,
     shapes, dtypes and starting values, and the optimizer's starting state (a carried Adam state, as in a
     session's later rounds)."""
     import torch
 
     from .optim import optimizer_state
 
-    if not with_cap:
-        config_json = {k: v for k, v in config_json.items() if k != "epochs"}
+    config_json = {k: v for k, v in config_json.items() if k != "epochs"}
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps({"config": config_json, "requests": [r.to_json() for r in requests]}, sort_keys=True).encode())
     tensors = {f"param::{n}": p.detach() for n, p in params.items()}
@@ -73,7 +73,7 @@ class LoopState:
     """The loop's counters after ``epochs`` finished epochs: ``epoch_loss`` (one mean loss per epoch,
     nats/target token), ``n_batches`` batches seen, ``skipped`` of them below the skip loss, ``converged``
     (the stop rule fired), the batch-order generator's state, the drift budget's counters, the training
-    seconds spent so far and each epoch's wall seconds (``epoch_seconds``, ``None`` where not timed)."""
+    seconds spent so far and each epoch's wall seconds (``epoch_seconds``)."""
 
     epochs: int
     epoch_loss: list[float]
@@ -83,7 +83,7 @@ class LoopState:
     generator: Tensor
     budget: dict
     seconds: float = 0.0
-    epoch_seconds: list = field(default_factory=list)  # wall seconds per epoch, None where not timed
+    epoch_seconds: list = field(default_factory=list)  # wall seconds per epoch
 
 
 def _global_rng(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
@@ -109,20 +109,18 @@ def save_checkpoint(path: str | Path, identity: str, state: LoopState, params: d
     tensors.update({f"opt::{k}": v for k, v in optimizer_state(opt, params).items()})
     tensors["generator"] = state.generator.cpu()
     tensors.update(_global_rng(params))
-    meta = {"version": _VERSION, "identity": identity, "epochs": state.epochs, "epoch_loss": state.epoch_loss,
-            "n_batches": state.n_batches, "skipped": state.skipped, "converged": state.converged,
-            "budget": state.budget, "seconds": state.seconds, "epoch_seconds": state.epoch_seconds}
+    meta = stamped({"format": _FORMAT, "identity": identity, "epochs": state.epochs, "epoch_loss": state.epoch_loss,
+                    "n_batches": state.n_batches, "skipped": state.skipped, "converged": state.converged,
+                    "budget": state.budget, "seconds": state.seconds, "epoch_seconds": state.epoch_seconds})
     atomic_save_safetensors(path, tensors, metadata={_KEY: json.dumps(meta)})
 
 
 def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parameter],
-                    opt: torch.optim.Optimizer, *, legacy_identity: Callable[[], str] | None = None,
-                    max_epochs: int | None = None) -> LoopState | None:
+                    opt: torch.optim.Optimizer, *, max_epochs: int | None = None) -> LoopState | None:
     """Load the checkpoint at ``path`` into ``params`` (in place) and ``opt``, set the global random generators to
     their stored states, and return its counters, or ``None`` when there is no file there. ``identity`` is the
-    run's :func:`run_identity`; ``legacy_identity`` computes the
-    format-1 one (the cap included) for an older file. One-line :class:`CrispEditError` for a file of another run
-    (other config, requests, starting weights), one holding more than ``max_epochs`` trained epochs, another
+    run's :func:`run_identity`. One-line :class:`CrispEditError` for a file of another run (other config, requests,
+    starting weights), one holding more than ``max_epochs`` trained epochs, one of another crispedit version or
     format, or a damaged file — ``params`` and ``opt`` untouched then."""
     import torch
 
@@ -132,14 +130,10 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
     if not path.exists():
         return None
     meta, tensors = load_safetensors(path, CHECKPOINT_KIND, _KEY)
-    version = meta.get("version")
-    if version not in (_VERSION, _LEGACY_VERSION) or (version == _LEGACY_VERSION and legacy_identity is None):
-        raise CrispEditError(f"{CHECKPOINT_KIND} file {path} has format version {version!r}, "
-                             f"this crispedit reads {_VERSION}; delete it to start over")
-    if meta.get("identity") != (identity if version == _VERSION else legacy_identity()):
+    check_written_by(meta, f"{CHECKPOINT_KIND} file {path}", _THEN, format=_FORMAT)
+    if meta.get("identity") != identity:
         raise CrispEditError(f"{CHECKPOINT_KIND} file {path} belongs to another run (other config, edits or starting "
-                             "weights" + (", or another --epochs: a format-1 file resumes under its own cap"
-                                          if version == _LEGACY_VERSION else "") + "); delete it or give another path")
+                             "weights); delete it or give another path")
     trained = meta.get("epochs")
     if max_epochs is not None and isinstance(trained, int) and trained > max_epochs:
         raise CrispEditError(f"{CHECKPOINT_KIND} file {path} holds {trained} trained epochs, more than the cap of "
@@ -149,8 +143,8 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
         flat = {k[len("opt::"):]: v for k, v in tensors.items() if k.startswith("opt::")}
         state = LoopState(int(meta["epochs"]), [float(x) for x in meta["epoch_loss"]], int(meta["n_batches"]),
                           int(meta["skipped"]), bool(meta["converged"]), tensors["generator"], dict(meta["budget"]),
-                          float(meta.get("seconds", 0.0)),
-                          [None if x is None else float(x) for x in meta.get("epoch_seconds", [])])
+                          float(meta["seconds"]), [float(x) for x in meta["epoch_seconds"]])
+        rng_cpu = tensors["rng_cpu"]
         for n, p in params.items():
             if stored[n].shape != p.shape:
                 raise KeyError(n)
@@ -161,25 +155,23 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
             p.copy_(stored[n].to(device=p.device, dtype=p.dtype))
     opt.state.clear()
     load_optimizer_state(opt, params, flat)
-    if "rng_cpu" in tensors:  # (files written before it was stored: the generators as they are)
-        torch.set_rng_state(tensors["rng_cpu"])
+    torch.set_rng_state(rng_cpu)
     dev = next((p.device for p in params.values() if p.device.type == "cuda"), None)
     if dev is not None and "rng_cuda" in tensors:
         torch.cuda.set_rng_state(tensors["rng_cuda"], dev)
     return state
 
 
-def load_run_file(path: str | Path, kind: str, key: str, version: int, identity: str) -> tuple[dict, dict] | None:
+def load_run_file(path: str | Path, kind: str, key: str, fmt: int, identity: str) -> tuple[dict, dict] | None:
     """``(meta, tensors)`` of a resumable run's file at ``path`` (metadata JSON under ``key``), or ``None`` when there
-    is none; one-line :class:`CrispEditError` for a damaged file, another ``version`` or another run's
-    ``identity``. What the sequence and closed-form checkpoints share."""
+    is none; one-line :class:`CrispEditError` for a damaged file, another format ``fmt`` or another run's
+    ``identity``, or one of another crispedit version (:func:`~crispedit.errors.check_written_by`). What the sequence
+    and closed-form checkpoints share (their writers :func:`~crispedit.errors.stamped` the metadata)."""
     path = Path(path)
     if not path.exists():
         return None
     meta, tensors = load_safetensors(path, kind, key)
-    if meta.get("version") != version:
-        raise CrispEditError(f"{kind} file {path} has format version {meta.get('version')!r}, this crispedit reads "
-                             f"{version}; delete it to start over")
+    check_written_by(meta, f"{kind} file {path}", _THEN, format=fmt)
     if meta.get("identity") != identity:
         raise CrispEditError(f"{kind} file {path} belongs to another run (other config, edits or starting weights); "
                              "delete it or give another path")
@@ -188,13 +180,13 @@ def load_run_file(path: str | Path, kind: str, key: str, version: int, identity:
 
 def check_checkpoint_file(path: str | Path) -> None:
     """Before any work (torch-free): one-line :class:`CrispEditError` when ``path`` exists and is not a readable
-    crispedit training checkpoint (another kind of file, truncated). Whether it belongs to this run is checked
-    when the training starts (:func:`load_checkpoint`). A closed-form editor's batch checkpoint (MEMIT, AlphaEdit:
-    its own metadata key, :data:`CLOSED_FORM_KEY`) counts as one."""
+    crispedit training checkpoint of this crispedit version (another kind of file, truncated, another version's).
+    Whether it belongs to this run is checked when the training starts (:func:`load_checkpoint`). A closed-form
+    editor's batch checkpoint (MEMIT, AlphaEdit: its own metadata key, :data:`CLOSED_FORM_KEY`) counts as one."""
     if Path(path).exists():
         raw, _ = read_safetensors_header(path, CHECKPOINT_KIND, None)
-        if CLOSED_FORM_KEY not in raw:
-            read_safetensors_header(path, CHECKPOINT_KIND, _KEY)
+        meta, _ = read_safetensors_header(path, CHECKPOINT_KIND, CLOSED_FORM_KEY if CLOSED_FORM_KEY in raw else _KEY)
+        check_written_by(meta, f"{CHECKPOINT_KIND} file {path}", _THEN)
 
 
 def budget_counters(budget) -> dict:
@@ -220,16 +212,13 @@ class LoopCheckpoint:
         self.path, self.every, self.params, self.opt, self.budget = path, every, params, opt, budget
         self.identity = None if path is None else run_identity(config_json, requests, params, opt)
         self.max_epochs = config_json.get("epochs")
-        # a format-1 file's identity, computed only when one is found (before any training changes params)
-        self._legacy = lambda: run_identity(config_json, requests, params, opt, with_cap=True)
 
     def resume(self) -> LoopState | None:
         """The stored state of this run (its tensors and the budget's counters already put back), or ``None``
         when there is no checkpoint to go on from."""
         if self.path is None:
             return None
-        state = load_checkpoint(self.path, self.identity, self.params, self.opt, legacy_identity=self._legacy,
-                                max_epochs=self.max_epochs)
+        state = load_checkpoint(self.path, self.identity, self.params, self.opt, max_epochs=self.max_epochs)
         if state is not None:
             restore_budget_counters(self.budget, state.budget)
         return state

@@ -70,7 +70,7 @@ class EditConfig:
     stop_loss: float = 0.01
     # also stop at a plateau near the stop loss (editing/loop.py: plateaued): this many epochs without a
     # plateau_delta relative fall of the best epoch loss, the last one below PLATEAU_BAND x stop_loss; 0 = off (the
-    # paper's rule alone, and what a config stored without the field ran)
+    # paper's rule alone)
     plateau_epochs: int = 8
     plateau_delta: float = 0.02
     projection_target: str = ProjectionTarget.GRADIENT.value
@@ -173,41 +173,19 @@ class EditConfig:
         return method_spec(self.method).Config.from_options(self.method, self.options)
 
     def to_json(self) -> dict:
-        """The config as a JSON-ready dict (what reports and sessions store; ``batch_tokens`` and ``context_sample`` only when set,
-        ``precision`` and ``projection_precision`` only when not ``fp32``, ``batch_order`` only when not ``request``, the plateau rule's
-        fields only when the rule is on or ``plateau_delta`` is not 0.02, so a config stored before they existed
-        still reads as the same run: the rule off)."""
+        """The config as a JSON-ready dict, every field (what reports and sessions store)."""
         d = asdict(self)
         d["betas"] = list(self.betas)
-        for key, unset in _STORED_WHEN_SET.items():
-            if d[key] == unset:
-                del d[key]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "EditConfig":
-        """Rebuild from :meth:`to_json` output; unknown keys are rejected, pre-contexts dicts keep
-        ``bare``/``none``; the old, always empty ``extra`` field is accepted."""
-        d = dict(d)
-        if d.get("extra") == {}:
-            del d["extra"]
+        """Rebuild from :meth:`to_json` output; unknown keys are rejected, absent ones take their defaults."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise CrispEditError(f"unknown edit config keys: {', '.join(unknown)}")
-        if "contexts" not in d and "answer_end" not in d and "method" in d:
-            # a stored config from before edit contexts existed (e.g. an older session): keep training
-            # it the way it was trained
-            d.update(contexts="bare", answer_end="none")
-        for key, unset in _STORED_WHEN_SET.items():  # stored without one: trained that way (whatever today's default)
-            d.setdefault(key, unset)
         return cls(**d)
-
-
-# Fields to_json stores only when they differ from these values (what a config stored before the field existed
-# meant), and from_dict fills in when absent
-_STORED_WHEN_SET = {"batch_tokens": None, "context_sample": None, "precision": "fp32", "projection_precision": "fp32",
-                    "batch_order": "request", "plateau_epochs": 0, "plateau_delta": 0.02}
 
 
 WEIGHTINGS = ("fixed", "trace", "each", "tokens")
@@ -309,7 +287,6 @@ class SeqConfig:
         if unknown:
             raise CrispEditError(f"unknown session config keys: {', '.join(unknown)}")
         d = dict(d)
-        d.setdefault("edit_gamma", None)  # stored before the field existed: those rounds masked at the edit γ
         if isinstance(d.get("edit"), dict):
             d["edit"] = EditConfig.from_dict(d["edit"])
         return cls(**d)

@@ -35,7 +35,7 @@ never trained:
 * ``lead:N``   — N of the :data:`ANSWER_LEADS` per request: a lead-in between the question and the
   target (``"{question}\n"``, ``"{question} -> "``, ``"{question}\nReply: "``, ...), so the answer is
   also produced at positions other than right after the question mark or the chat header (what it does
-  for untrained wrappers: docs/where-to-edit.md, round 5). No lead-in says "answer" or has the QA
+  for untrained wrappers: docs/where-to-edit.md). No lead-in says "answer" or has the QA
   template's ``Q:``/``A:``.
 
 ``default`` expands to :data:`DEFAULT_CONTEXTS` minus ``chat`` for models without a chat template.
@@ -442,7 +442,7 @@ SHARE_GROUP = 4  # consecutive requests that train on the same ``shared`` senten
 training_context("prefix", counted=True, pool="prefixes")(_prefixed("prefix", " ", "prefixes", salt=None))
 training_context("para", counted=True, pool="prefixes")(_prefixed("para", "\n\n", "prefixes", salt="para"))
 training_context("gen", counted=True, pool="written")(_prefixed("gen", " ", "written", salt="gen"))
-# salted "sprefix": the name the runs of docs/contexts.md (round 10) drew with, so the shipped context repeats them
+# salted "sprefix": the name the runs of docs/contexts.md drew with, so the shipped context repeats them
 training_context("shared", counted=True, pool="prefixes")(
     _prefixed("shared", " ", "prefixes", salt="sprefix", group=SHARE_GROUP))
 

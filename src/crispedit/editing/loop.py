@@ -323,8 +323,7 @@ class _Counters:
             self.skipped += resumed.skipped
             self.n_batches, self.start, self.spent = resumed.n_batches, resumed.epochs, resumed.seconds
             self.converged, self.epoch_loss = resumed.converged, resumed.epoch_loss
-            # None for the epochs an older checkpoint did not time
-            self.epoch_seconds = [None] * (resumed.epochs - len(resumed.epoch_seconds)) + list(resumed.epoch_seconds)
+            self.epoch_seconds = list(resumed.epoch_seconds)
 
     def history(self, plan: _EpochPlan) -> TrainHistory:
         """The :class:`TrainHistory` this call starts from: the plan's contexts and sizes, a resumed run's figures."""

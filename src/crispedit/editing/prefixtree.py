@@ -32,12 +32,11 @@ __all__ = ["PackedBatch", "pack_prefixes", "packing_pays", "group_sequences", "A
            "MAX_TREE_NODES"]
 
 MIN_SHARED = 4  # sequences join a group when they share at least this many leading tokens
-# a group's tree is split beyond this many nodes: on this project's CPU a SmolLM2 batch of 32 chat sequences ran
-# 10 % faster as three trees of ≈ 250 nodes than as one of ≈ 680 (each position's attention is cheaper)
+# a group's tree is split beyond this many nodes: in several smaller trees each position attends to fewer others,
+# which saves more than one large tree's longer shared prefix does
 MAX_TREE_NODES = 256
-# the row length at which a position's attention costs as much as the rest of its work in a decoder block; from
-# fitting fast-path steps of SmolLM2 on this project's 2-core CPU (packed rows of 457 → 1 236 positions cost
-# 3.7 → 4.6 ms per position, padded batches ≈ 3.1 ms): about 2 700, rounded down to stay on the cautious side
+# the row length at which a position's attention costs about as much as the rest of its work in a decoder block
+# (fitted to timed fast-path steps), rounded down to stay on the cautious side
 ATTENTION_LENGTH = 2048
 
 

@@ -84,10 +84,10 @@ def retention_probe(tokenizer, requests: Sequence[EditRequest], wild: Sequence[s
     def measure(model: nn.Module) -> dict:
         """The retention figures of ``requests`` on ``model`` as it is now."""
         from .judges import RuleJudge
-        from .wild import wild_contexts
+        from .wild import wild_wrappers
 
         tf = summarize_edit_scores(edit_scores(model, tokenizer, requests, batch_size))
-        res = wild_contexts(model, tokenizer, requests, RuleJudge(), contexts=list(wild), batch_size=batch_size,
+        res = wild_wrappers(model, tokenizer, requests, RuleJudge(), wrappers=list(wild), batch_size=batch_size,
                             progress=False) if wild else {}
         return {"n": len(requests), "tf_rel": tf["rel"],
                 "wild": {c: None if res.get(c) is None else res[c]["rel"] for c in wild}}

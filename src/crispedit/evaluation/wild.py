@@ -36,8 +36,8 @@ from .judges import normalize_answer
 if TYPE_CHECKING:  # torch only for annotations: WildConfig is checked before a model (or torch) loads
     from torch import nn
 
-__all__ = ["EVAL_WRAPPERS", "EvalWrapper", "eval_wrapper", "HELD_OUT_WRAPPER", "CONTEXTS", "QA_TEMPLATE", "WildConfig",
-           "render_prompt", "run_wild", "crosstalk", "wild_wrappers", "wild_contexts", "check_template"]
+__all__ = ["EVAL_WRAPPERS", "EvalWrapper", "eval_wrapper", "HELD_OUT_WRAPPER", "QA_TEMPLATE", "WildConfig",
+           "render_prompt", "run_wild", "crosstalk", "wild_wrappers", "check_template"]
 
 _log = logging.getLogger("crispedit.evaluate")  # one info line per wrapper evaluated
 
@@ -94,7 +94,6 @@ def _chat(tokenizer, question: str) -> str:
 
 
 HELD_OUT_WRAPPER = "qa"  # the wrapper no training context uses: compare's edit success, the Pareto front's axis
-CONTEXTS = tuple(EVAL_WRAPPERS)  # the built-in evaluation wrappers' names (their former name; the registry may gain more)
 
 
 def check_template(template: str) -> str:
@@ -276,8 +275,3 @@ def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
 
-
-def wild_contexts(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *,
-                  contexts: Sequence[str] = tuple(EVAL_WRAPPERS), **kwargs) -> dict:
-    """:func:`wild_wrappers` under its former name (``contexts`` = the evaluation wrappers): the same dict."""
-    return wild_wrappers(model, tokenizer, requests, judge, wrappers=contexts, **kwargs)

@@ -65,13 +65,12 @@ from ..editing.contexts import DEFAULT_CONTEXTS
 from ..editing.loop import training_brief
 from ..editing.registry import seq_row
 from ..errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
-                     check_positive_int, read_text_file)
+                     check_positive_int, check_written_by, read_text_file, stamped)
 from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER, evaluate_edit
 from ..evaluation.capabilities import paired_change
 from ..evaluation.edit_eval import retention_probe
-from ..evaluation.wild import crosstalk
 from .retention import RETENTION_PNG, plot_retention, retention_table
-from ..models import fingerprint_matches, model_family, weight_fingerprint
+from ..models import model_family, weight_fingerprint
 from ..sessions.sequential import run_sequence
 
 _log = logging.getLogger("crispedit.compare")
@@ -128,21 +127,11 @@ def peak_memory(device: torch.device) -> Iterator[dict]:
                    increase_mib=round(grown / 1024, 1))
 
 
-def _stored_config(stored: dict, sequential: bool = False) -> dict:
-    """A config stored in an existing compare.json as this crispedit writes it (fields added since, e.g.
-    ``max_drift``, at their defaults; a ``SeqConfig`` for a ``-seq`` row), or as stored when it no longer
-    validates."""
-    try:
-        return SeqConfig.from_dict(stored).identity() if sequential else EditConfig.from_dict(stored).to_json()
-    except (CrispEditError, TypeError):
-        return stored
-
-
 def _run_identity(config: dict, inputs: dict[str, str] | None) -> dict:
     """What makes a stored row the same run as a requested one: ``config`` (an ``EditConfig`` or ``SeqConfig``
     JSON) with each method option in ``inputs`` (option -> SHA-256 of the file it named, as a row stores it)
     replaced by that digest, so a network moved or copied elsewhere is the same run and a retrained one at
-    the same path is not. ``inputs`` ``None`` (a row stored before rows recorded them): ``config`` as is."""
+    the same path is not. Without ``inputs`` (a method that reads no file): ``config`` as is."""
     if not inputs or not isinstance(inputs, dict):
         return config
     edit_json = config.get("edit") if isinstance(config.get("edit"), dict) else config
@@ -153,30 +142,6 @@ def _run_identity(config: dict, inputs: dict[str, str] | None) -> dict:
     if edit_json is config:
         return {**config, "options": keyed}
     return {**config, "edit": {**edit_json, "options": keyed}}
-
-
-_PLATEAU_KEYS = ("plateau_epochs", "plateau_delta")
-
-
-def _without_plateau(identity: dict) -> dict:
-    """A row's config identity (an ``EditConfig`` JSON, or a ``SeqConfig``'s with its ``edit``) without the plateau
-    rule's fields."""
-    if isinstance(identity.get("edit"), dict):
-        return {**identity, "edit": _without_plateau(identity["edit"])}
-    return {k: v for k, v in identity.items() if k not in _PLATEAU_KEYS}
-
-
-def _plateau_changes_nothing(row: dict, config: EditConfig) -> bool:
-    """Whether a stored row trained as ``config``'s plateau rule would have trained it: none of its training runs
-    (``training``; every round's ``train``) was ended by a plateau rule, and ``config``'s would have ended none of
-    them before its last epoch — then a row stored under another plateau setting (one from before the rule) is
-    the run asked for."""
-    from ..editing.loop import plateau_stop
-
-    trains = [row.get("training")] + [r.get("train") for r in row.get("round_records") or [] if isinstance(r, dict)]
-    return all(t.get("single_pass") or (not t.get("plateaued") and plateau_stop(
-        t.get("epoch_loss") or [], config.stop_loss, config.plateau_epochs, config.plateau_delta) is None)
-        for t in trains if isinstance(t, dict))
 
 
 def _row(method: str, ev: dict, **extra) -> dict:
@@ -236,13 +201,11 @@ def _checked_configs(model, requests: Sequence[EditRequest], methods: Sequence[s
     return configs, inputs
 
 
-def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: dict, inputs: dict, chunk: int,
-                    model: torch.nn.Module | None = None) -> None:
+def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: dict, inputs: dict, chunk: int) -> None:
     """Take the rows of an existing compare file at ``path`` into ``payload`` (its ``results`` and ``methods``), after
-    checking that it was written under the same settings and that every row asked for again ran with the same
-    configuration (the same files, the same round size); one-line errors otherwise. Nothing when there is none.
-    A file written under ``model``'s legacy weight fingerprint counts as the same base (the file's next write
-    stores the current one)."""
+    checking that this crispedit version wrote it (:func:`~crispedit.errors.check_written_by`), under the same
+    settings, and that every row asked for again ran with the same configuration (the same files, the same round
+    size); one-line errors otherwise. Nothing when there is none."""
     if not path.is_file():
         return
     try:
@@ -252,34 +215,29 @@ def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: 
     if not isinstance(old, dict) or not isinstance(old.get("settings", {}), dict) \
             or not isinstance(old.get("results", {}), dict) or not isinstance(old.get("methods", []), list):
         raise CrispEditError(f"{path} is not a crispedit compare file; remove it or use another --out")
+    check_written_by(old, path, "rerun it with another --out", format=COMPARE_FORMAT)
     settings, was = payload["settings"], old.get("settings", {})
-    if was.get("fingerprint") != settings["fingerprint"] and fingerprint_matches(was.get("fingerprint"),
-                                                                                  settings["fingerprint"], model):
-        was["fingerprint"] = settings["fingerprint"]
     diff = [k for k in settings if was.get(k) != settings[k]]
-    if old.get("format") != COMPARE_FORMAT or diff:
-        raise CrispEditError(f"{path} was written with other settings ({', '.join(diff) or 'format'}); "
+    if diff:
+        raise CrispEditError(f"{path} was written with other settings ({', '.join(diff)}); "
                              "use another --out to compare under new settings")
     payload["results"] = old.get("results", {})
     for m in methods:
         row, seq = payload["results"].get(m, {}), seq_row(m)[1]
         stored = row.get("config")
-        same = True
-        if stored is not None:
-            was_id = _run_identity(_stored_config(stored, seq), row.get("inputs"))
-            now_id = _run_identity(configs[m].identity() if seq else configs[m].to_json(),
-                                   inputs[m] if "inputs" in row else None)
-            # stored under another plateau setting that would have stopped none of its runs: the same run
-            same = was_id == now_id or (_without_plateau(was_id) == _without_plateau(now_id)
-                                        and _plateau_changes_nothing(row, configs[m].edit if seq else configs[m]))
-        if stored is not None and (not same or (seq and row.get("seq_chunk") != chunk)):
+        if stored is None:  # not run yet (or the base row)
+            continue
+        stored_id = SeqConfig.from_dict(stored).identity() if seq else stored
+        same = (_run_identity(stored_id, row.get("inputs"))
+                == _run_identity(configs[m].identity() if seq else configs[m].to_json(), inputs[m]))
+        if not same or (seq and row.get("seq_chunk") != chunk):
             other_chunk = seq and row.get("seq_chunk") != chunk
             was = row.get("inputs") if isinstance(row.get("inputs"), dict) else {}
             other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
             w = (seq and configs[m].uses_weighting and isinstance(stored, dict)
                  and stored.get("weighting") != configs[m].weighting and stored.get("weighting"))
             g_now = configs[m].identity().get("edit_gamma") if seq else None  # None where the rounds merge no factors
-            g = not w and g_now is not None and _stored_config(stored, True).get("edit_gamma")
+            g = not w and g_now is not None and stored_id.get("edit_gamma")
             g = g if g != g_now else None
             what = (f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else
                     f" (factor weighting {w}, now {configs[m].weighting}: --seq-weighting {w} resumes it)"
@@ -289,17 +247,6 @@ def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: 
                     f"{inputs[m][other_file[0]][:12]}…)" if other_file else "")
             raise CrispEditError(f"{path} holds {m} run with another configuration{what}; use another --out")
     payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))
-
-
-def _backfill_crosstalk(results: dict, requests: Sequence[EditRequest]) -> None:
-    """Give each stored row's WILD wrappers that kept every answer but predate ``cross`` their crosstalk, from
-    those answers and the ``requests``' targets — the same :func:`~crispedit.evaluation.wild.crosstalk` an
-    evaluation records now — so that a resumed compare's note covers its older rows too."""
-    targets = [r.target for r in requests]
-    for row in results.values():
-        for w in ((row or {}).get("wild") or {}).values():
-            if isinstance(w, dict) and "cross" not in w and len(w.get("answers") or []) == len(targets):
-                w["cross"] = crosstalk([a[0] for a in w["answers"]], targets, [a[1] for a in w["answers"]])
 
 
 @dataclass
@@ -421,9 +368,8 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
                 "evaluation": {"wild": list(EVAL_WRAPPERS), "judge": "rule", "capabilities": list(capabilities),
                                "limit": limit, "max_gen_toks": max_gen_toks,
                                "kl_text": kl_text or "bundled:wikitext_heldout.txt"}}
-    payload = {"format": COMPARE_FORMAT, "settings": settings, "methods": list(methods), "results": {}}
-    _resume_payload(out / JSON_FILE, payload, methods, configs, inputs, chunk, model)
-    _backfill_crosstalk(payload["results"], requests)
+    payload = stamped({"format": COMPARE_FORMAT, "settings": settings, "methods": list(methods), "results": {}})
+    _resume_payload(out / JSON_FILE, payload, methods, configs, inputs, chunk)
     bench = _Bench(model, tokenizer, requests, out, fp, chunk, kl_text, capabilities, limit, max_gen_toks, bench_dir,
                    progress)
     todo = ([] if "base" in payload["results"] else ["base"]) + [m for m in methods if m not in payload["results"]]
@@ -550,8 +496,7 @@ def pareto_points(payload: dict) -> dict:
 def capability_changes(payload: dict) -> dict:
     """``{row: {task: [change, stderr]}}``: each edited row's change of each capability score against the
     unedited base on the same items (:func:`~crispedit.evaluation.capabilities.paired_change`), in
-    percentage points; rows or tasks without per-item scores (results stored before they were kept) are
-    left out."""
+    percentage points; rows or tasks without per-item scores are left out."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     base = (res.get("base") or {}).get("capability_details") or {}
@@ -941,14 +886,13 @@ def write_outputs(out: Path, payload: dict) -> None:
 def render_outputs(out: str | Path) -> dict:
     """Re-render ``DIR/compare.md``, ``DIR/compare.png`` and ``compare.json``'s ``pareto`` section from a stored
     ``DIR/compare.json`` (:func:`write_outputs`) without running or loading anything else; the measured
-    results are left as they are. Returns the payload; a missing file or another ``format`` is a
-    :class:`~crispedit.errors.CrispEditError`."""
+    results are left as they are. Returns the payload; a missing file, or one another crispedit version wrote or of
+    another ``format`` (:func:`~crispedit.errors.check_written_by`), is a :class:`~crispedit.errors.CrispEditError`."""
     out = Path(out)
     path = out / JSON_FILE
     if not path.is_file():
         raise CrispEditError(f"{path} does not exist: nothing to render")
     payload = json.loads(read_text_file(path, what="compare results"))
-    if payload.get("format") != COMPARE_FORMAT:
-        raise CrispEditError(f"{path} has format {payload.get('format')!r}, this crispedit writes {COMPARE_FORMAT}")
+    check_written_by(payload, path, "rerun the compare", format=COMPARE_FORMAT)
     write_outputs(out, payload)
     return payload

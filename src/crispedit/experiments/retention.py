@@ -7,7 +7,7 @@ the round-1 edits); a batched closed-form row (MEMIT, AlphaEdit over several bat
 its batch size) stores its first batch's teacher-forced reliability after every batch (``training.first_batch_tf_rel``),
 read here as the same series without WILD measures. This module turns those records into the compare's retention table (markdown,
 :func:`retention_table`), its summary per row (:func:`retention_summary`: the fraction after the last round,
-and that fraction over the one after round 1 — what of what round 1 achieved is kept) and its picture
+and that fraction over the one after the first round — what of what the first round achieved is kept) and its picture
 (:func:`plot_retention`, ``DIR/retention.png``). From the rows' per-edit records it also reads every round's
 edits on the *final* model (:func:`final_by_round`: which rounds the last one overwrote), a second table under
 the first.
@@ -42,7 +42,7 @@ def retention_rows(payload: dict) -> list[str]:
 
 
 def retention_series(row: dict) -> dict[str, list[float | None]]:
-    """``{measure: [fraction after round 1, after round 2, …]}`` for one ``-seq`` row, measures ``tf_rel``, ``qa``
+    """``{measure: [fraction after the first round, after the second, …]}`` for one ``-seq`` row, measures ``tf_rel``, ``qa``
     and ``chat`` (fractions of the round-1 edits; ``None`` where a round has no record or the measure was not
     taken, e.g. ``chat`` for a tokenizer without a chat template). A batched closed-form row gives its first
     batch's teacher-forced series (batches for rounds) and no WILD measures."""
@@ -71,7 +71,7 @@ def final_by_round(row: dict) -> dict[str, list[float]]:
     """``{measure: [fraction of round k's edits that hold on the final model for k = 1, 2, …]}`` — measures
     ``tf_rel`` (from the row's per-edit ``tf.rel``), ``qa`` and ``chat`` (per-edit WILD verdicts), rounds being
     consecutive slices of the edits of the row's round (or batch) size, the last possibly shorter. ``{}`` for a
-    row without rounds; a measure without per-edit records (rows stored before they were kept) is left out."""
+    row without rounds; a measure without per-edit records is left out."""
     size = _round_size(row)
     if not size:
         return {}
@@ -82,10 +82,10 @@ def final_by_round(row: dict) -> dict[str, list[float]]:
 
 
 def retention_summary(row: dict) -> dict[str, dict]:
-    """Per measure of :func:`retention_series`: ``{"first": fraction after round 1, "last": after the last
+    """Per measure of :func:`retention_series`: ``{"first": fraction after the first round, "last": after the last
     round, "kept": last / first}`` (``kept`` ``None`` where ``first`` is 0 or either is missing) — ``last`` is
-    the fraction of round 1's edits that still hold after the last round, ``kept`` the share of what round 1
-    achieved that survives."""
+    the fraction of the first round's edits that still hold after the last round, ``kept`` the share of what the
+    first round achieved that survives."""
     out = {}
     for k, series in retention_series(row).items():
         first = series[0] if series else None
@@ -113,8 +113,8 @@ def _round_table(title: str, n_rounds: int, body: list[tuple[str, str, list, lis
 
 def retention_table(payload: dict) -> str:
     """The markdown section on round-1 retention (``""`` when no row has one): a heading line, then a table with
-    one line per ``-seq`` row and measure — the fraction of round 1's edits that hold after each round, then
-    ``kept`` (after the last round over after round 1)."""
+    one line per ``-seq`` row and measure — the fraction of the first round's edits that hold after each round, then
+    ``kept`` (after the last round over after the first round)."""
     rows = retention_rows(payload)
     if not rows:
         return ""
@@ -128,7 +128,7 @@ def retention_table(payload: dict) -> str:
         body += [(name, label, series[k], [_fmt(summary[k]["kept"])]) for k, label in _MEASURES
                  if any(v is not None for v in series[k])]
     title = (f"Round-1 retention: the first round's {f'{n} ' if n else ''}edits measured after every round (fraction "
-             "that holds; kept = after the last round over after round 1):")
+             "that holds; kept = after the last round over after the first round):")
     return _round_table(title, n_rounds, body, ("kept (last / r1)",)) + _final_table(payload, rows)
 
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ..editing.contexts import parse_contexts
-from ..errors import CrispEditError, check_input_dir, read_text_file
+from ..errors import CrispEditError, check_input_dir, check_written_by, read_text_file
 
 __all__ = ["SESSION_FORMAT", "SESSION_FILE", "STATE_FILE", "read_json", "check_session_meta", "check_session_state",
            "read_session_meta", "read_session_state"]
@@ -46,16 +46,14 @@ def check_session_meta(meta: dict, path: Path) -> dict:
     """``meta`` (``session.json``) if it has the shape this crispedit writes; a one-line error naming the
     first missing or mistyped field otherwise."""
     where = f"session file {path}"
-    _require(meta, where, format=int, name=str, base=dict, layers=list, config=dict)
+    _require(meta, where, format=int, name=str, base=dict, layers=list, config=dict, default_contexts=str)
     _require(meta["base"], where + " (base)", spec=str, fingerprint=str, dtype=str)
     if not all(isinstance(x, str) for x in meta["layers"]):
         raise CrispEditError(f"{where} is malformed: 'layers' must be a list of names")
-    if "default_contexts" in meta:   # written since the lead:4 default; absent in older sessions
-        _require(meta, where, default_contexts=str)
-        try:
-            parse_contexts(meta["default_contexts"])
-        except CrispEditError as e:
-            raise CrispEditError(f"{where} is malformed: 'default_contexts': {e}") from None
+    try:
+        parse_contexts(meta["default_contexts"])
+    except CrispEditError as e:
+        raise CrispEditError(f"{where} is malformed: 'default_contexts': {e}") from None
     return meta
 
 
@@ -77,17 +75,23 @@ def check_session_state(st: dict, path: Path) -> dict:
     return st
 
 
+_THEN = "start a new session"
+
+
 def read_session_meta(path: str | Path) -> dict:
-    """The checked ``session.json`` of the session directory ``path``: this crispedit's format, the shape
-    :func:`check_session_meta` requires (one-line error otherwise)."""
+    """The checked ``session.json`` of the session directory ``path``: written by this crispedit version in its
+    format (:func:`~crispedit.errors.check_written_by`), of the shape :func:`check_session_meta` requires (one-line
+    error otherwise)."""
     path = Path(path)
     meta = read_json(path / SESSION_FILE, "session file")
-    if meta.get("format") != SESSION_FORMAT:
-        raise CrispEditError(f"session {path} has format {meta.get('format')}, this crispedit reads {SESSION_FORMAT}")
+    check_written_by(meta, f"session {path}", _THEN, format=SESSION_FORMAT)
     return check_session_meta(meta, path / SESSION_FILE)
 
 
 def read_session_state(path: str | Path) -> dict:
-    """The checked ``state.json`` of the session directory ``path`` (:func:`check_session_state`)."""
+    """The checked ``state.json`` of the session directory ``path``: this crispedit version's, in its format
+    (:func:`~crispedit.errors.check_written_by`), of the shape :func:`check_session_state` requires."""
     path = Path(path)
-    return check_session_state(read_json(path / STATE_FILE, "session state"), path / STATE_FILE)
+    st = read_json(path / STATE_FILE, "session state")
+    check_written_by(st, path / STATE_FILE, _THEN, format=SESSION_FORMAT)
+    return check_session_state(st, path / STATE_FILE)

@@ -16,7 +16,7 @@ chunks, for a fixed model). The next round's projector is rebuilt from capabilit
 * ``weighting="each"`` (default): the eigenbasis of ``trace``'s mix, with a mask that covers γ of the capability factors'
   energy *and* γ of the accumulated edit factors' energy, each measured in that basis
   (:func:`~crispedit.curvature.projection.per_source_keep_mask`): neither set can take the whole budget, by its
-  scale or by one outlier direction (measured: docs/results.md, CrispEdit-Seq at 1 000 edits);
+  scale or by one outlier direction (docs/results.md);
 * ``weighting="tokens"``: the authors' code, a token-count-weighted average; the capability corpus
   (thousands of tokens) swamps the edits (tens of tokens each).
 
@@ -56,7 +56,7 @@ from ..editing.contexts import prefixes_from, resolve_contexts, sequences_for
 from ..editing.editor import EditContext
 from ..editing.registry import get_editor
 from ..editing.checkpoint import load_run_file, run_identity
-from ..errors import CrispEditError, atomic_save_safetensors, check_positive_int
+from ..errors import CrispEditError, atomic_save_safetensors, check_positive_int, stamped
 from ..models import model_family, parameter
 
 __all__ = ["SeqConfig", "SeqState", "SeqResult", "combine_factors", "round_edit_factors", "run_round",
@@ -295,7 +295,7 @@ def drift_spent(rounds: Sequence[dict]) -> float:
 
 SEQ_CHECKPOINT_KIND = "sequence checkpoint"
 _SEQ_KEY = "crispedit_sequence"
-_SEQ_VERSION = 1
+_SEQ_FORMAT = 1
 
 
 def save_sequence_checkpoint(path: str | Path, identity: str, state: SeqState, records: Sequence[dict],
@@ -305,16 +305,16 @@ def save_sequence_checkpoint(path: str | Path, identity: str, state: SeqState, r
     ``identity`` (:func:`~crispedit.editing.checkpoint.run_identity` of the sequence's configuration, chunk,
     requests and starting weights)."""
     tensors, state_meta = state.to_tensors()
-    meta = {"version": _SEQ_VERSION, "identity": identity, "rounds": list(records), "seconds": float(seconds),
-            "state": state_meta}
+    meta = stamped({"format": _SEQ_FORMAT, "identity": identity, "rounds": list(records), "seconds": float(seconds),
+                    "state": state_meta})
     atomic_save_safetensors(path, tensors, metadata={_SEQ_KEY: json.dumps(meta)})
 
 
 def load_sequence_checkpoint(path: str | Path, identity: str) -> tuple[SeqState, list[dict], float] | None:
     """``(state, records, seconds)`` stored at ``path`` by :func:`save_sequence_checkpoint` for the run with
     ``identity``, or ``None`` when there is no file. One-line :class:`CrispEditError` for a file of another run,
-    another format or a damaged file."""
-    stored = load_run_file(path, SEQ_CHECKPOINT_KIND, _SEQ_KEY, _SEQ_VERSION, identity)
+    another crispedit version or format, or a damaged file."""
+    stored = load_run_file(path, SEQ_CHECKPOINT_KIND, _SEQ_KEY, _SEQ_FORMAT, identity)
     if stored is None:
         return None
     meta, tensors = stored
@@ -388,7 +388,7 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
     :func:`~crispedit.editing.api.edit` does, ``predict_drift`` included) are the rounds' constraint and
     the drift model. The model is left edited; ``result.original_weights`` undoes it. ``on_round(record,
     n_rounds)`` is called after every round (progress reports); ``after_round(model)``, before it, measures the
-    model as that round left it (e.g. how many of round 1's edits still hold), stored in the round's record
+    model as that round left it (e.g. how many of the first round's edits still hold), stored in the round's record
     under ``after_round``.
 
     ``checkpoint``: a file that holds, after every round, the state and the records so far

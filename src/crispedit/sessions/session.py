@@ -28,8 +28,9 @@ given (stored state, edits, config), so the resumed session ends exactly where a
 Opening a session checks the base model's weight fingerprint and, when a configuration is given, that
 it equals the stored one; either mismatch is refused with a one-line :class:`CrispEditError`.
 ``session.json`` also records what ``--contexts default`` meant at creation (``default_contexts``): a
-session keeps training those contexts after an upgrade changes :data:`DEFAULT_CONTEXTS`, so its rounds
-stay reproducible (a session written before the field existed takes today's default, with a warning).
+session keeps training those contexts when :data:`DEFAULT_CONTEXTS` changes, so its rounds stay reproducible.
+``session.json`` and ``state.json`` record the crispedit version that wrote them; a session of another version is
+refused in one line (:func:`~crispedit.errors.check_written_by`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import re
 import shutil
 import signal
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -54,10 +54,10 @@ from ..editing.api import capability_factors, edit_factors
 from ..editing.contexts import DEFAULT_CONTEXTS, pinned_contexts
 from ..editing.registry import get_editor
 from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_figure, atomic_write_json,
-                      check_finite_tensors, check_output_dir, check_output_file, load_safetensors)
+                      check_finite_tensors, check_output_dir, check_output_file, load_safetensors, stamped)
 from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..model_card import build_card, card_may_replace, revert_lines, write_card
-from ..models import fingerprint_matches, load_model, model_family, parameter, save_model_dir, weight_fingerprint
+from ..models import load_model, model_family, parameter, save_model_dir, weight_fingerprint
 from .files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
 
@@ -138,11 +138,11 @@ class Session:
         fp = weight_fingerprint(m)
         config.edit.for_family(model_family(m))  # a default lr scaled for the family is what the session stores
         layers = get_editor(config.edit.method).select_layers(m, config.edit)
-        meta = {"format": SESSION_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        meta = stamped({"format": SESSION_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "name": config.name,
                 "base": {"spec": spec, "fingerprint": fp, "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
                          "model_type": getattr(getattr(m, "config", None), "model_type", type(m).__name__)},
-                "layers": list(layers), "config": config.to_json(), "default_contexts": DEFAULT_CONTEXTS}
+                "layers": list(layers), "config": config.to_json(), "default_contexts": DEFAULT_CONTEXTS})
         files: dict[str, str] = {}
         with atomic_directory(path) as tmp:
             # a curvature method's constraint, or the factors a drift budget / penalty of ft, lora, ... is measured with
@@ -153,7 +153,7 @@ class Session:
                 atomic_save_safetensors(tmp / files["cap_factors"], cap.to_tensors(),
                                         {"n_tokens": str(cap.n_tokens), "source": json.dumps(info)})
             atomic_write_json(tmp / SESSION_FILE, meta)
-            atomic_write_json(tmp / STATE_FILE, {"format": SESSION_FORMAT, "round": 0, "files": files, "rounds": []})
+            atomic_write_json(tmp / STATE_FILE, stamped({"format": SESSION_FORMAT, "round": 0, "files": files, "rounds": []}))
         s = cls(path, meta, model_arg=model, device=device, cache_root=cache_root)
         s._adopt_model(m, tok)
         return s
@@ -222,8 +222,8 @@ class Session:
             files = self._write_round(k, state, new, requests, st["files"])
             _fault("before_commit")
             rounds = st["rounds"] + [rec]
-            atomic_write_json(self.path / STATE_FILE, {"format": SESSION_FORMAT, "round": k, "files": files,
-                                                       "rounds": rounds})
+            atomic_write_json(self.path / STATE_FILE, stamped({"format": SESSION_FORMAT, "round": k, "files": files,
+                                                               "rounds": rounds}))
             _fsync(self.path)  # the rename itself
             _fault("after_commit")
             self._state, self._state_round = new, k
@@ -277,10 +277,10 @@ class Session:
                 files = save_model_dir(self._model, self._tok, tmp, progress=progress, what=f"session {self.path}")
                 if card_may_replace(out, previous):
                     files.append(write_card(tmp, self._card(st)))
-            atomic_write_json(tmp / marker, {"session": str(self.path.resolve()), "name": self.meta["name"],
-                                             "base": self.meta["base"], "round": st["round"],
-                                             "n_edits": sum(r["n_edits"] for r in st["rounds"]),
-                                             "layers": self.meta["layers"], "files": sorted(files + [marker])})
+            atomic_write_json(tmp / marker, stamped({"session": str(self.path.resolve()), "name": self.meta["name"],
+                                                     "base": self.meta["base"], "round": st["round"],
+                                                     "n_edits": sum(r["n_edits"] for r in st["rounds"]),
+                                                     "layers": self.meta["layers"], "files": sorted(files + [marker])}))
         return out
 
     def _card(self, st: dict) -> str:
@@ -361,13 +361,9 @@ class Session:
 
     def _adopt_model(self, model, tok) -> None:
         self._model, self._tok = model, tok
-        if self.config.edit.contexts.strip() == "default":
-            default = self.meta.get("default_contexts")
-            if default is None:
-                warnings.warn(f"session {self.path} does not record what --contexts 'default' meant when it was "
-                              f"created; its next rounds train today's default ({DEFAULT_CONTEXTS})", stacklevel=2)
-            elif default != DEFAULT_CONTEXTS:   # keep the session's own meaning of 'default'
-                self.config.edit.contexts = pinned_contexts("default", tok, default)
+        default = self.meta["default_contexts"]
+        if self.config.edit.contexts.strip() == "default" and default != DEFAULT_CONTEXTS:
+            self.config.edit.contexts = pinned_contexts("default", tok, default)  # the session's own 'default'
         editor = get_editor(self.config.edit.method)
         self._layers = editor.select_layers(model, self.config.edit)
         if list(self._layers) != self.meta["layers"]:
@@ -385,7 +381,7 @@ class Session:
             raise CrispEditError(f"session {self.path} was created on an in-memory model; pass the base model to open it")
         model, tok = load_model(arg, dtype=None if isinstance(arg, tuple) else base["dtype"], device=self._device)
         fp = weight_fingerprint(model)
-        if not fingerprint_matches(base["fingerprint"], fp, model):  # a session stored before XXH3 too
+        if base["fingerprint"] != fp:
             shown = "the given model" if isinstance(arg, tuple) else repr(str(arg))
             raise CrispEditError(f"session {self.path} was created on base {base['spec']!r} (fingerprint {base['fingerprint'][:12]}…); "
                                  f"{shown} has fingerprint {fp[:12]}… — refusing to mix bases")
@@ -403,25 +399,18 @@ class Session:
                 t, meta = _load_tensors(self.path / files[key])
                 return KFACFactors.from_tensors(t, int(meta.get("n_tokens", 0)))
 
-            weights = (self._by_parameter(_load_tensors(self.path / files["weights"])[0]) if "weights" in files
-                       else dict(self._base))
+            weights = _load_tensors(self.path / files["weights"])[0] if "weights" in files else dict(self._base)
             missing = [n for n in self._base if n not in weights]
             if missing:
                 raise CrispEditError(f"session weights file lacks parameters {missing} (session damaged)")
             self._state = SeqState(weights=weights, cap=factors("cap_factors"), edits=factors("edit_factors"),
                                    optim=_load_tensors(self.path / files["optim"])[0] if "optim" in files else {},
-                                   cap_ref=(self._by_parameter(_load_tensors(self.path / files["cap_ref"])[0])
-                                            if "cap_ref" in files else None))
+                                   cap_ref=_load_tensors(self.path / files["cap_ref"])[0] if "cap_ref" in files else None)
             self._state_round = st["round"]
         with torch.no_grad():
             for n, w in self._state.weights.items():
                 parameter(self._model, n).copy_(w)
         return self._state
-
-    def _by_parameter(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Key stored tensors by full parameter name (sessions before editors declared their parameters
-        stored each layer's weight under its module name)."""
-        return {(n if n in self._base else f"{n}.weight"): t for n, t in tensors.items()}
 
     def _write_round(self, k: int, old: SeqState, new: SeqState, requests: Sequence[EditRequest],
                      old_files: dict) -> dict:

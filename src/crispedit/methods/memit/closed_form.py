@@ -31,7 +31,7 @@ from ...editing.keyvalue import (KeyValueSettings, block_outputs, context_templa
 from ...editing.loop import LOG_SECONDS
 from ...editing.single_pass import SinglePassEditor, target_nll
 from ...editing.checkpoint import CLOSED_FORM_KEY, load_run_file, run_identity
-from ...errors import CrispEditError, atomic_save_safetensors
+from ...errors import CrispEditError, atomic_save_safetensors, stamped
 from ...models import weight_matrix
 from . import ClosedFormConfig
 
@@ -103,8 +103,6 @@ class ClosedFormEditor(SinglePassEditor):
         done, (v_first, v_last) = ck.resume(self, state, history), ck.sums
         report = _Progress(self.name, len(requests), min(done * cfg.batch_size, len(requests)), ctx.progress)
         held = ck.first_batch_tf  # batch 1's edits, teacher-forced, after each batch (a batched run is sequential)
-        if n_batches > 1 and done and len(held) < done:  # a file written before it was kept: measure it now
-            held[:] = held + [None] * (done - len(held) - 1) + [_tf_rel(model, tokenizer, requests[:cfg.batch_size])]
         for k, b in enumerate(range(0, len(requests), cfg.batch_size)):
             if k < done:  # written by an earlier run (its weights and state came from the checkpoint)
                 continue
@@ -183,7 +181,7 @@ class _BatchCheckpoint:
     and the carried state it started from: :func:`~crispedit.editing.checkpoint.run_identity`). Taken after the
     context templates are written, so a resumed run writes the same ones (they come from the unedited model)."""
 
-    KIND, KEY, VERSION = "closed-form checkpoint", CLOSED_FORM_KEY, 1
+    KIND, KEY, FORMAT = "closed-form checkpoint", CLOSED_FORM_KEY, 1
 
     def __init__(self, ctx: EditContext, requests: Sequence[EditRequest], layers: dict[str, nn.Module]):
         self.path, self.layers, self.sums = ctx.checkpoint, layers, (0.0, 0.0)
@@ -197,7 +195,7 @@ class _BatchCheckpoint:
         """The number of batches a stored run wrote (0 without one), its weights put into the layers, its carried
         state into ``state``, its counters into ``history`` and :attr:`sums`; one-line errors for another run's or
         a damaged file."""
-        stored = None if self.path is None else load_run_file(self.path, self.KIND, self.KEY, self.VERSION,
+        stored = None if self.path is None else load_run_file(self.path, self.KIND, self.KEY, self.FORMAT,
                                                                self.identity)
         if stored is None:
             return 0
@@ -211,8 +209,8 @@ class _BatchCheckpoint:
             history.steps = int(meta["steps"])
             self.sums = (float(meta["v_first"]), float(meta["v_last"]))
             done = int(meta["batches"])
-            self.earlier = float(meta.get("seconds", 0.0))
-            self.first_batch_tf = [None if x is None else float(x) for x in meta.get("first_batch_tf_rel", [])][:done]
+            self.earlier = float(meta["seconds"])
+            self.first_batch_tf = [None if x is None else float(x) for x in meta["first_batch_tf_rel"]][:done]
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise CrispEditError(f"{self.KIND} file {self.path} is incomplete or corrupt ({exc})") from None
         with torch.no_grad():
@@ -227,7 +225,7 @@ class _BatchCheckpoint:
             return
         tensors = {f"weight::{n}": m.weight.detach().cpu().contiguous() for n, m in self.layers.items()}
         tensors.update({f"carried::{k}": t.detach().cpu().contiguous() for k, t in carried.items()})
-        meta = {"version": self.VERSION, "identity": self.identity, "batches": batches, "steps": int(steps),
-                "v_first": float(v_first), "v_last": float(v_last),
-                "seconds": self.earlier + time.perf_counter() - self.t0, "first_batch_tf_rel": self.first_batch_tf}
+        meta = stamped({"format": self.FORMAT, "identity": self.identity, "batches": batches, "steps": int(steps),
+                        "v_first": float(v_first), "v_last": float(v_last),
+                        "seconds": self.earlier + time.perf_counter() - self.t0, "first_batch_tf_rel": self.first_batch_tf})
         atomic_save_safetensors(self.path, tensors, metadata={self.KEY: json.dumps(meta)})

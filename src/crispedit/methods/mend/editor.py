@@ -24,7 +24,7 @@ from torch import nn
 from ...editing.editor import EditContext
 from ...editing.single_pass import SinglePassEditor
 from ...errors import CrispEditError
-from ...models import legacy_weight_fingerprint, resolve_layers, weight_fingerprint
+from ...models import resolve_layers, weight_fingerprint
 from . import MENDConfig
 from .net import (default_layers, default_weights_path, edit_factors, load_network, prompt_digests, read_network_meta,
                   train_command_hint)
@@ -34,16 +34,10 @@ __all__ = ["MENDConfig", "MENDEditor", "network_path"]
 
 def network_path(model: nn.Module, layers: dict[str, nn.Module], cfg: MENDConfig, fingerprint: str | None = None):
     """The network file the editor uses: ``cfg.weights`` when set, else the default cache location for this
-    model's fingerprint and ``layers`` (where a network trained before the XXH3 fingerprints lies under the
-    legacy one, that file)."""
+    model's fingerprint and ``layers``."""
     if cfg.weights:
         return cfg.weights
-    path = default_weights_path(fingerprint or weight_fingerprint(model), list(layers))
-    if not path.is_file():
-        legacy = default_weights_path(legacy_weight_fingerprint(model), list(layers))
-        if legacy.is_file():
-            return legacy
-    return path
+    return default_weights_path(fingerprint or weight_fingerprint(model), list(layers))
 
 
 class MENDEditor(SinglePassEditor):
@@ -80,7 +74,7 @@ class MENDEditor(SinglePassEditor):
     def _network(self, model, layers, cfg: MENDConfig):
         """The trained network for ``model`` and ``layers`` (``cfg.weights`` or the default cache file), checked."""
         fp = weight_fingerprint(model)
-        return load_network(self._network_file(model, layers, cfg, fp), layers, model_fingerprint=fp, model=model)
+        return load_network(self._network_file(model, layers, cfg, fp), layers, model_fingerprint=fp)
 
     def start(self, model, tokenizer, requests, ctx: EditContext) -> dict:
         """Load the network (on the model's device) and count the requests it was trained on (a warning when

@@ -46,8 +46,9 @@ from ...curvature.kfac import head_on_rows
 from ...data.edits import EditRequest
 from ...data.tokenize import encode_pairs
 from ...editing.rows import input_gradient_rows
-from ...errors import CrispEditError, atomic_save_safetensors, load_safetensors, read_safetensors_header
-from ...models import cache_dir, decoder_blocks, fingerprint_matches, is_linear, weight_matrix
+from ...errors import (CrispEditError, atomic_save_safetensors, check_written_by, load_safetensors, read_safetensors_header,
+                      stamped)
+from ...models import cache_dir, decoder_blocks, is_linear, weight_matrix
 from ..ultraedit.editor import RunningNorm
 from . import MENDTrainConfig
 
@@ -305,34 +306,31 @@ def save_network(path: str | Path, net: MENDNetwork, *, model_fingerprint: str, 
 
     tensors = net.tensors()
     check_finite_tensors({k: v for k, v in tensors.items() if not k.startswith("norm.")}, "MEND training")
-    meta = {"format": FORMAT_VERSION, "model_fingerprint": model_fingerprint, "layers": net.layer_names,
-            "shapes": {n: list(s) for n, s in net.shapes.items()}, "config": net.config.to_json(),
-            "training": training or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    meta = stamped({"format": FORMAT_VERSION, "model_fingerprint": model_fingerprint, "layers": net.layer_names,
+                    "shapes": {n: list(s) for n, s in net.shapes.items()}, "config": net.config.to_json(),
+                    "training": training or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     atomic_save_safetensors(path, tensors, metadata={META_KEY: json.dumps(meta)})
     return Path(path)
 
 
 def read_network_meta(path: str | Path) -> dict:
     """The ``crispedit_mend`` metadata of network file ``path``; one-line errors for a missing, damaged or
-    foreign file."""
+    foreign file and for one another crispedit version wrote (:func:`~crispedit.errors.check_written_by`)."""
     meta, _ = read_safetensors_header(path, "MEND network", META_KEY)
-    if meta.get("format") != FORMAT_VERSION:
-        raise CrispEditError(f"MEND network file {path} has format {meta.get('format')}, "
-                             f"this crispedit reads {FORMAT_VERSION}")
+    check_written_by(meta, f"MEND network file {path}", "train it again with `crispedit mend train`",
+                     format=FORMAT_VERSION)
     for key in ("model_fingerprint", "layers", "shapes", "config"):
         if key not in meta:
             raise CrispEditError(f"MEND network file {path} is malformed: no {key!r}")
     return meta
 
 
-def load_network(path: str | Path, layers: dict[str, nn.Module], *, model_fingerprint: str | None,
-                 model: nn.Module | None = None) -> MENDNetwork:
+def load_network(path: str | Path, layers: dict[str, nn.Module], *, model_fingerprint: str | None) -> MENDNetwork:
     """The network in ``path`` for edit ``layers`` (name -> module) of the model with ``model_fingerprint``
-    (``None``: not checked; ``model``, when given, also recognises a network stored under its legacy fingerprint,
-    :func:`~crispedit.models.fingerprint_matches`). One-line errors when it was trained for another model, other
+    (``None``: not checked). One-line errors when it was trained for another model, other
     layers or other shapes, or the file is damaged."""
     meta = read_network_meta(path)
-    if model_fingerprint is not None and not fingerprint_matches(meta["model_fingerprint"], model_fingerprint, model):
+    if model_fingerprint is not None and meta["model_fingerprint"] != model_fingerprint:
         raise CrispEditError(f"MEND network {path} was trained for another model (fingerprint "
                              f"{str(meta['model_fingerprint'])[:12]}…, this model is {model_fingerprint[:12]}…; an already edited model, "
                              "e.g. a later session round, counts as another); train one for this model with "
