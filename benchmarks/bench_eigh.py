@@ -113,12 +113,16 @@ def projection_errors(path: str, gammas: list[float], seed: int = 0) -> dict:
     eigensolver gives (``float32_eigh``); with the layer's factor sizes."""
     import torch
 
-    from crispedit.curvature.cache import load_factors
     from crispedit.curvature.eigen import factor_eigh
+    from crispedit.curvature.kfac import KFACFactors
     from crispedit.curvature.projection import KroneckerProjector
+    from crispedit.errors import load_safetensors
 
-    factors = load_factors(path)
-    factors.source = {}  # decompose here, neither reading nor writing the eigenbasis cache beside the file
+    # Only the matrices matter here, so a factor file of any crispedit version is read (no version check, unlike
+    # cache.load_factors), and without a source the decompositions neither read nor write an eigenbasis cache.
+    meta, tensors = load_safetensors(path, "curvature cache", "crispedit")
+    factors = KFACFactors.from_tensors(tensors, int(meta.get("n_tokens", 0)), meta)
+    factors.source = {}
     out = {}
     for name in factors.A:
         A, S = factors.A[name], factors.S[name]
