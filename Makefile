@@ -1,5 +1,6 @@
 # crispedit — two entry points that work on a fresh CPU machine:
-#   make demo   edit ~32 facts into SmolLM2 with crispedit and ft, print before/after + drift
+#   make demo   edit 6 facts into SmolLM2 with crispedit and ft, print before/after + drift
+#               (runs results/demo/command.sh: the command whose output results/demo/demo.txt stores)
 #   make test   unit tests + the real-model tests chosen for CI (installs chromium for the playground's
 #               browser test when it is missing and apt-get can, as root; goes on without it otherwise)
 PY      ?= python3
@@ -8,7 +9,7 @@ VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 STAMP   := $(VENV)/.crispedit-installed
 
-.PHONY: venv demo test test-all test-slow bench clean
+.PHONY: venv demo test test-all test-slow bench results clean
 
 venv: $(STAMP)
 
@@ -22,11 +23,15 @@ $(STAMP): pyproject.toml requirements-lock.txt requirements-nodeps.txt
 	touch $(STAMP)
 
 demo: venv
-	$(VENV)/bin/crispedit demo
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" sh results/demo/command.sh
 
 test: venv
 	-sh scripts/ensure_chromium.sh
 	$(VPY) -m pytest -q -m "not slow or ci"
+
+# Regenerate every table and figure of results/, results/README.md and the README's generated blocks.
+results: venv
+	$(VPY) results/make.py
 
 test-all: venv
 	$(VPY) -m pytest -q

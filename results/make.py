@@ -1,0 +1,475 @@
+"""Regenerate every table and figure of ``results/`` from the stored data, the summary page and the README's blocks.
+
+    python results/make.py            # tables, figures, results/README.md, the README's generated blocks
+    python results/make.py --check    # exit 1 if results/README.md or a README block is not what the data gives
+    python results/make.py --demo     # rerun the demo (results/demo/command.sh), store its output, then the above
+
+Each directory under ``results/`` is one measured experiment: ``run.json`` (the command, the commit that stored
+it, the machine) and its data (``compare.json``, bench JSON, CSV, the demo's printed output). Everything else —
+``compare.md``, ``*.png``, the scaling tables, ``results/README.md`` and the README blocks between
+``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` — is written by this script and never by hand.
+``--check`` (run by ``tests/test_results.py``) needs neither torch nor matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+README = ROOT / "README.md"
+SUMMARY = HERE / "README.md"
+DEMO = HERE / "demo"
+COMPARES = ("compare_zsre_dev100", "compare_counterfact_dev100", "compare_zsre_dev1000", "compare_counterfact_dev1000")
+SCALING = {"scaling_zsre": ("wild_zsre_dev100_32.json", "../compare_zsre_dev100", "../compare_zsre_dev1000"),
+           "scaling_counterfact": ("wild_counterfact_dev100_32.json", "../compare_counterfact_dev100",
+                                   "../compare_counterfact_dev1000")}
+BREAKING_PPL_RATIO = 2.0  # crispedit.experiments.compare.BREAKING_PPL_RATIO (kept here: --check imports no torch)
+
+
+# ----------------------------------------------------------------------------------------------------- the demo
+def demo_command() -> list[str]:
+    """The demo's command line (``results/demo/command.sh``, one line; what ``make demo`` runs), split."""
+    lines = [ln for ln in (DEMO / "command.sh").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    return shlex.split(lines[-1])
+
+
+def demo_table(text: str) -> str:
+    """The tables the demo prints after its progress lines: everything after its ``[ N s] done`` line."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"^\[\s*\d+ s\] done$", line):
+            return "\n".join(lines[i + 1:]).strip("\n") + "\n"
+    raise SystemExit("results/demo/demo.txt: no '[ N s] done' line — not the demo's output")
+
+
+def mask_timings(text: str) -> str:
+    """``text`` with every timing replaced by ``*``: the ``[ N s]`` prefixes, ``N s`` / ``Ns`` anywhere, and the
+    values under an ``edit s`` column header (right-aligned in the header's span) up to the next blank line."""
+    out, span = [], None
+    for line in text.splitlines():
+        if not line.strip():
+            span = None
+        elif span is not None:
+            a, b = span
+            line = line[:a] + re.sub(r"\S", "*", line[a:b]) + line[b:]
+        m = re.search(r"(?<!\S)edit s(?!\S)", line)
+        if m:
+            start = line.rfind("  ", 0, m.start())  # the column's right-aligned cell starts after the previous gap
+            span = (start + 2 if start >= 0 else m.start(), m.end())
+        line = re.sub(r"^\[\s*\d+ s\]", "[* s]", line)
+        line = re.sub(r"(?<![\w.])\d+(?:\.\d+)?\s?s\b", "* s", line)
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def compare_demo_tables(stored: str, live: str, rtol: float = 0.02) -> list[str]:
+    """The differences between two demo tables, timings masked: every token must match, except decimal numbers
+    (``0.00227``, ``x1.02``), which may differ by ``rtol`` relative (the last digits of float32 arithmetic differ
+    between CPUs); rates (``1.00/0.83``), answers and epochs must be equal. ``[]`` when they agree."""
+    a, b = mask_timings(stored).splitlines(), mask_timings(live).splitlines()
+    diffs = []
+    if len(a) != len(b):
+        diffs.append(f"{len(a)} lines stored, {len(b)} printed")
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x == y:
+            continue
+        tx, ty = x.split(), y.split()
+        ok = len(tx) == len(ty)
+        for u, v in zip(tx, ty) if ok else ():
+            if u == v:
+                continue
+            fu, fv = _decimal(u), _decimal(v)
+            if fu is None or fv is None or abs(fu - fv) > rtol * max(abs(fu), abs(fv)):
+                ok = False
+        if not ok:
+            diffs.append(f"line {i + 1}:\n  stored:  {x}\n  printed: {y}")
+    return diffs
+
+
+def _decimal(tok: str) -> float | None:
+    m = re.fullmatch(r"x?(-?\d+\.\d+)", tok)
+    return float(m.group(1)) if m else None
+
+
+def run_demo() -> None:
+    """Run the demo command, store its output as ``demo/demo.txt`` and its record as ``demo/run.json``."""
+    cmd = demo_command()
+    exe = [sys.executable, "-m", "crispedit"] if cmd[0] == "crispedit" else cmd[:1]
+    t0 = datetime.datetime.now(datetime.timezone.utc)
+    proc = subprocess.run(exe + cmd[1:], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"the demo failed (exit {proc.returncode}); nothing stored")
+    (DEMO / "demo.txt").write_text(proc.stdout)
+    seconds = (datetime.datetime.now(datetime.timezone.utc) - t0).total_seconds()
+    _write_run(DEMO, {"command": shlex.join(cmd), "commit": _git("rev-parse", "--short", "HEAD"),
+                      "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "src")),
+                      "date": t0.date().isoformat(), "machine": _machine(), "wall_seconds": round(seconds)})
+
+
+def _machine() -> str:
+    """``platform`` and CPU model, core count and whether the CPU computes bfloat16 natively."""
+    cpu, flags = platform.processor() or platform.machine(), ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = re.search(r"model name\s*:\s*(.*)", info).group(1).strip()
+        flags = re.search(r"flags\s*:\s*(.*)", info).group(1)
+    except (OSError, AttributeError):
+        pass
+    import os
+    bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    return f"{cpu}, {os.cpu_count()} cores, {'native' if bf16 else 'no native'} bf16; {platform.platform()}"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def _write_run(d: Path, record: dict) -> None:
+    (d / "run.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ the compares
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _pct(v) -> str:
+    return "–" if v is None else f"{100 * v:.1f}"
+
+
+def _rg(w: dict | None) -> str:
+    return "–" if not w else f"{_pct(w.get('rel'))} / {_pct(w.get('gen'))}"
+
+
+def _drift(v) -> str:
+    """A drift in nats/token: three decimals from 0.1 up, three significant digits below."""
+    return "–" if v is None else (f"{v:.3f}" if v >= 0.1 else f"{v:.3g}")
+
+
+def _minutes(s) -> str:
+    if s is None:
+        return "–"
+    s = int(round(s))
+    return f"{s // 3600} h {s % 3600 // 60:02d} m" if s >= 3600 else f"{s // 60} m {s % 60:02d} s"
+
+
+def _paired(row: dict, base: dict, task: str) -> str:
+    """The task's score and its paired change against the base on the same items (points, ± standard error)."""
+    d, b = (row.get("capability_details") or {}).get(task), (base.get("capability_details") or {}).get(task)
+    if not d:
+        return "–"
+    score = f"{100 * d['score']:.1f}"
+    x, y = d.get("items"), (b or {}).get("items")
+    if not x or not y or len(x) != len(y) or len(x) < 2:
+        return score
+    diff = [u - v for u, v in zip(x, y)]
+    mean = sum(diff) / len(diff)
+    se = (sum((t - mean) ** 2 for t in diff) / (len(diff) - 1) / len(diff)) ** 0.5
+    sig = "**" if abs(mean) > 2 * se else ""
+    return f"{score} ({sig}{100 * mean:+.1f} ± {100 * se:.1f}{sig})".replace("-", "−")
+
+
+def _extras(r: dict) -> list[str]:
+    """What a row ran beyond its method's defaults: the rounds of a sequential row, another epoch cap."""
+    extra = []
+    if r.get("rounds"):
+        extra.append(f"{r['rounds']} rounds of {r['seq_chunk']}")
+    cfg = r.get("config") or {}
+    if cfg.get("epochs") not in (None, 100):
+        extra.append(f"{cfg['epochs']} epochs")
+    return extra
+
+
+def _label(m: str, r: dict) -> str:
+    """The row's method with :func:`_extras`."""
+    extra = _extras(r)
+    return m + (f" ({', '.join(extra)})" if extra else "")
+
+
+def compare_summary(payload: dict) -> str:
+    """A compact Markdown table of one stored compare: WILD / teacher-forced in percent, drift, perplexity,
+    capabilities with their paired change, edit time."""
+    res = payload["results"]
+    base = res.get("base") or {}
+    ppl0 = (base.get("summary") or {}).get("ppl")
+    tasks = list((base.get("capability_details") or {}))
+    head = ["method", "WILD qa rel / gen", "chat rel / gen", "TF rel / gen", "KL drift (pred.)", "ppl (×base)",
+            *tasks, "edit time"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m, r in res.items():
+        s, w = r.get("summary") or {}, r.get("wild") or {}
+        tf = {"rel": s.get("rel"), "gen": s.get("gen")} if s.get("rel") is not None else None
+        kl, pred = s.get("kl_drift"), s.get("kl_predicted")
+        ppl = s.get("ppl")
+        ratio = ppl / ppl0 if ppl and ppl0 else None
+        ppl_cell = "–" if ppl is None else f"{ppl:.1f}" + (f" (×{ratio:.2f})" if ratio and m != "base" else "")
+        if ratio and ratio > BREAKING_PPL_RATIO:
+            ppl_cell += " ✗"
+        kl_cell = "0" if m == "base" else _drift(kl) + (f" ({_drift(pred)})" if pred is not None else "")
+        caps = [_paired(r, base, t) if m != "base" else _paired(r, {}, t) for t in tasks]
+        lines.append("| " + " | ".join([_label(m, r), _rg(w.get("qa")), _rg(w.get("chat")),
+                                          _rg(tf) if tf else "–", kl_cell, ppl_cell, *caps,
+                                          "–" if m == "base" else _minutes(r.get("edit_seconds"))]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def headline_table() -> str:
+    """The README's compare table: 100 and 1 000 held-out ZsRE edits side by side, the rows both hold."""
+    a = _load(HERE / "compare_zsre_dev100" / "compare.json")["results"]
+    b = _load(HERE / "compare_zsre_dev1000" / "compare.json")["results"]
+    ppl100, ppl1000 = a["base"]["summary"]["ppl"], b["base"]["summary"]["ppl"]
+
+    def drift(r: dict, ppl0: float, m: str) -> str:
+        if m == "base":
+            return "0"
+        kl, ppl = r["summary"]["kl_drift"], r["summary"]["ppl"]
+        return _drift(kl) + (f" (ppl ×{ppl / ppl0:.2f} ✗)" if ppl / ppl0 > BREAKING_PPL_RATIO else "")
+
+    lines = ["| method | 100 edits: WILD qa rel / gen | KL drift | edit time | 1 000 edits: WILD qa rel / gen | KL drift |",
+             "|---|---|---|---|---|---|"]
+    for m in [m for m in a if m in b]:
+        ea, eb = _extras(a[m]), _extras(b[m])
+        label = _label(m, a[m]) if ea == eb else m + " (" + "; ".join(
+            f"{n}: {', '.join(e)}" for n, e in (("100", ea), ("1 000", eb)) if e) + ")"
+        lines.append(f"| {label} | {_rg(a[m]['wild']['qa'])} | "
+                     f"{drift(a[m], ppl100, m)} | {'–' if m == 'base' else _minutes(a[m].get('edit_seconds'))} | "
+                     f"{_rg(b[m]['wild']['qa'])} | {drift(b[m], ppl1000, m)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _replaced_rows(d: Path) -> str:
+    """Rows stored beside a compare.json (a method at other settings, replaced in the table): one line each."""
+    out = []
+    for f in sorted(d.glob("*_row.json")):
+        p = _load(f)
+        row = p.get("row") or p.get(p.get("method", "")) or next((v for v in p.values() if isinstance(v, dict)
+                                                                     and "summary" in v), None) or p
+        s, w = row.get("summary") or {}, row.get("wild") or {}
+        note = p.get("note") or f"{row.get('method')} at other settings"
+        out.append(f"- [`{f.name}`]({d.name}/{f.name}): {note}. WILD qa {_rg(w.get('qa'))}, TF rel "
+                   f"{_pct(s.get('rel'))}, KL drift {_drift(s.get('kl_drift'))}.")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------------- speed
+def speed_table() -> str:
+    """One row per method of every stored ``bench_scale.py`` JSON under ``speed/``: the device, the edits, s/epoch,
+    s/step, tokens/s, the share of the device's measured GEMM peak and the step time over the run's reference."""
+    lines = ["| run | device | edits | method | s / epoch | s / step | tokens / s | of GEMM peak | step ratio |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for f in sorted((HERE / "speed").rglob("*.json")):
+        p = _load(f)
+        if "methods" not in p:
+            continue
+        model = p["args"].get("model") or f"random-init {p['args'].get('random_init')}"
+        for m, r in p["methods"].items():
+            t = r.get("train") or {}
+            lines.append(f"| [`{f.relative_to(HERE / 'speed')}`](speed/{f.relative_to(HERE / 'speed')}) | "
+                         f"{p['device_name']} ({model}, {p['args']['dtype']}) | {p['n_edits']} | `{m}` | "
+                         f"{t.get('s_per_epoch', 0):.2f} | {t.get('s_per_step', 0):.3f} | "
+                         f"{t.get('tokens_per_s', 0):,.0f} | {100 * t.get('fraction_of_peak', 0):.1f} % | "
+                         f"{p.get('step_ratio', {}).get(m, float('nan')):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def speed_facts() -> dict:
+    """The ratios the README's Speed section quotes, from the stored benchmarks."""
+    share = _load(HERE / "speed" / "bench_share_smollm2_100.json")
+    bf16 = _load(HERE / "speed" / "bench_bf16_smollm2_32.json")
+    h100 = _load(HERE / "speed" / "gpu_h100" / "smollm2_1000_tokens_b.json")
+    return {"packed": share["step_ratio"]["crispedit:noshare"],
+            "bf16": bf16["methods"]["crispedit"]["train"]["s_per_step"] / bf16["methods"]["crispedit:bf16"]["train"]["s_per_step"],
+            "gemm": share["methods"]["crispedit"]["train"]["fraction_of_peak"],
+            "h100_fp32": h100["methods"]["crispedit"]["train"]["s_per_epoch"],
+            "h100_tf32": h100["methods"]["crispedit:tf32"]["train"]["s_per_epoch"]}
+
+
+def speed_block() -> str:
+    """The README's speed table (the figures its Speed section rests on)."""
+    f = speed_facts()
+    return ("| measured | figure | run |\n|---|---|---|\n"
+            f"| a CPU edit step, SmolLM2, 100 edits, default contexts (2 cores) | {100 * f['gemm']:.0f} % of the CPU's "
+            "float32 GEMM peak | [`bench_share_smollm2_100.json`](results/speed/bench_share_smollm2_100.json) |\n"
+            f"| the same step without shared-prefix packing | {f['packed']:.2f}× the time | same file |\n"
+            f"| `--precision bf16` on a CPU with AVX512-BF16, 32 edits | a step {f['bf16']:.2f}× faster | "
+            "[`bench_bf16_smollm2_32.json`](results/speed/bench_bf16_smollm2_32.json) |\n"
+            f"| one H100, SmolLM2 shape, 1 000 edits, `--batch-tokens 16384` | {f['h100_fp32']:.2f} s / epoch "
+            f"({f['h100_tf32']:.2f} with `--projection-precision tf32`) | "
+            "[`gpu_h100/`](results/speed/gpu_h100/smollm2_1000_tokens_b.json) |\n")
+
+
+# ---------------------------------------------------------------------------------------------- summary page
+def _run_line(d: Path) -> str:
+    r = _load(d / "run.json") if (d / "run.json").is_file() else {}
+    cmd = r.get("command")
+    cmd = "\n".join(cmd) if isinstance(cmd, list) else cmd
+    out = [f"Stored in `{r.get('commit', '?')}`" + (f" ({r['date']})" if r.get("date") else "") +
+           (f" on {r['machine']}" if r.get("machine") else "") + "."]
+    if r.get("note"):
+        out.append(r["note"])
+    text = " ".join(out)
+    return text + (f"\n\n```bash\n{cmd}\n```" if cmd else "")
+
+
+TITLES = {"compare_zsre_dev100": "100 ZsRE edits", "compare_counterfact_dev100": "100 CounterFact edits",
+          "compare_zsre_dev1000": "1 000 ZsRE edits", "compare_counterfact_dev1000": "1 000 CounterFact edits"}
+
+
+def summary_page() -> str:
+    """``results/README.md``: what the folder holds, how to regenerate it, and every stored run's summary."""
+    demo = (DEMO / "demo.txt").read_text()
+    parts = [f"""# Results
+
+<!-- written by results/make.py from the data in this folder: edit the script or the data, never this file -->
+
+Every figure the README and the documentation quote comes from a directory here: one measured experiment
+each, with its command, the commit that stored it and the machine (`run.json`), its data (`compare.json`,
+benchmark JSON, CSV, the demo's printed output) and the tables and figures drawn from that data. Regenerate
+every table and figure, this page and the README's generated blocks with
+
+```bash
+python results/make.py              # --check: only compare; --demo: rerun the demo first
+```
+
+`tests/test_results.py` fails when this page or a README block is not what the data gives, and (marked `ci`)
+when `make demo` no longer prints the stored demo table. Runs were measured on this project's 2-core CPU
+machines with SmolLM2-135M-Instruct unless the run says otherwise; results of earlier one-off sweeps are in
+the git history (`git log -- docs/results`). A new experiment is a new directory with its `run.json` and data,
+and a section in `results/make.py`.
+
+## The demo
+
+`{shlex.join(demo_command())}` (what `make demo` runs: [`demo/command.sh`](demo/command.sh); output [`demo/demo.txt`](demo/demo.txt)).
+{_run_line(DEMO)}
+
+```
+{demo_table(demo).rstrip()}
+```
+"""]
+    for name in COMPARES:
+        d = HERE / name
+        payload = _load(d / "compare.json")
+        rr = _replaced_rows(d)
+        retention = " · [round-1 retention](" + name + "/retention.png)" if (d / "retention.png").is_file() else ""
+        parts.append(f"""## {TITLES[name]}
+
+[`{name}/`]({name}/run.json): [full table]({name}/compare.md) · [figure]({name}/compare.png){retention}.
+{_run_line(d)}
+
+WILD and teacher-forced (TF) in percent; KL drift on held-out text in nats/token, in brackets what the K-FAC
+factors predicted; capability scores in percent with the paired change against the base on the same items
+(bold: more than twice its standard error); ✗: perplexity more than {BREAKING_PPL_RATIO:g}× the base's (the
+model is broken).
+
+{compare_summary(payload)}""" + (f"\nAlso stored:\n\n{rr}\n" if rr else ""))
+    parts.append(f"""## Scaling with the number of edits
+
+[`scaling/`](scaling/run.json): WILD QA rel / gen and crosstalk, KL drift (measured and predicted) and perplexity
+against the number of edits (32, 100, 1 000), per method, drawn from the compares above and the stored
+32-edit runs. Tables: [ZsRE](scaling/scaling_zsre.md), [CounterFact](scaling/scaling_counterfact.md).
+{_run_line(HERE / 'scaling')}
+
+![scaling on ZsRE](scaling/scaling_zsre.png)
+
+![scaling on CounterFact](scaling/scaling_counterfact.png)
+
+## Speed
+
+[`speed/`](speed/run.json): `benchmarks/bench_scale.py` outputs (each JSON holds its arguments and environment;
+`gpu_h100/` also the printed logs of `benchmarks/gpu_scale.sh`).
+{_run_line(HERE / 'speed')}
+
+{speed_table()}
+## Curvature study on MNIST
+
+[`study_mnist/`](study_mnist/run.json): [`results.csv`](study_mnist/results.csv) and the trade-off figure drawn from it
+(what each curvature model keeps of MNIST for the Fashion-MNIST accuracy it allows).
+{_run_line(HERE / 'study_mnist')}
+
+![MNIST → Fashion-MNIST trade-off](study_mnist/tradeoff.png)
+""")
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------- README blocks
+def readme_blocks() -> dict[str, str]:
+    """Generated README blocks by name."""
+    return {"demo": f"```\n{demo_table((DEMO / 'demo.txt').read_text()).rstrip()}\n```\n",
+            "compare": headline_table(),
+            "speed": speed_block()}
+
+
+def fill_blocks(text: str, blocks: dict[str, str]) -> str:
+    """``text`` with the content between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` replaced."""
+    for name, body in blocks.items():
+        pat = re.compile(rf"(<!-- results:{name} -->\n).*?(<!-- /results:{name} -->)", re.S)
+        if not pat.search(text):
+            raise SystemExit(f"README.md has no <!-- results:{name} --> block")
+        text = pat.sub(lambda m: m.group(1) + body + m.group(2), text)
+    return text
+
+
+# --------------------------------------------------------------------------------------------------- figures
+def figures() -> None:
+    """Redraw every table and figure from the data (needs crispedit's plotting dependencies)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from crispedit.experiments.compare import compare_table, plot_compare
+    from crispedit.experiments.retention import plot_retention
+    from crispedit.experiments.study_report import write_plot
+
+    for name in COMPARES:
+        d = HERE / name
+        payload = _load(d / "compare.json")
+        (d / "compare.md").write_text(compare_table(payload))
+        plot_compare(payload, d / "compare.png")
+        plot_retention(payload, d / "retention.png")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("scaling", ROOT / "benchmarks" / "scaling.py")
+    scaling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scaling)
+    for stem, runs in SCALING.items():
+        points: dict = {}
+        for r in runs:
+            points.update(scaling.read_points(HERE / "scaling" / r))
+        (HERE / "scaling" / f"{stem}.md").write_text(scaling.scaling_table(points))
+        scaling.plot_scaling(points, HERE / "scaling" / f"{stem}.png")
+    import csv
+    with open(HERE / "study_mnist" / "results.csv") as fh:
+        rows = [{k: (v if k == "method" else (float(v) if v else None)) for k, v in r.items()}
+                for r in csv.DictReader(fh)]
+    write_plot(HERE / "study_mnist" / "tradeoff.png", rows, title="MNIST → Fashion-MNIST, SmallLeNet")
+
+
+def main(argv=None) -> int:
+    """Regenerate, or with ``--check`` compare, the derived files."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare results/README.md and the README's blocks with "
+                    "what the data gives; write nothing")
+    ap.add_argument("--demo", action="store_true", help="rerun the demo command and store its output first")
+    args = ap.parse_args(argv)
+    if args.demo:
+        run_demo()
+    want = {SUMMARY: summary_page(), README: fill_blocks(README.read_text(), readme_blocks())}
+    if args.check:
+        stale = [p.relative_to(ROOT) for p, text in want.items() if not p.is_file() or p.read_text() != text]
+        for p in stale:
+            print(f"{p} is not what the data in results/ gives: run python results/make.py", file=sys.stderr)
+        return 1 if stale else 0
+    figures()
+    for p, text in want.items():
+        p.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

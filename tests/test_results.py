@@ -1,0 +1,79 @@
+"""Stored figures are what the code and the data give: results/README.md and the README's generated blocks
+against ``results/make.py``, and (slow, in CI) the demo's printed table against its stored output."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, load_script
+
+make = load_script("results/make.py", "results_make")
+
+
+def test_summary_page_and_readme_blocks_are_what_the_data_gives():
+    """``python results/make.py --check``: results/README.md and every README block regenerate unchanged."""
+    assert make.main(["--check"]) == 0, "run: python results/make.py"
+
+
+def test_readme_demo_block_is_the_stored_demo_output():
+    """The README's demo block is the table part of results/demo/demo.txt, character for character."""
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"<!-- results:demo -->\n```\n(.*?)```\n<!-- /results:demo -->", readme, re.S)
+    assert block, "README.md has no demo block"
+    assert block.group(1) == make.demo_table((REPO / "results" / "demo" / "demo.txt").read_text())
+
+
+def test_make_demo_runs_the_stored_command():
+    """``make demo`` runs results/demo/command.sh, the command whose output demo.txt stores (and the slow test
+    reruns), so the README's table is what ``make demo`` prints."""
+    recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(), re.M)
+    assert recipe and "results/demo/command.sh" in recipe.group(1)
+    assert make.demo_command()[:2] == ["crispedit", "demo"]
+
+
+def test_mask_timings_hides_seconds_only():
+    """Timings are masked — the ``[ N s]`` prefixes, ``N s`` anywhere, the ``edit s`` column — and nothing else."""
+    text = ("[  123 s] crispedit: edited in 83 s (25 epochs)\n"
+            "method      qa  kl_drift epochs  edit s  contexts\n"
+            "crispedit 1.00/1.00 0.00227 25    83.4  bare,chat\n"
+            "ft        1.00/0.83 0.02503 20   155.3  bare,chat\n\n"
+            "base perplexity 38.959 total 227s\n")
+    masked = make.mask_timings(text)
+    for gone in ("83.4", "155.3", "227s", "123 s", "83 s"):
+        assert gone not in masked
+    for kept in ("1.00/1.00", "0.00227", "0.02503", "38.959", "25", "20", "bare,chat"):
+        assert kept in masked
+    assert make.mask_timings(text.replace("83.4", "91.0").replace("227s", "301s")) == masked
+
+
+def test_compare_demo_tables_tolerates_last_digits_not_answers():
+    """Continuous figures may differ in their last digits (another CPU's float32 kernels); rates, answers and
+    epochs may not."""
+    stored = "crispedit 1.00/1.00 0.00227 39.10 x1.02 25\nPerl | Perl\n"
+    assert make.compare_demo_tables(stored, stored.replace("0.00227", "0.00228").replace("39.10", "39.12")) == []
+    for changed in (stored.replace("1.00/1.00", "1.00/0.83"), stored.replace("0.00227", "0.00300"),
+                    stored.replace(" 25", " 26"), stored.replace("Perl | Perl", "Perl | C")):
+        assert make.compare_demo_tables(stored, changed)
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_demo_prints_the_stored_table(tmp_path):
+    """``make demo``'s command prints the table stored in results/demo/demo.txt (and so in the README), timings
+    aside. On a change to what the demo prints, rerun it: ``python results/make.py --demo``."""
+    cmd = make.demo_command()
+    assert cmd[0] == "crispedit"
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, "-m", "crispedit", *cmd[1:]], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    stored = make.demo_table((REPO / "results" / "demo" / "demo.txt").read_text())
+    diffs = make.compare_demo_tables(stored, make.demo_table(proc.stdout))
+    assert not diffs, (f"`{shlex.join(cmd)}` no longer prints the stored table (results/demo/demo.txt); if the change "
+                       "is meant, run python results/make.py --demo:\n" + "\n".join(diffs))
