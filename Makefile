@@ -2,14 +2,15 @@
 #   make demo   edit 6 facts into SmolLM2 with crispedit and ft, print before/after + drift
 #               (runs results/demo/command.sh: the command whose output results/demo/demo.txt stores)
 #   make test   unit tests + the real-model tests chosen for CI (installs chromium for the playground's
-#               browser test when it is missing and apt-get can, as root; goes on without it otherwise)
+#               browser test when it is missing and apt-get can, as root; goes on without it otherwise),
+#               then the documentation site, strictly (make docs)
 PY      ?= python3
 VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
 STAMP   := $(VENV)/.crispedit-installed
 
-.PHONY: venv demo test test-all test-slow bench results clean
+.PHONY: venv demo test test-all test-slow bench docs results clean
 
 venv: $(STAMP)
 
@@ -28,6 +29,13 @@ demo: venv
 test: venv
 	-sh scripts/ensure_chromium.sh
 	$(VPY) -m pytest -q -m "not slow or ci"
+	$(MAKE) docs
+
+# The documentation site (mkdocs.yml: docs/, results/, the API reference from the docstrings, the CLI's --help)
+# into build/site, strict: a dead link or anchor, a page left out of the navigation or a renamed function
+# in the API reference fails the build. Offline: no fonts or scripts fetched.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # Regenerate every table and figure of results/, results/README.md and the README's generated blocks.
 results: venv
