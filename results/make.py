@@ -308,6 +308,32 @@ def speed_block() -> str:
             "[`gpu_h100/`](results/speed/gpu_h100/smollm2_1000_tokens_b.json) |\n")
 
 
+# ------------------------------------------------------------------------------------------- eigendecompositions
+def eigh_tables() -> str:
+    """From ``eigh/``: float64 / float32 ``torch.linalg.eigh`` time per size (with the n³ extrapolation, marked as
+    one) and, per γ, the range over SmolLM2's layers of the projection error against the float64 formula for a
+    float32 eigensolver and for crispedit's projector."""
+    t = _load(HERE / "eigh" / "bench_eigh_cpu.json")
+    lines = ["| size | float32 (s) | float64 (s) | float64 / float32 |", "|---|---|---|---|"]
+    for n, r in t["sizes"].items():
+        lines.append(f"| {int(n):,} | {r['float32']['min_s']:.2f} | {r['float64']['min_s']:.2f} | "
+                     f"{r['ratio_float64_over_float32']:.2f}× |".replace(",", " "))
+    ex = t["extrapolated"]
+    lines.append(f"| {ex['n']:,} (extrapolated as n³ from {ex['from_n']:,}) | {ex['float32_s']:.0f} | "
+                 f"{ex['float64_s']:.0f} | {ex['float64_s'] / ex['float32_s']:.2f}× |".replace(",", " "))
+    p = _load(HERE / "eigh" / "eigh_precision_smollm2.json")
+    rows = ["| γ | float32 eigensolver | crispedit (float64 decomposition, float32 bases) |", "|---|---|---|"]
+    for g in p["gammas"]:
+        f32 = [v[str(g)]["float32_eigh"] for v in p["layers"].values()]
+        ours = [v[str(g)]["crispedit"] for v in p["layers"].values()]
+        rows.append(f"| {g} | {min(f32):.1e} – {max(f32):.1e} | {min(ours):.1e} – {max(ours):.1e} |")
+    return ("`torch.linalg.eigh` on the CPU, fastest of "
+            f"{t['repeats']} interleaved runs ([`bench_eigh_cpu.json`](eigh/bench_eigh_cpu.json)):\n\n"
+            + "\n".join(lines) + "\n\nRelative projection error against the paper's formula in float64, range over "
+            "SmolLM2's five default `down_proj` layers "
+            "([`eigh_precision_smollm2.json`](eigh/eigh_precision_smollm2.json)):\n\n" + "\n".join(rows) + "\n")
+
+
 # ---------------------------------------------------------------------------------------------- summary page
 def _run_line(d: Path) -> str:
     r = _load(d / "run.json") if (d / "run.json").is_file() else {}
@@ -390,6 +416,12 @@ against the number of edits (32, 100, 1 000), per method, drawn from the compare
 {_run_line(HERE / 'speed')}
 
 {speed_table()}
+## Eigendecompositions: float64 against float32
+
+[`eigh/`](eigh/run.json): what decomposing the K-FAC factors in float64 (every device) costs and buys against
+float32. {_run_line(HERE / 'eigh')}
+
+{eigh_tables()}
 ## Curvature study on MNIST
 
 [`study_mnist/`](study_mnist/run.json): [`results.csv`](study_mnist/results.csv) and the trade-off figure drawn from it
