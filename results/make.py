@@ -156,6 +156,11 @@ def _drift(v) -> str:
     return "–" if v is None else (f"{v:.3f}" if v >= 0.1 else f"{v:.3g}")
 
 
+def _num(v: float, fmt: str) -> str:
+    """``v`` in ``fmt`` below 10 000, in three significant digits above (a broken model's perplexity)."""
+    return fmt.format(v) if abs(v) < 1e4 else f"{v:.3g}"
+
+
 def _minutes(s) -> str:
     if s is None:
         return "–"
@@ -212,7 +217,7 @@ def compare_summary(payload: dict) -> str:
         kl, pred = s.get("kl_drift"), s.get("kl_predicted")
         ppl = s.get("ppl")
         ratio = ppl / ppl0 if ppl and ppl0 else None
-        ppl_cell = "–" if ppl is None else f"{ppl:.1f}" + (f" (×{ratio:.2f})" if ratio and m != "base" else "")
+        ppl_cell = "–" if ppl is None else _num(ppl, "{:.1f}") + (f" (×{_num(ratio, '{:.2f}')})" if ratio and m != "base" else "")
         if ratio and ratio > BREAKING_PPL_RATIO:
             ppl_cell += " ✗"
         kl_cell = "0" if m == "base" else _drift(kl) + (f" ({_drift(pred)})" if pred is not None else "")
