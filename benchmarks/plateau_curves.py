@@ -4,7 +4,7 @@ every ``epoch_loss`` curve in the given report / compare / matrix JSON files (an
 run timed its epochs — the share of its training seconds the epochs before the stop took. A run the rule does not
 stop trains exactly as without it, so this tells from stored curves alone which runs a setting changes.
 
-    python benchmarks/plateau_curves.py docs/results --epochs 8 --delta 0.02
+    python benchmarks/plateau_curves.py results --epochs 8 --delta 0.02
     python benchmarks/plateau_curves.py runs/compare_zsre_dev1000/checkpoints/crispedit-seq.safetensors --epochs 8
 
 No model is loaded; curves are read as stored (a run's own stop loss where its config is stored beside it, else

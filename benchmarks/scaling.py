@@ -11,8 +11,8 @@ gen, QA crosstalk, KL drift and perplexity on log axes; x: number of edits, log 
 the defaults' contexts (it is then the method at its defaults). Where two runs give the same method and size,
 the later file on the command line wins.
 
-    python benchmarks/scaling.py docs/results/wild_zsre_dev100_32.json docs/results/compare_zsre_dev100 \\
-        runs/compare_zsre_dev1000 --out docs/results/scaling_zsre
+    python benchmarks/scaling.py results/scaling/wild_zsre_dev100_32.json results/compare_zsre_dev100 \\
+        results/compare_zsre_dev1000 --out results/scaling/scaling_zsre
 """
 
 from __future__ import annotations

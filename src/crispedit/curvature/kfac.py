@@ -322,7 +322,7 @@ def sample_labels(logits: Tensor, seed: int, index: int) -> Tensor:
 
     Drawn by inversion: one uniform per position against the float64 cumulative distribution (``T x V``), the
     label the first entry above it — exactly categorical, and on a CPU far cheaper than ``torch.multinomial``,
-    which draws an exponential variate per vocabulary entry (docs/benchmarks.md)."""
+    which draws an exponential variate per vocabulary entry."""
     gen = torch.Generator(device=logits.device).manual_seed(_seq_seed(seed, index))
     cdf = torch.softmax(logits.detach().float(), dim=-1).double().cumsum(-1)
     u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]

@@ -35,7 +35,7 @@ never trained:
 * ``lead:N``   — N of the :data:`ANSWER_LEADS` per request: a lead-in between the question and the
   target (``"{question}\n"``, ``"{question} -> "``, ``"{question}\nReply: "``, ...), so the answer is
   also produced at positions other than right after the question mark or the chat header (what it does
-  for untrained wrappers: docs/where-to-edit.md). No lead-in says "answer" or has the QA
+  for untrained wrappers: docs/contexts.md). No lead-in says "answer" or has the QA
   template's ``Q:``/``A:``.
 
 ``default`` expands to :data:`DEFAULT_CONTEXTS` minus ``chat`` for models without a chat template.
@@ -51,7 +51,7 @@ context, and that end is trained too, so free generation states the new fact and
 (default): the chat template's end-of-turn (e.g. ``<|im_end|>``) for ``chat``, a period for ``bare``
 and ``prefix`` (none added when the target already ends in ``.!?``). ``eos``: the tokenizer's EOS
 instead of the period — worse on SmolLM2-Instruct, whose EOS is its end-of-turn token (measured in
-docs/where-to-edit.md). ``none``: the target alone (the paper's FT-M).
+docs/contexts.md). ``none``: the target alone (the paper's FT-M).
 """
 
 from __future__ import annotations
