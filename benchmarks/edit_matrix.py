@@ -85,7 +85,8 @@ def label(d: dict) -> str:
 
 
 COLUMNS = ["run", "tf_rel", "tf_gen", "qa_rel", "qa_gen", "none_rel", "none_gen", "chat_rel", "chat_gen",
-           "qa_loc", "kl_drift", "kl_pred", "pred/meas", "kl_pred_bd", "bd/meas", "budget_hits", "epochs", "edit_s"]
+           "qa_loc", "kl_drift", "kl_pred", "pred/meas", "kl_pred_bd", "bd/meas", "budget_hits", "epochs", "edit_s",
+           "chat_len", "chat_bare", "answer_kl", "bleed", "bleed_changed"]
 
 
 def extra_contexts(rows: list[dict]) -> list[str]:
@@ -114,7 +115,16 @@ def row_cells(r: dict, extra: list[str] = ()) -> list[str]:
             "–" if r.get("kl_predicted") is None else f"{r['kl_predicted']:.5f}", _ratio(r),
             "–" if r.get("kl_predicted_blockdiag") is None else f"{r['kl_predicted_blockdiag']:.5f}",
             _ratio(r, "kl_predicted_blockdiag"), _hits(r),
-            str(r["epochs"]), f"{r['edit_seconds']:.0f}"] + [f(n, k) for n in extra for k in ("rel", "gen")]
+            str(r["epochs"]), f"{r['edit_seconds']:.0f}", _assistant(r, "style", "length_ratio"),
+            _assistant(r, "style", "bare_share"), _assistant(r, "style", "answer_kl", 4),
+            _assistant(r, "bleed", "target"), _assistant(r, "bleed", "changed")] + [f(n, k) for n in extra
+                                                                                  for k in ("rel", "gen")]
+
+
+def _assistant(r: dict, part: str, key: str, digits: int = 2) -> str:
+    """One figure of a row's chat measures (:mod:`crispedit.evaluation.assistant`), ``–`` where absent."""
+    v = ((r.get("assistant") or {}).get(part) or {}).get(key)
+    return "–" if v is None else f"{v:.{digits}f}"
 
 
 def _ratio(r: dict, key: str = "kl_predicted") -> str:
@@ -239,10 +249,11 @@ def main() -> None:
         t0 = time.perf_counter()
         res = edit(model, tok, requests, cfg, progress=False, predict_drift=True)  # kl_pred for ft too
         ev = evaluate_edit(model, tok, requests, res.original_weights, wild=[c for c in args.wild.split(",") if c],
-                           wild_templates=templates, progress=False)
+                           wild_templates=templates, assistant=True, progress=False)
         summary, wild = ev["summary"], {k: v for k, v in ev.get("wild", {}).items() if k != "judge"}
         restore(model, res.original_weights)
         row = {"run": label(d), "overrides": d, **summary, **drift_summary(res), "wild": wild,
+               "assistant": ev["assistant"],
                "epochs": len(res.history.epoch_loss), "converged": res.history.converged,
                "training": res.history.to_json(), "edit_seconds": round(res.edit_seconds, 2),
                "cache_seconds": round(res.cache_seconds, 2),
