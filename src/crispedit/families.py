@@ -17,7 +17,7 @@ class FamilyDefaults:
     """Edit defaults of one model family: the edit window starts at block ``⌊start · N⌋`` of N and spans
     ``count`` blocks (at most; fewer for shallow models: ``min(count, N // 4)``, at least 1), and the
     method's default Adam learning rate is multiplied by ``lr_scale`` (an ``--lr`` the user gives is
-    never scaled). Measured per family in docs/cli.md, "Choosing layers"."""
+    never scaled). Measured per family in docs/cli.md, 'Choosing layers'."""
 
     start: float = 0.15
     count: int = 5
@@ -26,7 +26,7 @@ class FamilyDefaults:
 
 #: Families whose measured defaults differ from the rule measured on SmolLM2 (llama). Gemma-3's ``down_proj``
 #: weights are much smaller than SmolLM2's, so each Adam step moves them more in relative terms: it edits with
-#: a scaled-down learning rate on an earlier window (why and the figures: docs/cli.md, "Choosing layers",
+#: a scaled-down learning rate on an earlier window (why and the figures: docs/cli.md, 'Choosing layers',
 #: "Gemma-3-270M: a second family").
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "gemma3": FamilyDefaults(start=0.06, count=4, lr_scale=0.1),

@@ -484,7 +484,7 @@ def default_layer_pattern(model: nn.Module) -> str:
     """Default edited layers: the MLP output projection of ``count`` consecutive blocks starting at ``start`` of
     the depth (:class:`~crispedit.families.FamilyDefaults`; SmolLM2-135M: ``model.layers.{4-8}.mlp.down_proj``),
     fewer for shallow models; families in :data:`~crispedit.families.FAMILY_DEFAULTS` have their own start and
-    count. Chosen by the WILD sweeps of docs/cli.md, "Choosing layers" (early blocks against half depth)."""
+    count. Chosen by the WILD sweeps of docs/cli.md, 'Choosing layers' (early blocks against half depth)."""
     model_type = model_family(model)
     if model_type not in MLP_OUT_PROJ:
         raise CrispEditError(

@@ -239,7 +239,7 @@ def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, shar
     """The edit layers whose own predicted drift ``q_l`` (nats/token, :func:`predicted_kl`'s ``layers``)
     dominates: ``q_l`` above ``factor`` × the median of the other layers and at least ``share`` of ``Σ q``.
     Each as ``{"layer", "predicted", "share", "vs_median"}``, largest first; ``[]`` with fewer than two layers.
-    A window holding such a layer drifts far more than one without it (docs/cli.md, "Choosing layers"), so an edit window
+    A window holding such a layer drifts far more than one without it (docs/cli.md, 'Choosing layers'), so an edit window
     without it is worth trying. Edit reports, compare rows and session rounds record them."""
     vals = {k: float(v) for k, v in layers.items()}
     total = sum(vals.values())
@@ -259,7 +259,7 @@ def steep_note(st: dict) -> str:
     prediction in nats/token, its ratio to the other layers' median, and the advice to edit without it."""
     times = "" if st.get("vs_median") is None else f", {st['vs_median']:g}x the other layers' median"
     return (f"{st['layer']} predicts {st['share']:.0%} of the drift ({st['predicted']:.3g} nats/token{times}); "
-            "an edit without this layer may drift far less (see docs/cli.md, "Choosing layers")")
+            "an edit without this layer may drift far less (see docs/cli.md, 'Choosing layers')")
 
 
 # Last name component of the matrices whose outputs attention mixes across positions (query / key / value
@@ -274,7 +274,7 @@ def mixing_layers(names) -> list[str]:
 
     K-FAC treats every position as an independent row of the layer, so on these matrices the predicted drift
     misses what a change does to *other* positions, while layers that act after the mixing (``o_proj``,
-    ``down_proj``) are predicted well (docs/cli.md, "Choosing layers"). The prediction, ``--max-drift``
+    ``down_proj``) are predicted well (docs/cli.md, 'Choosing layers'). The prediction, ``--max-drift``
     and ``--drift-penalty`` are not to be trusted there."""
     return [n for n in names if str(n).rsplit(".", 1)[-1] in MIXING_NAMES]
 
@@ -284,7 +284,7 @@ def mixing_note(layers: list[str]) -> str:
     shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
     return (f"{shown}: attention mixes these outputs across positions, which the K-FAC drift prediction does not "
             "model; kl_predicted, --max-drift and --drift-penalty "
-            "under-read it here (see docs/cli.md, "Choosing layers")")
+            "under-read it here (see docs/cli.md, 'Choosing layers')")
 
 
 def prediction_notes(summary: Mapping) -> list[str]:
