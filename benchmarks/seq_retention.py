@@ -85,7 +85,7 @@ def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa",
     ``spectra``: each row also holds ``factors`` (:func:`factor_spectra`'s entry of its round) and the result
     ``capability`` (the capability factors' :func:`spectrum`)."""
     from crispedit.editing import restore
-    from crispedit.evaluation.edit_eval import retention_probe
+    from crispedit.evaluation.edit_eval import round_map_probe
     from crispedit.sessions.sequential import run_sequence
 
     cfg = seq_config(overrides)
@@ -115,7 +115,7 @@ def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa",
     t0 = time.perf_counter()
     with factor_spectra(seen) if spectra else contextlib.nullcontext():
         res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=False, on_round=report,
-                           after_round=retention_probe(tokenizer, requests[:chunk], wild=wild))
+                           after_round=round_map_probe(tokenizer, requests, chunk, wild=wild))
     restore(model, res.original_weights)
     out = {**head, "rounds": rounds, "edit_seconds": round(time.perf_counter() - t0, 1)}
     if spectra and res.state.cap is not None:

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from crispedit.experiments import compare as compare_mod
+from crispedit.experiments.retention import retention_map
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
@@ -253,6 +254,11 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
         assert len(ret) == 2 and all(x["n"] == 2 and 0 <= x["tf_rel"] <= 1 for x in ret)
         assert all(set(x["wild"]) == {"qa", "chat"} and 0 <= x["wild"]["qa"] <= 1 for x in ret)
         assert ret == [x["after_round"] for x in r["round_records"]]
+        # the retention map: after round j, every round k <= j's edits, teacher-forced (round 1's is tf_rel)
+        assert [len(x["by_round"]) for x in ret] == [1, 2] and all(x["by_round"][0] == x["tf_rel"] for x in ret)
+        grid = retention_map(r)
+        assert len(grid) == 2 and grid[0][1] is None and grid[1] == ret[1]["by_round"]
+        assert grid[1][1] == pytest.approx(sum(r["tf"]["rel"][2:]) / 1, abs=1e-3)  # round 2's edit, final model
         # every edit's teacher-forced scores, in edit order: round 1's after the last round is its retention there
         tf = r["tf"]
         assert len(tf["rel"]) == len(tf["gen"]) == len(REQS) and set(tf["rel"]) <= {0, 1}
@@ -266,6 +272,7 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
     assert "| ft-seq |" in md and "ft-seq: 2 rounds of 2" in md and "crispedit-seq: 2 rounds of 2" in md
     assert "Round-1 retention: the first round's 2 edits" in md and "| crispedit-seq | WILD qa rel |" in md
     assert (out / "retention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "retention_map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ran = counting_runs(monkeypatch)                              # a third run: nothing left to do
     compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=2, progress=False)
     assert ran == []

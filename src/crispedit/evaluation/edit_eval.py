@@ -18,7 +18,7 @@ from ..data.edits import EditRequest
 from .drift import kl_drift
 from .teacher_forced import edit_scores, summarize_edit_scores
 
-__all__ = ["evaluate_edit", "retention_probe"]
+__all__ = ["evaluate_edit", "retention_probe", "round_map_probe"]
 
 _log = logging.getLogger("crispedit.evaluate")  # one info line per finished phase: a long evaluation leaves a trail
 
@@ -83,13 +83,38 @@ def retention_probe(tokenizer, requests: Sequence[EditRequest], wild: Sequence[s
 
     def measure(model: nn.Module) -> dict:
         """The retention figures of ``requests`` on ``model`` as it is now."""
-        from .judges import RuleJudge
-        from .wild import wild_wrappers
-
         tf = summarize_edit_scores(edit_scores(model, tokenizer, requests, batch_size))
-        res = wild_wrappers(model, tokenizer, requests, RuleJudge(), wrappers=list(wild), batch_size=batch_size,
-                            progress=False) if wild else {}
-        return {"n": len(requests), "tf_rel": tf["rel"],
-                "wild": {c: None if res.get(c) is None else res[c]["rel"] for c in wild}}
+        return {"n": len(requests), "tf_rel": tf["rel"], "wild": _wild_rel(model, tokenizer, requests, wild, batch_size)}
+
+    return measure
+
+
+def _wild_rel(model: nn.Module, tokenizer, requests: Sequence[EditRequest], wild: Sequence[str],
+              batch_size: int) -> dict:
+    """``{wrapper: WILD rel}`` of ``requests`` on ``model`` under each of ``wild`` (rule judge; ``None`` for a
+    wrapper the tokenizer cannot render, e.g. chat without a template)."""
+    from .judges import RuleJudge
+    from .wild import wild_wrappers
+
+    res = wild_wrappers(model, tokenizer, requests, RuleJudge(), wrappers=list(wild), batch_size=batch_size,
+                        progress=False) if wild else {}
+    return {c: None if res.get(c) is None else res[c]["rel"] for c in wild}
+
+
+def round_map_probe(tokenizer, requests: Sequence[EditRequest], chunk: int, wild: Sequence[str] = ("qa", "chat"),
+                    batch_size: int = 32) -> Callable[[nn.Module, int], dict]:
+    """A sequential run's retention as it goes: ``requests`` edited in rounds of ``chunk``, the returned function,
+    called on the model after round ``k`` (1-based), gives :func:`retention_probe`'s record of the first round's
+    edits plus ``by_round``: the teacher-forced reliability of each round ``1..k``'s edits on that model (a row of
+    the retention map; the first entry is the record's ``tf_rel``)."""
+    requests = list(requests)
+
+    def measure(model: nn.Module, k: int) -> dict:
+        """The retention record of the model as round ``k`` left it."""
+        rel = [e["rel"] for e in edit_scores(model, tokenizer, requests[:k * chunk], batch_size)]
+        by_round = [sum(rel[i:i + chunk]) / len(rel[i:i + chunk]) for i in range(0, len(rel), chunk)]
+        return {"n": min(chunk, len(rel)), "tf_rel": round(by_round[0], 4),
+                "wild": _wild_rel(model, tokenizer, requests[:chunk], wild, batch_size),
+                "by_round": [round(x, 4) for x in by_round]}
 
     return measure

@@ -68,8 +68,8 @@ from ..errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, a
                      check_positive_int, check_written_by, read_text_file, stamped)
 from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER, evaluate_edit
 from ..evaluation.capabilities import paired_change
-from ..evaluation.edit_eval import retention_probe
-from .retention import RETENTION_PNG, plot_retention, retention_table
+from ..evaluation.edit_eval import round_map_probe
+from .retention import RETENTION_MAP_PNG, RETENTION_PNG, plot_retention, plot_retention_map, retention_table
 from ..models import model_family, weight_fingerprint
 from ..sessions.sequential import run_sequence
 
@@ -157,7 +157,7 @@ def _row(method: str, ev: dict, **extra) -> dict:
 
 
 def _retention_brief(r: dict | None) -> str:
-    """`` round-1 edits: tf_rel=… qa=… chat=…`` for a round's ``after_round`` record (:func:`retention_probe`), or
+    """`` round-1 edits: tf_rel=… qa=… chat=…`` for a round's ``after_round`` record (:func:`~crispedit.evaluation.edit_eval.round_map_probe`), or
     ``""`` without one."""
     if not r:
         return ""
@@ -299,7 +299,7 @@ def _edited_row(b: _Bench, method: str, cfg: EditConfig | SeqConfig, inputs: dic
             if seq:
                 res = run_sequence(model, b.tokenizer, b.requests, cfg, b.chunk, progress=b.inner, predict_drift=True,
                                    on_round=None if b.progress is False else _round_line(method),
-                                   after_round=retention_probe(b.tokenizer, b.requests[:b.chunk]),
+                                   after_round=round_map_probe(b.tokenizer, b.requests, b.chunk),
                                    checkpoint=b.out / CHECKPOINTS / f"{method}.safetensors")
             else:
                 res = edit(model, b.tokenizer, b.requests, cfg, progress=b.inner, predict_drift=True,
@@ -873,14 +873,16 @@ def plot_compare(payload: dict, path: str | Path) -> None:
 def write_outputs(out: Path, payload: dict) -> None:
     """Rewrite compare.json (atomic; its ``pareto`` section recomputed, :func:`pareto_points`), compare.md
     (:func:`compare_table`), compare.png (:func:`plot_compare`) and, when ``-seq`` rows carry round-1 retention,
-    retention.png (:func:`~crispedit.experiments.retention.plot_retention`); the pictures are derived, so a
-    missing matplotlib is not fatal."""
+    retention.png (:func:`~crispedit.experiments.retention.plot_retention`) and the retention map,
+    retention_map.png (:func:`~crispedit.experiments.retention.plot_retention_map`); the pictures are derived,
+    so a missing matplotlib is not fatal."""
     payload["pareto"] = pareto_points(payload)
     atomic_write_json(out / JSON_FILE, payload)
     atomic_write_bytes(out / MD_FILE, compare_table(payload).encode())
     with contextlib.suppress(ImportError):
         plot_compare(payload, out / PNG_FILE)
         plot_retention(payload, out / RETENTION_PNG)
+        plot_retention_map(payload, out / RETENTION_MAP_PNG)
 
 
 def render_outputs(out: str | Path) -> dict:

@@ -21,9 +21,10 @@ from statistics import fmean
 from ..errors import atomic_write_figure
 
 __all__ = ["retention_rows", "retention_series", "retention_summary", "retention_table", "plot_retention",
-           "final_by_round", "RETENTION_PNG"]
+           "final_by_round", "retention_map", "plot_retention_map", "RETENTION_PNG", "RETENTION_MAP_PNG"]
 
 RETENTION_PNG = "retention.png"
+RETENTION_MAP_PNG = "retention_map.png"
 _MEASURES = (("tf_rel", "teacher-forced rel"), ("qa", "WILD qa rel"), ("chat", "WILD chat rel"))
 
 
@@ -57,6 +58,55 @@ def retention_series(row: dict) -> dict[str, list[float | None]]:
         for k in ("qa", "chat"):
             out[k].append(wild.get(k))
     return out
+
+
+def retention_map(row: dict) -> list[list[float | None]]:
+    """The retention map of a ``-seq`` row: entry ``[j][k]`` is the teacher-forced reliability of round ``k + 1``'s
+    edits measured after round ``j + 1`` (``k <= j``; ``None`` above the diagonal and where a round has no
+    record), from its rounds' ``by_round`` records (:func:`~crispedit.evaluation.edit_eval.round_map_probe`);
+    ``[]`` for a row without them."""
+    recs = [(rec or {}).get("by_round") for rec in row.get("retention") or []]
+    if not any(recs):
+        return []
+    n = len(recs)
+    return [[(r[k] if r and k < len(r) else None) for k in range(n)] for r in recs]
+
+
+def plot_retention_map(payload: dict, path: str | Path) -> bool:
+    """Write the retention maps to ``path`` (PNG): one heatmap per ``-seq`` row with a map (:func:`retention_map`),
+    after-round down, edited-in round across, each cell the fraction of that round's edits that hold (teacher
+    forced, 0–1, written in the cell). Returns ``False`` (and writes nothing) when no row has one."""
+    maps = {m: retention_map(r) for m, r in payload.get("results", {}).items()}
+    maps = {m: v for m, v in maps.items() if v}
+    if not maps:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(maps), figsize=(0.5 + 3.6 * len(maps), 3.6), squeeze=False)
+    for ax, (m, grid) in zip(axes[0], maps.items()):
+        a = np.array([[np.nan if v is None else v for v in row] for row in grid], dtype=float)
+        im = ax.imshow(a, vmin=0.0, vmax=1.0, cmap="viridis", origin="upper")
+        n = len(grid)
+        if n <= 12:
+            for j in range(n):
+                for k in range(j + 1):
+                    if not np.isnan(a[j, k]):
+                        ax.text(k, j, f"{a[j, k]:.2f}", ha="center", va="center", fontsize=6,
+                                color="white" if a[j, k] < 0.6 else "black")
+        ax.set_title(m, fontsize=10)
+        ax.set_xlabel("edits of round")
+        ax.set_ylabel("measured after round")
+        ticks = list(range(0, n, max(1, n // 10)))
+        ax.set_xticks(ticks, [str(t + 1) for t in ticks])
+        ax.set_yticks(ticks, [str(t + 1) for t in ticks])
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="teacher-forced rel")
+    fig.suptitle("Retention map: each round's edits after every later round", fontsize=11)
+    atomic_write_figure(path, fig, dpi=120)
+    return True
 
 
 def _round_size(row: dict) -> int | None:

@@ -16,7 +16,7 @@ chunks, for a fixed model). The next round's projector is rebuilt from capabilit
 * ``weighting="each"`` (default): the eigenbasis of ``trace``'s mix, with a mask that covers γ of the capability factors'
   energy *and* γ of the accumulated edit factors' energy, each measured in that basis
   (:func:`~crispedit.curvature.projection.per_source_keep_mask`): neither set can take the whole budget, by its
-  scale or by one outlier direction (docs/results.md);
+  scale or by one outlier direction (results/README.md);
 * ``weighting="tokens"``: the authors' code, a token-count-weighted average; the capability corpus
   (thousands of tokens) swamps the edits (tens of tokens each).
 
@@ -379,7 +379,7 @@ def _resumed(model: nn.Module, path: Path, identity: str, base: dict[str, Tensor
 def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: SeqConfig, chunk: int, *,
                  factors: KFACFactors | None = None, cache_root=None, cache_file=None, progress: bool | None = None,
                  predict_drift: bool = False, on_round: Callable[[dict, int], None] | None = None,
-                 after_round: Callable[[nn.Module], dict] | None = None,
+                 after_round: Callable[[nn.Module, int], dict] | None = None,
                  checkpoint: str | Path | None = None) -> SeqResult:
     """Edit ``model`` in place in ``ceil(len(requests) / chunk)`` sequential rounds: round ``k`` is
     :func:`run_round` on requests ``[(k-1)·chunk, k·chunk)`` from the state the previous round left (what a
@@ -387,8 +387,8 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
     ``config.mode`` must be ``"sequential"``. The capability statistics (``factors``, or fetched like
     :func:`~crispedit.editing.api.edit` does, ``predict_drift`` included) are the rounds' constraint and
     the drift model. The model is left edited; ``result.original_weights`` undoes it. ``on_round(record,
-    n_rounds)`` is called after every round (progress reports); ``after_round(model)``, before it, measures the
-    model as that round left it (e.g. how many of the first round's edits still hold), stored in the round's record
+    n_rounds)`` is called after every round (progress reports); ``after_round(model, k)``, before it, measures
+    the model as round ``k`` left it (e.g. how many of the first round's edits still hold), stored in the round's record
     under ``after_round``.
 
     ``checkpoint``: a file that holds, after every round, the state and the records so far
@@ -443,7 +443,7 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
         rec.update(round=k, n_edits=len(part))
         earlier += float(rec["train"].get("resumed_seconds", 0.0))  # the killed run's part of this round
         if after_round is not None:
-            rec["after_round"] = after_round(model)
+            rec["after_round"] = after_round(model, k)
         records.append(rec)
         if ck is not None:
             save_sequence_checkpoint(ck, identity, state, records, earlier + time.perf_counter() - t0)
