@@ -501,9 +501,12 @@ def test_own_replies_put_the_target_where_the_model_named_the_old_answer(chat_to
     assert replies == ["The capital of Australia is Melbourne.", "Chichester River is a river in New South Wales."]
     assert calls[0][0][0] == chat_turn(chat_tok, reqs[0].prompt, None)
     assert calls[1][0] == [chat_turn(chat_tok, reqs[1].prompt, None) + "Chichester River"]
-    seq = build_training_sequences(chat_tok, reqs, parse_contexts("reply"), replies=replies)[0]
-    assert chat_tok.decode(seq.ids[:seq.n_context]) == chat_turn(chat_tok, reqs[0].prompt, None)
-    assert _decode_target(chat_tok, seq) == "The capital of Australia is Melbourne."  # no turn end: the answer goes on
+    first, second = build_training_sequences(chat_tok, reqs, parse_contexts("reply"), replies=replies)
+    # the model's own words are context, the target alone is trained, and nothing after it (no turn end)
+    assert chat_tok.decode(first.ids) == chat_turn(chat_tok, reqs[0].prompt, None) + "The capital of Australia is Melbourne"
+    assert _decode_target(chat_tok, first).strip() == "Melbourne"
+    assert chat_tok.decode(second.ids[:second.n_context]) == chat_turn(chat_tok, reqs[1].prompt, None)
+    assert _decode_target(chat_tok, second) == "Chichester River"
 
 
 def test_reply_context_needs_the_model_and_a_chat_template(tiny_tok, chat_tok):

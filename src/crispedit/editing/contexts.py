@@ -29,9 +29,10 @@ never trained:
   their own words; none of them has the WILD QA template's ``Q:``/``A:`` form or wording.
 * ``reply``    — the chat template, with the reply the unedited model would give if it held the new fact
   (:func:`own_replies`): its own first sentence with the request's old answer (``ground_truth``) replaced by the
-  target where that sentence names it, else the target and the model's own continuation of it to the end of the
-  sentence; no turn end is trained, so the answer goes on as the model's own would (the answer's form and length
-  stay the model's: ``chat`` teaches "bare target, end of turn" for every question);
+  target where that sentence names it, else the target and the model's own continuation of it; the sequence ends
+  with the target, which alone carries loss (the model's own words before it are context), and no turn end is
+  trained, so the answer goes on as the model's own would (``chat`` teaches "bare target, end of turn" for every
+  question);
 * ``lead:N``   — N of the :data:`ANSWER_LEADS` per request: a lead-in between the question and the
   target (``"{question}\n"``, ``"{question} -> "``, ``"{question}\nReply: "``, ...), so the answer is
   also produced at positions other than right after the question mark or the chat header (what it does
@@ -379,10 +380,16 @@ def _chat(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[Training
 
 @training_context("reply", pool="replies", chat_template=True)
 def _reply(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
-    """The chat template: the prompt as the user turn, the model's own reply holding the target (:func:`own_replies`)
-    as the start of the assistant turn, no turn end."""
-    ids, n, text = _chat_rows(m.tokenizer, r.prompt, m.pools["replies"][i], end=False)
-    return [TrainingSequence("reply", i, ids, n, text)]
+    """The chat template: the prompt as the user turn, then the model's own reply (:func:`own_replies`) up to and
+    including the target; only the target carries loss (the model's own words before it are context, so the loss
+    stays nats per target token like every other context's), and nothing after it is trained (no turn end)."""
+    reply = m.pools["replies"][i]
+    k = reply.find(r.target)
+    k = 0 if k < 0 else k
+    ask = chat_turn(m.tokenizer, r.prompt, None)
+    full = ask + reply[:k + len(r.target)]
+    ids, n = split_context_target(m.tokenizer, ask + reply[:k].rstrip(), full, add_special_tokens=False)
+    return [TrainingSequence("reply", i, ids, n, full)]
 
 
 REPLY_TOKENS = 48  # tokens of the unedited model's own answer read for its first sentence
