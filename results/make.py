@@ -339,6 +339,26 @@ def eigh_tables() -> str:
             "([`eigh_precision_smollm2.json`](eigh/eigh_precision_smollm2.json)):\n\n" + "\n".join(rows) + "\n")
 
 
+CHAT_STYLE = HERE / "chat_style_zsre_dev400_32"
+
+
+def chat_style_table(d: Path = CHAT_STYLE) -> str:
+    """From a directory of edit reports and its ``run.json`` (``runs``: report file -> what was run): per run, WILD
+    qa / chat rel / gen, teacher-forced rel, KL drift, the chat style measures (answer length over the base's, the
+    share of long answers turned bare, KL on the base's own answers) and the subject bleed, then the epochs."""
+    runs = _load(d / "run.json")["runs"]
+    lines = ["| run | WILD qa | WILD chat | TF rel | KL drift | chat length (× base) | turned bare | answer KL | "
+             "subject bleed | epochs |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, what in runs.items():
+        r = _load(d / name)
+        s, w, a = r["summary"], r.get("wild") or {}, r.get("assistant") or {}
+        st, bl = a.get("style") or {}, a.get("bleed") or {}
+        lines.append(f"| {what} | {_rg(w.get('qa'))} | {_rg(w.get('chat'))} | {_pct(s.get('rel'))} | "
+                     f"{s['kl_drift']:.5f} | ×{st['length_ratio']:.2f} | {_pct(st['bare_share'])} | "
+                     f"{st['answer_kl']:.3f} | {_pct(bl.get('target'))} | {r['training']['epochs']} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------- summary page
 def _run_line(d: Path) -> str:
     r = _load(d / "run.json") if (d / "run.json").is_file() else {}
@@ -427,6 +447,17 @@ against the number of edits (32, 100, 1 000), per method, drawn from the compare
 float32. {_run_line(HERE / 'eigh')}
 
 {eigh_tables()}
+## Chat style and subject bleed: the tuning slice
+
+[`chat_style_zsre_dev400_32/`](chat_style_zsre_dev400_32/run.json): 32 ZsRE dev edits (400–431, the slice the
+training contexts were tuned on) with the default contexts and with the `reply` context, with and without
+`--cap-chat 75`, each edit report stored. WILD and TF in percent; chat length: the edited model's chat answers to
+32 unrelated prompts over the base's, in tokens; turned bare: of the base's answers longer than five words, the
+share now five or fewer; answer KL: KL(base ‖ edited) on the base's own answers, nats/token; subject bleed: share
+of three other questions about each edited subject now answered with its new target.
+{_run_line(CHAT_STYLE)}
+
+{chat_style_table()}
 ## Curvature study on MNIST
 
 [`study_mnist/`](study_mnist/run.json): [`results.csv`](study_mnist/results.csv) and the trade-off figure drawn from it
