@@ -60,7 +60,7 @@ def mask_timings(text: str) -> str:
             span = None
         elif span is not None:
             a, b = span
-            line = line[:a] + re.sub(r"\S", "*", line[a:b]) + line[b:]
+            line = line[:a] + ("*" if line[a:b].strip() else "").rjust(b - a) + line[b:]  # any width of number
         m = re.search(r"(?<!\S)edit s(?!\S)", line)
         if m:
             start = line.rfind("  ", 0, m.start())  # the column's right-aligned cell starts after the previous gap

@@ -99,9 +99,12 @@ def tiny_lm64(tiny_tok):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tok):
     d = tmp_path_factory.mktemp("tiny_model")
+    from crispedit.models import backend_as_loaded
+
     model = build_llama(len(tiny_tok))
     model.save_pretrained(d)
-    tiny_tok.save_pretrained(d)
+    with backend_as_loaded(tiny_tok):  # not the truncation an earlier test's tokenizer call left on the shared one
+        tiny_tok.save_pretrained(d)
     return d
 
 
