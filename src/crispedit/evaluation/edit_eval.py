@@ -18,7 +18,7 @@ from ..data.edits import EditRequest
 from .drift import kl_drift
 from .teacher_forced import edit_scores, summarize_edit_scores
 
-__all__ = ["evaluate_edit", "retention_probe", "round_map_probe"]
+__all__ = ["evaluate_edit", "round_map_probe"]
 
 _log = logging.getLogger("crispedit.evaluate")  # one info line per finished phase: a long evaluation leaves a trail
 
@@ -73,22 +73,6 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     return out
 
 
-def retention_probe(tokenizer, requests: Sequence[EditRequest], wild: Sequence[str] = ("qa", "chat"),
-                    batch_size: int = 32) -> Callable[[nn.Module], dict]:
-    """A measurement of whether ``requests`` (e.g. a sequential run's first round) still hold on a model: the
-    returned function gives ``{"n": len(requests), "tf_rel": mean teacher-forced reliability, "wild": {context:
-    WILD rel (fraction of prompts whose free answer the rule judge accepts)}}`` for the model it is called on
-    (chat skipped, ``None``, for tokenizers without a chat template; ``wild=()`` measures teacher-forced only)."""
-    requests = list(requests)
-
-    def measure(model: nn.Module) -> dict:
-        """The retention figures of ``requests`` on ``model`` as it is now."""
-        tf = summarize_edit_scores(edit_scores(model, tokenizer, requests, batch_size))
-        return {"n": len(requests), "tf_rel": tf["rel"], "wild": _wild_rel(model, tokenizer, requests, wild, batch_size)}
-
-    return measure
-
-
 def _wild_rel(model: nn.Module, tokenizer, requests: Sequence[EditRequest], wild: Sequence[str],
               batch_size: int) -> dict:
     """``{wrapper: WILD rel}`` of ``requests`` on ``model`` under each of ``wild`` (rule judge; ``None`` for a
@@ -104,9 +88,10 @@ def _wild_rel(model: nn.Module, tokenizer, requests: Sequence[EditRequest], wild
 def round_map_probe(tokenizer, requests: Sequence[EditRequest], chunk: int, wild: Sequence[str] = ("qa", "chat"),
                     batch_size: int = 32) -> Callable[[nn.Module, int], dict]:
     """A sequential run's retention as it goes: ``requests`` edited in rounds of ``chunk``, the returned function,
-    called on the model after round ``k`` (1-based), gives :func:`retention_probe`'s record of the first round's
-    edits plus ``by_round``: the teacher-forced reliability of each round ``1..k``'s edits on that model (a row of
-    the retention map; the first entry is the record's ``tf_rel``)."""
+    called on the model after round ``k`` (1-based), gives the record of whether the first round's edits still hold
+    — ``{"n": their number, "tf_rel": their mean teacher-forced reliability, "wild": {wrapper: WILD rel (rule
+    judge; ``None`` for chat without a chat template)}}`` — plus ``by_round``: the teacher-forced reliability of
+    each round ``1..k``'s edits on that model (a row of the retention map; the first entry is ``tf_rel``)."""
     requests = list(requests)
 
     def measure(model: nn.Module, k: int) -> dict:

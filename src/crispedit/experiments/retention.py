@@ -1,7 +1,7 @@
 """Round-1 retention of a compare's sequential rows: does what the first round taught still hold later?
 
 A ``-seq`` row of ``crispedit compare`` stores, for every round, the first round's edits measured on the model
-as it stood after that round (``retention``: one :func:`~crispedit.evaluation.edit_eval.retention_probe` record
+as it stood after that round (``retention``: one :func:`~crispedit.evaluation.edit_eval.round_map_probe` record
 per round — ``n`` edits, teacher-forced ``tf_rel``, ``wild`` ``{"qa": rel, "chat": rel}``, each a fraction of
 the round-1 edits); a batched closed-form row (MEMIT, AlphaEdit over several batches — AlphaEdit-Seq in rounds of
 its batch size) stores its first batch's teacher-forced reliability after every batch (``training.first_batch_tf_rel``),
