@@ -117,9 +117,7 @@ def capability_sequences(model: nn.Module, tokenizer, config: EditConfig) -> tup
                                add_special_tokens=not templated, progress=False, desc="capability chat answers")
     ids = [x[:config.max_len] for x in tokenizer(texts, truncation=True, max_length=config.max_len)["input_ids"]]
     loss_from = [0] * len(ids)
-    for p, a in zip(chat, answers):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) if templated else p
+    for p, prompt, a in zip(chat, shown, answers):
         full = (tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": a}],
                                               tokenize=False) if templated else f"{p} {a}")
         head = tokenizer(prompt, add_special_tokens=not templated)["input_ids"]

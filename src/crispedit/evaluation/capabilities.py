@@ -421,20 +421,28 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
                 raise CrispEditError(f"{n}: could not load the benchmark from the hub ({type(exc).__name__}); "
                                      "pass --bench-dir DIR or set CRISPEDIT_BENCH_DIR") from exc
             raise
-        metrics = _scalar_metrics(res["results"].get(task_name, {}))
-        n_items = res.get("n-samples", {})
-        count = (sum(v.get("effective", 0) for k, v in n_items.items()) if n == "mmlu"
-                 else n_items.get(task_name, {}).get("effective"))
-        items = item_scores(res.get("samples") or {}, spec.metric)
-        out[n] = {"score": metrics.get(spec.metric), "metric": spec.metric, "metrics": metrics,
-                  "stderr": None if items is None else round(item_stderr(items) or 0.0, 6), "items": items,
-                  "num_fewshot": shots, "limit": n_limit, "n": count, "chat_template": chat,
+        out[n] = {**_task_record(n, res, task_name), "num_fewshot": shots, "limit": n_limit, "chat_template": chat,
                   "source": "hub" if where is None else "bundled" if root is None else "local",
                   "seconds": round(time.perf_counter() - t0, 2)}
         if progress is not False:
             se = "" if out[n]["stderr"] is None else f" ± {out[n]['stderr']:.4f}"
-            print(f"  {n}: {spec.metric} = {out[n]['score']}{se} ({count} items, {out[n]['seconds']:.0f}s)", flush=True)
+            print(f"  {n}: {spec.metric} = {out[n]['score']}{se} ({out[n]['n']} items, {out[n]['seconds']:.0f}s)",
+                  flush=True)
     return out
+
+
+def _task_record(name: str, res: dict, task_name: str) -> dict:
+    """What one lm-eval result ``res`` of the task ``name`` (run as ``task_name``) says: its headline ``score``,
+    ``metric``, every scalar ``metric``, the per-item values (``items``) and their standard error, and the number
+    of items ``n`` (MMLU: summed over its subjects)."""
+    spec = TASKS[name]
+    metrics = _scalar_metrics(res["results"].get(task_name, {}))
+    n_items = res.get("n-samples", {})
+    count = (sum(v.get("effective", 0) for v in n_items.values()) if name == "mmlu"
+             else n_items.get(task_name, {}).get("effective"))
+    items = item_scores(res.get("samples") or {}, spec.metric)
+    return {"score": metrics.get(spec.metric), "metric": spec.metric, "metrics": metrics,
+            "stderr": None if items is None else round(item_stderr(items) or 0.0, 6), "items": items, "n": count}
 
 
 def capability_drift(model: nn.Module, tokenizer, base_model: nn.Module, texts: Sequence[str], *,
