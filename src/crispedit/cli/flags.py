@@ -14,6 +14,7 @@ from typing import Sequence
 
 from ..editing.config import BATCH_ORDERS, PRECISIONS, PROJECTION_PRECISIONS, EditConfig, ProjectionTarget
 from ..editing.contexts import ANSWER_ENDS, DEFAULT_CONTEXTS, TRAINING_CONTEXTS
+from ..editing.keep import SUBJECT_KEEPS
 from ..editing.registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
 from ..errors import CrispEditError, check_input_file
 
@@ -112,6 +113,14 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, option
                    help="train edit loss + BETA x the K-FAC predicted KL drift (nats/token) of the change, so the "
                    f"edit takes the flattest directions (default {d['drift_penalty']:g}; fine-tuning methods: ft, "
                    "locbf-ft and lora get the capability factors fetched, lora on its merged update)")
+    p.add_argument("--keep-chat", type=int, default=d["keep_chat"], metavar="N",
+                   help="hold the unedited model's own chat answers to N bundled everyday prompts while the edit "
+                        f"trains (a hinge on every answer token that became less likely; default {d['keep_chat']})")
+    p.add_argument("--keep-subject", type=int, default=d["keep_subject"], metavar="K",
+                   help="... and its answers to K questions about each edit's subject that ask no particular "
+                        f"relation (at most {len(SUBJECT_KEEPS)}; default {d['keep_subject']})")
+    p.add_argument("--keep-weight", type=float, default=d["keep_weight"], metavar="W",
+                   help=f"weight of that preservation term beside the edit loss (default {d['keep_weight']:g})")
     p.add_argument("--answer-end", choices=list(ANSWER_ENDS), default=d["answer_end"],
                    help="what follows the target in training: auto = the chat end-of-turn in chat, a period "
                    "elsewhere (default); eos = EOS instead of the period; none = the target alone (the paper)")
@@ -163,7 +172,8 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
                       epochs=args.epochs, plateau_epochs=args.plateau,
                       projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
-                      cap_chat=args.cap_chat, seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,
+                      cap_chat=args.cap_chat, keep_chat=args.keep_chat, keep_subject=args.keep_subject,
+                      keep_weight=args.keep_weight, seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,
                       max_drift=getattr(args, "max_drift", None), drift_penalty=args.drift_penalty)
 
 

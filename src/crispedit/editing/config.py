@@ -86,6 +86,11 @@ class EditConfig:
     # bundled chat prompts whose answers, written by the unedited model through its chat template, join the
     # capability corpus, so the curvature also protects how the assistant answers (0 = text alone)
     cap_chat: int = 0
+    # the preservation term (editing/keep.py): the unedited model's answers to this many bundled chat prompts
+    # and to this many subject questions per edit are held while the edit trains, with this weight (0, 0: off)
+    keep_chat: int = 0
+    keep_subject: int = 0
+    keep_weight: float = 1.0
     seed: int = 0
     options: dict = field(default_factory=dict)  # the method's own settings (Editor.Config fields)
     # trust region on the predicted KL drift (nats/token, fine-tuning methods; MethodSpec.drift_budget); None = no budget
@@ -125,6 +130,11 @@ class EditConfig:
         from ..data.corpus import CHAT_PROMPTS
 
         self.cap_chat = check_int("cap-chat", self.cap_chat, 0, CHAT_PROMPTS)
+        from .keep import SUBJECT_KEEPS
+
+        self.keep_chat = check_int("keep-chat", self.keep_chat, 0, CHAT_PROMPTS)
+        self.keep_subject = check_int("keep-subject", self.keep_subject, 0, len(SUBJECT_KEEPS))
+        self.keep_weight = check_float("keep weight (--keep-weight)", self.keep_weight, 0.0, lo_open=True)
         self.skip_loss = check_float("skip_loss", self.skip_loss, 0.0)
         self.stop_loss = check_float("stop_loss", self.stop_loss, 0.0)
         self.plateau_epochs = check_int("plateau epochs (--plateau)", self.plateau_epochs, 0, MAX_EPOCHS)

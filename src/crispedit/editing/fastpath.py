@@ -76,12 +76,17 @@ def no_cache_kwargs(model: nn.Module) -> dict:
     return {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
 
 
-def plain_loss(model: nn.Module, batch: EncodedBatch) -> Tensor:
+def plain_loss(model: nn.Module, batch: EncodedBatch, per_token: bool = False) -> Tensor:
     """Mean cross-entropy over target tokens (FT-M), from a full forward (no KV cache): a 0-d float32
-    (float64 for a float64 model) tensor, nats per target token."""
+    (float64 for a float64 model) tensor, nats per target token; ``per_token``: each target token's
+    cross-entropy instead, in row-major order (:func:`target_rows`'s)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **no_cache_kwargs(model)).logits[:, :-1]
     labels = batch.labels[:, 1:]
-    return F.cross_entropy(_up(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    flat, gold = _up(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if per_token:
+        keep = gold != -100
+        return F.cross_entropy(flat[keep], gold[keep], reduction="none")
+    return F.cross_entropy(flat, gold, ignore_index=-100)
 
 
 def pack_if_it_pays(input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> PackedBatch | None:
@@ -245,8 +250,10 @@ class Prepared:
 
 
 class _FastLoss:
-    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch]):
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
+                 per_token: bool = False):
         self.model, self.batches = model, batches
+        self.reduction = "none" if per_token else "mean"
         prefix, self.blocks = decoder_blocks(model)
         trained = {id(p) for p in params.values()}
         owners = [i for i, b in enumerate(self.blocks) if any(id(p) in trained for p in b.parameters())]
@@ -279,7 +286,7 @@ class _FastLoss:
         self.passthrough = passthroughs(self.k, self.tuple_len)
         self.targets = [target_rows(b.labels) for b in batches]
         self.masks = [static_attention_mask(model, b.attention_mask) for b in batches]
-        self.pack = may_pack(model)
+        self.pack = may_pack(model) and not per_token  # packed targets are in tree order, not row-major
         self.packed = [self.packing(b) for b in batches]
 
     def packing(self, batch: EncodedBatch) -> PackedBatch | None:
@@ -317,12 +324,12 @@ class _FastLoss:
         with prefix_fed(self.blocks, self.k, self.passthrough, hidden):
             logits = rows_logits(self.model, p.rows, input_ids=p.input_ids, attention_mask=p.mask,
                                  position_ids=p.position_ids)
-        return F.cross_entropy(logits, p.targets)
+        return F.cross_entropy(logits, p.targets, reduction=self.reduction)
 
     def _loss(self, batch: EncodedBatch, rows: Tensor, targets: Tensor, mask, hidden: Tensor | None) -> Tensor:
         with prefix_fed(self.blocks, self.k, self.passthrough, hidden):
             logits = rows_logits(self.model, rows, input_ids=batch.input_ids, attention_mask=mask)
-        return F.cross_entropy(logits, targets)
+        return F.cross_entropy(logits, targets, reduction=self.reduction)
 
     def gather_index(self, batch: EncodedBatch) -> Tensor | None:
         """For a batch (on the host) of keyed sequences that the cache holds: the table row of every position
@@ -351,10 +358,12 @@ class _FastLoss:
 class LossFn:
     """The edit loop's loss: ``loss_fn(i)`` is the FT-M loss (0-d, nats per target token) of the ``i``-th of the
     batches it was made for; ``loss_fn(prepared)`` that of a batch made for one epoch (:meth:`prepare`).
-    ``fast``: whether the verified shortcut (cached frozen prefix, head on target rows) computes it."""
+    ``fast``: whether the verified shortcut (cached frozen prefix, head on target rows) computes it.
+    ``per_token``: each target token's cross-entropy (row-major) instead of their mean."""
 
-    def __init__(self, model: nn.Module, batches: Sequence[EncodedBatch], fast_loss: "_FastLoss | None"):
-        self.model, self.batches, self._fast = model, batches, fast_loss
+    def __init__(self, model: nn.Module, batches: Sequence[EncodedBatch], fast_loss: "_FastLoss | None",
+                 per_token: bool = False):
+        self.model, self.batches, self._fast, self.per_token = model, batches, fast_loss, per_token
         self.fast = fast_loss is not None
         self.device = next(model.parameters()).device
 
@@ -381,17 +390,19 @@ class LossFn:
 
     def __call__(self, item) -> Tensor:
         if isinstance(item, Prepared):
-            return self._fast.prepared(item) if self._fast is not None else plain_loss(self.model, item.batch)
+            return self._fast.prepared(item) if self._fast is not None else plain_loss(self.model, item.batch,
+                                                                                       self.per_token)
         if self._fast is not None:
             return self._fast(item, self.batches[item])
-        return plain_loss(self.model, self.batches[item])
+        return plain_loss(self.model, self.batches[item], self.per_token)
 
 
 def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
-                 enabled: bool = True) -> LossFn:
-    """The edit loop's :class:`LossFn` over ``batches``: the verified fast loss, or the plain one."""
+                 enabled: bool = True, per_token: bool = False) -> LossFn:
+    """The edit loop's :class:`LossFn` over ``batches``: the verified fast loss, or the plain one (``per_token``:
+    each target token's loss, unpacked)."""
     if not enabled or not batches:
-        return LossFn(model, batches, None)
+        return LossFn(model, batches, None, per_token)
     # the check catches structural mismatches (a skipped logit transform gives a different loss), not
     # rounding: half-precision kernels may tile the smaller head matmul differently
     half = next(iter(params.values())).dtype in (torch.float16, torch.bfloat16) if params else False
@@ -399,14 +410,14 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
     # compared in eval mode: dropout (e.g. a LoRA adapter's) would make two training-mode forwards differ
     was_training = model.training
     try:
-        fast_loss = _FastLoss(model, params, batches)
+        fast_loss = _FastLoss(model, params, batches, per_token)
         model.eval()
         # checked on the batch with the most padding, so a precomputed attention mask is checked too
         i = max(range(len(batches)), key=lambda j: int((batches[j].attention_mask == 0).sum()))
         with torch.no_grad():
-            a, b = plain_loss(model, batches[i]), fast_loss.padded(i, batches[i])
+            a, b = plain_loss(model, batches[i], per_token), fast_loss.padded(i, batches[i])
         if not torch.allclose(a, b, rtol=rtol, atol=1e-5):
-            return LossFn(model, batches, None)
+            return LossFn(model, batches, None, per_token)
         packed = [j for j, p in enumerate(fast_loss.packed) if p is not None]
         if packed:  # checked on the batch whose packing saves the most positions
             j = max(packed, key=lambda j: batches[j].input_ids.numel() - fast_loss.packed[j].input_ids.numel())
@@ -415,7 +426,7 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
             if not torch.allclose(a, b, rtol=rtol, atol=1e-5):
                 fast_loss.pack, fast_loss.packed = False, [None] * len(batches)
     except Exception:  # any architecture the shortcut does not understand: use the plain loss
-        return LossFn(model, batches, None)
+        return LossFn(model, batches, None, per_token)
     finally:
         model.train(was_training)
-    return LossFn(model, batches, fast_loss)
+    return LossFn(model, batches, fast_loss, per_token)

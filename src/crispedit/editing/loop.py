@@ -44,6 +44,7 @@ from .checkpoint import LoopCheckpoint, LoopState
 from .config import EditConfig, ProjectionTarget
 from .contexts import epoch_subset, sequences_for, training_batches
 from .fastpath import make_loss_fn, plain_loss as edit_loss
+from .keep import KeepLoss, keep_sequences
 from .optim import make_optimizer
 from .steptimer import NULL_TIMER, StepTimer
 
@@ -202,6 +203,11 @@ class _EpochPlan:
             self.loss_fn = make_loss_fn(model, params, [p for p in parts if p is not None], enabled=fast)
         else:
             self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast)  # exact shortcut: prefix cached
+        self.keep = None  # the preservation term (editing/keep.py), from the starting weights like the sequences
+        if config.keep_chat or config.keep_subject:
+            kept = keep_sequences(model, tokenizer, requests, config.keep_chat, config.keep_subject)
+            self.keep = KeepLoss(model, tokenizer, kept, params, config.keep_weight, fast=fast, device=device)
+        self.keep_terms: list[Tensor] = []
 
     def _arithmetic(self):
         """The forward's arithmetic: under bfloat16 (:attr:`precision`) an autocast region (matrix products in
@@ -210,6 +216,29 @@ class _EpochPlan:
         if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def with_keep(self, loss: Tensor | None, step: int, timer) -> Tensor | None:
+        """``loss`` plus the preservation term of training step ``step`` (``loss`` as it is without one)."""
+        if self.keep is None:
+            return loss
+        with timer.phase("keep"), self._arithmetic():
+            term = self.keep(step)
+        if term is None:
+            return loss
+        self.keep_terms.append(term.detach())
+        return term if loss is None else loss + term
+
+    def keep_report(self, hist: "TrainHistory") -> None:
+        """Once per epoch: the mean preservation term of its steps (nats/token, 0 for an epoch without a step)
+        appended to ``hist.extra["keep"]``, with the transcripts and answer tokens it holds."""
+        if self.keep is None:
+            return
+        mean = float(torch.stack(self.keep_terms).mean()) if self.keep_terms else 0.0
+        self.keep_terms = []
+        info = hist.extra.setdefault("keep", {"transcripts": sum(b.input_ids.shape[0] for b in self.keep.batches),
+                                              "tokens": self.keep.tokens(), "weight": self.keep.weight,
+                                              "epoch_term": []})
+        info["epoch_term"].append(round(mean, 6))
 
     def _batch(self, subset):
         c = self.config
@@ -389,6 +418,7 @@ class _Step:
                 counters.n_batches += 1
                 timer.end_step(skipped=True)
                 return value
+        loss = plan.with_keep(loss, counters.n_batches, timer)
         with timer.phase("zero_grad"):
             self.opt.zero_grad(set_to_none=True)
         with timer.phase("backward"):
@@ -444,6 +474,7 @@ def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditReque
             t_epoch = time.perf_counter()
             losses = [step(plan, item, run) for item in plan.epoch(epoch, run.generator)]
             loss = run.end_epoch(hist, losses, config)
+            plan.keep_report(hist)
             hist.epoch_seconds.append(time.perf_counter() - t_epoch)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")

@@ -27,7 +27,7 @@ import torch
 __all__ = ["StepTimer", "NULL_TIMER", "MAIN_PHASES", "OTHER_PHASES"]
 
 MAIN_PHASES = ("forward", "backward", "projection", "optimizer")
-OTHER_PHASES = ("bookkeeping", "skip_read", "zero_grad", "allreduce", "copies", "drift")
+OTHER_PHASES = ("bookkeeping", "skip_read", "zero_grad", "allreduce", "copies", "drift", "keep")
 
 
 class _NullTimer:

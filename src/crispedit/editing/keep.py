@@ -1,0 +1,130 @@
+"""Keeping the assistant's own answers while an edit trains: a preservation term of the edit loss.
+
+The capability curvature keeps what its corpus exercises; an edit's training contexts still teach "question →
+target" in forms (a bare prompt, a lead-in, a chat turn) that carry over to questions the edit never asked:
+the edited model starts answering everything in a bare phrase, and questions about an edited subject start
+naming the new target. The preservation term holds those answers in place. Before training, the unedited
+model answers, greedily through its chat template, at most :data:`KEEP_TOKENS` tokens each:
+
+* the first ``keep_chat`` of the bundled everyday prompts (:func:`~crispedit.data.corpus.chat_prompts`,
+  disjoint from the style-drift prompts the evaluation asks);
+* the first ``keep_subject`` of :data:`SUBJECT_KEEPS` about the subject of every edit (at most
+  :data:`KEEP_SUBJECTS` edits, spread evenly over the edit set) — questions that ask no particular relation,
+  worded apart from the evaluation's subject probes. An answer that names the edit's old or new answer is left
+  out: there, changing is the edit's job.
+
+Every training step then adds ``keep_weight ×`` the mean, over the answer tokens of one batch of these
+transcripts (the batches taken in turn), of ``max(0, NLL_now − NLL_before)``: a hinge per token that is zero
+while no answer token has become less likely than the unedited model made it, so the term costs nothing the
+edit does not disturb and pulls back exactly the tokens it does. The gradient joins the edit loss's before the
+projection. The stop and skip rules read the edit loss alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from ..data.edits import EditRequest
+from ..data.tokenize import split_context_target
+from ..distributed import rank
+from .contexts import TrainingSequence, chat_turn, training_batches
+
+if TYPE_CHECKING:  # the module top stays torch-free: EditConfig validates against SUBJECT_KEEPS
+    from torch import Tensor, nn
+
+__all__ = ["KEEP_TOKENS", "SUBJECT_KEEPS", "KEEP_SUBJECTS", "KEEP_BATCH", "keep_prompts", "keep_sequences",
+           "KeepLoss"]
+
+KEEP_TOKENS = 32    # tokens of each unedited answer kept: the answer's form shows in its first sentence
+KEEP_SUBJECTS = 128  # edits whose subject is asked about, at most (evenly spread over a larger edit set)
+KEEP_BATCH = 16     # transcripts per training step
+# Questions about an edit's subject that ask no particular relation ({subject}), worded apart from
+# crispedit.evaluation.assistant.SUBJECT_PROBES, which measure the bleed the term is meant to prevent
+SUBJECT_KEEPS = ("What is {subject} known for?", "Describe {subject} in one sentence.",
+                 "Give me some background on {subject}.", "Write a sentence about {subject}.")
+
+
+def keep_prompts(requests: Sequence[EditRequest], keep_chat: int, keep_subject: int) -> list[tuple[int, str]]:
+    """``(request index or -1, prompt)`` of every prompt whose unedited answer is kept: the first ``keep_chat``
+    bundled chat prompts (index -1), then the first ``keep_subject`` of :data:`SUBJECT_KEEPS` for the subjects of
+    at most :data:`KEEP_SUBJECTS` edits that name one, evenly spaced over ``requests``."""
+    from ..data.corpus import chat_prompts
+
+    out = [(-1, p) for p in (chat_prompts(keep_chat) if keep_chat else [])]
+    named = [i for i, r in enumerate(requests) if r.subject and r.subject.strip()]
+    if keep_subject and named:
+        step = max(len(named) / KEEP_SUBJECTS, 1.0)
+        chosen = sorted({named[int(k * step)] for k in range(min(len(named), KEEP_SUBJECTS))})
+        out += [(i, t.replace("{subject}", requests[i].subject.strip()))
+                for i in chosen for t in SUBJECT_KEEPS[:keep_subject]]
+    return out
+
+
+def keep_sequences(model: "nn.Module", tokenizer, requests: Sequence[EditRequest], keep_chat: int,
+                   keep_subject: int) -> list[TrainingSequence]:
+    """The transcripts whose answer tokens the preservation term holds (:func:`keep_prompts`, answered greedily by
+    ``model`` — pass it unedited — through its chat template, or the bare prompt without one): context kind
+    ``"keep"``, the prompt as context and the answer as target. Subject answers that name their edit's old or
+    new answer (:func:`~crispedit.evaluation.judges.mentions`) and empty answers are left out."""
+    from ..evaluation.generation import generate_answers
+    from ..evaluation.judges import mentions
+
+    asked = keep_prompts(requests, keep_chat, keep_subject)
+    if not asked:
+        return []
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    shown = [chat_turn(tokenizer, p, None) if templated else p for _, p in asked]
+    answers = generate_answers(model, tokenizer, shown, max_new_tokens=KEEP_TOKENS, stop=(),
+                               add_special_tokens=not templated, desc="answers to keep")
+    out = []
+    for (i, _), ctx, answer in zip(asked, shown, answers):
+        answer = answer.rstrip()
+        if not answer.strip():
+            continue
+        if i >= 0 and any(g and mentions(answer, g) for g in (requests[i].target, requests[i].ground_truth)):
+            continue
+        full = ctx + answer if templated else f"{ctx} {answer.lstrip()}"
+        ids, n = split_context_target(tokenizer, ctx, full, add_special_tokens=not templated)
+        out.append(TrainingSequence("keep", max(i, 0), ids, n, full))
+    return out
+
+
+class KeepLoss:
+    """The preservation term over ``sequences`` (:func:`keep_sequences`): ``term(step)`` is ``weight ×`` the mean
+    over the answer tokens of batch ``step mod len(batches)`` of ``max(0, NLL − NLL at construction)`` — a 0-d
+    tensor (nats/token) with a gradient for the trained ``params``. Construct it with the weights the edit starts
+    from. Under ``torch.distributed`` the whole batch is computed by rank 0 (the others return ``None``), so the
+    summed gradient is the one-process one."""
+
+    def __init__(self, model: "nn.Module", tokenizer, sequences: Sequence[TrainingSequence],
+                 params: "dict[str, nn.Parameter]", weight: float, *, fast: bool = True, device=None):
+        import torch
+
+        from .fastpath import make_loss_fn
+
+        device = device or next(model.parameters()).device
+        self.weight = float(weight)
+        self.batches = [b.to(device) for b in training_batches(tokenizer, sequences, KEEP_BATCH, by_length=True)]
+        self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast, per_token=True)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                self.before = [self.loss_fn(j).detach() for j in range(len(self.batches))]
+        finally:
+            model.train(was_training)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def tokens(self) -> int:
+        """Answer tokens over all batches (one pass)."""
+        return sum(int(b.numel()) for b in self.before)
+
+    def __call__(self, step: int) -> "Tensor | None":
+        import torch
+
+        if not self.batches or rank() != 0:
+            return None
+        j = step % len(self.batches)
+        return self.weight * torch.relu(self.loss_fn(j) - self.before[j]).mean()
