@@ -35,9 +35,9 @@ if TYPE_CHECKING:  # the module top stays torch-free: EditConfig validates again
 __all__ = ["KEEP_TOKENS", "SUBJECT_KEEPS", "KEEP_SUBJECTS", "KEEP_BATCH", "keep_prompts", "keep_sequences",
            "KeepLoss"]
 
-KEEP_TOKENS = 32    # tokens of each unedited answer kept: the answer's form shows in its first sentence
+KEEP_TOKENS = 24    # tokens of each unedited answer kept: its form shows in the first few
 KEEP_SUBJECTS = 128  # edits whose subject is asked about, at most (evenly spread over a larger edit set)
-KEEP_BATCH = 16     # transcripts per training step
+KEEP_BATCH = 8      # transcripts per training step: a small batch, so the term adds little to a step
 # Questions about an edit's subject that ask no particular relation ({subject}), worded apart from
 # crispedit.evaluation.assistant.SUBJECT_PROBES, which measure the bleed the term is meant to prevent
 SUBJECT_KEEPS = ("What is {subject} known for?", "Describe {subject} in one sentence.",
