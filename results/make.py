@@ -340,6 +340,7 @@ def eigh_tables() -> str:
 
 
 CHAT_STYLE = HERE / "chat_style_zsre_dev400_32"
+CHAT_STYLE_HELDOUT = HERE / "chat_style_zsre_dev100_32"
 
 
 def chat_style_table(d: Path = CHAT_STYLE) -> str:
@@ -458,6 +459,14 @@ of three other questions about each edited subject now answered with its new tar
 {_run_line(CHAT_STYLE)}
 
 {chat_style_table()}
+## Chat style and subject bleed: held-out edits
+
+[`chat_style_zsre_dev100_32/`](chat_style_zsre_dev100_32/run.json): 32 ZsRE dev edits (100–131) that no setting was
+tuned on, with the default contexts, without and with the preservation term at the setting chosen on the tuning
+slice; columns as above.
+{_run_line(CHAT_STYLE_HELDOUT)}
+
+{chat_style_table(CHAT_STYLE_HELDOUT)}
 ## Curvature study on MNIST
 
 [`study_mnist/`](study_mnist/run.json): [`results.csv`](study_mnist/results.csv) and the trade-off figure drawn from it
