@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import crispedit.evaluation.capabilities as C
-from crispedit.errors import atomic_write_json
+from crispedit.atomic import atomic_write_json
 from crispedit.models import load_model
 
 

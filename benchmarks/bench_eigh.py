@@ -116,7 +116,7 @@ def projection_errors(path: str, gammas: list[float], seed: int = 0) -> dict:
     from crispedit.curvature.eigen import factor_eigh
     from crispedit.curvature.kfac import KFACFactors
     from crispedit.curvature.projection import KroneckerProjector
-    from crispedit.errors import load_safetensors
+    from crispedit.safetensors_io import load_safetensors
 
     # Only the matrices matter here, so a factor file of any crispedit version is read (no version check, unlike
     # cache.load_factors), and without a source the decompositions neither read nor write an eigenbasis cache.
@@ -149,14 +149,14 @@ def main(argv=None) -> dict:
     docstring)."""
     import torch
 
-    from crispedit.errors import atomic_write_json
+    from crispedit.atomic import atomic_write_json
 
     args = _args(argv)
     command = "python benchmarks/bench_eigh.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.factors:
         gammas = [float(g) for g in args.gammas.split(",") if g.strip()]
         print(f"projection error against the float64 formula (crispedit / float32 eigh), {args.factors}")
-        from crispedit.errors import read_safetensors_header
+        from crispedit.safetensors_io import read_safetensors_header
 
         spec = read_safetensors_header(args.factors, "curvature cache", "crispedit")[0].get("spec", {})
         out = {"command": command, "commit": _commit(), "torch": torch.__version__, "factors": Path(args.factors).name,

@@ -51,7 +51,7 @@ def main(argv=None) -> dict:
     """Time both fingerprints of one model ``--repeats`` times, interleaved; print and return the figures."""
     import torch
 
-    from crispedit.errors import atomic_write_json
+    from crispedit.atomic import atomic_write_json
     from crispedit.models import load_model, weight_fingerprint
 
     args = _args(argv)

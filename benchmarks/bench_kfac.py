@@ -394,7 +394,7 @@ def _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir
     line = json.dumps(out, default=str)
     print(line)
     if args.json:
-        from crispedit.errors import atomic_write_bytes
+        from crispedit.atomic import atomic_write_bytes
 
         atomic_write_bytes(args.json, (line + "\n").encode())
     bad = {f: r for f, r in rel.items() if r > 1e-5}

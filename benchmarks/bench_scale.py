@@ -64,7 +64,8 @@ from crispedit.editing.api import capability_factors
 from crispedit.editing.fastpath import may_pack, pack_if_it_pays, prefix_sharing
 from crispedit.editing.loop import edit_batches, projected_finetune
 from crispedit.editing.steptimer import StepTimer
-from crispedit.errors import CrispEditError, atomic_write_json
+from crispedit.atomic import atomic_write_json
+from crispedit.errors import CrispEditError
 from crispedit.models import (decoder_blocks, default_layer_pattern, expand_pattern, load_model, restoring,
                               weight_fingerprint)
 from crispedit.pipeline import environment

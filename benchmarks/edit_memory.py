@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         peak = max(r[p]["hwm_mib"] for p in PHASES if p in r)
         print(f"| {r['edits_file']} {r['offset']}+{r['edits']} | " + " | ".join(cells) + f" | {peak} |")
     if args.json:
-        from crispedit.errors import atomic_write_bytes
+        from crispedit.atomic import atomic_write_bytes
 
         atomic_write_bytes(args.json, json.dumps({"model": args.model, "steps": args.steps, "rows": rows},
                                                  indent=2).encode())

@@ -53,7 +53,7 @@ def main(argv=None) -> list[dict]:
 
     from crispedit.data import load_edits
     from crispedit.editing import EditConfig
-    from crispedit.errors import atomic_write_json
+    from crispedit.atomic import atomic_write_json
     from crispedit.models import load_model
 
     model, tok = load_model(args.model)

@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from crispedit.data.edits import load_edits  # noqa: E402  (torch-free)
 from crispedit.editing.contexts import DEFAULT_CONTEXTS  # noqa: E402  (torch-free)
-from crispedit.errors import CrispEditError, atomic_write_bytes, atomic_write_figure  # noqa: E402
+from crispedit.atomic import atomic_write_bytes, atomic_write_figure  # noqa: E402
+from crispedit.errors import CrispEditError  # noqa: E402
 from crispedit.evaluation.wild import crosstalk  # noqa: E402  (torch-free)
 
 KEYS = ("qa_rel", "qa_gen", "qa_cross", "chat_rel", "chat_gen", "kl_drift", "kl_predicted", "ppl")

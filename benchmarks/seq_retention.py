@@ -151,7 +151,7 @@ def main() -> None:
     args = ap.parse_args()
     wild = tuple(w for w in args.wild.split(",") if w)
     from crispedit.data import load_edits
-    from crispedit.errors import atomic_write_json
+    from crispedit.atomic import atomic_write_json
     from crispedit.models import load_model
 
     path, offset, n = slice_arg(args.edits)

@@ -110,7 +110,7 @@ def main() -> None:
         ap.error("--edits or --analyse is required")
     from crispedit.data import load_edits
     from crispedit.editing import EditConfig
-    from crispedit.errors import atomic_write_json
+    from crispedit.atomic import atomic_write_json
     from crispedit.models import load_model
 
     path, offset, n = slice_arg(args.edits)

@@ -93,7 +93,7 @@ def _session(tmp: Path, model: Path, state, *, version: str | None = None) -> Pa
     """A session directory whose session.json is valid (written by this crispedit, or by ``version``) and whose
     state.json is ``state`` (an object gets this crispedit's version and format)."""
     from crispedit.editing.contexts import DEFAULT_CONTEXTS
-    from crispedit.errors import VERSION_KEY, stamped
+    from crispedit.versions import VERSION_KEY, stamped
     from crispedit.sessions.sequential import SeqConfig
 
     d = tmp / "sess"
@@ -110,7 +110,7 @@ def _session(tmp: Path, model: Path, state, *, version: str | None = None) -> Pa
 
 def _run_file(tmp: Path, name: str = "run.json", version: str | None = None) -> Path:
     """A ``crispedit eval`` result file written by this crispedit (or claiming ``version``)."""
-    from crispedit.errors import VERSION_KEY, stamped
+    from crispedit.versions import VERSION_KEY, stamped
 
     run = stamped({"edit": {"rel": 0.5, "gen": 0.25}, "capabilities": {},
                    "config": {"model": "m", "protocol": "wild", "context": "qa"}})
@@ -124,7 +124,7 @@ def _older(tmp: Path, path: Path, key: str) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from crispedit.errors import VERSION_KEY
+    from crispedit.versions import VERSION_KEY
 
     with safe_open(str(path), framework="pt") as fh:
         meta, tensors = dict(fh.metadata()), {k: fh.get_tensor(k) for k in fh.keys()}
@@ -563,7 +563,8 @@ def test_probe_leaves_nothing_and_names_the_reason(tmp_path, monkeypatch):
     import errno
     import tempfile
 
-    from crispedit.errors import CrispEditError, check_dir_takes_entries, check_output_file
+    from crispedit.errors import CrispEditError
+    from crispedit.paths import check_dir_takes_entries, check_output_file
 
     assert check_dir_takes_entries(tmp_path, "--out") == tmp_path and list(tmp_path.iterdir()) == []
     assert check_output_file(tmp_path / "a" / "b.json") == tmp_path / "a" / "b.json" and list(tmp_path.iterdir()) == []

@@ -64,7 +64,7 @@ def test_shared_safetensors_reader_names_every_problem_in_one_line(tmp_path):
 
     from safetensors.torch import save_file
 
-    from crispedit.errors import load_safetensors, read_safetensors_header
+    from crispedit.safetensors_io import load_safetensors, read_safetensors_header
 
     good = tmp_path / "good.safetensors"
     save_file({"x": torch.arange(6.0).reshape(2, 3)}, str(good), metadata={"k": json.dumps({"a": 1}), "n": "7"})
@@ -141,7 +141,7 @@ def test_atomic_writes_leave_normal_permissions(tmp_path):
 
     from safetensors.torch import save_file
 
-    from crispedit.errors import atomic_directory, atomic_save_safetensors, atomic_write_json
+    from crispedit.atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
 
     old = os.umask(0o022)
     try:

@@ -10,7 +10,8 @@ from crispedit.experiments.retention import retention_map
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
-from crispedit.errors import CrispEditError, stamped
+from crispedit.errors import CrispEditError
+from crispedit.versions import stamped
 from crispedit.models import weight_fingerprint
 
 from test_cli import edits_file

@@ -17,7 +17,8 @@ from conftest import build_llama, build_tokenizer
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig, edit
-from crispedit.errors import CrispEditError, stamped
+from crispedit.errors import CrispEditError
+from crispedit.versions import stamped
 from crispedit.export_gguf import GGUF_TYPES, gguf_tensor_name, permute_rotary, tokenizer_fields
 
 REQS = [EditRequest(f"Who wrote book number {i}?", f" Author {chr(65 + i)}") for i in range(4)]

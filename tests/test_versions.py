@@ -1,4 +1,4 @@
-"""Every file crispedit reads back records the crispedit version that wrote it (``errors.VERSION_KEY``), and a
+"""Every file crispedit reads back records the crispedit version that wrote it (``versions.VERSION_KEY``), and a
 file another version wrote is refused in one line naming that version — or, for a cache (curvature factors,
 eigenbases, a converted GGUF), taken for a miss and rebuilt with a log line. One test per reader."""
 
@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import crispedit
-from crispedit.errors import VERSION_KEY, CrispEditError, VersionError, check_written_by, stamped
+from crispedit.errors import CrispEditError, VersionError
+from crispedit.versions import VERSION_KEY, check_written_by, stamped
 
 OLD = "0.0.9"
 NOW = crispedit.__version__
@@ -62,7 +63,7 @@ def test_check_written_by_passes_this_version_and_refuses_any_other_in_one_line(
 
 # -- edit report (and the other records beside an output: session export, delta apply) ---------------------------
 def test_overwrite_refuses_an_output_directory_another_version_wrote(tmp_path):
-    from crispedit.errors import check_output_dir
+    from crispedit.paths import check_output_dir
 
     out = tmp_path / "out"
     out.mkdir()

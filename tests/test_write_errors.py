@@ -1,5 +1,5 @@
 """A write the file system refuses midway (no space left, read-only, no permission) is one line naming the
-destination and the cause, and leaves nothing half-written: the atomic writers of ``errors.py`` for every
+destination and the cause, and leaves nothing half-written: the atomic writers of ``atomic.py`` for every
 command, ``cli.main`` for an OSError from anywhere else. The failures are simulated (monkeypatched writers),
 and once for real: a file-size limit makes the real safetensors writer fail in a subprocess."""
 
@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from crispedit.cli import main
-from crispedit.errors import (CrispEditError, WriteError, atomic_directory, atomic_file, atomic_save_safetensors,
-                              atomic_write_bytes, atomic_write_json, os_error_line, write_failure)
+from crispedit.atomic import (atomic_directory, atomic_file, atomic_save_safetensors, atomic_write_bytes,
+                              atomic_write_json)
+from crispedit.errors import CrispEditError, WriteError, os_error_line, write_failure
 
 CAUSES = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system",
           errno.EACCES: "permission denied"}

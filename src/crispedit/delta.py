@@ -35,7 +35,10 @@ import torch
 from torch import Tensor, nn
 
 from .delta_format import DELTA_FILE, DELTA_FORMAT, DELTA_KIND, check_lora_rank, read_delta_header
-from .errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json, load_safetensors, stamped
+from .atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
+from .errors import CrispEditError
+from .safetensors_io import load_safetensors
+from .versions import stamped
 from .models import parameter
 
 __all__ = ["DELTA_FILE", "DELTA_FORMAT", "delta_fingerprint", "build_delta", "write_delta", "load_delta",

@@ -18,7 +18,7 @@ import time
 
 from .data import BUNDLED_EDITS, bundled_path, load_edits
 from .editing.config import EditConfig
-from .errors import check_int, check_positive_int
+from .checks import check_int, check_positive_int
 
 __all__ = ["run_demo", "chat_answers"]
 

@@ -42,7 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import CrispEditError, atomic_file, check_input_dir, check_output_file, read_record
+from .atomic import atomic_file
+from .errors import CrispEditError
+from .paths import check_input_dir, check_output_file
+from .versions import read_record
 
 __all__ = ["GGUF_TYPES", "check_export", "export_gguf", "gguf_metadata", "gguf_tensor_name", "model_naming",
            "permute_rotary", "source_gguf", "tokenizer_fields"]
@@ -202,7 +205,7 @@ def tokenizer_fields(tokenizer, vocab_size: int, *, unknown_pre: bool = False) -
 def _recorded_base(model_dir: Path) -> str | None:
     """The base model spec crispedit recorded in the folder ``model_dir``: ``model`` of its ``edit_report.json``
     (``crispedit edit``) or of its ``crispedit_delta.json`` (``delta apply`` / ``revert``); None without either.
-    A record another crispedit version wrote is refused in one line (:func:`~crispedit.errors.read_record`)."""
+    A record another crispedit version wrote is refused in one line (:func:`~crispedit.versions.read_record`)."""
     for name in ("edit_report.json", "crispedit_delta.json"):
         base = read_record(model_dir / name, _THEN).get("model")
         if isinstance(base, str) and base:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from . import __version__
-from .errors import atomic_write_bytes
+from .atomic import atomic_write_bytes
 
 __all__ = ["CARD_FILE", "HUB_IDS", "build_card", "card_may_replace", "front_matter", "hub_base_model",
            "read_front_matter", "restored_card", "revert_lines", "write_card"]

@@ -36,7 +36,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .errors import CrispEditError, VersionError, atomic_directory, check_written_by, file_digest, stamped
+from .atomic import atomic_directory
+from .errors import CrispEditError, VersionError
+from .paths import file_digest
+from .versions import check_written_by, stamped
 from .families import FamilyDefaults, defaults_for
 from .progress import show_progress
 
@@ -374,7 +377,7 @@ def save_model_dir(model, tokenizer, directory: str | Path, *, progress: bool | 
     checking every parameter is finite (a model with inf/nan weights is never written); transformers'
     own progress bars follow ``progress``; ``what`` names the step in the error. Returns the names of the
     files written."""
-    from .errors import check_finite_tensors
+    from .checks import check_finite_tensors
 
     check_finite_tensors(dict(model.named_parameters()), what)
     directory = Path(directory)

@@ -21,7 +21,10 @@ from .data.corpus import heldout_text
 from .data.edits import EditRequest
 from .distributed import barrier, is_main, world_size
 from .editing import EditConfig, EditResult, edit
-from .errors import atomic_directory, atomic_write_json, check_finite_tensors, check_output_dir, stamped
+from .atomic import atomic_directory, atomic_write_json
+from .checks import check_finite_tensors
+from .paths import check_output_dir
+from .versions import stamped
 from .evaluation import EVAL_WRAPPERS, evaluate_edit
 from .models import parameter, save_model_dir
 
@@ -39,7 +42,7 @@ def environment() -> dict:
 
 def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditRequest], result: EditResult,
                  summary: dict, per_edit: list[dict], kl_text: str | None, edits_path: str | None) -> dict:
-    """The ``edit_report.json`` dict (:func:`~crispedit.errors.stamped` with this crispedit's version): what was run, summary, training history, projector, cache, config,
+    """The ``edit_report.json`` dict (:func:`~crispedit.versions.stamped` with this crispedit's version): what was run, summary, training history, projector, cache, config,
     the files the editor read by content (``inputs``, MEND's network: option -> SHA-256; absent when none),
     environment, per-edit scores."""
     summary = dict(summary)

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from ..curvature.modes import CACHE_KINDS  # torch-free
-from ..errors import CrispEditError, check_input_dir, check_input_file, check_output_dir, check_output_file
+from ..errors import CrispEditError
+from ..paths import check_input_dir, check_input_file, check_output_dir, check_output_file
 from .flags import add_curvature_args, add_model_args
 
 __all__ = ["add_cli", "cmd_cache_build", "cmd_cache_info", "cmd_cache_list"]

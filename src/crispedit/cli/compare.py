@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CrispEditError, check_output_dir, check_positive_int
+from ..checks import check_positive_int
+from ..errors import CrispEditError
+from ..paths import check_output_dir
 
 __all__ = ["add_cli", "cmd_compare", "DEFAULT_CAPABILITIES", "DEFAULT_LIMITS", "GEN_TOKENS"]
 

@@ -12,7 +12,9 @@ import json
 from pathlib import Path
 
 from ..delta_format import check_lora_rank, read_delta_header
-from ..errors import check_output_dir, check_positive_int, read_record, stamped
+from ..checks import check_positive_int
+from ..paths import check_output_dir
+from ..versions import read_record, stamped
 
 __all__ = ["add_cli"]
 
@@ -67,7 +69,7 @@ def _apply_or_revert(args, revert: bool) -> int:
     check_output_dir(args.out, overwrite=False)
     model, tok = _load(args, meta)
     from ..delta import apply_delta, revert_delta
-    from ..errors import atomic_directory, atomic_write_json
+    from ..atomic import atomic_directory, atomic_write_json
     from ..models import save_model_dir
 
     from ..model_card import write_card
@@ -87,7 +89,7 @@ def _apply_or_revert(args, revert: bool) -> int:
 def _edit_report_of(delta: str, meta: dict) -> dict:
     """The ``edit_report.json`` next to ``delta`` when it was written with this very delta (same edited
     fingerprint): its measurements describe the model ``delta apply`` writes, bit for bit. ``{}`` otherwise; one
-    line for a report another crispedit version wrote (:func:`~crispedit.errors.read_record`)."""
+    line for a report another crispedit version wrote (:func:`~crispedit.versions.read_record`)."""
     report = read_record(Path(delta).parent / "edit_report.json", "rerun the edit")
     ok = isinstance(report.get("delta"), dict) and report["delta"].get("edited_fingerprint") == meta["edited_fingerprint"]
     return report if ok else {}

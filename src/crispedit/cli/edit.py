@@ -4,7 +4,7 @@ checks have passed."""
 
 from __future__ import annotations
 
-from ..errors import check_output_dir, check_output_file
+from ..paths import check_output_dir, check_output_file
 from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
                     config_from_args, load_job_inputs)
 

@@ -8,7 +8,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CrispEditError, atomic_write_json, check_int, check_output_file, check_positive_int, stamped
+from ..atomic import atomic_write_json
+from ..checks import check_int, check_positive_int
+from ..errors import CrispEditError
+from ..paths import check_output_file
+from ..versions import stamped
 
 __all__ = ["add_cli", "cmd_eval", "cmd_report", "run_eval"]
 

@@ -15,7 +15,8 @@ from typing import Sequence
 from ..editing.config import BATCH_ORDERS, PRECISIONS, PROJECTION_PRECISIONS, EditConfig, ProjectionTarget
 from ..editing.contexts import ANSWER_ENDS, DEFAULT_CONTEXTS, TRAINING_CONTEXTS
 from ..editing.registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
-from ..errors import CrispEditError, check_input_file
+from ..errors import CrispEditError
+from ..paths import check_input_file
 
 __all__ = ["add_model_args", "add_edits_args", "add_curvature_args", "add_training_args", "add_method_option_args",
            "add_max_drift_arg",

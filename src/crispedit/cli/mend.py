@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from ..errors import CrispEditError, check_float, check_int, check_output_dir, check_output_file, check_positive_int
+from ..checks import check_float, check_int, check_positive_int
+from ..errors import CrispEditError
+from ..paths import check_output_dir, check_output_file
 
 __all__ = ["add_cli", "cmd_mend_train", "TRAIN_OFFSET", "TRAIN_N"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from ..errors import check_int, check_positive_int
+from ..checks import check_int, check_positive_int
 from .flags import (add_curvature_args, add_max_drift_arg, add_model_args, add_training_args, check_job_files,
                     config_from_args)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import check_dir_takes_entries, check_output_dir, check_output_file
+from ..paths import check_dir_takes_entries, check_output_dir, check_output_file
 from ..editing.config import WEIGHTINGS, SeqConfig
 from ..sessions.files import read_session_meta, read_session_state
 from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,

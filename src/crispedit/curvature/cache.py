@@ -33,7 +33,10 @@ import torch
 from torch import nn
 
 from ..distributed import all_agree, barrier, is_main, world_size
-from ..errors import CrispEditError, VersionError, atomic_save_safetensors, check_written_by, load_safetensors, stamped
+from ..atomic import atomic_save_safetensors
+from ..errors import CrispEditError, VersionError
+from ..safetensors_io import load_safetensors
+from ..versions import check_written_by, stamped
 from .modes import CACHE_KINDS
 from .kfac import KFACFactors, LabelMode, collect_lm_input_covariance, collect_lm_kfac
 
@@ -88,7 +91,7 @@ def save_factors(path: str | Path, factors: KFACFactors, spec: CurvatureSpec, ex
 
 def _source_of(path: Path) -> dict:
     """``key`` and ``write`` (its ``uid``) of the factor file at ``path`` (read from its header; ``{}`` if unreadable)."""
-    from ..errors import read_safetensors_header
+    from ..safetensors_io import read_safetensors_header
 
     try:
         meta, _ = read_safetensors_header(path, "curvature cache", "crispedit")

@@ -36,7 +36,10 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..errors import CrispEditError, VersionError, atomic_save_safetensors, check_written_by, load_safetensors, stamped
+from ..atomic import atomic_save_safetensors
+from ..errors import CrispEditError, VersionError
+from ..safetensors_io import load_safetensors
+from ..versions import check_written_by, stamped
 from .projection import eigh_psd
 from .kfac import KFACFactors
 

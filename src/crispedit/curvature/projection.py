@@ -41,7 +41,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from ..errors import check_gamma
+from ..checks import check_gamma
 
 __all__ = [
     "energy_keep_mask",

@@ -14,7 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import CrispEditError, read_text_file
+from ..errors import CrispEditError
+from ..paths import read_text_file
 
 __all__ = ["bundled_path", "load_texts", "capability_corpus", "heldout_text", "corpus_digest", "chat_prompts",
            "BUNDLED_EDITS", "CHAT_PROMPTS"]

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from ..errors import CrispEditError, file_digest
+from ..errors import CrispEditError
+from ..paths import file_digest
 from .config import EditConfig
 from .registry import MethodConfig
 

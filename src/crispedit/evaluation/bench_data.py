@@ -21,7 +21,8 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import CrispEditError, check_input_dir
+from ..errors import CrispEditError
+from ..paths import check_input_dir
 
 __all__ = ["TASK_FILES", "MMLU_SUBJECTS", "bench_path", "required_files", "load_arc", "load_mmlu", "load_gsm8k",
            "load_truthfulqa_mc", "load_ifeval"]

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from ..errors import CrispEditError, check_input_dir
+from ..errors import CrispEditError
+from ..paths import check_input_dir
 from ..progress import show_progress
 from .bench_data import required_files
 
@@ -128,7 +129,7 @@ def ensure_punkt_offline(root: str | os.PathLike | None = None) -> Path:
     """
     import nltk
 
-    from ..errors import atomic_write_bytes
+    from ..atomic import atomic_write_bytes
     from ..models import cache_dir
 
     data_dir = Path(root) if root else cache_dir() / "nltk_data"

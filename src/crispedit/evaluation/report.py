@@ -11,7 +11,10 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import CrispEditError, atomic_write_bytes, check_output_file, check_written_by, read_text_file
+from ..atomic import atomic_write_bytes
+from ..errors import CrispEditError
+from ..paths import check_output_file, read_text_file
+from ..versions import check_written_by
 
 __all__ = ["load_run", "run_rows", "run_labels", "markdown_table", "plot_runs", "render_runs_png",
            "write_report"]
@@ -23,7 +26,7 @@ _UNBOUNDED = {"kl_drift", "ppl", "ppl_base"}
 
 def load_run(path: str | Path) -> dict:
     """One ``crispedit eval`` result file as a dict (one-line errors for a missing, non-UTF-8, non-JSON
-    or wrongly shaped file, and for one another crispedit version wrote: :func:`~crispedit.errors.check_written_by`)."""
+    or wrongly shaped file, and for one another crispedit version wrote: :func:`~crispedit.versions.check_written_by`)."""
     path = Path(path)
     text = read_text_file(path, "run file")
     try:

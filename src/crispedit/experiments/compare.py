@@ -64,8 +64,11 @@ from ..editing.config import default_seq_chunk
 from ..editing.contexts import DEFAULT_CONTEXTS
 from ..editing.loop import training_brief
 from ..editing.registry import seq_row
-from ..errors import (CrispEditError, atomic_write_bytes, atomic_write_figure, atomic_write_json, check_output_dir,
-                     check_positive_int, check_written_by, read_text_file, stamped)
+from ..atomic import atomic_write_bytes, atomic_write_figure, atomic_write_json
+from ..checks import check_positive_int
+from ..errors import CrispEditError
+from ..paths import check_output_dir, read_text_file
+from ..versions import check_written_by, stamped
 from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER, evaluate_edit
 from ..evaluation.capabilities import paired_change
 from ..evaluation.edit_eval import round_map_probe
@@ -203,7 +206,7 @@ def _checked_configs(model, requests: Sequence[EditRequest], methods: Sequence[s
 
 def _resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: dict, inputs: dict, chunk: int) -> None:
     """Take the rows of an existing compare file at ``path`` into ``payload`` (its ``results`` and ``methods``), after
-    checking that this crispedit version wrote it (:func:`~crispedit.errors.check_written_by`), under the same
+    checking that this crispedit version wrote it (:func:`~crispedit.versions.check_written_by`), under the same
     settings, and that every row asked for again ran with the same configuration (the same files, the same round
     size); one-line errors otherwise. Nothing when there is none."""
     if not path.is_file():
@@ -889,7 +892,7 @@ def render_outputs(out: str | Path) -> dict:
     """Re-render ``DIR/compare.md``, ``DIR/compare.png`` and ``compare.json``'s ``pareto`` section from a stored
     ``DIR/compare.json`` (:func:`write_outputs`) without running or loading anything else; the measured
     results are left as they are. Returns the payload; a missing file, or one another crispedit version wrote or of
-    another ``format`` (:func:`~crispedit.errors.check_written_by`), is a :class:`~crispedit.errors.CrispEditError`."""
+    another ``format`` (:func:`~crispedit.versions.check_written_by`), is a :class:`~crispedit.errors.CrispEditError`."""
     out = Path(out)
     path = out / JSON_FILE
     if not path.is_file():

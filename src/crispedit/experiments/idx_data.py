@@ -22,7 +22,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import CrispEditError, atomic_write_bytes, check_input_dir
+from ..atomic import atomic_write_bytes
+from ..errors import CrispEditError
+from ..paths import check_input_dir
 
 __all__ = ["DATASETS", "ImageSplit", "load_idx", "load_dataset", "default_cache_dir", "resolve_data_dir"]
 

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass
 
 from ..curvature.modes import OutputGrads
-from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int
+from ..checks import SEED_MAX, check_float, check_gamma, check_int
+from ..errors import CrispEditError
 
 __all__ = ["METHODS", "MnistStudyConfig", "gamma_of"]
 

@@ -40,7 +40,9 @@ from tqdm.auto import tqdm
 
 from ..curvature.ekfac import collect_classifier_ekfac, collect_classifier_kfac
 from ..curvature.exact import ParamLayout, ggn_matrix, hessian_matrix
-from ..errors import CrispEditError, atomic_write_json, check_output_dir
+from ..atomic import atomic_write_json
+from ..errors import CrispEditError
+from ..paths import check_output_dir
 from ..curvature.projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
 from .idx_data import ImageSplit, load_dataset
 from .mnist_config import METHODS, MnistStudyConfig, gamma_of

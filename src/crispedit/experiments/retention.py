@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import fmean
 
-from ..errors import atomic_write_figure
+from ..atomic import atomic_write_figure
 
 __all__ = ["retention_rows", "retention_series", "retention_summary", "retention_table", "plot_retention",
            "final_by_round", "retention_map", "plot_retention_map", "RETENTION_PNG", "RETENTION_MAP_PNG"]

@@ -7,7 +7,7 @@ import io
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import atomic_write_bytes
+from ..atomic import atomic_write_bytes
 
 __all__ = ["CSV_FIELDS", "write_csv", "write_plot"]
 

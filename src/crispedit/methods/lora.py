@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from ..editing.editor import EditContext, EditOutcome, Editor, identity_projectors
 from ..editing.registry import MethodConfig, MethodSpec
-from ..errors import CrispEditError, check_float, check_int
+from ..checks import check_float, check_int
+from ..errors import CrispEditError
 
 if TYPE_CHECKING:
     from torch import nn

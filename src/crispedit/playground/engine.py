@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import CrispEditError, check_finite_tensors, check_positive_int
+from ..checks import check_finite_tensors, check_positive_int
+from ..errors import CrispEditError
 
 __all__ = ["Playground", "PlaygroundBusy", "check_text", "DEFAULT_MAX_CHARS", "DEFAULT_KL_TEXTS", "DEFAULT_UNDO_DEPTH"]
 

@@ -28,7 +28,8 @@ import traceback
 from importlib import resources
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from ..errors import CrispEditError, check_int
+from ..checks import check_int
+from ..errors import CrispEditError
 from .engine import PlaygroundBusy
 
 if TYPE_CHECKING:

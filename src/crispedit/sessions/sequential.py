@@ -56,7 +56,10 @@ from ..editing.contexts import prefixes_from, resolve_contexts, sequences_for
 from ..editing.editor import EditContext
 from ..editing.registry import get_editor
 from ..editing.checkpoint import load_run_file, run_identity
-from ..errors import CrispEditError, atomic_save_safetensors, check_positive_int, stamped
+from ..atomic import atomic_save_safetensors
+from ..checks import check_positive_int
+from ..errors import CrispEditError
+from ..versions import stamped
 from ..models import model_family, parameter
 
 __all__ = ["SeqConfig", "SeqState", "SeqResult", "combine_factors", "round_edit_factors", "run_round",

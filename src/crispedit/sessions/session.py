@@ -30,7 +30,7 @@ it equals the stored one; either mismatch is refused with a one-line :class:`Cri
 ``session.json`` also records what ``--contexts default`` meant at creation (``default_contexts``): a
 session keeps training those contexts when :data:`DEFAULT_CONTEXTS` changes, so its rounds stay reproducible.
 ``session.json`` and ``state.json`` record the crispedit version that wrote them; a session of another version is
-refused in one line (:func:`~crispedit.errors.check_written_by`).
+refused in one line (:func:`~crispedit.versions.check_written_by`).
 """
 
 from __future__ import annotations
@@ -53,8 +53,12 @@ from ..data.edits import EditRequest, load_edits, requests_digest, save_edits_js
 from ..editing.api import capability_factors, edit_factors
 from ..editing.contexts import DEFAULT_CONTEXTS, pinned_contexts
 from ..editing.registry import get_editor
-from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_figure, atomic_write_json,
-                      check_finite_tensors, check_output_dir, check_output_file, load_safetensors, stamped)
+from ..atomic import atomic_directory, atomic_save_safetensors, atomic_write_figure, atomic_write_json
+from ..checks import check_finite_tensors
+from ..errors import CrispEditError
+from ..paths import check_output_dir, check_output_file
+from ..safetensors_io import load_safetensors
+from ..versions import stamped
 from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..model_card import build_card, card_may_replace, revert_lines, write_card
 from ..models import load_model, model_family, parameter, save_model_dir, weight_fingerprint

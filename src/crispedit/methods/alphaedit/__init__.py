@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...editing.registry import MethodSpec
-from ...errors import check_float
+from ...checks import check_float
 from ..memit import ClosedFormConfig
 
 __all__ = ["AlphaEditConfig", "METHOD"]

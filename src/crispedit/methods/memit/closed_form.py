@@ -31,7 +31,9 @@ from ...editing.keyvalue import (KeyValueSettings, block_outputs, context_templa
 from ...editing.loop import LOG_SECONDS
 from ...editing.single_pass import SinglePassEditor, target_nll
 from ...editing.checkpoint import CLOSED_FORM_KEY, load_run_file, run_identity
-from ...errors import CrispEditError, atomic_save_safetensors, stamped
+from ...atomic import atomic_save_safetensors
+from ...errors import CrispEditError
+from ...versions import stamped
 from ...models import weight_matrix
 from . import ClosedFormConfig
 

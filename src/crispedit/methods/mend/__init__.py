@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...editing.registry import MethodConfig, MethodSpec
-from ...errors import SEED_MAX, CrispEditError, check_float, check_int, check_lr
+from ...checks import SEED_MAX, check_float, check_int, check_lr
+from ...errors import CrispEditError
 
 __all__ = ["MENDConfig", "MENDTrainConfig", "METHOD"]
 

@@ -46,8 +46,10 @@ from ...curvature.kfac import head_on_rows
 from ...data.edits import EditRequest
 from ...data.tokenize import encode_pairs
 from ...editing.rows import input_gradient_rows
-from ...errors import (CrispEditError, atomic_save_safetensors, check_written_by, load_safetensors, read_safetensors_header,
-                      stamped)
+from ...atomic import atomic_save_safetensors
+from ...errors import CrispEditError
+from ...safetensors_io import load_safetensors, read_safetensors_header
+from ...versions import check_written_by, stamped
 from ...models import cache_dir, decoder_blocks, is_linear, weight_matrix
 from ..ultraedit.editor import RunningNorm
 from . import MENDTrainConfig
@@ -302,7 +304,7 @@ def save_network(path: str | Path, net: MENDNetwork, *, model_fingerprint: str, 
     """Write ``net`` to ``path`` as safetensors atomically, with the metadata ``crispedit_mend``: format, model
     fingerprint, layers and shapes (``[d_out, d_in]``), training settings and ``training`` (slice, losses,
     seconds). Refuses non-finite tensors. Returns ``path``."""
-    from ...errors import check_finite_tensors
+    from ...checks import check_finite_tensors
 
     tensors = net.tensors()
     check_finite_tensors({k: v for k, v in tensors.items() if not k.startswith("norm.")}, "MEND training")
@@ -315,7 +317,7 @@ def save_network(path: str | Path, net: MENDNetwork, *, model_fingerprint: str, 
 
 def read_network_meta(path: str | Path) -> dict:
     """The ``crispedit_mend`` metadata of network file ``path``; one-line errors for a missing, damaged or
-    foreign file and for one another crispedit version wrote (:func:`~crispedit.errors.check_written_by`)."""
+    foreign file and for one another crispedit version wrote (:func:`~crispedit.versions.check_written_by`)."""
     meta, _ = read_safetensors_header(path, "MEND network", META_KEY)
     check_written_by(meta, f"MEND network file {path}", "train it again with `crispedit mend train`",
                      format=FORMAT_VERSION)

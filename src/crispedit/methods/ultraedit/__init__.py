@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...editing.registry import MethodConfig, MethodSpec
-from ...errors import check_float, check_int
+from ...checks import check_float, check_int
 
 __all__ = ["UltraEditConfig", "METHOD"]
 
