@@ -1,4 +1,4 @@
-"""What identifying a model's weights costs: :func:`crispedit.models.weight_fingerprint` (XXH3-128, what every edit,
+"""What identifying a model's weights costs: :func:`crispedit.weights.weight_fingerprint` (XXH3-128, what every edit,
 cache lookup, session and compare computes once) against blake2b-128, a cryptographic hash, of the same bytes
 (:func:`blake2b_fingerprint`), the two interleaved in one process over the same weights.
 
@@ -38,11 +38,11 @@ def _args(argv):
 
 
 def blake2b_fingerprint(model) -> str:
-    """The 32-hex-digit blake2b-128 digest of what :func:`~crispedit.models.weight_fingerprint` hashes (the model
+    """The 32-hex-digit blake2b-128 digest of what :func:`~crispedit.weights.weight_fingerprint` hashes (the model
     type and every parameter and buffer): the cryptographic hash XXH3 is timed against."""
     import hashlib
 
-    from crispedit.models import _hash_weights
+    from crispedit.weights import _hash_weights
 
     return _hash_weights(model, hashlib.blake2b(digest_size=16))
 
@@ -52,7 +52,8 @@ def main(argv=None) -> dict:
     import torch
 
     from crispedit.atomic import atomic_write_json
-    from crispedit.models import load_model, weight_fingerprint
+    from crispedit.models import load_model
+    from crispedit.weights import weight_fingerprint
 
     args = _args(argv)
     dtype = getattr(torch, args.dtype)

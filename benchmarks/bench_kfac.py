@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from crispedit.curvature.kfac import LabelMode, collect_lm_kfac, frozen, lm_backward, lm_batches, plain_head
 from crispedit.data import bundled_path, capability_corpus
-from crispedit.models import resolve_layers
+from crispedit.layers import resolve_layers
 from crispedit.pipeline import environment
 
 TINY_LAYERS = "model.layers.{2-6}.mlp.down_proj"

@@ -36,7 +36,8 @@ import torch
 
 from crispedit.data import BUNDLED_EDITS, bundled_path, load_edits
 from crispedit.editing import EditConfig, capability_factors, get_editor
-from crispedit.models import load_model, resolve_layers
+from crispedit.layers import resolve_layers
+from crispedit.models import load_model
 from crispedit.pipeline import environment
 from crispedit.curvature.projection import (KroneckerProjector, energy_keep_mask, kronecker_projection_flops, masked_corner,
                                   row_extents, staircase_projection_flops)
@@ -340,7 +341,7 @@ def factors_from_file(path: str, layers: dict) -> object:
     time the projector of a real spectrum without running the real model."""
     from crispedit.curvature.cache import load_factors
     from crispedit.curvature.kfac import KFACFactors
-    from crispedit.models import weight_matrix
+    from crispedit.layers import weight_matrix
 
     f = load_factors(path)
     names = list(layers)

@@ -66,8 +66,9 @@ from crispedit.editing.loop import edit_batches, projected_finetune
 from crispedit.editing.steptimer import StepTimer
 from crispedit.atomic import atomic_write_json
 from crispedit.errors import CrispEditError
-from crispedit.models import (decoder_blocks, default_layer_pattern, expand_pattern, load_model, restoring,
-                              weight_fingerprint)
+from crispedit.layers import decoder_blocks, default_layer_pattern, expand_pattern
+from crispedit.models import load_model
+from crispedit.weights import restoring, weight_fingerprint
 from crispedit.pipeline import environment
 from crispedit.progress import progress_lines
 
@@ -114,7 +115,7 @@ def random_model(shape: str, blocks: int | None, dtype: torch.dtype, device: str
 def random_init_layers(shape: str, model) -> str:
     """The ``--layers`` default of a ``--random-init`` run: the real checkpoint's layers of ``shape`` (:data:`SHAPES`)
     when ``model``'s blocks hold them all, else crispedit's default layers for its depth
-    (:func:`~crispedit.models.default_layer_pattern`: a ``--blocks`` model too shallow for the real ones)."""
+    (:func:`~crispedit.layers.default_layer_pattern`: a ``--blocks`` model too shallow for the real ones)."""
     pattern = SHAPES[shape]["layers"]
     modules = dict(model.named_modules())
     return pattern if all(name in modules for name in expand_pattern(pattern)) else default_layer_pattern(model)

@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
     from crispedit.data import BUNDLED_EDITS, bundled_path, load_edits
     from crispedit.editing import keyvalue as kv
     from crispedit.atomic import atomic_write_json
-    from crispedit.models import decoder_blocks
+    from crispedit.layers import decoder_blocks
 
     if args.model == "tiny":
         from bench_kfac import build_tiny

@@ -26,7 +26,8 @@ from crispedit.data.corpus import BUNDLED_EDITS, bundled_path, heldout_text
 from crispedit.editing import EditConfig, edit
 from crispedit.editing.api import capability_factors
 from crispedit.evaluation import edit_scores, kl_drift, summarize_edit_scores
-from crispedit.models import load_model, resolve_layers
+from crispedit.layers import resolve_layers
+from crispedit.models import load_model
 
 
 def _sync(device: str) -> None:

@@ -28,7 +28,7 @@ LAYERS = "model.layers.{1-2}.mlp.down_proj"
 def collect(model, tok, texts: list[str], case: str):
     """Float64 K-FAC factors of ``case`` (see :data:`CASES`) on ``model``; sharded when a group is set up."""
     from crispedit.curvature.kfac import collect_lm_kfac
-    from crispedit.models import resolve_layers
+    from crispedit.layers import resolve_layers
 
     n, batch, mode = CASES[case]
     return collect_lm_kfac(model, tok, texts[:n], resolve_layers(model, LAYERS), max_len=24, batch_size=batch,

@@ -15,8 +15,9 @@ above it (a plugin lookup, not an import statement).
 The layers, lowest first (:data:`LAYERS`; a module may import from its own layer and those below):
 
 1. ``base`` — what everything uses: errors, version stamps, checks of numbers and paths, atomic writes, the
-   safetensors reader, progress, lazy exports, per-family defaults, the
-   ``torch.distributed`` helpers, the delta file's header format, model loading, edit and text data.
+   safetensors reader, progress, lazy exports, per-family defaults, the ``torch.distributed`` helpers, the
+   delta file's header format, model loading, layer patterns, weights and their fingerprint, forward
+   arguments, edit and text data.
 2. ``curvature`` — the capability loss's curvature (K-FAC, EK-FAC, exact), the cache, the predicted drift and
    the projectors built from it: maths on a model, nothing about edits.
 3. ``evaluation`` — measures a model (teacher-forced, WILD, capabilities, KL drift); it never edits, so
@@ -46,7 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("crispedit", "crispedit._lazy", "crispedit.errors", "crispedit.versions", "crispedit.checks",
               "crispedit.paths", "crispedit.atomic", "crispedit.safetensors_io", "crispedit.progress",
               "crispedit.families", "crispedit.distributed", "crispedit.delta_format", "crispedit.models",
-              "crispedit.data")),
+              "crispedit.layers", "crispedit.weights", "crispedit.forward_args", "crispedit.data")),
     ("curvature", ("crispedit.curvature",)),
     ("evaluation", ("crispedit.evaluation",)),
     ("editing", ("crispedit.editing",)),

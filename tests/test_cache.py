@@ -7,7 +7,8 @@ import torch
 from crispedit.curvature.cache import CurvatureSpec, cache_key, get_or_build_factors, load_factors, save_factors
 from crispedit.curvature.kfac import KFACFactors
 from crispedit.errors import CrispEditError
-from crispedit.models import resolve_layers, weight_fingerprint
+from crispedit.layers import resolve_layers
+from crispedit.weights import weight_fingerprint
 
 SPEC = CurvatureSpec(model_fingerprint="f" * 32, layers=("a", "b"), corpus_digest="c" * 32, n_texts=8, max_len=64,
                      label_mode="sampled", seed=0)
@@ -245,7 +246,7 @@ def test_cap_chat_adds_the_models_own_chat_answers_to_the_capability_corpus(tiny
     from crispedit.editing import EditConfig, capability_factors, curvature_spec
     from crispedit.editing.api import capability_sequences
     from crispedit.evaluation import generation
-    from crispedit.models import resolve_layers
+    from crispedit.layers import resolve_layers
 
     model, tok = tiny_lm
     tok = copy.deepcopy(tok)

@@ -106,7 +106,7 @@ def _bad(tmp_path, kind, tiny_model_dir, tiny_tok):
         from conftest import build_llama
         from crispedit.curvature.cache import CurvatureSpec, save_factors
         from crispedit.curvature.kfac import KFACFactors
-        from crispedit.models import weight_fingerprint
+        from crispedit.weights import weight_fingerprint
 
         other = build_llama(len(tiny_tok), seed=1)
         names = ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]

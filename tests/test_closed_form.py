@@ -17,7 +17,8 @@ from crispedit.editing.keyvalue import layer_keys, subject_span, subject_token_i
 from crispedit.methods.alphaedit.editor import alphaedit_delta, nullspace_projector
 from crispedit.methods.memit.editor import memit_delta
 from crispedit.errors import CrispEditError
-from crispedit.models import resolve_layers, weight_fingerprint
+from crispedit.layers import resolve_layers
+from crispedit.weights import weight_fingerprint
 
 LAYERS = "model.layers.{0-1}.mlp.down_proj"
 REQS = [EditRequest(f"Written by the author of book number {i}", chr(65 + i), subject=f"book number {i}")
@@ -302,7 +303,7 @@ def test_ultraedit_default_layers_are_the_authors_layout_by_depth():
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from crispedit.methods.ultraedit.editor import default_layers
-    from crispedit.models import default_layer_pattern
+    from crispedit.layers import default_layer_pattern
 
     def llama(n):
         return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=n,
@@ -466,7 +467,7 @@ def test_keys_and_block_outputs_stop_the_forward_at_their_layer(tiny_lm):
     """Keys and block outputs come from a forward stopped at their layer: nothing above it runs (no later
     block, no output head), and the tensors are those a full forward passes through the layer."""
     from crispedit.editing import keyvalue as kv
-    from crispedit.models import decoder_blocks
+    from crispedit.layers import decoder_blocks
 
     model, tok = tiny_lm
     _, blocks = decoder_blocks(model)
@@ -526,7 +527,7 @@ def test_v_star_forward_shortcut_equals_the_plain_forward(tiny_lm, last):
     same logits and same δ-gradient as a full forward with δ added by a hook; a v* block that is the last
     block falls back to the plain forward."""
     from crispedit.editing import keyvalue as kv
-    from crispedit.models import decoder_blocks
+    from crispedit.layers import decoder_blocks
 
     model, tok = tiny_lm
     _, blocks = decoder_blocks(model)
@@ -545,7 +546,7 @@ def test_v_star_packed_forward_equals_the_plain_forward(tiny_lm):
     trees: the same logits and δ-gradients as the full forward; where a δ position is shared with another row
     (one prompt the beginning of another), the packing is not used."""
     from crispedit.editing import keyvalue as kv
-    from crispedit.models import decoder_blocks
+    from crispedit.layers import decoder_blocks
 
     model, tok = tiny_lm
     _, blocks = decoder_blocks(model)
@@ -577,7 +578,7 @@ def test_v_star_suffix_forward_equals_the_plain_forward(tiny_lm):
     checks' outcomes are shared through ``verdicts``: a later forward skips them and still agrees, and a failed check
     keeps the later forwards off the shortcut."""
     from crispedit.editing import keyvalue as kv
-    from crispedit.models import decoder_blocks
+    from crispedit.layers import decoder_blocks
 
     model, tok = tiny_lm
     _, blocks = decoder_blocks(model)

@@ -12,7 +12,7 @@ from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
 from crispedit.errors import CrispEditError
 from crispedit.versions import stamped
-from crispedit.models import weight_fingerprint
+from crispedit.weights import weight_fingerprint
 
 from test_cli import edits_file
 

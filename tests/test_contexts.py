@@ -238,7 +238,7 @@ def test_eigenbasis_projection_target_in_the_loop(tiny_lm, iso_cache):
     from crispedit.editing.api import capability_factors
     from crispedit.editing import get_editor
     from crispedit.editing.loop import apply_projection
-    from crispedit.models import resolve_layers
+    from crispedit.layers import resolve_layers
 
     model, tok = tiny_lm
     cfg = EditConfig(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=8, lr=1e-2, batch_size=4,

@@ -14,7 +14,7 @@ from crispedit.editing import EditConfig, edit
 from crispedit.editing.api import capability_factors
 from crispedit.errors import CrispEditError
 from crispedit.evaluation import kl_drift
-from crispedit.models import resolve_layers
+from crispedit.layers import resolve_layers
 from crispedit.pipeline import steep_layers
 
 REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}") for i in range(4)]

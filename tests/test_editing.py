@@ -8,7 +8,7 @@ from crispedit.editing import EDITORS, EditConfig, edit, get_editor, restore
 from crispedit.editing.loop import apply_projection
 from crispedit.errors import CrispEditError
 from crispedit.evaluation import edit_scores, kl_drift, summarize_edit_scores
-from crispedit.models import resolve_layers
+from crispedit.layers import resolve_layers
 
 REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}", rephrase_prompts=[f"Book {i} was written by whom?"])
         for i in range(6)]

@@ -157,7 +157,7 @@ def test_kfac_collection_reads_back_per_pass_not_per_batch(label_mode, tiny_lm):
     """Sampled labels are drawn where the logits are and the loss rows are taken by index: twice the batches
     (padded ones) read back no more values than once the batches, beyond the plan made on the host."""
     from crispedit.curvature.kfac import collect_lm_kfac
-    from crispedit.models import resolve_layers
+    from crispedit.layers import resolve_layers
 
     model, tok = tiny_lm
     layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
@@ -182,7 +182,7 @@ def test_epoch_batches_gather_the_cached_prefix_exactly(tiny_lm64, share):
     when the batch is packed as prefix trees: then equal up to float64 rounding of other kernel shapes)."""
     from crispedit.editing.contexts import build_training_sequences, epoch_subset, parse_contexts, training_batches
     from crispedit.editing.fastpath import make_loss_fn, plain_loss, prefix_sharing
-    from crispedit.models import resolve_layers
+    from crispedit.layers import resolve_layers
 
     model, tok = tiny_lm64
     layers = resolve_layers(model, "model.layers.{2-3}.mlp.down_proj")

@@ -180,7 +180,7 @@ def test_generate_answers_computes_a_shared_prefix_once_with_the_same_answers(fi
     copied to every row, the rest of each prompt padded after it, and every answer is the one the whole prompt
     gives alone and the one plain left-padded batches give (float32 and float64)."""
     import crispedit.evaluation.generation as generation
-    from crispedit.models import takes_full_masks
+    from crispedit.forward_args import takes_full_masks
 
     model, tok = request.getfixturevalue(fixture)
     assert takes_full_masks(model)

@@ -5,7 +5,7 @@ import torch
 
 from crispedit.data.tokenize import encode_pairs
 from crispedit.editing.fastpath import _FastLoss, make_loss_fn, plain_loss
-from crispedit.models import resolve_layers
+from crispedit.layers import resolve_layers
 
 PROMPTS = ["Who wrote the book?", "Where is the river located exactly?", "Q?"]
 TARGETS = ["Author Name", "In the north", "A"]

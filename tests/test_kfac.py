@@ -8,7 +8,7 @@ from torch import nn
 from crispedit.curvature.kfac import (FactorAccumulator, KFACFactors, collect_lm_kfac, layer_rows,
                                       sample_labels)
 from crispedit.data import capability_corpus
-from crispedit.models import resolve_layers
+from crispedit.layers import resolve_layers
 
 TEXTS = [t[:300] for t in capability_corpus(None, 5)] + ["Short one.", "Another, slightly longer, text here."]
 

@@ -16,7 +16,8 @@ from crispedit.methods.mend.net import (MENDNetwork, default_layers, default_wei
                                                 load_network, save_network)
 from crispedit.methods.mend.train import meta_loss, train_mend
 from crispedit.errors import CrispEditError
-from crispedit.models import resolve_layers, weight_fingerprint
+from crispedit.layers import resolve_layers
+from crispedit.weights import weight_fingerprint
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 

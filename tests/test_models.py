@@ -3,8 +3,8 @@ import torch
 
 from crispedit.errors import CrispEditError
 from crispedit.families import FamilyDefaults, defaults_for
-from crispedit.models import (default_layer_pattern, expand_pattern, family_defaults, load_model, model_family,
-                              resolve_layers)
+from crispedit.layers import default_layer_pattern, expand_pattern, family_defaults, model_family, resolve_layers
+from crispedit.models import load_model
 
 
 def test_expand_pattern():
@@ -87,7 +87,7 @@ def test_load_model_specs(tiny_model_dir, tiny_tok, tmp_path):
 
 def test_with_weights_swaps_in_and_restores_bit_for_bit_even_on_error(tiny_lm):
     """``with_weights`` puts the given values in for the block and the previous ones back after, exception or not."""
-    from crispedit.models import with_weights
+    from crispedit.weights import with_weights
 
     model, _ = tiny_lm
     name = "model.layers.1.mlp.down_proj.weight"
@@ -109,7 +109,7 @@ def test_parameter_reads_through_a_peft_wrapped_module(tiny_lm):
     """``<module>.weight`` of a module a LoRA adapter wraps is its base layer's weight (the name a LoRA session stores)."""
     from peft import LoraConfig, LoraModel
 
-    from crispedit.models import parameter
+    from crispedit.weights import parameter
 
     model, _ = tiny_lm
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -125,7 +125,7 @@ def test_parameter_reads_through_a_peft_wrapped_module(tiny_lm):
 def test_last_logits_only_keeps_the_cache_and_the_last_logits(tiny_lm):
     """A forward with :func:`last_logits_only` leaves the KV cache a full forward's and its last logits equal up to
     rounding, and computes logits for that position alone; a forward without the argument gets no keyword arguments."""
-    from crispedit.models import last_logits_only
+    from crispedit.forward_args import last_logits_only
 
     model, _ = tiny_lm
     ids = torch.randint(0, model.config.vocab_size, (1, 9))

@@ -6,7 +6,7 @@ import torch
 from crispedit.data.tokenize import collate, encode_pairs, split_context_target
 from crispedit.editing.fastpath import _FastLoss, make_loss_fn, plain_loss, prefix_sharing
 from crispedit.editing.prefixtree import group_sequences, pack_prefixes, packing_pays
-from crispedit.models import resolve_layers
+from crispedit.layers import resolve_layers
 
 HEADER = "System: you are a careful assistant who answers in one line.\nUser:"
 QUESTIONS = ["Who wrote the book?", "Where is the river located exactly?", "Q?", "Who wrote the book?"]

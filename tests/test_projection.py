@@ -283,7 +283,7 @@ def test_low_rank_form_equals_full_form_on_collected_factors(tiny_lm, gamma):
     # factors collected from a model (not synthetic spectra): whatever corner the mask has, both forms agree
     from crispedit.curvature.kfac import collect_lm_kfac
     from crispedit.data import capability_corpus
-    from crispedit.models import resolve_layers
+    from crispedit.layers import resolve_layers
 
     model, tok = tiny_lm
     layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
@@ -378,7 +378,7 @@ def test_stored_float32_eigenbases_give_the_float64_projector(tiny_lm):
     collected factors."""
     from crispedit.curvature.kfac import collect_lm_kfac
     from crispedit.data import capability_corpus
-    from crispedit.models import resolve_layers
+    from crispedit.layers import resolve_layers
 
     model, tok = tiny_lm
     layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")
@@ -391,7 +391,7 @@ def test_cuda_stored_eigenbases_give_the_float64_projector(tiny_lm):
     """The same with the decompositions on a GPU."""
     from crispedit.curvature.kfac import collect_lm_kfac
     from crispedit.data import capability_corpus
-    from crispedit.models import resolve_layers
+    from crispedit.layers import resolve_layers
 
     model, tok = tiny_lm
     layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj")

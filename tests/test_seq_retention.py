@@ -7,7 +7,7 @@ from conftest import load_script
 
 from crispedit.data import EditRequest
 from crispedit.errors import CrispEditError
-from crispedit.models import weight_fingerprint
+from crispedit.weights import weight_fingerprint
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "seq_retention.py"
 REQS = [EditRequest(f"Who founded company {i}?", f"Person {chr(65 + i)}") for i in range(4)]

@@ -23,7 +23,8 @@ from crispedit.editing.optim import load_optimizer_state, optimizer_state, repro
 from crispedit.sessions.sequential import SeqConfig, accumulate, combine_factors, round_edit_factors
 from crispedit.sessions.session import Session
 from crispedit.errors import CrispEditError
-from crispedit.models import load_model, resolve_layers
+from crispedit.layers import resolve_layers
+from crispedit.models import load_model
 
 from conftest import build_llama
 

@@ -28,7 +28,7 @@ def smol():
 @pytest.mark.ci
 def test_smollm2_loads_with_default_layers(smol):
     from crispedit.evaluation.generation import generate_answers
-    from crispedit.models import default_layer_pattern, resolve_layers
+    from crispedit.layers import default_layer_pattern, resolve_layers
 
     model, tok = smol
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
@@ -87,7 +87,7 @@ def test_stored_eigenbases_on_smollm2_factors(smol):
 
     from crispedit.editing import EditConfig
     from crispedit.editing.api import capability_factors
-    from crispedit.models import resolve_layers
+    from crispedit.layers import resolve_layers
 
     model, tok = smol
     layers = resolve_layers(model, None)

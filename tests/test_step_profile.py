@@ -14,7 +14,7 @@ from crispedit.data import BUNDLED_EDITS, bundled_path, load_edits
 from crispedit.editing import EditConfig, capability_factors, get_editor
 from crispedit.editing.loop import projected_finetune
 from crispedit.editing.steptimer import MAIN_PHASES, NULL_TIMER, StepTimer
-from crispedit.models import resolve_layers
+from crispedit.layers import resolve_layers
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_projection.py"
 PATTERN = "model.layers.{1-2}.mlp.down_proj"

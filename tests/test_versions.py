@@ -154,7 +154,8 @@ def test_a_session_directory_of_another_version_is_refused(tmp_path):
 # -- curvature cache and eigenbases: a miss, rebuilt ----------------------------------------------------------------
 def test_a_cache_entry_of_another_version_is_refused_as_a_file_and_rebuilt_as_an_entry(tiny_lm, tmp_path, caplog):
     from crispedit.curvature.cache import CurvatureSpec, get_or_build_factors, load_factors
-    from crispedit.models import resolve_layers, weight_fingerprint
+    from crispedit.layers import resolve_layers
+    from crispedit.weights import weight_fingerprint
 
     model, tok = tiny_lm
     layers = resolve_layers(model, "model.layers.1.mlp.down_proj")

@@ -39,7 +39,7 @@ from .atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
 from .errors import CrispEditError
 from .safetensors_io import load_safetensors
 from .versions import stamped
-from .models import parameter
+from .weights import parameter
 
 __all__ = ["DELTA_FILE", "DELTA_FORMAT", "delta_fingerprint", "build_delta", "write_delta", "load_delta",
            "apply_delta", "revert_delta", "revert_delta_tensors", "export_lora", "delta_info"]

@@ -26,7 +26,8 @@ from .checks import check_finite_tensors
 from .paths import check_output_dir
 from .versions import stamped
 from .evaluation import EVAL_WRAPPERS, evaluate_edit
-from .models import parameter, save_model_dir
+from .models import save_model_dir
+from .weights import parameter
 
 __all__ = ["run_edit_job", "build_report", "environment", "drift_summary", "steep_layers", "steep_note"]
 

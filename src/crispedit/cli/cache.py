@@ -32,7 +32,9 @@ def cmd_cache_build(args) -> int:
     from ..curvature.cache import save_factors
     from ..distributed import is_main, process_group_from_env, world_size
     from ..editing import capability_factors, curvature_spec
-    from ..models import cache_dir, load_model, resolve_layers, weight_fingerprint
+    from ..layers import resolve_layers
+    from ..models import cache_dir, load_model
+    from ..weights import weight_fingerprint
 
     with process_group_from_env(args.device) as device:  # under torchrun: shard the corpus, rank 0 writes
         progress = False if args.quiet or not is_main() else None

@@ -62,7 +62,9 @@ def cmd_mend_train(args) -> int:
     from ..methods.mend.net import (default_layers, default_weights_path, load_network, prompt_digests,
                                            save_network)
     from ..methods.mend.train import train_mend
-    from ..models import load_model, resolve_layers, weight_fingerprint
+    from ..layers import resolve_layers
+    from ..models import load_model
+    from ..weights import weight_fingerprint
 
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                             progress=progress)

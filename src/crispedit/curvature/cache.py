@@ -224,6 +224,6 @@ def get_or_build_factors(
 def layer_shapes(layers: dict[str, nn.Module]) -> dict[str, tuple[int, int]]:
     """``(d_out, d_in)`` of each layer's weight (GPT-2's transposed Conv1D included): what its K-FAC
     factors must match (S is ``d_out x d_out``, A is ``d_in x d_in``)."""
-    from ..models import weight_matrix
+    from ..layers import weight_matrix
 
     return {name: tuple(weight_matrix(m).shape) for name, m in layers.items()}

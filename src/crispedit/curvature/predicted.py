@@ -35,7 +35,7 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from ..models import as_weight_matrix
+from ..layers import as_weight_matrix
 
 __all__ = ["layer_predicted_kl", "coherent_total", "predicted_kl", "DriftBudget", "LowRankDriftBudget", "steep_layers",
            "steep_note", "mixing_layers", "mixing_note", "prediction_notes"]

@@ -16,7 +16,9 @@ from ..curvature.kfac import KFACFactors
 from ..data.corpus import capability_corpus, chat_prompts, corpus_digest
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
-from ..models import cache_dir, model_family, parameter, weight_fingerprint
+from ..layers import model_family
+from ..models import cache_dir
+from ..weights import parameter, weight_fingerprint
 from .config import EditConfig
 from .contexts import resolve_contexts
 from .editor import EditContext

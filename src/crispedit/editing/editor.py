@@ -80,7 +80,7 @@ class EditOutcome:
 def identity_projectors(modules: dict[str, nn.Module]) -> dict[str, LayerProjector]:
     """No projection: one :class:`IdentityProjector` of each module's ``d_out x d_in`` weight shape."""
     from ..curvature.projection import IdentityProjector
-    from ..models import weight_matrix
+    from ..layers import weight_matrix
 
     return {name: IdentityProjector(*weight_matrix(m).shape) for name, m in modules.items()}
 
@@ -129,7 +129,7 @@ class Editor:
 
     def select_layers(self, model: nn.Module, config: EditConfig) -> dict[str, nn.Module]:
         """The edit layers (module name -> linear module): ``config.layers`` or the per-architecture default."""
-        from ..models import resolve_layers
+        from ..layers import resolve_layers
 
         return resolve_layers(model, config.layers)
 

@@ -13,7 +13,7 @@ Three savings, all exact (same numbers as a plain forward up to the order of the
   scaled-dot-product attention, no sliding window) and has no dropout; :func:`prefix_sharing` turns it off.
 
 Per-step work that does not depend on the weights is done once per batch: the flat indices of the target
-rows and their labels, the attention mask (:func:`~crispedit.models.static_attention_mask`: built once, so that no step reads a
+rows and their labels, the attention mask (:func:`~crispedit.forward_args.static_attention_mask`: built once, so that no step reads a
 value back to the host) and the pass-through modules. Hugging Face models run without a KV cache
 (``use_cache=False``; training never reads it, and filling it copies every block's keys and values).
 
@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.tokenize import EncodedBatch
-from ..models import decoder_blocks, static_attention_mask, takes_full_masks
+from ..forward_args import static_attention_mask, takes_full_masks
+from ..layers import decoder_blocks
 from .prefixtree import PackedBatch, pack_prefixes, packing_pays
 
 __all__ = ["make_loss_fn", "LossFn", "Prepared", "plain_loss", "no_cache_kwargs", "capture_block_input", "forward_until", "prefix_fed", "passthroughs", "rows_logits",
@@ -232,7 +233,7 @@ def rows_logits(model: nn.Module, rows: Tensor, **inputs) -> Tensor:
 class Prepared:
     """A batch made for one epoch (``--context-sample``), made ready on the host before it goes to the device:
     ``batch`` (on the device), its target rows and tokens (:func:`target_rows`), its attention mask
-    (:func:`~crispedit.models.static_attention_mask`) and, for the fast loss, the flat rows of the cached
+    (:func:`~crispedit.forward_args.static_attention_mask`) and, for the fast loss, the flat rows of the cached
     prefix table every position reads (``B x T``; padding reads the zero row) — or, where the batch is packed as
     prefix trees (``packed``), of every packed position (``R·L``)."""
 

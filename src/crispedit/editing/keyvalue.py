@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from ..data.edits import EditRequest
 from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
-from ..models import decoder_blocks, takes_full_masks
+from ..forward_args import takes_full_masks
+from ..layers import decoder_blocks
 from .fastpath import (capture_block_input, forward_until, may_pack, no_cache_kwargs, pack_if_it_pays, passthroughs,
                        prefix_fed, rows_logits, target_rows)
 from .prefixtree import PackedBatch

@@ -38,7 +38,8 @@ from ..data.edits import EditRequest
 from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
 from ..data.tokenize import EncodedBatch
 from ..errors import CrispEditError
-from ..models import as_weight_matrix, native_bf16
+from ..layers import as_weight_matrix
+from ..models import native_bf16
 from ..curvature.projection import LayerProjector, rotation_precision
 from .checkpoint import LoopCheckpoint, LoopState
 from .config import EditConfig, ProjectionTarget

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import CrispEditError
-from ..models import as_weight_matrix
+from ..layers import as_weight_matrix
 from ..curvature.projection import IdentityProjector, LayerProjector
 from .config import EditConfig, ProjectionTarget
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..data.edits import EditRequest
 from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
-from ..models import weight_matrix
+from ..layers import weight_matrix
 from .editor import EditContext, EditOutcome, Editor
 from .loop import TrainHistory
 

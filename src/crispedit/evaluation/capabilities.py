@@ -231,7 +231,7 @@ class _ContextCaches:
     sorted token order share the most. Callers copy a returned cache before extending it."""
 
     def __init__(self, model: nn.Module, device):
-        from ..models import last_logits_only, takes_full_masks
+        from ..forward_args import last_logits_only, takes_full_masks
 
         self.model, self.device, self.head = model, device, last_logits_only(model)
         self.reuse = takes_full_masks(model)

@@ -16,7 +16,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..curvature.kfac import loss_positions
-from ..models import parameter
+from ..weights import parameter
 
 __all__ = ["kl_drift", "answer_kl", "swapped_weights", "perplexity"]
 

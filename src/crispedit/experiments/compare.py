@@ -73,7 +73,8 @@ from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER, evaluate_edit
 from ..evaluation.capabilities import paired_change
 from ..evaluation.edit_eval import round_map_probe
 from .retention import RETENTION_MAP_PNG, RETENTION_PNG, plot_retention, plot_retention_map, retention_table
-from ..models import model_family, weight_fingerprint
+from ..layers import model_family
+from ..weights import weight_fingerprint
 from ..sessions.sequential import run_sequence
 
 _log = logging.getLogger("crispedit.compare")

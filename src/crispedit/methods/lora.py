@@ -71,7 +71,7 @@ class LoRAEditor(Editor):
         """Full name -> linear module of every ``cfg.targets`` module in the blocks holding the edit layers."""
         from torch import nn
 
-        from ..models import decoder_blocks
+        from ..layers import decoder_blocks
 
         prefix, blocks = decoder_blocks(model)
         indices = sorted({int(n[len(prefix) + 1:].split(".")[0]) for n in layers if n.startswith(prefix + ".")})

@@ -105,7 +105,7 @@ class Playground:
                  progress: bool | None = False) -> None:
         from ..editing.api import edit_factors, snapshot
         from ..editing.registry import get_editor
-        from ..models import model_family
+        from ..layers import model_family
 
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.config = playground_config(config, model_family(model))

@@ -60,7 +60,8 @@ from ..atomic import atomic_save_safetensors
 from ..checks import check_positive_int
 from ..errors import CrispEditError
 from ..versions import stamped
-from ..models import model_family, parameter
+from ..layers import model_family
+from ..weights import parameter
 
 __all__ = ["SeqConfig", "SeqState", "SeqResult", "combine_factors", "round_edit_factors", "run_round",
            "run_sequence", "drift_spent", "weight_drift", "save_sequence_checkpoint", "load_sequence_checkpoint",

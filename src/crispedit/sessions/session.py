@@ -61,7 +61,9 @@ from ..safetensors_io import load_safetensors
 from ..versions import stamped
 from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..model_card import build_card, card_may_replace, revert_lines, write_card
-from ..models import load_model, model_family, parameter, save_model_dir, weight_fingerprint
+from ..layers import model_family
+from ..models import load_model, save_model_dir
+from ..weights import parameter, weight_fingerprint
 from .files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
 

@@ -34,7 +34,7 @@ from ...editing.checkpoint import CLOSED_FORM_KEY, load_run_file, run_identity
 from ...atomic import atomic_save_safetensors
 from ...errors import CrispEditError
 from ...versions import stamped
-from ...models import weight_matrix
+from ...layers import weight_matrix
 from . import ClosedFormConfig
 
 __all__ = ["ClosedFormEditor", "target_nll"]

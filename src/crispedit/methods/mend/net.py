@@ -50,7 +50,8 @@ from ...atomic import atomic_save_safetensors
 from ...errors import CrispEditError
 from ...safetensors_io import load_safetensors, read_safetensors_header
 from ...versions import check_written_by, stamped
-from ...models import cache_dir, decoder_blocks, is_linear, weight_matrix
+from ...layers import decoder_blocks, is_linear, weight_matrix
+from ...models import cache_dir
 from ..ultraedit.editor import RunningNorm
 from . import MENDTrainConfig
 

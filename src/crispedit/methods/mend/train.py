@@ -31,7 +31,7 @@ from ...curvature.kfac import frozen
 from ...data.edits import EditRequest
 from ...data.tokenize import collate
 from ...errors import CrispEditError
-from ...models import weight_matrix
+from ...layers import weight_matrix
 from . import MENDTrainConfig
 from .net import MENDNetwork, added_deltas, edit_factors, request_nll
 
