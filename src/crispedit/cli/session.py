@@ -136,7 +136,8 @@ def cmd_plot(args) -> int:
     check_output_file(args.out)
     for d in args.dirs:
         _check_session(d)
-    from ..sessions.session import Session, plot_retention
+    from ..sessions.plot import plot_retention
+    from ..sessions.session import Session
 
     statuses = [Session.open(d).status() for d in args.dirs]
     out = plot_retention(statuses, args.out, labels=args.labels.split(",") if args.labels else None)

@@ -53,10 +53,10 @@ from ..data.edits import EditRequest, load_edits, requests_digest, save_edits_js
 from ..editing.api import capability_factors, edit_factors
 from ..editing.contexts import DEFAULT_CONTEXTS, pinned_contexts
 from ..editing.registry import get_editor
-from ..atomic import atomic_directory, atomic_save_safetensors, atomic_write_figure, atomic_write_json
+from ..atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
 from ..checks import check_finite_tensors
 from ..errors import CrispEditError
-from ..paths import check_output_dir, check_output_file
+from ..paths import check_output_dir
 from ..safetensors_io import load_safetensors
 from ..versions import stamped
 from ..evaluation import evaluate_edit, summarize_edit_scores
@@ -64,10 +64,11 @@ from ..model_card import build_card, card_may_replace, revert_lines, write_card
 from ..layers import model_family
 from ..models import load_model, save_model_dir
 from ..weights import parameter, weight_fingerprint
+from .plot import plot_retention
 from .files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
 
-__all__ = ["Session", "SESSION_FORMAT", "plot_retention", "session_size"]
+__all__ = ["Session", "SESSION_FORMAT", "session_size"]
 
 LOCK_FILE, PLOT_FILE = ".lock", "retention.png"
 _TENSOR_FILE = re.compile(r"^(weights|optim|edit_factors|cap_factors|cap_ref)-(\d{4,})\.safetensors$")
@@ -487,44 +488,3 @@ def _diff_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def plot_retention(statuses: Sequence[dict], out: str | Path, labels: Sequence[str] | None = None) -> Path:
-    """The "Evolution of CrispEdit-Seq" figure: for each session, the reliability of each round's edits
-    after every later round; plus one panel of KL drift per round for all sessions. ``out`` is checked
-    before drawing and written atomically (nothing left behind on failure)."""
-    out = check_output_file(out)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = list(labels or [s["name"] for s in statuses])
-    n = len(statuses)
-    fig, axes = plt.subplots(1, n + 1, figsize=(4.2 * (n + 1), 3.6), squeeze=False)
-    for ax, st, label in zip(axes[0], statuses, labels):
-        rounds = st["rounds"]
-        K = len(rounds)
-        cmap = plt.get_cmap("viridis", max(K, 2))
-        for j in range(1, K + 1):
-            xs = [r["round"] for r in rounds if str(j) in r["retention"]]
-            ys = [r["retention"][str(j)]["rel"] for r in rounds if str(j) in r["retention"]]
-            ax.plot(xs, ys, marker="o", color=cmap(j - 1), label=f"round {j} edits")
-        ax.set_title(label)
-        ax.set_xlabel("after round")
-        ax.set_ylabel("reliability (teacher-forced)")
-        ax.set_ylim(-0.03, 1.03)
-        ax.set_xticks(range(1, K + 1) if K else [])
-        ax.grid(alpha=0.3)
-        if K:
-            ax.legend(fontsize=7, loc="lower left")
-    ax = axes[0][n]
-    for st, label in zip(statuses, labels):
-        ax.plot([r["round"] for r in st["rounds"]], [r["kl_drift"] for r in st["rounds"]], marker="o", label=label)
-    K = max((len(st["rounds"]) for st in statuses), default=0)
-    ax.set_xticks(range(1, K + 1) if K else [])
-    ax.set_title("KL drift on held-out text")
-    ax.set_xlabel("after round")
-    ax.set_ylabel("KL(base || edited) per token")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return atomic_write_figure(out, fig, dpi=110)
