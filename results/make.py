@@ -32,7 +32,7 @@ COMPARES = ("compare_zsre_dev100", "compare_counterfact_dev100", "compare_zsre_d
 SCALING = {"scaling_zsre": ("wild_zsre_dev100_32.json", "../compare_zsre_dev100", "../compare_zsre_dev1000"),
            "scaling_counterfact": ("wild_counterfact_dev100_32.json", "../compare_counterfact_dev100",
                                    "../compare_counterfact_dev1000")}
-BREAKING_PPL_RATIO = 2.0  # crispedit.experiments.compare.BREAKING_PPL_RATIO (kept here: --check imports no torch)
+BREAKING_PPL_RATIO = 2.0  # crispedit.experiments.compare_table.BREAKING_PPL_RATIO (kept here: --check imports no torch)
 
 
 # ----------------------------------------------------------------------------------------------------- the demo
@@ -491,7 +491,8 @@ def fill_blocks(text: str, blocks: dict[str, str]) -> str:
 def figures() -> None:
     """Redraw every table and figure from the data (needs crispedit's plotting dependencies)."""
     sys.path.insert(0, str(ROOT / "src"))
-    from crispedit.experiments.compare import compare_table, plot_compare
+    from crispedit.experiments.compare_plot import plot_compare
+    from crispedit.experiments.compare_table import compare_table
     from crispedit.experiments.retention import plot_retention
     from crispedit.experiments.study_report import write_plot
 

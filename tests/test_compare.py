@@ -6,6 +6,7 @@ import json
 import pytest
 
 from crispedit.experiments import compare as compare_mod
+from crispedit.experiments import compare_outputs, compare_plot, compare_table
 from crispedit.experiments.retention import retention_map
 from crispedit.cli import main
 from crispedit.data import EditRequest
@@ -423,7 +424,7 @@ def test_parse_methods_seq_rows_and_all():
 
 
 def test_pareto_front_on_hand_built_points():
-    front = compare_mod.pareto_front({
+    front = compare_table.pareto_front({
         "a": (0.9, -0.010),   # best success
         "b": (0.5, -0.001),   # better retention than a, worse success: both on the front
         "c": (0.4, -0.002),   # dominated by b on both
@@ -434,7 +435,7 @@ def test_pareto_front_on_hand_built_points():
         "h": (float("nan"), 1.0),
     })
     assert front == ["a", "b", "d", "f"]
-    assert compare_mod.pareto_front({}) == [] and compare_mod.pareto_front({"x": (0.0, -1.0)}) == ["x"]
+    assert compare_table.pareto_front({}) == [] and compare_table.pareto_front({"x": (0.0, -1.0)}) == ["x"]
 
 
 def _row(qa, kl, caps=None, ppl=None):
@@ -451,24 +452,24 @@ def test_pareto_points_and_the_table_marking():
     results = {"base": _row(0.0, 0.0), "crispedit": _row(0.8, 0.002), "ft": _row(0.9, 0.05), "lora": _row(0.3, 0.01),
                "ft-seq": _row(0.1, 0.0005)}
     payload = {"settings": settings, "methods": ["crispedit", "ft", "lora", "ft-seq"], "results": results}
-    p = compare_mod.pareto_points(payload)
+    p = compare_table.pareto_points(payload)
     assert p["success"] == "WILD qa rel" and p["retention"].startswith("-KL drift")
     assert p["points"]["ft"] == [0.9, -0.05] and "base" not in p["points"]
     assert p["front"] == p["kl_front"] == ["crispedit", "ft", "ft-seq"]         # lora: dominated by crispedit
     assert list(p)[:3] == ["success", "kl", "kl_front"] and p["breaking"] == {}  # no perplexity stored: none marked
-    table = compare_mod.compare_table(payload).splitlines()
+    table = compare_table.compare_table(payload).splitlines()
     assert table[0].endswith("| Pareto (KL) |")
     marks = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in table[2:7]}
     assert marks == {"base (unedited)": "–", "crispedit": "★", "ft": "★", "lora": "", "ft-seq": "★"}
     caps = dict(settings, evaluation={"capabilities": ["arc", "tqa"], "limit": 10})
     results = {"base": _row(0.0, 0.0, {"arc": 0.5, "tqa": 0.4}), "crispedit": _row(0.8, 0.002, {"arc": 0.5, "tqa": 0.4}),
                "ft": _row(0.9, 0.05, {"arc": 0.25, "tqa": 0.4}), "lora": _row(0.3, 0.0001, {"arc": 0.5, "tqa": 0.2})}
-    p = compare_mod.pareto_points({"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results})
+    p = compare_table.pareto_points({"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results})
     assert p["points"]["ft"] == [0.9, 0.75] and p["points"]["lora"] == [0.3, 0.75] and p["points"]["crispedit"][1] == 1.0
     assert p["front"] == ["crispedit", "ft"] and "arc, tqa" in p["retention"]   # lora's low KL no longer counts
     assert p["kl_front"] == ["crispedit", "ft", "lora"]                           # ... but on the KL front it does
     payload = {"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results}
-    table = compare_mod.compare_table(payload).splitlines()
+    table = compare_table.compare_table(payload).splitlines()
     assert table[0].endswith("| Pareto (KL) | Pareto (capabilities) |")             # the KL front first
     marks = {line.split("|")[1].strip(): (line.split("|")[-3].strip(), line.split("|")[-2].strip())
              for line in table[2:6]}
@@ -496,12 +497,12 @@ def test_capability_changes_pair_items_with_the_base():
                "ft": with_items(0.9, 0.05, {"arc": [0.0, 0.0, 0.0, 0.0]}),
                "old": _row(0.5, 0.01, {"arc": 0.5, "tqa": 0.5})}
     payload = {"settings": settings, "methods": ["crispedit", "ft", "old"], "results": results}
-    ch = compare_mod.capability_changes(payload)
+    ch = compare_table.capability_changes(payload)
     # crispedit: arc differences (0, 0, 0, 1) -> +25 points, SE = sd(0,0,0,1)/2 = 0.5/2 = 25 points; tqa unchanged
     assert ch["crispedit"] == {"arc": [25.0, 25.0], "tqa": [0.0, 0.0]}
     # ft: arc differences (-1, 0, -1, 0) -> -50 points, SE = sd/2 = (1/sqrt(3))/2; no tqa items
     assert ch["ft"] == {"arc": [-50.0, round(100 * (1 / 3) ** 0.5 / 2, 2)]} and "old" not in ch
-    note = [ln for ln in compare_mod.compare_table(payload).splitlines() if ln.startswith("Capability change")]
+    note = [ln for ln in compare_table.compare_table(payload).splitlines() if ln.startswith("Capability change")]
     assert len(note) == 1 and "arc: 4 items" in note[0] and "crispedit: arc +25.0 ± 25.0, tqa +0.0 ± 0.0" in note[0]
     assert "ft: arc -50.0 ± 28.9" in note[0] and "old:" not in note[0]
 
@@ -515,13 +516,13 @@ def test_compare_table_notes_a_steep_layer():
                                         "vs_median": 760.0}]
     payload = {"settings": settings, "methods": ["crispedit", "wide"],
                "results": {"base": _row(0.0, 0.0), "crispedit": _row(0.8, 0.002), "wide": wide}}
-    notes = [ln for ln in compare_mod.compare_table(payload).splitlines() if ln.startswith("Drift prediction notes")]
+    notes = [ln for ln in compare_table.compare_table(payload).splitlines() if ln.startswith("Drift prediction notes")]
     assert len(notes) == 1 and "wide: model.layers.11.mlp.down_proj predicts 99% of the drift (0.19 nats/token, " \
         "760x the other layers' median)" in notes[0] and "crispedit:" not in notes[0]
     del wide["summary"]["steep_layers"]
-    assert "Drift prediction notes" not in compare_mod.compare_table(payload)
+    assert "Drift prediction notes" not in compare_table.compare_table(payload)
     wide["summary"]["mixing_layers"] = ["model.layers.4.self_attn.v_proj"]
-    notes = [ln for ln in compare_mod.compare_table(payload).splitlines() if ln.startswith("Drift prediction notes")]
+    notes = [ln for ln in compare_table.compare_table(payload).splitlines() if ln.startswith("Drift prediction notes")]
     assert len(notes) == 1 and "wide: model.layers.4.self_attn.v_proj: attention mixes" in notes[0]
 
 
@@ -536,10 +537,10 @@ def test_compare_table_notes_crosstalk_per_wrapper():
     base["wild"]["qa"]["cross"] = 0.01
     payload = {"settings": settings, "methods": ["crispedit", "old"],
                "results": {"base": base, "crispedit": crisp, "old": old}}
-    notes = [ln for ln in compare_mod.compare_table(payload).splitlines() if ln.startswith("Crosstalk")]
+    notes = [ln for ln in compare_table.compare_table(payload).splitlines() if ln.startswith("Crosstalk")]
     assert len(notes) == 1 and notes[0].endswith("chance): base: 1.0 (qa); crispedit: 11.8 / 0.0 (qa / none)")
     del crisp["wild"]["qa"]["cross"], crisp["wild"]["none"]["cross"], base["wild"]["qa"]["cross"]
-    assert "Crosstalk" not in compare_mod.compare_table(payload)
+    assert "Crosstalk" not in compare_table.compare_table(payload)
 
 
 def test_alphaedit_seq_carries_kp_like_the_batch_run_across_its_batches(tiny_lm, tmp_path, iso_cache):
@@ -578,7 +579,7 @@ def breaking_payload():
                "lora": with_items(1.0, 0.001, 100.0, [1.0, 1.0, 1.0, 1.0]),
                "mend": _row(None, 13.0, {"arc_challenge": 0.75})}
     results["mend"]["wild"]["qa"] = None
-    return stamped({"format": compare_mod.COMPARE_FORMAT, "settings": settings,
+    return stamped({"format": compare_outputs.COMPARE_FORMAT, "settings": settings,
                     "methods": ["crispedit", "ft", "lora", "mend"], "results": results})
 
 
@@ -586,15 +587,15 @@ def test_a_row_whose_perplexity_more_than_doubles_breaks_the_model_and_is_on_nei
     """lora would dominate every row on both fronts; at 2.5x the base's perplexity it is marked ✗ and left out,
     so crispedit and ft (1.9x: not breaking) make up both fronts. A row without a perplexity is never marked."""
     payload = breaking_payload()
-    assert compare_mod.perplexity_ratios(payload) == {"crispedit": 1.025, "ft": 1.9, "lora": 2.5}
-    assert compare_mod.breaking_rows(payload) == {"lora": 2.5}
-    p = compare_mod.pareto_points(payload)
+    assert compare_table.perplexity_ratios(payload) == {"crispedit": 1.025, "ft": 1.9, "lora": 2.5}
+    assert compare_table.breaking_rows(payload) == {"lora": 2.5}
+    p = compare_table.pareto_points(payload)
     assert p["breaking"] == {"lora": 2.5} and "lora" in p["points"]
     assert p["kl_front"] == p["front"] == ["crispedit", "ft"]
     # without the rule lora alone would be on both fronts
-    assert compare_mod.pareto_front({m: (pt[0], -payload["results"][m]["summary"]["kl_drift"])
+    assert compare_table.pareto_front({m: (pt[0], -payload["results"][m]["summary"]["kl_drift"])
                                      for m, pt in p["points"].items()}) == ["lora"]
-    table = compare_mod.compare_table(payload).splitlines()
+    table = compare_table.compare_table(payload).splitlines()
     cells = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]] for ln in table[2:7]}
     head = [c.strip() for c in table[0].split("|")[1:-1]]
     ppl, kl_col, cap_col = head.index("ppl (×base)"), head.index("Pareto (KL)"), head.index("Pareto (capabilities)")
@@ -613,20 +614,20 @@ def test_render_outputs_redraws_a_stored_compare_without_running_anything(tmp_pa
     payload = breaking_payload()
     payload["pareto"] = {"front": ["lora"]}                 # a stale stored front
     (tmp_path / "compare.json").write_text(json.dumps(payload))
-    out = compare_mod.render_outputs(tmp_path)
+    out = compare_outputs.render_outputs(tmp_path)
     stored = json.loads((tmp_path / "compare.json").read_text())
     assert stored["results"] == payload["results"] and stored["pareto"]["kl_front"] == ["crispedit", "ft"]
     assert out["pareto"] == stored["pareto"]
-    assert (tmp_path / "compare.md").read_text() == compare_mod.compare_table(stored)
+    assert (tmp_path / "compare.md").read_text() == compare_table.compare_table(stored)
     png = (tmp_path / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width = int.from_bytes(png[16:20], "big")
     assert width > 1200                                       # two panels side by side
     payload["settings"]["evaluation"]["capabilities"] = []
-    compare_mod.plot_compare(payload, tmp_path / "one.png")
+    compare_plot.plot_compare(payload, tmp_path / "one.png")
     assert int.from_bytes((tmp_path / "one.png").read_bytes()[16:20], "big") < width   # drift panel only
     with pytest.raises(CrispEditError, match="nothing to render"):
-        compare_mod.render_outputs(tmp_path / "missing")
+        compare_outputs.render_outputs(tmp_path / "missing")
     (tmp_path / "compare.json").write_text(json.dumps(dict(payload, format=99)))
     with pytest.raises(CrispEditError, match="with format 99; this crispedit writes format 1"):
-        compare_mod.render_outputs(tmp_path)
+        compare_outputs.render_outputs(tmp_path)

@@ -92,17 +92,17 @@ def test_gguf_export_and_delta_apply_refuse_an_edit_report_of_another_version(tm
 
 # -- compare.json -------------------------------------------------------------------------------------------------
 def test_compare_json_of_another_version_is_refused_on_resume_and_render(tmp_path):
-    import crispedit.experiments.compare as compare_mod
+    from crispedit.experiments import compare_outputs, compare_resume
 
-    path = tmp_path / compare_mod.JSON_FILE
-    path.write_text(json.dumps({VERSION_KEY: OLD, "format": compare_mod.COMPARE_FORMAT, "settings": {}, "methods": [],
+    path = tmp_path / compare_outputs.JSON_FILE
+    path.write_text(json.dumps({VERSION_KEY: OLD, "format": compare_outputs.COMPARE_FORMAT, "settings": {}, "methods": [],
                                 "results": {}}))
-    payload = stamped({"format": compare_mod.COMPARE_FORMAT, "settings": {}, "methods": [], "results": {}})
+    payload = stamped({"format": compare_outputs.COMPARE_FORMAT, "settings": {}, "methods": [], "results": {}})
     with pytest.raises(VersionError) as e:
-        compare_mod._resume_payload(path, payload, [], {}, {}, 1)
+        compare_resume.resume_payload(path, payload, [], {}, {}, 1)
     _one_line_naming_old(e.value, str(path))
     with pytest.raises(VersionError) as e:
-        compare_mod.render_outputs(tmp_path)
+        compare_outputs.render_outputs(tmp_path)
     _one_line_naming_old(e.value, str(path))
 
 

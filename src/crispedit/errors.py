@@ -23,7 +23,7 @@ class CrispEditError(Exception):
 
 class VersionError(CrispEditError):
     """A stored file that another crispedit version wrote (or this one in another format): crispedit is 0.x and
-    reads back only what this very version writes (:func:`check_written_by`)."""
+    reads back only what this very version writes (:func:`~crispedit.versions.check_written_by`)."""
 
 
 class WriteError(CrispEditError, OSError):

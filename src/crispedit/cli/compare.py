@@ -48,7 +48,9 @@ def cmd_compare(args) -> int:
     first = configs[methods[0]]
     n_cap = (first.edit if isinstance(first, SeqConfig) else first).n_cap
     requests, model, tok, progress = load_job_inputs(args, n_cap)
-    from ..experiments.compare import JSON_FILE, MD_FILE, PNG_FILE, compare_table, run_compare
+    from ..experiments.compare import run_compare
+    from ..experiments.compare_outputs import JSON_FILE, MD_FILE, PNG_FILE
+    from ..experiments.compare_table import compare_table
 
     payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
                           edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},
