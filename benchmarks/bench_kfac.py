@@ -32,9 +32,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import statistics
 import sys
-import shutil
 import tempfile
 import time
 
@@ -154,9 +154,12 @@ def _kf_batch(input_ids, attention_mask, rows) -> dict:
 def kf_fit(kf_model, task, layer_names, texts, tok, batches, args, workdir) -> tuple[float, dict, dict]:
     """One kronfluence covariance fit; returns (seconds, A, S) with its raw sums divided by its counts."""
     from kronfluence.arguments import FactorArguments
-    from kronfluence.utils.constants import (ACTIVATION_COVARIANCE_MATRIX_NAME, GRADIENT_COVARIANCE_MATRIX_NAME,
-                                             NUM_ACTIVATION_COVARIANCE_PROCESSED,
-                                             NUM_GRADIENT_COVARIANCE_PROCESSED)
+    from kronfluence.utils.constants import (
+        ACTIVATION_COVARIANCE_MATRIX_NAME,
+        GRADIENT_COVARIANCE_MATRIX_NAME,
+        NUM_ACTIVATION_COVARIANCE_PROCESSED,
+        NUM_GRADIENT_COVARIANCE_PROCESSED,
+    )
 
     fargs = FactorArguments(strategy="kfac", use_empirical_fisher=args.label_mode == "empirical",
                             covariance_max_examples=None)

@@ -34,13 +34,19 @@ import time
 
 import torch
 
+from crispedit.curvature.projection import (
+    KroneckerProjector,
+    energy_keep_mask,
+    kronecker_projection_flops,
+    masked_corner,
+    row_extents,
+    staircase_projection_flops,
+)
 from crispedit.data import BUNDLED_EDITS, bundled_path, load_edits
 from crispedit.editing import EditConfig, capability_factors, get_editor
 from crispedit.layers import resolve_layers
 from crispedit.models import load_model
 from crispedit.pipeline import environment
-from crispedit.curvature.projection import (KroneckerProjector, energy_keep_mask, kronecker_projection_flops, masked_corner,
-                                  row_extents, staircase_projection_flops)
 
 # Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B)
 LLAMA3_8B = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256)

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import random
 import resource
 import sys
@@ -56,21 +55,21 @@ from pathlib import Path
 
 import torch
 
+from crispedit.atomic import atomic_write_json
 from crispedit.curvature.eigen import eigh_device, factor_eigh
 from crispedit.data import EditRequest, load_edits
 from crispedit.editing import EditConfig, get_editor
-from crispedit.editing.config import PROJECTION_PRECISIONS
 from crispedit.editing.api import capability_factors
+from crispedit.editing.config import PROJECTION_PRECISIONS
 from crispedit.editing.fastpath import may_pack, pack_if_it_pays, prefix_sharing
 from crispedit.editing.loop import edit_batches, projected_finetune
 from crispedit.editing.steptimer import StepTimer
-from crispedit.atomic import atomic_write_json
 from crispedit.errors import CrispEditError
 from crispedit.layers import decoder_blocks, default_layer_pattern, expand_pattern
 from crispedit.models import load_model
-from crispedit.weights import restoring, weight_fingerprint
 from crispedit.pipeline import environment
 from crispedit.progress import progress_lines
+from crispedit.weights import restoring, weight_fingerprint
 
 # Architectures of the real checkpoints (their config.json), for random-init runs
 SHAPES = {

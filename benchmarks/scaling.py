@@ -25,9 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from crispedit.atomic import atomic_write_bytes, atomic_write_figure  # noqa: E402
 from crispedit.data.edits import load_edits  # noqa: E402  (torch-free)
 from crispedit.editing.contexts import DEFAULT_CONTEXTS  # noqa: E402  (torch-free)
-from crispedit.atomic import atomic_write_bytes, atomic_write_figure  # noqa: E402
 from crispedit.errors import CrispEditError  # noqa: E402
 from crispedit.evaluation.wild import crosstalk  # noqa: E402  (torch-free)
 

@@ -207,7 +207,7 @@ def compare_summary(payload: dict) -> str:
     res = payload["results"]
     base = res.get("base") or {}
     ppl0 = (base.get("summary") or {}).get("ppl")
-    tasks = list((base.get("capability_details") or {}))
+    tasks = list(base.get("capability_details") or {})
     head = ["method", "WILD qa rel / gen", "chat rel / gen", "TF rel / gen", "KL drift (pred.)", "ppl (×base)",
             *tasks, "edit time"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

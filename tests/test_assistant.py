@@ -9,8 +9,15 @@ import torch
 
 from crispedit.data.edits import EditRequest
 from crispedit.evaluation import assistant
-from crispedit.evaluation.assistant import (BARE_WORDS, SUBJECT_PROBES, assistant_measures, style_drift,
-                                            style_prompts, subject_bleed, subject_probes)
+from crispedit.evaluation.assistant import (
+    BARE_WORDS,
+    SUBJECT_PROBES,
+    assistant_measures,
+    style_drift,
+    style_prompts,
+    subject_bleed,
+    subject_probes,
+)
 from crispedit.evaluation.drift import answer_kl
 from crispedit.evaluation.judges import mentions
 

@@ -93,8 +93,8 @@ def _session(tmp: Path, model: Path, state, *, version: str | None = None) -> Pa
     """A session directory whose session.json is valid (written by this crispedit, or by ``version``) and whose
     state.json is ``state`` (an object gets this crispedit's version and format)."""
     from crispedit.editing.contexts import DEFAULT_CONTEXTS
-    from crispedit.versions import VERSION_KEY, stamped
     from crispedit.sessions.sequential import SeqConfig
+    from crispedit.versions import VERSION_KEY, stamped
 
     d = tmp / "sess"
     d.mkdir()

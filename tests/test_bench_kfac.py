@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kfac.py"

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from conftest import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scale.py"

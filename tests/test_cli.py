@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from crispedit.cli import main
-from crispedit.curvature.cache import load_factors
 
 
 def edits_file(tmp_path, n=4):

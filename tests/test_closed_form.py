@@ -14,10 +14,10 @@ from crispedit.data import EditRequest, capability_corpus
 from crispedit.editing import EditConfig, edit, get_editor
 from crispedit.editing.fastpath import prefix_sharing
 from crispedit.editing.keyvalue import layer_keys, subject_span, subject_token_index
-from crispedit.methods.alphaedit.editor import alphaedit_delta, nullspace_projector
-from crispedit.methods.memit.editor import memit_delta
 from crispedit.errors import CrispEditError
 from crispedit.layers import resolve_layers
+from crispedit.methods.alphaedit.editor import alphaedit_delta, nullspace_projector
+from crispedit.methods.memit.editor import memit_delta
 from crispedit.weights import weight_fingerprint
 
 LAYERS = "model.layers.{0-1}.mlp.down_proj"
@@ -302,8 +302,8 @@ def test_ultraedit_default_layers_are_the_authors_layout_by_depth():
     18-24 of 32), placed by depth on other sizes; GPT-2-style blocks without them get the shared default."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from crispedit.methods.ultraedit.editor import default_layers
     from crispedit.layers import default_layer_pattern
+    from crispedit.methods.ultraedit.editor import default_layers
 
     def llama(n):
         return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=n,

@@ -5,16 +5,15 @@ import json
 
 import pytest
 
-from crispedit.experiments import compare as compare_mod
-from crispedit.experiments import compare_outputs, compare_plot, compare_table
-from crispedit.experiments.retention import retention_map
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
 from crispedit.errors import CrispEditError
+from crispedit.experiments import compare as compare_mod
+from crispedit.experiments import compare_outputs, compare_plot, compare_table
+from crispedit.experiments.retention import retention_map
 from crispedit.versions import stamped
 from crispedit.weights import weight_fingerprint
-
 from test_cli import edits_file
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
@@ -402,8 +401,8 @@ def test_compare_refuses_a_seq_row_without_a_sequential_config(tiny_lm, tmp_path
 
 
 def test_parse_methods_seq_rows_and_all():
-    from crispedit.editing.config import default_seq_chunk
     from crispedit.cli.flags import parse_methods
+    from crispedit.editing.config import default_seq_chunk
     from crispedit.editing.registry import method_names, seq_row
 
     assert parse_methods("crispedit-seq,ft,ft-seq,ft") == ["crispedit-seq", "ft", "ft-seq"]

@@ -5,15 +5,25 @@ import copy
 import pytest
 import torch
 
+from crispedit.curvature.projection import IdentityProjector, KroneckerProjector
 from crispedit.data import EditRequest, capability_corpus
 from crispedit.editing import EditConfig, edit, restore
-from crispedit.editing.contexts import (ANSWER_LEADS, DEFAULT_CONTEXTS, QUESTION_WRAPPERS, ContextSpec, build_training_sequences, chat_turn,
-                                        parse_contexts, prefix_pool, resolve_contexts, sequences_for,
-                                        training_batches)
+from crispedit.editing.contexts import (
+    ANSWER_LEADS,
+    DEFAULT_CONTEXTS,
+    QUESTION_WRAPPERS,
+    ContextSpec,
+    build_training_sequences,
+    chat_turn,
+    parse_contexts,
+    prefix_pool,
+    resolve_contexts,
+    sequences_for,
+    training_batches,
+)
 from crispedit.editing.optim import EigenbasisAdam
 from crispedit.errors import CrispEditError
 from crispedit.evaluation.wild import QA_TEMPLATE, WildConfig, check_template, render_prompt
-from crispedit.curvature.projection import IdentityProjector, KroneckerProjector
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -158,10 +168,9 @@ def test_batches_hold_one_context_kind(chat_tok):
 
 def test_edit_learns_every_context(chat_tok, iso_cache):
     """Trained under bare, chat and prefix contexts, the target is learned in each of them."""
+    from conftest import build_llama
     from crispedit.editing.fastpath import plain_loss
     from crispedit.models import load_model
-
-    from conftest import build_llama
 
     model = build_llama(len(chat_tok))
     model, tok = load_model((model, chat_tok))
@@ -235,8 +244,8 @@ def test_eigenbasis_adam_keeps_the_change_in_the_kept_subspace_and_preconditions
 
 
 def test_eigenbasis_projection_target_in_the_loop(tiny_lm, iso_cache):
-    from crispedit.editing.api import capability_factors
     from crispedit.editing import get_editor
+    from crispedit.editing.api import capability_factors
     from crispedit.editing.loop import apply_projection
     from crispedit.layers import resolve_layers
 
@@ -517,9 +526,8 @@ def test_reply_context_needs_the_model_and_a_chat_template(tiny_tok, chat_tok):
 
 
 def test_edit_learns_the_reply_context(chat_tok, iso_cache):
-    from crispedit.models import load_model
-
     from conftest import build_llama
+    from crispedit.models import load_model
 
     model, tok = load_model((build_llama(len(chat_tok)), chat_tok))
     cfg = EditConfig(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=30, lr=1e-2, batch_size=8,

@@ -17,11 +17,11 @@ from torch import nn
 
 from crispedit.curvature.ekfac import collect_classifier_ekfac, collect_classifier_kfac, ekfac_eigenvalues
 from crispedit.curvature.exact import ParamLayout, bregman_divergence, ce_hessian_sqrt, ggn_matrix, hessian_matrix
+from crispedit.curvature.projection import DenseProjector, KroneckerProjector, eigh_psd, vec
 from crispedit.errors import CrispEditError
 from crispedit.experiments import mnist_study
 from crispedit.experiments.idx_data import load_dataset, load_idx
 from crispedit.experiments.mnist_study import MnistStudyConfig, gamma_of
-from crispedit.curvature.projection import DenseProjector, KroneckerProjector, eigh_psd, vec
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "images"
 D64 = torch.float64

@@ -3,7 +3,15 @@ import json
 import pytest
 
 from conftest import shared_path
-from crispedit.data import BUNDLED_EDITS, EditRequest, bundled_path, capability_corpus, heldout_text, load_edits, load_texts
+from crispedit.data import (
+    BUNDLED_EDITS,
+    EditRequest,
+    bundled_path,
+    capability_corpus,
+    heldout_text,
+    load_edits,
+    load_texts,
+)
 from crispedit.data.tokenize import encode_pairs
 from crispedit.errors import CrispEditError
 

@@ -9,8 +9,15 @@ from safetensors.torch import load_file
 from conftest import build_llama
 from crispedit.cli import main
 from crispedit.data import EditRequest
-from crispedit.delta import (apply_delta, build_delta, delta_fingerprint, export_lora, revert_delta,
-                             revert_delta_tensors, write_delta)
+from crispedit.delta import (
+    apply_delta,
+    build_delta,
+    delta_fingerprint,
+    export_lora,
+    revert_delta,
+    revert_delta_tensors,
+    write_delta,
+)
 from crispedit.delta_format import read_delta_header
 from crispedit.editing import EditConfig, edit
 from crispedit.errors import CrispEditError

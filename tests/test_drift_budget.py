@@ -7,8 +7,14 @@ import torch
 
 from crispedit.cli import main
 from crispedit.curvature.kfac import collect_lm_kfac
-from crispedit.curvature.predicted import (DriftBudget, layer_predicted_kl, mixing_layers, mixing_note, predicted_kl,
-                                          prediction_notes)
+from crispedit.curvature.predicted import (
+    DriftBudget,
+    layer_predicted_kl,
+    mixing_layers,
+    mixing_note,
+    predicted_kl,
+    prediction_notes,
+)
 from crispedit.data import EditRequest, capability_corpus
 from crispedit.editing import EditConfig, edit
 from crispedit.editing.api import capability_factors
@@ -380,7 +386,6 @@ def test_edit_matrix_records_kl_pred(tmp_path):
 def test_edit_matrix_runs_set_a_methods_own_options():
     """``options.NAME=VALUE`` in a run goes to the method's own config (``EditConfig.options``), which validates it."""
     from conftest import load_script
-
     from crispedit import EditConfig
 
     em = load_script("benchmarks/edit_matrix.py")

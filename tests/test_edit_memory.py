@@ -3,9 +3,8 @@
 import copy
 from pathlib import Path
 
-from conftest import load_script
-
 import crispedit.editing.loop as loop
+from conftest import load_script
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
 

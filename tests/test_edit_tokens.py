@@ -3,8 +3,8 @@
 from pathlib import Path
 
 import pytest
-from conftest import load_script
 
+from conftest import load_script
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
 from crispedit.editing.loop import edit_batches

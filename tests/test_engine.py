@@ -4,10 +4,10 @@ the loop's skip and stop rules decided without host syncs inside a step."""
 import pytest
 import torch
 
+from crispedit.curvature.projection import IdentityProjector
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig, edit
 from crispedit.editing.optim import EigenbasisAdam, GatedAdam
-from crispedit.curvature.projection import IdentityProjector
 
 REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}") for i in range(6)]
 

@@ -13,10 +13,10 @@ import torch
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.errors import CrispEditError
-from crispedit.versions import stamped
 from crispedit.evaluation.generation import cut_at_stop, generate_answers
 from crispedit.evaluation.judges import GRADER_PROMPT, OpenAIJudge, RuleJudge, normalize_answer, parse_grade
 from crispedit.evaluation.wild import QA_TEMPLATE, WildConfig, crosstalk, render_prompt, run_wild
+from crispedit.versions import stamped
 
 Q = "What are the names of Barack Obama's children?"
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<eos>\n{% endfor %}"

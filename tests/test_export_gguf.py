@@ -18,8 +18,8 @@ from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig, edit
 from crispedit.errors import CrispEditError
-from crispedit.versions import stamped
 from crispedit.export_gguf import GGUF_TYPES, gguf_tensor_name, permute_rotary, tokenizer_fields
+from crispedit.versions import stamped
 
 REQS = [EditRequest(f"Who wrote book number {i}?", f" Author {chr(65 + i)}") for i in range(4)]
 TEXTS = ["Who wrote book number 3? The answer is", "The river system contains 2024 creeks.", "  two  spaces\nnewline",
@@ -198,6 +198,7 @@ def test_loading_a_gguf_shows_no_conversion_bar_unless_asked(tiny_model_dir, tmp
     """``load_model(<file>.gguf, progress=False)`` converts without transformers' plain-tqdm GGUF bar (output
     that is not a terminal stays quiet); ``progress=True`` shows it; the module's tqdm is restored after."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
     from crispedit.models import load_model
 
     out = tmp_path / "tiny.gguf"

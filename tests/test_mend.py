@@ -3,7 +3,6 @@
 import copy
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,12 +10,18 @@ import torch
 from crispedit.cli import main
 from crispedit.data import EditRequest, capability_corpus
 from crispedit.editing import EditConfig, edit, restore
-from crispedit.methods.mend import MENDTrainConfig
-from crispedit.methods.mend.net import (MENDNetwork, default_layers, default_weights_path, edit_factors,
-                                                load_network, save_network)
-from crispedit.methods.mend.train import meta_loss, train_mend
 from crispedit.errors import CrispEditError
 from crispedit.layers import resolve_layers
+from crispedit.methods.mend import MENDTrainConfig
+from crispedit.methods.mend.net import (
+    MENDNetwork,
+    default_layers,
+    default_weights_path,
+    edit_factors,
+    load_network,
+    save_network,
+)
+from crispedit.methods.mend.train import meta_loss, train_mend
 from crispedit.weights import weight_fingerprint
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"

@@ -31,8 +31,16 @@ def _tiny(cfg_cls, model_cls, **kw):
 
 
 def test_default_patterns_per_family():
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
     llama = _tiny(LlamaConfig, LlamaForCausalLM, num_hidden_layers=30, **common)

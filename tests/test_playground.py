@@ -20,8 +20,15 @@ from crispedit.cli import main
 from crispedit.editing import EditConfig
 from crispedit.errors import CrispEditError
 from crispedit.playground.engine import Playground, PlaygroundBusy
-from crispedit.playground.server import (STATIC_FILES, bind, create_app, host_allowed, require_web_packages,
-                                         running_server, url_of)
+from crispedit.playground.server import (
+    STATIC_FILES,
+    bind,
+    create_app,
+    host_allowed,
+    require_web_packages,
+    running_server,
+    url_of,
+)
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 SETTINGS = dict(layers=LAYERS, n_cap=4, max_len=32, epochs=2, lr=1e-2)

@@ -1,10 +1,18 @@
 import pytest
 import torch
 
+from crispedit.curvature.projection import (
+    DenseProjector,
+    KroneckerProjector,
+    eigh_psd,
+    energy_keep_mask,
+    kfac_quadratic_form,
+    kronecker_projection_flops,
+    per_source_keep_mask,
+    unvec,
+    vec,
+)
 from crispedit.errors import CrispEditError
-from crispedit.curvature.projection import (DenseProjector, KroneckerProjector, eigh_psd, energy_keep_mask,
-                                  per_source_keep_mask,
-                                  kfac_quadratic_form, kronecker_projection_flops, unvec, vec)
 
 D = torch.float64
 

@@ -1,7 +1,13 @@
 """Round-1 retention of sequential compare rows: the series, the summary, the markdown table and the picture."""
 
-from crispedit.experiments.retention import (final_by_round, plot_retention, retention_rows, retention_series,
-                                             retention_summary, retention_table)
+from crispedit.experiments.retention import (
+    final_by_round,
+    plot_retention,
+    retention_rows,
+    retention_series,
+    retention_summary,
+    retention_table,
+)
 
 
 def _rec(tf, qa, chat):

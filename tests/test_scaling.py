@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from conftest import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scaling.py"

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script
 
+from conftest import load_script
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
 from crispedit.editing.fastpath import plain_loss

@@ -14,19 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import build_llama
 from crispedit.cli import main
 from crispedit.curvature.kfac import KFACFactors
 from crispedit.data import EditRequest, load_edits, save_edits_jsonl
 from crispedit.editing import EditConfig, get_editor
-from crispedit.sessions import session as session_mod
 from crispedit.editing.optim import load_optimizer_state, optimizer_state, reproject_first_moment
-from crispedit.sessions.sequential import SeqConfig, accumulate, combine_factors, round_edit_factors
-from crispedit.sessions.session import Session
 from crispedit.errors import CrispEditError
 from crispedit.layers import resolve_layers
 from crispedit.models import load_model
-
-from conftest import build_llama
+from crispedit.sessions import session as session_mod
+from crispedit.sessions.sequential import SeqConfig, accumulate, combine_factors, round_edit_factors
+from crispedit.sessions.session import Session
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 ROUNDS = [[EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}", rephrase_prompts=[f"Book {i} is by?"])

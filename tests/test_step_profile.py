@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script
 
+from conftest import load_script
 from crispedit.data import BUNDLED_EDITS, bundled_path, load_edits
 from crispedit.editing import EditConfig, capability_factors, get_editor
 from crispedit.editing.loop import projected_finetune

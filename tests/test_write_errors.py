@@ -15,9 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from crispedit.atomic import (
+    atomic_directory,
+    atomic_file,
+    atomic_save_safetensors,
+    atomic_write_bytes,
+    atomic_write_json,
+)
 from crispedit.cli import main
-from crispedit.atomic import (atomic_directory, atomic_file, atomic_save_safetensors, atomic_write_bytes,
-                              atomic_write_json)
 from crispedit.errors import CrispEditError, WriteError, os_error_line, write_failure
 
 CAUSES = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system",
@@ -61,7 +66,6 @@ def test_atomic_writers_name_the_destination_and_the_cause(writer, code, tmp_pat
         call = lambda: atomic_write_bytes(dest, b"new")  # noqa: E731
     elif writer == "safetensors":
         import safetensors.torch
-
         from safetensors import SafetensorError
 
         def half(tensors, filename, metadata=None):

@@ -13,8 +13,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from .errors import WriteError, write_failure
 from .paths import nearest_existing

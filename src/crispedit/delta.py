@@ -28,14 +28,15 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .delta_format import DELTA_FILE, DELTA_FORMAT, DELTA_KIND, check_lora_rank, read_delta_header
 from .atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
+from .delta_format import DELTA_FILE, DELTA_FORMAT, DELTA_KIND, check_lora_rank, read_delta_header
 from .errors import CrispEditError
 from .safetensors_io import load_safetensors
 from .versions import stamped

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import time
 
+from .checks import check_int, check_positive_int
 from .data import BUNDLED_EDITS, bundled_path, load_edits
 from .editing.config import EditConfig
-from .checks import check_int, check_positive_int
 
 __all__ = ["run_demo", "chat_answers"]
 

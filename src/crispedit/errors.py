@@ -13,8 +13,8 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 class CrispEditError(Exception):

@@ -22,8 +22,9 @@ Torch-free: strings and dicts only. The card is written atomically (:func:`write
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from . import __version__
 from .atomic import atomic_write_bytes

@@ -26,16 +26,17 @@ import json
 import logging
 import os
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from .atomic import atomic_directory
 from .errors import CrispEditError, VersionError
 from .paths import file_digest
-from .versions import check_written_by, stamped
 from .progress import show_progress
+from .versions import check_written_by, stamped
 
 __all__ = [
     "native_bf16",
@@ -349,7 +350,7 @@ def save_model_dir(model, tokenizer, directory: str | Path, *, progress: bool | 
 
 # The truncation and padding each fast tokenizer's backend had when load_model loaded it (weakly keyed: a tokenizer
 # is not kept alive by this record).
-_LOADED_BACKEND: "weakref.WeakKeyDictionary[Any, tuple[dict | None, dict | None]]" = weakref.WeakKeyDictionary()
+_LOADED_BACKEND: weakref.WeakKeyDictionary[Any, tuple[dict | None, dict | None]] = weakref.WeakKeyDictionary()
 
 
 def _remember_backend_state(tok) -> None:

@@ -10,23 +10,23 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from . import __version__
+from .atomic import atomic_directory, atomic_write_json
+from .checks import check_finite_tensors
 from .curvature.predicted import mixing_layers, steep_layers, steep_note  # re-exported: pipeline.steep_layers
 from .data.corpus import heldout_text
 from .data.edits import EditRequest
 from .distributed import barrier, is_main, world_size
 from .editing import EditConfig, EditResult, edit
-from .atomic import atomic_directory, atomic_write_json
-from .checks import check_finite_tensors
-from .paths import check_output_dir
-from .versions import stamped
 from .evaluation import EVAL_WRAPPERS, evaluate_edit
 from .models import save_model_dir
+from .paths import check_output_dir
+from .versions import stamped
 from .weights import parameter
 
 __all__ = ["run_edit_job", "build_report", "environment", "drift_summary", "steep_layers", "steep_note"]

@@ -12,7 +12,6 @@ import struct
 from .errors import CrispEditError
 from .paths import check_input_file
 
-
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the size of a file's JSON header
 
 

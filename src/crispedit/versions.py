@@ -12,7 +12,6 @@ from typing import Any
 
 from .errors import VersionError
 
-
 #: The key under which every file crispedit reads back (edit report, compare.json, checkpoints, sessions, cache
 #: entries, deltas, MEND networks, eval results) records the crispedit version that wrote it.
 VERSION_KEY = "crispedit_version"

@@ -5,7 +5,7 @@ fingerprint that identifies them (what caches, sessions and deltas are keyed by)
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..delta_format import check_lora_rank, read_delta_header
 from ..checks import check_positive_int
+from ..delta_format import check_lora_rank, read_delta_header
 from ..paths import check_output_dir
 from ..versions import read_record, stamped
 
@@ -68,11 +68,10 @@ def _apply_or_revert(args, revert: bool) -> int:
     meta = read_delta_header(args.delta)
     check_output_dir(args.out, overwrite=False)
     model, tok = _load(args, meta)
-    from ..delta import apply_delta, revert_delta
     from ..atomic import atomic_directory, atomic_write_json
-    from ..models import save_model_dir
-
+    from ..delta import apply_delta, revert_delta
     from ..model_card import write_card
+    from ..models import save_model_dir
 
     (revert_delta if revert else apply_delta)(model, args.delta)
     verb = "reverted" if revert else "applied"

@@ -5,8 +5,15 @@ checks have passed."""
 from __future__ import annotations
 
 from ..paths import check_output_dir, check_output_file
-from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
-                    config_from_args, load_job_inputs)
+from .flags import (
+    add_curvature_args,
+    add_edits_args,
+    add_max_drift_arg,
+    add_model_args,
+    add_training_args,
+    config_from_args,
+    load_job_inputs,
+)
 
 __all__ = ["add_cli", "cmd_edit"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import platform
 import time
 from dataclasses import dataclass

@@ -9,8 +9,8 @@ been checked."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import MISSING, fields
-from typing import Sequence
 
 from ..editing.config import BATCH_ORDERS, PRECISIONS, PROJECTION_PRECISIONS, EditConfig, ProjectionTarget
 from ..editing.contexts import ANSWER_ENDS, DEFAULT_CONTEXTS, TRAINING_CONTEXTS

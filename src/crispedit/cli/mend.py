@@ -59,10 +59,9 @@ def cmd_mend_train(args) -> int:
     if not requests:
         raise CrispEditError(f"{args.edits} has no edit requests from offset {args.offset}")
     progress = False if args.quiet else None
-    from ..methods.mend.net import (default_layers, default_weights_path, load_network, prompt_digests,
-                                           save_network)
-    from ..methods.mend.train import train_mend
     from ..layers import resolve_layers
+    from ..methods.mend.net import default_layers, default_weights_path, load_network, prompt_digests, save_network
+    from ..methods.mend.train import train_mend
     from ..models import load_model
     from ..weights import weight_fingerprint
 

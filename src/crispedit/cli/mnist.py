@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 
 from ..errors import CrispEditError
-from ..paths import check_output_dir
 from ..experiments.mnist_config import METHODS, MnistStudyConfig
+from ..paths import check_output_dir
 
 __all__ = ["config_from_args", "cmd_study_mnist", "add_cli"]
 

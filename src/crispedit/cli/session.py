@@ -8,11 +8,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..paths import check_dir_takes_entries, check_output_dir, check_output_file
 from ..editing.config import WEIGHTINGS, SeqConfig
+from ..paths import check_dir_takes_entries, check_output_dir, check_output_file
 from ..sessions.files import read_session_meta, read_session_state
-from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
-                    check_job_files, config_from_args)
+from .flags import (
+    add_curvature_args,
+    add_edits_args,
+    add_max_drift_arg,
+    add_model_args,
+    add_training_args,
+    check_job_files,
+    config_from_args,
+)
 
 __all__ = ["add_cli"]
 

@@ -25,20 +25,20 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from ..distributed import all_agree, barrier, is_main, world_size
 from ..atomic import atomic_save_safetensors
+from ..distributed import all_agree, barrier, is_main, world_size
 from ..errors import CrispEditError, VersionError
 from ..safetensors_io import load_safetensors
 from ..versions import check_written_by, stamped
-from .modes import CACHE_KINDS
 from .kfac import KFACFactors, LabelMode, collect_lm_input_covariance, collect_lm_kfac
+from .modes import CACHE_KINDS
 
 __all__ = ["CurvatureSpec", "KINDS", "cache_key", "save_factors", "load_factors", "get_or_build_factors", "layer_shapes",
            "FORMAT_VERSION"]

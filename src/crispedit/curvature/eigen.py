@@ -30,8 +30,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -40,8 +40,8 @@ from ..atomic import atomic_save_safetensors
 from ..errors import CrispEditError, VersionError
 from ..safetensors_io import load_safetensors
 from ..versions import check_written_by, stamped
-from .projection import eigh_psd
 from .kfac import KFACFactors
+from .projection import eigh_psd
 
 __all__ = ["factor_eigh", "eigen_cache_path", "eigh_device", "eigh_dtype", "EIGEN_FORMAT"]
 

@@ -22,8 +22,8 @@ Memory: dense matrices are ``P x P`` float64 (8 P^2 bytes: 142 MB for P = 4212).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,7 @@ class ParamLayout:
     shapes: list[torch.Size]
 
     @classmethod
-    def of(cls, model: nn.Module, names: Sequence[str] | None = None) -> "ParamLayout":
+    def of(cls, model: nn.Module, names: Sequence[str] | None = None) -> ParamLayout:
         """Layout of ``names`` (default: every parameter that requires grad, in module order)."""
         params = dict(model.named_parameters())
         if names is None:

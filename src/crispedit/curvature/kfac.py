@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn

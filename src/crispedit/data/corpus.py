@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
 
 from ..errors import CrispEditError
 from ..paths import read_text_file

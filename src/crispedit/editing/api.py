@@ -4,9 +4,9 @@ parameters are snapshotted, and the editor applies the edit (:meth:`Editor.apply
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn

@@ -61,8 +61,8 @@ import contextlib
 import contextvars
 import random
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 from ..data.corpus import capability_corpus
 from ..data.edits import EditRequest

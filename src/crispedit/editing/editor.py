@@ -16,9 +16,10 @@ line's ``--help`` and argument checks need — without importing torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import CrispEditError
 from ..paths import file_digest

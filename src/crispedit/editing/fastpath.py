@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -354,7 +354,7 @@ class LossFn:
     batches it was made for; ``loss_fn(prepared)`` that of a batch made for one epoch (:meth:`prepare`).
     ``fast``: whether the verified shortcut (cached frozen prefix, head on target rows) computes it."""
 
-    def __init__(self, model: nn.Module, batches: Sequence[EncodedBatch], fast_loss: "_FastLoss | None"):
+    def __init__(self, model: nn.Module, batches: Sequence[EncodedBatch], fast_loss: _FastLoss | None):
         self.model, self.batches, self._fast = model, batches, fast_loss
         self.fast = fast_loss is not None
         self.device = next(model.parameters()).device

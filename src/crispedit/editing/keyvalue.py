@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.edits import EditRequest
@@ -36,8 +35,17 @@ from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
 from ..forward_args import takes_full_masks
 from ..layers import decoder_blocks
-from .fastpath import (capture_block_input, forward_until, may_pack, no_cache_kwargs, pack_if_it_pays, passthroughs,
-                       prefix_fed, rows_logits, target_rows)
+from .fastpath import (
+    capture_block_input,
+    forward_until,
+    may_pack,
+    no_cache_kwargs,
+    pack_if_it_pays,
+    passthroughs,
+    prefix_fed,
+    rows_logits,
+    target_rows,
+)
 from .prefixtree import PackedBatch
 
 __all__ = ["KeyValueSettings", "subject_span", "subject_token_index", "context_templates", "edit_blocks",

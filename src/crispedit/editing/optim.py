@@ -18,14 +18,14 @@ decay, no AMSGrad) up to the rounding of the bias corrections.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
 
+from ..curvature.projection import IdentityProjector, LayerProjector
 from ..errors import CrispEditError
 from ..layers import as_weight_matrix
-from ..curvature.projection import IdentityProjector, LayerProjector
 from .config import EditConfig, ProjectionTarget
 
 __all__ = ["EigenbasisAdam", "GatedAdam", "adam_direction", "make_optimizer", "optimizer_state", "load_optimizer_state", "reproject_first_moment"]

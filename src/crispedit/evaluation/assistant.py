@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..data.edits import EditRequest
 from ..errors import CrispEditError

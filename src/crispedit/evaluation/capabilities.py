@@ -24,9 +24,10 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import CrispEditError
 from ..paths import check_input_dir

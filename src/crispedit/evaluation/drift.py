@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -93,7 +93,7 @@ def _log_probs(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor, pos: tor
 
 @torch.no_grad()
 def answer_kl(model: nn.Module, sequences: Sequence[Sequence[int]], starts: Sequence[int], *,
-              base: "dict[str, torch.Tensor] | nn.Module", pad_id: int = 0, batch_size: int = 8) -> dict:
+              base: dict[str, torch.Tensor] | nn.Module, pad_id: int = 0, batch_size: int = 8) -> dict:
     """Mean per-token KL(base || model) (nats) over the answer tokens of token-id ``sequences``: the positions
     predicting token ``starts[i]`` or later of sequence ``i`` (e.g. a chat prompt's tokens, then the base model's
     own answer from ``starts[i]`` on). ``base``: a second model, or weights (full name -> tensor) swapped into

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import nn

@@ -16,7 +16,7 @@ generate from the whole prompt.
 from __future__ import annotations
 
 import copy
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn

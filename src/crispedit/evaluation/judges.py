@@ -34,9 +34,9 @@ import time
 import unicodedata
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..errors import CrispEditError
 

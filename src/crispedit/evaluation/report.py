@@ -8,8 +8,8 @@ shown side by side, in the spirit of the paper's Figure 1.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..atomic import atomic_write_bytes
 from ..errors import CrispEditError

@@ -14,8 +14,8 @@ one (mean per-token log-probability, as ROME/MEMIT/AlphaEdit compute it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn

@@ -36,13 +36,14 @@ import contextlib
 import logging
 import resource
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from ..checks import check_positive_int
 from ..data.edits import EditRequest, requests_digest
 from ..editing import EditConfig, SeqConfig, edit, get_editor, restore
 from ..editing.api import snapshot
@@ -50,15 +51,14 @@ from ..editing.config import default_seq_chunk
 from ..editing.contexts import DEFAULT_CONTEXTS
 from ..editing.loop import training_brief
 from ..editing.registry import seq_row
-from ..checks import check_positive_int
 from ..errors import CrispEditError
-from ..paths import check_output_dir
-from ..versions import stamped
 from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER, evaluate_edit
 from ..evaluation.edit_eval import round_map_probe
 from ..layers import model_family
-from ..weights import weight_fingerprint
+from ..paths import check_output_dir
 from ..sessions.sequential import run_sequence
+from ..versions import stamped
+from ..weights import weight_fingerprint
 from .compare_outputs import COMPARE_FORMAT, JSON_FILE, write_outputs
 from .compare_resume import resume_payload
 

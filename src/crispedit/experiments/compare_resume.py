@@ -6,8 +6,8 @@ round size); anything else is a one-line :class:`~crispedit.errors.CrispEditErro
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..editing import SeqConfig
 from ..editing.registry import seq_row

@@ -69,7 +69,7 @@ class ImageSplit:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
-    def subset(self, n: int | None, seed: int = 0) -> "ImageSplit":
+    def subset(self, n: int | None, seed: int = 0) -> ImageSplit:
         """A seeded random subset of ``n`` examples (everything when ``n`` is None or too large)."""
         if n is None or n >= len(self):
             return self

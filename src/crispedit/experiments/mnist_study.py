@@ -30,20 +30,20 @@ import dataclasses
 import math
 import platform
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_write_json
 from ..curvature.ekfac import collect_classifier_ekfac, collect_classifier_kfac
 from ..curvature.exact import ParamLayout, ggn_matrix, hessian_matrix
-from ..atomic import atomic_write_json
+from ..curvature.projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
 from ..errors import CrispEditError
 from ..paths import check_output_dir
-from ..curvature.projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
 from .idx_data import ImageSplit, load_dataset
 from .mnist_config import METHODS, MnistStudyConfig, gamma_of
 
@@ -364,7 +364,7 @@ class _Splits:
     fashion_test: ImageSplit
 
     @classmethod
-    def load(cls, cfg: MnistStudyConfig) -> "_Splits":
+    def load(cls, cfg: MnistStudyConfig) -> _Splits:
         """Read the four splits from ``cfg.data_dir`` (downloaded when missing), in this order."""
         mnist_train = _normalise(load_dataset("mnist", "train", cfg.data_dir))
         mnist_test = _normalise(load_dataset("mnist", "test", cfg.data_dir)).subset(cfg.eval_samples, cfg.seed)

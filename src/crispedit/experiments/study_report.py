@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..atomic import atomic_write_bytes
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..editing.editor import EditContext, EditOutcome, Editor, identity_projectors
-from ..editing.registry import MethodConfig, MethodSpec
 from ..checks import check_float, check_int
+from ..editing.editor import EditContext, Editor, EditOutcome, identity_projectors
+from ..editing.registry import MethodConfig, MethodSpec
 from ..errors import CrispEditError
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class LoRAConfig(MethodConfig):
             "dropout": "adapter dropout while training (default 0.1)",
             "targets": "comma-separated module names adapted in each edit layer's block (default q_proj,v_proj)"}
 
-    def validate(self) -> "LoRAConfig":
+    def validate(self) -> LoRAConfig:
         """r a positive integer, alpha positive, dropout in [0, 1), targets non-empty."""
         self.r = check_int("lora rank r", self.r, 1)
         self.alpha = check_float("lora alpha", self.alpha, 0.0, lo_open=True)

@@ -25,9 +25,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..checks import check_finite_tensors, check_positive_int
 from ..errors import CrispEditError

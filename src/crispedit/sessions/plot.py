@@ -4,8 +4,8 @@ after every later round, and the KL drift per round (matplotlib, imported when d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..atomic import atomic_write_figure
 from ..paths import check_output_file

@@ -41,26 +41,26 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from ..atomic import atomic_save_safetensors
+from ..checks import check_positive_int
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
 from ..curvature.predicted import mixing_layers, predicted_kl, steep_layers
 from ..data.edits import EditRequest
+from ..editing.checkpoint import load_run_file, run_identity
 from ..editing.config import EDIT_FACTOR_ROWS, MODES, WEIGHTINGS, EditConfig, SeqConfig
 from ..editing.contexts import prefixes_from, resolve_contexts, sequences_for
 from ..editing.editor import EditContext
 from ..editing.registry import get_editor
-from ..editing.checkpoint import load_run_file, run_identity
-from ..atomic import atomic_save_safetensors
-from ..checks import check_positive_int
 from ..errors import CrispEditError
-from ..versions import stamped
 from ..layers import model_family
+from ..versions import stamped
 from ..weights import parameter
 
 __all__ = ["SeqConfig", "SeqState", "SeqResult", "combine_factors", "round_edit_factors", "run_round",
@@ -95,7 +95,7 @@ class SeqState:
         return {k: t.detach().cpu().contiguous() for k, t in out.items()}, meta
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], meta: dict) -> "SeqState":
+    def from_tensors(cls, tensors: dict[str, Tensor], meta: dict) -> SeqState:
         """The state :meth:`to_tensors` wrote as ``(tensors, meta)``."""
         def part(prefix: str) -> dict[str, Tensor]:
             """The tensors stored under ``prefix``, keyed by the rest of their names."""

@@ -43,29 +43,30 @@ import re
 import shutil
 import signal
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
+from ..atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
+from ..checks import check_finite_tensors
 from ..curvature.kfac import KFACFactors
 from ..data.edits import EditRequest, load_edits, requests_digest, save_edits_jsonl
 from ..editing.api import capability_factors, edit_factors
 from ..editing.contexts import DEFAULT_CONTEXTS, pinned_contexts
 from ..editing.registry import get_editor
-from ..atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
-from ..checks import check_finite_tensors
 from ..errors import CrispEditError
+from ..evaluation import evaluate_edit, summarize_edit_scores
+from ..layers import model_family
+from ..model_card import build_card, card_may_replace, revert_lines, write_card
+from ..models import load_model, save_model_dir
 from ..paths import check_output_dir
 from ..safetensors_io import load_safetensors
 from ..versions import stamped
-from ..evaluation import evaluate_edit, summarize_edit_scores
-from ..model_card import build_card, card_may_replace, revert_lines, write_card
-from ..layers import model_family
-from ..models import load_model, save_model_dir
 from ..weights import parameter, weight_fingerprint
-from .plot import plot_retention
 from .files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
+from .plot import plot_retention
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
 
 __all__ = ["Session", "SESSION_FORMAT", "session_size"]
@@ -129,7 +130,7 @@ class Session:
     @classmethod
     def create(cls, path: str | Path, model: Any = "smollm2", config: SeqConfig | None = None, *,
                dtype: str = "float32", device: str | None = None, cache_root: str | Path | None = None,
-               cache_file: str | Path | None = None, progress: bool | None = None) -> "Session":
+               cache_file: str | Path | None = None, progress: bool | None = None) -> Session:
         """Create a session on base ``model`` (a spec for :func:`load_model` or a ``(model, tokenizer)``
         pair). An existing session is opened instead if it has the same base and configuration, and
         refused otherwise."""
@@ -167,7 +168,7 @@ class Session:
 
     @classmethod
     def open(cls, path: str | Path, *, config: SeqConfig | None = None, model: Any = None, device: str | None = None,
-             cache_root: str | Path | None = None) -> "Session":
+             cache_root: str | Path | None = None) -> Session:
         """Open an existing session. ``config`` (if given) must equal the stored one; ``model`` (a spec
         or a ``(model, tokenizer)`` pair; default: the stored spec) must have the stored fingerprint."""
         path = Path(path)

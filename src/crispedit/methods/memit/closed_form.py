@@ -18,23 +18,31 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ...atomic import atomic_save_safetensors
 from ...data.edits import EditRequest
+from ...editing.checkpoint import CLOSED_FORM_KEY, load_run_file, run_identity
 from ...editing.editor import EditContext
-from ...editing.keyvalue import (KeyValueSettings, block_outputs, context_templates, edit_blocks, hidden_size, layer_keys,
-                                 subject_span, target_values)
+from ...editing.keyvalue import (
+    KeyValueSettings,
+    block_outputs,
+    context_templates,
+    edit_blocks,
+    hidden_size,
+    layer_keys,
+    subject_span,
+    target_values,
+)
 from ...editing.loop import LOG_SECONDS
 from ...editing.single_pass import SinglePassEditor, target_nll
-from ...editing.checkpoint import CLOSED_FORM_KEY, load_run_file, run_identity
-from ...atomic import atomic_save_safetensors
 from ...errors import CrispEditError
-from ...versions import stamped
 from ...layers import weight_matrix
+from ...versions import stamped
 from . import ClosedFormConfig
 
 __all__ = ["ClosedFormEditor", "target_nll"]
@@ -193,7 +201,7 @@ class _BatchCheckpoint:
         start.update({f"carried::{k}": t for k, t in ctx.optimizer_state.items()})
         self.identity = None if self.path is None else run_identity(ctx.config.to_json(), requests, start)
 
-    def resume(self, editor: "ClosedFormEditor", state: dict, history) -> int:
+    def resume(self, editor: ClosedFormEditor, state: dict, history) -> int:
         """The number of batches a stored run wrote (0 without one), its weights put into the layers, its carried
         state into ``state``, its counters into ``history`` and :attr:`sums`; one-line errors for another run's or
         a damaged file."""

@@ -36,22 +36,22 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from ...atomic import atomic_save_safetensors
 from ...curvature.kfac import head_on_rows
 from ...data.edits import EditRequest
 from ...data.tokenize import encode_pairs
 from ...editing.rows import input_gradient_rows
-from ...atomic import atomic_save_safetensors
 from ...errors import CrispEditError
-from ...safetensors_io import load_safetensors, read_safetensors_header
-from ...versions import check_written_by, stamped
 from ...layers import decoder_blocks, is_linear, weight_matrix
 from ...models import cache_dir
+from ...safetensors_io import load_safetensors, read_safetensors_header
+from ...versions import check_written_by, stamped
 from ..ultraedit.editor import RunningNorm
 from . import MENDTrainConfig
 

@@ -20,8 +20,8 @@ train`` defaults to ZsRE dev records 1000–1999 (the evaluation uses 100–199,
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import torch
 from torch import Tensor, nn

@@ -72,7 +72,7 @@ class RunningNorm:
                 f"{prefix}::m2": self.m2.cpu()}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], prefix: str, size: int) -> "RunningNorm":
+    def from_tensors(cls, tensors: dict[str, Tensor], prefix: str, size: int) -> RunningNorm:
         """Rebuild from :meth:`to_tensors` output; a fresh normaliser when ``prefix`` is absent."""
         if f"{prefix}::n" not in tensors:
             return cls(size)
