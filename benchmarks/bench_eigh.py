@@ -134,7 +134,7 @@ def projection_errors(path: str, gammas: list[float], seed: int = 0) -> dict:
         row = {"d_out": S.shape[0], "d_in": A.shape[0]}
         for g in gammas:
             ref = paper_projection(A, S, g, Q)
-            err = lambda P: float((P.project(Q.float()).double() - ref).norm() / ref.norm())  # noqa: E731
+            err = lambda P, Q=Q, ref=ref: float((P.project(Q.float()).double() - ref).norm() / ref.norm())  # noqa: E731
             ours = KroneckerProjector.from_spectra(*eig[name, "S"], *eig[name, "A"], g)
             row[str(g)] = {"crispedit": float(f"{err(ours):.3g}"),
                            "float32_eigh": float(f"{err(KroneckerProjector.from_spectra(*f32, g)):.3g}")}
@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
         M64 = spd_matrix(n, args.seed).to(args.device)
         mats = {"float32": M64.float(), "float64": M64}
         times: dict[str, list[float]] = {k: [] for k in mats}
-        for k, M in mats.items():
+        for M in mats.values():
             _time_eigh(M, args.device)  # warm-up (workspace, threads)
         for _ in range(args.repeats):
             for k, M in mats.items():

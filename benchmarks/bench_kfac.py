@@ -357,12 +357,16 @@ def _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir
     times: dict[str, list[float]] = {"ours": [], "bare": [], **{f"kronfluence[{f}]": [] for f in feeds}}
     rel: dict[str, float] = {}
     for _ in range(args.repeats):   # interleaved: a slow spell on a shared machine hits every pass alike
-        sync(); t0 = time.perf_counter()
+        sync()
+        t0 = time.perf_counter()
         ours = run_ours()
-        sync(); times["ours"].append(time.perf_counter() - t0)
-        sync(); t0 = time.perf_counter()
+        sync()
+        times["ours"].append(time.perf_counter() - t0)
+        sync()
+        t0 = time.perf_counter()
         n_tok = run_bare()
-        sync(); times["bare"].append(time.perf_counter() - t0)
+        sync()
+        times["bare"].append(time.perf_counter() - t0)
         for f in feeds:
             s, A, S = run_kf(f)
             times[f"kronfluence[{f}]"].append(s)
@@ -390,7 +394,7 @@ def _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir
     if args.profile:
         rows = {"ours": profile_breakdown(run_ours), "bare": profile_breakdown(run_bare)}
         for f in feeds:
-            rows[f"kronfluence[{f}]"] = profile_breakdown(lambda: run_kf(f))
+            rows[f"kronfluence[{f}]"] = profile_breakdown(lambda f=f: run_kf(f))
         print_breakdowns(rows)
         out["profile"] = rows
     out["environment"] = environment()

@@ -155,7 +155,8 @@ def flops_main(args) -> None:
         full = KroneckerProjector(U_out, U_in, keep, form="full")
         auto = KroneckerProjector(U_out, U_in, keep)
         err = float((auto.project(Q) - full.project(Q)).abs().max() / Q.abs().max())
-        tf, ta = _median_seconds(lambda: full.project(Q), args.repeats), _median_seconds(lambda: auto.project(Q), args.repeats)
+        tf = _median_seconds(lambda full=full: full.project(Q), args.repeats)
+        ta = _median_seconds(lambda auto=auto: auto.project(Q), args.repeats)
         timings.append({"spectrum": label, **auto.stats(), "full_ms": tf * 1e3, "auto_ms": ta * 1e3,
                         "speedup": tf / ta if ta > 0 else float("inf"), "max_rel_diff": err})
         t = timings[-1]

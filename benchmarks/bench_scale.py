@@ -34,7 +34,8 @@ Phases, each timed on its own (CUDA-synchronised) and printed as one line:
 
 ``--random-init smollm2|llama3-8b`` builds the architecture with random weights (``--blocks K`` keeps K decoder
 blocks; without ``--layers`` it edits the real checkpoint's layers where the K blocks hold them, else crispedit's
-default layers for K blocks) and a byte-level BPE tokenizer trained in-process on the bundled WikiText sample, with a ChatML chat
+default layers for K blocks) and a byte-level BPE tokenizer trained in-process on the bundled WikiText sample, with a
+ChatML chat
 template like SmolLM2's: timings only, no quality. ``--synthetic N`` makes up N facts (no data files needed).
 ``--json FILE`` writes every figure with the arguments and the environment. A ``--method`` entry may end in
 ``:bf16`` (training precision), ``:tf32`` (the projection's GEMMs), ``:compile`` or ``:graphs`` (the decoder

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         if out.returncode != 0:
             sys.exit(f"edit_memory: {spec} failed: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print("| edits | loaded (peak / now) | prepared | first step | step %d | peak MiB |" % args.steps)
+    print(f"| edits | loaded (peak / now) | prepared | first step | step {args.steps} | peak MiB |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         cells = [f"{r[p]['hwm_mib']} / {r[p]['rss_mib']}" if p in r else "—" for p in PHASES]

@@ -7,7 +7,8 @@ stored before it was recorded, computed from its stored answers and the compare'
 be read), KL drift (nats/token on held-out text), the drift the K-FAC quadratic model predicted (and the
 measured / predicted ratio: how far the prediction, what ``--max-drift`` budgets, under-reads at each size) and
 perplexity, keyed by method and number of edits, and writes a table (Markdown) and a five-panel PNG (QA rel, QA
-gen, QA crosstalk, KL drift and perplexity on log axes; x: number of edits, log axis). An edit_matrix row counts when its overrides name only ``method`` and, optionally,
+gen, QA crosstalk, KL drift and perplexity on log axes; x: number of edits, log axis). An edit_matrix row counts when
+its overrides name only ``method`` and, optionally,
 the defaults' contexts (it is then the method at its defaults). Where two runs give the same method and size,
 the later file on the command line wins.
 

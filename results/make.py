@@ -400,7 +400,8 @@ and a section in `results/make.py`.
 
 ## The demo
 
-`{shlex.join(demo_command())}` (what `make demo` runs: [`demo/command.sh`](demo/command.sh); output [`demo/demo.txt`](demo/demo.txt)).
+`{shlex.join(demo_command())}` (what `make demo` runs: [`demo/command.sh`](demo/command.sh); output
+[`demo/demo.txt`](demo/demo.txt)).
 {_run_line(DEMO)}
 
 ```
@@ -483,7 +484,7 @@ def fill_blocks(text: str, blocks: dict[str, str]) -> str:
         pat = re.compile(rf"(<!-- results:{name} -->\n).*?(<!-- /results:{name} -->)", re.S)
         if not pat.search(text):
             raise SystemExit(f"README.md has no <!-- results:{name} --> block")
-        text = pat.sub(lambda m: m.group(1) + body + m.group(2), text)
+        text = pat.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
     return text
 
 

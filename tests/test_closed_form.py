@@ -91,7 +91,7 @@ def test_input_covariance_is_the_mean_outer_product_and_stops_early(tiny_lm):
     # ground truth: every non-padding token of every text, one at a time (no padding at all)
     for name, m in layers.items():
         rows = []
-        h = m.register_forward_hook(lambda mod, a, o: rows.append(a[0][0].detach().double()))
+        h = m.register_forward_hook(lambda mod, a, o, rows=rows: rows.append(a[0][0].detach().double()))
         with torch.no_grad():
             for t in texts:
                 model(**tok(t, return_tensors="pt", truncation=True, max_length=40))
@@ -255,7 +255,7 @@ def test_alphaedit_session_accumulates_preserved_keys(tiny_lm, tmp_path, iso_cac
     assert sc.name == "alphaedit-seq"
     s = Session.create(tmp_path / "s", (model, tok), sc)
     traces = []
-    for k, reqs in enumerate((REQS[:2], REQS[2:]), 1):
+    for reqs in (REQS[:2], REQS[2:]):
         s.add(reqs, plot=False)
         st = s._read_state()
         assert "edit_factors" not in st["files"]                    # no K-FAC edit factors for closed forms
@@ -359,7 +359,7 @@ def test_ultraedit_lowers_the_target_loss_and_changes_only_the_edit_layers(tiny_
     # a smaller scale moves less: the step is proportional to lr (up to the ridge)
     model2 = type(model)(model.config)
     model2.load_state_dict(before)
-    res2 = edit(model2, tok, REQS, EditConfig(method="ultraedit", layers="model.layers.{1-2}.mlp.down_proj",
+    edit(model2, tok, REQS, EditConfig(method="ultraedit", layers="model.layers.{1-2}.mlp.down_proj",
                                               options={"lr": 0.005}), progress=False)
     d1 = (model.model.layers[1].mlp.down_proj.weight - before["model.layers.1.mlp.down_proj.weight"]).norm()
     d2 = (model2.model.layers[1].mlp.down_proj.weight - before["model.layers.1.mlp.down_proj.weight"]).norm()
@@ -447,7 +447,9 @@ def test_target_values_equal_a_plain_per_request_optimisation(tiny_lm, shortcuts
     ref = [_reference_v_star(model, tok, r, block, templates, st) for r in reqs]
     used: list[str] = []
     for name in ("_suffix", "_fast"):
-        def spy(self, delta, _f=getattr(kv._DeltaForward, name), _n=name):
+        real = getattr(kv._DeltaForward, name)
+
+        def spy(self, delta, _f=real, _n=name):
             used.append(_n)
             return _f(self, delta)
         monkeypatch.setattr(kv._DeltaForward, name, spy)
@@ -460,7 +462,7 @@ def test_target_values_equal_a_plain_per_request_optimisation(tiny_lm, shortcuts
     assert torch.allclose(V, torch.stack([v for v, *_ in ref]), rtol=1e-4, atol=1e-4)
     assert rec["steps"] == sum(s for *_, s in ref) and 0 < rec["steps"] < 4 * 5
     assert rec["nll_first"] == pytest.approx(sum(f for _, f, _, _ in ref) / 4, rel=1e-4)
-    assert rec["nll_last"] == pytest.approx(sum(l for _, _, l, _ in ref) / 4, rel=1e-4)
+    assert rec["nll_last"] == pytest.approx(sum(last for _, _, last, _ in ref) / 4, rel=1e-4)
 
 
 def test_keys_and_block_outputs_stop_the_forward_at_their_layer(tiny_lm):
@@ -675,7 +677,8 @@ def test_sequential_rounds_write_their_templates_with_the_unedited_model(method,
 
 def test_a_batched_alphaedit_run_is_alphaedit_seq_in_rounds_of_its_batch_size(tiny_lm, iso_cache):
     """AlphaEdit over 4 requests in batches of 2 (each batch solved on the model the previous one left, ``K_pK_pᵀ``
-    accumulated) writes the same weights, bit for bit, as AlphaEdit-Seq in 2 rounds of 2: the rounds draw their templates from
+    accumulated) writes the same weights, bit for bit, as AlphaEdit-Seq in 2 rounds of 2: the rounds draw their
+    templates from
     the unedited model, as the batches do."""
     from crispedit.editing import SeqConfig
     from crispedit.sessions.sequential import run_sequence

@@ -201,8 +201,8 @@ def test_rotate_unrotate_is_the_projection():
     P = _rand_projector()
     Q = torch.randn(6, 5)
     assert torch.allclose(P.unrotate(P.rotate(Q)), P.project(Q), atol=1e-6)
-    I = IdentityProjector(6, 5)
-    assert torch.equal(I.unrotate(I.rotate(Q)), Q)
+    ident = IdentityProjector(6, 5)
+    assert torch.equal(ident.unrotate(ident.rotate(Q)), Q)
 
 
 def test_eigenbasis_adam_with_identity_is_adam():
@@ -212,7 +212,7 @@ def test_eigenbasis_adam_with_identity_is_adam():
     lin = torch.nn.Linear(5, 6, bias=False)
     o1 = torch.optim.Adam([w1], lr=1e-2)
     o2 = EigenbasisAdam([w2], [IdentityProjector(6, 5)], [lin], lr=1e-2)
-    for k in range(5):
+    for _ in range(5):
         g = torch.randn(6, 5)
         w1.grad, w2.grad = g.clone(), g.clone()
         o1.step()
@@ -226,7 +226,7 @@ def test_eigenbasis_adam_keeps_the_change_in_the_kept_subspace_and_preconditions
     w0 = torch.randn(6, 5)
     w = torch.nn.Parameter(w0.clone())
     opt = EigenbasisAdam([w], [P], [lin], lr=1e-2)
-    for k in range(4):
+    for _ in range(4):
         w.grad = torch.randn(6, 5) * torch.logspace(-3, 1, 5)   # badly scaled columns
         opt.step()
     delta = (w - w0).detach()

@@ -78,7 +78,7 @@ def test_ggn_equals_jacobian_products_assembled_by_hand(tiny):
     ref = torch.zeros_like(G)
     for i in range(X.shape[0]):
         J = torch.autograd.functional.jacobian(
-            lambda t: torch.func.functional_call(model, layout.unflatten(t), (X[i:i + 1],)).squeeze(0), theta)
+            lambda t, i=i: torch.func.functional_call(model, layout.unflatten(t), (X[i:i + 1],)).squeeze(0), theta)
         p = torch.softmax(torch.func.functional_call(model, layout.unflatten(theta), (X[i:i + 1],)).squeeze(0), -1)
         H = torch.diag(p) - torch.outer(p, p)
         ref += J.T @ H @ J

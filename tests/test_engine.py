@@ -22,7 +22,7 @@ def _adam_pair(shape=(5, 7), lr=1e-2, seed=0):
 @pytest.mark.parametrize("gated", [False, True])
 def test_gated_adam_follows_torch_adam(gated):
     a, b, ref, ours = _adam_pair()
-    for k in range(20):
+    for _ in range(20):
         g = torch.randn_like(a)
         a.grad, b.grad = g.clone(), g.clone()
         ref.step()
@@ -107,9 +107,9 @@ def test_the_loop_reads_back_once_per_epoch(method, tiny_lm, iso_cache):
         params = editor.trainable(layers)
         saved = {n: p.detach().clone() for n, p in params.items()}
         hist = []
-        reads[epochs] = _host_reads(lambda: hist.append(projected_finetune(model, tok, REQS, layers, params,
-                                                                           projectors, config, progress=False,
-                                                                           sync_free=True)))
+        reads[epochs] = _host_reads(lambda hist=hist, layers=layers, params=params, projectors=projectors, config=config:
+                                    hist.append(projected_finetune(model, tok, REQS, layers, params, projectors, config,
+                                                                   progress=False, sync_free=True)))
         steps[epochs] = hist[0].steps + hist[0].skipped
         assert hist[0].fast_loss
         with torch.no_grad():
@@ -169,8 +169,8 @@ def test_kfac_collection_reads_back_per_pass_not_per_batch(label_mode, tiny_lm):
         texts = (base * 2)[:n]
         planned = kfac_mod.lm_batches(tok, texts, max_len=256, batch_size=2, max_padding=None)  # the host's plan
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(kfac_mod, "lm_batches", lambda *a, **k: planned)
-            reads[n] = _host_reads(lambda: collect_lm_kfac(model, tok, texts, layers, batch_size=2, max_padding=None,
+            mp.setattr(kfac_mod, "lm_batches", lambda *a, planned=planned, **k: planned)
+            reads[n] = _host_reads(lambda texts=texts: collect_lm_kfac(model, tok, texts, layers, batch_size=2, max_padding=None,
                                                            label_mode=label_mode, progress=False))
     assert reads[8] - reads[4] == 0, reads
 

@@ -30,7 +30,7 @@ def brute_force_kfac(model, tok, texts, layer_names, label_mode, seed, max_len=6
             d_out = modules[n].out_features
             probes[n] = torch.zeros(1, T, d_out, dtype=torch.float64, requires_grad=True)
 
-            def hook(mod, args, out, n=n):
+            def hook(mod, args, out, n=n, inputs=inputs, probes=probes):
                 inputs[n] = args[0].detach()
                 return out + probes[n]
 

@@ -143,8 +143,8 @@ def test_last_logits_only_keeps_the_cache_and_the_last_logits(tiny_lm):
     assert last_logits_only(model) == {"logits_to_keep": 1}
     assert short.logits.shape[1] == 1
     torch.testing.assert_close(short.logits[:, -1], full.logits[:, -1])  # one row vs nine: rounding only
-    for (k1, v1), (k2, v2) in zip(((l.keys, l.values) for l in full.past_key_values.layers),
-                                  ((l.keys, l.values) for l in short.past_key_values.layers)):
+    for (k1, v1), (k2, v2) in zip(((c.keys, c.values) for c in full.past_key_values.layers),
+                                  ((c.keys, c.values) for c in short.past_key_values.layers)):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
     assert last_logits_only(torch.nn.Linear(2, 2)) == {}
 

@@ -463,7 +463,7 @@ def test_staircase_flops_scan_every_split():
             continue
         r_out = nz[-1] + 1
 
-        def block(h, w):
+        def block(h, w, d_in=d_in, d_out=d_out):
             return 0 if h == 0 or w == 0 else 4 * min(h * d_in * (d_out + w), w * d_out * (d_in + h))
         best = min(block(R, max(e[:R], default=0)) + block(r_out - R, max(e[R:r_out], default=0))
                    + R * max(e[:R], default=0) + (r_out - R) * max(e[R:r_out], default=0) + d_out * d_in

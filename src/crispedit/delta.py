@@ -85,7 +85,8 @@ def build_delta(model: nn.Module, base_weights: Mapping[str, Tensor], info: dict
                 ) -> tuple[dict[str, Tensor], dict]:
     """The tensors and header metadata of the delta from ``base_weights`` (full parameter name -> base
     value, e.g. ``EditResult.original_weights``) to ``model``'s current values. Unchanged tensors are left
-    out (an edit that changed nothing gives an empty delta). ``info`` (method, config, requests, drift, ...) is stored in the metadata as given (JSON-ready).
+    out (an edit that changed nothing gives an empty delta). ``info`` (method, config, requests, drift, ...) is stored
+    in the metadata as given (JSON-ready).
     Returns ``(tensors, metadata)``, ``metadata`` being the safetensors header's ``str -> str`` map."""
     tensors: dict[str, Tensor] = {}
     params: dict[str, dict] = {}
@@ -241,7 +242,7 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
         scores["delta"] = summarize_edit_scores(edit_scores(model, tokenizer, requests))
         revert_delta(model, path)
     factors, report = {}, {}
-    for mod_name, (module, d) in modules.items():
+    for mod_name, (_, d) in modules.items():
         U, s, Vh = torch.linalg.svd(d.double(), full_matrices=False)
         r = min(rank, s.numel())
         root = s[:r].sqrt()

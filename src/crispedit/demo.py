@@ -122,14 +122,14 @@ def _print_tables(shown, answers: dict, rows: list, methods) -> None:
     print("WILD (free generation, greedy, rule judge): rel / gen per context; qa = the paper's wrapper, never trained")
     print(f"{'method':10} " + "".join(f"{w:>11} " for w in EVAL_WRAPPERS) + f"{'tf rel':>7} {'kl_drift':>9} {'ppl':>7} "
           f"{'chat len':>8} {'bleed':>5} {'epochs':>6} {'edit s':>7}  contexts")
-    for m, wild, rel, kl, ppl, ppl0, ep, es, ctxs, helper in rows:
-        def cell(wrapper: str) -> str:
+    for m, wild, rel, kl, ppl, _, ep, es, ctxs, helper in rows:
+        def cell(wrapper: str, wild: dict = wild) -> str:
             """``rel/gen`` of this row's WILD evaluation wrapper ``wrapper`` to two decimals, ``-`` if it was not run."""
             v = wild.get(wrapper)
             return "-" if not v else f"{v['rel']:.2f}/{v['gen']:.2f}"
 
         bleed = "-" if not helper["bleed"] else f"{helper['bleed']['target']:.2f}"
         print(f"{m:10} " + "".join(f"{cell(w):>11} " for w in EVAL_WRAPPERS) + f"{rel:7.3f} {kl:9.5f} {ppl:7.2f} "
-              f"{'x%.2f' % helper['style']['length_ratio']:>8} {bleed:>5} {ep:6d} {es:7.1f}  {','.join(ctxs)}")
+              f"{'x{:.2f}'.format(helper['style']['length_ratio']):>8} {bleed:>5} {ep:6d} {es:7.1f}  {','.join(ctxs)}")
     print("chat len: the edited model's chat answers to unrelated prompts, in tokens, over the base's; bleed: the "
           "share of other questions about an edited subject now answered with its new target")

@@ -143,7 +143,8 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out", *, overwrite:
     With ``overwrite`` given (True/False), a non-empty ``path`` is refused unless ``overwrite`` is True
     and ``marker`` (the file crispedit writes last, e.g. ``edit_report.json``) shows an earlier crispedit
     output there; then the names of the files that run wrote (the marker's ``"files"`` list, else just
-    the marker) are returned, for :func:`~crispedit.atomic.atomic_directory`'s ``previous``; a marker another crispedit version
+    the marker) are returned, for :func:`~crispedit.atomic.atomic_directory`'s ``previous``; a marker another crispedit
+    version
     wrote is refused (:func:`~crispedit.versions.check_written_by`). Returns None otherwise."""
     path = Path(path)
     if path.exists() and not path.is_dir():

@@ -188,7 +188,8 @@ def parse_methods(spec: str) -> list[str]:
 
 def check_job_files(args, n_cap: int) -> None:
     """Check the side files an editing command reads once its model is loaded, before that: ``--cap-corpus``
-    (``n_cap`` texts), ``--kl-text`` and that a ``--cache`` file and a ``--mend-weights`` file exist (each only when given; one-line
+    (``n_cap`` texts), ``--kl-text`` and that a ``--cache`` file and a ``--mend-weights`` file exist (each only when
+    given; one-line
     errors). Torch-free."""
     from ..data import capability_corpus, heldout_text
 

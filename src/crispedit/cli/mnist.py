@@ -2,7 +2,8 @@
 ``crispedit.cli._COMMAND_MODULES``).
 
 Torch-free at import: ``--help`` and every mistake in the flags are answered from the settings
-(:mod:`crispedit.experiments.mnist_config`) without importing torch; the study itself (:func:`crispedit.experiments.mnist_study.run_mnist_study`)
+(:mod:`crispedit.experiments.mnist_config`) without importing torch; the study itself
+(:func:`crispedit.experiments.mnist_study.run_mnist_study`)
 is imported only when it runs.
 """
 

@@ -239,6 +239,6 @@ def bregman_divergence(model: nn.Module, theta: Tensor, theta0: Tensor, inputs: 
     with torch.no_grad():
         out0 = f(theta0, inputs)
         r0 = torch.softmax(out0, -1) - F.one_hot(targets, out0.shape[-1]).to(out0.dtype)
-    l = F.cross_entropy(out, targets, reduction="none")
-    l0 = F.cross_entropy(out0, targets, reduction="none")
-    return (l - l0 - ((out - out0) * r0).sum(-1)).mean()
+    loss = F.cross_entropy(out, targets, reduction="none")
+    loss0 = F.cross_entropy(out0, targets, reduction="none")
+    return (loss - loss0 - ((out - out0) * r0).sum(-1)).mean()

@@ -13,7 +13,8 @@ Three savings, all exact (same numbers as a plain forward up to the order of the
   scaled-dot-product attention, no sliding window) and has no dropout; :func:`prefix_sharing` turns it off.
 
 Per-step work that does not depend on the weights is done once per batch: the flat indices of the target
-rows and their labels, the attention mask (:func:`~crispedit.forward_args.static_attention_mask`: built once, so that no step reads a
+rows and their labels, the attention mask (:func:`~crispedit.forward_args.static_attention_mask`: built once, so that no
+step reads a
 value back to the host) and the pass-through modules. Hugging Face models run without a KV cache
 (``use_cache=False``; training never reads it, and filling it copies every block's keys and values).
 

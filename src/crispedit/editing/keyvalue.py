@@ -455,13 +455,13 @@ def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     try:
         with frozen(model):
             for b in range(0, len(requests), settings.chunk):
-                v, f, l, st = _optimise_chunk(model, tokenizer, requests[b:b + settings.chunk], b, block, templates,
+                v, f, lst, st = _optimise_chunk(model, tokenizer, requests[b:b + settings.chunk], b, block, templates,
                                               settings, verdicts)
                 out.append(v)
                 if on_chunk is not None:
                     on_chunk(len(f))
                 first += f
-                last += l
+                last += lst
                 steps += st
     finally:
         model.train(was_training)
@@ -507,7 +507,7 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
     opt = torch.optim.Adam([delta], lr=settings.lr)
     kl0 = None
     active = torch.ones(n, dtype=torch.bool, device=device)
-    first = last = None
+    first = None
     last_nll = torch.zeros(n, dtype=torch.float64)
     steps = 0
     for it in range(settings.steps):

@@ -93,7 +93,8 @@ def style_drift(model, tokenizer, base, prompts: Sequence[str] | None = None, *,
                 progress: bool | None = False, examples: int = 3, base_answers: Sequence[str] | None = None) -> dict:
     """The style-drift figures of the edited ``model`` against its base (``base``: the pre-edit values of the
     changed parameters, full name -> tensor, or the base model itself) on ``prompts`` (default
-    :func:`style_prompts`): ``n``, ``length_ratio``, ``bare_share``, ``changed``, ``answer_kl`` (see the module docstring), ``tokens_base`` / ``tokens_edited``
+    :func:`style_prompts`): ``n``, ``length_ratio``, ``bare_share``, ``changed``, ``answer_kl`` (see the module
+    docstring), ``tokens_base`` / ``tokens_edited``
     (mean answer length, tokens) and the first ``examples`` prompts with both answers. ``base_answers``: the base's
     answers to ``prompts`` when already known (:func:`base_style_answers`: a playground asks them once)."""
     from .drift import answer_kl

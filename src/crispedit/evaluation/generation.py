@@ -110,7 +110,8 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[str], *, max
     """Greedy continuation of each prompt, cut at the first stop string (kept out of the answer).
 
     ``add_special_tokens=False`` is for prompts already rendered with a chat template (which carry
-    their own special tokens). ``skip_leading_stop``: see :func:`cut_at_stop`. ``progress``: None = a bar on terminals only, False = never.
+    their own special tokens). ``skip_leading_stop``: see :func:`cut_at_stop`. ``progress``: None = a bar on terminals
+    only, False = never.
     """
     if not prompts:
         return []

@@ -26,7 +26,8 @@ _UNBOUNDED = {"kl_drift", "ppl", "ppl_base"}
 
 def load_run(path: str | Path) -> dict:
     """One ``crispedit eval`` result file as a dict (one-line errors for a missing, non-UTF-8, non-JSON
-    or wrongly shaped file, and for one another crispedit version wrote: :func:`~crispedit.versions.check_written_by`)."""
+    or wrongly shaped file, and for one another crispedit version wrote:
+    :func:`~crispedit.versions.check_written_by`)."""
     path = Path(path)
     text = read_text_file(path, "run file")
     try:

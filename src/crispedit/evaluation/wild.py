@@ -252,7 +252,8 @@ def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
                   batch_size: int = WildConfig.batch_size, progress: bool | None = None) -> dict:
     """WILD summaries for several evaluation wrappers at once: ``{wrapper: {"rel", "gen", "loc_vs_answer",
     "cross", ...}, ..., "seconds": s}``. A chat-template wrapper (``chat``) is skipped (``None``) for tokenizers
-    without a chat template; ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each wrapper also keeps
+    without a chat template; ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each wrapper
+    also keeps
     three ``examples`` and every ``answers`` row ``[rel answer, rel correct, [gen answers], [gen correct]]``."""
     out: dict = {}
     t0 = time.perf_counter()

@@ -10,10 +10,12 @@ vs KL drift with the KL Pareto front; capability changes against the base with t
 :mod:`crispedit.experiments.compare_plot`; with ``-seq`` rows also ``DIR/retention.png``,
 :mod:`crispedit.experiments.retention`) are rewritten (:mod:`crispedit.experiments.compare_outputs`), so a killed
 compare resumes: methods already in ``compare.json`` are not run again (their settings must match; other
-settings need another ``--out``; :mod:`crispedit.experiments.compare_resume`), and a batch row killed while training goes on from its last finished epoch
+settings need another ``--out``; :mod:`crispedit.experiments.compare_resume`), and a batch row killed while training
+goes on from its last finished epoch
 (``DIR/checkpoints/<method>.safetensors``, :mod:`crispedit.editing.checkpoint`; removed once its row is
 written); a ``-seq`` row from its last finished round and, within the round in progress, its last epoch (the
-same file, :func:`~crispedit.sessions.sequential.save_sequence_checkpoint`, and ``<method>.round.safetensors``). The command line is :mod:`crispedit.cli.compare` (it checks the arguments without importing this
+same file, :func:`~crispedit.sessions.sequential.save_sequence_checkpoint`, and ``<method>.round.safetensors``). The
+command line is :mod:`crispedit.cli.compare` (it checks the arguments without importing this
 module's torch).
 
 Sequential rows: ``<method>-seq`` (e.g. ``crispedit-seq``, the paper's CrispEdit-Seq) runs ``<method>`` in

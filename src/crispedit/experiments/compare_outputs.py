@@ -47,7 +47,8 @@ def render_outputs(out: str | Path) -> dict:
     """Re-render ``DIR/compare.md``, ``DIR/compare.png`` and ``compare.json``'s ``pareto`` section from a stored
     ``DIR/compare.json`` (:func:`write_outputs`) without running or loading anything else; the measured
     results are left as they are. Returns the payload; a missing file, or one another crispedit version wrote or of
-    another ``format`` (:func:`~crispedit.versions.check_written_by`), is a :class:`~crispedit.errors.CrispEditError`."""
+    another ``format`` (:func:`~crispedit.versions.check_written_by`), is a
+    :class:`~crispedit.errors.CrispEditError`."""
     out = Path(out)
     path = out / JSON_FILE
     if not path.is_file():

@@ -164,7 +164,8 @@ def plot_compare(payload: dict, path: str | Path) -> None:
     KL drift on held-out text (nats/token, log x axis; left = less drift), one labelled point per edited row;
     the KL Pareto front (:func:`pareto_points` ``kl_front``) ringed and joined by a dashed line; a row that
     breaks the model (held-out perplexity more than :data:`BREAKING_PPL_RATIO` × the base's,
-    :func:`~crispedit.experiments.compare_table.breaking_rows`) drawn as a red ✕ with its own legend entry (it is never on the front). A drift of 0 is
+    :func:`~crispedit.experiments.compare_table.breaking_rows`) drawn as a red ✕ with its own legend entry (it is never
+    on the front). A drift of 0 is
     drawn at 1e-6; rows without a QA result are left out. Right panel, when capability tasks ran: each
     task's score change against the base (percentage points) per edited row, with the paired standard error
     (:func:`capability_changes`; thick bar ± 1 SE, thin bar ± 2 SE); a row stored without per-item scores shows

@@ -173,10 +173,10 @@ def _table_columns(payload: dict) -> list[tuple]:
     caps = payload["settings"]["evaluation"]["capabilities"]
     wrappers = payload["settings"]["evaluation"].get("wild") or list(EVAL_WRAPPERS)
     cols = [(f"{w.upper() if w == HELD_OUT_WRAPPER else w} {k}",
-             (lambda w, k: lambda r: (r["wild"].get(w) or {}).get(k))(w, k), True) for w in wrappers for k in ("rel", "gen")]
+             (lambda wrapper, key: lambda r: (r["wild"].get(wrapper) or {}).get(key))(w, k), True) for w in wrappers for k in ("rel", "gen")]
     cols += [("TF rel", lambda r: r["summary"].get("rel"), True),
             ("TF gen", lambda r: r["summary"].get("gen"), True)]
-    cols += [(c, (lambda c: lambda r: r["capabilities"].get(c))(c), True) for c in caps]
+    cols += [(c, (lambda task: lambda r: r["capabilities"].get(task))(c), True) for c in caps]
     cols += [("chat len", lambda r: _assistant(r, "style", "length_ratio"), None),
              ("chat bare", lambda r: _assistant(r, "style", "bare_share"), None),
              ("bleed", lambda r: _assistant(r, "bleed", "target"), None)]
@@ -269,7 +269,8 @@ def _row_notes(payload: dict, rows: list[str]) -> str:
     """The notes on single ``rows`` after the settings note, each a paragraph present only where it applies:
     the paired capability change against the base (points ± standard error, with the items per task;
     :func:`capability_changes`), the crosstalk of each row's WILD wrappers (:func:`_crosstalk_note`), the ``-seq``
-    rows' rounds, chunk size and mean seconds per round, and the drift prediction's notes (:func:`~crispedit.curvature.predicted.prediction_notes`). Empty when none apply."""
+    rows' rounds, chunk size and mean seconds per round, and the drift prediction's notes
+    (:func:`~crispedit.curvature.predicted.prediction_notes`). Empty when none apply."""
     res = payload["results"]
     caps = payload["settings"]["evaluation"]["capabilities"]
     note = ""

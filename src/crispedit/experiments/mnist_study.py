@@ -453,7 +453,7 @@ class _Study:
             model.load_state_dict(self.theta0)
             first = [True]
 
-            def make_projector() -> ParamProjector:
+            def make_projector(first: list = first, gamma: float = gamma) -> ParamProjector:
                 """The projector at ``gamma``: first from the curvature at the pre-trained weights, then from
                 curvature recomputed at the current weights."""
                 if first[0]:  # the shared curvature at the pre-trained weights

@@ -5,7 +5,8 @@ as it stood after that round (``retention``: one :func:`~crispedit.evaluation.ed
 per round — ``n`` edits, teacher-forced ``tf_rel``, ``wild`` ``{"qa": rel, "chat": rel}``, each a fraction of
 the round-1 edits); a batched closed-form row (MEMIT, AlphaEdit over several batches — AlphaEdit-Seq in rounds of
 its batch size) stores its first batch's teacher-forced reliability after every batch (``training.first_batch_tf_rel``),
-read here as the same series without WILD measures. This module turns those records into the compare's retention table (markdown,
+read here as the same series without WILD measures. This module turns those records into the compare's retention table
+(markdown,
 :func:`retention_table`), its summary per row (:func:`retention_summary`: the fraction after the last round,
 and that fraction over the one after the first round — what of what the first round achieved is kept) and its picture
 (:func:`plot_retention`, ``DIR/retention.png``). From the rows' per-edit records it also reads every round's

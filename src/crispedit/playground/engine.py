@@ -93,7 +93,8 @@ def playground_config(config, family: str | None):
 class Playground:
     """A model to ask and edit. ``config``: the :class:`~crispedit.editing.config.EditConfig` every edit runs with
     (default: :func:`playground_config` — crispedit's defaults with a bfloat16 training forward where the hardware
-    has it natively and twice the learning rate, for an edit in under a minute on a CPU); its capability factors are fetched here, once, from ``cache_file``, from the
+    has it natively and twice the learning rate, for an edit in under a minute on a CPU); its capability factors are
+    fetched here, once, from ``cache_file``, from the
     content-addressed cache under ``cache_root`` or collected (:func:`~crispedit.editing.api.edit_factors`).
     ``kl_text`` / ``kl_texts``: the held-out text the drift is measured on (default: bundled WikiText);
     ``max_chars``: the longest question or answer taken; ``undo_depth``: how many of the latest edits keep
@@ -182,7 +183,8 @@ class Playground:
         ``drift`` (``measured`` and ``predicted`` nats/token from the start-up model, ``edit_predicted`` of this
         edit alone, ``ppl`` / ``ppl_base``, ``texts``), ``style`` (:func:`~crispedit.evaluation.assistant.style_drift`
         on :data:`STYLE_PROMPTS` unrelated prompts against the start-up model), ``bleed`` (with a ``subject``:
-        :func:`~crispedit.evaluation.assistant.subject_bleed` of this edit; else None), ``edit_seconds`` (training), ``eval_seconds``,
+        :func:`~crispedit.evaluation.assistant.subject_bleed` of this edit; else None), ``edit_seconds`` (training),
+        ``eval_seconds``,
         ``seconds`` (all), ``epochs``, ``loss`` and the new :meth:`state`."""
         from ..curvature.predicted import predicted_kl
         from ..data.edits import EditRequest

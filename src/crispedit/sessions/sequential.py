@@ -13,7 +13,8 @@ chunks, for a fixed model). The next round's projector is rebuilt from capabilit
 * ``weighting="trace"``: the same mix of the two sets after the edit factors are scaled to the capability
   factors' traces, layer by layer, so ``mix`` is the edits' share of each factor's energy (with raw factors the
   edits' output-gradient covariance, when larger than the capability one, takes most of it whatever ``mix``);
-* ``weighting="each"`` (default): the eigenbasis of ``trace``'s mix, with a mask that covers γ of the capability factors'
+* ``weighting="each"`` (default): the eigenbasis of ``trace``'s mix, with a mask that covers γ of the capability
+  factors'
   energy *and* γ of the accumulated edit factors' energy, each measured in that basis
   (:func:`~crispedit.curvature.projection.per_source_keep_mask`): neither set can take the whole budget, by its
   scale or by one outlier direction (results/README.md);
