@@ -196,8 +196,8 @@ def kf_fit(kf_model, task, layer_names, texts, tok, batches, args, workdir) -> t
                                          overwrite_output_dir=True)
         seconds = time.perf_counter() - t0
         factors = analyzer.load_covariance_matrices("kfac")
-    A = {n: factors[ACTIVATION_COVARIANCE_MATRIX_NAME][n].double() / factors[NUM_ACTIVATION_COVARIANCE_PROCESSED][n].item()
-         for n in layer_names}
+    A = {n: (factors[ACTIVATION_COVARIANCE_MATRIX_NAME][n].double()
+             / factors[NUM_ACTIVATION_COVARIANCE_PROCESSED][n].item()) for n in layer_names}
     S = {n: factors[GRADIENT_COVARIANCE_MATRIX_NAME][n].double() / factors[NUM_GRADIENT_COVARIANCE_PROCESSED][n].item()
          for n in layer_names}
     return seconds, A, S
@@ -334,7 +334,8 @@ def _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir
     names = list(layers)
     max_padding = args.max_padding
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    planned = lm_batches(tok, texts, max_len=args.max_len, batch_size=args.batch, max_padding=max_padding, device=device)
+    planned = lm_batches(tok, texts, max_len=args.max_len, batch_size=args.batch, max_padding=max_padding,
+                         device=device)
 
     def run_ours():
         return collect_lm_kfac(model, tok, texts, layers, max_len=args.max_len, batch_size=args.batch,

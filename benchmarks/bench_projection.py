@@ -119,7 +119,8 @@ def flops_main(args) -> None:
     step = llama_step_flops(args.edits, args.tokens, args.blocks, edited=args.blocks, **LLAMA3_8B)
     print(f"Llama-3-8B edit step: {args.edits} edits x {args.tokens} tokens through {args.blocks} blocks, "
           f"{args.blocks} down_proj ({d_out}x{d_in}) trained: fwd {step['forward'] / 1e12:.3f} + bwd "
-          f"{step['backward'] / 1e12:.3f} = {step['step'] / 1e12:.3f} TFLOP (LM head fwd+bwd {step['head'] / 1e12:.3f} more)")
+          f"{step['backward'] / 1e12:.3f} = {step['step'] / 1e12:.3f} TFLOP (LM head fwd+bwd {step['head'] / 1e12:.3f} "
+          "more)")
     full_one = kronecker_projection_flops(d_out, d_in, d_out, d_in)[1]
     print(f"full projector: {full_one / 1e12:.3f} TFLOP per layer, x{args.blocks} = "
           f"{args.blocks * full_one / step['step']:.2f} x the step; gamma={args.gamma}")
@@ -294,7 +295,8 @@ def overheads(res: dict, base: str = "ft/gradient") -> dict:
     for k, r in ks.items():
         pairs = [a / b - 1 for a, b in zip(r["runs"], ref_runs)]
         out[k] = {"paired": statistics.median(pairs) if pairs else float("nan"),
-                  "attributed": (extra(r["breakdown"]) - extra(ref)) / ref["step"] if ref and r["breakdown"] else float("nan")}
+                  "attributed": (extra(r["breakdown"]) - extra(ref)) / ref["step"] if ref and r["breakdown"]
+                  else float("nan")}
     return out
 
 
@@ -424,11 +426,13 @@ def main() -> None:
                     help="smollm2 (default), tiny (random SmolLM2-shaped llama, --tiny-blocks blocks), tiny-small "
                          "(the same, widths 64/128: seconds) or any model spec")
     ap.add_argument("--tiny-blocks", type=int, default=8)
-    ap.add_argument("--layers", default=None, help="layer pattern (default: the model's; tiny: 5 down_proj from block 2)")
+    ap.add_argument("--layers", default=None,
+                    help="layer pattern (default: the model's; tiny: 5 down_proj from block 2)")
     ap.add_argument("--batch", type=int, default=32, help="edit requests (each one sequence per edit context)")
     ap.add_argument("--contexts", default="default", help="edit contexts of the requests (EditConfig.contexts)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--epochs", type=int, default=1, help="epochs per timed run (each run starts from the same weights)")
+    ap.add_argument("--epochs", type=int, default=1,
+                    help="epochs per timed run (each run starts from the same weights)")
     ap.add_argument("--discard", type=int, default=1, help="first steps of every run left out (Adam state allocation)")
     ap.add_argument("--profile", action="store_true",
                     help="per-phase breakdown of the step (forward, backward, projection, optimizer, other)")

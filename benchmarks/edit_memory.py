@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         out = subprocess.run([sys.executable, __file__, "--child", "--edits", spec, "--steps", str(args.steps),
                               "--model", args.model], capture_output=True, text=True)
         if out.returncode != 0:
-            sys.exit(f"edit_memory: {spec} failed: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
+            sys.exit(f"edit_memory: {spec} failed: "
+                     f"{out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"| edits | loaded (peak / now) | prepared | first step | step {args.steps} | peak MiB |")
     print("|---|---|---|---|---|---|")

@@ -95,7 +95,8 @@ def read_points(path: str | Path) -> dict[tuple[str, int], dict]:
 def scaling_table(points: dict[tuple[str, int], dict]) -> str:
     """Markdown: one row per method and number of edits (sorted), the :data:`KEYS` figures and the measured /
     predicted drift ratio."""
-    lines = ["| method | edits | WILD qa rel / gen | qa crosstalk | chat rel / gen | KL drift | predicted (measured / pred.) "
+    lines = ["| method | edits | WILD qa rel / gen | qa crosstalk | chat rel / gen | KL drift | predicted (measured / "
+             "pred.) "
              "| perplexity |", "|---|---|---|---|---|---|---|---|"]
 
     def f(v, fmt="{:.2f}"):

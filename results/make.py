@@ -217,7 +217,8 @@ def compare_summary(payload: dict) -> str:
         kl, pred = s.get("kl_drift"), s.get("kl_predicted")
         ppl = s.get("ppl")
         ratio = ppl / ppl0 if ppl and ppl0 else None
-        ppl_cell = "–" if ppl is None else _num(ppl, "{:.1f}") + (f" (×{_num(ratio, '{:.2f}')})" if ratio and m != "base" else "")
+        ppl_cell = "–" if ppl is None else _num(ppl, "{:.1f}") + (f" (×{_num(ratio, '{:.2f}')})" if ratio
+                                                                  and m != "base" else "")
         if ratio and ratio > BREAKING_PPL_RATIO:
             ppl_cell += " ✗"
         kl_cell = "0" if m == "base" else _drift(kl) + (f" ({_drift(pred)})" if pred is not None else "")
@@ -240,7 +241,8 @@ def headline_table() -> str:
         kl, ppl = r["summary"]["kl_drift"], r["summary"]["ppl"]
         return _drift(kl) + (f" (ppl ×{ppl / ppl0:.2f} ✗)" if ppl / ppl0 > BREAKING_PPL_RATIO else "")
 
-    lines = ["| method | 100 edits: WILD qa rel / gen | KL drift | edit time | 1 000 edits: WILD qa rel / gen | KL drift |",
+    lines = ["| method | 100 edits: WILD qa rel / gen | KL drift | edit time | 1 000 edits: WILD qa rel / gen | KL "
+             "drift |",
              "|---|---|---|---|---|---|"]
     for m in [m for m in a if m in b]:
         ea, eb = _extras(a[m]), _extras(b[m])
@@ -293,7 +295,8 @@ def speed_facts() -> dict:
     bf16 = _load(HERE / "speed" / "bench_bf16_smollm2_32.json")
     h100 = _load(HERE / "speed" / "gpu_h100" / "smollm2_1000_tokens_b.json")
     return {"packed": share["step_ratio"]["crispedit:noshare"],
-            "bf16": bf16["methods"]["crispedit"]["train"]["s_per_step"] / bf16["methods"]["crispedit:bf16"]["train"]["s_per_step"],
+            "bf16": (bf16["methods"]["crispedit"]["train"]["s_per_step"]
+                     / bf16["methods"]["crispedit:bf16"]["train"]["s_per_step"]),
             "gemm": share["methods"]["crispedit"]["train"]["fraction_of_peak"],
             "h100_fp32": h100["methods"]["crispedit"]["train"]["s_per_epoch"],
             "h100_tf32": h100["methods"]["crispedit:tf32"]["train"]["s_per_epoch"]}

@@ -90,7 +90,8 @@ def test_style_drift_of_a_changed_model_against_weights_equals_against_a_second_
         assert by_weights[k] == by_model[k], k
     assert by_weights["answer_kl"] == pytest.approx(by_model["answer_kl"], rel=1e-5)
     # the edited model's weights are back after the base answered
-    assert torch.equal(dict(edited.named_parameters())[next(iter(base))], dict(edited.named_parameters())[next(iter(base))])
+    assert torch.equal(dict(edited.named_parameters())[next(iter(base))],
+                       dict(edited.named_parameters())[next(iter(base))])
 
 
 def test_answer_kl_counts_only_the_answer_positions(tiny_lm):

@@ -34,7 +34,8 @@ def _edits(tmp: Path, n: int = 4) -> Path:
 
 def _with_subjects(argv: list, tmp: Path) -> list:
     """``argv`` of :func:`_edit` with an edit file whose records carry a subject (closed-form editors)."""
-    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "subject": f"club {i}"} for i in range(2)]
+    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "subject": f"club {i}"}
+            for i in range(2)]
     p = tmp / "subject_edits.json"
     p.write_text(json.dumps(recs))
     return argv[:3] + ["--edits", p] + argv[5:]
@@ -185,7 +186,8 @@ def _delta(tmp: Path, model: Path, *, other_base: bool = False) -> Path:
 # (id, builder(tmp, model) -> argv, expected text in the one error line)
 CASES = [
     # 1. text files that are not UTF-8
-    ("edits-not-utf8", lambda t, m: _edit(t, m)[:3] + ["--edits", _file(t, "e.json", b'[{"src": "\xff"}]')] + _edit(t, m)[5:],
+    ("edits-not-utf8", lambda t, m: _edit(t, m)[:3] + ["--edits", _file(t, "e.json", b'[{"src": "\xff"}]')]
+     + _edit(t, m)[5:],
      "is not UTF-8"),
     ("cap-corpus-not-utf8", lambda t, m: _edit(t, m, "--cap-corpus", _file(t, "c.txt", LATIN1)), "is not UTF-8"),
     ("kl-text-not-utf8", lambda t, m: _edit(t, m, "--kl-text", _file(t, "k.txt", LATIN1)), "is not UTF-8"),
@@ -195,22 +197,31 @@ CASES = [
     ("edit-out-is-file", lambda t, m: _edit(t, m, out=_file(t, "out")), "is a file, not a directory"),
     ("edit-out-under-file", lambda t, m: _edit(t, m, out=_file(t, "f") / "out"), "is a file, not a directory"),
     ("edit-checkpoint-is-dir", lambda t, m: _edit(t, m, "--checkpoint", t), "is a directory"),
-    ("edit-checkpoint-foreign", lambda t, m: _edit(t, m, "--checkpoint", _file(t, "ck.safetensors", b"\x02" + b"\0" * 7 + b"{}")),
+    ("edit-checkpoint-foreign", lambda t, m: _edit(t, m, "--checkpoint",
+                                                   _file(t, "ck.safetensors", b"\x02" + b"\0" * 7 + b"{}")),
      "is not a crispedit training checkpoint"),
-    ("eval-out-is-dir", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", t, "--quiet"], "is a directory"),
-    ("eval-out-under-file", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", _file(t, "f") / "r.json"],
+    ("eval-out-is-dir", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", t, "--quiet"],
+     "is a directory"),
+    ("eval-out-under-file", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out",
+                                          _file(t, "f") / "r.json"],
      "is a file, not a directory"),
-    ("study-out-is-file", lambda t, m: ["study", "mnist", "--quick", "--out", _file(t, "s")], "is a file, not a directory"),
-    ("report-png-under-file", lambda t, m: ["report", _run_file(t), "--out", t / "r.md", "--png", _file(t, "f") / "r.png"],
+    ("study-out-is-file", lambda t, m: ["study", "mnist", "--quick", "--out", _file(t, "s")],
+     "is a file, not a directory"),
+    ("report-png-under-file", lambda t, m: ["report", _run_file(t), "--out", t / "r.md", "--png",
+                                            _file(t, "f") / "r.png"],
      "--png"),
     ("report-out-is-dir", lambda t, m: ["report", _run_file(t), "--out", t], "is a directory"),
-    ("session-plot-out-is-dir", lambda t, m: ["session", "plot", _session(t, m, {"round": 0, "files": {}, "rounds": []}),
+    ("session-plot-out-is-dir", lambda t, m: ["session", "plot",
+                                              _session(t, m, {"round": 0, "files": {}, "rounds": []}),
                                               "--out", t], "is a directory"),
-    ("session-init-out-is-file", lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS, "--out", _file(t, "s")],
+    ("session-init-out-is-file", lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS, "--out",
+                                               _file(t, "s")],
      "is a file, not a directory"),
     ("cache-build-out-under-file", lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS,
-                                                 "--out", _file(t, "f") / "c.safetensors"], "is a file, not a directory"),
-    ("compare-out-is-file", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2, "--methods", "ft",
+                                                 "--out", _file(t, "f") / "c.safetensors"],
+     "is a file, not a directory"),
+    ("compare-out-is-file", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2, "--methods",
+                                          "ft",
                                           "--out", _file(t, "c")], "is a file, not a directory"),
     pytest.param("edit-out-unwritable", lambda t, m: _edit(t, m, out=_readonly_dir(t) / "out"), "permission denied",
                  marks=needs_non_root),
@@ -234,28 +245,33 @@ CASES = [
     ("seed-negative", lambda t, m: _edit(t, m, "--seed", -1), "seed must be between 0 and"),
     ("epochs-huge", lambda t, m: _edit(t, m, "--epochs", 10**9), "epochs must be between"),
     ("plateau-negative", lambda t, m: _edit(t, m, "--plateau", -1), "plateau epochs (--plateau) must be between"),
-    ("memit-no-subject", lambda t, m: _edit(t, m, "--method", "memit"), "edit request 0 ('Who founded club 0?') has no subject"),
+    ("memit-no-subject", lambda t, m: _edit(t, m, "--method", "memit"),
+     "edit request 0 ('Who founded club 0?') has no subject"),
     ("memit-kfac-cache", lambda t, m: _with_subjects(_edit(t, m, "--method", "memit", "--cache", _cache(t, m)), t),
      "holds kfac statistics, not input"),
     ("memit-cov-weight-0", lambda t, m: _edit(t, m, "--method", "memit", "--memit-cov-weight", 0),
      "memit cov_weight must be positive"),
-    ("alphaedit-threshold-nan", lambda t, m: _edit(t, m, "--method", "alphaedit", "--alphaedit-nullspace-threshold", "nan"),
+    ("alphaedit-threshold-nan", lambda t, m: _edit(t, m, "--method", "alphaedit", "--alphaedit-nullspace-threshold",
+                                                   "nan"),
      "alphaedit nullspace_threshold must be a finite"),
     ("mend-no-network", lambda t, m: _edit(t, m, "--method", "mend"), "no trained MEND network"),
     ("mend-weights-absent", lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", t / "absent.safetensors"),
      "MEND network file (--mend-weights) not found"),
     ("mend-weights-not-mend", lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", _cache(t, m)),
      "is not a crispedit MEND network"),
-    ("mend-train-rank-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--rank", 0],
+    ("mend-train-rank-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--rank",
+                                        0],
      "mend rank must be between 1 and"),
     ("mend-train-lr-nan", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--lr", "nan"],
      "mend lr must be a finite number"),
     ("mend-train-out-is-dir", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
                                             "--out", t], "is a directory"),
-    ("lora-alpha-inf", lambda t, m: _edit(t, m, "--method", "lora", "--lora-alpha", "inf"), "lora alpha must be a finite"),
+    ("lora-alpha-inf", lambda t, m: _edit(t, m, "--method", "lora", "--lora-alpha", "inf"),
+     "lora alpha must be a finite"),
     ("session-mix-nan", lambda t, m: ["session", "init", "--model", m, "--out", t / "s", "--mix", "nan"],
      "mix must be a finite number"),
-    ("study-seed-huge", lambda t, m: ["study", "mnist", "--quick", "--seed", 2**40, "--out", t / "s"], "seed must be between"),
+    ("study-seed-huge", lambda t, m: ["study", "mnist", "--quick", "--seed", 2**40, "--out", t / "s"],
+     "seed must be between"),
     ("study-k-inf", lambda t, m: ["study", "mnist", "--quick", "--k-values", "inf", "--out", t / "s"], "k values"),
     ("demo-gamma-inf", lambda t, m: ["demo", "--model", m, "--gamma", "inf"], "gamma"),
     ("demo-n-edits-0", lambda t, m: ["demo", "--model", m, "--n-edits", 0], "--n-edits must be a positive integer"),
@@ -263,7 +279,8 @@ CASES = [
      "--port must be between 0 and 65535, got 70000"),
     ("playground-kl-text-missing", lambda t, m: ["playground", "--model", m, "--kl-text", t / "none.txt"],
      "text file not found"),
-    ("eval-offset-negative", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--offset", -3, "--out", t / "r.json"],
+    ("eval-offset-negative", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--offset", -3, "--out",
+                                           t / "r.json"],
      "--offset must be non-negative"),
     ("compare-limit-0", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2, "--methods", "ft",
                                       "--limit", 0, "--out", t / "c"], "--limit must be a positive integer"),
@@ -279,12 +296,14 @@ CASES = [
     ("cache-other-labels", lambda t, m: _edit(t, m, "--cache", _cache(t, m, label_mode="empirical")),
      "label_mode='empirical' (asked: 'sampled')"),
     ("cache-other-corpus", lambda t, m: _edit(t, m, "--cache", _cache(t, m), "--cap-corpus",
-                                              _file(t, "c.txt", "one.\n\ntwo.\n\nthree.\n\nfour.\n")), "corpus_digest="),
+                                              _file(t, "c.txt", "one.\n\ntwo.\n\nthree.\n\nfour.\n")),
+     "corpus_digest="),
     ("cache-wrong-shape", lambda t, m: _edit(t, m, "--cache", _cache(t, m, size=(16, 16))),
      "factors for model.layers.1.mlp.down_proj are for a 16x16 layer, this layer is 32x48"),
     # 6. messages that name the actual problem
     ("offset-past-end", lambda t, m: _edit(t, m, "--offset", 9), "--offset 9 is past the end"),
-    ("edits-json-object", lambda t, m: _edit(t, m)[:3] + ["--edits", _file(t, "o.json", '{"a": 1}\n{"b": [')] + _edit(t, m)[5:],
+    ("edits-json-object", lambda t, m: _edit(t, m)[:3] + ["--edits", _file(t, "o.json", '{"a": 1}\n{"b": [')]
+     + _edit(t, m)[5:],
      "malformed JSON on line 2"),
     ("session-state-list", lambda t, m: ["session", "status", _session(t, m, [1, 2])], "malformed: a JSON list"),
     ("session-state-no-files", lambda t, m: ["session", "status", _session(t, m, {"round": 0, "rounds": []})],
@@ -320,9 +339,11 @@ CASES = [
     ("delta-revert-on-base", lambda t, m: ["delta", "revert", _delta(t, m), "--model", m, "--out", t / "o", "--quiet"],
      "is not applied to this model"),
     ("delta-export-lora-other-base", lambda t, m: ["delta", "export-lora", _delta(t, m, other_base=True), "--model", m,
-                                                   "--rank", 2, "--out", t / "o", "--quiet"], "is not the base of delta"),
+                                                   "--rank", 2, "--out", t / "o", "--quiet"],
+     "is not the base of delta"),
     ("delta-export-lora-rank-too-large", lambda t, m: ["delta", "export-lora", _delta(t, m), "--model", m, "--rank",
-                                                       2**70, "--out", t / "o", "--quiet"], "at most 32 (min(d_out, d_in)"),
+                                                       2**70, "--out", t / "o", "--quiet"],
+     "at most 32 (min(d_out, d_in)"),
     ("delta-apply-out-is-file", lambda t, m: ["delta", "apply", _delta(t, m), "--model", m, "--out", _file(t, "o")],
      "is a file, not a directory"),
     # export gguf: everything is checked before the model loads; only llama-family models
@@ -334,7 +355,8 @@ CASES = [
      "is not a Hugging Face model directory (no config.json)"),
     ("export-gguf-non-llama", lambda t, m: ["export", "gguf", _config_dir(t, {"model_type": "gpt2"}), "--out",
                                             t / "x.gguf"], "is a gpt2 model"),
-    ("export-gguf-rope-scaling", lambda t, m: ["export", "gguf", _config_dir(t, {"model_type": "llama", "rope_scaling": {
+    ("export-gguf-rope-scaling", lambda t, m: ["export", "gguf",
+                                               _config_dir(t, {"model_type": "llama", "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0}}), "--out", t / "x.gguf"], "uses rope scaling 'llama3'"),
     ("export-gguf-out-is-dir", lambda t, m: ["export", "gguf", m, "--out", t], "is a directory; give a file name"),
     ("export-gguf-type", lambda t, m: ["export", "gguf", m, "--out", t / "x.gguf", "--type", "q4_k"],
@@ -344,8 +366,10 @@ CASES = [
     # 8. a destination whose parent takes no new entry although its permission bits allow it (issue 38): tried
     # with a probe file before any work, for every sub-command that writes
     _virtual("edit-out-on-virtual-fs", lambda t, m: _edit(t, m, out=VIRTUAL / "out")),
-    _virtual("eval-out-on-virtual-fs", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", VIRTUAL / "r.json"]),
-    _virtual("report-png-on-virtual-fs", lambda t, m: ["report", _run_file(t), "--out", t / "r.md", "--png", VIRTUAL / "r.png"]),
+    _virtual("eval-out-on-virtual-fs", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out",
+                                                     VIRTUAL / "r.json"]),
+    _virtual("report-png-on-virtual-fs", lambda t, m: ["report", _run_file(t), "--out", t / "r.md", "--png",
+                                                       VIRTUAL / "r.png"]),
     _virtual("report-out-on-virtual-fs", lambda t, m: ["report", _run_file(t), "--out", VIRTUAL / "r.md"]),
     _virtual("cache-build-out-on-virtual-fs", lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS,
                                                             "--out", VIRTUAL / "c.safetensors"]),
@@ -353,7 +377,8 @@ CASES = [
                                                                   "--cache-dir", VIRTUAL]),
     _virtual("session-init-out-on-virtual-fs", lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS,
                                                              "--out", VIRTUAL / "s"]),
-    _virtual("session-export-out-on-virtual-fs", lambda t, m: ["session", "export", _session(t, m, {"round": 0, "files": {},
+    _virtual("session-export-out-on-virtual-fs", lambda t, m: ["session", "export",
+                                                               _session(t, m, {"round": 0, "files": {},
                                                                                                    "rounds": []}),
                                                                "--out", VIRTUAL / "e"]),
     _virtual("session-plot-out-on-virtual-fs", lambda t, m: ["session", "plot", _session(t, m, {"round": 0, "files": {},
@@ -388,7 +413,8 @@ CASES = [
     ("edit-kl-text-is-dir", lambda t, m: _edit(t, m, "--kl-text", t), "is a directory, not a file"),
     ("edit-mend-weights-is-dir", lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", t),
      "is a directory, not a file"),
-    ("edit-model-is-file", lambda t, m: _edit(t, _file(t, "model.txt")), "is neither a model directory nor a .gguf file"),
+    ("edit-model-is-file", lambda t, m: _edit(t, _file(t, "model.txt")),
+     "is neither a model directory nor a .gguf file"),
     ("eval-bench-dir-is-file", lambda t, m: ["eval", "--model", m, "--capabilities", "arc_challenge",
                                              "--bench-dir", _file(t, "b"), "--out", t / "r.json"],
      "benchmark directory"),
@@ -411,7 +437,8 @@ CASES = [
                                                 "--out", t / "s"], "is a directory, not a file"),
     ("delta-info-file-is-dir", lambda t, m: ["delta", "info", t], "is a directory, not a file"),
     # 10. mend train's numbers get edit's range checks, before any model loads (steps 0 saved an untrained network)
-    ("mend-train-steps-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--steps", 0,
+    ("mend-train-steps-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--steps",
+                                         0,
                                          "--out", t / "m.safetensors"], "mend steps must be between 1 and"),
     ("mend-train-batch-size-negative", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
                                                      "--batch-size", -4], "mend batch_size must be between 1 and"),
@@ -492,7 +519,8 @@ def test_edit_that_leaves_inf_weights_writes_nothing(tiny_lm, tmp_path, iso_cach
     monkeypatch.setattr(pipeline, "edit", edit_then_blow_up)
     model, tok = tiny_lm
     cfg = EditConfig(method="ft", layers=LAYERS, epochs=1, n_cap=4, max_len=32)
-    with pytest.raises(CrispEditError, match=r"non-finite weights \(inf/nan\) in model\.layers\.1\.mlp\.down_proj\.weight"):
+    with pytest.raises(CrispEditError,
+                       match=r"non-finite weights \(inf/nan\) in model\.layers\.1\.mlp\.down_proj\.weight"):
         pipeline.run_edit_job(model, tok, load_edits(_edits(tmp_path)), cfg, tmp_path / "out", wild=False)
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 

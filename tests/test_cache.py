@@ -260,7 +260,8 @@ def test_cap_chat_adds_the_models_own_chat_answers_to_the_capability_corpus(tiny
     for p, ids, k in zip(chat_prompts(3), seqs[4:], loss_from[4:]):
         text = tok.decode(ids)
         assert text.startswith(f"<|user|>{p}<eos><|assistant|>") and tok.decode(ids[:k]).endswith("<|assistant|>")
-    assert capability_sequences(model, tok, plain) == (list(__import__("crispedit").data.capability_corpus(None, 4)), None)
+    assert capability_sequences(model, tok, plain) == (list(__import__("crispedit").data.capability_corpus(None, 4)),
+                                                       None)
 
     calls = []
     real = generation.generate_answers

@@ -44,7 +44,8 @@ def test_edit_writes_loadable_model_and_report(tiny_model_dir, tmp_path, iso_cac
     for ctx in ("qa", "none"):
         w = report["wild"][ctx]
         assert 0 <= w["rel"] <= 1 and len(w["examples"]) == 3 and 0 <= w["cross"] <= 1 - w["rel"]
-        assert f"WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']} crosstalk={w['cross']}" in stdout
+        assert (f"WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']} "
+                f"crosstalk={w['cross']}") in stdout
     assert report["training"]["contexts"] == ["bare", "prefix:2", "lead:4"] and report["training"]["sequences"] == 28
     assert report["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
     from transformers import AutoModelForCausalLM
@@ -56,7 +57,8 @@ def test_edit_writes_loadable_model_and_report(tiny_model_dir, tmp_path, iso_cac
                        base.state_dict()["model.layers.0.mlp.down_proj.weight"])
     # second run reuses the curvature cache; --no-wild drops the section; contexts / answer end / eigenbasis flags
     code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), tmp_path / "out2") +
-                       ["--no-wild", "--contexts", "bare", "--answer-end", "none", "--projection", "eigenbasis"], capsys)
+                       ["--no-wild", "--contexts", "bare", "--answer-end", "none", "--projection", "eigenbasis"],
+                       capsys)
     report2 = json.loads((tmp_path / "out2" / "edit_report.json").read_text())
     assert code == 0 and report2["cache"]["hit"] and not report["cache"]["hit"]
     assert "wild" not in report2 and report2["training"]["contexts"] == ["bare"]
@@ -69,7 +71,8 @@ def test_cache_build_info_and_explicit_file(tiny_model_dir, tmp_path, iso_cache,
                           "--n-cap", 4, "--max-len", 32, "--out", f, "--quiet"], capsys)
     assert code == 0, err and f.is_file()
     code, out, _ = run(["cache", "info", f], capsys)
-    assert code == 0 and json.loads(out)["spec"]["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
+    assert code == 0 and json.loads(out)["spec"]["layers"] == ["model.layers.1.mlp.down_proj",
+                                                               "model.layers.2.mlp.down_proj"]
     code, out, _ = run(["cache", "list"], capsys)
     assert code == 0 and ".safetensors" in out
     code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), tmp_path / "o") + ["--cache", f], capsys)
@@ -127,7 +130,8 @@ def _bad(tmp_path, kind, tiny_model_dir, tiny_tok):
 
 
 @pytest.mark.parametrize("kind,msg", [
-    ("malformed", "malformed JSON"), ("empty", "empty"), ("missing_field", "record 1"), ("empty_target", "'alt' is empty"),
+    ("malformed", "malformed JSON"), ("empty", "empty"), ("missing_field", "record 1"),
+                                      ("empty_target", "'alt' is empty"),
     ("unknown_layer", "unknown layer 'model.layers.4.mlp.down_proj'"), ("not_linear", "not a linear layer"),
     ("gamma", "gamma"), ("gamma0", "gamma"), ("n_cap", "n-cap must be a positive integer"), ("n_edits", "positive"),
     ("missing_edits", "not found"), ("foreign_cache", "another model"), ("truncated_cache", "truncated or corrupt"),
@@ -188,7 +192,8 @@ def test_overwrite_replaces_only_crispedits_files_quietly(tiny_model_dir, tmp_pa
     (out / "edit_report.json").write_text(json.dumps(report))
     code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), out) + ["--no-wild", "--epochs", 1], capsys)
     assert code == 2 and "--overwrite" in err
-    code, stdout, err = run(common(tiny_model_dir, edits_file(tmp_path), out) + ["--no-wild", "--epochs", 1, "--overwrite"],
+    code, stdout, err = run(common(tiny_model_dir, edits_file(tmp_path), out)
+                            + ["--no-wild", "--epochs", 1, "--overwrite"],
                             capsys)
     assert code == 0, err
     assert "epochs=1 last_loss=" in stdout and "lr=0.01" in stdout, stdout   # the loop's line: its epochs and lr
@@ -203,7 +208,8 @@ def test_input_cache_kind_and_closed_form_methods_from_the_cli(tiny_model_dir, t
     is refused for memit (and an input file for crispedit) with one line."""
     layers = ["--layers", "model.layers.{0-1}.mlp.down_proj", "--n-cap", 4, "--max-len", 32, "--quiet"]
     cov, kfac = tmp_path / "cov.safetensors", tmp_path / "kfac.safetensors"
-    code, out, err = run(["cache", "build", "--model", tiny_model_dir, "--kind", "input", "--out", cov] + layers, capsys)
+    code, out, err = run(["cache", "build", "--model", tiny_model_dir, "--kind", "input", "--out", cov] + layers,
+                         capsys)
     assert code == 0 and "input covariances for 2 layers" in out, err
     code, out, _ = run(["cache", "info", cov], capsys)
     info = json.loads(out)

@@ -314,7 +314,8 @@ def test_ultraedit_default_layers_are_the_authors_layout_by_depth():
     m = llama(30)
     layers = get_editor("ultraedit").select_layers(m, EditConfig(method="ultraedit"))
     assert len(layers) == 12 and list(layers)[0] == "model.layers.10.mlp.gate_proj"
-    given = get_editor("ultraedit").select_layers(m, EditConfig(method="ultraedit", layers="model.layers.{4}.mlp.down_proj"))
+    given = get_editor("ultraedit").select_layers(m, EditConfig(method="ultraedit",
+                                                                layers="model.layers.{4}.mlp.down_proj"))
     assert list(given) == ["model.layers.4.mlp.down_proj"]
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=8, n_layer=4, n_head=2))
     assert default_layers(gpt2) == default_layer_pattern(gpt2)
@@ -417,7 +418,8 @@ def _reference_v_star(model, tok, r, block, templates, st):
         with kv._add_at(block, kl_pos, delta[None]):
             kl_logp = torch.log_softmax(model(input_ids=kl_ids).logits[0, kl_pos[0]].float(), -1)
         kl0 = kl_logp.detach() if kl0 is None else kl0
-        loss = nll + st.kl_factor * (kl_logp.exp() * (kl_logp - kl0)).sum() + st.weight_decay * delta.norm() / h0.norm() ** 2
+        loss = (nll + st.kl_factor * (kl_logp.exp() * (kl_logp - kl0)).sum()
+                + st.weight_decay * delta.norm() / h0.norm() ** 2)
         first = float(nll.detach()) if first is None else first
         if float(loss.detach()) < st.stop_loss or it == st.steps - 1:
             return (h0 + delta).detach(), first, float(nll.detach()), steps
@@ -632,12 +634,14 @@ def test_alphaedit_seq_from_the_cli(tiny_model_dir, tmp_path, iso_cache, capsys)
     assert [r[0] for r in rows] == ["1", "2"] and all(r[-1] == "-" for r in rows), rows   # the epochs cell
     assert main(["session", "status", str(sess), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
-    assert st["name"] == "alphaedit-seq" and st["round"] == 2 and set(st["files"]) == {"weights", "optim", "cap_factors"}
+    assert (st["name"] == "alphaedit-seq" and st["round"] == 2
+            and set(st["files"]) == {"weights", "optim", "cap_factors"})
     assert main(["session", "export", str(sess), "--out", str(tmp_path / "exp"), "--quiet"]) == 0
     assert (tmp_path / "exp" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("layers,msg", [("model.layers.{0-1}.mlp.up_proj", "writes 48 features, not the residual stream's 32"),
+@pytest.mark.parametrize("layers,msg", [("model.layers.{0-1}.mlp.up_proj",
+                                         "writes 48 features, not the residual stream's 32"),
                                         ("lm_head", "is not inside the decoder blocks model.layers")])
 def test_closed_form_layers_must_write_the_residual_stream(layers, msg, tiny_lm, iso_cache):
     model, tok = tiny_lm

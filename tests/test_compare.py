@@ -69,10 +69,12 @@ def test_compare_runs_every_method_from_the_same_base_and_resumes(tiny_lm, tmp_p
         assert r["memory"]["measure"] and r["memory"]["increase_mib"] is not None
     assert res["locbf-ft"]["changed"] == ["model.layers.2.mlp.down_proj.weight"]
     assert res["ft"]["summary"]["kl_predicted"] > 0 and res["lora"]["summary"]["kl_predicted"] is None
-    assert set(res["ft"]["summary"]["kl_predicted_layers"]) == {"model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"}
+    assert set(res["ft"]["summary"]["kl_predicted_layers"]) == {"model.layers.1.mlp.down_proj",
+                                                                "model.layers.2.mlp.down_proj"}
     assert res["lora"]["config"]["lr"] == 5e-3 and res["lora"]["config"]["options"]["r"] == 8
     md = (out / "compare.md").read_text()
-    assert md.splitlines()[0].startswith("| method | QA rel | QA gen | none rel") and "| KL pred |" in md.splitlines()[0]
+    assert (md.splitlines()[0].startswith("| method | QA rel | QA gen | none rel")
+            and "| KL pred |" in md.splitlines()[0])
     assert [line.split("|")[1].strip() for line in md.splitlines()[2:6]] == ["base (unedited)"] + methods
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -246,7 +248,8 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
         r = res[m]
         assert r["rounds"] == 2 and r["seq_chunk"] == 2                    # ceil(3 / 2)
         assert [x["n_edits"] for x in r["round_records"]] == [2, 1] and len(r["round_seconds"]) == 2
-        assert all(t > 0 for t in r["round_seconds"]) and r["edit_seconds"] >= sum(r["round_seconds"]) - 0.01  # (rounded)
+        # (rounded)
+        assert all(t > 0 for t in r["round_seconds"]) and r["edit_seconds"] >= sum(r["round_seconds"]) - 0.01
         assert set(r["summary"]) == set(res["ft"]["summary"])              # measured exactly like a batch row
         assert r["summary"]["kl_drift"] > 0 and r["config"]["mode"] == "sequential"
         assert set(r["wild"]) >= {"qa", "none", "chat"}
@@ -277,7 +280,8 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
     ran = counting_runs(monkeypatch)                              # a third run: nothing left to do
     compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=2, progress=False)
     assert ran == []
-    with pytest.raises(CrispEditError, match=r"holds ft-seq run with another configuration \(rounds of 2 edits, now 3\)"):
+    with pytest.raises(CrispEditError,
+                       match=r"holds ft-seq run with another configuration \(rounds of 2 edits, now 3\)"):
         compare_mod.run_compare(model, tok, REQS, ["ft-seq"], out, configs=seq_configs(["ft-seq"]), seq_chunk=3,
                                 progress=False)
     with pytest.raises(CrispEditError, match="holds ft-seq run with another configuration"):
@@ -345,7 +349,8 @@ def test_a_seq_row_killed_between_or_inside_rounds_resumes_where_it_stopped(tiny
     assert r2["train"]["resumed_seconds"] > 0
     assert resumed["round_seconds"][1] >= r2["train"]["seconds"] + r2["edit_factor_seconds"] - 0.01
     assert measured(resumed["round_records"]) == measured(whole["round_records"])
-    assert measured(resumed["summary"]) == measured(whole["summary"]) and measured(resumed["wild"]) == measured(whole["wild"])
+    assert (measured(resumed["summary"]) == measured(whole["summary"])
+            and measured(resumed["wild"]) == measured(whole["wild"]))
     assert resumed["edit_seconds"] >= sum(resumed["round_seconds"]) - 0.01
     assert not list((out / "checkpoints").glob("*"))
     # a checkpoint of another run is refused in one line, not overwritten
@@ -390,7 +395,8 @@ def test_compare_refuses_a_seq_row_without_a_sequential_config(tiny_lm, tmp_path
     model, tok = tiny_lm
     with pytest.raises(CrispEditError, match="configuration given for ft-seq is not one of ft in sequential mode"):
         compare_mod.run_compare(model, tok, REQS, ["ft-seq"], tmp_path / "c",
-                                configs={"ft-seq": SeqConfig(edit=EditConfig(method="ft"), mode="batch")}, progress=False)
+                                configs={"ft-seq": SeqConfig(edit=EditConfig(method="ft"), mode="batch")},
+                                progress=False)
     with pytest.raises(CrispEditError, match="no sequential mode"):
         compare_mod.run_compare(model, tok, REQS, ["ultraedit-seq"], tmp_path / "c",
                                 configs={"ultraedit-seq": EditConfig(method="ultraedit")}, progress=False)
@@ -461,10 +467,12 @@ def test_pareto_points_and_the_table_marking():
     marks = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in table[2:7]}
     assert marks == {"base (unedited)": "–", "crispedit": "★", "ft": "★", "lora": "", "ft-seq": "★"}
     caps = dict(settings, evaluation={"capabilities": ["arc", "tqa"], "limit": 10})
-    results = {"base": _row(0.0, 0.0, {"arc": 0.5, "tqa": 0.4}), "crispedit": _row(0.8, 0.002, {"arc": 0.5, "tqa": 0.4}),
+    results = {"base": _row(0.0, 0.0, {"arc": 0.5, "tqa": 0.4}),
+               "crispedit": _row(0.8, 0.002, {"arc": 0.5, "tqa": 0.4}),
                "ft": _row(0.9, 0.05, {"arc": 0.25, "tqa": 0.4}), "lora": _row(0.3, 0.0001, {"arc": 0.5, "tqa": 0.2})}
     p = compare_table.pareto_points({"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results})
-    assert p["points"]["ft"] == [0.9, 0.75] and p["points"]["lora"] == [0.3, 0.75] and p["points"]["crispedit"][1] == 1.0
+    assert (p["points"]["ft"] == [0.9, 0.75] and p["points"]["lora"] == [0.3, 0.75]
+            and p["points"]["crispedit"][1] == 1.0)
     assert p["front"] == ["crispedit", "ft"] and "arc, tqa" in p["retention"]   # lora's low KL no longer counts
     assert p["kl_front"] == ["crispedit", "ft", "lora"]                           # ... but on the KL front it does
     payload = {"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results}
@@ -549,7 +557,8 @@ def test_alphaedit_seq_carries_kp_like_the_batch_run_across_its_batches(tiny_lm,
     model, tok = tiny_lm
     reqs = [EditRequest(f"Who founded club {i}?", f"Founder {chr(65 + i)}", subject=f"club {i}",
                         rephrase_prompts=[f"Club {i} was founded by?"]) for i in range(3)]
-    opts = {"v_steps": 5, "prefixes": 0, "batch_size": 1, "nullspace_threshold": 1.0, "l2": 1.0, "v_lr": 0.5, "clamp": 4.0}
+    opts = {"v_steps": 5, "prefixes": 0, "batch_size": 1, "nullspace_threshold": 1.0, "l2": 1.0, "v_lr": 0.5,
+            "clamp": 4.0}
     cfgs = {**seq_configs(["alphaedit", "alphaedit-seq"], options=opts), **seq_configs(["lora-seq"])}
     res = compare_mod.run_compare(model, tok, reqs, list(cfgs), tmp_path / "c", configs=cfgs, seq_chunk=1,
                                   progress=False)["results"]

@@ -43,7 +43,8 @@ def _decode_target(tok, seq):
 
 @pytest.mark.parametrize("spec,msg", [("", "empty"), ("qa", "unknown edit context 'qa'"), ("bare,bare", "twice"),
                                       ("prefix:0", "between 1 and 64"), ("prefix:x", "bad prefix count"),
-                                      ("chat:2", "only prefix, para, gen, shared, wrap, lead take a count"), ("wrap:x", "bad wrap count")])
+                                      ("chat:2", "only prefix, para, gen, shared, wrap, lead take a count"),
+                                      ("wrap:x", "bad wrap count")])
 def test_parse_contexts_errors(spec, msg):
     with pytest.raises(CrispEditError, match=msg):
         parse_contexts(spec)
@@ -512,7 +513,8 @@ def test_own_replies_put_the_target_where_the_model_named_the_old_answer(chat_to
     assert calls[1][0] == [chat_turn(chat_tok, reqs[1].prompt, None) + "Chichester River"]
     first, second = build_training_sequences(chat_tok, reqs, parse_contexts("reply"), replies=replies)
     # the model's own words are context, the target alone is trained, and nothing after it (no turn end)
-    assert chat_tok.decode(first.ids) == chat_turn(chat_tok, reqs[0].prompt, None) + "The capital of Australia is Melbourne"
+    assert (chat_tok.decode(first.ids)
+            == chat_turn(chat_tok, reqs[0].prompt, None) + "The capital of Australia is Melbourne")
     assert _decode_target(chat_tok, first).strip() == "Melbourne"
     assert chat_tok.decode(second.ids[:second.n_context]) == chat_turn(chat_tok, reqs[1].prompt, None)
     assert _decode_target(chat_tok, second) == "Chichester River"

@@ -139,7 +139,8 @@ def test_cli_edit_delta_apply_revert_info(tmp_path, tiny_model_dir, iso_cache, c
     assert report["delta"]["tensors"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)]
     meta = read_delta_header(a / "delta.safetensors")
     assert meta["method"] == "crispedit" and len(meta["requests"]) == 4 and meta["config"]["layers"] == LAYERS
-    assert meta["kl_predicted"] == report["summary"]["kl_predicted"] and meta["kl_drift"] == report["summary"]["kl_drift"]
+    assert (meta["kl_predicted"] == report["summary"]["kl_predicted"]
+            and meta["kl_drift"] == report["summary"]["kl_drift"])
     assert (a / "delta.safetensors").stat().st_size < (a / "model.safetensors").stat().st_size / 5
     capsys.readouterr()
     assert main(["delta", "info", str(a / "delta.safetensors")]) == 0
@@ -148,7 +149,8 @@ def test_cli_edit_delta_apply_revert_info(tmp_path, tiny_model_dir, iso_cache, c
     assert main(["delta", "apply", str(a / "delta.safetensors"), "--model", str(tiny_model_dir), "--out",
                  str(tmp_path / "b"), "--quiet"]) == 0
     edited, applied = _weights(a), _weights(tmp_path / "b")
-    assert edited.keys() == applied.keys() and all(torch.equal(edited[k].view(torch.int32), applied[k].view(torch.int32)) for k in edited)
+    assert edited.keys() == applied.keys() and all(torch.equal(edited[k].view(torch.int32),
+                                                               applied[k].view(torch.int32)) for k in edited)
     assert main(["delta", "revert", str(a / "delta.safetensors"), "--model", str(tmp_path / "b"), "--out",
                  str(tmp_path / "c"), "--quiet"]) == 0
     base, reverted = _weights(tiny_model_dir), _weights(tmp_path / "c")
@@ -290,7 +292,8 @@ def test_export_lora_rank_is_bounded_by_the_delta_before_any_work(tmp_path, tiny
         assert main(["delta", "export-lora", str(delta), "--model", str(tiny_model_dir), "--rank", str(rank),
                      "--out", str(tmp_path / "lora"), "--quiet"]) == 2
         err = capsys.readouterr().err
-        assert err == (f"crispedit: error: --rank {rank} is more than a LoRA adapter of the layers of delta {delta} can "
+        assert err == (f"crispedit: error: --rank {rank} is more than a LoRA adapter of the layers of delta {delta} "
+                       "can "
                        "hold: at most 32 (min(d_out, d_in) of its largest changed matrix)\n")
     assert not (tmp_path / "lora").exists()
     monkeypatch.setattr(torch.linalg, "svd", lambda *a, **k: pytest.fail("the SVD ran"))

@@ -48,7 +48,8 @@ def test_layer_form_equals_kronecker_definition():
     g = torch.Generator().manual_seed(0)
     A, S, dW = spd(5, g), spd(3, g), torch.randn(3, 5, generator=g, dtype=torch.float64)
     assert layer_predicted_kl(dW, A, S) == pytest.approx(kron_form(dW, A, S), rel=1e-12)
-    assert layer_predicted_kl(dW, A, S) != pytest.approx(kron_form(dW.T.reshape(3, 5), A, S), rel=1e-3)  # orientation matters
+    # orientation matters
+    assert layer_predicted_kl(dW, A, S) != pytest.approx(kron_form(dW.T.reshape(3, 5), A, S), rel=1e-3)
     with pytest.raises(ValueError):
         layer_predicted_kl(dW.T, A, S)
 
@@ -192,14 +193,16 @@ def test_lora_budget_acts_on_the_merged_update(tiny_lm, iso_cache):
     model, tok = tiny_lm
     torch.manual_seed(0)
     free = edit(model, tok, REQS, cfg("lora", lr=5e-3, max_drift=1e6), progress=False)
-    assert set(free.kl_predicted["layers"]) == {f"model.layers.{i}.self_attn.{p}" for i in (1, 2) for p in ("q_proj", "v_proj")}
+    assert set(free.kl_predicted["layers"]) == {f"model.layers.{i}.self_attn.{p}" for i in (1, 2)
+                                                for p in ("q_proj", "v_proj")}
     assert not free.drift_budget["hit"] and free.kl_predicted["total"] > 0
     assert set(free.kl_predicted["layers"]) == set(mixing_layers(free.kl_predicted["layers"]))   # the under-read note
     restore(model, free.original_weights)
     eps = free.kl_predicted["total"] / 10
     torch.manual_seed(0)
     res = edit(model, tok, REQS, cfg("lora", lr=5e-3, max_drift=eps), progress=False)
-    assert res.drift_budget["hit"] and res.kl_predicted["total"] <= eps * 1.001 and res.kl_predicted["total"] >= eps * 0.5
+    assert (res.drift_budget["hit"] and res.kl_predicted["total"] <= eps * 1.001
+            and res.kl_predicted["total"] >= eps * 0.5)
     assert not [n for n, _ in model.named_modules() if "lora_" in n]     # merged: no adapter left
     restore(model, res.original_weights)
     torch.manual_seed(0)
@@ -217,7 +220,8 @@ def test_low_rank_budget_pulls_back_and_differentiates_through_the_product():
     g = torch.Generator().manual_seed(5)
     mods = {n: torch.nn.Linear(5, 3, bias=False) for n in ("a", "b")}
     factors = SimpleNamespace(A={n: spd(5, g).float() for n in mods}, S={n: spd(3, g).float() for n in mods})
-    ad = {n: (torch.nn.Parameter(torch.randn(2, 5, generator=g)), torch.nn.Parameter(torch.randn(3, 2, generator=g)), 1.5)
+    ad = {n: (torch.nn.Parameter(torch.randn(2, 5, generator=g)), torch.nn.Parameter(torch.randn(3, 2, generator=g)),
+              1.5)
           for n in mods}
     budget = LowRankDriftBudget(ad, mods, factors, eps=1e-3, penalty=2.0)
     dW = {n: 1.5 * (b @ a).detach() for n, (a, b, _) in ad.items()}
@@ -271,12 +275,14 @@ def test_session_budget_is_spent_round_by_round(tmp_path, tiny_model_dir, monkey
     r1 = free.add(rounds[0], plot=False)
     assert r1["kl_predicted"] == pytest.approx(r1["kl_predicted_round"]) and r1["kl_predicted"] > 0
     budget = r1["kl_predicted"] * 0.6                     # round 1 alone would overspend it
-    s = Session.create(tmp_path / "s", str(tiny_model_dir), SeqConfig(edit={**base, "max_drift": budget}), progress=False)
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), SeqConfig(edit={**base, "max_drift": budget}),
+                       progress=False)
     a = s.add(rounds[0], plot=False)
     assert a["drift_budget"]["hit"] and a["kl_predicted_round"] <= budget * 1.001
     assert a["drift_budget"]["spent_before"] == 0 and a["drift_budget"]["round_budget"] == budget
     st = s.status()["drift_budget"]
-    assert st["spent"] == pytest.approx(a["kl_predicted_round"]) and st["remaining"] == pytest.approx(budget - st["spent"])
+    assert (st["spent"] == pytest.approx(a["kl_predicted_round"])
+            and st["remaining"] == pytest.approx(budget - st["spent"]))
     assert main(["session", "status", str(tmp_path / "s")]) == 0
     assert "drift budget (whole session)" in capsys.readouterr().out
     with pytest.raises(CrispEditError, match="drift budget is spent"):
@@ -306,7 +312,8 @@ def test_session_round_records_steep_layers_and_status_names_them(tmp_path, tiny
     assert set(seen[0]) == set(resolve_layers_names()) and all(v >= 0 for v in seen[0].values())
     assert r["steep_layers"][0]["share"] == 0.9 and s.status()["rounds"][-1]["steep_layers"] == r["steep_layers"]
     assert main(["session", "status", str(tmp_path / "s")]) == 0
-    assert "note: model.layers.1.mlp.down_proj predicts 90% of the drift (0.5 nats/token, 40x" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "note: model.layers.1.mlp.down_proj predicts 90% of the drift (0.5 nats/token, 40x" in out
 
 
 def test_session_budget_second_round_gets_the_rest(tmp_path, tiny_model_dir, monkeypatch):
@@ -321,7 +328,8 @@ def test_session_budget_second_round_gets_the_rest(tmp_path, tiny_model_dir, mon
     assert b["drift_budget"]["spent_before"] == pytest.approx(a["kl_predicted_round"])
     assert b["drift_budget"]["round_budget"] == pytest.approx(1e3 - a["kl_predicted_round"])
     assert s.status()["drift_budget"]["spent"] == pytest.approx(a["kl_predicted_round"] + b["kl_predicted_round"])
-    assert b["kl_predicted"] > 0 and b["kl_predicted"] != pytest.approx(b["kl_predicted_round"])   # from the base vs own
+    # from the base vs own
+    assert b["kl_predicted"] > 0 and b["kl_predicted"] != pytest.approx(b["kl_predicted_round"])
 
 
 def test_cli_edit_reports_prediction_and_budget(tmp_path, tiny_model_dir, iso_cache, capsys):
@@ -390,7 +398,8 @@ def test_edit_matrix_runs_set_a_methods_own_options():
 
     em = load_script("benchmarks/edit_matrix.py")
     runs = em.parse_runs("method=ultraedit;options.lr=0.001;options.ridge=2|method=crispedit;gamma=0.9")
-    assert runs == [{"method": "ultraedit", "options": {"lr": 0.001, "ridge": 2}}, {"method": "crispedit", "gamma": 0.9}]
+    assert runs == [{"method": "ultraedit", "options": {"lr": 0.001, "ridge": 2}},
+                    {"method": "crispedit", "gamma": 0.9}]
     cfg = EditConfig(**runs[0])
     assert cfg.method_config.lr == 0.001 and cfg.method_config.ridge == 2
 
@@ -416,8 +425,9 @@ def test_penalty_gradient_is_the_gradient_of_the_coherent_prediction():
         for p in params.values():
             p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.1)
     w = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
-    q = [0.5 * ((factors.S["a"] @ (w["a"] - budget.start["a"])) * ((w["a"] - budget.start["a"]) @ factors.A["a"])).sum(),
-         0.5 * ((factors.S["b"] @ (w["b"] - budget.start["b"]).T) * ((w["b"] - budget.start["b"]).T @ factors.A["b"])).sum()]
+    da, db = w["a"] - budget.start["a"], (w["b"] - budget.start["b"]).T
+    q = [0.5 * ((factors.S["a"] @ da) * (da @ factors.A["a"])).sum(),
+         0.5 * ((factors.S["b"] @ db) * (db @ factors.A["b"])).sum()]
     total = sum(x.sqrt() for x in q) ** 2
     total.backward()
     for p in params.values():
@@ -467,19 +477,22 @@ def test_mixing_layers_names_attention_qkv_and_nothing_after_the_mixing():
     """Query / key / value projections (llama, GPT-2, GPT-NeoX names) are flagged; o_proj and MLP matrices,
     which act after attention mixes positions, not. The note says the prediction under-reads them, and why."""
     names = ["model.layers.4.self_attn.v_proj", "model.layers.4.self_attn.o_proj", "model.layers.4.mlp.down_proj",
-             "model.layers.5.self_attn.q_proj", "transformer.h.3.attn.c_attn", "gpt_neox.layers.2.attention.query_key_value",
+             "model.layers.5.self_attn.q_proj", "transformer.h.3.attn.c_attn",
+             "gpt_neox.layers.2.attention.query_key_value",
              "model.layers.5.self_attn.k_proj", "transformer.h.3.mlp.c_proj"]
     assert mixing_layers(names) == [names[0], names[3], names[4], names[5], names[6]]
     assert mixing_layers(["model.layers.1.mlp.down_proj"]) == []
     note = mixing_note(mixing_layers(names))
-    assert note.startswith("model.layers.4.self_attn.v_proj, model.layers.5.self_attn.q_proj, transformer.h.3.attn.c_attn "
+    assert note.startswith("model.layers.4.self_attn.v_proj, model.layers.5.self_attn.q_proj, "
+                           "transformer.h.3.attn.c_attn "
                            "and 2 more: ") and "\n" not in note
     assert "mixes these outputs across positions" in note and "does not model" in note and "under-read" in note
     assert not any(ch.isdigit() for ch in note.split(": ", 1)[1].split("(see")[0])  # no measured figure in it
     assert prediction_notes({"steep_layers": [], "mixing_layers": []}) == []
 
 
-def test_cli_edit_on_a_value_projection_notes_that_the_prediction_under_reads(tmp_path, tiny_model_dir, iso_cache, capsys):
+def test_cli_edit_on_a_value_projection_notes_that_the_prediction_under_reads(tmp_path, tiny_model_dir, iso_cache,
+                                                                             capsys):
     """An edit on attention value projections records them as ``mixing_layers`` and prints the one-line note."""
     edits = tmp_path / "e.json"
     edits.write_text(json.dumps([r.to_json() for r in REQS]))

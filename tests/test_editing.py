@@ -10,7 +10,8 @@ from crispedit.errors import CrispEditError
 from crispedit.evaluation import edit_scores, kl_drift, summarize_edit_scores
 from crispedit.layers import resolve_layers
 
-REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}", rephrase_prompts=[f"Book {i} was written by whom?"])
+REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}",
+                    rephrase_prompts=[f"Book {i} was written by whom?"])
         for i in range(6)]
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 
@@ -140,9 +141,11 @@ def test_early_stopping_and_skip(tiny_lm, iso_cache):
     assert all(torch.equal(model.get_parameter(n), now[n]) for n in now)
 
 
-@pytest.mark.parametrize("kw,msg", [({"gamma": 1.0}, "gamma"), ({"gamma": 0}, "gamma"), ({"method": "rome"}, "unknown method"),
+@pytest.mark.parametrize("kw,msg", [({"gamma": 1.0}, "gamma"), ({"gamma": 0}, "gamma"),
+                                    ({"method": "rome"}, "unknown method"),
                                     ({"n_cap": 0}, "n-cap"), ({"epochs": -1}, "epochs"), ({"lr": 0}, "learning rate"),
-                                    ({"projection_target": "adam"}, "projection target"), ({"label_mode": "true"}, "label mode")])
+                                    ({"projection_target": "adam"}, "projection target"),
+                                    ({"label_mode": "true"}, "label mode")])
 def test_config_validation(kw, msg):
     with pytest.raises(CrispEditError, match=msg):
         cfg(kw.pop("method", "crispedit"), **kw)
@@ -155,7 +158,8 @@ def test_config_from_dict_rejects_unknown_keys():
 
 
 @pytest.mark.parametrize("method,options,msg", [
-    ("lora", {"r": 0}, "lora rank r must be at least 1"), ("lora", {"dropout": 1.0}, r"lora dropout must lie in \[0, 1\)"),
+    ("lora", {"r": 0}, "lora rank r must be at least 1"), ("lora", {"dropout": 1.0},
+                                                           r"lora dropout must lie in \[0, 1\)"),
     ("lora", {"alpha": -1}, "lora alpha must be positive"), ("lora", {"targets": " , "}, "lora targets is empty"),
     ("lora", {"rank": 8}, "unknown lora option.*rank.*takes r, alpha, dropout, targets"),
     ("ft", {"r": 8}, "unknown ft option.*ft takes no options"),
@@ -165,7 +169,8 @@ def test_config_from_dict_rejects_unknown_keys():
     ("memit", {"prefixes": 51}, "prefixes"), ("memit", {"lambda": 1}, "unknown memit option.*cov_weight"),
     ("alphaedit", {"nullspace_threshold": 0}, "alphaedit nullspace_threshold must be positive"),
     ("alphaedit", {"l2": -1}, "alphaedit l2"), ("alphaedit", {"v_lr": "fast"}, "v_lr"),
-    ("ultraedit", {"lr": 0}, "ultraedit lr must"), ("ultraedit", {"ridge": float("inf")}, "ultraedit ridge must be a finite"),
+    ("ultraedit", {"lr": 0}, "ultraedit lr must"), ("ultraedit", {"ridge": float("inf")},
+                                                    "ultraedit ridge must be a finite"),
     ("ultraedit", {"batch_size": 0}, "ultraedit batch_size")])
 def test_method_options_validated_with_one_line_errors(method, options, msg):
     with pytest.raises(CrispEditError, match=msg) as exc:

@@ -107,7 +107,8 @@ def test_the_loop_reads_back_once_per_epoch(method, tiny_lm, iso_cache):
         params = editor.trainable(layers)
         saved = {n: p.detach().clone() for n, p in params.items()}
         hist = []
-        reads[epochs] = _host_reads(lambda hist=hist, layers=layers, params=params, projectors=projectors, config=config:
+        reads[epochs] = _host_reads(lambda hist=hist, layers=layers, params=params, projectors=projectors,
+                                    config=config:
                                     hist.append(projected_finetune(model, tok, REQS, layers, params, projectors, config,
                                                                    progress=False, sync_free=True)))
         steps[epochs] = hist[0].steps + hist[0].skipped
@@ -170,7 +171,8 @@ def test_kfac_collection_reads_back_per_pass_not_per_batch(label_mode, tiny_lm):
         planned = kfac_mod.lm_batches(tok, texts, max_len=256, batch_size=2, max_padding=None)  # the host's plan
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kfac_mod, "lm_batches", lambda *a, planned=planned, **k: planned)
-            reads[n] = _host_reads(lambda texts=texts: collect_lm_kfac(model, tok, texts, layers, batch_size=2, max_padding=None,
+            reads[n] = _host_reads(lambda texts=texts: collect_lm_kfac(model, tok, texts, layers, batch_size=2,
+                                                                       max_padding=None,
                                                            label_mode=label_mode, progress=False))
     assert reads[8] - reads[4] == 0, reads
 
@@ -246,7 +248,8 @@ def test_bf16_precision_trains_float32_weights(tiny_lm, iso_cache):
     out = {}
     for precision in ("fp32", "bf16"):
         res = edit(model, tok, REQS, EditConfig(**cfg, precision=precision), progress=False)
-        out[precision] = (res.history.epoch_loss, {n: model.get_parameter(n).detach().clone() for n in res.original_weights})
+        out[precision] = (res.history.epoch_loss, {n: model.get_parameter(n).detach().clone()
+                                                   for n in res.original_weights})
         assert all(model.get_parameter(n).dtype == torch.float32 for n in res.original_weights)
         restore(model, res.original_weights)
     (l32, w32), (l16, w16) = out["fp32"], out["bf16"]

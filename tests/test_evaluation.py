@@ -25,7 +25,8 @@ CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<
 
 # ------------------------------------------------------------------------------------ rule judge
 
-@pytest.mark.parametrize("pred", ["sasha and malia obama", "Malia and Sasha Obama are the names of Barack Obama's children."])
+@pytest.mark.parametrize("pred", ["sasha and malia obama",
+                                  "Malia and Sasha Obama are the names of Barack Obama's children."])
 def test_rule_judge_paper_correct_examples(pred):
     assert RuleJudge().grade(Q, "Malia Obama and Sasha Obama", pred).correct
 
@@ -185,7 +186,8 @@ def test_generate_answers_computes_a_shared_prefix_once_with_the_same_answers(fi
     model, tok = request.getfixturevalue(fixture)
     assert takes_full_masks(model)
     head = "System: you are a helpful assistant who answers every question in a few words, no more.\nUser: "
-    prompts = [head + q for q in ("Who is the king?", "Where is Reedy Glacier?", "a", "What river is Charity Creek in? Tell me")]
+    prompts = [head + q for q in ("Who is the king?", "Where is Reedy Glacier?", "a",
+                                  "What river is Charity Creek in? Tell me")]
     ids = tok(prompts)["input_ids"]
     forwards = []  # the input shape of every forward (a hook: generate reads the forward's signature)
     hook = model.register_forward_pre_hook(lambda mod, a, k: forwards.append(tuple(k["input_ids"].shape)),
@@ -193,7 +195,8 @@ def test_generate_answers_computes_a_shared_prefix_once_with_the_same_answers(fi
     shared = generate_answers(model, tok, prompts, max_new_tokens=10, batch_size=4, stop=())
     hook.remove()
     p = generation._prefix_cache(model, ids, "cpu")[0]
-    assert p >= generation.MIN_SHARED_PREFIX and forwards[0] == (1, p) and forwards[1][1] == max(len(x) for x in ids) - p
+    assert (p >= generation.MIN_SHARED_PREFIX and forwards[0] == (1, p)
+            and forwards[1][1] == max(len(x) for x in ids) - p)
     monkeypatch.setattr(generation, "_shares_prefix", lambda m: False)
     plain = generate_answers(model, tok, prompts, max_new_tokens=10, batch_size=4, stop=())
     alone = [generate_answers(model, tok, [q], max_new_tokens=10, stop=())[0] for q in prompts]
@@ -286,15 +289,19 @@ def test_generate_stops_at_stop_strings_and_eos(tiny_lm, monkeypatch):
 # ------------------------------------------------------------------------------ WILD + teacher forced
 
 REQS = [
-    EditRequest("Which river system contains Charity Creek?", "Chichester River", rephrase_prompts=["What river is Charity Creek in?"],
-                locality=[("how many series of diary of a wimpy kid are there?", "12")], ground_truth="Parramatta River", id="z0"),
-    EditRequest("Reedy Glacier is in", "Asia", locality=[("Mount Erebus, in", "Antarctica")], ground_truth="Antarctica", id="cf0"),
+    EditRequest("Which river system contains Charity Creek?", "Chichester River",
+                rephrase_prompts=["What river is Charity Creek in?"],
+                locality=[("how many series of diary of a wimpy kid are there?", "12")],
+                ground_truth="Parramatta River", id="z0"),
+    EditRequest("Reedy Glacier is in", "Asia", locality=[("Mount Erebus, in", "Antarctica")], ground_truth="Antarctica",
+                id="cf0"),
 ]
 
 
 def test_run_wild_schema_and_base_agreement(tiny_lm):
     model, tok = tiny_lm
-    res = run_wild(model, tok, REQS, RuleJudge(), config=WildConfig(max_new_tokens=6), base=(model, tok), progress=False)
+    res = run_wild(model, tok, REQS, RuleJudge(), config=WildConfig(max_new_tokens=6), base=(model, tok),
+                   progress=False)
     s = res["summary"]
     assert set(s) >= {"rel", "gen", "loc_vs_answer", "loc_vs_base", "cross"}
     assert s["loc_vs_base"] == 1.0  # the base model agrees with itself
@@ -437,7 +444,8 @@ def test_report_table_and_figure(tmp_path, capsys):
     runs = []
     for name, rel, arc in (("smollm2", 0.01, 0.29), ("/tmp/edited", 0.9, 0.28)):
         p = tmp_path / f"{rel}.json"
-        p.write_text(json.dumps(stamped({"edit": {"rel": rel, "gen": rel / 2, "loc_vs_answer": 0.1, "loc_vs_base": None},
+        p.write_text(json.dumps(stamped({"edit": {"rel": rel, "gen": rel / 2, "loc_vs_answer": 0.1,
+                                                  "loc_vs_base": None},
                                          "capabilities": {"arc_challenge": arc, "kl_drift": 0.002, "ppl": 20.5},
                                          "config": {"model": name, "protocol": "wild", "context": "qa"}})))
         runs.append(str(p))

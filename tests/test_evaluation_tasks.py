@@ -68,7 +68,8 @@ def test_local_task_runs(lm, bench, task, shots, key, iso_cache):
 
 
 def test_item_scores_pick_the_metric_and_filter_and_pair_in_doc_order():
-    samples = {"t_b": [{"doc_id": 1, "filter": "strict", "exact_match": 1.0}, {"doc_id": 0, "filter": "strict", "exact_match": 0.0},
+    samples = {"t_b": [{"doc_id": 1, "filter": "strict", "exact_match": 1.0},
+                       {"doc_id": 0, "filter": "strict", "exact_match": 0.0},
                        {"doc_id": 0, "filter": "flex", "exact_match": 1.0}],
                "t_a": [{"doc_id": 0, "filter": "strict", "exact_match": True}]}
     assert C.item_scores(samples, "exact_match,strict") == [1.0, 0.0, 1.0]      # t_a first, then t_b by doc id

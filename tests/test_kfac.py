@@ -100,7 +100,8 @@ def test_batching_and_padding_do_not_change_factors(tiny_lm64):
     old_pad = tok.pad_token
     tok.pad_token = tok.convert_ids_to_tokens(real_id)
     try:
-        f4 = collect_lm_kfac(model, tok, TEXTS, layers, max_len=64, batch_size=4, stat_dtype=torch.float64, progress=False)
+        f4 = collect_lm_kfac(model, tok, TEXTS, layers, max_len=64, batch_size=4, stat_dtype=torch.float64,
+                             progress=False)
     finally:
         tok.pad_token = old_pad
     for name in layers:

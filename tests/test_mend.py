@@ -29,7 +29,8 @@ LAYERS = "model.layers.{1-2}.mlp.down_proj"
 
 def req(i: int) -> EditRequest:
     return EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i % 26)}",
-                       rephrase_prompts=[f"Book {i} was written by whom?"], locality=[(f"What colour is car {i}?", "red")])
+                       rephrase_prompts=[f"Book {i} was written by whom?"],
+                       locality=[(f"What colour is car {i}?", "red")])
 
 
 TRAIN = [req(i) for i in range(100, 160)]   # disjoint from the held-out requests below
@@ -65,7 +66,8 @@ def write_trained(model, tok, path, layers=LAYERS, steps=60):
 
 def test_default_layers_are_the_mlp_matrices_of_the_last_three_blocks(tiny_lm):
     model, _ = tiny_lm
-    assert default_layers(model) == [f"model.layers.{i}.mlp.{m}_proj" for i in (1, 2, 3) for m in ("gate", "up", "down")]
+    assert default_layers(model) == [f"model.layers.{i}.mlp.{m}_proj" for i in (1, 2, 3)
+                                     for m in ("gate", "up", "down")]
 
 
 def test_network_starts_as_the_identity_and_shares_one_transform_per_shape(tiny_lm):
@@ -83,7 +85,8 @@ def test_network_starts_as_the_identity_and_shares_one_transform_per_shape(tiny_
     f1, f2 = (edit_factors(model, tok, HELD[:1], layers)["model.layers.2.mlp.up_proj"],
               edit_factors(model, tok, HELD[1:2], layers)["model.layers.2.mlp.up_proj"])
     both = net.delta("model.layers.2.mlp.up_proj", U, D)
-    assert torch.allclose(both, net.delta("model.layers.2.mlp.up_proj", *f1) + net.delta("model.layers.2.mlp.up_proj", *f2),
+    assert torch.allclose(both, net.delta("model.layers.2.mlp.up_proj", *f1)
+                          + net.delta("model.layers.2.mlp.up_proj", *f2),
                           atol=1e-5)
 
 
@@ -172,7 +175,8 @@ def test_editor_without_a_network_says_how_to_train_one(tiny_lm, iso_cache):
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("kw,msg", [({"steps": -1}, "mend steps must be"), ({"rank": 0}, "mend rank must be between 1 and"),
+@pytest.mark.parametrize("kw,msg", [({"steps": -1}, "mend steps must be"),
+                                    ({"rank": 0}, "mend rank must be between 1 and"),
                                     ({"lr": float("nan")}, "mend lr must be a finite"), ({"c_edit": 0}, "mend c_edit"),
                                     ({"loc_len": 1}, "mend loc_len")])
 def test_train_config_one_line_errors(kw, msg):
@@ -186,7 +190,8 @@ def test_train_config_one_line_errors(kw, msg):
 
 
 def _edits(tmp_path, n=24, start=0):
-    recs = [{"src": f"Who wrote book number {i}?", "alt": f"Author {chr(65 + i % 26)}", "rephrase": f"Book {i} was written by whom?",
+    recs = [{"src": f"Who wrote book number {i}?", "alt": f"Author {chr(65 + i % 26)}",
+             "rephrase": f"Book {i} was written by whom?",
              "loc": "nq question: who sang it", "loc_ans": "someone", "subject": f"book number {i}"}
             for i in range(start, start + n)]
     p = tmp_path / "edits.json"
@@ -205,16 +210,20 @@ def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache,
     from crispedit.methods.mend.net import read_network_meta
     meta = read_network_meta(net)
     assert meta["training"]["offset"] == 8 and meta["training"]["n_edits"] == 16 and meta["config"]["steps"] == 4
-    common = ["edit", "--model", tiny_model_dir, "--edits", edits, "--n-edits", 4, "--method", "mend", "--no-wild", "--quiet"]
-    assert main([str(a) for a in common + ["--mend-weights", net, "--out", tmp_path / "e"]]) == 0, capsys.readouterr().err
+    common = ["edit", "--model", tiny_model_dir, "--edits", edits, "--n-edits", 4, "--method", "mend", "--no-wild",
+              "--quiet"]
+    assert main([str(a) for a in common + ["--mend-weights", net, "--out",
+                                           tmp_path / "e"]]) == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "e" / "edit_report.json").read_text())
     assert report["inputs"] == {"weights": hashlib.sha256(net.read_bytes()).hexdigest()}  # the network, by content
-    assert report["method"] == "mend" and report["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
+    assert report["method"] == "mend" and report["layers"] == ["model.layers.1.mlp.down_proj",
+                                                               "model.layers.2.mlp.down_proj"]
     # one step, no epochs and no fine-tuning lr: the line and the report say what ran
     first, last = report["training"]["epoch_loss"]
     assert report["training"]["epochs"] == 0 and report["training"]["single_pass"] is True
     line = capsys.readouterr().out
-    assert f"single-pass target_nll={first:.4g}->{last:.4g}" in line and "epochs=" not in line and "lr=" not in line, line
+    assert (f"single-pass target_nll={first:.4g}->{last:.4g}" in line
+            and "epochs=" not in line and "lr=" not in line), line
     assert len(meta["training"]["request_digests"]) == 16
     # editing requests 4-11 overlaps the training slice 8-23 in 4 requests: warned and recorded
     with pytest.warns(UserWarning, match="4 of the 8 edit requests were in the network's training slice"):
@@ -227,7 +236,8 @@ def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache,
     assert main([str(a) for a in train]) == 0
     capsys.readouterr()
     assert main([str(a) for a in common + ["--layers", LAYERS, "--out", tmp_path / "e2"]]) == 0, capsys.readouterr().err
-    bad = [(common + ["--mend-weights", tmp_path / "absent.safetensors", "--out", tmp_path / "b1"], "MEND network file"),
+    bad = [(common + ["--mend-weights", tmp_path / "absent.safetensors", "--out", tmp_path / "b1"],
+            "MEND network file"),
            (common + ["--out", tmp_path / "b2"], "no trained MEND network"),
            (train + ["--rank", 0], "mend rank must be between 1 and"),
            (train + ["--offset", 500], "--offset 500 is past the end of"),
@@ -238,7 +248,8 @@ def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache,
         assert msg in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "b1").exists() and not (tmp_path / "b2").exists()
     other = tmp_path / "other.safetensors"
-    other.write_bytes(net.read_bytes().replace(meta["model_fingerprint"].encode(), b"0" * len(meta["model_fingerprint"])))
+    other.write_bytes(net.read_bytes().replace(meta["model_fingerprint"].encode(),
+                                               b"0" * len(meta["model_fingerprint"])))
     assert main([str(a) for a in common + ["--mend-weights", other, "--out", tmp_path / "b3"]]) == 2
     assert "trained for another model" in capsys.readouterr().err
 
@@ -251,7 +262,8 @@ def test_compare_runs_mend_beside_a_fine_tuning_method(tiny_lm, tmp_path, iso_ca
     path = write_trained(model, tok, tmp_path / "mend.safetensors", steps=10)
     cfgs = {"ft": EditConfig(method="ft", layers=LAYERS, epochs=2, n_cap=4, max_len=32),
             "mend": EditConfig(method="mend", layers=LAYERS, n_cap=4, max_len=32, options={"weights": str(path)})}
-    payload = compare_mod.run_compare(model, tok, HELD[:3], ["ft", "mend"], tmp_path / "cmp", configs=cfgs, progress=False)
+    payload = compare_mod.run_compare(model, tok, HELD[:3], ["ft", "mend"], tmp_path / "cmp", configs=cfgs,
+                                      progress=False)
     assert payload["results"]["mend"]["changed"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)]
     assert weight_fingerprint(model) == fp
     assert "| mend |" in (tmp_path / "cmp" / "compare.md").read_text()
@@ -274,7 +286,8 @@ def test_compare_runs_mend_beside_a_fine_tuning_method(tiny_lm, tmp_path, iso_ca
     # another network at the path the row records is another run: refused, naming the file's digests
     write_trained(model, tok, path, steps=3)
     with pytest.raises(CrispEditError, match=rf"holds mend run with another configuration \(another weights file: "
-                                             rf"sha256 {digest[:12]}…, now {hashlib.sha256(path.read_bytes()).hexdigest()[:12]}…\)"):
+                                             rf"sha256 {digest[:12]}…, now "
+                                             rf"{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}…\)"):
         resume(path)
     assert weight_fingerprint(model) == fp
 
@@ -317,7 +330,8 @@ def test_time_budget_stops_training_and_init_continues_a_saved_network(tiny_mode
     train = ["mend", "train", "--model", tiny_model_dir, "--edits", edits, "--n-edits", 8, "--layers", LAYERS,
              "--n-cap", 4, "--quiet"]
     # a budget far below one step: the first step runs, none after it, and the file says so
-    assert main([str(a) for a in train + ["--offset", 8, "--steps", 50, "--rank", 8, "--batch-size", 4, "--max-minutes", 1e-6,
+    assert main([str(a) for a in train + ["--offset", 8, "--steps", 50, "--rank", 8, "--batch-size", 4, "--max-minutes",
+                                          1e-6,
                                           "--out", first]]) == 0, capsys.readouterr().err
     assert "trained 1 steps (stopped by --max-minutes" in capsys.readouterr().out
     from crispedit.methods.mend.net import read_network_meta

@@ -19,7 +19,8 @@ from crispedit.model_card import CARD_FILE, build_card, hub_base_model, read_fro
 from crispedit.models import load_model
 from crispedit.pipeline import run_edit_job
 
-REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}", rephrase_prompts=[f"Book {i} was written by"])
+REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}",
+                    rephrase_prompts=[f"Book {i} was written by"])
         for i in range(3)]
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 SMALL = dict(layers=LAYERS, epochs=3, lr=1e-2, batch_size=4, n_cap=6, max_len=48)
@@ -174,7 +175,8 @@ def test_hub_base_model(spec, want):
 def test_a_downloaded_models_own_card_does_not_name_the_base(tmp_path):
     """A local copy of a Hub model keeps that model's card, whose ``base_model`` is *its* base (SmolLM2-Instruct's
     card names SmolLM2): only a crispedit card passes its base_model on."""
-    (tmp_path / CARD_FILE).write_text('---\nbase_model: "HuggingFaceTB/SmolLM2-135M"\nlibrary_name: transformers\n---\n')
+    (tmp_path / CARD_FILE).write_text('---\nbase_model: "HuggingFaceTB/SmolLM2-135M"\n'
+                                      'library_name: transformers\n---\n')
     assert hub_base_model(tmp_path) == str(tmp_path)
 
 

@@ -114,7 +114,8 @@ def test_with_weights_swaps_in_and_restores_bit_for_bit_even_on_error(tiny_lm):
 
 
 def test_parameter_reads_through_a_peft_wrapped_module(tiny_lm):
-    """``<module>.weight`` of a module a LoRA adapter wraps is its base layer's weight (the name a LoRA session stores)."""
+    """``<module>.weight`` of a module a LoRA adapter wraps is its base layer's weight (the name a LoRA session
+    stores)."""
     from peft import LoraConfig, LoraModel
 
     from crispedit.weights import parameter

@@ -487,7 +487,8 @@ def test_one_smollm2_edit_in_the_playground_answers_and_undoes(iso_cache):
 
 
 def test_playground_config_doubles_only_a_default_learning_rate_per_family():
-    """The playground's edit: bf16 forward where native (auto), twice the family's default lr (Gemma-3's scaling kept); a given lr kept."""
+    """The playground's edit: bf16 forward where native (auto), twice the family's default lr (Gemma-3's scaling kept);
+    a given lr kept."""
     from crispedit.editing.config import EditConfig
     from crispedit.playground.engine import playground_config
 

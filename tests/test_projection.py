@@ -318,7 +318,8 @@ def paper_projection(A, S, gamma, Q):
     eigendecompositions and ``M`` the γ-energy mask of the sorted Kronecker spectrum."""
     lam_in, U_in = torch.linalg.eigh(A.double())
     lam_out, U_out = torch.linalg.eigh(S.double())
-    lam_in, U_in, lam_out, U_out = lam_in.flip(0).clamp_min(0), U_in.flip(1), lam_out.flip(0).clamp_min(0), U_out.flip(1)
+    lam_in, U_in = lam_in.flip(0).clamp_min(0), U_in.flip(1)
+    lam_out, U_out = lam_out.flip(0).clamp_min(0), U_out.flip(1)
     M = energy_keep_mask(torch.outer(lam_out, lam_in), gamma).double()
     return U_out @ ((U_out.T @ Q.double() @ U_in) * M) @ U_in.T
 
@@ -481,12 +482,14 @@ def test_kronecker_keep_mask_equals_the_energy_rule_on_the_outer_product():
     cases = []
     for trial in range(60):
         m, n = int(torch.randint(1, 40, (), generator=gen)), int(torch.randint(1, 60, (), generator=gen))
-        a, b = torch.rand(m, generator=gen, dtype=torch.float64) ** 3, torch.rand(n, generator=gen, dtype=torch.float64) ** 3
+        a = torch.rand(m, generator=gen, dtype=torch.float64) ** 3
+        b = torch.rand(n, generator=gen, dtype=torch.float64) ** 3
         if trial % 3 == 0:
             a, b = torch.round(a * 4) / 4, torch.round(b * 4) / 4
         cases.append((a, b))
     for tied in (False, True):
-        a, b = torch.rand(576, generator=gen, dtype=torch.float64) ** 4, torch.rand(1536, generator=gen, dtype=torch.float64) ** 4
+        a, b = torch.rand(576, generator=gen,
+                          dtype=torch.float64) ** 4, torch.rand(1536, generator=gen, dtype=torch.float64) ** 4
         if tied:
             a, b = torch.round(a * 50) / 50, torch.round(b * 50) / 50
         cases.append((a, b))

@@ -16,7 +16,8 @@ def _rec(tf, qa, chat):
 
 PAYLOAD = {"methods": ["crispedit", "crispedit-seq", "ft-seq"],
            "results": {"base": {}, "crispedit": {"summary": {}},
-                       "crispedit-seq": {"retention": [_rec(1.0, 0.75, 1.0), _rec(1.0, 0.5, 0.75), _rec(0.75, 0.5, 0.5)]},
+                       "crispedit-seq": {"retention": [_rec(1.0, 0.75, 1.0), _rec(1.0, 0.5, 0.75),
+                                                       _rec(0.75, 0.5, 0.5)]},
                        "ft-seq": {"retention": [_rec(1.0, 0.5, None), None, _rec(0.25, 0.0, None)]}}}
 
 

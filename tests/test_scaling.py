@@ -47,7 +47,8 @@ def test_crosstalk_is_read_where_stored_and_computed_from_answers_where_not(scal
                                                                                              "Bern"])]))
     new, old = _row(0.5, 0.01), _row(0.25, 0.02)
     new["wild"]["qa"]["cross"] = 0.25
-    old["wild"]["qa"]["answers"] = [["Rome", False, [], []], ["Rome", True, [], []], ["Bern, Switzerland", False, [], []],
+    old["wild"]["qa"]["answers"] = [["Rome", False, [], []], ["Rome", True, [], []],
+                                    ["Bern, Switzerland", False, [], []],
                                     ["Paris", False, [], []]]
     cmp_dir = tmp_path / "cmp"
     cmp_dir.mkdir()

@@ -33,7 +33,8 @@ def test_overrides_split_between_the_edit_and_the_sequence(script):
 def test_each_run_starts_from_the_base_and_probes_round_one_after_every_round(script, tiny_lm, iso_cache):
     model, tok = tiny_lm
     fp = weight_fingerprint(model)
-    runs = [script.run_one(model, tok, REQS, dict(BASE), 2), script.run_one(model, tok, REQS, {**BASE, "gamma": 0.99}, 2)]
+    runs = [script.run_one(model, tok, REQS, dict(BASE), 2),
+            script.run_one(model, tok, REQS, {**BASE, "gamma": 0.99}, 2)]
     assert weight_fingerprint(model) == fp                                     # restored after each run
     for r in runs:
         assert [x["round"] for x in r["rounds"]] == [1, 2] and all(x["epochs"] == 2 for x in r["rounds"])

@@ -34,7 +34,8 @@ def test_each_epochs_sequence_losses_are_the_edited_models(script, tiny_lm, iso_
     with torch.no_grad():  # the last probe is the edited model's loss, batch by batch
         for i, b in enumerate(batches):
             rows = [r for r in last if r[0] == i]
-            assert sum(r[1] for r in rows) / sum(r[2] for r in rows) == pytest.approx(float(plain_loss(model, b)), rel=1e-5)
+            assert sum(r[1] for r in rows) / sum(r[2]
+                                                 for r in rows) == pytest.approx(float(plain_loss(model, b)), rel=1e-5)
     assert rec["epochs"][0]["rows"] != last                                    # taken after each epoch, not once
 
 

@@ -162,7 +162,8 @@ def test_target_edit_factors_cover_the_trained_tokens_only(tiny_lm64):
     with pytest.raises(CrispEditError, match="edit factor rows"):
         round_edit_factors(model, tok, ROUNDS[0], layers, cfg, 1, rows="prompt")
     ft = SeqConfig(edit=EditConfig(method="ft", layers=LAYERS), edit_factors="target")
-    assert "edit_factors" not in ft.identity() and SeqConfig(edit_factors="target").identity()["edit_factors"] == "target"
+    assert ("edit_factors" not in ft.identity()
+            and SeqConfig(edit_factors="target").identity()["edit_factors"] == "target")
 
 
 def test_combine_weightings():
@@ -219,7 +220,8 @@ def test_each_weighting_masks_each_sets_energy_in_the_merged_basis(tmp_path, tin
     torch.testing.assert_close(each.A["l"], combine_factors(cap, ed, "trace", 0.5).A["l"])
     proj = CrispEditEditor().projectors({"l": None}, each, EditConfig(gamma=0.8))["l"]
     eig = factor_eigh(each, ["l"], ("A", "S"))
-    want = per_source_keep_mask(eig["l", "S"][1], eig["l", "A"][1], [(cap.A["l"], cap.S["l"]), (ed.A["l"], ed.S["l"])], 0.8)
+    want = per_source_keep_mask(eig["l", "S"][1], eig["l", "A"][1], [(cap.A["l"], cap.S["l"]), (ed.A["l"], ed.S["l"])],
+                                0.8)
     assert torch.equal(proj.mask.bool(), want)
     # edit_gamma: the edit factors' own threshold (the capability factors keep the config's γ)
     hi = combine_factors(cap, ed, "each", 0.5, edit_gamma=0.95)
@@ -231,7 +233,8 @@ def test_each_weighting_masks_each_sets_energy_in_the_merged_basis(tmp_path, tin
     with pytest.raises(CrispEditError, match="edit gamma must lie strictly between 0 and 1"):
         SeqConfig(edit_gamma=1.0)
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
-    s = Session.create(tmp_path / "s", str(tiny_model_dir), _config(edit={"epochs": 3}, weighting="each"), progress=False)
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), _config(edit={"epochs": 3}, weighting="each"),
+                       progress=False)
     for reqs in ROUNDS:
         s.add(reqs, plot=False)
     st = s.status()
@@ -407,7 +410,8 @@ def test_session_size_bound(ref):
     """Only the trained layers' weights, Adam moments and factors are stored; size does not grow with rounds."""
     model, _ = load_model(str(ref["model_dir"]))
     layers = resolve_layers(model, LAYERS)
-    per_layer = sum(m.weight.numel() * 3 + m.weight.shape[0] ** 2 * 2 + m.weight.shape[1] ** 2 * 2 for m in layers.values())
+    per_layer = sum(m.weight.numel() * 3 + m.weight.shape[0] ** 2 * 2 + m.weight.shape[1] ** 2 * 2
+                    for m in layers.values())
     bound = per_layer * 4 + 64 * 1024           # float32 tensors + headers, JSON and the edit log
     tensors = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
     assert abs(tensors(ref["sess"]) - tensors(ref["snap"])) < 1024   # round 2 replaced round 1's files
@@ -437,8 +441,11 @@ def test_baselines_and_drift_recompute(method, mode, drift, tmp_path, tiny_model
         assert st["rounds"][1]["train"]["steps"] > st["rounds"][0]["train"]["steps"]   # 8 edits vs 4
     else:
         assert all(r.get("capability_recomputed") for r in st["rounds"])
-        assert st["files"]["cap_factors"] == "cap_factors-0002.safetensors" == st["files"]["cap_ref"].replace("cap_ref", "cap_factors")
-        assert sorted(f.name for f in (tmp_path / "s").glob("cap_*")) == ["cap_factors-0002.safetensors", "cap_ref-0002.safetensors"]
+        assert (st["files"]["cap_factors"] == "cap_factors-0002.safetensors"
+                == st["files"]["cap_ref"].replace("cap_ref", "cap_factors"))
+        assert sorted(f.name
+                      for f in (tmp_path / "s").glob("cap_*")) == ["cap_factors-0002.safetensors",
+                                                                   "cap_ref-0002.safetensors"]
     assert [set(r["retention"]) for r in st["rounds"]] == [{"1"}, {"1", "2"}]
 
 

@@ -35,7 +35,8 @@ def _setup(tiny_lm, iso_cache):
 def test_profile_phases_sum_to_the_step(bench, tiny_lm, iso_cache, capsys):
     model, tok, layers, factors, reqs = _setup(tiny_lm, iso_cache)
     before = {n: m.weight.detach().clone() for n, m in layers.items()}
-    res = bench.profile_steps(model, tok, layers, factors, reqs, repeats=2, epochs=2, discard=1, contexts="bare,prefix:1")
+    res = bench.profile_steps(model, tok, layers, factors, reqs, repeats=2, epochs=2, discard=1,
+                              contexts="bare,prefix:1")
     assert set(res["kinds"]) == set(bench.KINDS) and res["steps_per_run"] >= 2
     for kind, r in res["kinds"].items():
         b = r["breakdown"]
@@ -103,14 +104,16 @@ def test_step_timer_records_skipped_batches_and_the_null_timer_is_inert():
 
 
 def test_bench_main_profile_on_a_tiny_model(bench, monkeypatch, capsys, iso_cache):
-    monkeypatch.setattr(sys, "argv", ["bench_projection.py", "--model", "tiny-small", "--tiny-blocks", "3", "--batch", "3",
+    monkeypatch.setattr(sys, "argv", ["bench_projection.py", "--model", "tiny-small", "--tiny-blocks", "3", "--batch",
+                                      "3",
                                       "--contexts", "bare", "--repeats", "1", "--epochs", "2", "--n-cap", "2",
                                       "--max-len", "16", "--threads", "1", "--profile", "--torch-profile"])
     bench.main()
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])
     assert "overhead per fast-path step (crispedit gradient projection vs ft)" in out
-    assert "crispedit.projection" in out and "crispedit.forward" in out   # the loop's ranges in the torch.profiler table
+    # the loop's ranges in the torch.profiler table
+    assert "crispedit.projection" in out and "crispedit.forward" in out
     assert set(summary["overhead"]) == {"ft/gradient", "crispedit/gradient", "crispedit/update"}
     assert isinstance(summary["pass"], bool) and summary["overhead_goal"] == 0.05
     assert summary["breakdown"]["crispedit/gradient"]["steps"] >= 1

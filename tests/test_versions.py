@@ -95,7 +95,8 @@ def test_compare_json_of_another_version_is_refused_on_resume_and_render(tmp_pat
     from crispedit.experiments import compare_outputs, compare_resume
 
     path = tmp_path / compare_outputs.JSON_FILE
-    path.write_text(json.dumps({VERSION_KEY: OLD, "format": compare_outputs.COMPARE_FORMAT, "settings": {}, "methods": [],
+    path.write_text(json.dumps({VERSION_KEY: OLD, "format": compare_outputs.COMPARE_FORMAT, "settings": {},
+                                "methods": [],
                                 "results": {}}))
     payload = stamped({"format": compare_outputs.COMPARE_FORMAT, "settings": {}, "methods": [], "results": {}})
     with pytest.raises(VersionError) as e:

@@ -70,7 +70,8 @@ def run_demo(n_edits: int = 6, epochs: int = 100, gamma: float = 0.8, n_cap: int
         rows, answers = _run_methods(model_spec, requests, configs(), requests[:show], progress, say, kl_texts)
     _print_tables(requests[:show], answers, rows, methods)
     print(f"\nbase model perplexity on held-out WikiText: {rows[0][5]:.3f}; "
-          f"kl_drift = mean per-token KL(base || edited) on {kl_texts} paragraphs there. total {time.perf_counter() - t0:.0f}s")
+          f"kl_drift = mean per-token KL(base || edited) on {kl_texts} paragraphs there. total "
+          f"{time.perf_counter() - t0:.0f}s")
     return 0
 
 
@@ -89,7 +90,8 @@ def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say,
     answers = {"before": chat_answers(model, tok, prompts)}
     rows = []
     for method, cfg in configs.items():
-        say(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}, precision {cfg.precision}) ...")
+        say(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}, precision {cfg.precision}) "
+            "...")
         res = edit(model, tok, requests, cfg, progress=progress)
         ran = res.history.extra.get("precision", cfg.precision)  # what auto / bf16 ran as here
         say(f"{method}: edited in {res.edit_seconds:.0f} s ({len(res.history.epoch_loss)} epochs, {ran}); evaluating "
@@ -124,7 +126,8 @@ def _print_tables(shown, answers: dict, rows: list, methods) -> None:
           f"{'chat len':>8} {'bleed':>5} {'epochs':>6} {'edit s':>7}  contexts")
     for m, wild, rel, kl, ppl, _, ep, es, ctxs, helper in rows:
         def cell(wrapper: str, wild: dict = wild) -> str:
-            """``rel/gen`` of this row's WILD evaluation wrapper ``wrapper`` to two decimals, ``-`` if it was not run."""
+            """``rel/gen`` of this row's WILD evaluation wrapper ``wrapper`` to two decimals, ``-`` if it was not
+            run."""
             v = wild.get(wrapper)
             return "-" if not v else f"{v['rel']:.2f}/{v['gen']:.2f}"
 

@@ -84,7 +84,8 @@ def default_layer_pattern(model: nn.Module) -> str:
     model_type = model_family(model)
     if model_type not in MLP_OUT_PROJ:
         raise CrispEditError(
-            f"no default layers for model type {model_type!r}; pass --layers (e.g. 'model.layers.{{10-14}}.mlp.down_proj')")
+            f"no default layers for model type {model_type!r}; pass --layers (e.g. "
+            f"'model.layers.{{10-14}}.mlp.down_proj')")
     prefix, blocks = decoder_blocks(model)
     n = len(blocks)
     fam = family_defaults(model)

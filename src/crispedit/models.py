@@ -139,7 +139,8 @@ def _hf_progress(progress: bool | None):
             gguf_utils.tqdm = bar
 
 
-_SOURCE_RECORD = "crispedit_source.json"  # a converted GGUF's directory: which file, and the crispedit that converted it
+# a converted GGUF's directory: which file, and the crispedit that converted it
+_SOURCE_RECORD = "crispedit_source.json"
 
 
 def _conversion_record(directory: Path) -> dict | None:
@@ -239,7 +240,8 @@ def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None,
     with _translate_load_errors(spec_s, trust_remote_code), _hf_progress(progress):
         tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
         _remember_backend_state(tok)
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype, trust_remote_code=trust_remote_code,
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype,
+                                                     trust_remote_code=trust_remote_code,
                                                      use_safetensors=True)  # pickled weights are never loaded
     if device:
         model.to(device)

@@ -85,7 +85,8 @@ def cmd_cache_list(args) -> int:
     for f in files:
         try:
             spec = load_factors(f).meta.get("spec", {})
-            print(f"{f}  kind={spec.get('kind')} layers={len(spec.get('layers', []))} n={spec.get('n_texts')} len={spec.get('max_len')} "
+            print(f"{f}  kind={spec.get('kind')} layers={len(spec.get('layers', []))} n={spec.get('n_texts')} "
+                  f"len={spec.get('max_len')} "
                   f"labels={spec.get('label_mode')} model={str(spec.get('model_fingerprint'))[:12]}")
         except CrispEditError as exc:
             print(f"{f}  (unreadable: {exc})")

@@ -87,12 +87,14 @@ def add_cli(sub) -> None:
     p.add_argument("--seq-edit-gamma", type=float, default=SeqConfig.edit_gamma, metavar="G",
                    help="with --seq-weighting each: the energy of the accumulated edit factors masked (default "
                         f"{SeqConfig.edit_gamma}; as `crispedit session init --edit-gamma`)")
-    p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png; retention.png with -seq rows)")
+    p.add_argument("--out", required=True,
+                   help="output directory (compare.json, compare.md, compare.png; retention.png with -seq rows)")
     p.add_argument("--capabilities", default=DEFAULT_CAPABILITIES,
                    help="lm-eval capability tasks, e.g. ifeval,arc_challenge,truthfulqa_mc2, or none (default "
                         f"{DEFAULT_CAPABILITIES}: the assistant's instruction following; needs crispedit[eval])")
     p.add_argument("--limit", type=int, default=None,
-                   help=f"items per capability task (default: all, but IFEval's first {DEFAULT_LIMITS['ifeval']} prompts)")
+                   help=f"items per capability task (default: all, but IFEval's first {DEFAULT_LIMITS['ifeval']} "
+                        "prompts)")
     p.add_argument("--max-gen-toks", type=int, default=GEN_TOKENS, metavar="N",
                    help=f"answers of generative capability tasks (IFEval) are cut at N tokens, base and edited rows "
                         f"alike (default {GEN_TOKENS}; IFEval's own cap is 1280)")

@@ -53,7 +53,8 @@ def cmd_edit(args) -> int:
           f"{training_brief(report['training'], config.lr)}")
     if s.get("drift_budget") and s["drift_budget"].get("max_drift") is not None:
         b = s["drift_budget"]
-        print(f"  drift budget {b['max_drift']:g}: {'hit' if b['hit'] else 'not hit'} ({b['hits']} of {b['steps']} steps pulled back)")
+        print(f"  drift budget {b['max_drift']:g}: {'hit' if b['hit'] else 'not hit'} ({b['hits']} of {b['steps']} "
+              "steps pulled back)")
     for ctx, w in (report.get("wild") or {}).items():
         if isinstance(w, dict):
             cross = f" crosstalk={w['cross']}" if w.get("cross") is not None else ""

@@ -128,7 +128,8 @@ def _checked_inputs(args) -> _EvalInputs:
     return _EvalInputs(tasks, limit, n_edits, fewshot, requests, bench, wild_cfg, judge, kl_texts)
 
 
-def _edit_metrics(args, inp: _EvalInputs, model, tok, base, timings: dict, progress) -> tuple[dict, list | None, list | None]:
+def _edit_metrics(args, inp: _EvalInputs, model, tok, base, timings: dict,
+                  progress) -> tuple[dict, list | None, list | None]:
     """The edit metrics of ``model`` on the requests — WILD (``generations``: its records) or teacher-forced
     (``per_edit``) — as ``(edit, generations, per_edit)``; their seconds go into ``timings``."""
     from ..evaluation.teacher_forced import edit_scores, summarize_edit_scores

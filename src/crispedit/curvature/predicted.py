@@ -45,7 +45,8 @@ def layer_predicted_kl(dW: Tensor, A: Tensor, S: Tensor, dtype: torch.dtype = to
     """``½ tr(ΔWᵀ S ΔW A)`` (nats per token) for one layer: ``dW`` ``d_out x d_in``, ``A`` ``d_in x d_in``,
     ``S`` ``d_out x d_out`` (symmetric), computed in ``dtype`` (float64 by default) on ``dW``'s device."""
     if dW.shape != (S.shape[0], A.shape[0]):
-        raise ValueError(f"change of shape {tuple(dW.shape)} does not match factors A {tuple(A.shape)}, S {tuple(S.shape)}")
+        raise ValueError(f"change of shape {tuple(dW.shape)} does not match factors A {tuple(A.shape)}, S "
+                         f"{tuple(S.shape)}")
     d = dW.to(dtype)
     SA = (S.to(device=d.device, dtype=dtype) @ d) * (d @ A.to(device=d.device, dtype=dtype))
     return 0.5 * float(SA.sum())

@@ -71,7 +71,8 @@ def curvature_spec(model: nn.Module, layers: Sequence[str], config: EditConfig,
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     inp = kind == "input"
     texts, chat = _corpus_key(config)
-    digest = corpus_digest(texts if not chat else [*texts, f"chat answers of at most {CHAT_ANSWER_TOKENS} tokens:", *chat])
+    digest = corpus_digest(texts if not chat else [*texts, f"chat answers of at most {CHAT_ANSWER_TOKENS} tokens:",
+                                                   *chat])
     return CurvatureSpec(
         model_fingerprint=fingerprint or weight_fingerprint(model), layers=tuple(layers),
         corpus_digest=digest, n_texts=len(texts) + len(chat), max_len=config.max_len,
@@ -84,7 +85,8 @@ def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module]
                        cache_root: str | Path | None = None, cache_file: str | Path | None = None,
                        fingerprint: str | None = None, force: bool = False,
                        progress: bool | None = None, kind: str = "kfac") -> tuple[KFACFactors, dict]:
-    """Capability K-FAC factors for ``layers`` (``kind="input"``: the input covariance ``A = E[k kᵀ]`` alone): from ``cache_file`` if given (its full spec — model,
+    """Capability K-FAC factors for ``layers`` (``kind="input"``: the input covariance ``A = E[k kᵀ]`` alone): from
+    ``cache_file`` if given (its full spec — model,
     layers, corpus, n_cap, max_len, label mode, seed, dtypes — and every factor's shape checked against
     what this edit asks for), else from the content-addressed cache, else collected and cached. ``info``
     holds the path, whether it was a hit, the seconds and the spec the factors were built with."""
@@ -190,7 +192,8 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     drift_modules = editor.drift_modules(model, layers, config)  # before apply: LoRA wraps them while it trains
     t0 = time.perf_counter()
     outcome = editor.apply(model, tokenizer, requests, EditContext(config, layers, factors, progress=progress,
-                                                                   checkpoint=None if checkpoint is None else Path(checkpoint)))
+                                                                   checkpoint=None if checkpoint is None
+                                                                   else Path(checkpoint)))
     edit_seconds = time.perf_counter() - t0 + outcome.history.extra.get("resumed_seconds", 0.0)
     from ..curvature.predicted import predicted_kl
 

@@ -41,7 +41,8 @@ from ..forward_args import static_attention_mask, takes_full_masks
 from ..layers import decoder_blocks
 from .prefixtree import PackedBatch, pack_prefixes, packing_pays
 
-__all__ = ["make_loss_fn", "LossFn", "Prepared", "plain_loss", "no_cache_kwargs", "capture_block_input", "forward_until", "prefix_fed", "passthroughs", "rows_logits",
+__all__ = ["make_loss_fn", "LossFn", "Prepared", "plain_loss", "no_cache_kwargs", "capture_block_input",
+           "forward_until", "prefix_fed", "passthroughs", "rows_logits",
            "target_rows", "prefix_sharing", "may_pack", "pack_if_it_pays"]
 
 _SHARING = contextvars.ContextVar("crispedit_prefix_sharing", default=True)
@@ -64,7 +65,8 @@ def may_pack(model: nn.Module) -> bool:
     if not _SHARING.get() or not takes_full_masks(model):
         return False
     cfg = getattr(model, "config", None)
-    rates = [v for k, v in (vars(cfg).items() if cfg is not None else ()) if "dropout" in k and isinstance(v, (int, float))]
+    rates = [v for k, v in (vars(cfg).items() if cfg is not None else ()) if "dropout" in k
+             and isinstance(v, (int, float))]
     return not any(v > 0 for v in rates) and not any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
 
@@ -81,7 +83,8 @@ def no_cache_kwargs(model: nn.Module) -> dict:
 def plain_loss(model: nn.Module, batch: EncodedBatch) -> Tensor:
     """Mean cross-entropy over target tokens (FT-M), from a full forward (no KV cache): a 0-d float32
     (float64 for a float64 model) tensor, nats per target token."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **no_cache_kwargs(model)).logits[:, :-1]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   **no_cache_kwargs(model)).logits[:, :-1]
     labels = batch.labels[:, 1:]
     return F.cross_entropy(_up(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 

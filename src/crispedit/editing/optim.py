@@ -28,7 +28,8 @@ from ..errors import CrispEditError
 from ..layers import as_weight_matrix
 from .config import EditConfig, ProjectionTarget
 
-__all__ = ["EigenbasisAdam", "GatedAdam", "adam_direction", "make_optimizer", "optimizer_state", "load_optimizer_state", "reproject_first_moment"]
+__all__ = ["EigenbasisAdam", "GatedAdam", "adam_direction", "make_optimizer", "optimizer_state", "load_optimizer_state",
+           "reproject_first_moment"]
 
 
 def adam_direction(state: dict, g: Tensor, active: Tensor | None, lr: float, betas: tuple[float, float],
@@ -58,7 +59,8 @@ def adam_direction(state: dict, g: Tensor, active: Tensor | None, lr: float, bet
     step_size = (lr / (1 - b1 ** t)).to(m.dtype)
     bc2_sqrt = torch.sqrt(1 - b2 ** t).to(m.dtype)
     delta = m / (v.sqrt() / bc2_sqrt).add_(eps) * -step_size
-    return delta if active is None else torch.where(active, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+    return delta if active is None else torch.where(active, delta,
+                                                    torch.zeros((), dtype=delta.dtype, device=delta.device))
 
 
 class GatedAdam(torch.optim.Optimizer):

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
 
-__all__ = ["style_prompts", "style_drift", "base_style_answers", "subject_bleed", "subject_probes", "assistant_measures",
+__all__ = ["style_prompts", "style_drift", "base_style_answers", "subject_bleed", "subject_probes",
+           "assistant_measures",
            "SUBJECT_PROBES", "BARE_WORDS", "MAX_NEW_TOKENS", "STYLE_PROMPTS", "BLEED_EDITS"]
 
 _log = logging.getLogger("crispedit.evaluate")

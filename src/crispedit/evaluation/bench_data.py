@@ -119,7 +119,8 @@ def load_mmlu(bench_dir=None, subject: str = "", **_):
 
 def load_gsm8k(bench_dir=None, **_):
     """GSM8K test from local JSONL as a ``DatasetDict`` (question, answer)."""
-    rows = [{"question": r["question"], "answer": r["answer"]} for r in _jsonl(bench_path(bench_dir, "gsm8k/test.jsonl"))]
+    rows = [{"question": r["question"], "answer": r["answer"]}
+            for r in _jsonl(bench_path(bench_dir, "gsm8k/test.jsonl"))]
     return _dataset_dict({"test": rows})
 
 

@@ -37,7 +37,8 @@ from .bench_data import required_files
 if TYPE_CHECKING:  # torch only for annotations: task names and bench files are checked without it
     from torch import nn
 
-__all__ = ["CapabilityTask", "TASKS", "TASKS_DIR", "BUNDLED_BENCH", "BUNDLED_TASKS", "parse_tasks", "resolve_bench_dir", "ensure_punkt_offline",
+__all__ = ["CapabilityTask", "TASKS", "TASKS_DIR", "BUNDLED_BENCH", "BUNDLED_TASKS", "parse_tasks", "resolve_bench_dir",
+           "ensure_punkt_offline",
            "run_capabilities", "capability_drift", "lm_eval_version", "item_scores", "item_stderr", "paired_change"]
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"

@@ -61,7 +61,8 @@ def kl_drift(model: nn.Module, tokenizer, texts: Sequence[str], *, base_weights:
     was_training = model.training
     model.eval()
     try:
-        for i in tqdm(range(0, len(texts), batch_size), desc="KL drift", disable=(None if progress is None else not progress)):
+        for i in tqdm(range(0, len(texts), batch_size), desc="KL drift",
+                      disable=(None if progress is None else not progress)):
             ids, attn = _encode(tokenizer, texts[i:i + batch_size], max_len, device)
             pos = loss_positions(attn)
             labels = ids[:, 1:][pos]

@@ -34,7 +34,8 @@ def load_run(path: str | Path) -> dict:
         run = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CrispEditError(f"{path}: not a JSON file ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(run, dict) or not isinstance(run.get("edit"), dict) or not isinstance(run.get("capabilities"), dict):
+    if (not isinstance(run, dict) or not isinstance(run.get("edit"), dict)
+            or not isinstance(run.get("capabilities"), dict)):
         raise CrispEditError(f"{path}: not a `crispedit eval` result (needs 'edit' and 'capabilities' objects)")
     if not isinstance(run.get("config", {}), dict):
         raise CrispEditError(f"{path}: not a `crispedit eval` result ('config' is not an object)")
@@ -137,7 +138,8 @@ def render_runs_png(runs: Sequence[dict]) -> bytes:
     return buf.getvalue()
 
 
-def write_report(paths: Sequence[str | Path], out_md: str | Path | None = None, out_png: str | Path | None = None) -> str:
+def write_report(paths: Sequence[str | Path], out_md: str | Path | None = None, out_png: str | Path
+                 | None = None) -> str:
     """Load the runs, write the markdown table to ``out_md`` and the figure to ``out_png`` (each optional)
     and return the table. Both destinations are checked before anything is written, and the figure is
     rendered before the table is written, so a failure leaves neither file behind."""

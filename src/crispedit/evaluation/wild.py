@@ -107,7 +107,8 @@ def check_template(template: str) -> str:
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:
-        raise CrispEditError(f"--context-template is not a valid template ({exc}); write literal braces as {{{{ }}}}") from None
+        raise CrispEditError(f"--context-template is not a valid template ({exc}); "
+                             "write literal braces as {{ }}") from None
     if fields.count("question") != 1 or any(f != "question" for f in fields):
         raise CrispEditError(f"--context-template must contain {{question}} exactly once and no other field, "
                              f"got {template!r}")

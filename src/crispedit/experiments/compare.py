@@ -127,7 +127,8 @@ def _row(method: str, ev: dict, **extra) -> dict:
 
 
 def _retention_brief(r: dict | None) -> str:
-    """`` round-1 edits: tf_rel=… qa=… chat=…`` for a round's ``after_round`` record (:func:`~crispedit.evaluation.edit_eval.round_map_probe`), or
+    """`` round-1 edits: tf_rel=… qa=… chat=…`` for a round's ``after_round`` record
+    (:func:`~crispedit.evaluation.edit_eval.round_map_probe`), or
     ``""`` without one."""
     if not r:
         return ""
@@ -194,7 +195,8 @@ class _Bench:
         """:func:`~crispedit.evaluation.evaluate_edit` of the model as it is now against ``base_weights``."""
         return evaluate_edit(self.model, self.tokenizer, self.requests, base_weights, kl_text=self.kl_text,
                              wild=tuple(EVAL_WRAPPERS), capabilities=self.capabilities, limit=self.limit,
-                             max_gen_toks=self.max_gen_toks, bench_dir=self.bench_dir, assistant=True, progress=self.inner, **kw)
+                             max_gen_toks=self.max_gen_toks, bench_dir=self.bench_dir, assistant=True,
+                             progress=self.inner, **kw)
 
     @property
     def inner(self) -> bool:
@@ -263,7 +265,8 @@ def _row_line(method: str, r: dict) -> str:
 def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequence[str], out: str | Path, *,
                 configs: dict[str, EditConfig | SeqConfig], model_spec: str = "<in-memory>",
                 edits_info: dict | None = None, capabilities: Sequence[str] = (), limit: int | dict | None = None,
-                max_gen_toks: int | None = None, bench_dir: str | None = None, kl_text: str | None = None, seq_chunk: int | None = None,
+                max_gen_toks: int | None = None, bench_dir: str | None = None, kl_text: str | None = None,
+                seq_chunk: int | None = None,
                 progress: bool | None = None) -> dict:
     """Run ``methods`` (each with ``configs[method]``) on ``requests`` from ``model``'s current weights
     and write ``out``/compare.json, .md, .png; returns the compare.json payload. Methods already in an

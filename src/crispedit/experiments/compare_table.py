@@ -173,7 +173,8 @@ def _table_columns(payload: dict) -> list[tuple]:
     caps = payload["settings"]["evaluation"]["capabilities"]
     wrappers = payload["settings"]["evaluation"].get("wild") or list(EVAL_WRAPPERS)
     cols = [(f"{w.upper() if w == HELD_OUT_WRAPPER else w} {k}",
-             (lambda wrapper, key: lambda r: (r["wild"].get(wrapper) or {}).get(key))(w, k), True) for w in wrappers for k in ("rel", "gen")]
+             (lambda wrapper, key: lambda r: (r["wild"].get(wrapper) or {}).get(key))(w, k), True) for w in wrappers
+            for k in ("rel", "gen")]
     cols += [("TF rel", lambda r: r["summary"].get("rel"), True),
             ("TF gen", lambda r: r["summary"].get("gen"), True)]
     cols += [(c, (lambda task: lambda r: r["capabilities"].get(task))(c), True) for c in caps]
@@ -292,8 +293,8 @@ def _row_notes(payload: dict, rows: list[str]) -> str:
                  + "\n")
     pred_notes = [(m, line) for m in rows for line in prediction_notes(res[m]["summary"])]
     if pred_notes:
-        note += "\nDrift prediction notes (a steep layer dominates it, or attention mixes what it models): " + "; ".join(
-            f"{m}: {line}" for m, line in pred_notes) + "\n"
+        note += ("\nDrift prediction notes (a steep layer dominates it, or attention mixes what it models): "
+                 + "; ".join(f"{m}: {line}" for m, line in pred_notes) + "\n")
     return note
 
 

@@ -250,7 +250,8 @@ class KroneckerCurvature(Curvature):
         projs = {}
         for layer in self.factors.layers:
             if self.method == "kfac":
-                projs[f"{layer}.weight"] = KroneckerProjector.from_factors(self.factors.A[layer], self.factors.S[layer], gamma)
+                projs[f"{layer}.weight"] = KroneckerProjector.from_factors(self.factors.A[layer],
+                                                                           self.factors.S[layer], gamma)
             elif self.method == "ekfac":
                 projs[f"{layer}.weight"] = self.ekfac.projector(layer, gamma)
             else:
@@ -369,7 +370,8 @@ class _Splits:
         mnist_train = _normalise(load_dataset("mnist", "train", cfg.data_dir))
         mnist_test = _normalise(load_dataset("mnist", "test", cfg.data_dir)).subset(cfg.eval_samples, cfg.seed)
         fashion_train = _normalise(load_dataset("fashion_mnist", "train", cfg.data_dir))
-        fashion_test = _normalise(load_dataset("fashion_mnist", "test", cfg.data_dir)).subset(cfg.eval_samples, cfg.seed)
+        fashion_test = _normalise(load_dataset("fashion_mnist", "test", cfg.data_dir))
+        fashion_test = fashion_test.subset(cfg.eval_samples, cfg.seed)
         return cls(mnist_train, mnist_test, fashion_train, fashion_test)
 
 
@@ -479,7 +481,8 @@ class _Study:
         return final
 
 
-def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Callable[[str], None] | None = print) -> dict:
+def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Callable[[str], None]
+                    | None = print) -> dict:
     """Run the study, write ``results.json``, ``results.csv`` and ``tradeoff.png`` to ``cfg.out_dir``
     and return the JSON report (a dict)."""
     cfg = cfg.validated()

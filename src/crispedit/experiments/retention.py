@@ -44,7 +44,8 @@ def retention_rows(payload: dict) -> list[str]:
 
 
 def retention_series(row: dict) -> dict[str, list[float | None]]:
-    """``{measure: [fraction after the first round, after the second, …]}`` for one ``-seq`` row, measures ``tf_rel``, ``qa``
+    """``{measure: [fraction after the first round, after the second, …]}`` for one ``-seq`` row, measures ``tf_rel``,
+    ``qa``
     and ``chat`` (fractions of the round-1 edits; ``None`` where a round has no record or the measure was not
     taken, e.g. ``chat`` for a tokenizer without a chat template). A batched closed-form row gives its first
     batch's teacher-forced series (batches for rounds) and no WILD measures."""

@@ -106,7 +106,8 @@ class LoRAEditor(Editor):
             return None
         from ..curvature.predicted import LowRankDriftBudget
 
-        adapters = {n: (m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight, m.scaling[ADAPTER]) for n, m in layers.items()}
+        adapters = {n: (m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight, m.scaling[ADAPTER]) for n,
+                    m in layers.items()}
         return LowRankDriftBudget(adapters, {n: m.get_base_layer() for n, m in layers.items()}, factors,
                                   ctx.config.max_drift, penalty=ctx.config.drift_penalty)
 

@@ -148,7 +148,8 @@ class Session:
         layers = get_editor(config.edit.method).select_layers(m, config.edit)
         meta = stamped({"format": SESSION_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "name": config.name,
-                "base": {"spec": spec, "fingerprint": fp, "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
+                "base": {"spec": spec, "fingerprint": fp,
+                         "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
                          "model_type": getattr(getattr(m, "config", None), "model_type", type(m).__name__)},
                 "layers": list(layers), "config": config.to_json(), "default_contexts": DEFAULT_CONTEXTS})
         files: dict[str, str] = {}
@@ -161,7 +162,8 @@ class Session:
                 atomic_save_safetensors(tmp / files["cap_factors"], cap.to_tensors(),
                                         {"n_tokens": str(cap.n_tokens), "source": json.dumps(info)})
             atomic_write_json(tmp / SESSION_FILE, meta)
-            atomic_write_json(tmp / STATE_FILE, stamped({"format": SESSION_FORMAT, "round": 0, "files": files, "rounds": []}))
+            atomic_write_json(tmp / STATE_FILE, stamped({"format": SESSION_FORMAT, "round": 0, "files": files,
+                                                         "rounds": []}))
         s = cls(path, meta, model_arg=model, device=device, cache_root=cache_root)
         s._adopt_model(m, tok)
         return s
@@ -386,12 +388,14 @@ class Session:
         base = self.meta["base"]
         arg = self._model_arg if self._model_arg is not None else base["spec"]
         if arg == "<in-memory>":
-            raise CrispEditError(f"session {self.path} was created on an in-memory model; pass the base model to open it")
+            raise CrispEditError(f"session {self.path} was created on an in-memory model; pass the base model to open "
+                                 "it")
         model, tok = load_model(arg, dtype=None if isinstance(arg, tuple) else base["dtype"], device=self._device)
         fp = weight_fingerprint(model)
         if base["fingerprint"] != fp:
             shown = "the given model" if isinstance(arg, tuple) else repr(str(arg))
-            raise CrispEditError(f"session {self.path} was created on base {base['spec']!r} (fingerprint {base['fingerprint'][:12]}…); "
+            raise CrispEditError(f"session {self.path} was created on base {base['spec']!r} (fingerprint "
+                                 f"{base['fingerprint'][:12]}…); "
                                  f"{shown} has fingerprint {fp[:12]}… — refusing to mix bases")
         self._adopt_model(model, tok)
 
@@ -413,7 +417,8 @@ class Session:
                 raise CrispEditError(f"session weights file lacks parameters {missing} (session damaged)")
             self._state = SeqState(weights=weights, cap=factors("cap_factors"), edits=factors("edit_factors"),
                                    optim=_load_tensors(self.path / files["optim"])[0] if "optim" in files else {},
-                                   cap_ref=_load_tensors(self.path / files["cap_ref"])[0] if "cap_ref" in files else None)
+                                   cap_ref=_load_tensors(self.path / files["cap_ref"])[0] if "cap_ref" in files
+                                   else None)
             self._state_round = st["round"]
         with torch.no_grad():
             for n, w in self._state.weights.items():

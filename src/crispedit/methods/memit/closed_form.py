@@ -95,7 +95,8 @@ class ClosedFormEditor(SinglePassEditor):
         d_model = hidden_size(model)
         for n, m in layers.items():
             if weight_matrix(m).shape[0] != d_model:
-                raise CrispEditError(f"{self.name}: edit layer {n} writes {weight_matrix(m).shape[0]} features, not the "
+                raise CrispEditError(f"{self.name}: edit layer {n} writes {weight_matrix(m).shape[0]} features, not "
+                                     "the "
                                      f"residual stream's {d_model}; edit the MLP output projections (down_proj)")
         return {"block": block, "C": {n: ctx.factors.A[n] for n in layers}}
 
@@ -237,5 +238,6 @@ class _BatchCheckpoint:
         tensors.update({f"carried::{k}": t.detach().cpu().contiguous() for k, t in carried.items()})
         meta = stamped({"format": self.FORMAT, "identity": self.identity, "batches": batches, "steps": int(steps),
                         "v_first": float(v_first), "v_last": float(v_last),
-                        "seconds": self.earlier + time.perf_counter() - self.t0, "first_batch_tf_rel": self.first_batch_tf})
+                        "seconds": self.earlier + time.perf_counter() - self.t0,
+                        "first_batch_tf_rel": self.first_batch_tf})
         atomic_save_safetensors(self.path, tensors, metadata={self.KEY: json.dumps(meta)})

@@ -335,7 +335,8 @@ def load_network(path: str | Path, layers: dict[str, nn.Module], *, model_finger
     meta = read_network_meta(path)
     if model_fingerprint is not None and meta["model_fingerprint"] != model_fingerprint:
         raise CrispEditError(f"MEND network {path} was trained for another model (fingerprint "
-                             f"{str(meta['model_fingerprint'])[:12]}…, this model is {model_fingerprint[:12]}…; an already edited model, "
+                             f"{str(meta['model_fingerprint'])[:12]}…, this model is {model_fingerprint[:12]}…; an "
+                             "already edited model, "
                              "e.g. a later session round, counts as another); train one for this model with "
                              "`crispedit mend train`")
     if list(meta["layers"]) != list(layers):
