@@ -189,6 +189,7 @@ def test_ekfac_eigenvalues_are_the_ggn_diagonal_in_the_kronecker_eigenbasis(tiny
     assert proj.dense().shape == G.shape
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["exact", "sampled"])
 def test_ekfac_runs_where_the_model_is(tiny, mode):

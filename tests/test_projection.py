@@ -355,6 +355,7 @@ def test_factor_eigh_decomposes_in_float64_on_every_device(monkeypatch):
     assert _factor_eigh_errors(A, S, gammas)[0.999] > 1e-5
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_factor_eigh_matches_the_float64_formula():
     """The same on a GPU's own eigensolver (cuSOLVER): decomposed there, in float64."""
@@ -395,6 +396,7 @@ def test_stored_float32_eigenbases_give_the_float64_projector(tiny_lm):
     _stored_eigenbasis_matches_float64(f, layers)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_stored_eigenbases_give_the_float64_projector(tiny_lm):
     """The same with the decompositions on a GPU."""

@@ -1,9 +1,9 @@
-"""The projection's GEMMs in TF32 (``EditConfig.projection_precision="tf32"``, issue 37 item f): what leaks into
+"""The projection's GEMMs in TF32 (``EditConfig.projection_precision="tf32"``): what leaks into
 the masked (high-curvature) subspace stays below 1e-3 of the projected step's norm.
 
 On a CPU the TF32 arithmetic is emulated — every matrix product's operands rounded to TF32's 10-bit mantissa
 (round to nearest), the sums in float32, which is what a tensor core does — through a ``TorchFunctionMode``
-around the projector's own code; on a CUDA device (``-m cuda`` not needed: the test runs whenever one is there)
+around the projector's own code; on a CUDA device (marked ``gpu``; it runs whenever one is there)
 the real tensor-core path is measured at SmolLM2's and Llama-3-8B's ``down_proj`` shapes. Gradients are built
 the way a batch makes them (``Σ_t g_t a_tᵀ`` with ``a``, ``g`` drawn from the factors), so most of their norm lies
 in the masked subspace, as in training — the hard case for rounding."""
@@ -177,6 +177,7 @@ def test_config_stores_the_projection_precision():
     assert EditConfig.from_dict(EditConfig().to_json()).projection_precision == "fp32"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the real tensor-core path)")
 @pytest.mark.parametrize("shape", [(576, 1536), (4096, 14336)])
 def test_cuda_tf32_projection_leaks_below_the_bound(shape):
@@ -208,6 +209,7 @@ def test_cuda_tf32_projection_leaks_below_the_bound(shape):
     assert lk < LEAK_BOUND
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the real tensor-core path)")
 def test_cuda_fp32_mode_forces_full_float32_under_a_global_tf32():
     """A process that turned TF32 on for everything (``set_float32_matmul_precision("high")``) still gets the
