@@ -8,7 +8,7 @@ Each directory under ``results/`` is one measured experiment: ``run.json`` (the 
 it, the machine) and its data (``compare.json``, bench JSON, CSV, the demo's printed output). Everything else —
 ``compare.md``, ``*.png``, the scaling tables, ``results/README.md`` and the README blocks between
 ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` — is written by this script and never by hand.
-``--check`` (run by ``tests/test_results.py``) needs neither torch nor matplotlib.
+``--check`` (run by ``tests/experiments/test_results.py``) needs neither torch nor matplotlib.
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ every table and figure, this page and the README's generated blocks with
 python results/make.py              # --check: only compare; --demo: rerun the demo first
 ```
 
-`tests/test_results.py` fails when this page or a README block is not what the data gives, and (marked `ci`)
+`tests/experiments/test_results.py` fails when this page or a README block is not what the data gives, and (marked `ci`)
 when `make demo` no longer prints the stored demo table. Runs were measured on this project's 2-core CPU
 machines with SmolLM2-135M-Instruct unless the run says otherwise; results of earlier one-off sweeps are in
 the git history (`git log -- docs/results`). A new experiment is a new directory with its `run.json` and data,

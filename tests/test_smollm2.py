@@ -83,12 +83,14 @@ def test_stored_eigenbases_on_smollm2_factors(smol):
     """On SmolLM2's real capability factors (64 texts, its five default layers): the projectors from factor_eigh
     (float64 decompositions, float32 bases) have the float64 masks and project within 1e-5 of the paper's float64
     formula up to γ 0.999."""
+    from conftest import load_script
     from crispedit.editing import EditConfig
     from crispedit.editing.api import capability_factors
     from crispedit.layers import resolve_layers
-    from test_projection import _stored_eigenbasis_matches_float64
+
+    stored_matches = load_script("tests/curvature/test_projection.py")._stored_eigenbasis_matches_float64
 
     model, tok = smol
     layers = resolve_layers(model, None)
     f, _ = capability_factors(model, tok, layers, EditConfig(), progress=False)
-    _stored_eigenbasis_matches_float64(f, layers, tol=1e-5)
+    stored_matches(f, layers, tol=1e-5)

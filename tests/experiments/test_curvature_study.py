@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import SHARED
 from crispedit.curvature.ekfac import collect_classifier_ekfac, collect_classifier_kfac, ekfac_eigenvalues
 from crispedit.curvature.exact import ParamLayout, bregman_divergence, ce_hessian_sqrt, ggn_matrix, hessian_matrix
 from crispedit.curvature.projection import DenseProjector, KroneckerProjector, eigh_psd, vec
@@ -23,7 +24,7 @@ from crispedit.experiments import mnist_study
 from crispedit.experiments.idx_data import load_dataset, load_idx
 from crispedit.experiments.mnist_study import MnistStudyConfig, gamma_of
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "images"
+DATA = SHARED / "data" / "images"
 D64 = torch.float64
 
 

@@ -1,8 +1,8 @@
 """Write ``training_sequences.json``: the training sequences of a fixed set of (tokenizer, contexts, answer end,
 seed) cases on the tiny test tokenizer, as ``build_training_sequences`` builds them. The file was first written
-by the if-chain that preceded the training-context registry; ``tests/test_contexts.py`` checks that today's
+by the if-chain that preceded the training-context registry; ``tests/editing/test_contexts.py`` checks that today's
 sequences are the same, token for token. Run from the repository root to rewrite it (only for an intended change):
-``python tests/golden/make_training_sequences.py``."""
+``python tests/editing/golden/make_training_sequences.py``."""
 
 from __future__ import annotations
 

@@ -49,7 +49,9 @@ def matrix_case(method, model=None, tok=None, tmp_path=None):
     """The requests and config the editor matrix runs ``method`` with (MEND: a network meta-trained first on
     requests disjoint from REQS, written under ``tmp_path``)."""
     if method == "mend":
-        from test_mend import write_trained
+        from conftest import load_script
+
+        write_trained = load_script("tests/methods/test_mend.py").write_trained
 
         path = write_trained(model, tok, tmp_path / "mend.safetensors", LAYERS, steps=60)
         return REQS, cfg(method, options={"weights": str(path)})

@@ -1,7 +1,7 @@
-"""One process of the 2-process K-FAC test (launched by ``torchrun`` from ``tests/test_distributed.py``; not a
+"""One process of the 2-process K-FAC test (launched by ``torchrun`` from ``tests/curvature/test_distributed.py``; not a
 test module itself).
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_kfac_worker.py MODEL_DIR TEXTS_JSON OUT_DIR
+    torchrun --standalone --nproc-per-node 2 tests/curvature/dist_kfac_worker.py MODEL_DIR TEXTS_JSON OUT_DIR
 
 Joins a gloo process group from torchrun's environment, loads the tiny model in float64, collects float64
 K-FAC factors for every case of :data:`CASES` with the corpus sharded across the processes, and writes

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from conftest import edits_file
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
@@ -14,7 +15,6 @@ from crispedit.experiments import compare_outputs, compare_plot, compare_table
 from crispedit.experiments.retention import retention_map
 from crispedit.versions import stamped
 from crispedit.weights import weight_fingerprint
-from test_cli import edits_file
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 REAL_EDIT = compare_mod.edit

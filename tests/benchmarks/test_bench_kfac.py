@@ -3,13 +3,12 @@ installed) and the clear skip when it is not. No timing is asserted (the machine
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import load_script
+from conftest import REPO, load_script
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kfac.py"
+BENCH = REPO / "benchmarks" / "bench_kfac.py"
 SMALL = ["--tiny", "--tiny-blocks", "2", "--layers", "model.layers.{0-1}.mlp.down_proj", "--n", "3", "--max-len", "12",
          "--batch", "2", "--repeats", "1", "--threads", "1"]
 

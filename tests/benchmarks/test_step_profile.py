@@ -4,19 +4,18 @@ speed is asserted (the machines are shared)."""
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import load_script
+from conftest import REPO, load_script
 from crispedit.data import BUNDLED_EDITS, bundled_path, load_edits
 from crispedit.editing import EditConfig, capability_factors, get_editor
 from crispedit.editing.loop import projected_finetune
 from crispedit.editing.steptimer import MAIN_PHASES, NULL_TIMER, StepTimer
 from crispedit.layers import resolve_layers
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_projection.py"
+BENCH = REPO / "benchmarks" / "bench_projection.py"
 PATTERN = "model.layers.{1-2}.mlp.down_proj"
 
 

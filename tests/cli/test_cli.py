@@ -5,15 +5,8 @@ import json
 import pytest
 import torch
 
+from conftest import edits_file
 from crispedit.cli import main
-
-
-def edits_file(tmp_path, n=4):
-    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "rephrase": f"Club {i} was founded by?",
-             "loc": "nq question: who sang it", "loc_ans": "someone", "subject": f"club {i}"} for i in range(n)]
-    p = tmp_path / "edits.json"
-    p.write_text(json.dumps(recs))
-    return p
 
 
 def run(args, capsys):

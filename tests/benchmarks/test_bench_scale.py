@@ -2,13 +2,12 @@
 loop's steps read nothing back to the host. No timing is asserted (the machines are shared)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from conftest import load_script
+from conftest import REPO, load_script
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scale.py"
+BENCH = REPO / "benchmarks" / "bench_scale.py"
 
 
 @pytest.fixture()

@@ -1,17 +1,16 @@
 """benchmarks/sequence_losses.py: per-sequence losses after every epoch of a real edit, and the token-cost bound."""
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import load_script
+from conftest import REPO, load_script
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
 from crispedit.editing.fastpath import plain_loss
 from crispedit.editing.loop import _Counters, _EpochPlan, edit_batches
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sequence_losses.py"
+SCRIPT = REPO / "benchmarks" / "sequence_losses.py"
 
 
 @pytest.fixture()

@@ -1,15 +1,14 @@
 """benchmarks/seq_retention.py: sequential runs from the base with round-1 retention after every round."""
 
-from pathlib import Path
 
 import pytest
 
-from conftest import load_script
+from conftest import REPO, load_script
 from crispedit.data import EditRequest
 from crispedit.errors import CrispEditError
 from crispedit.weights import weight_fingerprint
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "seq_retention.py"
+SCRIPT = REPO / "benchmarks" / "seq_retention.py"
 REQS = [EditRequest(f"Who founded company {i}?", f"Person {chr(65 + i)}") for i in range(4)]
 BASE = {"layers": "model.layers.{1-2}.mlp.down_proj", "contexts": "bare", "batch_size": 2, "epochs": 2,
         "stop_loss": 0.0, "lr": 1e-2, "n_cap": 4, "max_len": 48}

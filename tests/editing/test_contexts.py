@@ -392,7 +392,8 @@ def _golden_module():
 
 def test_training_sequences_are_pinned():
     """Every training context builds, token for token, the sequences the if-chain before the training-context
-    registry built (tests/golden/training_sequences.json, written by that code): a stored run retrains the same."""
+    registry built (tests/editing/golden/training_sequences.json, written by that code): a stored run retrains the
+    same."""
     import json
     from pathlib import Path
 

@@ -1,15 +1,14 @@
 """benchmarks/edit_tokens.py: the per-epoch counts it prints are the loop's own batches."""
 
-from pathlib import Path
 
 import pytest
 
-from conftest import load_script
+from conftest import REPO, load_script
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
 from crispedit.editing.loop import edit_batches
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "edit_tokens.py"
+SCRIPT = REPO / "benchmarks" / "edit_tokens.py"
 
 
 @pytest.fixture()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import build_llama
+from conftest import build_llama, load_script
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.delta import (
@@ -218,7 +218,7 @@ def test_session_export_delta_applies_to_the_base(tmp_path, tiny_model_dir, monk
 
 
 def test_delta_info_reads_the_header_without_torch(tiny_lm, tmp_path):
-    from test_cli_startup import run_cli
+    run_cli = load_script("tests/cli/test_cli_startup.py").run_cli
 
     _, _, path, meta, _, _ = edited_pair(tiny_lm, tmp_path)
     rc, heavy, out, err = run_cli(["delta", "info", path, "--json"], tmp_path)

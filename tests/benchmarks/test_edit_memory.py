@@ -1,14 +1,13 @@
 """benchmarks/edit_memory.py: memory is read at every phase of a real edit, which ends after the asked steps."""
 
 import copy
-from pathlib import Path
 
 import crispedit.editing.loop as loop
-from conftest import load_script
+from conftest import REPO, load_script
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "edit_memory.py"
+SCRIPT = REPO / "benchmarks" / "edit_memory.py"
 
 
 def test_measure_reads_every_phase_and_stops_after_the_steps(tiny_lm):

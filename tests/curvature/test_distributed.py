@@ -53,9 +53,10 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def test_two_processes_collect_the_one_process_factors_float64(tiny_model_dir, tmp_path):
+    from dist_kfac_worker import CASES, collect
+
     from crispedit.data import capability_corpus
     from crispedit.models import load_model
-    from dist_kfac_worker import CASES, collect
 
     texts = capability_corpus(None, 8)
     (tmp_path / "texts.json").write_text(json.dumps(texts))

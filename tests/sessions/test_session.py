@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import build_llama
+from conftest import REPO, build_llama
 from crispedit.cli import main
 from crispedit.curvature.kfac import KFACFactors
 from crispedit.data import EditRequest, load_edits, save_edits_jsonl
@@ -51,7 +51,7 @@ def _one_thread():
 
 def _env(cache: Path) -> dict:
     env = dict(os.environ, CRISPEDIT_CACHE=str(cache), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
     return env
 
 

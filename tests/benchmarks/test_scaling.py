@@ -1,13 +1,12 @@
 """benchmarks/scaling.py: points from compare.json and edit_matrix files, the table, the picture, bad input."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from conftest import load_script
+from conftest import REPO, load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scaling.py"
+SCRIPT = REPO / "benchmarks" / "scaling.py"
 
 
 @pytest.fixture()
