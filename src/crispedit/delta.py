@@ -120,8 +120,8 @@ def build_delta(model: nn.Module, base_weights: Mapping[str, Tensor], info: dict
     return tensors, {"crispedit_delta": json.dumps(meta)}
 
 
-def write_delta(path: str | Path, model: nn.Module, base_weights: Mapping[str, Tensor], info: dict
-                | None = None) -> dict:
+def write_delta(path: str | Path, model: nn.Module, base_weights: Mapping[str, Tensor],
+                info: dict | None = None) -> dict:
     """Build (:func:`build_delta`) and write the delta atomically to ``path``; returns its metadata."""
     tensors, header = build_delta(model, base_weights, info)
     atomic_save_safetensors(path, tensors, header)

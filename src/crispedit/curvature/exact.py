@@ -154,8 +154,8 @@ def ggn_matrix(model: nn.Module, inputs: Tensor, *, layout: ParamLayout | None =
         return f(flat, x.unsqueeze(0)).squeeze(0)
 
     jac = vmap(jacrev(single), in_dims=(None, 0))
-    for sl in tqdm(list(_batches(n, batch_size)), desc="GGN", unit="batch", disable=None if progress is None
-                   else not progress):
+    for sl in tqdm(list(_batches(n, batch_size)), desc="GGN", unit="batch",
+                   disable=None if progress is None else not progress):
         x = inputs[sl]
         with torch.no_grad():
             L = ce_hessian_sqrt(f(theta, x).to(dtype))

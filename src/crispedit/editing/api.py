@@ -191,9 +191,9 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     original = snapshot(changed)
     drift_modules = editor.drift_modules(model, layers, config)  # before apply: LoRA wraps them while it trains
     t0 = time.perf_counter()
-    outcome = editor.apply(model, tokenizer, requests, EditContext(config, layers, factors, progress=progress,
-                                                                   checkpoint=None if checkpoint is None
-                                                                   else Path(checkpoint)))
+    ctx = EditContext(config, layers, factors, progress=progress,
+                      checkpoint=None if checkpoint is None else Path(checkpoint))
+    outcome = editor.apply(model, tokenizer, requests, ctx)
     edit_seconds = time.perf_counter() - t0 + outcome.history.extra.get("resumed_seconds", 0.0)
     from ..curvature.predicted import predicted_kl
 

@@ -138,8 +138,8 @@ def render_runs_png(runs: Sequence[dict]) -> bytes:
     return buf.getvalue()
 
 
-def write_report(paths: Sequence[str | Path], out_md: str | Path | None = None, out_png: str | Path
-                 | None = None) -> str:
+def write_report(paths: Sequence[str | Path], out_md: str | Path | None = None,
+                 out_png: str | Path | None = None) -> str:
     """Load the runs, write the markdown table to ``out_md`` and the figure to ``out_png`` (each optional)
     and return the table. Both destinations are checked before anything is written, and the figure is
     rendered before the table is written, so a failure leaves neither file behind."""

@@ -481,8 +481,8 @@ class _Study:
         return final
 
 
-def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Callable[[str], None]
-                    | None = print) -> dict:
+def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None,
+                    log: Callable[[str], None] | None = print) -> dict:
     """Run the study, write ``results.json``, ``results.csv`` and ``tradeoff.png`` to ``cfg.out_dir``
     and return the JSON report (a dict)."""
     cfg = cfg.validated()
