@@ -5,7 +5,7 @@
 
 ``crispedit.evaluation.capabilities`` scores a multiple-choice item's answer choices on one KV cache of its
 context. Two shortcuts make that cache cheaper: the context's forward keeps logits for its last position only
-(``models.last_logits_only``), and a context built on the cache of the beginning it shares with the last context
+(``forward_args.last_logits_only``), and a context built on the cache of the beginning it shares with the last context
 run in full (a task's fixed preamble runs once). The plain path here turns both off: every context runs in full,
 with logits at every position. Both run on the same model and items, interleaved ``--repeats`` times. Prints the
 median seconds of each, their ratio, the scores, and the largest difference between the two paths' item values.
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import crispedit.evaluation.capabilities as C
-from crispedit.errors import atomic_write_json
+from crispedit.atomic import atomic_write_json
 from crispedit.models import load_model
 
 

@@ -116,7 +116,7 @@ def projection_errors(path: str, gammas: list[float], seed: int = 0) -> dict:
     from crispedit.curvature.eigen import factor_eigh
     from crispedit.curvature.kfac import KFACFactors
     from crispedit.curvature.projection import KroneckerProjector
-    from crispedit.errors import load_safetensors
+    from crispedit.safetensors_io import load_safetensors
 
     # Only the matrices matter here, so a factor file of any crispedit version is read (no version check, unlike
     # cache.load_factors), and without a source the decompositions neither read nor write an eigenbasis cache.
@@ -134,7 +134,7 @@ def projection_errors(path: str, gammas: list[float], seed: int = 0) -> dict:
         row = {"d_out": S.shape[0], "d_in": A.shape[0]}
         for g in gammas:
             ref = paper_projection(A, S, g, Q)
-            err = lambda P: float((P.project(Q.float()).double() - ref).norm() / ref.norm())  # noqa: E731
+            err = lambda P, Q=Q, ref=ref: float((P.project(Q.float()).double() - ref).norm() / ref.norm())  # noqa: E731
             ours = KroneckerProjector.from_spectra(*eig[name, "S"], *eig[name, "A"], g)
             row[str(g)] = {"crispedit": float(f"{err(ours):.3g}"),
                            "float32_eigh": float(f"{err(KroneckerProjector.from_spectra(*f32, g)):.3g}")}
@@ -149,14 +149,14 @@ def main(argv=None) -> dict:
     docstring)."""
     import torch
 
-    from crispedit.errors import atomic_write_json
+    from crispedit.atomic import atomic_write_json
 
     args = _args(argv)
     command = "python benchmarks/bench_eigh.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.factors:
         gammas = [float(g) for g in args.gammas.split(",") if g.strip()]
         print(f"projection error against the float64 formula (crispedit / float32 eigh), {args.factors}")
-        from crispedit.errors import read_safetensors_header
+        from crispedit.safetensors_io import read_safetensors_header
 
         spec = read_safetensors_header(args.factors, "curvature cache", "crispedit")[0].get("spec", {})
         out = {"command": command, "commit": _commit(), "torch": torch.__version__, "factors": Path(args.factors).name,
@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
         M64 = spd_matrix(n, args.seed).to(args.device)
         mats = {"float32": M64.float(), "float64": M64}
         times: dict[str, list[float]] = {k: [] for k in mats}
-        for k, M in mats.items():
+        for M in mats.values():
             _time_eigh(M, args.device)  # warm-up (workspace, threads)
         for _ in range(args.repeats):
             for k, M in mats.items():

@@ -1,4 +1,4 @@
-"""What identifying a model's weights costs: :func:`crispedit.models.weight_fingerprint` (XXH3-128, what every edit,
+"""What identifying a model's weights costs: :func:`crispedit.weights.weight_fingerprint` (XXH3-128, what every edit,
 cache lookup, session and compare computes once) against blake2b-128, a cryptographic hash, of the same bytes
 (:func:`blake2b_fingerprint`), the two interleaved in one process over the same weights.
 
@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default="smollm2", help="a model spec for crispedit.models.load_model (default smollm2)")
+    src.add_argument("--model", default="smollm2",
+                     help="a model spec for crispedit.models.load_model (default smollm2)")
     src.add_argument("--random-init", choices=("smollm2", "llama3-8b"), default=None,
                      help="random weights of a real architecture (no files needed)")
     p.add_argument("--blocks", type=int, default=None, help="decoder blocks of a --random-init model (default: all)")
@@ -38,11 +39,11 @@ def _args(argv):
 
 
 def blake2b_fingerprint(model) -> str:
-    """The 32-hex-digit blake2b-128 digest of what :func:`~crispedit.models.weight_fingerprint` hashes (the model
+    """The 32-hex-digit blake2b-128 digest of what :func:`~crispedit.weights.weight_fingerprint` hashes (the model
     type and every parameter and buffer): the cryptographic hash XXH3 is timed against."""
     import hashlib
 
-    from crispedit.models import _hash_weights
+    from crispedit.weights import _hash_weights
 
     return _hash_weights(model, hashlib.blake2b(digest_size=16))
 
@@ -51,8 +52,9 @@ def main(argv=None) -> dict:
     """Time both fingerprints of one model ``--repeats`` times, interleaved; print and return the figures."""
     import torch
 
-    from crispedit.errors import atomic_write_json
-    from crispedit.models import load_model, weight_fingerprint
+    from crispedit.atomic import atomic_write_json
+    from crispedit.models import load_model
+    from crispedit.weights import weight_fingerprint
 
     args = _args(argv)
     dtype = getattr(torch, args.dtype)
@@ -77,7 +79,8 @@ def main(argv=None) -> dict:
     print(f"{what} ({args.dtype}, {args.device}): {nbytes / 2**30:.2f} GiB of parameters and buffers")
     for name, ts in times.items():
         med = statistics.median(ts)
-        out[name] = {"seconds": [round(t, 4) for t in ts], "median_s": round(med, 4), "gb_per_s": round(nbytes / med / 1e9, 2)}
+        out[name] = {"seconds": [round(t, 4) for t in ts], "median_s": round(med, 4),
+                     "gb_per_s": round(nbytes / med / 1e9, 2)}
         print(f"  {name:8s} median {med:8.3f} s  {nbytes / med / 1e9:7.2f} GB/s  ({', '.join(f'{t:.3f}' for t in ts)})")
     out["ratio_blake2b_over_xxh3"] = round(out["blake2b"]["median_s"] / out["xxh3"]["median_s"], 1)
     print(f"  blake2b / xxh3: {out['ratio_blake2b_over_xxh3']}x")

@@ -32,9 +32,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import statistics
 import sys
-import shutil
 import tempfile
 import time
 
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from crispedit.curvature.kfac import LabelMode, collect_lm_kfac, frozen, lm_backward, lm_batches, plain_head
 from crispedit.data import bundled_path, capability_corpus
-from crispedit.models import resolve_layers
+from crispedit.layers import resolve_layers
 from crispedit.pipeline import environment
 
 TINY_LAYERS = "model.layers.{2-6}.mlp.down_proj"
@@ -154,9 +154,12 @@ def _kf_batch(input_ids, attention_mask, rows) -> dict:
 def kf_fit(kf_model, task, layer_names, texts, tok, batches, args, workdir) -> tuple[float, dict, dict]:
     """One kronfluence covariance fit; returns (seconds, A, S) with its raw sums divided by its counts."""
     from kronfluence.arguments import FactorArguments
-    from kronfluence.utils.constants import (ACTIVATION_COVARIANCE_MATRIX_NAME, GRADIENT_COVARIANCE_MATRIX_NAME,
-                                             NUM_ACTIVATION_COVARIANCE_PROCESSED,
-                                             NUM_GRADIENT_COVARIANCE_PROCESSED)
+    from kronfluence.utils.constants import (
+        ACTIVATION_COVARIANCE_MATRIX_NAME,
+        GRADIENT_COVARIANCE_MATRIX_NAME,
+        NUM_ACTIVATION_COVARIANCE_PROCESSED,
+        NUM_GRADIENT_COVARIANCE_PROCESSED,
+    )
 
     fargs = FactorArguments(strategy="kfac", use_empirical_fisher=args.label_mode == "empirical",
                             covariance_max_examples=None)
@@ -193,8 +196,8 @@ def kf_fit(kf_model, task, layer_names, texts, tok, batches, args, workdir) -> t
                                          overwrite_output_dir=True)
         seconds = time.perf_counter() - t0
         factors = analyzer.load_covariance_matrices("kfac")
-    A = {n: factors[ACTIVATION_COVARIANCE_MATRIX_NAME][n].double() / factors[NUM_ACTIVATION_COVARIANCE_PROCESSED][n].item()
-         for n in layer_names}
+    A = {n: (factors[ACTIVATION_COVARIANCE_MATRIX_NAME][n].double()
+             / factors[NUM_ACTIVATION_COVARIANCE_PROCESSED][n].item()) for n in layer_names}
     S = {n: factors[GRADIENT_COVARIANCE_MATRIX_NAME][n].double() / factors[NUM_GRADIENT_COVARIANCE_PROCESSED][n].item()
          for n in layer_names}
     return seconds, A, S
@@ -331,7 +334,8 @@ def _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir
     names = list(layers)
     max_padding = args.max_padding
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    planned = lm_batches(tok, texts, max_len=args.max_len, batch_size=args.batch, max_padding=max_padding, device=device)
+    planned = lm_batches(tok, texts, max_len=args.max_len, batch_size=args.batch, max_padding=max_padding,
+                         device=device)
 
     def run_ours():
         return collect_lm_kfac(model, tok, texts, layers, max_len=args.max_len, batch_size=args.batch,
@@ -354,12 +358,16 @@ def _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir
     times: dict[str, list[float]] = {"ours": [], "bare": [], **{f"kronfluence[{f}]": [] for f in feeds}}
     rel: dict[str, float] = {}
     for _ in range(args.repeats):   # interleaved: a slow spell on a shared machine hits every pass alike
-        sync(); t0 = time.perf_counter()
+        sync()
+        t0 = time.perf_counter()
         ours = run_ours()
-        sync(); times["ours"].append(time.perf_counter() - t0)
-        sync(); t0 = time.perf_counter()
+        sync()
+        times["ours"].append(time.perf_counter() - t0)
+        sync()
+        t0 = time.perf_counter()
         n_tok = run_bare()
-        sync(); times["bare"].append(time.perf_counter() - t0)
+        sync()
+        times["bare"].append(time.perf_counter() - t0)
         for f in feeds:
             s, A, S = run_kf(f)
             times[f"kronfluence[{f}]"].append(s)
@@ -387,14 +395,14 @@ def _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir
     if args.profile:
         rows = {"ours": profile_breakdown(run_ours), "bare": profile_breakdown(run_bare)}
         for f in feeds:
-            rows[f"kronfluence[{f}]"] = profile_breakdown(lambda: run_kf(f))
+            rows[f"kronfluence[{f}]"] = profile_breakdown(lambda f=f: run_kf(f))
         print_breakdowns(rows)
         out["profile"] = rows
     out["environment"] = environment()
     line = json.dumps(out, default=str)
     print(line)
     if args.json:
-        from crispedit.errors import atomic_write_bytes
+        from crispedit.atomic import atomic_write_bytes
 
         atomic_write_bytes(args.json, (line + "\n").encode())
     bad = {f: r for f, r in rel.items() if r > 1e-5}

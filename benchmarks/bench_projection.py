@@ -34,12 +34,19 @@ import time
 
 import torch
 
+from crispedit.curvature.projection import (
+    KroneckerProjector,
+    energy_keep_mask,
+    kronecker_projection_flops,
+    masked_corner,
+    row_extents,
+    staircase_projection_flops,
+)
 from crispedit.data import BUNDLED_EDITS, bundled_path, load_edits
 from crispedit.editing import EditConfig, capability_factors, get_editor
-from crispedit.models import load_model, resolve_layers
+from crispedit.layers import resolve_layers
+from crispedit.models import load_model
 from crispedit.pipeline import environment
-from crispedit.curvature.projection import (KroneckerProjector, energy_keep_mask, kronecker_projection_flops, masked_corner,
-                                  row_extents, staircase_projection_flops)
 
 # Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B)
 LLAMA3_8B = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256)
@@ -112,7 +119,8 @@ def flops_main(args) -> None:
     step = llama_step_flops(args.edits, args.tokens, args.blocks, edited=args.blocks, **LLAMA3_8B)
     print(f"Llama-3-8B edit step: {args.edits} edits x {args.tokens} tokens through {args.blocks} blocks, "
           f"{args.blocks} down_proj ({d_out}x{d_in}) trained: fwd {step['forward'] / 1e12:.3f} + bwd "
-          f"{step['backward'] / 1e12:.3f} = {step['step'] / 1e12:.3f} TFLOP (LM head fwd+bwd {step['head'] / 1e12:.3f} more)")
+          f"{step['backward'] / 1e12:.3f} = {step['step'] / 1e12:.3f} TFLOP (LM head fwd+bwd {step['head'] / 1e12:.3f} "
+          "more)")
     full_one = kronecker_projection_flops(d_out, d_in, d_out, d_in)[1]
     print(f"full projector: {full_one / 1e12:.3f} TFLOP per layer, x{args.blocks} = "
           f"{args.blocks * full_one / step['step']:.2f} x the step; gamma={args.gamma}")
@@ -148,7 +156,8 @@ def flops_main(args) -> None:
         full = KroneckerProjector(U_out, U_in, keep, form="full")
         auto = KroneckerProjector(U_out, U_in, keep)
         err = float((auto.project(Q) - full.project(Q)).abs().max() / Q.abs().max())
-        tf, ta = _median_seconds(lambda: full.project(Q), args.repeats), _median_seconds(lambda: auto.project(Q), args.repeats)
+        tf = _median_seconds(lambda full=full: full.project(Q), args.repeats)
+        ta = _median_seconds(lambda auto=auto: auto.project(Q), args.repeats)
         timings.append({"spectrum": label, **auto.stats(), "full_ms": tf * 1e3, "auto_ms": ta * 1e3,
                         "speedup": tf / ta if ta > 0 else float("inf"), "max_rel_diff": err})
         t = timings[-1]
@@ -286,7 +295,8 @@ def overheads(res: dict, base: str = "ft/gradient") -> dict:
     for k, r in ks.items():
         pairs = [a / b - 1 for a, b in zip(r["runs"], ref_runs)]
         out[k] = {"paired": statistics.median(pairs) if pairs else float("nan"),
-                  "attributed": (extra(r["breakdown"]) - extra(ref)) / ref["step"] if ref and r["breakdown"] else float("nan")}
+                  "attributed": (extra(r["breakdown"]) - extra(ref)) / ref["step"] if ref and r["breakdown"]
+                  else float("nan")}
     return out
 
 
@@ -340,7 +350,7 @@ def factors_from_file(path: str, layers: dict) -> object:
     time the projector of a real spectrum without running the real model."""
     from crispedit.curvature.cache import load_factors
     from crispedit.curvature.kfac import KFACFactors
-    from crispedit.models import weight_matrix
+    from crispedit.layers import weight_matrix
 
     f = load_factors(path)
     names = list(layers)
@@ -416,11 +426,13 @@ def main() -> None:
                     help="smollm2 (default), tiny (random SmolLM2-shaped llama, --tiny-blocks blocks), tiny-small "
                          "(the same, widths 64/128: seconds) or any model spec")
     ap.add_argument("--tiny-blocks", type=int, default=8)
-    ap.add_argument("--layers", default=None, help="layer pattern (default: the model's; tiny: 5 down_proj from block 2)")
+    ap.add_argument("--layers", default=None,
+                    help="layer pattern (default: the model's; tiny: 5 down_proj from block 2)")
     ap.add_argument("--batch", type=int, default=32, help="edit requests (each one sequence per edit context)")
     ap.add_argument("--contexts", default="default", help="edit contexts of the requests (EditConfig.contexts)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--epochs", type=int, default=1, help="epochs per timed run (each run starts from the same weights)")
+    ap.add_argument("--epochs", type=int, default=1,
+                    help="epochs per timed run (each run starts from the same weights)")
     ap.add_argument("--discard", type=int, default=1, help="first steps of every run left out (Adam state allocation)")
     ap.add_argument("--profile", action="store_true",
                     help="per-phase breakdown of the step (forward, backward, projection, optimizer, other)")

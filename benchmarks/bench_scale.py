@@ -34,7 +34,8 @@ Phases, each timed on its own (CUDA-synchronised) and printed as one line:
 
 ``--random-init smollm2|llama3-8b`` builds the architecture with random weights (``--blocks K`` keeps K decoder
 blocks; without ``--layers`` it edits the real checkpoint's layers where the K blocks hold them, else crispedit's
-default layers for K blocks) and a byte-level BPE tokenizer trained in-process on the bundled WikiText sample, with a ChatML chat
+default layers for K blocks) and a byte-level BPE tokenizer trained in-process on the bundled WikiText sample, with a
+ChatML chat
 template like SmolLM2's: timings only, no quality. ``--synthetic N`` makes up N facts (no data files needed).
 ``--json FILE`` writes every figure with the arguments and the environment. A ``--method`` entry may end in
 ``:bf16`` (training precision), ``:tf32`` (the projection's GEMMs), ``:compile`` or ``:graphs`` (the decoder
@@ -46,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import random
 import resource
 import sys
@@ -56,19 +56,21 @@ from pathlib import Path
 
 import torch
 
+from crispedit.atomic import atomic_write_json
 from crispedit.curvature.eigen import eigh_device, factor_eigh
 from crispedit.data import EditRequest, load_edits
 from crispedit.editing import EditConfig, get_editor
-from crispedit.editing.config import PROJECTION_PRECISIONS
 from crispedit.editing.api import capability_factors
+from crispedit.editing.config import PROJECTION_PRECISIONS
 from crispedit.editing.fastpath import may_pack, pack_if_it_pays, prefix_sharing
 from crispedit.editing.loop import edit_batches, projected_finetune
 from crispedit.editing.steptimer import StepTimer
-from crispedit.errors import CrispEditError, atomic_write_json
-from crispedit.models import (decoder_blocks, default_layer_pattern, expand_pattern, load_model, restoring,
-                              weight_fingerprint)
+from crispedit.errors import CrispEditError
+from crispedit.layers import decoder_blocks, default_layer_pattern, expand_pattern
+from crispedit.models import load_model
 from crispedit.pipeline import environment
 from crispedit.progress import progress_lines
+from crispedit.weights import restoring, weight_fingerprint
 
 # Architectures of the real checkpoints (their config.json), for random-init runs
 SHAPES = {
@@ -113,7 +115,7 @@ def random_model(shape: str, blocks: int | None, dtype: torch.dtype, device: str
 def random_init_layers(shape: str, model) -> str:
     """The ``--layers`` default of a ``--random-init`` run: the real checkpoint's layers of ``shape`` (:data:`SHAPES`)
     when ``model``'s blocks hold them all, else crispedit's default layers for its depth
-    (:func:`~crispedit.models.default_layer_pattern`: a ``--blocks`` model too shallow for the real ones)."""
+    (:func:`~crispedit.layers.default_layer_pattern`: a ``--blocks`` model too shallow for the real ones)."""
     pattern = SHAPES[shape]["layers"]
     modules = dict(model.named_modules())
     return pattern if all(name in modules for name in expand_pattern(pattern)) else default_layer_pattern(model)
@@ -130,7 +132,8 @@ def synthetic_requests(n: int, seed: int = 0) -> list[EditRequest]:
     out = []
     for i in range(n):
         subject = f"{word(2)} {i}"
-        out.append(EditRequest(rng.choice(asks).format(subject), f"{word(2)} {word(rng.randint(1, 3))}", subject=subject))
+        out.append(EditRequest(rng.choice(asks).format(subject), f"{word(2)} {word(rng.randint(1, 3))}",
+                               subject=subject))
     return out
 
 
@@ -406,9 +409,12 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
                 kp = profile_kfac(model, tok, layers, config, device)
                 out["kfac_profile"] = kp
                 pb = kp["per_batch"]
-                print(f"kfac prof  {kp['seconds']:8.2f} s  {kp['batches']} batches of <= {config.kfac_batch_size} texts, "
-                      f"{kp['tokens'] / kp['seconds']:,.0f} tokens/s under the profiler; per batch {pb['aten_ops']} aten "
-                      f"ops, {pb['kernel_launches']} kernel launches, {pb['reads']} reads, {pb['sync_calls']} sync calls")
+                print(f"kfac prof  {kp['seconds']:8.2f} s  {kp['batches']} batches of <= {config.kfac_batch_size} "
+                      "texts, "
+                      f"{kp['tokens'] / kp['seconds']:,.0f} tokens/s under the profiler; per batch {pb['aten_ops']} "
+                      "aten "
+                      f"ops, {pb['kernel_launches']} kernel launches, {pb['reads']} reads, {pb['sync_calls']} sync "
+                      "calls")
                 for key in ("top_self_cpu", "top_self_device"):
                     for op, calls, ms in kp.get(key, []):
                         print(f"           {key[4:]:>9}  {ms:10.1f} ms  {calls:6d} calls  {op}")
@@ -438,7 +444,8 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
         # the FLOPs of what ran: packed batches (shared prefixes computed once) counted in their packed layout
         packed = share and hist.extra.get("packed_batches", 0) > 0 and may_pack(model)
         flops = step_flops(model, batches, params, projectors,
-                           packed=[pack_if_it_pays(b.input_ids, b.attention_mask, b.labels) for b in batches] if packed else None)
+                           packed=[pack_if_it_pays(b.input_ids, b.attention_mask, b.labels) for b in batches] if packed
+                           else None)
         epochs = len(hist.epoch_loss)
         steps = hist.steps + hist.skipped
         per_epoch = hist.seconds / epochs
@@ -450,8 +457,10 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
                         "padded_per_epoch": hist.extra.get("padded_per_epoch"),
                         "packed_batches": hist.extra.get("packed_batches"),
                         "tokens_per_s": round(hist.tokens / per_epoch, 1), "flops_per_epoch": flops,
-                        "tflops": round(tflops, 4), "fraction_of_peak": round(tflops / peak, 5), "fast_loss": hist.fast_loss,
-                        "skipped_batches": hist.skipped, "sync_free": device.startswith("cuda") if sync_free is None else sync_free}
+                        "tflops": round(tflops, 4), "fraction_of_peak": round(tflops / peak, 5),
+                        "fast_loss": hist.fast_loss,
+                        "skipped_batches": hist.skipped, "sync_free": device.startswith("cuda") if sync_free is None
+                        else sync_free}
         print(f"train      {per_epoch:8.3f} s/epoch  {hist.seconds / steps:.4f} s/step  {steps // epochs} steps/epoch  "
               f"{hist.tokens / per_epoch:,.0f} tokens/s  {tflops:.3f} TFLOP/s = {100 * tflops / peak:.1f} % of peak")
         if hist.extra.get("positions_per_epoch") is not None:
@@ -474,7 +483,8 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
         out["peak_memory_mib"] = round((torch.cuda.max_memory_allocated() if device.startswith("cuda") else
                                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 20, 1)
         out["host_syncs_per_step"] = out.get("profile", {}).get("host_syncs_per_step")
-        print(f"memory     peak {out['peak_memory_mib']:,.0f} MiB ({'device allocated' if device.startswith('cuda') else 'RSS'})")
+        print(f"memory     peak {out['peak_memory_mib']:,.0f} MiB "
+              f"({'device allocated' if device.startswith('cuda') else 'RSS'})")
     return out
 
 
@@ -499,7 +509,8 @@ def main(argv=None) -> dict:
         requests = load_edits(args.edits)[args.offset:args.offset + args.n_edits]
     else:
         requests = synthetic_requests(args.n_edits)
-    out: dict = {"args": vars(args), "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+    out: dict = {"args": vars(args), "device_name": torch.cuda.get_device_name() if device.startswith("cuda")
+                 else "cpu",
                  "environment": environment(), "n_edits": len(requests), "load_seconds": round(load_s, 2)}
     peak = matmul_peak(dtype, device)
     out["matmul_peak_tflops"] = round(peak, 3)

@@ -32,9 +32,9 @@ import argparse
 import time
 from pathlib import Path
 
+from crispedit.atomic import atomic_write_bytes, atomic_write_json
 from crispedit.data import load_edits
 from crispedit.editing import EditConfig, edit, restore
-from crispedit.errors import atomic_write_bytes, atomic_write_json
 from crispedit.evaluation import evaluate_edit
 from crispedit.evaluation.wild import check_template
 from crispedit.models import load_model

@@ -109,16 +109,17 @@ def main(argv: list[str] | None = None) -> int:
         out = subprocess.run([sys.executable, __file__, "--child", "--edits", spec, "--steps", str(args.steps),
                               "--model", args.model], capture_output=True, text=True)
         if out.returncode != 0:
-            sys.exit(f"edit_memory: {spec} failed: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
+            sys.exit(f"edit_memory: {spec} failed: "
+                     f"{out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print("| edits | loaded (peak / now) | prepared | first step | step %d | peak MiB |" % args.steps)
+    print(f"| edits | loaded (peak / now) | prepared | first step | step {args.steps} | peak MiB |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         cells = [f"{r[p]['hwm_mib']} / {r[p]['rss_mib']}" if p in r else "—" for p in PHASES]
         peak = max(r[p]["hwm_mib"] for p in PHASES if p in r)
         print(f"| {r['edits_file']} {r['offset']}+{r['edits']} | " + " | ".join(cells) + f" | {peak} |")
     if args.json:
-        from crispedit.errors import atomic_write_bytes
+        from crispedit.atomic import atomic_write_bytes
 
         atomic_write_bytes(args.json, json.dumps({"model": args.model, "steps": args.steps, "rows": rows},
                                                  indent=2).encode())

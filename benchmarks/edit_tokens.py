@@ -51,9 +51,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
 
+    from crispedit.atomic import atomic_write_json
     from crispedit.data import load_edits
     from crispedit.editing import EditConfig
-    from crispedit.errors import atomic_write_json
     from crispedit.models import load_model
 
     model, tok = load_model(args.model)

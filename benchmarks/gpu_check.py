@@ -26,7 +26,8 @@ from crispedit.data.corpus import BUNDLED_EDITS, bundled_path, heldout_text
 from crispedit.editing import EditConfig, edit
 from crispedit.editing.api import capability_factors
 from crispedit.evaluation import edit_scores, kl_drift, summarize_edit_scores
-from crispedit.models import load_model, resolve_layers
+from crispedit.layers import resolve_layers
+from crispedit.models import load_model
 
 
 def _sync(device: str) -> None:
@@ -65,7 +66,8 @@ def main() -> None:
     cfg = EditConfig(method="crispedit", epochs=args.epochs, n_cap=args.n_cap)
     layers = resolve_layers(model, cfg.layers)
     row: dict = {"device": dev, "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else None,
-                 "dtype": args.dtype, "random_init": bool(args.random_init), "load_s": round(time.perf_counter() - t0, 2)}
+                 "dtype": args.dtype, "random_init": bool(args.random_init),
+                 "load_s": round(time.perf_counter() - t0, 2)}
 
     with tempfile.TemporaryDirectory() as cache:
         _sync(dev)

@@ -25,7 +25,7 @@ if [ "${QUICK:-0}" = 1 ]; then
   exit 0
 fi
 if [ "${SHORT:-0}" = 1 ]; then  # a follow-up in about 3 minutes: leak test, token batches fp32/tf32, profile, K-FAC
-  timeout 45 $PY -m pytest -q -s -p no:cacheprovider tests/test_rotation_precision.py -k cuda 2>&1 | tee "$OUT/tf32_leak.txt"
+  timeout 45 $PY -m pytest -q -s -p no:cacheprovider tests/curvature/test_rotation_precision.py -k cuda 2>&1 | tee "$OUT/tf32_leak.txt"
   # the first entry warms the process up (cuBLAS, kernels); the ratios are against the last
   timeout 100 $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 1000 --epochs 2 --device cuda \
       --dtype bfloat16 --batch-tokens 16384 --n-cap 512 --no-profile --method crispedit,crispedit:tf32,crispedit \
@@ -42,7 +42,7 @@ if [ "${WALL:-0}" = 1 ]; then
 fi
 if [ "${HOST:-0}" = 1 ]; then
   # the CUDA-only tests first (TF32 forcing, float32 eigh), then K-FAC under the profiler at two batch sizes
-  timeout 60 $PY -m pytest -q -s -p no:cacheprovider tests/test_rotation_precision.py tests/test_projection.py tests/test_curvature_study.py -k cuda 2>&1 | tail -5 | tee "$OUT/cuda_tests.txt"
+  timeout 60 $PY -m pytest -q -s -p no:cacheprovider tests/curvature/test_rotation_precision.py tests/curvature/test_projection.py tests/experiments/test_curvature_study.py -k cuda 2>&1 | tail -5 | tee "$OUT/cuda_tests.txt"
   for kb in 8 64; do
     timeout 80 $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 64 --epochs 1 --device cuda \
         --dtype bfloat16 --n-cap 512 --kfac-batch-size $kb --profile-kfac --no-profile \
@@ -58,7 +58,7 @@ if [ "${HOST:-0}" = 1 ]; then
 fi
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 # the projection's TF32 GEMMs: what leaks into the masked subspace at SmolLM2's and Llama-3-8B's down_proj shapes
-timeout 60 $PY -m pytest -q -s -p no:cacheprovider tests/test_rotation_precision.py -k cuda 2>&1 | tee "$OUT/tf32_leak.txt"
+timeout 60 $PY -m pytest -q -s -p no:cacheprovider tests/curvature/test_rotation_precision.py -k cuda 2>&1 | tee "$OUT/tf32_leak.txt"
 # SmolLM2-shaped, 1 000 edits, default contexts: s/epoch (mark <= 3 s), K-FAC tokens/s (mark >= 20 000), host syncs
 timeout ${T_SMOL:-130} $PY benchmarks/bench_scale.py --random-init smollm2 --synthetic 1000 --epochs 2 --device cuda \
     --dtype bfloat16 --json "$OUT/smollm2_1000.json" 2>&1 | tee "$OUT/smollm2_1000.txt"

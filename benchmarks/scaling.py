@@ -7,7 +7,8 @@ stored before it was recorded, computed from its stored answers and the compare'
 be read), KL drift (nats/token on held-out text), the drift the K-FAC quadratic model predicted (and the
 measured / predicted ratio: how far the prediction, what ``--max-drift`` budgets, under-reads at each size) and
 perplexity, keyed by method and number of edits, and writes a table (Markdown) and a five-panel PNG (QA rel, QA
-gen, QA crosstalk, KL drift and perplexity on log axes; x: number of edits, log axis). An edit_matrix row counts when its overrides name only ``method`` and, optionally,
+gen, QA crosstalk, KL drift and perplexity on log axes; x: number of edits, log axis). An edit_matrix row counts when
+its overrides name only ``method`` and, optionally,
 the defaults' contexts (it is then the method at its defaults). Where two runs give the same method and size,
 the later file on the command line wins.
 
@@ -25,9 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from crispedit.atomic import atomic_write_bytes, atomic_write_figure  # noqa: E402
 from crispedit.data.edits import load_edits  # noqa: E402  (torch-free)
 from crispedit.editing.contexts import DEFAULT_CONTEXTS  # noqa: E402  (torch-free)
-from crispedit.errors import CrispEditError, atomic_write_bytes, atomic_write_figure  # noqa: E402
+from crispedit.errors import CrispEditError  # noqa: E402
 from crispedit.evaluation.wild import crosstalk  # noqa: E402  (torch-free)
 
 KEYS = ("qa_rel", "qa_gen", "qa_cross", "chat_rel", "chat_gen", "kl_drift", "kl_predicted", "ppl")
@@ -93,7 +95,8 @@ def read_points(path: str | Path) -> dict[tuple[str, int], dict]:
 def scaling_table(points: dict[tuple[str, int], dict]) -> str:
     """Markdown: one row per method and number of edits (sorted), the :data:`KEYS` figures and the measured /
     predicted drift ratio."""
-    lines = ["| method | edits | WILD qa rel / gen | qa crosstalk | chat rel / gen | KL drift | predicted (measured / pred.) "
+    lines = ["| method | edits | WILD qa rel / gen | qa crosstalk | chat rel / gen | KL drift | predicted (measured / "
+             "pred.) "
              "| perplexity |", "|---|---|---|---|---|---|---|---|"]
 
     def f(v, fmt="{:.2f}"):

@@ -150,8 +150,8 @@ def main() -> None:
                     help="record per round the trace and top eigenvalues of the edit factors (chunk and accumulated)")
     args = ap.parse_args()
     wild = tuple(w for w in args.wild.split(",") if w)
+    from crispedit.atomic import atomic_write_json
     from crispedit.data import load_edits
-    from crispedit.errors import atomic_write_json
     from crispedit.models import load_model
 
     path, offset, n = slice_arg(args.edits)

@@ -8,7 +8,7 @@ Each directory under ``results/`` is one measured experiment: ``run.json`` (the 
 it, the machine) and its data (``compare.json``, bench JSON, CSV, the demo's printed output). Everything else —
 ``compare.md``, ``*.png``, the scaling tables, ``results/README.md`` and the README blocks between
 ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` — is written by this script and never by hand.
-``--check`` (run by ``tests/test_results.py``) needs neither torch nor matplotlib.
+``--check`` (run by ``tests/experiments/test_results.py``) needs neither torch nor matplotlib.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ COMPARES = ("compare_zsre_dev100", "compare_counterfact_dev100", "compare_zsre_d
 SCALING = {"scaling_zsre": ("wild_zsre_dev100_32.json", "../compare_zsre_dev100", "../compare_zsre_dev1000"),
            "scaling_counterfact": ("wild_counterfact_dev100_32.json", "../compare_counterfact_dev100",
                                    "../compare_counterfact_dev1000")}
-BREAKING_PPL_RATIO = 2.0  # crispedit.experiments.compare.BREAKING_PPL_RATIO (kept here: --check imports no torch)
+BREAKING_PPL_RATIO = 2.0  # crispedit.experiments.compare_table.BREAKING_PPL_RATIO (kept here: --check imports no torch)
 
 
 # ----------------------------------------------------------------------------------------------------- the demo
@@ -207,7 +207,7 @@ def compare_summary(payload: dict) -> str:
     res = payload["results"]
     base = res.get("base") or {}
     ppl0 = (base.get("summary") or {}).get("ppl")
-    tasks = list((base.get("capability_details") or {}))
+    tasks = list(base.get("capability_details") or {})
     head = ["method", "WILD qa rel / gen", "chat rel / gen", "TF rel / gen", "KL drift (pred.)", "ppl (×base)",
             *tasks, "edit time"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -217,7 +217,8 @@ def compare_summary(payload: dict) -> str:
         kl, pred = s.get("kl_drift"), s.get("kl_predicted")
         ppl = s.get("ppl")
         ratio = ppl / ppl0 if ppl and ppl0 else None
-        ppl_cell = "–" if ppl is None else _num(ppl, "{:.1f}") + (f" (×{_num(ratio, '{:.2f}')})" if ratio and m != "base" else "")
+        ppl_cell = "–" if ppl is None else _num(ppl, "{:.1f}") + (f" (×{_num(ratio, '{:.2f}')})" if ratio
+                                                                  and m != "base" else "")
         if ratio and ratio > BREAKING_PPL_RATIO:
             ppl_cell += " ✗"
         kl_cell = "0" if m == "base" else _drift(kl) + (f" ({_drift(pred)})" if pred is not None else "")
@@ -240,7 +241,8 @@ def headline_table() -> str:
         kl, ppl = r["summary"]["kl_drift"], r["summary"]["ppl"]
         return _drift(kl) + (f" (ppl ×{ppl / ppl0:.2f} ✗)" if ppl / ppl0 > BREAKING_PPL_RATIO else "")
 
-    lines = ["| method | 100 edits: WILD qa rel / gen | KL drift | edit time | 1 000 edits: WILD qa rel / gen | KL drift |",
+    lines = ["| method | 100 edits: WILD qa rel / gen | KL drift | edit time | 1 000 edits: WILD qa rel / gen | KL "
+             "drift |",
              "|---|---|---|---|---|---|"]
     for m in [m for m in a if m in b]:
         ea, eb = _extras(a[m]), _extras(b[m])
@@ -293,7 +295,8 @@ def speed_facts() -> dict:
     bf16 = _load(HERE / "speed" / "bench_bf16_smollm2_32.json")
     h100 = _load(HERE / "speed" / "gpu_h100" / "smollm2_1000_tokens_b.json")
     return {"packed": share["step_ratio"]["crispedit:noshare"],
-            "bf16": bf16["methods"]["crispedit"]["train"]["s_per_step"] / bf16["methods"]["crispedit:bf16"]["train"]["s_per_step"],
+            "bf16": (bf16["methods"]["crispedit"]["train"]["s_per_step"]
+                     / bf16["methods"]["crispedit:bf16"]["train"]["s_per_step"]),
             "gemm": share["methods"]["crispedit"]["train"]["fraction_of_peak"],
             "h100_fp32": h100["methods"]["crispedit"]["train"]["s_per_epoch"],
             "h100_tf32": h100["methods"]["crispedit:tf32"]["train"]["s_per_epoch"]}
@@ -393,7 +396,7 @@ every table and figure, this page and the README's generated blocks with
 python results/make.py              # --check: only compare; --demo: rerun the demo first
 ```
 
-`tests/test_results.py` fails when this page or a README block is not what the data gives, and (marked `ci`)
+`tests/experiments/test_results.py` fails when this page or a README block is not what the data gives, and (marked `ci`)
 when `make demo` no longer prints the stored demo table. Runs were measured on this project's 2-core CPU
 machines with SmolLM2-135M-Instruct unless the run says otherwise; results of earlier one-off sweeps are in
 the git history (`git log -- docs/results`). A new experiment is a new directory with its `run.json` and data,
@@ -401,7 +404,8 @@ and a section in `results/make.py`.
 
 ## The demo
 
-`{shlex.join(demo_command())}` (what `make demo` runs: [`demo/command.sh`](demo/command.sh); output [`demo/demo.txt`](demo/demo.txt)).
+`{shlex.join(demo_command())}` (what `make demo` runs: [`demo/command.sh`](demo/command.sh); output
+[`demo/demo.txt`](demo/demo.txt)).
 {_run_line(DEMO)}
 
 ```
@@ -492,7 +496,7 @@ def fill_blocks(text: str, blocks: dict[str, str]) -> str:
         pat = re.compile(rf"(<!-- results:{name} -->\n).*?(<!-- /results:{name} -->)", re.S)
         if not pat.search(text):
             raise SystemExit(f"README.md has no <!-- results:{name} --> block")
-        text = pat.sub(lambda m: m.group(1) + body + m.group(2), text)
+        text = pat.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
     return text
 
 
@@ -500,7 +504,8 @@ def fill_blocks(text: str, blocks: dict[str, str]) -> str:
 def figures() -> None:
     """Redraw every table and figure from the data (needs crispedit's plotting dependencies)."""
     sys.path.insert(0, str(ROOT / "src"))
-    from crispedit.experiments.compare import compare_table, plot_compare
+    from crispedit.experiments.compare_plot import plot_compare
+    from crispedit.experiments.compare_table import compare_table
     from crispedit.experiments.retention import plot_retention
     from crispedit.experiments.study_report import write_plot
 

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Make a chromium available to the playground's browser test (tests/test_playground.py), which playwright drives
+# Make a chromium available to the playground's browser test (tests/experiments/test_playground.py), which playwright drives
 # through the system's executable (its own browser download needs a network this project does not have).
 # Tolerant by design: `make test` calls it before pytest and goes on whatever happens here; without a chromium
 # the browser test skips and says why. Installs only when none is found, apt-get exists and we are root.

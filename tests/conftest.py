@@ -27,6 +27,17 @@ def load_script(path: str | Path, name: str | None = None):
     return mod
 
 
+def edits_file(tmp_path, n=4):
+    """An edit file ``tmp_path/edits.json`` of ``n`` made-up club founders (ZsRE schema, with subjects); its path."""
+    import json
+
+    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "rephrase": f"Club {i} was founded by?",
+             "loc": "nq question: who sang it", "loc_ans": "someone", "subject": f"club {i}"} for i in range(n)]
+    p = tmp_path / "edits.json"
+    p.write_text(json.dumps(recs))
+    return p
+
+
 def build_tokenizer(vocab_size: int = 320, eos: str = "<eos>"):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -14,8 +14,10 @@ above it (a plugin lookup, not an import statement).
 
 The layers, lowest first (:data:`LAYERS`; a module may import from its own layer and those below):
 
-1. ``base`` — what everything uses: errors and checks, progress, lazy exports, per-family defaults, the
-   ``torch.distributed`` helpers, the delta file's header format, model loading, edit and text data.
+1. ``base`` — what everything uses: errors, version stamps, checks of numbers and paths, atomic writes, the
+   safetensors reader, progress, lazy exports, per-family defaults, the ``torch.distributed`` helpers, the
+   delta file's header format, model loading, layer patterns, weights and their fingerprint, forward
+   arguments, edit and text data.
 2. ``curvature`` — the capability loss's curvature (K-FAC, EK-FAC, exact), the cache, the predicted drift and
    the projectors built from it: maths on a model, nothing about edits.
 3. ``evaluation`` — measures a model (teacher-forced, WILD, capabilities, KL drift); it never edits, so
@@ -42,8 +44,10 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "crispedit"
 # (layer name, the packages and modules in it), lowest first; see the module docstring for what each holds.
 # The package's own ``__init__`` ("crispedit") is named exactly; every other entry covers its submodules too.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("crispedit", "crispedit._lazy", "crispedit.errors", "crispedit.progress", "crispedit.families",
-              "crispedit.distributed", "crispedit.delta_format", "crispedit.models", "crispedit.data")),
+    ("base", ("crispedit", "crispedit._lazy", "crispedit.errors", "crispedit.versions", "crispedit.checks",
+              "crispedit.paths", "crispedit.atomic", "crispedit.safetensors_io", "crispedit.progress",
+              "crispedit.families", "crispedit.distributed", "crispedit.delta_format", "crispedit.models",
+              "crispedit.layers", "crispedit.weights", "crispedit.forward_args", "crispedit.data")),
     ("curvature", ("crispedit.curvature",)),
     ("evaluation", ("crispedit.evaluation",)),
     ("editing", ("crispedit.editing",)),
@@ -211,11 +215,12 @@ def test_the_graph_has_the_edges_it_should():
     assert "crispedit.experiments.mnist_study" in graph["crispedit.cli.mnist"]
     assert "crispedit.methods.memit" in graph["crispedit.methods.memit.editor"]  # `from . import MEMITConfig`
     assert graph["crispedit.editing"] == {"crispedit._lazy"}  # lazy exports are no edges of the package itself
-    assert {"crispedit.editing.config", "crispedit.editing.api"} <= graph["crispedit.experiments.compare"]  # lazy exports
+    # lazy exports
+    assert {"crispedit.editing.config", "crispedit.editing.api"} <= graph["crispedit.experiments.compare"]
     assert "crispedit.editing" not in graph["crispedit.experiments.compare"]
     assert "crispedit.data" in graph["crispedit.demo"]  # a plain package re-export
     assert {"crispedit.data.corpus", "crispedit.data.edits"} <= graph["crispedit.data"]
-    assert "crispedit.errors" in graph["crispedit.experiments.mnist_config"]  # two dots
+    assert "crispedit.checks" in graph["crispedit.experiments.mnist_config"]  # two dots
 
 
 def layer_of(module: str, layers=LAYERS) -> tuple[int, str] | None:

@@ -28,7 +28,7 @@ def smol():
 @pytest.mark.ci
 def test_smollm2_loads_with_default_layers(smol):
     from crispedit.evaluation.generation import generate_answers
-    from crispedit.models import default_layer_pattern, resolve_layers
+    from crispedit.layers import default_layer_pattern, resolve_layers
 
     model, tok = smol
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
@@ -83,13 +83,14 @@ def test_stored_eigenbases_on_smollm2_factors(smol):
     """On SmolLM2's real capability factors (64 texts, its five default layers): the projectors from factor_eigh
     (float64 decompositions, float32 bases) have the float64 masks and project within 1e-5 of the paper's float64
     formula up to γ 0.999."""
-    from test_projection import _stored_eigenbasis_matches_float64
-
+    from conftest import load_script
     from crispedit.editing import EditConfig
     from crispedit.editing.api import capability_factors
-    from crispedit.models import resolve_layers
+    from crispedit.layers import resolve_layers
+
+    stored_matches = load_script("tests/curvature/test_projection.py")._stored_eigenbasis_matches_float64
 
     model, tok = smol
     layers = resolve_layers(model, None)
     f, _ = capability_factors(model, tok, layers, EditConfig(), progress=False)
-    _stored_eigenbasis_matches_float64(f, layers, tol=1e-5)
+    stored_matches(f, layers, tol=1e-5)

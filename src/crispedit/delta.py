@@ -28,15 +28,19 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
 from .delta_format import DELTA_FILE, DELTA_FORMAT, DELTA_KIND, check_lora_rank, read_delta_header
-from .errors import CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_json, load_safetensors, stamped
-from .models import parameter
+from .errors import CrispEditError
+from .safetensors_io import load_safetensors
+from .versions import stamped
+from .weights import parameter
 
 __all__ = ["DELTA_FILE", "DELTA_FORMAT", "delta_fingerprint", "build_delta", "write_delta", "load_delta",
            "apply_delta", "revert_delta", "revert_delta_tensors", "export_lora", "delta_info"]
@@ -59,7 +63,8 @@ def delta_fingerprint(model: nn.Module, values: Mapping[str, Tensor]) -> str:
     deterministic; the same model saved and reloaded keeps it."""
     h = hashlib.blake2b(digest_size=16)
     cfg = getattr(model, "config", None)
-    arch = {k: getattr(cfg, k) for k in _CONFIG_KEYS if cfg is not None and isinstance(getattr(cfg, k, None), (int, str))}
+    arch = {k: getattr(cfg, k) for k in _CONFIG_KEYS if cfg is not None
+            and isinstance(getattr(cfg, k, None), (int, str))}
     arch.setdefault("model_type", type(model).__name__)
     h.update(json.dumps(arch, sort_keys=True).encode())
     for name, p in sorted(model.named_parameters()):
@@ -81,7 +86,8 @@ def build_delta(model: nn.Module, base_weights: Mapping[str, Tensor], info: dict
                 ) -> tuple[dict[str, Tensor], dict]:
     """The tensors and header metadata of the delta from ``base_weights`` (full parameter name -> base
     value, e.g. ``EditResult.original_weights``) to ``model``'s current values. Unchanged tensors are left
-    out (an edit that changed nothing gives an empty delta). ``info`` (method, config, requests, drift, ...) is stored in the metadata as given (JSON-ready).
+    out (an edit that changed nothing gives an empty delta). ``info`` (method, config, requests, drift, ...) is stored
+    in the metadata as given (JSON-ready).
     Returns ``(tensors, metadata)``, ``metadata`` being the safetensors header's ``str -> str`` map."""
     tensors: dict[str, Tensor] = {}
     params: dict[str, dict] = {}
@@ -114,7 +120,8 @@ def build_delta(model: nn.Module, base_weights: Mapping[str, Tensor], info: dict
     return tensors, {"crispedit_delta": json.dumps(meta)}
 
 
-def write_delta(path: str | Path, model: nn.Module, base_weights: Mapping[str, Tensor], info: dict | None = None) -> dict:
+def write_delta(path: str | Path, model: nn.Module, base_weights: Mapping[str, Tensor],
+                info: dict | None = None) -> dict:
     """Build (:func:`build_delta`) and write the delta atomically to ``path``; returns its metadata."""
     tensors, header = build_delta(model, base_weights, info)
     atomic_save_safetensors(path, tensors, header)
@@ -140,7 +147,8 @@ def _check_model(model: nn.Module, meta: dict, want: str, path: str | Path) -> d
         current = {n: parameter(model, n).detach().cpu().contiguous() for n in names}
     except Exception:
         missing = [n for n in names if n not in dict(model.named_parameters())]
-        raise CrispEditError(f"the model has no parameter(s) {missing} of delta {path}; it is another architecture") from None
+        raise CrispEditError(f"the model has no parameter(s) {missing} of delta {path}; "
+                             "it is another architecture") from None
     fp = delta_fingerprint(model, current)
     if fp == meta[want]:
         return current
@@ -237,7 +245,7 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
         scores["delta"] = summarize_edit_scores(edit_scores(model, tokenizer, requests))
         revert_delta(model, path)
     factors, report = {}, {}
-    for mod_name, (module, d) in modules.items():
+    for mod_name, (_, d) in modules.items():
         U, s, Vh = torch.linalg.svd(d.double(), full_matrices=False)
         r = min(rank, s.numel())
         root = s[:r].sqrt()
@@ -247,7 +255,8 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
         total = float((s ** 2).sum())
         tol = float(s.max()) * max(d.shape) * torch.finfo(d.dtype).eps if s.numel() else 0.0
         report[mod_name] = {"rank": r, "rank_full": int((s > tol).sum()),
-                            "rel_error": math.sqrt(max(total - float((s[:r] ** 2).sum()), 0.0) / total) if total else 0.0,
+                            "rel_error": math.sqrt(max(total - float((s[:r] ** 2).sum()), 0.0) / total) if total
+                            else 0.0,
                             "shape": list(d.shape)}
         factors[mod_name] = (A, B)
     config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", target_modules=sorted(modules),

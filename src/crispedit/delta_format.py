@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CrispEditError, check_positive_int, check_written_by, read_safetensors_header
+from .checks import check_positive_int
+from .errors import CrispEditError
+from .safetensors_io import read_safetensors_header
+from .versions import check_written_by
 
 __all__ = ["DELTA_FILE", "DELTA_FORMAT", "DELTA_KIND", "read_delta_header", "lora_rank_limit", "check_lora_rank"]
 
@@ -24,7 +27,7 @@ def read_delta_header(path: str | Path) -> dict:
     safetensors header), with ``tensors`` added (name -> ``{"dtype", "shape", "bytes"}``). Torch-free.
     One-line errors for a missing file, a file that is not safetensors, a safetensors file that is not a
     crispedit delta, or a delta another crispedit version wrote or of another format
-    (:func:`~crispedit.errors.check_written_by`)."""
+    (:func:`~crispedit.versions.check_written_by`)."""
     meta, table = read_safetensors_header(path, "delta", "crispedit_delta")
     if meta.get("kind") != DELTA_KIND:
         raise CrispEditError(f"{path} is not a crispedit delta")

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import time
 
+from .checks import check_int, check_positive_int
 from .data import BUNDLED_EDITS, bundled_path, load_edits
 from .editing.config import EditConfig
-from .errors import check_int, check_positive_int
 
 __all__ = ["run_demo", "chat_answers"]
 
@@ -70,7 +70,8 @@ def run_demo(n_edits: int = 6, epochs: int = 100, gamma: float = 0.8, n_cap: int
         rows, answers = _run_methods(model_spec, requests, configs(), requests[:show], progress, say, kl_texts)
     _print_tables(requests[:show], answers, rows, methods)
     print(f"\nbase model perplexity on held-out WikiText: {rows[0][5]:.3f}; "
-          f"kl_drift = mean per-token KL(base || edited) on {kl_texts} paragraphs there. total {time.perf_counter() - t0:.0f}s")
+          f"kl_drift = mean per-token KL(base || edited) on {kl_texts} paragraphs there. total "
+          f"{time.perf_counter() - t0:.0f}s")
     return 0
 
 
@@ -89,7 +90,8 @@ def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say,
     answers = {"before": chat_answers(model, tok, prompts)}
     rows = []
     for method, cfg in configs.items():
-        say(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}, precision {cfg.precision}) ...")
+        say(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}, precision {cfg.precision}) "
+            "...")
         res = edit(model, tok, requests, cfg, progress=progress)
         ran = res.history.extra.get("precision", cfg.precision)  # what auto / bf16 ran as here
         say(f"{method}: edited in {res.edit_seconds:.0f} s ({len(res.history.epoch_loss)} epochs, {ran}); evaluating "
@@ -122,14 +124,15 @@ def _print_tables(shown, answers: dict, rows: list, methods) -> None:
     print("WILD (free generation, greedy, rule judge): rel / gen per context; qa = the paper's wrapper, never trained")
     print(f"{'method':10} " + "".join(f"{w:>11} " for w in EVAL_WRAPPERS) + f"{'tf rel':>7} {'kl_drift':>9} {'ppl':>7} "
           f"{'chat len':>8} {'bleed':>5} {'epochs':>6} {'edit s':>7}  contexts")
-    for m, wild, rel, kl, ppl, ppl0, ep, es, ctxs, helper in rows:
-        def cell(wrapper: str) -> str:
-            """``rel/gen`` of this row's WILD evaluation wrapper ``wrapper`` to two decimals, ``-`` if it was not run."""
+    for m, wild, rel, kl, ppl, _, ep, es, ctxs, helper in rows:
+        def cell(wrapper: str, wild: dict = wild) -> str:
+            """``rel/gen`` of this row's WILD evaluation wrapper ``wrapper`` to two decimals, ``-`` if it was not
+            run."""
             v = wild.get(wrapper)
             return "-" if not v else f"{v['rel']:.2f}/{v['gen']:.2f}"
 
         bleed = "-" if not helper["bleed"] else f"{helper['bleed']['target']:.2f}"
         print(f"{m:10} " + "".join(f"{cell(w):>11} " for w in EVAL_WRAPPERS) + f"{rel:7.3f} {kl:9.5f} {ppl:7.2f} "
-              f"{'x%.2f' % helper['style']['length_ratio']:>8} {bleed:>5} {ep:6d} {es:7.1f}  {','.join(ctxs)}")
+              f"{'x{:.2f}'.format(helper['style']['length_ratio']):>8} {bleed:>5} {ep:6d} {es:7.1f}  {','.join(ctxs)}")
     print("chat len: the edited model's chat answers to unrelated prompts, in tokens, over the base's; bleed: the "
           "share of other questions about an edited subject now answered with its new target")

@@ -42,7 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import CrispEditError, atomic_file, check_input_dir, check_output_file, read_record
+from .atomic import atomic_file
+from .errors import CrispEditError
+from .paths import check_input_dir, check_output_file
+from .versions import read_record
 
 __all__ = ["GGUF_TYPES", "check_export", "export_gguf", "gguf_metadata", "gguf_tensor_name", "model_naming",
            "permute_rotary", "source_gguf", "tokenizer_fields"]
@@ -133,7 +136,8 @@ def permute_rotary(w, n_head: int):
     input row ``i`` and row ``2i + 1`` is row ``i + d/2`` (``d`` the head size). Same shape."""
     rows = w.shape[0]
     if rows % (2 * n_head):
-        raise CrispEditError(f"export gguf: a projection of {rows} rows does not split into {n_head} heads of even size")
+        raise CrispEditError(f"export gguf: a projection of {rows} rows does not split into {n_head} heads of even "
+                             "size")
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -174,7 +178,8 @@ def tokenizer_fields(tokenizer, vocab_size: int, *, unknown_pre: bool = False) -
         raise CrispEditError(f"export gguf writes byte-level BPE tokenizers (tokenizer.ggml.model gpt2); this one is "
                              f"{model.get('type')} with a {decoder} decoder")
     if pre is None and not unknown_pre:
-        raise CrispEditError(f"export gguf: the tokenizer's pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))[:120]} "
+        raise CrispEditError("export gguf: the tokenizer's pre-tokenizer "
+                             f"{json.dumps(spec.get('pre_tokenizer'))[:120]} "
                              "has no llama.cpp name (known: gpt-2, smollm, llama-bpe)")
     by_id: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
     added = {int(a["id"]): a for a in spec.get("added_tokens") or []}
@@ -183,7 +188,8 @@ def tokenizer_fields(tokenizer, vocab_size: int, *, unknown_pre: bool = False) -
     if sorted(by_id) != list(range(n)):
         raise CrispEditError("export gguf: the tokenizer's ids are not contiguous from 0")
     if n > vocab_size:
-        raise CrispEditError(f"export gguf: the tokenizer has {n} tokens, more than the model's {vocab_size} embeddings")
+        raise CrispEditError(f"export gguf: the tokenizer has {n} tokens, more than the model's {vocab_size} "
+                             "embeddings")
     tokens = [by_id[i] for i in range(n)] + [f"[PAD{i}]" for i in range(n, vocab_size)]
     types = [int(TokenType.CONTROL if added[i]["special"] else TokenType.USER_DEFINED) if i in added
              else int(TokenType.NORMAL) for i in range(n)] + [int(TokenType.UNUSED)] * (vocab_size - n)
@@ -202,7 +208,7 @@ def tokenizer_fields(tokenizer, vocab_size: int, *, unknown_pre: bool = False) -
 def _recorded_base(model_dir: Path) -> str | None:
     """The base model spec crispedit recorded in the folder ``model_dir``: ``model`` of its ``edit_report.json``
     (``crispedit edit``) or of its ``crispedit_delta.json`` (``delta apply`` / ``revert``); None without either.
-    A record another crispedit version wrote is refused in one line (:func:`~crispedit.errors.read_record`)."""
+    A record another crispedit version wrote is refused in one line (:func:`~crispedit.versions.read_record`)."""
     for name in ("edit_report.json", "crispedit_delta.json"):
         base = read_record(model_dir / name, _THEN).get("model")
         if isinstance(base, str) and base:
@@ -259,7 +265,8 @@ def _source_fields(path: Path | None, tokens: list[str]) -> tuple[dict, dict, st
     if path is None:
         return None
     meta = gguf_metadata(path)
-    if meta.get("tokenizer.ggml.model", (None,))[0] != "gpt2" or meta.get("tokenizer.ggml.tokens", (None,))[0] != tokens:
+    if (meta.get("tokenizer.ggml.model", (None,))[0] != "gpt2"
+            or meta.get("tokenizer.ggml.tokens", (None,))[0] != tokens):
         return None
     keep = lambda k, v: len(v[1]) <= 2 and v[0] != []  # noqa: E731  (nested and empty arrays cannot be rewritten)
     tok = {k: v for k, v in meta.items() if k.startswith("tokenizer.") and keep(k, v)}

@@ -1,7 +1,7 @@
 """Per-family edit defaults (torch-free): where the edit window sits and how the default learning rate
 scales, for the model families whose measured defaults differ from the rule measured on SmolLM2.
 
-:func:`crispedit.models.default_layer_pattern` places the window with them; :meth:`EditConfig.for_family
+:func:`crispedit.layers.default_layer_pattern` places the window with them; :meth:`EditConfig.for_family
 <crispedit.editing.config.EditConfig.for_family>` scales a default learning rate (never one the user gave).
 """
 

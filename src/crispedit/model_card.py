@@ -22,11 +22,12 @@ Torch-free: strings and dicts only. The card is written atomically (:func:`write
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from . import __version__
-from .errors import atomic_write_bytes
+from .atomic import atomic_write_bytes
 
 __all__ = ["CARD_FILE", "HUB_IDS", "build_card", "card_may_replace", "front_matter", "hub_base_model",
            "read_front_matter", "restored_card", "revert_lines", "write_card"]

@@ -1,4 +1,4 @@
-"""Model loading, layer selection and weight fingerprints.
+"""Model loading and saving.
 
 ``load_model(spec)`` accepts:
 
@@ -13,10 +13,8 @@
 * a hub id such as ``HuggingFaceTB/SmolLM2-135M-Instruct`` (used when the hub is reachable);
 * an in-memory ``(model, tokenizer)`` pair, returned as is.
 
-``resolve_layers(model, pattern)`` expands a module-path pattern with brace ranges, e.g.
-``model.layers.{15-19}.mlp.down_proj`` or ``model.layers.{4,6,8-9}.mlp.down_proj``, and checks every
-module exists and is a linear layer. ``default_layer_pattern(model)`` gives the documented default
-per architecture (the MLP output projection of five consecutive blocks starting at half depth).
+Which layers of a loaded model to edit: :mod:`crispedit.layers`; its weights by name and their fingerprint:
+:mod:`crispedit.weights`.
 """
 
 from __future__ import annotations
@@ -24,68 +22,32 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import inspect
 import json
 import logging
 import os
-import re
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from torch import nn
 
-from .errors import CrispEditError, VersionError, atomic_directory, check_written_by, file_digest, stamped
-from .families import FamilyDefaults, defaults_for
+from .atomic import atomic_directory
+from .errors import CrispEditError, VersionError
+from .paths import file_digest
 from .progress import show_progress
+from .versions import check_written_by, stamped
 
 __all__ = [
     "native_bf16",
-    "with_weights",
-    "restoring",
     "cache_dir",
     "gemma3_gguf_path",
     "spec_gguf",
-    "static_attention_mask",
-    "takes_full_masks",
-    "last_logits_only",
     "load_model",
     "check_device",
     "save_model_dir",
     "backend_as_loaded",
-    "resolve_layers",
-    "default_layer_pattern",
-    "expand_pattern",
-    "weight_fingerprint",
-    "FINGERPRINT_PREFIX",
-    "decoder_blocks",
-    "MLP_OUT_PROJ",
-    "family_defaults",
-    "model_family",
 ]
-
-# MLP output projection of one decoder block, per `config.model_type`.
-MLP_OUT_PROJ: dict[str, str] = {
-    "llama": "mlp.down_proj",
-    "mistral": "mlp.down_proj",
-    "mixtral": "block_sparse_moe.experts.0.w2",
-    "qwen2": "mlp.down_proj",
-    "qwen3": "mlp.down_proj",
-    "gemma": "mlp.down_proj",
-    "gemma2": "mlp.down_proj",
-    "gemma3": "mlp.down_proj",
-    "gemma3_text": "mlp.down_proj",
-    "phi3": "mlp.down_proj",
-    "olmo": "mlp.down_proj",
-    "olmo2": "mlp.down_proj",
-    "granite": "mlp.down_proj",
-    "gpt2": "mlp.c_proj",
-    "gpt_neox": "mlp.dense_4h_to_h",
-    "gptj": "mlp.fc_out",
-    "opt": "fc2",
-    "falcon": "mlp.dense_4h_to_h",
-}
 
 
 def cache_dir() -> Path:
@@ -177,7 +139,8 @@ def _hf_progress(progress: bool | None):
             gguf_utils.tqdm = bar
 
 
-_SOURCE_RECORD = "crispedit_source.json"  # a converted GGUF's directory: which file, and the crispedit that converted it
+# a converted GGUF's directory: which file, and the crispedit that converted it
+_SOURCE_RECORD = "crispedit_source.json"
 
 
 def _conversion_record(directory: Path) -> dict | None:
@@ -277,7 +240,8 @@ def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None,
     with _translate_load_errors(spec_s, trust_remote_code), _hf_progress(progress):
         tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
         _remember_backend_state(tok)
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype, trust_remote_code=trust_remote_code,
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype,
+                                                     trust_remote_code=trust_remote_code,
                                                      use_safetensors=True)  # pickled weights are never loaded
     if device:
         model.to(device)
@@ -374,7 +338,7 @@ def save_model_dir(model, tokenizer, directory: str | Path, *, progress: bool | 
     checking every parameter is finite (a model with inf/nan weights is never written); transformers'
     own progress bars follow ``progress``; ``what`` names the step in the error. Returns the names of the
     files written."""
-    from .errors import check_finite_tensors
+    from .checks import check_finite_tensors
 
     check_finite_tensors(dict(model.named_parameters()), what)
     directory = Path(directory)
@@ -388,7 +352,7 @@ def save_model_dir(model, tokenizer, directory: str | Path, *, progress: bool | 
 
 # The truncation and padding each fast tokenizer's backend had when load_model loaded it (weakly keyed: a tokenizer
 # is not kept alive by this record).
-_LOADED_BACKEND: "weakref.WeakKeyDictionary[Any, tuple[dict | None, dict | None]]" = weakref.WeakKeyDictionary()
+_LOADED_BACKEND: weakref.WeakKeyDictionary[Any, tuple[dict | None, dict | None]] = weakref.WeakKeyDictionary()
 
 
 def _remember_backend_state(tok) -> None:
@@ -444,245 +408,3 @@ def _ensure_pad(tok) -> None:
         tok.pad_token = tok.eos_token
 
 
-# ---------------------------------------------------------------------------------------------
-# layers
-
-
-def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """Find the list of decoder blocks from the model's structure (the ModuleList whose length is the
-    configured number of layers)."""
-    cfg = getattr(model, "config", None)
-    n = None
-    if cfg is not None:
-        text_cfg = getattr(cfg, "text_config", None) or cfg
-        n = getattr(text_cfg, "num_hidden_layers", None) or getattr(text_cfg, "n_layer", None)
-    candidates = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if n is not None:
-        candidates = [(name, m) for name, m in candidates if len(m) == n]
-    if not candidates:
-        raise CrispEditError("could not find the decoder blocks of this model; pass --layers explicitly")
-    return min(candidates, key=lambda x: x[0].count("."))
-
-
-def model_family(model: nn.Module) -> str | None:
-    """The ``model_type`` that decides ``model``'s edit defaults (a multimodal config's text model type
-    when that is the known one); ``None`` when the model has no config."""
-    cfg = getattr(model, "config", None)
-    model_type = getattr(cfg, "model_type", None)
-    text_cfg = getattr(cfg, "text_config", None)
-    if text_cfg is not None and getattr(text_cfg, "model_type", None) in MLP_OUT_PROJ:
-        model_type = text_cfg.model_type
-    return model_type
-
-
-def family_defaults(model: nn.Module) -> FamilyDefaults:
-    """:class:`~crispedit.families.FamilyDefaults` of ``model``'s family (:func:`~crispedit.families.defaults_for`)."""
-    return defaults_for(model_family(model))
-
-
-def default_layer_pattern(model: nn.Module) -> str:
-    """Default edited layers: the MLP output projection of ``count`` consecutive blocks starting at ``start`` of
-    the depth (:class:`~crispedit.families.FamilyDefaults`; SmolLM2-135M: ``model.layers.{4-8}.mlp.down_proj``),
-    fewer for shallow models; families in :data:`~crispedit.families.FAMILY_DEFAULTS` have their own start and
-    count. Chosen by the WILD sweeps of docs/cli.md, 'Choosing layers' (early blocks against half depth)."""
-    model_type = model_family(model)
-    if model_type not in MLP_OUT_PROJ:
-        raise CrispEditError(
-            f"no default layers for model type {model_type!r}; pass --layers (e.g. 'model.layers.{{10-14}}.mlp.down_proj')")
-    prefix, blocks = decoder_blocks(model)
-    n = len(blocks)
-    fam = family_defaults(model)
-    count = max(1, min(fam.count, n // 4))
-    start = min(int(n * fam.start), n - count)
-    rng = f"{start}-{start + count - 1}" if count > 1 else f"{start}"
-    return f"{prefix}.{{{rng}}}.{MLP_OUT_PROJ[model_type]}"
-
-
-_BRACE = re.compile(r"\{([^{}]*)\}")
-
-
-def expand_pattern(pattern: str) -> list[str]:
-    """Expand ``{a-b}`` ranges and ``{x,y}`` lists (several braces allowed; commas outside braces
-    separate independent patterns)."""
-    parts, depth, cur = [], 0, ""
-    for ch in pattern:
-        depth += ch == "{"
-        depth -= ch == "}"
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    parts.append(cur)
-    out: list[str] = []
-    for part in (p.strip() for p in parts):
-        if not part:
-            raise CrispEditError(f"empty entry in layer pattern {pattern!r}")
-        m = _BRACE.search(part)
-        if not m:
-            out.append(part)
-            continue
-        items: list[str] = []
-        for tok in m.group(1).split(","):
-            tok = tok.strip()
-            if re.fullmatch(r"\d+-\d+", tok):
-                a, b = map(int, tok.split("-"))
-                if b < a:
-                    raise CrispEditError(f"empty range {{{tok}}} in layer pattern {pattern!r}")
-                items += [str(i) for i in range(a, b + 1)]
-            elif tok:
-                items.append(tok)
-            else:
-                raise CrispEditError(f"empty item in braces of layer pattern {pattern!r}")
-        for item in items:
-            out += expand_pattern(part[: m.start()] + item + part[m.end():])
-    seen, uniq = set(), []
-    for name in out:
-        if name not in seen:
-            seen.add(name)
-            uniq.append(name)
-    return uniq
-
-
-def is_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is a linear layer (``nn.Linear`` or GPT-2's transposed ``Conv1D``)."""
-    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
-
-
-def as_weight_matrix(module: nn.Module, t: torch.Tensor) -> torch.Tensor:
-    """A weight-shaped tensor of ``module`` (its weight, gradient, an update) as ``d_out x d_in``; the
-    map is its own inverse (GPT-2's Conv1D stores weights transposed, ``d_in x d_out``)."""
-    return t.T if type(module).__name__ == "Conv1D" else t
-
-
-def weight_matrix(module: nn.Module) -> torch.Tensor:
-    """The layer's weight as ``d_out x d_in`` (GPT-2's Conv1D stores it transposed)."""
-    return as_weight_matrix(module, module.weight)
-
-
-def resolve_layers(model: nn.Module, pattern: str | None = None) -> dict[str, nn.Module]:
-    """Map each module path matched by ``pattern`` (default: :func:`default_layer_pattern`) to its
-    module, in order. Unknown modules and non-linear modules are errors."""
-    if pattern is None or pattern == "" or pattern == "auto":
-        pattern = default_layer_pattern(model)
-    modules = dict(model.named_modules())
-    out: dict[str, nn.Module] = {}
-    for name in expand_pattern(pattern):
-        if name not in modules:
-            raise CrispEditError(f"unknown layer {name!r}: no such module in this {type(model).__name__}")
-        if not is_linear(modules[name]):
-            raise CrispEditError(f"layer {name!r} is a {type(modules[name]).__name__}, not a linear layer")
-        out[name] = modules[name]
-    if not out:
-        raise CrispEditError(f"layer pattern {pattern!r} matches no module")
-    return out
-
-
-def parameter(model: nn.Module, name: str) -> torch.Tensor:
-    """The parameter named ``name`` (e.g. ``model.layers.1.mlp.down_proj.weight``). Under a peft LoRA adapter
-    ``<module>.weight`` still names the wrapped base layer's weight (peft's ``weight`` property), so a LoRA session's
-    stored names resolve while its adapter trains."""
-    try:
-        return model.get_parameter(name)
-    except AttributeError:
-        raise CrispEditError(f"no parameter named {name!r} in this {type(model).__name__}") from None
-
-
-@contextlib.contextmanager
-def restoring(params: dict[str, torch.Tensor]) -> Iterator[None]:
-    """On exit, however the block ends, each tensor of ``params`` (name -> parameter) gets back the value it had on
-    entry, bit for bit."""
-    saved = {n: p.detach().clone() for n, p in params.items()}
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(saved[n])
-
-
-@contextlib.contextmanager
-def with_weights(model: nn.Module, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
-    """Within the block the parameters of ``model`` named in ``weights`` (full name -> tensor of the parameter's
-    shape, any device or dtype; :func:`parameter` resolves the names) hold those values; on exit each gets back the
-    value it had, bit for bit (:func:`restoring`). ``None`` or empty: nothing changes."""
-    if not weights:
-        yield
-        return
-    params = {n: parameter(model, n) for n in weights}
-    with restoring(params):
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(weights[n])
-        yield
-
-
-FINGERPRINT_PREFIX = "xxh3-"  # weight_fingerprint's digests name their hash
-
-
-def _hash_weights(model: nn.Module, h) -> str:
-    """Feed ``h`` (a hashlib-style object) the model type and every parameter and buffer in name order (name,
-    shape, dtype, then its bytes; bfloat16 as 16-bit integers) and return its hex digest."""
-    h.update(str(getattr(getattr(model, "config", None), "model_type", type(model).__name__)).encode())
-    for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        data = t.detach().cpu().contiguous()
-        if data.dtype == torch.bfloat16:
-            data = data.view(torch.int16)
-        if data.numel():
-            h.update(memoryview(data.numpy().reshape(-1)).cast("B"))  # the bytes of tobytes(), without the copy
-    return h.hexdigest()
-
-
-def weight_fingerprint(model: nn.Module) -> str:
-    """Identity of the model's weights: ``"xxh3-"`` and the 32-hex-digit XXH3-128 digest of the model type and
-    every parameter and buffer (names, shapes, dtypes and bytes). The same weights loaded from different paths
-    give the same fingerprint; any changed byte gives another. XXH3 (the hash Hugging Face ``datasets`` keys its
-    caches with) reads memory at its bandwidth, where a cryptographic hash takes minutes for an 8B model. Not a
-    defence against crafted collisions: it names caches, it does not
-    authenticate them."""
-    import xxhash
-
-    return FINGERPRINT_PREFIX + _hash_weights(model, xxhash.xxh3_128())
-
-
-def takes_full_masks(model: nn.Module) -> bool:
-    """Whether ``model`` runs PyTorch's scaled-dot-product attention with one full causal mask in every layer (no
-    sliding window), so that a ``B x 1 x T x T`` boolean mask fed to it reaches every attention unchanged."""
-    cfg = getattr(model, "config", None)
-    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    return (getattr(cfg, "_attn_implementation", None) == "sdpa" and not getattr(cfg, "sliding_window", None)
-            and layer_types == {"full_attention"})
-
-
-def last_logits_only(model: nn.Module) -> dict:
-    """``{"logits_to_keep": 1}`` where ``model.forward`` takes it (Hugging Face causal LMs), else ``{}``: keyword
-    arguments for a forward whose output is wanted for its KV cache and last position only, so that the output
-    projection (``vocab x d_model``, a large share of a small model's forward) skips every other position. The
-    cache is the same either way."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-
-
-def static_attention_mask(model: nn.Module, attention_mask: torch.Tensor, padded: bool | None = None
-                          ) -> torch.Tensor | None:
-    """The attention mask to feed ``model`` for a right-padded batch whose key mask is ``attention_mask``
-    (``B x T``, 1 = token), built once so that no forward reads the mask back to the host (Hugging Face's mask
-    code asks ``padding_mask.all()`` of every forward to choose its causal shortcut):
-
-    * ``None`` when the batch has no padding (the model then takes its causal path, no mask at all);
-    * the ``B x 1 x T x T`` boolean mask ``causal & key_mask`` (True = attend) for a model running PyTorch's
-      scaled-dot-product attention with one full causal mask in every layer (no sliding window), which Hugging
-      Face passes through unchanged;
-    * ``attention_mask`` itself otherwise (the model builds its own masks, and reads).
-
-    ``padded``: whether the batch has padding, when the caller knows it from the host (else read from the mask).
-
-    The edit loop's fast path (:func:`crispedit.editing.fastpath.make_loss_fn`) checks its loss under this mask
-    against the plain loss before using it; the K-FAC collection feeds it to every forward."""
-    if not (bool((attention_mask == 0).any()) if padded is None else padded):
-        return None
-    if not takes_full_masks(model):
-        return attention_mask
-    T = attention_mask.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
-    return causal[None, None] & attention_mask.bool()[:, None, None, :]

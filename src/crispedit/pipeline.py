@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from . import __version__
+from .atomic import atomic_directory, atomic_write_json
+from .checks import check_finite_tensors
 from .curvature.predicted import mixing_layers, steep_layers, steep_note  # re-exported: pipeline.steep_layers
 from .data.corpus import heldout_text
 from .data.edits import EditRequest
 from .distributed import barrier, is_main, world_size
 from .editing import EditConfig, EditResult, edit
-from .errors import atomic_directory, atomic_write_json, check_finite_tensors, check_output_dir, stamped
 from .evaluation import EVAL_WRAPPERS, evaluate_edit
-from .models import parameter, save_model_dir
+from .models import save_model_dir
+from .paths import check_output_dir
+from .versions import stamped
+from .weights import parameter
 
 __all__ = ["run_edit_job", "build_report", "environment", "drift_summary", "steep_layers", "steep_note"]
 
@@ -39,7 +43,8 @@ def environment() -> dict:
 
 def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditRequest], result: EditResult,
                  summary: dict, per_edit: list[dict], kl_text: str | None, edits_path: str | None) -> dict:
-    """The ``edit_report.json`` dict (:func:`~crispedit.errors.stamped` with this crispedit's version): what was run, summary, training history, projector, cache, config,
+    """The ``edit_report.json`` dict (:func:`~crispedit.versions.stamped` with this crispedit's version): what was run,
+    summary, training history, projector, cache, config,
     the files the editor read by content (``inputs``, MEND's network: option -> SHA-256; absent when none),
     environment, per-edit scores."""
     summary = dict(summary)
@@ -117,7 +122,8 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
         from .model_card import build_card, card_may_replace, revert_lines, write_card
 
         with atomic_directory(out, previous=previous) as tmp:
-            files = [] if delta_only else save_model_dir(model, tokenizer, tmp, progress=progress)  # refuses non-finite weights
+            # refuses non-finite weights
+            files = [] if delta_only else save_model_dir(model, tokenizer, tmp, progress=progress)
             info = delta_info(config.method, config.to_json(), requests, report["summary"], model=model_spec,
                               layers=result.layers)
             dmeta = write_delta(tmp / DELTA_FILE, model, result.original_weights, info)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Iterator, TextIO
+from collections.abc import Iterator
+from typing import TextIO
 
 __all__ = ["show_progress", "progress_lines", "log_lines"]
 

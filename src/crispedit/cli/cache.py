@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from ..curvature.modes import CACHE_KINDS  # torch-free
-from ..errors import CrispEditError, check_input_dir, check_input_file, check_output_dir, check_output_file
+from ..errors import CrispEditError
+from ..paths import check_input_dir, check_input_file, check_output_dir, check_output_file
 from .flags import add_curvature_args, add_model_args
 
 __all__ = ["add_cli", "cmd_cache_build", "cmd_cache_info", "cmd_cache_list"]
@@ -31,7 +32,9 @@ def cmd_cache_build(args) -> int:
     from ..curvature.cache import save_factors
     from ..distributed import is_main, process_group_from_env, world_size
     from ..editing import capability_factors, curvature_spec
-    from ..models import cache_dir, load_model, resolve_layers, weight_fingerprint
+    from ..layers import resolve_layers
+    from ..models import cache_dir, load_model
+    from ..weights import weight_fingerprint
 
     with process_group_from_env(args.device) as device:  # under torchrun: shard the corpus, rank 0 writes
         progress = False if args.quiet or not is_main() else None
@@ -82,7 +85,8 @@ def cmd_cache_list(args) -> int:
     for f in files:
         try:
             spec = load_factors(f).meta.get("spec", {})
-            print(f"{f}  kind={spec.get('kind')} layers={len(spec.get('layers', []))} n={spec.get('n_texts')} len={spec.get('max_len')} "
+            print(f"{f}  kind={spec.get('kind')} layers={len(spec.get('layers', []))} n={spec.get('n_texts')} "
+                  f"len={spec.get('max_len')} "
                   f"labels={spec.get('label_mode')} model={str(spec.get('model_fingerprint'))[:12]}")
         except CrispEditError as exc:
             print(f"{f}  (unreadable: {exc})")

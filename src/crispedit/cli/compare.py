@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CrispEditError, check_output_dir, check_positive_int
+from ..checks import check_positive_int
+from ..errors import CrispEditError
+from ..paths import check_output_dir
 
 __all__ = ["add_cli", "cmd_compare", "DEFAULT_CAPABILITIES", "DEFAULT_LIMITS", "GEN_TOKENS"]
 
@@ -46,7 +48,9 @@ def cmd_compare(args) -> int:
     first = configs[methods[0]]
     n_cap = (first.edit if isinstance(first, SeqConfig) else first).n_cap
     requests, model, tok, progress = load_job_inputs(args, n_cap)
-    from ..experiments.compare import JSON_FILE, MD_FILE, PNG_FILE, compare_table, run_compare
+    from ..experiments.compare import run_compare
+    from ..experiments.compare_outputs import JSON_FILE, MD_FILE, PNG_FILE
+    from ..experiments.compare_table import compare_table
 
     payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
                           edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},
@@ -83,12 +87,14 @@ def add_cli(sub) -> None:
     p.add_argument("--seq-edit-gamma", type=float, default=SeqConfig.edit_gamma, metavar="G",
                    help="with --seq-weighting each: the energy of the accumulated edit factors masked (default "
                         f"{SeqConfig.edit_gamma}; as `crispedit session init --edit-gamma`)")
-    p.add_argument("--out", required=True, help="output directory (compare.json, compare.md, compare.png; retention.png with -seq rows)")
+    p.add_argument("--out", required=True,
+                   help="output directory (compare.json, compare.md, compare.png; retention.png with -seq rows)")
     p.add_argument("--capabilities", default=DEFAULT_CAPABILITIES,
                    help="lm-eval capability tasks, e.g. ifeval,arc_challenge,truthfulqa_mc2, or none (default "
                         f"{DEFAULT_CAPABILITIES}: the assistant's instruction following; needs crispedit[eval])")
     p.add_argument("--limit", type=int, default=None,
-                   help=f"items per capability task (default: all, but IFEval's first {DEFAULT_LIMITS['ifeval']} prompts)")
+                   help=f"items per capability task (default: all, but IFEval's first {DEFAULT_LIMITS['ifeval']} "
+                        "prompts)")
     p.add_argument("--max-gen-toks", type=int, default=GEN_TOKENS, metavar="N",
                    help=f"answers of generative capability tasks (IFEval) are cut at N tokens, base and edited rows "
                         f"alike (default {GEN_TOKENS}; IFEval's own cap is 1280)")

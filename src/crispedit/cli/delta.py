@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..checks import check_positive_int
 from ..delta_format import check_lora_rank, read_delta_header
-from ..errors import check_output_dir, check_positive_int, read_record, stamped
+from ..paths import check_output_dir
+from ..versions import read_record, stamped
 
 __all__ = ["add_cli"]
 
@@ -66,11 +68,10 @@ def _apply_or_revert(args, revert: bool) -> int:
     meta = read_delta_header(args.delta)
     check_output_dir(args.out, overwrite=False)
     model, tok = _load(args, meta)
+    from ..atomic import atomic_directory, atomic_write_json
     from ..delta import apply_delta, revert_delta
-    from ..errors import atomic_directory, atomic_write_json
-    from ..models import save_model_dir
-
     from ..model_card import write_card
+    from ..models import save_model_dir
 
     (revert_delta if revert else apply_delta)(model, args.delta)
     verb = "reverted" if revert else "applied"
@@ -79,7 +80,8 @@ def _apply_or_revert(args, revert: bool) -> int:
         write_card(tmp, _card(args, meta, revert))
         atomic_write_json(tmp / "crispedit_delta.json", stamped({
             "delta": str(args.delta), "operation": "revert" if revert else "apply", "model": str(args.model),
-            "method": meta.get("method"), "result_fingerprint": meta["base_fingerprint" if revert else "edited_fingerprint"]}))
+            "method": meta.get("method"), "result_fingerprint": meta["base_fingerprint" if revert
+                                                                     else "edited_fingerprint"]}))
     print(f"delta {verb}: {'base' if revert else 'edited'} model written to {args.out}")
     return 0
 
@@ -87,9 +89,10 @@ def _apply_or_revert(args, revert: bool) -> int:
 def _edit_report_of(delta: str, meta: dict) -> dict:
     """The ``edit_report.json`` next to ``delta`` when it was written with this very delta (same edited
     fingerprint): its measurements describe the model ``delta apply`` writes, bit for bit. ``{}`` otherwise; one
-    line for a report another crispedit version wrote (:func:`~crispedit.errors.read_record`)."""
+    line for a report another crispedit version wrote (:func:`~crispedit.versions.read_record`)."""
     report = read_record(Path(delta).parent / "edit_report.json", "rerun the edit")
-    ok = isinstance(report.get("delta"), dict) and report["delta"].get("edited_fingerprint") == meta["edited_fingerprint"]
+    ok = (isinstance(report.get("delta"), dict)
+          and report["delta"].get("edited_fingerprint") == meta["edited_fingerprint"])
     return report if ok else {}
 
 
@@ -167,8 +170,10 @@ def add_cli(sub) -> None:
     i.add_argument("--json", action="store_true", help="print all of its metadata as JSON")
     i.set_defaults(func=cmd_info)
 
-    for name, func, what, helptext in (("apply", cmd_apply, "BASE", "write the base model with the edit applied (bit-exact)"),
-                                       ("revert", cmd_revert, "EDITED", "write the edited model with the edit taken out (bit-exact)")):
+    for name, func, what, helptext in (("apply", cmd_apply, "BASE",
+                                        "write the base model with the edit applied (bit-exact)"),
+                                       ("revert", cmd_revert, "EDITED",
+                                        "write the edited model with the edit taken out (bit-exact)")):
         a = ds.add_parser(name, help=helptext)
         a.add_argument("delta")
         a.add_argument("--model", required=True, metavar=what,

@@ -4,9 +4,16 @@ checks have passed."""
 
 from __future__ import annotations
 
-from ..errors import check_output_dir, check_output_file
-from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
-                    config_from_args, load_job_inputs)
+from ..paths import check_output_dir, check_output_file
+from .flags import (
+    add_curvature_args,
+    add_edits_args,
+    add_max_drift_arg,
+    add_model_args,
+    add_training_args,
+    config_from_args,
+    load_job_inputs,
+)
 
 __all__ = ["add_cli", "cmd_edit"]
 
@@ -46,7 +53,8 @@ def cmd_edit(args) -> int:
           f"{training_brief(report['training'], config.lr)}")
     if s.get("drift_budget") and s["drift_budget"].get("max_drift") is not None:
         b = s["drift_budget"]
-        print(f"  drift budget {b['max_drift']:g}: {'hit' if b['hit'] else 'not hit'} ({b['hits']} of {b['steps']} steps pulled back)")
+        print(f"  drift budget {b['max_drift']:g}: {'hit' if b['hit'] else 'not hit'} ({b['hits']} of {b['steps']} "
+              "steps pulled back)")
     for ctx, w in (report.get("wild") or {}).items():
         if isinstance(w, dict):
             cross = f" crosstalk={w['cross']}" if w.get("cross") is not None else ""

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CrispEditError, atomic_write_json, check_int, check_output_file, check_positive_int, stamped
+from ..atomic import atomic_write_json
+from ..checks import check_int, check_positive_int
+from ..errors import CrispEditError
+from ..paths import check_output_file
+from ..versions import stamped
 
 __all__ = ["add_cli", "cmd_eval", "cmd_report", "run_eval"]
 
@@ -125,7 +128,8 @@ def _checked_inputs(args) -> _EvalInputs:
     return _EvalInputs(tasks, limit, n_edits, fewshot, requests, bench, wild_cfg, judge, kl_texts)
 
 
-def _edit_metrics(args, inp: _EvalInputs, model, tok, base, timings: dict, progress) -> tuple[dict, list | None, list | None]:
+def _edit_metrics(args, inp: _EvalInputs, model, tok, base, timings: dict,
+                  progress) -> tuple[dict, list | None, list | None]:
     """The edit metrics of ``model`` on the requests — WILD (``generations``: its records) or teacher-forced
     (``per_edit``) — as ``(edit, generations, per_edit)``; their seconds go into ``timings``."""
     from ..evaluation.teacher_forced import edit_scores, summarize_edit_scores

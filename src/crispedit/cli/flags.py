@@ -9,14 +9,15 @@ been checked."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import MISSING, fields
-from typing import Sequence
 
 from ..editing.config import BATCH_ORDERS, PRECISIONS, PROJECTION_PRECISIONS, EditConfig, ProjectionTarget
 from ..editing.contexts import ANSWER_ENDS, DEFAULT_CONTEXTS, TRAINING_CONTEXTS
 from ..editing.keep import SUBJECT_KEEPS
 from ..editing.registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
-from ..errors import CrispEditError, check_input_file
+from ..errors import CrispEditError
+from ..paths import check_input_file
 
 __all__ = ["add_model_args", "add_edits_args", "add_curvature_args", "add_training_args", "add_method_option_args",
            "add_max_drift_arg",
@@ -45,16 +46,21 @@ def add_edits_args(p: argparse.ArgumentParser, *, n_required: bool = False) -> N
 def add_curvature_args(p: argparse.ArgumentParser) -> None:
     """Edit layers and capability-curvature flags (``EditConfig`` fields ``layers`` .. ``seed``)."""
     d = DEFAULTS
-    p.add_argument("--layers", default=d["layers"], help="module-path pattern, e.g. 'model.layers.{15-19}.mlp.down_proj' "
+    p.add_argument("--layers", default=d["layers"],
+                   help="module-path pattern, e.g. 'model.layers.{15-19}.mlp.down_proj' "
                    "(default: per-architecture, see docs/cli.md, 'Choosing layers')")
-    p.add_argument("--n-cap", type=int, default=d["n_cap"], help=f"number of capability texts for K-FAC (default {d['n_cap']})")
-    p.add_argument("--max-len", type=int, default=d["max_len"], help=f"max tokens per capability text (default {d['max_len']})")
+    p.add_argument("--n-cap", type=int, default=d["n_cap"],
+                   help=f"number of capability texts for K-FAC (default {d['n_cap']})")
+    p.add_argument("--max-len", type=int, default=d["max_len"],
+                   help=f"max tokens per capability text (default {d['max_len']})")
     p.add_argument("--label-mode", choices=["sampled", "empirical"], default=d["label_mode"],
                    help="K-FAC labels: sampled from the model (Gauss-Newton, default) or the text's own tokens")
-    p.add_argument("--cap-corpus", default=d["cap_corpus"], help="capability corpus (.txt/.jsonl/.json); default: bundled WikiText")
+    p.add_argument("--cap-corpus", default=d["cap_corpus"],
+                   help="capability corpus (.txt/.jsonl/.json); default: bundled WikiText")
     p.add_argument("--cap-chat", type=int, default=d["cap_chat"], metavar="N",
                    help="bundled chat prompts whose answers, written by the unedited model through its chat template, "
-                        f"join the capability corpus, so the curvature protects how it answers (default {d['cap_chat']})")
+                        "join the capability corpus, so the curvature protects how it answers (default "
+                        f"{d['cap_chat']})")
     p.add_argument("--kfac-batch-size", type=int, default=d["kfac_batch_size"])
     p.add_argument("--seed", type=int, default=d["seed"])
 
@@ -77,16 +83,20 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, option
     d = DEFAULTS
     if method:
         p.add_argument("--method", default=d["method"], choices=method_names(),
-                       help="; ".join(f"{n}: {method_spec(n).summary}" for n in method_names()) + f" (default {d['method']})")
+                       help="; ".join(f"{n}: {method_spec(n).summary}" for n in method_names())
+                       + f" (default {d['method']})")
     p.add_argument("--gamma", type=float, default=d["gamma"], help=f"energy threshold in (0, 1) (default {d['gamma']})")
     p.add_argument("--epochs", type=int, default=d["epochs"],
                    help=f"maximum epochs over the edits (default {d['epochs']}; the paper: 25); training stops "
                         "earlier once an epoch's mean loss is below 0.01, or at a plateau (--plateau)")
     p.add_argument("--plateau", type=int, default=d["plateau_epochs"], metavar="N",
                    help="also stop once the epoch loss is below twice the stop loss and its best has not fallen by "
-                   f"{d['plateau_delta'] * 100:g}%% in N epochs (default {d['plateau_epochs']}; 0: the paper's rule alone)")
-    p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: the method's; 5e-4 (Gemma-3: 5e-5, crispedit.families), LoRA 5e-3)")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"], help=f"edit sequences per step (default {d['batch_size']})")
+                   f"{d['plateau_delta'] * 100:g}%% in N epochs (default {d['plateau_epochs']}; 0: the paper's rule "
+                   "alone)")
+    p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: the method's; 5e-4 (Gemma-3: "
+                                                          "5e-5, crispedit.families), LoRA 5e-3)")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"],
+                   help=f"edit sequences per step (default {d['batch_size']})")
     p.add_argument("--batch-tokens", type=int, default=None, metavar="N",
                    help="pack each step's batch up to N padded tokens (sequences x longest, length-sorted within a "
                         "context) instead of --batch-size sequences: fewer, fuller steps on a GPU")
@@ -133,7 +143,8 @@ def add_max_drift_arg(p: argparse.ArgumentParser, *, session: bool = False) -> N
             else "after every step the accumulated change is scaled back into it")
     p.add_argument("--max-drift", type=float, default=None, metavar="EPS",
                    help=f"budget on the predicted KL drift in nats/token ({what}); fine-tuning methods (crispedit, "
-                   "adam-nscl, ft, locbf-ft, lora on its merged update); the prediction under-reads large moves such as ft's")
+                   "adam-nscl, ft, locbf-ft, lora on its merged update); the prediction under-reads large moves such "
+                   "as ft's")
 
 
 def _dest(method: str, option: str) -> str:
@@ -173,7 +184,8 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
                       projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
                       cap_chat=args.cap_chat, keep_chat=args.keep_chat, keep_subject=args.keep_subject,
-                      keep_weight=args.keep_weight, seed=args.seed, contexts=args.contexts, answer_end=args.answer_end, options=options,
+                      keep_weight=args.keep_weight, seed=args.seed, contexts=args.contexts,
+                      answer_end=args.answer_end, options=options,
                       max_drift=getattr(args, "max_drift", None), drift_penalty=args.drift_penalty)
 
 
@@ -197,7 +209,8 @@ def parse_methods(spec: str) -> list[str]:
 
 def check_job_files(args, n_cap: int) -> None:
     """Check the side files an editing command reads once its model is loaded, before that: ``--cap-corpus``
-    (``n_cap`` texts), ``--kl-text`` and that a ``--cache`` file and a ``--mend-weights`` file exist (each only when given; one-line
+    (``n_cap`` texts), ``--kl-text`` and that a ``--cache`` file and a ``--mend-weights`` file exist (each only when
+    given; one-line
     errors). Torch-free."""
     from ..data import capability_corpus, heldout_text
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from ..errors import CrispEditError, check_float, check_int, check_output_dir, check_output_file, check_positive_int
+from ..checks import check_float, check_int, check_positive_int
+from ..errors import CrispEditError
+from ..paths import check_output_dir, check_output_file
 
 __all__ = ["add_cli", "cmd_mend_train", "TRAIN_OFFSET", "TRAIN_N"]
 
@@ -57,10 +59,11 @@ def cmd_mend_train(args) -> int:
     if not requests:
         raise CrispEditError(f"{args.edits} has no edit requests from offset {args.offset}")
     progress = False if args.quiet else None
-    from ..methods.mend.net import (default_layers, default_weights_path, load_network, prompt_digests,
-                                           save_network)
+    from ..layers import resolve_layers
+    from ..methods.mend.net import default_layers, default_weights_path, load_network, prompt_digests, save_network
     from ..methods.mend.train import train_mend
-    from ..models import load_model, resolve_layers, weight_fingerprint
+    from ..models import load_model
+    from ..weights import weight_fingerprint
 
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                             progress=progress)
@@ -78,14 +81,18 @@ def cmd_mend_train(args) -> int:
     if prev is not None:  # the earlier runs' slices count as training requests too (overlap warnings)
         training["continued_from"] = {"file": str(args.init),
                                       "training": {k: v for k, v in before.items() if k != "request_digests"}}
-        training["request_digests"] = list(dict.fromkeys(before.get("request_digests", []) + training["request_digests"]))
+        training["request_digests"] = list(dict.fromkeys(before.get("request_digests", [])
+                                                         + training["request_digests"]))
     save_network(path, net, model_fingerprint=fp, training=training)
     stop = f" (stopped by --max-minutes {args.max_minutes:g})" if h["stopped_early"] else ""
     cont = f", {training['total_steps']} in all from {args.init}" if args.init else ""
-    print(f"mend: trained {h['steps']} steps{stop}{cont} on {len(requests)} edits (offset {args.offset}) in {h['seconds']:.0f}s; "
+    print(f"mend: trained {h['steps']} steps{stop}{cont} on {len(requests)} edits (offset {args.offset}) in "
+          f"{h['seconds']:.0f}s; "
           f"meta-loss {h['loss'].get('first10', float('nan')):.4f} -> {h['loss'].get('last10', float('nan')):.4f} "
-          f"(edit NLL {h['edit_nll'].get('first10', float('nan')):.3f} -> {h['edit_nll'].get('last10', float('nan')):.3f}, "
-          f"locality KL {h['loc_kl'].get('first10', float('nan')):.4f} -> {h['loc_kl'].get('last10', float('nan')):.4f})")
+          f"(edit NLL {h['edit_nll'].get('first10', float('nan')):.3f} -> "
+          f"{h['edit_nll'].get('last10', float('nan')):.3f}, "
+          f"locality KL {h['loc_kl'].get('first10', float('nan')):.4f} -> "
+          f"{h['loc_kl'].get('last10', float('nan')):.4f})")
     use = "" if not args.out else f" --mend-weights {path}"
     print(f"network for {len(layers)} layers written to {path}; edit with `crispedit edit --method mend{use} ...`")
     return 0
@@ -100,15 +107,18 @@ def add_cli(sub) -> None:
     msub = p.add_subparsers(dest="mend_command", required=True)
     t = msub.add_parser("train", help="meta-train MEND on edit requests disjoint from the evaluated ones")
     add_model_args(t)
-    t.add_argument("--edits", required=True, help="training edit file (ZsRE, CounterFact/WikiBigEdit or crispedit JSON)")
+    t.add_argument("--edits", required=True,
+                   help="training edit file (ZsRE, CounterFact/WikiBigEdit or crispedit JSON)")
     t.add_argument("--offset", type=int, default=TRAIN_OFFSET,
                    help=f"first training record (default {TRAIN_OFFSET}: disjoint from the evaluation slice 100-199 "
                    "and the tuning slice 400-431)")
     t.add_argument("--n-edits", type=int, default=TRAIN_N, help=f"training records from --offset (default {TRAIN_N})")
     t.add_argument("--layers", default=None, help="edit layers (default: the MLP linears of the last 3 decoder blocks, "
                    "as MEND); the edit must use the same")
-    t.add_argument("--cap-corpus", default=None, help="text the locality passages are drawn from (default: bundled WikiText)")
-    t.add_argument("--n-cap", type=int, default=256, help="capability texts to draw locality passages from (default 256)")
+    t.add_argument("--cap-corpus", default=None,
+                   help="text the locality passages are drawn from (default: bundled WikiText)")
+    t.add_argument("--n-cap", type=int, default=256,
+                   help="capability texts to draw locality passages from (default 256)")
     help_ = {"steps": "Adam steps (default 500)", "batch_size": "edit requests per step (default 8)",
              "lr": "Adam lr of the network (default 1e-4; authors 1e-6 over ~100k steps)",
              "lr_lr": "Adam lr of the per-layer steps alpha (default 1e-4, authors')",

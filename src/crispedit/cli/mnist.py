@@ -2,7 +2,8 @@
 ``crispedit.cli._COMMAND_MODULES``).
 
 Torch-free at import: ``--help`` and every mistake in the flags are answered from the settings
-(:mod:`crispedit.experiments.mnist_config`) without importing torch; the study itself (:func:`crispedit.experiments.mnist_study.run_mnist_study`)
+(:mod:`crispedit.experiments.mnist_config`) without importing torch; the study itself
+(:func:`crispedit.experiments.mnist_study.run_mnist_study`)
 is imported only when it runs.
 """
 
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import CrispEditError, check_output_dir
+from ..errors import CrispEditError
 from ..experiments.mnist_config import METHODS, MnistStudyConfig
+from ..paths import check_output_dir
 
 __all__ = ["config_from_args", "cmd_study_mnist", "add_cli"]
 

@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import ipaddress
 
-from ..errors import check_int, check_positive_int
-from .flags import (add_curvature_args, add_max_drift_arg, add_model_args, add_training_args, check_job_files,
-                    config_from_args)
+from ..checks import check_int, check_positive_int
+from .flags import (
+    add_curvature_args,
+    add_max_drift_arg,
+    add_model_args,
+    add_training_args,
+    check_job_files,
+    config_from_args,
+)
 
 __all__ = ["add_cli", "cmd_playground", "is_loopback"]
 
@@ -39,7 +45,6 @@ def cmd_playground(args) -> int:
     try:
         from ..models import load_model  # torch: only now that every cheaper input is checked
         from ..playground.engine import Playground
-
         from ..progress import progress_lines
 
         progress = False if args.quiet else None

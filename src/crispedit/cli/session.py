@@ -8,11 +8,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import check_dir_takes_entries, check_output_dir, check_output_file
 from ..editing.config import WEIGHTINGS, SeqConfig
+from ..paths import check_dir_takes_entries, check_output_dir, check_output_file
 from ..sessions.files import read_session_meta, read_session_state
-from .flags import (add_curvature_args, add_edits_args, add_max_drift_arg, add_model_args, add_training_args,
-                    check_job_files, config_from_args)
+from .flags import (
+    add_curvature_args,
+    add_edits_args,
+    add_max_drift_arg,
+    add_model_args,
+    add_training_args,
+    check_job_files,
+    config_from_args,
+)
 
 __all__ = ["add_cli"]
 
@@ -136,7 +143,8 @@ def cmd_plot(args) -> int:
     check_output_file(args.out)
     for d in args.dirs:
         _check_session(d)
-    from ..sessions.session import Session, plot_retention
+    from ..sessions.plot import plot_retention
+    from ..sessions.session import Session
 
     statuses = [Session.open(d).status() for d in args.dirs]
     out = plot_retention(statuses, args.out, labels=args.labels.split(",") if args.labels else None)
@@ -146,7 +154,8 @@ def cmd_plot(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit session init|add|status|export|plot`` on ``subparsers``."""
-    p = sub.add_parser("session", help="durable sequential editing sessions (CrispEdit-Seq, FT-Seq, LoRA-Seq, AlphaEdit-Seq, ...)")
+    p = sub.add_parser("session",
+                       help="durable sequential editing sessions (CrispEdit-Seq, FT-Seq, LoRA-Seq, AlphaEdit-Seq, ...)")
     ss = p.add_subparsers(dest="session_command", required=True)
 
     i = ss.add_parser("init", help="create a session directory on a base model")
@@ -166,9 +175,11 @@ def add_cli(sub) -> None:
                         f"{SeqConfig.edit_gamma}; higher protects earlier rounds' edits more and leaves later rounds "
                         "less room)")
     i.add_argument("--recompute-drift", type=float, default=None,
-                   help="recollect capability factors once a weight drifted by more than this (paper: 0.25; default off)")
+                   help="recollect capability factors once a weight drifted by more than this (paper: 0.25; default "
+                        "off)")
     i.add_argument("--no-carry-optimizer", action="store_true", help="fresh Adam state every round")
-    i.add_argument("--no-reproject-momentum", action="store_true", help="keep Adam's first moment as is when the projector changes")
+    i.add_argument("--no-reproject-momentum", action="store_true",
+                   help="keep Adam's first moment as is when the projector changes")
     add_training_args(i)  # --method (lora: LoRA-Seq, a fresh adapter merged every round), training flags
     add_max_drift_arg(i, session=True)
     i.add_argument("--kl-text", default=None, help="held-out text for KL drift (default: bundled WikiText sample)")
@@ -199,7 +210,8 @@ def add_cli(sub) -> None:
     e.add_argument("--model", default=None)
     e.add_argument("--device", default=None)
     e.add_argument("--delta", action="store_true",
-                   help="write delta.safetensors (the change from the base; `crispedit delta apply`) instead of the model")
+                   help="write delta.safetensors (the change from the base; `crispedit delta apply`) instead of the "
+                        "model")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_export)
 

@@ -25,19 +25,23 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from ..atomic import atomic_save_safetensors
 from ..distributed import all_agree, barrier, is_main, world_size
-from ..errors import CrispEditError, VersionError, atomic_save_safetensors, check_written_by, load_safetensors, stamped
-from .modes import CACHE_KINDS
+from ..errors import CrispEditError, VersionError
+from ..safetensors_io import load_safetensors
+from ..versions import check_written_by, stamped
 from .kfac import KFACFactors, LabelMode, collect_lm_input_covariance, collect_lm_kfac
+from .modes import CACHE_KINDS
 
-__all__ = ["CurvatureSpec", "KINDS", "cache_key", "save_factors", "load_factors", "get_or_build_factors", "layer_shapes",
+__all__ = ["CurvatureSpec", "KINDS", "cache_key", "save_factors", "load_factors", "get_or_build_factors",
+           "layer_shapes",
            "FORMAT_VERSION"]
 
 _log = logging.getLogger("crispedit.curvature")
@@ -87,8 +91,9 @@ def save_factors(path: str | Path, factors: KFACFactors, spec: CurvatureSpec, ex
 
 
 def _source_of(path: Path) -> dict:
-    """``key`` and ``write`` (its ``uid``) of the factor file at ``path`` (read from its header; ``{}`` if unreadable)."""
-    from ..errors import read_safetensors_header
+    """``key`` and ``write`` (its ``uid``) of the factor file at ``path`` (read from its header; ``{}`` if
+    unreadable)."""
+    from ..safetensors_io import read_safetensors_header
 
     try:
         meta, _ = read_safetensors_header(path, "curvature cache", "crispedit")
@@ -123,7 +128,8 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
     fp = expect.model_fingerprint if expect else model_fingerprint
     if fp is not None and spec.get("model_fingerprint") != fp:
         raise CrispEditError(
-            f"curvature cache {path} was built for another model (fingerprint {str(spec.get('model_fingerprint'))[:12]}…, "
+            f"curvature cache {path} was built for another model (fingerprint "
+            f"{str(spec.get('model_fingerprint'))[:12]}…, "
             f"this model is {fp[:12]}…)")
     want_layers = list(expect.layers) if expect else (list(layers) if layers is not None else None)
     kind = spec.get("kind", "kfac")
@@ -200,7 +206,8 @@ def get_or_build_factors(
     loss_from = None
     if callable(texts):
         texts, loss_from = texts()
-    _log.info("capability curvature (%s): collecting over %d texts of <= %d tokens", spec.kind, len(texts), spec.max_len)
+    _log.info("capability curvature (%s): collecting over %d texts of <= %d tokens", spec.kind, len(texts),
+              spec.max_len)
     if spec.kind == "input":
         factors = collect_lm_input_covariance(model, tokenizer, texts, layers, max_len=spec.max_len,
                                               batch_size=batch_size, stat_dtype=stat_dtype, progress=progress,
@@ -221,6 +228,6 @@ def get_or_build_factors(
 def layer_shapes(layers: dict[str, nn.Module]) -> dict[str, tuple[int, int]]:
     """``(d_out, d_in)`` of each layer's weight (GPT-2's transposed Conv1D included): what its K-FAC
     factors must match (S is ``d_out x d_out``, A is ``d_in x d_in``)."""
-    from ..models import weight_matrix
+    from ..layers import weight_matrix
 
     return {name: tuple(weight_matrix(m).shape) for name, m in layers.items()}

@@ -22,7 +22,7 @@ through LAPACK; on the factors' device otherwise): a float32 solver's eigenvecto
 the directions a projector masks with those it keeps (its error grows with γ), so no device decomposes in float32.
 The eigenvectors are then stored in float32, the precision every projector applies them in, so a projector built
 from a cached eigenbasis is the projector built from the factors, bit for bit (the error that rounding costs
-against a float64 projector is bounded in tests/test_projection.py).
+against a float64 projector is bounded in tests/curvature/test_projection.py).
 """
 
 from __future__ import annotations
@@ -30,15 +30,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
-from ..errors import CrispEditError, VersionError, atomic_save_safetensors, check_written_by, load_safetensors, stamped
-from .projection import eigh_psd
+from ..atomic import atomic_save_safetensors
+from ..errors import CrispEditError, VersionError
+from ..safetensors_io import load_safetensors
+from ..versions import check_written_by, stamped
 from .kfac import KFACFactors
+from .projection import eigh_psd
 
 __all__ = ["factor_eigh", "eigen_cache_path", "eigh_device", "eigh_dtype", "EIGEN_FORMAT"]
 
@@ -165,7 +168,7 @@ def factor_eigh(factors: KFACFactors, names: Iterable[str], which: Sequence[str]
             # Kept in float32 (after the float64 decomposition): every projector casts its bases to float32 anyway
             # (KroneckerProjector's dtype), so float64 here would change no projection and double the memory and the
             # cache file of each d x d basis. The rounding's cost against a float64
-            # projector is bounded by tests/test_projection.py.
+            # projector is bounded by tests/curvature/test_projection.py.
             memo[(n, w)] = (evals.to(torch.float64).cpu(), U.to(torch.float32).cpu())
         if path is not None:
             _save(path, factors, memo, dtype)

@@ -32,16 +32,17 @@ For linear layers (one row per example) both are the same.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .projection import KroneckerProjector, eigh_psd
 from .kfac import FactorAccumulator, KFACFactors, capture_io, frozen
 from .modes import OutputGrads
+from .projection import KroneckerProjector, eigh_psd
 
 __all__ = [
     "OutputGrads",

@@ -22,8 +22,8 @@ Memory: dense matrices are ``P x P`` float64 (8 P^2 bytes: 142 MB for P = 4212).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,7 @@ class ParamLayout:
     shapes: list[torch.Size]
 
     @classmethod
-    def of(cls, model: nn.Module, names: Sequence[str] | None = None) -> "ParamLayout":
+    def of(cls, model: nn.Module, names: Sequence[str] | None = None) -> ParamLayout:
         """Layout of ``names`` (default: every parameter that requires grad, in module order)."""
         params = dict(model.named_parameters())
         if names is None:
@@ -154,7 +154,8 @@ def ggn_matrix(model: nn.Module, inputs: Tensor, *, layout: ParamLayout | None =
         return f(flat, x.unsqueeze(0)).squeeze(0)
 
     jac = vmap(jacrev(single), in_dims=(None, 0))
-    for sl in tqdm(list(_batches(n, batch_size)), desc="GGN", unit="batch", disable=None if progress is None else not progress):
+    for sl in tqdm(list(_batches(n, batch_size)), desc="GGN", unit="batch",
+                   disable=None if progress is None else not progress):
         x = inputs[sl]
         with torch.no_grad():
             L = ce_hessian_sqrt(f(theta, x).to(dtype))
@@ -239,6 +240,6 @@ def bregman_divergence(model: nn.Module, theta: Tensor, theta0: Tensor, inputs: 
     with torch.no_grad():
         out0 = f(theta0, inputs)
         r0 = torch.softmax(out0, -1) - F.one_hot(targets, out0.shape[-1]).to(out0.dtype)
-    l = F.cross_entropy(out, targets, reduction="none")
-    l0 = F.cross_entropy(out0, targets, reduction="none")
-    return (l - l0 - ((out - out0) * r0).sum(-1)).mean()
+    loss = F.cross_entropy(out, targets, reduction="none")
+    loss0 = F.cross_entropy(out0, targets, reduction="none")
+    return (loss - loss0 - ((out - out0) * r0).sum(-1)).mean()

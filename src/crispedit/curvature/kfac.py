@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
-from ..models import static_attention_mask
+from ..forward_args import static_attention_mask
 
 __all__ = [
     "LabelMode",
@@ -675,7 +675,7 @@ def collect_lm_kfac(
         bar.close()
         model.train(was_training)
     if shard:
-        from ..models import weight_matrix
+        from ..layers import weight_matrix
 
         acc.all_reduce({name: tuple(weight_matrix(m).shape) for name, m in layers.items()}, device)
     meta = {"label_mode": label_mode.value, "seed": seed, "max_len": max_len, "n_texts": len(texts)}

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
-from ..models import as_weight_matrix
+from ..layers import as_weight_matrix
 
 __all__ = ["layer_predicted_kl", "coherent_total", "predicted_kl", "DriftBudget", "LowRankDriftBudget", "steep_layers",
            "steep_note", "mixing_layers", "mixing_note", "prediction_notes"]
@@ -45,7 +45,8 @@ def layer_predicted_kl(dW: Tensor, A: Tensor, S: Tensor, dtype: torch.dtype = to
     """``½ tr(ΔWᵀ S ΔW A)`` (nats per token) for one layer: ``dW`` ``d_out x d_in``, ``A`` ``d_in x d_in``,
     ``S`` ``d_out x d_out`` (symmetric), computed in ``dtype`` (float64 by default) on ``dW``'s device."""
     if dW.shape != (S.shape[0], A.shape[0]):
-        raise ValueError(f"change of shape {tuple(dW.shape)} does not match factors A {tuple(A.shape)}, S {tuple(S.shape)}")
+        raise ValueError(f"change of shape {tuple(dW.shape)} does not match factors A {tuple(A.shape)}, S "
+                         f"{tuple(S.shape)}")
     d = dW.to(dtype)
     SA = (S.to(device=d.device, dtype=dtype) @ d) * (d @ A.to(device=d.device, dtype=dtype))
     return 0.5 * float(SA.sum())
@@ -91,7 +92,8 @@ class DriftBudget:
     its module (storage orientation); ``factors``: K-FAC factors covering every name; ``eps``: the budget in
     nats per token. :meth:`enforce` (after each optimizer step) computes the coherent bound
     ``p = (Σ_l sqrt(q_l))²``, ``q_l = ½ tr(ΔW_lᵀ S_l ΔW_l A_l)``, in float32 on the weights' device and, when
-    ``p > eps``, sets ``W = W0 + sqrt(eps / p) · ΔW`` for every layer (``p`` is quadratic in ΔW). ``hits`` counts the steps that were pulled back; ``last`` is the latest predicted drift
+    ``p > eps``, sets ``W = W0 + sqrt(eps / p) · ΔW`` for every layer (``p`` is quadratic in ΔW). ``hits`` counts the
+    steps that were pulled back; ``last`` is the latest predicted drift
     (after the pull-back). ``eps=None``: no pull-back.
 
     ``penalty`` (β ≥ 0, ``--drift-penalty``) is the soft, Lagrangian side of the same constraint:
@@ -216,7 +218,7 @@ class LowRankDriftBudget(DriftBudget):
 
     def _pull_back(self, c: float, deltas: Mapping[str, Tensor]) -> None:
         """Scale every merged update by ``c`` through its ``B``."""
-        for a, b, _ in self.adapters.values():
+        for _, b, _ in self.adapters.values():
             b.copy_((c * b.detach().float()).to(b.dtype))
 
     def _add_gradients(self, grads: Mapping[str, Tensor]) -> None:
@@ -239,7 +241,8 @@ def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, shar
     """The edit layers whose own predicted drift ``q_l`` (nats/token, :func:`predicted_kl`'s ``layers``)
     dominates: ``q_l`` above ``factor`` × the median of the other layers and at least ``share`` of ``Σ q``.
     Each as ``{"layer", "predicted", "share", "vs_median"}``, largest first; ``[]`` with fewer than two layers.
-    A window holding such a layer drifts far more than one without it (docs/cli.md, 'Choosing layers'), so an edit window
+    A window holding such a layer drifts far more than one without it (docs/cli.md, 'Choosing layers'), so an edit
+    window
     without it is worth trying. Edit reports, compare rows and session rounds record them."""
     vals = {k: float(v) for k, v in layers.items()}
     total = sum(vals.values())

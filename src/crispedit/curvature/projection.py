@@ -35,13 +35,13 @@ All maths runs in float32 or float64 whatever the dtype of the gradient; results
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from ..errors import check_gamma
+from ..checks import check_gamma
 
 __all__ = [
     "energy_keep_mask",
@@ -395,7 +395,7 @@ class LayerProjector:
         """What an edit report shows about this projector: ``kept_fraction`` (rounded to 6 digits)."""
         return {"kept_fraction": round(self.kept_fraction, 6)}
 
-    def to(self, device: torch.device | str) -> "LayerProjector":
+    def to(self, device: torch.device | str) -> LayerProjector:
         """The projector with its tensors on ``device`` (in place; returns ``self``)."""
         return self
 
@@ -480,7 +480,7 @@ class KroneckerProjector(LayerProjector):
     # -- constructors -------------------------------------------------------------------------
     @classmethod
     def from_factors(cls, A: Tensor, S: Tensor, gamma: float, *, dtype: torch.dtype = torch.float32,
-                     eig_dtype: torch.dtype = torch.float64) -> "KroneckerProjector":
+                     eig_dtype: torch.dtype = torch.float64) -> KroneckerProjector:
         """K-FAC projector from the input covariance ``A`` and output-gradient covariance ``S``."""
         lam_in, U_in = eigh_psd(A, eig_dtype)
         lam_out, U_out = eigh_psd(S, eig_dtype)
@@ -488,7 +488,7 @@ class KroneckerProjector(LayerProjector):
 
     @classmethod
     def from_spectra(cls, lam_out: Tensor, U_out: Tensor, lam_in: Tensor, U_in: Tensor, gamma: float, *,
-                     dtype: torch.dtype = torch.float32) -> "KroneckerProjector":
+                     dtype: torch.dtype = torch.float32) -> KroneckerProjector:
         """K-FAC projector from the factors' eigendecompositions (eigenvalues in decreasing order, ``d_out`` /
         ``d_in``; eigenvector columns ``d_out x d_out`` / ``d_in x d_in``), e.g. cached ones
         (:func:`crispedit.curvature.eigen.factor_eigh`): the mask keeps the entries of ``λ_out λ_inᵀ`` below the
@@ -497,21 +497,21 @@ class KroneckerProjector(LayerProjector):
 
     @classmethod
     def from_eigenbasis(cls, U_out: Tensor, U_in: Tensor, eigvals: Tensor, gamma: float, *,
-                        dtype: torch.dtype = torch.float32) -> "KroneckerProjector":
+                        dtype: torch.dtype = torch.float32) -> KroneckerProjector:
         """Projector in a given Kronecker eigenbasis with per-entry eigenvalues ``eigvals``
         (``d_out x d_in``), e.g. the corrected eigenvalues of EK-FAC."""
         return cls(U_out, U_in, energy_keep_mask(eigvals, gamma), dtype=dtype)
 
     @classmethod
     def from_activation_covariance(cls, A: Tensor, gamma: float, *, dtype: torch.dtype = torch.float32,
-                                   eig_dtype: torch.dtype = torch.float64) -> "KroneckerProjector":
+                                   eig_dtype: torch.dtype = torch.float64) -> KroneckerProjector:
         """Adam-NSCL: keep the low-energy eigen-directions of the layer-input covariance only."""
         lam_in, U_in = eigh_psd(A, eig_dtype)
         return cls.from_input_spectrum(lam_in, U_in, gamma, dtype=dtype)
 
     @classmethod
     def from_input_spectrum(cls, lam_in: Tensor, U_in: Tensor, gamma: float, *,
-                            dtype: torch.dtype = torch.float32) -> "KroneckerProjector":
+                            dtype: torch.dtype = torch.float32) -> KroneckerProjector:
         """Adam-NSCL's projector from the input covariance's eigendecomposition (``lam_in`` decreasing, ``d_in``;
         ``U_in`` ``d_in x d_in``): equal to :meth:`from_activation_covariance` of the matrix it decomposes."""
         keep = energy_keep_mask(lam_in.to(torch.float64), gamma)
@@ -598,7 +598,7 @@ class KroneckerProjector(LayerProjector):
                 "split": self.split if self.U_out is not None else None,
                 "form": "low_rank" if self.low_rank else "full", "flop_ratio": round(ratio, 6)}
 
-    def to(self, device: torch.device | str) -> "KroneckerProjector":
+    def to(self, device: torch.device | str) -> KroneckerProjector:
         """The projector with its tensors on ``device`` (in place; returns ``self``)."""
         self.U_in = self.U_in.to(device)
         self.U_out = None if self.U_out is None else self.U_out.to(device)
@@ -625,7 +625,7 @@ class DenseProjector(LayerProjector):
 
     @classmethod
     def from_matrix(cls, G: Tensor, gamma: float, d_out: int | None = None, d_in: int | None = None,
-                    dtype: torch.dtype = torch.float64) -> "DenseProjector":
+                    dtype: torch.dtype = torch.float64) -> DenseProjector:
         """Projector onto the low-energy eigen-directions of an explicit PSD curvature matrix ``G`` under
         ``gamma``."""
         evals, U = eigh_psd(G, torch.float64)
@@ -649,7 +649,7 @@ class DenseProjector(LayerProjector):
         """Fraction of eigen-directions kept (1.0 for the identity)."""
         return self._kept / self.dim
 
-    def to(self, device: torch.device | str) -> "DenseProjector":
+    def to(self, device: torch.device | str) -> DenseProjector:
         """The projector with its tensors on ``device`` (in place; returns ``self``)."""
         self.U_kept = self.U_kept.to(device)
         return self

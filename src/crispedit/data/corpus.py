@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
 
-from ..errors import CrispEditError, read_text_file
+from ..errors import CrispEditError
+from ..paths import read_text_file
 
 __all__ = ["bundled_path", "load_texts", "capability_corpus", "heldout_text", "corpus_digest", "chat_prompts",
            "BUNDLED_EDITS", "CHAT_PROMPTS"]

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from ..errors import CrispEditError, atomic_write_bytes, read_text_file
+from ..atomic import atomic_write_bytes
+from ..errors import CrispEditError
+from ..paths import read_text_file
 
 __all__ = ["EditRequest", "load_edits", "parse_edits", "save_edits_jsonl", "detect_format", "requests_digest"]
 

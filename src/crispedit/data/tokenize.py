@@ -13,8 +13,9 @@ ids). :func:`encode_pairs` is the classic form ``prompt + " " + target`` without
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -39,7 +40,7 @@ class EncodedBatch:
     target_lengths: list[int]
     keys: list[int] | None = None  # which training sequence each row is (indices into the caller's list), if known
 
-    def to(self, device) -> "EncodedBatch":
+    def to(self, device) -> EncodedBatch:
         """The same batch on ``device``."""
         return EncodedBatch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device),
                             self.target_lengths, self.keys)

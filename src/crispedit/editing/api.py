@@ -4,9 +4,9 @@ parameters are snapshotted, and the editor applies the edit (:meth:`Editor.apply
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -16,7 +16,9 @@ from ..curvature.kfac import KFACFactors
 from ..data.corpus import capability_corpus, chat_prompts, corpus_digest
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
-from ..models import cache_dir, model_family, parameter, weight_fingerprint
+from ..layers import model_family
+from ..models import cache_dir
+from ..weights import parameter, weight_fingerprint
 from .config import EditConfig
 from .contexts import resolve_contexts
 from .editor import EditContext
@@ -69,7 +71,8 @@ def curvature_spec(model: nn.Module, layers: Sequence[str], config: EditConfig,
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     inp = kind == "input"
     texts, chat = _corpus_key(config)
-    digest = corpus_digest(texts if not chat else [*texts, f"chat answers of at most {CHAT_ANSWER_TOKENS} tokens:", *chat])
+    digest = corpus_digest(texts if not chat else [*texts, f"chat answers of at most {CHAT_ANSWER_TOKENS} tokens:",
+                                                   *chat])
     return CurvatureSpec(
         model_fingerprint=fingerprint or weight_fingerprint(model), layers=tuple(layers),
         corpus_digest=digest, n_texts=len(texts) + len(chat), max_len=config.max_len,
@@ -82,7 +85,8 @@ def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module]
                        cache_root: str | Path | None = None, cache_file: str | Path | None = None,
                        fingerprint: str | None = None, force: bool = False,
                        progress: bool | None = None, kind: str = "kfac") -> tuple[KFACFactors, dict]:
-    """Capability K-FAC factors for ``layers`` (``kind="input"``: the input covariance ``A = E[k kᵀ]`` alone): from ``cache_file`` if given (its full spec — model,
+    """Capability K-FAC factors for ``layers`` (``kind="input"``: the input covariance ``A = E[k kᵀ]`` alone): from
+    ``cache_file`` if given (its full spec — model,
     layers, corpus, n_cap, max_len, label mode, seed, dtypes — and every factor's shape checked against
     what this edit asks for), else from the content-addressed cache, else collected and cached. ``info``
     holds the path, whether it was a hit, the seconds and the spec the factors were built with."""
@@ -187,8 +191,9 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     original = snapshot(changed)
     drift_modules = editor.drift_modules(model, layers, config)  # before apply: LoRA wraps them while it trains
     t0 = time.perf_counter()
-    outcome = editor.apply(model, tokenizer, requests, EditContext(config, layers, factors, progress=progress,
-                                                                   checkpoint=None if checkpoint is None else Path(checkpoint)))
+    ctx = EditContext(config, layers, factors, progress=progress,
+                      checkpoint=None if checkpoint is None else Path(checkpoint))
+    outcome = editor.apply(model, tokenizer, requests, ctx)
     edit_seconds = time.perf_counter() - t0 + outcome.history.extra.get("resumed_seconds", 0.0)
     from ..curvature.predicted import predicted_kl
 

@@ -13,7 +13,7 @@ holds its final state, so a resume after the training but before the caller save
 nothing again. The epoch cap (``epochs``) is not part of a run's identity: it bounds the run without changing
 any step before it (the learning rate has no schedule over the epochs), so a run may be resumed under a
 larger cap (train longer) or a smaller one not below the epochs already trained. Every file records the crispedit
-version that wrote it; another version's is refused in one line (:func:`~crispedit.errors.check_written_by`).
+version that wrote it; another version's is refused in one line (:func:`~crispedit.versions.check_written_by`).
 Tensors only, no pickle.
 """
 
@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
-from ..errors import (CrispEditError, atomic_save_safetensors, check_written_by, load_safetensors,
-                      read_safetensors_header, stamped)
+from ..atomic import atomic_save_safetensors
+from ..errors import CrispEditError
+from ..safetensors_io import load_safetensors, read_safetensors_header
+from ..versions import check_written_by, stamped
 
 if TYPE_CHECKING:  # torch is imported by the functions that need it: the header check stays torch-free
     import torch
@@ -165,8 +168,8 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
 def load_run_file(path: str | Path, kind: str, key: str, fmt: int, identity: str) -> tuple[dict, dict] | None:
     """``(meta, tensors)`` of a resumable run's file at ``path`` (metadata JSON under ``key``), or ``None`` when there
     is none; one-line :class:`CrispEditError` for a damaged file, another format ``fmt`` or another run's
-    ``identity``, or one of another crispedit version (:func:`~crispedit.errors.check_written_by`). What the sequence
-    and closed-form checkpoints share (their writers :func:`~crispedit.errors.stamped` the metadata)."""
+    ``identity``, or one of another crispedit version (:func:`~crispedit.versions.check_written_by`). What the sequence
+    and closed-form checkpoints share (their writers :func:`~crispedit.versions.stamped` the metadata)."""
     path = Path(path)
     if not path.exists():
         return None

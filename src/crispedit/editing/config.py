@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 
-from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int, check_lr, check_positive_int
+from ..checks import SEED_MAX, check_float, check_gamma, check_int, check_lr, check_positive_int
+from ..errors import CrispEditError
 from .registry import MethodConfig, get_editor, method_names, method_spec
 
 __all__ = ["EditConfig", "PRECISIONS", "PROJECTION_PRECISIONS", "BATCH_ORDERS", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",

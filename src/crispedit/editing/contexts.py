@@ -61,8 +61,8 @@ import contextlib
 import contextvars
 import random
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 from ..data.corpus import capability_corpus
 from ..data.edits import EditRequest
@@ -232,7 +232,7 @@ def generated_prefixes(model, tokenizer, per_start: int = 4, max_new_tokens: int
     rows of one start share a length, so no padding is involved."""
     import torch
 
-    from ..models import with_weights
+    from ..weights import with_weights
 
     out: list[str] = []
     device = next(model.parameters()).device
@@ -410,7 +410,7 @@ def own_replies(model, tokenizer, requests: Sequence[EditRequest]) -> list[str]:
     model's own greedy continuation of it (the target put at the start of its reply) to the end of that sentence.
     Under :func:`prefixes_from` the unedited weights are put in while it writes."""
     from ..evaluation.generation import generate_answers
-    from ..models import with_weights
+    from ..weights import with_weights
 
     asked = [chat_turn(tokenizer, r.prompt, None) for r in requests]
     with with_weights(model, _PREFIX_WEIGHTS.get()):

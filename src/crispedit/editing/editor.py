@@ -16,11 +16,13 @@ line's ``--help`` and argument checks need — without importing torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
-from ..errors import CrispEditError, file_digest
+from ..errors import CrispEditError
+from ..paths import file_digest
 from .config import EditConfig
 from .registry import MethodConfig
 
@@ -79,7 +81,7 @@ class EditOutcome:
 def identity_projectors(modules: dict[str, nn.Module]) -> dict[str, LayerProjector]:
     """No projection: one :class:`IdentityProjector` of each module's ``d_out x d_in`` weight shape."""
     from ..curvature.projection import IdentityProjector
-    from ..models import weight_matrix
+    from ..layers import weight_matrix
 
     return {name: IdentityProjector(*weight_matrix(m).shape) for name, m in modules.items()}
 
@@ -128,7 +130,7 @@ class Editor:
 
     def select_layers(self, model: nn.Module, config: EditConfig) -> dict[str, nn.Module]:
         """The edit layers (module name -> linear module): ``config.layers`` or the per-architecture default."""
-        from ..models import resolve_layers
+        from ..layers import resolve_layers
 
         return resolve_layers(model, config.layers)
 

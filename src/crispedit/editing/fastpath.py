@@ -13,7 +13,8 @@ Three savings, all exact (same numbers as a plain forward up to the order of the
   scaled-dot-product attention, no sliding window) and has no dropout; :func:`prefix_sharing` turns it off.
 
 Per-step work that does not depend on the weights is done once per batch: the flat indices of the target
-rows and their labels, the attention mask (:func:`~crispedit.models.static_attention_mask`: built once, so that no step reads a
+rows and their labels, the attention mask (:func:`~crispedit.forward_args.static_attention_mask`: built once, so that no
+step reads a
 value back to the host) and the pass-through modules. Hugging Face models run without a KV cache
 (``use_cache=False``; training never reads it, and filling it copies every block's keys and values).
 
@@ -28,18 +29,20 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.tokenize import EncodedBatch
-from ..models import decoder_blocks, static_attention_mask, takes_full_masks
+from ..forward_args import static_attention_mask, takes_full_masks
+from ..layers import decoder_blocks
 from .prefixtree import PackedBatch, pack_prefixes, packing_pays
 
-__all__ = ["make_loss_fn", "LossFn", "Prepared", "plain_loss", "no_cache_kwargs", "capture_block_input", "forward_until", "prefix_fed", "passthroughs", "rows_logits",
+__all__ = ["make_loss_fn", "LossFn", "Prepared", "plain_loss", "no_cache_kwargs", "capture_block_input",
+           "forward_until", "prefix_fed", "passthroughs", "rows_logits",
            "target_rows", "prefix_sharing", "may_pack", "pack_if_it_pays"]
 
 _SHARING = contextvars.ContextVar("crispedit_prefix_sharing", default=True)
@@ -62,7 +65,8 @@ def may_pack(model: nn.Module) -> bool:
     if not _SHARING.get() or not takes_full_masks(model):
         return False
     cfg = getattr(model, "config", None)
-    rates = [v for k, v in (vars(cfg).items() if cfg is not None else ()) if "dropout" in k and isinstance(v, (int, float))]
+    rates = [v for k, v in (vars(cfg).items() if cfg is not None else ()) if "dropout" in k
+             and isinstance(v, (int, float))]
     return not any(v > 0 for v in rates) and not any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
 
@@ -80,7 +84,8 @@ def plain_loss(model: nn.Module, batch: EncodedBatch, per_token: bool = False) -
     """Mean cross-entropy over target tokens (FT-M), from a full forward (no KV cache): a 0-d float32
     (float64 for a float64 model) tensor, nats per target token; ``per_token``: each target token's
     cross-entropy instead, in row-major order (:func:`target_rows`'s)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **no_cache_kwargs(model)).logits[:, :-1]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   **no_cache_kwargs(model)).logits[:, :-1]
     labels = batch.labels[:, 1:]
     flat, gold = _up(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1)
     if per_token:
@@ -237,7 +242,7 @@ def rows_logits(model: nn.Module, rows: Tensor, **inputs) -> Tensor:
 class Prepared:
     """A batch made for one epoch (``--context-sample``), made ready on the host before it goes to the device:
     ``batch`` (on the device), its target rows and tokens (:func:`target_rows`), its attention mask
-    (:func:`~crispedit.models.static_attention_mask`) and, for the fast loss, the flat rows of the cached
+    (:func:`~crispedit.forward_args.static_attention_mask`) and, for the fast loss, the flat rows of the cached
     prefix table every position reads (``B x T``; padding reads the zero row) — or, where the batch is packed as
     prefix trees (``packed``), of every packed position (``R·L``)."""
 
@@ -361,7 +366,7 @@ class LossFn:
     ``fast``: whether the verified shortcut (cached frozen prefix, head on target rows) computes it.
     ``per_token``: each target token's cross-entropy (row-major) instead of their mean."""
 
-    def __init__(self, model: nn.Module, batches: Sequence[EncodedBatch], fast_loss: "_FastLoss | None",
+    def __init__(self, model: nn.Module, batches: Sequence[EncodedBatch], fast_loss: _FastLoss | None,
                  per_token: bool = False):
         self.model, self.batches, self._fast, self.per_token = model, batches, fast_loss, per_token
         self.fast = fast_loss is not None

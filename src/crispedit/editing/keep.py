@@ -22,7 +22,8 @@ projection. The stop and skip rules read the edit loss alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..data.edits import EditRequest
 from ..data.tokenize import split_context_target
@@ -60,7 +61,7 @@ def keep_prompts(requests: Sequence[EditRequest], keep_chat: int, keep_subject: 
     return out
 
 
-def keep_sequences(model: "nn.Module", tokenizer, requests: Sequence[EditRequest], keep_chat: int,
+def keep_sequences(model: nn.Module, tokenizer, requests: Sequence[EditRequest], keep_chat: int,
                    keep_subject: int) -> list[TrainingSequence]:
     """The transcripts whose answer tokens the preservation term holds (:func:`keep_prompts`, answered greedily by
     ``model`` — pass it unedited — through its chat template, or the bare prompt without one): context kind
@@ -96,8 +97,8 @@ class KeepLoss:
     from. Under ``torch.distributed`` the whole batch is computed by rank 0 (the others return ``None``), so the
     summed gradient is the one-process one."""
 
-    def __init__(self, model: "nn.Module", tokenizer, sequences: Sequence[TrainingSequence],
-                 params: "dict[str, nn.Parameter]", weight: float, *, fast: bool = True, device=None):
+    def __init__(self, model: nn.Module, tokenizer, sequences: Sequence[TrainingSequence],
+                 params: dict[str, nn.Parameter], weight: float, *, fast: bool = True, device=None):
         import torch
 
         from .fastpath import make_loss_fn
@@ -121,7 +122,7 @@ class KeepLoss:
         """Answer tokens over all batches (one pass)."""
         return sum(int(b.numel()) for b in self.before)
 
-    def __call__(self, step: int) -> "Tensor | None":
+    def __call__(self, step: int) -> Tensor | None:
         import torch
 
         if not self.batches or rank() != 0:

@@ -24,19 +24,28 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.edits import EditRequest
 from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
-from ..models import decoder_blocks, takes_full_masks
-from .fastpath import (capture_block_input, forward_until, may_pack, no_cache_kwargs, pack_if_it_pays, passthroughs,
-                       prefix_fed, rows_logits, target_rows)
+from ..forward_args import takes_full_masks
+from ..layers import decoder_blocks
+from .fastpath import (
+    capture_block_input,
+    forward_until,
+    may_pack,
+    no_cache_kwargs,
+    pack_if_it_pays,
+    passthroughs,
+    prefix_fed,
+    rows_logits,
+    target_rows,
+)
 from .prefixtree import PackedBatch
 
 __all__ = ["KeyValueSettings", "subject_span", "subject_token_index", "context_templates", "edit_blocks",
@@ -446,13 +455,13 @@ def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     try:
         with frozen(model):
             for b in range(0, len(requests), settings.chunk):
-                v, f, l, st = _optimise_chunk(model, tokenizer, requests[b:b + settings.chunk], b, block, templates,
+                v, f, lst, st = _optimise_chunk(model, tokenizer, requests[b:b + settings.chunk], b, block, templates,
                                               settings, verdicts)
                 out.append(v)
                 if on_chunk is not None:
                     on_chunk(len(f))
                 first += f
-                last += l
+                last += lst
                 steps += st
     finally:
         model.train(was_training)
@@ -498,7 +507,7 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
     opt = torch.optim.Adam([delta], lr=settings.lr)
     kl0 = None
     active = torch.ones(n, dtype=torch.bool, device=device)
-    first = last = None
+    first = None
     last_nll = torch.zeros(n, dtype=torch.float64)
     steps = 0
     for it in range(settings.steps):

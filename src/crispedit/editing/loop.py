@@ -26,24 +26,26 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..data.edits import EditRequest
-from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
-from ..data.tokenize import EncodedBatch
-from ..errors import CrispEditError
-from ..models import as_weight_matrix, native_bf16
 from ..curvature.projection import LayerProjector, rotation_precision
+from ..data.edits import EditRequest
+from ..data.tokenize import EncodedBatch
+from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
+from ..errors import CrispEditError
+from ..layers import as_weight_matrix
+from ..models import native_bf16
 from .checkpoint import LoopCheckpoint, LoopState
 from .config import EditConfig, ProjectionTarget
 from .contexts import epoch_subset, sequences_for, training_batches
-from .fastpath import make_loss_fn, plain_loss as edit_loss
+from .fastpath import make_loss_fn
+from .fastpath import plain_loss as edit_loss
 from .keep import KeepLoss, keep_sequences
 from .optim import make_optimizer
 from .steptimer import NULL_TIMER, StepTimer

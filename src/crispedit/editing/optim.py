@@ -18,17 +18,18 @@ decay, no AMSGrad) up to the rounding of the bias corrections.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import CrispEditError
-from ..models import as_weight_matrix
 from ..curvature.projection import IdentityProjector, LayerProjector
+from ..errors import CrispEditError
+from ..layers import as_weight_matrix
 from .config import EditConfig, ProjectionTarget
 
-__all__ = ["EigenbasisAdam", "GatedAdam", "adam_direction", "make_optimizer", "optimizer_state", "load_optimizer_state", "reproject_first_moment"]
+__all__ = ["EigenbasisAdam", "GatedAdam", "adam_direction", "make_optimizer", "optimizer_state", "load_optimizer_state",
+           "reproject_first_moment"]
 
 
 def adam_direction(state: dict, g: Tensor, active: Tensor | None, lr: float, betas: tuple[float, float],
@@ -58,7 +59,8 @@ def adam_direction(state: dict, g: Tensor, active: Tensor | None, lr: float, bet
     step_size = (lr / (1 - b1 ** t)).to(m.dtype)
     bc2_sqrt = torch.sqrt(1 - b2 ** t).to(m.dtype)
     delta = m / (v.sqrt() / bc2_sqrt).add_(eps) * -step_size
-    return delta if active is None else torch.where(active, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+    return delta if active is None else torch.where(active, delta,
+                                                    torch.zeros((), dtype=delta.dtype, device=delta.device))
 
 
 class GatedAdam(torch.optim.Optimizer):

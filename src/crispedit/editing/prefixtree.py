@@ -21,8 +21,8 @@ the row length (the attention; the packed rows are longer than the padded batch'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -66,7 +66,7 @@ class PackedBatch:
         """``(R, L)``."""
         return tuple(self.input_ids.shape)
 
-    def to(self, device) -> "PackedBatch":
+    def to(self, device) -> PackedBatch:
         """The same packing on ``device``."""
         return PackedBatch(*(t.to(device) for t in (self.input_ids, self.position_ids, self.mask, self.source,
                                                      self.rows, self.targets)), self.nodes,

@@ -17,9 +17,9 @@ check a method name and its options here.
 from __future__ import annotations
 
 import importlib
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from ..errors import CrispEditError
 
@@ -43,7 +43,7 @@ class MethodConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> "MethodConfig":
+    def validate(self) -> MethodConfig:
         """Check every field (one-line :class:`CrispEditError`); return ``self``."""
         return self
 
@@ -52,7 +52,7 @@ class MethodConfig:
         return asdict(self)
 
     @classmethod
-    def from_options(cls, method: str, options: dict | None) -> "MethodConfig":
+    def from_options(cls, method: str, options: dict | None) -> MethodConfig:
         """Build from a (possibly partial) options dict; unknown keys are a one-line error."""
         options = dict(options or {})
         known = [f.name for f in fields(cls)]

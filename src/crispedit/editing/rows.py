@@ -7,7 +7,7 @@ token of ``prompt + " " + target``) take these rows; each gives its own batches,
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from ..data.edits import EditRequest
 from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
-from ..models import weight_matrix
-from .editor import EditContext, EditOutcome, Editor
+from ..layers import weight_matrix
+from .editor import EditContext, Editor, EditOutcome
 from .loop import TrainHistory
 
 __all__ = ["SinglePassEditor", "target_nll"]

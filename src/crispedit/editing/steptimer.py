@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -21,7 +21,10 @@ _EXPORTS = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = ["evaluate_edit", "kl_drift", "perplexity", "swapped_weights", "edit_scores", "score_pairs", "summarize_edit_scores",
-           "generate_answers", "RuleJudge", "OpenAIJudge", "make_judge", "run_wild", "crosstalk", "render_prompt", "WildConfig",
-           "EVAL_WRAPPERS", "HELD_OUT_WRAPPER", "TASKS", "run_capabilities", "capability_drift", "parse_tasks", "ensure_punkt_offline",
+__all__ = ["evaluate_edit", "kl_drift", "perplexity", "swapped_weights", "edit_scores", "score_pairs",
+           "summarize_edit_scores",
+           "generate_answers", "RuleJudge", "OpenAIJudge", "make_judge", "run_wild", "crosstalk", "render_prompt",
+           "WildConfig",
+           "EVAL_WRAPPERS", "HELD_OUT_WRAPPER", "TASKS", "run_capabilities", "capability_drift", "parse_tasks",
+           "ensure_punkt_offline",
            "markdown_table", "write_report"]

@@ -23,12 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
 
-__all__ = ["style_prompts", "style_drift", "base_style_answers", "subject_bleed", "subject_probes", "assistant_measures",
+__all__ = ["style_prompts", "style_drift", "base_style_answers", "subject_bleed", "subject_probes",
+           "assistant_measures",
            "SUBJECT_PROBES", "BARE_WORDS", "MAX_NEW_TOKENS", "STYLE_PROMPTS", "BLEED_EDITS"]
 
 _log = logging.getLogger("crispedit.evaluate")
@@ -93,7 +94,8 @@ def style_drift(model, tokenizer, base, prompts: Sequence[str] | None = None, *,
                 progress: bool | None = False, examples: int = 3, base_answers: Sequence[str] | None = None) -> dict:
     """The style-drift figures of the edited ``model`` against its base (``base``: the pre-edit values of the
     changed parameters, full name -> tensor, or the base model itself) on ``prompts`` (default
-    :func:`style_prompts`): ``n``, ``length_ratio``, ``bare_share``, ``changed``, ``answer_kl`` (see the module docstring), ``tokens_base`` / ``tokens_edited``
+    :func:`style_prompts`): ``n``, ``length_ratio``, ``bare_share``, ``changed``, ``answer_kl`` (see the module
+    docstring), ``tokens_base`` / ``tokens_edited``
     (mean answer length, tokens) and the first ``examples`` prompts with both answers. ``base_answers``: the base's
     answers to ``prompts`` when already known (:func:`base_style_answers`: a playground asks them once)."""
     from .drift import answer_kl

@@ -21,7 +21,8 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import CrispEditError, check_input_dir
+from ..errors import CrispEditError
+from ..paths import check_input_dir
 
 __all__ = ["TASK_FILES", "MMLU_SUBJECTS", "bench_path", "required_files", "load_arc", "load_mmlu", "load_gsm8k",
            "load_truthfulqa_mc", "load_ifeval"]
@@ -118,7 +119,8 @@ def load_mmlu(bench_dir=None, subject: str = "", **_):
 
 def load_gsm8k(bench_dir=None, **_):
     """GSM8K test from local JSONL as a ``DatasetDict`` (question, answer)."""
-    rows = [{"question": r["question"], "answer": r["answer"]} for r in _jsonl(bench_path(bench_dir, "gsm8k/test.jsonl"))]
+    rows = [{"question": r["question"], "answer": r["answer"]}
+            for r in _jsonl(bench_path(bench_dir, "gsm8k/test.jsonl"))]
     return _dataset_dict({"test": rows})
 
 

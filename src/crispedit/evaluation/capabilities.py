@@ -24,18 +24,21 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
-from ..errors import CrispEditError, check_input_dir
+from ..errors import CrispEditError
+from ..paths import check_input_dir
 from ..progress import show_progress
 from .bench_data import required_files
 
 if TYPE_CHECKING:  # torch only for annotations: task names and bench files are checked without it
     from torch import nn
 
-__all__ = ["CapabilityTask", "TASKS", "TASKS_DIR", "BUNDLED_BENCH", "BUNDLED_TASKS", "parse_tasks", "resolve_bench_dir", "ensure_punkt_offline",
+__all__ = ["CapabilityTask", "TASKS", "TASKS_DIR", "BUNDLED_BENCH", "BUNDLED_TASKS", "parse_tasks", "resolve_bench_dir",
+           "ensure_punkt_offline",
            "run_capabilities", "capability_drift", "lm_eval_version", "item_scores", "item_stderr", "paired_change"]
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -128,7 +131,7 @@ def ensure_punkt_offline(root: str | os.PathLike | None = None) -> Path:
     """
     import nltk
 
-    from ..errors import atomic_write_bytes
+    from ..atomic import atomic_write_bytes
     from ..models import cache_dir
 
     data_dir = Path(root) if root else cache_dir() / "nltk_data"
@@ -230,7 +233,7 @@ class _ContextCaches:
     sorted token order share the most. Callers copy a returned cache before extending it."""
 
     def __init__(self, model: nn.Module, device):
-        from ..models import last_logits_only, takes_full_masks
+        from ..forward_args import last_logits_only, takes_full_masks
 
         self.model, self.device, self.head = model, device, last_logits_only(model)
         self.reuse = takes_full_masks(model)

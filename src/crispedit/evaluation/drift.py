@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..curvature.kfac import loss_positions
-from ..models import parameter
+from ..weights import parameter
 
 __all__ = ["kl_drift", "answer_kl", "swapped_weights", "perplexity"]
 
@@ -61,7 +61,8 @@ def kl_drift(model: nn.Module, tokenizer, texts: Sequence[str], *, base_weights:
     was_training = model.training
     model.eval()
     try:
-        for i in tqdm(range(0, len(texts), batch_size), desc="KL drift", disable=(None if progress is None else not progress)):
+        for i in tqdm(range(0, len(texts), batch_size), desc="KL drift",
+                      disable=(None if progress is None else not progress)):
             ids, attn = _encode(tokenizer, texts[i:i + batch_size], max_len, device)
             pos = loss_positions(attn)
             labels = ids[:, 1:][pos]
@@ -93,7 +94,7 @@ def _log_probs(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor, pos: tor
 
 @torch.no_grad()
 def answer_kl(model: nn.Module, sequences: Sequence[Sequence[int]], starts: Sequence[int], *,
-              base: "dict[str, torch.Tensor] | nn.Module", pad_id: int = 0, batch_size: int = 8) -> dict:
+              base: dict[str, torch.Tensor] | nn.Module, pad_id: int = 0, batch_size: int = 8) -> dict:
     """Mean per-token KL(base || model) (nats) over the answer tokens of token-id ``sequences``: the positions
     predicting token ``starts[i]`` or later of sequence ``i`` (e.g. a chat prompt's tokens, then the base model's
     own answer from ``starts[i]`` on). ``base``: a second model, or weights (full name -> tensor) swapped into

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -23,10 +23,13 @@ __all__ = ["evaluate_edit", "round_map_probe"]
 _log = logging.getLogger("crispedit.evaluate")  # one info line per finished phase: a long evaluation leaves a trail
 
 
-def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], base_weights: dict[str, torch.Tensor], *,
+def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], base_weights: dict[str, torch.Tensor],
+                  *,
                   kl_text: str | Path | None = None, kl_texts: int = 32, max_len: int = 256,
-                  wild: Sequence[str] = (), wild_templates: dict[str, str] | None = None, judge=None, capabilities: Sequence[str] = (),
-                  limit: int | dict | None = None, max_gen_toks: int | None = None, bench_dir: str | Path | None = None, assistant: bool = False, progress: bool | None = None) -> dict:
+                  wild: Sequence[str] = (), wild_templates: dict[str, str] | None = None, judge=None,
+                  capabilities: Sequence[str] = (),
+                  limit: int | dict | None = None, max_gen_toks: int | None = None, bench_dir: str | Path | None = None,
+                  assistant: bool = False, progress: bool | None = None) -> dict:
     """Evaluate the edited ``model`` on ``requests``; ``base_weights`` (parameter name -> pre-edit
     value, e.g. ``EditResult.original_weights``) give the base model for the drift.
 

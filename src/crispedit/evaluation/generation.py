@@ -9,20 +9,20 @@ stop string appears; the answer is cut before the first stop string. Decoding is
 A prefix that every prompt shares (a chat template's system turn, a wrapper's instruction) is computed once: its
 KV cache is copied to every row of a batch and the rest of each prompt follows it, padded between the prefix and
 its own tokens (masked there; positions count real tokens only), so each row sees what it would alone. This is
-done for models with one full attention mask in every layer (:func:`~crispedit.models.takes_full_masks`); others
+done for models with one full attention mask in every layer (:func:`~crispedit.forward_args.takes_full_masks`); others
 generate from the whole prompt.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..models import last_logits_only, takes_full_masks
+from ..forward_args import last_logits_only, takes_full_masks
 
 __all__ = ["generate_answers", "cut_at_stop", "eos_token_ids"]
 
@@ -110,7 +110,8 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[str], *, max
     """Greedy continuation of each prompt, cut at the first stop string (kept out of the answer).
 
     ``add_special_tokens=False`` is for prompts already rendered with a chat template (which carry
-    their own special tokens). ``skip_leading_stop``: see :func:`cut_at_stop`. ``progress``: None = a bar on terminals only, False = never.
+    their own special tokens). ``skip_leading_stop``: see :func:`cut_at_stop`. ``progress``: None = a bar on terminals
+    only, False = never.
     """
     if not prompts:
         return []

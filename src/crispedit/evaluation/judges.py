@@ -34,9 +34,9 @@ import time
 import unicodedata
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..errors import CrispEditError
 
@@ -80,7 +80,7 @@ According to the gold target, please grade the predicted answer of this question
 A: CORRECT
 B: INCORRECT
 
-Just return the letters "A" or "B", with no text around it."""
+Just return the letters "A" or "B", with no text around it."""  # noqa: E501 (the paper's prompt, verbatim)
 
 
 @dataclass

@@ -8,10 +8,13 @@ shown side by side, in the spirit of the paper's Figure 1.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from ..errors import CrispEditError, atomic_write_bytes, check_output_file, check_written_by, read_text_file
+from ..atomic import atomic_write_bytes
+from ..errors import CrispEditError
+from ..paths import check_output_file, read_text_file
+from ..versions import check_written_by
 
 __all__ = ["load_run", "run_rows", "run_labels", "markdown_table", "plot_runs", "render_runs_png",
            "write_report"]
@@ -23,14 +26,16 @@ _UNBOUNDED = {"kl_drift", "ppl", "ppl_base"}
 
 def load_run(path: str | Path) -> dict:
     """One ``crispedit eval`` result file as a dict (one-line errors for a missing, non-UTF-8, non-JSON
-    or wrongly shaped file, and for one another crispedit version wrote: :func:`~crispedit.errors.check_written_by`)."""
+    or wrongly shaped file, and for one another crispedit version wrote:
+    :func:`~crispedit.versions.check_written_by`)."""
     path = Path(path)
     text = read_text_file(path, "run file")
     try:
         run = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CrispEditError(f"{path}: not a JSON file ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(run, dict) or not isinstance(run.get("edit"), dict) or not isinstance(run.get("capabilities"), dict):
+    if (not isinstance(run, dict) or not isinstance(run.get("edit"), dict)
+            or not isinstance(run.get("capabilities"), dict)):
         raise CrispEditError(f"{path}: not a `crispedit eval` result (needs 'edit' and 'capabilities' objects)")
     if not isinstance(run.get("config", {}), dict):
         raise CrispEditError(f"{path}: not a `crispedit eval` result ('config' is not an object)")
@@ -133,7 +138,8 @@ def render_runs_png(runs: Sequence[dict]) -> bytes:
     return buf.getvalue()
 
 
-def write_report(paths: Sequence[str | Path], out_md: str | Path | None = None, out_png: str | Path | None = None) -> str:
+def write_report(paths: Sequence[str | Path], out_md: str | Path | None = None,
+                 out_png: str | Path | None = None) -> str:
     """Load the runs, write the markdown table to ``out_md`` and the figure to ``out_png`` (each optional)
     and return the table. Both destinations are checked before anything is written, and the figure is
     rendered before the table is written, so a failure leaves neither file behind."""

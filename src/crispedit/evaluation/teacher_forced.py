@@ -14,8 +14,8 @@ one (mean per-token log-probability, as ROME/MEMIT/AlphaEdit compute it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -62,7 +62,8 @@ def score_pairs(model: nn.Module, tokenizer, prompts: Sequence[str], targets: Se
             for r in range(labels.shape[0]):
                 v = valid[r]
                 correct = (pred[r][v] == labels[r][v])
-                out.append(PairScore(bool(correct.all()), float(correct.float().mean()), float(logp[r][v].sum()), int(v.sum())))
+                out.append(PairScore(bool(correct.all()), float(correct.float().mean()), float(logp[r][v].sum()),
+                                     int(v.sum())))
     finally:
         model.train(was_training)
     return out

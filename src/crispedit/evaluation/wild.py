@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
@@ -106,7 +107,8 @@ def check_template(template: str) -> str:
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:
-        raise CrispEditError(f"--context-template is not a valid template ({exc}); write literal braces as {{{{ }}}}") from None
+        raise CrispEditError(f"--context-template is not a valid template ({exc}); "
+                             "write literal braces as {{ }}") from None
     if fields.count("question") != 1 or any(f != "question" for f in fields):
         raise CrispEditError(f"--context-template must contain {{question}} exactly once and no other field, "
                              f"got {template!r}")
@@ -251,7 +253,8 @@ def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
                   batch_size: int = WildConfig.batch_size, progress: bool | None = None) -> dict:
     """WILD summaries for several evaluation wrappers at once: ``{wrapper: {"rel", "gen", "loc_vs_answer",
     "cross", ...}, ..., "seconds": s}``. A chat-template wrapper (``chat``) is skipped (``None``) for tokenizers
-    without a chat template; ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each wrapper also keeps
+    without a chat template; ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each wrapper
+    also keeps
     three ``examples`` and every ``answers`` row ``[rel answer, rel correct, [gen answers], [gen correct]]``."""
     out: dict = {}
     t0 = time.perf_counter()

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import CrispEditError, atomic_write_bytes, check_input_dir
+from ..atomic import atomic_write_bytes
+from ..errors import CrispEditError
+from ..paths import check_input_dir
 
 __all__ = ["DATASETS", "ImageSplit", "load_idx", "load_dataset", "default_cache_dir", "resolve_data_dir"]
 
@@ -67,7 +69,7 @@ class ImageSplit:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
-    def subset(self, n: int | None, seed: int = 0) -> "ImageSplit":
+    def subset(self, n: int | None, seed: int = 0) -> ImageSplit:
         """A seeded random subset of ``n`` examples (everything when ``n`` is None or too large)."""
         if n is None or n >= len(self):
             return self

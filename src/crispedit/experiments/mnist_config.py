@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..checks import SEED_MAX, check_float, check_gamma, check_int
 from ..curvature.modes import OutputGrads
-from ..errors import SEED_MAX, CrispEditError, check_float, check_gamma, check_int
+from ..errors import CrispEditError
 
 __all__ = ["METHODS", "MnistStudyConfig", "gamma_of"]
 
@@ -59,7 +60,7 @@ class MnistStudyConfig:
     threads: int | None = None
 
     @classmethod
-    def quick(cls, **overrides) -> "MnistStudyConfig":
+    def quick(cls, **overrides) -> MnistStudyConfig:
         """A CI-sized run (tiny network, subsets, two gammas): seconds, not minutes."""
         base = dict(k_values=(1.0, 3.0), conv1_channels=2, conv2_channels=4, hidden=8, pretrain_samples=6000,
                     pretrain_epochs=1, curvature_samples=32, curvature_batch=32, finetune_steps=30,
@@ -67,7 +68,7 @@ class MnistStudyConfig:
         base.update(overrides)
         return cls(**base)
 
-    def validated(self) -> "MnistStudyConfig":
+    def validated(self) -> MnistStudyConfig:
         """``self`` if every setting is usable; a one-line :class:`CrispEditError` naming the first bad one."""
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:

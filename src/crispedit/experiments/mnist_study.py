@@ -30,18 +30,20 @@ import dataclasses
 import math
 import platform
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_write_json
 from ..curvature.ekfac import collect_classifier_ekfac, collect_classifier_kfac
 from ..curvature.exact import ParamLayout, ggn_matrix, hessian_matrix
-from ..errors import CrispEditError, atomic_write_json, check_output_dir
 from ..curvature.projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
+from ..errors import CrispEditError
+from ..paths import check_output_dir
 from .idx_data import ImageSplit, load_dataset
 from .mnist_config import METHODS, MnistStudyConfig, gamma_of
 
@@ -248,7 +250,8 @@ class KroneckerCurvature(Curvature):
         projs = {}
         for layer in self.factors.layers:
             if self.method == "kfac":
-                projs[f"{layer}.weight"] = KroneckerProjector.from_factors(self.factors.A[layer], self.factors.S[layer], gamma)
+                projs[f"{layer}.weight"] = KroneckerProjector.from_factors(self.factors.A[layer],
+                                                                           self.factors.S[layer], gamma)
             elif self.method == "ekfac":
                 projs[f"{layer}.weight"] = self.ekfac.projector(layer, gamma)
             else:
@@ -362,12 +365,13 @@ class _Splits:
     fashion_test: ImageSplit
 
     @classmethod
-    def load(cls, cfg: MnistStudyConfig) -> "_Splits":
+    def load(cls, cfg: MnistStudyConfig) -> _Splits:
         """Read the four splits from ``cfg.data_dir`` (downloaded when missing), in this order."""
         mnist_train = _normalise(load_dataset("mnist", "train", cfg.data_dir))
         mnist_test = _normalise(load_dataset("mnist", "test", cfg.data_dir)).subset(cfg.eval_samples, cfg.seed)
         fashion_train = _normalise(load_dataset("fashion_mnist", "train", cfg.data_dir))
-        fashion_test = _normalise(load_dataset("fashion_mnist", "test", cfg.data_dir)).subset(cfg.eval_samples, cfg.seed)
+        fashion_test = _normalise(load_dataset("fashion_mnist", "test", cfg.data_dir))
+        fashion_test = fashion_test.subset(cfg.eval_samples, cfg.seed)
         return cls(mnist_train, mnist_test, fashion_train, fashion_test)
 
 
@@ -451,7 +455,7 @@ class _Study:
             model.load_state_dict(self.theta0)
             first = [True]
 
-            def make_projector() -> ParamProjector:
+            def make_projector(first: list = first, gamma: float = gamma) -> ParamProjector:
                 """The projector at ``gamma``: first from the curvature at the pre-trained weights, then from
                 curvature recomputed at the current weights."""
                 if first[0]:  # the shared curvature at the pre-trained weights
@@ -477,7 +481,8 @@ class _Study:
         return final
 
 
-def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None, log: Callable[[str], None] | None = print) -> dict:
+def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None,
+                    log: Callable[[str], None] | None = print) -> dict:
     """Run the study, write ``results.json``, ``results.csv`` and ``tradeoff.png`` to ``cfg.out_dir``
     and return the JSON report (a dict)."""
     cfg = cfg.validated()

@@ -5,7 +5,8 @@ as it stood after that round (``retention``: one :func:`~crispedit.evaluation.ed
 per round — ``n`` edits, teacher-forced ``tf_rel``, ``wild`` ``{"qa": rel, "chat": rel}``, each a fraction of
 the round-1 edits); a batched closed-form row (MEMIT, AlphaEdit over several batches — AlphaEdit-Seq in rounds of
 its batch size) stores its first batch's teacher-forced reliability after every batch (``training.first_batch_tf_rel``),
-read here as the same series without WILD measures. This module turns those records into the compare's retention table (markdown,
+read here as the same series without WILD measures. This module turns those records into the compare's retention table
+(markdown,
 :func:`retention_table`), its summary per row (:func:`retention_summary`: the fraction after the last round,
 and that fraction over the one after the first round — what of what the first round achieved is kept) and its picture
 (:func:`plot_retention`, ``DIR/retention.png``). From the rows' per-edit records it also reads every round's
@@ -18,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import fmean
 
-from ..errors import atomic_write_figure
+from ..atomic import atomic_write_figure
 
 __all__ = ["retention_rows", "retention_series", "retention_summary", "retention_table", "plot_retention",
            "final_by_round", "retention_map", "plot_retention_map", "RETENTION_PNG", "RETENTION_MAP_PNG"]
@@ -43,7 +44,8 @@ def retention_rows(payload: dict) -> list[str]:
 
 
 def retention_series(row: dict) -> dict[str, list[float | None]]:
-    """``{measure: [fraction after the first round, after the second, …]}`` for one ``-seq`` row, measures ``tf_rel``, ``qa``
+    """``{measure: [fraction after the first round, after the second, …]}`` for one ``-seq`` row, measures ``tf_rel``,
+    ``qa``
     and ``chat`` (fractions of the round-1 edits; ``None`` where a round has no record or the measure was not
     taken, e.g. ``chat`` for a tokenizer without a chat template). A batched closed-form row gives its first
     batch's teacher-forced series (batches for rounds) and no WILD measures."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from ..errors import atomic_write_bytes
+from ..atomic import atomic_write_bytes
 
 __all__ = ["CSV_FIELDS", "write_csv", "write_plot"]
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..editing.editor import EditContext, EditOutcome, Editor, identity_projectors
+from ..checks import check_float, check_int
+from ..editing.editor import EditContext, Editor, EditOutcome, identity_projectors
 from ..editing.registry import MethodConfig, MethodSpec
-from ..errors import CrispEditError, check_float, check_int
+from ..errors import CrispEditError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -39,7 +40,7 @@ class LoRAConfig(MethodConfig):
             "dropout": "adapter dropout while training (default 0.1)",
             "targets": "comma-separated module names adapted in each edit layer's block (default q_proj,v_proj)"}
 
-    def validate(self) -> "LoRAConfig":
+    def validate(self) -> LoRAConfig:
         """r a positive integer, alpha positive, dropout in [0, 1), targets non-empty."""
         self.r = check_int("lora rank r", self.r, 1)
         self.alpha = check_float("lora alpha", self.alpha, 0.0, lo_open=True)
@@ -70,7 +71,7 @@ class LoRAEditor(Editor):
         """Full name -> linear module of every ``cfg.targets`` module in the blocks holding the edit layers."""
         from torch import nn
 
-        from ..models import decoder_blocks
+        from ..layers import decoder_blocks
 
         prefix, blocks = decoder_blocks(model)
         indices = sorted({int(n[len(prefix) + 1:].split(".")[0]) for n in layers if n.startswith(prefix + ".")})
@@ -105,7 +106,8 @@ class LoRAEditor(Editor):
             return None
         from ..curvature.predicted import LowRankDriftBudget
 
-        adapters = {n: (m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight, m.scaling[ADAPTER]) for n, m in layers.items()}
+        adapters = {n: (m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight, m.scaling[ADAPTER]) for n,
+                    m in layers.items()}
         return LowRankDriftBudget(adapters, {n: m.get_base_layer() for n, m in layers.items()}, factors,
                                   ctx.config.max_drift, penalty=ctx.config.drift_penalty)
 

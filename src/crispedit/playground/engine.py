@@ -25,11 +25,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from ..errors import CrispEditError, check_finite_tensors, check_positive_int
+from ..checks import check_finite_tensors, check_positive_int
+from ..errors import CrispEditError
 
 __all__ = ["Playground", "PlaygroundBusy", "check_text", "DEFAULT_MAX_CHARS", "DEFAULT_KL_TEXTS", "DEFAULT_UNDO_DEPTH"]
 
@@ -91,7 +93,8 @@ def playground_config(config, family: str | None):
 class Playground:
     """A model to ask and edit. ``config``: the :class:`~crispedit.editing.config.EditConfig` every edit runs with
     (default: :func:`playground_config` — crispedit's defaults with a bfloat16 training forward where the hardware
-    has it natively and twice the learning rate, for an edit in under a minute on a CPU); its capability factors are fetched here, once, from ``cache_file``, from the
+    has it natively and twice the learning rate, for an edit in under a minute on a CPU); its capability factors are
+    fetched here, once, from ``cache_file``, from the
     content-addressed cache under ``cache_root`` or collected (:func:`~crispedit.editing.api.edit_factors`).
     ``kl_text`` / ``kl_texts``: the held-out text the drift is measured on (default: bundled WikiText);
     ``max_chars``: the longest question or answer taken; ``undo_depth``: how many of the latest edits keep
@@ -104,7 +107,7 @@ class Playground:
                  progress: bool | None = False) -> None:
         from ..editing.api import edit_factors, snapshot
         from ..editing.registry import get_editor
-        from ..models import model_family
+        from ..layers import model_family
 
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.config = playground_config(config, model_family(model))
@@ -180,7 +183,8 @@ class Playground:
         ``drift`` (``measured`` and ``predicted`` nats/token from the start-up model, ``edit_predicted`` of this
         edit alone, ``ppl`` / ``ppl_base``, ``texts``), ``style`` (:func:`~crispedit.evaluation.assistant.style_drift`
         on :data:`STYLE_PROMPTS` unrelated prompts against the start-up model), ``bleed`` (with a ``subject``:
-        :func:`~crispedit.evaluation.assistant.subject_bleed` of this edit; else None), ``edit_seconds`` (training), ``eval_seconds``,
+        :func:`~crispedit.evaluation.assistant.subject_bleed` of this edit; else None), ``edit_seconds`` (training),
+        ``eval_seconds``,
         ``seconds`` (all), ``epochs``, ``loss`` and the new :meth:`state`."""
         from ..curvature.predicted import predicted_kl
         from ..data.edits import EditRequest

@@ -25,10 +25,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from importlib import resources
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
-from ..errors import CrispEditError, check_int
+from ..checks import check_int
+from ..errors import CrispEditError
 from .engine import PlaygroundBusy
 
 if TYPE_CHECKING:

@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 
 from ..editing.contexts import parse_contexts
-from ..errors import CrispEditError, check_input_dir, check_written_by, read_text_file
+from ..errors import CrispEditError
+from ..paths import check_input_dir, read_text_file
+from ..versions import check_written_by
 
 __all__ = ["SESSION_FORMAT", "SESSION_FILE", "STATE_FILE", "read_json", "check_session_meta", "check_session_state",
            "read_session_meta", "read_session_state"]
@@ -80,7 +82,7 @@ _THEN = "start a new session"
 
 def read_session_meta(path: str | Path) -> dict:
     """The checked ``session.json`` of the session directory ``path``: written by this crispedit version in its
-    format (:func:`~crispedit.errors.check_written_by`), of the shape :func:`check_session_meta` requires (one-line
+    format (:func:`~crispedit.versions.check_written_by`), of the shape :func:`check_session_meta` requires (one-line
     error otherwise)."""
     path = Path(path)
     meta = read_json(path / SESSION_FILE, "session file")
@@ -90,7 +92,7 @@ def read_session_meta(path: str | Path) -> dict:
 
 def read_session_state(path: str | Path) -> dict:
     """The checked ``state.json`` of the session directory ``path``: this crispedit version's, in its format
-    (:func:`~crispedit.errors.check_written_by`), of the shape :func:`check_session_state` requires."""
+    (:func:`~crispedit.versions.check_written_by`), of the shape :func:`check_session_state` requires."""
     path = Path(path)
     st = read_json(path / STATE_FILE, "session state")
     check_written_by(st, path / STATE_FILE, _THEN, format=SESSION_FORMAT)

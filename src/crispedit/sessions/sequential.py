@@ -13,7 +13,8 @@ chunks, for a fixed model). The next round's projector is rebuilt from capabilit
 * ``weighting="trace"``: the same mix of the two sets after the edit factors are scaled to the capability
   factors' traces, layer by layer, so ``mix`` is the edits' share of each factor's energy (with raw factors the
   edits' output-gradient covariance, when larger than the capability one, takes most of it whatever ``mix``);
-* ``weighting="each"`` (default): the eigenbasis of ``trace``'s mix, with a mask that covers γ of the capability factors'
+* ``weighting="each"`` (default): the eigenbasis of ``trace``'s mix, with a mask that covers γ of the capability
+  factors'
   energy *and* γ of the accumulated edit factors' energy, each measured in that basis
   (:func:`~crispedit.curvature.projection.per_source_keep_mask`): neither set can take the whole budget, by its
   scale or by one outlier direction (results/README.md);
@@ -41,23 +42,27 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from ..atomic import atomic_save_safetensors
+from ..checks import check_positive_int
 from ..curvature.kfac import KFACFactors, collect_lm_kfac
 from ..curvature.predicted import mixing_layers, predicted_kl, steep_layers
 from ..data.edits import EditRequest
+from ..editing.checkpoint import load_run_file, run_identity
 from ..editing.config import EDIT_FACTOR_ROWS, MODES, WEIGHTINGS, EditConfig, SeqConfig
 from ..editing.contexts import prefixes_from, resolve_contexts, sequences_for
 from ..editing.editor import EditContext
 from ..editing.registry import get_editor
-from ..editing.checkpoint import load_run_file, run_identity
-from ..errors import CrispEditError, atomic_save_safetensors, check_positive_int, stamped
-from ..models import model_family, parameter
+from ..errors import CrispEditError
+from ..layers import model_family
+from ..versions import stamped
+from ..weights import parameter
 
 __all__ = ["SeqConfig", "SeqState", "SeqResult", "combine_factors", "round_edit_factors", "run_round",
            "run_sequence", "drift_spent", "weight_drift", "save_sequence_checkpoint", "load_sequence_checkpoint",
@@ -91,7 +96,7 @@ class SeqState:
         return {k: t.detach().cpu().contiguous() for k, t in out.items()}, meta
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], meta: dict) -> "SeqState":
+    def from_tensors(cls, tensors: dict[str, Tensor], meta: dict) -> SeqState:
         """The state :meth:`to_tensors` wrote as ``(tensors, meta)``."""
         def part(prefix: str) -> dict[str, Tensor]:
             """The tensors stored under ``prefix``, keyed by the rest of their names."""

@@ -30,7 +30,7 @@ it equals the stored one; either mismatch is refused with a one-line :class:`Cri
 ``session.json`` also records what ``--contexts default`` meant at creation (``default_contexts``): a
 session keeps training those contexts when :data:`DEFAULT_CONTEXTS` changes, so its rounds stay reproducible.
 ``session.json`` and ``state.json`` record the crispedit version that wrote them; a session of another version is
-refused in one line (:func:`~crispedit.errors.check_written_by`).
+refused in one line (:func:`~crispedit.versions.check_written_by`).
 """
 
 from __future__ import annotations
@@ -43,25 +43,33 @@ import re
 import shutil
 import signal
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
+from ..atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
+from ..checks import check_finite_tensors
 from ..curvature.kfac import KFACFactors
 from ..data.edits import EditRequest, load_edits, requests_digest, save_edits_jsonl
 from ..editing.api import capability_factors, edit_factors
 from ..editing.contexts import DEFAULT_CONTEXTS, pinned_contexts
 from ..editing.registry import get_editor
-from ..errors import (CrispEditError, atomic_directory, atomic_save_safetensors, atomic_write_figure, atomic_write_json,
-                      check_finite_tensors, check_output_dir, check_output_file, load_safetensors, stamped)
+from ..errors import CrispEditError
 from ..evaluation import evaluate_edit, summarize_edit_scores
+from ..layers import model_family
 from ..model_card import build_card, card_may_replace, revert_lines, write_card
-from ..models import load_model, model_family, parameter, save_model_dir, weight_fingerprint
+from ..models import load_model, save_model_dir
+from ..paths import check_output_dir
+from ..safetensors_io import load_safetensors
+from ..versions import stamped
+from ..weights import parameter, weight_fingerprint
 from .files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
+from .plot import plot_retention
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
 
-__all__ = ["Session", "SESSION_FORMAT", "plot_retention", "session_size"]
+__all__ = ["Session", "SESSION_FORMAT", "session_size"]
 
 LOCK_FILE, PLOT_FILE = ".lock", "retention.png"
 _TENSOR_FILE = re.compile(r"^(weights|optim|edit_factors|cap_factors|cap_ref)-(\d{4,})\.safetensors$")
@@ -122,7 +130,7 @@ class Session:
     @classmethod
     def create(cls, path: str | Path, model: Any = "smollm2", config: SeqConfig | None = None, *,
                dtype: str = "float32", device: str | None = None, cache_root: str | Path | None = None,
-               cache_file: str | Path | None = None, progress: bool | None = None) -> "Session":
+               cache_file: str | Path | None = None, progress: bool | None = None) -> Session:
         """Create a session on base ``model`` (a spec for :func:`load_model` or a ``(model, tokenizer)``
         pair). An existing session is opened instead if it has the same base and configuration, and
         refused otherwise."""
@@ -140,7 +148,8 @@ class Session:
         layers = get_editor(config.edit.method).select_layers(m, config.edit)
         meta = stamped({"format": SESSION_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "name": config.name,
-                "base": {"spec": spec, "fingerprint": fp, "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
+                "base": {"spec": spec, "fingerprint": fp,
+                         "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
                          "model_type": getattr(getattr(m, "config", None), "model_type", type(m).__name__)},
                 "layers": list(layers), "config": config.to_json(), "default_contexts": DEFAULT_CONTEXTS})
         files: dict[str, str] = {}
@@ -153,14 +162,15 @@ class Session:
                 atomic_save_safetensors(tmp / files["cap_factors"], cap.to_tensors(),
                                         {"n_tokens": str(cap.n_tokens), "source": json.dumps(info)})
             atomic_write_json(tmp / SESSION_FILE, meta)
-            atomic_write_json(tmp / STATE_FILE, stamped({"format": SESSION_FORMAT, "round": 0, "files": files, "rounds": []}))
+            atomic_write_json(tmp / STATE_FILE, stamped({"format": SESSION_FORMAT, "round": 0, "files": files,
+                                                         "rounds": []}))
         s = cls(path, meta, model_arg=model, device=device, cache_root=cache_root)
         s._adopt_model(m, tok)
         return s
 
     @classmethod
     def open(cls, path: str | Path, *, config: SeqConfig | None = None, model: Any = None, device: str | None = None,
-             cache_root: str | Path | None = None) -> "Session":
+             cache_root: str | Path | None = None) -> Session:
         """Open an existing session. ``config`` (if given) must equal the stored one; ``model`` (a spec
         or a ``(model, tokenizer)`` pair; default: the stored spec) must have the stored fingerprint."""
         path = Path(path)
@@ -378,12 +388,14 @@ class Session:
         base = self.meta["base"]
         arg = self._model_arg if self._model_arg is not None else base["spec"]
         if arg == "<in-memory>":
-            raise CrispEditError(f"session {self.path} was created on an in-memory model; pass the base model to open it")
+            raise CrispEditError(f"session {self.path} was created on an in-memory model; pass the base model to open "
+                                 "it")
         model, tok = load_model(arg, dtype=None if isinstance(arg, tuple) else base["dtype"], device=self._device)
         fp = weight_fingerprint(model)
         if base["fingerprint"] != fp:
             shown = "the given model" if isinstance(arg, tuple) else repr(str(arg))
-            raise CrispEditError(f"session {self.path} was created on base {base['spec']!r} (fingerprint {base['fingerprint'][:12]}…); "
+            raise CrispEditError(f"session {self.path} was created on base {base['spec']!r} (fingerprint "
+                                 f"{base['fingerprint'][:12]}…); "
                                  f"{shown} has fingerprint {fp[:12]}… — refusing to mix bases")
         self._adopt_model(model, tok)
 
@@ -405,7 +417,8 @@ class Session:
                 raise CrispEditError(f"session weights file lacks parameters {missing} (session damaged)")
             self._state = SeqState(weights=weights, cap=factors("cap_factors"), edits=factors("edit_factors"),
                                    optim=_load_tensors(self.path / files["optim"])[0] if "optim" in files else {},
-                                   cap_ref=_load_tensors(self.path / files["cap_ref"])[0] if "cap_ref" in files else None)
+                                   cap_ref=_load_tensors(self.path / files["cap_ref"])[0] if "cap_ref" in files
+                                   else None)
             self._state_round = st["round"]
         with torch.no_grad():
             for n, w in self._state.weights.items():
@@ -481,44 +494,3 @@ def _diff_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def plot_retention(statuses: Sequence[dict], out: str | Path, labels: Sequence[str] | None = None) -> Path:
-    """The "Evolution of CrispEdit-Seq" figure: for each session, the reliability of each round's edits
-    after every later round; plus one panel of KL drift per round for all sessions. ``out`` is checked
-    before drawing and written atomically (nothing left behind on failure)."""
-    out = check_output_file(out)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = list(labels or [s["name"] for s in statuses])
-    n = len(statuses)
-    fig, axes = plt.subplots(1, n + 1, figsize=(4.2 * (n + 1), 3.6), squeeze=False)
-    for ax, st, label in zip(axes[0], statuses, labels):
-        rounds = st["rounds"]
-        K = len(rounds)
-        cmap = plt.get_cmap("viridis", max(K, 2))
-        for j in range(1, K + 1):
-            xs = [r["round"] for r in rounds if str(j) in r["retention"]]
-            ys = [r["retention"][str(j)]["rel"] for r in rounds if str(j) in r["retention"]]
-            ax.plot(xs, ys, marker="o", color=cmap(j - 1), label=f"round {j} edits")
-        ax.set_title(label)
-        ax.set_xlabel("after round")
-        ax.set_ylabel("reliability (teacher-forced)")
-        ax.set_ylim(-0.03, 1.03)
-        ax.set_xticks(range(1, K + 1) if K else [])
-        ax.grid(alpha=0.3)
-        if K:
-            ax.legend(fontsize=7, loc="lower left")
-    ax = axes[0][n]
-    for st, label in zip(statuses, labels):
-        ax.plot([r["round"] for r in st["rounds"]], [r["kl_drift"] for r in st["rounds"]], marker="o", label=label)
-    K = max((len(st["rounds"]) for st in statuses), default=0)
-    ax.set_xticks(range(1, K + 1) if K else [])
-    ax.set_title("KL drift on held-out text")
-    ax.set_xlabel("after round")
-    ax.set_ylabel("KL(base || edited) per token")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return atomic_write_figure(out, fig, dpi=110)

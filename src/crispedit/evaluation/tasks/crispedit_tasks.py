@@ -6,8 +6,7 @@ functions so the numbers mean what the stock tasks' numbers mean.
 
 import json
 
-from crispedit.evaluation.bench_data import (load_arc, load_gsm8k, load_ifeval, load_mmlu,  # noqa: F401
-                                             load_truthfulqa_mc)
+from crispedit.evaluation.bench_data import load_arc, load_gsm8k, load_ifeval, load_mmlu, load_truthfulqa_mc  # noqa: F401
 
 
 def process_results_mc2(doc, results):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...checks import check_float
 from ...editing.registry import MethodSpec
-from ...errors import check_float
 from ..memit import ClosedFormConfig
 
 __all__ = ["AlphaEditConfig", "METHOD"]
@@ -29,7 +29,7 @@ class AlphaEditConfig(ClosedFormConfig):
             "nullspace_threshold": "eigenvalues of E[k k^T] below this span the preserved null space (default 2e-2)",
             "l2": "ridge weight of the update (default 10, the authors' Llama-3 config)"}
 
-    def validate(self) -> "AlphaEditConfig":
+    def validate(self) -> AlphaEditConfig:
         """The shared checks, a positive threshold and a non-negative ``l2``."""
         super().validate()
         self.nullspace_threshold = check_float("alphaedit nullspace_threshold", self.nullspace_threshold, 0.0,

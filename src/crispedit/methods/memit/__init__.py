@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...checks import check_float, check_int
 from ...editing.registry import MethodConfig, MethodSpec
-from ...errors import check_float, check_int
 
 __all__ = ["ClosedFormConfig", "MEMITConfig", "METHOD"]
 
@@ -39,7 +39,7 @@ class ClosedFormConfig(MethodConfig):
             "kl_factor": "weight of the KL term on '{subject} is a' in the v* optimisation",
             "prefixes": "model-written prefix contexts the keys and v* are averaged over, besides the bare prompt"}
 
-    def validate(self) -> "ClosedFormConfig":
+    def validate(self) -> ClosedFormConfig:
         """Positive batch size and steps, positive learning rate and clamp, non-negative penalties, 0–50 prefixes."""
         self.batch_size = check_int("closed-form batch_size", self.batch_size, 1)
         self.v_steps = check_int("v_steps", self.v_steps, 1, 100_000)
@@ -60,7 +60,7 @@ class MEMITConfig(ClosedFormConfig):
     HELP = {**ClosedFormConfig.HELP,
             "cov_weight": "lambda: weight of the key covariance C in (lambda C + K K^T) (default 15000)"}
 
-    def validate(self) -> "MEMITConfig":
+    def validate(self) -> MEMITConfig:
         """The shared checks and a positive ``cov_weight``."""
         super().validate()
         self.cov_weight = check_float("memit cov_weight", self.cov_weight, 0.0, lo_open=True)

@@ -18,21 +18,31 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ...atomic import atomic_save_safetensors
 from ...data.edits import EditRequest
+from ...editing.checkpoint import CLOSED_FORM_KEY, load_run_file, run_identity
 from ...editing.editor import EditContext
-from ...editing.keyvalue import (KeyValueSettings, block_outputs, context_templates, edit_blocks, hidden_size, layer_keys,
-                                 subject_span, target_values)
+from ...editing.keyvalue import (
+    KeyValueSettings,
+    block_outputs,
+    context_templates,
+    edit_blocks,
+    hidden_size,
+    layer_keys,
+    subject_span,
+    target_values,
+)
 from ...editing.loop import LOG_SECONDS
 from ...editing.single_pass import SinglePassEditor, target_nll
-from ...editing.checkpoint import CLOSED_FORM_KEY, load_run_file, run_identity
-from ...errors import CrispEditError, atomic_save_safetensors, stamped
-from ...models import weight_matrix
+from ...errors import CrispEditError
+from ...layers import weight_matrix
+from ...versions import stamped
 from . import ClosedFormConfig
 
 __all__ = ["ClosedFormEditor", "target_nll"]
@@ -85,7 +95,8 @@ class ClosedFormEditor(SinglePassEditor):
         d_model = hidden_size(model)
         for n, m in layers.items():
             if weight_matrix(m).shape[0] != d_model:
-                raise CrispEditError(f"{self.name}: edit layer {n} writes {weight_matrix(m).shape[0]} features, not the "
+                raise CrispEditError(f"{self.name}: edit layer {n} writes {weight_matrix(m).shape[0]} features, not "
+                                     "the "
                                      f"residual stream's {d_model}; edit the MLP output projections (down_proj)")
         return {"block": block, "C": {n: ctx.factors.A[n] for n in layers}}
 
@@ -191,7 +202,7 @@ class _BatchCheckpoint:
         start.update({f"carried::{k}": t for k, t in ctx.optimizer_state.items()})
         self.identity = None if self.path is None else run_identity(ctx.config.to_json(), requests, start)
 
-    def resume(self, editor: "ClosedFormEditor", state: dict, history) -> int:
+    def resume(self, editor: ClosedFormEditor, state: dict, history) -> int:
         """The number of batches a stored run wrote (0 without one), its weights put into the layers, its carried
         state into ``state``, its counters into ``history`` and :attr:`sums`; one-line errors for another run's or
         a damaged file."""
@@ -227,5 +238,6 @@ class _BatchCheckpoint:
         tensors.update({f"carried::{k}": t.detach().cpu().contiguous() for k, t in carried.items()})
         meta = stamped({"format": self.FORMAT, "identity": self.identity, "batches": batches, "steps": int(steps),
                         "v_first": float(v_first), "v_last": float(v_last),
-                        "seconds": self.earlier + time.perf_counter() - self.t0, "first_batch_tf_rel": self.first_batch_tf})
+                        "seconds": self.earlier + time.perf_counter() - self.t0,
+                        "first_batch_tf_rel": self.first_batch_tf})
         atomic_save_safetensors(self.path, tensors, metadata={self.KEY: json.dumps(meta)})

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...checks import SEED_MAX, check_float, check_int, check_lr
 from ...editing.registry import MethodConfig, MethodSpec
-from ...errors import SEED_MAX, CrispEditError, check_float, check_int, check_lr
+from ...errors import CrispEditError
 
 __all__ = ["MENDConfig", "MENDTrainConfig", "METHOD"]
 
@@ -30,7 +31,7 @@ class MENDConfig(MethodConfig):
             "this model and these layers)",
             "batch_size": "edit requests per forward/backward of the gradient computation (memory only)"}
 
-    def validate(self) -> "MENDConfig":
+    def validate(self) -> MENDConfig:
         """``weights`` a string (a path or empty), ``batch_size`` positive."""
         if self.weights is None:
             self.weights = ""
@@ -68,7 +69,7 @@ class MENDTrainConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> "MENDTrainConfig":
+    def validate(self) -> MENDTrainConfig:
         """Every field in range (one-line :class:`CrispEditError` naming it); returns ``self``."""
         self.steps = check_int("mend steps", self.steps, 1, 10_000_000)  # 0 steps would save an untrained network
         self.batch_size = check_int("mend batch_size", self.batch_size, 1, 100_000)
@@ -92,7 +93,7 @@ class MENDTrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "MENDTrainConfig":
+    def from_json(cls, d: dict) -> MENDTrainConfig:
         """Rebuild from :meth:`to_json` output; unknown keys are a one-line error."""
         from dataclasses import fields
 

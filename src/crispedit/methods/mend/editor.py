@@ -24,10 +24,18 @@ from torch import nn
 from ...editing.editor import EditContext
 from ...editing.single_pass import SinglePassEditor
 from ...errors import CrispEditError
-from ...models import resolve_layers, weight_fingerprint
+from ...layers import resolve_layers
+from ...weights import weight_fingerprint
 from . import MENDConfig
-from .net import (default_layers, default_weights_path, edit_factors, load_network, prompt_digests, read_network_meta,
-                  train_command_hint)
+from .net import (
+    default_layers,
+    default_weights_path,
+    edit_factors,
+    load_network,
+    prompt_digests,
+    read_network_meta,
+    train_command_hint,
+)
 
 __all__ = ["MENDConfig", "MENDEditor", "network_path"]
 

@@ -36,19 +36,22 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from ...atomic import atomic_save_safetensors
 from ...curvature.kfac import head_on_rows
 from ...data.edits import EditRequest
 from ...data.tokenize import encode_pairs
 from ...editing.rows import input_gradient_rows
-from ...errors import (CrispEditError, atomic_save_safetensors, check_written_by, load_safetensors, read_safetensors_header,
-                      stamped)
-from ...models import cache_dir, decoder_blocks, is_linear, weight_matrix
+from ...errors import CrispEditError
+from ...layers import decoder_blocks, is_linear, weight_matrix
+from ...models import cache_dir
+from ...safetensors_io import load_safetensors, read_safetensors_header
+from ...versions import check_written_by, stamped
 from ..ultraedit.editor import RunningNorm
 from . import MENDTrainConfig
 
@@ -302,7 +305,7 @@ def save_network(path: str | Path, net: MENDNetwork, *, model_fingerprint: str, 
     """Write ``net`` to ``path`` as safetensors atomically, with the metadata ``crispedit_mend``: format, model
     fingerprint, layers and shapes (``[d_out, d_in]``), training settings and ``training`` (slice, losses,
     seconds). Refuses non-finite tensors. Returns ``path``."""
-    from ...errors import check_finite_tensors
+    from ...checks import check_finite_tensors
 
     tensors = net.tensors()
     check_finite_tensors({k: v for k, v in tensors.items() if not k.startswith("norm.")}, "MEND training")
@@ -315,7 +318,7 @@ def save_network(path: str | Path, net: MENDNetwork, *, model_fingerprint: str, 
 
 def read_network_meta(path: str | Path) -> dict:
     """The ``crispedit_mend`` metadata of network file ``path``; one-line errors for a missing, damaged or
-    foreign file and for one another crispedit version wrote (:func:`~crispedit.errors.check_written_by`)."""
+    foreign file and for one another crispedit version wrote (:func:`~crispedit.versions.check_written_by`)."""
     meta, _ = read_safetensors_header(path, "MEND network", META_KEY)
     check_written_by(meta, f"MEND network file {path}", "train it again with `crispedit mend train`",
                      format=FORMAT_VERSION)
@@ -332,7 +335,8 @@ def load_network(path: str | Path, layers: dict[str, nn.Module], *, model_finger
     meta = read_network_meta(path)
     if model_fingerprint is not None and meta["model_fingerprint"] != model_fingerprint:
         raise CrispEditError(f"MEND network {path} was trained for another model (fingerprint "
-                             f"{str(meta['model_fingerprint'])[:12]}…, this model is {model_fingerprint[:12]}…; an already edited model, "
+                             f"{str(meta['model_fingerprint'])[:12]}…, this model is {model_fingerprint[:12]}…; an "
+                             "already edited model, "
                              "e.g. a later session round, counts as another); train one for this model with "
                              "`crispedit mend train`")
     if list(meta["layers"]) != list(layers):

@@ -20,8 +20,8 @@ train`` defaults to ZsRE dev records 1000–1999 (the evaluation uses 100–199,
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ from ...curvature.kfac import frozen
 from ...data.edits import EditRequest
 from ...data.tokenize import collate
 from ...errors import CrispEditError
-from ...models import weight_matrix
+from ...layers import weight_matrix
 from . import MENDTrainConfig
 from .net import MENDNetwork, added_deltas, edit_factors, request_nll
 
@@ -56,7 +56,8 @@ class MENDTrainHistory:
         loss, final α, and ``curve``: every step's loss, edit NLL and locality KL (5 significant digits), so a
         saved network keeps its training curve."""
         def ends(xs):
-            """``{"first10", "last10"}``: means of the first / last ten values of ``xs`` (6 decimals); ``{}`` if empty."""
+            """``{"first10", "last10"}``: means of the first / last ten values of ``xs`` (6 decimals); ``{}`` if
+            empty."""
             return {"first10": round(sum(xs[:10]) / max(len(xs[:10]), 1), 6),
                     "last10": round(sum(xs[-10:]) / max(len(xs[-10:]), 1), 6)} if xs else {}
         return {"steps": len(self.loss), "seconds": round(self.seconds, 2), "stopped_early": self.stopped_early,
@@ -89,7 +90,8 @@ def _kl_sum(base_logits: Tensor, logits: Tensor, mask: Tensor) -> tuple[Tensor, 
 
 
 def _step(net: MENDNetwork, model: nn.Module, tokenizer, layers: dict[str, nn.Module],
-          requests: Sequence[EditRequest], passages: Sequence[str], update_stats: bool) -> tuple[Tensor, Tensor, Tensor]:
+          requests: Sequence[EditRequest], passages: Sequence[str],
+          update_stats: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(meta-loss, edit NLL, locality KL)`` of one batch (module docstring), differentiable in ``net``."""
     cfg = net.config
     device = next(model.parameters()).device

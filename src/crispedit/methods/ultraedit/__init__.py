@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...checks import check_float, check_int
 from ...editing.registry import MethodConfig, MethodSpec
-from ...errors import check_float, check_int
 
 __all__ = ["UltraEditConfig", "METHOD"]
 
@@ -24,7 +24,7 @@ class UltraEditConfig(MethodConfig):
             "ridge": "ridge weight of the solve (H^T H + ridge I)^-1 H^T V (default 1)",
             "batch_size": "edits per closed-form solve; the normalisation statistics run across all of them"}
 
-    def validate(self) -> "UltraEditConfig":
+    def validate(self) -> UltraEditConfig:
         """Positive ``lr``, ``ridge`` and ``batch_size``."""
         self.lr = check_float("ultraedit lr", self.lr, 0.0, 1e6, lo_open=True)
         self.ridge = check_float("ultraedit ridge", self.ridge, 0.0, lo_open=True)

@@ -28,7 +28,7 @@ from ...editing.loop import TrainHistory, edit_batches
 from ...editing.rows import input_gradient_rows
 from ...editing.single_pass import SinglePassEditor
 from ...errors import CrispEditError
-from ...models import decoder_blocks, default_layer_pattern, resolve_layers, weight_matrix
+from ...layers import decoder_blocks, default_layer_pattern, resolve_layers, weight_matrix
 from . import UltraEditConfig
 
 __all__ = ["UltraEditConfig", "UltraEditEditor", "RunningNorm", "ultraedit_delta", "pseudo_values"]
@@ -72,7 +72,7 @@ class RunningNorm:
                 f"{prefix}::m2": self.m2.cpu()}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], prefix: str, size: int) -> "RunningNorm":
+    def from_tensors(cls, tensors: dict[str, Tensor], prefix: str, size: int) -> RunningNorm:
         """Rebuild from :meth:`to_tensors` output; a fresh normaliser when ``prefix`` is absent."""
         if f"{prefix}::n" not in tensors:
             return cls(size)
@@ -104,7 +104,7 @@ def default_layers(model) -> str:
     blocks ``round(11N/32) … round(15N/32)`` and ``mlp.up_proj`` of ``round(18N/32) … round(24N/32)`` for
     ``N`` decoder blocks (halves round up; 32 blocks give the authors' 11–15 and 18–24, SmolLM2's 30 give
     10–14 and 17–23). Models whose blocks have no ``mlp.gate_proj`` / ``mlp.up_proj`` get the shared
-    default (:func:`~crispedit.models.default_layer_pattern`)."""
+    default (:func:`~crispedit.layers.default_layer_pattern`)."""
     prefix, blocks = decoder_blocks(model)
     n = len(blocks)
     names = dict(model.named_modules())

@@ -1,0 +1,84 @@
+"""Resuming a compare: the rows of an existing ``DIR/compare.json`` are kept when this crispedit version wrote it
+under the same settings and each row asked for again ran with the same configuration (the same files, the same
+round size); anything else is a one-line :class:`~crispedit.errors.CrispEditError` that says what differs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..editing import SeqConfig
+from ..editing.registry import seq_row
+from ..errors import CrispEditError
+from ..paths import read_text_file
+from ..versions import check_written_by
+from .compare_outputs import COMPARE_FORMAT
+
+__all__ = ["resume_payload"]
+
+
+def _run_identity(config: dict, inputs: dict[str, str] | None) -> dict:
+    """What makes a stored row the same run as a requested one: ``config`` (an ``EditConfig`` or ``SeqConfig``
+    JSON) with each method option in ``inputs`` (option -> SHA-256 of the file it named, as a row stores it)
+    replaced by that digest, so a network moved or copied elsewhere is the same run and a retrained one at
+    the same path is not. Without ``inputs`` (a method that reads no file): ``config`` as is."""
+    if not inputs or not isinstance(inputs, dict):
+        return config
+    edit_json = config.get("edit") if isinstance(config.get("edit"), dict) else config
+    options = edit_json.get("options")
+    if not isinstance(options, dict):
+        return config
+    keyed = {**options, **{opt: f"sha256:{digest}" for opt, digest in inputs.items()}}
+    if edit_json is config:
+        return {**config, "options": keyed}
+    return {**config, "edit": {**edit_json, "options": keyed}}
+
+
+def resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: dict, inputs: dict, chunk: int) -> None:
+    """Take the rows of an existing compare file at ``path`` into ``payload`` (its ``results`` and ``methods``), after
+    checking that this crispedit version wrote it (:func:`~crispedit.versions.check_written_by`), under the same
+    settings, and that every row asked for again ran with the same configuration (the same files, the same round
+    size); one-line errors otherwise. Nothing when there is none."""
+    if not path.is_file():
+        return
+    try:
+        old = json.loads(read_text_file(path, "compare file"))
+    except json.JSONDecodeError:
+        raise CrispEditError(f"{path} is corrupt; remove it or use another --out") from None
+    if not isinstance(old, dict) or not isinstance(old.get("settings", {}), dict) \
+            or not isinstance(old.get("results", {}), dict) or not isinstance(old.get("methods", []), list):
+        raise CrispEditError(f"{path} is not a crispedit compare file; remove it or use another --out")
+    check_written_by(old, path, "rerun it with another --out", format=COMPARE_FORMAT)
+    settings, was = payload["settings"], old.get("settings", {})
+    diff = [k for k in settings if was.get(k) != settings[k]]
+    if diff:
+        raise CrispEditError(f"{path} was written with other settings ({', '.join(diff)}); "
+                             "use another --out to compare under new settings")
+    payload["results"] = old.get("results", {})
+    for m in methods:
+        row, seq = payload["results"].get(m, {}), seq_row(m)[1]
+        stored = row.get("config")
+        if stored is None:  # not run yet (or the base row)
+            continue
+        stored_id = SeqConfig.from_dict(stored).identity() if seq else stored
+        same = (_run_identity(stored_id, row.get("inputs"))
+                == _run_identity(configs[m].identity() if seq else configs[m].to_json(), inputs[m]))
+        if not same or (seq and row.get("seq_chunk") != chunk):
+            other_chunk = seq and row.get("seq_chunk") != chunk
+            was = row.get("inputs") if isinstance(row.get("inputs"), dict) else {}
+            other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
+            w = (seq and configs[m].uses_weighting and isinstance(stored, dict)
+                 and stored.get("weighting") != configs[m].weighting and stored.get("weighting"))
+            g_now = configs[m].identity().get("edit_gamma") if seq else None  # None where the rounds merge no factors
+            g = not w and g_now is not None and stored_id.get("edit_gamma")
+            g = g if g != g_now else None
+            what = (f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else
+                    f" (factor weighting {w}, now {configs[m].weighting}: --seq-weighting {w} resumes it)"
+                    if w else
+                    f" (edit-factor gamma {g}, now {g_now}: --seq-edit-gamma {g} resumes it)" if g else
+                    f" (another {other_file[0]} file: sha256 {str(was[other_file[0]])[:12]}…, now "
+                    f"{inputs[m][other_file[0]][:12]}…)" if other_file else "")
+            raise CrispEditError(f"{path} holds {m} run with another configuration{what}; use another --out")
+    payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))

@@ -1,0 +1,61 @@
+"""Which crispedit wrote a stored file: every file crispedit reads back records the version that wrote it
+(:data:`VERSION_KEY`, :func:`stamped`), and a file of another version is refused in one line
+(:func:`check_written_by`, a :class:`~crispedit.errors.VersionError`), never converted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import VersionError
+
+#: The key under which every file crispedit reads back (edit report, compare.json, checkpoints, sessions, cache
+#: entries, deltas, MEND networks, eval results) records the crispedit version that wrote it.
+VERSION_KEY = "crispedit_version"
+
+
+def crispedit_version() -> str:
+    """This crispedit's version (``crispedit.__version__``)."""
+    from . import __version__
+
+    return __version__
+
+
+def stamped(record: dict) -> dict:
+    """``record`` with this crispedit's version under :data:`VERSION_KEY` (first): what a writer stores, so that
+    :func:`check_written_by` can tell the file is this version's."""
+    return {VERSION_KEY: crispedit_version(), **{k: v for k, v in record.items() if k != VERSION_KEY}}
+
+
+def check_written_by(record: Any, where: str | os.PathLike, then: str = "rerun it", **formats: Any) -> dict:
+    """``record`` (a stored file's JSON, or its crispedit metadata) when this crispedit version wrote it — its
+    :data:`VERSION_KEY` is ``crispedit.__version__`` and each key of ``formats`` holds the given value (a format
+    number) — else a one-line :class:`VersionError` naming the version that wrote ``where``, e.g. ``runs/x/compare.json
+    was written by crispedit 0.0.9; this is crispedit 0.1.0 — rerun it`` (``then``: what to do instead).
+    crispedit is 0.x: files of other versions are refused, never converted."""
+    now = crispedit_version()
+    written = record.get(VERSION_KEY) if isinstance(record, dict) else None
+    if written == now:
+        other = next(((k, record.get(k), v) for k, v in formats.items() if record.get(k) != v), None)
+        if other is None:
+            return record
+        raise VersionError(f"{where} was written by crispedit {now} with {other[0]} {other[1]!r}; this crispedit "
+                           f"writes {other[0]} {other[2]!r} — {then}")
+    who = f"crispedit {written}" if isinstance(written, str) and written else "a crispedit that recorded no version"
+    raise VersionError(f"{where} was written by {who}; this is crispedit {now} — {then}")
+
+
+def read_record(path: str | os.PathLike, then: str = "rerun it") -> dict:
+    """The JSON object crispedit wrote at ``path`` beside its output (a model folder's ``edit_report.json``,
+    ``crispedit_delta.json``, ``crispedit_session.json``), checked by :func:`check_written_by` (``then``: what its
+    one-line :class:`VersionError` advises); ``{}`` when there is no such file or it is not a JSON object."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # UnicodeDecodeError, JSONDecodeError
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return check_written_by(record, path, then)

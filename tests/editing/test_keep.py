@@ -1,0 +1,145 @@
+"""The preservation term (editing/keep.py): the unedited model's own answers held while an edit trains."""
+
+import copy
+
+import pytest
+import torch
+
+from crispedit.data import EditRequest
+from crispedit.editing import EditConfig, edit, restore
+from crispedit.editing import keep as keep_mod
+from crispedit.editing.contexts import training_batches
+from crispedit.editing.fastpath import make_loss_fn, plain_loss
+from crispedit.editing.keep import KEEP_SUBJECTS, SUBJECT_KEEPS, KeepLoss, keep_prompts, keep_sequences
+from crispedit.errors import CrispEditError
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}", subject=f"book number {i}",
+                    ground_truth=f"Writer {chr(70 + i)}") for i in range(5)]
+LAYERS = "model.layers.{1-2}.mlp.down_proj"
+
+
+@pytest.fixture()
+def chat_lm(tiny_tok):
+    from conftest import build_llama
+    from crispedit.models import load_model
+
+    tok = copy.deepcopy(tiny_tok)
+    tok.chat_template = CHAT
+    return load_model((build_llama(len(tok)), tok))
+
+
+def _params(model):
+    names = [f"model.layers.{i}.mlp.down_proj" for i in (1, 2)]
+    mods = dict(model.named_modules())
+    return {n: mods[n].weight for n in names}
+
+
+def test_keep_prompts_chat_then_subjects_spread_and_capped():
+    reqs = [EditRequest(f"q{i}?", "t", subject=f"s{i}" if i % 3 else None) for i in range(600)]
+    out = keep_prompts(reqs, 4, 2)
+    assert [i for i, _ in out[:4]] == [-1] * 4
+    subj = out[4:]
+    chosen = sorted({i for i, _ in subj})
+    assert len(chosen) == KEEP_SUBJECTS and len(subj) == 2 * KEEP_SUBJECTS
+    assert all(reqs[i].subject for i in chosen) and chosen[-1] > 500  # spread over the whole edit set
+    assert subj[0][1] == SUBJECT_KEEPS[0].replace("{subject}", reqs[chosen[0]].subject)
+    assert keep_prompts(reqs[:3], 0, 0) == []
+
+
+def test_keep_sequences_leave_out_answers_naming_the_edit(chat_lm, monkeypatch):
+    model, tok = chat_lm
+
+    def fake(model, tokenizer, prompts, **kw):
+        """Subject answers of edit 0 name its new target, of edit 1 its old answer; the rest say something else."""
+        return ["Author A is here." if "book number 0" in p else "Writer G wrote it." if "book number 1" in p
+                else "Something else entirely." for p in prompts]
+
+    monkeypatch.setattr("crispedit.evaluation.generation.generate_answers", fake)
+    seqs = keep_sequences(model, tok, REQS, 2, 1)
+    assert [s.request for s in seqs] == [0, 0, 2, 3, 4]  # two chat prompts (request 0 by convention), edits 2-4
+    for s in seqs:
+        assert s.context == "keep" and 0 < s.n_context < len(s.ids)
+        assert tok.decode(s.ids[s.n_context:]).strip().endswith("else entirely.")
+
+
+def test_per_token_loss_fast_equals_plain_and_averages_to_the_mean(chat_lm):
+    model, tok = chat_lm
+    seqs = keep_sequences(model, tok, REQS, 3, 2)
+    batches = training_batches(tok, seqs, 4)
+    fast = make_loss_fn(model, _params(model), batches, per_token=True)
+    assert fast.fast
+    with torch.no_grad():
+        for j, b in enumerate(batches):
+            per = fast(j)
+            assert per.shape == (int((b.labels[:, 1:] != -100).sum()),)
+            torch.testing.assert_close(per, plain_loss(model, b, per_token=True), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(per.mean(), plain_loss(model, b), rtol=1e-4, atol=1e-5)
+
+
+def test_keep_term_is_zero_at_the_start_and_pulls_back_what_moved(chat_lm):
+    model, tok = chat_lm
+    params = _params(model)
+    for p in params.values():
+        p.requires_grad_(True)
+    term = KeepLoss(model, tok, keep_sequences(model, tok, REQS, 4, 2), params, 2.0)
+    assert len(term) >= 1 and term.tokens() > 0
+    t0 = term(0)
+    assert t0.item() == 0.0
+    t0.backward()
+    assert all(p.grad is None or not p.grad.any() for p in params.values())  # nothing moved: no pull
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(torch.randn_like(p) * 0.5)
+    moved = [term(j) for j in range(len(term))]
+    assert max(m.item() for m in moved) > 0
+    loss = sum(moved)
+    for p in params.values():
+        p.grad = None
+    loss.backward()
+    with torch.no_grad():  # a small step against the gradient lowers the term
+        for p in params.values():
+            p.sub_(1e-3 * p.grad)
+        assert sum(term(j).item() for j in range(len(term))) < loss.item()
+
+
+def test_edit_with_keep_changes_the_kept_answers_less(chat_lm, iso_cache):
+    model, tok = chat_lm
+    base = dict(method="crispedit", layers=LAYERS, epochs=15, lr=1e-2, batch_size=8, n_cap=6, max_len=48, gamma=0.8,
+                contexts="bare,chat", plateau_epochs=0)
+    kept = keep_sequences(model, tok, REQS, 8, 2)
+    probe = KeepLoss(model, tok, kept, _params(model), 1.0)
+
+    def drift():
+        with torch.no_grad():
+            return sum(probe(j).item() for j in range(len(probe)))
+
+    res = edit(model, tok, REQS, EditConfig(**base), progress=False)
+    without = drift()
+    restore(model, res.original_weights)
+    res = edit(model, tok, REQS, EditConfig(**base, keep_chat=8, keep_subject=2, keep_weight=5.0), progress=False)
+    with_keep = drift()
+    info = res.history.to_json()["keep"]
+    restore(model, res.original_weights)
+    assert info["transcripts"] == len(kept) and len(info["epoch_term"]) == len(res.history.epoch_loss)
+    assert with_keep < 0.7 * without, (with_keep, without)
+    assert res.history.epoch_loss[-1] < 0.75 * res.history.epoch_loss[0]  # the edit still trains
+
+
+@pytest.mark.parametrize("kw,msg", [({"keep_chat": -1}, "keep-chat"), ({"keep_chat": 10_000}, "keep-chat"),
+                                    ({"keep_subject": len(SUBJECT_KEEPS) + 1}, "keep-subject"),
+                                    ({"keep_weight": 0}, "keep weight"),
+                                    ({"keep_weight": float("nan")}, "keep weight")])
+def test_keep_settings_are_checked(kw, msg):
+    with pytest.raises(CrispEditError, match=msg):
+        EditConfig(**kw)
+
+
+def test_keep_module_top_is_torch_free():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(keep_mod))
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not any("torch" in ast.unparse(n) for n in top)
