@@ -10,7 +10,8 @@ Joins a gloo process group, loads the tiny model in float64 and splits its decod
   :data:`dist_kfac_worker.CASES`, written to ``OUT_DIR/rank{r}_{case}.safetensors``.
 * ``edit`` — split for an edit (:func:`crispedit.editing.shard_for_edit`, the edited weights whole) and edited
   with :func:`edit_config`, resuming from ``OUT_DIR/ckpt.safetensors`` when it holds this run; the edited weights
-  go to ``OUT_DIR/rank{r}_edit.safetensors`` and the training history to ``OUT_DIR/rank{r}_edit.json``.
+  go to ``OUT_DIR/rank{r}_edit.safetensors``, the training history and the bytes of the weights the process
+  stores (its slices and the whole parameters) to ``OUT_DIR/rank{r}_edit.json``.
 * ``kill`` — as ``edit``, but every process exits (status 3) right after the checkpoint of epoch
   :data:`KILL_AFTER` is written: a run killed there.
 """
@@ -57,6 +58,9 @@ def _edit(model, tok, edits_json: str, out: str, kill: bool) -> None:
         LoopCheckpoint.save_if_due = save_then_die
     config = edit_config()
     fingerprint = shard_for_edit(model, config)
+    from torch.distributed.tensor import DTensor
+
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).untyped_storage().nbytes() for p in model.parameters())
     res = edit(model, tok, load_edits(edits_json), config, cache_root=os.path.join(out, "cache"), progress=False,
                checkpoint=os.path.join(out, "ckpt.safetensors"), fingerprint=fingerprint)
     r = rank()
@@ -67,7 +71,7 @@ def _edit(model, tok, edits_json: str, out: str, kill: bool) -> None:
     save_file({n: parameter(model, n).detach().contiguous() for n in res.original_weights},
               os.path.join(out, f"rank{r}_edit.safetensors"))
     with open(os.path.join(out, f"rank{r}_edit.json"), "w") as fh:
-        json.dump(res.history.to_json(), fh)
+        json.dump({**res.history.to_json(), "held_weight_bytes": held}, fh)
 
 
 def main() -> None:

@@ -114,10 +114,23 @@ def test_split_model_collects_the_one_process_factors_float64(tiny_model_dir, tm
                 assert float((got[k] - t).abs().max() / t.abs().max()) <= 1e-12, (case, r, k)
 
 
-def test_split_edit_takes_the_one_process_steps_and_skips(tiny_model_dir, tmp_path, one_process_edit):
+def test_split_edit_takes_the_one_process_steps_and_stores_what_the_calculator_counts(tiny_model_dir, tmp_path, one_process_edit):
+    """A split edit takes the one-process steps and skips to its weights (:func:`assert_same_edit`), and the
+    calculator of ``benchmarks/shard_memory.py`` (a meta-device model of the tiny config) gives the bytes of
+    weights each of the 2 processes of the split edit stored (measured on the live parameters by the worker), and
+    less than the whole model's."""
+    from conftest import load_script
+    from transformers import AutoConfig
+
     (tmp_path / "edits.json").write_text(json.dumps(RECORDS))
     torchrun([TESTS / "dist_shard_worker.py", "edit", tiny_model_dir, tmp_path / "edits.json", tmp_path], tmp_path)
     assert_same_edit(tmp_path, one_process_edit)
+    calc = load_script("benchmarks/shard_memory.py")
+    meta = calc.meta_model(AutoConfig.from_pretrained(tiny_model_dir), torch.float64)
+    two, one = calc.predict(meta, LAYERS, 2), calc.predict(meta, LAYERS, 1)
+    for r in (0, 1):
+        held = json.loads((tmp_path / f"rank{r}_edit.json").read_text())["held_weight_bytes"]
+        assert held == two["blocks"] + two["whole"] < one["blocks"] + one["whole"]
 
 
 def test_a_killed_split_edit_resumes_from_its_checkpoint(tiny_model_dir, tmp_path, one_process_edit):
