@@ -22,8 +22,9 @@ and the sequence length), the eigendecomposition's temporaries and the framework
 
 ``measure`` runs a real edit of a random-weight llama (the small one by default; K-FAC collected, a few epochs;
 split with ``--shard``) and records, per process, the weights it holds (exact, from the live parameters), the peak
-of tensor memory during the edit (on the CPU from the torch profiler's memory timeline, on CUDA the allocator's
-peak) and the calculator's figures for the same model, layers and N. Every process builds the whole random model
+during the edit (on CUDA the allocator's peak of tensor memory; on the CPU the process's peak resident memory from
+the edit's start, with the interpreter and libraries, whose share is recorded before the model is built) and the
+calculator's figures for the same model, layers and N. Every process builds the whole random model
 on the host first (host memory: the model's bytes per process).
 """
 
@@ -46,7 +47,7 @@ from crispedit.models import decoder_blocks, default_layer_pattern, resolve_laye
 
 # Architectures (config.json of the real checkpoints) and the small model measured here
 SHAPES = {
-    "small": dict(hidden=256, inter=768, heads=8, kv_heads=4, vocab=512, blocks=8),
+    "small": dict(hidden=512, inter=1536, heads=8, kv_heads=4, vocab=512, blocks=8),
     "llama3-8b": dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256, blocks=32),
     "llama3-70b": dict(hidden=8192, inter=28672, heads=64, kv_heads=8, vocab=128256, blocks=80),
 }
@@ -113,21 +114,24 @@ def held_weight_bytes(model) -> int:
     return sum((p.to_local() if isinstance(p, DTensor) else p).untyped_storage().nbytes() for p in model.parameters())
 
 
-def _timeline_peak(prof) -> int:
-    """Peak bytes of CPU tensor memory over a profiled region (the profiler's memory timeline: tensors alive at its
-    start plus every allocation, less every free)."""
-    from torch.profiler._memory_profiler import Action, MemoryProfile
+def _status_kib(field: str) -> int | None:
+    """A ``VmRSS`` / ``VmHWM`` line of ``/proc/self/status`` in bytes (``None`` where there is no such file)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
-    cur = peak = 0
-    for _, action, (key, _), size in MemoryProfile(prof.profiler.kineto_results).timeline:
-        if key.device.type != "cpu":
-            continue
-        if action in (Action.PREEXISTING, Action.CREATE):
-            cur += size
-        elif action == Action.DESTROY:
-            cur -= size
-        peak = max(peak, cur)
-    return peak
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak resident memory (``VmHWM``) to its current one (Linux: ``clear_refs`` 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def random_model(shape: str, blocks: int | None, dtype: torch.dtype):
@@ -148,15 +152,16 @@ def measure(shard: bool, layers: str, n_cap: int, epochs: int, shape: str = "sma
             dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict:
     """Edit a random-weight llama of ``shape`` (5 made-up facts, K-FAC on ``n_cap`` texts, ``epochs`` epochs) in this
     process — split across the torchrun group with ``shard`` — and return this process's figures: the weights it
-    stores, the peak of tensor memory during the edit (CPU: the profiler's memory timeline; CUDA: the allocator's
-    peak) and the calculator's figures for the same model, layers and N."""
-    from torch.profiler import ProfilerActivity, profile
-
+    stores (``held_weights``), the peak during the edit (``peak_bytes``; CUDA: the allocator's peak of tensor
+    memory; CPU: the process's peak resident memory, interpreter and libraries included, counted from the edit's
+    start), the resident memory before the model was built (``rss_base``) and before the edit (``rss_before_edit``),
+    and the calculator's figures for the same model, layers and N."""
     from crispedit.data.edits import EditRequest
     from crispedit.distributed import world_size
     from crispedit.editing import EditConfig, edit, shard_for_edit
     from crispedit.models import load_model, weight_fingerprint
 
+    base_rss = _status_kib("VmRSS")  # the interpreter and libraries, before any model
     model, tok = load_model(random_model(shape, blocks, dtype))
     config = EditConfig(layers=layers, n_cap=n_cap, max_len=64, epochs=epochs, batch_size=8, contexts="bare")
     if shard:
@@ -169,17 +174,15 @@ def measure(shard: bool, layers: str, n_cap: int, epochs: int, shape: str = "sma
     cache = os.environ.get("TMPDIR", "/tmp") + f"/shard_memory_cache_{os.getpid()}"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-        edit(model, tok, requests, config, progress=False, fingerprint=fp, cache_root=cache)
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            edit(model, tok, requests, config, progress=False, fingerprint=fp, cache_root=cache)
-        peak = _timeline_peak(prof)
+    before = _status_kib("VmRSS")
+    reset = _reset_peak_rss()  # the peak of the edit, not of building the whole model before the split
+    edit(model, tok, requests, config, progress=False, fingerprint=fp, cache_root=cache)
+    peak = torch.cuda.max_memory_allocated() if cuda else (_status_kib("VmHWM") if reset else None)
     meta_config = llama_config(shape)
     meta_config.num_hidden_layers = blocks or meta_config.num_hidden_layers
     n = world_size() if shard else 1
-    return {"held_weights": held_weight_bytes(model), "peak_tensor_bytes": peak,
-            "predicted": predict(meta_model(meta_config, dtype), layers, n), "nproc_split": n}
+    return {"held_weights": held_weight_bytes(model), "peak_bytes": peak, "rss_before_edit": before,
+            "rss_base": base_rss, "predicted": predict(meta_model(meta_config, dtype), layers, n), "nproc_split": n}
 
 
 def _git_commit() -> str:
@@ -239,7 +242,7 @@ def main(argv=None) -> int:
     m.add_argument("--shape", choices=sorted(SHAPES), default="small")
     m.add_argument("--blocks", type=int, default=None, help="decoder blocks (default: the shape's)")
     m.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    m.add_argument("--device", default="cpu", help="cpu (gloo; peak from the profiler) or cuda (NCCL; the "
+    m.add_argument("--device", default="cpu", help="cpu (gloo; the peak resident memory) or cuda (NCCL; the "
                    "allocator's peak, one GPU a process)")
     m.add_argument("--layers", default="model.layers.{3-4}.mlp.down_proj")
     m.add_argument("--n-cap", type=int, default=16)
@@ -269,7 +272,8 @@ def main(argv=None) -> int:
         res = cmd_measure(args)
         for i, row in enumerate(res.get("processes", [])):
             print(f"rank {i}: held weights {row['held_weights']} B (predicted {row['predicted']['blocks'] + row['predicted']['whole']}), "
-                  f"peak tensors {row['peak_tensor_bytes']} B (predicted without activations {row['predicted']['total']})")
+                  f"peak {row['peak_bytes']} B (base {row['rss_base']} B + predicted without activations "
+                  f"{row['predicted']['total']} B)")
     if res and args.json:
         res["command"] = "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])])
         res["commit"] = _git_commit()
