@@ -2,8 +2,9 @@
 
 * Library, float64, 2 processes (``tests/dist_shard_worker.py``): K-FAC factors collected on the split model (every
   block split, the hooked layers too; uneven batch shards and an idle process) equal the one-process factors; a
-  split edit takes the one-process steps and skips and ends at its weights; a split edit killed after its second
-  epoch resumes from its checkpoint and ends where the uninterrupted one-process edit does.
+  split edit takes the one-process steps and skips and ends at its weights, each process storing the weights
+  ``benchmarks/shard_memory.py``'s calculator counts; a split edit killed after its second epoch resumes from its
+  checkpoint and ends where the uninterrupted one-process edit does.
 * Command line, float32: ``torchrun --nproc-per-node 3 -m crispedit edit --shard`` (3 processes: no weight's rows
   and no batch divide evenly) writes the files a one-process edit writes, with its weights, reusing the factors
   the one-process edit cached; ``cache build --shard`` writes the factors a one-process build reuses.
