@@ -7,7 +7,8 @@
 Each directory under ``results/`` is one measured experiment: ``run.json`` (the command, the commit that stored
 it, the machine) and its data (``compare.json``, bench JSON, CSV, the demo's printed output). Everything else —
 ``compare.md``, ``*.png``, the scaling tables, ``results/README.md`` and the README blocks between
-``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` — is written by this script and never by hand.
+``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` (and those of ``docs/sharding.md``) — is written by this
+script and never by hand.
 ``--check`` (run by ``tests/experiments/test_results.py``) needs neither torch nor matplotlib.
 """
 
@@ -27,6 +28,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 README = ROOT / "README.md"
 SUMMARY = HERE / "README.md"
+SHARDING = ROOT / "docs" / "sharding.md"
+SHARD_MEMORY = HERE / "shard_memory"
 DEMO = HERE / "demo"
 COMPARES = ("compare_zsre_dev100", "compare_counterfact_dev100", "compare_zsre_dev1000", "compare_counterfact_dev1000")
 SCALING = {"scaling_zsre": ("wild_zsre_dev100_32.json", "../compare_zsre_dev100", "../compare_zsre_dev1000"),
@@ -363,6 +366,47 @@ def chat_style_table(d: Path = CHAT_STYLE) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------------------- sharded memory
+GPU_GIB = (24, 40, 80, 141)  # the device memories the table marks as fitting
+
+
+def shard_table() -> str:
+    """From ``shard_memory/table.json``: what one process holds (GiB, activations aside) for the Llama-3 shapes
+    per N, and the smallest of :data:`GPU_GIB` it fits, for the docs' sharding page."""
+    t = _load(SHARD_MEMORY / "table.json")
+    ns = list(next(iter(t[s]["per_process"] for s in ("llama3-8b", "llama3-70b"))))
+    lines = ["| shape, edited layers | " + " | ".join(f"N = {n}" for n in ns) + " |",
+             "|---|" + "---|" * len(ns)]
+    for shape, name in (("llama3-8b", "Llama-3-8B"), ("llama3-70b", "Llama-3-70B")):
+        cells = []
+        for n in ns:
+            gib = t[shape]["per_process"][n]["total"] / 2**30
+            fit = next((f"{g} GB" for g in GPU_GIB if gib < g), "none")
+            cells.append(f"{gib:.1f} GiB ({fit})")
+        lines.append(f"| {name}, `{t[shape]['layers']}` | " + " | ".join(cells) + " |")
+    return ("\n".join(lines) + f"\n\nPer process, {t['dtype']} weights, activations not counted; in brackets the "
+            "smallest of 24, 40, 80 and 141 GB devices it fits before activations. From "
+            "[`table.json`](../results/shard_memory/table.json).\n")
+
+
+def shard_measured() -> str:
+    """From ``shard_memory/measure_*.json``: per run, the weights a process stores and its peak resident memory during
+    the edit above the process's own (interpreter and libraries, before the model), against the calculator (MiB)."""
+    runs = (("measure_2proc.json", "2 processes, not split"), ("measure_2proc_shard.json", "2 processes, `--shard`"))
+    lines = ["| run | weights stored | calculator | peak during the edit, above the bare process | calculator total |",
+             "|---|---|---|---|---|"]
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    for f, what in runs:
+        r = _load(SHARD_MEMORY / f)
+        p = max(r["processes"], key=lambda x: x["peak_bytes"] - x["rss_base"])
+        pred = p["predicted"]
+        lines.append(f"| {what} ([json](../results/shard_memory/{f})) | {mib(p['held_weights'])} | "
+                     f"{mib(pred['blocks'] + pred['whole'])} | {mib(p['peak_bytes'] - p['rss_base'])} | "
+                     f"{mib(pred['total'])} |")
+    return ("\n".join(lines) + "\n\nThe process with the higher peak of each run; the bare process is its resident "
+            "memory before the model was built.\n")
+
+
 # ---------------------------------------------------------------------------------------------- summary page
 def _run_line(d: Path) -> str:
     r = _load(d / "run.json") if (d / "run.json").is_file() else {}
@@ -452,6 +496,14 @@ against the number of edits (32, 100, 1 000), per method, drawn from the compare
 float32. {_run_line(HERE / 'eigh')}
 
 {eigh_tables()}
+## Memory of a split edit
+
+[`shard_memory/`](shard_memory/run.json): what one process holds in an edit with the model's decoder blocks split
+across the processes (`--shard`): `benchmarks/shard_memory.py`'s calculator for the Llama-3 shapes, and a small
+random-weight llama measured against it. {_run_line(SHARD_MEMORY)}
+
+{shard_table()}
+{shard_measured()}
 ## Chat style and subject bleed: the tuning slice
 
 [`chat_style_zsre_dev400_32/`](chat_style_zsre_dev400_32/run.json): 32 ZsRE dev edits (400–431, the slice the
@@ -495,7 +547,7 @@ def fill_blocks(text: str, blocks: dict[str, str]) -> str:
     for name, body in blocks.items():
         pat = re.compile(rf"(<!-- results:{name} -->\n).*?(<!-- /results:{name} -->)", re.S)
         if not pat.search(text):
-            raise SystemExit(f"README.md has no <!-- results:{name} --> block")
+            raise SystemExit(f"no <!-- results:{name} --> block where it is written")
         text = pat.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
     return text
 
@@ -535,13 +587,16 @@ def figures() -> None:
 def main(argv=None) -> int:
     """Regenerate, or with ``--check`` compare, the derived files."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="compare results/README.md and the README's blocks with "
+    ap.add_argument("--check", action="store_true", help="compare results/README.md and the README's (and "
+                    "docs/sharding.md's) blocks with "
                     "what the data gives; write nothing")
     ap.add_argument("--demo", action="store_true", help="rerun the demo command and store its output first")
     args = ap.parse_args(argv)
     if args.demo:
         run_demo()
-    want = {SUMMARY: summary_page(), README: fill_blocks(README.read_text(), readme_blocks())}
+    want = {SUMMARY: summary_page(), README: fill_blocks(README.read_text(), readme_blocks()),
+            SHARDING: fill_blocks(SHARDING.read_text(), {"shard-table": shard_table(),
+                                                           "shard-measured": shard_measured()})}
     if args.check:
         stale = [p.relative_to(ROOT) for p, text in want.items() if not p.is_file() or p.read_text() != text]
         for p in stale:

@@ -8,6 +8,12 @@ torchrun. The transport is torch's own: gloo for CPU tensors, NCCL for CUDA tens
 shards the capability corpus across the processes (see :func:`crispedit.curvature.kfac.collect_lm_kfac`);
 only rank 0 writes files and prints.
 
+With ``--shard`` the processes also split the model: :func:`shard_model` puts every decoder block under FSDP2
+(``torch.distributed.fsdp.fully_shard``: each process stores a 1/N slice of a block's weights and all-gathers the
+block for its forward and backward), keeping the edited weights, the embeddings, the final norm and the LM head
+whole on every process. :func:`is_sharded` tells a model so split; :func:`full_state_dict` gathers its weights
+for saving.
+
 The module top imports neither torch nor transformers (the command line reads
 :func:`launched_world_size` before any argument check); torch is imported by the helpers that need it.
 """
@@ -16,14 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch import Tensor
+    from torch import Tensor, nn
 
 __all__ = ["is_distributed", "rank", "world_size", "is_main", "launched_world_size", "all_reduce_sum_",
-           "all_agree", "barrier", "process_group_from_env"]
+           "all_agree", "barrier", "broadcast_", "process_group_from_env", "is_sharded", "shard_model",
+           "full_state_dict"]
 
 
 def _dist():
@@ -95,6 +102,14 @@ def all_agree(flag: bool) -> bool:
     return bool(int(t.item()))
 
 
+def broadcast_(t: "Tensor", src: int = 0) -> "Tensor":
+    """Overwrite ``t`` on every process with process ``src``'s value, in place (nothing in a single process);
+    returns ``t``. Every process must call it with a tensor of the same shape and dtype."""
+    if is_distributed():
+        _dist().broadcast(t, src=src)
+    return t
+
+
 def barrier() -> None:
     """Wait until every process gets here (nothing in a single process)."""
     if is_distributed():
@@ -135,3 +150,69 @@ def process_group_from_env(device: str | None) -> Iterator[str | None]:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def is_sharded(model: "nn.Module") -> bool:
+    """Whether some submodule of ``model`` is split across the processes by FSDP2 (:func:`shard_model`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _move_unmanaged_(model: "nn.Module", blocks, keep_ids: set[int], device) -> None:
+    """Move to ``device``, in place (the same parameter objects), every parameter and buffer FSDP will not manage:
+    those outside ``blocks`` and the kept parameters (``keep_ids``: their ``id``) inside them."""
+    import torch
+
+    device = torch.device(device)
+    inside = {id(t) for b in blocks for t in (*b.parameters(), *b.buffers())}
+    for p in model.parameters():
+        if (id(p) not in inside or id(p) in keep_ids) and p.device != device:
+            p.data = p.data.to(device)
+    for mod in model.modules():
+        for k, b in list(mod._buffers.items()):
+            if b is not None and b.device != device:
+                mod._buffers[k] = b.to(device)
+
+
+def shard_model(model: "nn.Module", keep: "Iterable[nn.Parameter]", device: str | None = None) -> int:
+    """Split ``model``'s decoder blocks across the processes of the default group with FSDP2, in place: each
+    block becomes one ``fully_shard`` unit whose parameters are stored as dim-0 slices (padded where the size
+    does not divide by the number of processes) and all-gathered for its forward and backward, one block at
+    a time. The parameters of ``keep`` (the edited weights) stay whole and plain on every process, as do the
+    embeddings, final norm and LM head; so their gradients are local and summed with :func:`all_reduce_sum_`,
+    and their projection is the one-process one. Everything moves to ``device`` (default: the CPU; under
+    NCCL, a CUDA device). Returns the number of blocks sharded. Every process must call it alike."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from .layers import decoder_blocks
+
+    _, blocks = decoder_blocks(model)
+    keep_ids = {id(p) for p in keep}
+    device = torch.device(device or "cpu")
+    _move_unmanaged_(model, blocks, keep_ids, device)
+    mesh = None
+    if device.type == "cuda":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda", (world_size(),))
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True,
+                    ignored_params={p for p in block.parameters() if id(p) in keep_ids})
+    return len(blocks)
+
+
+def full_state_dict(model: "nn.Module") -> dict[str, "Tensor"]:
+    """The whole weights of a (possibly :func:`shard_model`-split) ``model``: name -> CPU tensor on process 0,
+    an empty dict on the others. A split parameter is all-gathered one at a time (every process must call
+    it), so no process holds more than one whole block weight on its device beyond what it held before."""
+    from torch.distributed.tensor import DTensor
+
+    main = is_main()
+    out = {}
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if main:
+            out[name] = full.detach().cpu()
+    return out

@@ -333,18 +333,19 @@ def _translate_load_errors(spec: str, trust_remote_code: bool):
 
 
 def save_model_dir(model, tokenizer, directory: str | Path, *, progress: bool | None = None,
-                   what: str = "the edit") -> list[str]:
+                   what: str = "the edit", state_dict: dict[str, torch.Tensor] | None = None) -> list[str]:
     """Save ``model`` and ``tokenizer`` in Hugging Face format (safetensors) into ``directory`` after
     checking every parameter is finite (a model with inf/nan weights is never written); transformers'
-    own progress bars follow ``progress``; ``what`` names the step in the error. Returns the names of the
-    files written."""
+    own progress bars follow ``progress``; ``what`` names the step in the error. ``state_dict``: the weights
+    to write instead of the model's own (a model split across processes:
+    :func:`crispedit.distributed.full_state_dict`). Returns the names of the files written."""
     from .checks import check_finite_tensors
 
-    check_finite_tensors(dict(model.named_parameters()), what)
+    check_finite_tensors(dict(model.named_parameters()) if state_dict is None else state_dict, what)
     directory = Path(directory)
     before = {p.name for p in directory.iterdir()} if directory.is_dir() else set()
     with _hf_progress(progress):
-        model.save_pretrained(directory)
+        model.save_pretrained(directory, state_dict=state_dict)
         with backend_as_loaded(tokenizer):
             tokenizer.save_pretrained(directory)
     return sorted({p.name for p in directory.iterdir()} - before)

@@ -21,7 +21,7 @@ from .checks import check_finite_tensors
 from .curvature.predicted import mixing_layers, steep_layers, steep_note  # re-exported: pipeline.steep_layers
 from .data.corpus import heldout_text
 from .data.edits import EditRequest
-from .distributed import barrier, is_main, world_size
+from .distributed import barrier, full_state_dict, is_main, is_sharded, world_size
 from .editing import EditConfig, EditResult, edit
 from .evaluation import EVAL_WRAPPERS, evaluate_edit
 from .models import save_model_dir
@@ -84,7 +84,7 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
                  model_spec: str = "<in-memory>", kl_text: str | None = None, edits_path: str | None = None,
                  cache_file: str | None = None, progress: bool | None = None, wild: bool = True,
                  overwrite: bool = False, predict_drift: bool = False, delta_only: bool = False,
-                 checkpoint: str | Path | None = None) -> dict:
+                 checkpoint: str | Path | None = None, fingerprint: str | None = None) -> dict:
     """Edit, evaluate and save ``model`` to ``out`` (HF format + ``edit_report.json``). With ``wild``
     the report gets a ``wild`` section: free-generation rel / gen / locality under the qa, none and chat
     contexts (rule judge; chat only for models with a chat template). A non-empty ``out`` is refused
@@ -98,14 +98,16 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     reversible delta (:mod:`crispedit.delta`; the report's ``delta`` section) and ``out/README.md`` the model
     card (:mod:`crispedit.model_card`; never over a README.md of the user's); ``delta_only`` writes the
     delta and the report but not the model (and no card). ``checkpoint``: the training's resumable state file
-    (:func:`crispedit.editing.edit`)."""
+    (:func:`crispedit.editing.edit`). On a model whose blocks are split across the processes
+    (:func:`crispedit.distributed.shard_model`; pass its ``fingerprint``, taken before the split) the weights are
+    gathered to rank 0 for saving, and the report records ``sharded``."""
     out = Path(out)
     previous = check_output_dir(out, overwrite=overwrite, marker="edit_report.json")
     if kl_text is not None:
         heldout_text(kl_text, 1)  # fail early on a bad --kl-text, before any work
     t0 = time.perf_counter()
     result = edit(model, tokenizer, requests, config, cache_file=cache_file, progress=progress,
-                  predict_drift=predict_drift, checkpoint=checkpoint)
+                  predict_drift=predict_drift, checkpoint=checkpoint, fingerprint=fingerprint)
     changed = {n: parameter(model, n) for n in result.original_weights}
     check_finite_tensors(changed, f"the {config.method} edit")  # fail now, before evaluating a broken model
     ev = evaluate_edit(model, tokenizer, requests, result.original_weights, kl_text=kl_text, max_len=config.max_len,
@@ -117,13 +119,17 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     report["summary"]["total_seconds"] = round(time.perf_counter() - t0, 3)
     if world_size() > 1:
         report["processes"] = world_size()
+    weights = None
+    if is_sharded(model):  # the blocks are split across the processes: gathered (every process takes part)
+        report["sharded"] = True
+        weights = {} if delta_only else full_state_dict(model)
     if is_main():  # under torchrun every process holds the same edited weights; rank 0 writes them
         from .delta import DELTA_FILE, delta_info, write_delta
         from .model_card import build_card, card_may_replace, revert_lines, write_card
 
         with atomic_directory(out, previous=previous) as tmp:
             # refuses non-finite weights
-            files = [] if delta_only else save_model_dir(model, tokenizer, tmp, progress=progress)
+            files = [] if delta_only else save_model_dir(model, tokenizer, tmp, progress=progress, state_dict=weights)
             info = delta_info(config.method, config.to_json(), requests, report["summary"], model=model_spec,
                               layers=result.layers)
             dmeta = write_delta(tmp / DELTA_FILE, model, result.original_weights, info)

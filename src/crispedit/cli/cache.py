@@ -1,6 +1,6 @@
 """``crispedit cache build|info|list``: the capability curvature caches (registered through
 ``crispedit.cli._COMMAND_MODULES``). Torch-free at import; ``build`` may run under ``torchrun`` (the corpus
-sharded across processes, rank 0 writes)."""
+sharded across processes, rank 0 writes; with ``--shard`` the model's decoder blocks split across them too)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from ..curvature.modes import CACHE_KINDS  # torch-free
 from ..errors import CrispEditError
 from ..paths import check_input_dir, check_input_file, check_output_dir, check_output_file
-from .flags import add_curvature_args, add_model_args
+from .flags import add_curvature_args, add_model_args, add_shard_arg, check_shard_launch
 
 __all__ = ["add_cli", "cmd_cache_build", "cmd_cache_info", "cmd_cache_list"]
 
@@ -28,9 +28,12 @@ def cmd_cache_build(args) -> int:
         check_output_file(args.out)
     if args.cache_dir:
         check_output_dir(args.cache_dir, "--cache-dir")  # a file there, or a root that takes no entries: now
+    check_shard_launch(args)
+    if args.shard and args.kind != "kfac":
+        raise CrispEditError("--shard collects K-FAC factors (--kind kfac); build the input covariances in one process")
     capability_corpus(config.cap_corpus, config.n_cap)  # a bad corpus fails before the model loads
     from ..curvature.cache import save_factors
-    from ..distributed import is_main, process_group_from_env, world_size
+    from ..distributed import is_main, process_group_from_env, shard_model, world_size
     from ..editing import capability_factors, curvature_spec
     from ..layers import resolve_layers
     from ..models import cache_dir, load_model
@@ -38,10 +41,12 @@ def cmd_cache_build(args) -> int:
 
     with process_group_from_env(args.device) as device:  # under torchrun: shard the corpus, rank 0 writes
         progress = False if args.quiet or not is_main() else None
-        model, tok = load_model(args.model, dtype=args.dtype, device=device, trust_remote_code=args.trust_remote_code,
-                                progress=progress)
+        model, tok = load_model(args.model, dtype=args.dtype, device=None if args.shard else device,
+                                trust_remote_code=args.trust_remote_code, progress=progress)
         layers = resolve_layers(model, config.layers)
-        fp = weight_fingerprint(model)
+        fp = weight_fingerprint(model)  # of the whole model, before any split: the key a one-process run uses
+        if args.shard:  # the decoder blocks split across the processes (nothing trains: nothing kept whole)
+            shard_model(model, keep=(), device=device)
         factors, info = capability_factors(model, tok, layers, config, cache_root=args.cache_dir or cache_dir(),
                                            fingerprint=fp, force=args.force, progress=progress, kind=args.kind)
         path = info["path"]
@@ -106,6 +111,7 @@ def add_cli(sub) -> None:
     b.add_argument("--cache-dir", default=None, help="cache root (default $CRISPEDIT_CACHE or ~/.cache/crispedit)")
     b.add_argument("--out", default=None, help="also write the factors to this file (for `edit --cache`)")
     b.add_argument("--force", action="store_true", help="recollect even if cached")
+    add_shard_arg(b)
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(func=cmd_cache_build, torchrun=True)  # may run under torchrun
     i = csub.add_parser("info", help="print a cache file's metadata")

@@ -10,7 +10,9 @@ from .flags import (
     add_edits_args,
     add_max_drift_arg,
     add_model_args,
+    add_shard_arg,
     add_training_args,
+    check_shard_launch,
     config_from_args,
     load_job_inputs,
 )
@@ -28,20 +30,27 @@ def cmd_edit(args) -> int:
         from ..editing.checkpoint import check_checkpoint_file  # torch-free
 
         check_checkpoint_file(args.checkpoint)
+    check_shard_launch(args)
     from ..distributed import is_main, process_group_from_env
 
     with process_group_from_env(args.device) as device:  # under torchrun: batches split across processes
-        args.device = device
+        args.device = None if args.shard else device  # --shard: loaded on the host, then split onto the devices
         requests, model, tok, progress = load_job_inputs(args, config.n_cap)
         main_process = is_main()  # read inside: the group is gone after the block
         if not main_process:
             progress = False
+        fingerprint = None
+        if args.shard:
+            from ..editing import shard_for_edit
+
+            fingerprint = shard_for_edit(model, config, device)
         from ..pipeline import run_edit_job
 
         report = run_edit_job(model, tok, requests, config, args.out, model_spec=args.model, kl_text=args.kl_text,
                               edits_path=str(args.edits), cache_file=args.cache, progress=progress,
                               wild=not args.no_wild, overwrite=args.overwrite, predict_drift=args.predict_drift,
-                              delta_only=args.delta_only, checkpoint=args.checkpoint)
+                              delta_only=args.delta_only, checkpoint=args.checkpoint,
+                              fingerprint=fingerprint)
     if not main_process:
         return 0
     from ..editing.loop import training_brief
@@ -89,6 +98,7 @@ def add_cli(sub) -> None:
     add_edits_args(p)
     add_training_args(p)
     add_max_drift_arg(p)
+    add_shard_arg(p)
     p.add_argument("--predict-drift", action="store_true",
                    help="report kl_predicted for methods without curvature too (ft, locbf-ft: collects or reuses "
                    "the capability factors; --max-drift and --drift-penalty fetch them anyway)")

@@ -19,7 +19,8 @@ from ..editing.registry import SEQ_SUFFIX, method_names, method_spec, seq_row, s
 from ..errors import CrispEditError
 from ..paths import check_input_file
 
-__all__ = ["add_model_args", "add_edits_args", "add_curvature_args", "add_training_args", "add_method_option_args",
+__all__ = ["add_model_args", "add_shard_arg", "check_shard_launch", "add_edits_args", "add_curvature_args",
+           "add_training_args", "add_method_option_args",
            "add_max_drift_arg",
            "config_from_args", "method_options_from_args", "parse_methods", "check_job_files", "load_job_inputs",
            "DEFAULTS"]
@@ -33,6 +34,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+
+
+def add_shard_arg(p: argparse.ArgumentParser) -> None:
+    """``--shard``: split the model's decoder blocks across torchrun's processes (FSDP2)."""
+    p.add_argument("--shard", action="store_true",
+                   help="under torchrun: split the frozen decoder blocks across the processes (FSDP2), each "
+                   "holding 1/N of them; the edited layers stay whole on every process (see docs/sharding.md)")
+
+
+def check_shard_launch(args) -> None:
+    """One-line error for ``--shard`` outside ``torchrun`` (one process has nothing to split across)."""
+    from ..distributed import launched_world_size  # torch-free
+
+    if getattr(args, "shard", False) and launched_world_size() < 2:
+        raise CrispEditError("--shard splits the model across torchrun's processes; launch it with "
+                             "`torchrun --nproc-per-node N -m crispedit ... --shard` (N >= 2)")
 
 
 def add_edits_args(p: argparse.ArgumentParser, *, n_required: bool = False) -> None:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
+from ..distributed import all_agree, all_reduce_sum_, is_distributed, is_sharded, rank, world_size
 from ..forward_args import static_attention_mask
 
 __all__ = [
@@ -644,7 +644,9 @@ def collect_lm_kfac(
     seeded by the corpus index of each sequence), then the float64 sums of ``a a^T``, ``g g^T`` and the row
     counts are summed over the processes (:meth:`FactorAccumulator.all_reduce`) and normalised: every
     process returns the one-process factors up to the order of the float64 additions. Every process must
-    call it with the same arguments.
+    call it with the same arguments. On a model split across the processes
+    (:func:`crispedit.distributed.shard_model`) every process runs the same number of forward and backward
+    passes: one with a batch fewer repeats one and discards its statistics.
     """
     label_mode = LabelMode(label_mode)
     device = next(model.parameters()).device
@@ -655,15 +657,25 @@ def collect_lm_kfac(
                          device=device, loss_from=loss_from)
     shard = distributed if distributed is not None else is_distributed()
     mine = batches[rank()::world_size()] if shard else batches
+    split = shard and is_sharded(model)
+    idle = 0
+    if split:  # every process runs as many batches (FSDP gathers each block in every forward and backward):
+        # one with fewer runs its last (or the first) batch again and adds nothing of it
+        idle = -(-len(batches) // world_size()) - len(mine)
+        mine = mine + [mine[-1] if mine else batches[0]] * idle
     quiet = True if rank() != 0 else (None if progress is None else not progress)  # one bar: rank 0's
-    bar = tqdm(total=sum(len(b.indices) for b in mine), desc=desc, unit="seq", disable=quiet)
+    bar = tqdm(total=sum(len(b.indices) for b in mine[:len(mine) - idle]), desc=desc, unit="seq", disable=quiet)
     skip = list(layers.values())
     try:
         with frozen(model):
             head = plain_head(model, mine[0], skip) if mine else None
-            for batch in mine:
+            if split and not all_agree(head is not None):
+                head = None  # the processes take the same path
+            for i, batch in enumerate(mine):
                 with capture_io(layers) as store:
                     lm_backward(model, batch, label_mode, seed, head, skip)
+                if i >= len(mine) - idle:
+                    continue
                 with torch.profiler.record_function("crispedit.kfac.statistics"):
                     for name in layers:
                         cap = store[name]

@@ -25,7 +25,8 @@ from .editor import EditContext
 from .loop import TrainHistory
 from .registry import get_editor
 
-__all__ = ["EditResult", "edit", "restore", "snapshot", "capability_factors", "capability_sequences", "curvature_spec",
+__all__ = ["EditResult", "edit", "shard_for_edit", "restore", "snapshot", "capability_factors", "capability_sequences",
+           "curvature_spec",
            "edit_factors", "CHAT_ANSWER_TOKENS"]
 
 
@@ -162,7 +163,8 @@ def edit_factors(model: nn.Module, tokenizer, editor, layers: dict[str, nn.Modul
 def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: EditConfig | None = None, *,
          factors: KFACFactors | None = None, cache_root: str | Path | None = None,
          cache_file: str | Path | None = None, progress: bool | None = None,
-         predict_drift: bool = False, checkpoint: str | Path | None = None) -> EditResult:
+         predict_drift: bool = False, checkpoint: str | Path | None = None,
+         fingerprint: str | None = None) -> EditResult:
     """Apply ``requests`` to ``model`` in place with ``config.method`` and return what happened.
 
     ``result.original_weights`` holds the pre-edit values of every parameter the editor declares it
@@ -175,6 +177,8 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     reports from ``config`` afterwards is what ran. ``checkpoint``: a file the fine-tuning loop writes its state to
     after every epoch and resumes from when it holds this run (same config, requests and starting weights;
     :mod:`.checkpoint`); ``edit_seconds`` then counts the training seconds of the earlier runs too.
+    ``fingerprint``: the model's :func:`~crispedit.models.weight_fingerprint` when the caller has it (a model split
+    across processes cannot be hashed whole: it is taken before the split).
     """
     config = (config or EditConfig()).validate().for_family(model_family(model))
     if not requests:
@@ -186,7 +190,8 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     changed = editor.changes(model, layers, config)
     inputs = editor.input_digests(model, config)  # of the unedited model: MEND's default file is keyed by its weights
     factors, info = edit_factors(model, tokenizer, editor, layers, config, factors=factors, cache_root=cache_root,
-                                 cache_file=cache_file, progress=progress, predict_drift=predict_drift)
+                                 cache_file=cache_file, progress=progress, predict_drift=predict_drift,
+                                 fingerprint=fingerprint)
     cache_seconds = info.get("seconds", 0.0)
     original = snapshot(changed)
     drift_modules = editor.drift_modules(model, layers, config)  # before apply: LoRA wraps them while it trains
@@ -199,6 +204,26 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
 
     return EditResult(list(layers), outcome.history, outcome.projector_stats, cache_seconds, edit_seconds, info,
                       original, predicted_kl(drift_modules, factors, original), outcome.drift_budget, inputs)
+
+
+def shard_for_edit(model: nn.Module, config: EditConfig, device: str | None = None) -> str:
+    """Split ``model``'s decoder blocks across the processes of the default group for an edit under ``config``
+    (:func:`crispedit.distributed.shard_model`), keeping whole the weights its editor trains; returns the weight
+    fingerprint of the unsplit model (the curvature cache key: a cache built by one process serves a split run,
+    and back). One-line error for a method that does not train through the projected loop (single-pass and adapter
+    editors read or wrap the frozen weights themselves)."""
+    from ..distributed import shard_model
+    from .editor import Editor
+
+    config = config.validate().for_family(model_family(model))
+    editor = get_editor(config.method)
+    if type(editor).apply is not Editor.apply:
+        raise CrispEditError(f"--shard runs the projected fine-tuning loop; method {config.method!r} edits "
+                             "otherwise (run it without --shard)")
+    fingerprint = weight_fingerprint(model)
+    layers = editor.select_layers(model, config)
+    shard_model(model, editor.trainable(layers).values(), device)
+    return fingerprint
 
 
 def snapshot(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

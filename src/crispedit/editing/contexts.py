@@ -232,10 +232,12 @@ def generated_prefixes(model, tokenizer, per_start: int = 4, max_new_tokens: int
     rows of one start share a length, so no padding is involved."""
     import torch
 
+    from ..distributed import is_sharded
     from ..weights import with_weights
 
     out: list[str] = []
     device = next(model.parameters()).device
+    split = is_sharded(model)
     was_training = model.training
     model.eval()
     try:
@@ -245,7 +247,8 @@ def generated_prefixes(model, tokenizer, per_start: int = 4, max_new_tokens: int
             for start in GEN_STARTS:
                 ids = tokenizer(start, return_tensors="pt")["input_ids"].to(device).repeat(per_start, 1)
                 gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=5,
-                                     max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id)
+                                     max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id,
+                                     synced_gpus=split)  # a split model: every process runs every step
                 for row in tokenizer.batch_decode(gen, skip_special_tokens=True):
                     text = " ".join(row.replace("{", " ").replace("}", " ").split())
                     out.append(text if text[-1:] in ".!?" else text + ".")

@@ -17,7 +17,10 @@ Under ``torch.distributed`` (``torchrun ... -m crispedit edit``) every batch is 
 processes (:func:`shard_batch`): each process computes the cross-entropy of its rows scaled by its share
 of the batch's target tokens, the scaled losses and the gradients are summed over the processes before
 the skip test and the projection, so every process takes the one-process step (up to the order of the
-additions) and the weights stay identical on all of them.
+additions) and the weights stay identical on all of them. With the model's decoder blocks split across the
+processes (:func:`crispedit.distributed.shard_model`, ``--shard``) the same holds — the edited weights are whole on
+every process — and every process runs every batch's forward and backward (a process with no row of a batch runs
+one row of it with weight 0), because each block's forward gathers its weights from all of them.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from tqdm.auto import tqdm
 from ..curvature.projection import LayerProjector, rotation_precision
 from ..data.edits import EditRequest
 from ..data.tokenize import EncodedBatch
-from ..distributed import all_reduce_sum_, is_distributed, rank, world_size
+from ..distributed import all_reduce_sum_, is_distributed, is_sharded, rank, world_size
 from ..errors import CrispEditError
 from ..layers import as_weight_matrix
 from ..models import native_bf16
@@ -167,6 +170,20 @@ def shard_batch(batch: EncodedBatch, r: int, w: int) -> EncodedBatch | None:
     return part if target_count(part) > 0 else None
 
 
+def _my_rows(batch: EncodedBatch, split: bool) -> tuple[EncodedBatch | None, float]:
+    """This process's rows of ``batch`` (:func:`shard_batch`) and their share of its target tokens, or
+    ``(None, 0.0)`` without a row. With the model ``split`` across the processes every process must run the
+    batch (each block's forward gathers its weights from all of them): one without rows gets the batch's first
+    row that has a target token, with share 0."""
+    part = shard_batch(batch, rank(), world_size())
+    if part is not None:
+        return part, target_count(part) / target_count(batch)
+    if not split:
+        return None, 0.0
+    first = next(i for i in range(batch.input_ids.shape[0]) if (batch.labels[i, 1:] != -100).any())
+    return shard_batch(batch, first, batch.input_ids.shape[0]), 0.0
+
+
 def resolve_precision(precision: str, device) -> str:
     """The training forward's arithmetic an edit runs with on ``device``: ``"bf16"`` or ``"fp32"``; ``"auto"`` is
     bf16 where the device has it natively (:func:`~crispedit.models.native_bf16`), else fp32. An explicit bf16 on a
@@ -197,12 +214,14 @@ class _EpochPlan:
         self._first = self._batch(epoch_subset(self.seqs, self.sample, config.seed, 0)) if self.sample else self.batches
         self.shards = None
         if is_distributed():  # this process's rows of every batch and their share of its target tokens
-            parts = [shard_batch(b, rank(), world_size()) for b in self.batches]
+            split = is_sharded(model)
+            parts = [_my_rows(b, split) for b in self.batches]
             self.shards, j = [], 0
-            for b, part in zip(self.batches, parts):
-                self.shards.append(None if part is None else (j, target_count(part) / target_count(b)))
+            for part, share in parts:
+                self.shards.append(None if part is None else (j, share))
                 j += part is not None
-            self.loss_fn = make_loss_fn(model, params, [p for p in parts if p is not None], enabled=fast)
+            # the fast path's own checks could differ between processes; a split model takes the plain loss
+            self.loss_fn = make_loss_fn(model, params, [p for p, _ in parts if p is not None], enabled=fast and not split)
         else:
             self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast)  # exact shortcut: prefix cached
         self.keep = None  # the preservation term (editing/keep.py), from the starting weights like the sequences

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..distributed import broadcast_, is_sharded
 from ..forward_args import last_logits_only, takes_full_masks
 
 __all__ = ["generate_answers", "cut_at_stop", "eos_token_ids"]
@@ -62,7 +63,9 @@ def _greedy(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, past,
     """Greedy decoding of a left-padded batch (``B x T`` ids and key mask; ``past``: a KV cache of its first
     positions, or ``None``): each row's new tokens up to and including the one after which ``done`` says it has
     ended, at most ``max_new_tokens``. Rows that have ended leave the batch (their cache rows dropped), so the
-    steps after most answers ended cost what the remaining rows cost. Positions count real tokens only."""
+    steps after most answers ended cost what the remaining rows cost. Positions count real tokens only. On a model
+    split across processes (:func:`crispedit.distributed.shard_model`) every process must call it with the same
+    batch; they decode process 0's tokens, so they run the same forwards."""
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     start = 0 if past is None else past.get_seq_length()
     head = last_logits_only(model)
@@ -71,8 +74,11 @@ def _greedy(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, past,
     past, last = out.past_key_values, pos[:, -1]
     alive = list(range(input_ids.shape[0]))
     rows: list[list[int]] = [[] for _ in alive]
+    split = is_sharded(model)
     for step in range(max_new_tokens):
         nxt = out.logits[:, -1].argmax(-1)
+        if split:  # a model split across processes: every process takes process 0's tokens, so all stop together
+            broadcast_(nxt)
         for r, t in zip(alive, nxt.tolist()):
             rows[r].append(t)
         keep = [j for j, r in enumerate(alive) if not done(rows[r])]
