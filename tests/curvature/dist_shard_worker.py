@@ -30,7 +30,8 @@ KILL_AFTER = 2  # epochs
 def edit_config():
     """The edit both the split run and the one-process reference run: 5 epochs, the 15 training sequences in
     batches of at most 4 of one context (the 5 bare ones as 4 + 1: a batch the second process has no row of), and
-    a skip loss the later epochs' batches fall below (skipped batches as well as steps)."""
+    a skip loss the later epochs' batches fall below (skipped batches as well as steps), and the preservation
+    term on the answers to 3 chat prompts and one question per edited subject (every process runs its forwards)."""
     from crispedit.editing import EditConfig
 
     return EditConfig(
@@ -43,6 +44,8 @@ def edit_config():
         contexts="bare,prefix:2",
         skip_loss=5.0,
         kfac_batch_size=3,
+        keep_chat=3,
+        keep_subject=1,
     )
 
 

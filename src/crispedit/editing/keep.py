@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from ..data.edits import EditRequest
 from ..data.tokenize import split_context_target
-from ..distributed import rank
 from .contexts import TrainingSequence, chat_turn, training_batches
 
 if TYPE_CHECKING:  # the module top stays torch-free: EditConfig validates against SUBJECT_KEEPS
@@ -94,8 +93,8 @@ class KeepLoss:
     """The preservation term over ``sequences`` (:func:`keep_sequences`): ``term(step)`` is ``weight ×`` the mean
     over the answer tokens of batch ``step mod len(batches)`` of ``max(0, NLL − NLL at construction)`` — a 0-d
     tensor (nats/token) with a gradient for the trained ``params``. Construct it with the weights the edit starts
-    from. Under ``torch.distributed`` the whole batch is computed by rank 0 (the others return ``None``), so the
-    summed gradient is the one-process one."""
+    from. Every process computes the whole term (under ``--shard`` every process must run
+    the same forwards); the loop divides it by the number of processes before their gradients are summed."""
 
     def __init__(self, model: nn.Module, tokenizer, sequences: Sequence[TrainingSequence],
                  params: dict[str, nn.Parameter], weight: float, *, fast: bool = True, device=None):
@@ -125,7 +124,7 @@ class KeepLoss:
     def __call__(self, step: int) -> Tensor | None:
         import torch
 
-        if not self.batches or rank() != 0:
+        if not self.batches:
             return None
         j = step % len(self.batches)
         return self.weight * torch.relu(self.loss_fn(j) - self.before[j]).mean()

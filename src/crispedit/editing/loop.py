@@ -247,6 +247,7 @@ class _EpochPlan:
         if term is None:
             return loss
         self.keep_terms.append(term.detach())
+        term = term / world_size()  # every process computed it whole; their gradients are summed
         return term if loss is None else loss + term
 
     def keep_report(self, hist: "TrainHistory") -> None:
