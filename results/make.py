@@ -448,14 +448,13 @@ and a section in `results/make.py`.
 
 ## The demo
 
-`{shlex.join(demo_command())}` (what `make demo` runs: [`demo/command.sh`](demo/command.sh); output
-[`demo/demo.txt`](demo/demo.txt)).
+`{shlex.join(demo_command())}` (what `make demo` runs: [`demo/command.sh`](demo/command.sh); output [`demo/demo.txt`](demo/demo.txt)).
 {_run_line(DEMO)}
 
 ```
 {demo_table(demo).rstrip()}
 ```
-"""]
+"""]  # noqa: E501 (the page's lines are as long as its text)
     for name in COMPARES:
         d = HERE / name
         payload = _load(d / "compare.json")
