@@ -79,7 +79,7 @@ def _collective_device():
     return torch.device("cpu")
 
 
-def all_reduce_sum_(t: "Tensor") -> "Tensor":
+def all_reduce_sum_(t: Tensor) -> Tensor:
     """Sum ``t`` (any shape and dtype; CPU under gloo, CUDA under NCCL) over all processes, in place;
     returns ``t``. Every process must call it with tensors of the same shape and dtype, in the same order."""
     if is_distributed():
@@ -102,7 +102,7 @@ def all_agree(flag: bool) -> bool:
     return bool(int(t.item()))
 
 
-def broadcast_(t: "Tensor", src: int = 0) -> "Tensor":
+def broadcast_(t: Tensor, src: int = 0) -> Tensor:
     """Overwrite ``t`` on every process with process ``src``'s value, in place (nothing in a single process);
     returns ``t``. Every process must call it with a tensor of the same shape and dtype."""
     if is_distributed():
@@ -152,14 +152,14 @@ def process_group_from_env(device: str | None) -> Iterator[str | None]:
         dist.destroy_process_group()
 
 
-def is_sharded(model: "nn.Module") -> bool:
+def is_sharded(model: nn.Module) -> bool:
     """Whether some submodule of ``model`` is split across the processes by FSDP2 (:func:`shard_model`)."""
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def _move_unmanaged_(model: "nn.Module", blocks, keep_ids: set[int], device) -> None:
+def _move_unmanaged_(model: nn.Module, blocks, keep_ids: set[int], device) -> None:
     """Move to ``device``, in place (the same parameter objects), every parameter and buffer FSDP will not manage:
     those outside ``blocks`` and the kept parameters (``keep_ids``: their ``id``) inside them."""
     import torch
@@ -175,7 +175,7 @@ def _move_unmanaged_(model: "nn.Module", blocks, keep_ids: set[int], device) -> 
                 mod._buffers[k] = b.to(device)
 
 
-def shard_model(model: "nn.Module", keep: "Iterable[nn.Parameter]", device: str | None = None) -> int:
+def shard_model(model: nn.Module, keep: Iterable[nn.Parameter], device: str | None = None) -> int:
     """Split ``model``'s decoder blocks across the processes of the default group with FSDP2, in place: each
     block becomes one ``fully_shard`` unit whose parameters are stored as dim-0 slices (padded where the size
     does not divide by the number of processes) and all-gathered for its forward and backward, one block at
@@ -203,7 +203,7 @@ def shard_model(model: "nn.Module", keep: "Iterable[nn.Parameter]", device: str 
     return len(blocks)
 
 
-def full_state_dict(model: "nn.Module") -> dict[str, "Tensor"]:
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The whole weights of a (possibly :func:`shard_model`-split) ``model``: name -> CPU tensor on process 0,
     an empty dict on the others. A split parameter is all-gathered one at a time (every process must call
     it), so no process holds more than one whole block weight on its device beyond what it held before."""

@@ -82,7 +82,8 @@ class KFACFactors:
     ``weighting="each"``), the factor sets it was merged from; empty otherwise (never stored). ``part_gammas``:
     the energy threshold of each part (``None``: the edit config's γ); empty: γ for every part.
 
-    ``source``: the cache file these factors were read from or written to (``path``, ``key``, ``write`` — the file's uid;
+    ``source``: the cache file these factors were read from or written to (``path``, ``key``, ``write`` — the
+    file's uid;
     empty for factors built or merged in memory) — what identifies their cached eigenbases
     (:mod:`crispedit.curvature.eigen`); ``_eigh`` holds the eigendecompositions computed for this object."""
 
@@ -100,7 +101,7 @@ class KFACFactors:
         """The layer names, in the order of ``A``."""
         return list(self.A)
 
-    def merged(self, other: "KFACFactors", weight: float | None = None) -> "KFACFactors":
+    def merged(self, other: KFACFactors, weight: float | None = None) -> KFACFactors:
         """Streaming average of two factor sets.
 
         ``weight=None`` weights each by its token count (the authors' code); a float ``w`` in [0, 1]
@@ -117,7 +118,7 @@ class KFACFactors:
         S = {k: a * self.S[k] + b * other.S[k].to(self.S[k]) for k in self.S}
         return KFACFactors(A, S, self.n_tokens + other.n_tokens, dict(self.meta))
 
-    def rescaled_to(self, ref: "KFACFactors") -> "KFACFactors":
+    def rescaled_to(self, ref: KFACFactors) -> KFACFactors:
         """These factors with every ``A`` and ``S`` scaled to the trace of ``ref``'s factor of the same layer
         (same shapes, fp32 or better as stored; a zero-trace factor is left as it is): what makes a fixed mixing
         coefficient a share of each factor's energy when two sets live on different scales."""
@@ -139,7 +140,7 @@ class KFACFactors:
         return out
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], n_tokens: int, meta: dict | None = None) -> "KFACFactors":
+    def from_tensors(cls, tensors: dict[str, Tensor], n_tokens: int, meta: dict | None = None) -> KFACFactors:
         """The inverse of :meth:`to_tensors`: ``"<layer>::A"`` keys go to ``A``, every other key (``"::S"``)
         to ``S``, with ``n_tokens`` and ``meta`` as given."""
         A, S = {}, {}
@@ -211,7 +212,8 @@ class FactorAccumulator:
             if int(rows[i]) > 0:
                 self.A[name], self.S[name], self.rows[name] = A, S, int(rows[i])
 
-    def factors(self, layers: Sequence[str], meta: dict | None = None, out_dtype: torch.dtype = torch.float32) -> KFACFactors:
+    def factors(self, layers: Sequence[str], meta: dict | None = None,
+                out_dtype: torch.dtype = torch.float32) -> KFACFactors:
         """The averaged factors of ``layers``: ``A = Σ a aᵀ / rows`` (``d_in x d_in``) and ``S = Σ g gᵀ / rows``
         (``d_out x d_out``) per layer, in ``out_dtype`` on the CPU; ``n_tokens`` is the largest row count.
         Raises ``RuntimeError`` when a layer saw no rows."""
@@ -375,7 +377,7 @@ class LMBatch:
     """One right-padded batch of tokenised texts.
 
     ``indices``: corpus index of each row (what seeds its sampled labels); ``input_ids`` and
-    ``attention_mask``: ``B x T`` (``mask``: what the model is fed, :func:`~crispedit.models.static_attention_mask`);
+    ``attention_mask``: ``B x T`` (``mask``: what the model is fed, :func:`~crispedit.forward_args.static_attention_mask`);
     ``rows``: ``B x T`` bool, position ``t`` predicts a real next token
     (:func:`loss_positions` with a False last column); ``labels``: ``N`` next-token ids of the ``N`` True
     positions of ``rows`` in row-major order (sequence by sequence, each a prefix of its row); ``flat``: their
@@ -488,12 +490,14 @@ def lm_row_logits(model: nn.Module, batch: LMBatch, skip: Sequence[nn.Module] = 
     n = batch.n_rows
     with head_on_rows(model, batch.rows, skip):
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-    if logits.dim() == 3 and logits.shape[0] == 1 and logits.shape[1] == n and tuple(logits.shape[:2]) != tuple(batch.rows.shape):
+    if (logits.dim() == 3 and logits.shape[0] == 1 and logits.shape[1] == n
+            and tuple(logits.shape[:2]) != tuple(batch.rows.shape)):
         logits = logits.squeeze(0)  # a view: its backward copies nothing
     elif logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(batch.rows.shape):
         logits = logits[batch.rows]
     else:
-        raise RuntimeError(f"unexpected logits shape {tuple(logits.shape)} for a batch of shape {tuple(batch.rows.shape)}")
+        raise RuntimeError(f"unexpected logits shape {tuple(logits.shape)} for a batch of shape "
+                           f"{tuple(batch.rows.shape)}")
     return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
 
@@ -537,7 +541,7 @@ def plain_head(model: nn.Module, batch: LMBatch, skip: Sequence[nn.Module] = ())
 
 
 @contextlib.contextmanager
-def _hidden_at_rows(head: nn.Module, batch: "LMBatch") -> Iterator[list[Tensor]]:
+def _hidden_at_rows(head: nn.Module, batch: LMBatch) -> Iterator[list[Tensor]]:
     """While active, ``head`` (the LM head) records the final hidden states at ``batch``'s loss rows (``N x H``,
     still in the autograd graph) and is fed an empty sequence instead, so the model forms no logits at all."""
     out: list[Tensor] = []
@@ -601,7 +605,8 @@ def lm_backward(model: nn.Module, batch: LMBatch, label_mode: LabelMode, seed: i
         F.cross_entropy(logits, lm_labels(logits, batch, label_mode, seed), reduction="sum").backward()
         return
     with _hidden_at_rows(head, batch) as hidden:
-        model(input_ids=batch.input_ids, attention_mask=static_attention_mask(model, batch.attention_mask, batch.padded),
+        model(input_ids=batch.input_ids,
+              attention_mask=static_attention_mask(model, batch.attention_mask, batch.padded),
               use_cache=False)
     (h,) = hidden
     if h.requires_grad:
@@ -636,7 +641,8 @@ def collect_lm_kfac(
     ``max_padding`` of a batch padding; ``None`` keeps corpus order). Every position with a real next token
     (with ``loss_from``, only those predicting token ``loss_from[i]`` or later of text ``i``: :func:`lm_batches`)
     contributes one row to ``A`` and ``S``; factors are divided by the number of such rows, so the batching
-    changes nothing but the order of the float64 additions. The LM head and the loss are computed at those positions only, and backward
+    changes nothing but the order of the float64 additions. The LM head and the loss are computed at those positions
+    only, and backward
     stops at the lowest hooked layer (:func:`capture_io`).
 
     ``distributed`` (default: whether a ``torch.distributed`` group of several processes is initialised):

@@ -5,7 +5,8 @@ LoRA 5e-3), batch 32, 25 steps, early stopping at loss 0.01 (batches below it ar
 once an epoch's mean loss is below it). Our default is up to 100 epochs over the edits, ended by that
 early stopping: the paper's 25 steps are thousands of edits / 32 per epoch x 25; for the tens of edits a
 user edits at once, 25 epochs stop short (measured in docs/methods.md, "Training defaults"). Curvature: sampled labels
-(Gauss-Newton), gamma 0.8 (the paper uses 0.7 for ZsRE and 0.9 for CounterFact / WikiBigEdit on Llama-3-8B), 64 capability texts of at most 256
+(Gauss-Newton), gamma 0.8 (the paper uses 0.7 for ZsRE and 0.9 for CounterFact / WikiBigEdit on Llama-3-8B), 64
+capability texts of at most 256
 tokens on CPU (the paper uses 10,000 Wikipedia documents of 512 tokens on a GPU).
 
 Method-specific settings live in each method's own config dataclass (its ``Config``, beside its editor
@@ -26,7 +27,8 @@ from ..checks import SEED_MAX, check_float, check_gamma, check_int, check_lr, ch
 from ..errors import CrispEditError
 from .registry import MethodConfig, get_editor, method_names, method_spec
 
-__all__ = ["EditConfig", "PRECISIONS", "PROJECTION_PRECISIONS", "BATCH_ORDERS", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
+__all__ = ["EditConfig", "PRECISIONS", "PROJECTION_PRECISIONS", "BATCH_ORDERS", "SeqConfig", "ProjectionTarget",
+           "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
            "MIN_SEQ_ROUNDS", "default_seq_chunk"]
 
 # the training forward's arithmetic (EditConfig.precision); "auto" is bf16 where the device has it natively
@@ -61,10 +63,12 @@ class EditConfig:
     lr: float | None = None             # None = the method's default (DEFAULT_LR; LoRA 5e-3)
     betas: tuple[float, float] = (0.9, 0.999)
     batch_size: int = 32
-    batch_tokens: int | None = None     # pack batches up to this many padded tokens instead (None = batch_size sequences)
+    # pack batches up to this many padded tokens instead (None = batch_size sequences)
+    batch_tokens: int | None = None
     batch_order: str = "request"        # batch_size sequences of one context in request order, or sorted by "length"
     context_sample: int | None = None   # train each request on a seeded sample of this many of its sequences per epoch
-    precision: str = "fp32"             # the training forward: fp32, bf16 autocast (weights, grads, Adam stay fp32), auto
+    # the training forward: fp32, bf16 autocast (weights, grads, Adam stay fp32), auto
+    precision: str = "fp32"
     projection_precision: str = "fp32"  # the projection's GEMMs on a GPU: fp32, or tf32 tensor cores (CPU: always fp32)
     epochs: int = 100                   # maximum; stop_loss ends it earlier (paper: 25 steps, see above)
     skip_loss: float = 0.01
@@ -94,7 +98,8 @@ class EditConfig:
     keep_weight: float = 1.0
     seed: int = 0
     options: dict = field(default_factory=dict)  # the method's own settings (Editor.Config fields)
-    # trust region on the predicted KL drift (nats/token, fine-tuning methods; MethodSpec.drift_budget); None = no budget
+    # trust region on the predicted KL drift (nats/token, fine-tuning methods; MethodSpec.drift_budget);
+    # None = no budget
     max_drift: float | None = None
     # Lagrangian weight β on the predicted drift: train edit loss + β · predicted KL (fine-tuning methods)
     drift_penalty: float = 0.0
@@ -102,7 +107,7 @@ class EditConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> "EditConfig":
+    def validate(self) -> EditConfig:
         """Check every field (one-line :class:`CrispEditError` naming the bad one), normalise types, return
         ``self``."""
         spec = method_spec(self.method)
@@ -147,7 +152,8 @@ class EditConfig:
             self.projection_target = ProjectionTarget(self.projection_target).value
         except ValueError:
             raise CrispEditError("projection target must be one of "
-                                 f"{', '.join(t.value for t in ProjectionTarget)}, got {self.projection_target!r}") from None
+                                 f"{', '.join(t.value for t in ProjectionTarget)}, "
+                                 f"got {self.projection_target!r}") from None
         from .contexts import ANSWER_ENDS, parse_contexts
 
         parse_contexts(self.contexts)
@@ -165,7 +171,7 @@ class EditConfig:
                                      f"({ok}); {self.method} writes its change in one pass without them")
         return self
 
-    def for_family(self, family: str | None) -> "EditConfig":
+    def for_family(self, family: str | None) -> EditConfig:
         """Scale a default learning rate for the model family ``family`` (a config ``model_type``), in place
         and once: when ``lr`` was left unset and the method takes the shared :data:`DEFAULT_LR`, it becomes
         ``DEFAULT_LR × FAMILY_DEFAULTS[family].lr_scale`` (Gemma-3: 5e-5; :mod:`crispedit.families`). An lr
@@ -190,7 +196,7 @@ class EditConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EditConfig":
+    def from_dict(cls, d: dict) -> EditConfig:
         """Rebuild from :meth:`to_json` output; unknown keys are rejected, absent ones take their defaults."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
@@ -223,7 +229,8 @@ class SeqConfig:
 
     edit: EditConfig = field(default_factory=EditConfig)
     mode: str = "sequential"            # "sequential" (CrispEdit-Seq / FT Sequential) or "batch" (union re-edit)
-    weighting: str = "each"             # capability vs edit factors: "each" / "trace" / "fixed" (mix), "tokens" (authors')
+    # capability vs edit factors: "each" / "trace" / "fixed" (mix), "tokens" (authors')
+    weighting: str = "each"
     mix: float = 0.5                    # share of the edit factors when weighting is "fixed", "trace" or "each"
     edit_factors: str = "full"          # positions of the edit factors: "full" sequences (paper) or "target" only
     edit_gamma: float | None = 0.95     # energy masked of the edit factors under "each" (None: edit.gamma)
@@ -236,7 +243,7 @@ class SeqConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> "SeqConfig":
+    def validate(self) -> SeqConfig:
         """Check every field (one-line errors), normalise types, return ``self``."""
         if isinstance(self.edit, dict):
             self.edit = EditConfig.from_dict(self.edit)
@@ -291,7 +298,7 @@ class SeqConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SeqConfig":
+    def from_dict(cls, d: dict) -> SeqConfig:
         """Rebuild from :meth:`to_json` output; unknown keys are rejected."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)

@@ -71,7 +71,8 @@ from ..errors import CrispEditError
 
 __all__ = ["TRAINING_CONTEXTS", "TrainingContext", "training_context", "SequenceMaker", "CONTEXT_KINDS",
            "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence", "pinned_contexts",
-           "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "prefixes_from", "GEN_STARTS", "build_training_sequences", "training_batches",
+           "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "prefixes_from", "GEN_STARTS",
+           "build_training_sequences", "training_batches",
            "epoch_subset",
            "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS", "own_replies"]
 

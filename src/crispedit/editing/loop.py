@@ -6,8 +6,10 @@ target tokens only; context and padding masked), Adam, mini-batches over the seq
 loss is already below ``skip_loss`` take no step, training stops once an epoch's mean loss is below
 ``stop_loss`` (or, with ``plateau_epochs``, once it has stalled just above it: :func:`plateaued`). On an
 accelerator both rules are decided without reading a value back to the host inside a step: the skip test is a
-0-d boolean on the device that gates the Adam step (:class:`.optim.GatedAdam`), and the losses and the skipped count are read once per epoch, for the stop test. On the CPU, where a read costs
-nothing, the skip test is read and a skipped batch's backward is not run at all (the same steps). Between ``backward`` and ``step`` every trained weight's gradient is projected
+0-d boolean on the device that gates the Adam step (:class:`.optim.GatedAdam`), and the losses and the skipped
+count are read once per epoch, for the stop test. On the CPU, where a read costs nothing, the skip test is read
+and a skipped batch's backward is not run at all (the same steps). Between ``backward`` and ``step`` every
+trained weight's gradient is projected
 (``projection_target="gradient"``, the paper); alternatively the Adam update itself is projected after
 the step (``"update"``), or Adam runs in the K-FAC eigenbasis on the masked rotated gradient
 (``"eigenbasis"``, :class:`.optim.EigenbasisAdam`); the last two keep the weight change strictly
@@ -58,7 +60,8 @@ LOG_EVERY = 5  # epochs between the loop's INFO lines (for output that is not a 
 LOG_SECONDS = 60.0  # ... or fewer, once this many seconds have passed since the last line (long epochs)
 PLATEAU_BAND = 2.0  # the plateau rule acts only once the epoch loss is below this many times the stop loss
 
-__all__ = ["projected_finetune", "edit_loss", "TrainHistory", "training_brief", "apply_projection", "edit_batches", "resolve_precision",
+__all__ = ["projected_finetune", "edit_loss", "TrainHistory", "training_brief", "apply_projection", "edit_batches",
+           "resolve_precision",
            "shard_batch", "plateaued", "plateau_stop", "PLATEAU_BAND"]
 
 
@@ -221,7 +224,8 @@ class _EpochPlan:
                 self.shards.append(None if part is None else (j, share))
                 j += part is not None
             # the fast path's own checks could differ between processes; a split model takes the plain loss
-            self.loss_fn = make_loss_fn(model, params, [p for p, _ in parts if p is not None], enabled=fast and not split)
+            self.loss_fn = make_loss_fn(model, params, [p for p, _ in parts if p is not None],
+                                        enabled=fast and not split)
         else:
             self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast)  # exact shortcut: prefix cached
         self.keep = None  # the preservation term (editing/keep.py), from the starting weights like the sequences
@@ -250,7 +254,7 @@ class _EpochPlan:
         term = term / world_size()  # every process computed it whole; their gradients are summed
         return term if loss is None else loss + term
 
-    def keep_report(self, hist: "TrainHistory") -> None:
+    def keep_report(self, hist: TrainHistory) -> None:
         """Once per epoch: the mean preservation term of its steps (nats/token, 0 for an epoch without a step)
         appended to ``hist.extra["keep"]``, with the transcripts and answer tokens it holds."""
         if self.keep is None:
@@ -276,7 +280,8 @@ class _EpochPlan:
         if self.sample is None:
             items = list(range(len(self.batches)))
         else:
-            host = self._first if epoch == 0 else self._batch(epoch_subset(self.seqs, self.sample, self.config.seed, epoch))
+            host = (self._first if epoch == 0
+                    else self._batch(epoch_subset(self.seqs, self.sample, self.config.seed, epoch)))
             items = [self.loss_fn.prepare(b) for b in host]
         return [items[i] for i in torch.randperm(len(items), generator=gen).tolist()]
 
@@ -395,7 +400,8 @@ class _Counters:
         """Once per epoch, the one read back to the host: the epoch's mean loss (nats/target token; appended to
         ``hist``, which also gets the step counts and ``converged``: below ``config.stop_loss``). One-line error on a
         non-finite loss."""
-        mean, n_skipped = torch.stack([torch.stack([v.double() for v in losses]).mean(), self.skipped.double()]).tolist()
+        mean, n_skipped = torch.stack([torch.stack([v.double() for v in losses]).mean(),
+                                       self.skipped.double()]).tolist()
         hist.skipped, hist.steps = int(n_skipped), self.n_batches - int(n_skipped)
         hist.epoch_loss.append(mean)
         if not math.isfinite(mean):
@@ -423,7 +429,8 @@ class _Step:
         self.rotations = (config.projection_precision, next(iter(params.values())).device if params else "cpu")
 
     def __call__(self, plan: _EpochPlan, item, counters: _Counters) -> Tensor:
-        """Run ``item`` of ``plan`` (counted in ``counters``); returns its batch mean loss, a 0-d tensor on the device."""
+        """Run ``item`` of ``plan`` (counted in ``counters``); returns its batch mean loss, a 0-d tensor on the
+        device."""
         timer = self.timer
         timer.start_step()
         loss, value = plan.loss(item, timer)
