@@ -377,7 +377,8 @@ class LMBatch:
     """One right-padded batch of tokenised texts.
 
     ``indices``: corpus index of each row (what seeds its sampled labels); ``input_ids`` and
-    ``attention_mask``: ``B x T`` (``mask``: what the model is fed, :func:`~crispedit.forward_args.static_attention_mask`);
+    ``attention_mask``: ``B x T`` (``mask``: what the model is fed,
+    :func:`~crispedit.forward_args.static_attention_mask`);
     ``rows``: ``B x T`` bool, position ``t`` predicts a real next token
     (:func:`loss_positions` with a False last column); ``labels``: ``N`` next-token ids of the ``N`` True
     positions of ``rows`` in row-major order (sequence by sequence, each a prefix of its row); ``flat``: their
