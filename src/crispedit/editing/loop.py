@@ -231,7 +231,8 @@ class _EpochPlan:
         self.keep = None  # the preservation term (editing/keep.py), from the starting weights like the sequences
         if config.keep_chat or config.keep_subject:
             kept = keep_sequences(model, tokenizer, requests, config.keep_chat, config.keep_subject)
-            self.keep = KeepLoss(model, tokenizer, kept, params, config.keep_weight, fast=fast, device=device)
+            self.keep = KeepLoss(model, tokenizer, kept, params, config.keep_weight,
+                                 fast=fast and not is_sharded(model), device=device)  # as the edit batches
         self.keep_terms: list[Tensor] = []
 
     def _arithmetic(self):
