@@ -8,17 +8,10 @@
 #                                           # the TF32 form rule), with a longer budget than the full run gives it
 #   HOST=1 bash benchmarks/gpu_scale.sh     # about 5 minutes: where the host-bound K-FAC batch and step go
 #                                           # (profiled K-FAC at 8 and 64 texts a batch; eager / compiled / CUDA-graph blocks)
-# The device image may lack xxhash (weight fingerprints) and cannot reach PyPI: fetch its wheel here first, untracked
-# so that it travels with the checkout:
-#   pip download xxhash --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 --no-deps -d gpu_wheels
+# The device image may lack xxhash: see benchmarks/gpu_setup.sh for fetching its wheel beforehand.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_scale}
-mkdir -p "$OUT"
-PY=${PY:-python}
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-$PY -c "import xxhash" 2>/dev/null || $PY -m pip install -q --no-index --find-links gpu_wheels xxhash \
-  || { echo "xxhash is missing and gpu_wheels/ holds no wheel for it (see the top of this script)"; exit 2; }
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/device.txt"
+. benchmarks/gpu_setup.sh
 if [ "${QUICK:-0}" = 1 ]; then
   $PY benchmarks/bench_scale.py --random-init smollm2 --blocks 4 --layers 'model.layers.{1-3}.mlp.down_proj' \
       --synthetic 64 --epochs 2 --n-cap 8 --device cuda --dtype bfloat16 --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.txt"

@@ -10,17 +10,10 @@
 # With one GPU there is nothing to split across: the script then measures the unsplit edit (N = 1) against the
 # calculator. Every process builds the whole random model on the host before the split: host memory must hold
 # the model's bytes once per process (Llama-3-8B in bfloat16: 16 GB each).
-# The device image may lack xxhash (weight fingerprints) and cannot reach PyPI: fetch its wheel here first, untracked
-# so that it travels with the checkout:
-#   pip download xxhash --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 --no-deps -d gpu_wheels
+# The device image may lack xxhash: see benchmarks/gpu_setup.sh for fetching its wheel beforehand.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_shard}
-mkdir -p "$OUT"
-PY=${PY:-python}
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-$PY -c "import xxhash" 2>/dev/null || $PY -m pip install -q --no-index --find-links gpu_wheels xxhash \
-  || { echo "xxhash is missing and gpu_wheels/ holds no wheel for it (see the top of this script)"; exit 2; }
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/device.txt"
+. benchmarks/gpu_setup.sh
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 SHARD=--shard
 if [ "$NGPU" -lt 2 ]; then

@@ -616,6 +616,18 @@ def lm_backward(model: nn.Module, batch: LMBatch, label_mode: LabelMode, seed: i
         h.backward(dh)
 
 
+def _process_batches(batches: list, shard: bool, split: bool) -> tuple[list, int]:
+    """The batches this process runs — every ``w``-th from its rank when ``shard``, else all — and how many of them
+    at the end are repeats whose statistics it discards: with the model ``split`` every process runs as many
+    batches (FSDP gathers each block in every forward and backward), so one with fewer runs its last (or the
+    first) batch again."""
+    mine = batches[rank()::world_size()] if shard else batches
+    if not split:
+        return mine, 0
+    idle = -(-len(batches) // world_size()) - len(mine)
+    return mine + [mine[-1] if mine else batches[0]] * idle, idle
+
+
 def collect_lm_kfac(
     model: nn.Module,
     tokenizer,
@@ -643,8 +655,7 @@ def collect_lm_kfac(
     (with ``loss_from``, only those predicting token ``loss_from[i]`` or later of text ``i``: :func:`lm_batches`)
     contributes one row to ``A`` and ``S``; factors are divided by the number of such rows, so the batching
     changes nothing but the order of the float64 additions. The LM head and the loss are computed at those positions
-    only, and backward
-    stops at the lowest hooked layer (:func:`capture_io`).
+    only, and backward stops at the lowest hooked layer (:func:`capture_io`).
 
     ``distributed`` (default: whether a ``torch.distributed`` group of several processes is initialised):
     process ``r`` of ``w`` runs batches ``r, r + w, r + 2w, ...`` of the same plan (sampled labels are
@@ -663,13 +674,8 @@ def collect_lm_kfac(
     batches = lm_batches(tokenizer, texts, max_len=max_len, batch_size=batch_size, max_padding=max_padding,
                          device=device, loss_from=loss_from)
     shard = distributed if distributed is not None else is_distributed()
-    mine = batches[rank()::world_size()] if shard else batches
     split = shard and is_sharded(model)
-    idle = 0
-    if split:  # every process runs as many batches (FSDP gathers each block in every forward and backward):
-        # one with fewer runs its last (or the first) batch again and adds nothing of it
-        idle = -(-len(batches) // world_size()) - len(mine)
-        mine = mine + [mine[-1] if mine else batches[0]] * idle
+    mine, idle = _process_batches(batches, shard, split)
     quiet = True if rank() != 0 else (None if progress is None else not progress)  # one bar: rank 0's
     bar = tqdm(total=sum(len(b.indices) for b in mine[:len(mine) - idle]), desc=desc, unit="seq", disable=quiet)
     skip = list(layers.values())

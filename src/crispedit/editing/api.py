@@ -113,13 +113,10 @@ def capability_sequences(model: nn.Module, tokenizer, config: EditConfig) -> tup
     texts, chat = _corpus_key(config)
     if not chat:
         return texts, None
-    from ..evaluation.generation import generate_answers
+    from .contexts import own_chat_answers
 
-    templated = bool(getattr(tokenizer, "chat_template", None))
-    shown = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-             if templated else p for p in chat]
-    answers = generate_answers(model, tokenizer, shown, max_new_tokens=CHAT_ANSWER_TOKENS, stop=(),
-                               add_special_tokens=not templated, progress=False, desc="capability chat answers")
+    shown, answers, templated = own_chat_answers(model, tokenizer, chat, CHAT_ANSWER_TOKENS,
+                                                 "capability chat answers")
     ids = [x[:config.max_len] for x in tokenizer(texts, truncation=True, max_length=config.max_len)["input_ids"]]
     loss_from = [0] * len(ids)
     for p, prompt, a in zip(chat, shown, answers):

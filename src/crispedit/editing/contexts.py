@@ -74,7 +74,8 @@ __all__ = ["TRAINING_CONTEXTS", "TrainingContext", "training_context", "Sequence
            "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "prefixes_from", "GEN_STARTS",
            "build_training_sequences", "training_batches",
            "epoch_subset",
-           "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS", "own_replies"]
+           "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS", "own_replies",
+           "own_chat_answers"]
 
 # Everyday wrappers a user puts around a question ({question} = the edit prompt). Deliberately free of the
 # WILD QA template's parts ("answer the question", "Q:", "A:") so that template stays unseen in training.
@@ -266,6 +267,20 @@ def chat_turn(tokenizer, question: str, answer: str | None) -> str:
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     msgs.append({"role": "assistant", "content": answer})
     return tokenizer.apply_chat_template(msgs, tokenize=False)
+
+
+def own_chat_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, desc: str
+                     ) -> tuple[list[str], list[str], bool]:
+    """``model``'s own greedy answers (at most ``max_new_tokens`` tokens, ended only by its end of turn) to
+    ``prompts`` through its chat template, or to the bare prompts without one: ``(shown, answers, templated)``,
+    ``shown`` the prompts as the model was fed them."""
+    from ..evaluation.generation import generate_answers
+
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    shown = [chat_turn(tokenizer, p, None) if templated else p for p in prompts]
+    answers = generate_answers(model, tokenizer, shown, max_new_tokens=max_new_tokens, stop=(),
+                               add_special_tokens=not templated, progress=False, desc=desc)
+    return shown, answers, templated
 
 
 @dataclass

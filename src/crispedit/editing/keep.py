@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from ..data.edits import EditRequest
 from ..data.tokenize import split_context_target
-from .contexts import TrainingSequence, chat_turn, training_batches
+from .contexts import TrainingSequence, own_chat_answers, training_batches
 
 if TYPE_CHECKING:  # the module top stays torch-free: EditConfig validates against SUBJECT_KEEPS
     from torch import Tensor, nn
@@ -66,16 +66,13 @@ def keep_sequences(model: nn.Module, tokenizer, requests: Sequence[EditRequest],
     ``model`` — pass it unedited — through its chat template, or the bare prompt without one): context kind
     ``"keep"``, the prompt as context and the answer as target. Subject answers that name their edit's old or
     new answer (:func:`~crispedit.evaluation.judges.mentions`) and empty answers are left out."""
-    from ..evaluation.generation import generate_answers
     from ..evaluation.judges import mentions
 
     asked = keep_prompts(requests, keep_chat, keep_subject)
     if not asked:
         return []
-    templated = bool(getattr(tokenizer, "chat_template", None))
-    shown = [chat_turn(tokenizer, p, None) if templated else p for _, p in asked]
-    answers = generate_answers(model, tokenizer, shown, max_new_tokens=KEEP_TOKENS, stop=(),
-                               add_special_tokens=not templated, desc="answers to keep")
+    shown, answers, templated = own_chat_answers(model, tokenizer, [p for _, p in asked], KEEP_TOKENS,
+                                                 "answers to keep")
     out = []
     for (i, _), ctx, answer in zip(asked, shown, answers):
         answer = answer.rstrip()

@@ -262,10 +262,10 @@ class _EpochPlan:
             return
         mean = float(torch.stack(self.keep_terms).mean()) if self.keep_terms else 0.0
         self.keep_terms = []
-        info = hist.extra.setdefault("keep", {"transcripts": sum(b.input_ids.shape[0] for b in self.keep.batches),
-                                              "tokens": self.keep.tokens(), "weight": self.keep.weight,
-                                              "epoch_term": []})
-        info["epoch_term"].append(round(mean, 6))
+        if "keep" not in hist.extra:
+            hist.extra["keep"] = {"transcripts": sum(b.input_ids.shape[0] for b in self.keep.batches),
+                                  "tokens": self.keep.tokens(), "weight": self.keep.weight, "epoch_term": []}
+        hist.extra["keep"]["epoch_term"].append(round(mean, 6))
 
     def _batch(self, subset):
         c = self.config

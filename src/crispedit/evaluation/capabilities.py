@@ -347,6 +347,22 @@ def _prefix_sharing_lm_class():
     return PrefixSharingHFLM
 
 
+def _harness_lm(model: nn.Module, tokenizer, batch_size: int, max_length: int | None, share_prefix: bool,
+                show: bool):
+    """The in-memory ``model`` as an lm-eval language model on its own device (choices of an item scored on one
+    cached context with ``share_prefix``); without ``show`` its request bars are off."""
+    from lm_eval.models.huggingface import HFLM
+
+    lm_cls = _prefix_sharing_lm_class() if share_prefix else HFLM
+    lm = lm_cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+                device=str(next(model.parameters()).device), max_length=max_length)
+    if not show:
+        # the evaluator calls these without disable_tqdm: bind it on this instance only
+        for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
+            setattr(lm, name, functools.partial(getattr(lm, name), disable_tqdm=True))
+    return lm
+
+
 def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit: int | dict | None = 200,
                      bench_dir: str | os.PathLike | None = None, num_fewshot: int | dict | None = None,
                      apply_chat_template: bool = False, fewshot_as_multiturn: bool = False, batch_size: int = 8,
@@ -377,18 +393,10 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
         ensure_punkt_offline()
     _quiet_lm_eval(logging.ERROR if progress is False else logging.WARNING)
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    device = str(next(model.parameters()).device)
-    lm_cls = _prefix_sharing_lm_class() if share_prefix else HFLM
-    lm = lm_cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-              max_length=max_length)
     show = show_progress(progress)
-    if not show:
-        # the evaluator calls these without disable_tqdm: bind it on this instance only
-        for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
-            setattr(lm, name, functools.partial(getattr(lm, name), disable_tqdm=True))
+    lm = _harness_lm(model, tokenizer, batch_size, max_length, share_prefix, show)
     managers: dict = {}
 
     def manager(where: Path | None):
