@@ -148,6 +148,9 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, option
                         f"relation (at most {len(SUBJECT_KEEPS)}; default {d['keep_subject']})")
     p.add_argument("--keep-weight", type=float, default=d["keep_weight"], metavar="W",
                    help=f"weight of that preservation term beside the edit loss (default {d['keep_weight']:g})")
+    p.add_argument("--keep-tokens", type=int, default=d["keep_tokens"], metavar="T",
+                   help="tokens of each held answer (longer answers hold more of the assistant's form and cost more "
+                        f"per step; default {d['keep_tokens']})")
     p.add_argument("--answer-end", choices=list(ANSWER_ENDS), default=d["answer_end"],
                    help="what follows the target in training: auto = the chat end-of-turn in chat, a period "
                    "elsewhere (default); eos = EOS instead of the period; none = the target alone (the paper)")
@@ -201,7 +204,7 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
                       projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
                       cap_chat=args.cap_chat, keep_chat=args.keep_chat, keep_subject=args.keep_subject,
-                      keep_weight=args.keep_weight, seed=args.seed, contexts=args.contexts,
+                      keep_weight=args.keep_weight, keep_tokens=args.keep_tokens, seed=args.seed, contexts=args.contexts,
                       answer_end=args.answer_end, options=options,
                       max_drift=getattr(args, "max_drift", None), drift_penalty=args.drift_penalty)
 

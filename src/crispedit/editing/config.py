@@ -39,6 +39,7 @@ PROJECTION_PRECISIONS = ("fp32", "tf32")
 BATCH_ORDERS = ("request", "length")  # EditConfig.batch_order: which sequences of a context share a batch
 DEFAULT_LR = 5e-4  # the paper's Adam learning rate; LoRA overrides it (LoRAConfig.SHARED)
 MAX_EPOCHS = 100_000
+MAX_KEEP_TOKENS = 1024  # tokens of one held answer (editing/keep.py), at most
 
 
 class ProjectionTarget(str, Enum):
@@ -92,10 +93,12 @@ class EditConfig:
     # capability corpus, so the curvature also protects how the assistant answers (0 = text alone)
     cap_chat: int = 0
     # the preservation term (editing/keep.py): the unedited model's answers to this many bundled chat prompts
-    # and to this many subject questions per edit are held while the edit trains, with this weight (0, 0: off)
+    # and to this many subject questions per edit are held while the edit trains, with this weight (0, 0: off),
+    # each answer's first keep_tokens tokens
     keep_chat: int = 0
     keep_subject: int = 0
     keep_weight: float = 1.0
+    keep_tokens: int = 24
     seed: int = 0
     options: dict = field(default_factory=dict)  # the method's own settings (Editor.Config fields)
     # trust region on the predicted KL drift (nats/token, fine-tuning methods; MethodSpec.drift_budget);
@@ -141,6 +144,7 @@ class EditConfig:
         self.keep_chat = check_int("keep-chat", self.keep_chat, 0, CHAT_PROMPTS)
         self.keep_subject = check_int("keep-subject", self.keep_subject, 0, len(SUBJECT_KEEPS))
         self.keep_weight = check_float("keep weight (--keep-weight)", self.keep_weight, 0.0, lo_open=True)
+        self.keep_tokens = check_int("keep-tokens", self.keep_tokens, 1, MAX_KEEP_TOKENS)
         self.skip_loss = check_float("skip_loss", self.skip_loss, 0.0)
         self.stop_loss = check_float("stop_loss", self.stop_loss, 0.0)
         self.plateau_epochs = check_int("plateau epochs (--plateau)", self.plateau_epochs, 0, MAX_EPOCHS)

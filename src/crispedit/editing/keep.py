@@ -4,7 +4,8 @@ The capability curvature keeps what its corpus exercises; an edit's training con
 target" in forms (a bare prompt, a lead-in, a chat turn) that carry over to questions the edit never asked:
 the edited model starts answering everything in a bare phrase, and questions about an edited subject start
 naming the new target. The preservation term holds those answers in place. Before training, the unedited
-model answers, greedily through its chat template, at most :data:`KEEP_TOKENS` tokens each:
+model answers, greedily through its chat template, at most ``keep_tokens`` tokens each
+(:data:`KEEP_TOKENS` by default):
 
 * the first ``keep_chat`` of the bundled everyday prompts (:func:`~crispedit.data.corpus.chat_prompts`,
   disjoint from the style-drift prompts the evaluation asks);
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # the module top stays torch-free: EditConfig validates again
 __all__ = ["KEEP_TOKENS", "SUBJECT_KEEPS", "KEEP_SUBJECTS", "KEEP_BATCH", "keep_prompts", "keep_sequences",
            "KeepLoss"]
 
-KEEP_TOKENS = 24    # tokens of each unedited answer kept: its form shows in the first few
+KEEP_TOKENS = 24    # tokens of each unedited answer kept by default: its form shows in the first few
 KEEP_SUBJECTS = 128  # edits whose subject is asked about, at most (evenly spread over a larger edit set)
 KEEP_BATCH = 8      # transcripts per training step: a small batch, so the term adds little to a step
 # Questions about an edit's subject that ask no particular relation ({subject}), worded apart from
@@ -61,9 +62,10 @@ def keep_prompts(requests: Sequence[EditRequest], keep_chat: int, keep_subject: 
 
 
 def keep_sequences(model: nn.Module, tokenizer, requests: Sequence[EditRequest], keep_chat: int,
-                   keep_subject: int) -> list[TrainingSequence]:
+                   keep_subject: int, max_tokens: int = KEEP_TOKENS) -> list[TrainingSequence]:
     """The transcripts whose answer tokens the preservation term holds (:func:`keep_prompts`, answered greedily by
-    ``model`` — pass it unedited — through its chat template, or the bare prompt without one): context kind
+    ``model`` — pass it unedited — through its chat template, or the bare prompt without one; at most
+    ``max_tokens`` tokens each): context kind
     ``"keep"``, the prompt as context and the answer as target. Subject answers that name their edit's old or
     new answer (:func:`~crispedit.evaluation.judges.mentions`) and empty answers are left out."""
     from ..evaluation.judges import mentions
@@ -71,7 +73,7 @@ def keep_sequences(model: nn.Module, tokenizer, requests: Sequence[EditRequest],
     asked = keep_prompts(requests, keep_chat, keep_subject)
     if not asked:
         return []
-    shown, answers, templated = own_chat_answers(model, tokenizer, [p for _, p in asked], KEEP_TOKENS,
+    shown, answers, templated = own_chat_answers(model, tokenizer, [p for _, p in asked], max_tokens,
                                                  "answers to keep")
     out = []
     for (i, _), ctx, answer in zip(asked, shown, answers):

@@ -230,7 +230,8 @@ class _EpochPlan:
             self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast)  # exact shortcut: prefix cached
         self.keep = None  # the preservation term (editing/keep.py), from the starting weights like the sequences
         if config.keep_chat or config.keep_subject:
-            kept = keep_sequences(model, tokenizer, requests, config.keep_chat, config.keep_subject)
+            kept = keep_sequences(model, tokenizer, requests, config.keep_chat, config.keep_subject,
+                                  config.keep_tokens)
             self.keep = KeepLoss(model, tokenizer, kept, params, config.keep_weight,
                                  fast=fast and not is_sharded(model), device=device)  # as the edit batches
         self.keep_terms: list[Tensor] = []
