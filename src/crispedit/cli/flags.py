@@ -204,7 +204,8 @@ def config_from_args(args, method: str | None = None, options: dict | None = Non
                       projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
                       label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
                       cap_chat=args.cap_chat, keep_chat=args.keep_chat, keep_subject=args.keep_subject,
-                      keep_weight=args.keep_weight, keep_tokens=args.keep_tokens, seed=args.seed, contexts=args.contexts,
+                      keep_weight=args.keep_weight, keep_tokens=args.keep_tokens, seed=args.seed,
+                      contexts=args.contexts,
                       answer_end=args.answer_end, options=options,
                       max_drift=getattr(args, "max_drift", None), drift_penalty=args.drift_penalty)
 
