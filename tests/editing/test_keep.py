@@ -50,14 +50,17 @@ def test_keep_prompts_chat_then_subjects_spread_and_capped():
 
 def test_keep_sequences_leave_out_answers_naming_the_edit(chat_lm, monkeypatch):
     model, tok = chat_lm
+    asked = []
 
     def fake(model, tokenizer, prompts, **kw):
         """Subject answers of edit 0 name its new target, of edit 1 its old answer; the rest say something else."""
+        asked.append(kw["max_new_tokens"])
         return ["Author A is here." if "book number 0" in p else "Writer G wrote it." if "book number 1" in p
                 else "Something else entirely." for p in prompts]
 
     monkeypatch.setattr("crispedit.evaluation.generation.generate_answers", fake)
-    seqs = keep_sequences(model, tok, REQS, 2, 1)
+    seqs = keep_sequences(model, tok, REQS, 2, 1, max_tokens=7)
+    assert asked == [7]  # the answers are cut where the setting says
     assert [s.request for s in seqs] == [0, 0, 2, 3, 4]  # two chat prompts (request 0 by convention), edits 2-4
     for s in seqs:
         assert s.context == "keep" and 0 < s.n_context < len(s.ids)
@@ -130,7 +133,8 @@ def test_edit_with_keep_changes_the_kept_answers_less(chat_lm, iso_cache):
 @pytest.mark.parametrize("kw,msg", [({"keep_chat": -1}, "keep-chat"), ({"keep_chat": 10_000}, "keep-chat"),
                                     ({"keep_subject": len(SUBJECT_KEEPS) + 1}, "keep-subject"),
                                     ({"keep_weight": 0}, "keep weight"),
-                                    ({"keep_weight": float("nan")}, "keep weight")])
+                                    ({"keep_weight": float("nan")}, "keep weight"),
+                                    ({"keep_tokens": 0}, "keep-tokens"), ({"keep_tokens": 10_000}, "keep-tokens")])
 def test_keep_settings_are_checked(kw, msg):
     with pytest.raises(CrispEditError, match=msg):
         EditConfig(**kw)
