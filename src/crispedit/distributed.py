@@ -1,6 +1,6 @@
 """Several processes with ``torch.distributed`` (``torchrun``): who this process is, a process group set up
 from torchrun's environment, and the few collectives crispedit uses (sum-reduce, an all-processes-agree
-flag, barrier). Every helper is a no-op in a single process, so code paths are the same with and without
+flag, a same-as-rank-0 check, barrier). Every helper is a no-op in a single process, so code paths are the same with and without
 torchrun. The transport is torch's own: gloo for CPU tensors, NCCL for CUDA tensors.
 
     torchrun --standalone --nproc-per-node 2 -m crispedit cache build --model smollm2 --n-cap 512
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
 __all__ = ["is_distributed", "rank", "world_size", "is_main", "launched_world_size", "all_reduce_sum_",
-           "all_agree", "barrier", "broadcast_", "process_group_from_env", "is_sharded", "shard_model",
+           "all_agree", "same_as_main", "barrier", "broadcast_", "process_group_from_env", "is_sharded", "shard_model",
            "full_state_dict"]
 
 
@@ -100,6 +100,18 @@ def all_agree(flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(int(t.item()))
+
+
+def same_as_main(value: int) -> bool:
+    """True when the integer ``value`` (e.g. a digest of a file every process read) is rank 0's on every process
+    (``True`` in a single process). Every process must call it. Used so that all processes start from the same
+    state, e.g. "every process read the same committed session state"."""
+    if not is_distributed():
+        return True
+    import torch
+
+    t = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device())
+    return all_agree(int(broadcast_(t.clone()).item()) == int(t.item()))
 
 
 def broadcast_(t: Tensor, src: int = 0) -> Tensor:

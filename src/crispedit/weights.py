@@ -59,9 +59,18 @@ FINGERPRINT_PREFIX = "xxh3-"  # weight_fingerprint's digests name their hash
 
 def _hash_weights(model: nn.Module, h) -> str:
     """Feed ``h`` (a hashlib-style object) the model type and every parameter and buffer in name order (name,
-    shape, dtype, then its bytes; bfloat16 as 16-bit integers) and return its hex digest."""
+    shape, dtype, then its bytes; bfloat16 as 16-bit integers) and return its hex digest. A weight split across
+    processes (:func:`crispedit.distributed.shard_model`) is gathered whole first, one at a time (every process
+    must call it), so a split model has the fingerprint of the same weights in one process."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without torch.distributed: nothing can be split
+        DTensor = ()  # noqa: N806
+
     h.update(str(getattr(getattr(model, "config", None), "model_type", type(model).__name__)).encode())
     for name, t in sorted(model.state_dict().items()):
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         data = t.detach().cpu().contiguous()
         if data.dtype == torch.bfloat16:

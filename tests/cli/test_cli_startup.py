@@ -302,7 +302,7 @@ print(json.dumps({{"rc": rc, "heavy": sorted(m for m in {heavy!r} if m in sys.mo
 
 @pytest.mark.parametrize("world_size,argv,rc,text", [
     (None, ["cache", "build", "--help"], 0, "usage: crispedit cache build"),
-    ("2", ["report", "run.json"], 2, "only `cache build` and `edit` run under torchrun"),
+    ("2", ["report", "run.json"], 2, "only `cache build`, `edit` and `session add` run under torchrun"),
 ], ids=["help", "report-under-torchrun"])
 def test_python_dash_m_is_torch_free_too(world_size, argv, rc, text, tmp_path):
     # `torchrun -m crispedit` runs crispedit/__main__.py; its start-up and refusals are as cheap as the script's

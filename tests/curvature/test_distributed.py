@@ -145,7 +145,7 @@ def test_other_commands_refuse_torchrun(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["report", str(tmp_path / "run.json")]) == 2
     err = capsys.readouterr().err
-    assert "only `cache build` and `edit` run under torchrun" in err and err.count("\n") == 1
+    assert "only `cache build`, `edit` and `session add` run under torchrun" in err and err.count("\n") == 1
 
 
 def test_shard_batch_rows_and_token_shares():

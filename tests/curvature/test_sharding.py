@@ -8,6 +8,8 @@
 * Command line, float32: ``torchrun --nproc-per-node 3 -m crispedit edit --shard`` (3 processes: no weight's rows
   and no batch divide evenly) writes the files a one-process edit writes, with its weights, reusing the factors
   the one-process edit cached; ``cache build --shard`` writes the factors a one-process build reuses.
+* ``torchrun --nproc-per-node 2 -m crispedit session add --shard``: a round on the split model commits the files and
+  the state a one-process round commits on a copy of the same session, with its weights and its edit factors.
 * Bad input: ``--shard`` without torchrun, ``--shard`` with a method that does not train through the loop.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +38,10 @@ LAYERS = "model.layers.{1-2}.mlp.down_proj"
 TIMEOUT_S = 300  # a few interpreters importing torch + transformers on a loaded 2-core machine: ~15 s normally
 
 
-def torchrun(args: list, cwd: Path, nproc: int = 2, ok: bool = True) -> subprocess.CompletedProcess:
+def torchrun(args: list, cwd: Path, nproc: int = 2, ok: bool = True, timeout_s: int = TIMEOUT_S
+             ) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node NPROC ARGS``, one thread per process; with ``ok`` fails the test
-    with the processes' output unless it exits 0."""
+    with the processes' output unless it exits 0; fails it when the run takes over ``timeout_s`` seconds."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([SRC, str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -54,9 +58,9 @@ def torchrun(args: list, cwd: Path, nproc: int = 2, ok: bool = True) -> subproce
         *map(str, args),
     ]
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:  # run() has killed torchrun; its workers die with it
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S}s: {exc.stderr}")
+        pytest.fail(f"torchrun did not finish in {timeout_s}s: {exc.stderr}")
     if ok:
         assert proc.returncode == 0, (
             f"torchrun exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
@@ -270,11 +274,91 @@ def test_torchrun_cache_build_shard_is_reused_by_one_process(tiny_model_dir, tmp
     assert "reused" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", [["edit", "--edits", "E", "--out", "O"], ["cache", "build"]])
+def timeless(x, where: str = ""):
+    """``x`` (a session's JSON) without its clock readings: the keys that end in ``seconds`` or name a time
+    (``finished``, ``created``), anywhere in it."""
+    if isinstance(x, dict):
+        return {k: timeless(v, f"{where}.{k}") for k, v in x.items()
+                if not (k.endswith("seconds") or k in ("finished", "created"))}
+    if isinstance(x, list):
+        return [timeless(v, where) for v in x]
+    return x
+
+
+def assert_same_json(got, want, where: str = "") -> None:
+    """``got`` equals ``want``: the same keys, lists and strings, integers and booleans exactly, floats to the
+    round-off of a float32 model's batches split over processes (1e-4 relative, or 1e-6 absolute near zero)."""
+    assert type(got) is type(want) or {type(got), type(want)} <= {int, float}, where
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), where
+        for k in want:
+            assert_same_json(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_json(g, w, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6), where
+    else:
+        assert got == want, where
+
+
+def test_torchrun_session_add_shard_commits_the_one_process_round(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """One round of a crispedit-seq session on the model split over 2 processes, and in one process on a copy of
+    the same session: the same files; ``state.json`` the same apart from clock readings and the keys that say how
+    the round ran; the edited weights to the edit test's tolerance; the accumulated edit factors (collected on the
+    split model, summed over the processes) and the capability factors ``--recompute-drift`` recollects on the
+    edited model to float32 round-off."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "edits.json").write_text(json.dumps(RECORDS))
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    # the 5 bare sequences in batches of 4 and 1 (a batch the second process has no row of)
+    init = ["session", "init", "--model", tiny_model_dir, "--layers", LAYERS, "--n-cap", 4, "--max-len", 32,
+            "--epochs", 3, "--lr", 1e-2, "--batch-size", 4, "--contexts", "bare", "--kl-texts", 2,
+            "--recompute-drift", 0.01, "--quiet", "--out", s1]
+    assert main([str(a) for a in init]) == 0
+    shutil.copytree(s1, s2)  # the same session twice: base, configuration and capability factors
+    add = ["--edits", tmp_path / "edits.json", "--quiet"]
+    assert main([str(a) for a in ["session", "add", s1, *add]]) == 0
+    capsys.readouterr()
+    # a round trains, collects the edit and capability factors, evaluates and plots: longer than an edit
+    proc = torchrun(["-m", "crispedit", "session", "add", s2, *add, "--shard"], tmp_path, timeout_s=2 * TIMEOUT_S)
+    assert proc.stdout.count("round 1 committed") == 1, proc.stdout  # rank 0 alone prints
+
+    def names(d: Path) -> list[str]:
+        return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+    assert names(s2) == names(s1)
+    st1, st2 = (json.loads((s / "state.json").read_text()) for s in (s1, s2))
+    rec = st2["rounds"][0]
+    assert (rec.pop("processes"), rec.pop("sharded")) == (2, True) and "processes" not in st1["rounds"][0]
+    for r in (rec, st1["rounds"][0]):  # how the loss was computed: the split model runs the plain loss, one
+        for k in ("packed_batches", "padded_per_epoch", "positions_per_epoch"):  # process the packed fast path
+            r["train"].pop(k, None)
+    assert (rec["train"].pop("fast_loss"), st1["rounds"][0]["train"].pop("fast_loss")) == (False, True)
+    assert rec["capability_recomputed"] and st1["rounds"][0]["capability_recomputed"]
+    assert_same_json(timeless(st2), timeless(st1))
+    base = read(tiny_model_dir / "model.safetensors")
+    w1, w2 = read(s1 / "weights-0001.safetensors"), read(s2 / "weights-0001.safetensors")
+    assert sorted(w1) == sorted(w2) == [f"{n}.weight" for n in ("model.layers.1.mlp.down_proj",
+                                                                "model.layers.2.mlp.down_proj")]
+    for k in w1:
+        step = float((w1[k] - base[k]).abs().max())
+        assert step > 0 and float((w2[k] - w1[k]).abs().max()) <= 1e-4 * step, k
+    for name in ("edit_factors-0001", "cap_factors-0001"):
+        f1, f2 = read(s1 / f"{name}.safetensors"), read(s2 / f"{name}.safetensors")
+        assert sorted(f1) == sorted(f2) and f1
+        for k in f1:
+            torch.testing.assert_close(f2[k], f1[k], rtol=1e-4, atol=1e-4 * float(f1[k].abs().max()), msg=(name, k))
+
+
+@pytest.mark.parametrize("command", [["edit", "--edits", "E", "--out", "O"], ["cache", "build"],
+                                     ["session", "add", "O", "--edits", "E"]])
 def test_shard_without_torchrun_is_one_line(command, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     argv = [*command[:2], *[str(tmp_path / a) if a in ("E", "O") else a for a in command[2:]]]
-    if command[0] == "edit":
+    if "--edits" in command:
         (tmp_path / "E").write_text(json.dumps(RECORDS))
     assert main([*argv, "--shard"]) == 2
     err = capsys.readouterr().err

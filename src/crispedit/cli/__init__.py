@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         level = _check_log_level(args.log_level)
         if not getattr(args, "torchrun", False) and launched_world_size() > 1:
-            raise CrispEditError(f"{parser.prog} {args.command}: only `cache build` and `edit` run under torchrun; "
-                                 "run this command in one process (it reuses the factors a torchrun cache build wrote)")
+            raise CrispEditError(f"{parser.prog} {args.command}: only `cache build`, `edit` and `session add` run "
+                                 "under torchrun; run this command in one process (it reuses the factors a torchrun "
+                                 "cache build wrote)")
         with log_lines(level, sys.stderr, "%(asctime)s %(name)s: %(message)s"):
             return int(args.func(args) or 0)
     except CrispEditError as exc:

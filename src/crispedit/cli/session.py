@@ -1,4 +1,6 @@
-"""``crispedit session init|add|status|export|plot``: durable sequential editing from the command line.
+"""``crispedit session init|add|status|export|plot``: durable sequential editing from the command line. ``add``
+may run under ``torchrun`` (its batches split across the processes; with ``--shard`` the model's decoder blocks too,
+as ``edit --shard``); the others run in one process.
 
 Every command checks what it can without torch first — flags, the session directory's JSON files, edit
 files, output destinations — and imports :mod:`crispedit.sessions.session` (torch) only then."""
@@ -16,8 +18,10 @@ from .flags import (
     add_edits_args,
     add_max_drift_arg,
     add_model_args,
+    add_shard_arg,
     add_training_args,
     check_job_files,
+    check_shard_launch,
     config_from_args,
 )
 
@@ -66,17 +70,25 @@ def cmd_init(args) -> int:
 
 
 def cmd_add(args) -> int:
-    """``crispedit session add``: apply one round of edits and print its retention line."""
+    """``crispedit session add``: apply one round of edits and print its retention line. Under ``torchrun`` every
+    process runs the round (``--shard``: on the model split across them) and rank 0 alone writes and prints."""
     from ..data import load_edits
 
+    check_shard_launch(args)
     _check_session(args.dir)
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
+    from ..distributed import is_main, process_group_from_env
     from ..editing.loop import training_brief
     from ..sessions.session import Session
 
-    s = Session.open(args.dir, model=args.model, device=args.device)
-    print(f"round {s.round + 1}: editing {len(requests)} requests from {args.edits}", flush=True)
-    rec = s.add(requests, source=str(args.edits), progress=None if not args.quiet else False)
+    with process_group_from_env(args.device) as device:  # under torchrun: batches split across processes
+        main_process = is_main()  # read inside: the group is gone after the block
+        s = Session.open(args.dir, model=args.model, device=device, shard=args.shard)
+        if main_process:
+            print(f"round {s.round + 1}: editing {len(requests)} requests from {args.edits}", flush=True)
+        rec = s.add(requests, source=str(args.edits), progress=None if not args.quiet and main_process else False)
+    if not main_process:
+        return 0
     ret = " ".join(f"r{j}={_fmt(v['rel'], 2)}" for j, v in rec["retention"].items())
     print(f"round {rec['round']} committed: rel={_fmt(rec['rel'])} rel_all={_fmt(rec['rel_all'])} "
           f"kl_drift={rec['kl_drift']:.5f} kl_predicted={_fmt(rec.get('kl_predicted'), 5)} "
@@ -193,8 +205,9 @@ def add_cli(sub) -> None:
     add_edits_args(a)
     a.add_argument("--model", default=None, help="base model location if it moved (fingerprint is checked)")
     a.add_argument("--device", default=None)
+    add_shard_arg(a)
     a.add_argument("--quiet", action="store_true")
-    a.set_defaults(func=cmd_add)
+    a.set_defaults(func=cmd_add, torchrun=True)  # may run under torchrun
 
     s = ss.add_parser("status", help="rounds, edit counts, per-round metrics and retention")
     s.add_argument("dir")

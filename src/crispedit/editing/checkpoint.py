@@ -14,7 +14,9 @@ nothing again. The epoch cap (``epochs``) is not part of a run's identity: it bo
 any step before it (the learning rate has no schedule over the epochs), so a run may be resumed under a
 larger cap (train longer) or a smaller one not below the epochs already trained. Every file records the crispedit
 version that wrote it; another version's is refused in one line (:func:`~crispedit.versions.check_written_by`).
-Tensors only, no pickle.
+Tensors only, no pickle. Under ``torchrun`` (every process holds the same trained tensors) rank 0 alone writes the
+file and every process resumes from it; a file some processes see and others do not is refused in one line
+(:func:`agree_on_resume`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..atomic import atomic_save_safetensors
+from ..distributed import all_agree, is_main
 from ..errors import CrispEditError
 from ..safetensors_io import load_safetensors, read_safetensors_header
 from ..versions import check_written_by, stamped
@@ -38,6 +41,7 @@ if TYPE_CHECKING:  # torch is imported by the functions that need it: the header
     from ..data.edits import EditRequest
 
 __all__ = ["run_identity", "LoopState", "LoopCheckpoint", "save_checkpoint", "load_checkpoint", "check_checkpoint_file",
+           "agree_on_resume",
            "load_run_file", "CHECKPOINT_KIND", "CLOSED_FORM_KEY"]
 
 CHECKPOINT_KIND = "training checkpoint"
@@ -192,6 +196,15 @@ def check_checkpoint_file(path: str | Path) -> None:
         check_written_by(meta, f"{CHECKPOINT_KIND} file {path}", _THEN)
 
 
+def agree_on_resume(found: bool, path: str | Path) -> None:
+    """Under ``torchrun``: one-line :class:`CrispEditError` unless every process found the checkpoint at ``path``
+    or none did (a path the processes do not share would have them train on from different states). Every process
+    must call it; nothing in a single process."""
+    if not (all_agree(found) or all_agree(not found)):
+        raise CrispEditError(f"{CHECKPOINT_KIND} file {path} is seen by some of torchrun's processes and not by "
+                             "others; give a path on a file system every process shares")
+
+
 def budget_counters(budget) -> dict:
     """The drift budget's counters to checkpoint (``{}`` without a budget)."""
     return {} if budget is None else {k: getattr(budget, k) for k in _BUDGET_COUNTERS if hasattr(budget, k)}
@@ -222,13 +235,15 @@ class LoopCheckpoint:
         if self.path is None:
             return None
         state = load_checkpoint(self.path, self.identity, self.params, self.opt, max_epochs=self.max_epochs)
+        agree_on_resume(state is not None, self.path)
         if state is not None:
             restore_budget_counters(self.budget, state.budget)
         return state
 
     def save_if_due(self, state: LoopState, start: int, final: bool) -> None:
         """Write ``state`` (its ``budget`` taken from the drift budget now) when ``final`` (converged or the last
-        epoch) or when ``every`` epochs have passed since ``start``, the epoch this call began at."""
-        if self.path is not None and (final or (state.epochs - start) % self.every == 0):
+        epoch) or when ``every`` epochs have passed since ``start``, the epoch this call began at; rank 0 alone under
+        ``torchrun``."""
+        if self.path is not None and is_main() and (final or (state.epochs - start) % self.every == 0):
             state.budget = budget_counters(self.budget)
             save_checkpoint(self.path, self.identity, state, self.params, self.opt)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -53,7 +54,8 @@ from ..atomic import atomic_directory, atomic_save_safetensors, atomic_write_jso
 from ..checks import check_finite_tensors
 from ..curvature.kfac import KFACFactors
 from ..data.edits import EditRequest, load_edits, requests_digest, save_edits_jsonl
-from ..editing.api import capability_factors, edit_factors
+from ..distributed import all_agree, barrier, is_main, is_sharded, same_as_main, world_size
+from ..editing.api import capability_factors, edit_factors, shard_for_edit
 from ..editing.contexts import DEFAULT_CONTEXTS, pinned_contexts
 from ..editing.registry import get_editor
 from ..errors import CrispEditError
@@ -113,8 +115,9 @@ class Session:
     """
 
     def __init__(self, path: Path, meta: dict, *, model_arg: Any = None, device: str | None = None,
-                 cache_root: str | Path | None = None):
+                 cache_root: str | Path | None = None, shard: bool = False):
         self.path = Path(path)
+        self._shard = shard
         self.meta = meta
         self.config = SeqConfig.from_dict(meta["config"])
         self._model_arg = model_arg
@@ -170,9 +173,14 @@ class Session:
 
     @classmethod
     def open(cls, path: str | Path, *, config: SeqConfig | None = None, model: Any = None, device: str | None = None,
-             cache_root: str | Path | None = None) -> Session:
+             cache_root: str | Path | None = None, shard: bool = False) -> Session:
         """Open an existing session. ``config`` (if given) must equal the stored one; ``model`` (a spec
-        or a ``(model, tokenizer)`` pair; default: the stored spec) must have the stored fingerprint."""
+        or a ``(model, tokenizer)`` pair; default: the stored spec) must have the stored fingerprint.
+
+        Under ``torchrun`` every process opens it (rank 0 alone cleans up and, in :meth:`add`, writes). ``shard``
+        (a spec, not a pair): the model, loaded on the host, has its decoder blocks split across the processes onto
+        ``device`` (:func:`~crispedit.editing.shard_for_edit`; the edited weights stay whole), as ``edit --shard``
+        does."""
         path = Path(path)
         meta = read_session_meta(path)
         if config is not None:
@@ -185,15 +193,16 @@ class Session:
                                      "start a new session for new settings")
         if model is None and meta["base"]["spec"] == "<in-memory>":
             model = None  # must be given before add/export
-        s = cls(path, meta, model_arg=model, device=device, cache_root=cache_root)
+        s = cls(path, meta, model_arg=model, device=device, cache_root=cache_root, shard=shard)
         if model is not None and not isinstance(model, tuple) and str(model) != meta["base"]["spec"]:
             s._ensure_model()  # an explicit other location: check it now
         elif isinstance(model, tuple):
             s._ensure_model()
         s._read_state()  # a damaged state.json is named before anything (the lock file included) is written
         with s._lock(blocking=False) as got:
-            if got:
+            if got and is_main():
                 s._cleanup()
+        barrier()  # no process reads the session while rank 0 cleans it up
         return s
 
     # -- public API ------------------------------------------------------------------------------
@@ -205,15 +214,22 @@ class Session:
     def add(self, requests: Sequence[EditRequest], *, source: str | None = None,
             progress: bool | None = None, plot: bool = True) -> dict:
         """Apply one round of edits, evaluate retention and drift, and commit. Returns the round record.
-        ``plot`` also rewrites ``retention.png`` (derived; a plotting failure never fails the round)."""
+        ``plot`` also rewrites ``retention.png`` (derived; a plotting failure never fails the round).
+
+        Under ``torchrun`` every process calls it and runs the round — the batches, the edit factors' collection
+        (summed over the processes) and the evaluation split across them — from the committed state rank 0 reads;
+        rank 0 alone writes the round, and no process returns before it is committed. The record then says
+        ``processes``, and ``sharded`` on a split model (:meth:`open`'s ``shard``)."""
         requests = list(requests)
         if not requests:
             raise CrispEditError("no edit requests given")
         with self._lock(blocking=False) as got:
             if not got:
                 raise CrispEditError(f"session {self.path} is busy: another process is adding a round")
-            self._cleanup()
-            st = self._read_state()
+            if is_main():
+                self._cleanup()
+            barrier()  # the other processes read the session once rank 0 has cleaned it up
+            st = self._read_committed()
             self._ensure_model()
             state = self._load_state(st)
             k = st["round"] + 1
@@ -229,19 +245,29 @@ class Session:
             rec.update(self._evaluate(earlier + [requests], progress))
             rec.update({"round": k, "n_edits": len(requests), "source": source,
                         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-            files = self._write_round(k, state, new, requests, st["files"])
-            _fault("before_commit")
-            rounds = st["rounds"] + [rec]
-            atomic_write_json(self.path / STATE_FILE, stamped({"format": SESSION_FORMAT, "round": k, "files": files,
-                                                               "rounds": rounds}))
-            _fsync(self.path)  # the rename itself
-            _fault("after_commit")
+            if world_size() > 1:
+                rec.update(processes=world_size(), **({"sharded": True} if is_sharded(self._model) else {}))
+            if is_main():  # every process holds the same round; rank 0 writes it
+                self._commit(k, state, new, requests, st, rec)
+            barrier()  # no process goes on (or reads the session) before the round is committed
             self._state, self._state_round = new, k
-            self._cleanup()
-        if plot:
+            if is_main():
+                self._cleanup()
+        if plot and is_main():
             with contextlib.suppress(Exception):  # the plot is derived; it never fails a committed round
                 self.plot()
         return rec
+
+    def _commit(self, k: int, old: SeqState, new: SeqState, requests: Sequence[EditRequest], st: dict,
+                rec: dict) -> None:
+        """Commit round ``k`` (record ``rec``) onto the committed state ``st``: write its files, then replace
+        ``state.json`` naming them — the rename is the commit (the module docstring's protocol)."""
+        files = self._write_round(k, old, new, requests, st["files"])
+        _fault("before_commit")
+        atomic_write_json(self.path / STATE_FILE, stamped({"format": SESSION_FORMAT, "round": k, "files": files,
+                                                           "rounds": st["rounds"] + [rec]}))
+        _fsync(self.path)  # the rename itself
+        _fault("after_commit")
 
     def status(self) -> dict:
         """Rounds, edit counts, per-round metrics and the retention matrix (no model needed)."""
@@ -323,19 +349,36 @@ class Session:
     def _read_state(self) -> dict:
         return read_session_state(self.path)
 
+    def _read_committed(self) -> dict:
+        """The committed state, read by every process (under ``torchrun``); one-line error unless every process
+        read rank 0's (a file system that shows the processes different session files)."""
+        st = self._read_state()
+        digest = int(hashlib.sha256(json.dumps(st, sort_keys=True).encode()).hexdigest()[:15], 16)
+        if not same_as_main(digest):
+            raise CrispEditError(f"session {self.path}: torchrun's processes read different committed states; put "
+                                 "the session on a file system every process shares")
+        return st
+
     @contextlib.contextmanager
     def _lock(self, blocking: bool = True) -> Iterator[bool]:
+        """Hold the session's exclusive lock (``flock`` on its lock file) for the block; yields whether it was
+        taken (``blocking=False``: not when another process holds it). Under ``torchrun`` rank 0 alone takes it
+        and every process is told whether it did (every process must enter the block)."""
+        if not is_main():
+            yield all_agree(True)
+            return
         fh = open(self.path / LOCK_FILE, "a+")
         try:
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                got = True
             except BlockingIOError:
-                yield False
-                return
+                got = False
             try:
-                yield True
+                yield all_agree(got)
             finally:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+                if got:
+                    fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
         finally:
             fh.close()
 
@@ -343,9 +386,9 @@ class Session:
         """The checkpoint round ``k``'s training keeps beside the session (``training-NNNN-<edits>.safetensors``,
         named by the round and a digest of its edits), so that an ``add`` killed while training goes on from its
         last epoch when the same edits are added again; another round's or other edits' training files are
-        deleted here (they cannot resume anything)."""
+        deleted here, by rank 0 alone under ``torchrun`` (they cannot resume anything)."""
         path = self.path / f"training-{k:04d}-{requests_digest(requests)}.safetensors"
-        for f in self.path.iterdir():
+        for f in self.path.iterdir() if is_main() else ():
             if _TRAINING_FILE.match(f.name) and f != path:
                 f.unlink(missing_ok=True)
         return path
@@ -390,8 +433,11 @@ class Session:
         if arg == "<in-memory>":
             raise CrispEditError(f"session {self.path} was created on an in-memory model; pass the base model to open "
                                  "it")
-        model, tok = load_model(arg, dtype=None if isinstance(arg, tuple) else base["dtype"], device=self._device)
-        fp = weight_fingerprint(model)
+        shard = self._shard and not isinstance(arg, tuple)
+        model, tok = load_model(arg, dtype=None if isinstance(arg, tuple) else base["dtype"],
+                                device=None if shard else self._device)  # split: loaded on the host first
+        # the fingerprint of the whole model, taken before any split
+        fp = shard_for_edit(model, self.config.edit, self._device) if shard else weight_fingerprint(model)
         if base["fingerprint"] != fp:
             shown = "the given model" if isinstance(arg, tuple) else repr(str(arg))
             raise CrispEditError(f"session {self.path} was created on base {base['spec']!r} (fingerprint "

@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from ...atomic import atomic_save_safetensors
 from ...data.edits import EditRequest
-from ...editing.checkpoint import CLOSED_FORM_KEY, load_run_file, run_identity
+from ...distributed import is_main
+from ...editing.checkpoint import CLOSED_FORM_KEY, agree_on_resume, load_run_file, run_identity
 from ...editing.editor import EditContext
 from ...editing.keyvalue import (
     KeyValueSettings,
@@ -208,6 +209,8 @@ class _BatchCheckpoint:
         a damaged file."""
         stored = None if self.path is None else load_run_file(self.path, self.KIND, self.KEY, self.FORMAT,
                                                                self.identity)
+        if self.path is not None:
+            agree_on_resume(stored is not None, self.path)
         if stored is None:
             return 0
         meta, tensors = stored
@@ -231,8 +234,8 @@ class _BatchCheckpoint:
         return done
 
     def save(self, batches: int, carried: dict[str, Tensor], steps: int, v_first: float, v_last: float) -> None:
-        """Write the progress after ``batches`` written batches (atomically)."""
-        if self.path is None:
+        """Write the progress after ``batches`` written batches (atomically; rank 0 alone under ``torchrun``)."""
+        if self.path is None or not is_main():
             return
         tensors = {f"weight::{n}": m.weight.detach().cpu().contiguous() for n, m in self.layers.items()}
         tensors.update({f"carried::{k}": t.detach().cpu().contiguous() for k, t in carried.items()})
