@@ -1,7 +1,7 @@
 """Several processes with ``torch.distributed`` (``torchrun``): who this process is, a process group set up
 from torchrun's environment, and the few collectives crispedit uses (sum-reduce, an all-processes-agree
-flag, a same-as-rank-0 check, barrier). Every helper is a no-op in a single process, so code paths are the same with and without
-torchrun. The transport is torch's own: gloo for CPU tensors, NCCL for CUDA tensors.
+flag, a same-as-rank-0 check, barrier). Every helper is a no-op in a single process, so code paths are the
+same with and without torchrun. The transport is torch's own: gloo for CPU tensors, NCCL for CUDA tensors.
 
     torchrun --standalone --nproc-per-node 2 -m crispedit cache build --model smollm2 --n-cap 512
 
