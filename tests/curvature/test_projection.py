@@ -333,7 +333,7 @@ def _factor_eigh_errors(A, S, gammas, device=None):
     of the factors ``A``, ``S`` (decomposed on ``device``; float32 bases and projection, as every editor uses them)
     against :func:`paper_projection`, on one random gradient."""
     from crispedit.curvature.eigen import factor_eigh
-    from crispedit.curvature.kfac import KFACFactors
+    from crispedit.curvature.factors import KFACFactors
 
     eig = factor_eigh(KFACFactors({"l": A}, {"l": S}, 100), ["l"], device=device)
     Q = torch.randn(S.shape[0], A.shape[0], generator=torch.Generator().manual_seed(3), dtype=D)

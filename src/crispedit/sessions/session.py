@@ -51,7 +51,7 @@ import torch
 
 from ..atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
 from ..checks import check_finite_tensors
-from ..curvature.kfac import KFACFactors
+from ..curvature.factors import KFACFactors
 from ..data.edits import EditRequest, load_edits, requests_digest, save_edits_jsonl
 from ..editing.api import capability_factors, edit_factors
 from ..editing.contexts import DEFAULT_CONTEXTS, pinned_contexts
