@@ -85,12 +85,14 @@ class Curvature(ABC):
         Default: ``self`` (every call casts what it uses)."""
         return self
 
-    def projector(self, name: str, gamma: float, *, device: torch.device | str | None = None) -> LayerProjector:
+    def projector(self, name: str, gamma: float, *, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> LayerProjector:
         """The projector of block ``name`` onto its kept directions under energy threshold ``gamma``: those outside
         the smallest top set of eigenvalues holding ``gamma`` of their sum (:func:`~.projection.energy_keep_mask`),
-        applied matrix-free in float32 (:class:`~.projection.KroneckerProjector`)."""
+        applied matrix-free (:class:`~.projection.KroneckerProjector`) in ``dtype`` (``None``: float32)."""
         eb = self.eigenbasis(name, device=device)
-        return KroneckerProjector(eb.U_out, eb.U_in, energy_keep_mask(eb.eigvals, gamma))
+        keep = energy_keep_mask(eb.eigvals, gamma)
+        return KroneckerProjector(eb.U_out, eb.U_in, keep, dtype=dtype or torch.float32)
 
     def projectors(self, names: Iterable[str], gamma: float, *,
                    device: torch.device | str | None = None) -> dict[str, LayerProjector]:

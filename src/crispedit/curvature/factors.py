@@ -64,18 +64,19 @@ class KFACFactors(Curvature):
         (lam_out, U_out), (lam_in, U_in) = eig[name, "S"], eig[name, "A"]
         return Eigenbasis(U_out, U_in, torch.outer(lam_out, lam_in))
 
-    def projector(self, name: str, gamma: float, *, device: torch.device | str | None = None) -> LayerProjector:
-        """The Kronecker projector of layer ``name`` at ``gamma``: the entries of ``λ_out λ_inᵀ`` below the γ-energy
-        cut are kept (:meth:`~.projection.KroneckerProjector.from_spectra`). For a merged constraint with
-        :attr:`parts`, the merged factors' eigenbasis with a mask covering γ (or the part's own
-        :attr:`part_gammas` entry) of each part's energy (:func:`~.projection.per_source_keep_mask`)."""
+    def projector(self, name: str, gamma: float, *, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> LayerProjector:
+        """The Kronecker projector of layer ``name`` at ``gamma`` in ``dtype`` (``None``: float32): the entries of
+        ``λ_out λ_inᵀ`` below the γ-energy cut are kept (:meth:`~.projection.KroneckerProjector.from_spectra`). For a
+        merged constraint with :attr:`parts`, the merged factors' eigenbasis with a mask covering γ (or the part's
+        own :attr:`part_gammas` entry) of each part's energy (:func:`~.projection.per_source_keep_mask`)."""
         eig = factor_eigh(self, [name], ("A", "S"), device=device)
         (lam_out, U_out), (lam_in, U_in) = eig[name, "S"], eig[name, "A"]
         if self.parts:
             gammas = [gamma if g is None else g for g in self.part_gammas or [None] * len(self.parts)]
             keep = per_source_keep_mask(U_out, U_in, [(p.A[name], p.S[name]) for p in self.parts], gammas)
-            return KroneckerProjector(U_out, U_in, keep)
-        return KroneckerProjector.from_spectra(lam_out, U_out, lam_in, U_in, gamma)
+            return KroneckerProjector(U_out, U_in, keep, dtype=dtype or torch.float32)
+        return KroneckerProjector.from_spectra(lam_out, U_out, lam_in, U_in, gamma, dtype=dtype or torch.float32)
 
     def projectors(self, names: Iterable[str], gamma: float, *,
                    device: torch.device | str | None = None) -> dict[str, LayerProjector]:

@@ -121,10 +121,12 @@ class DenseCurvature(Curvature):
         """The matrix's eigenvectors as ``U_out`` (``P x P``), ``U_in = [[1]]``, the ranked eigenvalues ``P x 1``."""
         return Eigenbasis(self.U, torch.ones(1, 1, dtype=self.U.dtype), self.eigvals.reshape(-1, 1))
 
-    def projector(self, name: str, gamma: float, *, device: torch.device | str | None = None) -> LayerProjector:
-        """A float64 :class:`~crispedit.curvature.projection.DenseProjector` onto the eigenvectors outside the top
-        ``gamma`` share of the eigenvalue energy, from the decomposition made once (none is repeated per γ)."""
-        return DenseProjector(self.U, energy_keep_mask(self.eigvals, gamma))
+    def projector(self, name: str, gamma: float, *, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> LayerProjector:
+        """A :class:`~crispedit.curvature.projection.DenseProjector` in ``dtype`` (``None``: float64) onto the
+        eigenvectors outside the top ``gamma`` share of the eigenvalue energy, from the decomposition made once (none
+        is repeated per γ)."""
+        return DenseProjector(self.U, energy_keep_mask(self.eigvals, gamma), dtype=dtype or torch.float64)
 
     def merged(self, other: DenseCurvature, weight: float | None = None) -> DenseCurvature:
         """The curvature of ``(1 - weight) U Λ Uᵀ + weight U' Λ' U'ᵀ`` (``None``: equal weights) of the two ranked
