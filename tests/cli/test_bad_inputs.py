@@ -56,7 +56,7 @@ def _cache(tmp: Path, model: Path, *, n_cap: int = 4, max_len: int = 32, label_m
            size: tuple[int, int] | None = None) -> Path:
     """A factor file for the tiny model built with the given settings (identity factors)."""
     from crispedit.curvature.cache import save_factors
-    from crispedit.curvature.kfac import KFACFactors
+    from crispedit.curvature.factors import KFACFactors
     from crispedit.editing import EditConfig, curvature_spec
     from crispedit.models import load_model
 

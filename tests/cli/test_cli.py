@@ -100,7 +100,7 @@ def _bad(tmp_path, kind, tiny_model_dir, tiny_tok):
     elif kind in ("foreign_cache", "truncated_cache"):
         from conftest import build_llama
         from crispedit.curvature.cache import CurvatureSpec, save_factors
-        from crispedit.curvature.kfac import KFACFactors
+        from crispedit.curvature.factors import KFACFactors
         from crispedit.weights import weight_fingerprint
 
         other = build_llama(len(tiny_tok), seed=1)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from crispedit.curvature.cache import CurvatureSpec, cache_key, get_or_build_factors, load_factors, save_factors
-from crispedit.curvature.kfac import KFACFactors
+from crispedit.curvature.factors import KFACFactors
 from crispedit.errors import CrispEditError
 from crispedit.layers import resolve_layers
 from crispedit.weights import weight_fingerprint

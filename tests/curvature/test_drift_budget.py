@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from crispedit.cli import main
+from crispedit.curvature.factors import KFACFactors
 from crispedit.curvature.kfac import collect_lm_kfac
 from crispedit.curvature.predicted import (
     DriftBudget,
@@ -112,7 +113,7 @@ def test_small_change_prediction_approaches_measured_kl(tiny_lm):
 def test_budget_unit_scales_every_layer_by_one_factor():
     g = torch.Generator().manual_seed(0)
     mods = {n: torch.nn.Linear(5, 3, bias=False) for n in ("a", "b")}
-    factors = type("F", (), {"A": {n: spd(5, g).float() for n in mods}, "S": {n: spd(3, g).float() for n in mods}})()
+    factors = KFACFactors({n: spd(5, g).float() for n in mods}, {n: spd(3, g).float() for n in mods}, 1)
     params = {n: m.weight for n, m in mods.items()}
     w0 = {n: p.detach().clone() for n, p in params.items()}
     budget = DriftBudget(params, mods, factors, eps=1e-3)
@@ -213,13 +214,11 @@ def test_lora_budget_acts_on_the_merged_update(tiny_lm, iso_cache):
 def test_low_rank_budget_pulls_back_and_differentiates_through_the_product():
     """:class:`LowRankDriftBudget`: ΔW = s·B·A; the pull-back scales B so that ΔW is scaled exactly, and the
     penalty gradients of A and B are the chain rule of ∂p/∂ΔW (checked against autograd)."""
-    from types import SimpleNamespace
-
     from crispedit.curvature.predicted import LowRankDriftBudget
 
     g = torch.Generator().manual_seed(5)
     mods = {n: torch.nn.Linear(5, 3, bias=False) for n in ("a", "b")}
-    factors = SimpleNamespace(A={n: spd(5, g).float() for n in mods}, S={n: spd(3, g).float() for n in mods})
+    factors = KFACFactors({n: spd(5, g).float() for n in mods}, {n: spd(3, g).float() for n in mods}, 1)
     ad = {n: (torch.nn.Parameter(torch.randn(2, 5, generator=g)), torch.nn.Parameter(torch.randn(3, 2, generator=g)),
               1.5)
           for n in mods}
@@ -408,18 +407,15 @@ def test_penalty_gradient_is_the_gradient_of_the_coherent_prediction():
     """``add_penalty_gradient`` adds β·∂p/∂W of the coherent bound p = (Σ_l sqrt(q_l))² — checked against
     autograd (float64 weights and factors; the accumulated change is taken in float32 as in training; one
     layer stored transposed, as GPT-2's Conv1D)."""
-    from types import SimpleNamespace
-
     from transformers.pytorch_utils import Conv1D
 
     g = torch.Generator().manual_seed(3)
     lin, conv = torch.nn.Linear(5, 3, bias=False).double(), Conv1D(3, 4).double()  # Conv1D(nf=d_out, nx=d_in)
     mods = {"a": lin, "b": conv}
     params = {n: m.weight for n, m in mods.items()}
-    factors = SimpleNamespace(A={"a": spd(5, g), "b": spd(4, g)}, S={"a": spd(3, g), "b": spd(3, g)})
+    factors = KFACFactors({"a": spd(5, g), "b": spd(4, g)}, {"a": spd(3, g), "b": spd(3, g)}, 1)
     budget = DriftBudget(params, mods, factors, None, penalty=2.5)
-    budget.A = {n: a.double() for n, a in factors.A.items()}  # float64 throughout for the comparison
-    budget.S = {n: s.double() for n, s in factors.S.items()}
+    budget.curvature = factors.on({n: "cpu" for n in factors.A}, torch.float64)  # float64 throughout for the comparison
     budget.start = {n: p.detach().clone() for n, p in params.items()}
     with torch.no_grad():
         for p in params.values():

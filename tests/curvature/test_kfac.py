@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crispedit.curvature.kfac import FactorAccumulator, KFACFactors, collect_lm_kfac, layer_rows, sample_labels
+from crispedit.curvature.factors import KFACFactors
+from crispedit.curvature.kfac import FactorAccumulator, collect_lm_kfac, layer_rows, sample_labels
 from crispedit.data import capability_corpus
 from crispedit.layers import resolve_layers
 

@@ -1,12 +1,12 @@
 import pytest
 import torch
 
+from crispedit.curvature.factors import KFACFactors
 from crispedit.curvature.projection import (
     DenseProjector,
     KroneckerProjector,
     eigh_psd,
     energy_keep_mask,
-    kfac_quadratic_form,
     kronecker_projection_flops,
     per_source_keep_mask,
     unvec,
@@ -90,9 +90,10 @@ def test_kept_directions_have_low_curvature():
     C = U_out.T @ PQ @ U_in
     assert C[~keep].abs().max() < 1e-10                 # nothing along masked eigen-directions
     lam_cut = prods[keep].max()
-    qf = 2 * kfac_quadratic_form(A, S, PQ)
+    curv = KFACFactors({"W": A}, {"W": S}, 1)
+    qf = 2 * curv.quadratic_form("W", PQ)
     assert qf <= lam_cut * (PQ ** 2).sum() + 1e-10      # curvature of the step bounded by the cut
-    full = 2 * kfac_quadratic_form(A, S, Q) / (Q ** 2).sum()
+    full = 2 * curv.quadratic_form("W", Q) / (Q ** 2).sum()
     assert qf / (PQ ** 2).sum() < full                  # and far below the unprojected step's
 
 
@@ -100,7 +101,8 @@ def test_quadratic_form_matches_dense():
     A, S = rand_psd(4, seed=5), rand_psd(3, seed=6)
     dW = rn(3, 4)
     v = vec(dW)
-    assert torch.allclose(kfac_quadratic_form(A, S, dW), 0.5 * v @ torch.kron(A, S) @ v)
+    assert KFACFactors({"W": A}, {"W": S}, 1).quadratic_form("W", dW) == pytest.approx(
+        float(0.5 * v @ torch.kron(A, S) @ v), rel=1e-12)
 
 
 def test_activation_covariance_projector():
@@ -333,7 +335,7 @@ def _factor_eigh_errors(A, S, gammas, device=None):
     of the factors ``A``, ``S`` (decomposed on ``device``; float32 bases and projection, as every editor uses them)
     against :func:`paper_projection`, on one random gradient."""
     from crispedit.curvature.eigen import factor_eigh
-    from crispedit.curvature.kfac import KFACFactors
+    from crispedit.curvature.factors import KFACFactors
 
     eig = factor_eigh(KFACFactors({"l": A}, {"l": S}, 100), ["l"], device=device)
     Q = torch.randn(S.shape[0], A.shape[0], generator=torch.Generator().manual_seed(3), dtype=D)

@@ -16,13 +16,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import SHARED
-from crispedit.curvature.ekfac import collect_classifier_ekfac, collect_classifier_kfac, ekfac_eigenvalues
-from crispedit.curvature.exact import ParamLayout, bregman_divergence, ce_hessian_sqrt, ggn_matrix, hessian_matrix
 from crispedit.curvature.projection import DenseProjector, KroneckerProjector, eigh_psd, vec
 from crispedit.errors import CrispEditError
 from crispedit.experiments import mnist_study
+from crispedit.experiments.ekfac import collect_classifier_ekfac, collect_classifier_kfac, ekfac_eigenvalues
+from crispedit.experiments.exact_curvature import (
+    ParamLayout,
+    bregman_divergence,
+    ce_hessian_sqrt,
+    ggn_matrix,
+    hessian_matrix,
+)
 from crispedit.experiments.idx_data import load_dataset, load_idx
 from crispedit.experiments.mnist_study import MnistStudyConfig, gamma_of
+from crispedit.experiments.study_curvature import PARAMS, DenseCurvature
 
 DATA = SHARED / "data" / "images"
 D64 = torch.float64
@@ -224,10 +231,9 @@ def test_hessian_abs_masks_negative_curvature_that_the_clamped_hessian_keeps():
     Q, _ = torch.linalg.qr(torch.randn(4, 4, dtype=D64))
     lam = torch.tensor([4.0, 2.0, -3.0, 1e-6], dtype=D64)
     H = Q @ torch.diag(lam) @ Q.T
-    layout = None  # only the projector's basis is examined
     neg = Q[:, 2]
-    clamped = mnist_study.DenseCurvature("hessian", H, layout).projector(0.7).projector
-    absolute = mnist_study.DenseCurvature("hessian_abs", H, layout, absolute=True).projector(0.7).projector
+    clamped = DenseCurvature(H).projector(PARAMS, 0.7)
+    absolute = DenseCurvature(H, absolute=True).projector(PARAMS, 0.7)
     P_c, P_a = clamped.dense(), absolute.dense()
     torch.testing.assert_close(P_c @ neg, neg)                      # kept: counted as flat
     torch.testing.assert_close(P_c @ Q[:, 1], torch.zeros_like(neg), atol=1e-12, rtol=0)

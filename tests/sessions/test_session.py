@@ -16,7 +16,7 @@ import torch
 
 from conftest import REPO, build_llama
 from crispedit.cli import main
-from crispedit.curvature.kfac import KFACFactors
+from crispedit.curvature.factors import KFACFactors
 from crispedit.data import EditRequest, load_edits, save_edits_jsonl
 from crispedit.editing import EditConfig, get_editor
 from crispedit.editing.optim import load_optimizer_state, optimizer_state, reproject_first_moment

@@ -37,7 +37,8 @@ from ..distributed import all_agree, barrier, is_main, world_size
 from ..errors import CrispEditError, VersionError
 from ..safetensors_io import load_safetensors
 from ..versions import check_written_by, stamped
-from .kfac import KFACFactors, LabelMode, collect_lm_input_covariance, collect_lm_kfac
+from .factors import KFACFactors
+from .kfac import LabelMode, collect_lm_input_covariance, collect_lm_kfac
 from .modes import CACHE_KINDS
 
 __all__ = ["CurvatureSpec", "KINDS", "cache_key", "save_factors", "load_factors", "get_or_build_factors",

@@ -3,7 +3,7 @@
 A Kronecker projector needs the eigendecompositions ``A = U_in Λ_in U_inᵀ`` and ``S = U_out Λ_out U_outᵀ`` of
 each edit layer's factors. They depend on nothing but the factors, so they are computed once per factor set:
 
-* in memory, on the :class:`~crispedit.curvature.kfac.KFACFactors` object itself (a second editor or a second
+* in memory, on the :class:`~crispedit.curvature.factors.KFACFactors` object itself (a second editor or a second
   edit in the same process reuses them), and
 * on disk, for factors that came from the content-addressed cache (``factors.source`` holds the file's key and
   write id — its ``uid`` — set by :mod:`crispedit.curvature.cache`): ``<cache root>/eigh/<key>.safetensors`` holds, per
@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -40,7 +41,6 @@ from ..atomic import atomic_save_safetensors
 from ..errors import CrispEditError, VersionError
 from ..safetensors_io import load_safetensors
 from ..versions import check_written_by, stamped
-from .kfac import KFACFactors
 from .projection import eigh_psd
 
 __all__ = ["factor_eigh", "eigen_cache_path", "eigh_device", "eigh_dtype", "EIGEN_FORMAT"]
@@ -48,6 +48,17 @@ __all__ = ["factor_eigh", "eigen_cache_path", "eigh_device", "eigh_dtype", "EIGE
 EIGEN_FORMAT = 1
 _META_KEY = "crispedit-eigh"
 _log = logging.getLogger("crispedit.curvature")
+
+
+class FactorSet(Protocol):
+    """What :func:`factor_eigh` reads of a factor set (:class:`~crispedit.curvature.factors.KFACFactors`): the
+    factors ``A`` and ``S`` by layer, the cache file they came from (``source``) and the memo of their
+    eigendecompositions (``_eigh``)."""
+
+    A: dict[str, Tensor]
+    S: dict[str, Tensor]
+    source: dict
+    _eigh: dict
 
 
 def eigh_device(modules) -> torch.device | None:
@@ -70,7 +81,7 @@ def eigh_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float64
 
 
-def eigen_cache_path(factors: KFACFactors) -> Path | None:
+def eigen_cache_path(factors: FactorSet) -> Path | None:
     """Where the eigenbases of ``factors`` are cached: ``<root>/eigh/<key>.safetensors`` for factors loaded from
     or written to ``<root>/kfac/<key>.safetensors``; ``None`` for factors without a cache file (merged, built
     in memory, or read from a file outside a cache root)."""
@@ -84,7 +95,7 @@ def eigen_cache_path(factors: KFACFactors) -> Path | None:
     return path.parent.parent / "eigh" / f"{key}.safetensors"
 
 
-def _load(path: Path, factors: KFACFactors, dtype: torch.dtype = torch.float64
+def _load(path: Path, factors: FactorSet, dtype: torch.dtype = torch.float64
           ) -> dict[tuple[str, str], tuple[Tensor, Tensor]]:
     """The eigenbases stored at ``path`` if this crispedit version wrote the file, in its format, for exactly these
     factors (same key and write id) in the arithmetic ``dtype``, else ``{}`` (another version's file: with a log
@@ -116,7 +127,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _save(path: Path, factors: KFACFactors, eig: dict[tuple[str, str], tuple[Tensor, Tensor]],
+def _save(path: Path, factors: FactorSet, eig: dict[tuple[str, str], tuple[Tensor, Tensor]],
           dtype: torch.dtype = torch.float64) -> None:
     """Write every eigenbasis in ``eig`` (decomposed in ``dtype``) to ``path`` atomically (best effort: an
     unwritable cache is skipped)."""
@@ -133,7 +144,7 @@ def _save(path: Path, factors: KFACFactors, eig: dict[tuple[str, str], tuple[Ten
         pass  # a read-only cache only costs the saving
 
 
-def factor_eigh(factors: KFACFactors, names: Iterable[str], which: Sequence[str] = ("A", "S"), *,
+def factor_eigh(factors: FactorSet, names: Iterable[str], which: Sequence[str] = ("A", "S"), *,
                 device: torch.device | str | None = None) -> dict[tuple[str, str], tuple[Tensor, Tensor]]:
     """Eigendecompositions of factors ``which`` (``"A"``: ``d_in x d_in``, ``"S"``: ``d_out x d_out``) of layers
     ``names``: ``{(name, which): (evals, U)}`` with ``evals`` float64, decreasing, clamped at zero (length

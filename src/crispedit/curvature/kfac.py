@@ -44,10 +44,10 @@ from tqdm.auto import tqdm
 
 from ..distributed import all_agree, all_reduce_sum_, is_distributed, is_sharded, rank, world_size
 from ..forward_args import static_attention_mask
+from .factors import KFACFactors
 
 __all__ = [
     "LabelMode",
-    "KFACFactors",
     "FactorAccumulator",
     "add_gram_",
     "capture_io",
@@ -72,82 +72,6 @@ class LabelMode(str, Enum):
 
     SAMPLED = "sampled"
     EMPIRICAL = "empirical"
-
-
-@dataclass
-class KFACFactors:
-    """Per-layer K-FAC factors, normalised by the number of rows (tokens) they average over.
-
-    ``parts``: for a merged constraint whose projector masks each part's energy separately (CrispEdit-Seq's
-    ``weighting="each"``), the factor sets it was merged from; empty otherwise (never stored). ``part_gammas``:
-    the energy threshold of each part (``None``: the edit config's γ); empty: γ for every part.
-
-    ``source``: the cache file these factors were read from or written to (``path``, ``key``, ``write`` — the
-    file's uid;
-    empty for factors built or merged in memory) — what identifies their cached eigenbases
-    (:mod:`crispedit.curvature.eigen`); ``_eigh`` holds the eigendecompositions computed for this object."""
-
-    A: dict[str, Tensor]
-    S: dict[str, Tensor]
-    n_tokens: int
-    meta: dict = field(default_factory=dict)
-    source: dict = field(default_factory=dict, compare=False, repr=False)
-    _eigh: dict = field(default_factory=dict, compare=False, repr=False)
-    parts: tuple = field(default=(), compare=False, repr=False)
-    part_gammas: tuple = field(default=(), compare=False, repr=False)
-
-    @property
-    def layers(self) -> list[str]:
-        """The layer names, in the order of ``A``."""
-        return list(self.A)
-
-    def merged(self, other: KFACFactors, weight: float | None = None) -> KFACFactors:
-        """Streaming average of two factor sets.
-
-        ``weight=None`` weights each by its token count (the authors' code); a float ``w`` in [0, 1]
-        gives ``(1 - w) * self + w * other`` (a fixed mixing coefficient).
-        """
-        if set(self.A) != set(other.A):
-            raise ValueError("cannot merge factors of different layers")
-        if weight is None:
-            n = self.n_tokens + other.n_tokens
-            a, b = self.n_tokens / n, other.n_tokens / n
-        else:
-            a, b = 1.0 - float(weight), float(weight)
-        A = {k: a * self.A[k] + b * other.A[k].to(self.A[k]) for k in self.A}
-        S = {k: a * self.S[k] + b * other.S[k].to(self.S[k]) for k in self.S}
-        return KFACFactors(A, S, self.n_tokens + other.n_tokens, dict(self.meta))
-
-    def rescaled_to(self, ref: KFACFactors) -> KFACFactors:
-        """These factors with every ``A`` and ``S`` scaled to the trace of ``ref``'s factor of the same layer
-        (same shapes, fp32 or better as stored; a zero-trace factor is left as it is): what makes a fixed mixing
-        coefficient a share of each factor's energy when two sets live on different scales."""
-        def scale(mine: Tensor, theirs: Tensor) -> Tensor:
-            """``mine`` times ``tr(theirs) / tr(mine)`` (``mine`` itself when its trace is not positive)."""
-            t = float(torch.diagonal(mine).double().sum())
-            return mine if t <= 0 else mine * (float(torch.diagonal(theirs).double().sum()) / t)
-
-        return KFACFactors({k: scale(v, ref.A[k]) for k, v in self.A.items()},
-                           {k: scale(v, ref.S[k]) for k, v in self.S.items()}, self.n_tokens, dict(self.meta))
-
-    def to_tensors(self) -> dict[str, Tensor]:
-        """``{"<layer>::A": A, "<layer>::S": S}`` (S only where present: input-covariance sets hold A alone)."""
-        out = {}
-        for k in self.A:
-            out[f"{k}::A"] = self.A[k]
-            if k in self.S:
-                out[f"{k}::S"] = self.S[k]
-        return out
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], n_tokens: int, meta: dict | None = None) -> KFACFactors:
-        """The inverse of :meth:`to_tensors`: ``"<layer>::A"`` keys go to ``A``, every other key (``"::S"``)
-        to ``S``, with ``n_tokens`` and ``meta`` as given."""
-        A, S = {}, {}
-        for key, t in tensors.items():
-            name, _, kind = key.rpartition("::")
-            (A if kind == "A" else S)[name] = t
-        return cls(A, S, n_tokens, meta or {})
 
 
 def add_gram_(acc: Tensor, x: Tensor, panel: int = 256) -> Tensor:

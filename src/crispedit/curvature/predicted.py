@@ -63,23 +63,25 @@ def predicted_kl(layers: Mapping[str, nn.Module], factors, before: Mapping[str, 
                  after: Mapping[str, Tensor] | None = None) -> dict | None:
     """Predicted per-token KL drift of the change ``after - before`` of the edit layers' weights.
 
-    ``layers``: module name -> linear module; ``factors``: :class:`~.kfac.KFACFactors` (``A``/``S`` keyed by
-    module name); ``before`` / ``after``: full parameter name -> tensor (``after`` defaults to the modules'
-    current weights). A layer counts when its ``<name>.weight`` is in ``before`` and it has factors.
-    Returns ``{"total": float, "blockdiag": float, "layers": {module name: float}}`` (nats per token,
-    float64; ``total`` the coherent bound :func:`coherent_total`, ``blockdiag`` the sum of the layers) or ``None``
-    when no changed weight has factors (e.g. LoRA's q/v projections, or no factors)."""
+    ``layers``: module name -> linear module; ``factors``: a :class:`~.base.Curvature` keyed by module name (the
+    capability :class:`~.factors.KFACFactors`); ``before`` / ``after``: full parameter name -> tensor (``after``
+    defaults to the modules' current weights). A layer counts when its ``<name>.weight`` is in ``before`` and the
+    curvature covers it (:meth:`~.base.Curvature.covers`); its prediction is the curvature's quadratic form of the
+    change in float64 (:meth:`~.base.Curvature.quadratic_form`). Returns ``{"total": float, "blockdiag": float,
+    "layers": {module name: float}}`` (nats per token; ``total`` the coherent bound :func:`coherent_total`,
+    ``blockdiag`` the sum of the layers) or ``None`` when no changed weight is covered (e.g. LoRA's q/v
+    projections, input statistics without ``S``, or no factors)."""
     if factors is None:
         return None
     out: dict[str, float] = {}
     for name, module in layers.items():
         key = f"{name}.weight"
-        if key not in before or name not in factors.A or name not in (getattr(factors, "S", None) or {}):
+        if key not in before or not factors.covers(name):
             continue
         w1 = (after[key] if after is not None else module.weight).detach()
         w0 = before[key].detach().to(w1.device)
         dW = as_weight_matrix(module, w1.double() - w0.double())
-        out[name] = layer_predicted_kl(dW, factors.A[name], factors.S[name])
+        out[name] = factors.quadratic_form(name, dW)
     if not out:
         return None
     return {"total": coherent_total(out.values()), "blockdiag": sum(out.values()), "layers": out}
@@ -89,7 +91,8 @@ class DriftBudget:
     """Trust region on the predicted drift of the accumulated change of ``params`` since construction.
 
     ``params``: name -> trained weight (module name keys, as the loop trains them); ``modules``: name ->
-    its module (storage orientation); ``factors``: K-FAC factors covering every name; ``eps``: the budget in
+    its module (storage orientation); ``factors``: a :class:`~.base.Curvature` covering every name (the
+    capability K-FAC factors); ``eps``: the budget in
     nats per token. :meth:`enforce` (after each optimizer step) computes the coherent bound
     ``p = (Σ_l sqrt(q_l))²``, ``q_l = ½ tr(ΔW_lᵀ S_l ΔW_l A_l)``, in float32 on the weights' device and, when
     ``p > eps``, sets ``W = W0 + sqrt(eps / p) · ΔW`` for every layer (``p`` is quadratic in ΔW). ``hits`` counts the
@@ -115,14 +118,14 @@ class DriftBudget:
         self.start = {n: p.detach().float().clone() for n, p in self.params.items()}
 
     def _setup(self, factors, devices: Mapping[str, torch.device], eps: float | None, penalty: float) -> None:
-        """The budget, the penalty, the counters and each layer's factors (float32, on ``devices[name]``)."""
-        missing = [n for n in devices if n not in factors.A or n not in (getattr(factors, "S", None) or {})]
+        """The budget, the penalty, the counters and the curvature of each layer (float32, on ``devices[name]``:
+        :meth:`~.base.Curvature.on`)."""
+        missing = [n for n in devices if not factors.covers(n)]
         if missing:
             raise ValueError(f"the drift budget has no K-FAC factors for {missing}")
         self.eps = None if eps is None else float(eps)
         self.penalty = float(penalty)
-        self.A = {n: factors.A[n].to(device=d, dtype=torch.float32) for n, d in devices.items()}
-        self.S = {n: factors.S[n].to(device=d, dtype=torch.float32) for n, d in devices.items()}
+        self.curvature = factors.on(devices, torch.float32)
         self.hits = 0
         self.last = 0.0
         self.steps = 0
@@ -134,8 +137,8 @@ class DriftBudget:
     def predicted(self, deltas: Mapping[str, Tensor] | None = None) -> float:
         """Predicted drift (nats per token) of ``deltas`` (default: the current accumulated change)."""
         deltas = self.deltas() if deltas is None else deltas
-        return coherent_total(layer_predicted_kl(as_weight_matrix(self.modules[n], d), self.A[n], self.S[n],
-                                                 torch.float32) for n, d in deltas.items())
+        return coherent_total(self.curvature.quadratic_form(n, as_weight_matrix(self.modules[n], d), torch.float32)
+                              for n, d in deltas.items())
 
     def _pull_back(self, c: float, deltas: Mapping[str, Tensor]) -> None:
         """Scale every layer's accumulated change by ``c``: ``W = W0 + c · ΔW``."""
@@ -163,7 +166,7 @@ class DriftBudget:
         qs, SdA = {}, {}
         for n, d in self.deltas().items():
             dW = as_weight_matrix(self.modules[n], d)
-            SdA[n] = self.S[n] @ dW @ self.A[n]
+            SdA[n] = self.curvature.matvec(n, dW)
             qs[n] = 0.5 * float((dW * SdA[n]).sum())
         total = coherent_total(qs.values())
         root = math.sqrt(total)

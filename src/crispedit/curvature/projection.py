@@ -55,7 +55,6 @@ __all__ = [
     "IdentityProjector",
     "KroneckerProjector",
     "DenseProjector",
-    "kfac_quadratic_form",
     "kronecker_projection_flops",
     "staircase_projection_flops",
     "masked_corner",
@@ -653,10 +652,3 @@ class DenseProjector(LayerProjector):
         """The projector with its tensors on ``device`` (in place; returns ``self``)."""
         self.U_kept = self.U_kept.to(device)
         return self
-
-
-def kfac_quadratic_form(A: Tensor, S: Tensor, dW: Tensor) -> Tensor:
-    """``1/2 vec(dW)^T (A (x) S) vec(dW) = 1/2 tr(dW^T S dW A)`` in float64: the K-FAC estimate of the
-    Bregman (Gauss-Newton) increase of the capability loss for a weight change ``dW``."""
-    dW64 = dW.to(torch.float64)
-    return 0.5 * torch.trace(dW64.T @ S.to(torch.float64) @ dW64 @ A.to(torch.float64))

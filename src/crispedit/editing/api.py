@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..curvature.cache import CurvatureSpec, get_or_build_factors, layer_shapes, load_factors
-from ..curvature.kfac import KFACFactors
+from ..curvature.factors import KFACFactors
 from ..data.corpus import capability_corpus, chat_prompts, corpus_digest
 from ..data.edits import EditRequest
 from ..errors import CrispEditError

@@ -29,7 +29,7 @@ from .registry import MethodConfig
 if TYPE_CHECKING:  # annotations only: importing them here would import torch
     from torch import Tensor, nn
 
-    from ..curvature.kfac import KFACFactors
+    from ..curvature.factors import KFACFactors
     from ..curvature.projection import LayerProjector
     from ..data.edits import EditRequest
     from .loop import TrainHistory

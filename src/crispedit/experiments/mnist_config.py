@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 from ..checks import SEED_MAX, check_float, check_gamma, check_int
-from ..curvature.modes import OutputGrads
 from ..errors import CrispEditError
 
-__all__ = ["METHODS", "MnistStudyConfig", "gamma_of"]
+__all__ = ["METHODS", "OutputGrads", "MnistStudyConfig", "gamma_of"]
+
+
+class OutputGrads(str, Enum):
+    """How the study's classifier K-FAC / EK-FAC collectors (:mod:`.ekfac`) form output gradients: every class
+    weighted by its probability (``exact``, the true Fisher), one label sampled from the model (``sampled``), or
+    the true label (``empirical``)."""
+
+    EXACT = "exact"
+    SAMPLED = "sampled"
+    EMPIRICAL = "empirical"
+
 
 METHODS = ("none", "activation_cov", "kfac", "ekfac", "ggn", "hessian", "hessian_abs")  # cheap first
 

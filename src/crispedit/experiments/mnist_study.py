@@ -27,7 +27,6 @@ Outputs in ``out_dir``: ``results.json`` (config, environment, pre-training, cur
 from __future__ import annotations
 
 import dataclasses
-import math
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -39,13 +38,10 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_write_json
-from ..curvature.ekfac import collect_classifier_ekfac, collect_classifier_kfac
-from ..curvature.exact import ParamLayout, ggn_matrix, hessian_matrix
-from ..curvature.projection import DenseProjector, KroneckerProjector, eigh_sym, energy_keep_mask
-from ..errors import CrispEditError
 from ..paths import check_output_dir
 from .idx_data import ImageSplit, load_dataset
 from .mnist_config import METHODS, MnistStudyConfig, gamma_of
+from .study_curvature import NoProjection, ParamProjector, compute_curvature, hessian_at
 
 __all__ = [
     "METHODS",
@@ -77,7 +73,7 @@ class SmallLeNet(nn.Module):
 
     Biases are left out so that every layer is a plain ``W a`` (K-FAC needs no homogeneous
     coordinate) and the network output is linear in each weight for fixed others (ReLU, max-pool),
-    which :func:`~crispedit.curvature.exact.hessian_matrix` exploits.
+    which :func:`~crispedit.experiments.exact_curvature.hessian_matrix` exploits.
     """
 
     def __init__(self, conv1_channels: int = 4, conv2_channels: int = 8, hidden: int = 24, n_classes: int = 10):
@@ -136,159 +132,6 @@ def pretrain(model: nn.Module, data: ImageSplit, cfg: MnistStudyConfig, progress
             sched.step()
             bar.update(1)
     bar.close()
-
-
-# -----------------------------------------------------------------------------------------------
-# projectors on the whole network
-
-
-class ParamProjector:
-    """Projects the ``.grad`` of the network's weights in place."""
-
-    kept_dims: int
-
-    def project_(self, model: nn.Module) -> None:  # pragma: no cover - interface
-        """Project every parameter gradient of ``model`` in place."""
-        raise NotImplementedError
-
-
-class NoProjection(ParamProjector):
-    """Leave gradients as they are (plain fine-tuning)."""
-    def __init__(self, n_params: int):
-        self.kept_dims = n_params
-
-    def project_(self, model: nn.Module) -> None:
-        """Nothing: every gradient is kept."""
-        return None
-
-
-class DenseParamProjector(ParamProjector):
-    """A :class:`~crispedit.curvature.projection.DenseProjector` acting on the flat vector of all weights."""
-
-    def __init__(self, layout: ParamLayout, projector: DenseProjector):
-        self.layout, self.projector = layout, projector
-        self.kept_dims = projector._kept
-
-    def project_(self, model: nn.Module) -> None:
-        """Project the flat (column-major ``vec``) gradient of the layout's parameters, length
-        ``layout.numel()``, with the dense projector and copy each parameter's part back into its ``.grad``."""
-        flat = self.layout.grads(model)
-        out = self.layout.unflatten(self.projector.project(flat))
-        for name, p in model.named_parameters():
-            if name in out:
-                p.grad.copy_(out[name])
-
-
-class LayerwiseParamProjector(ParamProjector):
-    """One :class:`~crispedit.curvature.projection.KroneckerProjector` per weight (block-diagonal)."""
-
-    def __init__(self, projectors: dict[str, KroneckerProjector], shapes: dict[str, torch.Size]):
-        self.projectors = projectors
-        self.kept_dims = 0
-        for name, proj in projectors.items():
-            d_out = shapes[name][0]
-            self.kept_dims += int(proj.mask.sum()) * (d_out if proj.U_out is None else 1)
-
-    def project_(self, model: nn.Module) -> None:
-        """Project each weight's ``.grad`` that has a projector, seen as a ``d_out x (d_in k)`` matrix (a conv
-        kernel flattened past its first dimension), in place; other gradients are left as they are."""
-        for name, p in model.named_parameters():
-            proj = self.projectors.get(name)
-            if proj is not None and p.grad is not None:
-                Q = p.grad.reshape(p.shape[0], -1)
-                p.grad.copy_(proj.project(Q).reshape(p.shape))
-
-
-# -----------------------------------------------------------------------------------------------
-# curvature models: computed once at given weights, a projector for any gamma
-
-
-class Curvature:
-    """A curvature model of the pretraining loss that builds projectors at any ``gamma``."""
-    method: str
-
-    def projector(self, gamma: float) -> ParamProjector:  # pragma: no cover - interface
-        """The projector keeping the ``1 - gamma`` low-energy part of this curvature."""
-        raise NotImplementedError
-
-
-class DenseCurvature(Curvature):
-    """Eigendecomposition of a dense curvature matrix over all weights, shared by every gamma."""
-
-    def __init__(self, method: str, matrix: Tensor, layout: ParamLayout, count_negative: bool = False,
-                 absolute: bool = False):
-        self.method, self.layout = method, layout
-        raw, U = eigh_sym(matrix)  # one decomposition (increasing order) for the ranking and the spectrum facts
-        if absolute:  # rank by |lambda|: a strongly negative direction is curved, not flat
-            order = torch.argsort(raw.abs(), descending=True, stable=True)
-            self.eigvals, self.U = raw.abs()[order], U[:, order]
-        else:  # negative eigenvalues (Hessian) are clamped to 0, i.e. kept as if flat
-            self.eigvals, self.U = raw.clamp_min(0.0).flip(0), U.flip(1)
-        self.spectrum: dict = {"trace": float(matrix.trace()), "max": float(raw[-1].clamp_min(0.0))}
-        if count_negative:
-            neg = raw[raw < 0]
-            self.spectrum.update(negative=int(neg.numel()), most_negative=float(raw[0]),
-                                 negative_mass=float(-neg.sum() / raw.abs().sum()))
-
-    def projector(self, gamma: float) -> ParamProjector:
-        """A :class:`DenseParamProjector` keeping the eigenvectors outside the top ``gamma`` share of the
-        eigenvalue energy (``energy_keep_mask``), from the decomposition made once in ``__init__``."""
-        # DenseProjector.from_matrix without repeating the eigendecomposition for every gamma
-        return DenseParamProjector(self.layout, DenseProjector(self.U, energy_keep_mask(self.eigvals, gamma)))
-
-
-class KroneckerCurvature(Curvature):
-    """K-FAC, EK-FAC or activation covariance: per-layer statistics, layer-wise projectors."""
-
-    def __init__(self, method: str, model: SmallLeNet, factors, ekfac=None):
-        self.method, self.factors, self.ekfac = method, factors, ekfac
-        self.shapes = {f"{n}.weight": getattr(model, n).weight.shape for n in factors.layers}
-
-    def projector(self, gamma: float) -> ParamProjector:
-        """A :class:`LayerwiseParamProjector` with one Kronecker projector per layer weight at ``gamma``, from
-        the K-FAC factors, the EK-FAC eigenbasis, or the activation covariance ``A`` alone (per ``method``)."""
-        projs = {}
-        for layer in self.factors.layers:
-            if self.method == "kfac":
-                projs[f"{layer}.weight"] = KroneckerProjector.from_factors(self.factors.A[layer],
-                                                                           self.factors.S[layer], gamma)
-            elif self.method == "ekfac":
-                projs[f"{layer}.weight"] = self.ekfac.projector(layer, gamma)
-            else:
-                projs[f"{layer}.weight"] = KroneckerProjector.from_activation_covariance(self.factors.A[layer], gamma)
-        return LayerwiseParamProjector(projs, self.shapes)
-
-
-def compute_curvature(method: str, model: SmallLeNet, data: ImageSplit, cfg: MnistStudyConfig,
-                      progress: bool | None = None, count_negative: bool = False,
-                      hessian: Tensor | None = None) -> Curvature:
-    """Curvature model ``method`` of the mean MNIST loss on ``data`` at the model's current weights.
-    ``hessian``: that Hessian, if already computed (``hessian`` and ``hessian_abs`` share it)."""
-    batches = [(data.images[i:i + cfg.curvature_batch], data.labels[i:i + cfg.curvature_batch])
-               for i in range(0, len(data), cfg.curvature_batch)]
-    layout = ParamLayout.of(model)
-    if method == "ggn":
-        G = ggn_matrix(model, data.images, layout=layout, batch_size=cfg.curvature_batch, progress=progress)
-        return DenseCurvature(method, G, layout)
-    if method in ("hessian", "hessian_abs"):
-        H = hessian if hessian is not None else hessian_at(model, data, cfg, progress)
-        return DenseCurvature(method, H, layout, count_negative, absolute=method == "hessian_abs")
-    factors = collect_classifier_kfac(model, batches, model.layer_names, mode=cfg.kfac_output_grads, seed=cfg.seed)
-    if method == "ekfac":
-        ek = collect_classifier_ekfac(model, batches, mode=cfg.kfac_output_grads, per=cfg.ekfac_per, seed=cfg.seed,
-                                      factors=factors)
-        return KroneckerCurvature(method, model, factors, ek)
-    if method in ("kfac", "activation_cov"):
-        return KroneckerCurvature(method, model, factors)
-    raise CrispEditError(f"unknown method {method!r}")
-
-
-def hessian_at(model: SmallLeNet, data: ImageSplit, cfg: MnistStudyConfig, progress: bool | None = None) -> Tensor:
-    """The dense Hessian of the mean MNIST loss on ``data`` at the model's current weights."""
-    layout = ParamLayout.of(model)
-    largest = max(layout.names, key=lambda n: math.prod(dict(model.named_parameters())[n].shape))
-    return hessian_matrix(model, data.images, data.labels, layout=layout, batch_size=cfg.curvature_batch,
-                          linear_param=largest, progress=progress)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -447,7 +290,7 @@ class _Study:
         curv0 = compute_curvature(method, model, self.curv_data, cfg, self.progress, count_negative=True,
                                   hessian=self.hessian0 if is_hessian else None)
         info = self.curvature_info[method] = {"seconds_at_theta0": round(time.perf_counter() - t0, 2)}
-        if isinstance(curv0, DenseCurvature):
+        if curv0.spectrum is not None:
             info["spectrum"] = curv0.spectrum
         self.log(f"{method}: curvature at the pre-trained weights in {info['seconds_at_theta0']:.1f}s")
         for k in cfg.k_values:

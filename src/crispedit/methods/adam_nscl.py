@@ -17,10 +17,10 @@ class AdamNSCLEditor(Editor):
     needs_curvature = True
 
     def projectors(self, layers, factors, config):
-        """One input-side projector per edit layer from its capability factor ``A`` at ``config.gamma``."""
-        from ..curvature.eigen import eigh_device, factor_eigh
-        from ..curvature.projection import KroneckerProjector
+        """One input-side projector per edit layer from the input covariance ``A`` of its capability factors at
+        ``config.gamma`` (:class:`~crispedit.curvature.factors.InputCovariance`)."""
+        from ..curvature.eigen import eigh_device
+        from ..curvature.factors import InputCovariance
 
         assert factors is not None
-        eig = factor_eigh(factors, layers, ("A",), device=eigh_device(layers))
-        return {name: KroneckerProjector.from_input_spectrum(*eig[name, "A"], config.gamma) for name in layers}
+        return InputCovariance(factors).projectors(layers, config.gamma, device=eigh_device(layers))

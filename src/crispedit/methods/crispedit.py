@@ -34,19 +34,9 @@ class CrispEditEditor(Editor):
 
     def projectors(self, layers, factors, config):
         """One Kronecker projector per edit layer from its capability factors ``A``, ``S`` at ``config.gamma``
-        (their eigenbases computed once per factor set and cached beside cached factors:
-        :func:`~crispedit.curvature.eigen.factor_eigh`); for a merged constraint with ``factors.parts``, in the
-        merged factors' eigenbasis with a mask covering γ (or the part's own ``factors.part_gammas`` entry) of each
-        part's energy (:func:`~crispedit.curvature.projection.per_source_keep_mask`)."""
-        from ..curvature.eigen import eigh_device, factor_eigh
-        from ..curvature.projection import KroneckerProjector, per_source_keep_mask
+        (:meth:`~crispedit.curvature.factors.KFACFactors.projectors`: eigenbases computed once per factor set and
+        cached beside cached factors; a merged constraint with ``factors.parts`` masks γ of each part's energy)."""
+        from ..curvature.eigen import eigh_device
 
         assert factors is not None
-        eig = factor_eigh(factors, layers, ("A", "S"), device=eigh_device(layers))
-        if factors.parts:  # a merged constraint masked part by part (CrispEdit-Seq, weighting "each")
-            gammas = [config.gamma if g is None else g for g in factors.part_gammas or [None] * len(factors.parts)]
-            return {name: KroneckerProjector(eig[name, "S"][1], eig[name, "A"][1], per_source_keep_mask(
-                eig[name, "S"][1], eig[name, "A"][1], [(p.A[name], p.S[name]) for p in factors.parts], gammas))
-                for name in layers}
-        return {name: KroneckerProjector.from_spectra(*eig[name, "S"], *eig[name, "A"], config.gamma)
-                for name in layers}
+        return factors.projectors(layers, config.gamma, device=eigh_device(layers))

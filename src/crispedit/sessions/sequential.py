@@ -51,7 +51,8 @@ from torch import Tensor, nn
 
 from ..atomic import atomic_save_safetensors
 from ..checks import check_positive_int
-from ..curvature.kfac import KFACFactors, collect_lm_kfac
+from ..curvature.factors import KFACFactors
+from ..curvature.kfac import collect_lm_kfac
 from ..curvature.predicted import mixing_layers, predicted_kl, steep_layers
 from ..data.edits import EditRequest
 from ..editing.checkpoint import load_run_file, run_identity

@@ -52,7 +52,7 @@ import torch
 
 from ..atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
 from ..checks import check_finite_tensors
-from ..curvature.kfac import KFACFactors
+from ..curvature.factors import KFACFactors
 from ..data.edits import EditRequest, load_edits, requests_digest, save_edits_jsonl
 from ..distributed import all_agree, barrier, is_main, is_sharded, same_as_main, world_size
 from ..editing.api import capability_factors, edit_factors, shard_for_edit

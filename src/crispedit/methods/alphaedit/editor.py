@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...curvature.factors import InputCovariance, nullspace_projector
 from ...editing.keyvalue import layer_keys
 from ..memit.closed_form import ClosedFormEditor
 from . import AlphaEditConfig
@@ -22,13 +23,6 @@ from . import AlphaEditConfig
 __all__ = ["AlphaEditConfig", "AlphaEditEditor", "nullspace_projector", "alphaedit_delta"]
 
 KEY = "::KpKp"  # carried-state key suffix: the accumulated K_p K_pᵀ of a layer (d_in x d_in, float64)
-
-
-def nullspace_projector(C: Tensor, threshold: float) -> Tensor:
-    """``U₀U₀ᵀ`` (float64, ``d x d``) over the eigenvectors of the symmetric ``C`` with eigenvalue < ``threshold``."""
-    evals, evecs = torch.linalg.eigh(C.double())
-    U0 = evecs[:, evals < threshold]
-    return U0 @ U0.T
 
 
 def alphaedit_delta(K: Tensor, R: Tensor, P: Tensor, KpKp: Tensor | None, l2: float) -> Tensor:
@@ -48,8 +42,11 @@ class AlphaEditEditor(ClosedFormEditor):
     carries_state = True  # sessions carry K_p K_pᵀ whatever the optimizer setting
 
     def prepare(self, layers, C, cfg, ctx):
-        """``P`` per layer from ``C`` and the carried ``K_p K_pᵀ`` (zero without a previous round)."""
-        P = {n: nullspace_projector(C[n], cfg.nullspace_threshold) for n in layers}
+        """``P`` per layer, the null space of its input covariance (:meth:`InputCovariance.nullspace
+        <crispedit.curvature.factors.InputCovariance.nullspace>`), and the carried ``K_p K_pᵀ`` (zero without a
+        previous round)."""
+        cov = InputCovariance(ctx.factors)
+        P = {n: cov.nullspace(n, cfg.nullspace_threshold) for n in layers}
         kp = {n: (ctx.optimizer_state[n + KEY].double() if n + KEY in ctx.optimizer_state
                   else torch.zeros_like(P[n])) for n in layers}
         return {"P": P, "KpKp": kp}

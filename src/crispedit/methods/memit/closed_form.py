@@ -88,10 +88,13 @@ class ClosedFormEditor(SinglePassEditor):
     def start(self, model, tokenizer, requests, ctx: EditContext) -> dict:
         """Every request's subject, the input covariance of every edit layer, edit layers that write the residual
         stream (one-line errors), before anything runs; the state holds the edited block and ``C``."""
+        from ...curvature.factors import InputCovariance
+
         layers = ctx.layers
         self.check_requests(requests)
         _, block = edit_blocks(model, layers)
-        if ctx.factors is None or any(n not in ctx.factors.A for n in layers):
+        cov = None if ctx.factors is None else InputCovariance(ctx.factors)
+        if cov is None or not all(cov.covers(n) for n in layers):
             raise CrispEditError(f"{self.name} needs the input covariance of every edit layer")
         d_model = hidden_size(model)
         for n, m in layers.items():
@@ -99,7 +102,7 @@ class ClosedFormEditor(SinglePassEditor):
                 raise CrispEditError(f"{self.name}: edit layer {n} writes {weight_matrix(m).shape[0]} features, not "
                                      "the "
                                      f"residual stream's {d_model}; edit the MLP output projections (down_proj)")
-        return {"block": block, "C": {n: ctx.factors.A[n] for n in layers}}
+        return {"block": block, "C": {n: cov.matrix(n) for n in layers}}
 
     def updates(self, model, tokenizer, requests, ctx: EditContext, state: dict, history):
         """Write ``requests`` batch by batch (module docstring), yielding each layer's ``ΔW`` in turn."""

@@ -1,4 +1,5 @@
-"""Exact (dense) curvature of small classifiers: Gauss-Newton, Hessian, Bregman divergence.
+"""Exact (dense) curvature of small classifiers: Gauss-Newton, Hessian, Bregman divergence (study code: the MNIST
+curvature study, :mod:`.mnist_study`).
 
 Everything here acts on the *whole* trainable parameter vector of a small network, flattened by a
 :class:`ParamLayout` with the library's column-major convention: each parameter is viewed as the
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 from tqdm.auto import tqdm
 
-from .projection import unvec, vec
+from ..curvature.projection import unvec, vec
 
 __all__ = [
     "ParamLayout",

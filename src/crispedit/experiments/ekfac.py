@@ -1,6 +1,7 @@
 """K-FAC and eigenvalue-corrected K-FAC (EK-FAC) for small classifiers (linear and conv layers).
 
-K-FAC statistics are gathered with the library's own pieces (:func:`~crispedit.curvature.kfac.capture_io`,
+Study code (the MNIST curvature study, :mod:`.mnist_study`). K-FAC statistics are gathered with the library's own
+pieces (:func:`~crispedit.curvature.kfac.capture_io`,
 :func:`~crispedit.curvature.kfac.layer_rows` -- conv inputs as unfolded patches -- and
 :class:`~crispedit.curvature.kfac.FactorAccumulator`). Factors are scaled so that ``A (x) S``
 approximates the layer's block of the Gauss-Newton matrix of the *mean* loss in the library's
@@ -40,9 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .kfac import FactorAccumulator, KFACFactors, capture_io, frozen
-from .modes import OutputGrads
-from .projection import KroneckerProjector, eigh_psd
+from ..curvature.base import Curvature, Eigenbasis
+from ..curvature.factors import KFACFactors
+from ..curvature.kfac import FactorAccumulator, capture_io, frozen
+from ..curvature.projection import eigh_psd
+from .mnist_config import OutputGrads
 
 __all__ = [
     "OutputGrads",
@@ -54,18 +57,36 @@ __all__ = [
 
 
 @dataclass
-class EKFACFactors:
-    """Per-layer Kronecker eigenbasis and corrected eigenvalues (``d_out x d_in``)."""
+class EKFACFactors(Curvature):
+    """Per-layer Kronecker eigenbasis and corrected eigenvalues (``d_out x d_in``): a
+    :class:`~crispedit.curvature.base.Curvature` whose eigenbasis is K-FAC's and whose eigenvalues are re-fitted."""
 
     U_out: dict[str, Tensor]
     U_in: dict[str, Tensor]
     eigvals: dict[str, Tensor]
     meta: dict
 
-    def projector(self, name: str, gamma: float, dtype: torch.dtype = torch.float32) -> KroneckerProjector:
-        """Projector of layer ``name`` in its K-FAC eigenbasis with the corrected eigenvalues, under ``gamma``."""
-        return KroneckerProjector.from_eigenbasis(self.U_out[name], self.U_in[name], self.eigvals[name], gamma,
-                                                  dtype=dtype)
+    @property
+    def layers(self) -> list[str]:
+        """The layer names, in the order of ``U_in``."""
+        return list(self.U_in)
+
+    def eigenbasis(self, name: str, *, device: torch.device | str | None = None) -> Eigenbasis:
+        """K-FAC's eigenbasis of layer ``name`` with the corrected eigenvalues (computed at collection)."""
+        return Eigenbasis(self.U_out[name], self.U_in[name], self.eigvals[name])
+
+    def merged(self, other: EKFACFactors, weight: float | None = None) -> EKFACFactors:
+        """``(1 - weight)`` of these eigenvalues plus ``weight`` of ``other``'s (``None``: equal weights), in the
+        shared eigenbasis; ``ValueError`` when the two do not share it (corrected eigenvalues of different bases
+        do not average)."""
+        if set(self.U_in) != set(other.U_in) or not all(
+                torch.equal(self.U_in[n], other.U_in[n]) and torch.equal(self.U_out[n], other.U_out[n])
+                for n in self.U_in):
+            raise ValueError("EK-FAC curvatures merge only in a shared eigenbasis")
+        w = 0.5 if weight is None else float(weight)
+        return EKFACFactors(dict(self.U_out), dict(self.U_in),
+                            {n: (1 - w) * self.eigvals[n] + w * other.eigvals[n] for n in self.eigvals},
+                            dict(self.meta))
 
 
 def _output_grads(logits: Tensor, targets: Tensor, mode: OutputGrads, generator: torch.Generator | None) -> Tensor:
