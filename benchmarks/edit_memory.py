@@ -49,6 +49,7 @@ def measure(model, tok, requests, steps: int, config=None) -> dict:
     seconds}}`` plus ``steps`` run."""
     import crispedit.editing.loop as loop
     from crispedit import EditConfig, edit
+    from crispedit.editing.steptimer import NULL_TIMER
 
     t0, row = time.perf_counter(), {}
 
@@ -57,29 +58,36 @@ def measure(model, tok, requests, steps: int, config=None) -> dict:
         row[phase] = {"hwm_mib": hwm, "rss_mib": rss, "seconds": round(time.perf_counter() - t0, 1)}
 
     mark("loaded")
-    step_call, done = loop._Step.__call__, [0]
 
-    def counted(self, *a, **k):
-        """The loop's step, with memory read before the first and after the first and the last measured one."""
-        if done[0] == 0:
-            mark("prepared")
-        out = step_call(self, *a, **k)
-        done[0] += 1
-        if done[0] == 1:
-            mark("first_step")
-        if done[0] >= steps:
-            mark("last_step")
-            raise _Enough
-        return out
+    class Counted(NULL_TIMER.__class__):
+        """The loop's default timer, with memory read at the first step's start, after the first step and after the
+        last measured one, where the edit ends."""
 
-    loop._Step.__call__ = counted
+        done = 0
+
+        def start_step(self) -> None:
+            """Read memory before the first step."""
+            if self.done == 0:
+                mark("prepared")
+
+        def end_step(self, skipped: bool = False) -> None:
+            """Count the step; read memory after the first and the last measured one."""
+            self.done += 1
+            if self.done == 1:
+                mark("first_step")
+            if self.done >= steps:
+                mark("last_step")
+                raise _Enough
+
+    counted = Counted()
+    loop.NULL_TIMER = counted  # the timer the loop takes when none is given: its step boundaries
     try:
         edit(model, tok, requests, config or EditConfig(), progress=False)
     except _Enough:
         pass
     finally:
-        loop._Step.__call__ = step_call
-    return {"steps": done[0], **row}
+        loop.NULL_TIMER = NULL_TIMER
+    return {"steps": counted.done, **row}
 
 
 def child(path: str, offset: int, n: int | None, steps: int, model_spec: str) -> dict:

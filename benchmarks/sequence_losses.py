@@ -52,27 +52,28 @@ def record(model, tokenizer, requests, config) -> dict:
     import crispedit.editing.loop as loop
     from crispedit.editing import edit
 
-    out, plans = {"epochs": []}, []
-    real_init, real_end = loop._EpochPlan.__init__, loop._Counters.end_epoch
+    out, sources = {"epochs": []}, []
+    real_source, real_end = loop.batch_source, loop._Run.end_epoch
 
-    def init(self, *a, **k):
-        real_init(self, *a, **k)
-        plans.append(self)
+    def source(*a, **k):
+        sources.append(real_source(*a, **k))
+        return sources[-1]
 
-    def end_epoch(self, hist, losses, cfg):
-        mean = real_end(self, hist, losses, cfg)
+    def end_epoch(self, hist, losses):
+        mean = real_end(self, hist, losses)
+        cfg = self.config
         t0 = time.perf_counter()
-        rows = sequence_losses(model, plans[-1].batches)
+        rows = sequence_losses(model, sources[-1].batches)
         out["epochs"].append({"mean": mean, "rows": rows, "probe_seconds": round(time.perf_counter() - t0, 2)})
         print(f"epoch {len(out['epochs'])}: loss {mean:.4f}, {sum(r[1] < cfg.skip_loss * r[2] for r in rows)}"
               f"/{len(rows)} sequences below the skip loss", flush=True)
         return mean
 
-    loop._EpochPlan.__init__, loop._Counters.end_epoch = init, end_epoch
+    loop.batch_source, loop._Run.end_epoch = source, end_epoch
     try:
         res = edit(model, tokenizer, requests, config, progress=False)
     finally:
-        loop._EpochPlan.__init__, loop._Counters.end_epoch = real_init, real_end
+        loop.batch_source, loop._Run.end_epoch = real_source, real_end
     out["history"] = res.history.to_json()
     out["skip_loss"] = config.skip_loss
     return out

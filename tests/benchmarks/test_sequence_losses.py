@@ -8,7 +8,7 @@ from conftest import REPO, load_script
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
 from crispedit.editing.fastpath import plain_loss
-from crispedit.editing.loop import _Counters, _EpochPlan, edit_batches
+from crispedit.editing.loop import _Run, batch_source, edit_batches
 
 SCRIPT = REPO / "benchmarks" / "sequence_losses.py"
 
@@ -23,9 +23,11 @@ def test_each_epochs_sequence_losses_are_the_edited_models(script, tiny_lm, iso_
     reqs = [EditRequest(f"Who founded company {i}?", f"Person {i}") for i in range(5)]
     config = EditConfig(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", contexts="bare,lead:1",
                         batch_size=4, epochs=3, stop_loss=0.0, lr=1e-2, n_cap=4, max_len=48)
-    init, end = _EpochPlan.__init__, _Counters.end_epoch
+    import crispedit.editing.loop as loop
+
+    end = _Run.end_epoch
     rec = script.record(model, tok, reqs, config)
-    assert (_EpochPlan.__init__, _Counters.end_epoch) == (init, end)          # the loop is left as it was
+    assert (loop.batch_source, _Run.end_epoch) == (batch_source, end)        # the loop is left as it was
     assert len(rec["epochs"]) == 3 and rec["history"]["epochs"] == 3
     batches, _ = edit_batches(tok, reqs, config, model)
     last = rec["epochs"][-1]["rows"]

@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING
 from ..data.edits import EditRequest
 from ..data.tokenize import split_context_target
 from .contexts import TrainingSequence, own_chat_answers, training_batches
+from .hooks import LoopHook
 
 if TYPE_CHECKING:  # the module top stays torch-free: EditConfig validates against SUBJECT_KEEPS
     from torch import Tensor, nn
 
 __all__ = ["KEEP_TOKENS", "SUBJECT_KEEPS", "KEEP_SUBJECTS", "KEEP_BATCH", "keep_prompts", "keep_sequences",
-           "KeepLoss"]
+           "KeepLoss", "KeepTerm", "keep_term"]
 
 KEEP_TOKENS = 24    # tokens of each unedited answer kept by default: its form shows in the first few
 KEEP_SUBJECTS = 128  # edits whose subject is asked about, at most (evenly spread over a larger edit set)
@@ -127,3 +128,48 @@ class KeepLoss:
             return None
         j = step % len(self.batches)
         return self.weight * torch.relu(self.loss_fn(j) - self.before[j]).mean()
+
+
+class KeepTerm(LoopHook):
+    """The preservation term as the projected loop adds it: :meth:`add` puts training step ``step``'s term
+    (:class:`KeepLoss`, under the training ``arithmetic()``) onto the edit loss, divided by the number of
+    ``processes`` (every process computes it whole; their gradients are summed); :meth:`end_epoch` (a loop hook)
+    reports the epoch's mean term."""
+
+    def __init__(self, keep: KeepLoss, arithmetic, processes: int = 1):
+        self.keep, self.arithmetic, self.processes = keep, arithmetic, processes
+        self.terms: list[Tensor] = []  # this epoch's terms, on the device (read once, at its end)
+
+    def add(self, loss: Tensor | None, step: int) -> Tensor | None:
+        """``loss`` (``None``: this process holds no row of the batch) plus the term of training step ``step``."""
+        with self.arithmetic():
+            term = self.keep(step)
+        if term is None:
+            return loss
+        self.terms.append(term.detach())
+        term = term / self.processes
+        return term if loss is None else loss + term
+
+    def end_epoch(self, epochs: int, hist, loss: float) -> None:
+        """Once per epoch: the mean term of its steps (nats/token, 0 for an epoch without a step) appended to
+        ``hist.extra["keep"]`` (a :class:`~.loop.TrainHistory`'s), with the transcripts and answer tokens it holds."""
+        import torch
+
+        mean = float(torch.stack(self.terms).mean()) if self.terms else 0.0
+        self.terms = []
+        if "keep" not in hist.extra:
+            hist.extra["keep"] = {"transcripts": sum(b.input_ids.shape[0] for b in self.keep.batches),
+                                  "tokens": self.keep.tokens(), "weight": self.keep.weight, "epoch_term": []}
+        hist.extra["keep"]["epoch_term"].append(round(mean, 6))
+
+
+def keep_term(model: nn.Module, tokenizer, requests: Sequence[EditRequest], params: dict[str, nn.Parameter], config,
+              *, fast: bool, device, arithmetic, processes: int, split: bool) -> KeepTerm | None:
+    """The preservation term of an edit under ``config`` (``keep_chat`` / ``keep_subject``; ``None`` when both are
+    0), from ``model``'s starting weights; its loss takes the fast path as the edit batches do (not on a model
+    ``split`` across the processes)."""
+    if not (config.keep_chat or config.keep_subject):
+        return None
+    kept = keep_sequences(model, tokenizer, requests, config.keep_chat, config.keep_subject, config.keep_tokens)
+    return KeepTerm(KeepLoss(model, tokenizer, kept, params, config.keep_weight, fast=fast and not split,
+                             device=device), arithmetic, processes)

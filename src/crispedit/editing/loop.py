@@ -1,4 +1,4 @@
-"""The one projected fine-tuning loop shared by every fine-tuning editor.
+"""The one projected fine-tuning loop shared by every fine-tuning editor (:func:`projected_finetune`).
 
 Each request becomes one training sequence per edit context (:mod:`.contexts`: bare prompt, chat
 template, natural-text prefixes; target followed by its answer end). FT-M loss (cross-entropy on the
@@ -15,14 +15,12 @@ the step (``"update"``), or Adam runs in the K-FAC eigenbasis on the masked rota
 (``"eigenbasis"``, :class:`.optim.EigenbasisAdam`); the last two keep the weight change strictly
 inside the kept subspace. Projections run in float32 whatever the training dtype.
 
-Under ``torch.distributed`` (``torchrun ... -m crispedit edit``) every batch is split by rows across the
-processes (:func:`shard_batch`): each process computes the cross-entropy of its rows scaled by its share
-of the batch's target tokens, the scaled losses and the gradients are summed over the processes before
-the skip test and the projection, so every process takes the one-process step (up to the order of the
-additions) and the weights stay identical on all of them. With the model's decoder blocks split across the
-processes (:func:`crispedit.distributed.shard_model`, ``--shard``) the same holds — the edited weights are whole on
-every process — and every process runs every batch's forward and backward (a process with no row of a batch runs
-one row of it with weight 0), because each block's forward gathers its weights from all of them.
+The loop itself is :func:`_train`, one screen; what is not the loop sits at its edges. The batches come from a
+batch source (:mod:`.sources`: fixed batches, ``--context-sample``'s sampled ones, or under ``torch.distributed``
+this process's rows of every batch, its loss scaled by its share of the batch's target tokens and the losses and
+gradients summed over the processes, so every process takes the one-process step). The drift budget, the
+progress bar, the checkpoint and the preservation term's report are hooks called at fixed points (:mod:`.hooks`).
+The timer (:mod:`.steptimer`) wraps each part of a step once, when the loop is set up.
 """
 
 from __future__ import annotations
@@ -31,9 +29,10 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor, nn
@@ -42,27 +41,26 @@ from tqdm.auto import tqdm
 from ..curvature.projection import LayerProjector, rotation_precision
 from ..data.edits import EditRequest
 from ..data.tokenize import EncodedBatch
-from ..distributed import all_reduce_sum_, is_distributed, is_sharded, rank, world_size
+from ..distributed import is_sharded, world_size
 from ..errors import CrispEditError
 from ..layers import as_weight_matrix
 from ..models import native_bf16
 from .checkpoint import LoopCheckpoint, LoopState
 from .config import EditConfig, ProjectionTarget
-from .contexts import epoch_subset, sequences_for, training_batches
-from .fastpath import make_loss_fn
+from .contexts import sequences_for, training_batches
 from .fastpath import plain_loss as edit_loss
-from .keep import KeepLoss, keep_sequences
+from .hooks import LOG_EVERY, LOG_SECONDS, CheckpointHook, DriftHook, Hooks, ProgressHook
+from .keep import KeepTerm, keep_term
 from .optim import make_optimizer
+from .sources import FixedBatches, batch_source, shard_batch, target_count
 from .steptimer import NULL_TIMER, StepTimer
 
 _log = logging.getLogger("crispedit.edit")
-LOG_EVERY = 5  # epochs between the loop's INFO lines (for output that is not a terminal: no bar there) ...
-LOG_SECONDS = 60.0  # ... or fewer, once this many seconds have passed since the last line (long epochs)
 PLATEAU_BAND = 2.0  # the plateau rule acts only once the epoch loss is below this many times the stop loss
 
 __all__ = ["projected_finetune", "edit_loss", "TrainHistory", "training_brief", "apply_projection", "edit_batches",
            "resolve_precision",
-           "shard_batch", "plateaued", "plateau_stop", "PLATEAU_BAND"]
+           "shard_batch", "target_count", "plateaued", "plateau_stop", "PLATEAU_BAND", "LOG_EVERY", "LOG_SECONDS"]
 
 
 @dataclass
@@ -156,36 +154,6 @@ def edit_batches(tokenizer, requests: Sequence[EditRequest], config: EditConfig,
                             by_length=config.batch_order == "length"), names
 
 
-def target_count(batch: EncodedBatch) -> int:
-    """Number of tokens the FT-M loss of ``batch`` averages over (labels other than -100 after the shift)."""
-    return int((batch.labels[:, 1:] != -100).sum())
-
-
-def shard_batch(batch: EncodedBatch, r: int, w: int) -> EncodedBatch | None:
-    """Rows ``r, r + w, r + 2w, ...`` of ``batch`` (same padded width), or ``None`` when that leaves no row
-    with a target token (a batch of fewer than ``w`` sequences)."""
-    rows = list(range(r, batch.input_ids.shape[0], w))
-    if not rows:
-        return None
-    idx = torch.tensor(rows, device=batch.input_ids.device)
-    part = EncodedBatch(batch.input_ids[idx], batch.attention_mask[idx], batch.labels[idx],
-                        [batch.target_lengths[i] for i in rows])
-    return part if target_count(part) > 0 else None
-
-
-def _my_rows(batch: EncodedBatch, split: bool) -> tuple[EncodedBatch | None, float]:
-    """This process's rows of ``batch`` (:func:`shard_batch`) and their share of its target tokens, or
-    ``(None, 0.0)`` without a row. With the model ``split`` across the processes every process must run the
-    batch (each block's forward gathers its weights from all of them): one without rows gets the batch's first
-    row that has a target token, with share 0."""
-    part = shard_batch(batch, rank(), world_size())
-    if part is not None:
-        return part, target_count(part) / target_count(batch)
-    if not split:
-        return None, 0.0
-    first = next(i for i in range(batch.input_ids.shape[0]) if (batch.labels[i, 1:] != -100).any())
-    return shard_batch(batch, first, batch.input_ids.shape[0]), 0.0
-
 
 def resolve_precision(precision: str, device) -> str:
     """The training forward's arithmetic an edit runs with on ``device``: ``"bf16"`` or ``"fp32"``; ``"auto"`` is
@@ -198,145 +166,6 @@ def resolve_precision(precision: str, device) -> str:
         _log.warning("bf16 on %s is emulated here (no native bfloat16 arithmetic: a CPU without AVX-512 or AMX), "
                      "many times slower than fp32; --precision fp32 or auto is faster", torch.device(device).type)
     return precision
-
-
-class _EpochPlan:
-    """The batches of every epoch and their losses: all training sequences in fixed batches, or (``--context-sample``)
-    a seeded sample of every request's sequences batched anew each epoch; under ``torch.distributed`` each
-    process takes its rows of every batch (:func:`shard_batch`) and its loss is scaled by its share of the batch's
-    target tokens, so the sum over processes is the batch mean."""
-
-    def __init__(self, model, tokenizer, requests, params, config: EditConfig, fast: bool, device):
-        self.tokenizer, self.config, self.device = tokenizer, config, device
-        self.precision = resolve_precision(config.precision, device)
-        self.seqs, self.contexts = sequences_for(tokenizer, requests, config, model)
-        self.batches = [b.to(device) for b in self._batch(None)]
-        self.sample = config.context_sample
-        if self.sample is not None and is_distributed():
-            raise CrispEditError("--context-sample is not available under torch.distributed; train every context")
-        self._first = self._batch(epoch_subset(self.seqs, self.sample, config.seed, 0)) if self.sample else self.batches
-        self.shards = None
-        if is_distributed():  # this process's rows of every batch and their share of its target tokens
-            split = is_sharded(model)
-            parts = [_my_rows(b, split) for b in self.batches]
-            self.shards, j = [], 0
-            for part, share in parts:
-                self.shards.append(None if part is None else (j, share))
-                j += part is not None
-            # the fast path's own checks could differ between processes; a split model takes the plain loss
-            self.loss_fn = make_loss_fn(model, params, [p for p, _ in parts if p is not None],
-                                        enabled=fast and not split)
-        else:
-            self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast)  # exact shortcut: prefix cached
-        self.keep = None  # the preservation term (editing/keep.py), from the starting weights like the sequences
-        if config.keep_chat or config.keep_subject:
-            kept = keep_sequences(model, tokenizer, requests, config.keep_chat, config.keep_subject,
-                                  config.keep_tokens)
-            self.keep = KeepLoss(model, tokenizer, kept, params, config.keep_weight,
-                                 fast=fast and not is_sharded(model), device=device)  # as the edit batches
-        self.keep_terms: list[Tensor] = []
-
-    def _arithmetic(self):
-        """The forward's arithmetic: under bfloat16 (:attr:`precision`) an autocast region (matrix products in
-        bfloat16; the backward follows the forward's dtypes, the float32 weights receive float32 gradients), else
-        nothing. The frozen prefix of the fast path was computed at plan time, in the model's own dtype."""
-        if self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def with_keep(self, loss: Tensor | None, step: int, timer) -> Tensor | None:
-        """``loss`` plus the preservation term of training step ``step`` (``loss`` as it is without one)."""
-        if self.keep is None:
-            return loss
-        with timer.phase("keep"), self._arithmetic():
-            term = self.keep(step)
-        if term is None:
-            return loss
-        self.keep_terms.append(term.detach())
-        term = term / world_size()  # every process computed it whole; their gradients are summed
-        return term if loss is None else loss + term
-
-    def keep_report(self, hist: TrainHistory) -> None:
-        """Once per epoch: the mean preservation term of its steps (nats/token, 0 for an epoch without a step)
-        appended to ``hist.extra["keep"]``, with the transcripts and answer tokens it holds."""
-        if self.keep is None:
-            return
-        mean = float(torch.stack(self.keep_terms).mean()) if self.keep_terms else 0.0
-        self.keep_terms = []
-        if "keep" not in hist.extra:
-            hist.extra["keep"] = {"transcripts": sum(b.input_ids.shape[0] for b in self.keep.batches),
-                                  "tokens": self.keep.tokens(), "weight": self.keep.weight, "epoch_term": []}
-        hist.extra["keep"]["epoch_term"].append(round(mean, 6))
-
-    def _batch(self, subset):
-        c = self.config
-        return training_batches(self.tokenizer, self.seqs, c.batch_size, c.batch_tokens, subset,
-                                by_length=c.batch_order == "length")
-
-    def per_epoch(self) -> tuple[int, int]:
-        """Sequences and non-padding tokens of one epoch (the first one's, under ``--context-sample``)."""
-        return sum(b.input_ids.shape[0] for b in self._first), sum(b.n_tokens for b in self._first)
-
-    def epoch(self, epoch: int, gen: torch.Generator) -> list:
-        """This epoch's items in a seeded random order: batch indices, or batches readied on the host."""
-        if self.sample is None:
-            items = list(range(len(self.batches)))
-        else:
-            host = (self._first if epoch == 0
-                    else self._batch(epoch_subset(self.seqs, self.sample, self.config.seed, epoch)))
-            items = [self.loss_fn.prepare(b) for b in host]
-        return [items[i] for i in torch.randperm(len(items), generator=gen).tolist()]
-
-    def loss(self, item, timer) -> tuple[Tensor | None, Tensor]:
-        """The loss to backpropagate (``None``: this process holds no row of the batch) and the batch mean as a
-        0-d tensor on the device (summed over processes)."""
-        if self.shards is None:
-            with timer.phase("forward"), self._arithmetic():
-                loss = self.loss_fn(item)
-            return loss, loss.detach()
-        with timer.phase("forward"), self._arithmetic():
-            shard = self.shards[item]
-            loss = None if shard is None else self.loss_fn(shard[0]) * shard[1]
-        with timer.phase("bookkeeping"):
-            value = torch.zeros((), dtype=torch.float64, device=self.device)
-            if loss is not None:
-                value += loss.detach().double()
-            return loss, all_reduce_sum_(value)
-
-
-def _update(params, layers, projectors, target: ProjectionTarget, opt, active: Tensor, drift_budget, timer,
-            rotations: tuple[str, torch.device | str] = ("fp32", "cpu")) -> None:
-    """The step after backward: the penalty gradient, the projection (of the gradient before Adam, or of its
-    update after it; the eigenbasis optimizer masks by itself), Adam gated by ``active``, the drift budget.
-    ``rotations``: ``(mode, device)`` of the projection's float32 GEMMs (:func:`rotation_precision`)."""
-    if drift_budget is not None and drift_budget.penalty > 0:
-        with timer.phase("drift"):
-            drift_budget.add_penalty_gradient()  # + β ∂(predicted drift)/∂W, projected below
-    before = None
-    if target is ProjectionTarget.UPDATE:
-        with timer.phase("copies"):
-            before = {n: p.detach().float().clone() for n, p in params.items()}
-    with torch.no_grad(), rotation_precision(*rotations):
-        if target is ProjectionTarget.GRADIENT:
-            with timer.phase("projection"):
-                for n, p in params.items():
-                    g = apply_projection(projectors[n], layers[n], p.grad)
-                    if g is p.grad:
-                        continue  # nothing masked (the identity): nothing to write
-                    if g.stride() == p.grad.stride():
-                        p.grad = g  # a fresh tensor: use it, no copy
-                    else:
-                        p.grad.copy_(g)
-        with timer.phase("optimizer"):
-            opt.step(active=active)  # an inactive (skipped) step changes nothing
-        if before is not None:
-            with timer.phase("projection"):
-                for n, p in params.items():
-                    delta = apply_projection(projectors[n], layers[n], p.detach().float() - before[n])
-                    p.copy_((before[n] + delta).to(p.dtype))
-        if drift_budget is not None and drift_budget.eps is not None:
-            with timer.phase("drift"):
-                drift_budget.enforce()  # same weights on every process: the same decision
 
 
 @contextlib.contextmanager
@@ -358,21 +187,61 @@ def _training(model: nn.Module, params: dict[str, nn.Parameter], opt, bar) -> It
             p.requires_grad_(f)
 
 
-def _sum_grads(params) -> None:
-    """Sum every parameter's gradient over the processes (a zero gradient where this process had none)."""
-    for p in params.values():
-        if p.grad is None:  # no rows here, or a parameter this shard did not reach
-            p.grad = torch.zeros_like(p)
-        all_reduce_sum_(p.grad)
+def _arithmetic(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """The training forward's arithmetic as a context factory: under bfloat16 an autocast region (matrix products in
+    bfloat16; the backward follows the forward's dtypes, the float32 weights receive float32 gradients), else
+    nothing. The frozen prefix of the fast path is computed beforehand, in the model's own dtype."""
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
 
 
-class _Counters:
-    """Where the loop stands across epochs (and across a resume): the batch-order ``generator``, the batches
-    run so far (``n_batches``) and skipped (``skipped``, a 0-d int32 on the device, read once per epoch), the
-    epoch this call starts at, the seconds of earlier calls, whether it converged and the losses so far."""
+class _ProjectedStep:
+    """The step after the backward, where the projection acts (``target``): the gradient projected before Adam
+    (the paper), or Adam's update projected after it (the weights copied first), or neither here (the eigenbasis
+    optimizer masks by itself). Adam is gated by ``active``: an inactive (skipped) step changes nothing. Each part
+    charged to its phase of ``timer``; called under ``torch.no_grad``."""
 
-    def __init__(self, seed: int, device, resumed: LoopState | None):
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, params, layers, projectors, opt, target: ProjectionTarget, timer):
+        self.params, self.layers, self.projectors, self.target = params, layers, projectors, target
+        self.copies = timer.timed("copies", lambda: {n: p.detach().float().clone() for n, p in params.items()})
+        self.project_grads = timer.timed("projection", self._project_grads)
+        self.optimizer = timer.timed("optimizer", opt.step)
+        self.project_update = timer.timed("projection", self._project_update)
+
+    def __call__(self, active: Tensor) -> None:
+        before = self.copies() if self.target is ProjectionTarget.UPDATE else None
+        if self.target is ProjectionTarget.GRADIENT:
+            self.project_grads()
+        self.optimizer(active=active)
+        if before is not None:
+            self.project_update(before)
+
+    def _project_grads(self) -> None:
+        for n, p in self.params.items():
+            g = apply_projection(self.projectors[n], self.layers[n], p.grad)
+            if g is p.grad:
+                continue  # nothing masked (the identity): nothing to write
+            if g.stride() == p.grad.stride():
+                p.grad = g  # a fresh tensor: use it, no copy
+            else:
+                p.grad.copy_(g)
+
+    def _project_update(self, before: dict[str, Tensor]) -> None:
+        for n, p in self.params.items():
+            delta = apply_projection(self.projectors[n], self.layers[n], p.detach().float() - before[n])
+            p.copy_((before[n] + delta).to(p.dtype))
+
+
+class _Run:
+    """Where the loop stands across epochs (and across a resume): the batch-order ``generator``, the batches run so
+    far (``n_batches``) and skipped (``skipped``, a 0-d int32 on the device, read once per epoch), the epoch this
+    call starts at, the seconds of earlier calls (``spent``; this call's since ``t0``), whether it converged and the
+    losses so far."""
+
+    def __init__(self, config: EditConfig, device, resumed: LoopState | None, t0: float):
+        self.config, self.skip_loss, self.t0 = config, config.skip_loss, t0
+        self.generator = torch.Generator().manual_seed(config.seed)
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
         self.n_batches, self.start, self.spent, self.converged, self.epoch_loss = 0, 0, 0.0, False, []
         self.epoch_seconds: list[float | None] = []
@@ -383,86 +252,107 @@ class _Counters:
             self.converged, self.epoch_loss = resumed.converged, resumed.epoch_loss
             self.epoch_seconds = list(resumed.epoch_seconds)
 
-    def history(self, plan: _EpochPlan) -> TrainHistory:
-        """The :class:`TrainHistory` this call starts from: the plan's contexts and sizes, a resumed run's figures."""
-        hist = TrainHistory(contexts=plan.contexts, fast_loss=plan.loss_fn.fast, epoch_loss=list(self.epoch_loss),
+    def seconds(self) -> float:
+        """Training seconds so far, earlier calls included."""
+        return self.spent + time.perf_counter() - self.t0
+
+    def history(self, source: FixedBatches, precision: str) -> TrainHistory:
+        """The :class:`TrainHistory` this call starts from: the source's contexts and sizes, a resumed run's figures."""
+        config = self.config
+        hist = TrainHistory(contexts=source.contexts, fast_loss=source.fast, epoch_loss=list(self.epoch_loss),
                             converged=self.converged, steps=self.n_batches - int(self.skipped),
-                            plateaued=_stalled(self.epoch_loss, self.converged, plan.config),
+                            plateaued=_stalled(self.epoch_loss, self.converged, config),
                             skipped=int(self.skipped), epoch_seconds=list(self.epoch_seconds))
-        hist.sequences, hist.tokens = plan.per_epoch()
-        if plan.config.precision != "fp32":  # what bf16 / auto ran as on this device
-            hist.extra["precision"] = plan.precision
-        if plan.sample is None and plan.shards is None:  # fixed batches: what an epoch computes
-            hist.extra.update(plan.loss_fn.layout())
+        hist.sequences, hist.tokens = source.per_epoch()
+        if config.precision != "fp32":  # what bf16 / auto ran as on this device
+            hist.extra["precision"] = precision
+        hist.extra.update(source.layout())  # fixed batches: what an epoch computes
         if self.start:
             hist.extra.update(resumed_at_epoch=self.start, resumed_seconds=round(self.spent, 3))
         return hist
 
-    def end_epoch(self, hist: TrainHistory, losses: list[Tensor], config: EditConfig) -> float:
+    def skip_test(self, mean: Tensor) -> Tensor:
+        """Whether a batch of mean loss ``mean`` steps (not below the skip loss), a 0-d boolean on the device; a
+        skipped batch is counted there."""
+        active = ~(mean < self.skip_loss)
+        self.skipped = self.skipped + (~active).to(torch.int32)
+        return active
+
+    def end_epoch(self, hist: TrainHistory, losses: list[Tensor]) -> float:
         """Once per epoch, the one read back to the host: the epoch's mean loss (nats/target token; appended to
-        ``hist``, which also gets the step counts and ``converged``: below ``config.stop_loss``). One-line error on a
-        non-finite loss."""
+        ``hist``, which also gets the step counts, ``converged`` — below the stop loss — and ``plateaued``).
+        One-line error on a non-finite loss."""
         mean, n_skipped = torch.stack([torch.stack([v.double() for v in losses]).mean(),
                                        self.skipped.double()]).tolist()
         hist.skipped, hist.steps = int(n_skipped), self.n_batches - int(n_skipped)
         hist.epoch_loss.append(mean)
         if not math.isfinite(mean):
-            raise CrispEditError(f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} (lr {config.lr:g}); "
-                                 "lower --lr or check the model and the inputs — nothing was saved")
-        hist.converged = mean < config.stop_loss
-        hist.plateaued = _stalled(hist.epoch_loss, hist.converged, config)
+            raise CrispEditError(f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} (lr {self.config.lr:g});"
+                                 " lower --lr or check the model and the inputs — nothing was saved")
+        hist.converged = mean < self.config.stop_loss
+        hist.plateaued = _stalled(hist.epoch_loss, hist.converged, self.config)
         return mean
 
-    def state(self, epochs: int, hist: TrainHistory, seconds: float) -> LoopState:
-        """The checkpointable state after ``epochs`` epochs (``seconds`` in all, earlier calls included)."""
+    def state(self, epochs: int, hist: TrainHistory) -> LoopState:
+        """The checkpointable state after ``epochs`` epochs (with the seconds so far, earlier calls included)."""
         return LoopState(epochs, hist.epoch_loss, self.n_batches, hist.skipped, hist.converged,
-                         self.generator.get_state(), {}, seconds, hist.epoch_seconds)
+                         self.generator.get_state(), {}, self.seconds(), hist.epoch_seconds)
 
 
-class _Step:
-    """One batch of the loop: its loss, the skip rule (a batch whose loss is below ``config.skip_loss`` takes no
-    step; ``sync_free``: decided on the device, gating Adam, else read on the host and the backward not run), the
-    backward, the gradients summed over the processes (sharded plans) and the projected update (:func:`_update`)."""
+def _backward(loss: Tensor | None) -> None:
+    if loss is not None:  # None: this process holds no row of the batch (its gradient is zero)
+        loss.backward()
 
-    def __init__(self, params, layers, projectors, opt, config: EditConfig, drift_budget, timer, sync_free: bool):
-        self.params, self.layers, self.projectors, self.opt = params, layers, projectors, opt
-        self.target, self.skip_loss = ProjectionTarget(config.projection_target), config.skip_loss
-        self.drift_budget, self.timer, self.sync_free = drift_budget, timer, sync_free
-        self.rotations = (config.projection_precision, next(iter(params.values())).device if params else "cpu")
 
-    def __call__(self, plan: _EpochPlan, item, counters: _Counters) -> Tensor:
-        """Run ``item`` of ``plan`` (counted in ``counters``); returns its batch mean loss, a 0-d tensor on the
-        device."""
-        timer = self.timer
-        timer.start_step()
-        loss, value = plan.loss(item, timer)
-        with timer.phase("bookkeeping"):  # the skip rule: a batch below skip_loss takes no step
-            active = ~(value < self.skip_loss)
-            counters.skipped = counters.skipped + (~active).to(torch.int32)
-        if not self.sync_free:
-            # The host path's one read per step, on purpose: it decides whether this batch runs its backward, so it
-            # cannot wait for the epoch's end; on the CPU (its default) it waits for nothing and spares a skipped
-            # batch its backward and update. The sync-free path (an accelerator's) reads nothing per step.
-            with timer.phase("skip_read"):
-                skip = not bool(active)
-            if skip:
-                counters.n_batches += 1
-                timer.end_step(skipped=True)
-                return value
-        loss = plan.with_keep(loss, counters.n_batches, timer)
-        with timer.phase("zero_grad"):
-            self.opt.zero_grad(set_to_none=True)
-        with timer.phase("backward"):
-            if loss is not None:
-                loss.backward()
-        if plan.shards is not None:
-            with timer.phase("allreduce"):
-                _sum_grads(self.params)
-        _update(self.params, self.layers, self.projectors, self.target, self.opt, active, self.drift_budget, timer,
-                self.rotations)
-        counters.n_batches += 1
-        timer.end_step()
-        return value
+def _step_parts(source: FixedBatches, run: _Run, keep: KeepTerm | None, step: _ProjectedStep, opt, params,
+                timer, rotations: tuple[str, torch.device | str]) -> SimpleNamespace:
+    """The parts of a step the loop calls, each wrapped once in its phase of ``timer`` (the phases of
+    :mod:`.steptimer`; :data:`~.steptimer.NULL_TIMER` leaves them unwrapped). Parts an edit does not use (the
+    preservation term, the sum over processes) are no-ops, untimed. ``rotations``: ``(mode, device)`` of the
+    projection's float32 GEMMs (:func:`rotation_precision`)."""
+    t = timer.timed
+    return SimpleNamespace(
+        source=source, timer=timer, step=step, rotations=lambda: rotation_precision(*rotations),
+        loss=t("forward", source.loss), batch_mean=t("bookkeeping", source.batch_mean),
+        skip_test=t("bookkeeping", run.skip_test), skip_read=t("skip_read", bool),
+        keep=(lambda loss, n: loss) if keep is None else t("keep", keep.add),
+        zero_grad=t("zero_grad", opt.zero_grad), backward=t("backward", _backward),
+        sum_grads=t("allreduce", lambda: source.sum_grads(params)) if source.sharded else lambda: None)
+
+
+def _train(s: SimpleNamespace, run: _Run, hist: TrainHistory, hooks: Hooks, epochs: int, sync_free: bool) -> None:
+    """The projected fine-tuning loop: epoch → batch → loss → skip → backward → project → step → stop rule, with
+    ``s`` the step's parts (:func:`_step_parts`), ``run`` its counters, ``hooks`` called at fixed points."""
+    for epoch in range(run.start, run.start if hist.converged or hist.plateaued else epochs):
+        t_epoch, losses = time.perf_counter(), []
+        for item in s.source.epoch(epoch, run.generator):  # a seeded order: a resumed run draws what this one would
+            s.timer.start_step()
+            loss = s.loss(item)           # this process's share of the batch's FT-M loss (None: no row of it here)
+            mean = s.batch_mean(loss)     # the batch mean on the device, summed over processes; not read here
+            active = s.skip_test(mean)    # a batch whose loss is already below skip_loss takes no step
+            losses.append(mean)
+            if not sync_free and not s.skip_read(active):
+                # The host path's one read per step, on purpose: it decides whether this batch runs its backward, so
+                # it cannot wait for the epoch's end; on the CPU it waits for nothing and spares a skipped batch its
+                # backward and update. The sync-free path (an accelerator's) reads nothing: `active` gates Adam.
+                run.n_batches += 1
+                s.timer.end_step(skipped=True)
+                continue
+            loss = s.keep(loss, run.n_batches)  # + the preservation term: its gradient is projected like the edit's
+            s.zero_grad(set_to_none=True)
+            s.backward(loss)
+            s.sum_grads()                 # row shards: every process now holds the one-process gradient
+            hooks.before_projection()     # the drift penalty's gradient joins here, to be projected with the rest
+            with torch.no_grad(), s.rotations():
+                s.step(active)            # project, then Adam (gated by `active`, so skipping needs no read)
+                hooks.after_step()        # the drift budget pulls the change back; same weights: same decision
+            run.n_batches += 1
+            s.timer.end_step()
+        loss = run.end_epoch(hist, losses)  # the epoch's one read back to the host, for the stop rules
+        hist.epoch_seconds.append(time.perf_counter() - t_epoch)
+        hooks.end_epoch(epoch + 1, hist, loss)  # the keep term's report, the bar and log, the checkpoint
+        if hist.converged or hist.plateaued:
+            break
 
 
 def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
@@ -492,36 +382,24 @@ def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditReque
     bar = tqdm(desc=f"edit[{config.method}]", unit="epoch", total=config.epochs,
                disable=(None if progress is None else not progress))
     with _training(model, params, opt, bar):
-        # the plan — training sequences (the lead-ins the model writes), the fast path's checks — from the starting
-        # weights, before a checkpoint's are loaded: a resumed run trains on what the uninterrupted one did
-        plan = _EpochPlan(model, tokenizer, requests, params, config, fast, device)
-        run = _Counters(config.seed, device, ckpt.resume())
+        # the batches — training sequences (the lead-ins the model writes), the fast path's checks — and the kept
+        # answers from the starting weights, before a checkpoint's are loaded: a resumed run trains on what the
+        # uninterrupted one did
+        precision = resolve_precision(config.precision, device)
+        arithmetic = _arithmetic(precision, device)
+        source = batch_source(model, tokenizer, requests, params, config, fast, device, arithmetic)
+        keep = keep_term(model, tokenizer, requests, params, config, fast=fast, device=device, arithmetic=arithmetic,
+                         processes=world_size(), split=is_sharded(model))
+        run = _Run(config, device, ckpt.resume(), t0)
         bar.update(run.start)
-        hist = run.history(plan)
-        step = _Step(params, layers, projectors, opt, config, drift_budget, timer, sync_free)
+        hist = run.history(source, precision)
+        hooks = Hooks(keep, None if drift_budget is None else DriftHook(drift_budget, timer),
+                      ProgressHook(bar, config.method, config.epochs, run.seconds, config),
+                      CheckpointHook(ckpt, run.state, run.start, config.epochs))
+        step = _ProjectedStep(params, layers, projectors, opt, ProjectionTarget(config.projection_target), timer)
+        rotations = (config.projection_precision, next(iter(params.values())).device if params else "cpu")
         model.train()
-        logged = time.perf_counter()
-        for epoch in range(run.start, run.start if hist.converged or hist.plateaued else config.epochs):
-            t_epoch = time.perf_counter()
-            losses = [step(plan, item, run) for item in plan.epoch(epoch, run.generator)]
-            loss = run.end_epoch(hist, losses, config)
-            plan.keep_report(hist)
-            hist.epoch_seconds.append(time.perf_counter() - t_epoch)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}")
-            done = hist.converged or hist.plateaued
-            if ((epoch + 1) % LOG_EVERY == 0 or done or epoch + 1 == config.epochs
-                    or time.perf_counter() - logged >= LOG_SECONDS):
-                logged = time.perf_counter()
-                _log.info("edit[%s] epoch %d/%d: loss %.4f, %.0f s", config.method, epoch + 1, config.epochs, loss,
-                          run.spent + time.perf_counter() - t0)
-            ckpt.save_if_due(run.state(epoch + 1, hist, run.spent + time.perf_counter() - t0), run.start,
-                             final=done or epoch + 1 == config.epochs)
-            if hist.plateaued:
-                _log.info("edit[%s] stopped at a plateau after epoch %d: the best loss of the last %d epochs is not "
-                          "%g%% below the earlier best", config.method, epoch + 1, config.plateau_epochs,
-                          100 * config.plateau_delta)
-            if done:
-                break
-    hist.seconds = run.spent + time.perf_counter() - t0
+        _train(_step_parts(source, run, keep, step, opt, params, timer, rotations), run, hist, hooks, config.epochs,
+               sync_free)
+    hist.seconds = run.seconds()
     return hist

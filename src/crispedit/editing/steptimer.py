@@ -1,9 +1,11 @@
 """Per-phase timing of the steps of the projected loop (:func:`.loop.projected_finetune`).
 
-The loop brackets every part of a step with ``timer.phase(name)`` and every step with ``timer.start_step()``
-/ ``timer.end_step()``. By default the loop uses :data:`NULL_TIMER`, whose methods do nothing (a shared
-``nullcontext``: next to nothing per step), so the figures a :class:`StepTimer` reports are of the
-loop every edit runs, not of a re-implementation (``benchmarks/bench_projection.py --profile``).
+The loop calls every part of a step through ``timer.timed(name, fn)`` — one wrapper, applied once when the loop
+is set up, that charges each call of ``fn`` to phase ``name`` — and brackets every step with
+``timer.start_step()`` / ``timer.end_step()``. By default the loop uses :data:`NULL_TIMER`, whose ``timed``
+hands ``fn`` back unwrapped and whose other methods do nothing (nothing at all per step), so the figures a
+:class:`StepTimer` reports are of the loop every edit runs, not of a re-implementation
+(``benchmarks/bench_projection.py --profile``).
 
 Phases of a step, in loop order: ``forward`` (the edit loss, fast path or plain), ``bookkeeping`` (the
 on-device skip test and the loss kept for the epoch mean; nothing is read back to the host), ``skip_read``
@@ -20,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
@@ -28,6 +31,7 @@ __all__ = ["StepTimer", "NULL_TIMER", "MAIN_PHASES", "OTHER_PHASES"]
 
 MAIN_PHASES = ("forward", "backward", "projection", "optimizer")
 OTHER_PHASES = ("bookkeeping", "skip_read", "zero_grad", "allreduce", "copies", "drift", "keep")
+F = TypeVar("F", bound=Callable)
 
 
 class _NullTimer:
@@ -39,6 +43,10 @@ class _NullTimer:
     def phase(self, name: str) -> contextlib.AbstractContextManager:
         """A shared, reusable no-op context manager."""
         return self._null
+
+    def timed(self, name: str, fn: F) -> F:
+        """``fn`` itself: nothing is timed."""
+        return fn
 
     def start_step(self) -> None:
         """Nothing."""
@@ -96,6 +104,14 @@ class StepTimer:
             self._sync()
             if self._cur is not None:
                 self._cur[name] = self._cur.get(name, 0.0) + (time.perf_counter() - t)
+
+    def timed(self, name: str, fn: F) -> F:
+        """``fn`` with every call charged to phase ``name`` (:meth:`phase`)."""
+        def charged(*args, **kwargs):
+            """``fn(*args, **kwargs)`` inside phase ``name``."""
+            with self.phase(name):
+                return fn(*args, **kwargs)
+        return charged
 
     def end_step(self, skipped: bool = False) -> None:
         """Close the open step and store it (in :attr:`skipped` for a batch below ``skip_loss``)."""

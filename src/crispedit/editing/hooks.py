@@ -1,0 +1,107 @@
+"""What the projected loop (:func:`.loop.projected_finetune`) calls at fixed points, besides its own step.
+
+A hook may act at three points of the loop: :meth:`LoopHook.before_projection` (every step: the gradients summed,
+not yet projected), :meth:`LoopHook.after_step` (every step: after the optimizer, under ``no_grad``) and
+:meth:`LoopHook.end_epoch` (the epoch's mean loss read). The loop's own are the drift budget (:class:`DriftHook`),
+the progress bar and log lines (:class:`ProgressHook`), the checkpoint (:class:`CheckpointHook`) and the
+preservation term's report (:class:`~.keep.KeepTerm`). What a hook does, it charges to its timer phase itself.
+The module imports nothing of the package (:mod:`.keep`, which the config reads, builds on it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+__all__ = ["LoopHook", "Hooks", "DriftHook", "ProgressHook", "CheckpointHook", "LOG_EVERY", "LOG_SECONDS"]
+
+_log = logging.getLogger("crispedit.edit")
+LOG_EVERY = 5  # epochs between the loop's INFO lines (for output that is not a terminal: no bar there) ...
+LOG_SECONDS = 60.0  # ... or fewer, once this many seconds have passed since the last line (long epochs)
+
+
+class LoopHook:
+    """A hook that does nothing at any point; subclasses override the points they act at."""
+
+    def before_projection(self) -> None:
+        """Every step, after the backward (and the sum over processes), before the projection."""
+
+    def after_step(self) -> None:
+        """Every step, after the optimizer step (under ``torch.no_grad``)."""
+
+    def end_epoch(self, epochs: int, hist, loss: float) -> None:
+        """After ``epochs`` epochs in all, with the :class:`~.loop.TrainHistory` ``hist`` updated and ``loss`` the
+        epoch's mean loss."""
+
+
+class Hooks(LoopHook):
+    """Several hooks called in order (``None`` entries left out)."""
+
+    def __init__(self, *hooks: LoopHook | None):
+        self.hooks = [h for h in hooks if h is not None]
+
+    def before_projection(self) -> None:
+        """Every hook's :meth:`~LoopHook.before_projection`."""
+        for h in self.hooks:
+            h.before_projection()
+
+    def after_step(self) -> None:
+        """Every hook's :meth:`~LoopHook.after_step`."""
+        for h in self.hooks:
+            h.after_step()
+
+    def end_epoch(self, epochs: int, hist, loss: float) -> None:
+        """Every hook's :meth:`~LoopHook.end_epoch`."""
+        for h in self.hooks:
+            h.end_epoch(epochs, hist, loss)
+
+
+class DriftHook(LoopHook):
+    """The ``--drift-penalty`` gradient (``β ∂(predicted drift)/∂W``, added before the projection, so projected with
+    the edit's) and the ``--max-drift`` trust region (the accumulated change pulled back into its predicted-KL
+    budget after every step; the weights are the same on every process, so is the decision) of a
+    :class:`~crispedit.curvature.predicted.DriftBudget`, each charged to the ``drift`` phase of ``timer``."""
+
+    def __init__(self, budget, timer):
+        if budget.penalty > 0:
+            self.before_projection = timer.timed("drift", budget.add_penalty_gradient)
+        if budget.eps is not None:
+            self.after_step = timer.timed("drift", budget.enforce)
+
+
+class ProgressHook(LoopHook):
+    """The progress ``bar`` (one tick per epoch, the loss beside it) and the INFO lines of edit ``method``: every
+    :data:`LOG_EVERY` epochs, at the last (``cap``) or a stopping one, or once :data:`LOG_SECONDS` have passed since
+    the last line; ``clock()``: the training seconds so far."""
+
+    def __init__(self, bar, method: str, cap: int, clock: Callable[[], float], config):
+        self.bar, self.method, self.cap, self.clock, self.config = bar, method, cap, clock, config
+        self.logged = time.perf_counter()
+
+    def end_epoch(self, epochs: int, hist, loss: float) -> None:
+        """Tick the bar; log the epoch when due, and a plateau stop."""
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}")
+        done = hist.converged or hist.plateaued
+        if epochs % LOG_EVERY == 0 or done or epochs == self.cap or time.perf_counter() - self.logged >= LOG_SECONDS:
+            self.logged = time.perf_counter()
+            _log.info("edit[%s] epoch %d/%d: loss %.4f, %.0f s", self.method, epochs, self.cap, loss, self.clock())
+        if hist.plateaued:
+            _log.info("edit[%s] stopped at a plateau after epoch %d: the best loss of the last %d epochs is not "
+                      "%g%% below the earlier best", self.method, epochs, self.config.plateau_epochs,
+                      100 * self.config.plateau_delta)
+
+
+class CheckpointHook(LoopHook):
+    """The loop's state written to ``ckpt`` (:class:`~.checkpoint.LoopCheckpoint`) when due: every ``ckpt.every``
+    epochs after the run's start, after the last (``cap``) and after a stopping one. ``state(epochs, hist)``: the
+    :class:`~.checkpoint.LoopState` now; ``start``: the epoch this call began at."""
+
+    def __init__(self, ckpt, state: Callable, start: int, cap: int):
+        self.ckpt, self.state, self.start, self.cap = ckpt, state, start, cap
+
+    def end_epoch(self, epochs: int, hist, loss: float) -> None:
+        """Save when due."""
+        final = hist.converged or hist.plateaued or epochs == self.cap
+        self.ckpt.save_if_due(self.state(epochs, hist), self.start, final=final)
