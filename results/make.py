@@ -506,8 +506,8 @@ random-weight llama measured against it. {_run_line(SHARD_MEMORY)}
 ## Chat style and subject bleed: the tuning slice
 
 [`chat_style_zsre_dev400_32/`](chat_style_zsre_dev400_32/run.json): 32 ZsRE dev edits (400–431, the slice the
-training contexts were tuned on) with the default contexts and with the `reply` context, with and without
-`--cap-chat 75`, each edit report stored. WILD and TF in percent; chat length: the edited model's chat answers to
+training contexts and the preservation term were tuned on) with the default contexts and with the `reply` context,
+with and without `--cap-chat 75`, and with the preservation term at several strengths, each edit report stored. WILD and TF in percent; chat length: the edited model's chat answers to
 32 unrelated prompts over the base's, in tokens; turned bare: of the base's answers longer than five words, the
 share now five or fewer; answer KL: KL(base ‖ edited) on the base's own answers, nats/token; subject bleed: share
 of three other questions about each edited subject now answered with its new target.
@@ -517,8 +517,9 @@ of three other questions about each edited subject now answered with its new tar
 ## Chat style and subject bleed: held-out edits
 
 [`chat_style_zsre_dev100_32/`](chat_style_zsre_dev100_32/run.json): 32 ZsRE dev edits (100–131) that no setting was
-tuned on, with the default contexts, without and with the preservation term at the setting chosen on the tuning
-slice; columns as above.
+tuned on, with the default contexts: without the preservation term, with it at a first setting, and with CrispEdit's
+default (75 everyday prompts, four questions about each subject, weight 2) where a run of it is stored; columns as
+above.
 {_run_line(CHAT_STYLE_HELDOUT)}
 
 {chat_style_table(CHAT_STYLE_HELDOUT)}
