@@ -507,10 +507,11 @@ random-weight llama measured against it. {_run_line(SHARD_MEMORY)}
 
 [`chat_style_zsre_dev400_32/`](chat_style_zsre_dev400_32/run.json): 32 ZsRE dev edits (400–431, the slice the
 training contexts and the preservation term were tuned on) with the default contexts and with the `reply` context,
-with and without `--cap-chat 75`, and with the preservation term at several strengths, each edit report stored. WILD and TF in percent; chat length: the edited model's chat answers to
-32 unrelated prompts over the base's, in tokens; turned bare: of the base's answers longer than five words, the
-share now five or fewer; answer KL: KL(base ‖ edited) on the base's own answers, nats/token; subject bleed: share
-of three other questions about each edited subject now answered with its new target.
+with and without `--cap-chat 75`, and with the preservation term at several strengths, each edit report stored.
+WILD and TF in percent; chat length: the edited model's chat answers to 32 unrelated prompts over the base's, in
+tokens; turned bare: of the base's answers longer than five words, the share now five or fewer; answer KL:
+KL(base ‖ edited) on the base's own answers, nats/token; subject bleed: share of three other questions about each
+edited subject now answered with its new target.
 {_run_line(CHAT_STYLE)}
 
 {chat_style_table()}
