@@ -518,8 +518,8 @@ edited subject now answered with its new target.
 ## Chat style and subject bleed: held-out edits
 
 [`chat_style_zsre_dev100_32/`](chat_style_zsre_dev100_32/run.json): 32 ZsRE dev edits (100–131) that no setting was
-tuned on, with the default contexts: without the preservation term, with it at a first setting, and with CrispEdit's
-default (75 everyday prompts, four questions about each subject, weight 2) where a run of it is stored; columns as
+tuned on, with the default contexts: without the preservation term, with it at a first setting, and at the stronger
+setting chosen on the tuning slice (75 everyday prompts, four questions about each subject, weight 2); columns as
 above.
 {_run_line(CHAT_STYLE_HELDOUT)}
 
