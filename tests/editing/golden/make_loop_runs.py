@@ -18,6 +18,7 @@ import platform
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # tests/: conftest's tiny model and tokenizer
@@ -138,17 +139,11 @@ def golden(names=None) -> dict:
     torch.set_num_threads(1)
     tok = build_tokenizer()
     model = build_llama(len(tok))
-    with tempfile.TemporaryDirectory() as d:
-        old = os.environ.get("CRISPEDIT_CACHE")
-        os.environ["CRISPEDIT_CACHE"] = str(Path(d) / "cache")
+    with tempfile.TemporaryDirectory() as d, mock.patch.dict(os.environ, {"CRISPEDIT_CACHE": str(Path(d) / "cache")}):
         try:
             cases = {n: run_case(n, model, tok, Path(d)) for n in (names or CASES)}
         finally:
             torch.set_num_threads(threads)
-            if old is None:
-                os.environ.pop("CRISPEDIT_CACHE", None)
-            else:
-                os.environ["CRISPEDIT_CACHE"] = old
     return {"environment": environment(), "cases": cases}
 
 
