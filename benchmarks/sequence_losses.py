@@ -59,15 +59,15 @@ def record(model, tokenizer, requests, config) -> dict:
         sources.append(real_source(*a, **k))
         return sources[-1]
 
-    def end_epoch(self, hist, losses):
-        mean = real_end(self, hist, losses)
+    def end_epoch(self, hist, losses, pending=()):
+        mean, values = real_end(self, hist, losses, pending)
         cfg = self.config
         t0 = time.perf_counter()
         rows = sequence_losses(model, sources[-1].batches)
         out["epochs"].append({"mean": mean, "rows": rows, "probe_seconds": round(time.perf_counter() - t0, 2)})
         print(f"epoch {len(out['epochs'])}: loss {mean:.4f}, {sum(r[1] < cfg.skip_loss * r[2] for r in rows)}"
               f"/{len(rows)} sequences below the skip loss", flush=True)
-        return mean
+        return mean, values
 
     loop.batch_source, loop._Run.end_epoch = source, end_epoch
     try:

@@ -86,11 +86,13 @@ def _host_reads(fn) -> int:
     return n
 
 
-@pytest.mark.parametrize("method", ["ft", "crispedit"])
-def test_the_loop_reads_back_once_per_epoch(method, tiny_lm, iso_cache):
+@pytest.mark.parametrize("method,keep", [("ft", {}), ("crispedit", {"keep_chat": 0, "keep_subject": 0}),
+                                         ("crispedit", {"keep_chat": 3, "keep_subject": 1})],
+                         ids=["ft", "crispedit", "crispedit-keep"])
+def test_the_loop_reads_back_once_per_epoch(method, keep, tiny_lm, iso_cache):
     """Host reads of the loop grow with epochs, not with steps: 4 more epochs of 6 steps each (padded batches of
-    one request in several contexts) add at most 2 reads per epoch (the mean loss with the skipped count, and the
-    shuffled batch order)."""
+    one request in several contexts) add at most 2 reads per epoch (the mean loss with the skipped count and the
+    preservation term's mean, and the shuffled batch order)."""
     from crispedit.editing.api import edit_factors
     from crispedit.editing.loop import projected_finetune
     from crispedit.editing.registry import get_editor
@@ -99,7 +101,7 @@ def test_the_loop_reads_back_once_per_epoch(method, tiny_lm, iso_cache):
     reads, steps = {}, {}
     for epochs in (2, 6):
         config = EditConfig(method=method, layers="model.layers.{1-2}.mlp.down_proj", epochs=epochs, lr=1e-3,
-                            batch_size=2, n_cap=4, max_len=48, contexts="bare,prefix:3", stop_loss=0.0)
+                            batch_size=2, n_cap=4, max_len=48, contexts="bare,prefix:3", stop_loss=0.0, **keep)
         editor = get_editor(method)
         layers = editor.select_layers(model, config)
         factors, _ = edit_factors(model, tok, editor, layers, config, progress=False)
@@ -113,6 +115,8 @@ def test_the_loop_reads_back_once_per_epoch(method, tiny_lm, iso_cache):
                                                                    progress=False, sync_free=True)))
         steps[epochs] = hist[0].steps + hist[0].skipped
         assert hist[0].fast_loss
+        if keep.get("keep_chat"):  # the term ran and reported each epoch's mean
+            assert len(hist[0].extra["keep"]["epoch_term"]) == epochs
         with torch.no_grad():
             for k, p in params.items():
                 p.copy_(saved[k])

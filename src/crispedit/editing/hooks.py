@@ -2,7 +2,9 @@
 
 A hook may act at three points of the loop: :meth:`LoopHook.before_projection` (every step: the gradients summed,
 not yet projected), :meth:`LoopHook.after_step` (every step: after the optimizer, under ``no_grad``) and
-:meth:`LoopHook.end_epoch` (the epoch's mean loss read). The loop's own are the drift budget (:class:`DriftHook`),
+:meth:`LoopHook.end_epoch` (the epoch's mean loss read). A hook with a figure of its own on the device
+(the preservation term's mean) hands it over in :meth:`LoopHook.epoch_value`, so that it is read with the loss, in
+the epoch's one read back to the host. The loop's own are the drift budget (:class:`DriftHook`),
 the progress bar and log lines (:class:`ProgressHook`), the checkpoint (:class:`CheckpointHook`) and the
 preservation term's report (:class:`~.keep.KeepTerm`). What a hook does, it charges to its timer phase itself.
 The module imports nothing of the package (:mod:`.keep`, which the config reads, builds on it).
@@ -30,9 +32,14 @@ class LoopHook:
     def after_step(self) -> None:
         """Every step, after the optimizer step (under ``torch.no_grad``)."""
 
-    def end_epoch(self, epochs: int, hist, loss: float) -> None:
-        """After ``epochs`` epochs in all, with the :class:`~.loop.TrainHistory` ``hist`` updated and ``loss`` the
-        epoch's mean loss."""
+    def epoch_value(self):
+        """At the epoch's end, before its read: a 0-d tensor on the device to be read with the epoch's loss (given
+        back as ``value`` to :meth:`end_epoch`), or ``None``."""
+        return None
+
+    def end_epoch(self, epochs: int, hist, loss: float, value: float | None = None) -> None:
+        """After ``epochs`` epochs in all, with the :class:`~.loop.TrainHistory` ``hist`` updated, ``loss`` the
+        epoch's mean loss and ``value`` what :meth:`epoch_value` handed over, read (``None`` if nothing)."""
 
 
 class Hooks(LoopHook):
@@ -40,6 +47,7 @@ class Hooks(LoopHook):
 
     def __init__(self, *hooks: LoopHook | None):
         self.hooks = [h for h in hooks if h is not None]
+        self.pending: list[LoopHook] = []  # the hooks whose values are in this epoch's read, in order
 
     def before_projection(self) -> None:
         """Every hook's :meth:`~LoopHook.before_projection`."""
@@ -51,10 +59,18 @@ class Hooks(LoopHook):
         for h in self.hooks:
             h.after_step()
 
-    def end_epoch(self, epochs: int, hist, loss: float) -> None:
-        """Every hook's :meth:`~LoopHook.end_epoch`."""
+    def epoch_values(self) -> list:
+        """Every hook's :meth:`~LoopHook.epoch_value` that is not ``None``, in order (0-d tensors, to be read)."""
+        values = [(h, h.epoch_value()) for h in self.hooks]
+        self.pending = [h for h, v in values if v is not None]
+        return [v for _, v in values if v is not None]
+
+    def end_epoch(self, epochs: int, hist, loss: float, value=()) -> None:
+        """Every hook's :meth:`~LoopHook.end_epoch`, each given its own value of ``value`` (the read
+        :meth:`epoch_values`, in their order)."""
+        read = dict(zip(map(id, self.pending), value))
         for h in self.hooks:
-            h.end_epoch(epochs, hist, loss)
+            h.end_epoch(epochs, hist, loss, read.get(id(h)))
 
 
 class DriftHook(LoopHook):
@@ -79,7 +95,7 @@ class ProgressHook(LoopHook):
         self.bar, self.method, self.cap, self.clock, self.config = bar, method, cap, clock, config
         self.logged = time.perf_counter()
 
-    def end_epoch(self, epochs: int, hist, loss: float) -> None:
+    def end_epoch(self, epochs: int, hist, loss: float, value: float | None = None) -> None:
         """Tick the bar; log the epoch when due, and a plateau stop."""
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}")
@@ -101,7 +117,7 @@ class CheckpointHook(LoopHook):
     def __init__(self, ckpt, state: Callable, start: int, cap: int):
         self.ckpt, self.state, self.start, self.cap = ckpt, state, start, cap
 
-    def end_epoch(self, epochs: int, hist, loss: float) -> None:
+    def end_epoch(self, epochs: int, hist, loss: float, value: float | None = None) -> None:
         """Save when due."""
         final = hist.converged or hist.plateaued or epochs == self.cap
         self.ckpt.save_if_due(self.state(epochs, hist), self.start, final=final)

@@ -133,12 +133,12 @@ class KeepLoss:
 class KeepTerm(LoopHook):
     """The preservation term as the projected loop adds it: :meth:`add` puts training step ``step``'s term
     (:class:`KeepLoss`, under the training ``arithmetic()``) onto the edit loss, divided by the number of
-    ``processes`` (every process computes it whole; their gradients are summed); :meth:`end_epoch` (a loop hook)
-    reports the epoch's mean term."""
+    ``processes`` (every process computes it whole; their gradients are summed); as a loop hook it hands the
+    epoch's mean term to the epoch's one read (:meth:`epoch_value`) and reports it (:meth:`end_epoch`)."""
 
     def __init__(self, keep: KeepLoss, arithmetic, processes: int = 1):
         self.keep, self.arithmetic, self.processes = keep, arithmetic, processes
-        self.terms: list[Tensor] = []  # this epoch's terms, on the device (read once, at its end)
+        self.terms: list[Tensor] = []  # this epoch's terms, on the device (read with the epoch's loss)
 
     def add(self, loss: Tensor | None, step: int) -> Tensor | None:
         """``loss`` (``None``: this process holds no row of the batch) plus the term of training step ``step``."""
@@ -150,17 +150,22 @@ class KeepTerm(LoopHook):
         term = term / self.processes
         return term if loss is None else loss + term
 
-    def end_epoch(self, epochs: int, hist, loss: float) -> None:
-        """Once per epoch: the mean term of its steps (nats/token, 0 for an epoch without a step) appended to
-        ``hist.extra["keep"]`` (a :class:`~.loop.TrainHistory`'s), with the transcripts and answer tokens it holds."""
+    def epoch_value(self) -> Tensor | None:
+        """The mean term of this epoch's steps, a 0-d float64 on the device (``None`` for an epoch without a step);
+        the next epoch starts a new mean."""
         import torch
 
-        mean = float(torch.stack(self.terms).mean()) if self.terms else 0.0
-        self.terms = []
+        terms, self.terms = self.terms, []
+        return torch.stack([t.double() for t in terms]).mean() if terms else None
+
+    def end_epoch(self, epochs: int, hist, loss: float, value: float | None = None) -> None:
+        """Once per epoch: the mean term ``value`` (nats/token, read with the loss; 0 for an epoch without a step)
+        appended to ``hist.extra["keep"]`` (a :class:`~.loop.TrainHistory`'s), with the transcripts and answer
+        tokens it holds."""
         if "keep" not in hist.extra:
             hist.extra["keep"] = {"transcripts": sum(b.input_ids.shape[0] for b in self.keep.batches),
                                   "tokens": self.keep.tokens(), "weight": self.keep.weight, "epoch_term": []}
-        hist.extra["keep"]["epoch_term"].append(round(mean, 6))
+        hist.extra["keep"]["epoch_term"].append(round(0.0 if value is None else value, 6))
 
 
 def keep_term(model: nn.Module, tokenizer, requests: Sequence[EditRequest], params: dict[str, nn.Parameter], config,

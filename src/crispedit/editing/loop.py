@@ -278,12 +278,14 @@ class _Run:
         self.skipped = self.skipped + (~active).to(torch.int32)
         return active
 
-    def end_epoch(self, hist: TrainHistory, losses: list[Tensor]) -> float:
+    def end_epoch(self, hist: TrainHistory, losses: list[Tensor], pending: Sequence[Tensor] = ()
+                  ) -> tuple[float, list[float]]:
         """Once per epoch, the one read back to the host: the epoch's mean loss (nats/target token; appended to
-        ``hist``, which also gets the step counts, ``converged`` — below the stop loss — and ``plateaued``).
-        One-line error on a non-finite loss."""
-        mean, n_skipped = torch.stack([torch.stack([v.double() for v in losses]).mean(),
-                                       self.skipped.double()]).tolist()
+        ``hist``, which also gets the step counts, ``converged`` — below the stop loss — and ``plateaued``) and
+        the hooks' ``pending`` 0-d values, read with it. Returns the mean loss and the values read. One-line error
+        on a non-finite loss."""
+        mean, n_skipped, *values = torch.stack([torch.stack([v.double() for v in losses]).mean(),
+                                                self.skipped.double(), *(v.double() for v in pending)]).tolist()
         hist.skipped, hist.steps = int(n_skipped), self.n_batches - int(n_skipped)
         hist.epoch_loss.append(mean)
         if not math.isfinite(mean):
@@ -291,7 +293,7 @@ class _Run:
                                  " lower --lr or check the model and the inputs — nothing was saved")
         hist.converged = mean < self.config.stop_loss
         hist.plateaued = _stalled(hist.epoch_loss, hist.converged, self.config)
-        return mean
+        return mean, values
 
     def state(self, epochs: int, hist: TrainHistory) -> LoopState:
         """The checkpointable state after ``epochs`` epochs (with the seconds so far, earlier calls included)."""
@@ -348,9 +350,10 @@ def _train(s: SimpleNamespace, run: _Run, hist: TrainHistory, hooks: Hooks, epoc
                 hooks.after_step()        # the drift budget pulls the change back; same weights: same decision
             run.n_batches += 1
             s.timer.end_step()
-        loss = run.end_epoch(hist, losses)  # the epoch's one read back to the host, for the stop rules
+        # the epoch's one read back to the host, for the stop rules, with what the hooks report (the keep term's mean)
+        loss, values = run.end_epoch(hist, losses, hooks.epoch_values())
         hist.epoch_seconds.append(time.perf_counter() - t_epoch)
-        hooks.end_epoch(epoch + 1, hist, loss)  # the keep term's report, the bar and log, the checkpoint
+        hooks.end_epoch(epoch + 1, hist, loss, values)  # the keep term's report, the bar and log, the checkpoint
         if hist.converged or hist.plateaued:
             break
 
