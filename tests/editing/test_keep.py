@@ -147,3 +147,19 @@ def test_keep_module_top_is_torch_free():
     tree = ast.parse(inspect.getsource(keep_mod))
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert not any("torch" in ast.unparse(n) for n in top)
+
+
+def test_crispedit_holds_the_answers_by_default_and_the_baselines_do_not():
+    """The term is CrispEdit's own default (its Config.SHARED); the other methods leave it off unless asked, and a
+    setting the caller gives wins either way."""
+    from crispedit.methods.crispedit import CrispEditConfig
+
+    on = EditConfig()
+    assert (on.keep_chat, on.keep_subject, on.keep_weight) == tuple(
+        CrispEditConfig.SHARED[k] for k in ("keep_chat", "keep_subject", "keep_weight"))
+    assert on.keep_chat > 0 and on.keep_subject > 0
+    for method in ("ft", "adam-nscl", "lora"):
+        off = EditConfig(method=method)
+        assert (off.keep_chat, off.keep_subject, off.keep_weight) == (0, 0, 1.0)
+    assert EditConfig(keep_chat=0, keep_subject=0).keep_chat == 0
+    assert EditConfig(method="ft", keep_chat=5).keep_chat == 5

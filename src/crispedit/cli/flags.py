@@ -28,6 +28,13 @@ __all__ = ["add_model_args", "add_shard_arg", "check_shard_launch", "add_edits_a
 DEFAULTS = {f.name: f.default for f in fields(EditConfig) if f.default is not MISSING}
 
 
+def _keep_defaults() -> str:
+    """The methods that hold their answers by default, with their chat prompts / subject questions / weight."""
+    on = [(n, method_spec(n).shared) for n in method_names()]
+    return "; ".join(f"{n}: {s['keep_chat']} / {s['keep_subject']} / {s['keep_weight']:g}" for n, s in on
+                     if s.get("keep_chat") or s.get("keep_subject")) or "none"
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """``--model --dtype --device --trust-remote-code``."""
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file, an HF model dir or a hub id")
@@ -140,14 +147,16 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, option
                    help="train edit loss + BETA x the K-FAC predicted KL drift (nats/token) of the change, so the "
                    f"edit takes the flattest directions (default {d['drift_penalty']:g}; fine-tuning methods: ft, "
                    "locbf-ft and lora get the capability factors fetched, lora on its merged update)")
-    p.add_argument("--keep-chat", type=int, default=d["keep_chat"], metavar="N",
+    on = _keep_defaults()
+    p.add_argument("--keep-chat", type=int, default=None, metavar="N",
                    help="hold the unedited model's own chat answers to N bundled everyday prompts while the edit "
-                        f"trains (a hinge on every answer token that became less likely; default {d['keep_chat']})")
-    p.add_argument("--keep-subject", type=int, default=d["keep_subject"], metavar="K",
+                        f"trains (a hinge on every answer token that became less likely; default: the method's — {on} "
+                        "— else 0)")
+    p.add_argument("--keep-subject", type=int, default=None, metavar="K",
                    help="... and its answers to K questions about each edit's subject that ask no particular "
-                        f"relation (at most {len(SUBJECT_KEEPS)}; default {d['keep_subject']})")
-    p.add_argument("--keep-weight", type=float, default=d["keep_weight"], metavar="W",
-                   help=f"weight of that preservation term beside the edit loss (default {d['keep_weight']:g})")
+                        f"relation (at most {len(SUBJECT_KEEPS)}; default: the method's, else 0)")
+    p.add_argument("--keep-weight", type=float, default=None, metavar="W",
+                   help="weight of that preservation term beside the edit loss (default: the method's, else 1)")
     p.add_argument("--keep-tokens", type=int, default=d["keep_tokens"], metavar="T",
                    help="tokens of each held answer (longer answers hold more of the assistant's form and cost more "
                         f"per step; default {d['keep_tokens']})")

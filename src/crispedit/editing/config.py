@@ -40,6 +40,8 @@ BATCH_ORDERS = ("request", "length")  # EditConfig.batch_order: which sequences 
 DEFAULT_LR = 5e-4  # the paper's Adam learning rate; LoRA overrides it (LoRAConfig.SHARED)
 MAX_EPOCHS = 100_000
 MAX_KEEP_TOKENS = 1024  # tokens of one held answer (editing/keep.py), at most
+# the preservation term's settings of a method that sets none of its own (MethodConfig.SHARED): off
+KEEP_OFF = {"keep_chat": 0, "keep_subject": 0, "keep_weight": 1.0}
 
 
 class ProjectionTarget(str, Enum):
@@ -94,10 +96,10 @@ class EditConfig:
     cap_chat: int = 0
     # the preservation term (editing/keep.py): the unedited model's answers to this many bundled chat prompts
     # and to this many subject questions per edit are held while the edit trains, with this weight (0, 0: off),
-    # each answer's first keep_tokens tokens
-    keep_chat: int = 0
-    keep_subject: int = 0
-    keep_weight: float = 1.0
+    # each answer's first keep_tokens tokens; None = the method's default (Config.SHARED, else KEEP_OFF)
+    keep_chat: int | None = None
+    keep_subject: int | None = None
+    keep_weight: float | None = None
     keep_tokens: int = 24
     seed: int = 0
     options: dict = field(default_factory=dict)  # the method's own settings (Editor.Config fields)
@@ -141,6 +143,9 @@ class EditConfig:
         self.cap_chat = check_int("cap-chat", self.cap_chat, 0, CHAT_PROMPTS)
         from .keep import SUBJECT_KEEPS
 
+        for name, off in KEEP_OFF.items():
+            if getattr(self, name) is None:
+                setattr(self, name, spec.shared.get(name, off))
         self.keep_chat = check_int("keep-chat", self.keep_chat, 0, CHAT_PROMPTS)
         self.keep_subject = check_int("keep-subject", self.keep_subject, 0, len(SUBJECT_KEEPS))
         self.keep_weight = check_float("keep weight (--keep-weight)", self.keep_weight, 0.0, lo_open=True)
