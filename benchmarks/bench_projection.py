@@ -216,8 +216,9 @@ def profile_steps(model, tok, layers: dict, factors, requests, *, kinds=KINDS, r
     configs, projs, params = {}, {}, {}
     for kind in kinds:
         method, target = kind.split("/")
+        # the preservation term off for every kind: the same steps apart from the projection, whose cost this measures
         configs[kind] = EditConfig(method=method, projection_target=target, contexts=contexts, epochs=epochs,
-                                   skip_loss=0.0, stop_loss=0.0, lr=lr)
+                                   skip_loss=0.0, stop_loss=0.0, lr=lr, keep_chat=0, keep_subject=0)
         editor = get_editor(method)
         pr = editor.projectors(layers, factors, configs[kind])
         if form == "full":

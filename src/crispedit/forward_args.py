@@ -29,13 +29,15 @@ def last_logits_only(model: nn.Module) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
-def static_attention_mask(model: nn.Module, attention_mask: torch.Tensor, padded: bool | None = None
-                          ) -> torch.Tensor | None:
+def static_attention_mask(model: nn.Module, attention_mask: torch.Tensor, padded: bool | None = None, *,
+                          unpadded_mask: bool = False) -> torch.Tensor | None:
     """The attention mask to feed ``model`` for a right-padded batch whose key mask is ``attention_mask``
     (``B x T``, 1 = token), built once so that no forward reads the mask back to the host (Hugging Face's mask
     code asks ``padding_mask.all()`` of every forward to choose its causal shortcut):
 
-    * ``None`` when the batch has no padding (the model then takes its causal path, no mask at all);
+    * ``None`` when the batch has no padding (the model then takes its causal path, no mask at all) — unless
+      ``unpadded_mask``: then, for a model that takes full masks, the plain causal mask below, because Hugging
+      Face reads the position ids back to look for packed sequences in a forward given no mask;
     * the ``B x 1 x T x T`` boolean mask ``causal & key_mask`` (True = attend) for a model running PyTorch's
       scaled-dot-product attention with one full causal mask in every layer (no sliding window), which Hugging
       Face passes through unchanged;
@@ -46,8 +48,9 @@ def static_attention_mask(model: nn.Module, attention_mask: torch.Tensor, padded
     The edit loop's fast path (:func:`crispedit.editing.fastpath.make_loss_fn`) checks its loss under this mask
     against the plain loss before using it; the K-FAC collection feeds it to every forward."""
     if not (bool((attention_mask == 0).any()) if padded is None else padded):
-        return None
-    if not takes_full_masks(model):
+        if not (unpadded_mask and takes_full_masks(model)):
+            return None
+    elif not takes_full_masks(model):
         return attention_mask
     T = attention_mask.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()

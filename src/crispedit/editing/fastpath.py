@@ -256,7 +256,7 @@ class Prepared:
 
 class _FastLoss:
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
-                 per_token: bool = False):
+                 per_token: bool = False, mask_unpadded: bool = False):
         self.model, self.batches = model, batches
         self.reduction = "none" if per_token else "mean"
         prefix, self.blocks = decoder_blocks(model)
@@ -290,7 +290,7 @@ class _FastLoss:
                     off += B * T
         self.passthrough = passthroughs(self.k, self.tuple_len)
         self.targets = [target_rows(b.labels) for b in batches]
-        self.masks = [static_attention_mask(model, b.attention_mask) for b in batches]
+        self.masks = [static_attention_mask(model, b.attention_mask, unpadded_mask=mask_unpadded) for b in batches]
         self.pack = may_pack(model) and not per_token  # packed targets are in tree order, not row-major
         self.packed = [self.packing(b) for b in batches]
 
@@ -403,9 +403,10 @@ class LossFn:
 
 
 def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
-                 enabled: bool = True, per_token: bool = False) -> LossFn:
+                 enabled: bool = True, per_token: bool = False, mask_unpadded: bool = False) -> LossFn:
     """The edit loop's :class:`LossFn` over ``batches``: the verified fast loss, or the plain one (``per_token``:
-    each target token's loss, unpacked)."""
+    each target token's loss, unpacked; ``mask_unpadded``: a batch without padding gets the plain causal mask too,
+    :func:`~crispedit.forward_args.static_attention_mask`, so its forward reads nothing back to the host)."""
     if not enabled or not batches:
         return LossFn(model, batches, None, per_token)
     # the check catches structural mismatches (a skipped logit transform gives a different loss), not
@@ -415,7 +416,7 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
     # compared in eval mode: dropout (e.g. a LoRA adapter's) would make two training-mode forwards differ
     was_training = model.training
     try:
-        fast_loss = _FastLoss(model, params, batches, per_token)
+        fast_loss = _FastLoss(model, params, batches, per_token, mask_unpadded)
         model.eval()
         # checked on the batch with the most padding, so a precomputed attention mask is checked too
         i = max(range(len(batches)), key=lambda j: int((batches[j].attention_mask == 0).sum()))

@@ -105,7 +105,8 @@ class KeepLoss:
         device = device or next(model.parameters()).device
         self.weight = float(weight)
         self.batches = [b.to(device) for b in training_batches(tokenizer, sequences, KEEP_BATCH, by_length=True)]
-        self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast, per_token=True)
+        # batches of equal lengths (sorted by length) have no padding: masked anyway, so no step reads back
+        self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast, per_token=True, mask_unpadded=True)
         was_training = model.training
         model.eval()
         try:
