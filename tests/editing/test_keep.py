@@ -48,7 +48,7 @@ def test_keep_prompts_chat_then_subjects_spread_and_capped():
     assert keep_prompts(reqs[:3], 0, 0) == []
 
 
-def test_keep_sequences_leave_out_answers_naming_the_edit(chat_lm, monkeypatch):
+def test_keep_sequences_leave_out_answers_naming_the_edit(chat_lm, monkeypatch, iso_cache):
     model, tok = chat_lm
     asked = []
 
@@ -60,11 +60,50 @@ def test_keep_sequences_leave_out_answers_naming_the_edit(chat_lm, monkeypatch):
 
     monkeypatch.setattr("crispedit.evaluation.generation.generate_answers", fake)
     seqs = keep_sequences(model, tok, REQS, 2, 1, max_tokens=7)
-    assert asked == [7]  # the answers are cut where the setting says
+    assert asked == [7, 7]  # the answers are cut where the setting says (subject questions, then chat prompts)
     assert [s.request for s in seqs] == [0, 0, 2, 3, 4]  # two chat prompts (request 0 by convention), edits 2-4
     for s in seqs:
         assert s.context == "keep" and 0 < s.n_context < len(s.ids)
         assert tok.decode(s.ids[s.n_context:]).strip().endswith("else entirely.")
+
+
+def test_kept_chat_answers_are_written_once_per_weights(chat_lm, monkeypatch, iso_cache):
+    """The everyday prompts' answers are written once by a model's weights and read back after (the same
+    transcripts as writing them); other weights write their own; under prefixes_from the base weights write them,
+    whatever the model holds; a corrupt cache file is one line."""
+    from crispedit.editing.contexts import prefixes_from
+    from crispedit.editing.written import written_path
+    from crispedit.evaluation import generation
+    from crispedit.weights import weight_fingerprint
+
+    model, tok = chat_lm
+    real, calls = generation.generate_answers, []
+
+    def counted(model, tokenizer, prompts, **kw):
+        calls.append(len(prompts))
+        return real(model, tokenizer, prompts, **kw)
+
+    monkeypatch.setattr(generation, "generate_answers", counted)
+    first = keep_sequences(model, tok, REQS[:2], 3, 1, max_tokens=6)
+    assert calls == [2, 3]  # two subject questions, three chat prompts
+    again = keep_sequences(model, tok, REQS[:2], 3, 1, max_tokens=6)
+    assert calls == [2, 3, 2] and [s.ids for s in again] == [s.ids for s in first]
+    path = written_path(weight_fingerprint(model))
+    assert path.exists() and iso_cache in path.parents
+    base = {f"{n}.weight": p.detach().clone() for n, p in _params(model).items()}
+    with torch.no_grad():
+        next(iter(_params(model).values())).add_(0.5)
+    keep_sequences(model, tok, REQS[:2], 3, 1, max_tokens=6)
+    assert calls[-1] == 3  # other weights: written again
+    with prefixes_from(base):
+        under_base = keep_sequences(model, tok, REQS[:2], 3, 1, max_tokens=6)
+    assert calls[-1] == 2 and [s.ids for s in under_base] == [s.ids for s in first]  # the base's, read back
+    path.write_text('{"crispedit_version": "0.1.0", "form')
+    with torch.no_grad():
+        for n, p in _params(model).items():
+            p.copy_(base[f"{n}.weight"])
+    with pytest.raises(CrispEditError, match="corrupt"):
+        keep_sequences(model, tok, REQS[:2], 3, 1, max_tokens=6)
 
 
 def test_per_token_loss_fast_equals_plain_and_averages_to_the_mean(chat_lm):

@@ -71,7 +71,8 @@ from ..errors import CrispEditError
 
 __all__ = ["TRAINING_CONTEXTS", "TrainingContext", "training_context", "SequenceMaker", "CONTEXT_KINDS",
            "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence", "pinned_contexts",
-           "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "prefixes_from", "GEN_STARTS",
+           "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "prefixes_from",
+           "writing_weights", "GEN_STARTS",
            "build_training_sequences", "training_batches",
            "epoch_subset",
            "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS", "own_replies",
@@ -224,6 +225,11 @@ def prefixes_from(weights: dict | None) -> Iterator[None]:
 
 
 _PREFIX_WEIGHTS: contextvars.ContextVar = contextvars.ContextVar("crispedit_prefix_weights", default=None)
+
+
+def writing_weights() -> dict | None:
+    """The weights the model writes its own text with here (:func:`prefixes_from`'s; ``None``: as it is)."""
+    return _PREFIX_WEIGHTS.get()
 
 
 def generated_prefixes(model, tokenizer, per_start: int = 4, max_new_tokens: int = 10, seed: int = 0) -> list[str]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from ..data.edits import EditRequest
 from ..data.tokenize import split_context_target
-from .contexts import TrainingSequence, own_chat_answers, training_batches
+from .contexts import TrainingSequence, chat_turn, own_chat_answers, training_batches
 from .hooks import LoopHook
 
 if TYPE_CHECKING:  # the module top stays torch-free: EditConfig validates against SUBJECT_KEEPS
@@ -65,19 +65,32 @@ def keep_prompts(requests: Sequence[EditRequest], keep_chat: int, keep_subject: 
 def keep_sequences(model: nn.Module, tokenizer, requests: Sequence[EditRequest], keep_chat: int,
                    keep_subject: int, max_tokens: int = KEEP_TOKENS) -> list[TrainingSequence]:
     """The transcripts whose answer tokens the preservation term holds (:func:`keep_prompts`, answered greedily by
-    ``model`` — pass it unedited — through its chat template, or the bare prompt without one; at most
-    ``max_tokens`` tokens each): context kind
-    ``"keep"``, the prompt as context and the answer as target. Subject answers that name their edit's old or
-    new answer (:func:`~crispedit.evaluation.judges.mentions`) and empty answers are left out."""
+    ``model`` — pass it unedited; under :func:`~.contexts.prefixes_from` the unedited weights are put in while it
+    writes — through its chat template, or the bare prompt without one; at most ``max_tokens`` tokens each):
+    context kind ``"keep"``, the prompt as context and the answer as target. The everyday prompts' answers are
+    written apart from the subject questions' and cached by the weights that wrote them (:mod:`.written`), so
+    later edits of the same model read them back. Subject answers that name their edit's old or new answer
+    (:func:`~crispedit.evaluation.judges.mentions`) and empty answers are left out."""
     from ..evaluation.judges import mentions
+    from ..weights import with_weights
+    from .contexts import writing_weights
+    from .written import cached_writing
 
     asked = keep_prompts(requests, keep_chat, keep_subject)
     if not asked:
         return []
-    shown, answers, templated = own_chat_answers(model, tokenizer, [p for _, p in asked], max_tokens,
-                                                 "answers to keep")
+    chat = [p for i, p in asked if i < 0]
+    subject = [p for i, p in asked if i >= 0]
+    with with_weights(model, writing_weights()):
+        shown, answers, templated = own_chat_answers(model, tokenizer, subject, max_tokens, "answers to keep")
+
+        def write() -> list[str]:
+            return own_chat_answers(model, tokenizer, chat, max_tokens, "answers to keep")[1]
+
+        kept = cached_writing(model, tokenizer, "keep-chat", {"max_tokens": max_tokens}, chat, write)
+    shown = [chat_turn(tokenizer, p, None) if templated else p for p in chat] + shown
     out = []
-    for (i, _), ctx, answer in zip(asked, shown, answers):
+    for (i, _), ctx, answer in zip(asked, shown, kept + answers):
         answer = answer.rstrip()
         if not answer.strip():
             continue
