@@ -344,6 +344,9 @@ def test_a_killed_edit_resumes_from_its_checkpoint(tiny_lm, iso_cache, tmp_path,
     restore(model, full.original_weights)  # finished: the final state comes back, no epoch trains
     again = edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
     assert again.history.extra["resumed_at_epoch"] == 5 and again.history.epoch_loss == full.history.epoch_loss
+    # the preservation term (crispedit's default) reports every epoch's mean, the killed run's from the checkpoint
+    assert len(full.history.extra["keep"]["epoch_term"]) == 5
+    assert res.history.extra["keep"] == full.history.extra["keep"] == again.history.extra["keep"]
     assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
 
     restore(model, full.original_weights)

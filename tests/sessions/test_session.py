@@ -63,12 +63,11 @@ def _tensor_files(d: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def _strip(rounds: list[dict]) -> list[dict]:
     """Round records without wall-clock fields and the marks of a resumed training (where it went on)."""
-    drop = {"finished", "seconds", "edit_seconds", "edit_factor_seconds", "epoch_seconds", "resumed_at_epoch",
-            "resumed_seconds"}
+    drop = {"finished", "resumed_at_epoch"}  # and every key naming seconds
 
     def clean(x):
         if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items() if k not in drop}
+            return {k: clean(v) for k, v in x.items() if k not in drop and "seconds" not in k}
         return x
 
     return [clean(r) for r in rounds]

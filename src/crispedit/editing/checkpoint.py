@@ -47,7 +47,7 @@ __all__ = ["run_identity", "LoopState", "LoopCheckpoint", "save_checkpoint", "lo
 CHECKPOINT_KIND = "training checkpoint"
 _KEY = "crispedit_checkpoint"
 CLOSED_FORM_KEY = "crispedit_closed_form"  # the metadata key of a closed-form editor's batch checkpoint
-_FORMAT = 2  # the file's layout (the crispedit version that wrote it is recorded beside it)
+_FORMAT = 3  # the file's layout (the crispedit version that wrote it is recorded beside it)
 _THEN = "delete it to start over"
 _BUDGET_COUNTERS = ("hits", "last", "steps")
 
@@ -91,6 +91,7 @@ class LoopState:
     budget: dict
     seconds: float = 0.0
     epoch_seconds: list = field(default_factory=list)  # wall seconds per epoch
+    sections: dict = field(default_factory=dict)  # TrainHistory.extra entries the hooks write per epoch (JSON)
 
 
 def _global_rng(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
@@ -118,7 +119,8 @@ def save_checkpoint(path: str | Path, identity: str, state: LoopState, params: d
     tensors.update(_global_rng(params))
     meta = stamped({"format": _FORMAT, "identity": identity, "epochs": state.epochs, "epoch_loss": state.epoch_loss,
                     "n_batches": state.n_batches, "skipped": state.skipped, "converged": state.converged,
-                    "budget": state.budget, "seconds": state.seconds, "epoch_seconds": state.epoch_seconds})
+                    "budget": state.budget, "seconds": state.seconds, "epoch_seconds": state.epoch_seconds,
+                    "sections": state.sections})
     atomic_save_safetensors(path, tensors, metadata={_KEY: json.dumps(meta)})
 
 
@@ -150,7 +152,7 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
         flat = {k[len("opt::"):]: v for k, v in tensors.items() if k.startswith("opt::")}
         state = LoopState(int(meta["epochs"]), [float(x) for x in meta["epoch_loss"]], int(meta["n_batches"]),
                           int(meta["skipped"]), bool(meta["converged"]), tensors["generator"], dict(meta["budget"]),
-                          float(meta["seconds"]), [float(x) for x in meta["epoch_seconds"]])
+                          float(meta["seconds"]), [float(x) for x in meta["epoch_seconds"]], dict(meta["sections"]))
         rng_cpu = tensors["rng_cpu"]
         for n, p in params.items():
             if stored[n].shape != p.shape:

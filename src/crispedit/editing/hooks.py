@@ -24,7 +24,11 @@ LOG_SECONDS = 60.0  # ... or fewer, once this many seconds have passed since the
 
 
 class LoopHook:
-    """A hook that does nothing at any point; subclasses override the points they act at."""
+    """A hook that does nothing at any point; subclasses override the points they act at. ``section``: the key of
+    the :class:`~.loop.TrainHistory`'s ``extra`` the hook writes epoch by epoch (a JSON value), which a checkpoint
+    carries so that a resumed run reports it whole."""
+
+    section: str | None = None
 
     def before_projection(self) -> None:
         """Every step, after the backward (and the sum over processes), before the projection."""
@@ -48,6 +52,7 @@ class Hooks(LoopHook):
     def __init__(self, *hooks: LoopHook | None):
         self.hooks = [h for h in hooks if h is not None]
         self.pending: list[LoopHook] = []  # the hooks whose values are in this epoch's read, in order
+        self.sections = [h.section for h in self.hooks if h.section]
 
     def before_projection(self) -> None:
         """Every hook's :meth:`~LoopHook.before_projection`."""

@@ -150,6 +150,8 @@ class KeepTerm(LoopHook):
     ``processes`` (every process computes it whole; their gradients are summed); as a loop hook it hands the
     epoch's mean term to the epoch's one read (:meth:`epoch_value`) and reports it (:meth:`end_epoch`)."""
 
+    section = "keep"
+
     def __init__(self, keep: KeepLoss, arithmetic, processes: int = 1):
         self.keep, self.arithmetic, self.processes = keep, arithmetic, processes
         self.terms: list[Tensor] = []  # this epoch's terms, on the device (read with the epoch's loss)

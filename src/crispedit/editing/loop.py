@@ -251,6 +251,8 @@ class _Run:
             self.n_batches, self.start, self.spent = resumed.n_batches, resumed.epochs, resumed.seconds
             self.converged, self.epoch_loss = resumed.converged, resumed.epoch_loss
             self.epoch_seconds = list(resumed.epoch_seconds)
+        self.sections = {} if resumed is None else dict(resumed.sections)  # the hooks' report sections so far
+        self.section_names: list[str] = []  # which hist.extra entries those are (the hooks', set by the loop)
 
     def seconds(self) -> float:
         """Training seconds so far, earlier calls included."""
@@ -267,6 +269,7 @@ class _Run:
         if config.precision != "fp32":  # what bf16 / auto ran as on this device
             hist.extra["precision"] = precision
         hist.extra.update(source.layout())  # fixed batches: what an epoch computes
+        hist.extra.update(self.sections)
         if self.start:
             hist.extra.update(resumed_at_epoch=self.start, resumed_seconds=round(self.spent, 3))
         return hist
@@ -298,7 +301,8 @@ class _Run:
     def state(self, epochs: int, hist: TrainHistory) -> LoopState:
         """The checkpointable state after ``epochs`` epochs (with the seconds so far, earlier calls included)."""
         return LoopState(epochs, hist.epoch_loss, self.n_batches, hist.skipped, hist.converged,
-                         self.generator.get_state(), {}, self.seconds(), hist.epoch_seconds)
+                         self.generator.get_state(), {}, self.seconds(), hist.epoch_seconds,
+                         {k: hist.extra[k] for k in self.section_names if k in hist.extra})
 
 
 def _backward(loss: Tensor | None) -> None:
@@ -391,14 +395,18 @@ def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditReque
         precision = resolve_precision(config.precision, device)
         arithmetic = _arithmetic(precision, device)
         source = batch_source(model, tokenizer, requests, params, config, fast, device, arithmetic)
+        t_keep = time.perf_counter()
         keep = keep_term(model, tokenizer, requests, params, config, fast=fast, device=device, arithmetic=arithmetic,
                          processes=world_size(), split=is_sharded(model))
+        setup = {"batches": round(t_keep - t0, 3), "keep": round(time.perf_counter() - t_keep, 3)}
         run = _Run(config, device, ckpt.resume(), t0)
         bar.update(run.start)
         hist = run.history(source, precision)
+        hist.extra["setup_seconds"] = setup  # before the first step: the batches (lead-ins written), the kept answers
         hooks = Hooks(keep, None if drift_budget is None else DriftHook(drift_budget, timer),
                       ProgressHook(bar, config.method, config.epochs, run.seconds, config),
                       CheckpointHook(ckpt, run.state, run.start, config.epochs))
+        run.section_names = hooks.sections
         step = _ProjectedStep(params, layers, projectors, opt, ProjectionTarget(config.projection_target), timer)
         rotations = (config.projection_precision, next(iter(params.values())).device if params else "cpu")
         model.train()

@@ -242,7 +242,9 @@ class Session:
                                  drift_spent=drift_spent(st["rounds"]))
             check_finite_tensors(new.weights, f"round {k}")  # never commit inf/nan weights
             _fault("after_train")
+            t_eval = time.perf_counter()
             rec.update(self._evaluate(earlier + [requests], progress))
+            rec["evaluate_seconds"] = round(time.perf_counter() - t_eval, 3)
             rec.update({"round": k, "n_edits": len(requests), "source": source,
                         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
             if world_size() > 1:
