@@ -85,6 +85,7 @@ def keep_sequences(model: nn.Module, tokenizer, requests: Sequence[EditRequest],
         shown, answers, templated = own_chat_answers(model, tokenizer, subject, max_tokens, "answers to keep")
 
         def write() -> list[str]:
+            """The everyday prompts' answers, written now."""
             return own_chat_answers(model, tokenizer, chat, max_tokens, "answers to keep")[1]
 
         kept = cached_writing(model, tokenizer, "keep-chat", {"max_tokens": max_tokens}, chat, write)

@@ -34,18 +34,9 @@ from ..data.edits import EditRequest
 from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
 from ..forward_args import takes_full_masks
+from ..forward_parts import capture_block_input, forward_until, no_cache_kwargs, passthroughs, prefix_fed, rows_logits
 from ..layers import decoder_blocks
-from .fastpath import (
-    capture_block_input,
-    forward_until,
-    may_pack,
-    no_cache_kwargs,
-    pack_if_it_pays,
-    passthroughs,
-    prefix_fed,
-    rows_logits,
-    target_rows,
-)
+from .fastpath import may_pack, pack_if_it_pays, target_rows
 from .prefixtree import PackedBatch
 
 __all__ = ["KeyValueSettings", "subject_span", "subject_token_index", "context_templates", "edit_blocks",
