@@ -108,6 +108,7 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     t0 = time.perf_counter()
     result = edit(model, tokenizer, requests, config, cache_file=cache_file, progress=progress,
                   predict_drift=predict_drift, checkpoint=checkpoint, fingerprint=fingerprint)
+    config = result.config  # what ran: its lr set for the model family
     changed = {n: parameter(model, n) for n in result.original_weights}
     check_finite_tensors(changed, f"the {config.method} edit")  # fail now, before evaluating a broken model
     ev = evaluate_edit(model, tokenizer, requests, result.original_weights, kl_text=kl_text, max_len=config.max_len,

@@ -65,19 +65,22 @@ def test_default_patterns_per_family():
 
 
 def test_family_lr_scales_only_a_default_shared_lr_and_only_once():
-    """``EditConfig.for_family``: the shared DEFAULT_LR left unset becomes 5e-5 on Gemma-3 (once, however
-    often it is called); an lr the user gave, LoRA's own default and other families are kept."""
+    """``EditConfig.for_family`` returns a new config: the shared DEFAULT_LR left unset becomes 5e-5 on Gemma-3
+    (once, however often it is called); an lr the user gave, LoRA's own default and other families are kept, and
+    the caller's config is left as it was."""
     from crispedit.editing import DEFAULT_LR, EditConfig
 
     assert defaults_for("gemma3").lr_scale == defaults_for("gemma3_text").lr_scale == 0.1
     assert defaults_for("llama") == defaults_for(None) == FamilyDefaults()
     cfg = EditConfig()
-    assert cfg.lr == DEFAULT_LR and cfg.for_family("gemma3_text") is cfg and cfg.lr == 5e-5
-    assert cfg.for_family("gemma3_text").lr == 5e-5 and cfg.validate().lr == 5e-5   # scaled once
+    scaled = cfg.for_family("gemma3_text")
+    assert cfg.lr is None and cfg.learning_rate == DEFAULT_LR and scaled is not cfg and scaled.lr == 5e-5
+    assert scaled.for_family("gemma3_text").lr == 5e-5 and scaled.validate().lr == 5e-5   # scaled once
     assert EditConfig(lr=1e-3).for_family("gemma3").lr == 1e-3                      # the user's lr
     assert EditConfig(method="lora").for_family("gemma3").lr == 5e-3                # the method's own
     assert EditConfig().for_family("llama").lr == DEFAULT_LR
-    assert EditConfig.from_dict(EditConfig().to_json()).for_family("gemma3").lr == DEFAULT_LR  # stored = explicit
+    ran = EditConfig().for_family("llama").to_json()  # what reports and sessions store: the lr that ran
+    assert EditConfig.from_dict(ran).for_family("gemma3").lr == DEFAULT_LR
 
 
 def test_load_model_specs(tiny_model_dir, tiny_tok, tmp_path):

@@ -182,8 +182,9 @@ def test_method_options_validated_with_one_line_errors(method, options, msg):
 
 def test_method_defaults_and_stored_options():
     lora = EditConfig(method="lora")
-    assert lora.lr == 5e-3 and lora.options == {"r": 8, "alpha": 32.0, "dropout": 0.1, "targets": "q_proj,v_proj"}
-    assert EditConfig(method="lora", lr=1e-3).lr == 1e-3 and EditConfig().lr == 5e-4
+    assert lora.learning_rate == 5e-3 and lora.options == {"r": 8, "alpha": 32.0, "dropout": 0.1,
+                                                            "targets": "q_proj,v_proj"}
+    assert EditConfig(method="lora", lr=1e-3).lr == 1e-3 and EditConfig().learning_rate == 5e-4
     assert EditConfig.from_dict(lora.to_json()).to_json() == lora.to_json()
     with pytest.raises(CrispEditError, match="unknown edit config keys: extra"):
         EditConfig.from_dict({**EditConfig().to_json(), "extra": {}})
@@ -260,16 +261,17 @@ def test_cli_choices_and_option_flags_come_from_the_registry():
 
 def test_edit_scales_a_default_lr_for_the_model_family(tiny_lm, iso_cache):
     """On a model whose config says Gemma-3, ``edit()`` trains with the family's default lr (DEFAULT_LR × 0.1),
-    writes it back into the config it was given (what reports and compare store) and places the default
-    window by the family's rule; an explicit lr is used as given."""
+    returns it in the config that ran (what reports store), leaves the caller's config as it was and places the
+    default window by the family's rule; an explicit lr is used as given."""
     from crispedit.editing import DEFAULT_LR
 
     model, tok = tiny_lm
     model.config.model_type = "gemma3_text"
     config = EditConfig(method="ft", epochs=1, batch_size=4, contexts="bare")
-    assert config.lr == DEFAULT_LR
+    assert config.lr is None and config.learning_rate == DEFAULT_LR
     res = edit(model, tok, REQS[:2], config, progress=False)
-    assert config.lr == DEFAULT_LR * 0.1 and res.layers == ["model.layers.0.mlp.down_proj"]  # 4 blocks: {0}
+    assert res.config.lr == DEFAULT_LR * 0.1 and res.layers == ["model.layers.0.mlp.down_proj"]  # 4 blocks: {0}
+    assert config.lr is None
     restore(model, res.original_weights)
     given = EditConfig(method="ft", epochs=1, batch_size=4, contexts="bare", lr=1e-2)
     edit(model, tok, REQS[:2], given, progress=False)

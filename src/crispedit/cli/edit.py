@@ -59,7 +59,7 @@ def cmd_edit(args) -> int:
     pred = "-" if s.get("kl_predicted") is None else f"{s['kl_predicted']:.5f}"
     print(f"{config.method}: {len(requests)} edits, rel={s['rel']} gen={s['gen']} kl_drift={s['kl_drift']:.5f} "
           f"kl_predicted={pred} edit={s['edit_seconds']:.1f}s cache={s['cache_seconds']:.1f}s "
-          f"{training_brief(report['training'], config.lr)}")
+          f"{training_brief(report['training'], report['config']['lr'])}")
     if s.get("drift_budget") and s["drift_budget"].get("max_drift") is not None:
         b = s["drift_budget"]
         print(f"  drift budget {b['max_drift']:g}: {'hit' if b['hit'] else 'not hit'} ({b['hits']} of {b['steps']} "

@@ -39,7 +39,8 @@ class EditResult:
     ``kl_predicted``: the K-FAC predicted per-token KL drift of the change (nats; ``{"total", "layers"}``,
     :func:`~crispedit.curvature.predicted.predicted_kl`; ``None`` without factors for the changed
     weights); ``drift_budget``: what ``--max-drift`` did (``None`` without a budget); ``inputs``: the files
-    the editor read besides the model, by content (:meth:`Editor.input_digests`: MEND's network)."""
+    the editor read besides the model, by content (:meth:`Editor.input_digests`: MEND's network); ``config``:
+    the :class:`EditConfig` that ran, its learning rate set for the model family."""
 
     layers: list[str]
     history: TrainHistory
@@ -51,6 +52,7 @@ class EditResult:
     kl_predicted: dict | None = None
     drift_budget: dict | None = None
     inputs: dict[str, str] = field(default_factory=dict)
+    config: EditConfig | None = None  # the config that ran (its lr set for the model family)
 
 
 CHAT_ANSWER_TOKENS = 128  # at most this many tokens of the model's own answer per capability chat prompt
@@ -169,9 +171,9 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     :func:`restore`. ``result.kl_predicted`` is the drift the capability factors predict for the change;
     editors without curvature (ft, locbf-ft) get it only with ``predict_drift`` or a drift budget / penalty
     (their factors are then fetched from the cache or collected, like a curvature editor's; LoRA's, of its
-    adapted modules, with a budget or penalty only). A learning rate left unset is scaled
-    for the model's family in ``config`` itself (:meth:`EditConfig.for_family`), so that what a caller
-    reports from ``config`` afterwards is what ran. ``checkpoint``: a file the fine-tuning loop writes its state to
+    adapted modules, with a budget or penalty only). A learning rate left unset is set for the model's family
+    (:meth:`EditConfig.for_family`) in the config that runs — ``result.config``, what a caller reports; the
+    caller's ``config`` is left as it was. ``checkpoint``: a file the fine-tuning loop writes its state to
     after every epoch and resumes from when it holds this run (same config, requests and starting weights;
     :mod:`.checkpoint`); ``edit_seconds`` then counts the training seconds of the earlier runs too.
     ``fingerprint``: the model's :func:`~crispedit.models.weight_fingerprint` when the caller has it (a model split
@@ -200,7 +202,8 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     from ..curvature.predicted import predicted_kl
 
     return EditResult(list(layers), outcome.history, outcome.projector_stats, cache_seconds, edit_seconds, info,
-                      original, predicted_kl(drift_modules, factors, original), outcome.drift_budget, inputs)
+                      original, predicted_kl(drift_modules, factors, original), outcome.drift_budget, inputs,
+                      config)
 
 
 def shard_for_edit(model: nn.Module, config: EditConfig, device: str | None = None) -> str:

@@ -20,7 +20,7 @@ imported.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 
 from ..checks import SEED_MAX, check_float, check_gamma, check_int, check_lr, check_positive_int
@@ -117,10 +117,6 @@ class EditConfig:
         ``self``."""
         spec = method_spec(self.method)
         self.options = spec.Config.from_options(self.method, self.options).to_json()
-        if self.lr is None:
-            self.lr = spec.shared.get("lr", DEFAULT_LR)
-            # the shared DEFAULT_LR is scaled per model family at edit time (for_family); a method's own is not
-            self._lr_family_scaled = "lr" in spec.shared
         self.gamma = check_gamma(self.gamma)
         for name in ("batch_size", "epochs", "n_cap", "max_len", "kfac_batch_size"):
             setattr(self, name, check_positive_int(name.replace("_", "-"), getattr(self, name)))
@@ -135,7 +131,8 @@ class EditConfig:
         if self.projection_precision not in PROJECTION_PRECISIONS:
             raise CrispEditError(f"projection precision must be one of {', '.join(PROJECTION_PRECISIONS)}, "
                                  f"got {self.projection_precision!r}")
-        self.lr = check_lr("learning rate (--lr)", self.lr)
+        if self.lr is not None:  # unset: the method's default, set for the model family when the edit runs
+            self.lr = check_lr("learning rate (--lr)", self.lr)
         self.epochs = check_int("epochs", self.epochs, 1, MAX_EPOCHS)
         self.seed = check_int("seed", self.seed, 0, SEED_MAX)
         from ..data.corpus import CHAT_PROMPTS
@@ -180,18 +177,25 @@ class EditConfig:
                                      f"({ok}); {self.method} writes its change in one pass without them")
         return self
 
-    def for_family(self, family: str | None) -> EditConfig:
-        """Scale a default learning rate for the model family ``family`` (a config ``model_type``), in place
-        and once: when ``lr`` was left unset and the method takes the shared :data:`DEFAULT_LR`, it becomes
-        ``DEFAULT_LR × FAMILY_DEFAULTS[family].lr_scale`` (Gemma-3: 5e-5; :mod:`crispedit.families`). An lr
-        the user gave, a method's own default (LoRA's) and an already scaled config are kept. Returns ``self``.
-        :func:`~crispedit.editing.edit`, sessions and ``compare`` call it with the model's family."""
-        if getattr(self, "_lr_family_scaled", True) is False:
-            from ..families import defaults_for
+    @property
+    def learning_rate(self) -> float:
+        """The Adam learning rate: ``lr``, or while it is unset the method's own default (:data:`DEFAULT_LR` unless
+        its config says otherwise), before any family scaling (:meth:`for_family`)."""
+        return self.lr if self.lr is not None else method_spec(self.method).shared.get("lr", DEFAULT_LR)
 
-            self.lr = float(f"{self.lr * defaults_for(family).lr_scale:.6g}")
-        self._lr_family_scaled = True
-        return self
+    def for_family(self, family: str | None) -> EditConfig:
+        """A new config whose learning rate is set for the model family ``family`` (a config ``model_type``): an
+        unset ``lr`` becomes the method's own default (LoRA's) or, for a method on the shared :data:`DEFAULT_LR`,
+        ``DEFAULT_LR × FAMILY_DEFAULTS[family].lr_scale`` (Gemma-3: 5e-5; :mod:`crispedit.families`); an lr that
+        is set is kept, so the scaling happens once. :func:`~crispedit.editing.edit`, sessions and ``compare``
+        call it with the model's family; what they store holds the lr that ran."""
+        from ..families import defaults_for
+
+        if self.lr is not None:
+            return replace(self)
+        shared = method_spec(self.method).shared
+        lr = shared["lr"] if "lr" in shared else float(f"{DEFAULT_LR * defaults_for(family).lr_scale:.6g}")
+        return replace(self, lr=lr)
 
     @property
     def method_config(self) -> MethodConfig:

@@ -292,8 +292,9 @@ class _Run:
         hist.skipped, hist.steps = int(n_skipped), self.n_batches - int(n_skipped)
         hist.epoch_loss.append(mean)
         if not math.isfinite(mean):
-            raise CrispEditError(f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} (lr {self.config.lr:g});"
-                                 " lower --lr or check the model and the inputs — nothing was saved")
+            raise CrispEditError(f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} "
+                                 f"(lr {self.config.learning_rate:g}); lower --lr or check the model and the inputs — "
+                                 "nothing was saved")
         hist.converged = mean < self.config.stop_loss
         hist.plateaued = _stalled(hist.epoch_loss, hist.converged, self.config)
         return mean, values

@@ -125,8 +125,8 @@ def make_optimizer(params: dict[str, nn.Parameter], projectors: dict[str, LayerP
     if ProjectionTarget(config.projection_target) is ProjectionTarget.EIGENBASIS:
         names = list(params)
         return EigenbasisAdam([params[n] for n in names], [projectors[n] for n in names], [layers[n] for n in names],
-                              lr=config.lr, betas=config.betas)
-    return GatedAdam(params.values(), lr=config.lr, betas=config.betas)
+                              lr=config.learning_rate, betas=config.betas)
+    return GatedAdam(params.values(), lr=config.learning_rate, betas=config.betas)
 
 
 def optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> dict[str, Tensor]:

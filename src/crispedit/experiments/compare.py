@@ -39,7 +39,7 @@ import logging
 import resource
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -165,8 +165,9 @@ def _checked_configs(model, requests: Sequence[EditRequest], methods: Sequence[s
         # what each method needs of the requests (the closed forms' subjects) and of the model (MEND's trained
         # network), before anything
         get_editor(base_method).check_requests(requests)
-        ec = cfg.edit if isinstance(cfg, SeqConfig) else cfg
-        ec.for_family(model_family(model))  # a default lr scaled now, so that a resumed compare compares what ran
+        # a default lr scaled now, so that a resumed compare compares what ran
+        ec = (cfg.edit if isinstance(cfg, SeqConfig) else cfg).for_family(model_family(model))
+        configs[m] = replace(cfg, edit=ec) if isinstance(cfg, SeqConfig) else ec
         get_editor(base_method).check_ready(model, ec)
         inputs[m] = get_editor(base_method).input_digests(model, ec)
     return configs, inputs

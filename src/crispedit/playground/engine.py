@@ -26,7 +26,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +83,9 @@ def playground_config(config, family: str | None):
     from ..editing.config import EditConfig
 
     config = config or EditConfig(precision="auto")
-    default_lr = config.lr is None or getattr(config, "_lr_family_scaled", True) is False
-    config = config.validate().for_family(family)
-    if default_lr:
-        config.lr = float(f"{config.lr * LR_FACTOR:.6g}")
-    return config
+    config = config.validate()
+    scaled = config.for_family(family)
+    return scaled if config.lr is not None else replace(scaled, lr=float(f"{scaled.lr * LR_FACTOR:.6g}"))
 
 
 class Playground:

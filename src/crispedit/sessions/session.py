@@ -45,6 +45,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +148,7 @@ class Session:
         spec = "<in-memory>" if isinstance(model, tuple) else str(model)
         m, tok = load_model(model, dtype=None if isinstance(model, tuple) else dtype, device=device, progress=progress)
         fp = weight_fingerprint(m)
-        config.edit.for_family(model_family(m))  # a default lr scaled for the family is what the session stores
+        config = replace(config, edit=config.edit.for_family(model_family(m)))  # the session stores the lr it trains
         layers = get_editor(config.edit.method).select_layers(m, config.edit)
         meta = stamped({"format": SESSION_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "name": config.name,
@@ -185,7 +186,8 @@ class Session:
         meta = read_session_meta(path)
         if config is not None:
             stored = SeqConfig.from_dict(meta["config"]).identity()
-            config.validate().edit.for_family(meta["base"].get("model_type"))  # as create() scaled it
+            config = config.validate()
+            config = replace(config, edit=config.edit.for_family(meta["base"].get("model_type")))  # as create() did
             given = config.identity()
             diff = sorted(_diff_keys(stored, given))
             if diff:
