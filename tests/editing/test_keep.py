@@ -21,7 +21,7 @@ LAYERS = "model.layers.{1-2}.mlp.down_proj"
 
 
 @pytest.fixture()
-def chat_lm(tiny_tok):
+def chat_lm(tiny_tok, iso_cache):
     from conftest import build_llama
     from crispedit.models import load_model
 
@@ -118,6 +118,24 @@ def test_per_token_loss_fast_equals_plain_and_averages_to_the_mean(chat_lm):
             assert per.shape == (int((b.labels[:, 1:] != -100).sum()),)
             torch.testing.assert_close(per, plain_loss(model, b, per_token=True), rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(per.mean(), plain_loss(model, b), rtol=1e-4, atol=1e-5)
+
+
+def test_per_token_loss_in_packed_order_has_the_same_terms(chat_lm):
+    """Unordered per-token losses (the preservation term's) are packed where it pays — here every transcript begins
+    with a long system turn —: the same terms, per batch in one fixed order."""
+    model, tok = chat_lm
+    tok.chat_template = "<|system|>You are a helpful assistant who answers questions about books in a word.<eos>\n" \
+                        + CHAT
+    seqs = keep_sequences(model, tok, REQS, 6, 4, max_tokens=4)
+    batches = training_batches(tok, seqs, 8, by_length=True)
+    fast = make_loss_fn(model, _params(model), batches, per_token=True, ordered=False)
+    assert fast.fast and any(p is not None for p in fast._fast.packed)
+    with torch.no_grad():
+        for j, b in enumerate(batches):
+            per = fast(j)
+            torch.testing.assert_close(per.sort().values, plain_loss(model, b, per_token=True).sort().values,
+                                       rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(fast(j), per)  # the same order every time
 
 
 def test_keep_term_is_zero_at_the_start_and_pulls_back_what_moved(chat_lm):

@@ -119,7 +119,7 @@ class Prepared:
 
 class _FastLoss:
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
-                 per_token: bool = False, mask_unpadded: bool = False):
+                 per_token: bool = False, mask_unpadded: bool = False, ordered: bool = True):
         self.model, self.batches = model, batches
         self.reduction = "none" if per_token else "mean"
         prefix, self.blocks = decoder_blocks(model)
@@ -154,7 +154,8 @@ class _FastLoss:
         self.passthrough = passthroughs(self.k, self.tuple_len)
         self.targets = [target_rows(b.labels) for b in batches]
         self.masks = [static_attention_mask(model, b.attention_mask, unpadded_mask=mask_unpadded) for b in batches]
-        self.pack = may_pack(model) and not per_token  # packed targets are in tree order, not row-major
+        # packed targets are in tree order, not row-major: per-token losses are packed only where order is free
+        self.pack = may_pack(model) and not (per_token and ordered)
         self.packed = [self.packing(b) for b in batches]
 
     def packing(self, batch: EncodedBatch) -> PackedBatch | None:
@@ -266,10 +267,12 @@ class LossFn:
 
 
 def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
-                 enabled: bool = True, per_token: bool = False, mask_unpadded: bool = False) -> LossFn:
+                 enabled: bool = True, per_token: bool = False, mask_unpadded: bool = False,
+                 ordered: bool = True) -> LossFn:
     """The edit loop's :class:`LossFn` over ``batches``: the verified fast loss, or the plain one (``per_token``:
-    each target token's loss, unpacked; ``mask_unpadded``: a batch without padding gets the plain causal mask too,
-    :func:`~crispedit.forward_args.static_attention_mask`, so its forward reads nothing back to the host)."""
+    each target token's loss — row-major and unpacked while ``ordered``; without it the same terms in an order
+    fixed per batch, packed where that pays; ``mask_unpadded``: a batch without padding gets the plain causal mask
+    too, :func:`~crispedit.forward_args.static_attention_mask`, so its forward reads nothing back to the host)."""
     if not enabled or not batches:
         return LossFn(model, batches, None, per_token)
     # the check catches structural mismatches (a skipped logit transform gives a different loss), not
@@ -279,7 +282,7 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
     # compared in eval mode: dropout (e.g. a LoRA adapter's) would make two training-mode forwards differ
     was_training = model.training
     try:
-        fast_loss = _FastLoss(model, params, batches, per_token, mask_unpadded)
+        fast_loss = _FastLoss(model, params, batches, per_token, mask_unpadded, ordered)
         model.eval()
         # checked on the batch with the most padding, so a precomputed attention mask is checked too
         i = max(range(len(batches)), key=lambda j: int((batches[j].attention_mask == 0).sum()))
@@ -291,8 +294,10 @@ def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Seq
         if packed:  # checked on the batch whose packing saves the most positions
             j = max(packed, key=lambda j: batches[j].input_ids.numel() - fast_loss.packed[j].input_ids.numel())
             with torch.no_grad():
-                a, b = plain_loss(model, batches[j]), fast_loss(j, batches[j])
-            if not torch.allclose(a, b, rtol=rtol, atol=1e-5):
+                a, b = plain_loss(model, batches[j], per_token), fast_loss(j, batches[j])
+            if per_token:  # the same terms in tree order
+                a, b = a.sort().values, b.sort().values
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=rtol, atol=1e-5):
                 fast_loss.pack, fast_loss.packed = False, [None] * len(batches)
     except Exception:  # any architecture the shortcut does not understand: use the plain loss
         return LossFn(model, batches, None, per_token)

@@ -119,8 +119,10 @@ class KeepLoss:
         device = device or next(model.parameters()).device
         self.weight = float(weight)
         self.batches = [b.to(device) for b in training_batches(tokenizer, sequences, KEEP_BATCH, by_length=True)]
-        # batches of equal lengths (sorted by length) have no padding: masked anyway, so no step reads back
-        self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast, per_token=True, mask_unpadded=True)
+        # batches of equal lengths (sorted by length) have no padding: masked anyway, so no step reads back; the
+        # hinge compares each token with itself at construction, so the terms may come in the packed order
+        self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast, per_token=True, mask_unpadded=True,
+                                    ordered=False)
         was_training = model.training
         model.eval()
         try:
