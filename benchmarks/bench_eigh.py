@@ -114,7 +114,7 @@ def projection_errors(path: str, gammas: list[float], seed: int = 0) -> dict:
     import torch
 
     from crispedit.curvature.eigen import factor_eigh
-    from crispedit.curvature.kfac import KFACFactors
+    from crispedit.curvature.factors import KFACFactors
     from crispedit.curvature.projection import KroneckerProjector
     from crispedit.safetensors_io import load_safetensors
 

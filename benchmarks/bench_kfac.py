@@ -41,7 +41,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from crispedit.curvature.kfac import LabelMode, collect_lm_kfac, frozen, lm_backward, lm_batches, plain_head
+from crispedit.curvature.kfac import collect_lm_kfac
+from crispedit.curvature.lm_backward import LabelMode, lm_backward, plain_head
+from crispedit.curvature.lm_batches import lm_batches
+from crispedit.curvature.statistics import frozen
 from crispedit.data import bundled_path, capability_corpus
 from crispedit.layers import resolve_layers
 from crispedit.pipeline import environment

@@ -350,7 +350,7 @@ def factors_from_file(path: str, layers: dict) -> object:
     ``S`` ``d_out x d_out`` of its layer), e.g. SmolLM2's real factors on the SmolLM2-shaped ``tiny`` model, to
     time the projector of a real spectrum without running the real model."""
     from crispedit.curvature.cache import load_factors
-    from crispedit.curvature.kfac import KFACFactors
+    from crispedit.curvature.factors import KFACFactors
     from crispedit.layers import weight_matrix
 
     f = load_factors(path)

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from crispedit.curvature.factors import KFACFactors
-from crispedit.curvature.kfac import FactorAccumulator, collect_lm_kfac, layer_rows, sample_labels
+from crispedit.curvature.kfac import collect_lm_kfac
+from crispedit.curvature.lm_backward import sample_labels
+from crispedit.curvature.statistics import FactorAccumulator, layer_rows
 from crispedit.data import capability_corpus
 from crispedit.layers import resolve_layers
 
@@ -179,7 +181,8 @@ def legacy_collect_lm_kfac(model, tok, texts, layers, *, max_len, batch_size, la
     """The collection loop as it was before batches were planned by length and the LM head ran on loss
     positions only: corpus-order chunks padded by the tokenizer, full ``B x T x V`` logits, fp32 products
     added to float64 sums."""
-    from crispedit.curvature.kfac import capture_io, frozen, loss_positions
+    from crispedit.curvature.lm_batches import loss_positions
+    from crispedit.curvature.statistics import capture_io, frozen
 
     acc = FactorAccumulator(torch.float32)
     tok.padding_side = "right"
@@ -222,7 +225,7 @@ def test_fast_collection_matches_the_legacy_loop_in_float32(tiny_lm, label_mode,
 
 
 def test_plan_batches_groups_by_length_and_bounds_padding():
-    from crispedit.curvature.kfac import plan_batches
+    from crispedit.curvature.lm_batches import plan_batches
 
     lengths = [5, 30, 1, 31, 8, 29, 6, 0, 7, 30]
     assert plan_batches(lengths, 3, None) == [[0, 1, 3], [4, 5, 6], [8, 9]]   # corpus order, no 0/1-token texts
@@ -243,7 +246,8 @@ def test_plan_batches_groups_by_length_and_bounds_padding():
 
 def test_head_runs_on_loss_positions_only(tiny_lm):
     """The LM head sees exactly the N loss positions of a padded batch (not B x T)."""
-    from crispedit.curvature.kfac import lm_batches, lm_row_logits
+    from crispedit.curvature.lm_backward import lm_row_logits
+    from crispedit.curvature.lm_batches import lm_batches
 
     model, tok = tiny_lm
     seen = []
@@ -264,7 +268,8 @@ def test_plain_head_is_detected_and_post_processed_heads_fall_back(tiny_lm):
     """A llama head is used directly (hidden-state gradient formed without logits); a head whose output the
     model changes (here a forward hook doubling the logits, like soft-capping) is not, and the collection
     then goes through the model's own logits and still matches the old loop."""
-    from crispedit.curvature.kfac import lm_batches, plain_head
+    from crispedit.curvature.lm_backward import plain_head
+    from crispedit.curvature.lm_batches import lm_batches
 
     model, tok = tiny_lm
     (batch,) = lm_batches(tok, ["Some text to probe the head with."], max_len=32, batch_size=1)
@@ -290,7 +295,8 @@ def test_plain_head_is_detected_and_post_processed_heads_fall_back(tiny_lm):
 def test_hidden_state_gradient_equals_autograd_cross_entropy(tiny_lm, label_mode):
     """(softmax(z) - onehot(y)) W, formed a few sequences at a time, is autograd's gradient of the summed
     cross-entropy of the head's logits, whatever the chunk size."""
-    from crispedit.curvature.kfac import LabelMode, _ce_grad_rows, lm_batches, lm_labels
+    from crispedit.curvature.lm_backward import LabelMode, _ce_grad_rows, lm_labels
+    from crispedit.curvature.lm_batches import lm_batches
 
     model, tok = tiny_lm
     (batch,) = lm_batches(tok, TEXTS[:4], max_len=24, batch_size=4, max_padding=None)
@@ -305,7 +311,7 @@ def test_hidden_state_gradient_equals_autograd_cross_entropy(tiny_lm, label_mode
 
 @pytest.mark.parametrize("d", [3, 256, 300, 600])
 def test_add_gram_matches_the_full_product(d):
-    from crispedit.curvature.kfac import add_gram_
+    from crispedit.curvature.statistics import add_gram_
 
     x = torch.randn(50, d)
     m = torch.randn(d, d, dtype=torch.float64)

@@ -38,7 +38,8 @@ from ..errors import CrispEditError, VersionError
 from ..safetensors_io import load_safetensors
 from ..versions import check_written_by, stamped
 from .factors import KFACFactors
-from .kfac import LabelMode, collect_lm_input_covariance, collect_lm_kfac
+from .kfac import collect_lm_input_covariance, collect_lm_kfac
+from .lm_backward import LabelMode
 from .modes import CACHE_KINDS
 
 __all__ = ["CurvatureSpec", "KINDS", "cache_key", "save_factors", "load_factors", "get_or_build_factors",

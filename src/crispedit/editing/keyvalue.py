@@ -437,7 +437,7 @@ def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     request that has stopped keeps its ``δ``), so the result equals the one-at-a-time optimisation up
     to the padding's rounding. ``on_chunk(n)`` is called after each chunk with the number of its requests
     (progress reports)."""
-    from ..curvature.kfac import frozen
+    from ..curvature.statistics import frozen
 
     out, first, last, steps = [], [], [], 0
     verdicts: dict = {}  # each shortcut checked on the first chunk that can use it

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..curvature.kfac import capture_io, frozen
+from ..curvature.statistics import capture_io, frozen
 from ..errors import CrispEditError
 
 __all__ = ["input_gradient_rows"]

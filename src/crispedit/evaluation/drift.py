@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..curvature.kfac import loss_positions
+from ..curvature.lm_batches import loss_positions
 from ..distributed import is_sharded
 from ..forward_parts import capture_block_input, decoder_rows, head_logits, passthroughs, prefix_fed, rows_logits
 from ..layers import decoder_blocks

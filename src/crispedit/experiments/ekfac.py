@@ -1,9 +1,9 @@
 """K-FAC and eigenvalue-corrected K-FAC (EK-FAC) for small classifiers (linear and conv layers).
 
 Study code (the MNIST curvature study, :mod:`.mnist_study`). K-FAC statistics are gathered with the library's own
-pieces (:func:`~crispedit.curvature.kfac.capture_io`,
-:func:`~crispedit.curvature.kfac.layer_rows` -- conv inputs as unfolded patches -- and
-:class:`~crispedit.curvature.kfac.FactorAccumulator`). Factors are scaled so that ``A (x) S``
+pieces (:func:`~crispedit.curvature.statistics.capture_io`,
+:func:`~crispedit.curvature.statistics.layer_rows` -- conv inputs as unfolded patches -- and
+:class:`~crispedit.curvature.statistics.FactorAccumulator`). Factors are scaled so that ``A (x) S``
 approximates the layer's block of the Gauss-Newton matrix of the *mean* loss in the library's
 column-major ``vec`` coordinates: for a layer seen by ``T`` rows per example (``T = 1`` for a linear
 layer, ``T`` = number of spatial positions for a convolution) ``A = E_rows[a a^T]`` and
@@ -43,8 +43,8 @@ from torch import Tensor, nn
 
 from ..curvature.base import Curvature, Eigenbasis
 from ..curvature.factors import KFACFactors
-from ..curvature.kfac import FactorAccumulator, capture_io, frozen
 from ..curvature.projection import eigh_psd
+from ..curvature.statistics import FactorAccumulator, capture_io, frozen
 from .mnist_config import OutputGrads
 
 __all__ = [

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from ...atomic import atomic_save_safetensors
-from ...curvature.kfac import head_on_rows
+from ...curvature.lm_backward import head_on_rows
 from ...data.edits import EditRequest
 from ...data.tokenize import encode_pairs
 from ...editing.rows import input_gradient_rows
@@ -204,7 +204,7 @@ def default_layers(model: nn.Module, blocks: int = 3) -> list[str]:
 def target_token_logprobs(model: nn.Module, batch) -> tuple[Tensor, Tensor]:
     """Log-probability (float32) of every target token of ``batch`` (an
     :class:`~crispedit.data.tokenize.EncodedBatch`) and the row it belongs to, both ``M`` long (``M`` target
-    tokens). The output head runs on the target positions only (:func:`~crispedit.curvature.kfac.head_on_rows`,
+    tokens). The output head runs on the target positions only (:func:`~crispedit.curvature.lm_backward.head_on_rows`,
     the K-FAC collection's hook: exact for any logit post-processing after the head); a model without an
     exposed head forms the full logits and gathers them."""
     labels = batch.labels[:, 1:]

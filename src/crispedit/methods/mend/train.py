@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ...curvature.kfac import frozen
+from ...curvature.statistics import frozen
 from ...data.edits import EditRequest
 from ...data.tokenize import collate
 from ...errors import CrispEditError
