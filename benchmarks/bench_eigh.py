@@ -97,7 +97,7 @@ def paper_projection(A, S, gamma: float, Q):
     and ``M`` the γ-energy mask of the sorted Kronecker spectrum (``energy_keep_mask``)."""
     import torch
 
-    from crispedit.curvature.projection import energy_keep_mask
+    from crispedit.curvature.masks import energy_keep_mask
 
     lam_in, U_in = torch.linalg.eigh(A.double())
     lam_out, U_out = torch.linalg.eigh(S.double())

@@ -34,14 +34,8 @@ import time
 
 import torch
 
-from crispedit.curvature.projection import (
-    KroneckerProjector,
-    energy_keep_mask,
-    kronecker_projection_flops,
-    masked_corner,
-    row_extents,
-    staircase_projection_flops,
-)
+from crispedit.curvature.masks import energy_keep_mask, masked_corner, row_extents
+from crispedit.curvature.projection import KroneckerProjector, kronecker_projection_flops, staircase_projection_flops
 from crispedit.data import BUNDLED_EDITS, bundled_path, load_edits
 from crispedit.editing import EditConfig, capability_factors, get_editor
 from crispedit.layers import resolve_layers
@@ -93,7 +87,7 @@ def _spectra(args, d_out: int, d_in: int) -> list[tuple[str, torch.Tensor, torch
     out = [(f"power {d:g}", power_law(d_out, d), power_law(d_in, d)) for d in args.decays]
     if args.cache:
         from crispedit.curvature.cache import load_factors
-        from crispedit.curvature.projection import eigh_psd
+        from crispedit.curvature.masks import eigh_psd
 
         f = load_factors(args.cache)
         name = args.layer or f.layers[len(f.layers) // 2]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from crispedit.curvature.factors import InputCovariance, KFACFactors
-from crispedit.curvature.projection import energy_keep_mask, unvec, vec
+from crispedit.curvature.masks import energy_keep_mask, unvec, vec
 from crispedit.experiments.ekfac import EKFACFactors
 from crispedit.experiments.study_curvature import PARAMS, DenseCurvature
 

@@ -2,16 +2,8 @@ import pytest
 import torch
 
 from crispedit.curvature.factors import KFACFactors
-from crispedit.curvature.projection import (
-    DenseProjector,
-    KroneckerProjector,
-    eigh_psd,
-    energy_keep_mask,
-    kronecker_projection_flops,
-    per_source_keep_mask,
-    unvec,
-    vec,
-)
+from crispedit.curvature.masks import eigh_psd, energy_keep_mask, per_source_keep_mask, unvec, vec
+from crispedit.curvature.projection import DenseProjector, KroneckerProjector, kronecker_projection_flops
 from crispedit.errors import CrispEditError
 
 D = torch.float64
@@ -428,7 +420,8 @@ def hyperbolic_factors(d_out, d_in, seed=0):
 def test_two_block_form_on_a_cross_shaped_mask(gamma, dtype, tol):
     # the masked set is the first row and the first column (plus the corner): the one-corner form would be
     # the whole matrix, the two-block form is two thin blocks -- and gives the full form's result
-    from crispedit.curvature.projection import row_extents, staircase_projection_flops
+    from crispedit.curvature.masks import row_extents
+    from crispedit.curvature.projection import staircase_projection_flops
 
     d_out, d_in = 40, 60
     U_out, U_in, ev = hyperbolic_factors(d_out, d_in)
@@ -454,7 +447,8 @@ def test_two_block_form_on_a_cross_shaped_mask(gamma, dtype, tol):
 
 def test_staircase_flops_scan_every_split():
     # brute force over every split and both GEMM orders per block, against the closed scan
-    from crispedit.curvature.projection import row_extents, staircase_projection_flops
+    from crispedit.curvature.masks import row_extents
+    from crispedit.curvature.projection import staircase_projection_flops
 
     g = torch.Generator().manual_seed(11)
     for _ in range(20):
@@ -480,7 +474,7 @@ def test_kronecker_keep_mask_equals_the_energy_rule_on_the_outer_product():
     """The sort-free mask of a Kronecker spectrum is the energy rule's mask of the materialised outer product:
     distinct values, ties and zeros (ranked by row-major position, as the stable sort ranks them), small and
     SmolLM2-sized spectra; unsorted input falls back to the general rule."""
-    from crispedit.curvature.projection import kronecker_keep_mask
+    from crispedit.curvature.masks import kronecker_keep_mask
 
     gen = torch.Generator().manual_seed(0)
     cases = []

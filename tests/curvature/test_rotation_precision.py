@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from crispedit.curvature import projection
-from crispedit.curvature.projection import KroneckerProjector, rotation_precision
+from crispedit.curvature import precision, projection
+from crispedit.curvature.precision import rotation_precision
+from crispedit.curvature.projection import KroneckerProjector
 from crispedit.editing.config import PROJECTION_PRECISIONS, EditConfig
 from crispedit.errors import CrispEditError
 
@@ -146,15 +147,15 @@ def test_cuda_flags_switch_only_when_needed_and_are_restored():
         torch.set_float32_matmul_precision("highest")
         matmul.fp32_precision = "none"
         with rotation_precision("fp32", "cuda"):
-            assert matmul.fp32_precision == "none" and not projection._cuda_tf32()
+            assert matmul.fp32_precision == "none" and not precision._cuda_tf32()
         with rotation_precision("tf32", "cuda"):
-            assert projection._cuda_tf32()
+            assert precision._cuda_tf32()
         assert matmul.fp32_precision == "none"
         torch.set_float32_matmul_precision("high")
-        assert projection._cuda_tf32()
+        assert precision._cuda_tf32()
         with rotation_precision("fp32", "cuda"):
-            assert not projection._cuda_tf32()
-        assert projection._cuda_tf32()
+            assert not precision._cuda_tf32()
+        assert precision._cuda_tf32()
     finally:
         torch.set_float32_matmul_precision(global_before)
         matmul.fp32_precision = flag_before

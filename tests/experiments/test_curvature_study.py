@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import SHARED
-from crispedit.curvature.projection import DenseProjector, KroneckerProjector, eigh_psd, vec
+from crispedit.curvature.masks import eigh_psd, vec
+from crispedit.curvature.projection import DenseProjector, KroneckerProjector
 from crispedit.errors import CrispEditError
 from crispedit.experiments import mnist_study
 from crispedit.experiments.ekfac import collect_classifier_ekfac, collect_classifier_kfac, ekfac_eigenvalues

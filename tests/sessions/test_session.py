@@ -207,7 +207,7 @@ def test_each_weighting_masks_each_sets_energy_in_the_merged_basis(tmp_path, tin
     """``each``: the constraint is the trace mix carrying its two parts; crispedit's projector is the merged
     eigenbasis with :func:`per_source_keep_mask` of the parts; a session runs its rounds with it."""
     from crispedit.curvature.eigen import factor_eigh
-    from crispedit.curvature.projection import per_source_keep_mask
+    from crispedit.curvature.masks import per_source_keep_mask
     from crispedit.methods.crispedit import CrispEditEditor
 
     g = torch.Generator().manual_seed(1)

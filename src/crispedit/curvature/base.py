@@ -1,7 +1,7 @@
 """One interface for every curvature model of the capability loss.
 
 A curvature model ``G`` is block-diagonal over a set of weight matrices (the edit layers, keyed by module name);
-the block of a ``d_out x d_in`` weight acts on its column-major ``vec`` (:func:`~.projection.vec`). Everything
+the block of a ``d_out x d_in`` weight acts on its column-major ``vec`` (:func:`~.masks.vec`). Everything
 built on curvature asks it the same four questions, and :class:`Curvature` answers them:
 
 * :meth:`~Curvature.eigenbasis` — the block's eigenbasis as a Kronecker pair ``U_out ⊗ U_in`` with one
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .projection import KroneckerProjector, LayerProjector, energy_keep_mask
+from .masks import energy_keep_mask
+from .projection import KroneckerProjector, LayerProjector
 
 __all__ = ["Eigenbasis", "Curvature"]
 
@@ -88,7 +89,7 @@ class Curvature(ABC):
     def projector(self, name: str, gamma: float, *, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> LayerProjector:
         """The projector of block ``name`` onto its kept directions under energy threshold ``gamma``: those outside
-        the smallest top set of eigenvalues holding ``gamma`` of their sum (:func:`~.projection.energy_keep_mask`),
+        the smallest top set of eigenvalues holding ``gamma`` of their sum (:func:`~.masks.energy_keep_mask`),
         applied matrix-free (:class:`~.projection.KroneckerProjector`) in ``dtype`` (``None``: float32)."""
         eb = self.eigenbasis(name, device=device)
         keep = energy_keep_mask(eb.eigvals, gamma)

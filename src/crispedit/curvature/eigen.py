@@ -17,7 +17,7 @@ each edit layer's factors. They depend on nothing but the factors, so they are c
 Factors built in memory (a session's factors merged with earlier edits) have no ``source``: their eigenbases
 are computed once per object and never written.
 
-The decomposition itself is :func:`crispedit.curvature.projection.eigh_psd` in float64 on every device (on the CPU
+The decomposition itself is :func:`crispedit.curvature.masks.eigh_psd` in float64 on every device (on the CPU
 through LAPACK; on the factors' device otherwise): a float32 solver's eigenvectors of a factor's wide spectrum mix
 the directions a projector masks with those it keeps (its error grows with γ), so no device decomposes in float32.
 The eigenvectors are then stored in float32, the precision every projector applies them in, so a projector built
@@ -41,7 +41,7 @@ from ..atomic import atomic_save_safetensors
 from ..errors import CrispEditError, VersionError
 from ..safetensors_io import load_safetensors
 from ..versions import check_written_by, stamped
-from .projection import eigh_psd
+from .masks import eigh_psd
 
 __all__ = ["factor_eigh", "eigen_cache_path", "eigh_device", "eigh_dtype", "EIGEN_FORMAT"]
 

@@ -19,8 +19,9 @@ from torch import Tensor
 
 from .base import Curvature, Eigenbasis
 from .eigen import factor_eigh
+from .masks import per_source_keep_mask
 from .predicted import layer_predicted_kl
-from .projection import KroneckerProjector, LayerProjector, per_source_keep_mask
+from .projection import KroneckerProjector, LayerProjector
 
 __all__ = ["KFACFactors", "InputCovariance", "nullspace_projector"]
 
@@ -69,7 +70,7 @@ class KFACFactors(Curvature):
         """The Kronecker projector of layer ``name`` at ``gamma`` in ``dtype`` (``None``: float32): the entries of
         ``λ_out λ_inᵀ`` below the γ-energy cut are kept (:meth:`~.projection.KroneckerProjector.from_spectra`). For a
         merged constraint with :attr:`parts`, the merged factors' eigenbasis with a mask covering γ (or the part's
-        own :attr:`part_gammas` entry) of each part's energy (:func:`~.projection.per_source_keep_mask`)."""
+        own :attr:`part_gammas` entry) of each part's energy (:func:`~.masks.per_source_keep_mask`)."""
         eig = factor_eigh(self, [name], ("A", "S"), device=device)
         (lam_out, U_out), (lam_in, U_in) = eig[name, "S"], eig[name, "A"]
         if self.parts:

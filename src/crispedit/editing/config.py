@@ -34,7 +34,7 @@ __all__ = ["EditConfig", "PRECISIONS", "PROJECTION_PRECISIONS", "BATCH_ORDERS", 
 # the training forward's arithmetic (EditConfig.precision); "auto" is bf16 where the device has it natively
 # (crispedit.models.native_bf16), else fp32, decided when the edit runs
 PRECISIONS = ("fp32", "bf16", "auto")
-# the projection's GEMMs (EditConfig.projection_precision); curvature.projection.ROTATION_PRECISIONS, torch-free here
+# the projection's GEMMs (EditConfig.projection_precision); curvature.precision.ROTATION_PRECISIONS, torch-free here
 PROJECTION_PRECISIONS = ("fp32", "tf32")
 BATCH_ORDERS = ("request", "length")  # EditConfig.batch_order: which sequences of a context share a batch
 DEFAULT_LR = 5e-4  # the paper's Adam learning rate; LoRA overrides it (LoRAConfig.SHARED)

@@ -38,7 +38,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..curvature.projection import LayerProjector, rotation_precision
+from ..curvature.precision import rotation_precision
+from ..curvature.projection import LayerProjector
 from ..data.edits import EditRequest
 from ..data.tokenize import EncodedBatch
 from ..distributed import is_sharded, world_size

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from ..curvature.base import Curvature, Eigenbasis
 from ..curvature.factors import KFACFactors
-from ..curvature.projection import eigh_psd
+from ..curvature.masks import eigh_psd
 from ..curvature.statistics import FactorAccumulator, capture_io, frozen
 from .mnist_config import OutputGrads
 

@@ -4,7 +4,7 @@ curvature study, :mod:`.mnist_study`).
 Everything here acts on the *whole* trainable parameter vector of a small network, flattened by a
 :class:`ParamLayout` with the library's column-major convention: each parameter is viewed as the
 matrix ``W = p.reshape(p.shape[0], -1)`` (``d_out x d_in``; for a Conv2d that is the patch matrix of
-:func:`crispedit.curvature.statistics.layer_rows`) and vectorised by :func:`crispedit.curvature.projection.vec`. The
+:func:`crispedit.curvature.statistics.layer_rows`) and vectorised by :func:`crispedit.curvature.masks.vec`. The
 diagonal block of a layer therefore lives in the same coordinates as its K-FAC factor ``A (x) S`` and
 as :meth:`crispedit.curvature.projection.KroneckerProjector.dense`.
 
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 from tqdm.auto import tqdm
 
-from ..curvature.projection import unvec, vec
+from ..curvature.masks import unvec, vec
 
 __all__ = [
     "ParamLayout",

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from ..curvature.base import Curvature, Eigenbasis
 from ..curvature.factors import InputCovariance
-from ..curvature.projection import DenseProjector, KroneckerProjector, LayerProjector, eigh_sym, energy_keep_mask
+from ..curvature.masks import eigh_sym, energy_keep_mask
+from ..curvature.projection import DenseProjector, KroneckerProjector, LayerProjector
 from ..errors import CrispEditError
 from .ekfac import collect_classifier_ekfac, collect_classifier_kfac
 from .exact_curvature import ParamLayout, ggn_matrix, hessian_matrix

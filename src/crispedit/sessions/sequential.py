@@ -16,7 +16,7 @@ chunks, for a fixed model). The next round's projector is rebuilt from capabilit
 * ``weighting="each"`` (default): the eigenbasis of ``trace``'s mix, with a mask that covers γ of the capability
   factors'
   energy *and* γ of the accumulated edit factors' energy, each measured in that basis
-  (:func:`~crispedit.curvature.projection.per_source_keep_mask`): neither set can take the whole budget, by its
+  (:func:`~crispedit.curvature.masks.per_source_keep_mask`): neither set can take the whole budget, by its
   scale or by one outlier direction (results/README.md);
 * ``weighting="tokens"``: the authors' code, a token-count-weighted average; the capability corpus
   (thousands of tokens) swamps the edits (tens of tokens each).
