@@ -292,6 +292,30 @@ def speed_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+LATENCY = HERE / "edit_latency"
+LATENCY_PHASES = ("batches", "keep", "train", "factors", "other", "evaluate")  # benchmarks/edit_latency.py PHASES
+
+
+def latency_table() -> str:
+    """One row per round of every stored ``benchmarks/edit_latency.py`` JSON under ``edit_latency/`` and one per
+    run's mean: the seconds of each phase, the round's wall time and its ratio to the run's target."""
+    lines = ["| run | round | " + " | ".join(LATENCY_PHASES) + " | wall s | × target | epochs / steps |",
+             "|---|---|" + "---|" * (len(LATENCY_PHASES) + 3)]
+    for f in sorted(LATENCY.glob("*.json")):
+        p = _load(f)
+        if "rounds" not in p:
+            continue
+        name = f"[`{f.name}`](edit_latency/{f.name})"
+        for r in p["rounds"]:
+            ph = r["phases"]
+            lines.append(f"| {name} | {r['round']} | " + " | ".join(f"{ph[k]:.1f}" for k in LATENCY_PHASES)
+                         + f" | {r['wall']:.1f} | {r['wall'] / p['target']:.1f} | {r['epochs']} / {r['steps']} |")
+        m = p["mean"]
+        lines.append(f"| {name} | **mean** | " + " | ".join(f"{m[k]:.1f}" for k in LATENCY_PHASES)
+                     + f" | **{m['wall']:.1f}** | **{p['over_target']:.1f}** | |")
+    return "\n".join(lines) + "\n"
+
+
 def speed_facts() -> dict:
     """The ratios the README's Speed section quotes, from the stored benchmarks."""
     share = _load(HERE / "speed" / "bench_share_smollm2_100.json")
@@ -489,6 +513,15 @@ against the number of edits (32, 100, 1 000), per method, drawn from the compare
 {_run_line(HERE / 'speed')}
 
 {speed_table()}
+## One edit at a time
+
+[`edit_latency/`](edit_latency/run.json): `benchmarks/edit_latency.py` — a session fed one ZsRE edit per round in
+one process, each round split into the phases its record holds (the training batches; the preservation term's kept
+answers; the epochs; the round's edit factors; the rest; the evaluation: teacher-forced reliability of every edit
+so far and the KL drift from the base), seconds, and the round's wall time over the 10 s target.
+{_run_line(LATENCY)}
+
+{latency_table()}
 ## Eigendecompositions: float64 against float32
 
 [`eigh/`](eigh/run.json): what decomposing the K-FAC factors in float64 (every device) costs and buys against
