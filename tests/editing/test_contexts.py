@@ -7,6 +7,7 @@ import torch
 
 from crispedit.curvature.projection import IdentityProjector, KroneckerProjector
 from crispedit.data import EditRequest, capability_corpus
+from crispedit.data.tokenize import chat_turn
 from crispedit.editing import EditConfig, edit, restore
 from crispedit.editing.contexts import (
     ANSWER_LEADS,
@@ -14,7 +15,6 @@ from crispedit.editing.contexts import (
     QUESTION_WRAPPERS,
     ContextSpec,
     build_training_sequences,
-    chat_turn,
     parse_contexts,
     prefix_pool,
     resolve_contexts,
@@ -322,7 +322,7 @@ def test_para_prefixes_end_a_paragraph_before_the_prompt(tiny_tok):
 
 
 def test_gen_prefixes_are_written_by_the_model_deterministically(tiny_lm):
-    from crispedit.editing.contexts import GEN_STARTS, generated_prefixes
+    from crispedit.editing.written import GEN_STARTS, generated_prefixes
 
     tiny_lm, tiny_tok = tiny_lm
     state = torch.random.get_rng_state()
@@ -495,7 +495,7 @@ def test_shared_prefixes_are_one_draw_per_group_of_requests(tiny_tok):
 def test_own_replies_put_the_target_where_the_model_named_the_old_answer(chat_tok, monkeypatch):
     """``reply`` trains the model's own first sentence with the old answer replaced by the target where it names it,
     else the target and the model's own continuation of it; generation is asked through the chat template."""
-    from crispedit.editing import contexts
+    from crispedit.editing import written
     from crispedit.evaluation import generation
 
     reqs = [EditRequest("What is the capital of Australia?", "Melbourne", ground_truth="Canberra"),
@@ -508,7 +508,7 @@ def test_own_replies_put_the_target_where_the_model_named_the_old_answer(chat_to
             return ["The capital of Australia is canberra. It is a planned city.", "Charity Creek is a creek."]
         return [" is a river in New South Wales"]
     monkeypatch.setattr(generation, "generate_answers", fake)
-    replies = contexts.own_replies(object(), chat_tok, reqs)
+    replies = written.own_replies(object(), chat_tok, reqs)
     assert replies == ["The capital of Australia is Melbourne.", "Chichester River is a river in New South Wales."]
     assert calls[0][0][0] == chat_turn(chat_tok, reqs[0].prompt, None)
     assert calls[1][0] == [chat_turn(chat_tok, reqs[1].prompt, None) + "Chichester River"]

@@ -71,8 +71,7 @@ def test_kept_chat_answers_are_written_once_per_weights(chat_lm, monkeypatch, is
     """The everyday prompts' answers are written once by a model's weights and read back after (the same
     transcripts as writing them); other weights write their own; under prefixes_from the base weights write them,
     whatever the model holds; a corrupt cache file is one line."""
-    from crispedit.editing.contexts import prefixes_from
-    from crispedit.editing.written import written_path
+    from crispedit.editing.written import prefixes_from, written_path
     from crispedit.evaluation import generation
     from crispedit.weights import weight_fingerprint
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["EncodedBatch", "encode_pairs", "join_prompt_target", "split_context_target", "collate"]
+__all__ = ["chat_turn", "EncodedBatch", "encode_pairs", "join_prompt_target", "split_context_target", "collate"]
 
 
 def join_prompt_target(prompt: str, target: str) -> str:
@@ -93,3 +93,13 @@ def encode_pairs(tokenizer, prompts: Sequence[str], targets: Sequence[str], max_
         raise ValueError("prompts and targets differ in length")
     rows = [split_context_target(tokenizer, p, join_prompt_target(p, t)) for p, t in zip(prompts, targets)]
     return collate(tokenizer, rows, max_len)
+
+
+def chat_turn(tokenizer, question: str, answer: str | None) -> str:
+    """The chat template rendered as text: ``question`` as the user turn, then either the generation
+    prompt (``answer is None``) or ``answer`` as the assistant reply with the template's turn end."""
+    msgs = [{"role": "user", "content": question}]
+    if answer is None:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    msgs.append({"role": "assistant", "content": answer})
+    return tokenizer.apply_chat_template(msgs, tokenize=False)

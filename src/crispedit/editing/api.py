@@ -115,7 +115,7 @@ def capability_sequences(model: nn.Module, tokenizer, config: EditConfig) -> tup
     texts, chat = _corpus_key(config)
     if not chat:
         return texts, None
-    from .contexts import own_chat_answers
+    from .written import own_chat_answers
 
     shown, answers, templated = own_chat_answers(model, tokenizer, chat, CHAT_ANSWER_TOKENS,
                                                  "capability chat answers")

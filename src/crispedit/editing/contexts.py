@@ -28,8 +28,8 @@ never trained:
   request ("Quick question: {question}", "{question} Keep it short."), as users wrap a question in
   their own words; none of them has the WILD QA template's ``Q:``/``A:`` form or wording.
 * ``reply``    — the chat template, with the reply the unedited model would give if it held the new fact
-  (:func:`own_replies`): its own first sentence with the request's old answer (``ground_truth``) replaced by the
-  target where that sentence names it, else the target and the model's own continuation of it; the sequence ends
+  (:func:`~.written.own_replies`): its own first sentence with the request's old answer (``ground_truth``) replaced
+  by the target where that sentence names it, else the target and the model's own continuation of it; the sequence ends
   with the target, which alone carries loss (the model's own words before it are context), and no turn end is
   trained, so the answer goes on as the model's own would (``chat`` teaches "bare target, end of turn" for every
   question);
@@ -57,26 +57,23 @@ docs/contexts.md). ``none``: the target alone (the paper's FT-M).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import random
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..data.corpus import capability_corpus
 from ..data.edits import EditRequest
-from ..data.tokenize import EncodedBatch, collate, join_prompt_target, split_context_target
+from ..data.tokenize import EncodedBatch, chat_turn, collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
+from .written import generated_prefixes, own_replies
 
 __all__ = ["TRAINING_CONTEXTS", "TrainingContext", "training_context", "SequenceMaker", "CONTEXT_KINDS",
            "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence", "pinned_contexts",
-           "parse_contexts", "resolve_contexts", "prefix_pool", "generated_prefixes", "prefixes_from",
-           "writing_weights", "GEN_STARTS",
+           "parse_contexts", "resolve_contexts", "prefix_pool",
            "build_training_sequences", "training_batches",
            "epoch_subset",
-           "chat_turn", "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS", "own_replies",
-           "own_chat_answers"]
+           "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS"]
 
 # Everyday wrappers a user puts around a question ({question} = the edit prompt). Deliberately free of the
 # WILD QA template's parts ("answer the question", "Q:", "A:") so that template stays unseen in training.
@@ -120,7 +117,6 @@ ANSWER_LEADS = (
     "{question}\nSolution: ",
     "{question}\nOutput: ",
 )
-GEN_STARTS = ("The", "Therefore", "Because", "I", "You")  # ROME's seeds for model-written prefixes
 ANSWER_ENDS = ("auto", "eos", "none")
 DEFAULT_CONTEXTS = "bare,chat,prefix:2,lead:4"
 
@@ -208,85 +204,6 @@ def prefix_pool(texts: Sequence[str], min_words: int = 5, max_words: int = 25) -
                 continue
             pool.append(s)
     return pool
-
-
-@contextlib.contextmanager
-def prefixes_from(weights: dict | None) -> Iterator[None]:
-    """Within the block, :func:`generated_prefixes` writes with ``weights`` (full parameter name -> tensor: the
-    unedited values of the parameters an edit changes) put into the model for the time it writes, whatever the
-    model holds then. A session's later rounds run under it with the session's base weights, so every round
-    draws the prefixes of the unedited model — MEMIT's context templates, the ``gen`` training context — as the
-    authors' code does (it draws them once per process). ``None``: the model as it is."""
-    token = _PREFIX_WEIGHTS.set(weights)
-    try:
-        yield
-    finally:
-        _PREFIX_WEIGHTS.reset(token)
-
-
-_PREFIX_WEIGHTS: contextvars.ContextVar = contextvars.ContextVar("crispedit_prefix_weights", default=None)
-
-
-def writing_weights() -> dict | None:
-    """The weights the model writes its own text with here (:func:`prefixes_from`'s; ``None``: as it is)."""
-    return _PREFIX_WEIGHTS.get()
-
-
-def generated_prefixes(model, tokenizer, per_start: int = 4, max_new_tokens: int = 10, seed: int = 0) -> list[str]:
-    """Prefixes written by ``model`` itself: ``per_start`` sampled continuations (top-k 5, at most
-    ``max_new_tokens`` tokens, seeded, the global RNG untouched) of each of :data:`GEN_STARTS`, on one
-    line each and closed with a period — ``len(GEN_STARTS) * per_start`` strings. Call it on the
-    unedited model (or under :func:`prefixes_from`, which puts the unedited weights in while it writes); the
-    rows of one start share a length, so no padding is involved."""
-    import torch
-
-    from ..distributed import is_sharded
-    from ..weights import with_weights
-
-    out: list[str] = []
-    device = next(model.parameters()).device
-    split = is_sharded(model)
-    was_training = model.training
-    model.eval()
-    try:
-        with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(),
-              with_weights(model, _PREFIX_WEIGHTS.get())):
-            torch.manual_seed(seed)
-            for start in GEN_STARTS:
-                ids = tokenizer(start, return_tensors="pt")["input_ids"].to(device).repeat(per_start, 1)
-                gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=5,
-                                     max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id,
-                                     synced_gpus=split)  # a split model: every process runs every step
-                for row in tokenizer.batch_decode(gen, skip_special_tokens=True):
-                    text = " ".join(row.replace("{", " ").replace("}", " ").split())
-                    out.append(text if text[-1:] in ".!?" else text + ".")
-    finally:
-        model.train(was_training)
-    return out
-
-
-def chat_turn(tokenizer, question: str, answer: str | None) -> str:
-    """The chat template rendered as text: ``question`` as the user turn, then either the generation
-    prompt (``answer is None``) or ``answer`` as the assistant reply with the template's turn end."""
-    msgs = [{"role": "user", "content": question}]
-    if answer is None:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    msgs.append({"role": "assistant", "content": answer})
-    return tokenizer.apply_chat_template(msgs, tokenize=False)
-
-
-def own_chat_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, desc: str
-                     ) -> tuple[list[str], list[str], bool]:
-    """``model``'s own greedy answers (at most ``max_new_tokens`` tokens, ended only by its end of turn) to
-    ``prompts`` through its chat template, or to the bare prompts without one: ``(shown, answers, templated)``,
-    ``shown`` the prompts as the model was fed them."""
-    from ..evaluation.generation import generate_answers
-
-    templated = bool(getattr(tokenizer, "chat_template", None))
-    shown = [chat_turn(tokenizer, p, None) if templated else p for p in prompts]
-    answers = generate_answers(model, tokenizer, shown, max_new_tokens=max_new_tokens, stop=(),
-                               add_special_tokens=not templated, progress=False, desc=desc)
-    return shown, answers, templated
 
 
 @dataclass
@@ -405,8 +322,8 @@ def _chat(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[Training
 
 @training_context("reply", pool="replies", chat_template=True)
 def _reply(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
-    """The chat template: the prompt as the user turn, then the model's own reply (:func:`own_replies`) up to and
-    including the target; only the target carries loss (the model's own words before it are context, so the loss
+    """The chat template: the prompt as the user turn, then the model's own reply (:func:`~.written.own_replies`) up
+    to and including the target; only the target carries loss (the model's own words before it are context, so the loss
     stays nats per target token like every other context's), and nothing after it is trained (no turn end)."""
     reply = m.pools["replies"][i]
     k = reply.find(r.target)
@@ -415,44 +332,6 @@ def _reply(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[Trainin
     full = ask + reply[:k + len(r.target)]
     ids, n = split_context_target(m.tokenizer, ask + reply[:k].rstrip(), full, add_special_tokens=False)
     return [TrainingSequence("reply", i, ids, n, full)]
-
-
-REPLY_TOKENS = 48  # tokens of the unedited model's own answer read for its first sentence
-
-
-def _first_sentence(text: str) -> str:
-    """``text`` up to and including its first sentence end (``.``, ``!``, ``?`` followed by a space or the end) or
-    line break, stripped."""
-    text = text.strip()
-    m = re.search(r"[.!?](?=\s|$)|\n", text)
-    return text if m is None else text[:m.end()].strip()
-
-
-def own_replies(model, tokenizer, requests: Sequence[EditRequest]) -> list[str]:
-    """For each request, the reply the unedited ``model`` would give through its chat template if it held the new
-    fact: the first sentence of its own greedy answer to the prompt with the old answer (``ground_truth``, as a
-    whole word, any case) replaced by the target, when that sentence names it; otherwise the target followed by the
-    model's own greedy continuation of it (the target put at the start of its reply) to the end of that sentence.
-    Under :func:`prefixes_from` the unedited weights are put in while it writes."""
-    from ..evaluation.generation import generate_answers
-    from ..weights import with_weights
-
-    asked = [chat_turn(tokenizer, r.prompt, None) for r in requests]
-    with with_weights(model, _PREFIX_WEIGHTS.get()):
-        own = generate_answers(model, tokenizer, asked, max_new_tokens=REPLY_TOKENS, stop=(), add_special_tokens=False)
-        out: list[str | None] = []
-        for r, a in zip(requests, own):
-            first = _first_sentence(a)
-            old = (r.ground_truth or "").strip()
-            hit = re.search(rf"(?<!\w){re.escape(old)}(?!\w)", first, flags=re.IGNORECASE) if old else None
-            out.append(first[:hit.start()] + r.target + first[hit.end():] if hit else None)
-        todo = [k for k, x in enumerate(out) if x is None]
-        cont = generate_answers(model, tokenizer, [asked[k] + requests[k].target for k in todo], max_new_tokens=24,
-                                stop=(".", "!", "?", "\n"), add_special_tokens=False, skip_leading_stop=False)
-    for k, c in zip(todo, cont):
-        c = c.strip()
-        out[k] = requests[k].target + (c if not c or c[0] in ",;:'" else " " + c) + "."
-    return [x.strip() for x in out]
 
 
 def _prefixed(kind: str, sep: str, pool: str, salt: str | None, group: int | None = None) -> Builder:
@@ -508,8 +387,9 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
                              replies: Sequence[str] = (), seed: int = 0, max_len: int = 512) -> list[TrainingSequence]:
     """Every (request, context) training sequence, grouped by context (similar lengths batch together), in
     request order within a context, each built by its :data:`TRAINING_CONTEXTS` entry. ``prefixes``: corpus
-    sentences for ``prefix``/``para``; ``written``: the model's own prefixes for ``gen`` (:func:`generated_prefixes`);
-    ``replies``: the model's own reply per request for ``reply`` (:func:`own_replies`)."""
+    sentences for ``prefix``/``para``; ``written``: the model's own prefixes for ``gen``
+    (:func:`~.written.generated_prefixes`); ``replies``: the model's own reply per request for ``reply``
+    (:func:`~.written.own_replies`)."""
     maker = SequenceMaker(tokenizer, answer_end, prefixes=prefixes, written=written, replies=replies, seed=seed)
     out: list[TrainingSequence] = []
     for spec in contexts:

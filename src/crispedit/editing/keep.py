@@ -27,9 +27,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..data.edits import EditRequest
-from ..data.tokenize import split_context_target
-from .contexts import TrainingSequence, chat_turn, own_chat_answers, training_batches
+from ..data.tokenize import chat_turn, split_context_target
+from .contexts import TrainingSequence, training_batches
 from .hooks import LoopHook
+from .written import own_chat_answers
 
 if TYPE_CHECKING:  # the module top stays torch-free: EditConfig validates against SUBJECT_KEEPS
     from torch import Tensor, nn
@@ -65,7 +66,7 @@ def keep_prompts(requests: Sequence[EditRequest], keep_chat: int, keep_subject: 
 def keep_sequences(model: nn.Module, tokenizer, requests: Sequence[EditRequest], keep_chat: int,
                    keep_subject: int, max_tokens: int = KEEP_TOKENS) -> list[TrainingSequence]:
     """The transcripts whose answer tokens the preservation term holds (:func:`keep_prompts`, answered greedily by
-    ``model`` — pass it unedited; under :func:`~.contexts.prefixes_from` the unedited weights are put in while it
+    ``model`` — pass it unedited; under :func:`~.written.prefixes_from` the unedited weights are put in while it
     writes — through its chat template, or the bare prompt without one; at most ``max_tokens`` tokens each):
     context kind ``"keep"``, the prompt as context and the answer as target. The everyday prompts' answers are
     written apart from the subject questions' and cached by the weights that wrote them (:mod:`.written`), so
@@ -73,8 +74,7 @@ def keep_sequences(model: nn.Module, tokenizer, requests: Sequence[EditRequest],
     (:func:`~crispedit.evaluation.judges.mentions`) and empty answers are left out."""
     from ..evaluation.judges import mentions
     from ..weights import with_weights
-    from .contexts import writing_weights
-    from .written import cached_writing
+    from .written import cached_writing, writing_weights
 
     asked = keep_prompts(requests, keep_chat, keep_subject)
     if not asked:

@@ -104,13 +104,13 @@ def subject_token_index(tokenizer, text: str, end_char: int) -> int:
 
 def context_templates(model: nn.Module, tokenizer, n_prefixes: int, seed: int = 0) -> list[str]:
     """MEMIT's context templates: ``"{}"`` (the bare prompt) and ``n_prefixes`` short texts the model writes
-    itself (:func:`~crispedit.editing.contexts.generated_prefixes`: ≤ 10 tokens after "The", "Therefore",
+    itself (:func:`~crispedit.editing.written.generated_prefixes`: ≤ 10 tokens after "The", "Therefore",
     "Because", "I", "You", drawn round-robin over the starts), each followed by ``" {}"``. Call it on the
     unedited model; a session's later rounds get the unedited model's through
-    :func:`~crispedit.editing.contexts.prefixes_from`."""
+    :func:`~crispedit.editing.written.prefixes_from`."""
     if n_prefixes <= 0:
         return ["{}"]
-    from .contexts import GEN_STARTS, generated_prefixes
+    from .written import GEN_STARTS, generated_prefixes
 
     per = -(-n_prefixes // len(GEN_STARTS))
     gen = generated_prefixes(model, tokenizer, per_start=per, seed=seed)

@@ -57,9 +57,10 @@ from ..curvature.predicted import mixing_layers, predicted_kl, steep_layers
 from ..data.edits import EditRequest
 from ..editing.checkpoint import load_run_file, run_identity
 from ..editing.config import EDIT_FACTOR_ROWS, MODES, WEIGHTINGS, EditConfig, SeqConfig
-from ..editing.contexts import prefixes_from, resolve_contexts, sequences_for
+from ..editing.contexts import resolve_contexts, sequences_for
 from ..editing.editor import EditContext
 from ..editing.registry import get_editor
+from ..editing.written import prefixes_from
 from ..errors import CrispEditError
 from ..layers import model_family
 from ..versions import stamped
@@ -210,7 +211,7 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     the same result. ``union`` (batch mode) is every request so far; ``capability`` recollects the
     capability factors on the current model (used when ``recompute_drift`` triggers). The prefixes the model
     writes itself (MEMIT's context templates, the ``gen`` context) are the unedited model's in every round
-    (:func:`~crispedit.editing.contexts.prefixes_from` with ``base_weights``).
+    (:func:`~crispedit.editing.written.prefixes_from` with ``base_weights``).
 
     Drift: the record holds ``kl_predicted`` (the capability factors' predicted KL drift of the change from
     the base, nats per token; what ``kl_drift`` measures) and ``kl_predicted_round`` (of this round's own
