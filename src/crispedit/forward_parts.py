@@ -15,8 +15,10 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from .layers import decoder_blocks
+
 __all__ = ["no_cache_kwargs", "forward_until", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
-           "decoder_rows", "head_logits"]
+           "decoder_rows", "head_logits", "lowest_block"]
 
 
 def _up(x: Tensor) -> Tensor:
@@ -130,6 +132,16 @@ def prefix_fed(blocks: nn.ModuleList, k: int, passthrough: Sequence[nn.Module], 
         hook.remove()
         for i, b in enumerate(saved):
             blocks[i] = b
+
+
+def lowest_block(model: nn.Module, params) -> int | None:
+    """The lowest decoder block holding one of ``params`` (tensors of ``model``): the hidden states entering it do
+    not depend on them. ``None`` when one of them lies outside the decoder blocks, or none is given."""
+    prefix, blocks = decoder_blocks(model)
+    trained = {id(p) for p in params}
+    owners = [i for i, b in enumerate(blocks) if any(id(p) in trained for p in b.parameters())]
+    outside = any(id(p) in trained and not n.startswith(prefix + ".") for n, p in model.named_parameters())
+    return min(owners) if owners and not outside else None
 
 
 def passthroughs(k: int, tuple_len: int | None) -> list[nn.Module]:

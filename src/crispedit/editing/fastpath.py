@@ -38,7 +38,15 @@ from torch import Tensor, nn
 
 from ..data.tokenize import EncodedBatch
 from ..forward_args import static_attention_mask, takes_full_masks
-from ..forward_parts import _up, capture_block_input, no_cache_kwargs, passthroughs, prefix_fed, rows_logits
+from ..forward_parts import (
+    _up,
+    capture_block_input,
+    lowest_block,
+    no_cache_kwargs,
+    passthroughs,
+    prefix_fed,
+    rows_logits,
+)
 from ..layers import decoder_blocks
 from .prefixtree import PackedBatch, pack_prefixes, packing_pays
 
@@ -122,11 +130,8 @@ class _FastLoss:
                  per_token: bool = False, mask_unpadded: bool = False, ordered: bool = True):
         self.model, self.batches = model, batches
         self.reduction = "none" if per_token else "mean"
-        prefix, self.blocks = decoder_blocks(model)
-        trained = {id(p) for p in params.values()}
-        owners = [i for i, b in enumerate(self.blocks) if any(id(p) in trained for p in b.parameters())]
-        outside = [n for n, p in model.named_parameters() if id(p) in trained and not n.startswith(prefix + ".")]
-        self.k = min(owners) if owners and not outside else 0
+        _, self.blocks = decoder_blocks(model)
+        self.k = lowest_block(model, params.values()) or 0
         self.tuple_len: int | None = None
         self.cache: list[Tensor] = []
         # every cached prefix state in one table (``positions x d_model``, a zero row last), the batches' caches

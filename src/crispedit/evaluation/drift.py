@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -27,7 +26,16 @@ from tqdm.auto import tqdm
 
 from ..curvature.lm_batches import loss_positions
 from ..distributed import is_sharded
-from ..forward_parts import capture_block_input, decoder_rows, head_logits, passthroughs, prefix_fed, rows_logits
+from ..errors import CrispEditError
+from ..forward_parts import (
+    capture_block_input,
+    decoder_rows,
+    head_logits,
+    lowest_block,
+    passthroughs,
+    prefix_fed,
+    rows_logits,
+)
 from ..layers import decoder_blocks
 from ..weights import parameter, weight_fingerprint
 
@@ -78,25 +86,15 @@ class BaseStates:
 _MEMO: dict = {}  # one entry: the latest (model, base fingerprint, texts, batching) -> BaseStates
 
 
-def _first_changed_block(model: nn.Module, names) -> int | None:
-    """The lowest decoder block holding one of the parameters ``names`` (full names), or ``None`` when one is not
-    inside a decoder block (or the model has none): then no shortcut."""
-    try:
-        prefix, _ = decoder_blocks(model)
-    except Exception:  # noqa: BLE001  (not a decoder stack crispedit knows: the plain measure)
-        return None
-    found = [re.match(re.escape(prefix) + r"\.(\d+)\.", n) for n in names]
-    if not found or any(m is None for m in found):
-        return None
-    return min(int(m.group(1)) for m in found)
-
-
 def _base_states(model: nn.Module, base_weights: dict, texts: Sequence[str], max_len: int, batch_size: int
                  ) -> BaseStates | None:
     """The kept :class:`BaseStates` for this model, base and texts (a new, empty one when none is kept), or
     ``None`` where the shortcut does not apply (a split model, parameters outside the decoder blocks, no separate
     output head)."""
-    k = _first_changed_block(model, base_weights)
+    try:
+        k = lowest_block(model, [parameter(model, n) for n in base_weights])
+    except CrispEditError:  # not a decoder stack crispedit knows: the plain measure
+        return None
     if k is None or is_sharded(model) or not hasattr(model, "get_output_embeddings"):
         return None
     if model.get_output_embeddings() is None:
