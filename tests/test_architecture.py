@@ -14,9 +14,9 @@ above it (a plugin lookup, not an import statement).
 
 The layers, lowest first (:data:`LAYERS`; a module may import from its own layer and those below):
 
-1. ``base`` — what everything uses: errors, version stamps, checks of numbers and paths, atomic writes, the
-   safetensors reader, progress, lazy exports, per-family defaults, the ``torch.distributed`` helpers, the
-   delta file's header format, model loading, layer patterns, weights and their fingerprint, forward
+1. ``base`` — what everything uses: errors, version stamps, checks of numbers and paths, the settings base,
+   atomic writes, the safetensors reader, progress, lazy exports, per-family defaults, the ``torch.distributed``
+   helpers, the delta file's header format, model loading, layer patterns, weights and their fingerprint, forward
    arguments, edit and text data.
 2. ``curvature`` — the capability loss's curvature (K-FAC, EK-FAC, exact), the cache, the predicted drift and
    the projectors built from it: maths on a model, nothing about edits.
@@ -45,6 +45,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "crispedit"
 # The package's own ``__init__`` ("crispedit") is named exactly; every other entry covers its submodules too.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("crispedit", "crispedit._lazy", "crispedit.errors", "crispedit.versions", "crispedit.checks",
+              "crispedit.settings",
               "crispedit.paths", "crispedit.atomic", "crispedit.safetensors_io", "crispedit.progress",
               "crispedit.families", "crispedit.distributed", "crispedit.delta_format", "crispedit.models",
               "crispedit.layers", "crispedit.weights", "crispedit.forward_args", "crispedit.forward_parts",

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..curvature.modes import CACHE_KINDS  # torch-free
 from ..errors import CrispEditError
 from ..paths import check_input_dir, check_input_file, check_output_dir, check_output_file
-from .flags import add_curvature_args, add_model_args, add_shard_arg, check_shard_launch
+from .flags import add_curvature_args, add_model_args, add_shard_arg, check_shard_launch, settings_from_args
 
 __all__ = ["add_cli", "cmd_cache_build", "cmd_cache_info", "cmd_cache_list"]
 
@@ -21,9 +21,7 @@ def cmd_cache_build(args) -> int:
     from ..data import capability_corpus
     from ..editing import EditConfig
 
-    config = EditConfig(layers=args.layers, n_cap=args.n_cap, max_len=args.max_len, label_mode=args.label_mode,
-                        kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus, cap_chat=args.cap_chat,
-                        seed=args.seed)
+    config = EditConfig(**settings_from_args(args, EditConfig))  # the layers and curvature flags, the rest default
     if args.out:
         check_output_file(args.out)
     if args.cache_dir:

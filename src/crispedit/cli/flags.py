@@ -1,26 +1,28 @@
-"""CLI flags shared by ``edit``, ``session init``, ``compare`` and ``cache build``, built from the config
-dataclasses: defaults come from :class:`EditConfig`'s fields, ``--method`` choices from the method
-catalogue, and every method's own options (its ``Config`` dataclass) become ``--<method>-<option>``
-flags. The command modules (``cli/edit.py``, ``cli/session.py``, ...) import it and never each other.
-Torch-free (it reads the catalogue, never an editor class): building the parser and checking the flags
-import neither torch nor transformers; :func:`load_job_inputs` imports them once every cheaper input has
-been checked."""
+"""CLI flags shared by ``edit``, ``session init``, ``compare`` and ``cache build``, generated from the config
+dataclasses: each :class:`~crispedit.editing.EditConfig` field declared with :func:`~crispedit.settings.setting`
+becomes a flag with its default, help, metavar and choices (:func:`add_settings_args`, the one walker), ``--method``
+choices come from the method catalogue, and every method's own options (its ``Config`` dataclass) become
+``--<method>-<option>`` flags. :func:`config_from_args` reads the same fields back. The command modules
+(``cli/edit.py``, ``cli/session.py``, ...) import it and never each other. Torch-free (it reads the catalogue, never
+an editor class): building the parser and checking the flags import neither torch nor transformers;
+:func:`load_job_inputs` imports them once every cheaper input has been checked."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, fields
+from typing import get_args, get_type_hints
 
-from ..editing.config import BATCH_ORDERS, PRECISIONS, PROJECTION_PRECISIONS, EditConfig, ProjectionTarget
-from ..editing.contexts import ANSWER_ENDS, DEFAULT_CONTEXTS, TRAINING_CONTEXTS
-from ..editing.keep import SUBJECT_KEEPS
+from ..editing.config import EditConfig
+from ..editing.phases import CurvatureConfig, DriftConfig, ProjectionConfig, SequencesConfig, TrainingConfig
 from ..editing.registry import SEQ_SUFFIX, method_names, method_spec, seq_row, sequential_rows
 from ..errors import CrispEditError
 from ..paths import check_input_file
+from ..settings import Settings
 
 __all__ = ["add_model_args", "add_shard_arg", "check_shard_launch", "add_edits_args", "add_curvature_args",
-           "add_training_args", "add_method_option_args",
+           "add_training_args", "add_method_option_args", "add_settings_args", "settings_from_args",
            "add_max_drift_arg",
            "config_from_args", "method_options_from_args", "parse_methods", "check_job_files", "load_job_inputs",
            "DEFAULTS"]
@@ -28,11 +30,44 @@ __all__ = ["add_model_args", "add_shard_arg", "check_shard_launch", "add_edits_a
 DEFAULTS = {f.name: f.default for f in fields(EditConfig) if f.default is not MISSING}
 
 
-def _keep_defaults() -> str:
-    """The methods that hold their answers by default, with their chat prompts / subject questions / weight."""
-    on = [(n, method_spec(n).shared) for n in method_names()]
-    return "; ".join(f"{n}: {s['keep_chat']} / {s['keep_subject']} / {s['keep_weight']:g}" for n, s in on
-                     if s.get("keep_chat") or s.get("keep_subject")) or "none"
+def _field_names(cls: type[Settings]) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+def _value_type(cls: type[Settings], name: str) -> type:
+    """The scalar a flag of field ``name`` parses to: its annotation without ``None`` (``int | None`` -> int), str
+    for anything else."""
+    hint = get_type_hints(cls)[name]
+    kinds = [k for k in get_args(hint) if k is not type(None)] or [hint]
+    return kinds[0] if kinds[0] in (int, float, str, bool) else str
+
+
+def add_settings_args(p: argparse.ArgumentParser, cls: type[Settings], names: Iterable[str] | None = None) -> None:
+    """One flag per field of ``cls`` (``names``: only those, in that order) that :func:`~crispedit.settings.setting`
+    offers the command line: ``--<name>`` (or its ``flag``), stored under the field's name, with the field's default,
+    help, metavar and choices; a boolean that defaults to true becomes ``--no-<name>``."""
+    for name in _field_names(cls) if names is None else names:
+        meta = cls.metadata_of(name)
+        if not meta or not meta.get("cli", True):
+            continue
+        f = cls.__dataclass_fields__[name]
+        default = None if f.default is MISSING else f.default
+        flag = meta.get("flag") or "--" + name.replace("_", "-")
+        help_ = cls.help_of(name).replace("%", "%%")
+        kind = _value_type(cls, name)
+        if kind is bool:
+            flag = flag if not default else "--no-" + name.replace("_", "-")
+            p.add_argument(flag, dest=name, action="store_false" if default else "store_true", help=help_)
+            continue
+        choices = meta.get("choices")
+        choices = list(choices() if callable(choices) else choices) if choices is not None else None
+        extra = {"metavar": meta["metavar"]} if meta.get("metavar") else {}
+        p.add_argument(flag, dest=name, type=kind, default=default, choices=choices, help=help_, **extra)
+
+
+def settings_from_args(args: argparse.Namespace, cls: type[Settings]) -> dict:
+    """``{field: value}`` of the fields of ``cls`` that the parsed ``args`` hold (those its parser offered)."""
+    return {name: getattr(args, name) for name in _field_names(cls) if hasattr(args, name)}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -68,25 +103,9 @@ def add_edits_args(p: argparse.ArgumentParser, *, n_required: bool = False) -> N
 
 
 def add_curvature_args(p: argparse.ArgumentParser) -> None:
-    """Edit layers and capability-curvature flags (``EditConfig`` fields ``layers`` .. ``seed``)."""
-    d = DEFAULTS
-    p.add_argument("--layers", default=d["layers"],
-                   help="module-path pattern, e.g. 'model.layers.{15-19}.mlp.down_proj' "
-                   "(default: per-architecture, see docs/cli.md, 'Choosing layers')")
-    p.add_argument("--n-cap", type=int, default=d["n_cap"],
-                   help=f"number of capability texts for K-FAC (default {d['n_cap']})")
-    p.add_argument("--max-len", type=int, default=d["max_len"],
-                   help=f"max tokens per capability text (default {d['max_len']})")
-    p.add_argument("--label-mode", choices=["sampled", "empirical"], default=d["label_mode"],
-                   help="K-FAC labels: sampled from the model (Gauss-Newton, default) or the text's own tokens")
-    p.add_argument("--cap-corpus", default=d["cap_corpus"],
-                   help="capability corpus (.txt/.jsonl/.json); default: bundled WikiText")
-    p.add_argument("--cap-chat", type=int, default=d["cap_chat"], metavar="N",
-                   help="bundled chat prompts whose answers, written by the unedited model through its chat template, "
-                        "join the capability corpus, so the curvature protects how it answers (default "
-                        f"{d['cap_chat']})")
-    p.add_argument("--kfac-batch-size", type=int, default=d["kfac_batch_size"])
-    p.add_argument("--seed", type=int, default=d["seed"])
+    """The edit layers and the capability-curvature flags (:class:`~crispedit.editing.phases.CurvatureConfig`)."""
+    add_settings_args(p, EditConfig, ["layers"])
+    add_settings_args(p, CurvatureConfig)
 
 
 def add_method_option_args(p: argparse.ArgumentParser, methods: Sequence[str] | None = None) -> None:
@@ -95,74 +114,20 @@ def add_method_option_args(p: argparse.ArgumentParser, methods: Sequence[str] | 
     for method in method_names() if methods is None else methods:
         cfg_cls = method_spec(method).Config
         for f in fields(cfg_cls):
-            kind = type(f.default) if f.default is not MISSING else str
-            help_ = cfg_cls.HELP.get(f.name, f"{method} option {f.name} (default {f.default})")
+            help_ = cfg_cls.help_of(f.name) or f"{method} option {f.name} (default {f.default})"
+            kind = _value_type(cfg_cls, f.name)
             p.add_argument(f"--{method}-{f.name.replace('_', '-')}", dest=_dest(method, f.name),
-                           type=kind if kind in (int, float) else str, default=None, help=f"[{method}] {help_}")
+                           type=kind if kind in (int, float) else str, default=None,
+                           help=f"[{method}] {help_}".replace("%", "%%"))
 
 
 def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, options: Sequence[str] | None = None) -> None:
-    """``--method`` (choices: the catalogue), ``--gamma --epochs --lr --batch-size``, projection target,
-    training contexts, answer end and the per-method option flags (``options``: only those methods')."""
-    d = DEFAULTS
+    """``--method`` (choices: the catalogue), then the projection, training, training-sequence and drift-penalty
+    flags (their phases' fields) and the per-method option flags (``options``: only those methods')."""
     if method:
-        p.add_argument("--method", default=d["method"], choices=method_names(),
-                       help="; ".join(f"{n}: {method_spec(n).summary}" for n in method_names())
-                       + f" (default {d['method']})")
-    p.add_argument("--gamma", type=float, default=d["gamma"], help=f"energy threshold in (0, 1) (default {d['gamma']})")
-    p.add_argument("--epochs", type=int, default=d["epochs"],
-                   help=f"maximum epochs over the edits (default {d['epochs']}; the paper: 25); training stops "
-                        "earlier once an epoch's mean loss is below 0.01, or at a plateau (--plateau)")
-    p.add_argument("--plateau", type=int, default=d["plateau_epochs"], metavar="N",
-                   help="also stop once the epoch loss is below twice the stop loss and its best has not fallen by "
-                   f"{d['plateau_delta'] * 100:g}%% in N epochs (default {d['plateau_epochs']}; 0: the paper's rule "
-                   "alone)")
-    p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: the method's; 5e-4 (Gemma-3: "
-                                                          "5e-5, crispedit.families), LoRA 5e-3)")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"],
-                   help=f"edit sequences per step (default {d['batch_size']})")
-    p.add_argument("--batch-tokens", type=int, default=None, metavar="N",
-                   help="pack each step's batch up to N padded tokens (sequences x longest, length-sorted within a "
-                        "context) instead of --batch-size sequences: fewer, fuller steps on a GPU")
-    p.add_argument("--batch-order", choices=BATCH_ORDERS, default=d["batch_order"],
-                   help="which sequences of a context share a batch of --batch-size: in request order (default), or "
-                        "sorted by length (the same number of steps, little padding: fewer tokens computed)")
-    p.add_argument("--context-sample", type=int, default=None, metavar="K",
-                   help="train each request on a seeded sample of K of its context sequences per epoch (every "
-                        "epoch another sample) instead of all of them: fewer tokens per epoch")
-    p.add_argument("--precision", choices=PRECISIONS, default=d["precision"],
-                   help="the training forward and backward: fp32, bf16 autocast (matmuls in bfloat16; the trained "
-                        "weights, their gradients, Adam and the projection stay float32), or auto: bf16 where the "
-                        "device computes it natively (a GPU, a CPU with AVX-512 or AMX), else fp32")
-    p.add_argument("--projection-precision", choices=PROJECTION_PRECISIONS, default=d["projection_precision"],
-                   help="the projection's matrix products on a GPU: fp32, or tf32 tensor cores (inputs rounded to "
-                        "10 mantissa bits, float32 sums; docs/curvature.md bounds what leaks); the CPU always fp32")
-    p.add_argument("--projection", choices=[t.value for t in ProjectionTarget], default=d["projection_target"],
-                   help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis")
-    p.add_argument("--contexts", default=d["contexts"],
-                   help="training contexts each request is trained in: comma list of "
-                   + ", ".join(name + (":N" if c.counted else "") for name, c in TRAINING_CONTEXTS.items()) + " "
-                   f"(default: 'default' = {DEFAULT_CONTEXTS}; chat only for models with a chat template)")
-    p.add_argument("--drift-penalty", type=float, default=d["drift_penalty"], metavar="BETA",
-                   help="train edit loss + BETA x the K-FAC predicted KL drift (nats/token) of the change, so the "
-                   f"edit takes the flattest directions (default {d['drift_penalty']:g}; fine-tuning methods: ft, "
-                   "locbf-ft and lora get the capability factors fetched, lora on its merged update)")
-    on = _keep_defaults()
-    p.add_argument("--keep-chat", type=int, default=None, metavar="N",
-                   help="hold the unedited model's own chat answers to N bundled everyday prompts while the edit "
-                        f"trains (a hinge on every answer token that became less likely; default: the method's — {on} "
-                        "— else 0)")
-    p.add_argument("--keep-subject", type=int, default=None, metavar="K",
-                   help="... and its answers to K questions about each edit's subject that ask no particular "
-                        f"relation (at most {len(SUBJECT_KEEPS)}; default: the method's, else 0)")
-    p.add_argument("--keep-weight", type=float, default=None, metavar="W",
-                   help="weight of that preservation term beside the edit loss (default: the method's, else 1)")
-    p.add_argument("--keep-tokens", type=int, default=d["keep_tokens"], metavar="T",
-                   help="tokens of each held answer (longer answers hold more of the assistant's form and cost more "
-                        f"per step; default {d['keep_tokens']})")
-    p.add_argument("--answer-end", choices=list(ANSWER_ENDS), default=d["answer_end"],
-                   help="what follows the target in training: auto = the chat end-of-turn in chat, a period "
-                   "elsewhere (default); eos = EOS instead of the period; none = the target alone (the paper)")
+        add_settings_args(p, EditConfig, ["method"])
+    for phase in (ProjectionConfig, TrainingConfig, SequencesConfig, DriftConfig):
+        add_settings_args(p, phase)
     add_method_option_args(p, options)
 
 
@@ -199,24 +164,12 @@ def method_options_from_args(args, methods: Sequence[str]) -> dict[str, dict]:
 
 
 def config_from_args(args, method: str | None = None, options: dict | None = None) -> EditConfig:
-    """The validated :class:`EditConfig` of the parsed flags for ``method`` (default ``args.method``)."""
+    """The validated :class:`EditConfig` of the parsed flags for ``method`` (default ``args.method``): every field
+    its parser offered, the rest at their defaults."""
     method = method or args.method
     if options is None:
         options = method_options_from_args(args, [method]).get(method, {})
-    return EditConfig(method=method, gamma=args.gamma, layers=args.layers, lr=args.lr, batch_size=args.batch_size,
-                      batch_tokens=getattr(args, "batch_tokens", None),
-                      batch_order=getattr(args, "batch_order", "request"),
-                      context_sample=getattr(args, "context_sample", None),
-                      precision=getattr(args, "precision", "fp32"),
-                      projection_precision=getattr(args, "projection_precision", "fp32"),
-                      epochs=args.epochs, plateau_epochs=args.plateau,
-                      projection_target=args.projection, n_cap=args.n_cap, max_len=args.max_len,
-                      label_mode=args.label_mode, kfac_batch_size=args.kfac_batch_size, cap_corpus=args.cap_corpus,
-                      cap_chat=args.cap_chat, keep_chat=args.keep_chat, keep_subject=args.keep_subject,
-                      keep_weight=args.keep_weight, keep_tokens=args.keep_tokens, seed=args.seed,
-                      contexts=args.contexts,
-                      answer_end=args.answer_end, options=options,
-                      max_drift=getattr(args, "max_drift", None), drift_penalty=args.drift_penalty)
+    return EditConfig(**{**settings_from_args(args, EditConfig), "method": method, "options": options})
 
 
 def parse_methods(spec: str) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..editing.config import WEIGHTINGS, SeqConfig
+from ..editing.config import SeqConfig
 from ..paths import check_dir_takes_entries, check_output_dir, check_output_file
 from ..sessions.files import read_session_meta, read_session_state
 from .flags import (
@@ -18,11 +18,13 @@ from .flags import (
     add_edits_args,
     add_max_drift_arg,
     add_model_args,
+    add_settings_args,
     add_shard_arg,
     add_training_args,
     check_job_files,
     check_shard_launch,
     config_from_args,
+    settings_from_args,
 )
 
 __all__ = ["add_cli"]
@@ -54,9 +56,7 @@ def cmd_init(args) -> int:
     existed = (Path(args.out) / "session.json").is_file()
     if existed:
         read_session_meta(args.out)  # another version's session is refused before any work
-    config = SeqConfig(edit=edit, mode=args.mode, weighting=args.weighting, mix=args.mix, edit_gamma=args.edit_gamma,
-                       carry_optimizer=not args.no_carry_optimizer, reproject_momentum=not args.no_reproject_momentum,
-                       recompute_drift=args.recompute_drift, kl_text=args.kl_text, kl_texts=args.kl_texts)
+    config = SeqConfig(**{**settings_from_args(args, SeqConfig), "edit": edit})
     if not existed:
         check_output_dir(args.out, "--out")
     check_job_files(args, edit.n_cap)
@@ -174,28 +174,11 @@ def add_cli(sub) -> None:
     add_model_args(i)
     add_curvature_args(i)
     i.add_argument("--out", required=True, help="session directory to create")
-    i.add_argument("--mode", default="sequential", choices=["sequential", "batch"],
-                   help="sequential rounds (default) or re-edit the base on the union of all rounds (baseline)")
-    i.add_argument("--weighting", default=SeqConfig.weighting, choices=list(WEIGHTINGS),
-                   help="capability vs edit factors: gamma of each set's energy masked in the trace-scaled mix's "
-                        "eigenbasis (each, the default), that mix alone (trace), a "
-                        "fixed mixing coefficient on the raw factors (fixed), or token counts (authors' code)")
-    i.add_argument("--mix", type=float, default=0.5,
-                   help="share of the edit factors with --weighting fixed, trace or each (default 0.5)")
-    i.add_argument("--edit-gamma", type=float, default=SeqConfig.edit_gamma, metavar="G",
-                   help=f"with --weighting each: the energy of the accumulated edit factors masked (default "
-                        f"{SeqConfig.edit_gamma}; higher protects earlier rounds' edits more and leaves later rounds "
-                        "less room)")
-    i.add_argument("--recompute-drift", type=float, default=None,
-                   help="recollect capability factors once a weight drifted by more than this (paper: 0.25; default "
-                        "off)")
-    i.add_argument("--no-carry-optimizer", action="store_true", help="fresh Adam state every round")
-    i.add_argument("--no-reproject-momentum", action="store_true",
-                   help="keep Adam's first moment as is when the projector changes")
+    add_settings_args(i, SeqConfig, ["mode", "weighting", "mix", "edit_gamma", "recompute_drift", "carry_optimizer",
+                                     "reproject_momentum"])
     add_training_args(i)  # --method (lora: LoRA-Seq, a fresh adapter merged every round), training flags
     add_max_drift_arg(i, session=True)
-    i.add_argument("--kl-text", default=None, help="held-out text for KL drift (default: bundled WikiText sample)")
-    i.add_argument("--kl-texts", type=int, default=32)
+    add_settings_args(i, SeqConfig, ["kl_text", "kl_texts"])
     i.add_argument("--cache", default=None, help="capability curvature cache file (checked against the model)")
     i.add_argument("--quiet", action="store_true")
     i.set_defaults(func=cmd_init)

@@ -1,4 +1,5 @@
-"""Editing: the machinery every method shares — the method registry and :class:`EditConfig`, the editor
+"""Editing: the machinery every method shares — the method registry and :class:`EditConfig` (its
+phases' settings: :mod:`.phases`), the editor
 interface (:mod:`.editor`) and the single-pass skeleton (:mod:`.single_pass`), the projected loop
 (:mod:`.loop`) with its fast path, contexts, optimiser and step timer, the key-value and gradient-row
 collectors of the closed-form and transform methods — and batch :func:`edit`. The methods themselves are
@@ -14,6 +15,8 @@ _EXPORTS = {
     **dict.fromkeys(["EditResult", "capability_factors", "curvature_spec", "edit", "restore", "shard_for_edit"],
                     ".api"),
     **dict.fromkeys(["DEFAULT_LR", "EditConfig", "ProjectionTarget", "SeqConfig"], ".config"),
+    **dict.fromkeys(["MethodSelection", "CurvatureConfig", "ProjectionConfig", "TrainingConfig", "SequencesConfig",
+                     "DriftConfig"], ".phases"),
     **dict.fromkeys(["EditContext", "EditOutcome", "Editor"], ".editor"),
     **dict.fromkeys(["TrainHistory", "edit_loss", "projected_finetune"], ".loop"),
     **dict.fromkeys(["EDITORS", "MethodConfig", "MethodSpec", "editor_class", "get_editor", "method_names",
@@ -21,7 +24,8 @@ _EXPORTS = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = ["EditConfig", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "EditResult", "edit", "restore",
+__all__ = ["EditConfig", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "MethodSelection", "CurvatureConfig",
+           "ProjectionConfig", "TrainingConfig", "SequencesConfig", "DriftConfig", "EditResult", "edit", "restore",
            "shard_for_edit",
            "capability_factors", "curvature_spec", "EDITORS", "Editor", "EditContext", "EditOutcome", "MethodConfig",
            "MethodSpec", "editor_class", "get_editor", "method_names", "method_spec", "register_editor",

@@ -23,6 +23,7 @@ from .config import EditConfig
 from .contexts import resolve_contexts
 from .editor import EditContext
 from .loop import TrainHistory
+from .phases import CurvatureConfig
 from .registry import get_editor
 
 __all__ = ["EditResult", "edit", "shard_for_edit", "restore", "snapshot", "capability_factors", "capability_sequences",
@@ -58,7 +59,7 @@ class EditResult:
 CHAT_ANSWER_TOKENS = 128  # at most this many tokens of the model's own answer per capability chat prompt
 
 
-def _corpus_key(config: EditConfig) -> tuple[list[str], list[str]]:
+def _corpus_key(config: CurvatureConfig) -> tuple[list[str], list[str]]:
     """The capability corpus of ``config`` as its content address sees it: the texts (``cap_corpus``, ``n_cap``) and
     the chat prompts whose answers join them (``cap_chat``). The answers are not read: they are a function of the
     model (its fingerprint is in the key), the prompts and :data:`CHAT_ANSWER_TOKENS`, so a cached entry is found
@@ -66,7 +67,7 @@ def _corpus_key(config: EditConfig) -> tuple[list[str], list[str]]:
     return capability_corpus(config.cap_corpus, config.n_cap), chat_prompts(config.cap_chat)
 
 
-def curvature_spec(model: nn.Module, layers: Sequence[str], config: EditConfig,
+def curvature_spec(model: nn.Module, layers: Sequence[str], config: CurvatureConfig,
                    fingerprint: str | None = None, kind: str = "kfac") -> CurvatureSpec:
     """The content-address of a capability statistics collection for ``model`` and ``layers`` under ``config``
     (its capability texts and chat prompts, :func:`_corpus_key`): K-FAC factors (``kind="kfac"``) or the input
@@ -84,7 +85,7 @@ def curvature_spec(model: nn.Module, layers: Sequence[str], config: EditConfig,
     )
 
 
-def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module], config: EditConfig, *,
+def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module], config: CurvatureConfig, *,
                        cache_root: str | Path | None = None, cache_file: str | Path | None = None,
                        fingerprint: str | None = None, force: bool = False,
                        progress: bool | None = None, kind: str = "kfac") -> tuple[KFACFactors, dict]:
@@ -105,7 +106,7 @@ def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module]
                                 progress=progress)
 
 
-def capability_sequences(model: nn.Module, tokenizer, config: EditConfig) -> tuple[list, list[int] | None]:
+def capability_sequences(model: nn.Module, tokenizer, config: CurvatureConfig) -> tuple[list, list[int] | None]:
     """What the capability statistics of ``config`` are collected on, as ``(sequences, loss_from)`` for
     :func:`~crispedit.curvature.kfac.collect_lm_kfac`: the capability texts alone (``loss_from`` None) or, with
     ``cap_chat``, every text's token ids (cut to ``max_len``, every position counted) followed by the chat

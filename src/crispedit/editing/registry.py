@@ -10,18 +10,19 @@ editor class (which imports torch) is imported the first time an edit needs it (
 The built-in entries are each method's ``METHOD`` in :mod:`crispedit.methods`, which the first read of the
 catalogue imports by name (:data:`BUILTINS`): the methods sit above this module (they subclass the editor
 interface built on it), so it finds them the way it finds an editor class — by name, not by an import
-statement. The lowest piece of ``editing``: it imports nothing from the package, so :mod:`.config` can
-check a method name and its options here.
+statement. The lowest piece of ``editing``: it imports nothing from the package but the base layer, so
+:mod:`.config` can check a method name and its options here.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, MutableMapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from ..errors import CrispEditError
+from ..settings import Settings
 
 __all__ = ["MethodConfig", "MethodSpec", "EDITORS", "add_method", "method_spec", "register_editor", "get_editor",
            "editor_class", "method_names", "SEQ_SUFFIX", "SEQUENTIAL_MODES", "seq_row", "sequential_rows"]
@@ -31,25 +32,13 @@ SEQUENTIAL_MODES = ("paper", "optional", "none")
 
 
 @dataclass
-class MethodConfig:
+class MethodConfig(Settings):
     """Options of one method beyond the shared :class:`~crispedit.editing.EditConfig` (subclass it per
-    editor, with the paper's defaults). ``SHARED`` holds the method's own defaults for shared
-    EditConfig fields that are left unset (e.g. LoRA's learning rate); ``HELP`` one line per field
-    for the CLI flags ``--<method>-<field>``."""
+    editor, with the paper's defaults, each option declared with :func:`~crispedit.settings.setting` so its help
+    becomes the CLI flag ``--<method>-<option>``). ``SHARED`` holds the method's own defaults for shared
+    EditConfig fields that are left unset (e.g. LoRA's learning rate)."""
 
     SHARED: ClassVar[dict[str, Any]] = {}
-    HELP: ClassVar[dict[str, str]] = {}
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> MethodConfig:
-        """Check every field (one-line :class:`CrispEditError`); return ``self``."""
-        return self
-
-    def to_json(self) -> dict:
-        """The options as a JSON-ready dict (stored in ``EditConfig.options``)."""
-        return asdict(self)
 
     @classmethod
     def from_options(cls, method: str, options: dict | None) -> MethodConfig:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..editing.editor import Editor
 from ..editing.registry import MethodConfig, MethodSpec
 from ..errors import CrispEditError
+from ..settings import setting
 
 __all__ = ["LocBFConfig", "LocBFFTEditor", "METHOD"]
 
@@ -15,8 +16,8 @@ __all__ = ["LocBFConfig", "LocBFFTEditor", "METHOD"]
 class LocBFConfig(MethodConfig):
     """``layer``: which of the edit layers trains — middle, first, last or an index."""
 
-    layer: str = "middle"
-    HELP = {"layer": "which edit layer trains: middle (default), first, last or an index into the edit layers"}
+    layer: str = setting("middle", help="which edit layer trains: middle (default), first, last or an index into "
+                         "the edit layers")
 
     def validate(self) -> "LocBFConfig":
         """One-line error unless ``layer`` is middle / first / last or an integer."""

@@ -18,6 +18,7 @@ from ..checks import check_float, check_int
 from ..editing.editor import EditContext, Editor, EditOutcome, identity_projectors
 from ..editing.registry import MethodConfig, MethodSpec
 from ..errors import CrispEditError
+from ..settings import setting
 
 if TYPE_CHECKING:
     from torch import nn
@@ -31,14 +32,12 @@ class LoRAConfig(MethodConfig):
     comma-separated module names ``targets`` adapted in each edit layer's block. Paper defaults
     (EasyEdit's LoRA config for Llama-3-8B): r 8, alpha 32, dropout 0.1; lr 5e-3."""
 
-    r: int = 8
-    alpha: float = 32.0
-    dropout: float = 0.1
-    targets: str = "q_proj,v_proj"
+    r: int = setting(8, help="adapter rank (default 8)")
+    alpha: float = setting(32.0, help="adapter scale: delta W = alpha/r * B A (default 32)")
+    dropout: float = setting(0.1, help="adapter dropout while training (default 0.1)")
+    targets: str = setting("q_proj,v_proj", help="comma-separated module names adapted in each edit layer's block "
+                           "(default q_proj,v_proj)")
     SHARED = {"lr": 5e-3}
-    HELP = {"r": "adapter rank (default 8)", "alpha": "adapter scale: delta W = alpha/r * B A (default 32)",
-            "dropout": "adapter dropout while training (default 0.1)",
-            "targets": "comma-separated module names adapted in each edit layer's block (default q_proj,v_proj)"}
 
     def validate(self) -> LoRAConfig:
         """r a positive integer, alpha positive, dropout in [0, 1), targets non-empty."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ...checks import check_float
 from ...editing.registry import MethodSpec
+from ...settings import setting
 from ..memit import ClosedFormConfig
 
 __all__ = ["AlphaEditConfig", "METHOD"]
@@ -23,11 +24,9 @@ class AlphaEditConfig(ClosedFormConfig):
     v_lr: float = 0.1
     v_weight_decay: float = 0.5
     clamp: float = 0.75
-    nullspace_threshold: float = 2e-2
-    l2: float = 10.0
-    HELP = {**ClosedFormConfig.HELP,
-            "nullspace_threshold": "eigenvalues of E[k k^T] below this span the preserved null space (default 2e-2)",
-            "l2": "ridge weight of the update (default 10, the authors' Llama-3 config)"}
+    nullspace_threshold: float = setting(2e-2, help="eigenvalues of E[k k^T] below this span the preserved null space "
+                                         "(default 2e-2)")
+    l2: float = setting(10.0, help="ridge weight of the update (default 10, the authors' Llama-3 config)")
 
     def validate(self) -> AlphaEditConfig:
         """The shared checks, a positive threshold and a non-negative ``l2``."""

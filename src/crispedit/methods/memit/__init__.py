@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ...checks import check_float, check_int
 from ...editing.registry import MethodConfig, MethodSpec
+from ...settings import setting
 
 __all__ = ["ClosedFormConfig", "MEMITConfig", "METHOD"]
 
@@ -24,20 +25,15 @@ class ClosedFormConfig(MethodConfig):
     AlphaEdit's code has lr 0.1, clamp 0.75, weight decay 0.5
     (:class:`~crispedit.methods.alphaedit.AlphaEditConfig`'s v* defaults)."""
 
-    batch_size: int = 32
-    v_steps: int = 25
-    v_lr: float = 0.5
-    v_weight_decay: float = 1e-3
-    clamp: float = 4.0
-    kl_factor: float = 0.0625
-    prefixes: int = 5
-    HELP = {"batch_size": "edits written per closed-form solve; larger edit sets go in consecutive batches",
-            "v_steps": "Adam steps of the target-vector (v*) optimisation",
-            "v_lr": "Adam learning rate of the v* optimisation",
-            "v_weight_decay": "weight of the ||delta|| / ||h||^2 penalty in the v* optimisation",
-            "clamp": "the v* change delta is clamped to clamp * ||h|| (h: the unedited hidden state)",
-            "kl_factor": "weight of the KL term on '{subject} is a' in the v* optimisation",
-            "prefixes": "model-written prefix contexts the keys and v* are averaged over, besides the bare prompt"}
+    batch_size: int = setting(32, help="edits written per closed-form solve; larger edit sets go in consecutive "
+                              "batches")
+    v_steps: int = setting(25, help="Adam steps of the target-vector (v*) optimisation")
+    v_lr: float = setting(0.5, help="Adam learning rate of the v* optimisation")
+    v_weight_decay: float = setting(1e-3, help="weight of the ||delta|| / ||h||^2 penalty in the v* optimisation")
+    clamp: float = setting(4.0, help="the v* change delta is clamped to clamp * ||h|| (h: the unedited hidden state)")
+    kl_factor: float = setting(0.0625, help="weight of the KL term on '{subject} is a' in the v* optimisation")
+    prefixes: int = setting(5, help="model-written prefix contexts the keys and v* are averaged over, besides the "
+                            "bare prompt")
 
     def validate(self) -> ClosedFormConfig:
         """Positive batch size and steps, positive learning rate and clamp, non-negative penalties, 0–50 prefixes."""
@@ -56,9 +52,8 @@ class MEMITConfig(ClosedFormConfig):
     """MEMIT: ``cov_weight`` λ of the key covariance in ``ΔW = R Kᵀ(λC + KKᵀ)⁻¹`` (authors: 15000, their
     ``mom2_update_weight``), plus the shared closed-form options."""
 
-    cov_weight: float = 15000.0
-    HELP = {**ClosedFormConfig.HELP,
-            "cov_weight": "lambda: weight of the key covariance C in (lambda C + K K^T) (default 15000)"}
+    cov_weight: float = setting(15000.0, help="lambda: weight of the key covariance C in (lambda C + K K^T) (default "
+                                "15000)")
 
     def validate(self) -> MEMITConfig:
         """The shared checks and a positive ``cov_weight``."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ...checks import SEED_MAX, check_float, check_int, check_lr
 from ...editing.registry import MethodConfig, MethodSpec
 from ...errors import CrispEditError
+from ...settings import setting
 
 __all__ = ["MENDConfig", "MENDTrainConfig", "METHOD"]
 
@@ -25,11 +26,9 @@ class MENDConfig(MethodConfig):
     the edit layers, where ``crispedit mend train`` writes by default); ``batch_size`` edit requests per
     forward/backward of the one gradient computation (a memory knob: the update does not depend on it)."""
 
-    weights: str = ""
-    batch_size: int = 32
-    HELP = {"weights": "trained MEND network (safetensors from `crispedit mend train`; default: the cached one for "
-            "this model and these layers)",
-            "batch_size": "edit requests per forward/backward of the gradient computation (memory only)"}
+    weights: str = setting("", help="trained MEND network (safetensors from `crispedit mend train`; default: the "
+                           "cached one for this model and these layers)")
+    batch_size: int = setting(32, help="edit requests per forward/backward of the gradient computation (memory only)")
 
     def validate(self) -> MENDConfig:
         """``weights`` a string (a path or empty), ``batch_size`` positive."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ...checks import check_float, check_int
 from ...editing.registry import MethodConfig, MethodSpec
+from ...settings import setting
 
 __all__ = ["UltraEditConfig", "METHOD"]
 
@@ -17,12 +18,11 @@ class UltraEditConfig(MethodConfig):
     closed-form solve ``ΔWᵀ = (HᵀH + ridge·I)⁻¹HᵀV`` (authors: 1), ``batch_size`` edits per solve (32, as in
     CrispEdit's comparison)."""
 
-    lr: float = 1e-6
-    ridge: float = 1.0
-    batch_size: int = 32
-    HELP = {"lr": "scale of the pseudo-values v = -lr * ||h_hat||^2 * g_hat (default 1e-6, the authors')",
-            "ridge": "ridge weight of the solve (H^T H + ridge I)^-1 H^T V (default 1)",
-            "batch_size": "edits per closed-form solve; the normalisation statistics run across all of them"}
+    lr: float = setting(1e-6, help="scale of the pseudo-values v = -lr * ||h_hat||^2 * g_hat (default 1e-6, the "
+                        "authors')")
+    ridge: float = setting(1.0, help="ridge weight of the solve (H^T H + ridge I)^-1 H^T V (default 1)")
+    batch_size: int = setting(32, help="edits per closed-form solve; the normalisation statistics run across all of "
+                              "them")
 
     def validate(self) -> UltraEditConfig:
         """Positive ``lr``, ``ridge`` and ``batch_size``."""
