@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
+from ..settings import Settings
 from .judges import normalize_answer
 
 if TYPE_CHECKING:  # torch only for annotations: WildConfig is checked before a model (or torch) loads
@@ -116,7 +117,7 @@ def check_template(template: str) -> str:
 
 
 @dataclass
-class WildConfig:
+class WildConfig(Settings):
     """One WILD run: ``context`` — the evaluation wrapper, a name in :data:`EVAL_WRAPPERS` or ``custom`` (the
     stored key keeps its old name) — ``template`` for ``custom`` (a string with ``{question}``), at most
     ``max_new_tokens`` greedy tokens cut at ``stop`` strings or EOS, prompts per generation batch."""
@@ -127,7 +128,10 @@ class WildConfig:
     batch_size: int = 64  # a decode step's fixed cost shared by more rows (docs/evaluation.md); answers the same
     template: str | None = None
 
-    def __post_init__(self) -> None:
+    KIND = "WILD config"
+
+    def validate(self) -> WildConfig:
+        """Check the wrapper, its template and the sizes (one-line errors); return ``self``."""
         if self.template is not None:
             self.template = check_template(self.template)
             if self.context in (HELD_OUT_WRAPPER, None):
@@ -140,6 +144,7 @@ class WildConfig:
             raise CrispEditError("context 'custom' needs a template with {question}")
         if int(self.max_new_tokens) <= 0 or int(self.batch_size) <= 0:
             raise CrispEditError("max_new_tokens and batch_size must be positive")
+        return self
 
 
 def render_prompt(tokenizer, question: str, context: str, template: str | None = None) -> str:
