@@ -25,8 +25,8 @@ The layers, lowest first (:data:`LAYERS`; a module may import from its own layer
 4. ``editing`` — the machinery every method shares: the registry and configs, the editor interface, the
    projected loop and its fast path, contexts, optimiser, key-value and gradient-row collectors, batch ``edit``.
 5. ``methods`` — the editors, one module or package each, built on that machinery.
-6. ``jobs`` — ``delta`` (reversible delta files), ``pipeline`` (one edit job: the output directory and
-   its report), ``model_card`` (the README.md of a saved model) and ``export_gguf`` (a model directory as
+6. ``jobs`` — ``delta`` (reversible delta files), ``pipeline`` (one edit job — edit, evaluate —, the output
+   directory and its report), ``model_card`` (the README.md of a saved model) and ``export_gguf`` (a model directory as
    one GGUF file): what an edit leaves behind.
 7. ``sessions`` — sequential rounds and durable sessions (they edit, evaluate and write deltas).
 8. ``experiments`` — studies built on whole jobs and sessions (``compare``, the MNIST study), the demo and

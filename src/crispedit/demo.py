@@ -78,9 +78,10 @@ def run_demo(n_edits: int = 6, epochs: int = 100, gamma: float = 0.8, n_cap: int
 def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say, kl_texts: int) -> tuple[list, dict]:
     """Load the model, ask the ``shown`` questions, edit with each config in turn (restoring the base weights
     after each) and evaluate it; the demo's rows and the answers before and after each method."""
-    from .editing import edit, restore  # torch: only once every argument is checked
-    from .evaluation import EVAL_WRAPPERS, evaluate_edit
+    from .editing import restore  # torch: only once every argument is checked
+    from .evaluation import EVAL_WRAPPERS
     from .models import load_model
+    from .pipeline import EditJob, Measures
 
     say(f"loading {model_spec} ...")
     model, tok = load_model(model_spec, progress=progress)
@@ -92,12 +93,12 @@ def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say,
     for method, cfg in configs.items():
         say(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}, precision {cfg.precision}) "
             "...")
-        res = edit(model, tok, requests, cfg, progress=progress)
+        job = EditJob(model, tok, requests, cfg, Measures(kl_texts=kl_texts), progress)
+        res = job.edit()
         ran = res.history.extra.get("precision", cfg.precision)  # what auto / bf16 ran as here
         say(f"{method}: edited in {res.edit_seconds:.0f} s ({len(res.history.epoch_loss)} epochs, {ran}); evaluating "
             f"(WILD {', '.join(EVAL_WRAPPERS)}, teacher-forced, KL drift) ...")
-        ev = evaluate_edit(model, tok, requests, res.original_weights, wild=tuple(EVAL_WRAPPERS), kl_texts=kl_texts,
-                           assistant=True, progress=progress)
+        ev = job.evaluate(res.original_weights)
         s = ev["summary"]
         answers[method] = chat_answers(model, tok, prompts)
         rows.append((method, ev["wild"], s["rel"], s["kl_drift"], s["ppl"], s["ppl_base"],

@@ -1,4 +1,9 @@
-"""Edit jobs end to end: load, edit, measure, save — what ``crispedit edit`` runs.
+"""Edit jobs end to end: edit, measure, save — what ``crispedit edit`` runs.
+
+:class:`EditJob` is one edit followed by its measures, the one place that wires :func:`~crispedit.editing.edit` to
+:func:`~crispedit.evaluation.evaluate_edit`: ``crispedit edit`` (:func:`run_edit_job`, which adds the output
+folder), ``compare``'s rows, the demo and the playground all run their edits through it, so a failed edit leaves the
+model as it was and a non-finite one is refused in the same way everywhere.
 
 The output directory is written atomically: everything goes to a temporary sibling directory that is
 renamed into place only when the model, tokenizer and report are complete, so a failed job leaves
@@ -11,6 +16,7 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,14 +28,16 @@ from .curvature.predicted import mixing_layers, steep_layers, steep_note  # re-e
 from .data.corpus import heldout_text
 from .data.edits import EditRequest
 from .distributed import barrier, full_state_dict, is_main, is_sharded, world_size
-from .editing import EditConfig, EditResult, edit
+from .editing import EditConfig, EditResult, edit, get_editor, restore
+from .editing.api import snapshot
 from .evaluation import EVAL_WRAPPERS, evaluate_edit
 from .models import save_model_dir
 from .paths import check_output_dir
 from .versions import stamped
 from .weights import parameter
 
-__all__ = ["run_edit_job", "build_report", "environment", "drift_summary", "steep_layers", "steep_note"]
+__all__ = ["EditJob", "Measures", "run_edit_job", "build_report", "environment", "drift_summary", "steep_layers",
+           "steep_note"]
 
 
 def environment() -> dict:
@@ -80,6 +88,75 @@ def drift_summary(result: EditResult) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class Measures:
+    """What an :class:`EditJob` measures once the edit is in (:func:`~crispedit.evaluation.evaluate_edit`'s
+    options): WILD free generation under the ``wild`` evaluation wrappers, the assistant's measures (style drift and
+    subject bleed through the chat template), KL drift on ``kl_texts`` paragraphs of ``kl_text`` (``None``: the
+    bundled held-out WikiText), and the ``capabilities`` tasks on ``limit`` items (generative answers cut at
+    ``max_gen_toks`` tokens, local files under ``bench_dir``). The default: every wrapper and the assistant's
+    measures, no capability task."""
+
+    wild: tuple[str, ...] = field(default_factory=lambda: tuple(EVAL_WRAPPERS))
+    assistant: bool = True
+    kl_text: str | None = None
+    kl_texts: int = 32
+    capabilities: tuple[str, ...] = ()
+    limit: int | dict | None = None
+    max_gen_toks: int | None = None
+    bench_dir: str | None = None
+
+
+@dataclass
+class EditJob:
+    """One edit of ``model`` (changed in place) by ``config`` on ``requests``, then its :class:`Measures`.
+    :meth:`edit` and :meth:`evaluate` are its two halves (a caller that times or meters the edit alone calls them in
+    turn), :meth:`run` both. ``progress``: bars for both (``None``: when stderr is a terminal)."""
+
+    model: object
+    tokenizer: object
+    requests: Sequence[EditRequest]
+    config: EditConfig
+    measures: Measures = field(default_factory=Measures)
+    progress: bool | None = None
+
+    def edit(self, **options) -> EditResult:
+        """:func:`~crispedit.editing.edit` with ``options`` (``checkpoint``, ``cache_file``, ``factors``,
+        ``predict_drift``, ``fingerprint``). A failed edit — an exception, or changed weights that are not finite
+        (a one-line :class:`~crispedit.errors.CrispEditError`) — puts back what the method changes before it raises,
+        so the model is as it was."""
+        editor = get_editor(self.config.method)
+        before = snapshot(editor.changes(self.model, editor.select_layers(self.model, self.config), self.config))
+        try:
+            result = edit(self.model, self.tokenizer, self.requests, self.config, progress=self.progress, **options)
+            check_finite_tensors({n: parameter(self.model, n) for n in result.original_weights},
+                                 f"the {self.config.method} edit")
+        except BaseException:
+            restore(self.model, before)
+            raise
+        return result
+
+    def evaluate(self, base_weights: dict) -> dict:
+        """:func:`~crispedit.evaluation.evaluate_edit` of the model as it is now against ``base_weights`` (parameter
+        name -> the value before the edit, as ``EditResult.original_weights``; ``{}``: the model is the base), KL
+        drift on texts of the config's ``max_len``."""
+        m = self.measures
+        return evaluate_edit(self.model, self.tokenizer, self.requests, base_weights, kl_text=m.kl_text,
+                             kl_texts=m.kl_texts, max_len=self.config.max_len, wild=m.wild,
+                             capabilities=m.capabilities, limit=m.limit, max_gen_toks=m.max_gen_toks,
+                             bench_dir=m.bench_dir, assistant=m.assistant, progress=self.progress)
+
+    def run(self, *, restore_after: bool = False, **options) -> tuple[EditResult, dict]:
+        """:meth:`edit` (with ``options``), then :meth:`evaluate`: ``(result, evaluation)``. ``restore_after``: put
+        the base back once measured (also when measuring fails), as a comparison of methods on one model does."""
+        result = self.edit(**options)
+        try:
+            return result, self.evaluate(result.original_weights)
+        finally:
+            if restore_after:
+                restore(self.model, result.original_weights)
+
+
 def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: EditConfig, out: str | Path, *,
                  model_spec: str = "<in-memory>", kl_text: str | None = None, edits_path: str | None = None,
                  cache_file: str | None = None, progress: bool | None = None, wild: bool = True,
@@ -106,13 +183,10 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     if kl_text is not None:
         heldout_text(kl_text, 1)  # fail early on a bad --kl-text, before any work
     t0 = time.perf_counter()
-    result = edit(model, tokenizer, requests, config, cache_file=cache_file, progress=progress,
-                  predict_drift=predict_drift, checkpoint=checkpoint, fingerprint=fingerprint)
+    measures = Measures(wild=tuple(EVAL_WRAPPERS) if wild else (), assistant=wild, kl_text=kl_text)
+    result, ev = EditJob(model, tokenizer, requests, config, measures, progress).run(
+        cache_file=cache_file, predict_drift=predict_drift, checkpoint=checkpoint, fingerprint=fingerprint)
     config = result.config  # what ran: its lr set for the model family
-    changed = {n: parameter(model, n) for n in result.original_weights}
-    check_finite_tensors(changed, f"the {config.method} edit")  # fail now, before evaluating a broken model
-    ev = evaluate_edit(model, tokenizer, requests, result.original_weights, kl_text=kl_text, max_len=config.max_len,
-                       wild=tuple(EVAL_WRAPPERS) if wild else (), assistant=wild, progress=progress)
     report = build_report(config, model_spec, requests, result, ev["summary"], ev["per_edit"], kl_text, edits_path)
     if wild:
         report["wild"] = ev["wild"]

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from conftest import edits_file
+from crispedit import pipeline as pipeline_mod
 from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig
@@ -17,7 +18,7 @@ from crispedit.versions import stamped
 from crispedit.weights import weight_fingerprint
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
-REAL_EDIT = compare_mod.edit
+REAL_EDIT = pipeline_mod.edit
 REAL_RUN_SEQUENCE = compare_mod.run_sequence
 REQS = [EditRequest(f"Who founded club {i}?", f"Founder {chr(65 + i)}", rephrase_prompts=[f"Club {i} was founded by?"],
                     locality=[("nq question: who sang it", "someone")]) for i in range(3)]
@@ -30,7 +31,8 @@ def configs(methods, **kw):
 
 
 def counting_edit(monkeypatch, fail_on=None):
-    """Wrap compare's edit(): record which methods ran; raise KeyboardInterrupt (a kill) on ``fail_on``."""
+    """Wrap the edit() that compare's rows run (through pipeline.EditJob): record which methods ran; raise
+    KeyboardInterrupt (a kill) on ``fail_on``."""
     ran, real = [], REAL_EDIT
 
     def fake(model, tok, requests, cfg, **kw):
@@ -40,7 +42,7 @@ def counting_edit(monkeypatch, fail_on=None):
             raise KeyboardInterrupt
         return real(model, tok, requests, cfg, **kw)
 
-    monkeypatch.setattr(compare_mod, "edit", fake)
+    monkeypatch.setattr(pipeline_mod, "edit", fake)
     return ran
 
 

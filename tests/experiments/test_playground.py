@@ -219,7 +219,7 @@ def test_a_real_client_reaches_the_url_a_loopback_server_prints(host, edited):
 
 def hold_edits(monkeypatch) -> tuple[threading.Event, threading.Event]:
     """Make every edit wait, once it holds the model, until the second event is set (the first says it waits)."""
-    import crispedit.editing.api as api
+    import crispedit.pipeline as api  # the playground edits through pipeline.EditJob
 
     started, release, real = threading.Event(), threading.Event(), api.edit
 
@@ -256,7 +256,7 @@ def test_a_request_while_an_edit_runs_is_told_busy(pg, client, monkeypatch):
 
 def test_a_failed_edit_is_rolled_back(pg, client, monkeypatch):
     """An edit that leaves non-finite weights is taken back before the error reaches the page."""
-    import crispedit.editing.api as api
+    import crispedit.pipeline as api  # the playground edits through pipeline.EditJob
 
     real = api.edit
 

@@ -47,17 +47,18 @@ from tqdm.auto import tqdm
 
 from ..checks import check_positive_int
 from ..data.edits import EditRequest, requests_digest
-from ..editing import EditConfig, SeqConfig, edit, get_editor, restore
+from ..editing import EditConfig, SeqConfig, get_editor, restore
 from ..editing.api import snapshot
 from ..editing.config import default_seq_chunk
 from ..editing.contexts import DEFAULT_CONTEXTS
 from ..editing.loop import training_brief
 from ..editing.registry import seq_row
 from ..errors import CrispEditError
-from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER, evaluate_edit
+from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER
 from ..evaluation.edit_eval import round_map_probe
 from ..layers import model_family
 from ..paths import check_output_dir
+from ..pipeline import EditJob, Measures, drift_summary
 from ..sessions.sequential import run_sequence
 from ..versions import stamped
 from ..weights import weight_fingerprint
@@ -192,12 +193,12 @@ class _Bench:
     bench_dir: str | None
     progress: bool | None
 
-    def evaluate(self, base_weights: dict, **kw) -> dict:
-        """:func:`~crispedit.evaluation.evaluate_edit` of the model as it is now against ``base_weights``."""
-        return evaluate_edit(self.model, self.tokenizer, self.requests, base_weights, kl_text=self.kl_text,
-                             wild=tuple(EVAL_WRAPPERS), capabilities=self.capabilities, limit=self.limit,
-                             max_gen_toks=self.max_gen_toks, bench_dir=self.bench_dir, assistant=True,
-                             progress=self.inner, **kw)
+    def job(self, config: EditConfig) -> EditJob:
+        """The :class:`~crispedit.pipeline.EditJob` of one row: ``config`` on the requests, measured under every
+        evaluation wrapper, with the assistant's measures and the capability tasks."""
+        measures = Measures(kl_text=self.kl_text, capabilities=tuple(self.capabilities), limit=self.limit,
+                            max_gen_toks=self.max_gen_toks, bench_dir=self.bench_dir)
+        return EditJob(self.model, self.tokenizer, self.requests, config, measures, progress=self.inner)
 
     @property
     def inner(self) -> bool:
@@ -216,32 +217,30 @@ def _edited_row(b: _Bench, method: str, cfg: EditConfig | SeqConfig, inputs: dic
     model, seq = b.model, isinstance(cfg, SeqConfig)
     ecfg = cfg.edit if seq else cfg
     t0 = time.perf_counter()
-    editor = get_editor(ecfg.method)
-    before = snapshot(editor.changes(model, editor.select_layers(model, ecfg), ecfg))
+    job = b.job(ecfg)
+    ckpt = b.out / CHECKPOINTS / f"{method}.safetensors"
     _log.info("compare: %s: editing %d edits%s", method, len(b.requests), f" in rounds of {b.chunk}" if seq else "")
-    try:
-        with peak_memory(next(model.parameters()).device) as mem:
-            if seq:
+    with peak_memory(next(model.parameters()).device) as mem:
+        if seq:
+            editor = get_editor(ecfg.method)
+            before = snapshot(editor.changes(model, editor.select_layers(model, ecfg), ecfg))
+            try:
                 res = run_sequence(model, b.tokenizer, b.requests, cfg, b.chunk, progress=b.inner, predict_drift=True,
                                    on_round=None if b.progress is False else _round_line(method),
-                                   after_round=round_map_probe(b.tokenizer, b.requests, b.chunk),
-                                   checkpoint=b.out / CHECKPOINTS / f"{method}.safetensors")
-            else:
-                res = edit(model, b.tokenizer, b.requests, cfg, progress=b.inner, predict_drift=True,
-                           checkpoint=b.out / CHECKPOINTS / f"{method}.safetensors")
-    except BaseException:
-        restore(model, before)  # an interrupted edit leaves the base behind
-        raise
-    del before
+                                   after_round=round_map_probe(b.tokenizer, b.requests, b.chunk), checkpoint=ckpt)
+            except BaseException:
+                restore(model, before)  # an interrupted session leaves the base behind
+                raise
+            del before
+        else:
+            res = job.edit(predict_drift=True, checkpoint=ckpt)  # a failed edit leaves the base behind
     wall = time.perf_counter() - t0
     _log.info("compare: %s: edited in %.0f s; evaluating", method, res.edit_seconds)
     try:
-        ev = b.evaluate(res.original_weights, max_len=ecfg.max_len)
+        ev = job.evaluate(res.original_weights)
     finally:
         restore(model, res.original_weights)
     b.check_base(f"restoring the base after {method} failed (fingerprint differs)")
-    from ..pipeline import drift_summary
-
     ev["summary"].update(drift_summary(res))
     extra = (dict(rounds=len(res.rounds), seq_chunk=res.chunk, round_seconds=res.round_seconds,
                   round_records=res.rounds, retention=[rec.get("after_round") for rec in res.rounds])
@@ -303,7 +302,7 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
     for method in bar:
         bar.set_postfix_str(method)
         bench.check_base(f"the model is no longer the base before {method} (fingerprint changed)")
-        payload["results"][method] = (_row("base", bench.evaluate({})) if method == "base"
+        payload["results"][method] = (_row("base", bench.job(EditConfig()).evaluate({})) if method == "base"
                                       else _edited_row(bench, method, configs[method], inputs[method]))
         write_outputs(out, payload)
         (out / CHECKPOINTS / f"{method}.safetensors").unlink(missing_ok=True)  # the row holds what it was for

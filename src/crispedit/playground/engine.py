@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..checks import check_finite_tensors, check_positive_int
+from ..checks import check_positive_int
 from ..errors import CrispEditError
 
 __all__ = ["Playground", "PlaygroundBusy", "check_text", "DEFAULT_MAX_CHARS", "DEFAULT_KL_TEXTS", "DEFAULT_UNDO_DEPTH"]
@@ -187,30 +187,32 @@ class Playground:
         from ..curvature.predicted import predicted_kl
         from ..data.edits import EditRequest
         from ..delta import build_delta
-        from ..editing.api import edit, restore, snapshot
+        from ..editing.api import restore
         from ..evaluation.assistant import style_drift, subject_bleed
-        from ..evaluation.edit_eval import evaluate_edit
         from ..evaluation.wild import HELD_OUT_WRAPPER, render_prompt
+        from ..pipeline import EditJob, Measures
 
         t0 = time.perf_counter()
         request = EditRequest(prompt=question, target=target, subject=subject)
-        before = snapshot(self.params)
+        measures = Measures(wild=(HELD_OUT_WRAPPER,), assistant=False, kl_text=self.kl_text, kl_texts=self.kl_texts)
+        job = EditJob(self.model, self.tokenizer, [request], self.config, measures, progress=False)
+        result = None
         try:
-            result = edit(self.model, self.tokenizer, [request], self.config, factors=self.factors, progress=False)
-            check_finite_tensors({n: p.detach() for n, p in self.params.items()}, "the edit")
+            result = job.edit(factors=self.factors)  # a failed edit puts the weights back itself
             delta = build_delta(self.model, result.original_weights, {"question": question, "answer": target})
             t1 = time.perf_counter()
-            ev = evaluate_edit(self.model, self.tokenizer, [request], self.start_weights, kl_text=self.kl_text,
-                               kl_texts=self.kl_texts, wild=(HELD_OUT_WRAPPER,), progress=False)
+            ev = job.evaluate(self.start_weights)  # drift from the start-up model
             answer = self._answer(question)
             style = style_drift(self.model, self.tokenizer, self.start_weights, self.style_prompts, examples=1,
                                 base_answers=self.style_base)
             bleed = subject_bleed(self.model, self.tokenizer, [request], result.original_weights, examples=1)
         except CrispEditError as exc:
-            restore(self.model, before)
+            if result is not None:
+                restore(self.model, result.original_weights)
             raise CrispEditError(f"{exc} (the edit was rolled back; the model is as before)") from None
         except BaseException:
-            restore(self.model, before)
+            if result is not None:
+                restore(self.model, result.original_weights)
             raise
         self.edits.append(_Applied(question, target, delta))
         for old in self.edits[:-self.undo_depth]:
