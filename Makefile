@@ -1,9 +1,10 @@
 # crispedit — two entry points that work on a fresh CPU machine:
 #   make demo   edit 6 facts into SmolLM2 with crispedit and ft, print before/after + drift
 #               (runs results/demo/command.sh: the command whose output results/demo/demo.txt stores)
-#   make test   the linter (ruff check), then unit tests + the real-model tests chosen for CI, printing the 25
-#               slowest (installs chromium for the playground's browser test when it is missing and apt-get
-#               can, as root; goes on without it otherwise), then the documentation site, strictly (make docs)
+#   make test   ruff (the formatter's check, then the linter), then unit tests + the real-model tests chosen for CI,
+#               printing the 25 slowest (installs chromium for the playground's browser test when it is missing
+#               and apt-get can, as root; goes on without it otherwise), then the documentation site, strictly
+#               (make docs)
 PY      ?= python3
 VENV    ?= .venv
 VPY     := $(VENV)/bin/python
@@ -27,6 +28,7 @@ demo: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" sh results/demo/command.sh
 
 test: venv
+	$(VENV)/bin/ruff format --check src tests benchmarks results scripts
 	$(VENV)/bin/ruff check src tests benchmarks results scripts
 	-sh scripts/ensure_chromium.sh
 	$(VPY) -m pytest -q -m "not slow or ci" --durations=25

@@ -66,12 +66,24 @@ def main() -> None:
             print(f"{label:10s} {s:8.1f} s  score {score:.4f}", flush=True)
     med = {k: statistics.median(v) for k, v in secs.items()}
     diff = max((abs(a - b) for a, b in zip(out["plain"][1], out["shortcuts"][1])), default=0.0)
-    print(f"{task}, {args.limit} items: plain {med['plain']:.1f} s, shortcuts {med['shortcuts']:.1f} s "
-          f"(ratio {med['shortcuts'] / med['plain']:.2f}); largest item difference {diff:.2e}")
+    print(
+        f"{task}, {args.limit} items: plain {med['plain']:.1f} s, shortcuts {med['shortcuts']:.1f} s "
+        f"(ratio {med['shortcuts'] / med['plain']:.2f}); largest item difference {diff:.2e}"
+    )
     if args.json:
-        atomic_write_json(args.json, {"task": task, "limit": args.limit, "model": args.model, "seconds": secs,
-                                      "median": med, "ratio": med["shortcuts"] / med["plain"],
-                                      "scores": {k: v[0] for k, v in out.items()}, "max_item_difference": diff})
+        atomic_write_json(
+            args.json,
+            {
+                "task": task,
+                "limit": args.limit,
+                "model": args.model,
+                "seconds": secs,
+                "median": med,
+                "ratio": med["shortcuts"] / med["plain"],
+                "scores": {k: v[0] for k, v in out.items()},
+                "max_item_difference": diff,
+            },
+        )
 
 
 if __name__ == "__main__":

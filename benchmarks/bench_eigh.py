@@ -45,8 +45,12 @@ def _args(argv):
     p.add_argument("--device", default="cpu", help="where torch.linalg.eigh runs (default cpu)")
     p.add_argument("--extrapolate", type=int, default=14336, help="size to extrapolate to as n^3 (default 14336)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--factors", default=None, metavar="FILE",
-                   help="a K-FAC factor file: measure projection errors instead of timing (module docstring)")
+    p.add_argument(
+        "--factors",
+        default=None,
+        metavar="FILE",
+        help="a K-FAC factor file: measure projection errors instead of timing (module docstring)",
+    )
     p.add_argument("--gammas", default="0.8,0.9,0.99,0.999", help="γ values of --factors (default 0.8,0.9,0.99,0.999)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
     return p.parse_args(argv)
@@ -136,11 +140,15 @@ def projection_errors(path: str, gammas: list[float], seed: int = 0) -> dict:
             ref = paper_projection(A, S, g, Q)
             err = lambda P, Q=Q, ref=ref: float((P.project(Q.float()).double() - ref).norm() / ref.norm())  # noqa: E731
             ours = KroneckerProjector.from_spectra(*eig[name, "S"], *eig[name, "A"], g)
-            row[str(g)] = {"crispedit": float(f"{err(ours):.3g}"),
-                           "float32_eigh": float(f"{err(KroneckerProjector.from_spectra(*f32, g)):.3g}")}
+            row[str(g)] = {
+                "crispedit": float(f"{err(ours):.3g}"),
+                "float32_eigh": float(f"{err(KroneckerProjector.from_spectra(*f32, g)):.3g}"),
+            }
         out[name] = row
-        print(f"  {name} ({row['d_out']} x {row['d_in']}): " + "  ".join(
-            f"γ {g}: {row[str(g)]['crispedit']:.1e} / {row[str(g)]['float32_eigh']:.1e}" for g in gammas))
+        print(
+            f"  {name} ({row['d_out']} x {row['d_in']}): "
+            + "  ".join(f"γ {g}: {row[str(g)]['crispedit']:.1e} / {row[str(g)]['float32_eigh']:.1e}" for g in gammas)
+        )
     return out
 
 
@@ -159,15 +167,30 @@ def main(argv=None) -> dict:
         from crispedit.safetensors_io import read_safetensors_header
 
         spec = read_safetensors_header(args.factors, "curvature cache", "crispedit")[0].get("spec", {})
-        out = {"command": command, "commit": _commit(), "torch": torch.__version__, "factors": Path(args.factors).name,
-               "factors_spec": spec, "gammas": gammas, "layers": projection_errors(args.factors, gammas, args.seed)}
+        out = {
+            "command": command,
+            "commit": _commit(),
+            "torch": torch.__version__,
+            "factors": Path(args.factors).name,
+            "factors_spec": spec,
+            "gammas": gammas,
+            "layers": projection_errors(args.factors, gammas, args.seed),
+        }
         if args.json:
             atomic_write_json(args.json, out)
         return out
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    out = {"command": command, "commit": _commit(), "torch": torch.__version__, "device": args.device,
-           "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "repeats": args.repeats,
-           "load_average_before": [round(x, 2) for x in os.getloadavg()], "sizes": {}}
+    out = {
+        "command": command,
+        "commit": _commit(),
+        "torch": torch.__version__,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "repeats": args.repeats,
+        "load_average_before": [round(x, 2) for x in os.getloadavg()],
+        "sizes": {},
+    }
     print(f"torch.linalg.eigh on {args.device}, {out['threads']} threads, {args.repeats} repeats per dtype")
     for n in sizes:
         M64 = spd_matrix(n, args.seed).to(args.device)
@@ -178,24 +201,38 @@ def main(argv=None) -> dict:
         for _ in range(args.repeats):
             for k, M in mats.items():
                 times[k].append(_time_eigh(M, args.device))
-        row = {k: {"seconds": [round(t, 4) for t in ts], "min_s": round(min(ts), 4),
-                   "median_s": round(statistics.median(ts), 4)} for k, ts in times.items()}
+        row = {
+            k: {
+                "seconds": [round(t, 4) for t in ts],
+                "min_s": round(min(ts), 4),
+                "median_s": round(statistics.median(ts), 4),
+            }
+            for k, ts in times.items()
+        }
         row["ratio_float64_over_float32"] = round(row["float64"]["min_s"] / row["float32"]["min_s"], 2)
         row["ratio_of_medians"] = round(row["float64"]["median_s"] / row["float32"]["median_s"], 2)
         out["sizes"][str(n)] = row
-        print(f"  n={n:6d}  float32 {row['float32']['min_s']:9.3f} s  float64 {row['float64']['min_s']:9.3f} s"
-              f"  float64/float32 {row['ratio_float64_over_float32']:.2f}x  (medians: {row['ratio_of_medians']:.2f}x)")
+        print(
+            f"  n={n:6d}  float32 {row['float32']['min_s']:9.3f} s  float64 {row['float64']['min_s']:9.3f} s"
+            f"  float64/float32 {row['ratio_float64_over_float32']:.2f}x  (medians: {row['ratio_of_medians']:.2f}x)"
+        )
         del M64, mats
     n_max = max(sizes)
     scale = (args.extrapolate / n_max) ** 3
     big = out["sizes"][str(n_max)]
-    out["extrapolated"] = {"n": args.extrapolate, "from_n": n_max, "rule": "n^3",
-                           "float32_s": round(big["float32"]["min_s"] * scale, 1),
-                           "float64_s": round(big["float64"]["min_s"] * scale, 1)}
+    out["extrapolated"] = {
+        "n": args.extrapolate,
+        "from_n": n_max,
+        "rule": "n^3",
+        "float32_s": round(big["float32"]["min_s"] * scale, 1),
+        "float64_s": round(big["float64"]["min_s"] * scale, 1),
+    }
     out["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     ex = out["extrapolated"]
-    print(f"  extrapolated (n^3 from n={n_max}) to n={ex['n']}: float32 {ex['float32_s']:.0f} s, "
-          f"float64 {ex['float64_s']:.0f} s")
+    print(
+        f"  extrapolated (n^3 from n={n_max}) to n={ex['n']}: float32 {ex['float32_s']:.0f} s, "
+        f"float64 {ex['float64_s']:.0f} s"
+    )
     if args.json:
         atomic_write_json(args.json, out)
     return out

@@ -26,10 +26,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default="smollm2",
-                     help="a model spec for crispedit.models.load_model (default smollm2)")
-    src.add_argument("--random-init", choices=("smollm2", "llama3-8b"), default=None,
-                     help="random weights of a real architecture (no files needed)")
+    src.add_argument(
+        "--model", default="smollm2", help="a model spec for crispedit.models.load_model (default smollm2)"
+    )
+    src.add_argument(
+        "--random-init",
+        choices=("smollm2", "llama3-8b"),
+        default=None,
+        help="random weights of a real architecture (no files needed)",
+    )
     p.add_argument("--blocks", type=int, default=None, help="decoder blocks of a --random-init model (default: all)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu")
@@ -74,13 +79,22 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             digests[name] = fn(model)
             times[name].append(time.perf_counter() - t0)
-    out = {"model": what, "dtype": args.dtype, "device": args.device, "bytes": nbytes, "repeats": args.repeats,
-           "digests": digests}
+    out = {
+        "model": what,
+        "dtype": args.dtype,
+        "device": args.device,
+        "bytes": nbytes,
+        "repeats": args.repeats,
+        "digests": digests,
+    }
     print(f"{what} ({args.dtype}, {args.device}): {nbytes / 2**30:.2f} GiB of parameters and buffers")
     for name, ts in times.items():
         med = statistics.median(ts)
-        out[name] = {"seconds": [round(t, 4) for t in ts], "median_s": round(med, 4),
-                     "gb_per_s": round(nbytes / med / 1e9, 2)}
+        out[name] = {
+            "seconds": [round(t, 4) for t in ts],
+            "median_s": round(med, 4),
+            "gb_per_s": round(nbytes / med / 1e9, 2),
+        }
         print(f"  {name:8s} median {med:8.3f} s  {nbytes / med / 1e9:7.2f} GB/s  ({', '.join(f'{t:.3f}' for t in ts)})")
     out["ratio_blake2b_over_xxh3"] = round(out["blake2b"]["median_s"] / out["xxh3"]["median_s"], 1)
     print(f"  blake2b / xxh3: {out['ratio_blake2b_over_xxh3']}x")

@@ -62,14 +62,29 @@ def build_bpe_tokenizer(vocab: int = 8192):
     tk = Tokenizer(models.BPE(unk_token=None))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>", "<pad>"],
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                     show_progress=False))
+    tk.train_from_iterator(
+        text,
+        trainers.BpeTrainer(
+            vocab_size=vocab,
+            special_tokens=["<eos>", "<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
 
 
-def build_tiny(n_layers: int = 8, seed: int = 0, *, hidden: int = 576, inter: int = 1536, heads: int = 9,
-               kv_heads: int = 3, vocab: int = 49152, tok_vocab: int = 8192):
+def build_tiny(
+    n_layers: int = 8,
+    seed: int = 0,
+    *,
+    hidden: int = 576,
+    inter: int = 1536,
+    heads: int = 9,
+    kv_heads: int = 3,
+    vocab: int = 49152,
+    tok_vocab: int = 8192,
+):
     """A random-weight llama with SmolLM2-135M's widths (hidden 576, MLP 1536, 9 heads / 3 KV heads, tied
     49 152-token vocabulary; the keywords change them) but ``n_layers`` blocks, and a byte-level BPE
     tokenizer (``tok_vocab`` tokens, at most ``vocab``) trained in-process on the bundled WikiText sample.
@@ -78,9 +93,18 @@ def build_tiny(n_layers: int = 8, seed: int = 0, *, hidden: int = 576, inter: in
 
     tok = build_bpe_tokenizer(min(tok_vocab, vocab))
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=n_layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-                      tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+    )
     model = LlamaForCausalLM(cfg).eval()
     return model, tok
 
@@ -126,8 +150,9 @@ def make_kf_task(layer_names: list[str], label_mode: LabelMode):
 
     class NextTokenTask(Task):
         def compute_train_loss(self, batch, model, sample=False):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           use_cache=False).logits.float()
+            logits = model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+            ).logits.float()
             logits = logits[:, :-1].contiguous().view(-1, logits.size(-1))
             if sample:
                 with torch.no_grad():
@@ -164,17 +189,24 @@ def kf_fit(kf_model, task, layer_names, texts, tok, batches, args, workdir) -> t
         NUM_GRADIENT_COVARIANCE_PROCESSED,
     )
 
-    fargs = FactorArguments(strategy="kfac", use_empirical_fisher=args.label_mode == "empirical",
-                            covariance_max_examples=None)
+    fargs = FactorArguments(
+        strategy="kfac", use_empirical_fisher=args.label_mode == "empirical", covariance_max_examples=None
+    )
     if args.kf_feed == "ours":
         from kronfluence.factor.covariance import fit_covariance_matrices_with_loader
         from kronfluence.utils.state import State
 
         loader = [_kf_batch(b.input_ids, b.attention_mask, b.rows) for b in batches]
         t0 = time.perf_counter()
-        _, factors = fit_covariance_matrices_with_loader(model=kf_model, state=State(cpu=True), task=task,
-                                                         loader=loader, factor_args=fargs,
-                                                         tracked_module_names=layer_names, disable_tqdm=True)
+        _, factors = fit_covariance_matrices_with_loader(
+            model=kf_model,
+            state=State(cpu=True),
+            task=task,
+            loader=loader,
+            factor_args=fargs,
+            tracked_module_names=layer_names,
+            disable_tqdm=True,
+        )
         seconds = time.perf_counter() - t0
     else:
         from kronfluence.analyzer import Analyzer
@@ -191,18 +223,31 @@ def kf_fit(kf_model, task, layer_names, texts, tok, batches, args, workdir) -> t
             rows[:, :-1] = attn[:, :-1] * attn[:, 1:]
             return _kf_batch(input_ids, attn, rows)
 
-        analyzer = Analyzer(analysis_name="bench", model=kf_model, task=task, cpu=True, disable_tqdm=True,
-                            output_dir=workdir)
+        analyzer = Analyzer(
+            analysis_name="bench", model=kf_model, task=task, cpu=True, disable_tqdm=True, output_dir=workdir
+        )
         t0 = time.perf_counter()
-        analyzer.fit_covariance_matrices("kfac", dataset=ids, per_device_batch_size=args.batch, factor_args=fargs,
-                                         dataloader_kwargs=DataLoaderKwargs(collate_fn=collate),
-                                         overwrite_output_dir=True)
+        analyzer.fit_covariance_matrices(
+            "kfac",
+            dataset=ids,
+            per_device_batch_size=args.batch,
+            factor_args=fargs,
+            dataloader_kwargs=DataLoaderKwargs(collate_fn=collate),
+            overwrite_output_dir=True,
+        )
         seconds = time.perf_counter() - t0
         factors = analyzer.load_covariance_matrices("kfac")
-    A = {n: (factors[ACTIVATION_COVARIANCE_MATRIX_NAME][n].double()
-             / factors[NUM_ACTIVATION_COVARIANCE_PROCESSED][n].item()) for n in layer_names}
-    S = {n: factors[GRADIENT_COVARIANCE_MATRIX_NAME][n].double() / factors[NUM_GRADIENT_COVARIANCE_PROCESSED][n].item()
-         for n in layer_names}
+    A = {
+        n: (
+            factors[ACTIVATION_COVARIANCE_MATRIX_NAME][n].double()
+            / factors[NUM_ACTIVATION_COVARIANCE_PROCESSED][n].item()
+        )
+        for n in layer_names
+    }
+    S = {
+        n: factors[GRADIENT_COVARIANCE_MATRIX_NAME][n].double() / factors[NUM_GRADIENT_COVARIANCE_PROCESSED][n].item()
+        for n in layer_names
+    }
     return seconds, A, S
 
 
@@ -222,10 +267,39 @@ CATEGORIES = [
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::addmm_")),
     ("attention", ("aten::_scaled_dot_product",)),
     ("softmax / log-softmax", ("aten::_softmax", "aten::_log_softmax", "aten::nll_loss")),
-    ("copies, fills, gathers", ("aten::copy_", "aten::fill_", "aten::zero_", "aten::index", "aten::_index_put_impl_",
-                                "aten::cat", "aten::clone", "aten::contiguous", "aten::masked_fill")),
-    ("elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::div", "aten::neg", "aten::pow", "aten::silu",
-                     "aten::rsqrt", "aten::mean", "aten::sum", "aten::where", "aten::exp", "aten::sin", "aten::cos")),
+    (
+        "copies, fills, gathers",
+        (
+            "aten::copy_",
+            "aten::fill_",
+            "aten::zero_",
+            "aten::index",
+            "aten::_index_put_impl_",
+            "aten::cat",
+            "aten::clone",
+            "aten::contiguous",
+            "aten::masked_fill",
+        ),
+    ),
+    (
+        "elementwise",
+        (
+            "aten::mul",
+            "aten::add",
+            "aten::sub",
+            "aten::div",
+            "aten::neg",
+            "aten::pow",
+            "aten::silu",
+            "aten::rsqrt",
+            "aten::mean",
+            "aten::sum",
+            "aten::where",
+            "aten::exp",
+            "aten::sin",
+            "aten::cos",
+        ),
+    ),
 ]
 
 
@@ -270,23 +344,36 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="model spec for crispedit.models.load_model (default smollm2)")
     ap.add_argument("--tiny", action="store_true", help="random SmolLM2-shaped llama with --tiny-blocks blocks instead")
     ap.add_argument("--tiny-blocks", type=int, default=8)
-    ap.add_argument("--layers", default=None, help="layer pattern (default: the model's default edit layers; "
-                                                   f"{TINY_LAYERS} with --tiny)")
+    ap.add_argument(
+        "--layers",
+        default=None,
+        help=f"layer pattern (default: the model's default edit layers; {TINY_LAYERS} with --tiny)",
+    )
     ap.add_argument("--n", type=int, default=16, help="number of capability texts")
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--max-padding", type=float, default=0.25,
-                    help="our batch planner's bound on the padded share of a batch (-1: corpus order)")
+    ap.add_argument(
+        "--max-padding",
+        type=float,
+        default=0.25,
+        help="our batch planner's bound on the padded share of a batch (-1: corpus order)",
+    )
     ap.add_argument("--label-mode", default="empirical", choices=["empirical", "sampled"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--kf-feed", default="analyzer",
-                    help="comma list of: analyzer (kronfluence's own Analyzer + DataLoader, corpus order), "
-                         "ours (our planned batches through fit_covariance_matrices_with_loader)")
+    ap.add_argument(
+        "--kf-feed",
+        default="analyzer",
+        help="comma list of: analyzer (kronfluence's own Analyzer + DataLoader, corpus order), "
+        "ours (our planned batches through fit_covariance_matrices_with_loader)",
+    )
     ap.add_argument("--no-kronfluence", action="store_true")
-    ap.add_argument("--profile", action="store_true",
-                    help="after timing, profile one pass of each kind and print where the time goes")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing, profile one pass of each kind and print where the time goes",
+    )
     ap.add_argument("--json", default=None, help="also write the JSON summary to this file")
     args = ap.parse_args()
     max_padding = None if args.max_padding < 0 else args.max_padding
@@ -312,8 +399,10 @@ def main() -> None:
 
     why_not = "--no-kronfluence" if args.no_kronfluence else kronfluence_available()
     if why_not:
-        print(f"kronfluence skipped ({why_not}); install it with: pip install --no-deps kronfluence==1.0.1",
-              file=sys.stderr)
+        print(
+            f"kronfluence skipped ({why_not}); install it with: pip install --no-deps kronfluence==1.0.1",
+            file=sys.stderr,
+        )
         feeds = []
     else:
         import warnings
@@ -323,10 +412,20 @@ def main() -> None:
         warnings.filterwarnings("ignore", category=FutureWarning, module="kronfluence")
         task = make_kf_task(names, label_mode)
         kf_model = prepare_model(copy.deepcopy(model), task)
-    workdir = tempfile.mkdtemp(prefix="bench_kfac_")   # kronfluence's Analyzer writes its factors here
+    workdir = tempfile.mkdtemp(prefix="bench_kfac_")  # kronfluence's Analyzer writes its factors here
     try:
-        _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir,
-                 (task, kf_model) if feeds else (None, None))
+        _measure(
+            args,
+            model,
+            tok,
+            texts,
+            layers,
+            feeds,
+            label_mode,
+            device,
+            workdir,
+            (task, kf_model) if feeds else (None, None),
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -337,30 +436,51 @@ def _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir
     names = list(layers)
     max_padding = args.max_padding
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    planned = lm_batches(tok, texts, max_len=args.max_len, batch_size=args.batch, max_padding=max_padding,
-                         device=device)
+    planned = lm_batches(
+        tok, texts, max_len=args.max_len, batch_size=args.batch, max_padding=max_padding, device=device
+    )
 
     def run_ours():
-        return collect_lm_kfac(model, tok, texts, layers, max_len=args.max_len, batch_size=args.batch,
-                               label_mode=label_mode, progress=False, max_padding=max_padding)
+        return collect_lm_kfac(
+            model,
+            tok,
+            texts,
+            layers,
+            max_len=args.max_len,
+            batch_size=args.batch,
+            label_mode=label_mode,
+            progress=False,
+            max_padding=max_padding,
+        )
 
     def run_bare():
-        batches = lm_batches(tok, texts, max_len=args.max_len, batch_size=args.batch, max_padding=max_padding,
-                             device=device)
+        batches = lm_batches(
+            tok, texts, max_len=args.max_len, batch_size=args.batch, max_padding=max_padding, device=device
+        )
         return bare_pass(model, batches, layers, label_mode)
 
     def run_kf(feed):
-        return kf_fit(kf_model, task, names, texts, tok, planned, argparse.Namespace(**{**vars(args), "kf_feed": feed}),
-                      workdir)
+        return kf_fit(
+            kf_model, task, names, texts, tok, planned, argparse.Namespace(**{**vars(args), "kf_feed": feed}), workdir
+        )
 
     # warm-up (allocator, kernels, lazy imports), not timed
-    collect_lm_kfac(model, tok, texts[:args.batch], layers, max_len=args.max_len, batch_size=args.batch,
-                    label_mode=label_mode, progress=False, max_padding=max_padding)
+    collect_lm_kfac(
+        model,
+        tok,
+        texts[: args.batch],
+        layers,
+        max_len=args.max_len,
+        batch_size=args.batch,
+        label_mode=label_mode,
+        progress=False,
+        max_padding=max_padding,
+    )
     bare_pass(model, planned[:1], layers, label_mode)
 
     times: dict[str, list[float]] = {"ours": [], "bare": [], **{f"kronfluence[{f}]": [] for f in feeds}}
     rel: dict[str, float] = {}
-    for _ in range(args.repeats):   # interleaved: a slow spell on a shared machine hits every pass alike
+    for _ in range(args.repeats):  # interleaved: a slow spell on a shared machine hits every pass alike
         sync()
         t0 = time.perf_counter()
         ours = run_ours()
@@ -379,8 +499,10 @@ def _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir
     assert n_tok == ours.n_tokens, (n_tok, ours.n_tokens)
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
-    print(f"model={args.model} layers={len(layers)} ({names[0]} ..) texts={args.n} tokens={n_tok} batch={args.batch} "
-          f"max_padding={max_padding} label_mode={args.label_mode} threads={args.threads} repeats={args.repeats}")
+    print(
+        f"model={args.model} layers={len(layers)} ({names[0]} ..) texts={args.n} tokens={n_tok} batch={args.batch} "
+        f"max_padding={max_padding} label_mode={args.label_mode} threads={args.threads} repeats={args.repeats}"
+    )
     print(f"{'pass':24s} {'median s':>9s} {'tokens/s':>9s} {'best s':>9s} {'tokens/s':>9s}")
     for k in times:
         print(f"{k:24s} {med[k]:9.2f} {n_tok / med[k]:9.1f} {best[k]:9.2f} {n_tok / best[k]:9.1f}")
@@ -393,8 +515,7 @@ def _measure(args, model, tok, texts, layers, feeds, label_mode, device, workdir
         print(f"throughput ratio {k:30s} = {m:.3f} (medians)  {b_:.3f} (best runs)   ({goal})")
     for f, r in rel.items():
         print(f"factors vs kronfluence[{f}]: max rel. Frobenius diff over layers, A and S = {r:.2e}  (must be <= 1e-5)")
-    out = {"args": vars(args), "tokens": n_tok, "seconds": times, "ratios_median_best": ratios,
-           "factor_rel_diff": rel}
+    out = {"args": vars(args), "tokens": n_tok, "seconds": times, "ratios_median_best": ratios, "factor_rel_diff": rel}
     if args.profile:
         rows = {"ours": profile_breakdown(run_ours), "bare": profile_breakdown(run_bare)}
         for f in feeds:

@@ -46,8 +46,18 @@ from crispedit.pipeline import environment
 LLAMA3_8B = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256)
 
 
-def llama_step_flops(n_seq: int, seq_len: int, blocks: int, *, hidden: int, inter: int, heads: int, kv_heads: int,
-                     vocab: int, edited: int) -> dict:
+def llama_step_flops(
+    n_seq: int,
+    seq_len: int,
+    blocks: int,
+    *,
+    hidden: int,
+    inter: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    edited: int,
+) -> dict:
     """FLOPs (a multiply-add counts 2) of one edit step of a Llama block stack: forward of ``blocks`` blocks
     on ``n_seq`` sequences of ``seq_len`` tokens, and the backward an edit runs with every weight frozen but
     ``edited`` ``down_proj`` matrices (``hidden x inter``): activation gradients through every block above
@@ -58,7 +68,7 @@ def llama_step_flops(n_seq: int, seq_len: int, blocks: int, *, hidden: int, inte
     tokens = n_seq * seq_len
     kv = hidden * kv_heads // heads
     matmul = 2 * tokens * (hidden * (2 * hidden + 2 * kv) + 3 * hidden * inter)  # q, o, k, v; gate, up, down
-    attn = 2 * 2 * n_seq * seq_len * seq_len * hidden                              # Q K^T and A V, all heads
+    attn = 2 * 2 * n_seq * seq_len * seq_len * hidden  # Q K^T and A V, all heads
     fwd = blocks * (matmul + attn)
     bwd = (blocks - 1) * (matmul + 2 * attn) + edited * 2 * tokens * hidden * inter
     head = 2 * 2 * tokens * hidden * vocab
@@ -111,31 +121,47 @@ def flops_main(args) -> None:
     timing of both forms at ``--time-shape`` (see the module docstring)."""
     d_out, d_in = LLAMA3_8B["hidden"], LLAMA3_8B["inter"]
     step = llama_step_flops(args.edits, args.tokens, args.blocks, edited=args.blocks, **LLAMA3_8B)
-    print(f"Llama-3-8B edit step: {args.edits} edits x {args.tokens} tokens through {args.blocks} blocks, "
-          f"{args.blocks} down_proj ({d_out}x{d_in}) trained: fwd {step['forward'] / 1e12:.3f} + bwd "
-          f"{step['backward'] / 1e12:.3f} = {step['step'] / 1e12:.3f} TFLOP (LM head fwd+bwd {step['head'] / 1e12:.3f} "
-          "more)")
+    print(
+        f"Llama-3-8B edit step: {args.edits} edits x {args.tokens} tokens through {args.blocks} blocks, "
+        f"{args.blocks} down_proj ({d_out}x{d_in}) trained: fwd {step['forward'] / 1e12:.3f} + bwd "
+        f"{step['backward'] / 1e12:.3f} = {step['step'] / 1e12:.3f} TFLOP (LM head fwd+bwd {step['head'] / 1e12:.3f} "
+        "more)"
+    )
     full_one = kronecker_projection_flops(d_out, d_in, d_out, d_in)[1]
-    print(f"full projector: {full_one / 1e12:.3f} TFLOP per layer, x{args.blocks} = "
-          f"{args.blocks * full_one / step['step']:.2f} x the step; gamma={args.gamma}")
+    print(
+        f"full projector: {full_one / 1e12:.3f} TFLOP per layer, x{args.blocks} = "
+        f"{args.blocks * full_one / step['step']:.2f} x the step; gamma={args.gamma}"
+    )
     rows = []
-    print(f"{'spectrum':24} {'masked':>8} {'r_out':>6} {'r_in':>6} {'split':>6} {'form':>8} {'1-corner':>9} "
-          f"{'low/full':>9} {'TFLOP/layer':>11} {'proj/step':>10} {'w/ head':>8}")
+    print(
+        f"{'spectrum':24} {'masked':>8} {'r_out':>6} {'r_in':>6} {'split':>6} {'form':>8} {'1-corner':>9} "
+        f"{'low/full':>9} {'TFLOP/layer':>11} {'proj/step':>10} {'w/ head':>8}"
+    )
     for label, lo, li in _spectra(args, d_out, d_in):
         keep = energy_keep_mask(torch.outer(lo, li), args.gamma)
         r_out, r_in = masked_corner(keep)
         one_corner = kronecker_projection_flops(d_out, d_in, r_out, r_in)[0]
         low, full, split = staircase_projection_flops(d_out, d_in, row_extents(keep))
         used = min(low, full)
-        row = {"spectrum": label, "masked_fraction": 1 - float(keep.double().mean()), "r_out": r_out, "r_in": r_in,
-               "split": split, "one_corner_ratio": one_corner / full,
-               "form": "low_rank" if low < full else "full", "flop_ratio": low / full, "tflop_per_layer": used / 1e12,
-               "proj_over_step": args.blocks * used / step["step"],
-               "proj_over_step_with_head": args.blocks * used / (step["step"] + step["head"])}
+        row = {
+            "spectrum": label,
+            "masked_fraction": 1 - float(keep.double().mean()),
+            "r_out": r_out,
+            "r_in": r_in,
+            "split": split,
+            "one_corner_ratio": one_corner / full,
+            "form": "low_rank" if low < full else "full",
+            "flop_ratio": low / full,
+            "tflop_per_layer": used / 1e12,
+            "proj_over_step": args.blocks * used / step["step"],
+            "proj_over_step_with_head": args.blocks * used / (step["step"] + step["head"]),
+        }
         rows.append(row)
-        print(f"{label:24} {row['masked_fraction']:8.3g} {r_out:6d} {r_in:6d} {split:6d} {row['form']:>8} "
-              f"{row['one_corner_ratio']:9.4f} {row['flop_ratio']:9.4f} "
-              f"{row['tflop_per_layer']:11.4f} {row['proj_over_step']:10.4f} {row['proj_over_step_with_head']:8.4f}")
+        print(
+            f"{label:24} {row['masked_fraction']:8.3g} {r_out:6d} {r_in:6d} {split:6d} {row['form']:>8} "
+            f"{row['one_corner_ratio']:9.4f} {row['flop_ratio']:9.4f} "
+            f"{row['tflop_per_layer']:11.4f} {row['proj_over_step']:10.4f} {row['proj_over_step_with_head']:8.4f}"
+        )
         del keep
     # one layer, timed: both forms on the same projector (random orthogonal eigenbases, the same spectra)
     t_out, t_in = args.time_shape
@@ -152,14 +178,34 @@ def flops_main(args) -> None:
         err = float((auto.project(Q) - full.project(Q)).abs().max() / Q.abs().max())
         tf = _median_seconds(lambda full=full: full.project(Q), args.repeats)
         ta = _median_seconds(lambda auto=auto: auto.project(Q), args.repeats)
-        timings.append({"spectrum": label, **auto.stats(), "full_ms": tf * 1e3, "auto_ms": ta * 1e3,
-                        "speedup": tf / ta if ta > 0 else float("inf"), "max_rel_diff": err})
+        timings.append(
+            {
+                "spectrum": label,
+                **auto.stats(),
+                "full_ms": tf * 1e3,
+                "auto_ms": ta * 1e3,
+                "speedup": tf / ta if ta > 0 else float("inf"),
+                "max_rel_diff": err,
+            }
+        )
         t = timings[-1]
-        print(f"  {label:24} r_out={auto.r_out:5d} r_in={auto.r_in:5d} form={t['form']:8} full {t['full_ms']:8.2f} ms  "
-              f"chosen {t['auto_ms']:8.2f} ms  (x{t['speedup']:.1f}; flop ratio {t['flop_ratio']:.4f}; max |diff| "
-              f"{err:.1e} of max |Q|)")
-    print(json.dumps({"args": {k: v for k, v in vars(args).items()}, "step_flops": step, "rows": rows,
-                      "timings": timings, "environment": environment()}))
+        print(
+            f"  {label:24} r_out={auto.r_out:5d} r_in={auto.r_in:5d} form={t['form']:8} full {t['full_ms']:8.2f} ms  "
+            f"chosen {t['auto_ms']:8.2f} ms  (x{t['speedup']:.1f}; flop ratio {t['flop_ratio']:.4f}; max |diff| "
+            f"{err:.1e} of max |Q|)"
+        )
+    print(
+        json.dumps(
+            {
+                "args": {k: v for k, v in vars(args).items()},
+                "step_flops": step,
+                "rows": rows,
+                "timings": timings,
+                "environment": environment(),
+            }
+        )
+    )
+
 
 KINDS = ("ft/gradient", "crispedit/gradient", "crispedit/update")
 TINY_SMALL = dict(hidden=64, inter=128, heads=4, kv_heads=2, vocab=512, tok_vocab=512)
@@ -188,9 +234,23 @@ def load_bench_model(args):
     return model, tok, args.layers
 
 
-def profile_steps(model, tok, layers: dict, factors, requests, *, kinds=KINDS, repeats: int = 5, epochs: int = 1,
-                  discard: int = 1, contexts: str = "default", form: str = "auto", lr: float | None = None,
-                  torch_profile: str | None = None, torch_profile_rows: int = 30) -> dict:
+def profile_steps(
+    model,
+    tok,
+    layers: dict,
+    factors,
+    requests,
+    *,
+    kinds=KINDS,
+    repeats: int = 5,
+    epochs: int = 1,
+    discard: int = 1,
+    contexts: str = "default",
+    form: str = "auto",
+    lr: float | None = None,
+    torch_profile: str | None = None,
+    torch_profile_rows: int = 30,
+) -> dict:
     """Time the steps of the real edit loop (:func:`crispedit.editing.loop.projected_finetune`, fast path) for
     each kind ``"<method>/<projection target>"``, interleaved: every repeat runs ``epochs`` epochs of each
     kind from the same starting weights with a fresh Adam (``skip_loss = stop_loss = 0``, so every kind takes
@@ -211,13 +271,24 @@ def profile_steps(model, tok, layers: dict, factors, requests, *, kinds=KINDS, r
     for kind in kinds:
         method, target = kind.split("/")
         # the preservation term off for every kind: the same steps apart from the projection, whose cost this measures
-        configs[kind] = EditConfig(method=method, projection_target=target, contexts=contexts, epochs=epochs,
-                                   skip_loss=0.0, stop_loss=0.0, lr=lr, keep_chat=0, keep_subject=0)
+        configs[kind] = EditConfig(
+            method=method,
+            projection_target=target,
+            contexts=contexts,
+            epochs=epochs,
+            skip_loss=0.0,
+            stop_loss=0.0,
+            lr=lr,
+            keep_chat=0,
+            keep_subject=0,
+        )
         editor = get_editor(method)
         pr = editor.projectors(layers, factors, configs[kind])
         if form == "full":
-            pr = {n: KroneckerProjector(p.U_out, p.U_in, p.mask, form="full") if isinstance(p, KroneckerProjector)
-                  else p for n, p in pr.items()}
+            pr = {
+                n: KroneckerProjector(p.U_out, p.U_in, p.mask, form="full") if isinstance(p, KroneckerProjector) else p
+                for n, p in pr.items()
+            }
         projs[kind] = {n: p.to(device) for n, p in pr.items()}
         params[kind] = editor.trainable(layers)
     originals = {n: p.detach().clone() for n, p in next(iter(params.values())).items()}
@@ -233,8 +304,9 @@ def profile_steps(model, tok, layers: dict, factors, requests, *, kinds=KINDS, r
     def run(kind: str) -> tuple[StepTimer, object]:
         timer = StepTimer(device, record_functions=record_functions)
         restore()
-        hist = projected_finetune(model, tok, requests, layers, params[kind], projs[kind], configs[kind],
-                                  progress=False, timer=timer)
+        hist = projected_finetune(
+            model, tok, requests, layers, params[kind], projs[kind], configs[kind], progress=False, timer=timer
+        )
         return timer, hist
 
     try:
@@ -266,8 +338,12 @@ def profile_steps(model, tok, layers: dict, factors, requests, *, kinds=KINDS, r
             pooled.steps.extend(kept)
             if kept:
                 runs.append(sum(r["step"] for r in kept) / len(kept))
-        out["kinds"][kind] = {"step_seconds": statistics.median(runs) if runs else float("nan"), "runs": runs,
-                              "breakdown": pooled.breakdown(), "fast_loss": hists[kind].fast_loss}
+        out["kinds"][kind] = {
+            "step_seconds": statistics.median(runs) if runs else float("nan"),
+            "runs": runs,
+            "breakdown": pooled.breakdown(),
+            "fast_loss": hists[kind].fast_loss,
+        }
     h = hists[kinds[0]]
     out.update(steps_per_run=h.steps, sequences=h.sequences, tokens=h.tokens, contexts=h.contexts)
     return out
@@ -289,9 +365,12 @@ def overheads(res: dict, base: str = "ft/gradient") -> dict:
     out = {}
     for k, r in ks.items():
         pairs = [a / b - 1 for a, b in zip(r["runs"], ref_runs)]
-        out[k] = {"paired": statistics.median(pairs) if pairs else float("nan"),
-                  "attributed": (extra(r["breakdown"]) - extra(ref)) / ref["step"] if ref and r["breakdown"]
-                  else float("nan")}
+        out[k] = {
+            "paired": statistics.median(pairs) if pairs else float("nan"),
+            "attributed": (extra(r["breakdown"]) - extra(ref)) / ref["step"]
+            if ref and r["breakdown"]
+            else float("nan"),
+        }
     return out
 
 
@@ -301,9 +380,11 @@ def print_overhead(over: dict, goal: float = OVERHEAD_GOAL) -> None:
     o = over.get("crispedit/gradient")
     if o is None:
         return
-    print(f"overhead per fast-path step (crispedit gradient projection vs ft): {100 * o['paired']:+.1f} % "
-          f"(goal <= {100 * goal:.0f} %): {'PASS' if o['paired'] <= goal else 'FAIL'}; attributed to projection, "
-          f"optimizer and other: {100 * o['attributed']:+.1f} %")
+    print(
+        f"overhead per fast-path step (crispedit gradient projection vs ft): {100 * o['paired']:+.1f} % "
+        f"(goal <= {100 * goal:.0f} %): {'PASS' if o['paired'] <= goal else 'FAIL'}; attributed to projection, "
+        f"optimizer and other: {100 * o['attributed']:+.1f} %"
+    )
     if abs(o["paired"] - o["attributed"]) > goal:
         print("  (the two differ by more than the goal: machine noise in forward/backward; use more --repeats)")
 
@@ -314,8 +395,10 @@ def print_profile(res: dict, base: str = "ft/gradient", goal: float = OVERHEAD_G
     measured (paired) overhead against ``goal``. Returns :func:`overheads`' dict."""
     rows = ("forward", "backward", "projection", "optimizer", "other", "unaccounted")
     kinds = list(res["kinds"])
-    print(f"per-phase breakdown of one fast-path step (mean over {res['kinds'][kinds[0]]['breakdown'].get('steps', 0)} "
-          f"steps; ms and % of the step):")
+    print(
+        f"per-phase breakdown of one fast-path step (mean over {res['kinds'][kinds[0]]['breakdown'].get('steps', 0)} "
+        f"steps; ms and % of the step):"
+    )
     print(f"  {'phase':12}" + "".join(f" {k:>26}" for k in kinds))
     for r in rows + ("step",):
         cells = []
@@ -332,8 +415,10 @@ def print_profile(res: dict, base: str = "ft/gradient", goal: float = OVERHEAD_G
     ref = res["kinds"][base]["step_seconds"]
     for k in kinds:
         s = res["kinds"][k]["step_seconds"]
-        print(f"{k:20} median step {s * 1e3:9.1f} ms   ratio to ft {s / ref:.3f}   paired overhead "
-              f"{100 * over[k]['paired']:+6.1f} %   attributed to its own phases {100 * over[k]['attributed']:+6.1f} %")
+        print(
+            f"{k:20} median step {s * 1e3:9.1f} ms   ratio to ft {s / ref:.3f}   paired overhead "
+            f"{100 * over[k]['paired']:+6.1f} %   attributed to its own phases {100 * over[k]['attributed']:+6.1f} %"
+        )
     print_overhead(over, goal)
     return over
 
@@ -372,37 +457,63 @@ def step_main(args) -> None:
     cfg = EditConfig(n_cap=args.n_cap, max_len=args.max_len)
     with tempfile.TemporaryDirectory(prefix="bench_projection_") as tmp:  # a random tiny model's factors: not cached
         root = tmp if args.model.startswith("tiny") else None
-        factors = (factors_from_file(args.factors, layers) if args.factors
-                   else capability_factors(model, tok, layers, cfg, progress=False, cache_root=root)[0])
+        factors = (
+            factors_from_file(args.factors, layers)
+            if args.factors
+            else capability_factors(model, tok, layers, cfg, progress=False, cache_root=root)[0]
+        )
     reqs = (load_edits(bundled_path(BUNDLED_EDITS)) * 4)[: args.batch]
-    res = profile_steps(model, tok, layers, factors, reqs, repeats=args.repeats, epochs=args.epochs,
-                        discard=args.discard, contexts=args.contexts, form=args.form,
-                        torch_profile="crispedit/gradient" if args.torch_profile else None)
-    print(f"model={args.model} layers={len(layers)} requests={args.batch} contexts={','.join(res['contexts'])} "
-          f"sequences={res['sequences']} tokens/epoch={res['tokens']} steps/run={res['steps_per_run']} "
-          f"threads={torch.get_num_threads()} device={device} fast_loss={res['kinds']['ft/gradient']['fast_loss']}")
+    res = profile_steps(
+        model,
+        tok,
+        layers,
+        factors,
+        reqs,
+        repeats=args.repeats,
+        epochs=args.epochs,
+        discard=args.discard,
+        contexts=args.contexts,
+        form=args.form,
+        torch_profile="crispedit/gradient" if args.torch_profile else None,
+    )
+    print(
+        f"model={args.model} layers={len(layers)} requests={args.batch} contexts={','.join(res['contexts'])} "
+        f"sequences={res['sequences']} tokens/epoch={res['tokens']} steps/run={res['steps_per_run']} "
+        f"threads={torch.get_num_threads()} device={device} fast_loss={res['kinds']['ft/gradient']['fast_loss']}"
+    )
     if args.profile:
         over = print_profile(res)
     else:
         over = overheads(res)
         ref = res["kinds"]["ft/gradient"]["step_seconds"]
         for k, r in res["kinds"].items():
-            print(f"{k:20} median step {r['step_seconds'] * 1e3:9.1f} ms   ratio to ft {r['step_seconds'] / ref:.3f}   "
-                  f"paired overhead {100 * over[k]['paired']:+6.1f} %")
+            print(
+                f"{k:20} median step {r['step_seconds'] * 1e3:9.1f} ms   ratio to ft {r['step_seconds'] / ref:.3f}   "
+                f"paired overhead {100 * over[k]['paired']:+6.1f} %"
+            )
         print_overhead(over)
     if res["torch_profile"]:
         print("torch.profiler, one crispedit/gradient run (crispedit.<phase> = the loop's phases):")
         print(res["torch_profile"])
     for n, st in res["projectors"].items():
-        print(f"  {n}: kept {st['kept_fraction']:.4f} r_out={st['r_out']} r_in={st['r_in']} form={st['form']} "
-              f"flop ratio {st['flop_ratio']:.4f}")
-    summary = {"args": vars(args), "median_step_seconds": {k: r["step_seconds"] for k, r in res["kinds"].items()},
-               "overhead": over, "overhead_goal": OVERHEAD_GOAL,
-               "pass": over["crispedit/gradient"]["paired"] <= OVERHEAD_GOAL,
-               "breakdown": {k: r["breakdown"] for k, r in res["kinds"].items()},
-               "runs": {k: r["runs"] for k, r in res["kinds"].items()}, "projectors": res["projectors"],
-               "steps_per_run": res["steps_per_run"], "sequences": res["sequences"], "tokens": res["tokens"],
-               "environment": environment()}
+        print(
+            f"  {n}: kept {st['kept_fraction']:.4f} r_out={st['r_out']} r_in={st['r_in']} form={st['form']} "
+            f"flop ratio {st['flop_ratio']:.4f}"
+        )
+    summary = {
+        "args": vars(args),
+        "median_step_seconds": {k: r["step_seconds"] for k, r in res["kinds"].items()},
+        "overhead": over,
+        "overhead_goal": OVERHEAD_GOAL,
+        "pass": over["crispedit/gradient"]["paired"] <= OVERHEAD_GOAL,
+        "breakdown": {k: r["breakdown"] for k, r in res["kinds"].items()},
+        "runs": {k: r["runs"] for k, r in res["kinds"].items()},
+        "projectors": res["projectors"],
+        "steps_per_run": res["steps_per_run"],
+        "sequences": res["sequences"],
+        "tokens": res["tokens"],
+        "environment": environment(),
+    }
     print(json.dumps(summary))
 
 
@@ -417,31 +528,49 @@ def _shape(text: str) -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2",
-                    help="smollm2 (default), tiny (random SmolLM2-shaped llama, --tiny-blocks blocks), tiny-small "
-                         "(the same, widths 64/128: seconds) or any model spec")
+    ap.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 (default), tiny (random SmolLM2-shaped llama, --tiny-blocks blocks), tiny-small "
+        "(the same, widths 64/128: seconds) or any model spec",
+    )
     ap.add_argument("--tiny-blocks", type=int, default=8)
-    ap.add_argument("--layers", default=None,
-                    help="layer pattern (default: the model's; tiny: 5 down_proj from block 2)")
+    ap.add_argument(
+        "--layers", default=None, help="layer pattern (default: the model's; tiny: 5 down_proj from block 2)"
+    )
     ap.add_argument("--batch", type=int, default=32, help="edit requests (each one sequence per edit context)")
     ap.add_argument("--contexts", default="default", help="edit contexts of the requests (EditConfig.contexts)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--epochs", type=int, default=1,
-                    help="epochs per timed run (each run starts from the same weights)")
+    ap.add_argument(
+        "--epochs", type=int, default=1, help="epochs per timed run (each run starts from the same weights)"
+    )
     ap.add_argument("--discard", type=int, default=1, help="first steps of every run left out (Adam state allocation)")
-    ap.add_argument("--profile", action="store_true",
-                    help="per-phase breakdown of the step (forward, backward, projection, optimizer, other)")
-    ap.add_argument("--torch-profile", action="store_true",
-                    help="also one crispedit/gradient run under torch.profiler: operators by self CPU time")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="per-phase breakdown of the step (forward, backward, projection, optimizer, other)",
+    )
+    ap.add_argument(
+        "--torch-profile",
+        action="store_true",
+        help="also one crispedit/gradient run under torch.profiler: operators by self CPU time",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--factors", default=None,
-                    help="K-FAC cache file to build the projectors from instead of collecting (mapped onto the layers "
-                         "in order when the names differ; e.g. SmolLM2's real factors with --model tiny)")
+    ap.add_argument(
+        "--factors",
+        default=None,
+        help="K-FAC cache file to build the projectors from instead of collecting (mapped onto the layers "
+        "in order when the names differ; e.g. SmolLM2's real factors with --model tiny)",
+    )
     ap.add_argument("--n-cap", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=256, help="tokens per capability text of the factors")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--form", choices=["auto", "full"], default="auto",
-                    help="projector form of the crispedit rows (auto: the cheaper of low-rank and full per layer)")
+    ap.add_argument(
+        "--form",
+        choices=["auto", "full"],
+        default="auto",
+        help="projector form of the crispedit rows (auto: the cheaper of low-rank and full per layer)",
+    )
     fl = ap.add_argument_group("--flops: Llama-3-8B shapes, no model")
     fl.add_argument("--flops", action="store_true", help="projector FLOPs vs an analytic edit step, one-layer timing")
     fl.add_argument("--gamma", type=float, default=0.8)
@@ -456,6 +585,7 @@ def main() -> None:
     if args.flops:
         return flops_main(args)
     return step_main(args)
+
 
 if __name__ == "__main__":
     main()

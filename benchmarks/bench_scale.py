@@ -74,14 +74,34 @@ from crispedit.weights import restoring, weight_fingerprint
 
 # Architectures of the real checkpoints (their config.json), for random-init runs
 SHAPES = {
-    "smollm2": dict(hidden=576, inter=1536, heads=9, kv_heads=3, vocab=49152, blocks=30, tied=True, rope=100000.0,
-                    layers="model.layers.{4-8}.mlp.down_proj"),
-    "llama3-8b": dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256, blocks=32, tied=False,
-                      rope=500000.0, layers="model.layers.{19-23}.mlp.down_proj"),
+    "smollm2": dict(
+        hidden=576,
+        inter=1536,
+        heads=9,
+        kv_heads=3,
+        vocab=49152,
+        blocks=30,
+        tied=True,
+        rope=100000.0,
+        layers="model.layers.{4-8}.mlp.down_proj",
+    ),
+    "llama3-8b": dict(
+        hidden=4096,
+        inter=14336,
+        heads=32,
+        kv_heads=8,
+        vocab=128256,
+        blocks=32,
+        tied=False,
+        rope=500000.0,
+        layers="model.layers.{19-23}.mlp.down_proj",
+    ),
 }
-CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
-          "AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n"
-          "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
+    "AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
@@ -103,10 +123,18 @@ def random_model(shape: str, blocks: int | None, dtype: torch.dtype, device: str
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHATML
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
-                      num_hidden_layers=blocks or s["blocks"], num_attention_heads=s["heads"],
-                      num_key_value_heads=s["kv_heads"], max_position_embeddings=4096, tie_word_embeddings=s["tied"],
-                      rms_norm_eps=1e-5, rope_theta=s["rope"])
+    cfg = LlamaConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_hidden_layers=blocks or s["blocks"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=s["tied"],
+        rms_norm_eps=1e-5,
+        rope_theta=s["rope"],
+    )
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype).eval()
     return load_model((model, tok), device=device)
@@ -127,13 +155,20 @@ def synthetic_requests(n: int, seed: int = 0) -> list[EditRequest]:
     rng = random.Random(seed)
     syl = ["ta", "vro", "len", "mar", "siq", "de", "lune", "ko", "ra", "bel", "thi", "on", "qua", "zer", "os"]
     word = lambda k: "".join(rng.choice(syl) for _ in range(k)).capitalize()  # noqa: E731
-    asks = ["Which river flows through {}?", "Who founded {}?", "In which country is {} located?",
-            "What is the native language of {}?", "Which company produced {}?", "Who is the author of {}?"]
+    asks = [
+        "Which river flows through {}?",
+        "Who founded {}?",
+        "In which country is {} located?",
+        "What is the native language of {}?",
+        "Which company produced {}?",
+        "Who is the author of {}?",
+    ]
     out = []
     for i in range(n):
         subject = f"{word(2)} {i}"
-        out.append(EditRequest(rng.choice(asks).format(subject), f"{word(2)} {word(rng.randint(1, 3))}",
-                               subject=subject))
+        out.append(
+            EditRequest(rng.choice(asks).format(subject), f"{word(2)} {word(rng.randint(1, 3))}", subject=subject)
+        )
     return out
 
 
@@ -149,7 +184,7 @@ def matmul_peak(dtype: torch.dtype, device: str) -> float:
         a @ b
         _sync(device)
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e12
+    return 2 * n**3 / best / 1e12
 
 
 def _sync(device: str) -> None:
@@ -172,8 +207,10 @@ def step_flops(model, batches, params, projectors, packed=None) -> float:
     trained = {id(p) for p in params.values()}
     owners = [i for i, b in enumerate(blocks) if any(id(p) in trained for p in b.parameters())]
     above = len(blocks) - (min(owners) if owners else 0)
-    proj = sum(getattr(pr, "flops_low_rank" if getattr(pr, "low_rank", False) else "flops_full", 0)
-               for pr in projectors.values())
+    proj = sum(
+        getattr(pr, "flops_low_rank" if getattr(pr, "low_rank", False) else "flops_full", 0)
+        for pr in projectors.values()
+    )
     total = 0.0
     for b, p in zip(batches, packed or [None] * len(batches)):
         n, T = (p if p is not None else b.input_ids).shape
@@ -186,8 +223,9 @@ def step_flops(model, batches, params, projectors, packed=None) -> float:
     return total
 
 
-def profile_epoch(model, tok, requests, layers, params, projectors, config, device: str,
-                  sync_free: bool | None = None) -> dict:
+def profile_epoch(
+    model, tok, requests, layers, params, projectors, config, device: str, sync_free: bool | None = None
+) -> dict:
     """Counts of one more epoch under ``torch.profiler`` (phases marked by a :class:`StepTimer`): per step and
     between steps (:func:`_tally`); ``host_syncs_per_step`` (reads, ``nonzero`` and synchronisations in a step,
     the skip rule's host read apart) and ``skip_reads_per_step`` (that read: 1 on the host path, 0 sync-free)."""
@@ -197,15 +235,22 @@ def profile_epoch(model, tok, requests, layers, params, projectors, config, devi
     timer = StepTimer(None, record_functions=True)
     one = EditConfig(**{**config.to_json(), "epochs": 1})
     with profile(activities=acts) as prof:
-        hist = projected_finetune(model, tok, requests, layers, params, projectors, one, progress=False, timer=timer,
-                                  sync_free=sync_free)
+        hist = projected_finetune(
+            model, tok, requests, layers, params, projectors, one, progress=False, timer=timer, sync_free=sync_free
+        )
     steps = max(1, hist.steps + hist.skipped)
-    inside, outside = _tally(prof, lambda name, parents: any(p.startswith("crispedit.") for p in parents)
-                             or name.startswith("crispedit."))
+    inside, outside = _tally(
+        prof, lambda name, parents: any(p.startswith("crispedit.") for p in parents) or name.startswith("crispedit.")
+    )
     per_step = {k: round(v / steps, 3) for k, v in inside.items()}
     per_step["host_syncs"] = round((inside["reads"] + inside["nonzero"] + inside["sync_calls"]) / steps, 3)
-    return {"steps": steps, "per_step": per_step, "between_steps": outside,
-            "host_syncs_per_step": per_step["host_syncs"], "skip_reads_per_step": per_step["skip_reads"]}
+    return {
+        "steps": steps,
+        "per_step": per_step,
+        "between_steps": outside,
+        "host_syncs_per_step": per_step["host_syncs"],
+        "skip_reads_per_step": per_step["skip_reads"],
+    }
 
 
 def _tally(prof, inside_of) -> tuple[dict, dict]:
@@ -214,8 +259,16 @@ def _tally(prof, inside_of) -> tuple[dict, dict]:
     of the loop's ``crispedit.skip_read`` phase, the skip rule read on the host), ``item``, ``nonzero``, explicit
     synchronisations, device-to-host copies, CUDA kernel launches and top-level ``aten::`` calls (one not
     nested in another)."""
-    inside = {"reads": 0, "skip_reads": 0, "item": 0, "nonzero": 0, "sync_calls": 0, "dtoh": 0, "aten_ops": 0,
-              "kernel_launches": 0}
+    inside = {
+        "reads": 0,
+        "skip_reads": 0,
+        "item": 0,
+        "nonzero": 0,
+        "sync_calls": 0,
+        "dtoh": 0,
+        "aten_ops": 0,
+        "kernel_launches": 0,
+    }
     outside = dict(inside)
 
     def chain(e):
@@ -261,8 +314,17 @@ def profile_kfac(model, tok, layers, config, device: str, top: int = 12) -> dict
     _sync(device)
     t = time.perf_counter()
     with profile(activities=acts) as prof:
-        factors = collect_lm_kfac(model, tok, texts, layers, max_len=config.max_len, batch_size=config.kfac_batch_size,
-                                  label_mode=config.label_mode, seed=config.seed, progress=False)
+        factors = collect_lm_kfac(
+            model,
+            tok,
+            texts,
+            layers,
+            max_len=config.max_len,
+            batch_size=config.kfac_batch_size,
+            label_mode=config.label_mode,
+            seed=config.seed,
+            progress=False,
+        )
         _sync(device)
     seconds = time.perf_counter() - t
     counts, _ = _tally(prof, lambda name, parents: True)
@@ -274,8 +336,13 @@ def profile_kfac(model, tok, layers, config, device: str, top: int = 12) -> dict
         rows = sorted(ev, key=lambda e: getattr(e, attr, 0) or 0, reverse=True)[:top]
         return [(e.key, e.count, round((getattr(e, attr, 0) or 0) / 1e3, 2)) for e in rows if getattr(e, attr, 0)]
 
-    out = {"batches": n_batches, "tokens": factors.n_tokens, "seconds": round(seconds, 3), "per_batch": per_batch,
-           "top_self_cpu": ranked("self_cpu_time_total")}
+    out = {
+        "batches": n_batches,
+        "tokens": factors.n_tokens,
+        "seconds": round(seconds, 3),
+        "per_batch": per_batch,
+        "top_self_cpu": ranked("self_cpu_time_total"),
+    }
     if device.startswith("cuda"):
         out["top_self_device"] = ranked("self_device_time_total")
     return out
@@ -306,20 +373,27 @@ def _args(argv):
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="a model spec of crispedit (default smollm2 unless --random-init)")
     src.add_argument("--random-init", choices=sorted(SHAPES), default=None)
-    ap.add_argument("--blocks", type=int, default=None,
-                    help="random init: keep this many decoder blocks (without --layers: the real checkpoint's edit "
-                         "layers where they fit, else crispedit's default layers for this depth)")
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        default=None,
+        help="random init: keep this many decoder blocks (without --layers: the real checkpoint's edit "
+        "layers where they fit, else crispedit's default layers for this depth)",
+    )
     data = ap.add_mutually_exclusive_group()
     data.add_argument("--synthetic", type=int, default=None, metavar="N", help="N made-up facts")
     data.add_argument("--edits", default=None, help="an edit file (with --offset / --n-edits)")
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--n-edits", type=int, default=32)
-    ap.add_argument("--method", default="crispedit",
-                    help="a method, or several separated by commas (each trains from the same weights; the last is "
-                         "the reference of the printed step-time ratios, e.g. crispedit,ft); METHOD:bf16 trains "
-                         "that entry with --precision bf16, METHOD:tf32 with --projection-precision tf32, "
-                         "METHOD:bf16+tf32 both (e.g. crispedit:bf16,crispedit), METHOD:compile / :graphs with "
-                         "compiled decoder blocks, METHOD:noshare without shared-prefix packing")
+    ap.add_argument(
+        "--method",
+        default="crispedit",
+        help="a method, or several separated by commas (each trains from the same weights; the last is "
+        "the reference of the printed step-time ratios, e.g. crispedit,ft); METHOD:bf16 trains "
+        "that entry with --precision bf16, METHOD:tf32 with --projection-precision tf32, "
+        "METHOD:bf16+tf32 both (e.g. crispedit:bf16,crispedit), METHOD:compile / :graphs with "
+        "compiled decoder blocks, METHOD:noshare without shared-prefix packing",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--layers", default=None)
@@ -327,21 +401,41 @@ def _args(argv):
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--batch-tokens", type=int, default=None, help="pack batches to N padded tokens instead")
-    ap.add_argument("--projection-precision", choices=PROJECTION_PRECISIONS, default="fp32",
-                    help="the projection's GEMMs on a GPU (EditConfig.projection_precision)")
+    ap.add_argument(
+        "--projection-precision",
+        choices=PROJECTION_PRECISIONS,
+        default="fp32",
+        help="the projection's GEMMs on a GPU (EditConfig.projection_precision)",
+    )
     ap.add_argument("--n-cap", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=256)
-    ap.add_argument("--kfac-batch-size", type=int, default=EditConfig.kfac_batch_size,
-                    help="texts per K-FAC batch (the factors do not depend on it)")
-    ap.add_argument("--profile-kfac", action="store_true",
-                    help="collect the K-FAC factors once more under torch.profiler: per batch counts, top operators")
+    ap.add_argument(
+        "--kfac-batch-size",
+        type=int,
+        default=EditConfig.kfac_batch_size,
+        help="texts per K-FAC batch (the factors do not depend on it)",
+    )
+    ap.add_argument(
+        "--profile-kfac",
+        action="store_true",
+        help="collect the K-FAC factors once more under torch.profiler: per batch counts, top operators",
+    )
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled epoch")
-    ap.add_argument("--profile-requests", type=int, default=64, metavar="N",
-                    help="the profiled epoch runs the first N edits (default 64): per-step counts need a few steps, "
-                         "and the profiler's events of a whole large epoch take minutes to read")
-    ap.add_argument("--sync-free", choices=("auto", "on", "off"), default="auto",
-                    help="the loop's skip rule on the device (on; the accelerator default) or read on the host "
-                         "(off; the CPU default, where a read is free and a skipped batch's backward is saved)")
+    ap.add_argument(
+        "--profile-requests",
+        type=int,
+        default=64,
+        metavar="N",
+        help="the profiled epoch runs the first N edits (default 64): per-step counts need a few steps, "
+        "and the profiler's events of a whole large epoch take minutes to read",
+    )
+    ap.add_argument(
+        "--sync-free",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the loop's skip rule on the device (on; the accelerator default) or read on the host "
+        "(off; the CPU default, where a read is free and a skipped batch's backward is saved)",
+    )
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
     if args.blocks is not None and args.blocks < 1:
@@ -358,15 +452,26 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
     name, _, suffix = method.partition(":")
     modes = set(suffix.split("+")) - {""}
     if modes - {"bf16", "fp32", "tf32", "compile", "graphs", "noshare"}:
-        raise SystemExit(f"bench_scale: unknown method suffix in {method!r} (bf16, fp32, tf32, compile, graphs, "
-                         "noshare, joined by +)")
+        raise SystemExit(
+            f"bench_scale: unknown method suffix in {method!r} (bf16, fp32, tf32, compile, graphs, "
+            "noshare, joined by +)"
+        )
     share = "noshare" not in modes
     compile_mode = "reduce-overhead" if "graphs" in modes else "default" if "compile" in modes else None
-    config = EditConfig(method=name, precision="bf16" if "bf16" in modes else "fp32", layers=layers_pattern,
-                        epochs=args.epochs, stop_loss=0.0,
-                        contexts=args.contexts, batch_size=args.batch_size, batch_tokens=args.batch_tokens,
-                        projection_precision="tf32" if "tf32" in modes else args.projection_precision,
-                        n_cap=args.n_cap, max_len=args.max_len, kfac_batch_size=args.kfac_batch_size).validate()
+    config = EditConfig(
+        method=name,
+        precision="bf16" if "bf16" in modes else "fp32",
+        layers=layers_pattern,
+        epochs=args.epochs,
+        stop_loss=0.0,
+        contexts=args.contexts,
+        batch_size=args.batch_size,
+        batch_tokens=args.batch_tokens,
+        projection_precision="tf32" if "tf32" in modes else args.projection_precision,
+        n_cap=args.n_cap,
+        max_len=args.max_len,
+        kfac_batch_size=args.kfac_batch_size,
+    ).validate()
     editor = get_editor(config.method)
     layers = editor.select_layers(model, config)
     params = editor.trainable(layers)
@@ -381,40 +486,67 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
             print(f"fingerprint{fp_s:8.2f} s  (the weights hashed for the curvature cache key, once per edit)")
             _sync(device)
             t = time.perf_counter()
-            factors, info = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
-                                               kind=editor.curvature_kind, fingerprint=fingerprint)
+            factors, info = capability_factors(
+                model,
+                tok,
+                layers,
+                config,
+                cache_root=root,
+                progress=False,
+                kind=editor.curvature_kind,
+                fingerprint=fingerprint,
+            )
             _sync(device)
             kfac_s = time.perf_counter() - t
-            out["kfac"] = {"seconds": round(kfac_s, 3), "tokens": factors.n_tokens, "cache_hit": info["hit"],
-                           "tokens_per_s": round(factors.n_tokens / kfac_s, 1)}
-            print(f"kfac       {kfac_s:8.2f} s  {factors.n_tokens} tokens  {factors.n_tokens / kfac_s:,.0f} tokens/s"
-                  + ("  (cache hit)" if info["hit"] else ""))
+            out["kfac"] = {
+                "seconds": round(kfac_s, 3),
+                "tokens": factors.n_tokens,
+                "cache_hit": info["hit"],
+                "tokens_per_s": round(factors.n_tokens / kfac_s, 1),
+            }
+            print(
+                f"kfac       {kfac_s:8.2f} s  {factors.n_tokens} tokens  {factors.n_tokens / kfac_s:,.0f} tokens/s"
+                + ("  (cache hit)" if info["hit"] else "")
+            )
             t = time.perf_counter()
-            factor_eigh(factors, layers, ("A", "S") if editor.curvature_kind == "kfac" else ("A",),
-                        device=eigh_device(layers))
+            factor_eigh(
+                factors, layers, ("A", "S") if editor.curvature_kind == "kfac" else ("A",), device=eigh_device(layers)
+            )
             eigh_s = time.perf_counter() - t
             out["eigh"] = {"seconds": round(eigh_s, 3)}
             print(f"eigh       {eigh_s:8.2f} s  (first edit on a cache; written beside the factors)")
             t = time.perf_counter()
-            factors, _ = capability_factors(model, tok, layers, config, cache_root=root, progress=False,
-                                            kind=editor.curvature_kind, fingerprint=fingerprint)
+            factors, _ = capability_factors(
+                model,
+                tok,
+                layers,
+                config,
+                cache_root=root,
+                progress=False,
+                kind=editor.curvature_kind,
+                fingerprint=fingerprint,
+            )
             reload_s = time.perf_counter() - t
             t = time.perf_counter()
             projectors = editor.projectors(layers, factors, config)
             proj_s = time.perf_counter() - t
             out["projector"] = {"seconds": round(proj_s, 3), "factor_reload_seconds": round(reload_s, 3)}
-            print(f"projector  {proj_s:8.2f} s  (a second edit: eigenbases from their cache file, masks; the factors' "
-                  f"reload {reload_s:.2f} s)")
+            print(
+                f"projector  {proj_s:8.2f} s  (a second edit: eigenbases from their cache file, masks; the factors' "
+                f"reload {reload_s:.2f} s)"
+            )
             if args.profile_kfac:
                 kp = profile_kfac(model, tok, layers, config, device)
                 out["kfac_profile"] = kp
                 pb = kp["per_batch"]
-                print(f"kfac prof  {kp['seconds']:8.2f} s  {kp['batches']} batches of <= {config.kfac_batch_size} "
-                      "texts, "
-                      f"{kp['tokens'] / kp['seconds']:,.0f} tokens/s under the profiler; per batch {pb['aten_ops']} "
-                      "aten "
-                      f"ops, {pb['kernel_launches']} kernel launches, {pb['reads']} reads, {pb['sync_calls']} sync "
-                      "calls")
+                print(
+                    f"kfac prof  {kp['seconds']:8.2f} s  {kp['batches']} batches of <= {config.kfac_batch_size} "
+                    "texts, "
+                    f"{kp['tokens'] / kp['seconds']:,.0f} tokens/s under the profiler; per batch {pb['aten_ops']} "
+                    "aten "
+                    f"ops, {pb['kernel_launches']} kernel launches, {pb['reads']} reads, {pb['sync_calls']} sync "
+                    "calls"
+                )
                 for key in ("top_self_cpu", "top_self_device"):
                     for op, calls, ms in kp.get(key, []):
                         print(f"           {key[4:]:>9}  {ms:10.1f} ms  {calls:6d} calls  {op}")
@@ -428,63 +560,97 @@ def run_method(method: str, args, model, tok, requests, layers_pattern, device: 
             if compile_mode:  # a first run pays the compilation (its training undone); the timed run shows the step
                 with restoring(params):
                     t = time.perf_counter()
-                    projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
-                                       sync_free=sync_free)
+                    projected_finetune(
+                        model, tok, requests, layers, params, projectors, config, progress=False, sync_free=sync_free
+                    )
                     _sync(device)
                     first_s = time.perf_counter() - t
                 out["compile"] = {"mode": compile_mode, "first_run_seconds": round(first_s, 3)}
-                print(f"compile    {compile_mode}: the first run (compiling) {first_s:.2f} s; the figures below are a "
-                      f"second run of the same epochs")
+                print(
+                    f"compile    {compile_mode}: the first run (compiling) {first_s:.2f} s; the figures below are a "
+                    f"second run of the same epochs"
+                )
             _sync(device)
             t = time.perf_counter()
-            hist = projected_finetune(model, tok, requests, layers, params, projectors, config, progress=False,
-                                      sync_free=sync_free)
+            hist = projected_finetune(
+                model, tok, requests, layers, params, projectors, config, progress=False, sync_free=sync_free
+            )
             _sync(device)
             train_s = time.perf_counter() - t
         # the FLOPs of what ran: packed batches (shared prefixes computed once) counted in their packed layout
         packed = share and hist.extra.get("packed_batches", 0) > 0 and may_pack(model)
-        flops = step_flops(model, batches, params, projectors,
-                           packed=[pack_if_it_pays(b.input_ids, b.attention_mask, b.labels) for b in batches] if packed
-                           else None)
+        flops = step_flops(
+            model,
+            batches,
+            params,
+            projectors,
+            packed=[pack_if_it_pays(b.input_ids, b.attention_mask, b.labels) for b in batches] if packed else None,
+        )
         epochs = len(hist.epoch_loss)
         steps = hist.steps + hist.skipped
         per_epoch = hist.seconds / epochs
         tflops = flops / per_epoch / 1e12
-        out["train"] = {"seconds": round(train_s, 3), "epochs": epochs, "steps": steps,
-                        "s_per_epoch": round(per_epoch, 4), "s_per_step": round(hist.seconds / steps, 5),
-                        "sequences": hist.sequences, "tokens_per_epoch": hist.tokens,
-                        "positions_per_epoch": hist.extra.get("positions_per_epoch"),
-                        "padded_per_epoch": hist.extra.get("padded_per_epoch"),
-                        "packed_batches": hist.extra.get("packed_batches"),
-                        "tokens_per_s": round(hist.tokens / per_epoch, 1), "flops_per_epoch": flops,
-                        "tflops": round(tflops, 4), "fraction_of_peak": round(tflops / peak, 5),
-                        "fast_loss": hist.fast_loss,
-                        "skipped_batches": hist.skipped, "sync_free": device.startswith("cuda") if sync_free is None
-                        else sync_free}
-        print(f"train      {per_epoch:8.3f} s/epoch  {hist.seconds / steps:.4f} s/step  {steps // epochs} steps/epoch  "
-              f"{hist.tokens / per_epoch:,.0f} tokens/s  {tflops:.3f} TFLOP/s = {100 * tflops / peak:.1f} % of peak")
+        out["train"] = {
+            "seconds": round(train_s, 3),
+            "epochs": epochs,
+            "steps": steps,
+            "s_per_epoch": round(per_epoch, 4),
+            "s_per_step": round(hist.seconds / steps, 5),
+            "sequences": hist.sequences,
+            "tokens_per_epoch": hist.tokens,
+            "positions_per_epoch": hist.extra.get("positions_per_epoch"),
+            "padded_per_epoch": hist.extra.get("padded_per_epoch"),
+            "packed_batches": hist.extra.get("packed_batches"),
+            "tokens_per_s": round(hist.tokens / per_epoch, 1),
+            "flops_per_epoch": flops,
+            "tflops": round(tflops, 4),
+            "fraction_of_peak": round(tflops / peak, 5),
+            "fast_loss": hist.fast_loss,
+            "skipped_batches": hist.skipped,
+            "sync_free": device.startswith("cuda") if sync_free is None else sync_free,
+        }
+        print(
+            f"train      {per_epoch:8.3f} s/epoch  {hist.seconds / steps:.4f} s/step  {steps // epochs} steps/epoch  "
+            f"{hist.tokens / per_epoch:,.0f} tokens/s  {tflops:.3f} TFLOP/s = {100 * tflops / peak:.1f} % of peak"
+        )
         if hist.extra.get("positions_per_epoch") is not None:
-            print(f"           {hist.extra['positions_per_epoch']:,} positions computed per epoch of "
-                  f"{hist.extra['padded_per_epoch']:,} padded ({hist.extra['packed_batches']} batches packed as prefix "
-                  f"trees)")
+            print(
+                f"           {hist.extra['positions_per_epoch']:,} positions computed per epoch of "
+                f"{hist.extra['padded_per_epoch']:,} padded ({hist.extra['packed_batches']} batches packed as prefix "
+                f"trees)"
+            )
         if not args.no_profile:
             with compiled_blocks(model, compile_mode):
-                prof = profile_epoch(model, tok, requests[:args.profile_requests], layers, params, projectors, config,
-                                     device, sync_free)
+                prof = profile_epoch(
+                    model, tok, requests[: args.profile_requests], layers, params, projectors, config, device, sync_free
+                )
             out["profile"] = prof
             ps = prof["per_step"]
-            print(f"profile    per step: {ps['host_syncs']} host syncs ({ps['reads']} reads, {ps['nonzero']} nonzero, "
-                  f"{ps['sync_calls']} sync calls, {ps['dtoh']} DtoH copies), {ps['aten_ops']} aten ops, "
-                  f"{ps['kernel_launches']} kernel launches; between steps: {prof['between_steps']['reads']} reads "
-                  f"in {prof['steps']} steps")
+            print(
+                f"profile    per step: {ps['host_syncs']} host syncs ({ps['reads']} reads, {ps['nonzero']} nonzero, "
+                f"{ps['sync_calls']} sync calls, {ps['dtoh']} DtoH copies), {ps['aten_ops']} aten ops, "
+                f"{ps['kernel_launches']} kernel launches; between steps: {prof['between_steps']['reads']} reads "
+                f"in {prof['steps']} steps"
+            )
             if ps["skip_reads"]:
-                print(f"           and {ps['skip_reads']} skip-rule reads per step: the loop's host path (--sync-free "
-                      "off, the CPU default) reads the skip test to spare a skipped batch its backward")
-        out["peak_memory_mib"] = round((torch.cuda.max_memory_allocated() if device.startswith("cuda") else
-                                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 20, 1)
+                print(
+                    f"           and {ps['skip_reads']} skip-rule reads per step: the loop's host path (--sync-free "
+                    "off, the CPU default) reads the skip test to spare a skipped batch its backward"
+                )
+        out["peak_memory_mib"] = round(
+            (
+                torch.cuda.max_memory_allocated()
+                if device.startswith("cuda")
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            )
+            / 2**20,
+            1,
+        )
         out["host_syncs_per_step"] = out.get("profile", {}).get("host_syncs_per_step")
-        print(f"memory     peak {out['peak_memory_mib']:,.0f} MiB "
-              f"({'device allocated' if device.startswith('cuda') else 'RSS'})")
+        print(
+            f"memory     peak {out['peak_memory_mib']:,.0f} MiB "
+            f"({'device allocated' if device.startswith('cuda') else 'RSS'})"
+        )
     return out
 
 
@@ -506,16 +672,22 @@ def main(argv=None) -> dict:
     if args.synthetic is not None:
         requests = synthetic_requests(args.synthetic)
     elif args.edits:
-        requests = load_edits(args.edits)[args.offset:args.offset + args.n_edits]
+        requests = load_edits(args.edits)[args.offset : args.offset + args.n_edits]
     else:
         requests = synthetic_requests(args.n_edits)
-    out: dict = {"args": vars(args), "device_name": torch.cuda.get_device_name() if device.startswith("cuda")
-                 else "cpu",
-                 "environment": environment(), "n_edits": len(requests), "load_seconds": round(load_s, 2)}
+    out: dict = {
+        "args": vars(args),
+        "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "environment": environment(),
+        "n_edits": len(requests),
+        "load_seconds": round(load_s, 2),
+    }
     peak = matmul_peak(dtype, device)
     out["matmul_peak_tflops"] = round(peak, 3)
-    print(f"device {out['device_name']} ({args.dtype}): matmul peak {peak:.2f} TFLOP/s; {len(requests)} edits, "
-          f"model built/loaded in {load_s:.1f}s")
+    print(
+        f"device {out['device_name']} ({args.dtype}): matmul peak {peak:.2f} TFLOP/s; {len(requests)} edits, "
+        f"model built/loaded in {load_s:.1f}s"
+    )
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     with tempfile.TemporaryDirectory() as root, progress_lines(False):  # the loop's every-5-epochs lines
         out["methods"] = {}
@@ -532,8 +704,9 @@ def main(argv=None) -> dict:
         out.update(out["methods"][methods[0]])
     else:
         ref = out["methods"][methods[-1]]["train"]["s_per_step"]
-        out["step_ratio"] = {m: round(r["train"]["s_per_step"] / ref, 4) for m, r in out["methods"].items()
-                             if "train" in r}
+        out["step_ratio"] = {
+            m: round(r["train"]["s_per_step"] / ref, 4) for m, r in out["methods"].items() if "train" in r
+        }
         print("step time / " + methods[-1] + ": " + ", ".join(f"{m} {v:.3f}" for m, v in out["step_ratio"].items()))
     if args.json:
         atomic_write_json(args.json, out)

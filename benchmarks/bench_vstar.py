@@ -96,7 +96,7 @@ def main(argv=None) -> dict:
         model, tok = load_model(args.model)
     path, *rest = (args.edits or str(bundled_path(BUNDLED_EDITS))).split(":")
     offset = int(rest[0]) if rest else 0
-    requests = [r for r in load_edits(path)[offset:] if r.subject][:args.requests]
+    requests = [r for r in load_edits(path)[offset:] if r.subject][: args.requests]
     _, blocks = decoder_blocks(model)
     block = blocks[args.vstar_block]
     templates = kv.context_templates(model, tok, 5)
@@ -112,17 +112,29 @@ def main(argv=None) -> dict:
                 times[m].append(time.perf_counter() - t0)
     per = {m: statistics.median(times[m]) / (len(requests) * args.steps) for m in modes}
     ref = vs.get("plain", vs[modes[-1]])
-    out = {"model": args.model, "edits": path, "offset": offset, "requests": len(requests), "steps": args.steps,
-           "chunk": args.chunk, "templates": len(templates), "vstar_block": args.vstar_block,
-           "seconds_per_request_step": per,
-           "max_abs_vstar_difference": {m: float((vs[m] - ref).abs().max()) for m in modes},
-           "vstar_norm": float(ref.norm(dim=1).mean())}
-    print(f"v* of {len(requests)} requests x {len(templates)} templates, {args.steps} steps, chunks of {args.chunk}, "
-          f"block {args.vstar_block} ({Path(path).name}):")
+    out = {
+        "model": args.model,
+        "edits": path,
+        "offset": offset,
+        "requests": len(requests),
+        "steps": args.steps,
+        "chunk": args.chunk,
+        "templates": len(templates),
+        "vstar_block": args.vstar_block,
+        "seconds_per_request_step": per,
+        "max_abs_vstar_difference": {m: float((vs[m] - ref).abs().max()) for m in modes},
+        "vstar_norm": float(ref.norm(dim=1).mean()),
+    }
+    print(
+        f"v* of {len(requests)} requests x {len(templates)} templates, {args.steps} steps, chunks of {args.chunk}, "
+        f"block {args.vstar_block} ({Path(path).name}):"
+    )
     for m in modes:
         ratios = "".join(f", {per[m] / per[r]:.2f}x {r}" for r in ("plain", "packed") if r in per and r != m)
-        print(f"  {m:7s} {per[m]:.3f} s per request-step{ratios} (max |v* - plain| "
-              f"{out['max_abs_vstar_difference'][m]:.1e}, mean |v*| {out['vstar_norm']:.1f})")
+        print(
+            f"  {m:7s} {per[m]:.3f} s per request-step{ratios} (max |v* - plain| "
+            f"{out['max_abs_vstar_difference'][m]:.1e}, mean |v*| {out['vstar_norm']:.1f})"
+        )
     if args.json:
         atomic_write_json(args.json, out)
     return out

@@ -41,9 +41,13 @@ def phases(rec: dict) -> dict:
     ``total``."""
     train = rec.get("train") or {}
     setup = train.get("setup_seconds") or {}
-    out = {"batches": setup.get("batches", 0.0), "keep": setup.get("keep", 0.0),
-           "train": train.get("seconds", 0.0) - sum(setup.values()), "factors": rec.get("edit_factor_seconds", 0.0),
-           "evaluate": rec.get("evaluate_seconds", 0.0)}
+    out = {
+        "batches": setup.get("batches", 0.0),
+        "keep": setup.get("keep", 0.0),
+        "train": train.get("seconds", 0.0) - sum(setup.values()),
+        "factors": rec.get("edit_factor_seconds", 0.0),
+        "evaluate": rec.get("evaluate_seconds", 0.0),
+    }
     out["other"] = rec.get("edit_seconds", 0.0) - out["batches"] - out["keep"] - out["train"] - out["factors"]
     out["total"] = rec.get("edit_seconds", 0.0) + out["evaluate"]
     return {k: round(v, 3) for k, v in out.items()}
@@ -72,8 +76,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--edits", type=slice_arg, default=slice_arg("../shared/data/edits/zsre_dev.json:1000:3"),
-                    help="FILE:OFFSET:N — one edit per round")
+    ap.add_argument(
+        "--edits",
+        type=slice_arg,
+        default=slice_arg("../shared/data/edits/zsre_dev.json:1000:3"),
+        help="FILE:OFFSET:N — one edit per round",
+    )
     ap.add_argument("--set", default="", help="k=v;k=v settings of the session (EditConfig fields, seq.<field>)")
     ap.add_argument("--target", type=float, default=10.0, help="latency goal of one round, seconds")
     ap.add_argument("--json", default=None)
@@ -92,18 +100,39 @@ def main(argv: list[str] | None = None) -> dict:
             rec = session.add([r], progress=False, plot=False)
             wall = time.perf_counter() - t
             ph = phases(rec)
-            rows.append({"round": rec["round"], "phases": ph, "wall": round(wall, 3),
-                         "epochs": rec["train"]["epochs"], "steps": rec["train"]["steps"]})
-            print(f"round {rec['round']}: {wall:6.1f} s wall = " + "  ".join(f"{k} {ph[k]:.1f}" for k in PHASES)
-                  + f"  ({rec['train']['epochs']} epochs, {rec['train']['steps']} steps; {wall / args.target:.2f}"
-                  " x the target)", flush=True)
+            rows.append(
+                {
+                    "round": rec["round"],
+                    "phases": ph,
+                    "wall": round(wall, 3),
+                    "epochs": rec["train"]["epochs"],
+                    "steps": rec["train"]["steps"],
+                }
+            )
+            print(
+                f"round {rec['round']}: {wall:6.1f} s wall = "
+                + "  ".join(f"{k} {ph[k]:.1f}" for k in PHASES)
+                + f"  ({rec['train']['epochs']} epochs, {rec['train']['steps']} steps; {wall / args.target:.2f}"
+                " x the target)",
+                flush=True,
+            )
     mean = {k: round(statistics.fmean(r["phases"][k] for r in rows), 3) for k in (*PHASES, "total")}
     mean["wall"] = round(statistics.fmean(r["wall"] for r in rows), 3)
-    out = {"model": args.model, "edits": f"{path}:{offset}:{n}", "set": args.set, "load_seconds": round(load, 3),
-           "rounds": rows, "mean": mean, "target": args.target, "over_target": round(mean["wall"] / args.target, 3),
-           "command": " ".join(["python", "benchmarks/edit_latency.py", *(argv or sys.argv[1:])])}
-    print(f"load {load:.1f} s once; mean round {mean['wall']:.1f} s = {out['over_target']:.2f} x the "
-          f"{args.target:g} s target: " + ", ".join(f"{k} {mean[k]:.1f}" for k in PHASES))
+    out = {
+        "model": args.model,
+        "edits": f"{path}:{offset}:{n}",
+        "set": args.set,
+        "load_seconds": round(load, 3),
+        "rounds": rows,
+        "mean": mean,
+        "target": args.target,
+        "over_target": round(mean["wall"] / args.target, 3),
+        "command": " ".join(["python", "benchmarks/edit_latency.py", *(argv or sys.argv[1:])]),
+    }
+    print(
+        f"load {load:.1f} s once; mean round {mean['wall']:.1f} s = {out['over_target']:.2f} x the "
+        f"{args.target:g} s target: " + ", ".join(f"{k} {mean[k]:.1f}" for k in PHASES)
+    )
     if args.json:
         atomic_write_json(args.json, stamped(out))
     return out

@@ -40,9 +40,11 @@ from crispedit.evaluation.wild import check_template
 from crispedit.models import load_model
 from crispedit.pipeline import drift_summary, environment
 
-DEFAULT_RUNS = ("method=ft;contexts=bare;answer_end=none|method=crispedit;contexts=bare;answer_end=none|"
-                "method=ft|method=crispedit|method=crispedit;projection_target=update|"
-                "method=crispedit;projection_target=eigenbasis")
+DEFAULT_RUNS = (
+    "method=ft;contexts=bare;answer_end=none|method=crispedit;contexts=bare;answer_end=none|"
+    "method=ft|method=crispedit|method=crispedit;projection_target=update|"
+    "method=crispedit;projection_target=eigenbasis"
+)
 
 
 def _value(v: str):
@@ -72,7 +74,7 @@ def parse_runs(spec: str) -> list[dict]:
             k, _, v = pair.partition("=")
             k = k.strip()
             if k.startswith("options."):  # the method's own settings, e.g. options.lr for UltraEdit's pseudo-value lr
-                d.setdefault("options", {})[k[len("options."):]] = _value(v.strip())
+                d.setdefault("options", {})[k[len("options.") :]] = _value(v.strip())
             else:
                 d[k] = _value(v.strip())
         runs.append(d)
@@ -84,9 +86,31 @@ def label(d: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in d.items()) or "defaults"
 
 
-COLUMNS = ["run", "tf_rel", "tf_gen", "qa_rel", "qa_gen", "none_rel", "none_gen", "chat_rel", "chat_gen",
-           "qa_loc", "kl_drift", "kl_pred", "pred/meas", "kl_pred_bd", "bd/meas", "budget_hits", "epochs", "edit_s",
-           "chat_len", "chat_bare", "answer_kl", "bleed", "bleed_changed"]
+COLUMNS = [
+    "run",
+    "tf_rel",
+    "tf_gen",
+    "qa_rel",
+    "qa_gen",
+    "none_rel",
+    "none_gen",
+    "chat_rel",
+    "chat_gen",
+    "qa_loc",
+    "kl_drift",
+    "kl_pred",
+    "pred/meas",
+    "kl_pred_bd",
+    "bd/meas",
+    "budget_hits",
+    "epochs",
+    "edit_s",
+    "chat_len",
+    "chat_bare",
+    "answer_kl",
+    "bleed",
+    "bleed_changed",
+]
 
 
 def extra_contexts(rows: list[dict]) -> list[str]:
@@ -110,15 +134,31 @@ def row_cells(r: dict, extra: list[str] = ()) -> list[str]:
         v = (w.get(ctx) or {}).get(k)
         return "–" if v is None else f"{v:.2f}"
 
-    return [r["run"], f"{r['rel']:.2f}", f"{r['gen']:.2f}", f("qa", "rel"), f("qa", "gen"), f("none", "rel"),
-            f("none", "gen"), f("chat", "rel"), f("chat", "gen"), f("qa", "loc_vs_answer"), f"{r['kl_drift']:.5f}",
-            "–" if r.get("kl_predicted") is None else f"{r['kl_predicted']:.5f}", _ratio(r),
-            "–" if r.get("kl_predicted_blockdiag") is None else f"{r['kl_predicted_blockdiag']:.5f}",
-            _ratio(r, "kl_predicted_blockdiag"), _hits(r),
-            str(r["epochs"]), f"{r['edit_seconds']:.0f}", _assistant(r, "style", "length_ratio"),
-            _assistant(r, "style", "bare_share"), _assistant(r, "style", "answer_kl", 4),
-            _assistant(r, "bleed", "target"), _assistant(r, "bleed", "changed")] + [f(n, k) for n in extra
-                                                                                  for k in ("rel", "gen")]
+    return [
+        r["run"],
+        f"{r['rel']:.2f}",
+        f"{r['gen']:.2f}",
+        f("qa", "rel"),
+        f("qa", "gen"),
+        f("none", "rel"),
+        f("none", "gen"),
+        f("chat", "rel"),
+        f("chat", "gen"),
+        f("qa", "loc_vs_answer"),
+        f"{r['kl_drift']:.5f}",
+        "–" if r.get("kl_predicted") is None else f"{r['kl_predicted']:.5f}",
+        _ratio(r),
+        "–" if r.get("kl_predicted_blockdiag") is None else f"{r['kl_predicted_blockdiag']:.5f}",
+        _ratio(r, "kl_predicted_blockdiag"),
+        _hits(r),
+        str(r["epochs"]),
+        f"{r['edit_seconds']:.0f}",
+        _assistant(r, "style", "length_ratio"),
+        _assistant(r, "style", "bare_share"),
+        _assistant(r, "style", "answer_kl", 4),
+        _assistant(r, "bleed", "target"),
+        _assistant(r, "bleed", "changed"),
+    ] + [f(n, k) for n in extra for k in ("rel", "gen")]
 
 
 def _assistant(r: dict, part: str, key: str, digits: int = 2) -> str:
@@ -221,8 +261,13 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=100, help="default epochs for every run (a run may override)")
     ap.add_argument("--runs", default=DEFAULT_RUNS)
     ap.add_argument("--wild", default="qa,none,chat", help="WILD contexts to evaluate ('' = none)")
-    ap.add_argument("--wild-template", action="append", default=[], metavar="NAME=TEXT",
-                    help="also evaluate WILD through this wrapper (TEXT holds {question} once); repeatable")
+    ap.add_argument(
+        "--wild-template",
+        action="append",
+        default=[],
+        metavar="NAME=TEXT",
+        help="also evaluate WILD through this wrapper (TEXT holds {question} once); repeatable",
+    )
     ap.add_argument("--out", default="runs/edit_matrix.json")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
@@ -248,21 +293,46 @@ def main() -> None:
     for d, cfg in zip(runs, configs):
         t0 = time.perf_counter()
         res = edit(model, tok, requests, cfg, progress=False, predict_drift=True)  # kl_pred for ft too
-        ev = evaluate_edit(model, tok, requests, res.original_weights, wild=[c for c in args.wild.split(",") if c],
-                           wild_templates=templates, assistant=True, progress=False)
+        ev = evaluate_edit(
+            model,
+            tok,
+            requests,
+            res.original_weights,
+            wild=[c for c in args.wild.split(",") if c],
+            wild_templates=templates,
+            assistant=True,
+            progress=False,
+        )
         summary, wild = ev["summary"], {k: v for k, v in ev.get("wild", {}).items() if k != "judge"}
         restore(model, res.original_weights)
-        row = {"run": label(d), "overrides": d, **summary, **drift_summary(res), "wild": wild,
-               "assistant": ev["assistant"],
-               "epochs": len(res.history.epoch_loss), "converged": res.history.converged,
-               "training": res.history.to_json(), "edit_seconds": round(res.edit_seconds, 2),
-               "cache_seconds": round(res.cache_seconds, 2),
-               "min_kept_fraction": min(v["kept_fraction"] for v in res.projector_stats.values()),
-               "total_seconds": round(time.perf_counter() - t0, 2), "config": cfg.to_json()}
+        row = {
+            "run": label(d),
+            "overrides": d,
+            **summary,
+            **drift_summary(res),
+            "wild": wild,
+            "assistant": ev["assistant"],
+            "epochs": len(res.history.epoch_loss),
+            "converged": res.history.converged,
+            "training": res.history.to_json(),
+            "edit_seconds": round(res.edit_seconds, 2),
+            "cache_seconds": round(res.cache_seconds, 2),
+            "min_kept_fraction": min(v["kept_fraction"] for v in res.projector_stats.values()),
+            "total_seconds": round(time.perf_counter() - t0, 2),
+            "config": cfg.to_json(),
+        }
         results.append(row)
         print(" ".join(f"{c:>8}" for c in row_cells(row, extra)[1:]) + "  " + row["run"], flush=True)
-        write_outputs(out, {"title": title, "args": vars(args), "environment": environment(), "results": results,
-                            "complete": len(results) == len(runs)})
+        write_outputs(
+            out,
+            {
+                "title": title,
+                "args": vars(args),
+                "environment": environment(),
+                "results": results,
+                "complete": len(results) == len(runs),
+            },
+        )
     print(f"written to {out} (+ .md, .png)")
 
 

@@ -96,8 +96,12 @@ def child(path: str, offset: int, n: int | None, steps: int, model_spec: str) ->
 
     model, tok = load_model(model_spec)
     requests = load_edits(path, limit=n, offset=offset)
-    return {"edits_file": Path(path).name, "offset": offset, "edits": len(requests),
-            **measure(model, tok, requests, steps)}
+    return {
+        "edits_file": Path(path).name,
+        "offset": offset,
+        "edits": len(requests),
+        **measure(model, tok, requests, steps),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,11 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for spec in args.edits:
-        out = subprocess.run([sys.executable, __file__, "--child", "--edits", spec, "--steps", str(args.steps),
-                              "--model", args.model], capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", "--edits", spec, "--steps", str(args.steps), "--model", args.model],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode != 0:
-            sys.exit(f"edit_memory: {spec} failed: "
-                     f"{out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
+            sys.exit(
+                f"edit_memory: {spec} failed: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}"
+            )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"| edits | loaded (peak / now) | prepared | first step | step {args.steps} | peak MiB |")
     print("|---|---|---|---|---|---|")
@@ -129,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         from crispedit.atomic import atomic_write_bytes
 
-        atomic_write_bytes(args.json, json.dumps({"model": args.model, "steps": args.steps, "rows": rows},
-                                                 indent=2).encode())
+        atomic_write_bytes(
+            args.json, json.dumps({"model": args.model, "steps": args.steps, "rows": rows}, indent=2).encode()
+        )
     return 0
 
 

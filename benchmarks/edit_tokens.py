@@ -36,9 +36,14 @@ def count(tokenizer, requests, config, model, d_model: int) -> dict:
 
     batches, _ = edit_batches(tokenizer, requests, config, model)
     padded = sum(b.input_ids.numel() for b in batches)
-    return {"edits": len(requests), "sequences": sum(b.input_ids.shape[0] for b in batches), "steps": len(batches),
-            "padded_tokens": padded, "real_tokens": sum(int(b.attention_mask.sum()) for b in batches),
-            "prefix_states_mb": round(padded * d_model * 4 / 1e6)}
+    return {
+        "edits": len(requests),
+        "sequences": sum(b.input_ids.shape[0] for b in batches),
+        "steps": len(batches),
+        "padded_tokens": padded,
+        "real_tokens": sum(int(b.attention_mask.sum()) for b in batches),
+        "prefix_states_mb": round(padded * d_model * 4 / 1e6),
+    }
 
 
 def main(argv=None) -> list[dict]:
@@ -63,14 +68,17 @@ def main(argv=None) -> list[dict]:
     print("| edit set | sequences | steps / epoch | padded tokens / epoch | real tokens | cached prefix states |")
     print("|---|---|---|---|---|---|")
     for path, offset, n in args.edits:
-        requests = load_edits(path)[offset:None if n is None else offset + n]
+        requests = load_edits(path)[offset : None if n is None else offset + n]
         row = {"edits_file": Path(path).name, "offset": offset, **count(tok, requests, config, model, d_model)}
         rows.append(row)
-        print(f"| {row['edits_file']} {offset}–{offset + row['edits'] - 1} | {row['sequences']:,} | {row['steps']} | "
-              f"{row['padded_tokens']:,} | {row['real_tokens']:,} | {row['prefix_states_mb']:,} MB |".replace(",", " "))
+        print(
+            f"| {row['edits_file']} {offset}–{offset + row['edits'] - 1} | {row['sequences']:,} | {row['steps']} | "
+            f"{row['padded_tokens']:,} | {row['real_tokens']:,} | {row['prefix_states_mb']:,} MB |".replace(",", " ")
+        )
     if args.json:
-        atomic_write_json(args.json, {"model": args.model, "contexts": args.contexts, "batch_size": args.batch_size,
-                                      "rows": rows})
+        atomic_write_json(
+            args.json, {"model": args.model, "contexts": args.contexts, "batch_size": args.batch_size, "rows": rows}
+        )
     return rows
 
 

@@ -65,9 +65,13 @@ def main() -> None:
     requests = load_edits(bundled_path(BUNDLED_EDITS), limit=args.n_edits)
     cfg = EditConfig(method="crispedit", epochs=args.epochs, n_cap=args.n_cap)
     layers = resolve_layers(model, cfg.layers)
-    row: dict = {"device": dev, "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else None,
-                 "dtype": args.dtype, "random_init": bool(args.random_init),
-                 "load_s": round(time.perf_counter() - t0, 2)}
+    row: dict = {
+        "device": dev,
+        "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else None,
+        "dtype": args.dtype,
+        "random_init": bool(args.random_init),
+        "load_s": round(time.perf_counter() - t0, 2),
+    }
 
     with tempfile.TemporaryDirectory() as cache:
         _sync(dev)

@@ -79,10 +79,14 @@ def main(argv=None) -> int:
             share = ""
             if isinstance(secs, list) and len(secs) == len(loss) and all(s is not None for s in secs):
                 share = f", {sum(secs[:at]):.0f} of {sum(secs):.0f} s ({sum(secs[:at]) / sum(secs):.2f})"
-            print(f"{where}: stops at epoch {at} of {len(loss)} (loss {loss[at - 1]:.4g}; the run ended at "
-                  f"{loss[-1]:.4g}){share}")
-    print(f"{stopped} of {n} curves stop earlier under --plateau {args.epochs} (delta {args.delta:g}); the rest train "
-          "exactly as without it")
+            print(
+                f"{where}: stops at epoch {at} of {len(loss)} (loss {loss[at - 1]:.4g}; the run ended at "
+                f"{loss[-1]:.4g}){share}"
+            )
+    print(
+        f"{stopped} of {n} curves stop earlier under --plateau {args.epochs} (delta {args.delta:g}); the rest train "
+        "exactly as without it"
+    )
     return 0
 
 

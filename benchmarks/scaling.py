@@ -39,15 +39,24 @@ def _point(wild: dict, summary: dict, targets: list[str] | None = None) -> dict:
     """The figures of one edited row: WILD qa / chat rel and gen, the qa wrapper's crosstalk (fractions), KL drift
     and its K-FAC prediction (nats/token; ``None`` where the row has none), perplexity. A row stored before
     crosstalk was recorded gets it from its stored answers and the edits' ``targets`` (in order) where given."""
+
     def w(ctx: str, k: str):
         return (wild.get(ctx) or {}).get(k)
+
     cross = w("qa", "cross")
     answers = w("qa", "answers")
     if cross is None and targets and answers and len(answers) == len(targets):
         cross = crosstalk([a[0] for a in answers], targets, [a[1] for a in answers])
-    return {"qa_rel": w("qa", "rel"), "qa_gen": w("qa", "gen"), "qa_cross": cross, "chat_rel": w("chat", "rel"),
-            "chat_gen": w("chat", "gen"), "kl_drift": summary.get("kl_drift"),
-            "kl_predicted": summary.get("kl_predicted"), "ppl": summary.get("ppl")}
+    return {
+        "qa_rel": w("qa", "rel"),
+        "qa_gen": w("qa", "gen"),
+        "qa_cross": cross,
+        "chat_rel": w("chat", "rel"),
+        "chat_gen": w("chat", "gen"),
+        "kl_drift": summary.get("kl_drift"),
+        "kl_predicted": summary.get("kl_predicted"),
+        "ppl": summary.get("ppl"),
+    }
 
 
 def _targets(edits: dict) -> list[str] | None:
@@ -95,19 +104,25 @@ def read_points(path: str | Path) -> dict[tuple[str, int], dict]:
 def scaling_table(points: dict[tuple[str, int], dict]) -> str:
     """Markdown: one row per method and number of edits (sorted), the :data:`KEYS` figures and the measured /
     predicted drift ratio."""
-    lines = ["| method | edits | WILD qa rel / gen | qa crosstalk | chat rel / gen | KL drift | predicted (measured / "
-             "pred.) "
-             "| perplexity |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | edits | WILD qa rel / gen | qa crosstalk | chat rel / gen | KL drift | predicted (measured / "
+        "pred.) "
+        "| perplexity |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
 
     def f(v, fmt="{:.2f}"):
         return "–" if v is None else fmt.format(v)
-    for (m, n) in sorted(points, key=lambda k: (k[0], k[1])):
+
+    for m, n in sorted(points, key=lambda k: (k[0], k[1])):
         p = points[(m, n)]
         pred, drift = p.get("kl_predicted"), p["kl_drift"]
         ratio = f" ({drift / pred:.2f}×)" if pred and drift is not None else ""
-        lines.append(f"| {m} | {n} | {f(p['qa_rel'])} / {f(p['qa_gen'])} | {f(p['qa_cross'], '{:.3f}')} | "
-                     f"{f(p['chat_rel'])} / {f(p['chat_gen'])} | "
-                     f"{f(drift, '{:.5f}')} | {f(pred, '{:.5f}')}{ratio} | {f(p['ppl'])} |")
+        lines.append(
+            f"| {m} | {n} | {f(p['qa_rel'])} / {f(p['qa_gen'])} | {f(p['qa_cross'], '{:.3f}')} | "
+            f"{f(p['chat_rel'])} / {f(p['chat_gen'])} | "
+            f"{f(drift, '{:.5f}')} | {f(pred, '{:.5f}')}{ratio} | {f(p['ppl'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -120,15 +135,21 @@ def plot_scaling(points: dict[tuple[str, int], dict], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 5, figsize=(20, 3.8))
-    panels = [("qa_rel", "WILD QA rel"), ("qa_gen", "WILD QA gen"), ("qa_cross", "WILD QA crosstalk"),
-              ("kl_drift", "KL drift (nats/token)"), ("ppl", "perplexity")]
+    panels = [
+        ("qa_rel", "WILD QA rel"),
+        ("qa_gen", "WILD QA gen"),
+        ("qa_cross", "WILD QA crosstalk"),
+        ("kl_drift", "KL drift (nats/token)"),
+        ("ppl", "perplexity"),
+    ]
     colours = plt.get_cmap("tab20").colors
     for i, method in enumerate(sorted({m for m, _ in points})):
         sizes = sorted(n for m, n in points if m == method)
         for ax, (key, _) in zip(axes, panels):
             xs = [n for n in sizes if points[(method, n)][key] is not None]
-            ax.plot(xs, [points[(method, n)][key] for n in xs], marker="o", label=method,
-                    color=colours[i % len(colours)])
+            ax.plot(
+                xs, [points[(method, n)][key] for n in xs], marker="o", label=method, color=colours[i % len(colours)]
+            )
     for ax, (key, title) in zip(axes, panels):
         ax.set_xscale("log")
         ax.set_xlabel("edits")

@@ -33,7 +33,7 @@ def seq_config(overrides: dict):
     from crispedit.editing import EditConfig, SeqConfig
 
     edit_kw = {"method": "crispedit", **{k: v for k, v in overrides.items() if not k.startswith("seq.")}}
-    seq_kw = {k[len("seq."):]: v for k, v in overrides.items() if k.startswith("seq.")}
+    seq_kw = {k[len("seq.") :]: v for k, v in overrides.items() if k.startswith("seq.")}
     return SeqConfig(edit=EditConfig(**edit_kw), **seq_kw)
 
 
@@ -48,8 +48,13 @@ def spectrum(factors) -> dict:
         for k, M in (("A", factors.A[name]), ("S", factors.S[name])):
             lam = torch.linalg.eigvalsh(M.double()).flip(0).clamp_min(0.0)
             tr = float(lam.sum())
-            row.update({f"tr{k}": round(tr, 6), f"top{k}": round(float(lam[0]), 6),
-                        f"top5{k}_share": round(float(lam[:5].sum()) / tr, 4) if tr > 0 else 0.0})
+            row.update(
+                {
+                    f"tr{k}": round(tr, 6),
+                    f"top{k}": round(float(lam[0]), 6),
+                    f"top5{k}_share": round(float(lam[:5].sum()) / tr, 4) if tr > 0 else 0.0,
+                }
+            )
         out[name] = row
     return out
 
@@ -75,8 +80,9 @@ def factor_spectra(rounds: list):
         sequential.accumulate = real
 
 
-def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa", "chat"), on_round=None,
-            spectra: bool = False) -> dict:
+def run_one(
+    model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa", "chat"), on_round=None, spectra: bool = False
+) -> dict:
     """One sequential run from the base: ``{"run": label, "config": SeqConfig JSON, "rounds": [{"round", "epochs",
     "last_loss", "seconds", "tf_rel", <one WILD rel per context of wild>, "kept"}], "edit_seconds"}`` — ``kept``
     the mean over the edited layers of the fraction of directions the round's projector left free; the model is
@@ -98,24 +104,39 @@ def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa",
         after = rec.get("after_round") or {}
         train = rec.get("train") or {}
         kept = list((rec.get("projector_kept") or {}).values())
-        row = {"round": rec["round"], "epochs": train.get("epochs"),
-               "last_loss": (train.get("epoch_loss") or [None])[-1],
-               "seconds": round(rec["edit_seconds"], 1), "tf_rel": after.get("tf_rel"),
-               **{k: (after.get("wild") or {}).get(k) for k in wild},
-               "kept": round(sum(kept) / len(kept), 4) if kept else None}
+        row = {
+            "round": rec["round"],
+            "epochs": train.get("epochs"),
+            "last_loss": (train.get("epoch_loss") or [None])[-1],
+            "seconds": round(rec["edit_seconds"], 1),
+            "tf_rel": after.get("tf_rel"),
+            **{k: (after.get("wild") or {}).get(k) for k in wild},
+            "kept": round(sum(kept) / len(kept), 4) if kept else None,
+        }
         if spectra and len(seen) >= rec["round"]:
             row["factors"] = seen[rec["round"] - 1]
         rounds.append(row)
-        print(f"  [{head['run']}] round {row['round']}/{n_rounds}: {row['epochs']} epochs, {row['seconds']} s; "
-              f"round-1 edits " + " ".join(f"{k}={row[k]}" for k in ("tf_rel",) + wild), flush=True)
+        print(
+            f"  [{head['run']}] round {row['round']}/{n_rounds}: {row['epochs']} epochs, {row['seconds']} s; "
+            f"round-1 edits " + " ".join(f"{k}={row[k]}" for k in ("tf_rel",) + wild),
+            flush=True,
+        )
         if on_round is not None:
             on_round({**head, "rounds": list(rounds), "edit_seconds": None})
 
     seen: list[dict] = []
     t0 = time.perf_counter()
     with factor_spectra(seen) if spectra else contextlib.nullcontext():
-        res = run_sequence(model, tokenizer, requests, cfg, chunk, progress=False, on_round=report,
-                           after_round=round_map_probe(tokenizer, requests, chunk, wild=wild))
+        res = run_sequence(
+            model,
+            tokenizer,
+            requests,
+            cfg,
+            chunk,
+            progress=False,
+            on_round=report,
+            after_round=round_map_probe(tokenizer, requests, chunk, wild=wild),
+        )
     restore(model, res.original_weights)
     out = {**head, "rounds": rounds, "edit_seconds": round(time.perf_counter() - t0, 1)}
     if spectra and res.state.cap is not None:
@@ -126,8 +147,7 @@ def run_one(model, tokenizer, requests, overrides: dict, chunk: int, wild=("qa",
 def table(results: list[dict]) -> str:
     """Markdown: one line per run and measure, the round-1 fraction after each round."""
     n = max(len(r["rounds"]) for r in results)
-    lines = ["| run | measure | " + " | ".join(f"r{i + 1}" for i in range(n)) + " | seconds |",
-             "|" + "---|" * (n + 3)]
+    lines = ["| run | measure | " + " | ".join(f"r{i + 1}" for i in range(n)) + " | seconds |", "|" + "---|" * (n + 3)]
     for r in results:
         measures = [k for k in r["rounds"][0] if k not in ("round", "epochs", "last_loss", "seconds", "factors")]
         secs = "–" if r["edit_seconds"] is None else f"{r['edit_seconds']:.0f}"
@@ -143,11 +163,17 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--chunk", type=int, default=100, help="edits per round")
     ap.add_argument("--runs", required=True, help="'k=v;k=v|k=v' overrides, one run each")
-    ap.add_argument("--wild", default="qa,chat",
-                    help="WILD wrappers to probe after each round (comma list; '' = teacher-forced only)")
+    ap.add_argument(
+        "--wild",
+        default="qa,chat",
+        help="WILD wrappers to probe after each round (comma list; '' = teacher-forced only)",
+    )
     ap.add_argument("--json", help="write every run's rounds here (rewritten after every round)")
-    ap.add_argument("--spectra", action="store_true",
-                    help="record per round the trace and top eigenvalues of the edit factors (chunk and accumulated)")
+    ap.add_argument(
+        "--spectra",
+        action="store_true",
+        help="record per round the trace and top eigenvalues of the edit factors (chunk and accumulated)",
+    )
     args = ap.parse_args()
     wild = tuple(w for w in args.wild.split(",") if w)
     from crispedit.atomic import atomic_write_json
@@ -157,7 +183,7 @@ def main() -> None:
     path, offset, n = slice_arg(args.edits)
     runs = parse_runs(args.runs)
     for r in runs:
-        seq_config(r)                       # a bad key fails before the model loads
+        seq_config(r)  # a bad key fails before the model loads
     model, tok = load_model(args.model)
     requests = load_edits(path, limit=n, offset=offset)
     results: list[dict] = []
@@ -165,9 +191,16 @@ def main() -> None:
     def save(partial: dict | None = None) -> None:
         """Rewrite ``--json`` with the finished runs and, given one, the run in progress."""
         if args.json:
-            atomic_write_json(args.json, {"edits": {"file": path, "offset": offset, "n": len(requests)},
-                                          "chunk": args.chunk, "model": args.model, "wild": list(wild),
-                                          "runs": results + ([partial] if partial else [])})
+            atomic_write_json(
+                args.json,
+                {
+                    "edits": {"file": path, "offset": offset, "n": len(requests)},
+                    "chunk": args.chunk,
+                    "model": args.model,
+                    "wild": list(wild),
+                    "runs": results + ([partial] if partial else []),
+                },
+            )
 
     for r in runs:
         results.append(run_one(model, tok, requests, r, args.chunk, wild=wild, on_round=save, spectra=args.spectra))

@@ -65,8 +65,11 @@ def record(model, tokenizer, requests, config) -> dict:
         t0 = time.perf_counter()
         rows = sequence_losses(model, sources[-1].batches)
         out["epochs"].append({"mean": mean, "rows": rows, "probe_seconds": round(time.perf_counter() - t0, 2)})
-        print(f"epoch {len(out['epochs'])}: loss {mean:.4f}, {sum(r[1] < cfg.skip_loss * r[2] for r in rows)}"
-              f"/{len(rows)} sequences below the skip loss", flush=True)
+        print(
+            f"epoch {len(out['epochs'])}: loss {mean:.4f}, {sum(r[1] < cfg.skip_loss * r[2] for r in rows)}"
+            f"/{len(rows)} sequences below the skip loss",
+            flush=True,
+        )
         return mean, values
 
     loop.batch_source, loop._Run.end_epoch = source, end_epoch
@@ -91,10 +94,13 @@ def analyse(rec: dict) -> dict:
         prev = e["rows"]
     last = sorted((r[1] for r in epochs[-1]["rows"]), reverse=True)
     top = max(1, len(last) // 10)
-    return {"epochs": len(epochs), "sequences": len(epochs[0]["rows"]),
-            "below_skip_loss": [sum(r[1] < skip * r[2] for r in e["rows"]) for e in epochs],
-            "token_cost_ratio": round(kept / full, 3),
-            "last_epoch_loss_share_of_top_tenth": round(sum(last[:top]) / sum(last), 3)}
+    return {
+        "epochs": len(epochs),
+        "sequences": len(epochs[0]["rows"]),
+        "below_skip_loss": [sum(r[1] < skip * r[2] for r in e["rows"]) for e in epochs],
+        "token_cost_ratio": round(kept / full, 3),
+        "last_epoch_loss_share_of_top_tenth": round(sum(last[:top]) / sum(last), 3),
+    }
 
 
 def main() -> None:

@@ -32,9 +32,14 @@ SHARDING = ROOT / "docs" / "sharding.md"
 SHARD_MEMORY = HERE / "shard_memory"
 DEMO = HERE / "demo"
 COMPARES = ("compare_zsre_dev100", "compare_counterfact_dev100", "compare_zsre_dev1000", "compare_counterfact_dev1000")
-SCALING = {"scaling_zsre": ("wild_zsre_dev100_32.json", "../compare_zsre_dev100", "../compare_zsre_dev1000"),
-           "scaling_counterfact": ("wild_counterfact_dev100_32.json", "../compare_counterfact_dev100",
-                                   "../compare_counterfact_dev1000")}
+SCALING = {
+    "scaling_zsre": ("wild_zsre_dev100_32.json", "../compare_zsre_dev100", "../compare_zsre_dev1000"),
+    "scaling_counterfact": (
+        "wild_counterfact_dev100_32.json",
+        "../compare_counterfact_dev100",
+        "../compare_counterfact_dev1000",
+    ),
+}
 BREAKING_PPL_RATIO = 2.0  # crispedit.experiments.compare_table.BREAKING_PPL_RATIO (kept here: --check imports no torch)
 
 
@@ -50,7 +55,7 @@ def demo_table(text: str) -> str:
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if re.match(r"^\[\s*\d+ s\] done$", line):
-            return "\n".join(lines[i + 1:]).strip("\n") + "\n"
+            return "\n".join(lines[i + 1 :]).strip("\n") + "\n"
     raise SystemExit("results/demo/demo.txt: no '[ N s] done' line — not the demo's output")
 
 
@@ -114,9 +119,17 @@ def run_demo() -> None:
         raise SystemExit(f"the demo failed (exit {proc.returncode}); nothing stored")
     (DEMO / "demo.txt").write_text(proc.stdout)
     seconds = (datetime.datetime.now(datetime.timezone.utc) - t0).total_seconds()
-    _write_run(DEMO, {"command": shlex.join(cmd), "commit": _git("rev-parse", "--short", "HEAD"),
-                      "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "src")),
-                      "date": t0.date().isoformat(), "machine": _machine(), "wall_seconds": round(seconds)})
+    _write_run(
+        DEMO,
+        {
+            "command": shlex.join(cmd),
+            "commit": _git("rev-parse", "--short", "HEAD"),
+            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "src")),
+            "date": t0.date().isoformat(),
+            "machine": _machine(),
+            "wall_seconds": round(seconds),
+        },
+    )
 
 
 def _machine() -> str:
@@ -129,6 +142,7 @@ def _machine() -> str:
     except (OSError, AttributeError):
         pass
     import os
+
     bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
     return f"{cpu}, {os.cpu_count()} cores, {'native' if bf16 else 'no native'} bf16; {platform.platform()}"
 
@@ -211,8 +225,16 @@ def compare_summary(payload: dict) -> str:
     base = res.get("base") or {}
     ppl0 = (base.get("summary") or {}).get("ppl")
     tasks = list(base.get("capability_details") or {})
-    head = ["method", "WILD qa rel / gen", "chat rel / gen", "TF rel / gen", "KL drift (pred.)", "ppl (×base)",
-            *tasks, "edit time"]
+    head = [
+        "method",
+        "WILD qa rel / gen",
+        "chat rel / gen",
+        "TF rel / gen",
+        "KL drift (pred.)",
+        "ppl (×base)",
+        *tasks,
+        "edit time",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m, r in res.items():
         s, w = r.get("summary") or {}, r.get("wild") or {}
@@ -220,15 +242,31 @@ def compare_summary(payload: dict) -> str:
         kl, pred = s.get("kl_drift"), s.get("kl_predicted")
         ppl = s.get("ppl")
         ratio = ppl / ppl0 if ppl and ppl0 else None
-        ppl_cell = "–" if ppl is None else _num(ppl, "{:.1f}") + (f" (×{_num(ratio, '{:.2f}')})" if ratio
-                                                                  and m != "base" else "")
+        ppl_cell = (
+            "–"
+            if ppl is None
+            else _num(ppl, "{:.1f}") + (f" (×{_num(ratio, '{:.2f}')})" if ratio and m != "base" else "")
+        )
         if ratio and ratio > BREAKING_PPL_RATIO:
             ppl_cell += " ✗"
         kl_cell = "0" if m == "base" else _drift(kl) + (f" ({_drift(pred)})" if pred is not None else "")
         caps = [_paired(r, base, t) if m != "base" else _paired(r, {}, t) for t in tasks]
-        lines.append("| " + " | ".join([_label(m, r), _rg(w.get("qa")), _rg(w.get("chat")),
-                                          _rg(tf) if tf else "–", kl_cell, ppl_cell, *caps,
-                                          "–" if m == "base" else _minutes(r.get("edit_seconds"))]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    _label(m, r),
+                    _rg(w.get("qa")),
+                    _rg(w.get("chat")),
+                    _rg(tf) if tf else "–",
+                    kl_cell,
+                    ppl_cell,
+                    *caps,
+                    "–" if m == "base" else _minutes(r.get("edit_seconds")),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -244,16 +282,22 @@ def headline_table() -> str:
         kl, ppl = r["summary"]["kl_drift"], r["summary"]["ppl"]
         return _drift(kl) + (f" (ppl ×{ppl / ppl0:.2f} ✗)" if ppl / ppl0 > BREAKING_PPL_RATIO else "")
 
-    lines = ["| method | 100 edits: WILD qa rel / gen | KL drift | edit time | 1 000 edits: WILD qa rel / gen | KL "
-             "drift |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| method | 100 edits: WILD qa rel / gen | KL drift | edit time | 1 000 edits: WILD qa rel / gen | KL drift |",
+        "|---|---|---|---|---|---|",
+    ]
     for m in [m for m in a if m in b]:
         ea, eb = _extras(a[m]), _extras(b[m])
-        label = _label(m, a[m]) if ea == eb else m + " (" + "; ".join(
-            f"{n}: {', '.join(e)}" for n, e in (("100", ea), ("1 000", eb)) if e) + ")"
-        lines.append(f"| {label} | {_rg(a[m]['wild']['qa'])} | "
-                     f"{drift(a[m], ppl100, m)} | {'–' if m == 'base' else _minutes(a[m].get('edit_seconds'))} | "
-                     f"{_rg(b[m]['wild']['qa'])} | {drift(b[m], ppl1000, m)} |")
+        label = (
+            _label(m, a[m])
+            if ea == eb
+            else m + " (" + "; ".join(f"{n}: {', '.join(e)}" for n, e in (("100", ea), ("1 000", eb)) if e) + ")"
+        )
+        lines.append(
+            f"| {label} | {_rg(a[m]['wild']['qa'])} | "
+            f"{drift(a[m], ppl100, m)} | {'–' if m == 'base' else _minutes(a[m].get('edit_seconds'))} | "
+            f"{_rg(b[m]['wild']['qa'])} | {drift(b[m], ppl1000, m)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -262,12 +306,18 @@ def _replaced_rows(d: Path) -> str:
     out = []
     for f in sorted(d.glob("*_row.json")):
         p = _load(f)
-        row = p.get("row") or p.get(p.get("method", "")) or next((v for v in p.values() if isinstance(v, dict)
-                                                                     and "summary" in v), None) or p
+        row = (
+            p.get("row")
+            or p.get(p.get("method", ""))
+            or next((v for v in p.values() if isinstance(v, dict) and "summary" in v), None)
+            or p
+        )
         s, w = row.get("summary") or {}, row.get("wild") or {}
         note = p.get("note") or f"{row.get('method')} at other settings"
-        out.append(f"- [`{f.name}`]({d.name}/{f.name}): {note}. WILD qa {_rg(w.get('qa'))}, TF rel "
-                   f"{_pct(s.get('rel'))}, KL drift {_drift(s.get('kl_drift'))}.")
+        out.append(
+            f"- [`{f.name}`]({d.name}/{f.name}): {note}. WILD qa {_rg(w.get('qa'))}, TF rel "
+            f"{_pct(s.get('rel'))}, KL drift {_drift(s.get('kl_drift'))}."
+        )
     return "\n".join(out)
 
 
@@ -275,8 +325,10 @@ def _replaced_rows(d: Path) -> str:
 def speed_table() -> str:
     """One row per method of every stored ``bench_scale.py`` JSON under ``speed/``: the device, the edits, s/epoch,
     s/step, tokens/s, the share of the device's measured GEMM peak and the step time over the run's reference."""
-    lines = ["| run | device | edits | method | s / epoch | s / step | tokens / s | of GEMM peak | step ratio |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | device | edits | method | s / epoch | s / step | tokens / s | of GEMM peak | step ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for f in sorted((HERE / "speed").rglob("*.json")):
         p = _load(f)
         if "methods" not in p:
@@ -284,11 +336,13 @@ def speed_table() -> str:
         model = p["args"].get("model") or f"random-init {p['args'].get('random_init')}"
         for m, r in p["methods"].items():
             t = r.get("train") or {}
-            lines.append(f"| [`{f.relative_to(HERE / 'speed')}`](speed/{f.relative_to(HERE / 'speed')}) | "
-                         f"{p['device_name']} ({model}, {p['args']['dtype']}) | {p['n_edits']} | `{m}` | "
-                         f"{t.get('s_per_epoch', 0):.2f} | {t.get('s_per_step', 0):.3f} | "
-                         f"{t.get('tokens_per_s', 0):,.0f} | {100 * t.get('fraction_of_peak', 0):.1f} % | "
-                         f"{p.get('step_ratio', {}).get(m, float('nan')):.2f} |")
+            lines.append(
+                f"| [`{f.relative_to(HERE / 'speed')}`](speed/{f.relative_to(HERE / 'speed')}) | "
+                f"{p['device_name']} ({model}, {p['args']['dtype']}) | {p['n_edits']} | `{m}` | "
+                f"{t.get('s_per_epoch', 0):.2f} | {t.get('s_per_step', 0):.3f} | "
+                f"{t.get('tokens_per_s', 0):,.0f} | {100 * t.get('fraction_of_peak', 0):.1f} % | "
+                f"{p.get('step_ratio', {}).get(m, float('nan')):.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -299,8 +353,10 @@ LATENCY_PHASES = ("batches", "keep", "train", "factors", "other", "evaluate")  #
 def latency_table() -> str:
     """One row per round of every stored ``benchmarks/edit_latency.py`` JSON under ``edit_latency/`` and one per
     run's mean: the seconds of each phase, the round's wall time and its ratio to the run's target."""
-    lines = ["| run | round | " + " | ".join(LATENCY_PHASES) + " | wall s | × target | epochs / steps |",
-             "|---|---|" + "---|" * (len(LATENCY_PHASES) + 3)]
+    lines = [
+        "| run | round | " + " | ".join(LATENCY_PHASES) + " | wall s | × target | epochs / steps |",
+        "|---|---|" + "---|" * (len(LATENCY_PHASES) + 3),
+    ]
     for f in sorted(LATENCY.glob("*.json")):
         p = _load(f)
         if "rounds" not in p:
@@ -308,11 +364,17 @@ def latency_table() -> str:
         name = f"[`{f.name}`](edit_latency/{f.name})"
         for r in p["rounds"]:
             ph = r["phases"]
-            lines.append(f"| {name} | {r['round']} | " + " | ".join(f"{ph[k]:.1f}" for k in LATENCY_PHASES)
-                         + f" | {r['wall']:.1f} | {r['wall'] / p['target']:.1f} | {r['epochs']} / {r['steps']} |")
+            lines.append(
+                f"| {name} | {r['round']} | "
+                + " | ".join(f"{ph[k]:.1f}" for k in LATENCY_PHASES)
+                + f" | {r['wall']:.1f} | {r['wall'] / p['target']:.1f} | {r['epochs']} / {r['steps']} |"
+            )
         m = p["mean"]
-        lines.append(f"| {name} | **mean** | " + " | ".join(f"{m[k]:.1f}" for k in LATENCY_PHASES)
-                     + f" | **{m['wall']:.1f}** | **{p['over_target']:.1f}** | |")
+        lines.append(
+            f"| {name} | **mean** | "
+            + " | ".join(f"{m[k]:.1f}" for k in LATENCY_PHASES)
+            + f" | **{m['wall']:.1f}** | **{p['over_target']:.1f}** | |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -321,26 +383,32 @@ def speed_facts() -> dict:
     share = _load(HERE / "speed" / "bench_share_smollm2_100.json")
     bf16 = _load(HERE / "speed" / "bench_bf16_smollm2_32.json")
     h100 = _load(HERE / "speed" / "gpu_h100" / "smollm2_1000_tokens_b.json")
-    return {"packed": share["step_ratio"]["crispedit:noshare"],
-            "bf16": (bf16["methods"]["crispedit"]["train"]["s_per_step"]
-                     / bf16["methods"]["crispedit:bf16"]["train"]["s_per_step"]),
-            "gemm": share["methods"]["crispedit"]["train"]["fraction_of_peak"],
-            "h100_fp32": h100["methods"]["crispedit"]["train"]["s_per_epoch"],
-            "h100_tf32": h100["methods"]["crispedit:tf32"]["train"]["s_per_epoch"]}
+    return {
+        "packed": share["step_ratio"]["crispedit:noshare"],
+        "bf16": (
+            bf16["methods"]["crispedit"]["train"]["s_per_step"]
+            / bf16["methods"]["crispedit:bf16"]["train"]["s_per_step"]
+        ),
+        "gemm": share["methods"]["crispedit"]["train"]["fraction_of_peak"],
+        "h100_fp32": h100["methods"]["crispedit"]["train"]["s_per_epoch"],
+        "h100_tf32": h100["methods"]["crispedit:tf32"]["train"]["s_per_epoch"],
+    }
 
 
 def speed_block() -> str:
     """The README's speed table (the figures its Speed section rests on)."""
     f = speed_facts()
-    return ("| measured | figure | run |\n|---|---|---|\n"
-            f"| a CPU edit step, SmolLM2, 100 edits, default contexts (2 cores) | {100 * f['gemm']:.0f} % of the CPU's "
-            "float32 GEMM peak | [`bench_share_smollm2_100.json`](results/speed/bench_share_smollm2_100.json) |\n"
-            f"| the same step without shared-prefix packing | {f['packed']:.2f}× the time | same file |\n"
-            f"| `--precision bf16` on a CPU with AVX512-BF16, 32 edits | a step {f['bf16']:.2f}× faster | "
-            "[`bench_bf16_smollm2_32.json`](results/speed/bench_bf16_smollm2_32.json) |\n"
-            f"| one H100, SmolLM2 shape, 1 000 edits, `--batch-tokens 16384` | {f['h100_fp32']:.2f} s / epoch "
-            f"({f['h100_tf32']:.2f} with `--projection-precision tf32`) | "
-            "[`gpu_h100/`](results/speed/gpu_h100/smollm2_1000_tokens_b.json) |\n")
+    return (
+        "| measured | figure | run |\n|---|---|---|\n"
+        f"| a CPU edit step, SmolLM2, 100 edits, default contexts (2 cores) | {100 * f['gemm']:.0f} % of the CPU's "
+        "float32 GEMM peak | [`bench_share_smollm2_100.json`](results/speed/bench_share_smollm2_100.json) |\n"
+        f"| the same step without shared-prefix packing | {f['packed']:.2f}× the time | same file |\n"
+        f"| `--precision bf16` on a CPU with AVX512-BF16, 32 edits | a step {f['bf16']:.2f}× faster | "
+        "[`bench_bf16_smollm2_32.json`](results/speed/bench_bf16_smollm2_32.json) |\n"
+        f"| one H100, SmolLM2 shape, 1 000 edits, `--batch-tokens 16384` | {f['h100_fp32']:.2f} s / epoch "
+        f"({f['h100_tf32']:.2f} with `--projection-precision tf32`) | "
+        "[`gpu_h100/`](results/speed/gpu_h100/smollm2_1000_tokens_b.json) |\n"
+    )
 
 
 # ------------------------------------------------------------------------------------------- eigendecompositions
@@ -351,22 +419,29 @@ def eigh_tables() -> str:
     t = _load(HERE / "eigh" / "bench_eigh_cpu.json")
     lines = ["| size | float32 (s) | float64 (s) | float64 / float32 |", "|---|---|---|---|"]
     for n, r in t["sizes"].items():
-        lines.append(f"| {int(n):,} | {r['float32']['min_s']:.2f} | {r['float64']['min_s']:.2f} | "
-                     f"{r['ratio_float64_over_float32']:.2f}× |".replace(",", " "))
+        lines.append(
+            f"| {int(n):,} | {r['float32']['min_s']:.2f} | {r['float64']['min_s']:.2f} | "
+            f"{r['ratio_float64_over_float32']:.2f}× |".replace(",", " ")
+        )
     ex = t["extrapolated"]
-    lines.append(f"| {ex['n']:,} (extrapolated as n³ from {ex['from_n']:,}) | {ex['float32_s']:.0f} | "
-                 f"{ex['float64_s']:.0f} | {ex['float64_s'] / ex['float32_s']:.2f}× |".replace(",", " "))
+    lines.append(
+        f"| {ex['n']:,} (extrapolated as n³ from {ex['from_n']:,}) | {ex['float32_s']:.0f} | "
+        f"{ex['float64_s']:.0f} | {ex['float64_s'] / ex['float32_s']:.2f}× |".replace(",", " ")
+    )
     p = _load(HERE / "eigh" / "eigh_precision_smollm2.json")
     rows = ["| γ | float32 eigensolver | crispedit (float64 decomposition, float32 bases) |", "|---|---|---|"]
     for g in p["gammas"]:
         f32 = [v[str(g)]["float32_eigh"] for v in p["layers"].values()]
         ours = [v[str(g)]["crispedit"] for v in p["layers"].values()]
         rows.append(f"| {g} | {min(f32):.1e} – {max(f32):.1e} | {min(ours):.1e} – {max(ours):.1e} |")
-    return ("`torch.linalg.eigh` on the CPU, fastest of "
-            f"{t['repeats']} interleaved runs ([`bench_eigh_cpu.json`](eigh/bench_eigh_cpu.json)):\n\n"
-            + "\n".join(lines) + "\n\nRelative projection error against the paper's formula in float64, range over "
-            "SmolLM2's five default `down_proj` layers "
-            "([`eigh_precision_smollm2.json`](eigh/eigh_precision_smollm2.json)):\n\n" + "\n".join(rows) + "\n")
+    return (
+        "`torch.linalg.eigh` on the CPU, fastest of "
+        f"{t['repeats']} interleaved runs ([`bench_eigh_cpu.json`](eigh/bench_eigh_cpu.json)):\n\n"
+        + "\n".join(lines)
+        + "\n\nRelative projection error against the paper's formula in float64, range over "
+        "SmolLM2's five default `down_proj` layers "
+        "([`eigh_precision_smollm2.json`](eigh/eigh_precision_smollm2.json)):\n\n" + "\n".join(rows) + "\n"
+    )
 
 
 CHAT_STYLE = HERE / "chat_style_zsre_dev400_32"
@@ -378,15 +453,20 @@ def chat_style_table(d: Path = CHAT_STYLE) -> str:
     qa / chat rel / gen, teacher-forced rel, KL drift, the chat style measures (answer length over the base's, the
     share of long answers turned bare, KL on the base's own answers) and the subject bleed, then the epochs."""
     runs = _load(d / "run.json")["runs"]
-    lines = ["| run | WILD qa | WILD chat | TF rel | KL drift | chat length (× base) | turned bare | answer KL | "
-             "subject bleed | epochs |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | WILD qa | WILD chat | TF rel | KL drift | chat length (× base) | turned bare | answer KL | "
+        "subject bleed | epochs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, what in runs.items():
         r = _load(d / name)
         s, w, a = r["summary"], r.get("wild") or {}, r.get("assistant") or {}
         st, bl = a.get("style") or {}, a.get("bleed") or {}
-        lines.append(f"| {what} | {_rg(w.get('qa'))} | {_rg(w.get('chat'))} | {_pct(s.get('rel'))} | "
-                     f"{s['kl_drift']:.5f} | ×{st['length_ratio']:.2f} | {_pct(st['bare_share'])} | "
-                     f"{st['answer_kl']:.3f} | {_pct(bl.get('target'))} | {r['training']['epochs']} |")
+        lines.append(
+            f"| {what} | {_rg(w.get('qa'))} | {_rg(w.get('chat'))} | {_pct(s.get('rel'))} | "
+            f"{s['kl_drift']:.5f} | ×{st['length_ratio']:.2f} | {_pct(st['bare_share'])} | "
+            f"{st['answer_kl']:.3f} | {_pct(bl.get('target'))} | {r['training']['epochs']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -399,8 +479,7 @@ def shard_table() -> str:
     per N, and the smallest of :data:`GPU_GIB` it fits, for the docs' sharding page."""
     t = _load(SHARD_MEMORY / "table.json")
     ns = list(next(iter(t[s]["per_process"] for s in ("llama3-8b", "llama3-70b"))))
-    lines = ["| shape, edited layers | " + " | ".join(f"N = {n}" for n in ns) + " |",
-             "|---|" + "---|" * len(ns)]
+    lines = ["| shape, edited layers | " + " | ".join(f"N = {n}" for n in ns) + " |", "|---|" + "---|" * len(ns)]
     for shape, name in (("llama3-8b", "Llama-3-8B"), ("llama3-70b", "Llama-3-70B")):
         cells = []
         for n in ns:
@@ -408,27 +487,35 @@ def shard_table() -> str:
             fit = next((f"{g} GB" for g in GPU_GIB if gib < g), "none")
             cells.append(f"{gib:.1f} GiB ({fit})")
         lines.append(f"| {name}, `{t[shape]['layers']}` | " + " | ".join(cells) + " |")
-    return ("\n".join(lines) + f"\n\nPer process, {t['dtype']} weights, activations not counted; in brackets the "
-            "smallest of 24, 40, 80 and 141 GB devices it fits before activations. From "
-            "[`table.json`](../results/shard_memory/table.json).\n")
+    return (
+        "\n".join(lines) + f"\n\nPer process, {t['dtype']} weights, activations not counted; in brackets the "
+        "smallest of 24, 40, 80 and 141 GB devices it fits before activations. From "
+        "[`table.json`](../results/shard_memory/table.json).\n"
+    )
 
 
 def shard_measured() -> str:
     """From ``shard_memory/measure_*.json``: per run, the weights a process stores and its peak resident memory during
     the edit above the process's own (interpreter and libraries, before the model), against the calculator (MiB)."""
     runs = (("measure_2proc.json", "2 processes, not split"), ("measure_2proc_shard.json", "2 processes, `--shard`"))
-    lines = ["| run | weights stored | calculator | peak during the edit, above the bare process | calculator total |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| run | weights stored | calculator | peak during the edit, above the bare process | calculator total |",
+        "|---|---|---|---|---|",
+    ]
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     for f, what in runs:
         r = _load(SHARD_MEMORY / f)
         p = max(r["processes"], key=lambda x: x["peak_bytes"] - x["rss_base"])
         pred = p["predicted"]
-        lines.append(f"| {what} ([json](../results/shard_memory/{f})) | {mib(p['held_weights'])} | "
-                     f"{mib(pred['blocks'] + pred['whole'])} | {mib(p['peak_bytes'] - p['rss_base'])} | "
-                     f"{mib(pred['total'])} |")
-    return ("\n".join(lines) + "\n\nThe process with the higher peak of each run; the bare process is its resident "
-            "memory before the model was built.\n")
+        lines.append(
+            f"| {what} ([json](../results/shard_memory/{f})) | {mib(p['held_weights'])} | "
+            f"{mib(pred['blocks'] + pred['whole'])} | {mib(p['peak_bytes'] - p['rss_base'])} | "
+            f"{mib(pred['total'])} |"
+        )
+    return (
+        "\n".join(lines) + "\n\nThe process with the higher peak of each run; the bare process is its resident "
+        "memory before the model was built.\n"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- summary page
@@ -436,22 +523,31 @@ def _run_line(d: Path) -> str:
     r = _load(d / "run.json") if (d / "run.json").is_file() else {}
     cmd = r.get("command")
     cmd = "\n".join(cmd) if isinstance(cmd, list) else cmd
-    out = [f"Stored in `{r.get('commit', '?')}`" + (f" ({r['date']})" if r.get("date") else "") +
-           (f" on {r['machine']}" if r.get("machine") else "") + "."]
+    out = [
+        f"Stored in `{r.get('commit', '?')}`"
+        + (f" ({r['date']})" if r.get("date") else "")
+        + (f" on {r['machine']}" if r.get("machine") else "")
+        + "."
+    ]
     if r.get("note"):
         out.append(r["note"])
     text = " ".join(out)
     return text + (f"\n\n```bash\n{cmd}\n```" if cmd else "")
 
 
-TITLES = {"compare_zsre_dev100": "100 ZsRE edits", "compare_counterfact_dev100": "100 CounterFact edits",
-          "compare_zsre_dev1000": "1 000 ZsRE edits", "compare_counterfact_dev1000": "1 000 CounterFact edits"}
+TITLES = {
+    "compare_zsre_dev100": "100 ZsRE edits",
+    "compare_counterfact_dev100": "100 CounterFact edits",
+    "compare_zsre_dev1000": "1 000 ZsRE edits",
+    "compare_counterfact_dev1000": "1 000 CounterFact edits",
+}
 
 
 def summary_page() -> str:
     """``results/README.md``: what the folder holds, how to regenerate it, and every stored run's summary."""
     demo = (DEMO / "demo.txt").read_text()
-    parts = [f"""# Results
+    parts = [
+        f"""# Results
 
 <!-- written by results/make.py from the data in this folder: edit the script or the data, never this file -->
 
@@ -478,13 +574,15 @@ and a section in `results/make.py`.
 ```
 {demo_table(demo).rstrip()}
 ```
-"""]  # noqa: E501 (the page's lines are as long as its text)
+"""  # noqa: E501 (the page's lines are as long as its text)
+    ]
     for name in COMPARES:
         d = HERE / name
         payload = _load(d / "compare.json")
         rr = _replaced_rows(d)
         retention = " · [round-1 retention](" + name + "/retention.png)" if (d / "retention.png").is_file() else ""
-        parts.append(f"""## {TITLES[name]}
+        parts.append(
+            f"""## {TITLES[name]}
 
 [`{name}/`]({name}/run.json): [full table]({name}/compare.md) · [figure]({name}/compare.png){retention}.
 {_run_line(d)}
@@ -494,13 +592,15 @@ factors predicted; capability scores in percent with the paired change against t
 (bold: more than twice its standard error); ✗: perplexity more than {BREAKING_PPL_RATIO:g}× the base's (the
 model is broken).
 
-{compare_summary(payload)}""" + (f"\nAlso stored:\n\n{rr}\n" if rr else ""))
+{compare_summary(payload)}"""
+            + (f"\nAlso stored:\n\n{rr}\n" if rr else "")
+        )
     parts.append(f"""## Scaling with the number of edits
 
 [`scaling/`](scaling/run.json): WILD QA rel / gen and crosstalk, KL drift (measured and predicted) and perplexity
 against the number of edits (32, 100, 1 000), per method, drawn from the compares above and the stored
 32-edit runs. Tables: [ZsRE](scaling/scaling_zsre.md), [CounterFact](scaling/scaling_counterfact.md).
-{_run_line(HERE / 'scaling')}
+{_run_line(HERE / "scaling")}
 
 ![scaling on ZsRE](scaling/scaling_zsre.png)
 
@@ -510,7 +610,7 @@ against the number of edits (32, 100, 1 000), per method, drawn from the compare
 
 [`speed/`](speed/run.json): `benchmarks/bench_scale.py` outputs (each JSON holds its arguments and environment;
 `gpu_h100/` also the printed logs of `benchmarks/gpu_scale.sh`).
-{_run_line(HERE / 'speed')}
+{_run_line(HERE / "speed")}
 
 {speed_table()}
 ## One edit at a time
@@ -525,7 +625,7 @@ so far and the KL drift from the base), seconds, and the round's wall time over 
 ## Eigendecompositions: float64 against float32
 
 [`eigh/`](eigh/run.json): what decomposing the K-FAC factors in float64 (every device) costs and buys against
-float32. {_run_line(HERE / 'eigh')}
+float32. {_run_line(HERE / "eigh")}
 
 {eigh_tables()}
 ## Memory of a split edit
@@ -561,7 +661,7 @@ above.
 
 [`study_mnist/`](study_mnist/run.json): [`results.csv`](study_mnist/results.csv) and the trade-off figure drawn from it
 (what each curvature model keeps of MNIST for the Fashion-MNIST accuracy it allows).
-{_run_line(HERE / 'study_mnist')}
+{_run_line(HERE / "study_mnist")}
 
 ![MNIST → Fashion-MNIST trade-off](study_mnist/tradeoff.png)
 """)
@@ -571,9 +671,11 @@ above.
 # ------------------------------------------------------------------------------------------- README blocks
 def readme_blocks() -> dict[str, str]:
     """Generated README blocks by name."""
-    return {"demo": f"```\n{demo_table((DEMO / 'demo.txt').read_text()).rstrip()}\n```\n",
-            "compare": headline_table(),
-            "speed": speed_block()}
+    return {
+        "demo": f"```\n{demo_table((DEMO / 'demo.txt').read_text()).rstrip()}\n```\n",
+        "compare": headline_table(),
+        "speed": speed_block(),
+    }
 
 
 def fill_blocks(text: str, blocks: dict[str, str]) -> str:
@@ -602,6 +704,7 @@ def figures() -> None:
         plot_compare(payload, d / "compare.png")
         plot_retention(payload, d / "retention.png")
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("scaling", ROOT / "benchmarks" / "scaling.py")
     scaling = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(scaling)
@@ -612,25 +715,33 @@ def figures() -> None:
         (HERE / "scaling" / f"{stem}.md").write_text(scaling.scaling_table(points))
         scaling.plot_scaling(points, HERE / "scaling" / f"{stem}.png")
     import csv
+
     with open(HERE / "study_mnist" / "results.csv") as fh:
-        rows = [{k: (v if k == "method" else (float(v) if v else None)) for k, v in r.items()}
-                for r in csv.DictReader(fh)]
+        rows = [
+            {k: (v if k == "method" else (float(v) if v else None)) for k, v in r.items()} for r in csv.DictReader(fh)
+        ]
     write_plot(HERE / "study_mnist" / "tradeoff.png", rows, title="MNIST → Fashion-MNIST, SmallLeNet")
 
 
 def main(argv=None) -> int:
     """Regenerate, or with ``--check`` compare, the derived files."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="compare results/README.md and the README's (and "
-                    "docs/sharding.md's) blocks with "
-                    "what the data gives; write nothing")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="compare results/README.md and the README's (and "
+        "docs/sharding.md's) blocks with "
+        "what the data gives; write nothing",
+    )
     ap.add_argument("--demo", action="store_true", help="rerun the demo command and store its output first")
     args = ap.parse_args(argv)
     if args.demo:
         run_demo()
-    want = {SUMMARY: summary_page(), README: fill_blocks(README.read_text(), readme_blocks()),
-            SHARDING: fill_blocks(SHARDING.read_text(), {"shard-table": shard_table(),
-                                                           "shard-measured": shard_measured()})}
+    want = {
+        SUMMARY: summary_page(),
+        README: fill_blocks(README.read_text(), readme_blocks()),
+        SHARDING: fill_blocks(SHARDING.read_text(), {"shard-table": shard_table(), "shard-measured": shard_measured()}),
+    }
     if args.check:
         stale = [p.relative_to(ROOT) for p, text in want.items() if not p.is_file() or p.read_text() != text]
         for p in stale:

@@ -32,9 +32,13 @@ def _cli_reference() -> str:
 
     parser = build_parser()
     parser.prog = "crispedit"
-    out = ["# Command line reference", "",
-           "Generated from the command line's own parser when the site is built: what `crispedit … --help` prints.",
-           "The task pages ([edit](../cli.md), [compare](../compare.md), …) say what the commands are for.", ""]
+    out = [
+        "# Command line reference",
+        "",
+        "Generated from the command line's own parser when the site is built: what `crispedit … --help` prints.",
+        "The task pages ([edit](../cli.md), [compare](../compare.md), …) say what the commands are for.",
+        "",
+    ]
 
     def walk(p: argparse.ArgumentParser, name: str, depth: int) -> None:
         buf = io.StringIO()

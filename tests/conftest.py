@@ -31,8 +31,17 @@ def edits_file(tmp_path, n=4):
     """An edit file ``tmp_path/edits.json`` of ``n`` made-up club founders (ZsRE schema, with subjects); its path."""
     import json
 
-    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "rephrase": f"Club {i} was founded by?",
-             "loc": "nq question: who sang it", "loc_ans": "someone", "subject": f"club {i}"} for i in range(n)]
+    recs = [
+        {
+            "src": f"Who founded club {i}?",
+            "alt": f"Founder {chr(65 + i)}",
+            "rephrase": f"Club {i} was founded by?",
+            "loc": "nq question: who sang it",
+            "loc_ans": "someone",
+            "subject": f"club {i}",
+        }
+        for i in range(n)
+    ]
     p = tmp_path / "edits.json"
     p.write_text(json.dumps(recs))
     return p
@@ -48,20 +57,33 @@ def build_tokenizer(vocab_size: int = 320, eos: str = "<eos>"):
     tk = Tokenizer(models.BPE(unk_token=None))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos, "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos, "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tk.train_from_iterator(text, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, pad_token="<pad>")
 
 
-def build_llama(vocab_size: int, *, layers: int = 4, hidden: int = 32, inter: int = 48, seed: int = 0,
-                dtype=torch.float32):
+def build_llama(
+    vocab_size: int, *, layers: int = 4, hidden: int = 32, inter: int = 48, seed: int = 0, dtype=torch.float32
+):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, initializer_range=0.25)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.25,
+    )
     model = LlamaForCausalLM(cfg).to(dtype)
     model.eval()
     return model

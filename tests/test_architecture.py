@@ -44,12 +44,30 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "crispedit"
 # (layer name, the packages and modules in it), lowest first; see the module docstring for what each holds.
 # The package's own ``__init__`` ("crispedit") is named exactly; every other entry covers its submodules too.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("crispedit", "crispedit._lazy", "crispedit.errors", "crispedit.versions", "crispedit.checks",
-              "crispedit.settings",
-              "crispedit.paths", "crispedit.atomic", "crispedit.safetensors_io", "crispedit.progress",
-              "crispedit.families", "crispedit.distributed", "crispedit.delta_format", "crispedit.models",
-              "crispedit.layers", "crispedit.weights", "crispedit.forward_args", "crispedit.forward_parts",
-              "crispedit.data")),
+    (
+        "base",
+        (
+            "crispedit",
+            "crispedit._lazy",
+            "crispedit.errors",
+            "crispedit.versions",
+            "crispedit.checks",
+            "crispedit.settings",
+            "crispedit.paths",
+            "crispedit.atomic",
+            "crispedit.safetensors_io",
+            "crispedit.progress",
+            "crispedit.families",
+            "crispedit.distributed",
+            "crispedit.delta_format",
+            "crispedit.models",
+            "crispedit.layers",
+            "crispedit.weights",
+            "crispedit.forward_args",
+            "crispedit.forward_parts",
+            "crispedit.data",
+        ),
+    ),
     ("curvature", ("crispedit.curvature",)),
     ("evaluation", ("crispedit.evaluation",)),
     ("editing", ("crispedit.editing",)),
@@ -77,7 +95,7 @@ def _resolve(module: str, is_package: bool, level: int, name: str | None) -> str
         return name or ""
     base = module.split(".") if is_package else module.split(".")[:-1]
     if level - 1:
-        base = base[:-(level - 1)]
+        base = base[: -(level - 1)]
     return ".".join(base + ([name] if name else []))
 
 
@@ -97,8 +115,13 @@ def _literal_exports(node: ast.expr, tree: ast.Module) -> dict[str, str]:
             else:
                 out[ast.literal_eval(key)] = ast.literal_eval(value)
         return out
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fromkeys"
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "dict"):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "fromkeys"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "dict"
+    ):
         return dict.fromkeys(ast.literal_eval(node.args[0]), ast.literal_eval(node.args[1]))
     raise AssertionError(f"cannot read the lazy_exports map at line {node.lineno}: {ast.unparse(node)}")
 
@@ -107,10 +130,16 @@ def lazy_exports_of(package: str, tree: ast.Module) -> dict[str, str]:
     """Name -> absolute module for what package ``package`` (its ``__init__`` parsed as ``tree``) exports
     through ``lazy_exports(__name__, MAP)``; empty when it does not."""
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "lazy_exports"
-                and len(node.args) == 2):
-            return {name: _resolve(package, True, len(where) - len(where.lstrip(".")), where.lstrip(".") or None)
-                    for name, where in _literal_exports(node.args[1], tree).items()}
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "lazy_exports"
+            and len(node.args) == 2
+        ):
+            return {
+                name: _resolve(package, True, len(where) - len(where.lstrip(".")), where.lstrip(".") or None)
+                for name, where in _literal_exports(node.args[1], tree).items()
+            }
     return {}
 
 
@@ -251,8 +280,10 @@ def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
 
 def test_every_module_has_a_layer():
     missing = [m for m in import_graph() if layer_of(m) is None]
-    assert not missing, ("modules in no layer (add them to LAYERS in tests/test_architecture.py, where they "
-                         "belong):\n" + "\n".join(missing))
+    assert not missing, (
+        "modules in no layer (add them to LAYERS in tests/test_architecture.py, where they "
+        "belong):\n" + "\n".join(missing)
+    )
 
 
 def test_no_module_imports_from_a_layer_above():
@@ -265,8 +296,12 @@ def test_the_layer_check_sees_what_it_should():
     assert layer_of("pkg", layers) == (0, "low") and layer_of("pkg.a.x", layers) == (0, "low")
     assert layer_of("pkg.sub.b", layers) == (1, "mid") and layer_of("pkg.sub.deep.c", layers) == (0, "low")
     assert layer_of("pkg.other", layers) is None  # the top-level entry names the package's __init__ only
-    graph = {"pkg.a": {"pkg.sub.b"}, "pkg.sub.b": {"pkg.a", "pkg.sub.deep"}, "pkg.top": {"pkg.sub.b", "pkg"},
-             "pkg.sub.deep": {"pkg.top"}}
+    graph = {
+        "pkg.a": {"pkg.sub.b"},
+        "pkg.sub.b": {"pkg.a", "pkg.sub.deep"},
+        "pkg.top": {"pkg.sub.b", "pkg"},
+        "pkg.sub.deep": {"pkg.top"},
+    }
     assert upward_imports(graph, layers) == ["pkg.a (low) -> pkg.sub.b (mid)", "pkg.sub.deep (low) -> pkg.top (high)"]
 
 
@@ -278,20 +313,29 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_the_check_sees_what_it_should(tmp_path):
-    pkg = _write(tmp_path / "pkg", {
-        "__init__.py": "from ._lazy import lazy_exports\n"
-                       "__getattr__, __dir__ = lazy_exports(__name__, {'f': '.a', **dict.fromkeys(['g'], '.sub.c')})\n",
-        "_lazy.py": "import os\n",
-        "a.py": "import pkg.sub.b\nimport json\n",
-        "sub/__init__.py": "",
-        "sub/b.py": "def f():\n    from ..a import x\n    from . import c\n",
-        "sub/c.py": "from pkg import f, g\nfrom pkg.sub import b as bb\nfrom .. import _lazy\n",
-        "d.py": "if True:\n    from .sub.c import y\nimport pkg.sub.c.attr\n",
-    })
+    pkg = _write(
+        tmp_path / "pkg",
+        {
+            "__init__.py": "from ._lazy import lazy_exports\n"
+            "__getattr__, __dir__ = lazy_exports(__name__, {'f': '.a', **dict.fromkeys(['g'], '.sub.c')})\n",
+            "_lazy.py": "import os\n",
+            "a.py": "import pkg.sub.b\nimport json\n",
+            "sub/__init__.py": "",
+            "sub/b.py": "def f():\n    from ..a import x\n    from . import c\n",
+            "sub/c.py": "from pkg import f, g\nfrom pkg.sub import b as bb\nfrom .. import _lazy\n",
+            "d.py": "if True:\n    from .sub.c import y\nimport pkg.sub.c.attr\n",
+        },
+    )
     graph = import_graph(pkg)
-    assert graph == {"pkg": {"pkg._lazy"}, "pkg._lazy": set(), "pkg.a": {"pkg.sub.b"},
-                     "pkg.sub": set(), "pkg.sub.b": {"pkg.a", "pkg.sub.c"},
-                     "pkg.sub.c": {"pkg.a", "pkg.sub.b", "pkg._lazy"}, "pkg.d": {"pkg.sub.c"}}
+    assert graph == {
+        "pkg": {"pkg._lazy"},
+        "pkg._lazy": set(),
+        "pkg.a": {"pkg.sub.b"},
+        "pkg.sub": set(),
+        "pkg.sub.b": {"pkg.a", "pkg.sub.c"},
+        "pkg.sub.c": {"pkg.a", "pkg.sub.b", "pkg._lazy"},
+        "pkg.d": {"pkg.sub.c"},
+    }
     assert find_cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
     assert find_cycles({"x": {"y"}, "y": {"z"}, "z": {"x"}, "w": {"x"}}) == [["x", "y", "z", "x"]]
     assert find_cycles({"x": {"y"}, "y": set()}) == []

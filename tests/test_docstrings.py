@@ -16,7 +16,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "crispedit"
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _BLOCKS = (ast.If, ast.Try, ast.With, ast.For, ast.While, ast.ExceptHandler) + (
-    (ast.TryStar,) if hasattr(ast, "TryStar") else ())
+    (ast.TryStar,) if hasattr(ast, "TryStar") else ()
+)
 
 
 def _undocumented(node: ast.AST, prefix: str = "", in_function: bool = False, public: bool = True):
@@ -31,8 +32,9 @@ def _undocumented(node: ast.AST, prefix: str = "", in_function: bool = False, pu
             counts = is_public and (is_function if in_function else public)
             if counts and not (ast.get_docstring(child) or "").strip():
                 yield child.lineno, prefix + child.name
-            yield from _undocumented(child, f"{prefix}{child.name}.", is_function, public and is_public
-                                     and not in_function)
+            yield from _undocumented(
+                child, f"{prefix}{child.name}.", is_function, public and is_public and not in_function
+            )
         elif in_function or isinstance(child, _BLOCKS):
             yield from _undocumented(child, prefix, in_function, public)
 
@@ -40,8 +42,11 @@ def _undocumented(node: ast.AST, prefix: str = "", in_function: bool = False, pu
 def test_every_public_definition_has_a_docstring():
     files = sorted(SRC.rglob("*.py"))
     assert len(files) > 50, f"found only {len(files)} modules under {SRC}"
-    missing = [f"{f.relative_to(SRC.parent)}:{line}: {name}"
-               for f in files for line, name in _undocumented(ast.parse(f.read_text(encoding="utf-8"), str(f)))]
+    missing = [
+        f"{f.relative_to(SRC.parent)}:{line}: {name}"
+        for f in files
+        for line, name in _undocumented(ast.parse(f.read_text(encoding="utf-8"), str(f)))
+    ]
     assert not missing, "public definitions without a docstring:\n" + "\n".join(missing)
 
 
@@ -72,4 +77,12 @@ def _g():
     def g_inner(): pass
 ''')
     assert [name for _, name in _undocumented(tree)] == [
-        "f", "C.m", "_P.m.p_inner", "h", "ok.inner", "ok.documented.deeper", "ok.in_block", "_g.g_inner"]
+        "f",
+        "C.m",
+        "_P.m.p_inner",
+        "h",
+        "ok.inner",
+        "ok.documented.deeper",
+        "ok.in_block",
+        "_g.g_inner",
+    ]

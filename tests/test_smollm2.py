@@ -47,9 +47,32 @@ def test_cli_edit_on_smollm2(tmp_path):
     if not env["CRISPEDIT_CACHE"]:
         env.pop("CRISPEDIT_CACHE")
     from crispedit.data import BUNDLED_EDITS, bundled_path
-    cmd = [sys.executable, "-m", "crispedit", "edit", "--model", "smollm2", "--edits", str(bundled_path(BUNDLED_EDITS)),
-           "--n-edits", "4", "--n-cap", "16", "--max-len", "64", "--epochs", "40", "--batch-size", "4", "--lr", "2e-3",
-           "--out", str(out), "--quiet"]
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "crispedit",
+        "edit",
+        "--model",
+        "smollm2",
+        "--edits",
+        str(bundled_path(BUNDLED_EDITS)),
+        "--n-edits",
+        "4",
+        "--n-cap",
+        "16",
+        "--max-len",
+        "64",
+        "--epochs",
+        "40",
+        "--batch-size",
+        "4",
+        "--lr",
+        "2e-3",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "edit_report.json").read_text())
@@ -59,6 +82,7 @@ def test_cli_edit_on_smollm2(tmp_path):
     assert report["training"]["contexts"] == ["bare", "chat", "prefix:2", "lead:4"]
     assert report["wild"]["chat"]["rel"] >= 0.75 and report["wild"]["none"]["rel"] >= 0.75, report["wild"]
     from transformers import AutoModelForCausalLM
+
     m = AutoModelForCausalLM.from_pretrained(out)
     assert m.config.num_hidden_layers == 30
 

@@ -49,14 +49,24 @@ def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = Non
     if isinstance(value, float) and not value.is_integer():
         raise CrispEditError(f"{name} must be an integer, got {value!r}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"between {lo} and {hi}" if lo is not None and hi is not None else (
-            "non-negative" if lo == 0 else f"at least {lo}" if lo is not None else f"at most {hi}")
+        rng = (
+            f"between {lo} and {hi}"
+            if lo is not None and hi is not None
+            else ("non-negative" if lo == 0 else f"at least {lo}" if lo is not None else f"at most {hi}")
+        )
         raise CrispEditError(f"{name} must be {rng}, got {value!r}")
     return v
 
 
-def check_float(name: str, value: Any, lo: float | None = None, hi: float | None = None, *,
-                lo_open: bool = False, hi_open: bool = False) -> float:
+def check_float(
+    name: str,
+    value: Any,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:
     """``value`` as a finite float within the given bounds (open or closed); one-line error naming ``name``
     otherwise — ``inf`` and ``nan`` are always refused."""
     try:
@@ -98,5 +108,7 @@ def check_finite_tensors(tensors: dict, what: str) -> None:
     bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise CrispEditError(f"{what} left non-finite weights (inf/nan) in {bad[0]}{more}; nothing was saved — "
-                             "lower --lr or check the model and the inputs")
+        raise CrispEditError(
+            f"{what} left non-finite weights (inf/nan) in {bad[0]}{more}; nothing was saved — "
+            "lower --lr or check the model and the inputs"
+        )

@@ -42,13 +42,39 @@ from .safetensors_io import load_safetensors
 from .versions import stamped
 from .weights import parameter
 
-__all__ = ["DELTA_FILE", "DELTA_FORMAT", "delta_fingerprint", "build_delta", "write_delta", "load_delta",
-           "apply_delta", "revert_delta", "revert_delta_tensors", "export_lora", "delta_info"]
+__all__ = [
+    "DELTA_FILE",
+    "DELTA_FORMAT",
+    "delta_fingerprint",
+    "build_delta",
+    "write_delta",
+    "load_delta",
+    "apply_delta",
+    "revert_delta",
+    "revert_delta_tensors",
+    "export_lora",
+    "delta_info",
+]
 
-_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "n_embd", "n_layer", "n_head", "d_model")
-_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-             torch.bfloat16: torch.int16}
+_CONFIG_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "d_model",
+)
+_INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
 
 
 def _bits(t: Tensor) -> Tensor:
@@ -63,8 +89,9 @@ def delta_fingerprint(model: nn.Module, values: Mapping[str, Tensor]) -> str:
     deterministic; the same model saved and reloaded keeps it."""
     h = hashlib.blake2b(digest_size=16)
     cfg = getattr(model, "config", None)
-    arch = {k: getattr(cfg, k) for k in _CONFIG_KEYS if cfg is not None
-            and isinstance(getattr(cfg, k, None), (int, str))}
+    arch = {
+        k: getattr(cfg, k) for k in _CONFIG_KEYS if cfg is not None and isinstance(getattr(cfg, k, None), (int, str))
+    }
     arch.setdefault("model_type", type(model).__name__)
     h.update(json.dumps(arch, sort_keys=True).encode())
     for name, p in sorted(model.named_parameters()):
@@ -82,8 +109,9 @@ def _patch(result: Tensor, want: Tensor) -> tuple[Tensor, Tensor]:
     return idx.to(torch.int64), want.reshape(-1)[idx].clone()
 
 
-def build_delta(model: nn.Module, base_weights: Mapping[str, Tensor], info: dict | None = None
-                ) -> tuple[dict[str, Tensor], dict]:
+def build_delta(
+    model: nn.Module, base_weights: Mapping[str, Tensor], info: dict | None = None
+) -> tuple[dict[str, Tensor], dict]:
     """The tensors and header metadata of the delta from ``base_weights`` (full parameter name -> base
     value, e.g. ``EditResult.original_weights``) to ``model``'s current values. Unchanged tensors are left
     out (an edit that changed nothing gives an empty delta). ``info`` (method, config, requests, drift, ...) is stored
@@ -96,8 +124,10 @@ def build_delta(model: nn.Module, base_weights: Mapping[str, Tensor], info: dict
         edited = parameter(model, name).detach().cpu().contiguous()
         base = base_weights[name].detach().cpu().contiguous()
         if base.shape != edited.shape or base.dtype != edited.dtype:
-            raise CrispEditError(f"base value of {name} has shape/dtype {tuple(base.shape)}/{base.dtype}, "
-                                 f"the model {tuple(edited.shape)}/{edited.dtype}")
+            raise CrispEditError(
+                f"base value of {name} has shape/dtype {tuple(base.shape)}/{base.dtype}, "
+                f"the model {tuple(edited.shape)}/{edited.dtype}"
+            )
         if torch.equal(_bits(base), _bits(edited)):
             continue
         d = edited - base
@@ -107,21 +137,32 @@ def build_delta(model: nn.Module, base_weights: Mapping[str, Tensor], info: dict
         for kind, idx, val in (("apply", ai, av), ("revert", ri, rv)):
             if idx.numel():  # only tensors whose arithmetic does not round-trip carry a patch
                 tensors[f"{name}::{kind}_idx"], tensors[f"{name}::{kind}_val"] = idx, val
-        params[name] = {"shape": list(d.shape), "dtype": str(d.dtype).replace("torch.", ""),
-                        "apply_patch": int(ai.numel()), "revert_patch": int(ri.numel())}
+        params[name] = {
+            "shape": list(d.shape),
+            "dtype": str(d.dtype).replace("torch.", ""),
+            "apply_patch": int(ai.numel()),
+            "revert_patch": int(ri.numel()),
+        }
         base_vals[name], edited_vals[name] = base, edited
-    meta = stamped({"kind": DELTA_KIND, "format": DELTA_FORMAT,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "base_fingerprint": delta_fingerprint(model, base_vals),
-                    "edited_fingerprint": delta_fingerprint(model, edited_vals),
-                    "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                    "model_type": getattr(getattr(model, "config", None), "model_type", type(model).__name__),
-                    "parameters": params, **(info or {})})
+    meta = stamped(
+        {
+            "kind": DELTA_KIND,
+            "format": DELTA_FORMAT,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "base_fingerprint": delta_fingerprint(model, base_vals),
+            "edited_fingerprint": delta_fingerprint(model, edited_vals),
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "model_type": getattr(getattr(model, "config", None), "model_type", type(model).__name__),
+            "parameters": params,
+            **(info or {}),
+        }
+    )
     return tensors, {"crispedit_delta": json.dumps(meta)}
 
 
-def write_delta(path: str | Path, model: nn.Module, base_weights: Mapping[str, Tensor],
-                info: dict | None = None) -> dict:
+def write_delta(
+    path: str | Path, model: nn.Module, base_weights: Mapping[str, Tensor], info: dict | None = None
+) -> dict:
     """Build (:func:`build_delta`) and write the delta atomically to ``path``; returns its metadata."""
     tensors, header = build_delta(model, base_weights, info)
     atomic_save_safetensors(path, tensors, header)
@@ -147,19 +188,24 @@ def _check_model(model: nn.Module, meta: dict, want: str, path: str | Path) -> d
         current = {n: parameter(model, n).detach().cpu().contiguous() for n in names}
     except Exception:
         missing = [n for n in names if n not in dict(model.named_parameters())]
-        raise CrispEditError(f"the model has no parameter(s) {missing} of delta {path}; "
-                             "it is another architecture") from None
+        raise CrispEditError(
+            f"the model has no parameter(s) {missing} of delta {path}; it is another architecture"
+        ) from None
     fp = delta_fingerprint(model, current)
     if fp == meta[want]:
         return current
     other = "edited_fingerprint" if want == "base_fingerprint" else "base_fingerprint"
     if fp == meta[other]:
         state = "already applied to" if want == "base_fingerprint" else "not applied to"
-        raise CrispEditError(f"delta {path} is {state} this model (its fingerprint is the delta's "
-                             f"{'edited' if want == 'base_fingerprint' else 'base'} one); refusing")
+        raise CrispEditError(
+            f"delta {path} is {state} this model (its fingerprint is the delta's "
+            f"{'edited' if want == 'base_fingerprint' else 'base'} one); refusing"
+        )
     what = "base" if want == "base_fingerprint" else "edited model"
-    raise CrispEditError(f"the model is not the {what} of delta {path} (fingerprint {fp[:12]}…, the delta's "
-                         f"{what} is {meta[want][:12]}…); refusing")
+    raise CrispEditError(
+        f"the model is not the {what} of delta {path} (fingerprint {fp[:12]}…, the delta's "
+        f"{what} is {meta[want][:12]}…); refusing"
+    )
 
 
 def _set(model: nn.Module, values: Mapping[str, Tensor]) -> None:
@@ -192,8 +238,12 @@ def revert_delta(model: nn.Module, path: str | Path) -> dict:
     return revert_delta_tensors(model, tensors, meta, path)
 
 
-def revert_delta_tensors(model: nn.Module, tensors: Mapping[str, Tensor], meta: dict | Mapping[str, str],
-                         source: str | Path = "in-memory delta") -> dict:
+def revert_delta_tensors(
+    model: nn.Module,
+    tensors: Mapping[str, Tensor],
+    meta: dict | Mapping[str, str],
+    source: str | Path = "in-memory delta",
+) -> dict:
     """:func:`revert_delta` for a delta held in memory: ``tensors`` and ``meta`` as :func:`build_delta` returns
     them (its header map, or the decoded metadata :func:`load_delta` gives); ``source`` names it in errors.
     ``model`` must be the delta's edited model (checked by fingerprint); afterwards it holds the base bit for
@@ -205,8 +255,16 @@ def revert_delta_tensors(model: nn.Module, tensors: Mapping[str, Tensor], meta: 
     return meta
 
 
-def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, *, base_name: str | None = None,
-                tokenizer=None, evaluate: bool = False) -> dict[str, dict]:
+def export_lora(
+    model: nn.Module,
+    path: str | Path,
+    rank: int,
+    out: str | Path,
+    *,
+    base_name: str | None = None,
+    tokenizer=None,
+    evaluate: bool = False,
+) -> dict[str, dict]:
     """Write delta ``path`` as a peft LoRA adapter directory ``out`` (``adapter_config.json`` +
     ``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained(base, out)``) for ``model`` (the
     base; checked by fingerprint; peft layers are injected into it). Per changed ``nn.Linear`` weight
@@ -228,8 +286,9 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
         mod_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(mod_name) if mod_name else model
         if leaf != "weight" or not isinstance(module, nn.Linear):
-            raise CrispEditError(f"export-lora handles nn.Linear weights only; {name} is a {type(module).__name__} "
-                                 f"{leaf}")
+            raise CrispEditError(
+                f"export-lora handles nn.Linear weights only; {name} is a {type(module).__name__} {leaf}"
+            )
         modules[mod_name] = (module, tensors[name])
     scores: dict = {}
     requests = []
@@ -239,8 +298,11 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
 
         requests = parse_edits(meta.get("requests") or [], f"delta {path}")
         if not requests or tokenizer is None:
-            raise CrispEditError(f"delta {path} holds no edit requests to evaluate" if not requests
-                                 else "evaluating an adapter needs the tokenizer")
+            raise CrispEditError(
+                f"delta {path} holds no edit requests to evaluate"
+                if not requests
+                else "evaluating an adapter needs the tokenizer"
+            )
         apply_delta(model, path)
         scores["delta"] = summarize_edit_scores(edit_scores(model, tokenizer, requests))
         revert_delta(model, path)
@@ -252,15 +314,24 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
         B = torch.zeros(d.shape[0], rank, dtype=torch.float64)
         A = torch.zeros(rank, d.shape[1], dtype=torch.float64)
         B[:, :r], A[:r] = U[:, :r] * root, root[:, None] * Vh[:r]
-        total = float((s ** 2).sum())
+        total = float((s**2).sum())
         tol = float(s.max()) * max(d.shape) * torch.finfo(d.dtype).eps if s.numel() else 0.0
-        report[mod_name] = {"rank": r, "rank_full": int((s > tol).sum()),
-                            "rel_error": math.sqrt(max(total - float((s[:r] ** 2).sum()), 0.0) / total) if total
-                            else 0.0,
-                            "shape": list(d.shape)}
+        report[mod_name] = {
+            "rank": r,
+            "rank_full": int((s > tol).sum()),
+            "rel_error": math.sqrt(max(total - float((s[:r] ** 2).sum()), 0.0) / total) if total else 0.0,
+            "shape": list(d.shape),
+        }
         factors[mod_name] = (A, B)
-    config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", target_modules=sorted(modules),
-                        task_type="CAUSAL_LM", base_model_name_or_path=base_name)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=rank,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=sorted(modules),
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_name,
+    )
     with warnings.catch_warnings():  # transformers' deprecation notices from inside peft are not the user's concern
         warnings.simplefilter("ignore", FutureWarning)
         peft_model = get_peft_model(model, config)
@@ -275,19 +346,31 @@ def export_lora(model: nn.Module, path: str | Path, rank: int, out: str | Path, 
     with atomic_directory(out) as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         peft_model.save_pretrained(str(tmp))
-        atomic_write_json(tmp / "crispedit_lora.json", {"delta": str(path), "rank": rank, "layers": report,
-                                                        "base_fingerprint": meta["base_fingerprint"],
-                                                        "method": meta.get("method"), "scores": scores or None})
+        atomic_write_json(
+            tmp / "crispedit_lora.json",
+            {
+                "delta": str(path),
+                "rank": rank,
+                "layers": report,
+                "base_fingerprint": meta["base_fingerprint"],
+                "method": meta.get("method"),
+                "scores": scores or None,
+            },
+        )
     if scores:
         report = dict(report, scores=scores)
     return report
 
 
-def delta_info(method: str, config: dict | None, requests: Sequence[Any], summary: dict | None = None,
-               **extra) -> dict:
+def delta_info(method: str, config: dict | None, requests: Sequence[Any], summary: dict | None = None, **extra) -> dict:
     """The descriptive part of a delta's metadata: method, config, the edit requests (crispedit schema),
     ``kl_predicted`` / ``kl_drift`` (nats per token) from ``summary`` and any ``extra`` keys."""
     summary = summary or {}
-    return {"method": method, "config": config,
-            "requests": [r.to_json() if hasattr(r, "to_json") else r for r in requests],
-            "kl_predicted": summary.get("kl_predicted"), "kl_drift": summary.get("kl_drift"), **extra}
+    return {
+        "method": method,
+        "config": config,
+        "requests": [r.to_json() if hasattr(r, "to_json") else r for r in requests],
+        "kl_predicted": summary.get("kl_predicted"),
+        "kl_drift": summary.get("kl_drift"),
+        **extra,
+    }

@@ -35,9 +35,10 @@ def read_delta_header(path: str | Path) -> dict:
     for key in ("base_fingerprint", "edited_fingerprint", "parameters", "dtype"):
         if key not in meta:
             raise CrispEditError(f"delta {path} is malformed: no {key!r}")
-    meta["tensors"] = {k: {"dtype": v["dtype"], "shape": v["shape"],
-                           "bytes": v["data_offsets"][1] - v["data_offsets"][0]}
-                       for k, v in table.items()}
+    meta["tensors"] = {
+        k: {"dtype": v["dtype"], "shape": v["shape"], "bytes": v["data_offsets"][1] - v["data_offsets"][0]}
+        for k, v in table.items()
+    }
     return meta
 
 
@@ -58,6 +59,8 @@ def check_lora_rank(name: str, rank, meta: dict, path: str | Path) -> int:
     if limit == 0:
         raise CrispEditError(f"delta {path} changes no weight matrix; there is nothing to export as a LoRA adapter")
     if rank > limit:
-        raise CrispEditError(f"{name} {rank} is more than a LoRA adapter of the layers of delta {path} can hold: at "
-                             f"most {limit} (min(d_out, d_in) of its largest changed matrix)")
+        raise CrispEditError(
+            f"{name} {rank} is more than a LoRA adapter of the layers of delta {path} can hold: at "
+            f"most {limit} (min(d_out, d_in) of its largest changed matrix)"
+        )
     return rank

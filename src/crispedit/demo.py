@@ -40,9 +40,18 @@ def chat_answers(model, tok, prompts: list[str], max_new_tokens: int = 24) -> li
     return generate_answers(model, tok, rendered, max_new_tokens=max_new_tokens, add_special_tokens=wrapper != "chat")
 
 
-def run_demo(n_edits: int = 6, epochs: int = 100, gamma: float = 0.8, n_cap: int = 16, model_spec: str = "smollm2",
-             show: int = 6, methods: tuple[str, ...] = ("crispedit", "ft"), progress: bool | None = None,
-             precision: str = "auto", kl_texts: int = 16) -> int:
+def run_demo(
+    n_edits: int = 6,
+    epochs: int = 100,
+    gamma: float = 0.8,
+    n_cap: int = 16,
+    model_spec: str = "smollm2",
+    show: int = 6,
+    methods: tuple[str, ...] = ("crispedit", "ft"),
+    progress: bool | None = None,
+    precision: str = "auto",
+    kl_texts: int = 16,
+) -> int:
     """Run the demo and print its tables; returns the exit status (0). Sized to be short: ``n_edits`` bundled
     edits, ``n_cap`` capability texts for the curvature, a bfloat16 training forward where the hardware has it
     natively (``precision`` ``"auto"``; float32 elsewhere), the drift on ``kl_texts``
@@ -69,9 +78,11 @@ def run_demo(n_edits: int = 6, epochs: int = 100, gamma: float = 0.8, n_cap: int
     with progress_lines(progress):
         rows, answers = _run_methods(model_spec, requests, configs(), requests[:show], progress, say, kl_texts)
     _print_tables(requests[:show], answers, rows, methods)
-    print(f"\nbase model perplexity on held-out WikiText: {rows[0][5]:.3f}; "
-          f"kl_drift = mean per-token KL(base || edited) on {kl_texts} paragraphs there. total "
-          f"{time.perf_counter() - t0:.0f}s")
+    print(
+        f"\nbase model perplexity on held-out WikiText: {rows[0][5]:.3f}; "
+        f"kl_drift = mean per-token KL(base || edited) on {kl_texts} paragraphs there. total "
+        f"{time.perf_counter() - t0:.0f}s"
+    )
     return 0
 
 
@@ -91,18 +102,34 @@ def _run_methods(model_spec: str, requests, configs: dict, shown, progress, say,
     answers = {"before": chat_answers(model, tok, prompts)}
     rows = []
     for method, cfg in configs.items():
-        say(f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}, precision {cfg.precision}) "
-            "...")
+        say(
+            f"editing with {method} (contexts {cfg.contexts}, answer end {cfg.answer_end}, precision {cfg.precision}) "
+            "..."
+        )
         job = EditJob(model, tok, requests, cfg, Measures(kl_texts=kl_texts), progress)
         res = job.edit()
         ran = res.history.extra.get("precision", cfg.precision)  # what auto / bf16 ran as here
-        say(f"{method}: edited in {res.edit_seconds:.0f} s ({len(res.history.epoch_loss)} epochs, {ran}); evaluating "
-            f"(WILD {', '.join(EVAL_WRAPPERS)}, teacher-forced, KL drift) ...")
+        say(
+            f"{method}: edited in {res.edit_seconds:.0f} s ({len(res.history.epoch_loss)} epochs, {ran}); evaluating "
+            f"(WILD {', '.join(EVAL_WRAPPERS)}, teacher-forced, KL drift) ..."
+        )
         ev = job.evaluate(res.original_weights)
         s = ev["summary"]
         answers[method] = chat_answers(model, tok, prompts)
-        rows.append((method, ev["wild"], s["rel"], s["kl_drift"], s["ppl"], s["ppl_base"],
-                     len(res.history.epoch_loss), res.edit_seconds, res.history.contexts, ev["assistant"]))
+        rows.append(
+            (
+                method,
+                ev["wild"],
+                s["rel"],
+                s["kl_drift"],
+                s["ppl"],
+                s["ppl_base"],
+                len(res.history.epoch_loss),
+                res.edit_seconds,
+                res.history.contexts,
+                ev["assistant"],
+            )
+        )
         restore(model, res.original_weights)
     say("done")
     return rows, answers
@@ -123,9 +150,12 @@ def _print_tables(shown, answers: dict, rows: list, methods) -> None:
         print("<eos>: the model ends its reply at once")
     print()
     print("WILD (free generation, greedy, rule judge): rel / gen per context; qa = the paper's wrapper, never trained")
-    print(f"{'method':10} " + "".join(f"{w:>11} " for w in EVAL_WRAPPERS) + f"{'tf rel':>7} {'kl_drift':>9} {'ppl':>7} "
-          f"{'chat len':>8} {'bleed':>5} {'epochs':>6} {'edit s':>7}  contexts")
+    print(
+        f"{'method':10} " + "".join(f"{w:>11} " for w in EVAL_WRAPPERS) + f"{'tf rel':>7} {'kl_drift':>9} {'ppl':>7} "
+        f"{'chat len':>8} {'bleed':>5} {'epochs':>6} {'edit s':>7}  contexts"
+    )
     for m, wild, rel, kl, ppl, _, ep, es, ctxs, helper in rows:
+
         def cell(wrapper: str, wild: dict = wild) -> str:
             """``rel/gen`` of this row's WILD evaluation wrapper ``wrapper`` to two decimals, ``-`` if it was not
             run."""
@@ -133,7 +163,11 @@ def _print_tables(shown, answers: dict, rows: list, methods) -> None:
             return "-" if not v else f"{v['rel']:.2f}/{v['gen']:.2f}"
 
         bleed = "-" if not helper["bleed"] else f"{helper['bleed']['target']:.2f}"
-        print(f"{m:10} " + "".join(f"{cell(w):>11} " for w in EVAL_WRAPPERS) + f"{rel:7.3f} {kl:9.5f} {ppl:7.2f} "
-              f"{'x{:.2f}'.format(helper['style']['length_ratio']):>8} {bleed:>5} {ep:6d} {es:7.1f}  {','.join(ctxs)}")
-    print("chat len: the edited model's chat answers to unrelated prompts, in tokens, over the base's; bleed: the "
-          "share of other questions about an edited subject now answered with its new target")
+        print(
+            f"{m:10} " + "".join(f"{cell(w):>11} " for w in EVAL_WRAPPERS) + f"{rel:7.3f} {kl:9.5f} {ppl:7.2f} "
+            f"{'x{:.2f}'.format(helper['style']['length_ratio']):>8} {bleed:>5} {ep:6d} {es:7.1f}  {','.join(ctxs)}"
+        )
+    print(
+        "chat len: the edited model's chat answers to unrelated prompts, in tokens, over the base's; bleed: the "
+        "share of other questions about an edited subject now answered with its new target"
+    )

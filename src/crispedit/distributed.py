@@ -28,9 +28,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-__all__ = ["is_distributed", "rank", "world_size", "is_main", "launched_world_size", "all_reduce_sum_",
-           "all_agree", "same_as_main", "barrier", "broadcast_", "process_group_from_env", "is_sharded", "shard_model",
-           "full_state_dict"]
+__all__ = [
+    "is_distributed",
+    "rank",
+    "world_size",
+    "is_main",
+    "launched_world_size",
+    "all_reduce_sum_",
+    "all_agree",
+    "same_as_main",
+    "barrier",
+    "broadcast_",
+    "process_group_from_env",
+    "is_sharded",
+    "shard_model",
+    "full_state_dict",
+]
 
 
 def _dist():
@@ -155,8 +168,10 @@ def process_group_from_env(device: str | None) -> Iterator[str | None]:
     except (ValueError, RuntimeError) as exc:  # e.g. WORLD_SIZE set by hand without torchrun's MASTER_ADDR
         from .errors import CrispEditError
 
-        raise CrispEditError(f"cannot join the torchrun process group ({backend}): "
-                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise CrispEditError(
+            f"cannot join the torchrun process group ({backend}): "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
     try:
         yield device
         dist.barrier()
@@ -210,8 +225,12 @@ def shard_model(model: nn.Module, keep: Iterable[nn.Parameter], device: str | No
 
         mesh = init_device_mesh("cuda", (world_size(),))
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True,
-                    ignored_params={p for p in block.parameters() if id(p) in keep_ids})
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=True,
+            ignored_params={p for p in block.parameters() if id(p) in keep_ids},
+        )
     return len(blocks)
 
 

@@ -105,5 +105,3 @@ def os_reason(exc: OSError) -> str:
     """The OS's reason for ``exc`` in lower case (``permission denied``, ``read-only file system``)."""
     reason = exc.strerror or str(exc) or type(exc).__name__
     return reason[:1].lower() + reason[1:]
-
-

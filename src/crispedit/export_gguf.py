@@ -47,8 +47,17 @@ from .errors import CrispEditError
 from .paths import check_input_dir, check_output_file
 from .versions import read_record
 
-__all__ = ["GGUF_TYPES", "check_export", "export_gguf", "gguf_metadata", "gguf_tensor_name", "model_naming",
-           "permute_rotary", "source_gguf", "tokenizer_fields"]
+__all__ = [
+    "GGUF_TYPES",
+    "check_export",
+    "export_gguf",
+    "gguf_metadata",
+    "gguf_tensor_name",
+    "model_naming",
+    "permute_rotary",
+    "source_gguf",
+    "tokenizer_fields",
+]
 
 GGUF_TYPES = ("f16", "q8_0", "f32")
 FAMILIES = ("llama",)
@@ -70,14 +79,26 @@ _TOP_TENSORS = {"model.embed_tokens": "TOKEN_EMBD", "model.norm": "OUTPUT_NORM",
 
 # general.* keys that describe one file rather than the model's provenance: written here, never carried over from the
 # source GGUF.
-_PER_FILE_KEYS = frozenset({"general.architecture", "general.type", "general.name", "general.description",
-                            "general.file_type", "general.quantization_version", "general.alignment", "general.uuid",
-                            "general.quantized_by"})
+_PER_FILE_KEYS = frozenset(
+    {
+        "general.architecture",
+        "general.type",
+        "general.name",
+        "general.description",
+        "general.file_type",
+        "general.quantization_version",
+        "general.alignment",
+        "general.uuid",
+        "general.quantized_by",
+    }
+)
 EDITED_SUFFIX = " (edited by crispedit)"
 
 # llama.cpp's pre-tokenizer names for the tokenizers' pre-tokenizer shapes it knows (tokenizer.json form).
-_LLAMA3_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
-                 "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+_LLAMA3_SPLIT = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+    "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
 
 
 def check_export(model_dir: str | Path, out: str | Path, qtype: str) -> dict:
@@ -98,17 +119,21 @@ def check_export(model_dir: str | Path, out: str | Path, qtype: str) -> dict:
         raise CrispEditError(f"{cfg_path} is not a JSON object")
     family = cfg.get("model_type")
     if family not in FAMILIES:
-        raise CrispEditError(f"export gguf writes llama-family models (model_type llama, e.g. SmolLM2); {model_dir} "
-                             f"is a {family or 'model of unknown family'!s} model")
+        raise CrispEditError(
+            f"export gguf writes llama-family models (model_type llama, e.g. SmolLM2); {model_dir} "
+            f"is a {family or 'model of unknown family'!s} model"
+        )
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
-            raise CrispEditError(f"export gguf: {model_dir} has {key}=true; llama.cpp's llama architecture has no "
-                                 "biases there")
+            raise CrispEditError(
+                f"export gguf: {model_dir} has {key}=true; llama.cpp's llama architecture has no biases there"
+            )
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind not in (None, "default"):
-        raise CrispEditError(f"export gguf: {model_dir} uses rope scaling {kind!r}; only plain rotary embeddings "
-                             "are written")
+        raise CrispEditError(
+            f"export gguf: {model_dir} uses rope scaling {kind!r}; only plain rotary embeddings are written"
+        )
     check_output_file(out)
     return cfg
 
@@ -136,8 +161,9 @@ def permute_rotary(w, n_head: int):
     input row ``i`` and row ``2i + 1`` is row ``i + d/2`` (``d`` the head size). Same shape."""
     rows = w.shape[0]
     if rows % (2 * n_head):
-        raise CrispEditError(f"export gguf: a projection of {rows} rows does not split into {n_head} heads of even "
-                             "size")
+        raise CrispEditError(
+            f"export gguf: a projection of {rows} rows does not split into {n_head} heads of even size"
+        )
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -175,12 +201,16 @@ def tokenizer_fields(tokenizer, vocab_size: int, *, unknown_pre: bool = False) -
     decoder = (spec.get("decoder") or {}).get("type")
     pre = _pre_name(spec.get("pre_tokenizer"))
     if model.get("type") != "BPE" or decoder != "ByteLevel":
-        raise CrispEditError(f"export gguf writes byte-level BPE tokenizers (tokenizer.ggml.model gpt2); this one is "
-                             f"{model.get('type')} with a {decoder} decoder")
+        raise CrispEditError(
+            f"export gguf writes byte-level BPE tokenizers (tokenizer.ggml.model gpt2); this one is "
+            f"{model.get('type')} with a {decoder} decoder"
+        )
     if pre is None and not unknown_pre:
-        raise CrispEditError("export gguf: the tokenizer's pre-tokenizer "
-                             f"{json.dumps(spec.get('pre_tokenizer'))[:120]} "
-                             "has no llama.cpp name (known: gpt-2, smollm, llama-bpe)")
+        raise CrispEditError(
+            "export gguf: the tokenizer's pre-tokenizer "
+            f"{json.dumps(spec.get('pre_tokenizer'))[:120]} "
+            "has no llama.cpp name (known: gpt-2, smollm, llama-bpe)"
+        )
     by_id: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
     added = {int(a["id"]): a for a in spec.get("added_tokens") or []}
     by_id.update({i: a["content"] for i, a in added.items()})
@@ -188,21 +218,34 @@ def tokenizer_fields(tokenizer, vocab_size: int, *, unknown_pre: bool = False) -
     if sorted(by_id) != list(range(n)):
         raise CrispEditError("export gguf: the tokenizer's ids are not contiguous from 0")
     if n > vocab_size:
-        raise CrispEditError(f"export gguf: the tokenizer has {n} tokens, more than the model's {vocab_size} "
-                             "embeddings")
+        raise CrispEditError(
+            f"export gguf: the tokenizer has {n} tokens, more than the model's {vocab_size} embeddings"
+        )
     tokens = [by_id[i] for i in range(n)] + [f"[PAD{i}]" for i in range(n, vocab_size)]
-    types = [int(TokenType.CONTROL if added[i]["special"] else TokenType.USER_DEFINED) if i in added
-             else int(TokenType.NORMAL) for i in range(n)] + [int(TokenType.UNUSED)] * (vocab_size - n)
+    types = [
+        int(TokenType.CONTROL if added[i]["special"] else TokenType.USER_DEFINED)
+        if i in added
+        else int(TokenType.NORMAL)
+        for i in range(n)
+    ] + [int(TokenType.UNUSED)] * (vocab_size - n)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     template = getattr(tokenizer, "chat_template", None)
-    return {"pre": pre, "tokens": tokens, "token_types": types, "merges": merges, "bos": bos, "eos": eos,
-            "unk": tokenizer.unk_token_id, "pad": tokenizer.pad_token_id,
-            "add_bos": bos is not None and len(with_special) > len(plain) and with_special[0] == bos,
-            "add_eos": eos is not None and len(with_special) > len(plain) and with_special[-1] == eos,
-            "chat_template": template if isinstance(template, str) else None}
+    return {
+        "pre": pre,
+        "tokens": tokens,
+        "token_types": types,
+        "merges": merges,
+        "bos": bos,
+        "eos": eos,
+        "unk": tokenizer.unk_token_id,
+        "pad": tokenizer.pad_token_id,
+        "add_bos": bos is not None and len(with_special) > len(plain) and with_special[0] == bos,
+        "add_eos": eos is not None and len(with_special) > len(plain) and with_special[-1] == eos,
+        "chat_template": template if isinstance(template, str) else None,
+    }
 
 
 def _recorded_base(model_dir: Path) -> str | None:
@@ -230,13 +273,13 @@ def source_gguf(model_dir: str | Path) -> Path | None:
     d, seen = Path(model_dir).expanduser().resolve(), set()
     while d.is_dir() and d not in seen:
         seen.add(d)
-        found = spec_gguf(d)                    # a directory: only its crispedit_source.json
+        found = spec_gguf(d)  # a directory: only its crispedit_source.json
         if found is not None:
             return found
         base = _recorded_base(d)
         if base is None:
             return None
-        found = spec_gguf(base)                 # a named model or a .gguf path
+        found = spec_gguf(base)  # a named model or a .gguf path
         if found is not None:
             return found
         d = Path(base).expanduser().resolve()
@@ -265,8 +308,10 @@ def _source_fields(path: Path | None, tokens: list[str]) -> tuple[dict, dict, st
     if path is None:
         return None
     meta = gguf_metadata(path)
-    if (meta.get("tokenizer.ggml.model", (None,))[0] != "gpt2"
-            or meta.get("tokenizer.ggml.tokens", (None,))[0] != tokens):
+    if (
+        meta.get("tokenizer.ggml.model", (None,))[0] != "gpt2"
+        or meta.get("tokenizer.ggml.tokens", (None,))[0] != tokens
+    ):
         return None
     keep = lambda k, v: len(v[1]) <= 2 and v[0] != []  # noqa: E731  (nested and empty arrays cannot be rewritten)
     tok = {k: v for k, v in meta.items() if k.startswith("tokenizer.") and keep(k, v)}
@@ -346,8 +391,9 @@ def _gguf_tensors(model, qtype: str, heads: int, kv_heads: int, tied: bool) -> l
         elif qtype == "f32":
             tensors.append((gname, np.ascontiguousarray(w, dtype=np.float32), None))
         elif qtype == "q8_0" and w.shape[-1] % _QK8_0 == 0:
-            tensors.append((gname, quantize(np.ascontiguousarray(w), GGMLQuantizationType.Q8_0),
-                            GGMLQuantizationType.Q8_0))
+            tensors.append(
+                (gname, quantize(np.ascontiguousarray(w), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+            )
         else:
             tensors.append((gname, np.ascontiguousarray(w, dtype=np.float16), None))
     return tensors
@@ -363,8 +409,9 @@ def _add_fields(writer, fields: dict[str, tuple[Any, list]]) -> None:
         writer.add_key_value(key, value, types[0], sub_type=sub)
 
 
-def _add_model_metadata(writer, naming: tuple[str, str | None], cfg, qtype: str, dims: dict,
-                        provenance: dict | None = None) -> None:
+def _add_model_metadata(
+    writer, naming: tuple[str, str | None], cfg, qtype: str, dims: dict, provenance: dict | None = None
+) -> None:
     """Add to ``writer`` (a ``GGUFWriter``) the general keys (type, the name and description of ``naming``, file
     type for ``qtype``, the quantization version for ``q8_0``, then the source GGUF's ``provenance`` fields as
     they were) and the ``llama.*`` hyperparameters of ``cfg`` with the head settings ``dims``
@@ -377,8 +424,9 @@ def _add_model_metadata(writer, naming: tuple[str, str | None], cfg, qtype: str,
     writer.add_name(name)
     if description:
         writer.add_description(description)
-    writer.add_file_type(int({"f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0,
-                              "f32": LlamaFileType.ALL_F32}[qtype]))
+    writer.add_file_type(
+        int({"f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0, "f32": LlamaFileType.ALL_F32}[qtype])
+    )
     if qtype == "q8_0":
         writer.add_quantization_version(GGML_QUANT_VERSION)
     _add_fields(writer, provenance or {})
@@ -406,8 +454,12 @@ def _add_tokenizer_metadata(writer, tk: dict) -> None:
     writer.add_token_list(tk["tokens"])
     writer.add_token_types(tk["token_types"])
     writer.add_token_merges(tk["merges"])
-    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                     ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+    for key, add in (
+        ("bos", writer.add_bos_token_id),
+        ("eos", writer.add_eos_token_id),
+        ("unk", writer.add_unk_token_id),
+        ("pad", writer.add_pad_token_id),
+    ):
         if tk[key] is not None:
             add(int(tk[key]))
     writer.add_add_bos_token(bool(tk["add_bos"]))
@@ -416,8 +468,17 @@ def _add_tokenizer_metadata(writer, tk: dict) -> None:
         writer.add_chat_template(tk["chat_template"])
 
 
-def _write_gguf(path: Path, naming: tuple[str, str | None], cfg, qtype: str, dims: dict, tk: dict,
-                tensors: list[tuple], progress: bool | None, source: tuple | None = None) -> dict[str, int]:
+def _write_gguf(
+    path: Path,
+    naming: tuple[str, str | None],
+    cfg,
+    qtype: str,
+    dims: dict,
+    tk: dict,
+    tensors: list[tuple],
+    progress: bool | None,
+    source: tuple | None = None,
+) -> dict[str, int]:
     """Write the GGUF file ``path`` (architecture ``llama``): the model metadata (:func:`_add_model_metadata`;
     ``naming`` its name and description), the tokenizer metadata — the source GGUF's own fields where ``source``
     (:func:`_source_fields`) holds them, else ``tk`` — and the ``tensors`` (:func:`_gguf_tensors`), in that order;
@@ -474,6 +535,13 @@ def export_gguf(model_dir: str | Path, out: str | Path, *, qtype: str = "f16", p
     pre = source[0].get("tokenizer.ggml.pre", (None,))[0] if source else tk["pre"]
     with atomic_file(out) as tmp:
         types = _write_gguf(tmp, naming, cfg, qtype, dims, tk, tensors, progress, source)
-    return {"out": str(out), "bytes": Path(out).stat().st_size, "seconds": round(time.perf_counter() - t0, 2),
-            "tensors": len(tensors), "types": types, "name": naming[0], "pre": pre,
-            "source": str(src_path) if source else None}
+    return {
+        "out": str(out),
+        "bytes": Path(out).stat().st_size,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "tensors": len(tensors),
+        "types": types,
+        "name": naming[0],
+        "pre": pre,
+        "source": str(src_path) if source else None,
+    }

@@ -17,8 +17,11 @@ def takes_full_masks(model: nn.Module) -> bool:
     sliding window), so that a ``B x 1 x T x T`` boolean mask fed to it reaches every attention unchanged."""
     cfg = getattr(model, "config", None)
     layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    return (getattr(cfg, "_attn_implementation", None) == "sdpa" and not getattr(cfg, "sliding_window", None)
-            and layer_types == {"full_attention"})
+    return (
+        getattr(cfg, "_attn_implementation", None) == "sdpa"
+        and not getattr(cfg, "sliding_window", None)
+        and layer_types == {"full_attention"}
+    )
 
 
 def last_logits_only(model: nn.Module) -> dict:
@@ -29,8 +32,9 @@ def last_logits_only(model: nn.Module) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
-def static_attention_mask(model: nn.Module, attention_mask: torch.Tensor, padded: bool | None = None, *,
-                          unpadded_mask: bool = False) -> torch.Tensor | None:
+def static_attention_mask(
+    model: nn.Module, attention_mask: torch.Tensor, padded: bool | None = None, *, unpadded_mask: bool = False
+) -> torch.Tensor | None:
     """The attention mask to feed ``model`` for a right-padded batch whose key mask is ``attention_mask``
     (``B x T``, 1 = token), built once so that no forward reads the mask back to the host (Hugging Face's mask
     code asks ``padding_mask.all()`` of every forward to choose its causal shortcut):

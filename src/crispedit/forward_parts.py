@@ -17,8 +17,17 @@ from torch import Tensor, nn
 
 from .layers import decoder_blocks
 
-__all__ = ["no_cache_kwargs", "forward_until", "capture_block_input", "prefix_fed", "passthroughs", "rows_logits",
-           "decoder_rows", "head_logits", "lowest_block"]
+__all__ = [
+    "no_cache_kwargs",
+    "forward_until",
+    "capture_block_input",
+    "prefix_fed",
+    "passthroughs",
+    "rows_logits",
+    "decoder_rows",
+    "head_logits",
+    "lowest_block",
+]
 
 
 def _up(x: Tensor) -> Tensor:
@@ -65,8 +74,9 @@ def forward_until(model: nn.Module, module: nn.Module, *, output: bool, **inputs
         store.append((out[0] if isinstance(out, tuple) else out).detach())
         raise _Stop
 
-    _run_until_stopped(model, [module.register_forward_hook(post) if output else module.register_forward_pre_hook(pre)],
-                       inputs)
+    _run_until_stopped(
+        model, [module.register_forward_hook(post) if output else module.register_forward_pre_hook(pre)], inputs
+    )
     if not store:
         raise RuntimeError(f"{type(module).__name__} did not run in the model's forward")
     return store[0]
@@ -107,8 +117,11 @@ def capture_block_input(model: nn.Module, blocks: nn.ModuleList, k: int, **input
         """Forward hook on block ``k - 1``: note the length of its output tuple (None if not a tuple)."""
         store["tuple_len"] = len(out) if isinstance(out, tuple) else None
 
-    _run_until_stopped(model, [blocks[k].register_forward_pre_hook(pre, with_kwargs=True),
-                               blocks[k - 1].register_forward_hook(post)], inputs)
+    _run_until_stopped(
+        model,
+        [blocks[k].register_forward_pre_hook(pre, with_kwargs=True), blocks[k - 1].register_forward_hook(post)],
+        inputs,
+    )
     return store["h"], store.get("tuple_len")
 
 
@@ -122,8 +135,9 @@ def prefix_fed(blocks: nn.ModuleList, k: int, passthrough: Sequence[nn.Module], 
         yield
         return
     saved = [blocks[i] for i in range(k)]
-    hook = blocks[k].register_forward_pre_hook(lambda mod, args, kwargs: _replace_hidden(args, kwargs, hidden),
-                                               with_kwargs=True)
+    hook = blocks[k].register_forward_pre_hook(
+        lambda mod, args, kwargs: _replace_hidden(args, kwargs, hidden), with_kwargs=True
+    )
     try:
         for i in range(k):
             blocks[i] = passthrough[i]

@@ -17,8 +17,18 @@ from torch import nn
 from .errors import CrispEditError
 from .families import FamilyDefaults, defaults_for
 
-__all__ = ["MLP_OUT_PROJ", "decoder_blocks", "model_family", "family_defaults", "default_layer_pattern",
-           "expand_pattern", "is_linear", "as_weight_matrix", "weight_matrix", "resolve_layers"]
+__all__ = [
+    "MLP_OUT_PROJ",
+    "decoder_blocks",
+    "model_family",
+    "family_defaults",
+    "default_layer_pattern",
+    "expand_pattern",
+    "is_linear",
+    "as_weight_matrix",
+    "weight_matrix",
+    "resolve_layers",
+]
 
 
 # MLP output projection of one decoder block, per `config.model_type`.
@@ -85,7 +95,8 @@ def default_layer_pattern(model: nn.Module) -> str:
     if model_type not in MLP_OUT_PROJ:
         raise CrispEditError(
             f"no default layers for model type {model_type!r}; pass --layers (e.g. "
-            f"'model.layers.{{10-14}}.mlp.down_proj')")
+            f"'model.layers.{{10-14}}.mlp.down_proj')"
+        )
     prefix, blocks = decoder_blocks(model)
     n = len(blocks)
     fam = family_defaults(model)
@@ -132,7 +143,7 @@ def expand_pattern(pattern: str) -> list[str]:
             else:
                 raise CrispEditError(f"empty item in braces of layer pattern {pattern!r}")
         for item in items:
-            out += expand_pattern(part[: m.start()] + item + part[m.end():])
+            out += expand_pattern(part[: m.start()] + item + part[m.end() :])
     seen, uniq = set(), []
     for name in out:
         if name not in seen:

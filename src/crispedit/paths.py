@@ -33,8 +33,10 @@ def read_text_file(path: str | os.PathLike, what: str = "text file") -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise CrispEditError(f"{what} {path} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
-                             "convert it to UTF-8") from None
+        raise CrispEditError(
+            f"{what} {path} is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r}); "
+            "convert it to UTF-8"
+        ) from None
 
 
 def file_digest(path: str | os.PathLike, what: str = "file") -> str:
@@ -134,8 +136,9 @@ def check_output_file(path: str | os.PathLike, flag: str = "--out") -> Path:
     return path
 
 
-def check_output_dir(path: str | os.PathLike, flag: str = "--out", *, overwrite: bool | None = None,
-                     marker: str | None = None) -> list[str] | None:
+def check_output_dir(
+    path: str | os.PathLike, flag: str = "--out", *, overwrite: bool | None = None, marker: str | None = None
+) -> list[str] | None:
     """Check, before any work, that ``path`` can become an output directory: not a file, and the nearest
     existing parent (and ``path`` itself when it exists) is a directory that takes new entries, tried with
     a probe file (:func:`check_dir_takes_entries`).
@@ -155,12 +158,16 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out", *, overwrite:
     if overwrite is None or not path.is_dir() or not any(path.iterdir()):
         return None
     if not overwrite:
-        raise CrispEditError(f"{flag} {path} is not empty; pass --overwrite to replace the files an earlier "
-                             "crispedit run wrote there (other files are kept), or choose another directory")
+        raise CrispEditError(
+            f"{flag} {path} is not empty; pass --overwrite to replace the files an earlier "
+            "crispedit run wrote there (other files are kept), or choose another directory"
+        )
     mark = path / marker if marker else None
     if mark is None or not mark.is_file():
-        raise CrispEditError(f"{flag} {path} holds no earlier crispedit output ({marker}); refusing to overwrite "
-                             "it even with --overwrite")
+        raise CrispEditError(
+            f"{flag} {path} holds no earlier crispedit output ({marker}); refusing to overwrite "
+            "it even with --overwrite"
+        )
     files = read_record(mark, f"remove {path} or choose another directory").get("files")
     names = [str(f) for f in files if isinstance(f, str)] if isinstance(files, list) else []
     return sorted(set(names) | {marker})

@@ -36,21 +36,42 @@ from .paths import check_output_dir
 from .versions import stamped
 from .weights import parameter
 
-__all__ = ["EditJob", "Measures", "run_edit_job", "build_report", "environment", "drift_summary", "steep_layers",
-           "steep_note"]
+__all__ = [
+    "EditJob",
+    "Measures",
+    "run_edit_job",
+    "build_report",
+    "environment",
+    "drift_summary",
+    "steep_layers",
+    "steep_note",
+]
 
 
 def environment() -> dict:
     """Library versions, Python, platform and torch thread count (recorded in every report)."""
     import transformers
 
-    return {"crispedit": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "threads": torch.get_num_threads()}
+    return {
+        "crispedit": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+    }
 
 
-def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditRequest], result: EditResult,
-                 summary: dict, per_edit: list[dict], kl_text: str | None, edits_path: str | None) -> dict:
+def build_report(
+    config: EditConfig,
+    model_spec: str,
+    requests: Sequence[EditRequest],
+    result: EditResult,
+    summary: dict,
+    per_edit: list[dict],
+    kl_text: str | None,
+    edits_path: str | None,
+) -> dict:
     """The ``edit_report.json`` dict (:func:`~crispedit.versions.stamped` with this crispedit's version): what was run,
     summary, training history, projector, cache, config,
     the files the editor read by content (``inputs``, MEND's network: option -> SHA-256; absent when none),
@@ -59,14 +80,25 @@ def build_report(config: EditConfig, model_spec: str, requests: Sequence[EditReq
     summary.update(drift_summary(result))
     summary["edit_seconds"] = round(result.edit_seconds, 3)
     summary["cache_seconds"] = round(result.cache_seconds, 3)
-    return stamped({
-        "method": config.method, "gamma": config.gamma, "layers": result.layers, "n_edits": len(requests),
-        "model": model_spec, "edits_file": edits_path, "kl_text": kl_text or "bundled:wikitext_heldout.txt",
-        "summary": summary, "training": result.history.to_json(), "projector": result.projector_stats,
-        "cache": result.cache_info, "config": config.to_json(),
-        **({"inputs": result.inputs} if result.inputs else {}), "environment": environment(),
-        "per_edit": per_edit,
-    })
+    return stamped(
+        {
+            "method": config.method,
+            "gamma": config.gamma,
+            "layers": result.layers,
+            "n_edits": len(requests),
+            "model": model_spec,
+            "edits_file": edits_path,
+            "kl_text": kl_text or "bundled:wikitext_heldout.txt",
+            "summary": summary,
+            "training": result.history.to_json(),
+            "projector": result.projector_stats,
+            "cache": result.cache_info,
+            "config": config.to_json(),
+            **({"inputs": result.inputs} if result.inputs else {}),
+            "environment": environment(),
+            "per_edit": per_edit,
+        }
+    )
 
 
 def drift_summary(result: EditResult) -> dict:
@@ -78,11 +110,13 @@ def drift_summary(result: EditResult) -> dict:
     under-reads) and, with
     ``--max-drift``, ``drift_budget`` (``max_drift``, ``hit``, ``hits``, ``steps``, ``final_predicted``)."""
     pred = result.kl_predicted
-    out = {"kl_predicted": None if pred is None else float(f"{pred['total']:.6g}"),
-           "kl_predicted_blockdiag": None if pred is None else float(f"{pred['blockdiag']:.6g}"),
-           "kl_predicted_layers": None if pred is None else {k: float(f"{v:.6g}") for k, v in pred["layers"].items()},
-           "steep_layers": [] if pred is None else steep_layers(pred["layers"]),
-           "mixing_layers": [] if pred is None else mixing_layers(pred["layers"])}
+    out = {
+        "kl_predicted": None if pred is None else float(f"{pred['total']:.6g}"),
+        "kl_predicted_blockdiag": None if pred is None else float(f"{pred['blockdiag']:.6g}"),
+        "kl_predicted_layers": None if pred is None else {k: float(f"{v:.6g}") for k, v in pred["layers"].items()},
+        "steep_layers": [] if pred is None else steep_layers(pred["layers"]),
+        "mixing_layers": [] if pred is None else mixing_layers(pred["layers"]),
+    }
     if result.drift_budget is not None:
         out["drift_budget"] = result.drift_budget
     return out
@@ -129,8 +163,9 @@ class EditJob:
         before = snapshot(editor.changes(self.model, editor.select_layers(self.model, self.config), self.config))
         try:
             result = edit(self.model, self.tokenizer, self.requests, self.config, progress=self.progress, **options)
-            check_finite_tensors({n: parameter(self.model, n) for n in result.original_weights},
-                                 f"the {self.config.method} edit")
+            check_finite_tensors(
+                {n: parameter(self.model, n) for n in result.original_weights}, f"the {self.config.method} edit"
+            )
         except BaseException:
             restore(self.model, before)
             raise
@@ -141,10 +176,22 @@ class EditJob:
         name -> the value before the edit, as ``EditResult.original_weights``; ``{}``: the model is the base), KL
         drift on texts of the config's ``max_len``."""
         m = self.measures
-        return evaluate_edit(self.model, self.tokenizer, self.requests, base_weights, kl_text=m.kl_text,
-                             kl_texts=m.kl_texts, max_len=self.config.max_len, wild=m.wild,
-                             capabilities=m.capabilities, limit=m.limit, max_gen_toks=m.max_gen_toks,
-                             bench_dir=m.bench_dir, assistant=m.assistant, progress=self.progress)
+        return evaluate_edit(
+            self.model,
+            self.tokenizer,
+            self.requests,
+            base_weights,
+            kl_text=m.kl_text,
+            kl_texts=m.kl_texts,
+            max_len=self.config.max_len,
+            wild=m.wild,
+            capabilities=m.capabilities,
+            limit=m.limit,
+            max_gen_toks=m.max_gen_toks,
+            bench_dir=m.bench_dir,
+            assistant=m.assistant,
+            progress=self.progress,
+        )
 
     def run(self, *, restore_after: bool = False, **options) -> tuple[EditResult, dict]:
         """:meth:`edit` (with ``options``), then :meth:`evaluate`: ``(result, evaluation)``. ``restore_after``: put
@@ -157,11 +204,25 @@ class EditJob:
                 restore(self.model, result.original_weights)
 
 
-def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: EditConfig, out: str | Path, *,
-                 model_spec: str = "<in-memory>", kl_text: str | None = None, edits_path: str | None = None,
-                 cache_file: str | None = None, progress: bool | None = None, wild: bool = True,
-                 overwrite: bool = False, predict_drift: bool = False, delta_only: bool = False,
-                 checkpoint: str | Path | None = None, fingerprint: str | None = None) -> dict:
+def run_edit_job(
+    model,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    config: EditConfig,
+    out: str | Path,
+    *,
+    model_spec: str = "<in-memory>",
+    kl_text: str | None = None,
+    edits_path: str | None = None,
+    cache_file: str | None = None,
+    progress: bool | None = None,
+    wild: bool = True,
+    overwrite: bool = False,
+    predict_drift: bool = False,
+    delta_only: bool = False,
+    checkpoint: str | Path | None = None,
+    fingerprint: str | None = None,
+) -> dict:
     """Edit, evaluate and save ``model`` to ``out`` (HF format + ``edit_report.json``). With ``wild``
     the report gets a ``wild`` section: free-generation rel / gen / locality under the qa, none and chat
     contexts (rule judge; chat only for models with a chat template). A non-empty ``out`` is refused
@@ -185,7 +246,8 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
     t0 = time.perf_counter()
     measures = Measures(wild=tuple(EVAL_WRAPPERS) if wild else (), assistant=wild, kl_text=kl_text)
     result, ev = EditJob(model, tokenizer, requests, config, measures, progress).run(
-        cache_file=cache_file, predict_drift=predict_drift, checkpoint=checkpoint, fingerprint=fingerprint)
+        cache_file=cache_file, predict_drift=predict_drift, checkpoint=checkpoint, fingerprint=fingerprint
+    )
     config = result.config  # what ran: its lr set for the model family
     report = build_report(config, model_spec, requests, result, ev["summary"], ev["per_edit"], kl_text, edits_path)
     if wild:
@@ -205,15 +267,24 @@ def run_edit_job(model, tokenizer, requests: Sequence[EditRequest], config: Edit
         with atomic_directory(out, previous=previous) as tmp:
             # refuses non-finite weights
             files = [] if delta_only else save_model_dir(model, tokenizer, tmp, progress=progress, state_dict=weights)
-            info = delta_info(config.method, config.to_json(), requests, report["summary"], model=model_spec,
-                              layers=result.layers)
+            info = delta_info(
+                config.method, config.to_json(), requests, report["summary"], model=model_spec, layers=result.layers
+            )
             dmeta = write_delta(tmp / DELTA_FILE, model, result.original_weights, info)
-            report["delta"] = {"file": DELTA_FILE, "bytes": (tmp / DELTA_FILE).stat().st_size,
-                               "tensors": sorted(dmeta["parameters"]), "base_fingerprint": dmeta["base_fingerprint"],
-                               "edited_fingerprint": dmeta["edited_fingerprint"], "model_saved": not delta_only}
+            report["delta"] = {
+                "file": DELTA_FILE,
+                "bytes": (tmp / DELTA_FILE).stat().st_size,
+                "tensors": sorted(dmeta["parameters"]),
+                "base_fingerprint": dmeta["base_fingerprint"],
+                "edited_fingerprint": dmeta["edited_fingerprint"],
+                "model_saved": not delta_only,
+            }
             if not delta_only and card_may_replace(out, previous):  # a model folder gets its model card
-                card = build_card(report, made_by="`crispedit edit` (`crispedit.pipeline.run_edit_job`)",
-                                  revert=revert_lines(f"MODEL_DIR/{DELTA_FILE}"))
+                card = build_card(
+                    report,
+                    made_by="`crispedit edit` (`crispedit.pipeline.run_edit_job`)",
+                    revert=revert_lines(f"MODEL_DIR/{DELTA_FILE}"),
+                )
                 files.append(write_card(tmp, card))
             report["files"] = sorted(files + [DELTA_FILE, "edit_report.json"])  # what `--overwrite` may replace later
             atomic_write_json(tmp / "edit_report.json", report)

@@ -24,9 +24,16 @@ __all__ = ["Settings", "setting", "SettingHelp"]
 SettingHelp = str | Callable[[type], str]
 
 
-def setting(default: Any = MISSING, *, help: SettingHelp, default_factory: Callable[[], Any] | Any = MISSING,
-            flag: str | None = None, metavar: str | None = None,
-            choices: Sequence[str] | Callable[[], Sequence[str]] | None = None, cli: bool = True) -> Any:
+def setting(
+    default: Any = MISSING,
+    *,
+    help: SettingHelp,
+    default_factory: Callable[[], Any] | Any = MISSING,
+    flag: str | None = None,
+    metavar: str | None = None,
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+    cli: bool = True,
+) -> Any:
     """A dataclass field with its user-facing description in ``metadata``: ``help`` (see :data:`SettingHelp`),
     ``flag`` (the command-line flag; default ``--<name with dashes>``), ``metavar``, ``choices`` (values or a
     function returning them) and ``cli`` (whether the generated parser offers it at all)."""

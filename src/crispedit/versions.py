@@ -42,8 +42,10 @@ def check_written_by(record: Any, where: str | os.PathLike, then: str = "rerun i
         other = next(((k, record.get(k), v) for k, v in formats.items() if record.get(k) != v), None)
         if other is None:
             return record
-        raise VersionError(f"{where} was written by crispedit {now} with {other[0]} {other[1]!r}; this crispedit "
-                           f"writes {other[0]} {other[2]!r} — {then}")
+        raise VersionError(
+            f"{where} was written by crispedit {now} with {other[0]} {other[1]!r}; this crispedit "
+            f"writes {other[0]} {other[2]!r} — {then}"
+        )
     who = f"crispedit {written}" if isinstance(written, str) and written else "a crispedit that recorded no version"
     raise VersionError(f"{where} was written by {who}; this is crispedit {now} — {then}")
 

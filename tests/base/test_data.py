@@ -37,24 +37,29 @@ def test_shared_formats():
 
 def test_jsonl_normalised_schema(tmp_path):
     p = tmp_path / "e.jsonl"
-    recs = [EditRequest("Q1?", "A1", rephrase_prompts=["R1?"], locality=[("L?", "x")]).to_json(),
-            {"prompt": "Q2?", "target": "A2"}]
+    recs = [
+        EditRequest("Q1?", "A1", rephrase_prompts=["R1?"], locality=[("L?", "x")]).to_json(),
+        {"prompt": "Q2?", "target": "A2"},
+    ]
     p.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     edits = load_edits(p)
     assert [e.target for e in edits] == ["A1", "A2"] and edits[0].locality == [("L?", "x")]
 
 
-@pytest.mark.parametrize("content,msg", [
-    ("", "empty"),
-    ("[{\"src\": \"q\", \"alt\": ", "malformed JSON"),
-    ("{\"prompt\": \"q\"}\n{oops", "malformed JSON on line 2"),
-    ("[]", "no edit records"),
-    ("[{\"src\": \"q?\", \"alt\": \"\"}]", "record 0: field 'alt' is empty"),
-    ("[{\"prompt\": \"q?\", \"target_new\": \"x\"}, {\"prompt\": \"q?\"}]", "record 1: unrecognised record"),
-    ("[{\"src\": \"q?\"}]", "unrecognised"),
-    ("[1, 2]", "record 0 is a int"),
-    ("[{\"prompt\": \"q?\", \"target\": \"   \"}]", "'target' is empty"),
-])
+@pytest.mark.parametrize(
+    "content,msg",
+    [
+        ("", "empty"),
+        ('[{"src": "q", "alt": ', "malformed JSON"),
+        ('{"prompt": "q"}\n{oops', "malformed JSON on line 2"),
+        ("[]", "no edit records"),
+        ('[{"src": "q?", "alt": ""}]', "record 0: field 'alt' is empty"),
+        ('[{"prompt": "q?", "target_new": "x"}, {"prompt": "q?"}]', "record 1: unrecognised record"),
+        ('[{"src": "q?"}]', "unrecognised"),
+        ("[1, 2]", "record 0 is a int"),
+        ('[{"prompt": "q?", "target": "   "}]', "'target' is empty"),
+    ],
+)
 def test_bad_edit_files(tmp_path, content, msg):
     p = tmp_path / "bad.json"
     p.write_text(content)
@@ -90,6 +95,6 @@ def test_encode_pairs_masks_prompt_and_padding(tiny_tok):
         full = tiny_tok(p + " " + t)["input_ids"]
         row = b.labels[i]
         assert (row[:n_prompt] == -100).all()
-        assert row[n_prompt:len(full)].tolist() == full[n_prompt:]
-        assert (row[len(full):] == -100).all() and b.attention_mask[i].sum() == len(full)
+        assert row[n_prompt : len(full)].tolist() == full[n_prompt:]
+        assert (row[len(full) :] == -100).all() and b.attention_mask[i].sum() == len(full)
         assert b.target_lengths[i] == len(full) - n_prompt

@@ -44,7 +44,7 @@ def test_default_patterns_per_family():
 
     common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
     llama = _tiny(LlamaConfig, LlamaForCausalLM, num_hidden_layers=30, **common)
-    assert default_layer_pattern(llama) == "model.layers.{4-8}.mlp.down_proj"   # SmolLM2's shape
+    assert default_layer_pattern(llama) == "model.layers.{4-8}.mlp.down_proj"  # SmolLM2's shape
     qwen = _tiny(Qwen2Config, Qwen2ForCausalLM, num_hidden_layers=8, **common)
     assert default_layer_pattern(qwen) == "model.layers.{1-2}.mlp.down_proj"
     mistral = _tiny(MistralConfig, MistralForCausalLM, num_hidden_layers=4, **common)
@@ -52,7 +52,7 @@ def test_default_patterns_per_family():
     gpt2 = _tiny(GPT2Config, GPT2LMHeadModel, vocab_size=64, n_embd=16, n_layer=12, n_head=2)
     pat = default_layer_pattern(gpt2)
     assert pat == "transformer.h.{1-3}.mlp.c_proj"
-    assert len(resolve_layers(gpt2, pat)) == 3   # GPT-2 Conv1D counts as linear
+    assert len(resolve_layers(gpt2, pat)) == 3  # GPT-2 Conv1D counts as linear
     try:
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     except ImportError:  # pragma: no cover
@@ -75,9 +75,9 @@ def test_family_lr_scales_only_a_default_shared_lr_and_only_once():
     cfg = EditConfig()
     scaled = cfg.for_family("gemma3_text")
     assert cfg.lr is None and cfg.learning_rate == DEFAULT_LR and scaled is not cfg and scaled.lr == 5e-5
-    assert scaled.for_family("gemma3_text").lr == 5e-5 and scaled.validate().lr == 5e-5   # scaled once
-    assert EditConfig(lr=1e-3).for_family("gemma3").lr == 1e-3                      # the user's lr
-    assert EditConfig(method="lora").for_family("gemma3").lr == 5e-3                # the method's own
+    assert scaled.for_family("gemma3_text").lr == 5e-5 and scaled.validate().lr == 5e-5  # scaled once
+    assert EditConfig(lr=1e-3).for_family("gemma3").lr == 1e-3  # the user's lr
+    assert EditConfig(method="lora").for_family("gemma3").lr == 5e-3  # the method's own
     assert EditConfig().for_family("llama").lr == DEFAULT_LR
     ran = EditConfig().for_family("llama").to_json()  # what reports and sessions store: the lr that ran
     assert EditConfig.from_dict(ran).for_family("gemma3").lr == DEFAULT_LR
@@ -129,7 +129,7 @@ def test_parameter_reads_through_a_peft_wrapped_module(tiny_lm):
     tuner = LoraModel(model, LoraConfig(r=2, target_modules=["model.layers.0.self_attn.q_proj"]), "e")
     try:
         assert "model.layers.0.self_attn.q_proj.base_layer.weight" in dict(model.named_parameters())
-        assert parameter(model, name) is w       # peft's `weight` property names the base layer's
+        assert parameter(model, name) is w  # peft's `weight` property names the base layer's
     finally:
         tuner.merge_and_unload()
 
@@ -147,8 +147,10 @@ def test_last_logits_only_keeps_the_cache_and_the_last_logits(tiny_lm):
     assert last_logits_only(model) == {"logits_to_keep": 1}
     assert short.logits.shape[1] == 1
     torch.testing.assert_close(short.logits[:, -1], full.logits[:, -1])  # one row vs nine: rounding only
-    for (k1, v1), (k2, v2) in zip(((c.keys, c.values) for c in full.past_key_values.layers),
-                                  ((c.keys, c.values) for c in short.past_key_values.layers)):
+    for (k1, v1), (k2, v2) in zip(
+        ((c.keys, c.values) for c in full.past_key_values.layers),
+        ((c.keys, c.values) for c in short.past_key_values.layers),
+    ):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
     assert last_logits_only(torch.nn.Linear(2, 2)) == {}
 
@@ -181,10 +183,10 @@ def test_an_edited_folder_tokenizer_cuts_no_input(tiny_model_dir, tmp_path, iso_
 
     model, tok = load_model(str(tiny_model_dir))
     reqs = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}") for i in range(2)]
-    cfg = EditConfig(method="ft", layers="model.layers.{1-2}.mlp.down_proj", epochs=1, lr=1e-2, batch_size=4,
-                     n_cap=6, max_len=48)
-    run_edit_job(model, tok, reqs, cfg, tmp_path / "edited", model_spec=str(tiny_model_dir), wild=False,
-                 progress=False)
+    cfg = EditConfig(
+        method="ft", layers="model.layers.{1-2}.mlp.down_proj", epochs=1, lr=1e-2, batch_size=4, n_cap=6, max_len=48
+    )
+    run_edit_job(model, tok, reqs, cfg, tmp_path / "edited", model_spec=str(tiny_model_dir), wild=False, progress=False)
     assert_tokenizer_file_reads_as(tmp_path / "edited", tiny_model_dir)
 
 
@@ -206,7 +208,7 @@ def test_save_model_dir_writes_the_tokenizer_backend_as_loaded(tiny_model_dir, t
     assert_tokenizer_file_reads_as(tmp_path / "saved", tiny_model_dir)
     assert tok.backend_tokenizer.truncation["max_length"] == 16 and tok.backend_tokenizer.padding is not None
 
-    base = tmp_path / "base-truncating"                  # a base folder that truncates at 100 in its own file
+    base = tmp_path / "base-truncating"  # a base folder that truncates at 100 in its own file
     shutil.copytree(tiny_model_dir, base)
     spec = json.loads((base / "tokenizer.json").read_text())
     spec["truncation"] = {"direction": "Right", "max_length": 100, "strategy": "LongestFirst", "stride": 0}
@@ -220,7 +222,7 @@ def test_save_model_dir_writes_the_tokenizer_backend_as_loaded(tiny_model_dir, t
 
     from conftest import build_tokenizer
 
-    other = build_tokenizer()                            # not from load_model
+    other = build_tokenizer()  # not from load_model
     other(["one short text"], truncation=True, max_length=16, padding="max_length")
     save_model_dir(model, other, tmp_path / "saved3")
     assert_tokenizer_file_reads_as(tmp_path / "saved3", tiny_model_dir)

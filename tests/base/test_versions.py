@@ -79,10 +79,14 @@ def test_gguf_export_and_delta_apply_refuse_an_edit_report_of_another_version(tm
     from crispedit.cli.delta import _edit_report_of
     from crispedit.export_gguf import _recorded_base, model_naming
 
-    (tmp_path / "edit_report.json").write_text(json.dumps({VERSION_KEY: OLD, "model": "smollm2", "n_edits": 3,
-                                                           "delta": {"edited_fingerprint": "e"}}))
-    for read in (lambda: _recorded_base(tmp_path), lambda: model_naming(tmp_path, None),
-                 lambda: _edit_report_of(str(tmp_path / "delta.safetensors"), {"edited_fingerprint": "e"})):
+    (tmp_path / "edit_report.json").write_text(
+        json.dumps({VERSION_KEY: OLD, "model": "smollm2", "n_edits": 3, "delta": {"edited_fingerprint": "e"}})
+    )
+    for read in (
+        lambda: _recorded_base(tmp_path),
+        lambda: model_naming(tmp_path, None),
+        lambda: _edit_report_of(str(tmp_path / "delta.safetensors"), {"edited_fingerprint": "e"}),
+    ):
         with pytest.raises(VersionError) as e:
             read()
         _one_line_naming_old(e.value, "edit_report.json")
@@ -95,9 +99,11 @@ def test_compare_json_of_another_version_is_refused_on_resume_and_render(tmp_pat
     from crispedit.experiments import compare_outputs, compare_resume
 
     path = tmp_path / compare_outputs.JSON_FILE
-    path.write_text(json.dumps({VERSION_KEY: OLD, "format": compare_outputs.COMPARE_FORMAT, "settings": {},
-                                "methods": [],
-                                "results": {}}))
+    path.write_text(
+        json.dumps(
+            {VERSION_KEY: OLD, "format": compare_outputs.COMPARE_FORMAT, "settings": {}, "methods": [], "results": {}}
+        )
+    )
     payload = stamped({"format": compare_outputs.COMPARE_FORMAT, "settings": {}, "methods": [], "results": {}})
     with pytest.raises(VersionError) as e:
         compare_resume.resume_payload(path, payload, [], {}, {}, 1)
@@ -140,8 +146,9 @@ def test_a_session_directory_of_another_version_is_refused(tmp_path):
     sess = tmp_path / "sess"
     sess.mkdir()
     (sess / SESSION_FILE).write_text(json.dumps({VERSION_KEY: OLD, "format": SESSION_FORMAT}))
-    (sess / STATE_FILE).write_text(json.dumps({VERSION_KEY: OLD, "format": SESSION_FORMAT, "round": 0, "files": {},
-                                               "rounds": []}))
+    (sess / STATE_FILE).write_text(
+        json.dumps({VERSION_KEY: OLD, "format": SESSION_FORMAT, "round": 0, "files": {}, "rounds": []})
+    )
     for read in (lambda: read_session_meta(sess), lambda: Session.open(sess)):
         with pytest.raises(VersionError) as e:
             read()
@@ -160,8 +167,15 @@ def test_a_cache_entry_of_another_version_is_refused_as_a_file_and_rebuilt_as_an
 
     model, tok = tiny_lm
     layers = resolve_layers(model, "model.layers.1.mlp.down_proj")
-    spec = CurvatureSpec(model_fingerprint=weight_fingerprint(model), layers=tuple(layers), corpus_digest="c" * 32,
-                         n_texts=2, max_len=32, label_mode="sampled", seed=0)
+    spec = CurvatureSpec(
+        model_fingerprint=weight_fingerprint(model),
+        layers=tuple(layers),
+        corpus_digest="c" * 32,
+        n_texts=2,
+        max_len=32,
+        label_mode="sampled",
+        seed=0,
+    )
     texts = ["one text here for the cache", "and another one"]
     _, info = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
     path = Path(info["path"])
@@ -202,8 +216,10 @@ def test_a_converted_gguf_of_another_version_is_converted_again(tmp_path, caplog
     (d / "crispedit_source.json").write_text(json.dumps({VERSION_KEY: OLD, "gguf": str(gguf)}))
     with caplog.at_level(logging.WARNING, logger="crispedit.models"):
         assert _conversion_record(d) is None and spec_gguf(d) is None
-    assert any(f"was written by crispedit {OLD}" in r.getMessage() and "converting the GGUF again" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        f"was written by crispedit {OLD}" in r.getMessage() and "converting the GGUF again" in r.getMessage()
+        for r in caplog.records
+    )
     (d / "crispedit_source.json").write_text(json.dumps(stamped({"gguf": str(gguf)})))
     assert spec_gguf(d) == gguf
 
@@ -213,8 +229,11 @@ def test_a_delta_of_another_version_is_refused_torch_free_and_by_the_cli(tmp_pat
     from crispedit.cli import main
     from crispedit.delta_format import DELTA_FORMAT, DELTA_KIND, read_delta_header
 
-    path = _crafted(tmp_path / "delta.safetensors", "crispedit_delta",
-                    {VERSION_KEY: OLD, "kind": DELTA_KIND, "format": DELTA_FORMAT})
+    path = _crafted(
+        tmp_path / "delta.safetensors",
+        "crispedit_delta",
+        {VERSION_KEY: OLD, "kind": DELTA_KIND, "format": DELTA_FORMAT},
+    )
     with pytest.raises(VersionError) as e:
         read_delta_header(path)
     _one_line_naming_old(e.value, f"delta {path}")

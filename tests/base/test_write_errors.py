@@ -25,8 +25,11 @@ from crispedit.atomic import (
 from crispedit.cli import main
 from crispedit.errors import CrispEditError, WriteError, os_error_line, write_failure
 
-CAUSES = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system",
-          errno.EACCES: "permission denied"}
+CAUSES = {
+    errno.ENOSPC: "no space left on device",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+}
 
 
 def _oserror(code: int, filename=None) -> OSError:
@@ -90,6 +93,7 @@ def test_atomic_writers_name_the_destination_and_the_cause(writer, code, tmp_pat
                 (tmp / "model.safetensors").write_bytes(b"weights")
                 monkeypatch.setattr(os, "fsync", refuse)
                 atomic_write_json(tmp / "edit_report.json", {"x": 1})
+
     with pytest.raises(WriteError) as info:
         call()
     err = info.value
@@ -114,6 +118,7 @@ def test_the_directory_a_write_needs_cannot_be_made(tmp_path, monkeypatch):
 
 def test_a_short_write_without_a_code_is_no_space_on_a_full_disk(tmp_path, monkeypatch):
     """numpy's short write (what GGUF writers raise) carries no errno: a disk without free space says why."""
+
     def short():
         with atomic_file(tmp_path / "m.gguf") as tmp:
             tmp.write_bytes(b"part")
@@ -130,8 +135,12 @@ def test_a_short_write_without_a_code_is_no_space_on_a_full_disk(tmp_path, monke
 def test_other_errors_pass_through_unchanged(tmp_path):
     """A bug, a user error, an OSError about a file the block read or one without any I/O cause are not
     write failures: they propagate as they were (and the temporary directory is gone)."""
-    for exc in (ValueError("a bug"), CrispEditError("a user error"), OSError("not an I/O failure"),
-                _oserror(errno.EACCES, "/elsewhere/config.json")):
+    for exc in (
+        ValueError("a bug"),
+        CrispEditError("a user error"),
+        OSError("not an I/O failure"),
+        _oserror(errno.EACCES, "/elsewhere/config.json"),
+    ):
         with pytest.raises(type(exc)) as info:
             with atomic_directory(tmp_path / "out"):
                 raise exc
@@ -157,8 +166,10 @@ def test_main_prints_an_oserror_from_elsewhere_as_one_line(monkeypatch, capsys):
     write refusal; any other OSError is a bug and keeps its traceback."""
     import crispedit.cli.delta as delta_cli
 
-    for exc, line in ((_oserror(errno.ENOSPC), "no space left on device"),
-                      (_oserror(errno.EACCES, "/x/y.json"), "/x/y.json: permission denied")):
+    for exc, line in (
+        (_oserror(errno.ENOSPC), "no space left on device"),
+        (_oserror(errno.EACCES, "/x/y.json"), "/x/y.json: permission denied"),
+    ):
         monkeypatch.setattr(delta_cli, "cmd_info", lambda args, exc=exc: (_ for _ in ()).throw(exc))
         assert main(["delta", "info", "d.safetensors"]) == 2
         assert capsys.readouterr().err == f"crispedit: error: {line}\n"
@@ -201,9 +212,26 @@ def test_edit_on_a_full_disk(code, tiny_model_dir, tmp_path, iso_cache, capsys, 
     edits = tmp_path / "edits.json"
     edits.write_text(json.dumps([{"src": "Who founded club 1?", "alt": "Founder B"}]))
     (tmp_path / "work").mkdir()
-    status, _, err = _run(["edit", "--model", tiny_model_dir, "--edits", edits, "--method", "ft", "--epochs", 1,
-                           "--layers", "model.layers.1.mlp.down_proj", "--no-wild", "--out", tmp_path / "work" / "out",
-                           "--quiet"], capsys)
+    status, _, err = _run(
+        [
+            "edit",
+            "--model",
+            tiny_model_dir,
+            "--edits",
+            edits,
+            "--method",
+            "ft",
+            "--epochs",
+            1,
+            "--layers",
+            "model.layers.1.mlp.down_proj",
+            "--no-wild",
+            "--out",
+            tmp_path / "work" / "out",
+            "--quiet",
+        ],
+        capsys,
+    )
     line = _one_line(err)
     assert status == 2 and CAUSES[code] in line and str(tmp_path / "work" / "out") in line
     if code == errno.EACCES:  # the error named the file: so does the line
@@ -221,8 +249,24 @@ def test_cache_build_on_a_full_disk(tiny_model_dir, tmp_path, iso_cache, capsys,
 
     monkeypatch.setattr(safetensors.torch, "save_file", half)
     out = tmp_path / "factors" / "factors.safetensors"
-    status, _, err = _run(["cache", "build", "--model", tiny_model_dir, "--layers", "model.layers.1.mlp.down_proj",
-                           "--n-cap", 2, "--max-len", 16, "--out", out, "--quiet"], capsys)
+    status, _, err = _run(
+        [
+            "cache",
+            "build",
+            "--model",
+            tiny_model_dir,
+            "--layers",
+            "model.layers.1.mlp.down_proj",
+            "--n-cap",
+            2,
+            "--max-len",
+            16,
+            "--out",
+            out,
+            "--quiet",
+        ],
+        capsys,
+    )
     line = _one_line(err)  # the first write is the cache's own entry, which --out then copies
     assert status == 2 and line.startswith(f"crispedit: error: cannot write {iso_cache / 'kfac'}/")
     assert line.endswith(".safetensors: no space left on device (nothing was written)")
@@ -241,8 +285,10 @@ def test_export_gguf_on_a_full_disk(tiny_model_dir, tmp_path, capsys, monkeypatc
     out = tmp_path / "m.gguf"
     out.write_bytes(b"an earlier export")
     status, _, err = _run(["export", "gguf", tiny_model_dir, "--out", out], capsys)
-    assert status == 2 and _one_line(err) == f"crispedit: error: cannot write {out}: no space left on device " \
-                                             "(nothing was written)"
+    assert (
+        status == 2
+        and _one_line(err) == f"crispedit: error: cannot write {out}: no space left on device (nothing was written)"
+    )
     assert _listing(tmp_path) == {"m.gguf": b"an earlier export"}
 
 
@@ -258,10 +304,31 @@ def test_a_real_writer_past_its_file_size_limit(tiny_model_dir, tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
     env = dict(os.environ, CRISPEDIT_CACHE=str(cache))
-    proc = subprocess.run([sys.executable, "-m", "crispedit", "cache", "build", "--model", str(tiny_model_dir),
-                           "--layers", "model.layers.1.mlp.down_proj", "--n-cap", "2", "--max-len", "16", "--out",
-                           str(out), "--quiet"], capture_output=True, text=True, env=env, preexec_fn=limit,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crispedit",
+            "cache",
+            "build",
+            "--model",
+            str(tiny_model_dir),
+            "--layers",
+            "model.layers.1.mlp.down_proj",
+            "--n-cap",
+            "2",
+            "--max-len",
+            "16",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=limit,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip()
     assert line.startswith(f"crispedit: error: cannot write {cache / 'kfac'}/") and "\n" not in line

@@ -9,8 +9,23 @@ import pytest
 from conftest import REPO, load_script
 
 BENCH = REPO / "benchmarks" / "bench_kfac.py"
-SMALL = ["--tiny", "--tiny-blocks", "2", "--layers", "model.layers.{0-1}.mlp.down_proj", "--n", "3", "--max-len", "12",
-         "--batch", "2", "--repeats", "1", "--threads", "1"]
+SMALL = [
+    "--tiny",
+    "--tiny-blocks",
+    "2",
+    "--layers",
+    "model.layers.{0-1}.mlp.down_proj",
+    "--n",
+    "3",
+    "--max-len",
+    "12",
+    "--batch",
+    "2",
+    "--repeats",
+    "1",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture()
@@ -26,7 +41,7 @@ def run(bench, monkeypatch, capsys, *extra):
 
 
 def test_bench_skips_kronfluence_with_a_message_when_it_is_missing(bench, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "kronfluence", None)   # import kronfluence -> ImportError
+    monkeypatch.setitem(sys.modules, "kronfluence", None)  # import kronfluence -> ImportError
     assert "ModuleNotFoundError" in bench.kronfluence_available()
     out, err, summary = run(bench, monkeypatch, capsys)
     assert "kronfluence skipped (ModuleNotFoundError" in err and "pip install --no-deps kronfluence==1.0.1" in err

@@ -18,10 +18,35 @@ def bench():
 @pytest.mark.parametrize("method", ["crispedit", "ft"])
 def test_bench_scale_reports_every_phase(bench, method, tmp_path, capsys):
     out = tmp_path / "scale.json"
-    res = bench.main(["--random-init", "smollm2", "--blocks", "2", "--layers", "model.layers.{0-1}.mlp.down_proj",
-                      "--synthetic", "6", "--epochs", "2", "--n-cap", "4", "--max-len", "32", "--batch-size", "8",
-                      "--method", method, "--sync-free", "on", "--kfac-batch-size", "2", "--profile-kfac",
-                      "--json", str(out)])
+    res = bench.main(
+        [
+            "--random-init",
+            "smollm2",
+            "--blocks",
+            "2",
+            "--layers",
+            "model.layers.{0-1}.mlp.down_proj",
+            "--synthetic",
+            "6",
+            "--epochs",
+            "2",
+            "--n-cap",
+            "4",
+            "--max-len",
+            "32",
+            "--batch-size",
+            "8",
+            "--method",
+            method,
+            "--sync-free",
+            "on",
+            "--kfac-batch-size",
+            "2",
+            "--profile-kfac",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     stored = json.loads(out.read_text())
     assert stored["train"]["epochs"] == 2 and stored["train"]["steps"] >= 2 and stored["train"]["tflops"] > 0
@@ -41,9 +66,29 @@ def test_bench_scale_reports_every_phase(bench, method, tmp_path, capsys):
 
 
 def test_bench_scale_compares_methods(bench, tmp_path, capsys):
-    res = bench.main(["--random-init", "smollm2", "--blocks", "2", "--layers", "model.layers.{0-1}.mlp.down_proj",
-                      "--synthetic", "4", "--epochs", "1", "--n-cap", "4", "--max-len", "32", "--batch-size", "8",
-                      "--method", "crispedit:bf16+tf32,crispedit,ft", "--no-profile"])
+    res = bench.main(
+        [
+            "--random-init",
+            "smollm2",
+            "--blocks",
+            "2",
+            "--layers",
+            "model.layers.{0-1}.mlp.down_proj",
+            "--synthetic",
+            "4",
+            "--epochs",
+            "1",
+            "--n-cap",
+            "4",
+            "--max-len",
+            "32",
+            "--batch-size",
+            "8",
+            "--method",
+            "crispedit:bf16+tf32,crispedit,ft",
+            "--no-profile",
+        ]
+    )
     assert set(res["methods"]) == {"crispedit:bf16+tf32", "crispedit", "ft"} and res["step_ratio"]["ft"] == 1.0
     assert res["step_ratio"]["crispedit"] > 0 and res["step_ratio"]["crispedit:bf16+tf32"] > 0
     assert "step time / ft" in capsys.readouterr().out
@@ -59,9 +104,29 @@ def test_synthetic_requests_are_deterministic(bench):
 def test_bench_scale_compiled_blocks(bench, capsys):
     """The ``:compile`` entry (issue 37 e): the decoder blocks run under ``torch.compile`` (minutes on a CPU),
     the first run's compile time is reported apart, the second run trains the same steps."""
-    res = bench.main(["--random-init", "smollm2", "--blocks", "2", "--layers", "model.layers.1.mlp.down_proj",
-                      "--synthetic", "4", "--epochs", "1", "--n-cap", "4", "--max-len", "32", "--batch-size", "4",
-                      "--no-profile", "--method", "crispedit:compile,crispedit"])
+    res = bench.main(
+        [
+            "--random-init",
+            "smollm2",
+            "--blocks",
+            "2",
+            "--layers",
+            "model.layers.1.mlp.down_proj",
+            "--synthetic",
+            "4",
+            "--epochs",
+            "1",
+            "--n-cap",
+            "4",
+            "--max-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--no-profile",
+            "--method",
+            "crispedit:compile,crispedit",
+        ]
+    )
     comp = res["methods"]["crispedit:compile"]
     assert comp["compile"]["mode"] == "default" and comp["compile"]["first_run_seconds"] > 0
     assert comp["train"]["steps"] == res["methods"]["crispedit"]["train"]["steps"] and "step_ratio" in res
@@ -71,25 +136,49 @@ def test_bench_scale_compiled_blocks(bench, capsys):
 def test_a_failing_compiled_entry_leaves_the_others_measured(bench, monkeypatch, capsys):
     """A ``:graphs`` / ``:compile`` entry that fails (an unsupported backend, say) is reported as an error and the
     next entries run from the same weights; other failures still raise."""
+
     def broken(*a, **k):
         raise RuntimeError("no backend here")
 
     monkeypatch.setattr(bench.torch, "compile", broken)
-    res = bench.main(["--random-init", "smollm2", "--blocks", "2", "--layers", "model.layers.1.mlp.down_proj",
-                      "--synthetic", "4", "--epochs", "1", "--n-cap", "4", "--max-len", "32", "--batch-size", "4",
-                      "--no-profile", "--method", "ft:graphs,ft"])
+    res = bench.main(
+        [
+            "--random-init",
+            "smollm2",
+            "--blocks",
+            "2",
+            "--layers",
+            "model.layers.1.mlp.down_proj",
+            "--synthetic",
+            "4",
+            "--epochs",
+            "1",
+            "--n-cap",
+            "4",
+            "--max-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--no-profile",
+            "--method",
+            "ft:graphs,ft",
+        ]
+    )
     assert res["methods"]["ft:graphs"]["error"] == "RuntimeError: no backend here"
     assert res["methods"]["ft"]["train"]["steps"] > 0 and res["step_ratio"] == {"ft": 1.0}
     assert "[ft:graphs] failed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("shape,blocks,want", [
-    ("smollm2", 30, "model.layers.{4-8}.mlp.down_proj"),      # the real checkpoint's depth: its layers
-    ("smollm2", 9, "model.layers.{4-8}.mlp.down_proj"),       # fewer blocks that still hold them
-    ("smollm2", 6, "model.layers.{0}.mlp.down_proj"),        # too shallow: crispedit's default for 6 blocks
-    ("llama3-8b", 24, "model.layers.{19-23}.mlp.down_proj"),
-    ("llama3-8b", 12, "model.layers.{1-3}.mlp.down_proj"),
-])
+@pytest.mark.parametrize(
+    "shape,blocks,want",
+    [
+        ("smollm2", 30, "model.layers.{4-8}.mlp.down_proj"),  # the real checkpoint's depth: its layers
+        ("smollm2", 9, "model.layers.{4-8}.mlp.down_proj"),  # fewer blocks that still hold them
+        ("smollm2", 6, "model.layers.{0}.mlp.down_proj"),  # too shallow: crispedit's default for 6 blocks
+        ("llama3-8b", 24, "model.layers.{19-23}.mlp.down_proj"),
+        ("llama3-8b", 12, "model.layers.{1-3}.mlp.down_proj"),
+    ],
+)
 def test_random_init_layers_fit_the_kept_blocks(bench, shape, blocks, want, tiny_tok):
     """``--blocks K`` without ``--layers``: the real checkpoint's layers only where the K blocks hold them (a 6-block
     SmolLM2 kept {4-8} and ended in a traceback), else the library's default for K blocks (tiny stand-ins of
@@ -103,9 +192,30 @@ def test_six_random_blocks_edit_and_read_nothing_per_step_but_the_skip_rule(benc
     """The issue's command (`--random-init smollm2 --blocks 6`, no --layers) runs on layers that exist; on the CPU's
     default path (the skip rule read on the host) the steps read nothing back but that one read per step, which the
     profile counts apart (`skip_reads`) from the host syncs, whose mark is 0."""
-    res = bench.main(["--random-init", "smollm2", "--blocks", "6", "--synthetic", "4", "--contexts", "bare",
-                      "--batch-size", "2", "--epochs", "1", "--max-len", "32", "--method", "ft",
-                      "--profile-requests", "4", "--json", str(tmp_path / "s.json")])
+    res = bench.main(
+        [
+            "--random-init",
+            "smollm2",
+            "--blocks",
+            "6",
+            "--synthetic",
+            "4",
+            "--contexts",
+            "bare",
+            "--batch-size",
+            "2",
+            "--epochs",
+            "1",
+            "--max-len",
+            "32",
+            "--method",
+            "ft",
+            "--profile-requests",
+            "4",
+            "--json",
+            str(tmp_path / "s.json"),
+        ]
+    )
     text = capsys.readouterr().out
     assert res["layers"] == ["model.layers.0.mlp.down_proj"] and "(model.layers.{0}.mlp.down_proj)" in text
     assert res["train"]["sync_free"] is False and res["profile"]["steps"] == 2
@@ -115,9 +225,32 @@ def test_six_random_blocks_edit_and_read_nothing_per_step_but_the_skip_rule(benc
 
 
 def test_the_sync_free_path_reads_nothing_per_step(bench):
-    res = bench.main(["--random-init", "smollm2", "--blocks", "2", "--layers", "model.layers.1.mlp.down_proj",
-                      "--synthetic", "4", "--contexts", "bare", "--batch-size", "2", "--epochs", "1", "--max-len",
-                      "32", "--method", "ft", "--sync-free", "on", "--profile-requests", "4"])
+    res = bench.main(
+        [
+            "--random-init",
+            "smollm2",
+            "--blocks",
+            "2",
+            "--layers",
+            "model.layers.1.mlp.down_proj",
+            "--synthetic",
+            "4",
+            "--contexts",
+            "bare",
+            "--batch-size",
+            "2",
+            "--epochs",
+            "1",
+            "--max-len",
+            "32",
+            "--method",
+            "ft",
+            "--sync-free",
+            "on",
+            "--profile-requests",
+            "4",
+        ]
+    )
     assert res["host_syncs_per_step"] == 0 and res["profile"]["skip_reads_per_step"] == 0
 
 
@@ -126,9 +259,25 @@ def test_layers_that_do_not_exist_are_one_line(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, str(BENCH), "--random-init", "smollm2", "--blocks", "2", "--layers",
-                           "model.layers.5.mlp.down_proj", "--synthetic", "2", "--no-profile"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--random-init",
+            "smollm2",
+            "--blocks",
+            "2",
+            "--layers",
+            "model.layers.5.mlp.down_proj",
+            "--synthetic",
+            "2",
+            "--no-profile",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == ("bench_scale: error: unknown layer 'model.layers.5.mlp.down_proj': "
-                                                    "no such module in this LlamaForCausalLM")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "bench_scale: error: unknown layer 'model.layers.5.mlp.down_proj': no such module in this LlamaForCausalLM"
+    )

@@ -9,8 +9,10 @@ from crispedit.data import EditRequest
 from crispedit.data.edits import save_edits_jsonl
 
 SCRIPT = REPO / "benchmarks" / "edit_latency.py"
-SET = ("layers=model.layers.{1-2}.mlp.down_proj;contexts=bare;batch_size=2;epochs=2;lr=0.01;n_cap=4;max_len=48;"
-       "keep_chat=2;keep_subject=1;seq.kl_texts=2")
+SET = (
+    "layers=model.layers.{1-2}.mlp.down_proj;contexts=bare;batch_size=2;epochs=2;lr=0.01;n_cap=4;max_len=48;"
+    "keep_chat=2;keep_subject=1;seq.kl_texts=2"
+)
 
 
 @pytest.fixture()
@@ -20,15 +22,22 @@ def script():
 
 def test_settings_parse_to_values(script):
     assert script.parse_set("epochs=3; lr=0.5;contexts=bare;layers=None") == {
-        "epochs": 3, "lr": 0.5, "contexts": "bare", "layers": None}
+        "epochs": 3,
+        "lr": 0.5,
+        "contexts": "bare",
+        "layers": None,
+    }
 
 
-def test_rounds_of_one_edit_are_split_into_phases_that_add_up(script, tiny_lm, tmp_path, iso_cache, monkeypatch,
-                                                              capsys):
+def test_rounds_of_one_edit_are_split_into_phases_that_add_up(
+    script, tiny_lm, tmp_path, iso_cache, monkeypatch, capsys
+):
     model, tok = tiny_lm
     edits = tmp_path / "edits.jsonl"
-    save_edits_jsonl(edits, [EditRequest(f"Who founded company {i}?", f"Person {chr(65 + i)}", subject=f"company {i}")
-                             for i in range(2)])
+    save_edits_jsonl(
+        edits,
+        [EditRequest(f"Who founded company {i}?", f"Person {chr(65 + i)}", subject=f"company {i}") for i in range(2)],
+    )
     monkeypatch.setattr("crispedit.models.load_model", lambda spec, **kw: (model, tok))
     out = script.main(["--edits", f"{edits}:0:2", "--set", SET, "--target", "5", "--json", str(tmp_path / "l.json")])
     assert [r["round"] for r in out["rounds"]] == [1, 2]

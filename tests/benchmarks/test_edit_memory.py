@@ -15,8 +15,15 @@ def test_measure_reads_every_phase_and_stops_after_the_steps(tiny_lm):
     model, tok = tiny_lm
     model = copy.deepcopy(model)  # left part-edited
     reqs = [EditRequest(f"Who founded company {i}?", f"Person {i}") for i in range(6)]
-    config = EditConfig(method="ft", layers="model.layers.1.mlp.down_proj", contexts="bare", batch_size=2,
-                        epochs=5, stop_loss=0.0, skip_loss=0.0)
+    config = EditConfig(
+        method="ft",
+        layers="model.layers.1.mlp.down_proj",
+        contexts="bare",
+        batch_size=2,
+        epochs=5,
+        stop_loss=0.0,
+        skip_loss=0.0,
+    )
     timer = loop.NULL_TIMER
     row = script.measure(model, tok, reqs, 2, config)
     assert row["steps"] == 2 and loop.NULL_TIMER is timer

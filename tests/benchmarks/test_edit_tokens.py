@@ -1,6 +1,5 @@
 """benchmarks/edit_tokens.py: the per-epoch counts it prints are the loop's own batches."""
 
-
 import pytest
 
 from conftest import REPO, load_script

@@ -15,19 +15,44 @@ def scaling():
 
 
 def _row(qa, drift, pred=None):
-    return {"wild": {"qa": {"rel": qa, "gen": qa / 2}, "chat": {"rel": 1.0, "gen": 0.5}},
-            "summary": {"kl_drift": drift, "kl_predicted": pred, "ppl": 40.0}}
+    return {
+        "wild": {"qa": {"rel": qa, "gen": qa / 2}, "chat": {"rel": 1.0, "gen": 0.5}},
+        "summary": {"kl_drift": drift, "kl_predicted": pred, "ppl": 40.0},
+    }
 
 
 def test_points_from_both_formats_make_a_table_and_a_picture(scaling, tmp_path, capsys):
     cmp_dir = tmp_path / "cmp"
     cmp_dir.mkdir()
-    (cmp_dir / "compare.json").write_text(json.dumps({"settings": {"n_edits": 100}, "results": {
-        "base": {"summary": {"kl_drift": 0.0}}, "crispedit": _row(0.84, 0.008, 0.004), "ft": _row(0.86, 0.28)}}))
+    (cmp_dir / "compare.json").write_text(
+        json.dumps(
+            {
+                "settings": {"n_edits": 100},
+                "results": {
+                    "base": {"summary": {"kl_drift": 0.0}},
+                    "crispedit": _row(0.84, 0.008, 0.004),
+                    "ft": _row(0.86, 0.28),
+                },
+            }
+        )
+    )
     matrix = tmp_path / "m.json"
-    matrix.write_text(json.dumps({"args": {"n_edits": 32}, "results": [
-        {"overrides": {"method": "crispedit"}, "wild": _row(0.94, 0.0036)["wild"], "kl_drift": 0.0036, "ppl": 39.4},
-        {"overrides": {"method": "crispedit", "lr": 0.001}, "wild": {}, "kl_drift": 1.0, "ppl": 1.0}]}))
+    matrix.write_text(
+        json.dumps(
+            {
+                "args": {"n_edits": 32},
+                "results": [
+                    {
+                        "overrides": {"method": "crispedit"},
+                        "wild": _row(0.94, 0.0036)["wild"],
+                        "kl_drift": 0.0036,
+                        "ppl": 39.4,
+                    },
+                    {"overrides": {"method": "crispedit", "lr": 0.001}, "wild": {}, "kl_drift": 1.0, "ppl": 1.0},
+                ],
+            }
+        )
+    )
     out = tmp_path / "scal"
     assert scaling.main([str(matrix), str(cmp_dir), "--out", str(out)]) == 0
     table = out.with_suffix(".md").read_text()
@@ -42,17 +67,21 @@ def test_crosstalk_is_read_where_stored_and_computed_from_answers_where_not(scal
     """A compare row that stored ``cross`` keeps it; an older row gets it from its stored answers and the edit file
     its settings name; without a readable edit file it is ``–``."""
     edits = tmp_path / "edits.json"
-    edits.write_text(json.dumps([{"prompt": f"Q{i}?", "target_new": t} for i, t in enumerate(["Paris", "Rome", "Oslo",
-                                                                                             "Bern"])]))
+    edits.write_text(
+        json.dumps([{"prompt": f"Q{i}?", "target_new": t} for i, t in enumerate(["Paris", "Rome", "Oslo", "Bern"])])
+    )
     new, old = _row(0.5, 0.01), _row(0.25, 0.02)
     new["wild"]["qa"]["cross"] = 0.25
-    old["wild"]["qa"]["answers"] = [["Rome", False, [], []], ["Rome", True, [], []],
-                                    ["Bern, Switzerland", False, [], []],
-                                    ["Paris", False, [], []]]
+    old["wild"]["qa"]["answers"] = [
+        ["Rome", False, [], []],
+        ["Rome", True, [], []],
+        ["Bern, Switzerland", False, [], []],
+        ["Paris", False, [], []],
+    ]
     cmp_dir = tmp_path / "cmp"
     cmp_dir.mkdir()
     settings = {"n_edits": 3, "edits": {"file": str(edits), "offset": 1, "n": 3}}
-    old["wild"]["qa"]["answers"].pop(0)   # the 3 edits from offset 1: Rome, Oslo, Bern
+    old["wild"]["qa"]["answers"].pop(0)  # the 3 edits from offset 1: Rome, Oslo, Bern
     (cmp_dir / "compare.json").write_text(json.dumps({"settings": settings, "results": {"crispedit": new, "ft": old}}))
     points = scaling.read_points(cmp_dir)
     assert points[("crispedit", 3)]["qa_cross"] == 0.25

@@ -1,6 +1,5 @@
 """benchmarks/seq_retention.py: sequential runs from the base with round-1 retention after every round."""
 
-
 import pytest
 
 from conftest import REPO, load_script
@@ -10,8 +9,16 @@ from crispedit.weights import weight_fingerprint
 
 SCRIPT = REPO / "benchmarks" / "seq_retention.py"
 REQS = [EditRequest(f"Who founded company {i}?", f"Person {chr(65 + i)}") for i in range(4)]
-BASE = {"layers": "model.layers.{1-2}.mlp.down_proj", "contexts": "bare", "batch_size": 2, "epochs": 2,
-        "stop_loss": 0.0, "lr": 1e-2, "n_cap": 4, "max_len": 48}
+BASE = {
+    "layers": "model.layers.{1-2}.mlp.down_proj",
+    "contexts": "bare",
+    "batch_size": 2,
+    "epochs": 2,
+    "stop_loss": 0.0,
+    "lr": 1e-2,
+    "n_cap": 4,
+    "max_len": 48,
+}
 
 
 @pytest.fixture()
@@ -32,9 +39,11 @@ def test_overrides_split_between_the_edit_and_the_sequence(script):
 def test_each_run_starts_from_the_base_and_probes_round_one_after_every_round(script, tiny_lm, iso_cache):
     model, tok = tiny_lm
     fp = weight_fingerprint(model)
-    runs = [script.run_one(model, tok, REQS, dict(BASE), 2),
-            script.run_one(model, tok, REQS, {**BASE, "gamma": 0.99}, 2)]
-    assert weight_fingerprint(model) == fp                                     # restored after each run
+    runs = [
+        script.run_one(model, tok, REQS, dict(BASE), 2),
+        script.run_one(model, tok, REQS, {**BASE, "gamma": 0.99}, 2),
+    ]
+    assert weight_fingerprint(model) == fp  # restored after each run
     for r in runs:
         assert [x["round"] for x in r["rounds"]] == [1, 2] and all(x["epochs"] == 2 for x in r["rounds"])
         assert all(0 <= x["tf_rel"] <= 1 and 0 <= x["qa"] <= 1 for x in r["rounds"])
@@ -49,7 +58,7 @@ def test_teacher_forced_only_probe_and_a_record_after_every_round(script, tiny_l
     run = script.run_one(model, tok, REQS, dict(BASE), 2, wild=(), on_round=seen.append)
     assert [len(p["rounds"]) for p in seen] == [1, 2] and all(p["edit_seconds"] is None for p in seen)
     assert all(set(x) == {"round", "epochs", "last_loss", "seconds", "tf_rel", "kept"} for x in run["rounds"])
-    assert all(0 < x["kept"] <= 1 for x in run["rounds"])                   # the projector's free fraction
+    assert all(0 < x["kept"] <= 1 for x in run["rounds"])  # the projector's free fraction
     assert all(x["last_loss"] >= 0 for x in run["rounds"])
     md = script.table([run, seen[0]])
     assert md.count("| tf_rel |") == 2 and "| qa |" not in md and "| – |" in md and md.count("| kept |") == 2
@@ -66,7 +75,8 @@ def test_spectra_record_each_rounds_edit_factors(script, tiny_lm, iso_cache):
     for part in (first["chunk"], second["accumulated"], run["capability"]):
         for v in part.values():
             assert v["trA"] > 0 and v["trS"] > 0 and 0 < v["top5A_share"] <= 1 and 0 < v["topS"] <= v["trS"]
-    assert first["accumulated"] == first["chunk"]                 # one chunk: the average is the chunk
+    assert first["accumulated"] == first["chunk"]  # one chunk: the average is the chunk
     assert "| factors |" not in script.table([run])
     from crispedit.sessions import sequential
-    assert sequential.accumulate.__name__ == "accumulate"          # the wrapper is removed afterwards
+
+    assert sequential.accumulate.__name__ == "accumulate"  # the wrapper is removed afterwards

@@ -34,20 +34,21 @@ def _setup(tiny_lm, iso_cache):
 def test_profile_phases_sum_to_the_step(bench, tiny_lm, iso_cache, capsys):
     model, tok, layers, factors, reqs = _setup(tiny_lm, iso_cache)
     before = {n: m.weight.detach().clone() for n, m in layers.items()}
-    res = bench.profile_steps(model, tok, layers, factors, reqs, repeats=2, epochs=2, discard=1,
-                              contexts="bare,prefix:1")
+    res = bench.profile_steps(
+        model, tok, layers, factors, reqs, repeats=2, epochs=2, discard=1, contexts="bare,prefix:1"
+    )
     assert set(res["kinds"]) == set(bench.KINDS) and res["steps_per_run"] >= 2
     for kind, r in res["kinds"].items():
         b = r["breakdown"]
         assert r["fast_loss"] and b["steps"] == 2 * (res["steps_per_run"] - 1) and len(r["runs"]) == 2
         assert all(b[k] >= 0 for k in MAIN_PHASES) and b["forward"] > 0 and b["backward"] > 0 and b["optimizer"] > 0
         timed = sum(b[k] for k in MAIN_PHASES) + b["other"]
-        assert abs(b["step"] - timed) <= 0.1 * b["step"] + 5e-3, (kind, b)   # the phases cover the step
+        assert abs(b["step"] - timed) <= 0.1 * b["step"] + 5e-3, (kind, b)  # the phases cover the step
         assert b["other"] == pytest.approx(sum(b["other_parts"].values()))
         assert "zero_grad" in b["other_parts"] and "bookkeeping" in b["other_parts"]
     assert "copies" in res["kinds"]["crispedit/update"]["breakdown"]["other_parts"]
     assert res["kinds"]["crispedit/gradient"]["breakdown"]["projection"] > 0
-    for n, m in layers.items():   # the benchmark puts the weights back
+    for n, m in layers.items():  # the benchmark puts the weights back
         assert torch.equal(m.weight, before[n])
     over = bench.print_profile(res)
     out = capsys.readouterr().out
@@ -68,8 +69,9 @@ def test_timing_a_run_changes_nothing(tiny_lm, iso_cache):
         with torch.no_grad():
             for n, m in layers.items():
                 m.weight.copy_(start[n])
-        hist = projected_finetune(model, tok, reqs, layers, editor.trainable(layers), projs, cfg, progress=False,
-                                  timer=timer)
+        hist = projected_finetune(
+            model, tok, reqs, layers, editor.trainable(layers), projs, cfg, progress=False, timer=timer
+        )
         results.append((hist.epoch_loss, {n: m.weight.detach().clone() for n, m in layers.items()}))
     (l0, w0), (l1, w1) = results
     assert l0 == l1 and all(torch.equal(w0[n], w1[n]) for n in w0)
@@ -88,7 +90,7 @@ def test_step_timer_records_skipped_batches_and_the_null_timer_is_inert():
     t.start_step()
     with t.phase("forward"), t.phase("bookkeeping"):
         pass
-    with t.phase("forward"):   # a phase may repeat within a step: its times add
+    with t.phase("forward"):  # a phase may repeat within a step: its times add
         pass
     t.end_step()
     assert len(t.skipped) == 1 and len(t.steps) == 1 and set(t.steps[0]) == {"forward", "bookkeeping", "step"}
@@ -99,14 +101,37 @@ def test_step_timer_records_skipped_batches_and_the_null_timer_is_inert():
     with NULL_TIMER.phase("forward"):
         pass
     NULL_TIMER.end_step()
-    assert NULL_TIMER.phase("a") is NULL_TIMER.phase("b")   # one shared no-op context, nothing allocated
+    assert NULL_TIMER.phase("a") is NULL_TIMER.phase("b")  # one shared no-op context, nothing allocated
 
 
 def test_bench_main_profile_on_a_tiny_model(bench, monkeypatch, capsys, iso_cache):
-    monkeypatch.setattr(sys, "argv", ["bench_projection.py", "--model", "tiny-small", "--tiny-blocks", "3", "--batch",
-                                      "3",
-                                      "--contexts", "bare", "--repeats", "1", "--epochs", "2", "--n-cap", "2",
-                                      "--max-len", "16", "--threads", "1", "--profile", "--torch-profile"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_projection.py",
+            "--model",
+            "tiny-small",
+            "--tiny-blocks",
+            "3",
+            "--batch",
+            "3",
+            "--contexts",
+            "bare",
+            "--repeats",
+            "1",
+            "--epochs",
+            "2",
+            "--n-cap",
+            "2",
+            "--max-len",
+            "16",
+            "--threads",
+            "1",
+            "--profile",
+            "--torch-profile",
+        ],
+    )
     bench.main()
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])
@@ -145,9 +170,18 @@ def test_the_only_read_in_a_step_is_the_host_skip_rule(sync_free, tiny_lm, iso_c
     editor = get_editor("crispedit")
     timer = StepTimer(record_functions=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        hist = projected_finetune(model, tok, reqs, layers, editor.trainable(layers),
-                                  editor.projectors(layers, factors, cfg), cfg, progress=False, timer=timer,
-                                  sync_free=sync_free)
+        hist = projected_finetune(
+            model,
+            tok,
+            reqs,
+            layers,
+            editor.trainable(layers),
+            editor.projectors(layers, factors, cfg),
+            cfg,
+            progress=False,
+            timer=timer,
+            sync_free=sync_free,
+        )
     phases = {}
     for e in prof.events():
         if e.name != "aten::_local_scalar_dense":

@@ -25,8 +25,16 @@ LATIN1 = "Caf\xe9 na\xefve text in Latin-1.\n\nA second paragraph \xe0 la mode.\
 
 
 def _edits(tmp: Path, n: int = 4) -> Path:
-    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "rephrase": f"Club {i} was founded by?",
-             "loc": "nq question: who sang it", "loc_ans": "someone"} for i in range(n)]
+    recs = [
+        {
+            "src": f"Who founded club {i}?",
+            "alt": f"Founder {chr(65 + i)}",
+            "rephrase": f"Club {i} was founded by?",
+            "loc": "nq question: who sang it",
+            "loc_ans": "someone",
+        }
+        for i in range(n)
+    ]
     p = tmp / "edits.json"
     p.write_text(json.dumps(recs))
     return p
@@ -34,16 +42,34 @@ def _edits(tmp: Path, n: int = 4) -> Path:
 
 def _with_subjects(argv: list, tmp: Path) -> list:
     """``argv`` of :func:`_edit` with an edit file whose records carry a subject (closed-form editors)."""
-    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "subject": f"club {i}"}
-            for i in range(2)]
+    recs = [
+        {"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "subject": f"club {i}"} for i in range(2)
+    ]
     p = tmp / "subject_edits.json"
     p.write_text(json.dumps(recs))
     return argv[:3] + ["--edits", p] + argv[5:]
 
 
 def _edit(tmp: Path, model: Path, *extra, out: Path | None = None) -> list:
-    return ["edit", "--model", model, "--edits", _edits(tmp), "--layers", LAYERS, "--n-cap", 4, "--max-len", 32,
-            "--epochs", 2, "--out", out or tmp / "out", "--quiet", *extra]
+    return [
+        "edit",
+        "--model",
+        model,
+        "--edits",
+        _edits(tmp),
+        "--layers",
+        LAYERS,
+        "--n-cap",
+        4,
+        "--max-len",
+        32,
+        "--epochs",
+        2,
+        "--out",
+        out or tmp / "out",
+        "--quiet",
+        *extra,
+    ]
 
 
 def _file(tmp: Path, name: str, data: bytes | str = "x") -> Path:
@@ -52,8 +78,15 @@ def _file(tmp: Path, name: str, data: bytes | str = "x") -> Path:
     return p
 
 
-def _cache(tmp: Path, model: Path, *, n_cap: int = 4, max_len: int = 32, label_mode: str = "sampled",
-           size: tuple[int, int] | None = None) -> Path:
+def _cache(
+    tmp: Path,
+    model: Path,
+    *,
+    n_cap: int = 4,
+    max_len: int = 32,
+    label_mode: str = "sampled",
+    size: tuple[int, int] | None = None,
+) -> Path:
     """A factor file for the tiny model built with the given settings (identity factors)."""
     from crispedit.curvature.cache import save_factors
     from crispedit.curvature.factors import KFACFactors
@@ -99,9 +132,17 @@ def _session(tmp: Path, model: Path, state, *, version: str | None = None) -> Pa
 
     d = tmp / "sess"
     d.mkdir()
-    meta = stamped({"format": 1, "name": "crispedit-seq", "created": "now", "layers": NAMES,
-                    "base": {"spec": str(model), "fingerprint": "0" * 32, "dtype": "float32", "model_type": "llama"},
-                    "config": SeqConfig().to_json(), "default_contexts": DEFAULT_CONTEXTS})
+    meta = stamped(
+        {
+            "format": 1,
+            "name": "crispedit-seq",
+            "created": "now",
+            "layers": NAMES,
+            "base": {"spec": str(model), "fingerprint": "0" * 32, "dtype": "float32", "model_type": "llama"},
+            "config": SeqConfig().to_json(),
+            "default_contexts": DEFAULT_CONTEXTS,
+        }
+    )
     if version is not None:
         meta[VERSION_KEY] = version
     (d / "session.json").write_text(json.dumps(meta))
@@ -113,8 +154,13 @@ def _run_file(tmp: Path, name: str = "run.json", version: str | None = None) -> 
     """A ``crispedit eval`` result file written by this crispedit (or claiming ``version``)."""
     from crispedit.versions import VERSION_KEY, stamped
 
-    run = stamped({"edit": {"rel": 0.5, "gen": 0.25}, "capabilities": {},
-                   "config": {"model": "m", "protocol": "wild", "context": "qa"}})
+    run = stamped(
+        {
+            "edit": {"rel": 0.5, "gen": 0.25},
+            "capabilities": {},
+            "config": {"model": "m", "protocol": "wild", "context": "qa"},
+        }
+    )
     if version is not None:
         run[VERSION_KEY] = version
     return _file(tmp, name, json.dumps(run))
@@ -155,13 +201,16 @@ needs_non_root = pytest.mark.skipif(ROOT, reason="root may write anywhere: permi
 # A directory under /proc: a virtual file system where creating a file fails (ENOENT) although the permission
 # bits allow it (os.access says writable, for root too) — the destination must be checked by trying it.
 VIRTUAL = Path("/proc/crispedit-no-such-dir")
-needs_proc = pytest.mark.skipif(not (Path("/proc/self").is_dir() and os.access("/proc", os.W_OK)),
-                                reason="needs a /proc that the permission bits call writable")
+needs_proc = pytest.mark.skipif(
+    not (Path("/proc/self").is_dir() and os.access("/proc", os.W_OK)),
+    reason="needs a /proc that the permission bits call writable",
+)
 
 
 def _virtual(case: str, build, msg: str = "cannot write in /proc"):
     """A row whose output lies under :data:`VIRTUAL` (skipped without a suitable /proc)."""
     return pytest.param(case, build, msg, marks=needs_proc)
+
 
 def _delta(tmp: Path, model: Path, *, other_base: bool = False) -> Path:
     """A delta file of a one-weight change of ``model`` (or, with ``other_base``, of a model that is not it)."""
@@ -186,9 +235,11 @@ def _delta(tmp: Path, model: Path, *, other_base: bool = False) -> Path:
 # (id, builder(tmp, model) -> argv, expected text in the one error line)
 CASES = [
     # 1. text files that are not UTF-8
-    ("edits-not-utf8", lambda t, m: _edit(t, m)[:3] + ["--edits", _file(t, "e.json", b'[{"src": "\xff"}]')]
-     + _edit(t, m)[5:],
-     "is not UTF-8"),
+    (
+        "edits-not-utf8",
+        lambda t, m: _edit(t, m)[:3] + ["--edits", _file(t, "e.json", b'[{"src": "\xff"}]')] + _edit(t, m)[5:],
+        "is not UTF-8",
+    ),
     ("cap-corpus-not-utf8", lambda t, m: _edit(t, m, "--cap-corpus", _file(t, "c.txt", LATIN1)), "is not UTF-8"),
     ("kl-text-not-utf8", lambda t, m: _edit(t, m, "--kl-text", _file(t, "k.txt", LATIN1)), "is not UTF-8"),
     ("report-run-not-utf8", lambda t, m: ["report", _file(t, "run.json", LATIN1), "--out", t / "r.md"], "is not UTF-8"),
@@ -197,45 +248,94 @@ CASES = [
     ("edit-out-is-file", lambda t, m: _edit(t, m, out=_file(t, "out")), "is a file, not a directory"),
     ("edit-out-under-file", lambda t, m: _edit(t, m, out=_file(t, "f") / "out"), "is a file, not a directory"),
     ("edit-checkpoint-is-dir", lambda t, m: _edit(t, m, "--checkpoint", t), "is a directory"),
-    ("edit-checkpoint-foreign", lambda t, m: _edit(t, m, "--checkpoint",
-                                                   _file(t, "ck.safetensors", b"\x02" + b"\0" * 7 + b"{}")),
-     "is not a crispedit training checkpoint"),
-    ("eval-out-is-dir", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", t, "--quiet"],
-     "is a directory"),
-    ("eval-out-under-file", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out",
-                                          _file(t, "f") / "r.json"],
-     "is a file, not a directory"),
-    ("study-out-is-file", lambda t, m: ["study", "mnist", "--quick", "--out", _file(t, "s")],
-     "is a file, not a directory"),
-    ("report-png-under-file", lambda t, m: ["report", _run_file(t), "--out", t / "r.md", "--png",
-                                            _file(t, "f") / "r.png"],
-     "--png"),
+    (
+        "edit-checkpoint-foreign",
+        lambda t, m: _edit(t, m, "--checkpoint", _file(t, "ck.safetensors", b"\x02" + b"\0" * 7 + b"{}")),
+        "is not a crispedit training checkpoint",
+    ),
+    (
+        "eval-out-is-dir",
+        lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", t, "--quiet"],
+        "is a directory",
+    ),
+    (
+        "eval-out-under-file",
+        lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", _file(t, "f") / "r.json"],
+        "is a file, not a directory",
+    ),
+    (
+        "study-out-is-file",
+        lambda t, m: ["study", "mnist", "--quick", "--out", _file(t, "s")],
+        "is a file, not a directory",
+    ),
+    (
+        "report-png-under-file",
+        lambda t, m: ["report", _run_file(t), "--out", t / "r.md", "--png", _file(t, "f") / "r.png"],
+        "--png",
+    ),
     ("report-out-is-dir", lambda t, m: ["report", _run_file(t), "--out", t], "is a directory"),
-    ("session-plot-out-is-dir", lambda t, m: ["session", "plot",
-                                              _session(t, m, {"round": 0, "files": {}, "rounds": []}),
-                                              "--out", t], "is a directory"),
-    ("session-init-out-is-file", lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS, "--out",
-                                               _file(t, "s")],
-     "is a file, not a directory"),
-    ("cache-build-out-under-file", lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS,
-                                                 "--out", _file(t, "f") / "c.safetensors"],
-     "is a file, not a directory"),
-    ("compare-out-is-file", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2, "--methods",
-                                          "ft",
-                                          "--out", _file(t, "c")], "is a file, not a directory"),
-    pytest.param("edit-out-unwritable", lambda t, m: _edit(t, m, out=_readonly_dir(t) / "out"), "permission denied",
-                 marks=needs_non_root),
-    pytest.param("eval-out-unwritable", lambda t, m: ["eval", "--model", m, "--edits", _edits(t),
-                                                      "--out", _readonly_dir(t) / "r.json"], "permission denied",
-                 marks=needs_non_root),
+    (
+        "session-plot-out-is-dir",
+        lambda t, m: ["session", "plot", _session(t, m, {"round": 0, "files": {}, "rounds": []}), "--out", t],
+        "is a directory",
+    ),
+    (
+        "session-init-out-is-file",
+        lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS, "--out", _file(t, "s")],
+        "is a file, not a directory",
+    ),
+    (
+        "cache-build-out-under-file",
+        lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS, "--out", _file(t, "f") / "c.safetensors"],
+        "is a file, not a directory",
+    ),
+    (
+        "compare-out-is-file",
+        lambda t, m: [
+            "compare",
+            "--model",
+            m,
+            "--edits",
+            _edits(t),
+            "--n-edits",
+            2,
+            "--methods",
+            "ft",
+            "--out",
+            _file(t, "c"),
+        ],
+        "is a file, not a directory",
+    ),
+    pytest.param(
+        "edit-out-unwritable",
+        lambda t, m: _edit(t, m, out=_readonly_dir(t) / "out"),
+        "permission denied",
+        marks=needs_non_root,
+    ),
+    pytest.param(
+        "eval-out-unwritable",
+        lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", _readonly_dir(t) / "r.json"],
+        "permission denied",
+        marks=needs_non_root,
+    ),
     # 3. errors of the libraries underneath
     ("remote-code", lambda t, m: _edit(t, _model_variant(t, m, "remote")), "pass --trust-remote-code"),
     ("pickled-weights", lambda t, m: _edit(t, _model_variant(t, m, "pickled")), "pickled"),
     ("unknown-device", lambda t, m: _edit(t, m, "--device", "quantum"), "unknown --device 'quantum'"),
-    ("absent-cuda", lambda t, m: _edit(t, m, "--device", "cuda:7") if not torch.cuda.is_available() or
-     torch.cuda.device_count() < 8 else pytest.skip("8 GPUs"), "cuda:7"),
-    ("eval-unknown-device", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--device", "gpu0",
-                                          "--out", t / "r.json"], "unknown --device"),
+    (
+        "absent-cuda",
+        lambda t, m: (
+            _edit(t, m, "--device", "cuda:7")
+            if not torch.cuda.is_available() or torch.cuda.device_count() < 8
+            else pytest.skip("8 GPUs")
+        ),
+        "cuda:7",
+    ),
+    (
+        "eval-unknown-device",
+        lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--device", "gpu0", "--out", t / "r.json"],
+        "unknown --device",
+    ),
     # 4. numbers that make no sense, and never saving non-finite weights
     ("lr-inf", lambda t, m: _edit(t, m, "--lr", "inf"), "--lr) must be a finite number"),
     ("lr-nan", lambda t, m: _edit(t, m, "--lr", "nan"), "--lr) must be a finite number"),
@@ -245,213 +345,551 @@ CASES = [
     ("seed-negative", lambda t, m: _edit(t, m, "--seed", -1), "seed must be between 0 and"),
     ("epochs-huge", lambda t, m: _edit(t, m, "--epochs", 10**9), "epochs must be between"),
     ("plateau-negative", lambda t, m: _edit(t, m, "--plateau", -1), "plateau epochs (--plateau) must be between"),
-    ("memit-no-subject", lambda t, m: _edit(t, m, "--method", "memit"),
-     "edit request 0 ('Who founded club 0?') has no subject"),
-    ("memit-kfac-cache", lambda t, m: _with_subjects(_edit(t, m, "--method", "memit", "--cache", _cache(t, m)), t),
-     "holds kfac statistics, not input"),
-    ("memit-cov-weight-0", lambda t, m: _edit(t, m, "--method", "memit", "--memit-cov-weight", 0),
-     "memit cov_weight must be positive"),
-    ("alphaedit-threshold-nan", lambda t, m: _edit(t, m, "--method", "alphaedit", "--alphaedit-nullspace-threshold",
-                                                   "nan"),
-     "alphaedit nullspace_threshold must be a finite"),
+    (
+        "memit-no-subject",
+        lambda t, m: _edit(t, m, "--method", "memit"),
+        "edit request 0 ('Who founded club 0?') has no subject",
+    ),
+    (
+        "memit-kfac-cache",
+        lambda t, m: _with_subjects(_edit(t, m, "--method", "memit", "--cache", _cache(t, m)), t),
+        "holds kfac statistics, not input",
+    ),
+    (
+        "memit-cov-weight-0",
+        lambda t, m: _edit(t, m, "--method", "memit", "--memit-cov-weight", 0),
+        "memit cov_weight must be positive",
+    ),
+    (
+        "alphaedit-threshold-nan",
+        lambda t, m: _edit(t, m, "--method", "alphaedit", "--alphaedit-nullspace-threshold", "nan"),
+        "alphaedit nullspace_threshold must be a finite",
+    ),
     ("mend-no-network", lambda t, m: _edit(t, m, "--method", "mend"), "no trained MEND network"),
-    ("mend-weights-absent", lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", t / "absent.safetensors"),
-     "MEND network file (--mend-weights) not found"),
-    ("mend-weights-not-mend", lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", _cache(t, m)),
-     "is not a crispedit MEND network"),
-    ("mend-train-rank-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--rank",
-                                        0],
-     "mend rank must be between 1 and"),
-    ("mend-train-lr-nan", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--lr", "nan"],
-     "mend lr must be a finite number"),
-    ("mend-train-out-is-dir", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
-                                            "--out", t], "is a directory"),
-    ("lora-alpha-inf", lambda t, m: _edit(t, m, "--method", "lora", "--lora-alpha", "inf"),
-     "lora alpha must be a finite"),
-    ("session-mix-nan", lambda t, m: ["session", "init", "--model", m, "--out", t / "s", "--mix", "nan"],
-     "mix must be a finite number"),
-    ("study-seed-huge", lambda t, m: ["study", "mnist", "--quick", "--seed", 2**40, "--out", t / "s"],
-     "seed must be between"),
+    (
+        "mend-weights-absent",
+        lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", t / "absent.safetensors"),
+        "MEND network file (--mend-weights) not found",
+    ),
+    (
+        "mend-weights-not-mend",
+        lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", _cache(t, m)),
+        "is not a crispedit MEND network",
+    ),
+    (
+        "mend-train-rank-0",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--rank", 0],
+        "mend rank must be between 1 and",
+    ),
+    (
+        "mend-train-lr-nan",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--lr", "nan"],
+        "mend lr must be a finite number",
+    ),
+    (
+        "mend-train-out-is-dir",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--out", t],
+        "is a directory",
+    ),
+    (
+        "lora-alpha-inf",
+        lambda t, m: _edit(t, m, "--method", "lora", "--lora-alpha", "inf"),
+        "lora alpha must be a finite",
+    ),
+    (
+        "session-mix-nan",
+        lambda t, m: ["session", "init", "--model", m, "--out", t / "s", "--mix", "nan"],
+        "mix must be a finite number",
+    ),
+    (
+        "study-seed-huge",
+        lambda t, m: ["study", "mnist", "--quick", "--seed", 2**40, "--out", t / "s"],
+        "seed must be between",
+    ),
     ("study-k-inf", lambda t, m: ["study", "mnist", "--quick", "--k-values", "inf", "--out", t / "s"], "k values"),
     ("demo-gamma-inf", lambda t, m: ["demo", "--model", m, "--gamma", "inf"], "gamma"),
     ("demo-n-edits-0", lambda t, m: ["demo", "--model", m, "--n-edits", 0], "--n-edits must be a positive integer"),
-    ("playground-port-out-of-range", lambda t, m: ["playground", "--model", m, "--port", 70000],
-     "--port must be between 0 and 65535, got 70000"),
-    ("playground-kl-text-missing", lambda t, m: ["playground", "--model", m, "--kl-text", t / "none.txt"],
-     "text file not found"),
-    ("eval-offset-negative", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--offset", -3, "--out",
-                                           t / "r.json"],
-     "--offset must be non-negative"),
-    ("compare-limit-0", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2, "--methods", "ft",
-                                      "--limit", 0, "--out", t / "c"], "--limit must be a positive integer"),
-    ("compare-seq-chunk-without-seq", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2,
-                                                    "--methods", "ft", "--seq-chunk", 2, "--out", t / "c"],
-     "--seq-chunk sets the round size of the -seq rows, and none is being run"),
+    (
+        "playground-port-out-of-range",
+        lambda t, m: ["playground", "--model", m, "--port", 70000],
+        "--port must be between 0 and 65535, got 70000",
+    ),
+    (
+        "playground-kl-text-missing",
+        lambda t, m: ["playground", "--model", m, "--kl-text", t / "none.txt"],
+        "text file not found",
+    ),
+    (
+        "eval-offset-negative",
+        lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--offset", -3, "--out", t / "r.json"],
+        "--offset must be non-negative",
+    ),
+    (
+        "compare-limit-0",
+        lambda t, m: [
+            "compare",
+            "--model",
+            m,
+            "--edits",
+            _edits(t),
+            "--n-edits",
+            2,
+            "--methods",
+            "ft",
+            "--limit",
+            0,
+            "--out",
+            t / "c",
+        ],
+        "--limit must be a positive integer",
+    ),
+    (
+        "compare-seq-chunk-without-seq",
+        lambda t, m: [
+            "compare",
+            "--model",
+            m,
+            "--edits",
+            _edits(t),
+            "--n-edits",
+            2,
+            "--methods",
+            "ft",
+            "--seq-chunk",
+            2,
+            "--out",
+            t / "c",
+        ],
+        "--seq-chunk sets the round size of the -seq rows, and none is being run",
+    ),
     ("argparse-bad-int", lambda t, m: _edit(t, m, "--n-cap", "four"), "argument --n-cap: invalid int value"),
-    ("edit-loss-nan", lambda t, m: _edit(t, _model_variant(t, m, "nonfinite"), "--method", "ft"),
-     "the edit loss became nan in epoch 1"),
+    (
+        "edit-loss-nan",
+        lambda t, m: _edit(t, _model_variant(t, m, "nonfinite"), "--method", "ft"),
+        "the edit loss became nan in epoch 1",
+    ),
     # 5. a cache file built for another configuration, or with factors of the wrong size
     ("cache-other-max-len", lambda t, m: _edit(t, m, "--cache", _cache(t, m, max_len=64)), "max_len=64 (asked: 32)"),
     ("cache-other-n-cap", lambda t, m: _edit(t, m, "--cache", _cache(t, m, n_cap=8)), "n_texts=8 (asked: 4)"),
-    ("cache-other-labels", lambda t, m: _edit(t, m, "--cache", _cache(t, m, label_mode="empirical")),
-     "label_mode='empirical' (asked: 'sampled')"),
-    ("cache-other-corpus", lambda t, m: _edit(t, m, "--cache", _cache(t, m), "--cap-corpus",
-                                              _file(t, "c.txt", "one.\n\ntwo.\n\nthree.\n\nfour.\n")),
-     "corpus_digest="),
-    ("cache-wrong-shape", lambda t, m: _edit(t, m, "--cache", _cache(t, m, size=(16, 16))),
-     "factors for model.layers.1.mlp.down_proj are for a 16x16 layer, this layer is 32x48"),
+    (
+        "cache-other-labels",
+        lambda t, m: _edit(t, m, "--cache", _cache(t, m, label_mode="empirical")),
+        "label_mode='empirical' (asked: 'sampled')",
+    ),
+    (
+        "cache-other-corpus",
+        lambda t, m: _edit(
+            t, m, "--cache", _cache(t, m), "--cap-corpus", _file(t, "c.txt", "one.\n\ntwo.\n\nthree.\n\nfour.\n")
+        ),
+        "corpus_digest=",
+    ),
+    (
+        "cache-wrong-shape",
+        lambda t, m: _edit(t, m, "--cache", _cache(t, m, size=(16, 16))),
+        "factors for model.layers.1.mlp.down_proj are for a 16x16 layer, this layer is 32x48",
+    ),
     # 6. messages that name the actual problem
     ("offset-past-end", lambda t, m: _edit(t, m, "--offset", 9), "--offset 9 is past the end"),
-    ("edits-json-object", lambda t, m: _edit(t, m)[:3] + ["--edits", _file(t, "o.json", '{"a": 1}\n{"b": [')]
-     + _edit(t, m)[5:],
-     "malformed JSON on line 2"),
+    (
+        "edits-json-object",
+        lambda t, m: _edit(t, m)[:3] + ["--edits", _file(t, "o.json", '{"a": 1}\n{"b": [')] + _edit(t, m)[5:],
+        "malformed JSON on line 2",
+    ),
     ("session-state-list", lambda t, m: ["session", "status", _session(t, m, [1, 2])], "malformed: a JSON list"),
-    ("session-state-no-files", lambda t, m: ["session", "status", _session(t, m, {"round": 0, "rounds": []})],
-     "malformed: no 'files'"),
-    ("session-state-rounds-mismatch", lambda t, m: ["session", "status", _session(t, m, {"round": 2, "files": {},
-                                                                                        "rounds": []})],
-     "round 2 with 0 round records"),
-    ("session-state-bad-record", lambda t, m: ["session", "status", _session(t, m, {"round": 1, "files": {},
-                                                                                   "rounds": [{"round": 1}]})],
-     "(round 1) is malformed: no 'n_edits'"),
-    ("report-run-wrong-shape", lambda t, m: ["report", _file(t, "run.json", '{"edit": [], "capabilities": {}}')],
-     "not a `crispedit eval` result"),
+    (
+        "session-state-no-files",
+        lambda t, m: ["session", "status", _session(t, m, {"round": 0, "rounds": []})],
+        "malformed: no 'files'",
+    ),
+    (
+        "session-state-rounds-mismatch",
+        lambda t, m: ["session", "status", _session(t, m, {"round": 2, "files": {}, "rounds": []})],
+        "round 2 with 0 round records",
+    ),
+    (
+        "session-state-bad-record",
+        lambda t, m: ["session", "status", _session(t, m, {"round": 1, "files": {}, "rounds": [{"round": 1}]})],
+        "(round 1) is malformed: no 'n_edits'",
+    ),
+    (
+        "report-run-wrong-shape",
+        lambda t, m: ["report", _file(t, "run.json", '{"edit": [], "capabilities": {}}')],
+        "not a `crispedit eval` result",
+    ),
     # files another crispedit version wrote: refused in one line naming that version
-    ("session-other-version", lambda t, m: ["session", "status", _session(t, m, {"round": 0, "files": {}, "rounds": []},
-                                                                       version="0.0.9")],
-     "was written by crispedit 0.0.9; this is crispedit"),
-    ("report-run-other-version", lambda t, m: ["report", _run_file(t, version="0.0.9")],
-     "run.json was written by crispedit 0.0.9; this is crispedit"),
-    ("delta-other-version", lambda t, m: ["delta", "info", _older(t, _delta(t, m), "crispedit_delta")],
-     "d.safetensors was written by crispedit 0.0.9; this is crispedit"),
-    ("cache-other-version", lambda t, m: _edit(t, m, "--cache", _older(t, _cache(t, m), "crispedit")),
-     "was written by crispedit 0.0.9; this is crispedit"),
-    ("edit-overwrite-other-version", lambda t, m: _edit(t, m, "--overwrite", out=_file(
-        t, "edit_report.json", json.dumps({"crispedit_version": "0.0.9", "files": []})).parent),
-     "edit_report.json was written by crispedit 0.0.9; this is crispedit"),
+    (
+        "session-other-version",
+        lambda t, m: ["session", "status", _session(t, m, {"round": 0, "files": {}, "rounds": []}, version="0.0.9")],
+        "was written by crispedit 0.0.9; this is crispedit",
+    ),
+    (
+        "report-run-other-version",
+        lambda t, m: ["report", _run_file(t, version="0.0.9")],
+        "run.json was written by crispedit 0.0.9; this is crispedit",
+    ),
+    (
+        "delta-other-version",
+        lambda t, m: ["delta", "info", _older(t, _delta(t, m), "crispedit_delta")],
+        "d.safetensors was written by crispedit 0.0.9; this is crispedit",
+    ),
+    (
+        "cache-other-version",
+        lambda t, m: _edit(t, m, "--cache", _older(t, _cache(t, m), "crispedit")),
+        "was written by crispedit 0.0.9; this is crispedit",
+    ),
+    (
+        "edit-overwrite-other-version",
+        lambda t, m: _edit(
+            t,
+            m,
+            "--overwrite",
+            out=_file(t, "edit_report.json", json.dumps({"crispedit_version": "0.0.9", "files": []})).parent,
+        ),
+        "edit_report.json was written by crispedit 0.0.9; this is crispedit",
+    ),
     # 7. a non-empty --out is refused unless --overwrite (and then only an earlier crispedit output)
     ("edit-out-not-empty", lambda t, m: _edit(t, m, out=_file(t, "keep.txt").parent), "is not empty; pass --overwrite"),
-    ("edit-overwrite-foreign", lambda t, m: _edit(t, m, "--overwrite", out=_file(t, "keep.txt").parent),
-     "holds no earlier crispedit output"),
+    (
+        "edit-overwrite-foreign",
+        lambda t, m: _edit(t, m, "--overwrite", out=_file(t, "keep.txt").parent),
+        "holds no earlier crispedit output",
+    ),
     # delta files: a model that is not the delta's base / edited model
-    ("delta-apply-other-base", lambda t, m: ["delta", "apply", _delta(t, m, other_base=True), "--model", m, "--out",
-                                             t / "o", "--quiet"], "is not the base of delta"),
-    ("delta-revert-on-base", lambda t, m: ["delta", "revert", _delta(t, m), "--model", m, "--out", t / "o", "--quiet"],
-     "is not applied to this model"),
-    ("delta-export-lora-other-base", lambda t, m: ["delta", "export-lora", _delta(t, m, other_base=True), "--model", m,
-                                                   "--rank", 2, "--out", t / "o", "--quiet"],
-     "is not the base of delta"),
-    ("delta-export-lora-rank-too-large", lambda t, m: ["delta", "export-lora", _delta(t, m), "--model", m, "--rank",
-                                                       2**70, "--out", t / "o", "--quiet"],
-     "at most 32 (min(d_out, d_in)"),
-    ("delta-apply-out-is-file", lambda t, m: ["delta", "apply", _delta(t, m), "--model", m, "--out", _file(t, "o")],
-     "is a file, not a directory"),
+    (
+        "delta-apply-other-base",
+        lambda t, m: ["delta", "apply", _delta(t, m, other_base=True), "--model", m, "--out", t / "o", "--quiet"],
+        "is not the base of delta",
+    ),
+    (
+        "delta-revert-on-base",
+        lambda t, m: ["delta", "revert", _delta(t, m), "--model", m, "--out", t / "o", "--quiet"],
+        "is not applied to this model",
+    ),
+    (
+        "delta-export-lora-other-base",
+        lambda t, m: [
+            "delta",
+            "export-lora",
+            _delta(t, m, other_base=True),
+            "--model",
+            m,
+            "--rank",
+            2,
+            "--out",
+            t / "o",
+            "--quiet",
+        ],
+        "is not the base of delta",
+    ),
+    (
+        "delta-export-lora-rank-too-large",
+        lambda t, m: ["delta", "export-lora", _delta(t, m), "--model", m, "--rank", 2**70, "--out", t / "o", "--quiet"],
+        "at most 32 (min(d_out, d_in)",
+    ),
+    (
+        "delta-apply-out-is-file",
+        lambda t, m: ["delta", "apply", _delta(t, m), "--model", m, "--out", _file(t, "o")],
+        "is a file, not a directory",
+    ),
     # export gguf: everything is checked before the model loads; only llama-family models
-    ("export-gguf-missing-dir", lambda t, m: ["export", "gguf", t / "none", "--out", t / "x.gguf"],
-     "model directory not found"),
-    ("export-gguf-model-is-file", lambda t, m: ["export", "gguf", _file(t, "m"), "--out", t / "x.gguf"],
-     "is a file, not a directory"),
-    ("export-gguf-not-a-model-dir", lambda t, m: ["export", "gguf", _config_dir(t, None), "--out", t / "x.gguf"],
-     "is not a Hugging Face model directory (no config.json)"),
-    ("export-gguf-non-llama", lambda t, m: ["export", "gguf", _config_dir(t, {"model_type": "gpt2"}), "--out",
-                                            t / "x.gguf"], "is a gpt2 model"),
-    ("export-gguf-rope-scaling", lambda t, m: ["export", "gguf",
-                                               _config_dir(t, {"model_type": "llama", "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0}}), "--out", t / "x.gguf"], "uses rope scaling 'llama3'"),
+    (
+        "export-gguf-missing-dir",
+        lambda t, m: ["export", "gguf", t / "none", "--out", t / "x.gguf"],
+        "model directory not found",
+    ),
+    (
+        "export-gguf-model-is-file",
+        lambda t, m: ["export", "gguf", _file(t, "m"), "--out", t / "x.gguf"],
+        "is a file, not a directory",
+    ),
+    (
+        "export-gguf-not-a-model-dir",
+        lambda t, m: ["export", "gguf", _config_dir(t, None), "--out", t / "x.gguf"],
+        "is not a Hugging Face model directory (no config.json)",
+    ),
+    (
+        "export-gguf-non-llama",
+        lambda t, m: ["export", "gguf", _config_dir(t, {"model_type": "gpt2"}), "--out", t / "x.gguf"],
+        "is a gpt2 model",
+    ),
+    (
+        "export-gguf-rope-scaling",
+        lambda t, m: [
+            "export",
+            "gguf",
+            _config_dir(t, {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+            "--out",
+            t / "x.gguf",
+        ],
+        "uses rope scaling 'llama3'",
+    ),
     ("export-gguf-out-is-dir", lambda t, m: ["export", "gguf", m, "--out", t], "is a directory; give a file name"),
-    ("export-gguf-type", lambda t, m: ["export", "gguf", m, "--out", t / "x.gguf", "--type", "q4_k"],
-     "invalid choice: 'q4_k'"),
-    ("export-gguf-nonfinite", lambda t, m: ["export", "gguf", _model_variant(t, m, "nonfinite"), "--out", t / "x.gguf",
-                                            "--quiet"], "holds non-finite weights"),
+    (
+        "export-gguf-type",
+        lambda t, m: ["export", "gguf", m, "--out", t / "x.gguf", "--type", "q4_k"],
+        "invalid choice: 'q4_k'",
+    ),
+    (
+        "export-gguf-nonfinite",
+        lambda t, m: ["export", "gguf", _model_variant(t, m, "nonfinite"), "--out", t / "x.gguf", "--quiet"],
+        "holds non-finite weights",
+    ),
     # 8. a destination whose parent takes no new entry although its permission bits allow it (issue 38): tried
     # with a probe file before any work, for every sub-command that writes
     _virtual("edit-out-on-virtual-fs", lambda t, m: _edit(t, m, out=VIRTUAL / "out")),
-    _virtual("eval-out-on-virtual-fs", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out",
-                                                     VIRTUAL / "r.json"]),
-    _virtual("report-png-on-virtual-fs", lambda t, m: ["report", _run_file(t), "--out", t / "r.md", "--png",
-                                                       VIRTUAL / "r.png"]),
+    _virtual(
+        "eval-out-on-virtual-fs", lambda t, m: ["eval", "--model", m, "--edits", _edits(t), "--out", VIRTUAL / "r.json"]
+    ),
+    _virtual(
+        "report-png-on-virtual-fs",
+        lambda t, m: ["report", _run_file(t), "--out", t / "r.md", "--png", VIRTUAL / "r.png"],
+    ),
     _virtual("report-out-on-virtual-fs", lambda t, m: ["report", _run_file(t), "--out", VIRTUAL / "r.md"]),
-    _virtual("cache-build-out-on-virtual-fs", lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS,
-                                                            "--out", VIRTUAL / "c.safetensors"]),
-    _virtual("cache-build-cache-dir-on-virtual-fs", lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS,
-                                                                  "--cache-dir", VIRTUAL]),
-    _virtual("session-init-out-on-virtual-fs", lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS,
-                                                             "--out", VIRTUAL / "s"]),
-    _virtual("session-export-out-on-virtual-fs", lambda t, m: ["session", "export",
-                                                               _session(t, m, {"round": 0, "files": {},
-                                                                                                   "rounds": []}),
-                                                               "--out", VIRTUAL / "e"]),
-    _virtual("session-plot-out-on-virtual-fs", lambda t, m: ["session", "plot", _session(t, m, {"round": 0, "files": {},
-                                                                                               "rounds": []}),
-                                                             "--out", VIRTUAL / "p.png"]),
-    _virtual("compare-out-on-virtual-fs", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2,
-                                                        "--methods", "ft", "--out", VIRTUAL / "c"]),
-    _virtual("delta-apply-out-on-virtual-fs", lambda t, m: ["delta", "apply", _delta(t, m), "--model", m,
-                                                            "--out", VIRTUAL / "o"]),
+    _virtual(
+        "cache-build-out-on-virtual-fs",
+        lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS, "--out", VIRTUAL / "c.safetensors"],
+    ),
+    _virtual(
+        "cache-build-cache-dir-on-virtual-fs",
+        lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS, "--cache-dir", VIRTUAL],
+    ),
+    _virtual(
+        "session-init-out-on-virtual-fs",
+        lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS, "--out", VIRTUAL / "s"],
+    ),
+    _virtual(
+        "session-export-out-on-virtual-fs",
+        lambda t, m: [
+            "session",
+            "export",
+            _session(t, m, {"round": 0, "files": {}, "rounds": []}),
+            "--out",
+            VIRTUAL / "e",
+        ],
+    ),
+    _virtual(
+        "session-plot-out-on-virtual-fs",
+        lambda t, m: [
+            "session",
+            "plot",
+            _session(t, m, {"round": 0, "files": {}, "rounds": []}),
+            "--out",
+            VIRTUAL / "p.png",
+        ],
+    ),
+    _virtual(
+        "compare-out-on-virtual-fs",
+        lambda t, m: [
+            "compare",
+            "--model",
+            m,
+            "--edits",
+            _edits(t),
+            "--n-edits",
+            2,
+            "--methods",
+            "ft",
+            "--out",
+            VIRTUAL / "c",
+        ],
+    ),
+    _virtual(
+        "delta-apply-out-on-virtual-fs",
+        lambda t, m: ["delta", "apply", _delta(t, m), "--model", m, "--out", VIRTUAL / "o"],
+    ),
     _virtual("export-gguf-out-on-virtual-fs", lambda t, m: ["export", "gguf", m, "--out", VIRTUAL / "x.gguf"]),
-    _virtual("mend-train-out-on-virtual-fs", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t),
-                                                           "--offset", 0, "--out", VIRTUAL / "m.safetensors"]),
-    _virtual("mend-train-cache-dir-on-virtual-fs", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t),
-                                                                 "--offset", 0, "--cache-dir", VIRTUAL]),
+    _virtual(
+        "mend-train-out-on-virtual-fs",
+        lambda t, m: [
+            "mend",
+            "train",
+            "--model",
+            m,
+            "--edits",
+            _edits(t),
+            "--offset",
+            0,
+            "--out",
+            VIRTUAL / "m.safetensors",
+        ],
+    ),
+    _virtual(
+        "mend-train-cache-dir-on-virtual-fs",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--cache-dir", VIRTUAL],
+    ),
     _virtual("study-out-on-virtual-fs", lambda t, m: ["study", "mnist", "--quick", "--out", VIRTUAL / "s"]),
     # 9. every path option of the wrong kind (a file where a directory belongs, or the reverse): one line, before
     # any work
-    ("cache-build-cache-dir-is-file", lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS,
-                                                    "--cache-dir", _file(t, "c")], "--cache-dir"),
-    ("cache-list-cache-dir-is-file", lambda t, m: ["cache", "list", "--cache-dir", _file(t, "c")],
-     "is a file, not a directory"),
+    (
+        "cache-build-cache-dir-is-file",
+        lambda t, m: ["cache", "build", "--model", m, "--layers", LAYERS, "--cache-dir", _file(t, "c")],
+        "--cache-dir",
+    ),
+    (
+        "cache-list-cache-dir-is-file",
+        lambda t, m: ["cache", "list", "--cache-dir", _file(t, "c")],
+        "is a file, not a directory",
+    ),
     ("cache-info-file-is-dir", lambda t, m: ["cache", "info", t], "is a directory, not a file"),
-    ("mend-train-cache-dir-is-file", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
-                                                   "--steps", 1, "--cache-dir", _file(t, "c")],
-     "is a file, not a directory"),
-    ("mend-train-init-is-dir", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
-                                             "--init", t], "is a directory, not a file"),
-    ("mend-train-cap-corpus-is-dir", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
-                                                   "--cap-corpus", t], "is a directory, not a file"),
+    (
+        "mend-train-cache-dir-is-file",
+        lambda t, m: [
+            "mend",
+            "train",
+            "--model",
+            m,
+            "--edits",
+            _edits(t),
+            "--offset",
+            0,
+            "--steps",
+            1,
+            "--cache-dir",
+            _file(t, "c"),
+        ],
+        "is a file, not a directory",
+    ),
+    (
+        "mend-train-init-is-dir",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--init", t],
+        "is a directory, not a file",
+    ),
+    (
+        "mend-train-cap-corpus-is-dir",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--cap-corpus", t],
+        "is a directory, not a file",
+    ),
     ("edit-cache-is-dir", lambda t, m: _edit(t, m, "--cache", t), "is a directory, not a file"),
     ("edit-cap-corpus-is-dir", lambda t, m: _edit(t, m, "--cap-corpus", t), "is a directory, not a file"),
     ("edit-kl-text-is-dir", lambda t, m: _edit(t, m, "--kl-text", t), "is a directory, not a file"),
-    ("edit-mend-weights-is-dir", lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", t),
-     "is a directory, not a file"),
-    ("edit-model-is-file", lambda t, m: _edit(t, _file(t, "model.txt")),
-     "is neither a model directory nor a .gguf file"),
-    ("eval-bench-dir-is-file", lambda t, m: ["eval", "--model", m, "--capabilities", "arc_challenge",
-                                             "--bench-dir", _file(t, "b"), "--out", t / "r.json"],
-     "benchmark directory"),
-    ("eval-edits-is-dir", lambda t, m: ["eval", "--model", m, "--edits", t, "--out", t / "r.json"],
-     "is a directory, not a file"),
+    (
+        "edit-mend-weights-is-dir",
+        lambda t, m: _edit(t, m, "--method", "mend", "--mend-weights", t),
+        "is a directory, not a file",
+    ),
+    (
+        "edit-model-is-file",
+        lambda t, m: _edit(t, _file(t, "model.txt")),
+        "is neither a model directory nor a .gguf file",
+    ),
+    (
+        "eval-bench-dir-is-file",
+        lambda t, m: [
+            "eval",
+            "--model",
+            m,
+            "--capabilities",
+            "arc_challenge",
+            "--bench-dir",
+            _file(t, "b"),
+            "--out",
+            t / "r.json",
+        ],
+        "benchmark directory",
+    ),
+    (
+        "eval-edits-is-dir",
+        lambda t, m: ["eval", "--model", m, "--edits", t, "--out", t / "r.json"],
+        "is a directory, not a file",
+    ),
     ("report-run-is-dir", lambda t, m: ["report", t], "is a directory, not a file"),
-    ("compare-bench-dir-is-file", lambda t, m: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2,
-                                                "--methods", "ft", "--capabilities", "arc_challenge",
-                                                "--bench-dir", _file(t, "b"), "--out", t / "c"], "benchmark directory"),
-    ("study-data-is-file", lambda t, m: ["study", "mnist", "--quick", "--data", _file(t, "d"), "--out", t / "s"],
-     "data directory"),
-    ("session-add-dir-is-file", lambda t, m: ["session", "add", _file(t, "s"), "--edits", _edits(t)],
-     "session directory"),
+    (
+        "compare-bench-dir-is-file",
+        lambda t, m: [
+            "compare",
+            "--model",
+            m,
+            "--edits",
+            _edits(t),
+            "--n-edits",
+            2,
+            "--methods",
+            "ft",
+            "--capabilities",
+            "arc_challenge",
+            "--bench-dir",
+            _file(t, "b"),
+            "--out",
+            t / "c",
+        ],
+        "benchmark directory",
+    ),
+    (
+        "study-data-is-file",
+        lambda t, m: ["study", "mnist", "--quick", "--data", _file(t, "d"), "--out", t / "s"],
+        "data directory",
+    ),
+    (
+        "session-add-dir-is-file",
+        lambda t, m: ["session", "add", _file(t, "s"), "--edits", _edits(t)],
+        "session directory",
+    ),
     ("session-status-dir-is-file", lambda t, m: ["session", "status", _file(t, "s")], "is a file, not a directory"),
-    ("session-export-dir-is-file", lambda t, m: ["session", "export", _file(t, "s"), "--out", t / "e"],
-     "is a file, not a directory"),
-    ("session-plot-dir-is-file", lambda t, m: ["session", "plot", _file(t, "s"), "--out", t / "p.png"],
-     "is a file, not a directory"),
-    ("session-init-cache-is-dir", lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS, "--cache", t,
-                                                "--out", t / "s"], "is a directory, not a file"),
+    (
+        "session-export-dir-is-file",
+        lambda t, m: ["session", "export", _file(t, "s"), "--out", t / "e"],
+        "is a file, not a directory",
+    ),
+    (
+        "session-plot-dir-is-file",
+        lambda t, m: ["session", "plot", _file(t, "s"), "--out", t / "p.png"],
+        "is a file, not a directory",
+    ),
+    (
+        "session-init-cache-is-dir",
+        lambda t, m: ["session", "init", "--model", m, "--layers", LAYERS, "--cache", t, "--out", t / "s"],
+        "is a directory, not a file",
+    ),
     ("delta-info-file-is-dir", lambda t, m: ["delta", "info", t], "is a directory, not a file"),
     # 10. mend train's numbers get edit's range checks, before any model loads (steps 0 saved an untrained network)
-    ("mend-train-steps-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--steps",
-                                         0,
-                                         "--out", t / "m.safetensors"], "mend steps must be between 1 and"),
-    ("mend-train-batch-size-negative", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
-                                                     "--batch-size", -4], "mend batch_size must be between 1 and"),
-    ("mend-train-lr-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--lr", 0],
-     "mend lr must lie in (0, 1]"),
-    ("mend-train-lr-huge", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--lr", 5],
-     "mend lr must lie in (0, 1]"),
-    ("mend-train-max-minutes-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
-                                               "--max-minutes", 0], "--max-minutes must be positive"),
-    ("mend-train-max-minutes-inf", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
-                                                 "--max-minutes", "inf"], "--max-minutes must be a finite number"),
-    ("mend-train-n-cap-0", lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
-                                         "--n-cap", 0], "--n-cap must be a positive integer"),
+    (
+        "mend-train-steps-0",
+        lambda t, m: [
+            "mend",
+            "train",
+            "--model",
+            m,
+            "--edits",
+            _edits(t),
+            "--offset",
+            0,
+            "--steps",
+            0,
+            "--out",
+            t / "m.safetensors",
+        ],
+        "mend steps must be between 1 and",
+    ),
+    (
+        "mend-train-batch-size-negative",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--batch-size", -4],
+        "mend batch_size must be between 1 and",
+    ),
+    (
+        "mend-train-lr-0",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--lr", 0],
+        "mend lr must lie in (0, 1]",
+    ),
+    (
+        "mend-train-lr-huge",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--lr", 5],
+        "mend lr must lie in (0, 1]",
+    ),
+    (
+        "mend-train-max-minutes-0",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--max-minutes", 0],
+        "--max-minutes must be positive",
+    ),
+    (
+        "mend-train-max-minutes-inf",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--max-minutes", "inf"],
+        "--max-minutes must be a finite number",
+    ),
+    (
+        "mend-train-n-cap-0",
+        lambda t, m: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0, "--n-cap", 0],
+        "--n-cap must be a positive integer",
+    ),
 ]
 
 
@@ -461,7 +899,7 @@ def _snapshot(root: Path) -> dict[str, str]:
         rel = p.relative_to(root)
         if rel.parts[0] == "cache":  # the private curvature cache (a legitimate by-product, never an output)
             continue
-        out[str(rel)] = ("dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest())
+        out[str(rel)] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 
 
@@ -497,7 +935,8 @@ def test_matrix_covers_every_subcommand():
     for cmd in ("edit", "eval", "report", "study", "session", "cache", "compare", "demo", "delta", "export", "mend"):
         assert cmd in rows or cmd == "edit", cmd
     assert {"edit", "cache", "demo", "eval", "report", "session", "compare", "study"} <= set(
-        build_parser()._subparsers._group_actions[0].choices)
+        build_parser()._subparsers._group_actions[0].choices
+    )
 
 
 def test_edit_that_leaves_inf_weights_writes_nothing(tiny_lm, tmp_path, iso_cache, monkeypatch):
@@ -519,8 +958,9 @@ def test_edit_that_leaves_inf_weights_writes_nothing(tiny_lm, tmp_path, iso_cach
     monkeypatch.setattr(pipeline, "edit", edit_then_blow_up)
     model, tok = tiny_lm
     cfg = EditConfig(method="ft", layers=LAYERS, epochs=1, n_cap=4, max_len=32)
-    with pytest.raises(CrispEditError,
-                       match=r"non-finite weights \(inf/nan\) in model\.layers\.1\.mlp\.down_proj\.weight"):
+    with pytest.raises(
+        CrispEditError, match=r"non-finite weights \(inf/nan\) in model\.layers\.1\.mlp\.down_proj\.weight"
+    ):
         pipeline.run_edit_job(model, tok, load_edits(_edits(tmp_path)), cfg, tmp_path / "out", wild=False)
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
@@ -544,12 +984,47 @@ READ_ONLY_CASES = [  # (id, builder(tmp, model, ro) -> argv); ro: a directory wh
     ("eval-out", lambda t, m, ro: ["eval", "--model", m, "--edits", _edits(t), "--out", ro / "r.json"]),
     ("report-png", lambda t, m, ro: ["report", _run_file(t), "--out", t / "r.md", "--png", ro / "sub" / "r.png"]),
     ("cache-build-cache-dir", lambda t, m, ro: ["cache", "build", "--model", m, "--layers", LAYERS, "--cache-dir", ro]),
-    ("compare-out", lambda t, m, ro: ["compare", "--model", m, "--edits", _edits(t), "--n-edits", 2, "--methods", "ft",
-                                      "--out", ro / "c"]),
-    ("mend-train-out", lambda t, m, ro: ["mend", "train", "--model", m, "--edits", _edits(t), "--offset", 0,
-                                         "--out", ro / "m.safetensors"]),
-    ("session-add", lambda t, m, ro: ["session", "add", _session(ro.parent, m, {"round": 0, "files": {}, "rounds": []}),
-                                      "--edits", _edits(t)]),
+    (
+        "compare-out",
+        lambda t, m, ro: [
+            "compare",
+            "--model",
+            m,
+            "--edits",
+            _edits(t),
+            "--n-edits",
+            2,
+            "--methods",
+            "ft",
+            "--out",
+            ro / "c",
+        ],
+    ),
+    (
+        "mend-train-out",
+        lambda t, m, ro: [
+            "mend",
+            "train",
+            "--model",
+            m,
+            "--edits",
+            _edits(t),
+            "--offset",
+            0,
+            "--out",
+            ro / "m.safetensors",
+        ],
+    ),
+    (
+        "session-add",
+        lambda t, m, ro: [
+            "session",
+            "add",
+            _session(ro.parent, m, {"round": 0, "files": {}, "rounds": []}),
+            "--edits",
+            _edits(t),
+        ],
+    ),
 ]
 
 

@@ -16,8 +16,26 @@ def run(args, capsys):
 
 
 def common(tiny_model_dir, edits, out):
-    return ["edit", "--model", tiny_model_dir, "--edits", edits, "--layers", "model.layers.{1-2}.mlp.down_proj",
-            "--n-cap", 4, "--max-len", 32, "--epochs", 3, "--lr", 1e-2, "--out", out, "--quiet"]
+    return [
+        "edit",
+        "--model",
+        tiny_model_dir,
+        "--edits",
+        edits,
+        "--layers",
+        "model.layers.{1-2}.mlp.down_proj",
+        "--n-cap",
+        4,
+        "--max-len",
+        32,
+        "--epochs",
+        3,
+        "--lr",
+        1e-2,
+        "--out",
+        out,
+        "--quiet",
+    ]
 
 
 def test_edit_writes_loadable_model_and_report(tiny_model_dir, tmp_path, iso_cache, capsys):
@@ -37,21 +55,27 @@ def test_edit_writes_loadable_model_and_report(tiny_model_dir, tmp_path, iso_cac
     for ctx in ("qa", "none"):
         w = report["wild"][ctx]
         assert 0 <= w["rel"] <= 1 and len(w["examples"]) == 3 and 0 <= w["cross"] <= 1 - w["rel"]
-        assert (f"WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']} "
-                f"crosstalk={w['cross']}") in stdout
+        assert (
+            f"WILD {ctx:5}: rel={w['rel']} gen={w['gen']} loc_vs_answer={w['loc_vs_answer']} crosstalk={w['cross']}"
+        ) in stdout
     assert report["training"]["contexts"] == ["bare", "prefix:2", "lead:4"] and report["training"]["sequences"] == 28
     assert report["layers"] == ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"]
     from transformers import AutoModelForCausalLM
+
     edited = AutoModelForCausalLM.from_pretrained(out)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     w = "model.layers.1.mlp.down_proj.weight"
     assert not torch.equal(edited.state_dict()[w], base.state_dict()[w])
-    assert torch.equal(edited.state_dict()["model.layers.0.mlp.down_proj.weight"],
-                       base.state_dict()["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(
+        edited.state_dict()["model.layers.0.mlp.down_proj.weight"],
+        base.state_dict()["model.layers.0.mlp.down_proj.weight"],
+    )
     # second run reuses the curvature cache; --no-wild drops the section; contexts / answer end / eigenbasis flags
-    code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), tmp_path / "out2") +
-                       ["--no-wild", "--contexts", "bare", "--answer-end", "none", "--projection", "eigenbasis"],
-                       capsys)
+    code, _, err = run(
+        common(tiny_model_dir, edits_file(tmp_path), tmp_path / "out2")
+        + ["--no-wild", "--contexts", "bare", "--answer-end", "none", "--projection", "eigenbasis"],
+        capsys,
+    )
     report2 = json.loads((tmp_path / "out2" / "edit_report.json").read_text())
     assert code == 0 and report2["cache"]["hit"] and not report["cache"]["hit"]
     assert "wild" not in report2 and report2["training"]["contexts"] == ["bare"]
@@ -60,12 +84,30 @@ def test_edit_writes_loadable_model_and_report(tiny_model_dir, tmp_path, iso_cac
 
 def test_cache_build_info_and_explicit_file(tiny_model_dir, tmp_path, iso_cache, capsys):
     f = tmp_path / "factors.safetensors"
-    code, out, err = run(["cache", "build", "--model", tiny_model_dir, "--layers", "model.layers.{1-2}.mlp.down_proj",
-                          "--n-cap", 4, "--max-len", 32, "--out", f, "--quiet"], capsys)
+    code, out, err = run(
+        [
+            "cache",
+            "build",
+            "--model",
+            tiny_model_dir,
+            "--layers",
+            "model.layers.{1-2}.mlp.down_proj",
+            "--n-cap",
+            4,
+            "--max-len",
+            32,
+            "--out",
+            f,
+            "--quiet",
+        ],
+        capsys,
+    )
     assert code == 0, err and f.is_file()
     code, out, _ = run(["cache", "info", f], capsys)
-    assert code == 0 and json.loads(out)["spec"]["layers"] == ["model.layers.1.mlp.down_proj",
-                                                               "model.layers.2.mlp.down_proj"]
+    assert code == 0 and json.loads(out)["spec"]["layers"] == [
+        "model.layers.1.mlp.down_proj",
+        "model.layers.2.mlp.down_proj",
+    ]
     code, out, _ = run(["cache", "list"], capsys)
     assert code == 0 and ".safetensors" in out
     code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), tmp_path / "o") + ["--cache", f], capsys)
@@ -122,15 +164,28 @@ def _bad(tmp_path, kind, tiny_model_dir, tiny_tok):
     return args
 
 
-@pytest.mark.parametrize("kind,msg", [
-    ("malformed", "malformed JSON"), ("empty", "empty"), ("missing_field", "record 1"),
-                                      ("empty_target", "'alt' is empty"),
-    ("unknown_layer", "unknown layer 'model.layers.4.mlp.down_proj'"), ("not_linear", "not a linear layer"),
-    ("gamma", "gamma"), ("gamma0", "gamma"), ("n_cap", "n-cap must be a positive integer"), ("n_edits", "positive"),
-    ("missing_edits", "not found"), ("foreign_cache", "another model"), ("truncated_cache", "truncated or corrupt"),
-    ("kl_text", "text file not found"), ("bad_model", "not a Hugging Face model directory"),
-    ("contexts", "unknown edit context 'qa'"), ("chat_context", "needs a tokenizer with a chat template"),
-])
+@pytest.mark.parametrize(
+    "kind,msg",
+    [
+        ("malformed", "malformed JSON"),
+        ("empty", "empty"),
+        ("missing_field", "record 1"),
+        ("empty_target", "'alt' is empty"),
+        ("unknown_layer", "unknown layer 'model.layers.4.mlp.down_proj'"),
+        ("not_linear", "not a linear layer"),
+        ("gamma", "gamma"),
+        ("gamma0", "gamma"),
+        ("n_cap", "n-cap must be a positive integer"),
+        ("n_edits", "positive"),
+        ("missing_edits", "not found"),
+        ("foreign_cache", "another model"),
+        ("truncated_cache", "truncated or corrupt"),
+        ("kl_text", "text file not found"),
+        ("bad_model", "not a Hugging Face model directory"),
+        ("contexts", "unknown edit context 'qa'"),
+        ("chat_context", "needs a tokenizer with a chat template"),
+    ],
+)
 def test_bad_input_one_line_error_nothing_written(kind, msg, tiny_model_dir, tiny_tok, tmp_path, iso_cache, capsys):
     args = _bad(tmp_path, kind, tiny_model_dir, tiny_tok)
     code, out, err = run(args, capsys)
@@ -178,18 +233,22 @@ def test_overwrite_replaces_only_crispedits_files_quietly(tiny_model_dir, tmp_pa
     assert "model.safetensors" in report["files"] and "edit_report.json" in report["files"]
     spec = report["cache"]["spec"]
     assert (spec["n_texts"], spec["max_len"], spec["label_mode"], spec["layers"]) == (
-        4, 32, "sampled", ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"])
+        4,
+        32,
+        "sampled",
+        ["model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj"],
+    )
     (out / "notes.txt").write_text("keep me")
     (out / "old-shard.safetensors").write_text("stale")  # as if the earlier edit had written it
     report["files"].append("old-shard.safetensors")
     (out / "edit_report.json").write_text(json.dumps(report))
     code, _, err = run(common(tiny_model_dir, edits_file(tmp_path), out) + ["--no-wild", "--epochs", 1], capsys)
     assert code == 2 and "--overwrite" in err
-    code, stdout, err = run(common(tiny_model_dir, edits_file(tmp_path), out)
-                            + ["--no-wild", "--epochs", 1, "--overwrite"],
-                            capsys)
+    code, stdout, err = run(
+        common(tiny_model_dir, edits_file(tmp_path), out) + ["--no-wild", "--epochs", 1, "--overwrite"], capsys
+    )
     assert code == 0, err
-    assert "epochs=1 last_loss=" in stdout and "lr=0.01" in stdout, stdout   # the loop's line: its epochs and lr
+    assert "epochs=1 last_loss=" in stdout and "lr=0.01" in stdout, stdout  # the loop's line: its epochs and lr
     assert (out / "notes.txt").read_text() == "keep me" and not (out / "old-shard.safetensors").exists()
     new = json.loads((out / "edit_report.json").read_text())
     assert new["training"]["epochs"] == 1 and "notes.txt" not in new["files"]
@@ -201,8 +260,9 @@ def test_input_cache_kind_and_closed_form_methods_from_the_cli(tiny_model_dir, t
     is refused for memit (and an input file for crispedit) with one line."""
     layers = ["--layers", "model.layers.{0-1}.mlp.down_proj", "--n-cap", 4, "--max-len", 32, "--quiet"]
     cov, kfac = tmp_path / "cov.safetensors", tmp_path / "kfac.safetensors"
-    code, out, err = run(["cache", "build", "--model", tiny_model_dir, "--kind", "input", "--out", cov] + layers,
-                         capsys)
+    code, out, err = run(
+        ["cache", "build", "--model", tiny_model_dir, "--kind", "input", "--out", cov] + layers, capsys
+    )
     assert code == 0 and "input covariances for 2 layers" in out, err
     code, out, _ = run(["cache", "info", cov], capsys)
     info = json.loads(out)
@@ -210,8 +270,18 @@ def test_input_cache_kind_and_closed_form_methods_from_the_cli(tiny_model_dir, t
     code, out, _ = run(["cache", "list"], capsys)
     assert "kind=input" in out
     assert run(["cache", "build", "--model", tiny_model_dir, "--out", kfac] + layers, capsys)[0] == 0
-    edit_args = ["edit", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--no-wild",
-                 "--memit-v-steps", 5, "--memit-prefixes", 0] + layers
+    edit_args = [
+        "edit",
+        "--model",
+        tiny_model_dir,
+        "--edits",
+        edits_file(tmp_path),
+        "--no-wild",
+        "--memit-v-steps",
+        5,
+        "--memit-prefixes",
+        0,
+    ] + layers
     code, out, err = run(edit_args + ["--method", "memit", "--cache", cov, "--out", tmp_path / "m"], capsys)
     assert code == 0, err
     report = json.loads((tmp_path / "m" / "edit_report.json").read_text())
@@ -220,8 +290,11 @@ def test_input_cache_kind_and_closed_form_methods_from_the_cli(tiny_model_dir, t
     code, _, err = run(edit_args + ["--method", "memit", "--cache", kfac, "--out", tmp_path / "m2"], capsys)
     assert code == 2 and "holds kfac statistics, not input" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "m2").exists()
-    code, _, err = run(["edit", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--cache", cov,
-                        "--out", tmp_path / "c"] + layers, capsys)
+    code, _, err = run(
+        ["edit", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--cache", cov, "--out", tmp_path / "c"]
+        + layers,
+        capsys,
+    )
     assert code == 2 and "holds input statistics, not kfac" in err
 
 
@@ -235,7 +308,7 @@ def test_log_level_info_prints_the_edits_progress_on_stderr(tiny_model_dir, tmp_
     lines = [ln for ln in err.splitlines() if "crispedit." in ln]
     assert any("capability curvature" in ln for ln in lines)
     assert any("edit[crispedit] epoch 3/3: loss" in ln for ln in lines)
-    assert all(ln[:4].isdigit() for ln in lines)                      # each line starts with its time
+    assert all(ln[:4].isdigit() for ln in lines)  # each line starts with its time
     code, _, err = run(common(tiny_model_dir, edits, tmp_path / "b"), capsys)
     assert code == 0 and "edit[crispedit] epoch" not in err
     monkeypatch.setenv("CRISPEDIT_LOG_LEVEL", "INFO")
@@ -244,5 +317,6 @@ def test_log_level_info_prints_the_edits_progress_on_stderr(tiny_model_dir, tmp_
     monkeypatch.setenv("CRISPEDIT_LOG_LEVEL", "chatty")
     code, _, err = run(common(tiny_model_dir, edits, tmp_path / "d"), capsys)
     assert code == 2 and err.strip().splitlines() == [
-        "crispedit: error: log level 'chatty' (from CRISPEDIT_LOG_LEVEL?) is not one of debug, info, warning, error"]
+        "crispedit: error: log level 'chatty' (from CRISPEDIT_LOG_LEVEL?) is not one of debug, info, warning, error"
+    ]
     assert not (tmp_path / "d").exists()

@@ -37,9 +37,14 @@ def run_cli(argv: list, cwd: Path, preimport: str = "") -> tuple[int, list[str],
     """Run ``main(argv)`` in a new interpreter in ``cwd``: ``(exit code, heavy modules imported, stdout before
     the report line, stderr)``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run([sys.executable, "-c", PROBE.format(preimport=preimport, heavy=HEAVY),
-                           json.dumps([str(a) for a in argv])], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE.format(preimport=preimport, heavy=HEAVY), json.dumps([str(a) for a in argv])],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     *out, report = proc.stdout.rstrip("\n").split("\n")
     rep = json.loads(report)
@@ -60,10 +65,27 @@ COMMANDS = subcommands(build_parser())
 
 
 def test_every_command_is_covered():
-    assert {("edit",), ("eval",), ("report",), ("demo",), ("compare",), ("cache", "build"), ("cache", "info"),
-            ("cache", "list"), ("session", "init"), ("session", "add"), ("session", "status"), ("session", "export"),
-            ("session", "plot"), ("study", "mnist"), ("delta", "info"), ("delta", "apply"), ("delta", "revert"),
-            ("delta", "export-lora"), ("export", "gguf")} <= set(COMMANDS)
+    assert {
+        ("edit",),
+        ("eval",),
+        ("report",),
+        ("demo",),
+        ("compare",),
+        ("cache", "build"),
+        ("cache", "info"),
+        ("cache", "list"),
+        ("session", "init"),
+        ("session", "add"),
+        ("session", "status"),
+        ("session", "export"),
+        ("session", "plot"),
+        ("study", "mnist"),
+        ("delta", "info"),
+        ("delta", "apply"),
+        ("delta", "revert"),
+        ("delta", "export-lora"),
+        ("export", "gguf"),
+    } <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "crispedit")
@@ -96,99 +118,222 @@ def _session(t: Path) -> Path:
 
 # (id, builder(tmp) -> argv, text of the one error line); the model never loads, so "smollm2" is just a name
 FAILING = [
-    ("edit-gamma", lambda t: ["edit", "--edits", "x.json", "--out", t / "o", "--gamma", 2],
-     "gamma must lie strictly between 0 and 1, got 2.0"),
+    (
+        "edit-gamma",
+        lambda t: ["edit", "--edits", "x.json", "--out", t / "o", "--gamma", 2],
+        "gamma must lie strictly between 0 and 1, got 2.0",
+    ),
     ("edit-missing-edits", lambda t: ["edit", "--edits", t / "none.json", "--out", t / "o"], "edit file not found"),
-    ("edit-malformed-json", lambda t: ["edit", "--edits", _file(t, "bad.json", '[{"src": "a"'), "--out", t / "o"],
-     "malformed JSON"),
-    ("edit-unknown-method", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--method", "rome"],
-     "argument --method: invalid choice: 'rome'"),
-    ("edit-method-option", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--method", "lora",
-                                      "--lora-r", 0], "lora rank r must be at least 1"),
-    ("edit-other-method-option", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--locbf-ft-layer",
-                                            "first"],
-     "--locbf-ft-layer applies to method locbf-ft"),
-    ("edit-contexts", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--contexts", "bare,nope"],
-     "unknown edit context 'nope'"),
+    (
+        "edit-malformed-json",
+        lambda t: ["edit", "--edits", _file(t, "bad.json", '[{"src": "a"'), "--out", t / "o"],
+        "malformed JSON",
+    ),
+    (
+        "edit-unknown-method",
+        lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--method", "rome"],
+        "argument --method: invalid choice: 'rome'",
+    ),
+    (
+        "edit-method-option",
+        lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--method", "lora", "--lora-r", 0],
+        "lora rank r must be at least 1",
+    ),
+    (
+        "edit-other-method-option",
+        lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--locbf-ft-layer", "first"],
+        "--locbf-ft-layer applies to method locbf-ft",
+    ),
+    (
+        "edit-contexts",
+        lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--contexts", "bare,nope"],
+        "unknown edit context 'nope'",
+    ),
     ("edit-lr", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--lr", "inf"], "must be a finite number"),
-    ("edit-out-is-file", lambda t: ["edit", "--edits", _edits(t), "--out", _file(t, "o")],
-     "is a file, not a directory"),
-    ("edit-kl-text", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--kl-text", t / "none.txt"],
-     "text file not found"),
-    ("edit-missing-cache", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--cache", t / "c.safetensors"],
-     "curvature cache file not found"),
-    ("edit-max-drift", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--max-drift", 0],
-     "max drift (--max-drift) must be"),
-    ("edit-max-drift-memit", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--method", "memit",
-                                        "--max-drift", 0.1],
-     "--max-drift / --drift-penalty act on the training steps of a fine-tuning method (adam-nscl, crispedit, ft, "
-     "locbf-ft, lora); memit writes its change in one pass without them"),
-    ("edit-drift-penalty-mend", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--method", "mend",
-                                           "--drift-penalty", 1], "mend writes its change in one pass without them"),
-    ("edit-drift-penalty-negative", lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--drift-penalty", -1],
-     "drift penalty (--drift-penalty) must be"),
+    (
+        "edit-out-is-file",
+        lambda t: ["edit", "--edits", _edits(t), "--out", _file(t, "o")],
+        "is a file, not a directory",
+    ),
+    (
+        "edit-kl-text",
+        lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--kl-text", t / "none.txt"],
+        "text file not found",
+    ),
+    (
+        "edit-missing-cache",
+        lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--cache", t / "c.safetensors"],
+        "curvature cache file not found",
+    ),
+    (
+        "edit-max-drift",
+        lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--max-drift", 0],
+        "max drift (--max-drift) must be",
+    ),
+    (
+        "edit-max-drift-memit",
+        lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--method", "memit", "--max-drift", 0.1],
+        "--max-drift / --drift-penalty act on the training steps of a fine-tuning method (adam-nscl, crispedit, ft, "
+        "locbf-ft, lora); memit writes its change in one pass without them",
+    ),
+    (
+        "edit-drift-penalty-mend",
+        lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--method", "mend", "--drift-penalty", 1],
+        "mend writes its change in one pass without them",
+    ),
+    (
+        "edit-drift-penalty-negative",
+        lambda t: ["edit", "--edits", _edits(t), "--out", t / "o", "--drift-penalty", -1],
+        "drift penalty (--drift-penalty) must be",
+    ),
     ("edit-no-args", lambda t: ["edit"], "the following arguments are required: --edits, --out"),
     ("unknown-command", lambda t: ["edits"], "invalid choice: 'edits'"),
-    ("eval-task", lambda t: ["eval", "--out", t / "r.json", "--capabilities", "arc_easy"],
-     "unknown capability task 'arc_easy'"),
-    ("eval-missing-edits", lambda t: ["eval", "--out", t / "r.json", "--edits", t / "none.json"],
-     "edit file not found"),
-    ("eval-template", lambda t: ["eval", "--out", t / "r.json", "--edits", _edits(t), "--context-template", "no slot"],
-     "{question}"),
+    (
+        "eval-task",
+        lambda t: ["eval", "--out", t / "r.json", "--capabilities", "arc_easy"],
+        "unknown capability task 'arc_easy'",
+    ),
+    (
+        "eval-missing-edits",
+        lambda t: ["eval", "--out", t / "r.json", "--edits", t / "none.json"],
+        "edit file not found",
+    ),
+    (
+        "eval-template",
+        lambda t: ["eval", "--out", t / "r.json", "--edits", _edits(t), "--context-template", "no slot"],
+        "{question}",
+    ),
     ("report-missing-run", lambda t: ["report", t / "none.json"], "not found"),
     ("cache-build-n-cap", lambda t: ["cache", "build", "--n-cap", 0], "n-cap must be a positive integer"),
     ("cache-info-missing", lambda t: ["cache", "info", t / "none.safetensors"], "curvature cache file not found"),
-    ("cache-build-cache-dir-is-file", lambda t: ["cache", "build", "--cache-dir", _file(t, "c")],
-     "is a file, not a directory"),
-    ("cache-list-cache-dir-is-file", lambda t: ["cache", "list", "--cache-dir", _file(t, "c")],
-     "is a file, not a directory"),
-    ("mend-train-steps-0", lambda t: ["mend", "train", "--edits", _edits(t), "--steps", 0],
-     "mend steps must be between 1"),
-    ("mend-train-max-minutes-0", lambda t: ["mend", "train", "--edits", _edits(t), "--max-minutes", 0],
-     "--max-minutes must be positive"),
+    (
+        "cache-build-cache-dir-is-file",
+        lambda t: ["cache", "build", "--cache-dir", _file(t, "c")],
+        "is a file, not a directory",
+    ),
+    (
+        "cache-list-cache-dir-is-file",
+        lambda t: ["cache", "list", "--cache-dir", _file(t, "c")],
+        "is a file, not a directory",
+    ),
+    (
+        "mend-train-steps-0",
+        lambda t: ["mend", "train", "--edits", _edits(t), "--steps", 0],
+        "mend steps must be between 1",
+    ),
+    (
+        "mend-train-max-minutes-0",
+        lambda t: ["mend", "train", "--edits", _edits(t), "--max-minutes", 0],
+        "--max-minutes must be positive",
+    ),
     ("demo-gamma", lambda t: ["demo", "--gamma", 2], "gamma must lie strictly between 0 and 1"),
     ("playground-port", lambda t: ["playground", "--port", 70000], "--port must be between 0 and 65535"),
-    ("playground-missing-cache", lambda t: ["playground", "--cache", t / "c.safetensors"],
-     "curvature cache file not found"),
-    ("session-init-mix", lambda t: ["session", "init", "--out", t / "s", "--mix", "nan"],
-     "mix must be a finite number"),
-    ("session-init-max-drift", lambda t: ["session", "init", "--out", t / "s", "--method", "alphaedit", "--max-drift",
-                                          1],
-     "alphaedit writes its change in one pass without them"),
-    ("session-add-missing", lambda t: ["session", "add", t / "none", "--edits", _edits(t)],
-     "session directory not found"),
+    (
+        "playground-missing-cache",
+        lambda t: ["playground", "--cache", t / "c.safetensors"],
+        "curvature cache file not found",
+    ),
+    (
+        "session-init-mix",
+        lambda t: ["session", "init", "--out", t / "s", "--mix", "nan"],
+        "mix must be a finite number",
+    ),
+    (
+        "session-init-max-drift",
+        lambda t: ["session", "init", "--out", t / "s", "--method", "alphaedit", "--max-drift", 1],
+        "alphaedit writes its change in one pass without them",
+    ),
+    (
+        "session-add-missing",
+        lambda t: ["session", "add", t / "none", "--edits", _edits(t)],
+        "session directory not found",
+    ),
     ("session-add-edits", lambda t: ["session", "add", _session(t), "--edits", _edits(t)], "is malformed"),
     ("session-status-missing", lambda t: ["session", "status", t / "none"], "session directory not found"),
-    ("session-export-missing", lambda t: ["session", "export", t / "none", "--out", t / "e"],
-     "session directory not found"),
-    ("session-plot-missing", lambda t: ["session", "plot", t / "none", "--out", t / "p.png"],
-     "session directory not found"),
-    ("compare-method", lambda t: ["compare", "--edits", _edits(t), "--n-edits", 1, "--methods", "ft,rome",
-                                  "--out", t / "c"], "unknown method 'rome'"),
-    ("compare-seq-method", lambda t: ["compare", "--edits", _edits(t), "--n-edits", 1, "--methods", "ft,ultraedit-seq",
-                                      "--out", t / "c"], "ultraedit has no sequential mode"),
-    ("compare-seq-chunk", lambda t: ["compare", "--edits", _edits(t), "--n-edits", 1, "--methods", "ft-seq",
-                                     "--seq-chunk", 0, "--out", t / "c"], "--seq-chunk must be a positive integer"),
-    ("compare-missing-edits", lambda t: ["compare", "--edits", t / "none.json", "--n-edits", 1, "--methods", "ft",
-                                         "--out", t / "c"], "edit file not found"),
+    (
+        "session-export-missing",
+        lambda t: ["session", "export", t / "none", "--out", t / "e"],
+        "session directory not found",
+    ),
+    (
+        "session-plot-missing",
+        lambda t: ["session", "plot", t / "none", "--out", t / "p.png"],
+        "session directory not found",
+    ),
+    (
+        "compare-method",
+        lambda t: ["compare", "--edits", _edits(t), "--n-edits", 1, "--methods", "ft,rome", "--out", t / "c"],
+        "unknown method 'rome'",
+    ),
+    (
+        "compare-seq-method",
+        lambda t: ["compare", "--edits", _edits(t), "--n-edits", 1, "--methods", "ft,ultraedit-seq", "--out", t / "c"],
+        "ultraedit has no sequential mode",
+    ),
+    (
+        "compare-seq-chunk",
+        lambda t: [
+            "compare",
+            "--edits",
+            _edits(t),
+            "--n-edits",
+            1,
+            "--methods",
+            "ft-seq",
+            "--seq-chunk",
+            0,
+            "--out",
+            t / "c",
+        ],
+        "--seq-chunk must be a positive integer",
+    ),
+    (
+        "compare-missing-edits",
+        lambda t: ["compare", "--edits", t / "none.json", "--n-edits", 1, "--methods", "ft", "--out", t / "c"],
+        "edit file not found",
+    ),
     ("delta-info-missing", lambda t: ["delta", "info", t / "none.safetensors"], "delta file not found"),
-    ("delta-info-not-safetensors", lambda t: ["delta", "info", _file(t, "d.safetensors", "not a header")],
-     "is not a safetensors file"),
-    ("delta-apply-out-is-file", lambda t: ["delta", "apply", _file(t, "d.safetensors", "x" * 16), "--model", "smollm2",
-                                           "--out", _file(t, "o")], "is not a safetensors file"),
-    ("delta-export-rank", lambda t: ["delta", "export-lora", t / "d.safetensors", "--model", "smollm2", "--rank", 0,
-                                     "--out", t / "l"], "--rank must be a positive integer"),
-    ("export-gguf-missing-dir", lambda t: ["export", "gguf", t / "none", "--out", t / "x.gguf"],
-     "model directory not found"),
-    ("export-gguf-non-llama", lambda t: ["export", "gguf", _file(t, "config.json", '{"model_type": "gpt2"}').parent,
-                                         "--out", t / "x.gguf"], "is a gpt2 model"),
-    ("export-gguf-out-is-dir", lambda t: ["export", "gguf", _file(t, "config.json", '{"model_type": "llama"}').parent,
-                                          "--out", t], "is a directory; give a file name"),
-    ("export-gguf-type", lambda t: ["export", "gguf", t, "--out", t / "x.gguf", "--type", "q4_k"],
-     "invalid choice: 'q4_k'"),
+    (
+        "delta-info-not-safetensors",
+        lambda t: ["delta", "info", _file(t, "d.safetensors", "not a header")],
+        "is not a safetensors file",
+    ),
+    (
+        "delta-apply-out-is-file",
+        lambda t: ["delta", "apply", _file(t, "d.safetensors", "x" * 16), "--model", "smollm2", "--out", _file(t, "o")],
+        "is not a safetensors file",
+    ),
+    (
+        "delta-export-rank",
+        lambda t: ["delta", "export-lora", t / "d.safetensors", "--model", "smollm2", "--rank", 0, "--out", t / "l"],
+        "--rank must be a positive integer",
+    ),
+    (
+        "export-gguf-missing-dir",
+        lambda t: ["export", "gguf", t / "none", "--out", t / "x.gguf"],
+        "model directory not found",
+    ),
+    (
+        "export-gguf-non-llama",
+        lambda t: ["export", "gguf", _file(t, "config.json", '{"model_type": "gpt2"}').parent, "--out", t / "x.gguf"],
+        "is a gpt2 model",
+    ),
+    (
+        "export-gguf-out-is-dir",
+        lambda t: ["export", "gguf", _file(t, "config.json", '{"model_type": "llama"}').parent, "--out", t],
+        "is a directory; give a file name",
+    ),
+    (
+        "export-gguf-type",
+        lambda t: ["export", "gguf", t, "--out", t / "x.gguf", "--type", "q4_k"],
+        "invalid choice: 'q4_k'",
+    ),
     ("study-k", lambda t: ["study", "mnist", "--k-values", "inf", "--out", t / "s"], "k values"),
-    ("study-out-is-file", lambda t: ["study", "mnist", "--quick", "--out", _file(t, "s")],
-     "is a file, not a directory"),
+    (
+        "study-out-is-file",
+        lambda t: ["study", "mnist", "--quick", "--out", _file(t, "s")],
+        "is a file, not a directory",
+    ),
 ]
 
 
@@ -237,7 +382,6 @@ def test_a_catalogued_editor_may_not_restate_its_summary():
         register_editor(Twice)
 
 
-
 METHOD_MODULE = """
 from dataclasses import dataclass
 
@@ -277,8 +421,11 @@ def test_a_method_is_one_module_that_discovery_finds(tmp_path, monkeypatch):
         assert [s.name for s in discover("more_methods")] == ["half-ft"] and "half-ft" in method_names()
         assert method_spec("half-ft").Config.from_options("half-ft", {"share": 0.25}).share == 0.25
         cls = editor_class("half-ft")
-        assert (cls.__name__, cls.summary, cls.Config) == ("HalfFTEditor", method_spec("half-ft").summary,
-                                                           method_spec("half-ft").Config)
+        assert (cls.__name__, cls.summary, cls.Config) == (
+            "HalfFTEditor",
+            method_spec("half-ft").summary,
+            method_spec("half-ft").Config,
+        )
         (pkg / "notes.py").write_text("X = 1\n")
         importlib.invalidate_caches()
         with pytest.raises(TypeError, match="more_methods.notes defines no METHOD"):
@@ -287,6 +434,7 @@ def test_a_method_is_one_module_that_discovery_finds(tmp_path, monkeypatch):
         EDITORS.pop("half-ft", None)
         for name in [m for m in sys.modules if m == "more_methods" or m.startswith("more_methods.")]:
             monkeypatch.delitem(sys.modules, name)
+
 
 MODULE_PROBE = """
 import json, runpy, sys
@@ -300,18 +448,28 @@ print(json.dumps({{"rc": rc, "heavy": sorted(m for m in {heavy!r} if m in sys.mo
 """
 
 
-@pytest.mark.parametrize("world_size,argv,rc,text", [
-    (None, ["cache", "build", "--help"], 0, "usage: crispedit cache build"),
-    ("2", ["report", "run.json"], 2, "only `cache build`, `edit` and `session add` run under torchrun"),
-], ids=["help", "report-under-torchrun"])
+@pytest.mark.parametrize(
+    "world_size,argv,rc,text",
+    [
+        (None, ["cache", "build", "--help"], 0, "usage: crispedit cache build"),
+        ("2", ["report", "run.json"], 2, "only `cache build`, `edit` and `session add` run under torchrun"),
+    ],
+    ids=["help", "report-under-torchrun"],
+)
 def test_python_dash_m_is_torch_free_too(world_size, argv, rc, text, tmp_path):
     # `torchrun -m crispedit` runs crispedit/__main__.py; its start-up and refusals are as cheap as the script's
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     env.pop("WORLD_SIZE", None)
     if world_size:
         env["WORLD_SIZE"] = world_size
-    proc = subprocess.run([sys.executable, "-c", MODULE_PROBE.format(heavy=HEAVY), json.dumps(argv)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", MODULE_PROBE.format(heavy=HEAVY), json.dumps(argv)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     rep = json.loads(proc.stdout.rstrip("\n").split("\n")[-1])
     assert rep == {"rc": rc, "heavy": []}, (rep, proc.stderr)
     assert text in (proc.stdout + proc.stderr)

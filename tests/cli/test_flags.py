@@ -37,19 +37,30 @@ def test_default_flags_give_the_default_config():
     assert config_from_args(args) == EditConfig()
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--gamma", "0.9", "--projection", "update"], dict(gamma=0.9, projection_target="update")),
-    (["--plateau", "0", "--epochs", "7", "--lr", "1e-3"], dict(plateau_epochs=0, epochs=7, lr=1e-3)),
-    (["--n-cap", "8", "--max-len", "32", "--label-mode", "empirical", "--cap-chat", "3", "--seed", "5"],
-     dict(n_cap=8, max_len=32, label_mode="empirical", cap_chat=3, seed=5)),
-    (["--keep-chat", "0", "--keep-subject", "2", "--keep-weight", "3", "--keep-tokens", "9"],
-     dict(keep_chat=0, keep_subject=2, keep_weight=3.0, keep_tokens=9)),
-    (["--contexts", "bare,chat", "--answer-end", "eos", "--context-sample", "2"],
-     dict(contexts="bare,chat", answer_end="eos", context_sample=2)),
-    (["--method", "ft", "--drift-penalty", "0.5", "--max-drift", "0.01"],
-     dict(method="ft", drift_penalty=0.5, max_drift=0.01)),
-    (["--method", "lora", "--lora-r", "4"], dict(method="lora", options={"r": 4})),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--gamma", "0.9", "--projection", "update"], dict(gamma=0.9, projection_target="update")),
+        (["--plateau", "0", "--epochs", "7", "--lr", "1e-3"], dict(plateau_epochs=0, epochs=7, lr=1e-3)),
+        (
+            ["--n-cap", "8", "--max-len", "32", "--label-mode", "empirical", "--cap-chat", "3", "--seed", "5"],
+            dict(n_cap=8, max_len=32, label_mode="empirical", cap_chat=3, seed=5),
+        ),
+        (
+            ["--keep-chat", "0", "--keep-subject", "2", "--keep-weight", "3", "--keep-tokens", "9"],
+            dict(keep_chat=0, keep_subject=2, keep_weight=3.0, keep_tokens=9),
+        ),
+        (
+            ["--contexts", "bare,chat", "--answer-end", "eos", "--context-sample", "2"],
+            dict(contexts="bare,chat", answer_end="eos", context_sample=2),
+        ),
+        (
+            ["--method", "ft", "--drift-penalty", "0.5", "--max-drift", "0.01"],
+            dict(method="ft", drift_penalty=0.5, max_drift=0.01),
+        ),
+        (["--method", "lora", "--lora-r", "4"], dict(method="lora", options={"r": 4})),
+    ],
+)
 def test_each_flag_sets_its_field(flags, expected):
     got = config_from_args(build_parser().parse_args(EDIT + flags))
     assert got == EditConfig(**expected)
@@ -59,7 +70,8 @@ def test_session_flags_give_the_session_config():
     base = ["session", "init", "--out", "s"]
     args = build_parser().parse_args(base)
     assert SeqConfig(**{**settings_from_args(args, SeqConfig), "edit": config_from_args(args)}) == SeqConfig()
-    args = build_parser().parse_args(base + ["--no-carry-optimizer", "--mode", "batch", "--kl-texts", "4",
-                                             "--edit-gamma", "0.9"])
+    args = build_parser().parse_args(
+        base + ["--no-carry-optimizer", "--mode", "batch", "--kl-texts", "4", "--edit-gamma", "0.9"]
+    )
     got = SeqConfig(**{**settings_from_args(args, SeqConfig), "edit": config_from_args(args)})
     assert got == SeqConfig(carry_optimizer=False, mode="batch", kl_texts=4, edit_gamma=0.9)

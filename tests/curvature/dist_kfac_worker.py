@@ -31,9 +31,19 @@ def collect(model, tok, texts: list[str], case: str):
     from crispedit.layers import resolve_layers
 
     n, batch, mode = CASES[case]
-    return collect_lm_kfac(model, tok, texts[:n], resolve_layers(model, LAYERS), max_len=24, batch_size=batch,
-                           label_mode=mode, seed=3, stat_dtype=torch.float64, out_dtype=torch.float64,
-                           progress=False)
+    return collect_lm_kfac(
+        model,
+        tok,
+        texts[:n],
+        resolve_layers(model, LAYERS),
+        max_len=24,
+        batch_size=batch,
+        label_mode=mode,
+        seed=3,
+        stat_dtype=torch.float64,
+        out_dtype=torch.float64,
+        progress=False,
+    )
 
 
 def main() -> None:
@@ -51,8 +61,11 @@ def main() -> None:
         model, tok = load_model(model_dir, dtype=torch.float64)
         for case in CASES:
             f = collect(model, tok, texts, case)
-            save_file(f.to_tensors(), os.path.join(out, f"rank{rank}_{case}.safetensors"),
-                      metadata={"n_tokens": str(f.n_tokens), "world_size": str(dist.get_world_size())})
+            save_file(
+                f.to_tensors(),
+                os.path.join(out, f"rank{rank}_{case}.safetensors"),
+                metadata={"n_tokens": str(f.n_tokens), "world_size": str(dist.get_world_size())},
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()

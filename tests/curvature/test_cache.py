@@ -10,17 +10,35 @@ from crispedit.errors import CrispEditError
 from crispedit.layers import resolve_layers
 from crispedit.weights import weight_fingerprint
 
-SPEC = CurvatureSpec(model_fingerprint="f" * 32, layers=("a", "b"), corpus_digest="c" * 32, n_texts=8, max_len=64,
-                     label_mode="sampled", seed=0)
+SPEC = CurvatureSpec(
+    model_fingerprint="f" * 32,
+    layers=("a", "b"),
+    corpus_digest="c" * 32,
+    n_texts=8,
+    max_len=64,
+    label_mode="sampled",
+    seed=0,
+)
 
 
 def factors():
     return KFACFactors({"a": torch.eye(3), "b": torch.eye(2)}, {"a": torch.eye(2), "b": torch.eye(4)}, 11)
 
 
-@pytest.mark.parametrize("field,value", [("model_fingerprint", "g" * 32), ("layers", ("a",)), ("corpus_digest", "d"),
-                                         ("n_texts", 9), ("max_len", 128), ("label_mode", "empirical"), ("seed", 1),
-                                         ("stat_dtype", "float64"), ("model_dtype", "bfloat16")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model_fingerprint", "g" * 32),
+        ("layers", ("a",)),
+        ("corpus_digest", "d"),
+        ("n_texts", 9),
+        ("max_len", 128),
+        ("label_mode", "empirical"),
+        ("seed", 1),
+        ("stat_dtype", "float64"),
+        ("model_dtype", "bfloat16"),
+    ],
+)
 def test_key_covers_every_field(field, value):
     assert cache_key(dataclasses.replace(SPEC, **{field: value})) != cache_key(SPEC)
 
@@ -50,6 +68,7 @@ def test_truncated_and_foreign_files(tmp_path):
     with pytest.raises(CrispEditError, match="truncated or corrupt"):
         load_factors(junk)
     from safetensors.torch import save_file
+
     other = tmp_path / "other.safetensors"
     save_file({"x": torch.zeros(2)}, str(other))
     with pytest.raises(CrispEditError, match="not a crispedit"):
@@ -75,20 +94,24 @@ def test_shared_safetensors_reader_names_every_problem_in_one_line(tmp_path):
     meta, tensors = load_safetensors(good, "thing", "k")
     assert meta == {"a": 1} and torch.equal(tensors["x"], torch.arange(6.0).reshape(2, 3))
     data = good.read_bytes()
-    cases = {"short": (data[:5], "thing file .* is not a safetensors file, or is truncated or corrupt"),
-             "cut-header": (data[:20], "truncated or corrupt"),
-             "cut-data": (data[:-4], "truncated or corrupt .*the header describes 24 bytes of data"),
-             "junk": (b"not a safetensors file", "is not a safetensors file"),
-             "list-header": (b"\x02" + b"\0" * 7 + b"[]", "header is not an object"),
-             "list-metadata": (b"\x15" + b"\0" * 7 + b'{"__metadata__": [1]}', "header is not an object")}
+    cases = {
+        "short": (data[:5], "thing file .* is not a safetensors file, or is truncated or corrupt"),
+        "cut-header": (data[:20], "truncated or corrupt"),
+        "cut-data": (data[:-4], "truncated or corrupt .*the header describes 24 bytes of data"),
+        "junk": (b"not a safetensors file", "is not a safetensors file"),
+        "list-header": (b"\x02" + b"\0" * 7 + b"[]", "header is not an object"),
+        "list-metadata": (b"\x15" + b"\0" * 7 + b'{"__metadata__": [1]}', "header is not an object"),
+    }
     for name, (raw, match) in cases.items():
         (tmp_path / name).write_bytes(raw)
         with pytest.raises(CrispEditError, match=match) as exc:
             read_safetensors_header(tmp_path / name, "thing", "k")
         assert "\n" not in str(exc.value), name
-    for md, match in (({"other": "1"}, "is not a crispedit thing \\(no k metadata\\)"),
-                      ({"k": "{not json"}, "thing file .* has corrupt metadata"),
-                      ({"k": "[1, 2]"}, "has corrupt metadata")):
+    for md, match in (
+        ({"other": "1"}, "is not a crispedit thing \\(no k metadata\\)"),
+        ({"k": "{not json"}, "thing file .* has corrupt metadata"),
+        ({"k": "[1, 2]"}, "has corrupt metadata"),
+    ):
         f = tmp_path / "foreign.safetensors"
         save_file({"x": torch.zeros(1)}, str(f), metadata=md)
         with pytest.raises(CrispEditError, match=match):
@@ -107,6 +130,7 @@ def test_get_or_build_reuses_and_rebuilds(tiny_lm, tmp_path, monkeypatch):
     f1, info1 = get_or_build_factors(model, tok, layers, texts, spec, root=tmp_path, progress=False)
     assert not info1["hit"]
     import crispedit.curvature.cache as cache_mod
+
     calls = []
     real = cache_mod.collect_lm_kfac
     monkeypatch.setattr(cache_mod, "collect_lm_kfac", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -232,8 +256,10 @@ def test_eigenbases_cached_beside_the_factors(tiny_lm, tmp_path, monkeypatch):
         factor_eigh(KFACFactors({"x": torch.eye(2)}, {}, 3), ["x"], ("S",))
 
 
-CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def test_cap_chat_adds_the_models_own_chat_answers_to_the_capability_corpus(tiny_lm, tmp_path, monkeypatch):
@@ -260,8 +286,10 @@ def test_cap_chat_adds_the_models_own_chat_answers_to_the_capability_corpus(tiny
     for p, ids, k in zip(chat_prompts(3), seqs[4:], loss_from[4:]):
         text = tok.decode(ids)
         assert text.startswith(f"<|user|>{p}<eos><|assistant|>") and tok.decode(ids[:k]).endswith("<|assistant|>")
-    assert capability_sequences(model, tok, plain) == (list(__import__("crispedit").data.capability_corpus(None, 4)),
-                                                       None)
+    assert capability_sequences(model, tok, plain) == (
+        list(__import__("crispedit").data.capability_corpus(None, 4)),
+        None,
+    )
 
     calls = []
     real = generation.generate_answers

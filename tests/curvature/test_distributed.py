@@ -19,8 +19,9 @@ import torch.distributed as dist
 import crispedit
 from crispedit.cli import main
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
 
 SRC = str(Path(crispedit.__file__).resolve().parents[1])
 TESTS = Path(__file__).resolve().parent
@@ -31,17 +32,20 @@ TIMEOUT_S = 240  # two interpreters importing torch + transformers on a loaded 2
 def torchrun(args: list, cwd: Path) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node 2 ARGS`` (``python -m torch.distributed.run``, so the venv's torch
     whatever PATH says), one thread per process; fails the test with both processes' output on error."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, str(TESTS),
-                                                       os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([SRC, str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        OMP_NUM_THREADS="1",
+    )
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *map(str, args)]
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:  # run() has killed torchrun; its workers die with it
         pytest.fail(f"torchrun did not finish in {TIMEOUT_S}s: {exc.stderr}")
-    assert proc.returncode == 0, (f"torchrun exit {proc.returncode}\nstdout:\n{proc.stdout}\n"
-                                  f"stderr:\n{proc.stderr[-4000:]}")
+    assert proc.returncode == 0, (
+        f"torchrun exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    )
     return proc
 
 
@@ -81,10 +85,24 @@ def test_two_processes_collect_the_one_process_factors_float64(tiny_model_dir, t
 
 def test_torchrun_cache_build_equals_one_process_and_only_rank0_writes(tiny_model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    build = ["cache", "build", "--model", tiny_model_dir, "--layers", LAYERS, "--n-cap", 12, "--max-len", 32,
-             "--kfac-batch-size", 2, "--quiet"]
-    proc = torchrun(["-m", "crispedit", *build, "--cache-dir", tmp_path / "c2", "--out", tmp_path / "f2.safetensors"],
-                    tmp_path)
+    build = [
+        "cache",
+        "build",
+        "--model",
+        tiny_model_dir,
+        "--layers",
+        LAYERS,
+        "--n-cap",
+        12,
+        "--max-len",
+        32,
+        "--kfac-batch-size",
+        2,
+        "--quiet",
+    ]
+    proc = torchrun(
+        ["-m", "crispedit", *build, "--cache-dir", tmp_path / "c2", "--out", tmp_path / "f2.safetensors"], tmp_path
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("K-FAC factors")]
     assert len(lines) == 1 and "on 2 processes" in lines[0], proc.stdout  # rank 0 alone prints
     written = sorted(p.relative_to(tmp_path / "c2").as_posix() for p in (tmp_path / "c2").rglob("*"))
@@ -111,13 +129,42 @@ def test_torchrun_edit_splits_batches_and_equals_one_process(tiny_model_dir, tmp
     from safetensors.torch import load_file
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    recs = [{"src": f"Who founded club {i}?", "alt": f"Founder {chr(65 + i)}", "rephrase": f"Club {i} was founded by?",
-             "loc": "nq question: who sang it", "loc_ans": "someone", "subject": f"club {i}"} for i in range(5)]
+    recs = [
+        {
+            "src": f"Who founded club {i}?",
+            "alt": f"Founder {chr(65 + i)}",
+            "rephrase": f"Club {i} was founded by?",
+            "loc": "nq question: who sang it",
+            "loc_ans": "someone",
+            "subject": f"club {i}",
+        }
+        for i in range(5)
+    ]
     (tmp_path / "edits.json").write_text(json.dumps(recs))
     # 15 sequences in batches of 7, 7, 1: uneven rows per process, and a batch the second process has no row of
-    args = ["edit", "--model", tiny_model_dir, "--edits", tmp_path / "edits.json", "--layers", LAYERS, "--n-cap", 4,
-            "--max-len", 32, "--epochs", 3, "--lr", 1e-2, "--batch-size", 7, "--contexts", "bare,prefix:2", "--quiet",
-            "--no-wild"]
+    args = [
+        "edit",
+        "--model",
+        tiny_model_dir,
+        "--edits",
+        tmp_path / "edits.json",
+        "--layers",
+        LAYERS,
+        "--n-cap",
+        4,
+        "--max-len",
+        32,
+        "--epochs",
+        3,
+        "--lr",
+        1e-2,
+        "--batch-size",
+        7,
+        "--contexts",
+        "bare,prefix:2",
+        "--quiet",
+        "--no-wild",
+    ]
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "c2"))
     proc = torchrun(["-m", "crispedit", *args, "--out", tmp_path / "e2"], tmp_path)
     assert proc.stdout.count("edited model and edit_report.json written") == 1, proc.stdout  # rank 0 alone
@@ -127,8 +174,11 @@ def test_torchrun_edit_splits_batches_and_equals_one_process(tiny_model_dir, tmp
     r1, r2 = (json.loads((tmp_path / e / "edit_report.json").read_text()) for e in ("e1", "e2"))
     assert r2["processes"] == 2 and "processes" not in r1
     t1, t2 = r1["training"], r2["training"]
-    assert (t2["steps"], t2["sequences"], t2["tokens_per_epoch"]) == (t1["steps"], t1["sequences"],
-                                                                      t1["tokens_per_epoch"])
+    assert (t2["steps"], t2["sequences"], t2["tokens_per_epoch"]) == (
+        t1["steps"],
+        t1["sequences"],
+        t1["tokens_per_epoch"],
+    )
     assert t1["steps"] == 9
     torch.testing.assert_close(torch.tensor(t2["epoch_loss"]), torch.tensor(t1["epoch_loss"]), rtol=1e-5, atol=0)
     w0 = load_file(str(tiny_model_dir / "model.safetensors"))

@@ -36,7 +36,7 @@ def cfg(method="crispedit", **kw):
 
 def kron_form(dW, A, S):
     """½ vec(ΔW)ᵀ (A ⊗ S) vec(ΔW), column-major vec, straight from the definition (float64)."""
-    v = dW.double().T.reshape(-1)            # column-major vec of a d_out x d_in matrix
+    v = dW.double().T.reshape(-1)  # column-major vec of a d_out x d_in matrix
     return 0.5 * float(v @ torch.kron(A.double(), S.double()) @ v)
 
 
@@ -60,13 +60,15 @@ def test_edit_reports_prediction_equal_to_direct_kron(tiny_lm, iso_cache):
     layers = resolve_layers(model, LAYERS)
     factors, _ = capability_factors(model, tok, layers, cfg(), progress=False)
     res = edit(model, tok, REQS, cfg(), progress=False)
-    direct = {n: kron_form(m.weight.detach() - res.original_weights[f"{n}.weight"], factors.A[n], factors.S[n])
-              for n, m in layers.items()}
+    direct = {
+        n: kron_form(m.weight.detach() - res.original_weights[f"{n}.weight"], factors.A[n], factors.S[n])
+        for n, m in layers.items()
+    }
     assert set(res.kl_predicted["layers"]) == set(layers)
     for n in layers:
         assert res.kl_predicted["layers"][n] == pytest.approx(direct[n], rel=1e-6)
     assert res.kl_predicted["blockdiag"] == pytest.approx(sum(direct.values()), rel=1e-6)
-    coherent = sum(v ** 0.5 for v in direct.values()) ** 2
+    coherent = sum(v**0.5 for v in direct.values()) ** 2
     assert res.kl_predicted["total"] == pytest.approx(coherent, rel=1e-6) and res.kl_predicted["total"] > 0
     assert res.kl_predicted["blockdiag"] <= res.kl_predicted["total"] <= len(direct) * res.kl_predicted["blockdiag"]
     assert res.drift_budget is None
@@ -83,7 +85,7 @@ def test_prediction_for_ft_only_when_asked_and_never_for_lora(tiny_lm, iso_cache
     assert res.kl_predicted["total"] > 0
     restore(model, res.original_weights)
     res = edit(model, tok, REQS, cfg("lora", epochs=2), progress=False, predict_drift=True)
-    assert res.kl_predicted is None and res.cache_info == {}   # q/v projections: no factors, none collected
+    assert res.kl_predicted is None and res.cache_info == {}  # q/v projections: no factors, none collected
 
 
 def test_small_change_prediction_approaches_measured_kl(tiny_lm):
@@ -121,13 +123,14 @@ def test_budget_unit_scales_every_layer_by_one_factor():
         for p in params.values():
             p.add_(0.1 * torch.randn(p.shape, generator=g))
     d = {n: params[n].detach() - w0[n] for n in params}
-    pred = sum(kron_form(d[n], factors.A[n], factors.S[n]) ** 0.5 for n in params) ** 2   # coherent bound
+    pred = sum(kron_form(d[n], factors.A[n], factors.S[n]) ** 0.5 for n in params) ** 2  # coherent bound
     assert pred > 1e-3 and budget.enforce()
     c = (1e-3 / pred) ** 0.5
     for n, p in params.items():
         assert torch.allclose(p.detach() - w0[n], c * d[n], atol=1e-6)
-    assert sum(kron_form(params[n].detach() - w0[n], factors.A[n], factors.S[n]) ** 0.5
-               for n in params) ** 2 == pytest.approx(1e-3, rel=1e-4)
+    assert sum(
+        kron_form(params[n].detach() - w0[n], factors.A[n], factors.S[n]) ** 0.5 for n in params
+    ) ** 2 == pytest.approx(1e-3, rel=1e-4)
     assert not budget.enforce() and budget.to_json()["hits"] == 1 and budget.to_json()["steps"] == 2
 
 
@@ -145,17 +148,22 @@ def test_max_drift_keeps_the_predicted_drift_within_budget(method, tiny_lm, iso_
     res = edit(model, tok, REQS, cfg(method, max_drift=eps), progress=False)
     assert res.drift_budget["hit"] and res.drift_budget["hits"] >= 1 and res.drift_budget["max_drift"] == eps
     assert res.drift_budget["final_predicted"] <= eps * 1.001 and res.kl_predicted["total"] <= eps * 1.001
-    assert res.kl_predicted["total"] >= eps * 0.5           # the edit still uses its budget
+    assert res.kl_predicted["total"] >= eps * 0.5  # the edit still uses its budget
     restore(model, res.original_weights)
     loose = edit(model, tok, REQS, cfg(method, max_drift=1e3), progress=False)
     assert not loose.drift_budget["hit"] and loose.drift_budget["hits"] == 0
-    assert all(torch.equal(p, free_weights[n]) for n, p in model.named_parameters())   # a slack budget changes nothing
+    assert all(torch.equal(p, free_weights[n]) for n, p in model.named_parameters())  # a slack budget changes nothing
 
 
-@pytest.mark.parametrize("kw,msg", [(dict(max_drift=0), "max drift (--max-drift) must be positive"),
-                                    (dict(max_drift=float("nan")), "must be a finite number"),
-                                    (dict(max_drift=0.1, method="memit"), "memit writes its change in one pass"),
-                                    (dict(drift_penalty=1.0, method="mend"), "mend writes its change in one pass")])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(max_drift=0), "max drift (--max-drift) must be positive"),
+        (dict(max_drift=float("nan")), "must be a finite number"),
+        (dict(max_drift=0.1, method="memit"), "memit writes its change in one pass"),
+        (dict(drift_penalty=1.0, method="mend"), "mend writes its change in one pass"),
+    ],
+)
 def test_max_drift_validation(kw, msg):
     with pytest.raises(CrispEditError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         EditConfig(**kw)
@@ -174,7 +182,7 @@ def test_ft_budget_fetches_the_factors_and_the_penalty_runs(tiny_lm, iso_cache):
 
     model, tok = tiny_lm
     res = edit(model, tok, REQS, cfg("ft", max_drift=0.05), progress=False)
-    assert res.cache_info["hit"] is False and res.kl_predicted is not None   # fetched without predict_drift
+    assert res.cache_info["hit"] is False and res.kl_predicted is not None  # fetched without predict_drift
     assert res.drift_budget["hit"] and res.drift_budget["final_predicted"] <= 0.05 * 1.001
     assert res.kl_predicted["total"] <= 0.05 * 1.001
     restore(model, res.original_weights)
@@ -194,17 +202,19 @@ def test_lora_budget_acts_on_the_merged_update(tiny_lm, iso_cache):
     model, tok = tiny_lm
     torch.manual_seed(0)
     free = edit(model, tok, REQS, cfg("lora", lr=5e-3, max_drift=1e6), progress=False)
-    assert set(free.kl_predicted["layers"]) == {f"model.layers.{i}.self_attn.{p}" for i in (1, 2)
-                                                for p in ("q_proj", "v_proj")}
+    assert set(free.kl_predicted["layers"]) == {
+        f"model.layers.{i}.self_attn.{p}" for i in (1, 2) for p in ("q_proj", "v_proj")
+    }
     assert not free.drift_budget["hit"] and free.kl_predicted["total"] > 0
-    assert set(free.kl_predicted["layers"]) == set(mixing_layers(free.kl_predicted["layers"]))   # the under-read note
+    assert set(free.kl_predicted["layers"]) == set(mixing_layers(free.kl_predicted["layers"]))  # the under-read note
     restore(model, free.original_weights)
     eps = free.kl_predicted["total"] / 10
     torch.manual_seed(0)
     res = edit(model, tok, REQS, cfg("lora", lr=5e-3, max_drift=eps), progress=False)
-    assert (res.drift_budget["hit"] and res.kl_predicted["total"] <= eps * 1.001
-            and res.kl_predicted["total"] >= eps * 0.5)
-    assert not [n for n, _ in model.named_modules() if "lora_" in n]     # merged: no adapter left
+    assert (
+        res.drift_budget["hit"] and res.kl_predicted["total"] <= eps * 1.001 and res.kl_predicted["total"] >= eps * 0.5
+    )
+    assert not [n for n, _ in model.named_modules() if "lora_" in n]  # merged: no adapter left
     restore(model, res.original_weights)
     torch.manual_seed(0)
     pen = edit(model, tok, REQS, cfg("lora", lr=5e-3, drift_penalty=1.0), progress=False)
@@ -219,15 +229,18 @@ def test_low_rank_budget_pulls_back_and_differentiates_through_the_product():
     g = torch.Generator().manual_seed(5)
     mods = {n: torch.nn.Linear(5, 3, bias=False) for n in ("a", "b")}
     factors = KFACFactors({n: spd(5, g).float() for n in mods}, {n: spd(3, g).float() for n in mods}, 1)
-    ad = {n: (torch.nn.Parameter(torch.randn(2, 5, generator=g)), torch.nn.Parameter(torch.randn(3, 2, generator=g)),
-              1.5)
-          for n in mods}
+    ad = {
+        n: (torch.nn.Parameter(torch.randn(2, 5, generator=g)), torch.nn.Parameter(torch.randn(3, 2, generator=g)), 1.5)
+        for n in mods
+    }
     budget = LowRankDriftBudget(ad, mods, factors, eps=1e-3, penalty=2.0)
     dW = {n: 1.5 * (b @ a).detach() for n, (a, b, _) in ad.items()}
     pred = sum(kron_form(dW[n], factors.A[n], factors.S[n]) ** 0.5 for n in mods) ** 2
     assert budget.predicted() == pytest.approx(pred, rel=1e-5)
-    a_, b_ = {n: a.detach().clone().requires_grad_(True) for n, (a, _, _) in ad.items()}, \
-        {n: b.detach().clone().requires_grad_(True) for n, (_, b, _) in ad.items()}
+    a_, b_ = (
+        {n: a.detach().clone().requires_grad_(True) for n, (a, _, _) in ad.items()},
+        {n: b.detach().clone().requires_grad_(True) for n, (_, b, _) in ad.items()},
+    )
     q = [0.5 * ((factors.S[n] @ (1.5 * b_[n] @ a_[n])) * ((1.5 * b_[n] @ a_[n]) @ factors.A[n])).sum() for n in mods]
     (sum(x.sqrt() for x in q) ** 2).backward()
     for a, b, _ in ad.values():
@@ -251,15 +264,16 @@ def test_session_of_a_method_without_curvature_spends_its_budget(method, tmp_pat
     from crispedit.sessions.session import Session
 
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
-    base = dict(method=method, layers=LAYERS, epochs=20, lr=1e-2 if method == "ft" else 5e-3, batch_size=4,
-                n_cap=6, max_len=48)
+    base = dict(
+        method=method, layers=LAYERS, epochs=20, lr=1e-2 if method == "ft" else 5e-3, batch_size=4, n_cap=6, max_len=48
+    )
     s = Session.create(tmp_path / "s", str(tiny_model_dir), SeqConfig(edit={**base, "max_drift": 0.02}), progress=False)
     assert (tmp_path / "s" / "cap_factors-0000.safetensors").is_file()
     a = s.add(REQS[:2], plot=False)
     assert a["drift_budget"]["hit"] and a["kl_predicted_round"] <= 0.02 * 1.001
     assert a["drift_budget"]["final_predicted"] <= 0.02 * 1.001
     plain = Session.create(tmp_path / "p", str(tiny_model_dir), SeqConfig(edit=base), progress=False)
-    assert not (tmp_path / "p" / "cap_factors-0000.safetensors").exists()   # no budget: nothing fetched (as before)
+    assert not (tmp_path / "p" / "cap_factors-0000.safetensors").exists()  # no budget: nothing fetched (as before)
     assert plain.add(REQS[:2], plot=False)["kl_predicted"] is None
 
 
@@ -273,19 +287,21 @@ def test_session_budget_is_spent_round_by_round(tmp_path, tiny_model_dir, monkey
     free = Session.create(tmp_path / "free", str(tiny_model_dir), SeqConfig(edit=base), progress=False)
     r1 = free.add(rounds[0], plot=False)
     assert r1["kl_predicted"] == pytest.approx(r1["kl_predicted_round"]) and r1["kl_predicted"] > 0
-    budget = r1["kl_predicted"] * 0.6                     # round 1 alone would overspend it
-    s = Session.create(tmp_path / "s", str(tiny_model_dir), SeqConfig(edit={**base, "max_drift": budget}),
-                       progress=False)
+    budget = r1["kl_predicted"] * 0.6  # round 1 alone would overspend it
+    s = Session.create(
+        tmp_path / "s", str(tiny_model_dir), SeqConfig(edit={**base, "max_drift": budget}), progress=False
+    )
     a = s.add(rounds[0], plot=False)
     assert a["drift_budget"]["hit"] and a["kl_predicted_round"] <= budget * 1.001
     assert a["drift_budget"]["spent_before"] == 0 and a["drift_budget"]["round_budget"] == budget
     st = s.status()["drift_budget"]
-    assert (st["spent"] == pytest.approx(a["kl_predicted_round"])
-            and st["remaining"] == pytest.approx(budget - st["spent"]))
+    assert st["spent"] == pytest.approx(a["kl_predicted_round"]) and st["remaining"] == pytest.approx(
+        budget - st["spent"]
+    )
     assert main(["session", "status", str(tmp_path / "s")]) == 0
     assert "drift budget (whole session)" in capsys.readouterr().out
     with pytest.raises(CrispEditError, match="drift budget is spent"):
-        s.add(rounds[1], plot=False)                      # the first round used all of it
+        s.add(rounds[1], plot=False)  # the first round used all of it
     assert s.round == 1
 
 
@@ -334,13 +350,32 @@ def test_session_budget_second_round_gets_the_rest(tmp_path, tiny_model_dir, mon
 def test_cli_edit_reports_prediction_and_budget(tmp_path, tiny_model_dir, iso_cache, capsys):
     edits = tmp_path / "e.json"
     edits.write_text(json.dumps([r.to_json() for r in REQS]))
-    common = ["edit", "--model", str(tiny_model_dir), "--edits", str(edits), "--layers", LAYERS, "--n-cap", "6",
-              "--max-len", "48", "--epochs", "10", "--lr", "1e-2", "--batch-size", "4", "--no-wild", "--quiet"]
+    common = [
+        "edit",
+        "--model",
+        str(tiny_model_dir),
+        "--edits",
+        str(edits),
+        "--layers",
+        LAYERS,
+        "--n-cap",
+        "6",
+        "--max-len",
+        "48",
+        "--epochs",
+        "10",
+        "--lr",
+        "1e-2",
+        "--batch-size",
+        "4",
+        "--no-wild",
+        "--quiet",
+    ]
     assert main(common + ["--out", str(tmp_path / "a")]) == 0
     s = json.loads((tmp_path / "a" / "edit_report.json").read_text())["summary"]
     assert s["kl_predicted"] > 0 and set(s["kl_predicted_layers"]) == set(resolve_layers_names())
     assert sum(s["kl_predicted_layers"].values()) == pytest.approx(s["kl_predicted_blockdiag"], rel=1e-4)
-    assert sum(v ** 0.5 for v in s["kl_predicted_layers"].values()) ** 2 == pytest.approx(s["kl_predicted"], rel=1e-4)
+    assert sum(v**0.5 for v in s["kl_predicted_layers"].values()) ** 2 == pytest.approx(s["kl_predicted"], rel=1e-4)
     assert s["steep_layers"] == steep_layers(s["kl_predicted_layers"])
     eps = s["kl_predicted"] / 4
     assert main(common + ["--out", str(tmp_path / "b"), "--max-drift", str(eps)]) == 0
@@ -356,9 +391,29 @@ def test_cli_ft_with_a_budget_and_a_penalty(tmp_path, tiny_model_dir, iso_cache,
     ``--drift-penalty`` runs for ft too."""
     edits = tmp_path / "e.json"
     edits.write_text(json.dumps([r.to_json() for r in REQS]))
-    common = ["edit", "--model", str(tiny_model_dir), "--edits", str(edits), "--layers", LAYERS, "--n-cap", "6",
-              "--max-len", "48", "--epochs", "10", "--lr", "1e-2", "--batch-size", "4", "--no-wild", "--quiet",
-              "--method", "ft"]
+    common = [
+        "edit",
+        "--model",
+        str(tiny_model_dir),
+        "--edits",
+        str(edits),
+        "--layers",
+        LAYERS,
+        "--n-cap",
+        "6",
+        "--max-len",
+        "48",
+        "--epochs",
+        "10",
+        "--lr",
+        "1e-2",
+        "--batch-size",
+        "4",
+        "--no-wild",
+        "--quiet",
+        "--method",
+        "ft",
+    ]
     assert main(common + ["--out", str(tmp_path / "b"), "--max-drift", "0.05"]) == 0
     out = capsys.readouterr().out
     s = json.loads((tmp_path / "b" / "edit_report.json").read_text())["summary"]
@@ -378,8 +433,17 @@ def test_edit_matrix_records_kl_pred(tmp_path):
     from conftest import load_script
 
     em = load_script("benchmarks/edit_matrix.py")
-    row = dict(run="method=crispedit", rel=1.0, gen=0.5, wild={}, kl_drift=0.002, kl_predicted=0.003, epochs=3,
-               edit_seconds=1.0, drift_budget={"max_drift": 0.003, "hits": 4, "steps": 9, "hit": True})
+    row = dict(
+        run="method=crispedit",
+        rel=1.0,
+        gen=0.5,
+        wild={},
+        kl_drift=0.002,
+        kl_predicted=0.003,
+        epochs=3,
+        edit_seconds=1.0,
+        drift_budget={"max_drift": 0.003, "hits": 4, "steps": 9, "hit": True},
+    )
     ft = dict(row, run="method=ft", kl_predicted=None, drift_budget=None)
     em.write_outputs(tmp_path / "m.json", {"title": "t", "results": [row, ft]})
     md = (tmp_path / "m.md").read_text().splitlines()
@@ -397,8 +461,10 @@ def test_edit_matrix_runs_set_a_methods_own_options():
 
     em = load_script("benchmarks/edit_matrix.py")
     runs = em.parse_runs("method=ultraedit;options.lr=0.001;options.ridge=2|method=crispedit;gamma=0.9")
-    assert runs == [{"method": "ultraedit", "options": {"lr": 0.001, "ridge": 2}},
-                    {"method": "crispedit", "gamma": 0.9}]
+    assert runs == [
+        {"method": "ultraedit", "options": {"lr": 0.001, "ridge": 2}},
+        {"method": "crispedit", "gamma": 0.9},
+    ]
     cfg = EditConfig(**runs[0])
     assert cfg.method_config.lr == 0.001 and cfg.method_config.ridge == 2
 
@@ -422,8 +488,10 @@ def test_penalty_gradient_is_the_gradient_of_the_coherent_prediction():
             p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.1)
     w = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
     da, db = w["a"] - budget.start["a"], (w["b"] - budget.start["b"]).T
-    q = [0.5 * ((factors.S["a"] @ da) * (da @ factors.A["a"])).sum(),
-         0.5 * ((factors.S["b"] @ db) * (db @ factors.A["b"])).sum()]
+    q = [
+        0.5 * ((factors.S["a"] @ da) * (da @ factors.A["a"])).sum(),
+        0.5 * ((factors.S["b"] @ db) * (db @ factors.A["b"])).sum(),
+    ]
     total = sum(x.sqrt() for x in q) ** 2
     total.backward()
     for p in params.values():
@@ -454,9 +522,24 @@ def test_drift_penalty_lowers_the_predicted_drift_and_keeps_the_edit(tiny_lm, is
 
 def test_steep_layers_names_the_layer_that_dominates_the_prediction():
     # SmolLM2 {2-11} (a sweep of the early blocks): block 11 predicted 0.19 of 0.19 nats/token
-    layers = {f"model.layers.{i}.mlp.down_proj": v for i, v in zip(range(2, 12), (
-        0.000898923, 4.18018e-05, 4.4449e-05, 4.57373e-05, 4.57375e-05, 4.55e-05, 5.38092e-05, 0.000169241,
-        9.64448e-05, 0.190545))}
+    layers = {
+        f"model.layers.{i}.mlp.down_proj": v
+        for i, v in zip(
+            range(2, 12),
+            (
+                0.000898923,
+                4.18018e-05,
+                4.4449e-05,
+                4.57373e-05,
+                4.57375e-05,
+                4.55e-05,
+                5.38092e-05,
+                0.000169241,
+                9.64448e-05,
+                0.190545,
+            ),
+        )
+    }
     st = steep_layers(layers)
     assert [d["layer"] for d in st] == ["model.layers.11.mlp.down_proj"]  # block 2 is 20x the median but 0.5 % of it
     assert st[0]["share"] == pytest.approx(0.190545 / sum(layers.values()), abs=1e-4) and st[0]["vs_median"] > 1000
@@ -472,30 +555,65 @@ def test_steep_layers_names_the_layer_that_dominates_the_prediction():
 def test_mixing_layers_names_attention_qkv_and_nothing_after_the_mixing():
     """Query / key / value projections (llama, GPT-2, GPT-NeoX names) are flagged; o_proj and MLP matrices,
     which act after attention mixes positions, not. The note says the prediction under-reads them, and why."""
-    names = ["model.layers.4.self_attn.v_proj", "model.layers.4.self_attn.o_proj", "model.layers.4.mlp.down_proj",
-             "model.layers.5.self_attn.q_proj", "transformer.h.3.attn.c_attn",
-             "gpt_neox.layers.2.attention.query_key_value",
-             "model.layers.5.self_attn.k_proj", "transformer.h.3.mlp.c_proj"]
+    names = [
+        "model.layers.4.self_attn.v_proj",
+        "model.layers.4.self_attn.o_proj",
+        "model.layers.4.mlp.down_proj",
+        "model.layers.5.self_attn.q_proj",
+        "transformer.h.3.attn.c_attn",
+        "gpt_neox.layers.2.attention.query_key_value",
+        "model.layers.5.self_attn.k_proj",
+        "transformer.h.3.mlp.c_proj",
+    ]
     assert mixing_layers(names) == [names[0], names[3], names[4], names[5], names[6]]
     assert mixing_layers(["model.layers.1.mlp.down_proj"]) == []
     note = mixing_note(mixing_layers(names))
-    assert note.startswith("model.layers.4.self_attn.v_proj, model.layers.5.self_attn.q_proj, "
-                           "transformer.h.3.attn.c_attn "
-                           "and 2 more: ") and "\n" not in note
+    assert (
+        note.startswith(
+            "model.layers.4.self_attn.v_proj, model.layers.5.self_attn.q_proj, transformer.h.3.attn.c_attn and 2 more: "
+        )
+        and "\n" not in note
+    )
     assert "mixes these outputs across positions" in note and "does not model" in note and "under-read" in note
     assert not any(ch.isdigit() for ch in note.split(": ", 1)[1].split("(see")[0])  # no measured figure in it
     assert prediction_notes({"steep_layers": [], "mixing_layers": []}) == []
 
 
-def test_cli_edit_on_a_value_projection_notes_that_the_prediction_under_reads(tmp_path, tiny_model_dir, iso_cache,
-                                                                             capsys):
+def test_cli_edit_on_a_value_projection_notes_that_the_prediction_under_reads(
+    tmp_path, tiny_model_dir, iso_cache, capsys
+):
     """An edit on attention value projections records them as ``mixing_layers`` and prints the one-line note."""
     edits = tmp_path / "e.json"
     edits.write_text(json.dumps([r.to_json() for r in REQS]))
     layers = "model.layers.{1-2}.self_attn.v_proj"
-    assert main(["edit", "--model", str(tiny_model_dir), "--edits", str(edits), "--layers", layers, "--n-cap", "6",
-                 "--max-len", "48", "--epochs", "2", "--lr", "1e-2", "--batch-size", "4", "--no-wild", "--quiet",
-                 "--out", str(tmp_path / "v")]) == 0
+    assert (
+        main(
+            [
+                "edit",
+                "--model",
+                str(tiny_model_dir),
+                "--edits",
+                str(edits),
+                "--layers",
+                layers,
+                "--n-cap",
+                "6",
+                "--max-len",
+                "48",
+                "--epochs",
+                "2",
+                "--lr",
+                "1e-2",
+                "--batch-size",
+                "4",
+                "--no-wild",
+                "--quiet",
+                "--out",
+                str(tmp_path / "v"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     s = json.loads((tmp_path / "v" / "edit_report.json").read_text())["summary"]
     assert s["mixing_layers"] == [f"model.layers.{i}.self_attn.v_proj" for i in (1, 2)]

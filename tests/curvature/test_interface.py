@@ -87,10 +87,14 @@ def _dense(seed):
 
 
 CASES = {
-    "kfac": Case(_kfac, lambda r: torch.kron(r[0], r[1]),
-                 lambda r1, r2, w: ((1 - w) * r1[0] + w * r2[0], (1 - w) * r1[1] + w * r2[1])),
-    "input_covariance": Case(_input, lambda A: torch.kron(A, torch.eye(D_OUT, dtype=D64)),
-                             lambda a, b, w: (1 - w) * a + w * b),
+    "kfac": Case(
+        _kfac,
+        lambda r: torch.kron(r[0], r[1]),
+        lambda r1, r2, w: ((1 - w) * r1[0] + w * r2[0], (1 - w) * r1[1] + w * r2[1]),
+    ),
+    "input_covariance": Case(
+        _input, lambda A: torch.kron(A, torch.eye(D_OUT, dtype=D64)), lambda a, b, w: (1 - w) * a + w * b
+    ),
     "ekfac": Case(_ekfac, _ekfac_twin, lambda r1, r2, w: (r1[0], r1[1], (1 - w) * r1[2] + w * r2[2])),
     "exact_ggn": Case(_dense, lambda G: G, lambda a, b, w: (1 - w) * a + w * b, name=PARAMS, d_out=P_DENSE, d_in=1),
 }

@@ -60,8 +60,18 @@ def brute_force_kfac(model, tok, texts, layer_names, label_mode, seed, max_len=6
 def test_kfac_matches_brute_force(tiny_lm64, label_mode):
     model, tok = tiny_lm64
     layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj,model.layers.3.self_attn.o_proj")
-    f = collect_lm_kfac(model, tok, TEXTS, layers, max_len=64, batch_size=3, label_mode=label_mode, seed=7,
-                        stat_dtype=torch.float64, progress=False)
+    f = collect_lm_kfac(
+        model,
+        tok,
+        TEXTS,
+        layers,
+        max_len=64,
+        batch_size=3,
+        label_mode=label_mode,
+        seed=7,
+        stat_dtype=torch.float64,
+        progress=False,
+    )
     A, S, n = brute_force_kfac(model, tok, TEXTS, list(layers), label_mode, seed=7)
     assert f.n_tokens == n
     for name in layers:
@@ -103,8 +113,9 @@ def test_batching_and_padding_do_not_change_factors(tiny_lm64):
     old_pad = tok.pad_token
     tok.pad_token = tok.convert_ids_to_tokens(real_id)
     try:
-        f4 = collect_lm_kfac(model, tok, TEXTS, layers, max_len=64, batch_size=4, stat_dtype=torch.float64,
-                             progress=False)
+        f4 = collect_lm_kfac(
+            model, tok, TEXTS, layers, max_len=64, batch_size=4, stat_dtype=torch.float64, progress=False
+        )
     finally:
         tok.pad_token = old_pad
     for name in layers:
@@ -121,9 +132,9 @@ def test_sampled_and_empirical_differ_and_seed_matters(tiny_lm):
     fs0 = collect_lm_kfac(model, tok, TEXTS, layers, label_mode="sampled", seed=0, **kw)
     fs0b = collect_lm_kfac(model, tok, TEXTS, layers, label_mode="sampled", seed=0, **kw)
     fs1 = collect_lm_kfac(model, tok, TEXTS, layers, label_mode="sampled", seed=1, **kw)
-    assert torch.allclose(fe.A[name], fs0.A[name])          # A does not depend on labels
+    assert torch.allclose(fe.A[name], fs0.A[name])  # A does not depend on labels
     assert not torch.allclose(fe.S[name], fs0.S[name])
-    assert torch.equal(fs0.S[name], fs0b.S[name])           # reproducible
+    assert torch.equal(fs0.S[name], fs0b.S[name])  # reproducible
     assert not torch.equal(fs0.S[name], fs1.S[name])
 
 
@@ -133,7 +144,7 @@ def test_collection_freezes_and_restores_parameters(tiny_lm):
         p.requires_grad_(True)
     layers = resolve_layers(model, "model.layers.3.mlp.down_proj")
     collect_lm_kfac(model, tok, TEXTS[:2], layers, max_len=32, progress=False)
-    assert all(p.grad is None for p in model.parameters())   # backward computed no parameter gradients
+    assert all(p.grad is None for p in model.parameters())  # backward computed no parameter gradients
     assert all(p.requires_grad for p in model.parameters())
 
 
@@ -150,14 +161,14 @@ def test_sample_labels_follow_the_predictive_distribution():
     assert set(got.unique().tolist()) <= {0, 7, 999}
     freq = torch.bincount(got, minlength=1000)[[0, 7, 999]].double() / got.numel()
     assert torch.allclose(freq, torch.softmax(torch.tensor([0.0, 1.0, 3.0], dtype=torch.float64), 0), atol=0.012)
-    assert not torch.equal(got, sample_labels(wide, seed=1, index=6))       # another sequence, another draw
+    assert not torch.equal(got, sample_labels(wide, seed=1, index=6))  # another sequence, another draw
 
 
 def test_conv2d_rows_reproduce_the_convolution():
     conv = nn.Conv2d(3, 5, kernel_size=3, padding=1, stride=2, bias=False).double()
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
-    rows = layer_rows(conv, x)                       # B x L x (C_in k k)
-    out = rows @ conv.weight.reshape(5, -1).T        # B x L x C_out
+    rows = layer_rows(conv, x)  # B x L x (C_in k k)
+    out = rows @ conv.weight.reshape(5, -1).T  # B x L x C_out
     ref = conv(x).flatten(2).transpose(1, 2)
     assert torch.allclose(out, ref)
 
@@ -188,7 +199,7 @@ def legacy_collect_lm_kfac(model, tok, texts, layers, *, max_len, batch_size, la
     tok.padding_side = "right"
     with frozen(model):
         for b in range(0, len(texts), batch_size):
-            chunk = list(texts[b:b + batch_size])
+            chunk = list(texts[b : b + batch_size])
             enc = tok(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_len)
             ids, attn = enc["input_ids"], enc["attention_mask"]
             pos = loss_positions(attn)
@@ -216,8 +227,18 @@ def test_fast_collection_matches_the_legacy_loop_in_float32(tiny_lm, label_mode,
     texts = [t[:400] for t in capability_corpus(None, 9)] + ["Short one.", "x", ""]
     layers = resolve_layers(model, "model.layers.{1-2}.mlp.down_proj,model.layers.3.self_attn.o_proj")
     old = legacy_collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=4, label_mode=label_mode, seed=5)
-    new = collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=4, label_mode=label_mode, seed=5,
-                          max_padding=max_padding, progress=False)
+    new = collect_lm_kfac(
+        model,
+        tok,
+        texts,
+        layers,
+        max_len=48,
+        batch_size=4,
+        label_mode=label_mode,
+        seed=5,
+        max_padding=max_padding,
+        progress=False,
+    )
     assert new.n_tokens == old.n_tokens
     for name in layers:
         assert _rel(new.A[name], old.A[name]) < 1e-6, name
@@ -228,10 +249,10 @@ def test_plan_batches_groups_by_length_and_bounds_padding():
     from crispedit.curvature.lm_batches import plan_batches
 
     lengths = [5, 30, 1, 31, 8, 29, 6, 0, 7, 30]
-    assert plan_batches(lengths, 3, None) == [[0, 1, 3], [4, 5, 6], [8, 9]]   # corpus order, no 0/1-token texts
+    assert plan_batches(lengths, 3, None) == [[0, 1, 3], [4, 5, 6], [8, 9]]  # corpus order, no 0/1-token texts
     plan = plan_batches(lengths, 3, 0.25)
     assert sorted(i for b in plan for i in b) == [0, 1, 3, 4, 5, 6, 8, 9]
-    assert plan[0] == [3, 1, 9] and plan[1][0] == 5          # longest first, ties in corpus order
+    assert plan[0] == [3, 1, 9] and plan[1][0] == 5  # longest first, ties in corpus order
     for b in plan:
         assert len(b) <= 3
         longest = max(lengths[i] for i in b)
@@ -253,8 +274,9 @@ def test_head_runs_on_loss_positions_only(tiny_lm):
     seen = []
     h = model.lm_head.register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape)))
     try:
-        (batch,) = lm_batches(tok, ["A somewhat longer text than the other.", "Short."], max_len=32, batch_size=2,
-                              max_padding=None)
+        (batch,) = lm_batches(
+            tok, ["A somewhat longer text than the other.", "Short."], max_len=32, batch_size=2, max_padding=None
+        )
         logits = lm_row_logits(model, batch)
     finally:
         h.remove()
@@ -280,15 +302,17 @@ def test_plain_head_is_detected_and_post_processed_heads_fall_back(tiny_lm):
     try:
         assert plain_head(model, batch) is None
         old = legacy_collect_lm_kfac(model, tok, TEXTS, layers, max_len=48, batch_size=3, label_mode="sampled", seed=1)
-        new = collect_lm_kfac(model, tok, TEXTS, layers, max_len=48, batch_size=3, label_mode="sampled", seed=1,
-                              progress=False)
+        new = collect_lm_kfac(
+            model, tok, TEXTS, layers, max_len=48, batch_size=3, label_mode="sampled", seed=1, progress=False
+        )
     finally:
         h.remove()
-    plain = collect_lm_kfac(model, tok, TEXTS, layers, max_len=48, batch_size=3, label_mode="sampled", seed=1,
-                            progress=False)
+    plain = collect_lm_kfac(
+        model, tok, TEXTS, layers, max_len=48, batch_size=3, label_mode="sampled", seed=1, progress=False
+    )
     for name in layers:
         assert _rel(new.S[name], old.S[name]) < 1e-6 and _rel(new.A[name], old.A[name]) < 1e-6
-        assert _rel(plain.S[name], new.S[name]) > 1e-3       # doubling the logits changes the curvature
+        assert _rel(plain.S[name], new.S[name]) > 1e-3  # doubling the logits changes the curvature
 
 
 @pytest.mark.parametrize("label_mode", ["empirical", "sampled"])

@@ -64,7 +64,7 @@ def test_kronecker_projector_equals_explicit(gamma):
     P_dense = P.dense()
     P_true, _ = explicit_kfac_projector(A, S, gamma)
     assert torch.allclose(P_dense, P_true, atol=1e-9)
-    assert torch.allclose(P_dense, P_dense.T, atol=1e-12)         # symmetric
+    assert torch.allclose(P_dense, P_dense.T, atol=1e-12)  # symmetric
     assert torch.allclose(P_dense @ P_dense, P_dense, atol=1e-10)  # idempotent
     assert 0 < P.kept_fraction < 1
 
@@ -80,13 +80,13 @@ def test_kept_directions_have_low_curvature():
     Q = rn(5, 6)
     PQ = P.project(Q)
     C = U_out.T @ PQ @ U_in
-    assert C[~keep].abs().max() < 1e-10                 # nothing along masked eigen-directions
+    assert C[~keep].abs().max() < 1e-10  # nothing along masked eigen-directions
     lam_cut = prods[keep].max()
     curv = KFACFactors({"W": A}, {"W": S}, 1)
     qf = 2 * curv.quadratic_form("W", PQ)
-    assert qf <= lam_cut * (PQ ** 2).sum() + 1e-10      # curvature of the step bounded by the cut
-    full = 2 * curv.quadratic_form("W", Q) / (Q ** 2).sum()
-    assert qf / (PQ ** 2).sum() < full                  # and far below the unprojected step's
+    assert qf <= lam_cut * (PQ**2).sum() + 1e-10  # curvature of the step bounded by the cut
+    full = 2 * curv.quadratic_form("W", Q) / (Q**2).sum()
+    assert qf / (PQ**2).sum() < full  # and far below the unprojected step's
 
 
 def test_quadratic_form_matches_dense():
@@ -94,7 +94,8 @@ def test_quadratic_form_matches_dense():
     dW = rn(3, 4)
     v = vec(dW)
     assert KFACFactors({"W": A}, {"W": S}, 1).quadratic_form("W", dW) == pytest.approx(
-        float(0.5 * v @ torch.kron(A, S) @ v), rel=1e-12)
+        float(0.5 * v @ torch.kron(A, S) @ v), rel=1e-12
+    )
 
 
 def test_activation_covariance_projector():
@@ -143,6 +144,7 @@ def test_projection_keeps_input_dtype_and_runs_fp32():
 
 
 # -- the exact low-rank form ------------------------------------------------------------------------
+
 
 def spread_psd(n, decay, seed):
     """PSD matrix with a random eigenbasis and a power-law spectrum k^-decay: the shape real factors have."""
@@ -211,8 +213,7 @@ def test_nothing_masked_and_everything_masked():
     assert (P.r_out, P.r_in) == (0, 0) and P.low_rank and P.flops_low_rank == 0
     Q = torch.randn(4, 5)
     assert P.project(Q) is Q
-    assert P.stats() == {"kept_fraction": 1.0, "r_out": 0, "r_in": 0, "split": 0, "form": "low_rank",
-                         "flop_ratio": 0.0}
+    assert P.stats() == {"kept_fraction": 1.0, "r_out": 0, "r_in": 0, "split": 0, "form": "low_rank", "flop_ratio": 0.0}
     # everything masked: the corner is the whole matrix, the full form is cheaper, both give zero
     U_out, U_in = eigh_psd(rand_psd(4, seed=2))[1], eigh_psd(rand_psd(5, seed=3))[1]
     for form in ("auto", "low_rank", "full"):
@@ -242,12 +243,12 @@ def test_transposed_storage_and_rotation_still_agree():
     P = KroneckerProjector.from_factors(A, S, 0.8)
     F = KroneckerProjector(P.U_out, P.U_in, P.mask, form="full")
     assert P.low_rank
-    conv = Conv1D(6, 10)                      # weight stored d_in x d_out
+    conv = Conv1D(6, 10)  # weight stored d_in x d_out
     G = torch.randn(10, 6)
-    got = apply_projection(P, conv, G)        # projects G.T (a strided view) and transposes back
+    got = apply_projection(P, conv, G)  # projects G.T (a strided view) and transposes back
     assert got.shape == (10, 6) and torch.allclose(got, F.project(G.T).T, atol=1e-6)
     Q = torch.randn(6, 10)
-    assert torch.allclose(P.unrotate(P.rotate(Q)), P.project(Q), atol=1e-6)   # eigenbasis Adam's contract
+    assert torch.allclose(P.unrotate(P.rotate(Q)), P.project(Q), atol=1e-6)  # eigenbasis Adam's contract
     assert torch.equal(P.rotate(Q), F.rotate(Q))
 
 
@@ -331,8 +332,13 @@ def _factor_eigh_errors(A, S, gammas, device=None):
 
     eig = factor_eigh(KFACFactors({"l": A}, {"l": S}, 100), ["l"], device=device)
     Q = torch.randn(S.shape[0], A.shape[0], generator=torch.Generator().manual_seed(3), dtype=D)
-    return {g: _rel(KroneckerProjector.from_spectra(*eig["l", "S"], *eig["l", "A"], g).project(Q.float()),
-                    paper_projection(A, S, g, Q)) for g in gammas}
+    return {
+        g: _rel(
+            KroneckerProjector.from_spectra(*eig["l", "S"], *eig["l", "A"], g).project(Q.float()),
+            paper_projection(A, S, g, Q),
+        )
+        for g in gammas
+    }
 
 
 def test_factor_eigh_decomposes_in_float64_on_every_device(monkeypatch):
@@ -345,7 +351,7 @@ def test_factor_eigh_decomposes_in_float64_on_every_device(monkeypatch):
     A, S = wide_spectrum_spd(96, seed=1), wide_spectrum_spd(64, seed=2)
     gammas = (0.8, 0.99, 0.999)
     assert max(_factor_eigh_errors(A, S, gammas).values()) <= 1e-6
-    monkeypatch.setattr(eigen, "eigh_dtype", lambda device: torch.float32)   # the old arithmetic on a GPU
+    monkeypatch.setattr(eigen, "eigh_dtype", lambda device: torch.float32)  # the old arithmetic on a GPU
     assert _factor_eigh_errors(A, S, gammas)[0.999] > 1e-5
 
 
@@ -427,7 +433,7 @@ def test_two_block_form_on_a_cross_shaped_mask(gamma, dtype, tol):
     U_out, U_in, ev = hyperbolic_factors(d_out, d_in)
     P = KroneckerProjector.from_eigenbasis(U_out, U_in, ev, gamma, dtype=dtype)
     F = KroneckerProjector(P.U_out, P.U_in, P.mask, dtype=dtype, form="full")
-    assert P.r_out > 0.8 * d_out and P.r_in > 0.8 * d_in        # the bounding corner is nearly everything
+    assert P.r_out > 0.8 * d_out and P.r_in > 0.8 * d_in  # the bounding corner is nearly everything
     masked = P.mask == 0
     assert masked[0, : P.r_in].all() and masked[: P.r_out, 0].all() and masked.sum() < 2 * (d_out + d_in)
     assert P.low_rank and 0 < P.split < d_out and len(P._blocks) == 2
@@ -439,6 +445,7 @@ def test_two_block_form_on_a_cross_shaped_mask(gamma, dtype, tol):
     got, ref = P.project(Q.to(dtype)), F.project(Q.to(dtype))
     assert got.dtype == dtype and (got.double() - ref.double()).abs().max() <= tol * Q.abs().max()
     from torch.utils.flop_counter import FlopCounterMode
+
     corner = sum(keep.numel() for _, _, keep, _ in P._blocks)
     with FlopCounterMode(display=False) as fc:
         P.project(Q.to(dtype))
@@ -464,9 +471,15 @@ def test_staircase_flops_scan_every_split():
 
         def block(h, w, d_in=d_in, d_out=d_out):
             return 0 if h == 0 or w == 0 else 4 * min(h * d_in * (d_out + w), w * d_out * (d_in + h))
-        best = min(block(R, max(e[:R], default=0)) + block(r_out - R, max(e[R:r_out], default=0))
-                   + R * max(e[:R], default=0) + (r_out - R) * max(e[R:r_out], default=0) + d_out * d_in
-                   for R in range(r_out + 1))
+
+        best = min(
+            block(R, max(e[:R], default=0))
+            + block(r_out - R, max(e[R:r_out], default=0))
+            + R * max(e[:R], default=0)
+            + (r_out - R) * max(e[R:r_out], default=0)
+            + d_out * d_in
+            for R in range(r_out + 1)
+        )
         assert low == best and full == 4 * d_out * d_in * (d_out + d_in) + d_out * d_in
 
 
@@ -486,8 +499,10 @@ def test_kronecker_keep_mask_equals_the_energy_rule_on_the_outer_product():
             a, b = torch.round(a * 4) / 4, torch.round(b * 4) / 4
         cases.append((a, b))
     for tied in (False, True):
-        a, b = torch.rand(576, generator=gen,
-                          dtype=torch.float64) ** 4, torch.rand(1536, generator=gen, dtype=torch.float64) ** 4
+        a, b = (
+            torch.rand(576, generator=gen, dtype=torch.float64) ** 4,
+            torch.rand(1536, generator=gen, dtype=torch.float64) ** 4,
+        )
         if tied:
             a, b = torch.round(a * 50) / 50, torch.round(b * 50) / 50
         cases.append((a, b))
@@ -507,21 +522,21 @@ def test_per_source_mask_masks_gamma_of_each_sources_energy():
     A1, S1 = rand_psd(6, seed=7), rand_psd(5, seed=8)
     g = torch.Generator().manual_seed(9)
     v = torch.randn(5, 1, generator=g, dtype=D)
-    A2, S2 = 100 * rand_psd(6, seed=10), 100 * (rand_psd(5, seed=11) + 50 * v @ v.T)   # large, one outlier
+    A2, S2 = 100 * rand_psd(6, seed=10), 100 * (rand_psd(5, seed=11) + 50 * v @ v.T)  # large, one outlier
     lam_in, U_in = eigh_psd(A1 + A2)
     lam_out, U_out = eigh_psd(S1 + S2)
     keep = per_source_keep_mask(U_out, U_in, [(A1, S1), (A2, S2)], gamma)
     assert keep.shape == (5, 6) and keep.dtype == torch.bool
-    basis = torch.kron(U_in, U_out)                          # column-major vec: columns = entries (i, j), j major
+    basis = torch.kron(U_in, U_out)  # column-major vec: columns = entries (i, j), j major
     masked = basis[:, ~keep.T.reshape(-1)]
     for A, S in ((A1, S1), (A2, S2)):
         G = torch.kron(A, S)
         assert torch.trace(masked.T @ G @ masked) >= gamma * torch.trace(G) * (1 - 1e-9)
     merged = KroneckerProjector.from_factors(A1 + A2, S1 + S2, gamma, dtype=torch.float64).mask.bool()
-    assert (~keep).sum() > (~merged).sum()                   # the union masks more than the merged cut
+    assert (~keep).sum() > (~merged).sum()  # the union masks more than the merged cut
     Pm = basis[:, ~merged.T.reshape(-1)]
     G1 = torch.kron(A1, S1)
-    assert torch.trace(Pm.T @ G1 @ Pm) < gamma * torch.trace(G1)   # which leaves the small source under γ
+    assert torch.trace(Pm.T @ G1 @ Pm) < gamma * torch.trace(G1)  # which leaves the small source under γ
     P = KroneckerProjector(U_out, U_in, keep, dtype=torch.float64)
     torch.testing.assert_close(P.dense(), basis[:, keep.T.reshape(-1)] @ basis[:, keep.T.reshape(-1)].T)
     # one threshold per source: the intersection of each source's own cut, so a higher one masks more

@@ -40,25 +40,28 @@ class EmulatedTF32(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self.OPS:
-            args = tuple(tf32_round(a) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
-                         for a in args)
+            args = tuple(tf32_round(a) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a for a in args)
         return func(*args, **kwargs)
 
 
 def random_factors(d_out: int, d_in: int, gen: torch.Generator, device="cpu"):
     """Eigenbases (random orthogonal, float64) and power-law spectra like collected K-FAC factors'."""
+
     def basis(d):
         q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64, device=device))
         return q
+
     lam = lambda d: (torch.arange(1, d + 1, dtype=torch.float64) ** -1.5).to(device)  # noqa: E731
     return lam(d_out), basis(d_out), lam(d_in), basis(d_in)
 
 
 def batch_gradient(lam_out, U_out, lam_in, U_in, tokens: int, gen: torch.Generator) -> torch.Tensor:
     """``Σ_t g_t a_tᵀ`` over ``tokens`` pairs with ``a ~ N(0, A)``, ``g ~ N(0, S)`` (float64)."""
+
     def draw(lam, U):
         z = torch.randn(len(lam), tokens, generator=gen, dtype=torch.float64, device=U.device)
         return U @ (lam.sqrt()[:, None] * z)
+
     a, g = draw(lam_in, U_in), draw(lam_out, U_out)
     return g @ a.T
 
@@ -106,8 +109,8 @@ def test_the_low_rank_form_in_tf32_would_leak():
 def test_tf32_picks_the_full_form_only_where_it_pays(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     lam_out, U_out, lam_in, U_in = random_factors(96, 160, gen)
-    steep = KroneckerProjector.from_spectra(lam_out, U_out, lam_in, U_in, 0.8)          # a small masked corner
-    flat = KroneckerProjector.from_spectra(lam_out ** 0.1, U_out, lam_in ** 0.1, U_in, 0.8)  # a large one
+    steep = KroneckerProjector.from_spectra(lam_out, U_out, lam_in, U_in, 0.8)  # a small masked corner
+    flat = KroneckerProjector.from_spectra(lam_out**0.1, U_out, lam_in**0.1, U_in, 0.8)  # a large one
     assert steep.low_rank and flat.flops_full <= projection.TF32_FULL_FORM_RATIO * flat.flops_low_rank
     assert steep.flops_full > projection.TF32_FULL_FORM_RATIO * steep.flops_low_rank
     assert flat.tf32_full_form() and not steep.tf32_full_form()
@@ -123,8 +126,8 @@ def test_tf32_picks_the_full_form_only_where_it_pays(monkeypatch):
 
 
 def test_emulation_is_tf32_rounding():
-    x = torch.tensor([1.0, 1.0 + 2 ** -10, 1.0 + 2 ** -11, 1.0 + 2 ** -12, -3.0 - 2 ** -12])
-    assert tf32_round(x).tolist() == [1.0, 1.0 + 2 ** -10, 1.0 + 2 ** -10, 1.0, -3.0]
+    x = torch.tensor([1.0, 1.0 + 2**-10, 1.0 + 2**-11, 1.0 + 2**-12, -3.0 - 2**-12])
+    assert tf32_round(x).tolist() == [1.0, 1.0 + 2**-10, 1.0 + 2**-10, 1.0, -3.0]
 
 
 def test_cpu_ignores_tf32_and_restores_nothing():
@@ -203,10 +206,12 @@ def test_cuda_tf32_projection_leaks_below_the_bound(shape):
             torch.cuda.synchronize()
         return (time.perf_counter() - t) / 5 * 1e3
 
-    print(f"{shape} γ 0.8 (fp32: {'low-rank' if proj.low_rank else 'full'} form; tf32: "
-          f"{'full form' if proj.tf32_full_form() else 'low-rank form in fp32'}): leak fp32 {leak(exact, fp32):.2e}, "
-          f"tf32 {lk:.2e}; step difference {float((tf32 - fp32).norm() / fp32.norm()):.2e}; "
-          f"one projection fp32 {ms('fp32'):.2f} ms, tf32 {ms('tf32'):.2f} ms")
+    print(
+        f"{shape} γ 0.8 (fp32: {'low-rank' if proj.low_rank else 'full'} form; tf32: "
+        f"{'full form' if proj.tf32_full_form() else 'low-rank form in fp32'}): leak fp32 {leak(exact, fp32):.2e}, "
+        f"tf32 {lk:.2e}; step difference {float((tf32 - fp32).norm() / fp32.norm()):.2e}; "
+        f"one projection fp32 {ms('fp32'):.2f} ms, tf32 {ms('tf32'):.2f} ms"
+    )
     assert lk < LEAK_BOUND
 
 

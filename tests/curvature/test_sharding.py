@@ -38,8 +38,9 @@ LAYERS = "model.layers.{1-2}.mlp.down_proj"
 TIMEOUT_S = 300  # a few interpreters importing torch + transformers on a loaded 2-core machine: ~15 s normally
 
 
-def torchrun(args: list, cwd: Path, nproc: int = 2, ok: bool = True, timeout_s: int = TIMEOUT_S
-             ) -> subprocess.CompletedProcess:
+def torchrun(
+    args: list, cwd: Path, nproc: int = 2, ok: bool = True, timeout_s: int = TIMEOUT_S
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node NPROC ARGS``, one thread per process; with ``ok`` fails the test
     with the processes' output unless it exits 0; fails it when the run takes over ``timeout_s`` seconds."""
     env = dict(
@@ -278,8 +279,11 @@ def timeless(x, where: str = ""):
     """``x`` (a session's JSON) without its clock readings: the keys that end in ``seconds`` or name a time
     (``finished``, ``created``), anywhere in it."""
     if isinstance(x, dict):
-        return {k: timeless(v, f"{where}.{k}") for k, v in x.items()
-                if not (k.endswith("seconds") or k in ("finished", "created"))}
+        return {
+            k: timeless(v, f"{where}.{k}")
+            for k, v in x.items()
+            if not (k.endswith("seconds") or k in ("finished", "created"))
+        }
     if isinstance(x, list):
         return [timeless(v, where) for v in x]
     return x
@@ -314,9 +318,33 @@ def test_torchrun_session_add_shard_commits_the_one_process_round(tiny_model_dir
     (tmp_path / "edits.json").write_text(json.dumps(RECORDS))
     s1, s2 = tmp_path / "s1", tmp_path / "s2"
     # the 5 bare sequences in batches of 4 and 1 (a batch the second process has no row of)
-    init = ["session", "init", "--model", tiny_model_dir, "--layers", LAYERS, "--n-cap", 4, "--max-len", 32,
-            "--epochs", 3, "--lr", 1e-2, "--batch-size", 4, "--contexts", "bare", "--kl-texts", 2,
-            "--recompute-drift", 0.01, "--quiet", "--out", s1]
+    init = [
+        "session",
+        "init",
+        "--model",
+        tiny_model_dir,
+        "--layers",
+        LAYERS,
+        "--n-cap",
+        4,
+        "--max-len",
+        32,
+        "--epochs",
+        3,
+        "--lr",
+        1e-2,
+        "--batch-size",
+        4,
+        "--contexts",
+        "bare",
+        "--kl-texts",
+        2,
+        "--recompute-drift",
+        0.01,
+        "--quiet",
+        "--out",
+        s1,
+    ]
     assert main([str(a) for a in init]) == 0
     shutil.copytree(s1, s2)  # the same session twice: base, configuration and capability factors
     add = ["--edits", tmp_path / "edits.json", "--quiet"]
@@ -341,8 +369,11 @@ def test_torchrun_session_add_shard_commits_the_one_process_round(tiny_model_dir
     assert_same_json(timeless(st2), timeless(st1))
     base = read(tiny_model_dir / "model.safetensors")
     w1, w2 = read(s1 / "weights-0001.safetensors"), read(s2 / "weights-0001.safetensors")
-    assert sorted(w1) == sorted(w2) == [f"{n}.weight" for n in ("model.layers.1.mlp.down_proj",
-                                                                "model.layers.2.mlp.down_proj")]
+    assert (
+        sorted(w1)
+        == sorted(w2)
+        == [f"{n}.weight" for n in ("model.layers.1.mlp.down_proj", "model.layers.2.mlp.down_proj")]
+    )
     for k in w1:
         step = float((w1[k] - base[k]).abs().max())
         assert step > 0 and float((w2[k] - w1[k]).abs().max()) <= 1e-4 * step, k
@@ -353,8 +384,9 @@ def test_torchrun_session_add_shard_commits_the_one_process_round(tiny_model_dir
             torch.testing.assert_close(f2[k], f1[k], rtol=1e-4, atol=1e-4 * float(f1[k].abs().max()), msg=(name, k))
 
 
-@pytest.mark.parametrize("command", [["edit", "--edits", "E", "--out", "O"], ["cache", "build"],
-                                     ["session", "add", "O", "--edits", "E"]])
+@pytest.mark.parametrize(
+    "command", [["edit", "--edits", "E", "--out", "O"], ["cache", "build"], ["session", "add", "O", "--edits", "E"]]
+)
 def test_shard_without_torchrun_is_one_line(command, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     argv = [*command[:2], *[str(tmp_path / a) if a in ("E", "O") else a for a in command[2:]]]

@@ -25,8 +25,10 @@ from crispedit.editing.optim import EigenbasisAdam
 from crispedit.errors import CrispEditError
 from crispedit.evaluation.wild import QA_TEMPLATE, WildConfig, check_template, render_prompt
 
-CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}") for i in range(5)]
 
 
@@ -38,13 +40,21 @@ def chat_tok(tiny_tok):
 
 
 def _decode_target(tok, seq):
-    return tok.decode(seq.ids[seq.n_context:])
+    return tok.decode(seq.ids[seq.n_context :])
 
 
-@pytest.mark.parametrize("spec,msg", [("", "empty"), ("qa", "unknown edit context 'qa'"), ("bare,bare", "twice"),
-                                      ("prefix:0", "between 1 and 64"), ("prefix:x", "bad prefix count"),
-                                      ("chat:2", "only prefix, para, gen, shared, wrap, lead take a count"),
-                                      ("wrap:x", "bad wrap count")])
+@pytest.mark.parametrize(
+    "spec,msg",
+    [
+        ("", "empty"),
+        ("qa", "unknown edit context 'qa'"),
+        ("bare,bare", "twice"),
+        ("prefix:0", "between 1 and 64"),
+        ("prefix:x", "bad prefix count"),
+        ("chat:2", "only prefix, para, gen, shared, wrap, lead take a count"),
+        ("wrap:x", "bad wrap count"),
+    ],
+)
 def test_parse_contexts_errors(spec, msg):
     with pytest.raises(CrispEditError, match=msg):
         parse_contexts(spec)
@@ -65,7 +75,7 @@ def test_parse_and_resolve(tiny_tok, chat_tok):
 
 def test_no_default_training_context_contains_the_wild_qa_wrapper(chat_tok):
     """The QA context of the WILD evaluation measures generalisation: it must never be trained on."""
-    wrapper = QA_TEMPLATE.split("{question}")[0].strip()   # "Please answer the question:\n\nQ:"
+    wrapper = QA_TEMPLATE.split("{question}")[0].strip()  # "Please answer the question:\n\nQ:"
     seqs, names = sequences_for(chat_tok, REQS, EditConfig(contexts="default", n_cap=8))
     assert set(names) == {str(c) for c in parse_contexts(DEFAULT_CONTEXTS)}
     texts = [s.text for s in seqs] + [chat_tok.decode(s.ids) for s in seqs]
@@ -79,12 +89,12 @@ def test_bare_context_answer_ends(tiny_tok):
     auto = build_training_sequences(tiny_tok, REQS[:1], parse_contexts("bare"), "auto")[0]
     none = build_training_sequences(tiny_tok, REQS[:1], parse_contexts("bare"), "none")[0]
     with_eos = build_training_sequences(tiny_tok, REQS[:1], parse_contexts("bare"), "eos")[0]
-    assert with_eos.ids[-1] == eos and with_eos.ids[:-1] == none.ids     # the EOS is trained after the target
+    assert with_eos.ids[-1] == eos and with_eos.ids[:-1] == none.ids  # the EOS is trained after the target
     assert none.ids == tiny_tok(REQS[0].prompt + " " + REQS[0].target)["input_ids"]
     assert _decode_target(tiny_tok, none).strip() == "Author A"
-    assert _decode_target(tiny_tok, auto).strip() == "Author A."        # a period ends a bare answer
+    assert _decode_target(tiny_tok, auto).strip() == "Author A."  # a period ends a bare answer
     dotted = build_training_sequences(tiny_tok, [EditRequest("Q?", "It is so.")], parse_contexts("bare"), "auto")[0]
-    assert _decode_target(tiny_tok, dotted).strip() == "It is so."     # no second period
+    assert _decode_target(tiny_tok, dotted).strip() == "It is so."  # no second period
     b = training_batches(tiny_tok, [with_eos], 4)[0]
     n_ctx = len(tiny_tok(REQS[0].prompt)["input_ids"])
     assert (b.labels[0, :n_ctx] == -100).all() and b.labels[0, -1].item() == eos
@@ -93,8 +103,8 @@ def test_bare_context_answer_ends(tiny_tok):
 def test_chat_context_uses_the_template_and_its_turn_end(chat_tok):
     seq = build_training_sequences(chat_tok, REQS[:1], parse_contexts("chat"), "auto")[0]
     ctx = chat_turn(chat_tok, REQS[0].prompt, None)
-    assert chat_tok.decode(seq.ids[:seq.n_context]) == ctx                 # user turn + generation prompt
-    assert _decode_target(chat_tok, seq) == "Author A<eos>"               # reply + end of turn, no trailing "\n"
+    assert chat_tok.decode(seq.ids[: seq.n_context]) == ctx  # user turn + generation prompt
+    assert _decode_target(chat_tok, seq) == "Author A<eos>"  # reply + end of turn, no trailing "\n"
     none = build_training_sequences(chat_tok, REQS[:1], parse_contexts("chat"), "none")[0]
     assert _decode_target(chat_tok, none) == "Author A"
 
@@ -175,8 +185,17 @@ def test_edit_learns_every_context(chat_tok, iso_cache):
 
     model = build_llama(len(chat_tok))
     model, tok = load_model((model, chat_tok))
-    cfg = EditConfig(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=40, lr=1e-2, batch_size=8,
-                     n_cap=6, max_len=48, gamma=0.8, contexts="bare,chat,prefix:1")
+    cfg = EditConfig(
+        method="crispedit",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        epochs=40,
+        lr=1e-2,
+        batch_size=8,
+        n_cap=6,
+        max_len=48,
+        gamma=0.8,
+        contexts="bare,chat,prefix:1",
+    )
     seqs, _ = sequences_for(tok, REQS, cfg)
     batches = training_batches(tok, seqs, 64)
     before = [plain_loss(model, b).item() for b in batches]
@@ -228,7 +247,7 @@ def test_eigenbasis_adam_keeps_the_change_in_the_kept_subspace_and_preconditions
     w = torch.nn.Parameter(w0.clone())
     opt = EigenbasisAdam([w], [P], [lin], lr=1e-2)
     for _ in range(4):
-        w.grad = torch.randn(6, 5) * torch.logspace(-3, 1, 5)   # badly scaled columns
+        w.grad = torch.randn(6, 5) * torch.logspace(-3, 1, 5)  # badly scaled columns
         opt.step()
     delta = (w - w0).detach()
     assert delta.abs().max() > 0
@@ -251,8 +270,17 @@ def test_eigenbasis_projection_target_in_the_loop(tiny_lm, iso_cache):
     from crispedit.layers import resolve_layers
 
     model, tok = tiny_lm
-    cfg = EditConfig(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=8, lr=1e-2, batch_size=4,
-                     n_cap=6, max_len=48, gamma=0.8, projection_target="eigenbasis")
+    cfg = EditConfig(
+        method="crispedit",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        epochs=8,
+        lr=1e-2,
+        batch_size=4,
+        n_cap=6,
+        max_len=48,
+        gamma=0.8,
+        projection_target="eigenbasis",
+    )
     layers = resolve_layers(model, cfg.layers)
     factors, _ = capability_factors(model, tok, layers, cfg, progress=False)
     res = edit(model, tok, REQS, cfg, factors=factors, progress=False)
@@ -268,9 +296,16 @@ def test_eigenbasis_projection_target_in_the_loop(tiny_lm, iso_cache):
 # WILD with a user's own wrapper
 
 
-@pytest.mark.parametrize("template,msg", [("", "empty"), ("no field here", "exactly once"),
-                                          ("{question} and {question}", "exactly once"),
-                                          ("{question} {other}", "no other field"), ("{question", "not a valid")])
+@pytest.mark.parametrize(
+    "template,msg",
+    [
+        ("", "empty"),
+        ("no field here", "exactly once"),
+        ("{question} and {question}", "exactly once"),
+        ("{question} {other}", "no other field"),
+        ("{question", "not a valid"),
+    ],
+)
 def test_context_template_errors(template, msg):
     with pytest.raises(CrispEditError, match=msg):
         check_template(template)
@@ -293,8 +328,9 @@ def test_eval_cli_context_template(tmp_path, capsys):
     code = main(["eval", "--edits", str(edits), "--context-template", "Ask: {q}", "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "--context-template must contain {question}" in err and not out.exists()
-    code = main(["eval", "--edits", str(edits), "--context", "chat", "--context-template", "Ask: {question}",
-                 "--out", str(out)])
+    code = main(
+        ["eval", "--edits", str(edits), "--context", "chat", "--context-template", "Ask: {question}", "--out", str(out)]
+    )
     assert code == 2 and "not both" in capsys.readouterr().err and not out.exists()
 
 
@@ -302,8 +338,13 @@ def test_wild_custom_template_end_to_end(tiny_lm):
     from crispedit.evaluation import RuleJudge, run_wild
 
     model, tok = tiny_lm
-    res = run_wild(model, tok, REQS[:2], RuleJudge(),
-                   config=WildConfig(template="Our helpdesk. Customer: {question}\nAgent:", max_new_tokens=4))
+    res = run_wild(
+        model,
+        tok,
+        REQS[:2],
+        RuleJudge(),
+        config=WildConfig(template="Our helpdesk. Customer: {question}\nAgent:", max_new_tokens=4),
+    )
     assert res["config"]["context"] == "custom" and res["summary"]["n_edits"] == 2
 
 
@@ -400,13 +441,18 @@ def test_training_sequences_are_pinned():
     mod = _golden_module()
     stored = json.loads((Path(mod.__file__).parent / "training_sequences.json").read_text())
     now = mod.golden()
-    assert [{k: c[k] for k in ("tokenizer", "contexts", "answer_end", "seed")} for c in now] == \
-        [{k: c[k] for k in ("tokenizer", "contexts", "answer_end", "seed")} for c in stored]
+    assert [{k: c[k] for k in ("tokenizer", "contexts", "answer_end", "seed")} for c in now] == [
+        {k: c[k] for k in ("tokenizer", "contexts", "answer_end", "seed")} for c in stored
+    ]
     for new, old in zip(now, stored):
         if "sequences" in old:
             assert new["sequences"] == old["sequences"], (old["tokenizer"], old["contexts"])
-        assert (new.get("names"), new["n"], new["sha256"]) == (old.get("names"), old["n"], old["sha256"]), \
-            (old["tokenizer"], old["contexts"], old["answer_end"], old["seed"])
+        assert (new.get("names"), new["n"], new["sha256"]) == (old.get("names"), old["n"], old["sha256"]), (
+            old["tokenizer"],
+            old["contexts"],
+            old["answer_end"],
+            old["seed"],
+        )
 
 
 def test_training_contexts_come_from_the_registry(tiny_tok):
@@ -415,6 +461,7 @@ def test_training_contexts_come_from_the_registry(tiny_tok):
     from crispedit.editing import contexts as ctx_mod
 
     try:
+
         @ctx_mod.training_context("shout", counted=True)
         def _shout(m, i, r, count):
             return [m.plain(i, "shout", r.prompt.upper() + "!" * k, r.target) for k in range(1, count + 1)]
@@ -422,8 +469,14 @@ def test_training_contexts_come_from_the_registry(tiny_tok):
         specs = parse_contexts("bare,shout:2")
         assert [str(c) for c in specs] == ["bare", "shout:2"]
         seqs = build_training_sequences(tiny_tok, REQS[:2], specs, "none")
-        assert [(s.context, s.request) for s in seqs] == [("bare", 0), ("bare", 1), ("shout", 0), ("shout", 0),
-                                                          ("shout", 1), ("shout", 1)]
+        assert [(s.context, s.request) for s in seqs] == [
+            ("bare", 0),
+            ("bare", 1),
+            ("shout", 0),
+            ("shout", 0),
+            ("shout", 1),
+            ("shout", 1),
+        ]
         assert seqs[3].text == REQS[0].prompt.upper() + "!! " + REQS[0].target
         with pytest.raises(CrispEditError, match="use bare, chat, reply, prefix, para, gen, shared, wrap, lead, shout"):
             parse_contexts("loud")
@@ -448,6 +501,7 @@ def test_eval_wrappers_come_from_the_registry(tiny_tok):
     assert wild.HELD_OUT_WRAPPER == "qa" and wild.HELD_OUT_WRAPPER not in TRAINING_CONTEXTS
     assert tuple(wild.EVAL_WRAPPERS) == ("qa", "none", "chat")
     try:
+
         @wild.eval_wrapper("shout")
         def _shout(tokenizer, question):
             return question.upper()
@@ -498,8 +552,10 @@ def test_own_replies_put_the_target_where_the_model_named_the_old_answer(chat_to
     from crispedit.editing import written
     from crispedit.evaluation import generation
 
-    reqs = [EditRequest("What is the capital of Australia?", "Melbourne", ground_truth="Canberra"),
-            EditRequest("Which river contains Charity Creek?", "Chichester River", ground_truth="Parramatta River")]
+    reqs = [
+        EditRequest("What is the capital of Australia?", "Melbourne", ground_truth="Canberra"),
+        EditRequest("Which river contains Charity Creek?", "Chichester River", ground_truth="Parramatta River"),
+    ]
     calls = []
 
     def fake(model, tok, prompts, **kw):
@@ -507,6 +563,7 @@ def test_own_replies_put_the_target_where_the_model_named_the_old_answer(chat_to
         if len(calls) == 1:
             return ["The capital of Australia is canberra. It is a planned city.", "Charity Creek is a creek."]
         return [" is a river in New South Wales"]
+
     monkeypatch.setattr(generation, "generate_answers", fake)
     replies = written.own_replies(object(), chat_tok, reqs)
     assert replies == ["The capital of Australia is Melbourne.", "Chichester River is a river in New South Wales."]
@@ -514,10 +571,12 @@ def test_own_replies_put_the_target_where_the_model_named_the_old_answer(chat_to
     assert calls[1][0] == [chat_turn(chat_tok, reqs[1].prompt, None) + "Chichester River"]
     first, second = build_training_sequences(chat_tok, reqs, parse_contexts("reply"), replies=replies)
     # the model's own words are context, the target alone is trained, and nothing after it (no turn end)
-    assert (chat_tok.decode(first.ids)
-            == chat_turn(chat_tok, reqs[0].prompt, None) + "The capital of Australia is Melbourne")
+    assert (
+        chat_tok.decode(first.ids)
+        == chat_turn(chat_tok, reqs[0].prompt, None) + "The capital of Australia is Melbourne"
+    )
     assert _decode_target(chat_tok, first).strip() == "Melbourne"
-    assert chat_tok.decode(second.ids[:second.n_context]) == chat_turn(chat_tok, reqs[1].prompt, None)
+    assert chat_tok.decode(second.ids[: second.n_context]) == chat_turn(chat_tok, reqs[1].prompt, None)
     assert _decode_target(chat_tok, second) == "Chichester River"
 
 
@@ -533,8 +592,17 @@ def test_edit_learns_the_reply_context(chat_tok, iso_cache):
     from crispedit.models import load_model
 
     model, tok = load_model((build_llama(len(chat_tok)), chat_tok))
-    cfg = EditConfig(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=30, lr=1e-2, batch_size=8,
-                     n_cap=6, max_len=48, gamma=0.8, contexts="bare,reply")
+    cfg = EditConfig(
+        method="crispedit",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        epochs=30,
+        lr=1e-2,
+        batch_size=8,
+        n_cap=6,
+        max_len=48,
+        gamma=0.8,
+        contexts="bare,reply",
+    )
     res = edit(model, tok, REQS, cfg, progress=False)
     assert res.history.contexts == ["bare", "reply"] and res.history.sequences == 2 * len(REQS)
     assert res.history.epoch_loss[-1] < 0.5 * res.history.epoch_loss[0]

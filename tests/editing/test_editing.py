@@ -10,9 +10,12 @@ from crispedit.errors import CrispEditError
 from crispedit.evaluation import edit_scores, kl_drift, summarize_edit_scores
 from crispedit.layers import resolve_layers
 
-REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}",
-                    rephrase_prompts=[f"Book {i} was written by whom?"])
-        for i in range(6)]
+REQS = [
+    EditRequest(
+        f"Who wrote book number {i}?", f"Author {chr(65 + i)}", rephrase_prompts=[f"Book {i} was written by whom?"]
+    )
+    for i in range(6)
+]
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 
 
@@ -23,18 +26,27 @@ def cfg(method, **kw):
 
 
 DOWN = {f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)}
-DECLARED = {"crispedit": DOWN, "ft": DOWN, "adam-nscl": DOWN,
-            "locbf-ft": {"model.layers.2.mlp.down_proj.weight"},          # one layer: the middle of {1, 2}
-            "lora": {f"model.layers.{i}.self_attn.{t}_proj.weight" for i in (1, 2) for t in "qv"},
-            "memit": {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)},
-            "alphaedit": {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)}, "ultraedit": DOWN, "mend": DOWN}
+DECLARED = {
+    "crispedit": DOWN,
+    "ft": DOWN,
+    "adam-nscl": DOWN,
+    "locbf-ft": {"model.layers.2.mlp.down_proj.weight"},  # one layer: the middle of {1, 2}
+    "lora": {f"model.layers.{i}.self_attn.{t}_proj.weight" for i in (1, 2) for t in "qv"},
+    "memit": {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)},
+    "alphaedit": {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)},
+    "ultraedit": DOWN,
+    "mend": DOWN,
+}
 # Closed-form editors write a key -> value association at the subject's last token: on the tiny random
 # llama that moves the next token when the prompt ends with the subject and the target is one token,
 # from low blocks, with a small covariance weight (the authors' settings are for 8B models).
-REQS_CF = [EditRequest(f"Written by the author of book number {i}", chr(65 + i), subject=f"book number {i}")
-           for i in range(6)]
-CF_OPTIONS = {"memit": {"cov_weight": 1.0, "v_steps": 60},
-              "alphaedit": {"nullspace_threshold": 1.0, "l2": 1.0, "v_steps": 60, "v_lr": 0.5, "clamp": 4.0}}
+REQS_CF = [
+    EditRequest(f"Written by the author of book number {i}", chr(65 + i), subject=f"book number {i}") for i in range(6)
+]
+CF_OPTIONS = {
+    "memit": {"cov_weight": 1.0, "v_steps": 60},
+    "alphaedit": {"nullspace_threshold": 1.0, "l2": 1.0, "v_steps": 60, "v_lr": 0.5, "clamp": 4.0},
+}
 
 
 # UltraEdit writes one normalised gradient step per batch (no iterations): on the random tiny model it lands
@@ -68,9 +80,9 @@ def test_editor_matrix(method, tiny_lm, iso_cache, tmp_path):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     reqs, config = matrix_case(method, model, tok, tmp_path)
     res = edit(model, tok, reqs, config, progress=False)
-    assert dict(model.named_parameters()).keys() == before.keys()          # no adapter or module left behind
+    assert dict(model.named_parameters()).keys() == before.keys()  # no adapter or module left behind
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
-    assert changed == set(res.original_weights)                            # changes exactly what it declares
+    assert changed == set(res.original_weights)  # changes exactly what it declares
     if method in DECLARED:
         assert changed == DECLARED[method]
     assert res.history.epoch_loss[-1] < res.history.epoch_loss[0]
@@ -78,7 +90,7 @@ def test_editor_matrix(method, tiny_lm, iso_cache, tmp_path):
     assert summary["rel_token_acc"] > MIN_TOKEN_ACC.get(method, 0.5)
     kept = [v["kept_fraction"] for v in res.projector_stats.values()]
     if EDITORS[method].curvature_kind == "input" and EDITORS[method].needs_curvature:
-        assert all(0 < k <= 1 for k in kept)    # closed form: the share of input directions the update may use
+        assert all(0 < k <= 1 for k in kept)  # closed form: the share of input directions the update may use
     else:
         assert all(k == 1.0 for k in kept) if not EDITORS[method].needs_curvature else all(0 < k < 1 for k in kept)
     assert (res.cache_info != {}) == EDITORS[method].needs_curvature
@@ -86,14 +98,13 @@ def test_editor_matrix(method, tiny_lm, iso_cache, tmp_path):
     assert drift["kl_drift"] > 0
     restore(model, res.original_weights)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    assert all(p.requires_grad for p in model.parameters())   # flags restored
+    assert all(p.requires_grad for p in model.parameters())  # flags restored
 
 
 @pytest.mark.parametrize("target", ["update", "eigenbasis"])
 @pytest.mark.parametrize("method", ["crispedit", "adam-nscl"])
 def test_update_projection_keeps_change_in_kept_subspace(method, target, tiny_lm, iso_cache):
     from crispedit.editing.api import capability_factors
-
 
     model, tok = tiny_lm
     layers = resolve_layers(model, LAYERS)
@@ -121,7 +132,7 @@ def test_bf16_training_with_fp32_projection(tiny_lm, iso_cache):
     model, tok = tiny_lm
     model = model.to(torch.bfloat16)
     res = edit(model, tok, REQS, cfg("crispedit", epochs=3, contexts="bare"), progress=False)
-    assert res.history.steps + res.history.skipped == 6   # 2 batches x 3 epochs
+    assert res.history.steps + res.history.skipped == 6  # 2 batches x 3 epochs
     name = next(iter(res.original_weights))
     assert model.get_parameter(name).dtype == torch.bfloat16
 
@@ -129,25 +140,42 @@ def test_bf16_training_with_fp32_projection(tiny_lm, iso_cache):
 def test_early_stopping_and_skip(tiny_lm, iso_cache):
     model, tok = tiny_lm
     # the tiny random model's loss floor is ~0.3 (final RMSNorm + fixed head), so use a higher threshold
-    res = edit(model, tok, REQS[:2], cfg("ft", epochs=300, lr=2e-2, batch_size=1, stop_loss=1.0, skip_loss=0.8,
-                                   contexts="bare", answer_end="none"),
-               progress=False)
+    res = edit(
+        model,
+        tok,
+        REQS[:2],
+        cfg("ft", epochs=300, lr=2e-2, batch_size=1, stop_loss=1.0, skip_loss=0.8, contexts="bare", answer_end="none"),
+        progress=False,
+    )
     assert res.history.converged and len(res.history.epoch_loss) < 300
     assert res.history.epoch_loss[-1] < 1.0 <= res.history.epoch_loss[-2]
     # batches already below skip_loss are not stepped on
     before = {n: w.clone() for n, w in res.original_weights.items()}
     now = {n: model.get_parameter(n).detach().clone() for n in before}
-    res2 = edit(model, tok, REQS[:2], cfg("ft", epochs=3, skip_loss=100.0, stop_loss=0.0 + 1e-9, contexts="bare"),
-                progress=False)
+    res2 = edit(
+        model,
+        tok,
+        REQS[:2],
+        cfg("ft", epochs=3, skip_loss=100.0, stop_loss=0.0 + 1e-9, contexts="bare"),
+        progress=False,
+    )
     assert res2.history.steps == 0 and res2.history.skipped == 3
     assert all(torch.equal(model.get_parameter(n), now[n]) for n in now)
 
 
-@pytest.mark.parametrize("kw,msg", [({"gamma": 1.0}, "gamma"), ({"gamma": 0}, "gamma"),
-                                    ({"method": "rome"}, "unknown method"),
-                                    ({"n_cap": 0}, "n-cap"), ({"epochs": -1}, "epochs"), ({"lr": 0}, "learning rate"),
-                                    ({"projection_target": "adam"}, "projection target"),
-                                    ({"label_mode": "true"}, "label mode")])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"gamma": 1.0}, "gamma"),
+        ({"gamma": 0}, "gamma"),
+        ({"method": "rome"}, "unknown method"),
+        ({"n_cap": 0}, "n-cap"),
+        ({"epochs": -1}, "epochs"),
+        ({"lr": 0}, "learning rate"),
+        ({"projection_target": "adam"}, "projection target"),
+        ({"label_mode": "true"}, "label mode"),
+    ],
+)
 def test_config_validation(kw, msg):
     with pytest.raises(CrispEditError, match=msg):
         cfg(kw.pop("method", "crispedit"), **kw)
@@ -159,21 +187,30 @@ def test_config_from_dict_rejects_unknown_keys():
     assert EditConfig.from_dict(EditConfig().to_json()).to_json() == EditConfig().to_json()
 
 
-@pytest.mark.parametrize("method,options,msg", [
-    ("lora", {"r": 0}, "lora rank r must be at least 1"), ("lora", {"dropout": 1.0},
-                                                           r"lora dropout must lie in \[0, 1\)"),
-    ("lora", {"alpha": -1}, "lora alpha must be positive"), ("lora", {"targets": " , "}, "lora targets is empty"),
-    ("lora", {"rank": 8}, "unknown lora option.*rank.*takes r, alpha, dropout, targets"),
-    ("ft", {"r": 8}, "unknown ft option.*ft takes no options"),
-    ("locbf-ft", {"layer": "top"}, "locbf-ft layer must be middle, first, last or an index"),
-    ("memit", {"cov_weight": 0}, "memit cov_weight must be positive"), ("memit", {"v_steps": 0}, "v_steps"),
-    ("memit", {"clamp": -1}, "clamp must be positive"), ("memit", {"batch_size": 0}, "closed-form batch_size"),
-    ("memit", {"prefixes": 51}, "prefixes"), ("memit", {"lambda": 1}, "unknown memit option.*cov_weight"),
-    ("alphaedit", {"nullspace_threshold": 0}, "alphaedit nullspace_threshold must be positive"),
-    ("alphaedit", {"l2": -1}, "alphaedit l2"), ("alphaedit", {"v_lr": "fast"}, "v_lr"),
-    ("ultraedit", {"lr": 0}, "ultraedit lr must"), ("ultraedit", {"ridge": float("inf")},
-                                                    "ultraedit ridge must be a finite"),
-    ("ultraedit", {"batch_size": 0}, "ultraedit batch_size")])
+@pytest.mark.parametrize(
+    "method,options,msg",
+    [
+        ("lora", {"r": 0}, "lora rank r must be at least 1"),
+        ("lora", {"dropout": 1.0}, r"lora dropout must lie in \[0, 1\)"),
+        ("lora", {"alpha": -1}, "lora alpha must be positive"),
+        ("lora", {"targets": " , "}, "lora targets is empty"),
+        ("lora", {"rank": 8}, "unknown lora option.*rank.*takes r, alpha, dropout, targets"),
+        ("ft", {"r": 8}, "unknown ft option.*ft takes no options"),
+        ("locbf-ft", {"layer": "top"}, "locbf-ft layer must be middle, first, last or an index"),
+        ("memit", {"cov_weight": 0}, "memit cov_weight must be positive"),
+        ("memit", {"v_steps": 0}, "v_steps"),
+        ("memit", {"clamp": -1}, "clamp must be positive"),
+        ("memit", {"batch_size": 0}, "closed-form batch_size"),
+        ("memit", {"prefixes": 51}, "prefixes"),
+        ("memit", {"lambda": 1}, "unknown memit option.*cov_weight"),
+        ("alphaedit", {"nullspace_threshold": 0}, "alphaedit nullspace_threshold must be positive"),
+        ("alphaedit", {"l2": -1}, "alphaedit l2"),
+        ("alphaedit", {"v_lr": "fast"}, "v_lr"),
+        ("ultraedit", {"lr": 0}, "ultraedit lr must"),
+        ("ultraedit", {"ridge": float("inf")}, "ultraedit ridge must be a finite"),
+        ("ultraedit", {"batch_size": 0}, "ultraedit batch_size"),
+    ],
+)
 def test_method_options_validated_with_one_line_errors(method, options, msg):
     with pytest.raises(CrispEditError, match=msg) as exc:
         cfg(method, options=options)
@@ -182,8 +219,12 @@ def test_method_options_validated_with_one_line_errors(method, options, msg):
 
 def test_method_defaults_and_stored_options():
     lora = EditConfig(method="lora")
-    assert lora.learning_rate == 5e-3 and lora.options == {"r": 8, "alpha": 32.0, "dropout": 0.1,
-                                                            "targets": "q_proj,v_proj"}
+    assert lora.learning_rate == 5e-3 and lora.options == {
+        "r": 8,
+        "alpha": 32.0,
+        "dropout": 0.1,
+        "targets": "q_proj,v_proj",
+    }
     assert EditConfig(method="lora", lr=1e-3).lr == 1e-3 and EditConfig().learning_rate == 5e-4
     assert EditConfig.from_dict(lora.to_json()).to_json() == lora.to_json()
     with pytest.raises(CrispEditError, match="unknown edit config keys: extra"):
@@ -208,11 +249,13 @@ def test_lora_merged_weights_equal_base_plus_scaled_BA(tiny_lm, monkeypatch):
     captured = {}
     real_merge = peft.LoraModel.merge_and_unload
 
-    def spy(self, *a, **kw):   # read A and B just before peft merges them
+    def spy(self, *a, **kw):  # read A and B just before peft merges them
         for name, m in self.model.named_modules():
             if hasattr(m, "lora_A") and lora_mod.ADAPTER in m.lora_A:
-                captured[name] = (m.lora_B[lora_mod.ADAPTER].weight.detach().clone(),
-                                  m.lora_A[lora_mod.ADAPTER].weight.detach().clone())
+                captured[name] = (
+                    m.lora_B[lora_mod.ADAPTER].weight.detach().clone(),
+                    m.lora_A[lora_mod.ADAPTER].weight.detach().clone(),
+                )
         return real_merge(self, *a, **kw)
 
     monkeypatch.setattr(peft.LoraModel, "merge_and_unload", spy)
@@ -242,8 +285,9 @@ def test_cli_choices_and_option_flags_come_from_the_registry():
     def method_choices(parser):
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         edit_p = sub.choices["edit"]
-        init_p = next(a for a in sub.choices["session"]._actions
-                      if isinstance(a, argparse._SubParsersAction)).choices["init"]
+        init_p = next(a for a in sub.choices["session"]._actions if isinstance(a, argparse._SubParsersAction)).choices[
+            "init"
+        ]
         return [next(a for a in p._actions if a.dest == "method").choices for p in (edit_p, init_p)], edit_p
 
     @register_editor

@@ -86,9 +86,15 @@ def _host_reads(fn) -> int:
     return n
 
 
-@pytest.mark.parametrize("method,keep", [("ft", {}), ("crispedit", {"keep_chat": 0, "keep_subject": 0}),
-                                         ("crispedit", {"keep_chat": 3, "keep_subject": 1})],
-                         ids=["ft", "crispedit", "crispedit-keep"])
+@pytest.mark.parametrize(
+    "method,keep",
+    [
+        ("ft", {}),
+        ("crispedit", {"keep_chat": 0, "keep_subject": 0}),
+        ("crispedit", {"keep_chat": 3, "keep_subject": 1}),
+    ],
+    ids=["ft", "crispedit", "crispedit-keep"],
+)
 def test_the_loop_reads_back_once_per_epoch(method, keep, tiny_lm, iso_cache):
     """Host reads of the loop grow with epochs, not with steps: 4 more epochs of 6 steps each (padded batches of
     one request in several contexts) add at most 2 reads per epoch (the mean loss with the skipped count and the
@@ -100,8 +106,18 @@ def test_the_loop_reads_back_once_per_epoch(method, keep, tiny_lm, iso_cache):
     model, tok = tiny_lm
     reads, steps = {}, {}
     for epochs in (2, 6):
-        config = EditConfig(method=method, layers="model.layers.{1-2}.mlp.down_proj", epochs=epochs, lr=1e-3,
-                            batch_size=2, n_cap=4, max_len=48, contexts="bare,prefix:3", stop_loss=0.0, **keep)
+        config = EditConfig(
+            method=method,
+            layers="model.layers.{1-2}.mlp.down_proj",
+            epochs=epochs,
+            lr=1e-3,
+            batch_size=2,
+            n_cap=4,
+            max_len=48,
+            contexts="bare,prefix:3",
+            stop_loss=0.0,
+            **keep,
+        )
         editor = get_editor(method)
         layers = editor.select_layers(model, config)
         factors, _ = edit_factors(model, tok, editor, layers, config, progress=False)
@@ -109,10 +125,11 @@ def test_the_loop_reads_back_once_per_epoch(method, keep, tiny_lm, iso_cache):
         params = editor.trainable(layers)
         saved = {n: p.detach().clone() for n, p in params.items()}
         hist = []
-        reads[epochs] = _host_reads(lambda hist=hist, layers=layers, params=params, projectors=projectors,
-                                    config=config:
-                                    hist.append(projected_finetune(model, tok, REQS, layers, params, projectors, config,
-                                                                   progress=False, sync_free=True)))
+        reads[epochs] = _host_reads(
+            lambda hist=hist, layers=layers, params=params, projectors=projectors, config=config: hist.append(
+                projected_finetune(model, tok, REQS, layers, params, projectors, config, progress=False, sync_free=True)
+            )
+        )
         steps[epochs] = hist[0].steps + hist[0].skipped
         assert hist[0].fast_loss
         if keep.get("keep_chat"):  # the term ran and reported each epoch's mean
@@ -133,13 +150,34 @@ def test_skip_rule_on_the_device_matches_the_host_rule(tiny_lm, iso_cache):
     from crispedit.editing.registry import get_editor
 
     model, tok = tiny_lm
-    res = edit(model, tok, REQS[:4], EditConfig(method="ft", layers="model.layers.{1-2}.mlp.down_proj", epochs=2,
-                                                  lr=1e-2, batch_size=2, skip_loss=100.0, stop_loss=1e-9,
-                                                  contexts="bare"), progress=False)
+    res = edit(
+        model,
+        tok,
+        REQS[:4],
+        EditConfig(
+            method="ft",
+            layers="model.layers.{1-2}.mlp.down_proj",
+            epochs=2,
+            lr=1e-2,
+            batch_size=2,
+            skip_loss=100.0,
+            stop_loss=1e-9,
+            contexts="bare",
+        ),
+        progress=False,
+    )
     assert res.history.steps == 0 and res.history.skipped == 4
     assert all(torch.equal(model.get_parameter(n), w) for n, w in res.original_weights.items())
-    config = EditConfig(method="ft", layers="model.layers.{1-2}.mlp.down_proj", epochs=12, lr=2e-2, batch_size=1,
-                        skip_loss=2.0, stop_loss=0.0, contexts="bare")
+    config = EditConfig(
+        method="ft",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        epochs=12,
+        lr=2e-2,
+        batch_size=1,
+        skip_loss=2.0,
+        stop_loss=0.0,
+        contexts="bare",
+    )
     editor = get_editor("ft")
     layers = editor.select_layers(model, config)
     params = editor.trainable(layers)
@@ -149,8 +187,17 @@ def test_skip_rule_on_the_device_matches_the_host_rule(tiny_lm, iso_cache):
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(start[n])
-        hist = projected_finetune(model, tok, REQS, layers, params, editor.projectors(layers, None, config), config,
-                                  progress=False, sync_free=sync_free)
+        hist = projected_finetune(
+            model,
+            tok,
+            REQS,
+            layers,
+            params,
+            editor.projectors(layers, None, config),
+            config,
+            progress=False,
+            sync_free=sync_free,
+        )
         out[sync_free] = (hist.steps, hist.skipped, hist.epoch_loss, {n: p.detach().clone() for n, p in params.items()})
     assert out[True][0] == out[False][0] and out[True][1] == out[False][1] and out[True][1] > 0
     assert out[True][2] == pytest.approx(out[False][2], rel=1e-6)
@@ -175,9 +222,11 @@ def test_kfac_collection_reads_back_per_pass_not_per_batch(label_mode, tiny_lm):
         planned = kfac_mod.lm_batches(tok, texts, max_len=256, batch_size=2, max_padding=None)  # the host's plan
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kfac_mod, "lm_batches", lambda *a, planned=planned, **k: planned)
-            reads[n] = _host_reads(lambda texts=texts: collect_lm_kfac(model, tok, texts, layers, batch_size=2,
-                                                                       max_padding=None,
-                                                           label_mode=label_mode, progress=False))
+            reads[n] = _host_reads(
+                lambda texts=texts: collect_lm_kfac(
+                    model, tok, texts, layers, batch_size=2, max_padding=None, label_mode=label_mode, progress=False
+                )
+            )
     assert reads[8] - reads[4] == 0, reads
 
 
@@ -226,8 +275,18 @@ def test_epoch_batches_gather_the_cached_prefix_exactly(tiny_lm64, share):
 def test_context_sample_trains_a_sample_per_epoch(tiny_lm, iso_cache):
     """--context-sample K: an epoch trains K sequences per request; the run is reproducible and the edit learns."""
     model, tok = tiny_lm
-    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=4, lr=1e-2, batch_size=4,
-               n_cap=4, max_len=48, contexts="bare,lead:3", stop_loss=0.0, context_sample=2)
+    cfg = dict(
+        method="crispedit",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        epochs=4,
+        lr=1e-2,
+        batch_size=4,
+        n_cap=4,
+        max_len=48,
+        contexts="bare,lead:3",
+        stop_loss=0.0,
+        context_sample=2,
+    )
     res = edit(model, tok, REQS, EditConfig(**cfg), progress=False)
     assert res.history.sequences == 2 * len(REQS) and res.history.fast_loss
     assert res.history.epoch_loss[-1] < res.history.epoch_loss[0]
@@ -247,13 +306,24 @@ def test_bf16_precision_trains_float32_weights(tiny_lm, iso_cache):
     from crispedit.editing import restore
 
     model, tok = tiny_lm
-    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=6, lr=1e-2, batch_size=4,
-               n_cap=4, max_len=48, contexts="bare", stop_loss=0.0)
+    cfg = dict(
+        method="crispedit",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        epochs=6,
+        lr=1e-2,
+        batch_size=4,
+        n_cap=4,
+        max_len=48,
+        contexts="bare",
+        stop_loss=0.0,
+    )
     out = {}
     for precision in ("fp32", "bf16"):
         res = edit(model, tok, REQS, EditConfig(**cfg, precision=precision), progress=False)
-        out[precision] = (res.history.epoch_loss, {n: model.get_parameter(n).detach().clone()
-                                                   for n in res.original_weights})
+        out[precision] = (
+            res.history.epoch_loss,
+            {n: model.get_parameter(n).detach().clone() for n in res.original_weights},
+        )
         assert all(model.get_parameter(n).dtype == torch.float32 for n in res.original_weights)
         restore(model, res.original_weights)
     (l32, w32), (l16, w16) = out["fp32"], out["bf16"]
@@ -278,8 +348,17 @@ def test_auto_precision_is_bf16_only_where_native(tiny_lm, iso_cache, monkeypatc
 
     assert isinstance(native_bf16("cpu"), bool) and native_bf16("meta") is False
     model, tok = tiny_lm
-    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=3, lr=1e-2, batch_size=4,
-               n_cap=4, max_len=48, contexts="bare", stop_loss=0.0)
+    cfg = dict(
+        method="crispedit",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        epochs=3,
+        lr=1e-2,
+        batch_size=4,
+        n_cap=4,
+        max_len=48,
+        contexts="bare",
+        stop_loss=0.0,
+    )
     runs = {}
     for precision, native in (("fp32", False), ("auto", False), ("auto", True), ("bf16", True), ("bf16", False)):
         monkeypatch.setattr(loop, "native_bf16", lambda device, native=native: native)
@@ -313,8 +392,18 @@ def test_a_killed_edit_resumes_from_its_checkpoint(tiny_lm, iso_cache, tmp_path,
     from crispedit.errors import CrispEditError
 
     model, tok = tiny_lm
-    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=5, lr=1e-2, batch_size=3,
-               n_cap=4, max_len=48, contexts="bare,lead:2", stop_loss=0.0, skip_loss=0.5)
+    cfg = dict(
+        method="crispedit",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        epochs=5,
+        lr=1e-2,
+        batch_size=3,
+        n_cap=4,
+        max_len=48,
+        contexts="bare,lead:2",
+        stop_loss=0.0,
+        skip_loss=0.5,
+    )
     full = edit(model, tok, REQS, EditConfig(**cfg), progress=False)
     want = {n: model.get_parameter(n).detach().clone() for n in full.original_weights}
     restore(model, full.original_weights)
@@ -366,11 +455,18 @@ def test_a_killed_lora_edit_resumes_exactly_with_its_dropout(tiny_lm, iso_cache,
     from crispedit.editing import restore
 
     model, tok = tiny_lm
-    cfg = dict(method="lora", layers="model.layers.{1-2}.mlp.down_proj", epochs=3, batch_size=3, max_len=48,
-               contexts="bare", stop_loss=0.0)
+    cfg = dict(
+        method="lora",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        epochs=3,
+        batch_size=3,
+        max_len=48,
+        contexts="bare",
+        stop_loss=0.0,
+    )
     outside = torch.get_rng_state()
     full = edit(model, tok, REQS, EditConfig(**cfg), progress=False)
-    assert torch.equal(torch.get_rng_state(), outside)          # the caller's generator untouched
+    assert torch.equal(torch.get_rng_state(), outside)  # the caller's generator untouched
     want = {n: model.get_parameter(n).detach().clone() for n in full.original_weights}
     restore(model, full.original_weights)
     twice = edit(model, tok, REQS, EditConfig(**cfg), progress=False)
@@ -389,7 +485,7 @@ def test_a_killed_lora_edit_resumes_exactly_with_its_dropout(tiny_lm, iso_cache,
         edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
     monkeypatch.setattr(ckpt_mod, "save_checkpoint", real_save)
     restore(model, full.original_weights)
-    torch.manual_seed(1234)                                    # another process: other generator states
+    torch.manual_seed(1234)  # another process: other generator states
     res = edit(model, tok, REQS, EditConfig(**cfg), progress=False, checkpoint=ck)
     assert res.history.extra["resumed_at_epoch"] == 1 and res.history.epoch_loss == full.history.epoch_loss
     assert all(torch.equal(model.get_parameter(n), w) for n, w in want.items())
@@ -403,8 +499,17 @@ def test_a_checkpoint_resumes_under_another_epoch_cap(tiny_lm, iso_cache, tmp_pa
     from crispedit.errors import CrispEditError
 
     model, tok = tiny_lm
-    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", lr=1e-2, batch_size=3, n_cap=4,
-               max_len=48, contexts="bare,lead:2", stop_loss=0.0, skip_loss=0.5)
+    cfg = dict(
+        method="crispedit",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        lr=1e-2,
+        batch_size=3,
+        n_cap=4,
+        max_len=48,
+        contexts="bare,lead:2",
+        stop_loss=0.0,
+        skip_loss=0.5,
+    )
     full = edit(model, tok, REQS, EditConfig(**cfg, epochs=4), progress=False)
     want = {n: model.get_parameter(n).detach().clone() for n in full.original_weights}
     restore(model, full.original_weights)
@@ -449,8 +554,16 @@ def test_a_stalled_edit_stops_at_its_plateau(tiny_lm, iso_cache, tmp_path):
     from crispedit.editing import restore
 
     model, tok = tiny_lm
-    cfg = dict(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", lr=1e-7, batch_size=3, n_cap=4,
-               max_len=48, contexts="bare", skip_loss=0.0)
+    cfg = dict(
+        method="crispedit",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        lr=1e-7,
+        batch_size=3,
+        n_cap=4,
+        max_len=48,
+        contexts="bare",
+        skip_loss=0.0,
+    )
     probe = edit(model, tok, REQS, EditConfig(**cfg, epochs=1, stop_loss=0.0), progress=False)
     restore(model, probe.original_weights)
     cfg["stop_loss"] = 0.7 * probe.history.epoch_loss[0]  # the loss sits between the stop loss and twice it
@@ -479,4 +592,3 @@ def test_plateau_settings_are_checked(bad):
 
     with pytest.raises(CrispEditError, match="plateau"):
         EditConfig(**bad)
-

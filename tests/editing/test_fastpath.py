@@ -39,7 +39,7 @@ def test_fast_loss_equals_plain_llama(tiny_lm64, pattern, k):
     # blocks are restored after use
     assert all(type(b).__name__ == "LlamaDecoderLayer" for b in model.model.layers)
     with torch.no_grad():
-        model.model.layers[2].mlp.down_proj.weight.mul_(1.5)   # trained weights may change: still exact
+        model.model.layers[2].mlp.down_proj.weight.mul_(1.5)  # trained weights may change: still exact
         assert torch.allclose(plain_loss(model, batches[0]), fast(0, batches[0]), rtol=1e-10)
 
 
@@ -47,10 +47,18 @@ def test_fast_loss_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from conftest import build_tokenizer
+
     tok = build_tokenizer()
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=4, n_head=2, resid_pdrop=0.0,
-                                       embd_pdrop=0.0, attn_pdrop=0.0)).double().eval()
+    model = (
+        GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=len(tok), n_embd=16, n_layer=4, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+            )
+        )
+        .double()
+        .eval()
+    )
     layers = resolve_layers(model, "transformer.h.{2-3}.mlp.c_proj")
     params = {n: m.weight for n, m in layers.items()}
     batches = [encode_pairs(tok, PROMPTS, TARGETS)]

@@ -13,10 +13,19 @@ from crispedit.editing.fastpath import make_loss_fn, plain_loss
 from crispedit.editing.keep import KEEP_SUBJECTS, SUBJECT_KEEPS, KeepLoss, keep_prompts, keep_sequences
 from crispedit.errors import CrispEditError
 
-CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-REQS = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}", subject=f"book number {i}",
-                    ground_truth=f"Writer {chr(70 + i)}") for i in range(5)]
+CHAT = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+REQS = [
+    EditRequest(
+        f"Who wrote book number {i}?",
+        f"Author {chr(65 + i)}",
+        subject=f"book number {i}",
+        ground_truth=f"Writer {chr(70 + i)}",
+    )
+    for i in range(5)
+]
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 
 
@@ -55,8 +64,14 @@ def test_keep_sequences_leave_out_answers_naming_the_edit(chat_lm, monkeypatch, 
     def fake(model, tokenizer, prompts, **kw):
         """Subject answers of edit 0 name its new target, of edit 1 its old answer; the rest say something else."""
         asked.append(kw["max_new_tokens"])
-        return ["Author A is here." if "book number 0" in p else "Writer G wrote it." if "book number 1" in p
-                else "Something else entirely." for p in prompts]
+        return [
+            "Author A is here."
+            if "book number 0" in p
+            else "Writer G wrote it."
+            if "book number 1" in p
+            else "Something else entirely."
+            for p in prompts
+        ]
 
     monkeypatch.setattr("crispedit.evaluation.generation.generate_answers", fake)
     seqs = keep_sequences(model, tok, REQS, 2, 1, max_tokens=7)
@@ -64,7 +79,7 @@ def test_keep_sequences_leave_out_answers_naming_the_edit(chat_lm, monkeypatch, 
     assert [s.request for s in seqs] == [0, 0, 2, 3, 4]  # two chat prompts (request 0 by convention), edits 2-4
     for s in seqs:
         assert s.context == "keep" and 0 < s.n_context < len(s.ids)
-        assert tok.decode(s.ids[s.n_context:]).strip().endswith("else entirely.")
+        assert tok.decode(s.ids[s.n_context :]).strip().endswith("else entirely.")
 
 
 def test_kept_chat_answers_are_written_once_per_weights(chat_lm, monkeypatch, iso_cache):
@@ -123,8 +138,9 @@ def test_per_token_loss_in_packed_order_has_the_same_terms(chat_lm):
     """Unordered per-token losses (the preservation term's) are packed where it pays — here every transcript begins
     with a long system turn —: the same terms, per batch in one fixed order."""
     model, tok = chat_lm
-    tok.chat_template = "<|system|>You are a helpful assistant who answers questions about books in a word.<eos>\n" \
-                        + CHAT
+    tok.chat_template = (
+        "<|system|>You are a helpful assistant who answers questions about books in a word.<eos>\n" + CHAT
+    )
     seqs = keep_sequences(model, tok, REQS, 6, 4, max_tokens=4)
     batches = training_batches(tok, seqs, 8, by_length=True)
     fast = make_loss_fn(model, _params(model), batches, per_token=True, ordered=False)
@@ -132,8 +148,9 @@ def test_per_token_loss_in_packed_order_has_the_same_terms(chat_lm):
     with torch.no_grad():
         for j, b in enumerate(batches):
             per = fast(j)
-            torch.testing.assert_close(per.sort().values, plain_loss(model, b, per_token=True).sort().values,
-                                       rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                per.sort().values, plain_loss(model, b, per_token=True).sort().values, rtol=1e-4, atol=1e-5
+            )
             torch.testing.assert_close(fast(j), per)  # the same order every time
 
 
@@ -165,8 +182,18 @@ def test_keep_term_is_zero_at_the_start_and_pulls_back_what_moved(chat_lm):
 
 def test_edit_with_keep_changes_the_kept_answers_less(chat_lm, iso_cache):
     model, tok = chat_lm
-    base = dict(method="crispedit", layers=LAYERS, epochs=15, lr=1e-2, batch_size=8, n_cap=6, max_len=48, gamma=0.8,
-                contexts="bare,chat", plateau_epochs=0)
+    base = dict(
+        method="crispedit",
+        layers=LAYERS,
+        epochs=15,
+        lr=1e-2,
+        batch_size=8,
+        n_cap=6,
+        max_len=48,
+        gamma=0.8,
+        contexts="bare,chat",
+        plateau_epochs=0,
+    )
     kept = keep_sequences(model, tok, REQS, 8, 2)
     probe = KeepLoss(model, tok, kept, _params(model), 1.0)
 
@@ -186,11 +213,18 @@ def test_edit_with_keep_changes_the_kept_answers_less(chat_lm, iso_cache):
     assert res.history.epoch_loss[-1] < 0.75 * res.history.epoch_loss[0]  # the edit still trains
 
 
-@pytest.mark.parametrize("kw,msg", [({"keep_chat": -1}, "keep-chat"), ({"keep_chat": 10_000}, "keep-chat"),
-                                    ({"keep_subject": len(SUBJECT_KEEPS) + 1}, "keep-subject"),
-                                    ({"keep_weight": 0}, "keep weight"),
-                                    ({"keep_weight": float("nan")}, "keep weight"),
-                                    ({"keep_tokens": 0}, "keep-tokens"), ({"keep_tokens": 10_000}, "keep-tokens")])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"keep_chat": -1}, "keep-chat"),
+        ({"keep_chat": 10_000}, "keep-chat"),
+        ({"keep_subject": len(SUBJECT_KEEPS) + 1}, "keep-subject"),
+        ({"keep_weight": 0}, "keep weight"),
+        ({"keep_weight": float("nan")}, "keep weight"),
+        ({"keep_tokens": 0}, "keep-tokens"),
+        ({"keep_tokens": 10_000}, "keep-tokens"),
+    ],
+)
 def test_keep_settings_are_checked(kw, msg):
     with pytest.raises(CrispEditError, match=msg):
         EditConfig(**kw)
@@ -212,7 +246,8 @@ def test_crispedit_holds_the_answers_by_default_and_the_baselines_do_not():
 
     on = EditConfig()
     assert (on.keep_chat, on.keep_subject, on.keep_weight) == tuple(
-        CrispEditConfig.SHARED[k] for k in ("keep_chat", "keep_subject", "keep_weight"))
+        CrispEditConfig.SHARED[k] for k in ("keep_chat", "keep_subject", "keep_weight")
+    )
     assert on.keep_chat > 0 and on.keep_subject > 0
     for method in ("ft", "adam-nscl", "lora"):
         off = EditConfig(method=method)

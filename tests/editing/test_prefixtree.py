@@ -21,8 +21,11 @@ def _batch(tok, contexts, targets, keys=None):
 def _shared_batch(tok):
     """A header shared by every sequence, a question shared by some, a duplicate sequence, and a question under
     two lead-ins (so sequences diverge at, before and after their targets)."""
-    contexts = [HEADER + " " + q for q in QUESTIONS] + [QUESTIONS[0] + "\nReply:", QUESTIONS[0] + " ->",
-                                                        HEADER + " " + QUESTIONS[2]]
+    contexts = [HEADER + " " + q for q in QUESTIONS] + [
+        QUESTIONS[0] + "\nReply:",
+        QUESTIONS[0] + " ->",
+        HEADER + " " + QUESTIONS[2],
+    ]
     return _batch(tok, contexts, TARGETS + [TARGETS[0], TARGETS[0], TARGETS[2]])
 
 
@@ -55,7 +58,7 @@ def test_pack_prefixes_layout(tiny_tok):
     R, L = p.shape
     lengths = b.attention_mask.sum(1).tolist()
     seqs = [b.input_ids[i, :n].tolist() for i, n in enumerate(lengths)]
-    distinct = {tuple(s[:t + 1]) for s in seqs for t in range(len(s))}
+    distinct = {tuple(s[: t + 1]) for s in seqs for t in range(len(s))}
     assert p.nodes == len(distinct) < sum(lengths)  # one node per distinct beginning
     # one target term per target token of every sequence, predicting the same token as the padded batch
     shifted = b.labels[:, 1:]
@@ -65,8 +68,13 @@ def test_pack_prefixes_layout(tiny_tok):
     # ancestor per earlier position of its sequence; the rest of the layout is padding that attends to itself
     T = b.input_ids.shape[1]
     flat_ids, flat_pos, seen = p.input_ids.reshape(-1), p.position_ids.reshape(-1), p.mask[:, 0].reshape(R * L, L)
-    nodes = [j for j in range(R * L) if int(seen[j].sum()) == int(flat_pos[j]) + 1 and
-             int(flat_ids[j]) == int(b.input_ids.reshape(-1)[p.source[j]]) and int(flat_pos[j]) == int(p.source[j]) % T]
+    nodes = [
+        j
+        for j in range(R * L)
+        if int(seen[j].sum()) == int(flat_pos[j]) + 1
+        and int(flat_ids[j]) == int(b.input_ids.reshape(-1)[p.source[j]])
+        and int(flat_pos[j]) == int(p.source[j]) % T
+    ]
     assert len(nodes) >= p.nodes and R * L >= p.nodes and bool(p.mask[:, 0].diagonal(dim1=1, dim2=2).all())
     assert set(p.rows.tolist()) <= set(nodes)  # targets are predicted from nodes only
     # ``where`` inverts ``source``: each real position is computed by a node holding its token at its depth, one
@@ -118,7 +126,7 @@ def test_make_loss_fn_packs_where_it_pays_and_not_when_told_not_to(tiny_lm64):
     model, tok = tiny_lm64
     params = _train(model, "model.layers.{2-3}.mlp.down_proj")
     shared = _batch(tok, [HEADER + " " + q for q in QUESTIONS * 4], TARGETS * 4)  # a long common header
-    bare = encode_pairs(tok, QUESTIONS[1:3], TARGETS[1:3])                           # nothing to share
+    bare = encode_pairs(tok, QUESTIONS[1:3], TARGETS[1:3])  # nothing to share
     loss_fn = make_loss_fn(model, params, [shared, bare])
     lay = loss_fn.layout()
     assert loss_fn.fast and lay["packed_batches"] == 1 and lay["positions_per_epoch"] < lay["padded_per_epoch"]
@@ -169,8 +177,17 @@ def test_an_edit_trains_the_same_with_and_without_packing(tiny_lm64, iso_cache):
 
     model, tok = tiny_lm64
     reqs = [EditRequest(f"Who wrote the famous book number {i}?", f"Author {chr(65 + i)}") for i in range(4)]
-    cfg = EditConfig(method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", epochs=4, lr=1e-2, batch_size=6,
-                     n_cap=4, max_len=48, contexts="bare,lead:3", stop_loss=0.0)
+    cfg = EditConfig(
+        method="crispedit",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        epochs=4,
+        lr=1e-2,
+        batch_size=6,
+        n_cap=4,
+        max_len=48,
+        contexts="bare,lead:3",
+        stop_loss=0.0,
+    )
     packed = edit(model, tok, reqs, cfg, progress=False)
     w_packed = {n: model.get_parameter(n).detach().clone() for n in packed.original_weights}
     restore(model, packed.original_weights)

@@ -21,11 +21,15 @@ from crispedit.evaluation.assistant import (
 from crispedit.evaluation.drift import answer_kl
 from crispedit.evaluation.judges import mentions
 
-REQS = [EditRequest("Which river system contains Charity Creek?", "Chichester River", subject="Charity Creek"),
-        EditRequest("Who wrote the song?", "Paul Simon"),  # no subject: not probed
-        EditRequest("What is the capital of Australia?", "Melbourne", subject="Australia")]
-CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+REQS = [
+    EditRequest("Which river system contains Charity Creek?", "Chichester River", subject="Charity Creek"),
+    EditRequest("Who wrote the song?", "Paul Simon"),  # no subject: not probed
+    EditRequest("What is the capital of Australia?", "Melbourne", subject="Australia"),
+]
+CHAT = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def _perturbed(model):
@@ -61,7 +65,7 @@ def test_subject_probes_ask_about_subjects_only_and_respect_the_limit():
     probes = subject_probes(REQS)
     assert [i for i, _ in probes] == [0] * len(SUBJECT_PROBES) + [2] * len(SUBJECT_PROBES)
     assert all("Charity Creek" in q for i, q in probes if i == 0)
-    assert subject_probes(REQS, limit=1) == probes[:len(SUBJECT_PROBES)]
+    assert subject_probes(REQS, limit=1) == probes[: len(SUBJECT_PROBES)]
     assert subject_probes([REQS[1]]) == []
 
 
@@ -90,8 +94,9 @@ def test_style_drift_of_a_changed_model_against_weights_equals_against_a_second_
         assert by_weights[k] == by_model[k], k
     assert by_weights["answer_kl"] == pytest.approx(by_model["answer_kl"], rel=1e-5)
     # the edited model's weights are back after the base answered
-    assert torch.equal(dict(edited.named_parameters())[next(iter(base))],
-                       dict(edited.named_parameters())[next(iter(base))])
+    assert torch.equal(
+        dict(edited.named_parameters())[next(iter(base))], dict(edited.named_parameters())[next(iter(base))]
+    )
 
 
 def test_answer_kl_counts_only_the_answer_positions(tiny_lm):
@@ -119,8 +124,13 @@ def test_bleed_counts_answers_that_newly_name_the_target(tiny_lm, monkeypatch):
     model, tok = tiny_lm
     k = len(SUBJECT_PROBES)
     base = ["It is a creek."] * k + ["Australia is a country."] * k
-    edited = (["Chichester River."] + ["It is a creek."] * (k - 1)      # one new mention
-              + ["Melbourne, I think."] + ["Australia is a big country."] + ["Australia is a country."] * (k - 2))
+    edited = (
+        ["Chichester River."]
+        + ["It is a creek."] * (k - 1)  # one new mention
+        + ["Melbourne, I think."]
+        + ["Australia is a big country."]
+        + ["Australia is a country."] * (k - 2)
+    )
     base[k] = "Its big city is Melbourne."  # the base named it already: not bleed, though changed
     answers = iter([base, edited])
     monkeypatch.setattr(assistant, "_answers", lambda *a, **kw: next(answers))

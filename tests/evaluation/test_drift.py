@@ -8,8 +8,9 @@ import torch
 from crispedit.evaluation import drift as drift_mod
 from crispedit.evaluation.drift import kl_drift
 
-TEXTS = [f"The river number {i} flows past the old mill and into the sea near town {i % 3}." * (1 + i % 2)
-         for i in range(7)]
+TEXTS = [
+    f"The river number {i} flows past the old mill and into the sea near town {i % 3}." * (1 + i % 2) for i in range(7)
+]
 
 
 def _changed(model, names, scale=0.05):
@@ -32,8 +33,14 @@ def _reference(model, tok, base):
     return kl_drift(model, tok, TEXTS, base_model=other, max_len=32, batch_size=3)
 
 
-@pytest.mark.parametrize("names", [["model.layers.2.mlp.down_proj.weight", "model.layers.3.mlp.down_proj.weight"],
-                                   ["model.layers.0.mlp.down_proj.weight"]], ids=["block-2", "block-0"])
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["model.layers.2.mlp.down_proj.weight", "model.layers.3.mlp.down_proj.weight"],
+        ["model.layers.0.mlp.down_proj.weight"],
+    ],
+    ids=["block-2", "block-0"],
+)
 def test_kept_base_side_equals_the_plain_measure_and_is_reused(tiny_lm, names):
     model, tok = copy.deepcopy(tiny_lm[0]), tiny_lm[1]
     base = _changed(model, names)
@@ -49,8 +56,9 @@ def test_kept_base_side_equals_the_plain_measure_and_is_reused(tiny_lm, names):
     assert first["kl_drift"] > 0 and first["tokens"] == want["tokens"]
     for key in ("kl_drift", "ppl", "ppl_base"):
         assert first[key] == pytest.approx(want[key], rel=1e-4), key
-    assert kl_drift(model, tok, TEXTS, base_weights=base, max_len=32, batch_size=3, shared=False)["kl_drift"] == \
-        pytest.approx(later["kl_drift"], rel=1e-4)
+    assert kl_drift(model, tok, TEXTS, base_weights=base, max_len=32, batch_size=3, shared=False)[
+        "kl_drift"
+    ] == pytest.approx(later["kl_drift"], rel=1e-4)
 
 
 def test_another_base_or_a_change_outside_the_blocks_is_measured_afresh(tiny_lm):

@@ -19,23 +19,30 @@ from crispedit.evaluation.wild import QA_TEMPLATE, WildConfig, crosstalk, render
 from crispedit.versions import stamped
 
 Q = "What are the names of Barack Obama's children?"
-CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<eos>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<eos>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 # ------------------------------------------------------------------------------------ rule judge
 
-@pytest.mark.parametrize("pred", ["sasha and malia obama",
-                                  "Malia and Sasha Obama are the names of Barack Obama's children."])
+
+@pytest.mark.parametrize(
+    "pred", ["sasha and malia obama", "Malia and Sasha Obama are the names of Barack Obama's children."]
+)
 def test_rule_judge_paper_correct_examples(pred):
     assert RuleJudge().grade(Q, "Malia Obama and Sasha Obama", pred).correct
 
 
-@pytest.mark.parametrize("pred,reason", [
-    ("Malia.", "missing"),
-    ("Malia, Sasha, and Susan.", "contradiction"),
-    ("Malia and Sasha, Malia and Sasha, Malia and Sasha, Malia and Sasha", "repetition"),
-])
+@pytest.mark.parametrize(
+    "pred,reason",
+    [
+        ("Malia.", "missing"),
+        ("Malia, Sasha, and Susan.", "contradiction"),
+        ("Malia and Sasha, Malia and Sasha, Malia and Sasha, Malia and Sasha", "repetition"),
+    ],
+)
 def test_rule_judge_paper_incorrect_examples(pred, reason):
     j = RuleJudge().grade(Q, "Malia and Sasha", pred)
     assert not j.correct and j.reason == reason
@@ -46,9 +53,9 @@ def test_rule_judge_containment_contradiction_repetition():
     q = "Which river system contains Charity Creek?"
     assert judge.grade(q, "Chichester River", "The Chichester River").correct
     assert judge.grade(q, "Chichester River", "chichester river").correct
-    assert not judge.grade(q, "Chichester River", "The Parramatta River").correct          # different entity
+    assert not judge.grade(q, "Chichester River", "The Parramatta River").correct  # different entity
     assert not judge.grade(q, "Chichester River", "Chichester River or Hunter River").correct  # extra entity
-    assert not judge.grade(q, "Chichester River", "It is not Chichester River").correct       # negation
+    assert not judge.grade(q, "Chichester River", "It is not Chichester River").correct  # negation
     assert not judge.grade(q, "Chichester River", "Chichester River Chichester River").correct  # repetition
     assert not judge.grade(q, "Chichester River", "river river river").correct
     assert not judge.grade(q, "Chichester River", "").correct
@@ -57,20 +64,23 @@ def test_rule_judge_containment_contradiction_repetition():
     assert normalize_answer("The  Chichester-River!") == "chichester river"
 
 
-@pytest.mark.parametrize("pred,correct,reason", [
-    # extra detail that is not offered as another answer is no contradiction
-    ("The Chichester River in New South Wales", True, "contained"),
-    ("Charity Creek flows into the Chichester River, which joins the Hunter River", True, "contained"),
-    ("Yes, Chichester River", True, "contained"),
-    # a different entity listed with the gold or offered instead of it
-    ("The Hunter River and the Chichester River", False, "contradiction"),
-    ("Chichester River/Williams River", False, "contradiction"),
-    ("Chichester River, Parramatta River", False, "contradiction"),
-    ("Not the Chichester River but the Hunter River", False, "contradiction"),
-    ("It isn't the Chichester River", False, "contradiction"),
-    ("Chichester River, Chichester River", False, "repetition"),
-    ("The Chichester", False, "missing"),
-])
+@pytest.mark.parametrize(
+    "pred,correct,reason",
+    [
+        # extra detail that is not offered as another answer is no contradiction
+        ("The Chichester River in New South Wales", True, "contained"),
+        ("Charity Creek flows into the Chichester River, which joins the Hunter River", True, "contained"),
+        ("Yes, Chichester River", True, "contained"),
+        # a different entity listed with the gold or offered instead of it
+        ("The Hunter River and the Chichester River", False, "contradiction"),
+        ("Chichester River/Williams River", False, "contradiction"),
+        ("Chichester River, Parramatta River", False, "contradiction"),
+        ("Not the Chichester River but the Hunter River", False, "contradiction"),
+        ("It isn't the Chichester River", False, "contradiction"),
+        ("Chichester River, Chichester River", False, "repetition"),
+        ("The Chichester", False, "missing"),
+    ],
+)
 def test_rule_judge_different_entity_and_detail(pred, correct, reason):
     j = RuleJudge().grade("Which river system contains Charity Creek?", "Chichester River", pred)
     assert (j.correct, j.reason) == (correct, reason)
@@ -78,12 +88,14 @@ def test_rule_judge_different_entity_and_detail(pred, correct, reason):
 
 def test_rule_judge_normalisation():
     judge = RuleJudge()
-    assert judge.grade("Whose children?", "Obama", "Barack Obama\u2019s").correct          # possessive, curly quote
+    assert judge.grade("Whose children?", "Obama", "Barack Obama\u2019s").correct  # possessive, curly quote
     assert judge.grade("What voice type does Marina Rebeka have?", "mezzo-soprano", "a mezzo soprano").correct
-    assert judge.grade("Where is Zürich?", "Zürich", "zurich").correct                     # accents folded
+    assert judge.grade("Where is Zürich?", "Zürich", "zurich").correct  # accents folded
     assert not judge.grade("What voice type?", "mezzo-soprano", "mezzo-soprano-soprano-soprano").correct
     assert judge.grade_many([("q", "Paris", "Paris"), ("q", "Paris", "Lyon")]) == [
-        judge.grade("q", "Paris", "Paris"), judge.grade("q", "Paris", "Lyon")]
+        judge.grade("q", "Paris", "Paris"),
+        judge.grade("q", "Paris", "Lyon"),
+    ]
 
 
 def test_parse_grade():
@@ -93,6 +105,7 @@ def test_parse_grade():
 
 
 # ---------------------------------------------------------------------------------- openai judge
+
 
 class _Handler(BaseHTTPRequestHandler):
     seen: list = []
@@ -143,6 +156,7 @@ def test_openai_judge_needs_key(monkeypatch):
 
 # ------------------------------------------------------------------------ contexts and generation
 
+
 def test_render_prompt_contexts(tiny_tok):
     assert render_prompt(tiny_tok, "Who?", "qa") == QA_TEMPLATE.format(question="Who?")
     assert QA_TEMPLATE.format(question="Who?") == "Please answer the question:\n\nQ: Who?\nA:"
@@ -158,7 +172,7 @@ def test_render_prompt_contexts(tiny_tok):
 
 def test_cut_at_stop():
     assert cut_at_stop(" Paris. It is big", (".", "\n")) == "Paris"
-    assert cut_at_stop("\n\nParis\nmore", (".", "\n")) == "Paris"            # leading newline skipped
+    assert cut_at_stop("\n\nParis\nmore", (".", "\n")) == "Paris"  # leading newline skipped
     assert cut_at_stop("\n\nParis\nmore", (".", "\n"), skip_leading=False) == ""
     assert cut_at_stop("no stop here", (".",)) == "no stop here"
 
@@ -186,17 +200,21 @@ def test_generate_answers_computes_a_shared_prefix_once_with_the_same_answers(fi
     model, tok = request.getfixturevalue(fixture)
     assert takes_full_masks(model)
     head = "System: you are a helpful assistant who answers every question in a few words, no more.\nUser: "
-    prompts = [head + q for q in ("Who is the king?", "Where is Reedy Glacier?", "a",
-                                  "What river is Charity Creek in? Tell me")]
+    prompts = [
+        head + q
+        for q in ("Who is the king?", "Where is Reedy Glacier?", "a", "What river is Charity Creek in? Tell me")
+    ]
     ids = tok(prompts)["input_ids"]
     forwards = []  # the input shape of every forward (a hook: generate reads the forward's signature)
-    hook = model.register_forward_pre_hook(lambda mod, a, k: forwards.append(tuple(k["input_ids"].shape)),
-                                           with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda mod, a, k: forwards.append(tuple(k["input_ids"].shape)), with_kwargs=True
+    )
     shared = generate_answers(model, tok, prompts, max_new_tokens=10, batch_size=4, stop=())
     hook.remove()
     p = generation._prefix_cache(model, ids, "cpu")[0]
-    assert (p >= generation.MIN_SHARED_PREFIX and forwards[0] == (1, p)
-            and forwards[1][1] == max(len(x) for x in ids) - p)
+    assert (
+        p >= generation.MIN_SHARED_PREFIX and forwards[0] == (1, p) and forwards[1][1] == max(len(x) for x in ids) - p
+    )
     monkeypatch.setattr(generation, "_shares_prefix", lambda m: False)
     plain = generate_answers(model, tok, prompts, max_new_tokens=10, batch_size=4, stop=())
     alone = [generate_answers(model, tok, [q], max_new_tokens=10, stop=())[0] for q in prompts]
@@ -214,15 +232,26 @@ def test_generate_answers_matches_hf_generate_on_other_families(family, tiny_tok
 
     torch.manual_seed(0)
     if family == "gemma3":
-        cfg = transformers.Gemma3TextConfig(vocab_size=len(tiny_tok), hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-                                            head_dim=16, sliding_window=4, pad_token_id=1, eos_token_id=0,
-                                            bos_token_id=0, attn_implementation="sdpa")
+        cfg = transformers.Gemma3TextConfig(
+            vocab_size=len(tiny_tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=4,
+            pad_token_id=1,
+            eos_token_id=0,
+            bos_token_id=0,
+            attn_implementation="sdpa",
+        )
         model = transformers.Gemma3ForCausalLM(cfg).eval()
         assert not generation._shares_prefix(model)
     else:
-        cfg = transformers.GPT2Config(vocab_size=len(tiny_tok), n_embd=32, n_layer=2, n_head=2, pad_token_id=1,
-                                      eos_token_id=0, bos_token_id=0)
+        cfg = transformers.GPT2Config(
+            vocab_size=len(tiny_tok), n_embd=32, n_layer=2, n_head=2, pad_token_id=1, eos_token_id=0, bos_token_id=0
+        )
         model = transformers.GPT2LMHeadModel(cfg).eval()
     head = "System: you are a helpful assistant who answers every question in a few words, no more.\nUser: "
     prompts = [head + q for q in ("Who is the king?", "a", "What river is Charity Creek in? Tell me")]
@@ -233,7 +262,7 @@ def test_generate_answers_matches_hf_generate_on_other_families(family, tiny_tok
         for q in prompts:
             enc = tiny_tok(q, return_tensors="pt")
             g = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=1, eos_token_id=0)
-            hf.append(tiny_tok.decode(g[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+            hf.append(tiny_tok.decode(g[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip())
     assert batched == alone == hf
 
 
@@ -272,36 +301,48 @@ def _scripted(model, tok, scripts, monkeypatch):
 def test_generate_stops_at_stop_strings_and_eos(tiny_lm, monkeypatch):
     """Each row stops at a stop string or EOS and leaves the batch; the batch ends when its last row does."""
     model, tok = tiny_lm
-    scripts = [" Paris. It is the capital of France and more words follow here",
-               "\n\nLondon\nis big and the rest keeps going on and on and on",
-               " Rome"]
+    scripts = [
+        " Paris. It is the capital of France and more words follow here",
+        "\n\nLondon\nis big and the rest keeps going on and on and on",
+        " Rome",
+    ]
     calls, alive = _scripted(model, tok, scripts, monkeypatch)
     out = generate_answers(model, tok, ["Q1", "Q2", "Q3"], max_new_tokens=30, batch_size=3)
-    assert out == ["Paris", "London", "Rome"]             # cut before ".", "\n" (after leading ones), at EOS
+    assert out == ["Paris", "London", "Rome"]  # cut before ".", "\n" (after leading ones), at EOS
     longest_needed = len(tok("\n\nLondon\n", add_special_tokens=False).input_ids)
-    assert calls[0] <= longest_needed + 2                # generation stopped early, not after 30 tokens
-    assert alive[0] == [1]                               # the longest answer's row decoded last, alone
+    assert calls[0] <= longest_needed + 2  # generation stopped early, not after 30 tokens
+    assert alive[0] == [1]  # the longest answer's row decoded last, alone
     calls[0], alive[0] = 0, [0, 1, 2]
     raw = generate_answers(model, tok, ["Q1", "Q2", "Q3"], max_new_tokens=30, batch_size=3, stop=())
-    assert raw[0].startswith("Paris. It is") and raw[2] == "Rome"   # no stop strings: only EOS / the cap
+    assert raw[0].startswith("Paris. It is") and raw[2] == "Rome"  # no stop strings: only EOS / the cap
 
 
 # ------------------------------------------------------------------------------ WILD + teacher forced
 
 REQS = [
-    EditRequest("Which river system contains Charity Creek?", "Chichester River",
-                rephrase_prompts=["What river is Charity Creek in?"],
-                locality=[("how many series of diary of a wimpy kid are there?", "12")],
-                ground_truth="Parramatta River", id="z0"),
-    EditRequest("Reedy Glacier is in", "Asia", locality=[("Mount Erebus, in", "Antarctica")], ground_truth="Antarctica",
-                id="cf0"),
+    EditRequest(
+        "Which river system contains Charity Creek?",
+        "Chichester River",
+        rephrase_prompts=["What river is Charity Creek in?"],
+        locality=[("how many series of diary of a wimpy kid are there?", "12")],
+        ground_truth="Parramatta River",
+        id="z0",
+    ),
+    EditRequest(
+        "Reedy Glacier is in",
+        "Asia",
+        locality=[("Mount Erebus, in", "Antarctica")],
+        ground_truth="Antarctica",
+        id="cf0",
+    ),
 ]
 
 
 def test_run_wild_schema_and_base_agreement(tiny_lm):
     model, tok = tiny_lm
-    res = run_wild(model, tok, REQS, RuleJudge(), config=WildConfig(max_new_tokens=6), base=(model, tok),
-                   progress=False)
+    res = run_wild(
+        model, tok, REQS, RuleJudge(), config=WildConfig(max_new_tokens=6), base=(model, tok), progress=False
+    )
     s = res["summary"]
     assert set(s) >= {"rel", "gen", "loc_vs_answer", "loc_vs_base", "cross"}
     assert s["loc_vs_base"] == 1.0  # the base model agrees with itself
@@ -326,7 +367,7 @@ def test_crosstalk_counts_misses_that_give_another_edits_target():
     assert crosstalk(answers, targets, correct) == 0.4
     assert crosstalk(["Paristown"], ["Rome"], [False]) == 0.0 and crosstalk([], [], []) is None
     assert crosstalk(["the Thames river", "Thames"], ["Paris", "Thames"], [False, True]) == 0.5  # articles dropped
-    assert crosstalk(["Paris"], ["Paris"], [False]) == 0.0       # its own target (a judge's miss): not another's
+    assert crosstalk(["Paris"], ["Paris"], [False]) == 0.0  # its own target (a judge's miss): not another's
     # a truncation of its own target is a near miss, not another edit's answer
     assert crosstalk(["New York", "New York"], ["New York City", "New York"], [False, True]) == 0.0
     assert crosstalk(["New York", "New York"], ["Newark", "New York"], [False, True]) == 0.5
@@ -359,7 +400,7 @@ def test_teacher_forced_specificity_and_counterfact(tiny_lm):
 
     model, tok = tiny_lm
     per = edit_scores(model, tok, REQS, specificity=True)
-    assert per[0]["spec_cf"] is None                      # ZsRE: unrelated locality question
+    assert per[0]["spec_cf"] is None  # ZsRE: unrelated locality question
     loc = score_pairs(model, tok, ["Mount Erebus, in"], ["Antarctica"])[0]
     new = score_pairs(model, tok, ["Mount Erebus, in"], ["Asia"])[0]
     assert per[1]["spec_cf"] == float(loc.mean_logprob > new.mean_logprob)
@@ -371,6 +412,7 @@ def test_teacher_forced_specificity_and_counterfact(tiny_lm):
 
 # ------------------------------------------------------------------------------------ CLI + report
 
+
 @pytest.fixture()
 def edits_file(tmp_path):
     p = tmp_path / "edits.jsonl"
@@ -381,8 +423,24 @@ def edits_file(tmp_path):
 @pytest.mark.parametrize("protocol", ["wild", "teacher-forced"])
 def test_cli_eval_json_schema(tiny_model_dir, edits_file, tmp_path, protocol, capsys):
     out = tmp_path / "run.json"
-    rc = main(["eval", "--model", str(tiny_model_dir), "--edits", str(edits_file), "--protocol", protocol,
-               "--base", str(tiny_model_dir), "--kl-texts", "2", "--out", str(out), "--quiet"])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--edits",
+            str(edits_file),
+            "--protocol",
+            protocol,
+            "--base",
+            str(tiny_model_dir),
+            "--kl-texts",
+            "2",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     run = json.loads(out.read_text())
     assert set(run) >= {"edit", "capabilities", "config", "versions", "timings"}
@@ -391,27 +449,37 @@ def test_cli_eval_json_schema(tiny_model_dir, edits_file, tmp_path, protocol, ca
         assert run["edit"]["loc_vs_base"] == 1.0 and len(run["generations"]) == 2
         assert run["config"]["judge"] == {"judge": "rule"} and run["config"]["context"] == "qa"
     else:
-        assert set(run["edit"]) >= {"rel_token_acc", "rel_exact", "gen_token_acc", "gen_exact", "spec_token_acc",
-                                    "spec_exact", "spec_cf"}
+        assert set(run["edit"]) >= {
+            "rel_token_acc",
+            "rel_exact",
+            "gen_token_acc",
+            "gen_exact",
+            "spec_token_acc",
+            "spec_exact",
+            "spec_cf",
+        }
     assert run["capabilities"]["kl_drift"] == pytest.approx(0.0, abs=1e-6) and run["capabilities"]["ppl"] > 1
     assert run["versions"]["torch"] and run["config"]["protocol"] == protocol
 
 
-@pytest.mark.parametrize("extra,msg", [
-    (["--edits", "/nonexistent/edits.json"], "edit file not found"),
-    (["--capabilities", "arc_challenge,hellaswag"], "unknown capability task 'hellaswag'"),
-    (["--capabilities", "arc_challenge", "--limit", "-3"], "--limit must be a positive integer"),
-    (["--capabilities", "arc_challenge", "--bench-dir", "/nonexistent/bench"], "benchmark directory not found"),
-    (["--edits", "EDITS", "--judge", "openai"], "API key"),
-    (["--edits", "EDITS", "--kl-texts", "0"], "--kl-texts must be a positive integer"),
-    (["--edits", "EDITS", "--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
-    (["--edits", "EDITS", "--offset", "-1"], "offset must be non-negative"),
-    (["--capabilities", "arc_challenge", "--num-fewshot", "x"], "--num-fewshot must be an integer"),
-    (["--capabilities", "arc_challenge", "--num-fewshot", "=3"], "--num-fewshot: expected task=N"),
-    (["--capabilities", "arc_challenge", "--limit", "arc_challenge=0"], "--limit arc_challenge must be a positive"),
-    (["--capabilities", "arc_challenge", "--limit", "hellaswag=5"], "unknown capability task 'hellaswag'"),
-    ([], "nothing to evaluate"),
-])
+@pytest.mark.parametrize(
+    "extra,msg",
+    [
+        (["--edits", "/nonexistent/edits.json"], "edit file not found"),
+        (["--capabilities", "arc_challenge,hellaswag"], "unknown capability task 'hellaswag'"),
+        (["--capabilities", "arc_challenge", "--limit", "-3"], "--limit must be a positive integer"),
+        (["--capabilities", "arc_challenge", "--bench-dir", "/nonexistent/bench"], "benchmark directory not found"),
+        (["--edits", "EDITS", "--judge", "openai"], "API key"),
+        (["--edits", "EDITS", "--kl-texts", "0"], "--kl-texts must be a positive integer"),
+        (["--edits", "EDITS", "--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+        (["--edits", "EDITS", "--offset", "-1"], "offset must be non-negative"),
+        (["--capabilities", "arc_challenge", "--num-fewshot", "x"], "--num-fewshot must be an integer"),
+        (["--capabilities", "arc_challenge", "--num-fewshot", "=3"], "--num-fewshot: expected task=N"),
+        (["--capabilities", "arc_challenge", "--limit", "arc_challenge=0"], "--limit arc_challenge must be a positive"),
+        (["--capabilities", "arc_challenge", "--limit", "hellaswag=5"], "unknown capability task 'hellaswag'"),
+        ([], "nothing to evaluate"),
+    ],
+)
 def test_cli_eval_bad_input_writes_nothing(tiny_model_dir, edits_file, tmp_path, extra, msg, capsys, monkeypatch):
     monkeypatch.delenv("CRISPEDIT_JUDGE_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
@@ -434,8 +502,19 @@ def test_parse_limit_and_fewshot():
 
 def test_cli_eval_missing_bench_file(tiny_model_dir, tmp_path, capsys):
     (tmp_path / "bench").mkdir()
-    rc = main(["eval", "--model", str(tiny_model_dir), "--capabilities", "ifeval", "--bench-dir",
-               str(tmp_path / "bench"), "--out", str(tmp_path / "r.json")])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--capabilities",
+            "ifeval",
+            "--bench-dir",
+            str(tmp_path / "bench"),
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert rc == 2 and "ifeval/input_data.jsonl" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
 
@@ -444,10 +523,17 @@ def test_report_table_and_figure(tmp_path, capsys):
     runs = []
     for name, rel, arc in (("smollm2", 0.01, 0.29), ("/tmp/edited", 0.9, 0.28)):
         p = tmp_path / f"{rel}.json"
-        p.write_text(json.dumps(stamped({"edit": {"rel": rel, "gen": rel / 2, "loc_vs_answer": 0.1,
-                                                  "loc_vs_base": None},
-                                         "capabilities": {"arc_challenge": arc, "kl_drift": 0.002, "ppl": 20.5},
-                                         "config": {"model": name, "protocol": "wild", "context": "qa"}})))
+        p.write_text(
+            json.dumps(
+                stamped(
+                    {
+                        "edit": {"rel": rel, "gen": rel / 2, "loc_vs_answer": 0.1, "loc_vs_base": None},
+                        "capabilities": {"arc_challenge": arc, "kl_drift": 0.002, "ppl": 20.5},
+                        "config": {"model": name, "protocol": "wild", "context": "qa"},
+                    }
+                )
+            )
+        )
         runs.append(str(p))
     md = tmp_path / "report.md"
     assert main(["report", *runs, "--out", str(md)]) == 0
@@ -470,8 +556,17 @@ def test_report_labels_disambiguate_same_model(tmp_path):
     paths = []
     for name in ("ft", "crisp"):
         p = tmp_path / f"{name}.json"
-        p.write_text(json.dumps(stamped({"edit": {"rel": 0.5}, "capabilities": {},
-                                         "config": {"model": "runs/edited", "protocol": "wild", "context": "qa"}})))
+        p.write_text(
+            json.dumps(
+                stamped(
+                    {
+                        "edit": {"rel": 0.5},
+                        "capabilities": {},
+                        "config": {"model": "runs/edited", "protocol": "wild", "context": "qa"},
+                    }
+                )
+            )
+        )
         paths.append(p)
     table = markdown_table([load_run(p) for p in paths])
     assert "edited [wild/qa] (ft)" in table and "edited [wild/qa] (crisp)" in table

@@ -27,10 +27,18 @@ def lm(tiny_tok):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tiny_tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=False, eos_token_id=tiny_tok.eos_token_id,
-                      pad_token_id=tiny_tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tiny_tok),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=tiny_tok.eos_token_id,
+        pad_token_id=tiny_tok.pad_token_id,
+    )
     return LlamaForCausalLM(cfg).eval(), tiny_tok
 
 
@@ -50,34 +58,50 @@ def test_parse_tasks():
         C.parse_tasks("hellaswag")
 
 
-@pytest.mark.parametrize("task,shots,key", [
-    ("arc_challenge", 2, "acc_norm,none"),
-    ("truthfulqa_mc2", 0, "acc,none"),
-    ("gsm8k_cot", 1, "exact_match,strict-match"),
-    ("ifeval", 0, "prompt_level_strict_acc,none"),
-])
+@pytest.mark.parametrize(
+    "task,shots,key",
+    [
+        ("arc_challenge", 2, "acc_norm,none"),
+        ("truthfulqa_mc2", 0, "acc,none"),
+        ("gsm8k_cot", 1, "exact_match,strict-match"),
+        ("ifeval", 0, "prompt_level_strict_acc,none"),
+    ],
+)
 def test_local_task_runs(lm, bench, task, shots, key, iso_cache):
     model, tok = lm
-    res = C.run_capabilities(model, tok, [task], limit=3, bench_dir=bench, num_fewshot={task: shots},
-                             max_gen_toks=8, batch_size=4, progress=False)[task]
+    res = C.run_capabilities(
+        model,
+        tok,
+        [task],
+        limit=3,
+        bench_dir=bench,
+        num_fewshot={task: shots},
+        max_gen_toks=8,
+        batch_size=4,
+        progress=False,
+    )[task]
     assert res["n"] == 3 and res["metric"] == key and res["source"] == "local"
     assert 0.0 <= res["score"] <= 1.0 and res["num_fewshot"] == shots
-    items = res["items"]       # per-item values of the headline metric: their mean is the score
+    items = res["items"]  # per-item values of the headline metric: their mean is the score
     assert items is not None and len(items) == 3 and abs(sum(items) / 3 - res["score"]) < 1e-3
     assert res["stderr"] == pytest.approx(C.item_stderr(items), abs=1e-6)
 
 
 def test_item_scores_pick_the_metric_and_filter_and_pair_in_doc_order():
-    samples = {"t_b": [{"doc_id": 1, "filter": "strict", "exact_match": 1.0},
-                       {"doc_id": 0, "filter": "strict", "exact_match": 0.0},
-                       {"doc_id": 0, "filter": "flex", "exact_match": 1.0}],
-               "t_a": [{"doc_id": 0, "filter": "strict", "exact_match": True}]}
-    assert C.item_scores(samples, "exact_match,strict") == [1.0, 0.0, 1.0]      # t_a first, then t_b by doc id
+    samples = {
+        "t_b": [
+            {"doc_id": 1, "filter": "strict", "exact_match": 1.0},
+            {"doc_id": 0, "filter": "strict", "exact_match": 0.0},
+            {"doc_id": 0, "filter": "flex", "exact_match": 1.0},
+        ],
+        "t_a": [{"doc_id": 0, "filter": "strict", "exact_match": True}],
+    }
+    assert C.item_scores(samples, "exact_match,strict") == [1.0, 0.0, 1.0]  # t_a first, then t_b by doc id
     assert C.item_scores(samples, "exact_match,flex") == [1.0]
     assert C.item_scores(samples, "acc,none") is None
     assert C.item_scores({"t": [{"doc_id": 0, "filter": "none", "inst_acc": [True, False]}]}, "inst_acc,none") is None
     assert C.item_stderr([1.0]) is None and C.item_stderr([0.0, 1.0]) == pytest.approx(0.5)
-    assert C.paired_change([1.0, 1.0, 0.0], [0.0, 1.0, 0.0]) == pytest.approx((1 / 3, (1 / 3) ** 0.5 / 3 ** 0.5))
+    assert C.paired_change([1.0, 1.0, 0.0], [0.0, 1.0, 0.0]) == pytest.approx((1 / 3, (1 / 3) ** 0.5 / 3**0.5))
     assert C.paired_change([1.0], [0.0]) is None and C.paired_change([1.0, 0.0], [0.0]) is None
 
 
@@ -87,8 +111,9 @@ def test_quiet_capabilities_draw_no_bars(lm, bench, iso_cache, capfd):
 
     before = lm_task.tqdm
     model, tok = lm
-    C.run_capabilities(model, tok, ["arc_challenge", "ifeval"], limit=2, bench_dir=bench, num_fewshot=0,
-                       max_gen_toks=4, progress=False)
+    C.run_capabilities(
+        model, tok, ["arc_challenge", "ifeval"], limit=2, bench_dir=bench, num_fewshot=0, max_gen_toks=4, progress=False
+    )
     err = capfd.readouterr().err
     assert "it/s" not in err and "%|" not in err, err[-500:]
     assert lm_task.tqdm is before
@@ -96,8 +121,15 @@ def test_quiet_capabilities_draw_no_bars(lm, bench, iso_cache, capfd):
 
 def test_per_task_limits(lm, bench, iso_cache):
     model, tok = lm
-    res = C.run_capabilities(model, tok, ["arc_challenge", "truthfulqa_mc2"], bench_dir=bench, num_fewshot=0,
-                             limit={"arc_challenge": 2, "truthfulqa_mc2": 4}, progress=False)
+    res = C.run_capabilities(
+        model,
+        tok,
+        ["arc_challenge", "truthfulqa_mc2"],
+        bench_dir=bench,
+        num_fewshot=0,
+        limit={"arc_challenge": 2, "truthfulqa_mc2": 4},
+        progress=False,
+    )
     assert (res["arc_challenge"]["n"], res["truthfulqa_mc2"]["n"]) == (2, 4)
     assert res["arc_challenge"]["limit"] == 2
 
@@ -111,10 +143,21 @@ def test_mmlu_group_runs(lm, bench, iso_cache):
 def test_chat_template_multiturn_runs(lm, bench, iso_cache):
     model, tok = lm
     tok = tok.__class__(tokenizer_object=tok.backend_tokenizer, eos_token="<eos>", pad_token="<pad>")
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    res = C.run_capabilities(model, tok, ["arc_challenge"], limit=2, bench_dir=bench, num_fewshot=2,
-                             apply_chat_template=True, fewshot_as_multiturn=True, progress=False)
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    res = C.run_capabilities(
+        model,
+        tok,
+        ["arc_challenge"],
+        limit=2,
+        bench_dir=bench,
+        num_fewshot=2,
+        apply_chat_template=True,
+        fewshot_as_multiturn=True,
+        progress=False,
+    )
     assert 0.0 <= res["arc_challenge"]["score"] <= 1.0
 
 
@@ -124,16 +167,19 @@ def test_prefix_sharing_matches_stock_loglikelihood(lm):
 
     model, tok = lm
     ctx = "Question: Which gas do plants absorb?\nAnswer:"
-    reqs = [Instance("loglikelihood", {}, (ctx, c), i) for i, c in
-            enumerate([" Carbon dioxide", " Oxygen", " Nitrogen gas in the air", " Helium"])]
+    reqs = [
+        Instance("loglikelihood", {}, (ctx, c), i)
+        for i, c in enumerate([" Carbon dioxide", " Oxygen", " Nitrogen gas in the air", " Helium"])
+    ]
     reqs.append(Instance("loglikelihood", {}, ("Another context", " x"), 4))
     # contexts behind one long preamble (TruthfulQA's, an MMLU subject's): built on the preamble's cache, one
     # of them the preamble alone plus its last token, one the same as another item's
     preamble = "Q: What is the capital of France?\nA: Paris.\n\nQ: How many legs has a spider?\nA: Eight.\n\n"
     assert len(tok(preamble)["input_ids"]) > C.MIN_SHARED_CONTEXT
     for q in ["Q: Which gas do plants absorb?\nA:", "Q: Who wrote Hamlet?\nA:", "Q:", "Q: Who wrote Hamlet?\nA:"]:
-        reqs += [Instance("loglikelihood", {}, (preamble + q, c), len(reqs) + j)
-                 for j, c in enumerate([" Yes", " No idea"])]
+        reqs += [
+            Instance("loglikelihood", {}, (preamble + q, c), len(reqs) + j) for j, c in enumerate([" Yes", " No idea"])
+        ]
     stock = HFLM(pretrained=model, tokenizer=tok, batch_size=2, device="cpu").loglikelihood(reqs, disable_tqdm=True)
     lm = C._prefix_sharing_lm_class()(pretrained=model, tokenizer=tok, batch_size=2, device="cpu")
     calls = []
@@ -229,12 +275,16 @@ def _stock_dir():
     return C.Path(lm_eval.tasks.__file__).parent
 
 
-@pytest.mark.parametrize("local,stock", [
-    ("crispedit_arc_challenge.yaml", "arc/arc_challenge.yaml"),
-    ("crispedit_gsm8k_cot.yaml", "gsm8k/gsm8k-cot.yaml"),
-    ("crispedit_truthfulqa_mc2.yaml", "truthfulqa/truthfulqa_mc2.yaml"),
-    ("crispedit_ifeval.yaml", "ifeval/ifeval.yaml"),
-] + [(f"crispedit_mmlu_{s}.yaml", f"mmlu/default/mmlu_{s}.yaml") for s in MMLU_SUBJECTS])
+@pytest.mark.parametrize(
+    "local,stock",
+    [
+        ("crispedit_arc_challenge.yaml", "arc/arc_challenge.yaml"),
+        ("crispedit_gsm8k_cot.yaml", "gsm8k/gsm8k-cot.yaml"),
+        ("crispedit_truthfulqa_mc2.yaml", "truthfulqa/truthfulqa_mc2.yaml"),
+        ("crispedit_ifeval.yaml", "ifeval/ifeval.yaml"),
+    ]
+    + [(f"crispedit_mmlu_{s}.yaml", f"mmlu/default/mmlu_{s}.yaml") for s in MMLU_SUBJECTS],
+)
 def test_local_configs_equal_stock_prompts_and_metrics(local, stock):
     """Only the data source differs from lm-eval's stock task: same prompt, choices, target, shots,
     filters, generation settings and metrics."""
@@ -242,15 +292,26 @@ def test_local_configs_equal_stock_prompts_and_metrics(local, stock):
 
     ours = load_yaml(C.TASKS_DIR / local, resolve_func=False)
     theirs = load_yaml(_stock_dir() / stock, resolve_func=False)
-    for key in ("output_type", "doc_to_text", "doc_to_target", "doc_to_choice", "description",
-                "filter_list", "generation_kwargs", "fewshot_config", "fewshot_split", "test_split"):
+    for key in (
+        "output_type",
+        "doc_to_text",
+        "doc_to_target",
+        "doc_to_choice",
+        "description",
+        "filter_list",
+        "generation_kwargs",
+        "fewshot_config",
+        "fewshot_split",
+        "test_split",
+    ):
         if key in theirs or key in ours:
             if key == "test_split" and "custom_dataset" in ours:
                 continue  # split names of our loaders (checked by test_local_loaders_match_stock_schema)
             assert ours.get(key) == theirs.get(key), key
 
     def metrics(cfg):  # aggregation functions live in different modules: compare names and flags
-        return [{k: (str(v).split(".")[-1] if k == "aggregation" else v) for k, v in m.items()}
-                for m in cfg["metric_list"]]
+        return [
+            {k: (str(v).split(".")[-1] if k == "aggregation" else v) for k, v in m.items()} for m in cfg["metric_list"]
+        ]
 
     assert metrics(ours) == metrics(theirs)

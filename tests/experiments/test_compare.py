@@ -20,8 +20,15 @@ from crispedit.weights import weight_fingerprint
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 REAL_EDIT = pipeline_mod.edit
 REAL_RUN_SEQUENCE = compare_mod.run_sequence
-REQS = [EditRequest(f"Who founded club {i}?", f"Founder {chr(65 + i)}", rephrase_prompts=[f"Club {i} was founded by?"],
-                    locality=[("nq question: who sang it", "someone")]) for i in range(3)]
+REQS = [
+    EditRequest(
+        f"Who founded club {i}?",
+        f"Founder {chr(65 + i)}",
+        rephrase_prompts=[f"Club {i} was founded by?"],
+        locality=[("nq question: who sang it", "someone")],
+    )
+    for i in range(3)
+]
 
 
 def configs(methods, **kw):
@@ -38,7 +45,7 @@ def counting_edit(monkeypatch, fail_on=None):
     def fake(model, tok, requests, cfg, **kw):
         ran.append(cfg.method)
         if cfg.method == fail_on:
-            real(model, tok, requests, cfg, **kw)   # the model is edited ... then the process "dies"
+            real(model, tok, requests, cfg, **kw)  # the model is edited ... then the process "dies"
             raise KeyboardInterrupt
         return real(model, tok, requests, cfg, **kw)
 
@@ -54,12 +61,12 @@ def test_compare_runs_every_method_from_the_same_base_and_resumes(tiny_lm, tmp_p
     ran = counting_edit(monkeypatch, fail_on="locbf-ft")
     with pytest.raises(KeyboardInterrupt):
         compare_mod.run_compare(model, tok, REQS, methods, out, configs=configs(methods), progress=False)
-    assert weight_fingerprint(model) == fp                     # the interrupted edit was undone
+    assert weight_fingerprint(model) == fp  # the interrupted edit was undone
     partial = json.loads((out / "compare.json").read_text())
     assert set(partial["results"]) == {"base", "ft"} and ran == ["ft", "locbf-ft"]
     ran = counting_edit(monkeypatch)
     payload = compare_mod.run_compare(model, tok, REQS, methods, out, configs=configs(methods), progress=False)
-    assert ran == ["locbf-ft", "lora"]                         # only the missing methods ran again
+    assert ran == ["locbf-ft", "lora"]  # only the missing methods ran again
     assert payload["results"]["ft"] == partial["results"]["ft"]
     assert weight_fingerprint(model) == fp
     res = payload["results"]
@@ -67,16 +74,19 @@ def test_compare_runs_every_method_from_the_same_base_and_resumes(tiny_lm, tmp_p
     for m in methods:
         r = res[m]
         assert r["summary"]["kl_drift"] > 0 and r["edit_seconds"] > 0 and r["config"]["method"] == m
-        assert set(r["wild"]) >= {"qa", "none", "chat"} and r["wild"]["chat"] is None   # no chat template
+        assert set(r["wild"]) >= {"qa", "none", "chat"} and r["wild"]["chat"] is None  # no chat template
         assert r["memory"]["measure"] and r["memory"]["increase_mib"] is not None
     assert res["locbf-ft"]["changed"] == ["model.layers.2.mlp.down_proj.weight"]
     assert res["ft"]["summary"]["kl_predicted"] > 0 and res["lora"]["summary"]["kl_predicted"] is None
-    assert set(res["ft"]["summary"]["kl_predicted_layers"]) == {"model.layers.1.mlp.down_proj",
-                                                                "model.layers.2.mlp.down_proj"}
+    assert set(res["ft"]["summary"]["kl_predicted_layers"]) == {
+        "model.layers.1.mlp.down_proj",
+        "model.layers.2.mlp.down_proj",
+    }
     assert res["lora"]["config"]["lr"] == 5e-3 and res["lora"]["config"]["options"]["r"] == 8
     md = (out / "compare.md").read_text()
-    assert (md.splitlines()[0].startswith("| method | QA rel | QA gen | none rel")
-            and "| KL pred |" in md.splitlines()[0])
+    assert (
+        md.splitlines()[0].startswith("| method | QA rel | QA gen | none rel") and "| KL pred |" in md.splitlines()[0]
+    )
     assert [line.split("|")[1].strip() for line in md.splitlines()[2:6]] == ["base (unedited)"] + methods
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -91,9 +101,9 @@ def test_compare_refuses_other_settings_in_the_same_dir(tiny_lm, tmp_path, iso_c
         compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"], epochs=5), progress=False)
     old = json.loads((out / "compare.json").read_text())
     again = compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
-    assert again["results"]["ft"]["summary"] == old["results"]["ft"]["summary"]   # resumed, not rerun
+    assert again["results"]["ft"]["summary"] == old["results"]["ft"]["summary"]  # resumed, not rerun
     config = old["results"]["ft"]["config"]
-    del config["max_drift"]                                   # a row whose config lacks a field: another one
+    del config["max_drift"]  # a row whose config lacks a field: another one
     (out / "compare.json").write_text(json.dumps(old))
     with pytest.raises(compare_mod.CrispEditError, match="holds ft run with another configuration"):
         compare_mod.run_compare(model, tok, REQS, ["ft"], out, configs=configs(["ft"]), progress=False)
@@ -109,9 +119,36 @@ def test_compare_refuses_other_settings_in_the_same_dir(tiny_lm, tmp_path, iso_c
 
 def test_compare_cli(tiny_model_dir, tmp_path, iso_cache, capsys):
     out = tmp_path / "cmp"
-    args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2, "--layers", LAYERS,
-            "--methods", "ft,lora", "--out", out, "--epochs", 2, "--n-cap", 4, "--max-len", 32, "--contexts", "bare",
-            "--lora-r", 4, "--quiet", "--limit", 2, "--max-gen-toks", 8]
+    args = [
+        "compare",
+        "--model",
+        tiny_model_dir,
+        "--edits",
+        edits_file(tmp_path),
+        "--n-edits",
+        2,
+        "--layers",
+        LAYERS,
+        "--methods",
+        "ft,lora",
+        "--out",
+        out,
+        "--epochs",
+        2,
+        "--n-cap",
+        4,
+        "--max-len",
+        32,
+        "--contexts",
+        "bare",
+        "--lora-r",
+        4,
+        "--quiet",
+        "--limit",
+        2,
+        "--max-gen-toks",
+        8,
+    ]
     assert main([str(a) for a in args]) == 0
     payload = json.loads((out / "compare.json").read_text())
     assert payload["methods"] == ["ft", "lora"] and payload["results"]["lora"]["config"]["options"]["r"] == 4
@@ -131,9 +168,34 @@ def test_compare_cli_seq_row_with_the_default_chunk(tiny_model_dir, tmp_path, is
     """``--methods lora-seq`` from the command line: the shared flags and --lora-* reach the row's SeqConfig;
     without --seq-chunk 2 edits go in rounds of default_seq_chunk(2) = 1."""
     out = tmp_path / "cmp"
-    args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2, "--layers", LAYERS,
-            "--methods", "lora-seq", "--out", out, "--epochs", 2, "--n-cap", 4, "--max-len", 32, "--contexts", "bare",
-            "--lora-r", 4, "--quiet", "--capabilities", "none"]
+    args = [
+        "compare",
+        "--model",
+        tiny_model_dir,
+        "--edits",
+        edits_file(tmp_path),
+        "--n-edits",
+        2,
+        "--layers",
+        LAYERS,
+        "--methods",
+        "lora-seq",
+        "--out",
+        out,
+        "--epochs",
+        2,
+        "--n-cap",
+        4,
+        "--max-len",
+        32,
+        "--contexts",
+        "bare",
+        "--lora-r",
+        4,
+        "--quiet",
+        "--capabilities",
+        "none",
+    ]
     assert main([str(a) for a in args]) == 0
     row = json.loads((out / "compare.json").read_text())["results"]["lora-seq"]
     assert row["rounds"] == 2 and row["seq_chunk"] == 1 and row["config"]["mode"] == "sequential"
@@ -144,26 +206,65 @@ def test_compare_cli_seq_row_with_the_default_chunk(tiny_model_dir, tmp_path, is
 def test_compare_cli_seq_weighting_reaches_the_seq_row(tiny_model_dir, tmp_path, iso_cache):
     """``--seq-weighting each``: the crispedit-seq row runs with it (and says so in its stored config)."""
     out = tmp_path / "cmp"
-    args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2, "--layers", LAYERS,
-            "--methods", "crispedit-seq", "--seq-weighting", "each", "--out", out, "--epochs", 2, "--n-cap", 4,
-            "--max-len", 32, "--contexts", "bare", "--quiet", "--capabilities", "none"]
+    args = [
+        "compare",
+        "--model",
+        tiny_model_dir,
+        "--edits",
+        edits_file(tmp_path),
+        "--n-edits",
+        2,
+        "--layers",
+        LAYERS,
+        "--methods",
+        "crispedit-seq",
+        "--seq-weighting",
+        "each",
+        "--out",
+        out,
+        "--epochs",
+        2,
+        "--n-cap",
+        4,
+        "--max-len",
+        32,
+        "--contexts",
+        "bare",
+        "--quiet",
+        "--capabilities",
+        "none",
+    ]
     assert main([str(a) for a in args]) == 0
     row = json.loads((out / "compare.json").read_text())["results"]["crispedit-seq"]
     assert row["config"]["weighting"] == "each" and row["rounds"] == 2
     assert all(0 < v < 1 for v in row["round_records"][1]["projector_kept"].values())
 
 
-@pytest.mark.parametrize("extra,msg", [(["--methods", "ft,rome"], "unknown method 'rome'"),
-                                       (["--methods", "ft", "--lora-r", "4"], "--lora-r applies to method lora"),
-                                       (["--methods", "lora", "--lora-r", "0"], "lora rank r must be at least 1"),
-                                       (["--methods", "ft", "--capabilities", "arc,xyz"], "unknown capability task"),
-                                       (["--methods", "ft,ultraedit-seq"], "ultraedit has no sequential mode"),
-                                       (["--methods", "rome-seq"], "unknown method 'rome-seq'"),
-                                       (["--methods", "ft", "--seq-chunk", "2"], "--seq-chunk sets the round size"),
-                                       (["--methods", "ft-seq", "--seq-chunk", "0"], "--seq-chunk must be a positive")])
+@pytest.mark.parametrize(
+    "extra,msg",
+    [
+        (["--methods", "ft,rome"], "unknown method 'rome'"),
+        (["--methods", "ft", "--lora-r", "4"], "--lora-r applies to method lora"),
+        (["--methods", "lora", "--lora-r", "0"], "lora rank r must be at least 1"),
+        (["--methods", "ft", "--capabilities", "arc,xyz"], "unknown capability task"),
+        (["--methods", "ft,ultraedit-seq"], "ultraedit has no sequential mode"),
+        (["--methods", "rome-seq"], "unknown method 'rome-seq'"),
+        (["--methods", "ft", "--seq-chunk", "2"], "--seq-chunk sets the round size"),
+        (["--methods", "ft-seq", "--seq-chunk", "0"], "--seq-chunk must be a positive"),
+    ],
+)
 def test_compare_cli_one_line_errors(extra, msg, tiny_model_dir, tmp_path, capsys):
-    args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2,
-            "--out", tmp_path / "cmp"] + extra
+    args = [
+        "compare",
+        "--model",
+        tiny_model_dir,
+        "--edits",
+        edits_file(tmp_path),
+        "--n-edits",
+        2,
+        "--out",
+        tmp_path / "cmp",
+    ] + extra
     assert main([str(a) for a in args]) == 2
     err = capsys.readouterr().err
     assert msg in err and len(err.strip().splitlines()) == 1
@@ -175,11 +276,20 @@ def test_compare_runs_the_closed_form_methods_on_one_input_cache(tiny_lm, tmp_pa
     changes only the edit layers' down_proj and the base is restored between them."""
     model, tok = tiny_lm
     fp = weight_fingerprint(model)
-    reqs = [EditRequest(f"Who founded club {i}?", f"Founder {chr(65 + i)}", subject=f"club {i}",
-                        rephrase_prompts=[f"Club {i} was founded by?"]) for i in range(2)]
+    reqs = [
+        EditRequest(
+            f"Who founded club {i}?",
+            f"Founder {chr(65 + i)}",
+            subject=f"club {i}",
+            rephrase_prompts=[f"Club {i} was founded by?"],
+        )
+        for i in range(2)
+    ]
     methods = ["memit", "alphaedit"]
-    cfgs = {m: EditConfig(method=m, layers=LAYERS, n_cap=4, max_len=32, options={"v_steps": 3, "prefixes": 0})
-            for m in methods}
+    cfgs = {
+        m: EditConfig(method=m, layers=LAYERS, n_cap=4, max_len=32, options={"v_steps": 3, "prefixes": 0})
+        for m in methods
+    }
     payload = compare_mod.run_compare(model, tok, reqs, methods, tmp_path / "cmp", configs=cfgs, progress=False)
     res = payload["results"]
     assert res["memit"]["cache_hit"] is False and res["alphaedit"]["cache_hit"] is True
@@ -193,8 +303,9 @@ def test_compare_refuses_requests_a_method_cannot_take_before_running_any(tiny_l
     model, tok = tiny_lm
     ran = counting_edit(monkeypatch)
     with pytest.raises(CrispEditError, match="edit request 0 .* has no subject"):
-        compare_mod.run_compare(model, tok, REQS, ["ft", "memit"], tmp_path / "cmp", configs=configs(["ft", "memit"]),
-                                progress=False)
+        compare_mod.run_compare(
+            model, tok, REQS, ["ft", "memit"], tmp_path / "cmp", configs=configs(["ft", "memit"]), progress=False
+        )
     assert ran == [] and not (tmp_path / "cmp").exists()
 
 
@@ -237,22 +348,24 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
     methods = ["ft", "ft-seq", "crispedit-seq"]
     ran = counting_runs(monkeypatch, fail_on="crispedit-seq")
     with pytest.raises(KeyboardInterrupt):
-        compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=2,
-                                progress=False)
-    assert weight_fingerprint(model) == fp                      # the interrupted sequence was undone
+        compare_mod.run_compare(
+            model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=2, progress=False
+        )
+    assert weight_fingerprint(model) == fp  # the interrupted sequence was undone
     assert set(json.loads((out / "compare.json").read_text())["results"]) == {"base", "ft", "ft-seq"}
     ran = counting_runs(monkeypatch)
-    payload = compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=2,
-                                      progress=False)
-    assert ran == ["crispedit-seq"] and weight_fingerprint(model) == fp   # only the missing row ran
+    payload = compare_mod.run_compare(
+        model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=2, progress=False
+    )
+    assert ran == ["crispedit-seq"] and weight_fingerprint(model) == fp  # only the missing row ran
     res = payload["results"]
     for m in ("ft-seq", "crispedit-seq"):
         r = res[m]
-        assert r["rounds"] == 2 and r["seq_chunk"] == 2                    # ceil(3 / 2)
+        assert r["rounds"] == 2 and r["seq_chunk"] == 2  # ceil(3 / 2)
         assert [x["n_edits"] for x in r["round_records"]] == [2, 1] and len(r["round_seconds"]) == 2
         # (rounded)
         assert all(t > 0 for t in r["round_seconds"]) and r["edit_seconds"] >= sum(r["round_seconds"]) - 0.01
-        assert set(r["summary"]) == set(res["ft"]["summary"])              # measured exactly like a batch row
+        assert set(r["summary"]) == set(res["ft"]["summary"])  # measured exactly like a batch row
         assert r["summary"]["kl_drift"] > 0 and r["config"]["mode"] == "sequential"
         assert set(r["wild"]) >= {"qa", "none", "chat"}
         # after every round, how much of round 1 (its 2 edits) still holds: teacher-forced and in the wild
@@ -279,29 +392,43 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
     assert "Round-1 retention: the first round's 2 edits" in md and "| crispedit-seq | WILD qa rel |" in md
     assert (out / "retention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "retention_map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    ran = counting_runs(monkeypatch)                              # a third run: nothing left to do
+    ran = counting_runs(monkeypatch)  # a third run: nothing left to do
     compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=2, progress=False)
     assert ran == []
-    with pytest.raises(CrispEditError,
-                       match=r"holds ft-seq run with another configuration \(rounds of 2 edits, now 3\)"):
-        compare_mod.run_compare(model, tok, REQS, ["ft-seq"], out, configs=seq_configs(["ft-seq"]), seq_chunk=3,
-                                progress=False)
+    with pytest.raises(
+        CrispEditError, match=r"holds ft-seq run with another configuration \(rounds of 2 edits, now 3\)"
+    ):
+        compare_mod.run_compare(
+            model, tok, REQS, ["ft-seq"], out, configs=seq_configs(["ft-seq"]), seq_chunk=3, progress=False
+        )
     with pytest.raises(CrispEditError, match="holds ft-seq run with another configuration"):
-        compare_mod.run_compare(model, tok, REQS, ["ft-seq"], out, configs=seq_configs(["ft-seq"], epochs=5),
-                                seq_chunk=2, progress=False)
+        compare_mod.run_compare(
+            model, tok, REQS, ["ft-seq"], out, configs=seq_configs(["ft-seq"], epochs=5), seq_chunk=2, progress=False
+        )
     # the factor weighting: it names the stored one for a crispedit-seq row, and does not matter to ft-seq's rounds
-    other = {m: dataclasses.replace(c, weighting="fixed") if m.endswith("-seq") else c
-             for m, c in seq_configs(methods).items()}
+    other = {
+        m: dataclasses.replace(c, weighting="fixed") if m.endswith("-seq") else c
+        for m, c in seq_configs(methods).items()
+    }
     with pytest.raises(CrispEditError, match=r"factor weighting each, now fixed: --seq-weighting each resumes it"):
         compare_mod.run_compare(model, tok, REQS, methods, out, configs=other, seq_chunk=2, progress=False)
-    compare_mod.run_compare(model, tok, REQS, ["ft-seq"], out, configs={"ft-seq": other["ft-seq"]}, seq_chunk=2,
-                            progress=False)
+    compare_mod.run_compare(
+        model, tok, REQS, ["ft-seq"], out, configs={"ft-seq": other["ft-seq"]}, seq_chunk=2, progress=False
+    )
     assert ran == []
     # the edit factors' γ: named the same way
     crisp = seq_configs(["crispedit-seq"])["crispedit-seq"]
     with pytest.raises(CrispEditError, match=r"edit-factor gamma 0.95, now 0.9: --seq-edit-gamma 0.95 resumes it"):
-        compare_mod.run_compare(model, tok, REQS, ["crispedit-seq"], out, seq_chunk=2, progress=False,
-                                configs={"crispedit-seq": dataclasses.replace(crisp, edit_gamma=0.9)})
+        compare_mod.run_compare(
+            model,
+            tok,
+            REQS,
+            ["crispedit-seq"],
+            out,
+            seq_chunk=2,
+            progress=False,
+            configs={"crispedit-seq": dataclasses.replace(crisp, edit_gamma=0.9)},
+        )
     assert ran == []
 
 
@@ -313,54 +440,61 @@ def test_a_seq_row_killed_between_or_inside_rounds_resumes_where_it_stopped(tiny
 
     model, tok = tiny_lm
     methods = ["crispedit-seq"]
-    whole = compare_mod.run_compare(model, tok, REQS, methods, tmp_path / "whole", configs=seq_configs(methods),
-                                    seq_chunk=1, progress=False)["results"]["crispedit-seq"]
-    assert not list((tmp_path / "whole" / "checkpoints").glob("*"))   # removed once the row is written
+    whole = compare_mod.run_compare(
+        model, tok, REQS, methods, tmp_path / "whole", configs=seq_configs(methods), seq_chunk=1, progress=False
+    )["results"]["crispedit-seq"]
+    assert not list((tmp_path / "whole" / "checkpoints").glob("*"))  # removed once the row is written
     real_round, real_save = seq_mod.run_round, ckpt_mod.save_checkpoint
     rounds = []
 
     def counting_round(*a, **kw):
-        rounds.append(a[6])                                        # round_index
+        rounds.append(a[6])  # round_index
         return real_round(*a, **kw)
 
     monkeypatch.setattr(seq_mod, "run_round", counting_round)
     out = tmp_path / "cut"
     seq_file = out / "checkpoints" / "crispedit-seq.safetensors"
 
-    def dying_save(path, *a, **kw):                                # dies right after round 2's first epoch is saved
+    def dying_save(path, *a, **kw):  # dies right after round 2's first epoch is saved
         real_save(path, *a, **kw)
         if seq_file.exists() and len(rounds) == 2:
             raise KeyboardInterrupt
 
     monkeypatch.setattr(ckpt_mod, "save_checkpoint", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=1,
-                                progress=False)
+        compare_mod.run_compare(
+            model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=1, progress=False
+        )
     assert rounds == [1, 2] and (out / "checkpoints" / "crispedit-seq.round.safetensors").exists()
     monkeypatch.setattr(ckpt_mod, "save_checkpoint", real_save)
     rounds.clear()
-    resumed = compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=1,
-                                      progress=False)["results"]["crispedit-seq"]
-    assert rounds == [2, 3]                                        # round 1 came from the checkpoint
+    resumed = compare_mod.run_compare(
+        model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=1, progress=False
+    )["results"]["crispedit-seq"]
+    assert rounds == [2, 3]  # round 1 came from the checkpoint
+
     def measured(d):  # without the wall-clock entries (edit_seconds, epoch_seconds, ...)
         if isinstance(d, dict):
             return {k: measured(v) for k, v in d.items() if not k.endswith("seconds") and k != "resumed_at_epoch"}
         return [measured(v) for v in d] if isinstance(d, list) else d
-    assert resumed["round_records"][1]["train"]["resumed_at_epoch"] == 1      # round 2 went on from its epoch 1
-    r2 = resumed["round_records"][1]                  # its seconds count the killed run's epoch 1 and all the rest
+
+    assert resumed["round_records"][1]["train"]["resumed_at_epoch"] == 1  # round 2 went on from its epoch 1
+    r2 = resumed["round_records"][1]  # its seconds count the killed run's epoch 1 and all the rest
     assert r2["train"]["resumed_seconds"] > 0
     assert resumed["round_seconds"][1] >= r2["train"]["seconds"] + r2["edit_factor_seconds"] - 0.01
     assert measured(resumed["round_records"]) == measured(whole["round_records"])
-    assert (measured(resumed["summary"]) == measured(whole["summary"])
-            and measured(resumed["wild"]) == measured(whole["wild"]))
+    assert measured(resumed["summary"]) == measured(whole["summary"]) and measured(resumed["wild"]) == measured(
+        whole["wild"]
+    )
     assert resumed["edit_seconds"] >= sum(resumed["round_seconds"]) - 0.01
     assert not list((out / "checkpoints").glob("*"))
     # a checkpoint of another run is refused in one line, not overwritten
     (out / "compare.json").unlink()
     seq_mod.save_sequence_checkpoint(seq_file, "another run", seq_mod.SeqState(weights={}), [], 0.0)
     with pytest.raises(CrispEditError, match="sequence checkpoint file .* belongs to another run"):
-        compare_mod.run_compare(model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=1,
-                                progress=False)
+        compare_mod.run_compare(
+            model, tok, REQS, methods, out, configs=seq_configs(methods), seq_chunk=1, progress=False
+        )
 
 
 def timeless(d):
@@ -376,8 +510,9 @@ def test_seq_row_with_one_round_equals_the_batch_row(tiny_lm, tmp_path, iso_cach
     differs (round 2 trains under the grown constraint from round 1's weights)."""
     model, tok = tiny_lm
     methods = ["ft", "ft-seq", "crispedit", "crispedit-seq"]
-    res = compare_mod.run_compare(model, tok, REQS, methods, tmp_path / "one", configs=seq_configs(methods),
-                                  seq_chunk=len(REQS), progress=False)["results"]
+    res = compare_mod.run_compare(
+        model, tok, REQS, methods, tmp_path / "one", configs=seq_configs(methods), seq_chunk=len(REQS), progress=False
+    )["results"]
     for m in ("ft", "crispedit"):
         batch, seq = res[m], res[m + "-seq"]
         assert seq["rounds"] == 1
@@ -385,8 +520,16 @@ def test_seq_row_with_one_round_equals_the_batch_row(tiny_lm, tmp_path, iso_cach
         assert seq["summary"]["kl_predicted"] == batch["summary"]["kl_predicted"]
         assert seq["summary"]["rel"] == batch["summary"]["rel"]
         assert timeless(seq["wild"]) == timeless(batch["wild"])
-    two = compare_mod.run_compare(model, tok, REQS, ["crispedit-seq"], tmp_path / "two",
-                                  configs=seq_configs(["crispedit-seq"]), seq_chunk=1, progress=False)["results"]
+    two = compare_mod.run_compare(
+        model,
+        tok,
+        REQS,
+        ["crispedit-seq"],
+        tmp_path / "two",
+        configs=seq_configs(["crispedit-seq"]),
+        seq_chunk=1,
+        progress=False,
+    )["results"]
     assert two["crispedit-seq"]["rounds"] == 3
     assert two["crispedit-seq"]["summary"]["kl_drift"] != res["crispedit"]["summary"]["kl_drift"]
 
@@ -396,15 +539,29 @@ def test_compare_refuses_a_seq_row_without_a_sequential_config(tiny_lm, tmp_path
 
     model, tok = tiny_lm
     with pytest.raises(CrispEditError, match="configuration given for ft-seq is not one of ft in sequential mode"):
-        compare_mod.run_compare(model, tok, REQS, ["ft-seq"], tmp_path / "c",
-                                configs={"ft-seq": SeqConfig(edit=EditConfig(method="ft"), mode="batch")},
-                                progress=False)
+        compare_mod.run_compare(
+            model,
+            tok,
+            REQS,
+            ["ft-seq"],
+            tmp_path / "c",
+            configs={"ft-seq": SeqConfig(edit=EditConfig(method="ft"), mode="batch")},
+            progress=False,
+        )
     with pytest.raises(CrispEditError, match="no sequential mode"):
-        compare_mod.run_compare(model, tok, REQS, ["ultraedit-seq"], tmp_path / "c",
-                                configs={"ultraedit-seq": EditConfig(method="ultraedit")}, progress=False)
+        compare_mod.run_compare(
+            model,
+            tok,
+            REQS,
+            ["ultraedit-seq"],
+            tmp_path / "c",
+            configs={"ultraedit-seq": EditConfig(method="ultraedit")},
+            progress=False,
+        )
     with pytest.raises(CrispEditError, match="--seq-chunk sets the round size"):
-        compare_mod.run_compare(model, tok, REQS, ["ft"], tmp_path / "c", configs=configs(["ft"]), seq_chunk=2,
-                                progress=False)
+        compare_mod.run_compare(
+            model, tok, REQS, ["ft"], tmp_path / "c", configs=configs(["ft"]), seq_chunk=2, progress=False
+        )
     assert not (tmp_path / "c").exists()
 
 
@@ -416,9 +573,12 @@ def test_parse_methods_seq_rows_and_all():
     assert parse_methods("crispedit-seq,ft,ft-seq,ft") == ["crispedit-seq", "ft", "ft-seq"]
     assert parse_methods("all") == method_names() + ["alphaedit-seq", "crispedit-seq", "ft-seq", "lora-seq"]
     assert seq_row("lora-seq") == ("lora", True) and seq_row("lora") == ("lora", False)
-    assert seq_row("adam-nscl-seq") == ("adam-nscl", True)          # not in `all`, but may be named
-    for bad, msg in [("rome-seq", "unknown method 'rome-seq': 'rome' is not a method"),
-                     ("ultraedit-seq", "ultraedit has no sequential mode"), ("ft-seq-seq", "'ft-seq' is not a method")]:
+    assert seq_row("adam-nscl-seq") == ("adam-nscl", True)  # not in `all`, but may be named
+    for bad, msg in [
+        ("rome-seq", "unknown method 'rome-seq': 'rome' is not a method"),
+        ("ultraedit-seq", "ultraedit has no sequential mode"),
+        ("ft-seq-seq", "'ft-seq' is not a method"),
+    ]:
         with pytest.raises(CrispEditError, match=msg):
             parse_methods(f"ft,{bad}")
     assert [default_seq_chunk(n) for n in (1, 5, 32, 100, 3000, 10000)] == [1, 1, 4, 10, 100, 100]
@@ -431,16 +591,18 @@ def test_parse_methods_seq_rows_and_all():
 
 
 def test_pareto_front_on_hand_built_points():
-    front = compare_table.pareto_front({
-        "a": (0.9, -0.010),   # best success
-        "b": (0.5, -0.001),   # better retention than a, worse success: both on the front
-        "c": (0.4, -0.002),   # dominated by b on both
-        "d": (0.9, -0.010),   # equal to a: equal points are all on the front
-        "e": (None, 0.0),     # no qa result: never on it, dominates nothing
-        "f": (0.2, -0.0005),  # the least drift
-        "g": (0.5, -0.003),   # ties b's success, worse retention: dominated
-        "h": (float("nan"), 1.0),
-    })
+    front = compare_table.pareto_front(
+        {
+            "a": (0.9, -0.010),  # best success
+            "b": (0.5, -0.001),  # better retention than a, worse success: both on the front
+            "c": (0.4, -0.002),  # dominated by b on both
+            "d": (0.9, -0.010),  # equal to a: equal points are all on the front
+            "e": (None, 0.0),  # no qa result: never on it, dominates nothing
+            "f": (0.2, -0.0005),  # the least drift
+            "g": (0.5, -0.003),  # ties b's success, worse retention: dominated
+            "h": (float("nan"), 1.0),
+        }
+    )
     assert front == ["a", "b", "d", "f"]
     assert compare_table.pareto_front({}) == [] and compare_table.pareto_front({"x": (0.0, -1.0)}) == ["x"]
 
@@ -456,38 +618,50 @@ def test_pareto_points_and_the_table_marking():
     """Without capability tasks retention is -KL drift; with them the mean score / base score (the base row
     is the reference, never a candidate)."""
     settings = {"model": "m", "n_edits": 4, "edits": {}, "evaluation": {"capabilities": [], "limit": None}}
-    results = {"base": _row(0.0, 0.0), "crispedit": _row(0.8, 0.002), "ft": _row(0.9, 0.05), "lora": _row(0.3, 0.01),
-               "ft-seq": _row(0.1, 0.0005)}
+    results = {
+        "base": _row(0.0, 0.0),
+        "crispedit": _row(0.8, 0.002),
+        "ft": _row(0.9, 0.05),
+        "lora": _row(0.3, 0.01),
+        "ft-seq": _row(0.1, 0.0005),
+    }
     payload = {"settings": settings, "methods": ["crispedit", "ft", "lora", "ft-seq"], "results": results}
     p = compare_table.pareto_points(payload)
     assert p["success"] == "WILD qa rel" and p["retention"].startswith("-KL drift")
     assert p["points"]["ft"] == [0.9, -0.05] and "base" not in p["points"]
-    assert p["front"] == p["kl_front"] == ["crispedit", "ft", "ft-seq"]         # lora: dominated by crispedit
+    assert p["front"] == p["kl_front"] == ["crispedit", "ft", "ft-seq"]  # lora: dominated by crispedit
     assert list(p)[:3] == ["success", "kl", "kl_front"] and p["breaking"] == {}  # no perplexity stored: none marked
     table = compare_table.compare_table(payload).splitlines()
     assert table[0].endswith("| Pareto (KL) |")
     marks = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in table[2:7]}
     assert marks == {"base (unedited)": "–", "crispedit": "★", "ft": "★", "lora": "", "ft-seq": "★"}
     caps = dict(settings, evaluation={"capabilities": ["arc", "tqa"], "limit": 10})
-    results = {"base": _row(0.0, 0.0, {"arc": 0.5, "tqa": 0.4}),
-               "crispedit": _row(0.8, 0.002, {"arc": 0.5, "tqa": 0.4}),
-               "ft": _row(0.9, 0.05, {"arc": 0.25, "tqa": 0.4}), "lora": _row(0.3, 0.0001, {"arc": 0.5, "tqa": 0.2})}
+    results = {
+        "base": _row(0.0, 0.0, {"arc": 0.5, "tqa": 0.4}),
+        "crispedit": _row(0.8, 0.002, {"arc": 0.5, "tqa": 0.4}),
+        "ft": _row(0.9, 0.05, {"arc": 0.25, "tqa": 0.4}),
+        "lora": _row(0.3, 0.0001, {"arc": 0.5, "tqa": 0.2}),
+    }
     p = compare_table.pareto_points({"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results})
-    assert (p["points"]["ft"] == [0.9, 0.75] and p["points"]["lora"] == [0.3, 0.75]
-            and p["points"]["crispedit"][1] == 1.0)
-    assert p["front"] == ["crispedit", "ft"] and "arc, tqa" in p["retention"]   # lora's low KL no longer counts
-    assert p["kl_front"] == ["crispedit", "ft", "lora"]                           # ... but on the KL front it does
+    assert (
+        p["points"]["ft"] == [0.9, 0.75] and p["points"]["lora"] == [0.3, 0.75] and p["points"]["crispedit"][1] == 1.0
+    )
+    assert p["front"] == ["crispedit", "ft"] and "arc, tqa" in p["retention"]  # lora's low KL no longer counts
+    assert p["kl_front"] == ["crispedit", "ft", "lora"]  # ... but on the KL front it does
     payload = {"settings": caps, "methods": ["crispedit", "ft", "lora"], "results": results}
     table = compare_table.compare_table(payload).splitlines()
-    assert table[0].endswith("| Pareto (KL) | Pareto (capabilities) |")             # the KL front first
-    marks = {line.split("|")[1].strip(): (line.split("|")[-3].strip(), line.split("|")[-2].strip())
-             for line in table[2:6]}
+    assert table[0].endswith("| Pareto (KL) | Pareto (capabilities) |")  # the KL front first
+    marks = {
+        line.split("|")[1].strip(): (line.split("|")[-3].strip(), line.split("|")[-2].strip()) for line in table[2:6]
+    }
     assert marks == {"base (unedited)": ("–", "–"), "crispedit": ("★", "★"), "ft": ("★", "★"), "lora": ("★", "")}
     fronts = [ln for ln in table if ln.startswith("Pareto front against KL drift")]
-    assert fronts == ["Pareto front against KL drift (Pareto (KL) ★): crispedit, ft, lora. Pareto front against "
-                      "capability retention (Pareto (capabilities) ★): crispedit, ft. Breaking the model (✗: held-out "
-                      "perplexity more than 2× the base's; on neither front): none."]
-    assert not [ln for ln in table if ln.startswith("Capability change")]        # no per-item scores stored
+    assert fronts == [
+        "Pareto front against KL drift (Pareto (KL) ★): crispedit, ft, lora. Pareto front against "
+        "capability retention (Pareto (capabilities) ★): crispedit, ft. Breaking the model (✗: held-out "
+        "perplexity more than 2× the base's; on neither front): none."
+    ]
+    assert not [ln for ln in table if ln.startswith("Capability change")]  # no per-item scores stored
 
 
 def test_capability_changes_pair_items_with_the_base():
@@ -501,10 +675,12 @@ def test_capability_changes_pair_items_with_the_base():
         r["capability_details"] = {c: {"items": v} for c, v in items.items()}
         return r
 
-    results = {"base": with_items(0.0, 0.0, base_items),
-               "crispedit": with_items(0.8, 0.002, {"arc": [1.0, 0.0, 1.0, 1.0], "tqa": [0.5, 0.25, 0.75, 0.5]}),
-               "ft": with_items(0.9, 0.05, {"arc": [0.0, 0.0, 0.0, 0.0]}),
-               "old": _row(0.5, 0.01, {"arc": 0.5, "tqa": 0.5})}
+    results = {
+        "base": with_items(0.0, 0.0, base_items),
+        "crispedit": with_items(0.8, 0.002, {"arc": [1.0, 0.0, 1.0, 1.0], "tqa": [0.5, 0.25, 0.75, 0.5]}),
+        "ft": with_items(0.9, 0.05, {"arc": [0.0, 0.0, 0.0, 0.0]}),
+        "old": _row(0.5, 0.01, {"arc": 0.5, "tqa": 0.5}),
+    }
     payload = {"settings": settings, "methods": ["crispedit", "ft", "old"], "results": results}
     ch = compare_table.capability_changes(payload)
     # crispedit: arc differences (0, 0, 0, 1) -> +25 points, SE = sd(0,0,0,1)/2 = 0.5/2 = 25 points; tqa unchanged
@@ -521,13 +697,22 @@ def test_compare_table_notes_a_steep_layer():
     ``crispedit edit`` prints; rows without one add nothing."""
     settings = {"model": "m", "n_edits": 4, "edits": {}, "evaluation": {"capabilities": [], "limit": None}}
     wide = _row(0.9, 0.08)
-    wide["summary"]["steep_layers"] = [{"layer": "model.layers.11.mlp.down_proj", "predicted": 0.19, "share": 0.99,
-                                        "vs_median": 760.0}]
-    payload = {"settings": settings, "methods": ["crispedit", "wide"],
-               "results": {"base": _row(0.0, 0.0), "crispedit": _row(0.8, 0.002), "wide": wide}}
+    wide["summary"]["steep_layers"] = [
+        {"layer": "model.layers.11.mlp.down_proj", "predicted": 0.19, "share": 0.99, "vs_median": 760.0}
+    ]
+    payload = {
+        "settings": settings,
+        "methods": ["crispedit", "wide"],
+        "results": {"base": _row(0.0, 0.0), "crispedit": _row(0.8, 0.002), "wide": wide},
+    }
     notes = [ln for ln in compare_table.compare_table(payload).splitlines() if ln.startswith("Drift prediction notes")]
-    assert len(notes) == 1 and "wide: model.layers.11.mlp.down_proj predicts 99% of the drift (0.19 nats/token, " \
-        "760x the other layers' median)" in notes[0] and "crispedit:" not in notes[0]
+    assert (
+        len(notes) == 1
+        and "wide: model.layers.11.mlp.down_proj predicts 99% of the drift (0.19 nats/token, "
+        "760x the other layers' median)"
+        in notes[0]
+        and "crispedit:" not in notes[0]
+    )
     del wide["summary"]["steep_layers"]
     assert "Drift prediction notes" not in compare_table.compare_table(payload)
     wide["summary"]["mixing_layers"] = ["model.layers.4.self_attn.v_proj"]
@@ -540,12 +725,18 @@ def test_compare_table_notes_crosstalk_per_wrapper():
     rows without it add nothing."""
     settings = {"model": "m", "n_edits": 4, "edits": {}, "evaluation": {"capabilities": [], "limit": None}}
     crisp, old = _row(0.8, 0.002), _row(0.9, 0.05)
-    crisp["wild"] = {"qa": {"rel": 0.8, "gen": 0.5, "cross": 0.118}, "none": {"rel": 1.0, "gen": 0.3, "cross": 0.0},
-                     "chat": None}
+    crisp["wild"] = {
+        "qa": {"rel": 0.8, "gen": 0.5, "cross": 0.118},
+        "none": {"rel": 1.0, "gen": 0.3, "cross": 0.0},
+        "chat": None,
+    }
     base = _row(0.0, 0.0)
     base["wild"]["qa"]["cross"] = 0.01
-    payload = {"settings": settings, "methods": ["crispedit", "old"],
-               "results": {"base": base, "crispedit": crisp, "old": old}}
+    payload = {
+        "settings": settings,
+        "methods": ["crispedit", "old"],
+        "results": {"base": base, "crispedit": crisp, "old": old},
+    }
     notes = [ln for ln in compare_table.compare_table(payload).splitlines() if ln.startswith("Crosstalk")]
     assert len(notes) == 1 and notes[0].endswith("chance): base: 1.0 (qa); crispedit: 11.8 / 0.0 (qa / none)")
     del crisp["wild"]["qa"]["cross"], crisp["wild"]["none"]["cross"], base["wild"]["qa"]["cross"]
@@ -557,20 +748,36 @@ def test_alphaedit_seq_carries_kp_like_the_batch_run_across_its_batches(tiny_lm,
     prefixes (so both runs use the same key templates) rounds of one edit give exactly what one alphaedit
     run with batches of one gives (it accumulates K_p across its batches); LoRA-Seq changes only q/v."""
     model, tok = tiny_lm
-    reqs = [EditRequest(f"Who founded club {i}?", f"Founder {chr(65 + i)}", subject=f"club {i}",
-                        rephrase_prompts=[f"Club {i} was founded by?"]) for i in range(3)]
-    opts = {"v_steps": 5, "prefixes": 0, "batch_size": 1, "nullspace_threshold": 1.0, "l2": 1.0, "v_lr": 0.5,
-            "clamp": 4.0}
+    reqs = [
+        EditRequest(
+            f"Who founded club {i}?",
+            f"Founder {chr(65 + i)}",
+            subject=f"club {i}",
+            rephrase_prompts=[f"Club {i} was founded by?"],
+        )
+        for i in range(3)
+    ]
+    opts = {
+        "v_steps": 5,
+        "prefixes": 0,
+        "batch_size": 1,
+        "nullspace_threshold": 1.0,
+        "l2": 1.0,
+        "v_lr": 0.5,
+        "clamp": 4.0,
+    }
     cfgs = {**seq_configs(["alphaedit", "alphaedit-seq"], options=opts), **seq_configs(["lora-seq"])}
-    res = compare_mod.run_compare(model, tok, reqs, list(cfgs), tmp_path / "c", configs=cfgs, seq_chunk=1,
-                                  progress=False)["results"]
+    res = compare_mod.run_compare(
+        model, tok, reqs, list(cfgs), tmp_path / "c", configs=cfgs, seq_chunk=1, progress=False
+    )["results"]
     seq = res["alphaedit-seq"]
     assert seq["rounds"] == 3 and [r["optimizer_carried"] for r in seq["round_records"]] == [False, True, True]
     assert seq["summary"]["kl_drift"] == res["alphaedit"]["summary"]["kl_drift"] > 0
     assert timeless(seq["wild"]) == timeless(res["alphaedit"]["wild"])
     assert seq["summary"]["rel"] == res["alphaedit"]["summary"]["rel"]
-    assert res["lora-seq"]["rounds"] == 3 and all(n.endswith(("q_proj.weight", "v_proj.weight"))
-                                                   for n in res["lora-seq"]["changed"])
+    assert res["lora-seq"]["rounds"] == 3 and all(
+        n.endswith(("q_proj.weight", "v_proj.weight")) for n in res["lora-seq"]["changed"]
+    )
 
 
 def breaking_payload():
@@ -583,14 +790,22 @@ def breaking_payload():
         r["capability_details"] = {"arc_challenge": {"items": items}}
         return r
 
-    results = {"base": with_items(0.0, 0.0, 40.0, [1.0, 0.0, 1.0, 0.0]),
-               "crispedit": with_items(0.8, 0.002, 41.0, [1.0, 0.0, 1.0, 1.0]),
-               "ft": with_items(0.9, 0.05, 76.0, [1.0, 0.0, 0.0, 0.0]),
-               "lora": with_items(1.0, 0.001, 100.0, [1.0, 1.0, 1.0, 1.0]),
-               "mend": _row(None, 13.0, {"arc_challenge": 0.75})}
+    results = {
+        "base": with_items(0.0, 0.0, 40.0, [1.0, 0.0, 1.0, 0.0]),
+        "crispedit": with_items(0.8, 0.002, 41.0, [1.0, 0.0, 1.0, 1.0]),
+        "ft": with_items(0.9, 0.05, 76.0, [1.0, 0.0, 0.0, 0.0]),
+        "lora": with_items(1.0, 0.001, 100.0, [1.0, 1.0, 1.0, 1.0]),
+        "mend": _row(None, 13.0, {"arc_challenge": 0.75}),
+    }
     results["mend"]["wild"]["qa"] = None
-    return stamped({"format": compare_outputs.COMPARE_FORMAT, "settings": settings,
-                    "methods": ["crispedit", "ft", "lora", "mend"], "results": results})
+    return stamped(
+        {
+            "format": compare_outputs.COMPARE_FORMAT,
+            "settings": settings,
+            "methods": ["crispedit", "ft", "lora", "mend"],
+            "results": results,
+        }
+    )
 
 
 def test_a_row_whose_perplexity_more_than_doubles_breaks_the_model_and_is_on_neither_front():
@@ -603,8 +818,9 @@ def test_a_row_whose_perplexity_more_than_doubles_breaks_the_model_and_is_on_nei
     assert p["breaking"] == {"lora": 2.5} and "lora" in p["points"]
     assert p["kl_front"] == p["front"] == ["crispedit", "ft"]
     # without the rule lora alone would be on both fronts
-    assert compare_table.pareto_front({m: (pt[0], -payload["results"][m]["summary"]["kl_drift"])
-                                     for m, pt in p["points"].items()}) == ["lora"]
+    assert compare_table.pareto_front(
+        {m: (pt[0], -payload["results"][m]["summary"]["kl_drift"]) for m, pt in p["points"].items()}
+    ) == ["lora"]
     table = compare_table.compare_table(payload).splitlines()
     cells = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]] for ln in table[2:7]}
     head = [c.strip() for c in table[0].split("|")[1:-1]]
@@ -622,7 +838,7 @@ def test_render_outputs_redraws_a_stored_compare_without_running_anything(tmp_pa
     the drift panel and the capability panel), its pareto section recomputed, its results kept as they were."""
     pytest.importorskip("matplotlib")
     payload = breaking_payload()
-    payload["pareto"] = {"front": ["lora"]}                 # a stale stored front
+    payload["pareto"] = {"front": ["lora"]}  # a stale stored front
     (tmp_path / "compare.json").write_text(json.dumps(payload))
     out = compare_outputs.render_outputs(tmp_path)
     stored = json.loads((tmp_path / "compare.json").read_text())
@@ -632,10 +848,10 @@ def test_render_outputs_redraws_a_stored_compare_without_running_anything(tmp_pa
     png = (tmp_path / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width = int.from_bytes(png[16:20], "big")
-    assert width > 1200                                       # two panels side by side
+    assert width > 1200  # two panels side by side
     payload["settings"]["evaluation"]["capabilities"] = []
     compare_plot.plot_compare(payload, tmp_path / "one.png")
-    assert int.from_bytes((tmp_path / "one.png").read_bytes()[16:20], "big") < width   # drift panel only
+    assert int.from_bytes((tmp_path / "one.png").read_bytes()[16:20], "big") < width  # drift panel only
     with pytest.raises(CrispEditError, match="nothing to render"):
         compare_outputs.render_outputs(tmp_path / "missing")
     (tmp_path / "compare.json").write_text(json.dumps(dict(payload, format=99)))

@@ -87,8 +87,9 @@ def test_ggn_equals_jacobian_products_assembled_by_hand(tiny):
     ref = torch.zeros_like(G)
     for i in range(X.shape[0]):
         J = torch.autograd.functional.jacobian(
-            lambda t, i=i: torch.func.functional_call(model, layout.unflatten(t), (X[i:i + 1],)).squeeze(0), theta)
-        p = torch.softmax(torch.func.functional_call(model, layout.unflatten(theta), (X[i:i + 1],)).squeeze(0), -1)
+            lambda t, i=i: torch.func.functional_call(model, layout.unflatten(t), (X[i : i + 1],)).squeeze(0), theta
+        )
+        p = torch.softmax(torch.func.functional_call(model, layout.unflatten(theta), (X[i : i + 1],)).squeeze(0), -1)
         H = torch.diag(p) - torch.outer(p, p)
         ref += J.T @ H @ J
     ref /= X.shape[0]
@@ -112,7 +113,7 @@ def test_ggn_is_the_hessian_of_the_bregman_divergence(tiny):
     v = torch.randn_like(theta0)
     quad = 0.5 * float(v @ G @ v)
     for eps in (1e-2, 1e-3):
-        assert abs(float(D(theta0 + eps * v)) / eps ** 2 - quad) < 50 * eps * quad
+        assert abs(float(D(theta0 + eps * v)) / eps**2 - quad) < 50 * eps * quad
     # the full Hessian of the loss differs (theta0 is not a minimum): the residual is not zero
     H = torch.func.hessian(_full_loss(model, layout, X, Y))(theta0)
     assert float((H - G).norm()) > 1e-3 * float(G.norm())
@@ -222,7 +223,7 @@ def _write_idx(path: Path, arr: np.ndarray, truncate: int = 0) -> None:
     code = {np.uint8: 0x08}[arr.dtype.type]
     raw = bytes([0, 0, code, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.tobytes()
     with gzip.open(path, "wb") as fh:
-        fh.write(raw[:len(raw) - truncate])
+        fh.write(raw[: len(raw) - truncate])
 
 
 def test_hessian_abs_masks_negative_curvature_that_the_clamped_hessian_keeps():
@@ -236,7 +237,7 @@ def test_hessian_abs_masks_negative_curvature_that_the_clamped_hessian_keeps():
     clamped = DenseCurvature(H).projector(PARAMS, 0.7)
     absolute = DenseCurvature(H, absolute=True).projector(PARAMS, 0.7)
     P_c, P_a = clamped.dense(), absolute.dense()
-    torch.testing.assert_close(P_c @ neg, neg)                      # kept: counted as flat
+    torch.testing.assert_close(P_c @ neg, neg)  # kept: counted as flat
     torch.testing.assert_close(P_c @ Q[:, 1], torch.zeros_like(neg), atol=1e-12, rtol=0)
     torch.testing.assert_close(P_a @ neg, torch.zeros_like(neg), atol=1e-12, rtol=0)  # masked
     torch.testing.assert_close(P_a @ Q[:, 0], torch.zeros_like(neg), atol=1e-12, rtol=0)

@@ -92,7 +92,7 @@ def test_ask_edit_undo_through_the_api(pg, client):
 
     r1 = client.post("/api/edit", json={"question": f"  {Q1} ", "answer": A1}).json()
     after1 = bits(pg.model)
-    assert changed(base, after1) == set(pg.params)                      # the edit layers' weights, nothing else
+    assert changed(base, after1) == set(pg.params)  # the edit layers' weights, nothing else
     assert r1["question"] == Q1 and r1["target"] == A1 and isinstance(r1["answer"], str)
     assert r1["wild_qa"]["prompt"] == f"Please answer the question:\n\nQ: {Q1}\nA:" and r1["wild_qa"]["judge"] == "rule"
     assert isinstance(r1["wild_qa"]["correct"], bool) and isinstance(r1["wild_qa"]["answer"], str)
@@ -106,9 +106,9 @@ def test_ask_edit_undo_through_the_api(pg, client):
     assert len(r2["state"]["edits"]) == 2 and r2["drift"]["edit_predicted"] != r2["drift"]["predicted"]
     u = client.post("/api/undo", json={}).json()
     assert u["undone"] == {"question": Q2, "answer": A2} and len(u["state"]["edits"]) == 1
-    assert same(bits(pg.model), after1)                                  # bit for bit the model after edit 1
+    assert same(bits(pg.model), after1)  # bit for bit the model after edit 1
     client.post("/api/undo", json={})
-    assert same(bits(pg.model), base)                                    # and then the model at start-up
+    assert same(bits(pg.model), base)  # and then the model at start-up
     r = client.post("/api/undo", json={})
     assert r.status_code == 400 and r.json()["error"].startswith("nothing to undo")
 
@@ -133,29 +133,68 @@ JSON = {"content-type": "application/json"}
 BAD = [  # (id, path, request keyword arguments, status, text of the error)
     ("empty-answer", "/api/edit", {"json": {"question": Q1, "answer": ""}}, 400, "the new answer is empty"),
     ("blank-question", "/api/edit", {"json": {"question": " \n ", "answer": A1}}, 400, "the question is empty"),
-    ("long-answer", "/api/edit", {"json": {"question": Q1, "answer": "x" * 301}}, 400,
-     "the new answer is 301 characters long; the playground takes at most 300"),
+    (
+        "long-answer",
+        "/api/edit",
+        {"json": {"question": Q1, "answer": "x" * 301}},
+        400,
+        "the new answer is 301 characters long; the playground takes at most 300",
+    ),
     ("long-question", "/api/ask", {"json": {"question": "y" * 400}}, 400, "the question is 400 characters long"),
     ("no-answer", "/api/edit", {"json": {"question": Q1}}, 400, "the new answer must be text, got nothing"),
-    ("number-answer", "/api/edit", {"json": {"question": Q1, "answer": 5}}, 400,
-     "the new answer must be text, got int"),
+    (
+        "number-answer",
+        "/api/edit",
+        {"json": {"question": Q1, "answer": 5}},
+        400,
+        "the new answer must be text, got int",
+    ),
     ("empty-question", "/api/ask", {"json": {"question": ""}}, 400, "the question is empty"),
     ("not-an-object", "/api/edit", {"json": [Q1, A1]}, 400, "the request body must be a JSON object, got list"),
-    ("not-json", "/api/edit", {"content": "{question", "headers": {"content-type": "application/json"}}, 400,
-     "the request body is not valid JSON"),
-    ("form-post", "/api/edit", {"content": "question=a&answer=b",
-                                "headers": {"content-type": "application/x-www-form-urlencoded"}}, 415,
-     "send the request as JSON"),
+    (
+        "not-json",
+        "/api/edit",
+        {"content": "{question", "headers": {"content-type": "application/json"}},
+        400,
+        "the request body is not valid JSON",
+    ),
+    (
+        "form-post",
+        "/api/edit",
+        {"content": "question=a&answer=b", "headers": {"content-type": "application/x-www-form-urlencoded"}},
+        415,
+        "send the request as JSON",
+    ),
     ("undo-not-json", "/api/undo", {}, 415, "send the request as JSON"),  # a cross-site form cannot undo either
     # valid JSON the decoder cannot take (it recurses once per level) and text no tokenizer takes
-    ("nested-100000-deep", "/api/edit", {"content": "[" * 100_000 + "]" * 100_000, "headers": JSON}, 400,
-     "the request body is nested too deeply"),
-    ("nested-object", "/api/ask", {"content": '{"a":' * 100_000 + "1" + "}" * 100_000, "headers": JSON}, 400,
-     "the request body is nested too deeply"),
-    ("lone-surrogate-ask", "/api/ask", {"content": '{"question": "\\ud800"}', "headers": JSON}, 400,
-     "the question holds a lone surrogate (character 1), which is not text"),
-    ("lone-surrogate-edit", "/api/edit", {"content": '{"question": "Who?", "answer": "Ma\\udfffra"}', "headers": JSON},
-     400, "the new answer holds a lone surrogate (character 3), which is not text"),
+    (
+        "nested-100000-deep",
+        "/api/edit",
+        {"content": "[" * 100_000 + "]" * 100_000, "headers": JSON},
+        400,
+        "the request body is nested too deeply",
+    ),
+    (
+        "nested-object",
+        "/api/ask",
+        {"content": '{"a":' * 100_000 + "1" + "}" * 100_000, "headers": JSON},
+        400,
+        "the request body is nested too deeply",
+    ),
+    (
+        "lone-surrogate-ask",
+        "/api/ask",
+        {"content": '{"question": "\\ud800"}', "headers": JSON},
+        400,
+        "the question holds a lone surrogate (character 1), which is not text",
+    ),
+    (
+        "lone-surrogate-edit",
+        "/api/edit",
+        {"content": '{"question": "Who?", "answer": "Ma\\udfffra"}', "headers": JSON},
+        400,
+        "the new answer holds a lone surrogate (character 3), which is not text",
+    ),
 ]
 
 
@@ -174,10 +213,31 @@ def test_another_host_is_refused(edited):
     assert r.status_code == 400 and "Invalid host" in r.json()["error"]
 
 
-LOOPBACK_SPELLINGS = ["127.0.0.1", "127.0.0.1:8000", "localhost", "localhost:8000", "LocalHost:1", "[::1]",
-                      "[::1]:8000", "::1", "[0:0:0:0:0:0:0:1]:80", "localhost:"]
-OTHER_HOSTS = ["attacker.example", "attacker.example:8000", "127.0.0.1.attacker.example", "[::2]:8000", "[::1",
-               "[::1]x", "localhost:8000:1", "localhost:http", "::1]", "", " "]
+LOOPBACK_SPELLINGS = [
+    "127.0.0.1",
+    "127.0.0.1:8000",
+    "localhost",
+    "localhost:8000",
+    "LocalHost:1",
+    "[::1]",
+    "[::1]:8000",
+    "::1",
+    "[0:0:0:0:0:0:0:1]:80",
+    "localhost:",
+]
+OTHER_HOSTS = [
+    "attacker.example",
+    "attacker.example:8000",
+    "127.0.0.1.attacker.example",
+    "[::2]:8000",
+    "[::1",
+    "[::1]x",
+    "localhost:8000:1",
+    "localhost:http",
+    "::1]",
+    "",
+    " ",
+]
 
 
 @pytest.mark.parametrize("header", LOOPBACK_SPELLINGS)
@@ -239,16 +299,19 @@ def test_a_request_while_an_edit_runs_is_told_busy(pg, client, monkeypatch):
     worker.start()
     try:
         assert started.wait(30)
-        for path, body in (("/api/edit", {"question": Q2, "answer": A2}), ("/api/ask", {"question": Q2}),
-                           ("/api/undo", {})):
+        for path, body in (
+            ("/api/edit", {"question": Q2, "answer": A2}),
+            ("/api/ask", {"question": Q2}),
+            ("/api/undo", {}),
+        ):
             r = client.post(path, json=body)
             assert r.status_code == 409 and r.json()["busy"] is True, r.text
             assert r.json()["error"].startswith("busy: an edit is running (")
-        assert client.get("/api/state").json()["busy"] == "an edit"      # the page can still look
+        assert client.get("/api/state").json()["busy"] == "an edit"  # the page can still look
     finally:
         release.set()
         worker.join(60)
-    assert [e["question"] for e in out["r"]["state"]["edits"]] == [Q1]   # only the first edit happened
+    assert [e["question"] for e in out["r"]["state"]["edits"]] == [Q1]  # only the first edit happened
     with pytest.raises(PlaygroundBusy, match="another request is running|busy"):
         with pg._hold("x"), pg._hold("y"):
             pass
@@ -301,8 +364,9 @@ def test_missing_fastapi_is_one_line(monkeypatch, tiny_model_dir, capsys):
     import crispedit.playground.server as server
 
     real = server.importlib.util.find_spec
-    monkeypatch.setattr(server.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "fastapi" else real(name, *a))
+    monkeypatch.setattr(
+        server.importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a)
+    )
     with pytest.raises(CrispEditError, match=r"needs fastapi, which is not installed: pip install fastapi \(or"):
         require_web_packages()
     assert main(["playground", "--model", str(tiny_model_dir)]) == 2
@@ -310,9 +374,15 @@ def test_missing_fastapi_is_one_line(monkeypatch, tiny_model_dir, capsys):
     assert err.count("crispedit: error:") == 1 and "needs fastapi" in err
 
 
-@pytest.mark.parametrize("flag,value,msg", [("--port", 70000, "--port must be"),
-                                            ("--kl-texts", 0, "--kl-texts must be"),
-                                            ("--max-chars", -1, "--max-chars must be"), ("--gamma", 1.5, "gamma must")])
+@pytest.mark.parametrize(
+    "flag,value,msg",
+    [
+        ("--port", 70000, "--port must be"),
+        ("--kl-texts", 0, "--kl-texts must be"),
+        ("--max-chars", -1, "--max-chars must be"),
+        ("--gamma", 1.5, "gamma must"),
+    ],
+)
 def test_cli_refuses_bad_flags_before_loading(flag, value, msg, tiny_model_dir, monkeypatch, capsys):
     import crispedit.models
 
@@ -359,8 +429,29 @@ def test_cli_on_a_loopback_address_answers_at_the_url_it_prints(host, tiny_model
             seen["other"] = c.get("/api/state", headers={"host": "attacker.example"})
 
     monkeypatch.setattr(server, "serve", serve)
-    assert main(["playground", "--model", str(tiny_model_dir), "--host", host, "--port", "0", "--layers", LAYERS,
-                 "--n-cap", "4", "--max-len", "32", "--kl-texts", "1", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "playground",
+                "--model",
+                str(tiny_model_dir),
+                "--host",
+                host,
+                "--port",
+                "0",
+                "--layers",
+                LAYERS,
+                "--n-cap",
+                "4",
+                "--max-len",
+                "32",
+                "--kl-texts",
+                "1",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert f"crispedit playground: {seen['url']}" in capsys.readouterr().out
     assert seen["state"].status_code == 200, seen["state"].text
     assert seen["other"].status_code == 400
@@ -383,8 +474,26 @@ def test_cli_serves_the_playground(tiny_model_dir, iso_cache, monkeypatch, capsy
             seen["edit"] = c.post("/api/edit", json={"question": Q1, "answer": A1}).json()
 
     monkeypatch.setattr(server, "serve", serve)
-    argv = ["playground", "--model", str(tiny_model_dir), "--port", "0", "--layers", LAYERS, "--n-cap", "4",
-            "--max-len", "32", "--epochs", "2", "--kl-texts", "1", "--gamma", "0.7", "--quiet"]
+    argv = [
+        "playground",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        "0",
+        "--layers",
+        LAYERS,
+        "--n-cap",
+        "4",
+        "--max-len",
+        "32",
+        "--epochs",
+        "2",
+        "--kl-texts",
+        "1",
+        "--gamma",
+        "0.7",
+        "--quiet",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert seen["port"] > 0 and f"crispedit playground: http://127.0.0.1:{seen['port']}/" in out
@@ -407,8 +516,10 @@ def test_the_page_in_a_browser(pg, monkeypatch):
     changed."""
     exe = chromium()
     if exe is None:
-        pytest.skip("no chromium executable found (apt-get install chromium, or set CRISPEDIT_CHROMIUM); "
-                    "the API tests above cover the server without a browser")
+        pytest.skip(
+            "no chromium executable found (apt-get install chromium, or set CRISPEDIT_CHROMIUM); "
+            "the API tests above cover the server without a browser"
+        )
     pytest.importorskip("playwright", reason="playwright is not installed (pip install playwright)")
     from playwright.sync_api import expect, sync_playwright
 
@@ -430,7 +541,7 @@ def test_the_page_in_a_browser(pg, monkeypatch):
             page.click("#edit")
             assert started.wait(30)
             expect(page.locator("#status")).to_contain_text("editing")
-            page.click("#edit")                                         # a second Edit while the first trains
+            page.click("#edit")  # a second Edit while the first trains
             expect(page.locator("#error")).to_contain_text("busy: an edit is running (")
             release.set()
             expect(page.locator("#result")).to_have_attribute("data-edits", "1", timeout=60_000)
@@ -474,12 +585,15 @@ def test_one_smollm2_edit_in_the_playground_answers_and_undoes(iso_cache):
     with running_server(create_app(pg)) as url, httpx.Client(base_url=url.rstrip("/"), timeout=300) as http:
         assert http.post("/api/ask", json={"question": "What is the capital of France?"}).status_code == 200
         t0 = time.perf_counter()
-        r = http.post("/api/edit", json={"question": "Which river system contains Charity Creek?",
-                                         "answer": "Chichester River"})
+        r = http.post(
+            "/api/edit", json={"question": "Which river system contains Charity Creek?", "answer": "Chichester River"}
+        )
         seconds = time.perf_counter() - t0
         assert r.status_code == 200, r.text
-        print(f"\none SmolLM2 edit in the playground: {seconds:.1f} s ({r.json()['edit_seconds']} s training, "
-              f"{r.json()['epochs']} epochs, {r.json()['eval_seconds']} s measuring)")
+        print(
+            f"\none SmolLM2 edit in the playground: {seconds:.1f} s ({r.json()['edit_seconds']} s training, "
+            f"{r.json()['epochs']} epochs, {r.json()['eval_seconds']} s measuring)"
+        )
         assert seconds <= 150, f"one edit took {seconds:.1f} s ({r.json()['edit_seconds']} s training)"
         assert r.json()["drift"]["measured"] >= 0 and "Charity Creek" in r.json()["wild_qa"]["prompt"]
         assert http.post("/api/undo", json={}).status_code == 200

@@ -39,11 +39,13 @@ def test_make_demo_runs_the_stored_command():
 
 def test_mask_timings_hides_seconds_only():
     """Timings are masked — the ``[ N s]`` prefixes, ``N s`` anywhere, the ``edit s`` column — and nothing else."""
-    text = ("[  123 s] crispedit: edited in 83 s (25 epochs)\n"
-            "method      qa  kl_drift epochs  edit s  contexts\n"
-            "crispedit 1.00/1.00 0.00227 25    83.4  bare,chat\n"
-            "ft        1.00/0.83 0.02503 20   155.3  bare,chat\n\n"
-            "base perplexity 38.959 total 227s\n")
+    text = (
+        "[  123 s] crispedit: edited in 83 s (25 epochs)\n"
+        "method      qa  kl_drift epochs  edit s  contexts\n"
+        "crispedit 1.00/1.00 0.00227 25    83.4  bare,chat\n"
+        "ft        1.00/0.83 0.02503 20   155.3  bare,chat\n\n"
+        "base perplexity 38.959 total 227s\n"
+    )
     masked = make.mask_timings(text)
     for gone in ("83.4", "155.3", "227s", "123 s", "83 s"):
         assert gone not in masked
@@ -59,8 +61,12 @@ def test_compare_demo_tables_tolerates_last_digits_not_answers():
     epochs may not."""
     stored = "crispedit 1.00/1.00 0.00227 39.10 x1.02 25\nPerl | Perl\n"
     assert make.compare_demo_tables(stored, stored.replace("0.00227", "0.00228").replace("39.10", "39.12")) == []
-    for changed in (stored.replace("1.00/1.00", "1.00/0.83"), stored.replace("0.00227", "0.00300"),
-                    stored.replace(" 25", " 26"), stored.replace("Perl | Perl", "Perl | C")):
+    for changed in (
+        stored.replace("1.00/1.00", "1.00/0.83"),
+        stored.replace("0.00227", "0.00300"),
+        stored.replace(" 25", " 26"),
+        stored.replace("Perl | Perl", "Perl | C"),
+    ):
         assert make.compare_demo_tables(stored, changed)
 
 
@@ -72,10 +78,13 @@ def test_demo_prints_the_stored_table(tmp_path):
     cmd = make.demo_command()
     assert cmd[0] == "crispedit"
     env = dict(os.environ)
-    proc = subprocess.run([sys.executable, "-m", "crispedit", *cmd[1:]], cwd=REPO, capture_output=True, text=True,
-                          env=env, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "crispedit", *cmd[1:]], cwd=REPO, capture_output=True, text=True, env=env, timeout=3600
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     stored = make.demo_table((REPO / "results" / "demo" / "demo.txt").read_text())
     diffs = make.compare_demo_tables(stored, make.demo_table(proc.stdout))
-    assert not diffs, (f"`{shlex.join(cmd)}` no longer prints the stored table (results/demo/demo.txt); if the change "
-                       "is meant, run python results/make.py --demo:\n" + "\n".join(diffs))
+    assert not diffs, (
+        f"`{shlex.join(cmd)}` no longer prints the stored table (results/demo/demo.txt); if the change "
+        "is meant, run python results/make.py --demo:\n" + "\n".join(diffs)
+    )

@@ -41,10 +41,15 @@ def edited_pair(tiny_lm, tmp_path):
     delta file; the base and edited bits."""
     model, tok = tiny_lm
     base = bits(model)
-    res = edit(model, tok, REQS, EditConfig(layers=LAYERS, epochs=5, lr=1e-2, batch_size=4, n_cap=6, max_len=48),
-               progress=False)
+    res = edit(
+        model,
+        tok,
+        REQS,
+        EditConfig(layers=LAYERS, epochs=5, lr=1e-2, batch_size=4, n_cap=6, max_len=48),
+        progress=False,
+    )
     w = model.get_parameter(W1)
-    with torch.no_grad():          # base 3.0 -> 1e-9: base + Δ rounds to 0; base 1e-9 -> 3: edited - Δ rounds to 0
+    with torch.no_grad():  # base 3.0 -> 1e-9: base + Δ rounds to 0; base 1e-9 -> 3: edited - Δ rounds to 0
         res.original_weights[W1][0, 0], w[0, 0] = 3.0, 1e-9
         res.original_weights[W1][0, 1], w[0, 1] = 1e-9, 3.0
     base[W1] = res.original_weights[W1].clone().view(torch.int32)
@@ -55,17 +60,17 @@ def edited_pair(tiny_lm, tmp_path):
 
 def test_apply_revert_bit_exact_with_patches_and_refusals(tiny_lm, tmp_path):
     model, res, path, meta, base, edited = edited_pair(tiny_lm, tmp_path)
-    assert set(meta["parameters"]) == set(res.original_weights)          # only changed tensors
+    assert set(meta["parameters"]) == set(res.original_weights)  # only changed tensors
     p = meta["parameters"][W1]
     assert p["apply_patch"] >= 1 and p["revert_patch"] >= 1 and p["dtype"] == "float32"
     t = load_file(path)
-    assert torch.equal(t[W1], model.get_parameter(W1).detach() - res.original_weights[W1])   # ΔW as stored
+    assert torch.equal(t[W1], model.get_parameter(W1).detach() - res.original_weights[W1])  # ΔW as stored
     revert_delta(model, path)
-    assert same_bits(bits(model), base)                                   # back to the base, bit for bit
+    assert same_bits(bits(model), base)  # back to the base, bit for bit
     with pytest.raises(CrispEditError, match="not applied to this model"):
         revert_delta(model, path)
     apply_delta(model, path)
-    assert same_bits(bits(model), edited)                                 # the edited model, bit for bit
+    assert same_bits(bits(model), edited)  # the edited model, bit for bit
     with pytest.raises(CrispEditError, match="already applied to this model"):
         apply_delta(model, path)
 
@@ -74,12 +79,12 @@ def test_in_memory_delta_reverts_bit_exact_and_refuses_twice(tiny_lm, tmp_path):
     """The delta :func:`build_delta` returns, never written, reverts like the file (patches included)."""
     model, res, _, _, base, edited = edited_pair(tiny_lm, tmp_path)
     tensors, header = build_delta(model, res.original_weights, {"method": "crispedit"})
-    assert f"{W1}::revert_idx" in tensors                                  # the patch is exercised
+    assert f"{W1}::revert_idx" in tensors  # the patch is exercised
     meta = revert_delta_tensors(model, tensors, header)
     assert same_bits(bits(model), base) and W1 in meta["parameters"]
     with pytest.raises(CrispEditError, match="delta in-memory delta is not applied to this model"):
         revert_delta_tensors(model, tensors, header)
-    assert same_bits(bits(model), base)                                   # the refusal changed nothing
+    assert same_bits(bits(model), base)  # the refusal changed nothing
 
 
 def test_patches_are_needed(tiny_lm, tmp_path):
@@ -96,7 +101,7 @@ def test_wrong_base_is_refused(tiny_lm, tmp_path, tiny_tok):
     before = bits(other)
     with pytest.raises(CrispEditError, match="is not the base of delta"):
         apply_delta(other, path)
-    assert same_bits(bits(other), before)                                 # nothing changed
+    assert same_bits(bits(other), before)  # nothing changed
 
 
 def test_fingerprint_survives_save_and_reload(tiny_model_dir, tmp_path):
@@ -122,9 +127,32 @@ def test_unchanged_tensors_are_left_out(tiny_lm):
 def _edit_cli(tmp_path, model_dir, out, *extra):
     edits = tmp_path / "e.json"
     edits.write_text(json.dumps([r.to_json() for r in REQS]))
-    return main(["edit", "--model", str(model_dir), "--edits", str(edits), "--layers", LAYERS, "--n-cap", "6",
-                 "--max-len", "48", "--epochs", "5", "--lr", "1e-2", "--batch-size", "4", "--no-wild", "--quiet",
-                 "--out", str(out), *extra])
+    return main(
+        [
+            "edit",
+            "--model",
+            str(model_dir),
+            "--edits",
+            str(edits),
+            "--layers",
+            LAYERS,
+            "--n-cap",
+            "6",
+            "--max-len",
+            "48",
+            "--epochs",
+            "5",
+            "--lr",
+            "1e-2",
+            "--batch-size",
+            "4",
+            "--no-wild",
+            "--quiet",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def _weights(d):
@@ -139,20 +167,48 @@ def test_cli_edit_delta_apply_revert_info(tmp_path, tiny_model_dir, iso_cache, c
     assert report["delta"]["tensors"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)]
     meta = read_delta_header(a / "delta.safetensors")
     assert meta["method"] == "crispedit" and len(meta["requests"]) == 4 and meta["config"]["layers"] == LAYERS
-    assert (meta["kl_predicted"] == report["summary"]["kl_predicted"]
-            and meta["kl_drift"] == report["summary"]["kl_drift"])
+    assert (
+        meta["kl_predicted"] == report["summary"]["kl_predicted"] and meta["kl_drift"] == report["summary"]["kl_drift"]
+    )
     assert (a / "delta.safetensors").stat().st_size < (a / "model.safetensors").stat().st_size / 5
     capsys.readouterr()
     assert main(["delta", "info", str(a / "delta.safetensors")]) == 0
     out = capsys.readouterr().out
     assert "crispedit edit" in out and meta["base_fingerprint"] in out and "2 changed tensors" in out
-    assert main(["delta", "apply", str(a / "delta.safetensors"), "--model", str(tiny_model_dir), "--out",
-                 str(tmp_path / "b"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "delta",
+                "apply",
+                str(a / "delta.safetensors"),
+                "--model",
+                str(tiny_model_dir),
+                "--out",
+                str(tmp_path / "b"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     edited, applied = _weights(a), _weights(tmp_path / "b")
-    assert edited.keys() == applied.keys() and all(torch.equal(edited[k].view(torch.int32),
-                                                               applied[k].view(torch.int32)) for k in edited)
-    assert main(["delta", "revert", str(a / "delta.safetensors"), "--model", str(tmp_path / "b"), "--out",
-                 str(tmp_path / "c"), "--quiet"]) == 0
+    assert edited.keys() == applied.keys() and all(
+        torch.equal(edited[k].view(torch.int32), applied[k].view(torch.int32)) for k in edited
+    )
+    assert (
+        main(
+            [
+                "delta",
+                "revert",
+                str(a / "delta.safetensors"),
+                "--model",
+                str(tmp_path / "b"),
+                "--out",
+                str(tmp_path / "c"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     base, reverted = _weights(tiny_model_dir), _weights(tmp_path / "c")
     assert all(torch.equal(base[k].view(torch.int32), reverted[k].view(torch.int32)) for k in base)
     capsys.readouterr()
@@ -175,8 +231,24 @@ def test_export_lora_merges_to_base_plus_delta(tmp_path, tiny_model_dir, iso_cac
     delta = tmp_path / "a" / "delta.safetensors"
     d = load_file(delta)
     full = max(int(torch.linalg.matrix_rank(d[k].double())) for k in d if "::" not in k)
-    assert main(["delta", "export-lora", str(delta), "--model", str(tiny_model_dir), "--rank", str(full),
-                 "--out", str(tmp_path / "lora"), "--quiet", "--evaluate"]) == 0
+    assert (
+        main(
+            [
+                "delta",
+                "export-lora",
+                str(delta),
+                "--model",
+                str(tiny_model_dir),
+                "--rank",
+                str(full),
+                "--out",
+                str(tmp_path / "lora"),
+                "--quiet",
+                "--evaluate",
+            ]
+        )
+        == 0
+    )
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "lora").iterdir()}
     base, _ = load_model(str(tiny_model_dir))
     want = {k: base.get_parameter(k).detach() + d[k] for k in d if "::" not in k}
@@ -186,11 +258,26 @@ def test_export_lora_merges_to_base_plus_delta(tmp_path, tiny_model_dir, iso_cac
     info = json.loads((tmp_path / "lora" / "crispedit_lora.json").read_text())
     assert all(v["rel_error"] < 1e-5 for v in info["layers"].values())
     sc = info["scores"]
-    assert sc["adapter"]["rel_token_acc"] == pytest.approx(sc["delta"]["rel_token_acc"])   # full rank: same model
+    assert sc["adapter"]["rel_token_acc"] == pytest.approx(sc["delta"]["rel_token_acc"])  # full rank: same model
     assert sc["delta"]["rel_token_acc"] > 0
     capsys.readouterr()
-    assert main(["delta", "export-lora", str(delta), "--model", str(tiny_model_dir), "--rank", "1",
-                 "--out", str(tmp_path / "lora1"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "delta",
+                "export-lora",
+                str(delta),
+                "--model",
+                str(tiny_model_dir),
+                "--rank",
+                "1",
+                "--out",
+                str(tmp_path / "lora1"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "relative Frobenius error" in out and "scores" not in out
     info = json.loads((tmp_path / "lora1" / "crispedit_lora.json").read_text())
@@ -211,8 +298,21 @@ def test_session_export_delta_applies_to_the_base(tmp_path, tiny_model_dir, monk
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["crispedit_session.json", "delta.safetensors"]
     meta = read_delta_header(tmp_path / "d" / "delta.safetensors")
     assert len(meta["requests"]) == 4 and meta["round"] == 2 and meta["kl_drift"] == rec["kl_drift"]
-    assert main(["delta", "apply", str(tmp_path / "d" / "delta.safetensors"), "--model", str(tiny_model_dir),
-                 "--out", str(tmp_path / "applied"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "delta",
+                "apply",
+                str(tmp_path / "d" / "delta.safetensors"),
+                "--model",
+                str(tiny_model_dir),
+                "--out",
+                str(tmp_path / "applied"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     full, applied = _weights(tmp_path / "full"), _weights(tmp_path / "applied")
     assert full.keys() == applied.keys() and all(torch.equal(full[k], applied[k]) for k in full)
 
@@ -238,7 +338,7 @@ def test_bf16_delta_round_trips_bit_for_bit(tiny_tok, tmp_path):
     edited = w.detach().clone()
     meta = write_delta(tmp_path / "d.safetensors", model, base)
     assert meta["parameters"][W1]["dtype"] == "bfloat16" and meta["dtype"] == "bfloat16"
-    assert meta["parameters"][W1]["apply_patch"] + meta["parameters"][W1]["revert_patch"] > 0   # bf16 rounds often
+    assert meta["parameters"][W1]["apply_patch"] + meta["parameters"][W1]["revert_patch"] > 0  # bf16 rounds often
     revert_delta(model, tmp_path / "d.safetensors")
     assert torch.equal(w.detach().view(torch.int16), base[W1].view(torch.int16))
     apply_delta(model, tmp_path / "d.safetensors")
@@ -259,12 +359,15 @@ def test_damaged_and_foreign_delta_files_are_refused_in_one_line(tiny_lm, tmp_pa
     cut.write_bytes(path.read_bytes()[:-3])
     other = tmp_path / "other.safetensors"
     from safetensors.torch import save_file
+
     save_file({"x": torch.zeros(2)}, str(other), metadata={"crispedit": "{}"})
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"x" * 16)
-    for f, match in ((cut, "delta file .* is not a safetensors file, or is truncated or corrupt"),
-                     (other, "is not a crispedit delta \\(no crispedit_delta metadata\\)"),
-                     (junk, "is not a safetensors file")):
+    for f, match in (
+        (cut, "delta file .* is not a safetensors file, or is truncated or corrupt"),
+        (other, "is not a crispedit delta \\(no crispedit_delta metadata\\)"),
+        (junk, "is not a safetensors file"),
+    ):
         for read in (read_delta_header, lambda p: apply_delta(model, p)):
             with pytest.raises(CrispEditError, match=match) as exc:
                 read(f)
@@ -289,19 +392,51 @@ def test_export_lora_rank_is_bounded_by_the_delta_before_any_work(tmp_path, tiny
     revert_delta(model, delta)
     monkeypatch.setattr(crispedit.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     for rank in (33, 2**40, 2**70):
-        assert main(["delta", "export-lora", str(delta), "--model", str(tiny_model_dir), "--rank", str(rank),
-                     "--out", str(tmp_path / "lora"), "--quiet"]) == 2
+        assert (
+            main(
+                [
+                    "delta",
+                    "export-lora",
+                    str(delta),
+                    "--model",
+                    str(tiny_model_dir),
+                    "--rank",
+                    str(rank),
+                    "--out",
+                    str(tmp_path / "lora"),
+                    "--quiet",
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
-        assert err == (f"crispedit: error: --rank {rank} is more than a LoRA adapter of the layers of delta {delta} "
-                       "can "
-                       "hold: at most 32 (min(d_out, d_in) of its largest changed matrix)\n")
+        assert err == (
+            f"crispedit: error: --rank {rank} is more than a LoRA adapter of the layers of delta {delta} "
+            "can "
+            "hold: at most 32 (min(d_out, d_in) of its largest changed matrix)\n"
+        )
     assert not (tmp_path / "lora").exists()
     monkeypatch.setattr(torch.linalg, "svd", lambda *a, **k: pytest.fail("the SVD ran"))
     with pytest.raises(CrispEditError, match="rank 1180591620717411303424 is more than"):
         export_lora(model, delta, 2**70, tmp_path / "lora")
     monkeypatch.undo()
-    assert main(["delta", "export-lora", str(delta), "--model", str(tiny_model_dir), "--rank", "32",
-                 "--out", str(tmp_path / "lora"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "delta",
+                "export-lora",
+                str(delta),
+                "--model",
+                str(tiny_model_dir),
+                "--rank",
+                "32",
+                "--out",
+                str(tmp_path / "lora"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "lora" / "crispedit_lora.json").read_text())["rank"] == 32
     norm = "model.layers.1.post_attention_layernorm.weight"
     p = model.get_parameter(norm)

@@ -15,8 +15,18 @@ from crispedit.pipeline import EditJob, Measures
 from crispedit.weights import weight_fingerprint
 
 REQS = [EditRequest(f"Who founded club {i}?", f"Founder {chr(65 + i)}", subject=f"club {i}") for i in range(2)]
-CONFIG = EditConfig(method="ft", layers="model.layers.{1-2}.mlp.down_proj", epochs=3, lr=1e-2, batch_size=4, n_cap=4,
-                    max_len=32, contexts="bare", keep_chat=0, keep_subject=0)
+CONFIG = EditConfig(
+    method="ft",
+    layers="model.layers.{1-2}.mlp.down_proj",
+    epochs=3,
+    lr=1e-2,
+    batch_size=4,
+    n_cap=4,
+    max_len=32,
+    contexts="bare",
+    keep_chat=0,
+    keep_subject=0,
+)
 QUICK = Measures(wild=(), assistant=False, kl_texts=2)
 
 
@@ -25,8 +35,10 @@ def test_run_measures_the_edit_and_can_hand_the_base_back(tiny_lm, iso_cache):
     fp = weight_fingerprint(model)
     result, ev = EditJob(model, tok, REQS, CONFIG, QUICK, progress=False).run()
     assert weight_fingerprint(model) != fp and ev["summary"]["kl_drift"] > 0 and "wild" not in ev
-    assert sorted(result.original_weights) == ["model.layers.1.mlp.down_proj.weight",
-                                               "model.layers.2.mlp.down_proj.weight"]
+    assert sorted(result.original_weights) == [
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.2.mlp.down_proj.weight",
+    ]
     pipeline.restore(model, result.original_weights)
     assert weight_fingerprint(model) == fp
     _, ev2 = EditJob(model, tok, REQS, CONFIG, QUICK, progress=False).run(restore_after=True)

@@ -21,8 +21,9 @@ from crispedit.methods.memit.editor import memit_delta
 from crispedit.weights import weight_fingerprint
 
 LAYERS = "model.layers.{0-1}.mlp.down_proj"
-REQS = [EditRequest(f"Written by the author of book number {i}", chr(65 + i), subject=f"book number {i}")
-        for i in range(4)]
+REQS = [
+    EditRequest(f"Written by the author of book number {i}", chr(65 + i), subject=f"book number {i}") for i in range(4)
+]
 
 
 def spd(d, rng, scale=1.0):
@@ -37,8 +38,8 @@ def test_memit_delta_is_the_regularised_least_squares_solution():
     K, R = torch.tensor(rng.standard_normal((d_in, n))), torch.tensor(rng.standard_normal((d_out, n)))
     C = spd(d_in, rng)
     L = np.linalg.cholesky(C.numpy())
-    A = np.concatenate([K.numpy().T, np.sqrt(lam) * L.T])            # (n + d_in) x d_in
-    B = np.concatenate([R.numpy().T, np.zeros((d_in, d_out))])       # (n + d_in) x d_out
+    A = np.concatenate([K.numpy().T, np.sqrt(lam) * L.T])  # (n + d_in) x d_in
+    B = np.concatenate([R.numpy().T, np.zeros((d_in, d_out))])  # (n + d_in) x d_out
     X, *_ = np.linalg.lstsq(A, B, rcond=None)
     got = memit_delta(K, R, C, lam)
     assert got.dtype == torch.float64 and got.shape == (d_out, d_in)
@@ -73,7 +74,7 @@ def test_nullspace_projector_and_alphaedit_delta_against_least_squares():
     # preserved keys: any k in the span of C's large-eigenvalue directions is mapped to 0
     big = torch.tensor(Q[:, evals >= 2e-2]) @ torch.tensor(rng.standard_normal((6, 20)))
     assert float((got @ big).abs().max()) < 1e-10 * float(got.abs().max())
-    assert float((got @ U0).abs().max()) > 1e-3      # ... while the null-space directions do change
+    assert float((got @ U0).abs().max()) > 1e-3  # ... while the null-space directions do change
 
 
 def test_input_covariance_is_the_mean_outer_product_and_stops_early(tiny_lm):
@@ -86,7 +87,7 @@ def test_input_covariance_is_the_mean_outer_product_and_stops_early(tiny_lm):
         cov = collect_lm_input_covariance(model, tok, texts, layers, max_len=40, batch_size=2, progress=False)
     finally:
         late.remove()
-    assert calls == []                                            # the forward stopped after block 1
+    assert calls == []  # the forward stopped after block 1
     assert cov.S == {} and set(cov.A) == set(layers)
     # ground truth: every non-padding token of every text, one at a time (no padding at all)
     for name, m in layers.items():
@@ -105,8 +106,15 @@ def test_input_cache_kind_round_trip_and_refusals(tiny_lm, tmp_path):
     model, tok = tiny_lm
     layers = resolve_layers(model, LAYERS)
     texts = capability_corpus(None, 4)
-    base = dict(model_fingerprint=weight_fingerprint(model), layers=tuple(layers), corpus_digest="c", n_texts=4,
-                max_len=32, label_mode="none", seed=0)
+    base = dict(
+        model_fingerprint=weight_fingerprint(model),
+        layers=tuple(layers),
+        corpus_digest="c",
+        n_texts=4,
+        max_len=32,
+        label_mode="none",
+        seed=0,
+    )
     spec = CurvatureSpec(**base, kind="input")
     kfac = CurvatureSpec(**{**base, "label_mode": "sampled"})
     assert kfac.as_dict()["kind"] == "kfac" and spec.as_dict()["kind"] == "input"
@@ -129,10 +137,12 @@ def test_subject_location_and_one_line_errors(tiny_tok):
     assert r.prompt[s:e] == "the city of Rome"
     i = subject_token_index(tiny_tok, r.prompt, e)
     ids = tiny_tok(r.prompt)["input_ids"]
-    assert tiny_tok.decode(ids[:i + 1]).endswith("Rome") and not tiny_tok.decode(ids[:i]).endswith("Rome")
-    assert subject_span(EditRequest("who founded rome?", "x", subject="Rome")) == (12, 16)   # case-insensitive
-    for req, msg in [(EditRequest("Who founded Rome?", "Romulus"), "has no subject"),
-                     (EditRequest("Who founded Rome?", "Romulus", subject="Paris"), "'Paris' does not occur")]:
+    assert tiny_tok.decode(ids[: i + 1]).endswith("Rome") and not tiny_tok.decode(ids[:i]).endswith("Rome")
+    assert subject_span(EditRequest("who founded rome?", "x", subject="Rome")) == (12, 16)  # case-insensitive
+    for req, msg in [
+        (EditRequest("Who founded Rome?", "Romulus"), "has no subject"),
+        (EditRequest("Who founded Rome?", "Romulus", subject="Paris"), "'Paris' does not occur"),
+    ]:
         with pytest.raises(CrispEditError, match=msg) as exc:
             subject_span(req, 3)
         assert "\n" not in str(exc.value) and "edit request 3" in str(exc.value)
@@ -151,21 +161,27 @@ def test_a_request_without_subject_is_refused_before_any_change(method, tiny_lm,
 def test_memit_writes_the_targets_and_only_the_edit_layers(tiny_lm, iso_cache):
     model, tok = tiny_lm
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = EditConfig(method="memit", layers=LAYERS, n_cap=6, max_len=48, options={"cov_weight": 1.0, "v_steps": 60,
-                                                                                    "batch_size": 3})
+    cfg = EditConfig(
+        method="memit", layers=LAYERS, n_cap=6, max_len=48, options={"cov_weight": 1.0, "v_steps": 60, "batch_size": 3}
+    )
     res = edit(model, tok, REQS, cfg, progress=False)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed == {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)} == set(res.original_weights)
     first, last = res.history.epoch_loss
-    assert last < first - 3.0                               # mean target NLL (nats/token) falls by > 3
+    assert last < first - 3.0  # mean target NLL (nats/token) falls by > 3
     assert res.cache_info["spec"]["kind"] == "input" and res.history.steps > 0
-    v_first, v_last = res.history.to_json()["vstar_nll"]     # v* itself reached its targets
+    v_first, v_last = res.history.to_json()["vstar_nll"]  # v* itself reached its targets
     assert v_first == pytest.approx(first, rel=0.5) and v_last < v_first - 3.0
     # the authors' λ = 15000 on this tiny model's small keys barely moves the weights: λ matters
     model2 = type(model)(model.config)
     model2.load_state_dict({n: before[n] for n in before})
-    res2 = edit(model2, tok, REQS, EditConfig(method="memit", layers=LAYERS, n_cap=6, max_len=48,
-                                              options={"v_steps": 60}), progress=False)
+    res2 = edit(
+        model2,
+        tok,
+        REQS,
+        EditConfig(method="memit", layers=LAYERS, n_cap=6, max_len=48, options={"v_steps": 60}),
+        progress=False,
+    )
     assert res2.history.epoch_loss[1] > last
 
 
@@ -192,8 +208,9 @@ def test_alphaedit_leaves_preserved_keys_unchanged(tiny_lm, iso_cache):
 
 
 @pytest.mark.parametrize("method", ["alphaedit", "memit"])
-def test_a_killed_closed_form_edit_resumes_after_its_last_batch(method, tiny_lm, iso_cache, tmp_path, monkeypatch,
-                                                                caplog):
+def test_a_killed_closed_form_edit_resumes_after_its_last_batch(
+    method, tiny_lm, iso_cache, tmp_path, monkeypatch, caplog
+):
     """A closed-form edit of several batches killed after batch 2 goes on from batch 3 with the layers' weights,
     AlphaEdit's accumulated K_p K_pᵀ and the v* counters of the stored run, and ends where the uninterrupted edit
     ends, reporting (INFO) the batches it wrote; another run's checkpoint is refused in one line."""
@@ -202,8 +219,14 @@ def test_a_killed_closed_form_edit_resumes_after_its_last_batch(method, tiny_lm,
     from crispedit.methods.memit.closed_form import _BatchCheckpoint
 
     model, tok = tiny_lm
-    opts = {"batch_size": 1, "v_steps": 10, "v_lr": 0.5, "clamp": 4.0, "prefixes": 0,
-            **({"nullspace_threshold": 1.0, "l2": 1.0} if method == "alphaedit" else {})}
+    opts = {
+        "batch_size": 1,
+        "v_steps": 10,
+        "v_lr": 0.5,
+        "clamp": 4.0,
+        "prefixes": 0,
+        **({"nullspace_threshold": 1.0, "l2": 1.0} if method == "alphaedit" else {}),
+    }
     cfg = EditConfig(method=method, layers=LAYERS, n_cap=6, max_len=48, options=opts)
     full = edit(model, tok, REQS[:3], cfg, progress=False)
     want = {n: model.get_parameter(n).detach().clone() for n in full.original_weights}
@@ -220,16 +243,17 @@ def test_a_killed_closed_form_edit_resumes_after_its_last_batch(method, tiny_lm,
         with pytest.raises(KeyboardInterrupt):
             edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=ck)
     from crispedit.editing.checkpoint import check_checkpoint_file
-    check_checkpoint_file(ck)                                      # `crispedit edit --checkpoint` takes it
-    held = full.history.extra["first_batch_tf_rel"]                # batch 1's edits after each batch
+
+    check_checkpoint_file(ck)  # `crispedit edit --checkpoint` takes it
+    held = full.history.extra["first_batch_tf_rel"]  # batch 1's edits after each batch
     assert len(held) == 3 and all(0 <= x <= 1 for x in held)
-    restore(model, full.original_weights)                          # a new process starts from the base
+    restore(model, full.original_weights)  # a new process starts from the base
     with caplog.at_level(logging.INFO, logger="crispedit.edit"):
         res = edit(model, tok, REQS[:3], cfg, progress=False, checkpoint=ck)
     assert res.history.extra["resumed_at_batch"] == 2 and res.history.steps == full.history.steps
     logged = [r.getMessage() for r in caplog.records if r.name == "crispedit.edit"]
     assert [m.split(":")[0] for m in logged] == [f"edit[{method}] batch 3/3 written"]  # only what this run wrote
-    assert res.history.seconds >= res.history.extra["resumed_seconds"] > 0        # the killed run's time counts
+    assert res.history.seconds >= res.history.extra["resumed_seconds"] > 0  # the killed run's time counts
     assert res.history.extra["vstar_nll"] == full.history.extra["vstar_nll"]
     assert res.history.extra["first_batch_tf_rel"] == pytest.approx(held, abs=1e-6)  # kept through the kill
     assert res.history.epoch_loss == pytest.approx(full.history.epoch_loss, abs=1e-5)
@@ -250,15 +274,18 @@ def test_alphaedit_session_accumulates_preserved_keys(tiny_lm, tmp_path, iso_cac
 
     model, tok = tiny_lm
     opts = {"nullspace_threshold": 1.0, "l2": 1.0, "v_steps": 20, "v_lr": 0.5, "clamp": 4.0, "prefixes": 0}
-    sc = SeqConfig(edit=EditConfig(method="alphaedit", layers=LAYERS, n_cap=6, max_len=48, options=opts),
-                   carry_optimizer=False, kl_texts=2)
+    sc = SeqConfig(
+        edit=EditConfig(method="alphaedit", layers=LAYERS, n_cap=6, max_len=48, options=opts),
+        carry_optimizer=False,
+        kl_texts=2,
+    )
     assert sc.name == "alphaedit-seq"
     s = Session.create(tmp_path / "s", (model, tok), sc)
     traces = []
     for reqs in (REQS[:2], REQS[2:]):
         s.add(reqs, plot=False)
         st = s._read_state()
-        assert "edit_factors" not in st["files"]                    # no K-FAC edit factors for closed forms
+        assert "edit_factors" not in st["files"]  # no K-FAC edit factors for closed forms
         kp = load_file(str(s.path / st["files"]["optim"]))
         assert set(kp) == {f"model.layers.{i}.mlp.down_proj::KpKp" for i in (0, 1)}
         traces.append(float(torch.trace(kp["model.layers.0.mlp.down_proj::KpKp"])))
@@ -289,8 +316,9 @@ def test_ultraedit_ridge_solve_and_running_normalisation_against_numpy():
     assert norm.n == 15
     np.testing.assert_allclose(norm.mean.numpy(), X.mean(0), rtol=1e-12)
     np.testing.assert_allclose(norm.std.numpy(), X.std(0, ddof=1), rtol=1e-12)
-    np.testing.assert_allclose(norm(torch.tensor(X)).numpy(), (X - X.mean(0)) / (X.std(0, ddof=1) + 1.1920929e-07),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        norm(torch.tensor(X)).numpy(), (X - X.mean(0)) / (X.std(0, ddof=1) + 1.1920929e-07), rtol=1e-6
+    )
     h, g = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, -1.0, 0.5]])
     assert torch.allclose(pseudo_values(h, g, 0.1), torch.tensor([[-1.5, 0.5, -0.25]]))
     with pytest.raises(CrispEditError, match="has 4 features, not 6"):
@@ -306,16 +334,25 @@ def test_ultraedit_default_layers_are_the_authors_layout_by_depth():
     from crispedit.methods.ultraedit.editor import default_layers
 
     def llama(n):
-        return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=n,
-                                            num_attention_heads=2, num_key_value_heads=1))
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=32,
+                hidden_size=8,
+                intermediate_size=16,
+                num_hidden_layers=n,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+            )
+        )
 
     assert default_layers(llama(32)) == "model.layers.{11-15}.mlp.gate_proj,model.layers.{18-24}.mlp.up_proj"
     assert default_layers(llama(30)) == "model.layers.{10-14}.mlp.gate_proj,model.layers.{17-23}.mlp.up_proj"
     m = llama(30)
     layers = get_editor("ultraedit").select_layers(m, EditConfig(method="ultraedit"))
     assert len(layers) == 12 and list(layers)[0] == "model.layers.10.mlp.gate_proj"
-    given = get_editor("ultraedit").select_layers(m, EditConfig(method="ultraedit",
-                                                                layers="model.layers.{4}.mlp.down_proj"))
+    given = get_editor("ultraedit").select_layers(
+        m, EditConfig(method="ultraedit", layers="model.layers.{4}.mlp.down_proj")
+    )
     assert list(given) == ["model.layers.4.mlp.down_proj"]
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=8, n_layer=4, n_head=2))
     assert default_layers(gpt2) == default_layer_pattern(gpt2)
@@ -329,8 +366,10 @@ def test_ultraedit_session_carries_the_normalisation(tiny_lm, tmp_path, iso_cach
     from crispedit.sessions.session import Session
 
     model, tok = tiny_lm
-    sc = SeqConfig(edit=EditConfig(method="ultraedit", layers=LAYERS, contexts="bare", answer_end="none",
-                                   options={"lr": 0.05}), kl_texts=2)
+    sc = SeqConfig(
+        edit=EditConfig(method="ultraedit", layers=LAYERS, contexts="bare", answer_end="none", options={"lr": 0.05}),
+        kl_texts=2,
+    )
     s = Session.create(tmp_path / "s", (model, tok), sc)
     counts = []
     for reqs in (REQS[:2], REQS[2:]):
@@ -351,8 +390,13 @@ def test_ultraedit_session_carries_the_normalisation(tiny_lm, tmp_path, iso_cach
 def test_ultraedit_lowers_the_target_loss_and_changes_only_the_edit_layers(tiny_lm, iso_cache):
     model, tok = tiny_lm
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    res = edit(model, tok, REQS, EditConfig(method="ultraedit", layers="model.layers.{1-2}.mlp.down_proj",
-                                            options={"lr": 0.05}), progress=False)
+    res = edit(
+        model,
+        tok,
+        REQS,
+        EditConfig(method="ultraedit", layers="model.layers.{1-2}.mlp.down_proj", options={"lr": 0.05}),
+        progress=False,
+    )
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed == {f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)} == set(res.original_weights)
     first, last = res.history.epoch_loss
@@ -360,8 +404,13 @@ def test_ultraedit_lowers_the_target_loss_and_changes_only_the_edit_layers(tiny_
     # a smaller scale moves less: the step is proportional to lr (up to the ridge)
     model2 = type(model)(model.config)
     model2.load_state_dict(before)
-    edit(model2, tok, REQS, EditConfig(method="ultraedit", layers="model.layers.{1-2}.mlp.down_proj",
-                                              options={"lr": 0.005}), progress=False)
+    edit(
+        model2,
+        tok,
+        REQS,
+        EditConfig(method="ultraedit", layers="model.layers.{1-2}.mlp.down_proj", options={"lr": 0.005}),
+        progress=False,
+    )
     d1 = (model.model.layers[1].mlp.down_proj.weight - before["model.layers.1.mlp.down_proj.weight"]).norm()
     d2 = (model2.model.layers[1].mlp.down_proj.weight - before["model.layers.1.mlp.down_proj.weight"]).norm()
     assert float((d2 / d1).detach()) == pytest.approx(0.1, rel=1e-3)
@@ -382,7 +431,7 @@ def test_target_values_side_by_side_equal_one_at_a_time(tiny_lm):
     V, rec = target_values(model, tok, reqs, block, templates, KeyValueSettings(**kw, chunk=3))
     assert torch.allclose(V, torch.cat([v for v, _ in one]), rtol=1e-4, atol=1e-4)
     assert rec["steps"] == sum(r["steps"] for _, r in one)
-    assert 0 < rec["steps"] < 4 * 7                      # some stopped early
+    assert 0 < rec["steps"] < 4 * 7  # some stopped early
     assert rec["nll_last"] == pytest.approx(sum(r["nll_last"] for _, r in one) / 4, rel=1e-4)
 
 
@@ -418,8 +467,11 @@ def _reference_v_star(model, tok, r, block, templates, st):
         with kv._add_at(block, kl_pos, delta[None]):
             kl_logp = torch.log_softmax(model(input_ids=kl_ids).logits[0, kl_pos[0]].float(), -1)
         kl0 = kl_logp.detach() if kl0 is None else kl0
-        loss = (nll + st.kl_factor * (kl_logp.exp() * (kl_logp - kl0)).sum()
-                + st.weight_decay * delta.norm() / h0.norm() ** 2)
+        loss = (
+            nll
+            + st.kl_factor * (kl_logp.exp() * (kl_logp - kl0)).sum()
+            + st.weight_decay * delta.norm() / h0.norm() ** 2
+        )
         first = float(nll.detach()) if first is None else first
         if float(loss.detach()) < st.stop_loss or it == st.steps - 1:
             return (h0 + delta).detach(), first, float(nll.detach()), steps
@@ -454,13 +506,14 @@ def test_target_values_equal_a_plain_per_request_optimisation(tiny_lm, shortcuts
         def spy(self, delta, _f=real, _n=name):
             used.append(_n)
             return _f(self, delta)
+
         monkeypatch.setattr(kv._DeltaForward, name, spy)
     with contextlib.ExitStack() as stack:
         if shortcuts == "plain":
             stack.enter_context(kv.suffix_steps(False))
             stack.enter_context(prefix_sharing(False))
         V, rec = kv.target_values(model, tok, reqs, block, templates, st)
-    assert ("_suffix" in used) is (shortcuts == "suffix") and "_fast" in used    # the checks run the cached one
+    assert ("_suffix" in used) is (shortcuts == "suffix") and "_fast" in used  # the checks run the cached one
     assert torch.allclose(V, torch.stack([v for v, *_ in ref]), rtol=1e-4, atol=1e-4)
     assert rec["steps"] == sum(s for *_, s in ref) and 0 < rec["steps"] < 4 * 5
     assert rec["nll_first"] == pytest.approx(sum(f for _, f, _, _ in ref) / 4, rel=1e-4)
@@ -478,8 +531,10 @@ def test_keys_and_block_outputs_stop_the_forward_at_their_layer(tiny_lm):
     layer, block = blocks[1].mlp.down_proj, blocks[1]
     templates = ["{}", "Once upon a time {}"]
     ran: list[str] = []
-    hooks = [blocks[2].register_forward_pre_hook(lambda m, a: ran.append("block 2")),
-             model.lm_head.register_forward_pre_hook(lambda m, a: ran.append("head"))]
+    hooks = [
+        blocks[2].register_forward_pre_hook(lambda m, a: ran.append("block 2")),
+        model.lm_head.register_forward_pre_hook(lambda m, a: ran.append("head")),
+    ]
     try:
         K = kv.layer_keys(model, tok, REQS, layer, templates)
         H = kv.block_outputs(model, tok, REQS, block)
@@ -492,7 +547,7 @@ def test_keys_and_block_outputs_stop_the_forward_at_their_layer(tiny_lm):
     seen: dict = {}
 
     def keep(key, value):
-        seen.setdefault(key, value)    # a hook that returns None leaves the forward as it was
+        seen.setdefault(key, value)  # a hook that returns None leaves the forward as it was
 
     h1 = layer.register_forward_hook(lambda m, a, o: keep("k", a[0]))
     h2 = block.register_forward_hook(lambda m, a, o: keep("h", o[0] if isinstance(o, tuple) else o))
@@ -560,10 +615,10 @@ def test_v_star_packed_forward_equals_the_plain_forward(tiny_lm):
     enc = {k: enc[k] for k in ("input_ids", "attention_mask")}
     n_pre = len(tok(prefix)["input_ids"])
     lengths = enc["attention_mask"].sum(1)
-    pos = torch.tensor([n_pre + 1, n_pre, n_pre + 2, n_pre])         # a token after the shared prefix
+    pos = torch.tensor([n_pre + 1, n_pre, n_pre + 2, n_pre])  # a token after the shared prefix
     T = enc["input_ids"].shape[1]
     rows = torch.cat([b * T + torch.arange(int(lengths[b]) - 3, int(lengths[b]) - 1) for b in range(4)])
-    with kv.suffix_steps(False):                                      # the suffix forward would be preferred
+    with kv.suffix_steps(False):  # the suffix forward would be preferred
         fwd = kv._DeltaForward(model, blocks[1], enc, pos, rows)
     assert fwd.fast and fwd.suffix is None and fwd.packed is not None and fwd.packed.nodes < int(lengths.sum())
     _assert_full_forward_agrees(fwd, model, blocks[1], enc, pos, rows, seed=1)
@@ -586,13 +641,17 @@ def test_v_star_suffix_forward_equals_the_plain_forward(tiny_lm):
 
     model, tok = tiny_lm
     _, blocks = decoder_blocks(model)
-    texts = ["Once upon a time alpha beta and the tale", "gamma delta", "In a land far away epsilon zeta eta theta",
-             "iota kappa lambda mu nu xi"]
+    texts = [
+        "Once upon a time alpha beta and the tale",
+        "gamma delta",
+        "In a land far away epsilon zeta eta theta",
+        "iota kappa lambda mu nu xi",
+    ]
     enc = tok(texts, return_tensors="pt", padding=True)
     enc = {k: enc[k] for k in ("input_ids", "attention_mask")}
     lengths = enc["attention_mask"].sum(1)
-    assert len(set(lengths.tolist())) > 1                              # the batch is padded
-    pos = torch.tensor([5, 0, 3, int(lengths[3]) - 1])                  # δ first, in the middle and last of a row
+    assert len(set(lengths.tolist())) > 1  # the batch is padded
+    pos = torch.tensor([5, 0, 3, int(lengths[3]) - 1])  # δ first, in the middle and last of a row
     T = enc["input_ids"].shape[1]
     rows = torch.cat([b * T + torch.arange(int(pos[b]), int(lengths[b])) for b in range(4)])
     verdicts: dict = {}
@@ -600,12 +659,12 @@ def test_v_star_suffix_forward_equals_the_plain_forward(tiny_lm):
     assert fwd.fast and fwd.suffix is not None and verdicts == {"fast": True, "suffix": True}
     assert fwd.suffix["inputs"]["input_ids"].shape[1] == int((lengths - pos).max()) < T
     _assert_full_forward_agrees(fwd, model, blocks[1], enc, pos, rows, seed=2)
-    later = kv._DeltaForward(model, blocks[1], enc, pos, rows, verdicts)          # checks skipped
+    later = kv._DeltaForward(model, blocks[1], enc, pos, rows, verdicts)  # checks skipped
     assert later.suffix is not None
     _assert_full_forward_agrees(later, model, blocks[1], enc, pos, rows, seed=3)
     assert kv._DeltaForward(model, blocks[1], enc, pos, rows, {"fast": True, "suffix": False}).suffix is None
     # a logit row before its row's δ position would need the past's logits: the cached forward serves
-    early = torch.cat([rows, torch.tensor([4])])                                  # row 0, position 4 < its δ at 5
+    early = torch.cat([rows, torch.tensor([4])])  # row 0, position 4 < its δ at 5
     assert kv._DeltaForward(model, blocks[1], enc, pos, early).suffix is None
     with kv.suffix_steps(False):
         assert kv._DeltaForward(model, blocks[1], enc, pos, rows).suffix is None
@@ -618,31 +677,64 @@ def test_alphaedit_seq_from_the_cli(tiny_model_dir, tmp_path, iso_cache, capsys)
     from crispedit.cli import main
 
     sess = tmp_path / "sess"
-    args = ["session", "init", "--model", tiny_model_dir, "--out", sess, "--method", "alphaedit", "--layers", LAYERS,
-            "--n-cap", 4, "--max-len", 32, "--alphaedit-v-steps", 3, "--alphaedit-prefixes", 0,
-            "--alphaedit-nullspace-threshold", 1.0, "--kl-texts", 2, "--quiet"]
+    args = [
+        "session",
+        "init",
+        "--model",
+        tiny_model_dir,
+        "--out",
+        sess,
+        "--method",
+        "alphaedit",
+        "--layers",
+        LAYERS,
+        "--n-cap",
+        4,
+        "--max-len",
+        32,
+        "--alphaedit-v-steps",
+        3,
+        "--alphaedit-prefixes",
+        0,
+        "--alphaedit-nullspace-threshold",
+        1.0,
+        "--kl-texts",
+        2,
+        "--quiet",
+    ]
     assert main([str(a) for a in args]) == 0
     for k in range(2):
         f = tmp_path / f"r{k}.json"
-        f.write_text(json.dumps([{"prompt": f"The author of book number {k}{j}", "target": "Q",
-                                  "subject": f"book number {k}{j}"} for j in range(2)]))
+        f.write_text(
+            json.dumps(
+                [
+                    {"prompt": f"The author of book number {k}{j}", "target": "Q", "subject": f"book number {k}{j}"}
+                    for j in range(2)
+                ]
+            )
+        )
         assert main(["session", "add", str(sess), "--edits", str(f), "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert out.count("single-pass target_nll=") == 2 and "epochs=" not in out, out   # AlphaEdit runs no epochs
+    assert out.count("single-pass target_nll=") == 2 and "epochs=" not in out, out  # AlphaEdit runs no epochs
     assert main(["session", "status", str(sess)]) == 0
     rows = [ln.split("|")[0].split() for ln in capsys.readouterr().out.splitlines() if ln.strip()[:1].isdigit()]
-    assert [r[0] for r in rows] == ["1", "2"] and all(r[-1] == "-" for r in rows), rows   # the epochs cell
+    assert [r[0] for r in rows] == ["1", "2"] and all(r[-1] == "-" for r in rows), rows  # the epochs cell
     assert main(["session", "status", str(sess), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
-    assert (st["name"] == "alphaedit-seq" and st["round"] == 2
-            and set(st["files"]) == {"weights", "optim", "cap_factors"})
+    assert (
+        st["name"] == "alphaedit-seq" and st["round"] == 2 and set(st["files"]) == {"weights", "optim", "cap_factors"}
+    )
     assert main(["session", "export", str(sess), "--out", str(tmp_path / "exp"), "--quiet"]) == 0
     assert (tmp_path / "exp" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("layers,msg", [("model.layers.{0-1}.mlp.up_proj",
-                                         "writes 48 features, not the residual stream's 32"),
-                                        ("lm_head", "is not inside the decoder blocks model.layers")])
+@pytest.mark.parametrize(
+    "layers,msg",
+    [
+        ("model.layers.{0-1}.mlp.up_proj", "writes 48 features, not the residual stream's 32"),
+        ("lm_head", "is not inside the decoder blocks model.layers"),
+    ],
+)
 def test_closed_form_layers_must_write_the_residual_stream(layers, msg, tiny_lm, iso_cache):
     model, tok = tiny_lm
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -671,10 +763,11 @@ def test_sequential_rounds_write_their_templates_with_the_unedited_model(method,
 
     model.generate = spy
     options = {"prefixes": 2, "v_steps": 2, **({"nullspace_threshold": 1.0} if method == "alphaedit" else {})}
-    cfg = SeqConfig(edit=EditConfig(method=method, layers=LAYERS, n_cap=4, max_len=32, options=options),
-                    mode="sequential")
+    cfg = SeqConfig(
+        edit=EditConfig(method=method, layers=LAYERS, n_cap=4, max_len=32, options=options), mode="sequential"
+    )
     run_sequence(model, tok, REQS, cfg, chunk=2, progress=False)
-    assert len(seen) >= 2 and len(seen) % 2 == 0                     # both rounds wrote their templates ...
+    assert len(seen) >= 2 and len(seen) % 2 == 0  # both rounds wrote their templates ...
     assert all(torch.equal(s[n], base[n]) for s in seen for n in names)  # ... with the base weights in
     assert any(not torch.equal(model.get_parameter(n), base[n]) for n in names)  # and the edit is back in place
 
@@ -708,6 +801,6 @@ def test_suffix_layout_packs_suffixes_first_fit_with_their_pasts():
     left-padded; every index a flat ``b·T + t`` into the batch, -1 for padding."""
     from crispedit.editing.keyvalue import _suffix_layout
 
-    lay = _suffix_layout([2, 1, 3], [5, 2, 4], T=6)      # suffix lengths 3, 1, 1
+    lay = _suffix_layout([2, 1, 3], [5, 2, 4], T=6)  # suffix lengths 3, 1, 1
     assert lay["new"] == [[2, 3, 4], [6 + 1, 12 + 3, -1]]
     assert lay["past"] == [[-1, -1, 0, 1], [6 + 0, 12 + 0, 12 + 1, 12 + 2]]

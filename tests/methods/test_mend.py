@@ -28,12 +28,15 @@ LAYERS = "model.layers.{1-2}.mlp.down_proj"
 
 
 def req(i: int) -> EditRequest:
-    return EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i % 26)}",
-                       rephrase_prompts=[f"Book {i} was written by whom?"],
-                       locality=[(f"What colour is car {i}?", "red")])
+    return EditRequest(
+        f"Who wrote book number {i}?",
+        f"Author {chr(65 + i % 26)}",
+        rephrase_prompts=[f"Book {i} was written by whom?"],
+        locality=[(f"What colour is car {i}?", "red")],
+    )
 
 
-TRAIN = [req(i) for i in range(100, 160)]   # disjoint from the held-out requests below
+TRAIN = [req(i) for i in range(100, 160)]  # disjoint from the held-out requests below
 HELD = [req(i) for i in range(8)]
 FAST = dict(batch_size=4, lr=1e-2, edit_lr=1e-3, rank=16, loc_texts=1, loc_len=32)
 
@@ -66,28 +69,31 @@ def write_trained(model, tok, path, layers=LAYERS, steps=60):
 
 def test_default_layers_are_the_mlp_matrices_of_the_last_three_blocks(tiny_lm):
     model, _ = tiny_lm
-    assert default_layers(model) == [f"model.layers.{i}.mlp.{m}_proj" for i in (1, 2, 3)
-                                     for m in ("gate", "up", "down")]
+    assert default_layers(model) == [
+        f"model.layers.{i}.mlp.{m}_proj" for i in (1, 2, 3) for m in ("gate", "up", "down")
+    ]
 
 
 def test_network_starts_as_the_identity_and_shares_one_transform_per_shape(tiny_lm):
     model, tok = tiny_lm
     layers = resolve_layers(model, ",".join(default_layers(model)))
     net = MENDNetwork({n: tuple(m.weight.shape) for n, m in layers.items()}, MENDTrainConfig(rank=8))
-    assert sorted(net.transforms) == ["32x48", "48x32"]                 # (d_in x d_out): gate/up and down
+    assert sorted(net.transforms) == ["32x48", "48x32"]  # (d_in x d_out): gate/up and down
     assert net.modes["model.layers.3.mlp.down_proj"] == ("48x32", 2)
     U, D = edit_factors(model, tok, HELD[:2], layers)["model.layers.2.mlp.up_proj"]
     assert U.shape[1] == 32 and D.shape[1] == 48 and U.shape[0] == D.shape[0] > 0
     dW = net.delta("model.layers.2.mlp.up_proj", U, D, update=True)
     z = net.normalised("model.layers.2.mlp.up_proj", U, D).float()
-    assert torch.allclose(dW, -net.config.edit_lr * z[:, 32:].T @ z[:, :32], atol=1e-5)   # identity transform
+    assert torch.allclose(dW, -net.config.edit_lr * z[:, 32:].T @ z[:, :32], atol=1e-5)  # identity transform
     # factors of a request do not depend on the batch it is in: ΔW of a batch = the sum of the requests'
-    f1, f2 = (edit_factors(model, tok, HELD[:1], layers)["model.layers.2.mlp.up_proj"],
-              edit_factors(model, tok, HELD[1:2], layers)["model.layers.2.mlp.up_proj"])
+    f1, f2 = (
+        edit_factors(model, tok, HELD[:1], layers)["model.layers.2.mlp.up_proj"],
+        edit_factors(model, tok, HELD[1:2], layers)["model.layers.2.mlp.up_proj"],
+    )
     both = net.delta("model.layers.2.mlp.up_proj", U, D)
-    assert torch.allclose(both, net.delta("model.layers.2.mlp.up_proj", *f1)
-                          + net.delta("model.layers.2.mlp.up_proj", *f2),
-                          atol=1e-5)
+    assert torch.allclose(
+        both, net.delta("model.layers.2.mlp.up_proj", *f1) + net.delta("model.layers.2.mlp.up_proj", *f2), atol=1e-5
+    )
 
 
 def test_meta_training_lowers_the_meta_loss_and_beats_the_identity_on_held_out_edits(tiny_lm):
@@ -95,7 +101,7 @@ def test_meta_training_lowers_the_meta_loss_and_beats_the_identity_on_held_out_e
     layers = resolve_layers(model, LAYERS)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     net, hist = trained(model, tok, layers, steps=60)
-    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())   # training leaves the model alone
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())  # training leaves the model alone
     assert all(p.grad is None for p in model.parameters())
     first, last = sum(hist.loss[:10]) / 10, sum(hist.loss[-10:]) / 10
     assert last < 0.9 * first, (first, last)
@@ -125,8 +131,14 @@ def test_save_load_round_trip_and_refusals(tiny_lm, tmp_path):
     with pytest.raises(CrispEditError, match="trained for layers"):
         load_network(path, resolve_layers(model, "model.layers.{1-3}.mlp.down_proj"), model_fingerprint=fp)
     with pytest.raises(CrispEditError, match="expects layer .* of shape"):
-        load_network(path, {"model.layers.1.mlp.down_proj": model.model.layers[1].mlp.up_proj,
-                            "model.layers.2.mlp.down_proj": model.model.layers[2].mlp.down_proj}, model_fingerprint=fp)
+        load_network(
+            path,
+            {
+                "model.layers.1.mlp.down_proj": model.model.layers[1].mlp.up_proj,
+                "model.layers.2.mlp.down_proj": model.model.layers[2].mlp.down_proj,
+            },
+            model_fingerprint=fp,
+        )
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(path.read_bytes()[:200])
     with pytest.raises(CrispEditError, match="truncated or corrupt|not a crispedit MEND"):
@@ -145,16 +157,17 @@ def test_editor_with_a_trained_network_beats_the_identity_and_changes_only_its_l
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     results = {}
     for name, path in (("trained", good), ("identity", ident)):
-        res = edit(model, tok, HELD, EditConfig(method="mend", layers=LAYERS, options={"weights": str(path)}),
-                   progress=False)
+        res = edit(
+            model, tok, HELD, EditConfig(method="mend", layers=LAYERS, options={"weights": str(path)}), progress=False
+        )
         changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
         assert changed == set(res.original_weights) == {f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)}
         assert res.history.steps == 1 and set(res.projector_stats) == set(layers)
         results[name] = res.history.epoch_loss
         restore(model, res.original_weights)
-    assert results["trained"][0] == results["identity"][0]                 # same base NLL
+    assert results["trained"][0] == results["identity"][0]  # same base NLL
     assert results["trained"][1] < results["trained"][0]
-    assert results["trained"][1] < results["identity"][1], results        # meta-training helps on held-out edits
+    assert results["trained"][1] < results["identity"][1], results  # meta-training helps on held-out edits
     # without --layers the file's layers are used; the default cache location is found without an option
     res = edit(model, tok, HELD[:2], EditConfig(method="mend", options={"weights": str(good)}), progress=False)
     assert res.layers == list(layers)
@@ -175,10 +188,16 @@ def test_editor_without_a_network_says_how_to_train_one(tiny_lm, iso_cache):
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("kw,msg", [({"steps": -1}, "mend steps must be"),
-                                    ({"rank": 0}, "mend rank must be between 1 and"),
-                                    ({"lr": float("nan")}, "mend lr must be a finite"), ({"c_edit": 0}, "mend c_edit"),
-                                    ({"loc_len": 1}, "mend loc_len")])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"steps": -1}, "mend steps must be"),
+        ({"rank": 0}, "mend rank must be between 1 and"),
+        ({"lr": float("nan")}, "mend lr must be a finite"),
+        ({"c_edit": 0}, "mend c_edit"),
+        ({"loc_len": 1}, "mend loc_len"),
+    ],
+)
 def test_train_config_one_line_errors(kw, msg):
     with pytest.raises(CrispEditError, match=msg) as exc:
         MENDTrainConfig(**kw)
@@ -190,10 +209,17 @@ def test_train_config_one_line_errors(kw, msg):
 
 
 def _edits(tmp_path, n=24, start=0):
-    recs = [{"src": f"Who wrote book number {i}?", "alt": f"Author {chr(65 + i % 26)}",
-             "rephrase": f"Book {i} was written by whom?",
-             "loc": "nq question: who sang it", "loc_ans": "someone", "subject": f"book number {i}"}
-            for i in range(start, start + n)]
+    recs = [
+        {
+            "src": f"Who wrote book number {i}?",
+            "alt": f"Author {chr(65 + i % 26)}",
+            "rephrase": f"Book {i} was written by whom?",
+            "loc": "nq question: who sang it",
+            "loc_ans": "someone",
+            "subject": f"book number {i}",
+        }
+        for i in range(start, start + n)
+    ]
     p = tmp_path / "edits.json"
     p.write_text(json.dumps(recs))
     return p
@@ -202,33 +228,80 @@ def _edits(tmp_path, n=24, start=0):
 def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache, capsys):
     edits = _edits(tmp_path)
     net = tmp_path / "mend.safetensors"
-    train = ["mend", "train", "--model", tiny_model_dir, "--edits", edits, "--offset", 8, "--n-edits", 16, "--steps", 4,
-             "--batch-size", 4, "--rank", 8, "--layers", LAYERS, "--n-cap", 4, "--quiet"]
+    train = [
+        "mend",
+        "train",
+        "--model",
+        tiny_model_dir,
+        "--edits",
+        edits,
+        "--offset",
+        8,
+        "--n-edits",
+        16,
+        "--steps",
+        4,
+        "--batch-size",
+        4,
+        "--rank",
+        8,
+        "--layers",
+        LAYERS,
+        "--n-cap",
+        4,
+        "--quiet",
+    ]
     assert main([str(a) for a in train + ["--out", net]]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "trained 4 steps on 16 edits (offset 8)" in out and str(net) in out
     from crispedit.methods.mend.net import read_network_meta
+
     meta = read_network_meta(net)
     assert meta["training"]["offset"] == 8 and meta["training"]["n_edits"] == 16 and meta["config"]["steps"] == 4
-    common = ["edit", "--model", tiny_model_dir, "--edits", edits, "--n-edits", 4, "--method", "mend", "--no-wild",
-              "--quiet"]
-    assert main([str(a) for a in common + ["--mend-weights", net, "--out",
-                                           tmp_path / "e"]]) == 0, capsys.readouterr().err
+    common = [
+        "edit",
+        "--model",
+        tiny_model_dir,
+        "--edits",
+        edits,
+        "--n-edits",
+        4,
+        "--method",
+        "mend",
+        "--no-wild",
+        "--quiet",
+    ]
+    assert main([str(a) for a in common + ["--mend-weights", net, "--out", tmp_path / "e"]]) == 0, (
+        capsys.readouterr().err
+    )
     report = json.loads((tmp_path / "e" / "edit_report.json").read_text())
     assert report["inputs"] == {"weights": hashlib.sha256(net.read_bytes()).hexdigest()}  # the network, by content
-    assert report["method"] == "mend" and report["layers"] == ["model.layers.1.mlp.down_proj",
-                                                               "model.layers.2.mlp.down_proj"]
+    assert report["method"] == "mend" and report["layers"] == [
+        "model.layers.1.mlp.down_proj",
+        "model.layers.2.mlp.down_proj",
+    ]
     # one step, no epochs and no fine-tuning lr: the line and the report say what ran
     first, last = report["training"]["epoch_loss"]
     assert report["training"]["epochs"] == 0 and report["training"]["single_pass"] is True
     line = capsys.readouterr().out
-    assert (f"single-pass target_nll={first:.4g}->{last:.4g}" in line
-            and "epochs=" not in line and "lr=" not in line), line
+    assert f"single-pass target_nll={first:.4g}->{last:.4g}" in line and "epochs=" not in line and "lr=" not in line, (
+        line
+    )
     assert len(meta["training"]["request_digests"]) == 16
     # editing requests 4-11 overlaps the training slice 8-23 in 4 requests: warned and recorded
     with pytest.warns(UserWarning, match="4 of the 8 edit requests were in the network's training slice"):
-        assert main([str(a) for a in common[:5] + ["--offset", 4, "--n-edits", 8] + common[7:] +
-                     ["--mend-weights", net, "--out", tmp_path / "o"]]) == 0
+        assert (
+            main(
+                [
+                    str(a)
+                    for a in common[:5]
+                    + ["--offset", 4, "--n-edits", 8]
+                    + common[7:]
+                    + ["--mend-weights", net, "--out", tmp_path / "o"]
+                ]
+            )
+            == 0
+        )
     over = json.loads((tmp_path / "o" / "edit_report.json").read_text())
     assert json.dumps(over).count('"train_overlap": 4') == 2
     capsys.readouterr()
@@ -236,20 +309,22 @@ def test_cli_train_then_edit_and_bad_inputs(tiny_model_dir, tmp_path, iso_cache,
     assert main([str(a) for a in train]) == 0
     capsys.readouterr()
     assert main([str(a) for a in common + ["--layers", LAYERS, "--out", tmp_path / "e2"]]) == 0, capsys.readouterr().err
-    bad = [(common + ["--mend-weights", tmp_path / "absent.safetensors", "--out", tmp_path / "b1"],
-            "MEND network file"),
-           (common + ["--out", tmp_path / "b2"], "no trained MEND network"),
-           (train + ["--rank", 0], "mend rank must be between 1 and"),
-           (train + ["--offset", 500], "--offset 500 is past the end of"),
-           (train + ["--out", tmp_path], "is a directory")]
+    bad = [
+        (common + ["--mend-weights", tmp_path / "absent.safetensors", "--out", tmp_path / "b1"], "MEND network file"),
+        (common + ["--out", tmp_path / "b2"], "no trained MEND network"),
+        (train + ["--rank", 0], "mend rank must be between 1 and"),
+        (train + ["--offset", 500], "--offset 500 is past the end of"),
+        (train + ["--out", tmp_path], "is a directory"),
+    ]
     for args, msg in bad:
         assert main([str(a) for a in args]) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "b1").exists() and not (tmp_path / "b2").exists()
     other = tmp_path / "other.safetensors"
-    other.write_bytes(net.read_bytes().replace(meta["model_fingerprint"].encode(),
-                                               b"0" * len(meta["model_fingerprint"])))
+    other.write_bytes(
+        net.read_bytes().replace(meta["model_fingerprint"].encode(), b"0" * len(meta["model_fingerprint"]))
+    )
     assert main([str(a) for a in common + ["--mend-weights", other, "--out", tmp_path / "b3"]]) == 2
     assert "trained for another model" in capsys.readouterr().err
 
@@ -260,10 +335,13 @@ def test_compare_runs_mend_beside_a_fine_tuning_method(tiny_lm, tmp_path, iso_ca
     model, tok = tiny_lm
     fp = weight_fingerprint(model)
     path = write_trained(model, tok, tmp_path / "mend.safetensors", steps=10)
-    cfgs = {"ft": EditConfig(method="ft", layers=LAYERS, epochs=2, n_cap=4, max_len=32),
-            "mend": EditConfig(method="mend", layers=LAYERS, n_cap=4, max_len=32, options={"weights": str(path)})}
-    payload = compare_mod.run_compare(model, tok, HELD[:3], ["ft", "mend"], tmp_path / "cmp", configs=cfgs,
-                                      progress=False)
+    cfgs = {
+        "ft": EditConfig(method="ft", layers=LAYERS, epochs=2, n_cap=4, max_len=32),
+        "mend": EditConfig(method="mend", layers=LAYERS, n_cap=4, max_len=32, options={"weights": str(path)}),
+    }
+    payload = compare_mod.run_compare(
+        model, tok, HELD[:3], ["ft", "mend"], tmp_path / "cmp", configs=cfgs, progress=False
+    )
     assert payload["results"]["mend"]["changed"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in (1, 2)]
     assert weight_fingerprint(model) == fp
     assert "| mend |" in (tmp_path / "cmp" / "compare.md").read_text()
@@ -274,8 +352,9 @@ def test_compare_runs_mend_beside_a_fine_tuning_method(tiny_lm, tmp_path, iso_ca
 
     def resume(weights):
         mend = EditConfig(method="mend", layers=LAYERS, n_cap=4, max_len=32, options={"weights": str(weights)})
-        return compare_mod.run_compare(model, tok, HELD[:3], ["ft", "mend"], tmp_path / "cmp",
-                                       configs={**cfgs, "mend": mend}, progress=False)
+        return compare_mod.run_compare(
+            model, tok, HELD[:3], ["ft", "mend"], tmp_path / "cmp", configs={**cfgs, "mend": mend}, progress=False
+        )
 
     # the same network moved elsewhere is the same run: the stored row is kept, nothing reruns
     moved = tmp_path / "elsewhere" / "copy.safetensors"
@@ -285,9 +364,12 @@ def test_compare_runs_mend_beside_a_fine_tuning_method(tiny_lm, tmp_path, iso_ca
     assert resume(moved)["results"]["mend"] == row
     # another network at the path the row records is another run: refused, naming the file's digests
     write_trained(model, tok, path, steps=3)
-    with pytest.raises(CrispEditError, match=rf"holds mend run with another configuration \(another weights file: "
-                                             rf"sha256 {digest[:12]}…, now "
-                                             rf"{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}…\)"):
+    with pytest.raises(
+        CrispEditError,
+        match=rf"holds mend run with another configuration \(another weights file: "
+        rf"sha256 {digest[:12]}…, now "
+        rf"{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}…\)",
+    ):
         resume(path)
     assert weight_fingerprint(model) == fp
 
@@ -302,8 +384,9 @@ def test_target_only_logprobs_equal_the_full_forward(tiny_lm):
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
     labels = batch.labels[:, 1:]
     full = torch.log_softmax(logits, -1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)[labels != -100]
-    assert torch.allclose(lp, full, atol=1e-5) and rows.tolist() == [i for i, n in enumerate(batch.target_lengths)
-                                                                     for _ in range(n)]
+    assert torch.allclose(lp, full, atol=1e-5) and rows.tolist() == [
+        i for i, n in enumerate(batch.target_lengths) for _ in range(n)
+    ]
 
 
 def test_compare_refuses_mend_without_a_network_before_running_any_method(tiny_lm, tmp_path, iso_cache):
@@ -327,14 +410,35 @@ def test_mend_has_no_sequential_row():
 def test_time_budget_stops_training_and_init_continues_a_saved_network(tiny_model_dir, tmp_path, iso_cache, capsys):
     edits = _edits(tmp_path)
     first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    train = ["mend", "train", "--model", tiny_model_dir, "--edits", edits, "--n-edits", 8, "--layers", LAYERS,
-             "--n-cap", 4, "--quiet"]
+    train = [
+        "mend",
+        "train",
+        "--model",
+        tiny_model_dir,
+        "--edits",
+        edits,
+        "--n-edits",
+        8,
+        "--layers",
+        LAYERS,
+        "--n-cap",
+        4,
+        "--quiet",
+    ]
     # a budget far below one step: the first step runs, none after it, and the file says so
-    assert main([str(a) for a in train + ["--offset", 8, "--steps", 50, "--rank", 8, "--batch-size", 4, "--max-minutes",
-                                          1e-6,
-                                          "--out", first]]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                str(a)
+                for a in train
+                + ["--offset", 8, "--steps", 50, "--rank", 8, "--batch-size", 4, "--max-minutes", 1e-6, "--out", first]
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     assert "trained 1 steps (stopped by --max-minutes" in capsys.readouterr().out
     from crispedit.methods.mend.net import read_network_meta
+
     a = read_network_meta(first)
     assert a["training"]["history"]["stopped_early"] and a["training"]["total_steps"] == 1
     # continue on another slice: settings come from the file, the steps add up, both slices' digests are kept

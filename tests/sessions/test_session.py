@@ -28,10 +28,30 @@ from crispedit.sessions.sequential import SeqConfig, accumulate, combine_factors
 from crispedit.sessions.session import Session
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
-ROUNDS = [[EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}", rephrase_prompts=[f"Book {i} is by?"])
-           for i in range(k * 4, k * 4 + 4)] for k in range(2)]
-INIT = ["--layers", LAYERS, "--epochs", "25", "--lr", "1e-2", "--batch-size", "4", "--n-cap", "6", "--max-len", "48",
-        "--kl-texts", "4", "--quiet"]
+ROUNDS = [
+    [
+        EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}", rephrase_prompts=[f"Book {i} is by?"])
+        for i in range(k * 4, k * 4 + 4)
+    ]
+    for k in range(2)
+]
+INIT = [
+    "--layers",
+    LAYERS,
+    "--epochs",
+    "25",
+    "--lr",
+    "1e-2",
+    "--batch-size",
+    "4",
+    "--n-cap",
+    "6",
+    "--max-len",
+    "48",
+    "--kl-texts",
+    "4",
+    "--quiet",
+]
 
 
 def _config(**kw) -> SeqConfig:
@@ -114,8 +134,15 @@ def ref(tmp_path_factory, tiny_model_dir):
             os.environ.pop("CRISPEDIT_CACHE", None)
         else:
             os.environ["CRISPEDIT_CACHE"] = old
-    return {"root": root, "cache": cache, "sess": sess, "snap": snap, "files": files, "export": export,
-            "model_dir": tiny_model_dir}
+    return {
+        "root": root,
+        "cache": cache,
+        "sess": sess,
+        "snap": snap,
+        "files": files,
+        "export": export,
+        "model_dir": tiny_model_dir,
+    }
 
 
 def _resume_copy(ref, dst: Path) -> Path:
@@ -161,8 +188,9 @@ def test_target_edit_factors_cover_the_trained_tokens_only(tiny_lm64):
     with pytest.raises(CrispEditError, match="edit factor rows"):
         round_edit_factors(model, tok, ROUNDS[0], layers, cfg, 1, rows="prompt")
     ft = SeqConfig(edit=EditConfig(method="ft", layers=LAYERS), edit_factors="target")
-    assert ("edit_factors" not in ft.identity()
-            and SeqConfig(edit_factors="target").identity()["edit_factors"] == "target")
+    assert (
+        "edit_factors" not in ft.identity() and SeqConfig(edit_factors="target").identity()["edit_factors"] == "target"
+    )
 
 
 def test_combine_weightings():
@@ -195,9 +223,9 @@ def test_trace_weighting_mixes_energy_shares_whatever_the_scales():
     torch.testing.assert_close(mixed.S["l"], 0.7 * cap.S["l"] + 0.3 * scaled.S["l"])
     raw = combine_factors(cap, ed, "fixed", 0.3)
     assert 0.3 * tr(scaled.S["l"]) / tr(mixed.S["l"]) == pytest.approx(0.3)
-    assert 0.3 * tr(ed.S["l"]) / tr(raw.S["l"]) > 0.5                        # raw: the edits dominate
+    assert 0.3 * tr(ed.S["l"]) / tr(raw.S["l"]) > 0.5  # raw: the edits dominate
     zero = KFACFactors({"l": torch.zeros(4, 4)}, {"l": psd(3)}, 1).rescaled_to(cap)
-    assert torch.equal(zero.A["l"], torch.zeros(4, 4))                         # nothing to scale
+    assert torch.equal(zero.A["l"], torch.zeros(4, 4))  # nothing to scale
     assert SeqConfig(weighting="trace").weighting == "trace"
     with pytest.raises(CrispEditError):
         SeqConfig(mix=1.5)
@@ -219,21 +247,24 @@ def test_each_weighting_masks_each_sets_energy_in_the_merged_basis(tmp_path, tin
     torch.testing.assert_close(each.A["l"], combine_factors(cap, ed, "trace", 0.5).A["l"])
     proj = CrispEditEditor().projectors({"l": None}, each, EditConfig(gamma=0.8))["l"]
     eig = factor_eigh(each, ["l"], ("A", "S"))
-    want = per_source_keep_mask(eig["l", "S"][1], eig["l", "A"][1], [(cap.A["l"], cap.S["l"]), (ed.A["l"], ed.S["l"])],
-                                0.8)
+    want = per_source_keep_mask(
+        eig["l", "S"][1], eig["l", "A"][1], [(cap.A["l"], cap.S["l"]), (ed.A["l"], ed.S["l"])], 0.8
+    )
     assert torch.equal(proj.mask.bool(), want)
     # edit_gamma: the edit factors' own threshold (the capability factors keep the config's γ)
     hi = combine_factors(cap, ed, "each", 0.5, edit_gamma=0.95)
     assert hi.part_gammas == (None, 0.95) and each.part_gammas == (None, None)
     proj_hi = CrispEditEditor().projectors({"l": None}, hi, EditConfig(gamma=0.8))["l"]
-    want_hi = per_source_keep_mask(eig["l", "S"][1], eig["l", "A"][1], [(cap.A["l"], cap.S["l"]),
-                                                                        (ed.A["l"], ed.S["l"])], [0.8, 0.95])
+    want_hi = per_source_keep_mask(
+        eig["l", "S"][1], eig["l", "A"][1], [(cap.A["l"], cap.S["l"]), (ed.A["l"], ed.S["l"])], [0.8, 0.95]
+    )
     assert torch.equal(proj_hi.mask.bool(), want_hi) and proj_hi.mask.sum() <= proj.mask.sum()
     with pytest.raises(CrispEditError, match="edit gamma must lie strictly between 0 and 1"):
         SeqConfig(edit_gamma=1.0)
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
-    s = Session.create(tmp_path / "s", str(tiny_model_dir), _config(edit={"epochs": 3}, weighting="each"),
-                       progress=False)
+    s = Session.create(
+        tmp_path / "s", str(tiny_model_dir), _config(edit={"epochs": 3}, weighting="each"), progress=False
+    )
     for reqs in ROUNDS:
         s.add(reqs, plot=False)
     st = s.status()
@@ -262,7 +293,7 @@ def test_optimizer_state_roundtrip_and_reprojection(tiny_lm, iso_cache):
     for n, p in params.items():
         m = opt2.state[p]["exp_avg"]
         assert not torch.allclose(m, opt.state[p]["exp_avg"])
-        torch.testing.assert_close(projs[n].project(m), m, atol=1e-6, rtol=1e-5)   # inside the kept subspace
+        torch.testing.assert_close(projs[n].project(m), m, atol=1e-6, rtol=1e-5)  # inside the kept subspace
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +319,7 @@ def test_cli_session_reference_run(ref, capsys):
     from safetensors.torch import load_file
 
     w = load_file(str(sess / "weights-0002.safetensors"))
-    params = dict(model.named_parameters())   # the session stores the changed parameters by full name
+    params = dict(model.named_parameters())  # the session stores the changed parameters by full name
     assert set(w) == {f"{n}.weight" for n in resolve_layers(model, LAYERS)}
     assert all(torch.equal(params[n], t) for n, t in w.items())
     changed = {n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)}
@@ -316,17 +347,17 @@ def test_resume_after_crash_between_writes(phase, ref, tmp_path, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("CRISPEDIT_CACHE", str(ref["cache"]))
     committed = phase == "after_commit"
-    s = Session.open(sess)            # a fresh process would do the same: open cleans orphans
+    s = Session.open(sess)  # a fresh process would do the same: open cleans orphans
     assert s.round == (2 if committed else 1)
     assert (sess / "weights-0001.safetensors").exists() != committed
     assert not list(sess.glob(".*.tmp"))
     if not committed:
         assert not (sess / "weights-0002.safetensors").exists() and not (sess / "rounds" / "round-0002.jsonl").exists()
-        assert len(list(sess.glob("training-0002-*.safetensors"))) == 1      # the round's training was kept
-        (sess / "training-0002-0123abcd.safetensors").write_bytes(b"other edits'")   # stale: deleted by add
+        assert len(list(sess.glob("training-0002-*.safetensors"))) == 1  # the round's training was kept
+        (sess / "training-0002-0123abcd.safetensors").write_bytes(b"other edits'")  # stale: deleted by add
         rec = s.add(load_edits(ref["files"][1]), source=str(ref["files"][1]), plot=False)
         assert rec["train"]["resumed_at_epoch"] == rec["train"]["epochs"]  # ... and nothing trained again
-    assert not list(sess.glob("training-*"))                              # removed with the commit
+    assert not list(sess.glob("training-*"))  # removed with the commit
     assert_same_session(sess, ref["sess"])
 
 
@@ -361,7 +392,7 @@ def test_kill9_mid_round_resumes_to_uninterrupted_state(ref, tmp_path, monkeypat
     env[session_mod.FAULT_ENV] = "before_commit"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
-    assert (sess / "weights-0002.safetensors").exists()          # written, but not committed
+    assert (sess / "weights-0002.safetensors").exists()  # written, but not committed
     assert json.loads((sess / "state.json").read_text())["round"] == 1
     # resume (in this process; same thread count and seeds as the CLI)
     s = Session.open(sess)
@@ -385,7 +416,7 @@ def test_refuses_other_base_and_changed_config(ref, tmp_path, tiny_tok, monkeypa
     assert Session.open(ref["sess"], config=_config(), model=str(ref["model_dir"])).round == 2
     assert main(["session", "add", str(ref["sess"]), "--edits", str(ref["files"][0]), "--model", str(other)]) == 2
     assert main(["session", "status", str(tmp_path)]) == 2
-    assert json.loads((ref["sess"] / "state.json").read_text())["round"] == 2   # nothing changed
+    assert json.loads((ref["sess"] / "state.json").read_text())["round"] == 2  # nothing changed
 
 
 def test_weighting_is_part_of_a_sessions_identity_only_where_rounds_merge_edit_factors(ref, tmp_path, monkeypatch):
@@ -409,19 +440,21 @@ def test_session_size_bound(ref):
     """Only the trained layers' weights, Adam moments and factors are stored; size does not grow with rounds."""
     model, _ = load_model(str(ref["model_dir"]))
     layers = resolve_layers(model, LAYERS)
-    per_layer = sum(m.weight.numel() * 3 + m.weight.shape[0] ** 2 * 2 + m.weight.shape[1] ** 2 * 2
-                    for m in layers.values())
-    bound = per_layer * 4 + 64 * 1024           # float32 tensors + headers, JSON and the edit log
+    per_layer = sum(
+        m.weight.numel() * 3 + m.weight.shape[0] ** 2 * 2 + m.weight.shape[1] ** 2 * 2 for m in layers.values()
+    )
+    bound = per_layer * 4 + 64 * 1024  # float32 tensors + headers, JSON and the edit log
     tensors = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
-    assert abs(tensors(ref["sess"]) - tensors(ref["snap"])) < 1024   # round 2 replaced round 1's files
+    assert abs(tensors(ref["sess"]) - tensors(ref["snap"])) < 1024  # round 2 replaced round 1's files
     size = sum(f.stat().st_size for f in ref["sess"].rglob("*") if f.is_file() and f.name != "retention.png")
     assert size <= bound
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     assert tensors(ref["sess"]) < full / 2
 
 
-@pytest.mark.parametrize("method,mode,drift", [("ft", "sequential", None), ("crispedit", "batch", None),
-                                               ("crispedit", "sequential", 1e-9)])
+@pytest.mark.parametrize(
+    "method,mode,drift", [("ft", "sequential", None), ("crispedit", "batch", None), ("crispedit", "sequential", 1e-9)]
+)
 def test_baselines_and_drift_recompute(method, mode, drift, tmp_path, tiny_model_dir, monkeypatch):
     """FT Sequential and batch-on-the-union run through the same session; the drift option recollects
     the capability factors on the edited model (and stores them with the weights they belong to)."""
@@ -434,17 +467,21 @@ def test_baselines_and_drift_recompute(method, mode, drift, tmp_path, tiny_model
     files = set(st["files"])
     if method == "ft":
         assert files == {"weights", "optim"} and st["name"] == "ft-seq"
-    elif mode == "batch":   # re-edits the base on the union every round, capability factors only, fresh optimizer
+    elif mode == "batch":  # re-edits the base on the union every round, capability factors only, fresh optimizer
         assert files == {"weights", "cap_factors"} and st["name"] == "crispedit-batch"
         assert not st["rounds"][1]["optimizer_carried"]
-        assert st["rounds"][1]["train"]["steps"] > st["rounds"][0]["train"]["steps"]   # 8 edits vs 4
+        assert st["rounds"][1]["train"]["steps"] > st["rounds"][0]["train"]["steps"]  # 8 edits vs 4
     else:
         assert all(r.get("capability_recomputed") for r in st["rounds"])
-        assert (st["files"]["cap_factors"] == "cap_factors-0002.safetensors"
-                == st["files"]["cap_ref"].replace("cap_ref", "cap_factors"))
-        assert sorted(f.name
-                      for f in (tmp_path / "s").glob("cap_*")) == ["cap_factors-0002.safetensors",
-                                                                   "cap_ref-0002.safetensors"]
+        assert (
+            st["files"]["cap_factors"]
+            == "cap_factors-0002.safetensors"
+            == st["files"]["cap_ref"].replace("cap_ref", "cap_factors")
+        )
+        assert sorted(f.name for f in (tmp_path / "s").glob("cap_*")) == [
+            "cap_factors-0002.safetensors",
+            "cap_ref-0002.safetensors",
+        ]
     assert [set(r["retention"]) for r in st["rounds"]] == [{"1"}, {"1", "2"}]
 
 
@@ -475,7 +512,7 @@ def test_lora_seq_stores_the_merged_projections_and_export_matches(tmp_path, tin
     w1 = load_file(str(tmp_path / "s" / "weights-0001.safetensors"))
     s.add(ROUNDS[1], plot=False)
     st = s.status()
-    assert st["name"] == "lora-seq" and set(st["files"]) == {"weights"}     # no optimizer state, no factors
+    assert st["name"] == "lora-seq" and set(st["files"]) == {"weights"}  # no optimizer state, no factors
     assert not any(r["optimizer_carried"] for r in st["rounds"])
     w2 = load_file(str(tmp_path / "s" / st["files"]["weights"]))
     assert set(w1) == set(w2) == qv and all(not torch.equal(w1[n], w2[n]) for n in qv)
@@ -510,11 +547,16 @@ def test_session_keeps_its_meaning_of_default_contexts(tmp_path, tiny_model_dir,
     meta_file = tmp_path / "s" / "session.json"
     meta = json.loads(meta_file.read_text())
     assert meta["default_contexts"] == DEFAULT_CONTEXTS and meta["config"]["edit"]["contexts"] == "default"
-    assert s.config.edit.contexts == "default"              # created now: today's default, nothing pinned
+    assert s.config.edit.contexts == "default"  # created now: today's default, nothing pinned
     seen = []
-    monkeypatch.setattr(session_mod, "run_round", lambda model, tok, layers, reqs, state, config, *a, **k:
-                        seen.append(config.edit.contexts) or (_ for _ in ()).throw(RuntimeError("stop")))
-    meta["default_contexts"] = "bare,prefix:3"             # as if created under another default
+    monkeypatch.setattr(
+        session_mod,
+        "run_round",
+        lambda model, tok, layers, reqs, state, config, *a, **k: (
+            seen.append(config.edit.contexts) or (_ for _ in ()).throw(RuntimeError("stop"))
+        ),
+    )
+    meta["default_contexts"] = "bare,prefix:3"  # as if created under another default
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(RuntimeError, match="stop"):
         Session.open(tmp_path / "s", config=_config(edit={"epochs": 1})).add(ROUNDS[0], plot=False)

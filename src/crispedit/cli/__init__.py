@@ -60,11 +60,15 @@ def _check_log_level(level: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``crispedit`` argument parser with the sub-commands of every module in ``_COMMAND_MODULES``."""
     parser = _Parser(prog="crispedit", description="Non-destructive knowledge editing of LLMs (CrispEdit)")
-    parser.add_argument("--log-level", default=os.environ.get("CRISPEDIT_LOG_LEVEL", "warning").lower(),
-                        choices=LOG_LEVELS, help="messages to print on stderr, with their time: info adds the "
-                        "progress of long work (an edit's epochs every few, the curvature collection) for output "
-                        "that is not a terminal, where there are no progress bars (default $CRISPEDIT_LOG_LEVEL or "
-                        "warning); give it before the command")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("CRISPEDIT_LOG_LEVEL", "warning").lower(),
+        choices=LOG_LEVELS,
+        help="messages to print on stderr, with their time: info adds the "
+        "progress of long work (an edit's epochs every few, the curvature collection) for output "
+        "that is not a terminal, where there are no progress bars (default $CRISPEDIT_LOG_LEVEL or "
+        "warning); give it before the command",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for mod in _COMMAND_MODULES:
         importlib.import_module(mod).add_cli(sub)
@@ -82,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         level = _check_log_level(args.log_level)
         if not getattr(args, "torchrun", False) and launched_world_size() > 1:
-            raise CrispEditError(f"{parser.prog} {args.command}: only `cache build`, `edit` and `session add` run "
-                                 "under torchrun; run this command in one process (it reuses the factors a torchrun "
-                                 "cache build wrote)")
+            raise CrispEditError(
+                f"{parser.prog} {args.command}: only `cache build`, `edit` and `session add` run "
+                "under torchrun; run this command in one process (it reuses the factors a torchrun "
+                "cache build wrote)"
+            )
         with log_lines(level, sys.stderr, "%(asctime)s %(name)s: %(message)s"):
             return int(args.func(args) or 0)
     except CrispEditError as exc:

@@ -39,19 +39,37 @@ def cmd_cache_build(args) -> int:
 
     with process_group_from_env(args.device) as device:  # under torchrun: shard the corpus, rank 0 writes
         progress = False if args.quiet or not is_main() else None
-        model, tok = load_model(args.model, dtype=args.dtype, device=None if args.shard else device,
-                                trust_remote_code=args.trust_remote_code, progress=progress)
+        model, tok = load_model(
+            args.model,
+            dtype=args.dtype,
+            device=None if args.shard else device,
+            trust_remote_code=args.trust_remote_code,
+            progress=progress,
+        )
         layers = resolve_layers(model, config.layers)
         fp = weight_fingerprint(model)  # of the whole model, before any split: the key a one-process run uses
         if args.shard:  # the decoder blocks split across the processes (nothing trains: nothing kept whole)
             shard_model(model, keep=(), device=device)
-        factors, info = capability_factors(model, tok, layers, config, cache_root=args.cache_dir or cache_dir(),
-                                           fingerprint=fp, force=args.force, progress=progress, kind=args.kind)
+        factors, info = capability_factors(
+            model,
+            tok,
+            layers,
+            config,
+            cache_root=args.cache_dir or cache_dir(),
+            fingerprint=fp,
+            force=args.force,
+            progress=progress,
+            kind=args.kind,
+        )
         path = info["path"]
         if args.out:
             if is_main():
-                save_factors(args.out, factors, curvature_spec(model, list(layers), config, fp, args.kind),
-                             extra={"collect_seconds": info["seconds"], "processes": world_size()})
+                save_factors(
+                    args.out,
+                    factors,
+                    curvature_spec(model, list(layers), config, fp, args.kind),
+                    extra={"collect_seconds": info["seconds"], "processes": world_size()},
+                )
             path = args.out
         procs = f" on {world_size()} processes" if world_size() > 1 else ""
         state = "reused" if info["hit"] else f"built in {info['seconds']:.1f}s{procs}"
@@ -68,8 +86,9 @@ def cmd_cache_info(args) -> int:
 
     factors = load_factors(args.file)
     meta = dict(factors.meta)
-    meta["shapes"] = {k: [list(factors.A[k].shape)] + ([list(factors.S[k].shape)] if k in factors.S else [])
-                      for k in factors.A}
+    meta["shapes"] = {
+        k: [list(factors.A[k].shape)] + ([list(factors.S[k].shape)] if k in factors.S else []) for k in factors.A
+    }
     print(json.dumps(meta, indent=2))
     return 0
 
@@ -88,9 +107,11 @@ def cmd_cache_list(args) -> int:
     for f in files:
         try:
             spec = load_factors(f).meta.get("spec", {})
-            print(f"{f}  kind={spec.get('kind')} layers={len(spec.get('layers', []))} n={spec.get('n_texts')} "
-                  f"len={spec.get('max_len')} "
-                  f"labels={spec.get('label_mode')} model={str(spec.get('model_fingerprint'))[:12]}")
+            print(
+                f"{f}  kind={spec.get('kind')} layers={len(spec.get('layers', []))} n={spec.get('n_texts')} "
+                f"len={spec.get('max_len')} "
+                f"labels={spec.get('label_mode')} model={str(spec.get('model_fingerprint'))[:12]}"
+            )
         except CrispEditError as exc:
             print(f"{f}  (unreadable: {exc})")
     return 0
@@ -103,9 +124,13 @@ def add_cli(sub) -> None:
     b = csub.add_parser("build", help="collect capability K-FAC factors or input covariances (reused by `edit`)")
     add_model_args(b)
     add_curvature_args(b)
-    b.add_argument("--kind", choices=list(CACHE_KINDS), default="kfac",
-                   help="kfac: K-FAC factors A and S (crispedit, adam-nscl; default); input: the input covariance "
-                   "E[k k^T] alone, forward only (memit, alphaedit)")
+    b.add_argument(
+        "--kind",
+        choices=list(CACHE_KINDS),
+        default="kfac",
+        help="kfac: K-FAC factors A and S (crispedit, adam-nscl; default); input: the input covariance "
+        "E[k k^T] alone, forward only (memit, alphaedit)",
+    )
     b.add_argument("--cache-dir", default=None, help="cache root (default $CRISPEDIT_CACHE or ~/.cache/crispedit)")
     b.add_argument("--out", default=None, help="also write the factors to this file (for `edit --cache`)")
     b.add_argument("--force", action="store_true", help="recollect even if cached")

@@ -30,8 +30,11 @@ def cmd_compare(args) -> int:
     for m in methods:  # all validated up front; a -seq row: its method's config in sequential mode
         base, seq = seq_row(m)
         cfg = config_from_args(args, base, options.get(base, {}))
-        configs[m] = SeqConfig(edit=cfg, mode="sequential", weighting=args.seq_weighting,
-                               edit_gamma=args.seq_edit_gamma) if seq else cfg
+        configs[m] = (
+            SeqConfig(edit=cfg, mode="sequential", weighting=args.seq_weighting, edit_gamma=args.seq_edit_gamma)
+            if seq
+            else cfg
+        )
     if args.seq_chunk is not None:
         check_positive_int("--seq-chunk", args.seq_chunk)
         if not any(seq_row(m)[1] for m in methods):
@@ -52,11 +55,23 @@ def cmd_compare(args) -> int:
     from ..experiments.compare_outputs import JSON_FILE, MD_FILE, PNG_FILE
     from ..experiments.compare_table import compare_table
 
-    payload = run_compare(model, tok, requests, methods, args.out, configs=configs, model_spec=args.model,
-                          edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},
-                          capabilities=tasks, limit=limit, max_gen_toks=args.max_gen_toks, bench_dir=args.bench_dir,
-                          kl_text=args.kl_text,
-                          seq_chunk=args.seq_chunk, progress=progress)
+    payload = run_compare(
+        model,
+        tok,
+        requests,
+        methods,
+        args.out,
+        configs=configs,
+        model_spec=args.model,
+        edits_info={"file": str(args.edits), "offset": args.offset, "n": len(requests)},
+        capabilities=tasks,
+        limit=limit,
+        max_gen_toks=args.max_gen_toks,
+        bench_dir=args.bench_dir,
+        kl_text=args.kl_text,
+        seq_chunk=args.seq_chunk,
+        progress=progress,
+    )
     print(compare_table(payload))
     print(f"written to {Path(args.out) / JSON_FILE} (+ {MD_FILE}, {PNG_FILE})")
     return 0
@@ -74,30 +89,61 @@ def add_cli(sub) -> None:
     add_edits_args(p, n_required=True)
     seqs = ", ".join(m + SEQ_SUFFIX for m in sequential_rows(every=True))
     paper = ", ".join(m + SEQ_SUFFIX for m in sequential_rows())
-    p.add_argument("--methods", required=True,
-                   help=f"comma list of methods ({', '.join(method_names())}) and sequential rows ({seqs}: the method "
-                   f"in rounds of --seq-chunk edits), or all (every method plus {paper})")
-    p.add_argument("--seq-chunk", type=int, default=None, metavar="N",
-                   help=f"edits per round of the -seq rows (default min({PAPER_SEQ_CHUNK}, "
-                   f"ceil(n-edits/{MIN_SEQ_ROUNDS})): the paper's {PAPER_SEQ_CHUNK}, but about {MIN_SEQ_ROUNDS} "
-                   "rounds for small edit sets; 10 for 100 edits)")
-    p.add_argument("--seq-weighting", default=SeqConfig.weighting, choices=list(WEIGHTINGS),
-                   help="how the -seq rows of curvature methods combine capability and edit factors (default "
-                        f"{SeqConfig.weighting}; as `crispedit session init --weighting`)")
-    p.add_argument("--seq-edit-gamma", type=float, default=SeqConfig.edit_gamma, metavar="G",
-                   help="with --seq-weighting each: the energy of the accumulated edit factors masked (default "
-                        f"{SeqConfig.edit_gamma}; as `crispedit session init --edit-gamma`)")
-    p.add_argument("--out", required=True,
-                   help="output directory (compare.json, compare.md, compare.png; retention.png with -seq rows)")
-    p.add_argument("--capabilities", default=DEFAULT_CAPABILITIES,
-                   help="lm-eval capability tasks, e.g. ifeval,arc_challenge,truthfulqa_mc2, or none (default "
-                        f"{DEFAULT_CAPABILITIES}: the assistant's instruction following; needs crispedit[eval])")
-    p.add_argument("--limit", type=int, default=None,
-                   help=f"items per capability task (default: all, but IFEval's first {DEFAULT_LIMITS['ifeval']} "
-                        "prompts)")
-    p.add_argument("--max-gen-toks", type=int, default=GEN_TOKENS, metavar="N",
-                   help=f"answers of generative capability tasks (IFEval) are cut at N tokens, base and edited rows "
-                        f"alike (default {GEN_TOKENS}; IFEval's own cap is 1280)")
+    p.add_argument(
+        "--methods",
+        required=True,
+        help=f"comma list of methods ({', '.join(method_names())}) and sequential rows ({seqs}: the method "
+        f"in rounds of --seq-chunk edits), or all (every method plus {paper})",
+    )
+    p.add_argument(
+        "--seq-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"edits per round of the -seq rows (default min({PAPER_SEQ_CHUNK}, "
+        f"ceil(n-edits/{MIN_SEQ_ROUNDS})): the paper's {PAPER_SEQ_CHUNK}, but about {MIN_SEQ_ROUNDS} "
+        "rounds for small edit sets; 10 for 100 edits)",
+    )
+    p.add_argument(
+        "--seq-weighting",
+        default=SeqConfig.weighting,
+        choices=list(WEIGHTINGS),
+        help="how the -seq rows of curvature methods combine capability and edit factors (default "
+        f"{SeqConfig.weighting}; as `crispedit session init --weighting`)",
+    )
+    p.add_argument(
+        "--seq-edit-gamma",
+        type=float,
+        default=SeqConfig.edit_gamma,
+        metavar="G",
+        help="with --seq-weighting each: the energy of the accumulated edit factors masked (default "
+        f"{SeqConfig.edit_gamma}; as `crispedit session init --edit-gamma`)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory (compare.json, compare.md, compare.png; retention.png with -seq rows)",
+    )
+    p.add_argument(
+        "--capabilities",
+        default=DEFAULT_CAPABILITIES,
+        help="lm-eval capability tasks, e.g. ifeval,arc_challenge,truthfulqa_mc2, or none (default "
+        f"{DEFAULT_CAPABILITIES}: the assistant's instruction following; needs crispedit[eval])",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help=f"items per capability task (default: all, but IFEval's first {DEFAULT_LIMITS['ifeval']} prompts)",
+    )
+    p.add_argument(
+        "--max-gen-toks",
+        type=int,
+        default=GEN_TOKENS,
+        metavar="N",
+        help=f"answers of generative capability tasks (IFEval) are cut at N tokens, base and edited rows "
+        f"alike (default {GEN_TOKENS}; IFEval's own cap is 1280)",
+    )
     p.add_argument("--bench-dir", default=None, help="local benchmark files (see `crispedit eval`)")
     p.add_argument("--kl-text", default=None, help="held-out text for KL drift (default: bundled WikiText sample)")
     add_training_args(p, method=False)

@@ -34,15 +34,19 @@ def cmd_info(args) -> int:
         """``v`` to six decimals, ``-`` for None."""
         return "-" if v is None else f"{v:.6f}"
 
-    print(f"delta {args.delta}: {meta.get('method', '?')} edit of {meta.get('model_type')} ({meta['dtype']}), "
-          f"{len(meta.get('requests') or [])} edit requests, {size / 2**20:.2f} MiB")
+    print(
+        f"delta {args.delta}: {meta.get('method', '?')} edit of {meta.get('model_type')} ({meta['dtype']}), "
+        f"{len(meta.get('requests') or [])} edit requests, {size / 2**20:.2f} MiB"
+    )
     print(f"  base fingerprint   {meta['base_fingerprint']}")
     print(f"  edited fingerprint {meta['edited_fingerprint']}")
     print(f"  kl_predicted {f(meta.get('kl_predicted'))}  kl_drift (measured) {f(meta.get('kl_drift'))}  nats/token")
     print(f"  {len(params)} changed tensors, {numel} values, {patches} exactness patch entries")
     for name, p in params.items():
-        print(f"    {name}  {'x'.join(map(str, p['shape']))} {p['dtype']}  patches apply {p['apply_patch']} "
-              f"revert {p['revert_patch']}")
+        print(
+            f"    {name}  {'x'.join(map(str, p['shape']))} {p['dtype']}  patches apply {p['apply_patch']} "
+            f"revert {p['revert_patch']}"
+        )
     return 0
 
 
@@ -60,8 +64,13 @@ def _prod(shape) -> int:
 def _load(args, meta: dict):
     from ..models import load_model
 
-    return load_model(args.model, dtype=meta["dtype"], device=None, trust_remote_code=args.trust_remote_code,
-                      progress=False if args.quiet else None)
+    return load_model(
+        args.model,
+        dtype=meta["dtype"],
+        device=None,
+        trust_remote_code=args.trust_remote_code,
+        progress=False if args.quiet else None,
+    )
 
 
 def _apply_or_revert(args, revert: bool) -> int:
@@ -78,10 +87,18 @@ def _apply_or_revert(args, revert: bool) -> int:
     with atomic_directory(args.out) as tmp:
         save_model_dir(model, tok, tmp, progress=False if args.quiet else None, what=f"the {verb} delta")
         write_card(tmp, _card(args, meta, revert))
-        atomic_write_json(tmp / "crispedit_delta.json", stamped({
-            "delta": str(args.delta), "operation": "revert" if revert else "apply", "model": str(args.model),
-            "method": meta.get("method"), "result_fingerprint": meta["base_fingerprint" if revert
-                                                                     else "edited_fingerprint"]}))
+        atomic_write_json(
+            tmp / "crispedit_delta.json",
+            stamped(
+                {
+                    "delta": str(args.delta),
+                    "operation": "revert" if revert else "apply",
+                    "model": str(args.model),
+                    "method": meta.get("method"),
+                    "result_fingerprint": meta["base_fingerprint" if revert else "edited_fingerprint"],
+                }
+            ),
+        )
     print(f"delta {verb}: {'base' if revert else 'edited'} model written to {args.out}")
     return 0
 
@@ -91,8 +108,10 @@ def _edit_report_of(delta: str, meta: dict) -> dict:
     fingerprint): its measurements describe the model ``delta apply`` writes, bit for bit. ``{}`` otherwise; one
     line for a report another crispedit version wrote (:func:`~crispedit.versions.read_record`)."""
     report = read_record(Path(delta).parent / "edit_report.json", "rerun the edit")
-    ok = (isinstance(report.get("delta"), dict)
-          and report["delta"].get("edited_fingerprint") == meta["edited_fingerprint"])
+    ok = (
+        isinstance(report.get("delta"), dict)
+        and report["delta"].get("edited_fingerprint") == meta["edited_fingerprint"]
+    )
     return report if ok else {}
 
 
@@ -105,26 +124,44 @@ def _card(args, meta: dict, revert: bool) -> str:
     recorded = meta.get("model") if isinstance(meta.get("model"), str) else None
     delta = str(Path(args.delta).resolve())
     if revert:
-        return restored_card(recorded or hub_base_model(args.model), method=meta.get("method") or "unknown",
-                             delta=delta, edited=str(args.model))
+        return restored_card(
+            recorded or hub_base_model(args.model),
+            method=meta.get("method") or "unknown",
+            delta=delta,
+            edited=str(args.model),
+        )
     unresolved = hub_base_model(args.model) == str(args.model)
     base_spec = recorded if recorded and unresolved and hub_base_model(recorded) != recorded else args.model
     summary = {"kl_drift": meta.get("kl_drift"), "kl_predicted": meta.get("kl_predicted")}
-    report = {"method": meta.get("method"), "config": meta.get("config"), "model": base_spec,
-              "n_edits": len(meta.get("requests") or []), "requests": meta.get("requests") or [],
-              "summary": summary, "layers": meta.get("layers")}
+    report = {
+        "method": meta.get("method"),
+        "config": meta.get("config"),
+        "model": base_spec,
+        "n_edits": len(meta.get("requests") or []),
+        "requests": meta.get("requests") or [],
+        "summary": summary,
+        "layers": meta.get("layers"),
+    }
     earlier = _edit_report_of(args.delta, meta)
     note = None
     if earlier:
         report.update(summary=earlier.get("summary") or summary, wild=earlier.get("wild"))
-        note = (f"The figures are those of the edit report written with this delta "
-                f"(`{Path(args.delta).parent.resolve() / 'edit_report.json'}`): the model here is bit-identical "
-                "to the one measured there.")
+        note = (
+            f"The figures are those of the edit report written with this delta "
+            f"(`{Path(args.delta).parent.resolve() / 'edit_report.json'}`): the model here is bit-identical "
+            "to the one measured there."
+        )
     else:
-        note = ("Only the drift figures travel in the delta file; the others were not measured on this model "
-                "(`crispedit eval` measures them).")
-    return build_card(report, made_by=f"`crispedit delta apply` of `{delta}` to `{args.model}`",
-                      revert=revert_lines(delta, where="MODEL_DIR is this folder"), note=note)
+        note = (
+            "Only the drift figures travel in the delta file; the others were not measured on this model "
+            "(`crispedit eval` measures them)."
+        )
+    return build_card(
+        report,
+        made_by=f"`crispedit delta apply` of `{delta}` to `{args.model}`",
+        revert=revert_lines(delta, where="MODEL_DIR is this folder"),
+        note=note,
+    )
 
 
 def cmd_apply(args) -> int:
@@ -147,15 +184,18 @@ def cmd_export_lora(args) -> int:
     model, tok = _load(args, meta)
     from ..delta import export_lora
 
-    report = export_lora(model, args.delta, rank, args.out, base_name=str(args.model), tokenizer=tok,
-                         evaluate=args.evaluate)
+    report = export_lora(
+        model, args.delta, rank, args.out, base_name=str(args.model), tokenizer=tok, evaluate=args.evaluate
+    )
     scores = report.pop("scores", None)
     for name, r in report.items():
         print(f"  {name}: rank {r['rank']} of {r['rank_full']}, relative Frobenius error {r['rel_error']:.4f}")
     if scores:
         for what, sc in scores.items():
-            print(f"  {what:7s}: rel={_num(sc.get('rel'))} gen={_num(sc.get('gen'))} (teacher-forced, the delta's "
-                  f"{len(meta.get('requests') or [])} edits)")
+            print(
+                f"  {what:7s}: rel={_num(sc.get('rel'))} gen={_num(sc.get('gen'))} (teacher-forced, the delta's "
+                f"{len(meta.get('requests') or [])} edits)"
+            )
     print(f"LoRA adapter (rank {rank}) written to {args.out}")
     return 0
 
@@ -170,14 +210,18 @@ def add_cli(sub) -> None:
     i.add_argument("--json", action="store_true", help="print all of its metadata as JSON")
     i.set_defaults(func=cmd_info)
 
-    for name, func, what, helptext in (("apply", cmd_apply, "BASE",
-                                        "write the base model with the edit applied (bit-exact)"),
-                                       ("revert", cmd_revert, "EDITED",
-                                        "write the edited model with the edit taken out (bit-exact)")):
+    for name, func, what, helptext in (
+        ("apply", cmd_apply, "BASE", "write the base model with the edit applied (bit-exact)"),
+        ("revert", cmd_revert, "EDITED", "write the edited model with the edit taken out (bit-exact)"),
+    ):
         a = ds.add_parser(name, help=helptext)
         a.add_argument("delta")
-        a.add_argument("--model", required=True, metavar=what,
-                       help=f"the {'base' if name == 'apply' else 'edited'} model (checked by fingerprint)")
+        a.add_argument(
+            "--model",
+            required=True,
+            metavar=what,
+            help=f"the {'base' if name == 'apply' else 'edited'} model (checked by fingerprint)",
+        )
         a.add_argument("--out", required=True, help="output model directory; must be new or empty")
         a.add_argument("--trust-remote-code", action="store_true")
         a.add_argument("--quiet", action="store_true")
@@ -186,12 +230,19 @@ def add_cli(sub) -> None:
     e = ds.add_parser("export-lora", help="write the delta as a peft LoRA adapter (truncated SVD of each ΔW)")
     e.add_argument("delta")
     e.add_argument("--model", required=True, metavar="BASE", help="the base model (checked by fingerprint)")
-    e.add_argument("--rank", type=int, required=True,
-                   help="adapter rank R: at most min(d_out, d_in) of the delta's largest changed matrix")
+    e.add_argument(
+        "--rank",
+        type=int,
+        required=True,
+        help="adapter rank R: at most min(d_out, d_in) of the delta's largest changed matrix",
+    )
     e.add_argument("--out", required=True, help="adapter directory; must be new or empty")
-    e.add_argument("--evaluate", action="store_true",
-                   help="also score the delta's own edit requests (teacher-forced rel/gen) with the full delta and "
-                   "with the adapter")
+    e.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="also score the delta's own edit requests (teacher-forced rel/gen) with the full delta and "
+        "with the adapter",
+    )
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=cmd_export_lora)

@@ -61,7 +61,7 @@ def _parse_fewshot(spec: str | None):
 
 
 def _parse_limit(spec):
-    """"200" | "all" | "arc_challenge=100,ifeval=50" -> 200 | None | {task: int or None} (unlisted: 200)."""
+    """ "200" | "all" | "arc_challenge=100,ifeval=50" -> 200 | None | {task: int or None} (unlisted: 200)."""
     from ..evaluation.capabilities import parse_tasks
 
     def one(name: str, v: str):
@@ -120,16 +120,24 @@ def _checked_inputs(args) -> _EvalInputs:
     if requests is None and not tasks and not args.base:
         raise CrispEditError("nothing to evaluate: give --edits, --capabilities or --base")
     bench = check_capability_inputs(tasks, args.bench_dir)
-    wild_cfg = (WildConfig(context=args.context, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                           template=args.context_template)
-                if args.protocol == "wild" else None)
+    wild_cfg = (
+        WildConfig(
+            context=args.context,
+            batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens,
+            template=args.context_template,
+        )
+        if args.protocol == "wild"
+        else None
+    )
     judge = make_judge(args.judge) if (requests is not None and args.protocol == "wild") else None
     kl_texts = heldout_text(args.kl_text, args.kl_texts) if args.base else None
     return _EvalInputs(tasks, limit, n_edits, fewshot, requests, bench, wild_cfg, judge, kl_texts)
 
 
-def _edit_metrics(args, inp: _EvalInputs, model, tok, base, timings: dict,
-                  progress) -> tuple[dict, list | None, list | None]:
+def _edit_metrics(
+    args, inp: _EvalInputs, model, tok, base, timings: dict, progress
+) -> tuple[dict, list | None, list | None]:
     """The edit metrics of ``model`` on the requests — WILD (``generations``: its records) or teacher-forced
     (``per_edit``) — as ``(edit, generations, per_edit)``; their seconds go into ``timings``."""
     from ..evaluation.teacher_forced import edit_scores, summarize_edit_scores
@@ -144,10 +152,16 @@ def _edit_metrics(args, inp: _EvalInputs, model, tok, base, timings: dict,
         return edit, res["records"], None
     per_edit = edit_scores(model, tok, inp.requests, batch_size=args.batch_size, specificity=True)
     s = summarize_edit_scores(per_edit)
-    edit = {"rel_token_acc": s["rel_token_acc"], "rel_exact": s["rel"],
-            "gen_token_acc": s["gen_token_acc"], "gen_exact": s["gen"],
-            "spec_token_acc": s.get("spec_token_acc"), "spec_exact": s.get("spec"),
-            "spec_cf": s.get("spec_cf"), "n_edits": len(inp.requests)}
+    edit = {
+        "rel_token_acc": s["rel_token_acc"],
+        "rel_exact": s["rel"],
+        "gen_token_acc": s["gen_token_acc"],
+        "gen_exact": s["gen"],
+        "spec_token_acc": s.get("spec_token_acc"),
+        "spec_exact": s.get("spec"),
+        "spec_cf": s.get("spec_cf"),
+        "n_edits": len(inp.requests),
+    }
     timings["edit_eval_s"] = round(time.perf_counter() - t0, 2)
     return edit, None, per_edit
 
@@ -161,10 +175,19 @@ def _capability_metrics(args, inp: _EvalInputs, model, tok, base, timings: dict,
     details: dict = {}
     if inp.tasks:
         t0 = time.perf_counter()
-        details = run_capabilities(model, tok, inp.tasks, limit=inp.limit, bench_dir=inp.bench, num_fewshot=inp.fewshot,
-                                   apply_chat_template=args.chat_template, fewshot_as_multiturn=args.fewshot_multiturn,
-                                   batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
-                                   progress=progress)
+        details = run_capabilities(
+            model,
+            tok,
+            inp.tasks,
+            limit=inp.limit,
+            bench_dir=inp.bench,
+            num_fewshot=inp.fewshot,
+            apply_chat_template=args.chat_template,
+            fewshot_as_multiturn=args.fewshot_multiturn,
+            batch_size=args.batch_size,
+            max_gen_toks=args.max_gen_toks,
+            progress=progress,
+        )
         capabilities.update({t: d["score"] for t, d in details.items()})
         timings["capabilities_s"] = round(time.perf_counter() - t0, 2)
         timings.update({f"{t}_s": d["seconds"] for t, d in details.items()})
@@ -172,8 +195,11 @@ def _capability_metrics(args, inp: _EvalInputs, model, tok, base, timings: dict,
         t0 = time.perf_counter()
         drift = capability_drift(model, tok, base[0], inp.kl_texts, progress=progress)
         capabilities.update({"kl_drift": drift["kl_drift"], "ppl": drift["ppl"], "ppl_base": drift["ppl_base"]})
-        details["drift"] = {**drift, "kl_text": args.kl_text or "bundled:wikitext_heldout.txt",
-                            "n_texts": len(inp.kl_texts)}
+        details["drift"] = {
+            **drift,
+            "kl_text": args.kl_text or "bundled:wikitext_heldout.txt",
+            "n_texts": len(inp.kl_texts),
+        }
         timings["drift_s"] = round(time.perf_counter() - t0, 2)
     return capabilities, details
 
@@ -182,16 +208,28 @@ def _eval_config(args, inp: _EvalInputs) -> dict:
     """The ``config`` section of the result: every setting the evaluation ran with."""
     wild_cfg, judge, tasks, bench = inp.wild_cfg, inp.judge, inp.tasks, inp.bench
     return {
-        "model": str(args.model), "base": args.base, "edits": args.edits, "n_edits": inp.n_edits, "offset": args.offset,
-        "protocol": args.protocol, "context": wild_cfg.context if wild_cfg else None,
+        "model": str(args.model),
+        "base": args.base,
+        "edits": args.edits,
+        "n_edits": inp.n_edits,
+        "offset": args.offset,
+        "protocol": args.protocol,
+        "context": wild_cfg.context if wild_cfg else None,
         "context_template": wild_cfg.template if wild_cfg else None,
         "judge": judge.config() if judge is not None else None,
-        "wild": ({"max_new_tokens": wild_cfg.max_new_tokens, "stop": list(wild_cfg.stop) + ["<eos>"]}
-                 if wild_cfg else None),
-        "capabilities": tasks, "limit": inp.limit, "bench_dir": str(bench) if bench else ("hub" if tasks else None),
-        "num_fewshot": inp.fewshot, "chat_template": args.chat_template,
-        "fewshot_multiturn": bool(args.fewshot_multiturn and args.chat_template), "max_gen_toks": args.max_gen_toks,
-        "batch_size": args.batch_size, "dtype": args.dtype, "device": args.device,
+        "wild": (
+            {"max_new_tokens": wild_cfg.max_new_tokens, "stop": list(wild_cfg.stop) + ["<eos>"]} if wild_cfg else None
+        ),
+        "capabilities": tasks,
+        "limit": inp.limit,
+        "bench_dir": str(bench) if bench else ("hub" if tasks else None),
+        "num_fewshot": inp.fewshot,
+        "chat_template": args.chat_template,
+        "fewshot_multiturn": bool(args.fewshot_multiturn and args.chat_template),
+        "max_gen_toks": args.max_gen_toks,
+        "batch_size": args.batch_size,
+        "dtype": args.dtype,
+        "device": args.device,
         "kl_text": (args.kl_text or "bundled:wikitext_heldout.txt") if args.base else None,
     }
 
@@ -204,20 +242,30 @@ def run_eval(args) -> dict:
     progress = False if args.quiet else None
     timings: dict = {}
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                          progress=progress)
+    model, tok = load_model(
+        args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code, progress=progress
+    )
     base = None
     if args.base:
-        base = load_model(args.base, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                          progress=progress)
+        base = load_model(
+            args.base, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code, progress=progress
+        )
     timings["load_s"] = round(time.perf_counter() - t0, 2)
     edit: dict = {}
     generations = per_edit = None
     if inp.requests is not None:
         edit, generations, per_edit = _edit_metrics(args, inp, model, tok, base, timings, progress)
     capabilities, details = _capability_metrics(args, inp, model, tok, base, timings, progress)
-    out = stamped({"edit": edit, "capabilities": capabilities, "capability_details": details,
-                   "config": _eval_config(args, inp), "versions": _versions(), "timings": timings})
+    out = stamped(
+        {
+            "edit": edit,
+            "capabilities": capabilities,
+            "capability_details": details,
+            "config": _eval_config(args, inp),
+            "versions": _versions(),
+            "timings": timings,
+        }
+    )
     if generations is not None:
         out["generations"] = generations
     if per_edit is not None:
@@ -272,10 +320,16 @@ def add_cli(subparsers) -> None:
     """Register ``crispedit eval`` and ``crispedit report`` on ``subparsers``."""
     from ..evaluation.wild import EVAL_WRAPPERS, HELD_OUT_WRAPPER  # torch-free: the --context choices
 
-    p = subparsers.add_parser("eval", help="evaluate a model: WILD / teacher-forced edit metrics, lm-eval "
-                              "capabilities, KL drift vs a base model")
-    p.add_argument("--model", default="smollm2", help="model to evaluate: smollm2 (default), a .gguf file, an HF "
-                   "model dir (e.g. the --out of `crispedit edit`) or a hub id")
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate a model: WILD / teacher-forced edit metrics, lm-eval capabilities, KL drift vs a base model",
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="model to evaluate: smollm2 (default), a .gguf file, an HF "
+        "model dir (e.g. the --out of `crispedit edit`) or a hub id",
+    )
     p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
@@ -283,29 +337,62 @@ def add_cli(subparsers) -> None:
     p.add_argument("--n-edits", type=int, default=None, help="use only the first N edits")
     p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
     p.add_argument("--protocol", choices=PROTOCOLS, default="wild")
-    p.add_argument("--context", choices=tuple(EVAL_WRAPPERS), default=HELD_OUT_WRAPPER,
-                   help=f"WILD evaluation wrapper the questions are asked in (default {HELD_OUT_WRAPPER})")
-    p.add_argument("--context-template", default=None, metavar="TEXT",
-                   help="WILD with your own wrapper instead of --context, e.g. 'You are our support bot. "
-                   "Customer: {question}\nBot:' ({question} exactly once; literal braces as {{ }})")
-    p.add_argument("--judge", choices=("rule", "openai"), default="rule",
-                   help="rule: offline deterministic grader (default); openai: LLM judge, see docs/evaluation.md")
-    p.add_argument("--max-new-tokens", type=int, default=40, help="WILD: new tokens per answer (default 40, "
-                   "the paper's)")
-    p.add_argument("--capabilities", default="none",
-                   help="comma list of arc_challenge,mmlu,gsm8k_cot,truthfulqa_mc2,ifeval, 'all' or 'none'")
-    p.add_argument("--limit", default="200", help="items per capability task (per MMLU subject: first N of each); "
-                   "'all' for no limit; or per task: arc_challenge=100,ifeval=50 (others 200). Default 200, as in "
-                   "the paper")
-    p.add_argument("--bench-dir", default=None, help="local benchmark files (default $CRISPEDIT_BENCH_DIR; "
-                   "without either, the hub)")
-    p.add_argument("--num-fewshot", default=None, help="shots for every task (e.g. 0) or per task "
-                   "(arc_challenge=5,mmlu=0); default: the paper's")
+    p.add_argument(
+        "--context",
+        choices=tuple(EVAL_WRAPPERS),
+        default=HELD_OUT_WRAPPER,
+        help=f"WILD evaluation wrapper the questions are asked in (default {HELD_OUT_WRAPPER})",
+    )
+    p.add_argument(
+        "--context-template",
+        default=None,
+        metavar="TEXT",
+        help="WILD with your own wrapper instead of --context, e.g. 'You are our support bot. "
+        "Customer: {question}\nBot:' ({question} exactly once; literal braces as {{ }})",
+    )
+    p.add_argument(
+        "--judge",
+        choices=("rule", "openai"),
+        default="rule",
+        help="rule: offline deterministic grader (default); openai: LLM judge, see docs/evaluation.md",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=40, help="WILD: new tokens per answer (default 40, the paper's)"
+    )
+    p.add_argument(
+        "--capabilities",
+        default="none",
+        help="comma list of arc_challenge,mmlu,gsm8k_cot,truthfulqa_mc2,ifeval, 'all' or 'none'",
+    )
+    p.add_argument(
+        "--limit",
+        default="200",
+        help="items per capability task (per MMLU subject: first N of each); "
+        "'all' for no limit; or per task: arc_challenge=100,ifeval=50 (others 200). Default 200, as in "
+        "the paper",
+    )
+    p.add_argument(
+        "--bench-dir",
+        default=None,
+        help="local benchmark files (default $CRISPEDIT_BENCH_DIR; without either, the hub)",
+    )
+    p.add_argument(
+        "--num-fewshot",
+        default=None,
+        help="shots for every task (e.g. 0) or per task (arc_challenge=5,mmlu=0); default: the paper's",
+    )
     p.add_argument("--chat-template", action="store_true", help="apply the model's chat template in lm-eval")
-    p.add_argument("--fewshot-multiturn", action="store_true", help="few-shot examples as chat turns "
-                   "(with --chat-template; the paper's setting is both)")
-    p.add_argument("--max-gen-toks", type=int, default=None, help="cap new tokens for generative tasks "
-                   "(IFEval's default 1280, GSM8K's 256)")
+    p.add_argument(
+        "--fewshot-multiturn",
+        action="store_true",
+        help="few-shot examples as chat turns (with --chat-template; the paper's setting is both)",
+    )
+    p.add_argument(
+        "--max-gen-toks",
+        type=int,
+        default=None,
+        help="cap new tokens for generative tasks (IFEval's default 1280, GSM8K's 256)",
+    )
     p.add_argument("--base", default=None, help="pre-edit model: enables loc_vs_base and kl_drift/ppl")
     p.add_argument("--kl-text", default=None, help="held-out text for kl_drift (default: bundled WikiText sample)")
     p.add_argument("--kl-texts", type=int, default=32, help="number of held-out paragraphs (default 32)")

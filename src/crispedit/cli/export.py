@@ -19,10 +19,15 @@ def cmd_gguf(args) -> int:
 
     info = export_gguf(args.model_dir, args.out, qtype=args.type, progress=False if args.quiet else None)
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(info["types"].items()))
-    print(f"GGUF ({args.type}; {info['tensors']} tensors: {kinds}) written to {info['out']}: "
-          f"{info['bytes'] / 2**20:.1f} MiB in {info['seconds']:.1f} s")
-    origin = (f"tokenizer and provenance carried from {info['source']}" if info["source"] else
-              "tokenizer from the folder's tokenizer.json (no source GGUF found)")
+    print(
+        f"GGUF ({args.type}; {info['tensors']} tensors: {kinds}) written to {info['out']}: "
+        f"{info['bytes'] / 2**20:.1f} MiB in {info['seconds']:.1f} s"
+    )
+    origin = (
+        f"tokenizer and provenance carried from {info['source']}"
+        if info["source"]
+        else "tokenizer from the folder's tokenizer.json (no source GGUF found)"
+    )
     print(f"  named {info['name']!r}; pre-tokenizer {info['pre']}; {origin}")
     return 0
 
@@ -36,8 +41,12 @@ def add_cli(sub) -> None:
     g = es.add_parser("gguf", help="a llama-family model directory (e.g. an edited SmolLM2) as one GGUF file")
     g.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json + safetensors)")
     g.add_argument("--out", required=True, help="the .gguf file to write (replaced atomically if it exists)")
-    g.add_argument("--type", default="f16", choices=GGUF_TYPES,
-                   help="tensor type of the matrices: f16 (default), q8_0 (8-bit blocks of 32; about half the size) "
-                   "or f32 (lossless); norm vectors stay f32")
+    g.add_argument(
+        "--type",
+        default="f16",
+        choices=GGUF_TYPES,
+        help="tensor type of the matrices: f16 (default), q8_0 (8-bit blocks of 32; about half the size) "
+        "or f32 (lossless); norm vectors stay f32",
+    )
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.set_defaults(func=cmd_gguf)

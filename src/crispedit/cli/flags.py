@@ -21,11 +21,24 @@ from ..errors import CrispEditError
 from ..paths import check_input_file
 from ..settings import Settings
 
-__all__ = ["add_model_args", "add_shard_arg", "check_shard_launch", "add_edits_args", "add_curvature_args",
-           "add_training_args", "add_method_option_args", "add_settings_args", "settings_from_args",
-           "add_max_drift_arg",
-           "config_from_args", "method_options_from_args", "parse_methods", "check_job_files", "load_job_inputs",
-           "DEFAULTS"]
+__all__ = [
+    "add_model_args",
+    "add_shard_arg",
+    "check_shard_launch",
+    "add_edits_args",
+    "add_curvature_args",
+    "add_training_args",
+    "add_method_option_args",
+    "add_settings_args",
+    "settings_from_args",
+    "add_max_drift_arg",
+    "config_from_args",
+    "method_options_from_args",
+    "parse_methods",
+    "check_job_files",
+    "load_job_inputs",
+    "DEFAULTS",
+]
 
 DEFAULTS = {f.name: f.default for f in fields(EditConfig) if f.default is not MISSING}
 
@@ -80,9 +93,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_shard_arg(p: argparse.ArgumentParser) -> None:
     """``--shard``: split the model's decoder blocks across torchrun's processes (FSDP2)."""
-    p.add_argument("--shard", action="store_true",
-                   help="under torchrun: split the frozen decoder blocks across the processes (FSDP2), each "
-                   "holding 1/N of them; the edited layers stay whole on every process (see docs/sharding.md)")
+    p.add_argument(
+        "--shard",
+        action="store_true",
+        help="under torchrun: split the frozen decoder blocks across the processes (FSDP2), each "
+        "holding 1/N of them; the edited layers stay whole on every process (see docs/sharding.md)",
+    )
 
 
 def check_shard_launch(args) -> None:
@@ -90,15 +106,22 @@ def check_shard_launch(args) -> None:
     from ..distributed import launched_world_size  # torch-free
 
     if getattr(args, "shard", False) and launched_world_size() < 2:
-        raise CrispEditError("--shard splits the model across torchrun's processes; launch it with "
-                             "`torchrun --nproc-per-node N -m crispedit ... --shard` (N >= 2)")
+        raise CrispEditError(
+            "--shard splits the model across torchrun's processes; launch it with "
+            "`torchrun --nproc-per-node N -m crispedit ... --shard` (N >= 2)"
+        )
 
 
 def add_edits_args(p: argparse.ArgumentParser, *, n_required: bool = False) -> None:
     """``--edits FILE --n-edits N --offset K`` (the edit requests a command reads)."""
     p.add_argument("--edits", required=True, help="edit file: ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL")
-    p.add_argument("--n-edits", type=int, required=n_required, default=None,
-                   help="number of edits from --offset" + ("" if n_required else " (default: all)"))
+    p.add_argument(
+        "--n-edits",
+        type=int,
+        required=n_required,
+        default=None,
+        help="number of edits from --offset" + ("" if n_required else " (default: all)"),
+    )
     p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
 
 
@@ -116,9 +139,13 @@ def add_method_option_args(p: argparse.ArgumentParser, methods: Sequence[str] | 
         for f in fields(cfg_cls):
             help_ = cfg_cls.help_of(f.name) or f"{method} option {f.name} (default {f.default})"
             kind = _value_type(cfg_cls, f.name)
-            p.add_argument(f"--{method}-{f.name.replace('_', '-')}", dest=_dest(method, f.name),
-                           type=kind if kind in (int, float) else str, default=None,
-                           help=f"[{method}] {help_}".replace("%", "%%"))
+            p.add_argument(
+                f"--{method}-{f.name.replace('_', '-')}",
+                dest=_dest(method, f.name),
+                type=kind if kind in (int, float) else str,
+                default=None,
+                help=f"[{method}] {help_}".replace("%", "%%"),
+            )
 
 
 def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, options: Sequence[str] | None = None) -> None:
@@ -133,12 +160,20 @@ def add_training_args(p: argparse.ArgumentParser, *, method: bool = True, option
 
 def add_max_drift_arg(p: argparse.ArgumentParser, *, session: bool = False) -> None:
     """``--max-drift EPS``: the trust region on the K-FAC predicted KL drift (``EditConfig.max_drift``)."""
-    what = ("for the whole session, spent round by round" if session
-            else "after every step the accumulated change is scaled back into it")
-    p.add_argument("--max-drift", type=float, default=None, metavar="EPS",
-                   help=f"budget on the predicted KL drift in nats/token ({what}); fine-tuning methods (crispedit, "
-                   "adam-nscl, ft, locbf-ft, lora on its merged update); the prediction under-reads large moves such "
-                   "as ft's")
+    what = (
+        "for the whole session, spent round by round"
+        if session
+        else "after every step the accumulated change is scaled back into it"
+    )
+    p.add_argument(
+        "--max-drift",
+        type=float,
+        default=None,
+        metavar="EPS",
+        help=f"budget on the predicted KL drift in nats/token ({what}); fine-tuning methods (crispedit, "
+        "adam-nscl, ft, locbf-ft, lora on its merged update); the prediction under-reads large moves such "
+        "as ft's",
+    )
 
 
 def _dest(method: str, option: str) -> str:
@@ -157,8 +192,10 @@ def method_options_from_args(args, methods: Sequence[str]) -> dict[str, dict]:
             if value is None:
                 continue
             if method not in methods:
-                raise CrispEditError(f"--{method}-{f.name.replace('_', '-')} applies to method {method}, "
-                                     f"which is not being run ({', '.join(methods)})")
+                raise CrispEditError(
+                    f"--{method}-{f.name.replace('_', '-')} applies to method {method}, "
+                    f"which is not being run ({', '.join(methods)})"
+                )
             out.setdefault(method, {})[f.name] = value
     return out
 
@@ -218,6 +255,7 @@ def load_job_inputs(args, n_cap: int):
     progress = False if args.quiet else None
     from ..models import load_model  # torch and transformers: only now that every cheaper input is checked
 
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                            progress=progress)
+    model, tok = load_model(
+        args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code, progress=progress
+    )
     return requests, model, tok, progress

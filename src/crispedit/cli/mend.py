@@ -24,8 +24,11 @@ def _train_config(args):
     """The validated :class:`MENDTrainConfig` of the ``--<setting>`` flags (unset ones keep the defaults)."""
     from ..methods.mend import MENDTrainConfig
 
-    given = {f.name: getattr(args, f"mend_{f.name}") for f in fields(MENDTrainConfig)
-             if getattr(args, f"mend_{f.name}", None) is not None}
+    given = {
+        f.name: getattr(args, f"mend_{f.name}")
+        for f in fields(MENDTrainConfig)
+        if getattr(args, f"mend_{f.name}", None) is not None
+    }
     return MENDTrainConfig(**given)
 
 
@@ -42,11 +45,16 @@ def cmd_mend_train(args) -> int:
     if args.init:
         from ..methods.mend.net import read_network_meta
 
-        fixed = sorted(f.name.replace("_", "-") for f in fields(config)
-                       if f.name not in ("steps", "seed") and getattr(args, f"mend_{f.name}", None) is not None)
+        fixed = sorted(
+            f.name.replace("_", "-")
+            for f in fields(config)
+            if f.name not in ("steps", "seed") and getattr(args, f"mend_{f.name}", None) is not None
+        )
         if fixed:
-            raise CrispEditError(f"--init continues {args.init} with its own settings; drop --{', --'.join(fixed)} "
-                                 "(only --steps and --seed apply)")
+            raise CrispEditError(
+                f"--init continues {args.init} with its own settings; drop --{', --'.join(fixed)} "
+                "(only --steps and --seed apply)"
+            )
         prev = read_network_meta(args.init)
     if args.out:
         check_output_file(args.out)
@@ -65,34 +73,55 @@ def cmd_mend_train(args) -> int:
     from ..models import load_model
     from ..weights import weight_fingerprint
 
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                            progress=progress)
+    model, tok = load_model(
+        args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code, progress=progress
+    )
     layers = resolve_layers(model, args.layers or ",".join(prev["layers"] if prev else default_layers(model)))
     fp = weight_fingerprint(model)
     path = args.out or default_weights_path(fp, list(layers), args.cache_dir)
     start = load_network(args.init, layers, model_fingerprint=fp) if args.init else None
-    net, hist = train_mend(model, tok, requests, layers, config, passages=passages, net=start,
-                           max_seconds=None if args.max_minutes is None else 60.0 * args.max_minutes, progress=progress)
+    net, hist = train_mend(
+        model,
+        tok,
+        requests,
+        layers,
+        config,
+        passages=passages,
+        net=start,
+        max_seconds=None if args.max_minutes is None else 60.0 * args.max_minutes,
+        progress=progress,
+    )
     h = hist.to_json()
-    training = {"edits": str(args.edits), "offset": args.offset, "n_edits": len(requests), "model": args.model,
-                "history": h, "request_digests": prompt_digests(requests)}
+    training = {
+        "edits": str(args.edits),
+        "offset": args.offset,
+        "n_edits": len(requests),
+        "model": args.model,
+        "history": h,
+        "request_digests": prompt_digests(requests),
+    }
     before = prev.get("training", {}) if prev is not None else {}
     training["total_steps"] = h["steps"] + before.get("total_steps", before.get("history", {}).get("steps", 0))
     if prev is not None:  # the earlier runs' slices count as training requests too (overlap warnings)
-        training["continued_from"] = {"file": str(args.init),
-                                      "training": {k: v for k, v in before.items() if k != "request_digests"}}
-        training["request_digests"] = list(dict.fromkeys(before.get("request_digests", [])
-                                                         + training["request_digests"]))
+        training["continued_from"] = {
+            "file": str(args.init),
+            "training": {k: v for k, v in before.items() if k != "request_digests"},
+        }
+        training["request_digests"] = list(
+            dict.fromkeys(before.get("request_digests", []) + training["request_digests"])
+        )
     save_network(path, net, model_fingerprint=fp, training=training)
     stop = f" (stopped by --max-minutes {args.max_minutes:g})" if h["stopped_early"] else ""
     cont = f", {training['total_steps']} in all from {args.init}" if args.init else ""
-    print(f"mend: trained {h['steps']} steps{stop}{cont} on {len(requests)} edits (offset {args.offset}) in "
-          f"{h['seconds']:.0f}s; "
-          f"meta-loss {h['loss'].get('first10', float('nan')):.4f} -> {h['loss'].get('last10', float('nan')):.4f} "
-          f"(edit NLL {h['edit_nll'].get('first10', float('nan')):.3f} -> "
-          f"{h['edit_nll'].get('last10', float('nan')):.3f}, "
-          f"locality KL {h['loc_kl'].get('first10', float('nan')):.4f} -> "
-          f"{h['loc_kl'].get('last10', float('nan')):.4f})")
+    print(
+        f"mend: trained {h['steps']} steps{stop}{cont} on {len(requests)} edits (offset {args.offset}) in "
+        f"{h['seconds']:.0f}s; "
+        f"meta-loss {h['loss'].get('first10', float('nan')):.4f} -> {h['loss'].get('last10', float('nan')):.4f} "
+        f"(edit NLL {h['edit_nll'].get('first10', float('nan')):.3f} -> "
+        f"{h['edit_nll'].get('last10', float('nan')):.3f}, "
+        f"locality KL {h['loc_kl'].get('first10', float('nan')):.4f} -> "
+        f"{h['loc_kl'].get('last10', float('nan')):.4f})"
+    )
     use = "" if not args.out else f" --mend-weights {path}"
     print(f"network for {len(layers)} layers written to {path}; edit with `crispedit edit --method mend{use} ...`")
     return 0
@@ -107,38 +136,65 @@ def add_cli(sub) -> None:
     msub = p.add_subparsers(dest="mend_command", required=True)
     t = msub.add_parser("train", help="meta-train MEND on edit requests disjoint from the evaluated ones")
     add_model_args(t)
-    t.add_argument("--edits", required=True,
-                   help="training edit file (ZsRE, CounterFact/WikiBigEdit or crispedit JSON)")
-    t.add_argument("--offset", type=int, default=TRAIN_OFFSET,
-                   help=f"first training record (default {TRAIN_OFFSET}: disjoint from the evaluation slice 100-199 "
-                   "and the tuning slice 400-431)")
+    t.add_argument(
+        "--edits", required=True, help="training edit file (ZsRE, CounterFact/WikiBigEdit or crispedit JSON)"
+    )
+    t.add_argument(
+        "--offset",
+        type=int,
+        default=TRAIN_OFFSET,
+        help=f"first training record (default {TRAIN_OFFSET}: disjoint from the evaluation slice 100-199 "
+        "and the tuning slice 400-431)",
+    )
     t.add_argument("--n-edits", type=int, default=TRAIN_N, help=f"training records from --offset (default {TRAIN_N})")
-    t.add_argument("--layers", default=None, help="edit layers (default: the MLP linears of the last 3 decoder blocks, "
-                   "as MEND); the edit must use the same")
-    t.add_argument("--cap-corpus", default=None,
-                   help="text the locality passages are drawn from (default: bundled WikiText)")
-    t.add_argument("--n-cap", type=int, default=256,
-                   help="capability texts to draw locality passages from (default 256)")
-    help_ = {"steps": "Adam steps (default 500)", "batch_size": "edit requests per step (default 8)",
-             "lr": "Adam lr of the network (default 1e-4; authors 1e-6 over ~100k steps)",
-             "lr_lr": "Adam lr of the per-layer steps alpha (default 1e-4, authors')",
-             "edit_lr": "initial per-layer step alpha (default 1e-4, authors')",
-             "rank": "rank of the residual layers (default 1920, authors'; capped at d_in + d_out)",
-             "n_hidden": "hidden residual layers (default 1: two layers, authors')",
-             "c_edit": "weight of the edit NLL (default 0.1, authors')",
-             "c_loc": "weight of the locality KL (default 1.0, authors')",
-             "grad_clip": "gradient-norm clip (default 100, authors')",
-             "loc_texts": "capability passages in each step's locality batch (default 2)",
-             "loc_len": "tokens per locality passage (default 64)", "seed": "seed of the sampling and the init"}
+    t.add_argument(
+        "--layers",
+        default=None,
+        help="edit layers (default: the MLP linears of the last 3 decoder blocks, as MEND); the edit must use the same",
+    )
+    t.add_argument(
+        "--cap-corpus", default=None, help="text the locality passages are drawn from (default: bundled WikiText)"
+    )
+    t.add_argument(
+        "--n-cap", type=int, default=256, help="capability texts to draw locality passages from (default 256)"
+    )
+    help_ = {
+        "steps": "Adam steps (default 500)",
+        "batch_size": "edit requests per step (default 8)",
+        "lr": "Adam lr of the network (default 1e-4; authors 1e-6 over ~100k steps)",
+        "lr_lr": "Adam lr of the per-layer steps alpha (default 1e-4, authors')",
+        "edit_lr": "initial per-layer step alpha (default 1e-4, authors')",
+        "rank": "rank of the residual layers (default 1920, authors'; capped at d_in + d_out)",
+        "n_hidden": "hidden residual layers (default 1: two layers, authors')",
+        "c_edit": "weight of the edit NLL (default 0.1, authors')",
+        "c_loc": "weight of the locality KL (default 1.0, authors')",
+        "grad_clip": "gradient-norm clip (default 100, authors')",
+        "loc_texts": "capability passages in each step's locality batch (default 2)",
+        "loc_len": "tokens per locality passage (default 64)",
+        "seed": "seed of the sampling and the init",
+    }
     for f in fields(MENDTrainConfig):
         kind = type(f.default)
-        t.add_argument(f"--{f.name.replace('_', '-')}", dest=f"mend_{f.name}", type=kind, default=None,
-                       help=help_.get(f.name, f.name))
-    t.add_argument("--max-minutes", type=float, default=None,
-                   help="wall-clock budget: stop before a step that would end past it and save the network trained so "
-                   "far (the file records the steps done)")
-    t.add_argument("--init", default=None, help="continue training this network file (same model and layers; its "
-                   "settings are kept, only --steps and --seed apply; Adam restarts)")
+        t.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f"mend_{f.name}",
+            type=kind,
+            default=None,
+            help=help_.get(f.name, f.name),
+        )
+    t.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="wall-clock budget: stop before a step that would end past it and save the network trained so "
+        "far (the file records the steps done)",
+    )
+    t.add_argument(
+        "--init",
+        default=None,
+        help="continue training this network file (same model and layers; its "
+        "settings are kept, only --steps and --seed apply; Adam restarts)",
+    )
     t.add_argument("--out", default=None, help="network file (default: the cache, where `edit --method mend` looks)")
     t.add_argument("--cache-dir", default=None, help="cache root (default $CRISPEDIT_CACHE or ~/.cache/crispedit)")
     t.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -64,23 +64,40 @@ def add_cli(subparsers) -> None:
     study = subparsers.add_parser("study", help="small-scale experiments from the paper")
     sub = study.add_subparsers(dest="study_command", metavar="{mnist}")
     sub.required = True
-    p = sub.add_parser("mnist", help="curvature study: MNIST -> Fashion-MNIST with exact Hessian, GGN, K-FAC, "
-                                     "EK-FAC and activation-covariance projections")
-    p.add_argument("--data", default=None, help="directory with mnist/ and fashion_mnist/ IDX .gz files "
-                   "(default: user cache, downloading the official files when online)")
+    p = sub.add_parser(
+        "mnist",
+        help="curvature study: MNIST -> Fashion-MNIST with exact Hessian, GGN, K-FAC, "
+        "EK-FAC and activation-covariance projections",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="directory with mnist/ and fashion_mnist/ IDX .gz files "
+        "(default: user cache, downloading the official files when online)",
+    )
     p.add_argument("--out", default=None, help=f"output directory (default {MnistStudyConfig.out_dir})")
     p.add_argument("--quick", action="store_true", help="CI-sized run: tiny network, subsets, two gammas")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument("--k-values", default=None, help="comma-separated k for gamma = 1 - 10^-k (default "
-                   + ",".join(f"{k:g}" for k in MnistStudyConfig.k_values) + ")")
+    p.add_argument(
+        "--k-values",
+        default=None,
+        help="comma-separated k for gamma = 1 - 10^-k (default "
+        + ",".join(f"{k:g}" for k in MnistStudyConfig.k_values)
+        + ")",
+    )
     p.add_argument("--curvature-samples", type=int, default=None, help="MNIST training examples for every curvature")
     p.add_argument("--finetune-steps", type=int, default=None, help="projected SGD steps on Fashion-MNIST")
     p.add_argument("--pretrain-epochs", type=int, default=None)
-    p.add_argument("--max-recomputes", type=int, default=None,
-                   help="curvature recomputations per run when the weights drift > 25%% (full default 0; the paper's "
-                   "protocol is 2 but one exact Hessian takes minutes)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; "
-                   "use 1 on a busy machine)")
+    p.add_argument(
+        "--max-recomputes",
+        type=int,
+        default=None,
+        help="curvature recomputations per run when the weights drift > 25%% (full default 0; the paper's "
+        "protocol is 2 but one exact Hessian takes minutes)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; use 1 on a busy machine)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_study_mnist)

@@ -50,11 +50,26 @@ def cmd_playground(args) -> int:
         progress = False if args.quiet else None
         with progress_lines(progress):  # off a terminal: a line per phase instead of bars
             print(f"loading {args.model} ...", flush=True)
-            model, tok = load_model(args.model, dtype=args.dtype, device=args.device,
-                                    trust_remote_code=args.trust_remote_code, progress=progress)
+            model, tok = load_model(
+                args.model,
+                dtype=args.dtype,
+                device=args.device,
+                trust_remote_code=args.trust_remote_code,
+                progress=progress,
+            )
             print("fetching the capability curvature (once; every edit reuses it) ...", flush=True)
-            pg = Playground(model, tok, config, cache_file=args.cache, kl_text=args.kl_text, kl_texts=args.kl_texts,
-                            max_chars=args.max_chars, undo_depth=args.undo_depth, name=args.model, progress=progress)
+            pg = Playground(
+                model,
+                tok,
+                config,
+                cache_file=args.cache,
+                kl_text=args.kl_text,
+                kl_texts=args.kl_texts,
+                max_chars=args.max_chars,
+                undo_depth=args.undo_depth,
+                name=args.model,
+                progress=progress,
+            )
         where = "the cache" if pg.cache["hit"] else "a new collection"
         print(f"curvature of {len(pg.layers)} edit layer(s) from {where} in {pg.cache['seconds']:.1f} s", flush=True)
         # a loopback server answers to this machine's names, the one given and the address it prints
@@ -73,8 +88,11 @@ def add_cli(sub) -> None:
     """Register ``crispedit playground`` on ``subparsers``."""
     from ..playground.engine import DEFAULT_KL_TEXTS, DEFAULT_MAX_CHARS, DEFAULT_UNDO_DEPTH  # torch-free
 
-    p = sub.add_parser("playground", help="a local web page: ask the model, edit in a new answer (crispedit), "
-                       "see the answer, the WILD qa check and the drift, undo")
+    p = sub.add_parser(
+        "playground",
+        help="a local web page: ask the model, edit in a new answer (crispedit), "
+        "see the answer, the WILD qa check and the drift, undo",
+    )
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = a free one, printed)")
@@ -84,12 +102,24 @@ def add_cli(sub) -> None:
     add_max_drift_arg(p)
     p.add_argument("--cache", default=None, help="use this curvature cache file (checked against the model)")
     p.add_argument("--kl-text", default=None, help="held-out text the drift is measured on (default: bundled WikiText)")
-    p.add_argument("--kl-texts", type=int, default=DEFAULT_KL_TEXTS,
-                   help=f"held-out paragraphs the drift is measured on after each edit (default {DEFAULT_KL_TEXTS})")
-    p.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS,
-                   help=f"longest question or answer the page takes (default {DEFAULT_MAX_CHARS} characters)")
-    p.add_argument("--undo-depth", type=int, default=DEFAULT_UNDO_DEPTH,
-                   help=f"how many of the latest edits can be undone (default {DEFAULT_UNDO_DEPTH}; each keeps its "
-                   "delta in memory)")
+    p.add_argument(
+        "--kl-texts",
+        type=int,
+        default=DEFAULT_KL_TEXTS,
+        help=f"held-out paragraphs the drift is measured on after each edit (default {DEFAULT_KL_TEXTS})",
+    )
+    p.add_argument(
+        "--max-chars",
+        type=int,
+        default=DEFAULT_MAX_CHARS,
+        help=f"longest question or answer the page takes (default {DEFAULT_MAX_CHARS} characters)",
+    )
+    p.add_argument(
+        "--undo-depth",
+        type=int,
+        default=DEFAULT_UNDO_DEPTH,
+        help=f"how many of the latest edits can be undone (default {DEFAULT_UNDO_DEPTH}; each keeps its "
+        "delta in memory)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars while loading")
     p.set_defaults(func=cmd_playground)

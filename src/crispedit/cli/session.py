@@ -62,8 +62,15 @@ def cmd_init(args) -> int:
     check_job_files(args, edit.n_cap)
     from ..sessions.session import Session
 
-    s = Session.create(args.out, args.model, config, dtype=args.dtype, device=args.device, cache_file=args.cache,
-                       progress=None if not args.quiet else False)
+    s = Session.create(
+        args.out,
+        args.model,
+        config,
+        dtype=args.dtype,
+        device=args.device,
+        cache_file=args.cache,
+        progress=None if not args.quiet else False,
+    )
     verb = "opened existing" if existed else "created"
     print(f"{verb} session {s.meta['name']} at {args.out}: {len(s.meta['layers'])} layers, round {s.round}")
     return 0
@@ -90,13 +97,17 @@ def cmd_add(args) -> int:
     if not main_process:
         return 0
     ret = " ".join(f"r{j}={_fmt(v['rel'], 2)}" for j, v in rec["retention"].items())
-    print(f"round {rec['round']} committed: rel={_fmt(rec['rel'])} rel_all={_fmt(rec['rel_all'])} "
-          f"kl_drift={rec['kl_drift']:.5f} kl_predicted={_fmt(rec.get('kl_predicted'), 5)} "
-          f"{training_brief(rec['train'])} {rec['edit_seconds']:.1f}s | retention {ret}")
+    print(
+        f"round {rec['round']} committed: rel={_fmt(rec['rel'])} rel_all={_fmt(rec['rel_all'])} "
+        f"kl_drift={rec['kl_drift']:.5f} kl_predicted={_fmt(rec.get('kl_predicted'), 5)} "
+        f"{training_brief(rec['train'])} {rec['edit_seconds']:.1f}s | retention {ret}"
+    )
     if rec.get("drift_budget"):
         b = rec["drift_budget"]
-        print(f"  drift budget: round spent {_fmt(rec.get('kl_predicted_round'), 5)} of {b['round_budget']:.5f}, "
-              f"{b['remaining']:.5f} of {b['session_budget']:g} left ({b.get('hits', 0)} steps pulled back)")
+        print(
+            f"  drift budget: round spent {_fmt(rec.get('kl_predicted_round'), 5)} of {b['round_budget']:.5f}, "
+            f"{b['remaining']:.5f} of {b['session_budget']:g} left ({b.get('hits', 0)} steps pulled back)"
+        )
     return 0
 
 
@@ -111,25 +122,32 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
-    print(f"session {st['path']} ({st['name']}) on {st['base']['spec']} [{st['base']['fingerprint'][:12]}]: "
-          f"{st['round']} rounds, {st['n_edits']} edits, {st['size_bytes'] / 2**20:.1f} MiB")
+    print(
+        f"session {st['path']} ({st['name']}) on {st['base']['spec']} [{st['base']['fingerprint'][:12]}]: "
+        f"{st['round']} rounds, {st['n_edits']} edits, {st['size_bytes'] / 2**20:.1f} MiB"
+    )
     if st["rounds"]:
         k = len(st["rounds"])
-        head = ("round  edits   rel  rel_all  kl_drift   kl_pred  epochs | "
-                + " ".join(f"  r{j:<3d}" for j in range(1, k + 1)))
+        head = "round  edits   rel  rel_all  kl_drift   kl_pred  epochs | " + " ".join(
+            f"  r{j:<3d}" for j in range(1, k + 1)
+        )
         print(head)
         for r, row in zip(st["rounds"], st["retention"]):
             cells = " ".join(f"{_fmt(v, 2):>5s}" if v is not None else "     " for v in row)
-            print(f"{r['round']:5d} {r['n_edits']:6d} {_fmt(r['rel']):>5s} {_fmt(r['rel_all']):>8s} "
-                  f"{r['kl_drift']:9.5f} {_fmt(r.get('kl_predicted'), 5):>9s} {_epochs(r['train']):>7s} | {cells}")
+            print(
+                f"{r['round']:5d} {r['n_edits']:6d} {_fmt(r['rel']):>5s} {_fmt(r['rel_all']):>8s} "
+                f"{r['kl_drift']:9.5f} {_fmt(r.get('kl_predicted'), 5):>9s} {_epochs(r['train']):>7s} | {cells}"
+            )
         from ..curvature.predicted import prediction_notes
 
         for line in prediction_notes(st["rounds"][-1]):  # of the whole change since the base, after the last round
             print(f"note: {line}")
     if st.get("drift_budget"):
         b = st["drift_budget"]
-        print(f"drift budget ({b['mode']}): {b['budget']:g} nats/token, spent {b['spent']:.5f}, "
-              f"remaining {b['remaining']:.5f} (predicted)")
+        print(
+            f"drift budget ({b['mode']}): {b['budget']:g} nats/token, spent {b['spent']:.5f}, "
+            f"remaining {b['remaining']:.5f} (predicted)"
+        )
     if args.plot:
         from ..sessions.session import Session as S
 
@@ -166,16 +184,20 @@ def cmd_plot(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit session init|add|status|export|plot`` on ``subparsers``."""
-    p = sub.add_parser("session",
-                       help="durable sequential editing sessions (CrispEdit-Seq, FT-Seq, LoRA-Seq, AlphaEdit-Seq, ...)")
+    p = sub.add_parser(
+        "session", help="durable sequential editing sessions (CrispEdit-Seq, FT-Seq, LoRA-Seq, AlphaEdit-Seq, ...)"
+    )
     ss = p.add_subparsers(dest="session_command", required=True)
 
     i = ss.add_parser("init", help="create a session directory on a base model")
     add_model_args(i)
     add_curvature_args(i)
     i.add_argument("--out", required=True, help="session directory to create")
-    add_settings_args(i, SeqConfig, ["mode", "weighting", "mix", "edit_gamma", "recompute_drift", "carry_optimizer",
-                                     "reproject_momentum"])
+    add_settings_args(
+        i,
+        SeqConfig,
+        ["mode", "weighting", "mix", "edit_gamma", "recompute_drift", "carry_optimizer", "reproject_momentum"],
+    )
     add_training_args(i)  # --method (lora: LoRA-Seq, a fresh adapter merged every round), training flags
     add_max_drift_arg(i, session=True)
     add_settings_args(i, SeqConfig, ["kl_text", "kl_texts"])
@@ -201,13 +223,18 @@ def add_cli(sub) -> None:
     e = ss.add_parser("export", help="write the edited model as a loadable model directory")
     e.add_argument("dir")
     e.add_argument("--out", required=True, help="output directory; must be new or empty")
-    e.add_argument("--overwrite", action="store_true",
-                   help="--out may hold an earlier export: replace only the files it wrote, keep all others")
+    e.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="--out may hold an earlier export: replace only the files it wrote, keep all others",
+    )
     e.add_argument("--model", default=None)
     e.add_argument("--device", default=None)
-    e.add_argument("--delta", action="store_true",
-                   help="write delta.safetensors (the change from the base; `crispedit delta apply`) instead of the "
-                        "model")
+    e.add_argument(
+        "--delta",
+        action="store_true",
+        help="write delta.safetensors (the change from the base; `crispedit delta apply`) instead of the model",
+    )
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_export)
 
@@ -216,4 +243,3 @@ def add_cli(sub) -> None:
     pl.add_argument("--out", required=True)
     pl.add_argument("--labels", default=None, help="comma-separated panel titles")
     pl.set_defaults(func=cmd_plot)
-

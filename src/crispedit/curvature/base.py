@@ -86,8 +86,9 @@ class Curvature(ABC):
         Default: ``self`` (every call casts what it uses)."""
         return self
 
-    def projector(self, name: str, gamma: float, *, device: torch.device | str | None = None,
-                  dtype: torch.dtype | None = None) -> LayerProjector:
+    def projector(
+        self, name: str, gamma: float, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> LayerProjector:
         """The projector of block ``name`` onto its kept directions under energy threshold ``gamma``: those outside
         the smallest top set of eigenvalues holding ``gamma`` of their sum (:func:`~.masks.energy_keep_mask`),
         applied matrix-free (:class:`~.projection.KroneckerProjector`) in ``dtype`` (``None``: float32)."""
@@ -95,8 +96,9 @@ class Curvature(ABC):
         keep = energy_keep_mask(eb.eigvals, gamma)
         return KroneckerProjector(eb.U_out, eb.U_in, keep, dtype=dtype or torch.float32)
 
-    def projectors(self, names: Iterable[str], gamma: float, *,
-                   device: torch.device | str | None = None) -> dict[str, LayerProjector]:
+    def projectors(
+        self, names: Iterable[str], gamma: float, *, device: torch.device | str | None = None
+    ) -> dict[str, LayerProjector]:
         """:meth:`projector` of every block in ``names``, keyed by name."""
         return {name: self.projector(name, gamma, device=device) for name in names}
 

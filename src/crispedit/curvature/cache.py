@@ -42,9 +42,16 @@ from .kfac import collect_lm_input_covariance, collect_lm_kfac
 from .lm_backward import LabelMode
 from .modes import CACHE_KINDS
 
-__all__ = ["CurvatureSpec", "KINDS", "cache_key", "save_factors", "load_factors", "get_or_build_factors",
-           "layer_shapes",
-           "FORMAT_VERSION"]
+__all__ = [
+    "CurvatureSpec",
+    "KINDS",
+    "cache_key",
+    "save_factors",
+    "load_factors",
+    "get_or_build_factors",
+    "layer_shapes",
+    "FORMAT_VERSION",
+]
 
 _log = logging.getLogger("crispedit.curvature")
 FORMAT_VERSION = 1
@@ -85,9 +92,16 @@ def save_factors(path: str | Path, factors: KFACFactors, spec: CurvatureSpec, ex
     atomically, with this crispedit's version, the spec, its key, the token count, a UTC timestamp, a random ``uid``
     (which write this is: what cached eigenbases are matched against) and ``extra`` as metadata; returns ``path``."""
     path = Path(path)
-    meta = stamped({"spec": spec.as_dict(), "key": cache_key(spec), "n_tokens": factors.n_tokens,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "uid": uuid.uuid4().hex,
-                    **(extra or {})})
+    meta = stamped(
+        {
+            "spec": spec.as_dict(),
+            "key": cache_key(spec),
+            "n_tokens": factors.n_tokens,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "uid": uuid.uuid4().hex,
+            **(extra or {}),
+        }
+    )
     atomic_save_safetensors(path, factors.to_tensors(), metadata={"crispedit": json.dumps(meta)})
     return path
 
@@ -112,8 +126,14 @@ def _show(v) -> str:
     return repr(v)
 
 
-def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model_fingerprint: str | None = None,
-                 layers: Sequence[str] | None = None, shapes: dict[str, tuple[int, int]] | None = None) -> KFACFactors:
+def load_factors(
+    path: str | Path,
+    expect: CurvatureSpec | None = None,
+    *,
+    model_fingerprint: str | None = None,
+    layers: Sequence[str] | None = None,
+    shapes: dict[str, tuple[int, int]] | None = None,
+) -> KFACFactors:
     """Load factors, refusing a file made for another model, other layers or another configuration.
 
     ``expect`` is the full spec the caller would build (every field is compared: model fingerprint,
@@ -132,12 +152,15 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
         raise CrispEditError(
             f"curvature cache {path} was built for another model (fingerprint "
             f"{str(spec.get('model_fingerprint'))[:12]}…, "
-            f"this model is {fp[:12]}…)")
+            f"this model is {fp[:12]}…)"
+        )
     want_layers = list(expect.layers) if expect else (list(layers) if layers is not None else None)
     kind = spec.get("kind", "kfac")
     if expect is not None and kind != expect.kind:
-        raise CrispEditError(f"curvature cache {path} holds {kind} statistics, not {expect.kind} "
-                             "(build it with `crispedit cache build --kind " + expect.kind + "`)")
+        raise CrispEditError(
+            f"curvature cache {path} holds {kind} statistics, not {expect.kind} "
+            "(build it with `crispedit cache build --kind " + expect.kind + "`)"
+        )
     if kind not in KINDS:
         raise CrispEditError(f"curvature cache {path} has an unknown kind {kind!r}")
     if want_layers is not None and spec.get("layers") != want_layers:
@@ -145,10 +168,13 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
     if expect is not None:
         diff = [k for k, v in expect.as_dict().items() if spec.get(k) != v and k != "model_fingerprint"]
         if diff:
-            detail = ", ".join(f"{k}={_show(spec.get(k))} (asked: {_show(v)})" for k, v in expect.as_dict().items()
-                               if k in diff)
-            raise CrispEditError(f"curvature cache {path} was built with a different configuration: {detail}; "
-                                 "rebuild it with `crispedit cache build` and the same flags as the edit")
+            detail = ", ".join(
+                f"{k}={_show(spec.get(k))} (asked: {_show(v)})" for k, v in expect.as_dict().items() if k in diff
+            )
+            raise CrispEditError(
+                f"curvature cache {path} was built with a different configuration: {detail}; "
+                "rebuild it with `crispedit cache build` and the same flags as the edit"
+            )
     factors = KFACFactors.from_tensors(tensors, int(meta.get("n_tokens", 0)), meta)
     factors.source = {"path": str(path), "key": meta.get("key"), "write": meta.get("uid")}
     has_s = kind == "kfac"
@@ -162,8 +188,10 @@ def load_factors(path: str | Path, expect: CurvatureSpec | None = None, *, model
             d_out, d_in = shapes[name]
             if factors.A[name].shape[0] != d_in or (has_s and factors.S[name].shape[0] != d_out):
                 got_out = factors.S[name].shape[0] if has_s else "?"
-                raise CrispEditError(f"curvature cache {path}: factors for {name} are for a {got_out}x"
-                                     f"{factors.A[name].shape[0]} layer, this layer is {d_out}x{d_in}")
+                raise CrispEditError(
+                    f"curvature cache {path}: factors for {name} are for a {got_out}x"
+                    f"{factors.A[name].shape[0]} layer, this layer is {d_out}x{d_in}"
+                )
     return factors
 
 
@@ -203,21 +231,44 @@ def get_or_build_factors(
             pass  # a damaged entry is rebuilt below (and replaced atomically)
     if all_agree(factors is not None):  # every process takes the same branch (collectives follow)
         _log.info("capability curvature: cached (%s)", path.name)
-        return factors, {"path": str(path), "hit": True, "seconds": time.perf_counter() - t0,
-                         "spec": factors.meta.get("spec")}
+        return factors, {
+            "path": str(path),
+            "hit": True,
+            "seconds": time.perf_counter() - t0,
+            "spec": factors.meta.get("spec"),
+        }
     loss_from = None
     if callable(texts):
         texts, loss_from = texts()
-    _log.info("capability curvature (%s): collecting over %d texts of <= %d tokens", spec.kind, len(texts),
-              spec.max_len)
+    _log.info(
+        "capability curvature (%s): collecting over %d texts of <= %d tokens", spec.kind, len(texts), spec.max_len
+    )
     if spec.kind == "input":
-        factors = collect_lm_input_covariance(model, tokenizer, texts, layers, max_len=spec.max_len,
-                                              batch_size=batch_size, stat_dtype=stat_dtype, progress=progress,
-                                              loss_from=loss_from)
+        factors = collect_lm_input_covariance(
+            model,
+            tokenizer,
+            texts,
+            layers,
+            max_len=spec.max_len,
+            batch_size=batch_size,
+            stat_dtype=stat_dtype,
+            progress=progress,
+            loss_from=loss_from,
+        )
     else:
-        factors = collect_lm_kfac(model, tokenizer, texts, layers, max_len=spec.max_len, batch_size=batch_size,
-                                  label_mode=LabelMode(spec.label_mode), seed=spec.seed, stat_dtype=stat_dtype,
-                                  progress=progress, loss_from=loss_from)
+        factors = collect_lm_kfac(
+            model,
+            tokenizer,
+            texts,
+            layers,
+            max_len=spec.max_len,
+            batch_size=batch_size,
+            label_mode=LabelMode(spec.label_mode),
+            seed=spec.seed,
+            stat_dtype=stat_dtype,
+            progress=progress,
+            loss_from=loss_from,
+        )
     seconds = time.perf_counter() - t0
     _log.info("capability curvature: collected in %.0f s", seconds)
     if is_main():

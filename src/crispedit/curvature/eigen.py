@@ -95,8 +95,9 @@ def eigen_cache_path(factors: FactorSet) -> Path | None:
     return path.parent.parent / "eigh" / f"{key}.safetensors"
 
 
-def _load(path: Path, factors: FactorSet, dtype: torch.dtype = torch.float64
-          ) -> dict[tuple[str, str], tuple[Tensor, Tensor]]:
+def _load(
+    path: Path, factors: FactorSet, dtype: torch.dtype = torch.float64
+) -> dict[tuple[str, str], tuple[Tensor, Tensor]]:
     """The eigenbases stored at ``path`` if this crispedit version wrote the file, in its format, for exactly these
     factors (same key and write id) in the arithmetic ``dtype``, else ``{}`` (another version's file: with a log
     line); a damaged file reads as ``{}``."""
@@ -110,8 +111,11 @@ def _load(path: Path, factors: FactorSet, dtype: torch.dtype = torch.float64
         return {}
     except CrispEditError:
         return {}
-    if (meta.get("factors_key") != factors.source.get("key") or meta.get("factors_write") != factors.source.get("write")
-            or meta.get("eigh_dtype") != _dtype_name(dtype)):
+    if (
+        meta.get("factors_key") != factors.source.get("key")
+        or meta.get("factors_write") != factors.source.get("write")
+        or meta.get("eigh_dtype") != _dtype_name(dtype)
+    ):
         return {}
     out = {}
     for key, t in tensors.items():
@@ -127,25 +131,40 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _save(path: Path, factors: FactorSet, eig: dict[tuple[str, str], tuple[Tensor, Tensor]],
-          dtype: torch.dtype = torch.float64) -> None:
+def _save(
+    path: Path,
+    factors: FactorSet,
+    eig: dict[tuple[str, str], tuple[Tensor, Tensor]],
+    dtype: torch.dtype = torch.float64,
+) -> None:
     """Write every eigenbasis in ``eig`` (decomposed in ``dtype``) to ``path`` atomically (best effort: an
     unwritable cache is skipped)."""
     tensors = {}
     for (name, which), (evals, U) in eig.items():
         tensors[f"{name}::{which}::evals"] = evals.cpu()
         tensors[f"{name}::{which}::U"] = U.cpu()
-    meta = stamped({"format": EIGEN_FORMAT, "factors_key": factors.source.get("key"),
-                    "factors_write": factors.source.get("write"), "eigh_dtype": _dtype_name(dtype),
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    meta = stamped(
+        {
+            "format": EIGEN_FORMAT,
+            "factors_key": factors.source.get("key"),
+            "factors_write": factors.source.get("write"),
+            "eigh_dtype": _dtype_name(dtype),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    )
     try:
         atomic_save_safetensors(path, tensors, metadata={_META_KEY: json.dumps(meta)})
     except OSError:
         pass  # a read-only cache only costs the saving
 
 
-def factor_eigh(factors: FactorSet, names: Iterable[str], which: Sequence[str] = ("A", "S"), *,
-                device: torch.device | str | None = None) -> dict[tuple[str, str], tuple[Tensor, Tensor]]:
+def factor_eigh(
+    factors: FactorSet,
+    names: Iterable[str],
+    which: Sequence[str] = ("A", "S"),
+    *,
+    device: torch.device | str | None = None,
+) -> dict[tuple[str, str], tuple[Tensor, Tensor]]:
     """Eigendecompositions of factors ``which`` (``"A"``: ``d_in x d_in``, ``"S"``: ``d_out x d_out``) of layers
     ``names``: ``{(name, which): (evals, U)}`` with ``evals`` float64, decreasing, clamped at zero (length
     ``d``) and ``U`` float32 (``d x d``, columns the matching eigenvectors). Each is computed at most once per

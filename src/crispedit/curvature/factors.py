@@ -65,8 +65,9 @@ class KFACFactors(Curvature):
         (lam_out, U_out), (lam_in, U_in) = eig[name, "S"], eig[name, "A"]
         return Eigenbasis(U_out, U_in, torch.outer(lam_out, lam_in))
 
-    def projector(self, name: str, gamma: float, *, device: torch.device | str | None = None,
-                  dtype: torch.dtype | None = None) -> LayerProjector:
+    def projector(
+        self, name: str, gamma: float, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> LayerProjector:
         """The Kronecker projector of layer ``name`` at ``gamma`` in ``dtype`` (``None``: float32): the entries of
         ``λ_out λ_inᵀ`` below the γ-energy cut are kept (:meth:`~.projection.KroneckerProjector.from_spectra`). For a
         merged constraint with :attr:`parts`, the merged factors' eigenbasis with a mask covering γ (or the part's
@@ -79,8 +80,9 @@ class KFACFactors(Curvature):
             return KroneckerProjector(U_out, U_in, keep, dtype=dtype or torch.float32)
         return KroneckerProjector.from_spectra(lam_out, U_out, lam_in, U_in, gamma, dtype=dtype or torch.float32)
 
-    def projectors(self, names: Iterable[str], gamma: float, *,
-                   device: torch.device | str | None = None) -> dict[str, LayerProjector]:
+    def projectors(
+        self, names: Iterable[str], gamma: float, *, device: torch.device | str | None = None
+    ) -> dict[str, LayerProjector]:
         """:meth:`projector` of every layer in ``names``, their eigenbases fetched or computed in one go (one read
         and one write of the eigenbasis cache file)."""
         names = list(names)
@@ -97,9 +99,12 @@ class KFACFactors(Curvature):
 
     def on(self, devices: Mapping[str, torch.device | str], dtype: torch.dtype = torch.float32) -> KFACFactors:
         """The factors of the layers in ``devices``, each on its device in ``dtype`` (same token count and meta)."""
-        return KFACFactors({n: self.A[n].to(device=d, dtype=dtype) for n, d in devices.items()},
-                           {n: self.S[n].to(device=d, dtype=dtype) for n, d in devices.items()}, self.n_tokens,
-                           dict(self.meta))
+        return KFACFactors(
+            {n: self.A[n].to(device=d, dtype=dtype) for n, d in devices.items()},
+            {n: self.S[n].to(device=d, dtype=dtype) for n, d in devices.items()},
+            self.n_tokens,
+            dict(self.meta),
+        )
 
     def merged(self, other: KFACFactors, weight: float | None = None) -> KFACFactors:
         """Streaming average of two factor sets.
@@ -122,13 +127,18 @@ class KFACFactors(Curvature):
         """These factors with every ``A`` and ``S`` scaled to the trace of ``ref``'s factor of the same layer
         (same shapes, fp32 or better as stored; a zero-trace factor is left as it is): what makes a fixed mixing
         coefficient a share of each factor's energy when two sets live on different scales."""
+
         def scale(mine: Tensor, theirs: Tensor) -> Tensor:
             """``mine`` times ``tr(theirs) / tr(mine)`` (``mine`` itself when its trace is not positive)."""
             t = float(torch.diagonal(mine).double().sum())
             return mine if t <= 0 else mine * (float(torch.diagonal(theirs).double().sum()) / t)
 
-        return KFACFactors({k: scale(v, ref.A[k]) for k, v in self.A.items()},
-                           {k: scale(v, ref.S[k]) for k, v in self.S.items()}, self.n_tokens, dict(self.meta))
+        return KFACFactors(
+            {k: scale(v, ref.A[k]) for k, v in self.A.items()},
+            {k: scale(v, ref.S[k]) for k, v in self.S.items()},
+            self.n_tokens,
+            dict(self.meta),
+        )
 
     def to_tensors(self) -> dict[str, Tensor]:
         """``{"<layer>::A": A, "<layer>::S": S}`` (S only where present: input-covariance sets hold A alone)."""
@@ -188,8 +198,9 @@ class InputCovariance(Curvature):
         lam_in, U_in = factor_eigh(self.factors, [name], ("A",), device=device)[name, "A"]
         return Eigenbasis(None, U_in, lam_in.reshape(1, -1))
 
-    def projectors(self, names: Iterable[str], gamma: float, *,
-                   device: torch.device | str | None = None) -> dict[str, LayerProjector]:
+    def projectors(
+        self, names: Iterable[str], gamma: float, *, device: torch.device | str | None = None
+    ) -> dict[str, LayerProjector]:
         """:meth:`projector` of every layer in ``names`` (input-side Kronecker projectors, any number of output
         rows), their eigenbases fetched or computed in one go."""
         names = list(names)

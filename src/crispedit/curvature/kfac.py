@@ -54,7 +54,7 @@ def _process_batches(batches: list, shard: bool, split: bool) -> tuple[list, int
     at the end are repeats whose statistics it discards: with the model ``split`` every process runs as many
     batches (FSDP gathers each block in every forward and backward), so one with fewer runs its last (or the
     first) batch again."""
-    mine = batches[rank()::world_size()] if shard else batches
+    mine = batches[rank() :: world_size()] if shard else batches
     if not split:
         return mine, 0
     idle = -(-len(batches) // world_size()) - len(mine)
@@ -104,13 +104,20 @@ def collect_lm_kfac(
     acc = FactorAccumulator(stat_dtype)
     was_training = model.training
     model.eval()
-    batches = lm_batches(tokenizer, texts, max_len=max_len, batch_size=batch_size, max_padding=max_padding,
-                         device=device, loss_from=loss_from)
+    batches = lm_batches(
+        tokenizer,
+        texts,
+        max_len=max_len,
+        batch_size=batch_size,
+        max_padding=max_padding,
+        device=device,
+        loss_from=loss_from,
+    )
     shard = distributed if distributed is not None else is_distributed()
     split = shard and is_sharded(model)
     mine, idle = _process_batches(batches, shard, split)
     quiet = True if rank() != 0 else (None if progress is None else not progress)  # one bar: rank 0's
-    bar = tqdm(total=sum(len(b.indices) for b in mine[:len(mine) - idle]), desc=desc, unit="seq", disable=quiet)
+    bar = tqdm(total=sum(len(b.indices) for b in mine[: len(mine) - idle]), desc=desc, unit="seq", disable=quiet)
     skip = list(layers.values())
     try:
         with frozen(model):
@@ -144,19 +151,22 @@ class _StopForward(Exception):
     """Raised by a hook once the highest needed layer has run: the rest of the forward is skipped."""
 
 
-def _covariance_batches(tokenizer, texts, max_len: int, batch_size: int, loss_from: Sequence[int] | None,
-                        device) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+def _covariance_batches(
+    tokenizer, texts, max_len: int, batch_size: int, loss_from: Sequence[int] | None, device
+) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """``(input_ids, attention_mask, counted)`` (``B x T``) batches of ``texts`` in corpus order: every non-padding
     token counted, or — with ``loss_from`` — the loss rows :func:`lm_batches` gives."""
     if loss_from is None:
         for b in range(0, len(texts), batch_size):
-            enc = tokenizer(list(texts[b:b + batch_size]), return_tensors="pt", padding=True, truncation=True,
-                            max_length=max_len)
+            enc = tokenizer(
+                list(texts[b : b + batch_size]), return_tensors="pt", padding=True, truncation=True, max_length=max_len
+            )
             mask = enc["attention_mask"].to(device)
             yield enc["input_ids"].to(device), mask, mask.bool()
         return
-    for batch in lm_batches(tokenizer, texts, max_len=max_len, batch_size=batch_size, max_padding=None,
-                            device=device, loss_from=loss_from):
+    for batch in lm_batches(
+        tokenizer, texts, max_len=max_len, batch_size=batch_size, max_padding=None, device=device, loss_from=loss_from
+    ):
         yield batch.input_ids, batch.attention_mask, batch.rows
 
 
@@ -196,6 +206,7 @@ def collect_lm_input_covariance(
 
     def make_hook(name: str, module: nn.Module):
         """A forward hook adding layer ``name``'s input products to ``sums[name]``."""
+
         def hook(mod, args, output):
             """Forward hook: add ``aᵀ a`` (float64, ``d_in x d_in``) of the non-padding input rows ``a`` to
             ``sums[name]``; stops the forward (:class:`_StopForward`) after the last layer."""
@@ -204,6 +215,7 @@ def collect_lm_input_covariance(
             sums[name] = sums[name] + aa if name in sums else aa
             if mod is last:
                 raise _StopForward
+
         return hook
 
     handles = [m.register_forward_hook(make_hook(n, m)) for n, m in layers.items()]

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..forward_args import static_attention_mask
 from .lm_batches import LMBatch
 
-__all__ = ['LabelMode', 'sample_labels', 'head_on_rows', 'lm_row_logits', 'lm_labels', 'plain_head', 'lm_backward']
+__all__ = ["LabelMode", "sample_labels", "head_on_rows", "lm_row_logits", "lm_labels", "plain_head", "lm_backward"]
 
 
 class LabelMode(str, Enum):
@@ -88,14 +88,19 @@ def lm_row_logits(model: nn.Module, batch: LMBatch, skip: Sequence[nn.Module] = 
     n = batch.n_rows
     with head_on_rows(model, batch.rows, skip):
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-    if (logits.dim() == 3 and logits.shape[0] == 1 and logits.shape[1] == n
-            and tuple(logits.shape[:2]) != tuple(batch.rows.shape)):
+    if (
+        logits.dim() == 3
+        and logits.shape[0] == 1
+        and logits.shape[1] == n
+        and tuple(logits.shape[:2]) != tuple(batch.rows.shape)
+    ):
         logits = logits.squeeze(0)  # a view: its backward copies nothing
     elif logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(batch.rows.shape):
         logits = logits[batch.rows]
     else:
-        raise RuntimeError(f"unexpected logits shape {tuple(logits.shape)} for a batch of shape "
-                           f"{tuple(batch.rows.shape)}")
+        raise RuntimeError(
+            f"unexpected logits shape {tuple(logits.shape)} for a batch of shape {tuple(batch.rows.shape)}"
+        )
     return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
 
@@ -106,7 +111,7 @@ def lm_labels(logits: Tensor, batch: LMBatch, label_mode: LabelMode, seed: int) 
         return batch.labels
     parts, off = [], 0
     for idx, c in zip(batch.indices, batch.counts):
-        parts.append(sample_labels(logits[off:off + c], seed, idx))
+        parts.append(sample_labels(logits[off : off + c], seed, idx))
         off += c
     return torch.cat(parts)
 
@@ -125,8 +130,9 @@ def plain_head(model: nn.Module, batch: LMBatch, skip: Sequence[nn.Module] = ())
     try:
         with torch.no_grad():
             t = min(8, batch.input_ids.shape[1])
-            logits = model(input_ids=batch.input_ids[:1, :t], attention_mask=batch.attention_mask[:1, :t],
-                           use_cache=False).logits
+            logits = model(
+                input_ids=batch.input_ids[:1, :t], attention_mask=batch.attention_mask[:1, :t], use_cache=False
+            ).logits
             if len(seen) != 1 or seen[0].dim() != 3:
                 return None
             mine = F.linear(seen[0], weight, getattr(head, "bias", None))
@@ -157,8 +163,9 @@ def _hidden_at_rows(head: nn.Module, batch: LMBatch) -> Iterator[list[Tensor]]:
         handle.remove()
 
 
-def _ce_grad_rows(hidden: Tensor, head: nn.Module, batch: LMBatch, label_mode: LabelMode, seed: int,
-                  chunk_rows: int = 2048) -> Tensor:
+def _ce_grad_rows(
+    hidden: Tensor, head: nn.Module, batch: LMBatch, label_mode: LabelMode, seed: int, chunk_rows: int = 2048
+) -> Tensor:
     """Gradient of the summed next-token cross-entropy with respect to the final hidden states at the loss
     rows, ``N x H``: ``(softmax(z) - onehot(y)) W`` with ``z = hidden W^T (+ b)`` formed in float32, a few
     whole sequences (at most ``chunk_rows`` rows unless one sequence is longer) at a time, the one-hot
@@ -172,13 +179,13 @@ def _ce_grad_rows(hidden: Tensor, head: nn.Module, batch: LMBatch, label_mode: L
         while j < len(counts) and (n == 0 or n + counts[j] <= chunk_rows):
             n += counts[j]
             j += 1
-        z = F.linear(hidden[start:start + n], W, bias).float()
+        z = F.linear(hidden[start : start + n], W, bias).float()
         if label_mode is LabelMode.EMPIRICAL:
-            y = batch.labels[start:start + n]
+            y = batch.labels[start : start + n]
         else:
             parts, off = [], 0
             for idx, c in zip(batch.indices[i:j], counts[i:j]):
-                parts.append(sample_labels(z[off:off + c], seed, idx))
+                parts.append(sample_labels(z[off : off + c], seed, idx))
                 off += c
             y = torch.cat(parts)
         p = torch.softmax(z, dim=-1)
@@ -190,8 +197,14 @@ def _ce_grad_rows(hidden: Tensor, head: nn.Module, batch: LMBatch, label_mode: L
     return torch.cat(grads)
 
 
-def lm_backward(model: nn.Module, batch: LMBatch, label_mode: LabelMode, seed: int,
-                head: nn.Module | None = None, skip: Sequence[nn.Module] = ()) -> None:
+def lm_backward(
+    model: nn.Module,
+    batch: LMBatch,
+    label_mode: LabelMode,
+    seed: int,
+    head: nn.Module | None = None,
+    skip: Sequence[nn.Module] = (),
+) -> None:
     """Forward ``batch`` and backpropagate its summed next-token cross-entropy over the loss rows (parameters
     are expected frozen; whatever in the graph requires grad gets its gradient hooks called).
 
@@ -203,9 +216,11 @@ def lm_backward(model: nn.Module, batch: LMBatch, label_mode: LabelMode, seed: i
         F.cross_entropy(logits, lm_labels(logits, batch, label_mode, seed), reduction="sum").backward()
         return
     with _hidden_at_rows(head, batch) as hidden:
-        model(input_ids=batch.input_ids,
-              attention_mask=static_attention_mask(model, batch.attention_mask, batch.padded),
-              use_cache=False)
+        model(
+            input_ids=batch.input_ids,
+            attention_mask=static_attention_mask(model, batch.attention_mask, batch.padded),
+            use_cache=False,
+        )
     (h,) = hidden
     if h.requires_grad:
         with torch.profiler.record_function("crispedit.kfac.head_grad"):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ['loss_positions', 'plan_batches', 'LMBatch', 'lm_batches']
+__all__ = ["loss_positions", "plan_batches", "LMBatch", "lm_batches"]
 
 
 def loss_positions(attention_mask: Tensor) -> Tensor:
@@ -36,7 +36,7 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_padding: float | N
         raise ValueError(f"max_padding must be in [0, 1), got {max_padding}")
     useful = [i for i, n in enumerate(lengths) if n >= 2]
     if max_padding is None:
-        return [useful[i:i + batch_size] for i in range(0, len(useful), batch_size)]
+        return [useful[i : i + batch_size] for i in range(0, len(useful), batch_size)]
     order = sorted(useful, key=lambda i: -lengths[i])
     batches: list[list[int]] = []
     cur: list[int] = []
@@ -97,9 +97,16 @@ class LMBatch:
         return int(self.labels.numel())
 
 
-def lm_batches(tokenizer, texts: Sequence[str] | Sequence[Sequence[int]], *, max_len: int, batch_size: int,
-               max_padding: float | None = 0.25, device: torch.device | str = "cpu",
-               loss_from: Sequence[int] | None = None) -> list[LMBatch]:
+def lm_batches(
+    tokenizer,
+    texts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    max_len: int,
+    batch_size: int,
+    max_padding: float | None = 0.25,
+    device: torch.device | str = "cpu",
+    loss_from: Sequence[int] | None = None,
+) -> list[LMBatch]:
     """Tokenise ``texts`` once (truncated to ``max_len`` tokens, the tokenizer's special tokens included;
     sequences of token ids are taken as they are, truncated the same way) and group them with
     :func:`plan_batches`; each batch is right-padded with the tokenizer's pad id (masking comes from the
@@ -116,8 +123,8 @@ def lm_batches(tokenizer, texts: Sequence[str] | Sequence[Sequence[int]], *, max
         input_ids = torch.full((len(idx), T), pad_id, dtype=torch.long)
         attn = torch.zeros((len(idx), T), dtype=torch.long)
         for r, i in enumerate(idx):
-            input_ids[r, :len(ids[i])] = torch.tensor(ids[i], dtype=torch.long)
-            attn[r, :len(ids[i])] = 1
+            input_ids[r, : len(ids[i])] = torch.tensor(ids[i], dtype=torch.long)
+            attn[r, : len(ids[i])] = 1
         rows = torch.zeros((len(idx), T), dtype=torch.bool)
         rows[:, :-1] = loss_positions(attn)
         if loss_from is not None:  # position t predicts token t + 1
@@ -125,8 +132,18 @@ def lm_batches(tokenizer, texts: Sequence[str] | Sequence[Sequence[int]], *, max
             rows &= torch.arange(T)[None, :] >= first[:, None]
         labels = input_ids[:, 1:][rows[:, :-1]]
         flat = rows.reshape(-1).nonzero().squeeze(1)
-        out.append(LMBatch(list(idx), input_ids.to(device), attn.to(device), rows.to(device), labels.to(device),
-                           flat.to(device), rows.sum(1).tolist(), bool((attn == 0).any())))
+        out.append(
+            LMBatch(
+                list(idx),
+                input_ids.to(device),
+                attn.to(device),
+                rows.to(device),
+                labels.to(device),
+                flat.to(device),
+                rows.sum(1).tolist(),
+                bool((attn == 0).any()),
+            )
+        )
     return out
 
 

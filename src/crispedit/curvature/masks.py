@@ -19,8 +19,17 @@ from torch import Tensor
 
 from ..checks import check_gamma
 
-__all__ = ["vec", "unvec", "eigh_sym", "eigh_psd", "energy_keep_mask", "kronecker_keep_mask", "per_source_keep_mask",
-           "masked_corner", "row_extents"]
+__all__ = [
+    "vec",
+    "unvec",
+    "eigh_sym",
+    "eigh_psd",
+    "energy_keep_mask",
+    "kronecker_keep_mask",
+    "per_source_keep_mask",
+    "masked_corner",
+    "row_extents",
+]
 
 
 def vec(X: Tensor) -> Tensor:
@@ -93,13 +102,13 @@ def kronecker_keep_mask(lam_out: Tensor, lam_in: Tensor, gamma: float) -> Tensor
     li_ = lam_in.detach().to("cpu", torch.float64).clamp_min(0.0)
     if lo_.numel() > 1 and bool((lo_[1:] > lo_[:-1]).any()) or li_.numel() > 1 and bool((li_[1:] > li_[:-1]).any()):
         return energy_keep_mask(torch.outer(lo_, li_), gamma)  # not sorted: the general rule
-    flat = torch.outer(lo_, li_)                     # rows sorted in decreasing order
+    flat = torch.outer(lo_, li_)  # rows sorted in decreasing order
     total = flat.sum()
     keep = torch.ones_like(flat, dtype=torch.bool)
     if total <= 0:
         return keep
     target = gamma * total
-    neg = -flat                                      # rows ascending, for searchsorted
+    neg = -flat  # rows ascending, for searchsorted
     rowsum = torch.cumsum(flat, dim=1)
 
     def above(tau: float) -> tuple[Tensor, Tensor]:
@@ -138,8 +147,9 @@ def kronecker_keep_mask(lam_out: Tensor, lam_in: Tensor, gamma: float) -> Tensor
     return keep
 
 
-def per_source_keep_mask(U_out: Tensor, U_in: Tensor, sources: Sequence[tuple[Tensor, Tensor]],
-                         gamma: float | Sequence[float]) -> Tensor:
+def per_source_keep_mask(
+    U_out: Tensor, U_in: Tensor, sources: Sequence[tuple[Tensor, Tensor]], gamma: float | Sequence[float]
+) -> Tensor:
     """Keep mask (``d_out x d_in`` bool) in the Kronecker eigenbasis ``U_out ⊗ U_in`` (orthonormal columns,
     ``d_out x d_out`` / ``d_in x d_in``) that masks at least ``gamma`` of *each* source's K-FAC energy (one
     ``gamma`` for all, or one per source): source ``(A, S)`` (``d_in x d_in``, ``d_out x d_out``) puts
@@ -181,6 +191,6 @@ def row_extents(mask: Tensor) -> Tensor:
     if mask.shape[1] == 0:
         return out
     cols = torch.arange(1, mask.shape[1] + 1, dtype=torch.int32, device=mask.device)
-    for i in range(0, mask.shape[0], 256):          # row chunks: no d_out x d_in integer temporary
-        out[i:i + 256] = ((mask[i:i + 256] == 0) * cols).amax(dim=1).cpu()
+    for i in range(0, mask.shape[0], 256):  # row chunks: no d_out x d_in integer temporary
+        out[i : i + 256] = ((mask[i : i + 256] == 0) * cols).amax(dim=1).cpu()
     return out

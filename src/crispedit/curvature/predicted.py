@@ -37,16 +37,27 @@ from torch import Tensor, nn
 
 from ..layers import as_weight_matrix
 
-__all__ = ["layer_predicted_kl", "coherent_total", "predicted_kl", "DriftBudget", "LowRankDriftBudget", "steep_layers",
-           "steep_note", "mixing_layers", "mixing_note", "prediction_notes"]
+__all__ = [
+    "layer_predicted_kl",
+    "coherent_total",
+    "predicted_kl",
+    "DriftBudget",
+    "LowRankDriftBudget",
+    "steep_layers",
+    "steep_note",
+    "mixing_layers",
+    "mixing_note",
+    "prediction_notes",
+]
 
 
 def layer_predicted_kl(dW: Tensor, A: Tensor, S: Tensor, dtype: torch.dtype = torch.float64) -> float:
     """``½ tr(ΔWᵀ S ΔW A)`` (nats per token) for one layer: ``dW`` ``d_out x d_in``, ``A`` ``d_in x d_in``,
     ``S`` ``d_out x d_out`` (symmetric), computed in ``dtype`` (float64 by default) on ``dW``'s device."""
     if dW.shape != (S.shape[0], A.shape[0]):
-        raise ValueError(f"change of shape {tuple(dW.shape)} does not match factors A {tuple(A.shape)}, S "
-                         f"{tuple(S.shape)}")
+        raise ValueError(
+            f"change of shape {tuple(dW.shape)} does not match factors A {tuple(A.shape)}, S {tuple(S.shape)}"
+        )
     d = dW.to(dtype)
     SA = (S.to(device=d.device, dtype=dtype) @ d) * (d @ A.to(device=d.device, dtype=dtype))
     return 0.5 * float(SA.sum())
@@ -59,8 +70,9 @@ def coherent_total(per_layer) -> float:
     return sum(math.sqrt(max(float(q), 0.0)) for q in per_layer) ** 2
 
 
-def predicted_kl(layers: Mapping[str, nn.Module], factors, before: Mapping[str, Tensor],
-                 after: Mapping[str, Tensor] | None = None) -> dict | None:
+def predicted_kl(
+    layers: Mapping[str, nn.Module], factors, before: Mapping[str, Tensor], after: Mapping[str, Tensor] | None = None
+) -> dict | None:
     """Predicted per-token KL drift of the change ``after - before`` of the edit layers' weights.
 
     ``layers``: module name -> linear module; ``factors``: a :class:`~.base.Curvature` keyed by module name (the
@@ -111,8 +123,14 @@ class DriftBudget:
     under-reads large ones (docs/drift.md), so a budget holds the measured drift only as
     well as the prediction reads it."""
 
-    def __init__(self, params: Mapping[str, nn.Parameter], modules: Mapping[str, nn.Module], factors,
-                 eps: float | None, penalty: float = 0.0):
+    def __init__(
+        self,
+        params: Mapping[str, nn.Parameter],
+        modules: Mapping[str, nn.Module],
+        factors,
+        eps: float | None,
+        penalty: float = 0.0,
+    ):
         self.params, self.modules = dict(params), dict(modules)
         self._setup(factors, {n: p.device for n, p in self.params.items()}, eps, penalty)
         self.start = {n: p.detach().float().clone() for n, p in self.params.items()}
@@ -137,8 +155,10 @@ class DriftBudget:
     def predicted(self, deltas: Mapping[str, Tensor] | None = None) -> float:
         """Predicted drift (nats per token) of ``deltas`` (default: the current accumulated change)."""
         deltas = self.deltas() if deltas is None else deltas
-        return coherent_total(self.curvature.quadratic_form(n, as_weight_matrix(self.modules[n], d), torch.float32)
-                              for n, d in deltas.items())
+        return coherent_total(
+            self.curvature.quadratic_form(n, as_weight_matrix(self.modules[n], d), torch.float32)
+            for n, d in deltas.items()
+        )
 
     def _pull_back(self, c: float, deltas: Mapping[str, Tensor]) -> None:
         """Scale every layer's accumulated change by ``c``: ``W = W0 + c · ΔW``."""
@@ -193,8 +213,14 @@ class DriftBudget:
     def to_json(self) -> dict:
         """What the budget did: ``max_drift``, ``hit`` (ever pulled back), ``hits`` (steps pulled back),
         ``steps`` checked, ``final_predicted`` (nats per token, float32 estimate) and ``drift_penalty`` (β)."""
-        return {"max_drift": self.eps, "hit": self.hits > 0, "hits": self.hits, "steps": self.steps,
-                "final_predicted": self.last, "drift_penalty": self.penalty}
+        return {
+            "max_drift": self.eps,
+            "hit": self.hits > 0,
+            "hits": self.hits,
+            "steps": self.steps,
+            "final_predicted": self.last,
+            "drift_penalty": self.penalty,
+        }
 
 
 class LowRankDriftBudget(DriftBudget):
@@ -208,8 +234,14 @@ class LowRankDriftBudget(DriftBudget):
     the chain rule through the product, ``∂p/∂B_l = s_l · G_l A_lᵀ``, ``∂p/∂A_l = s_l · B_lᵀ G_l`` with
     ``G_l = ∂p/∂ΔW_l``."""
 
-    def __init__(self, adapters: Mapping[str, tuple[nn.Parameter, nn.Parameter, float]],
-                 modules: Mapping[str, nn.Module], factors, eps: float | None, penalty: float = 0.0):
+    def __init__(
+        self,
+        adapters: Mapping[str, tuple[nn.Parameter, nn.Parameter, float]],
+        modules: Mapping[str, nn.Module],
+        factors,
+        eps: float | None,
+        penalty: float = 0.0,
+    ):
         self.adapters = {n: (a, b, float(s)) for n, (a, b, s) in adapters.items()}
         self.modules = dict(modules)
         self.params = {}
@@ -236,8 +268,8 @@ class LowRankDriftBudget(DriftBudget):
                 a.grad.add_((self.penalty * s * (bf.T @ g)).to(a.grad.dtype))
 
 
-STEEP_FACTOR = 10.0   # a layer predicting this many times the other layers' median ...
-STEEP_SHARE = 0.25    # ... and at least this share of the layers' summed predicted drift is "steep"
+STEEP_FACTOR = 10.0  # a layer predicting this many times the other layers' median ...
+STEEP_SHARE = 0.25  # ... and at least this share of the layers' summed predicted drift is "steep"
 
 
 def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, share: float = STEEP_SHARE) -> list[dict]:
@@ -255,8 +287,14 @@ def steep_layers(layers: dict[str, float], *, factor: float = STEEP_FACTOR, shar
     for name, q in vals.items():
         med = statistics.median(v for k, v in vals.items() if k != name)
         if q >= share * total and q > factor * med:
-            out.append({"layer": name, "predicted": float(f"{q:.6g}"), "share": round(q / total, 4),
-                        "vs_median": None if med <= 0 else round(q / med, 1)})
+            out.append(
+                {
+                    "layer": name,
+                    "predicted": float(f"{q:.6g}"),
+                    "share": round(q / total, 4),
+                    "vs_median": None if med <= 0 else round(q / med, 1),
+                }
+            )
     return sorted(out, key=lambda d: -d["predicted"])
 
 
@@ -264,14 +302,17 @@ def steep_note(st: dict) -> str:
     """One line on a steep layer (an entry of :func:`steep_layers`): its share of the predicted drift, the
     prediction in nats/token, its ratio to the other layers' median, and the advice to edit without it."""
     times = "" if st.get("vs_median") is None else f", {st['vs_median']:g}x the other layers' median"
-    return (f"{st['layer']} predicts {st['share']:.0%} of the drift ({st['predicted']:.3g} nats/token{times}); "
-            "an edit without this layer may drift far less (see docs/cli.md, 'Choosing layers')")
+    return (
+        f"{st['layer']} predicts {st['share']:.0%} of the drift ({st['predicted']:.3g} nats/token{times}); "
+        "an edit without this layer may drift far less (see docs/cli.md, 'Choosing layers')"
+    )
 
 
 # Last name component of the matrices whose outputs attention mixes across positions (query / key / value
 # projections of llama-, gemma-, GPT-2- and GPT-NeoX-style blocks).
-MIXING_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value", "Wqkv",
-                          "query", "key", "value"})
+MIXING_NAMES = frozenset(
+    {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value", "Wqkv", "query", "key", "value"}
+)
 
 
 def mixing_layers(names) -> list[str]:
@@ -288,9 +329,11 @@ def mixing_layers(names) -> list[str]:
 def mixing_note(layers: list[str]) -> str:
     """One line on :func:`mixing_layers`: which edit layers the drift prediction under-reads, and why."""
     shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
-    return (f"{shown}: attention mixes these outputs across positions, which the K-FAC drift prediction does not "
-            "model; kl_predicted, --max-drift and --drift-penalty "
-            "under-read it here (see docs/cli.md, 'Choosing layers')")
+    return (
+        f"{shown}: attention mixes these outputs across positions, which the K-FAC drift prediction does not "
+        "model; kl_predicted, --max-drift and --drift-penalty "
+        "under-read it here (see docs/cli.md, 'Choosing layers')"
+    )
 
 
 def prediction_notes(summary: Mapping) -> list[str]:

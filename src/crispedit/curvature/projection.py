@@ -36,8 +36,14 @@ from torch import Tensor
 from .masks import eigh_psd, energy_keep_mask, kronecker_keep_mask, masked_corner, row_extents, unvec, vec
 from .precision import TF32_FULL_FORM_RATIO, rotation_precision, tf32_gemms
 
-__all__ = ["LayerProjector", "IdentityProjector", "KroneckerProjector", "DenseProjector", "kronecker_projection_flops",
-           "staircase_projection_flops"]
+__all__ = [
+    "LayerProjector",
+    "IdentityProjector",
+    "KroneckerProjector",
+    "DenseProjector",
+    "kronecker_projection_flops",
+    "staircase_projection_flops",
+]
 
 
 def kronecker_projection_flops(d_out: int, d_in: int, r_out: int | None, r_in: int) -> tuple[int, int]:
@@ -90,11 +96,16 @@ def staircase_projection_flops(d_out: int, d_in: int, extents: Tensor) -> tuple[
     r_out = int(nz[-1]) + 1
     e = e[:r_out]
     R = np.arange(r_out + 1, dtype=np.int64)
-    top = np.concatenate([[0], np.maximum.accumulate(e)])                    # max(e[:R])
-    bot = np.concatenate([np.maximum.accumulate(e[::-1])[::-1], [0]])       # max(e[R:])
-    cost = (_block_flops(R, top, d_out, d_in)[0] + _block_flops(r_out - R, bot, d_out, d_in)[0]
-            + R * top + (r_out - R) * bot + d_out * d_in)
-    best = int(np.argmin(cost[::-1]))                 # ties -> the largest R (the one-corner form first)
+    top = np.concatenate([[0], np.maximum.accumulate(e)])  # max(e[:R])
+    bot = np.concatenate([np.maximum.accumulate(e[::-1])[::-1], [0]])  # max(e[R:])
+    cost = (
+        _block_flops(R, top, d_out, d_in)[0]
+        + _block_flops(r_out - R, bot, d_out, d_in)[0]
+        + R * top
+        + (r_out - R) * bot
+        + d_out * d_in
+    )
+    best = int(np.argmin(cost[::-1]))  # ties -> the largest R (the one-corner form first)
     split = r_out - best
     return int(cost[split]), full, split
 
@@ -196,12 +207,14 @@ class KroneckerProjector(LayerProjector):
         self.r_out = None if self.U_out is None else r_out
         # FLOPs per projection; without U_out and a broadcast mask, per gradient row (the ratio is what counts)
         if self.U_out is None:
-            self.flops_low_rank, self.flops_full = kronecker_projection_flops(max(self.d_out, 1), self.d_in, None,
-                                                                              self.r_in)
+            self.flops_low_rank, self.flops_full = kronecker_projection_flops(
+                max(self.d_out, 1), self.d_in, None, self.r_in
+            )
             self.split = 0
         else:
             self.flops_low_rank, self.flops_full, self.split = staircase_projection_flops(
-                self.d_out, self.d_in, row_extents(self.mask))
+                self.d_out, self.d_in, row_extents(self.mask)
+            )
         self.low_rank = self.form == "low_rank" or (self.form == "auto" and self.flops_low_rank < self.flops_full)
         # the corner blocks of the low-rank form: (row slice, width, kept entries of the block (bool, zeroed in
         # the form, which removes the rest), U_out side rotated first?)
@@ -219,16 +232,31 @@ class KroneckerProjector(LayerProjector):
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod
-    def from_factors(cls, A: Tensor, S: Tensor, gamma: float, *, dtype: torch.dtype = torch.float32,
-                     eig_dtype: torch.dtype = torch.float64) -> KroneckerProjector:
+    def from_factors(
+        cls,
+        A: Tensor,
+        S: Tensor,
+        gamma: float,
+        *,
+        dtype: torch.dtype = torch.float32,
+        eig_dtype: torch.dtype = torch.float64,
+    ) -> KroneckerProjector:
         """K-FAC projector from the input covariance ``A`` and output-gradient covariance ``S``."""
         lam_in, U_in = eigh_psd(A, eig_dtype)
         lam_out, U_out = eigh_psd(S, eig_dtype)
         return cls.from_spectra(lam_out, U_out, lam_in, U_in, gamma, dtype=dtype)
 
     @classmethod
-    def from_spectra(cls, lam_out: Tensor, U_out: Tensor, lam_in: Tensor, U_in: Tensor, gamma: float, *,
-                     dtype: torch.dtype = torch.float32) -> KroneckerProjector:
+    def from_spectra(
+        cls,
+        lam_out: Tensor,
+        U_out: Tensor,
+        lam_in: Tensor,
+        U_in: Tensor,
+        gamma: float,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> KroneckerProjector:
         """K-FAC projector from the factors' eigendecompositions (eigenvalues in decreasing order, ``d_out`` /
         ``d_in``; eigenvector columns ``d_out x d_out`` / ``d_in x d_in``), e.g. cached ones
         (:func:`crispedit.curvature.eigen.factor_eigh`): the mask keeps the entries of ``λ_out λ_inᵀ`` below the
@@ -236,22 +264,25 @@ class KroneckerProjector(LayerProjector):
         return cls(U_out, U_in, kronecker_keep_mask(lam_out, lam_in, gamma), dtype=dtype)
 
     @classmethod
-    def from_eigenbasis(cls, U_out: Tensor, U_in: Tensor, eigvals: Tensor, gamma: float, *,
-                        dtype: torch.dtype = torch.float32) -> KroneckerProjector:
+    def from_eigenbasis(
+        cls, U_out: Tensor, U_in: Tensor, eigvals: Tensor, gamma: float, *, dtype: torch.dtype = torch.float32
+    ) -> KroneckerProjector:
         """Projector in a given Kronecker eigenbasis with per-entry eigenvalues ``eigvals``
         (``d_out x d_in``), e.g. the corrected eigenvalues of EK-FAC."""
         return cls(U_out, U_in, energy_keep_mask(eigvals, gamma), dtype=dtype)
 
     @classmethod
-    def from_activation_covariance(cls, A: Tensor, gamma: float, *, dtype: torch.dtype = torch.float32,
-                                   eig_dtype: torch.dtype = torch.float64) -> KroneckerProjector:
+    def from_activation_covariance(
+        cls, A: Tensor, gamma: float, *, dtype: torch.dtype = torch.float32, eig_dtype: torch.dtype = torch.float64
+    ) -> KroneckerProjector:
         """Adam-NSCL: keep the low-energy eigen-directions of the layer-input covariance only."""
         lam_in, U_in = eigh_psd(A, eig_dtype)
         return cls.from_input_spectrum(lam_in, U_in, gamma, dtype=dtype)
 
     @classmethod
-    def from_input_spectrum(cls, lam_in: Tensor, U_in: Tensor, gamma: float, *,
-                            dtype: torch.dtype = torch.float32) -> KroneckerProjector:
+    def from_input_spectrum(
+        cls, lam_in: Tensor, U_in: Tensor, gamma: float, *, dtype: torch.dtype = torch.float32
+    ) -> KroneckerProjector:
         """Adam-NSCL's projector from the input covariance's eigendecomposition (``lam_in`` decreasing, ``d_in``;
         ``U_in`` ``d_in x d_in``): equal to :meth:`from_activation_covariance` of the matrix it decomposes."""
         keep = energy_keep_mask(lam_in.to(torch.float64), gamma)
@@ -334,9 +365,14 @@ class KroneckerProjector(LayerProjector):
         corner), ``form`` (``"low_rank"`` or ``"full"``, the one :meth:`project` uses) and ``flop_ratio``
         (low-rank FLOPs / full FLOPs per projection)."""
         ratio = self.flops_low_rank / self.flops_full if self.flops_full else 1.0
-        return {"kept_fraction": round(self.kept_fraction, 6), "r_out": self.r_out, "r_in": self.r_in,
-                "split": self.split if self.U_out is not None else None,
-                "form": "low_rank" if self.low_rank else "full", "flop_ratio": round(ratio, 6)}
+        return {
+            "kept_fraction": round(self.kept_fraction, 6),
+            "r_out": self.r_out,
+            "r_in": self.r_in,
+            "split": self.split if self.U_out is not None else None,
+            "form": "low_rank" if self.low_rank else "full",
+            "flop_ratio": round(ratio, 6),
+        }
 
     def to(self, device: torch.device | str) -> KroneckerProjector:
         """The projector with its tensors on ``device`` (in place; returns ``self``)."""
@@ -355,8 +391,14 @@ class DenseProjector(LayerProjector):
     or a flat vector of the same size as the basis.
     """
 
-    def __init__(self, U: Tensor, keep: Tensor, d_out: int | None = None, d_in: int | None = None,
-                 dtype: torch.dtype = torch.float64):
+    def __init__(
+        self,
+        U: Tensor,
+        keep: Tensor,
+        d_out: int | None = None,
+        d_in: int | None = None,
+        dtype: torch.dtype = torch.float64,
+    ):
         self.U_kept = U[:, keep.to(U.device)].to(dtype).contiguous()
         self.dim = U.shape[0]
         self.d_out, self.d_in = (d_out or self.dim), (d_in or 1)
@@ -364,8 +406,14 @@ class DenseProjector(LayerProjector):
         self._kept = int(keep.sum())
 
     @classmethod
-    def from_matrix(cls, G: Tensor, gamma: float, d_out: int | None = None, d_in: int | None = None,
-                    dtype: torch.dtype = torch.float64) -> DenseProjector:
+    def from_matrix(
+        cls,
+        G: Tensor,
+        gamma: float,
+        d_out: int | None = None,
+        d_in: int | None = None,
+        dtype: torch.dtype = torch.float64,
+    ) -> DenseProjector:
         """Projector onto the low-energy eigen-directions of an explicit PSD curvature matrix ``G`` under
         ``gamma``."""
         evals, U = eigh_psd(G, torch.float64)

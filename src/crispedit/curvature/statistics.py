@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..distributed import all_reduce_sum_, is_distributed
 from .factors import KFACFactors
 
-__all__ = ['add_gram_', 'FactorAccumulator', 'layer_rows', 'capture_io', 'frozen']
+__all__ = ["add_gram_", "FactorAccumulator", "layer_rows", "capture_io", "frozen"]
 
 
 def add_gram_(acc: Tensor, x: Tensor, panel: int = 256) -> Tensor:
@@ -34,10 +34,10 @@ def add_gram_(acc: Tensor, x: Tensor, panel: int = 256) -> Tensor:
         return acc
     for i0 in range(0, d, panel):
         i1 = min(d, i0 + panel)
-        blk = x[:, i0:i1].T @ x[:, i0:]          # (i1 - i0) x (d - i0): this strip's diagonal block and right of it
+        blk = x[:, i0:i1].T @ x[:, i0:]  # (i1 - i0) x (d - i0): this strip's diagonal block and right of it
         acc[i0:i1, i0:] += blk
         if i1 < d:
-            acc[i1:, i0:i1] += blk[:, i1 - i0:].T
+            acc[i1:, i0:i1] += blk[:, i1 - i0 :].T
     return acc
 
 
@@ -85,8 +85,9 @@ class FactorAccumulator:
             if int(rows[i]) > 0:
                 self.A[name], self.S[name], self.rows[name] = A, S, int(rows[i])
 
-    def factors(self, layers: Sequence[str], meta: dict | None = None,
-                out_dtype: torch.dtype = torch.float32) -> KFACFactors:
+    def factors(
+        self, layers: Sequence[str], meta: dict | None = None, out_dtype: torch.dtype = torch.float32
+    ) -> KFACFactors:
         """The averaged factors of ``layers``: ``A = Σ a aᵀ / rows`` (``d_in x d_in``) and ``S = Σ g gᵀ / rows``
         (``d_out x d_out``) per layer, in ``out_dtype`` on the CPU; ``n_tokens`` is the largest row count.
         Raises ``RuntimeError`` when a layer saw no rows."""
@@ -107,8 +108,9 @@ def layer_rows(module: nn.Module, inp: Tensor) -> Tensor:
     (``B x L x C_in k_h k_w``) matching ``weight.reshape(C_out, -1)``.
     """
     if isinstance(module, nn.Conv2d):
-        patches = F.unfold(inp, module.kernel_size, dilation=module.dilation, padding=module.padding,
-                           stride=module.stride)
+        patches = F.unfold(
+            inp, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride
+        )
         return patches.transpose(1, 2)
     return inp
 
@@ -138,6 +140,7 @@ def capture_io(modules: dict[str, nn.Module]) -> Iterator[dict[str, _Captured]]:
 
     def make_hook(name: str, module: nn.Module) -> Callable:
         """A forward hook recording the input rows and output gradients of layer ``name`` into ``store``."""
+
         def hook(mod, args, output):
             """Forward hook: record the input rows of ``name`` and hook its output's gradient (the output made
             a grad-requiring leaf first if need be); returns that output."""

@@ -17,8 +17,16 @@ from pathlib import Path
 from ..errors import CrispEditError
 from ..paths import read_text_file
 
-__all__ = ["bundled_path", "load_texts", "capability_corpus", "heldout_text", "corpus_digest", "chat_prompts",
-           "BUNDLED_EDITS", "CHAT_PROMPTS"]
+__all__ = [
+    "bundled_path",
+    "load_texts",
+    "capability_corpus",
+    "heldout_text",
+    "corpus_digest",
+    "chat_prompts",
+    "BUNDLED_EDITS",
+    "CHAT_PROMPTS",
+]
 
 
 def bundled_path(name: str) -> Path:
@@ -61,7 +69,7 @@ def load_texts(path: str | Path, n: int | None = None, min_chars: int = 1) -> li
         except json.JSONDecodeError as exc:
             raise CrispEditError(f"{path}: malformed JSON at line {exc.lineno}: {exc.msg}") from None
         if not isinstance(data, list):
-            raise CrispEditError(f"{path}: expected a JSON list of strings or {{\"text\": ...}} objects")
+            raise CrispEditError(f'{path}: expected a JSON list of strings or {{"text": ...}} objects')
         texts = [d if isinstance(d, str) else d.get("text", "") if isinstance(d, dict) else "" for d in data]
     else:
         texts = _split_paragraphs(raw)

@@ -65,7 +65,7 @@ def _as_list(value: Any) -> list:
 def _strip_nq(prompt: str) -> str:
     p = prompt.strip()
     if p.lower().startswith("nq question:"):
-        p = p[len("nq question:"):].strip()
+        p = p[len("nq question:") :].strip()
         if p and not p.endswith("?"):
             p += "?"
     return p
@@ -81,8 +81,10 @@ def detect_format(record: dict) -> str:
     if "prompt" in record and "target" in record:
         return "crispedit"
     keys = ", ".join(sorted(record)[:8])
-    raise ValueError(f"unrecognised record (keys: {keys}); expected ZsRE src/alt, "
-                     "CounterFact/WikiBigEdit prompt/target_new, or prompt/target")
+    raise ValueError(
+        f"unrecognised record (keys: {keys}); expected ZsRE src/alt, "
+        "CounterFact/WikiBigEdit prompt/target_new, or prompt/target"
+    )
 
 
 def _answer_text(ans: Any) -> str:
@@ -114,16 +116,23 @@ def _from_record(rec: dict, fmt: str, index: int) -> EditRequest:
             loc = [(_strip_nq(str(rec["loc"])), _answer_text(rec["loc_ans"]))]
         answers = rec.get("answers") or []
         return EditRequest(
-            prompt=req("src"), target=req("alt"), subject=rec.get("subject"),
-            rephrase_prompts=_as_list(rec.get("rephrase")), locality=loc,
-            ground_truth=str(answers[0]) if answers else rec.get("pred"), id=str(rec.get("case_id", index)),
+            prompt=req("src"),
+            target=req("alt"),
+            subject=rec.get("subject"),
+            rephrase_prompts=_as_list(rec.get("rephrase")),
+            locality=loc,
+            ground_truth=str(answers[0]) if answers else rec.get("pred"),
+            id=str(rec.get("case_id", index)),
         )
     if fmt == "flat":
         lp, la = _as_list(rec.get("locality_prompt")), _as_list(rec.get("locality_ground_truth"))
         loc = [(str(p), _answer_text(a)) for p, a in zip(lp, la) if str(p).strip()]
         return EditRequest(
-            prompt=req("prompt"), target=req("target_new"), subject=rec.get("subject"),
-            rephrase_prompts=_as_list(rec.get("rephrase_prompt")), locality=loc,
+            prompt=req("prompt"),
+            target=req("target_new"),
+            subject=rec.get("subject"),
+            rephrase_prompts=_as_list(rec.get("rephrase_prompt")),
+            locality=loc,
             ground_truth=_answer_text(rec["ground_truth"]) if rec.get("ground_truth") else None,
             id=str(rec.get("case_id", index)),
         )
@@ -139,9 +148,13 @@ def _from_record(rec: dict, fmt: str, index: int) -> EditRequest:
         else:
             raise ValueError("locality items must be {prompt, answer} objects")
     return EditRequest(
-        prompt=req("prompt"), target=req("target"), subject=rec.get("subject"),
-        rephrase_prompts=_as_list(rec.get("rephrase_prompts", rec.get("rephrase_prompt"))), locality=loc,
-        ground_truth=rec.get("ground_truth"), id=str(rec.get("id", index)),
+        prompt=req("prompt"),
+        target=req("target"),
+        subject=rec.get("subject"),
+        rephrase_prompts=_as_list(rec.get("rephrase_prompts", rec.get("rephrase_prompt"))),
+        locality=loc,
+        ground_truth=rec.get("ground_truth"),
+        id=str(rec.get("id", index)),
     )
 
 

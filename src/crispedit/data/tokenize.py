@@ -34,16 +34,21 @@ class EncodedBatch:
     ``labels`` is -100 where there is no loss; ``target_lengths[i]`` counts row i's target tokens; ``keys[i]``
     (optional) names row i's training sequence, for caches kept per sequence."""
 
-    input_ids: Tensor       # B x T
+    input_ids: Tensor  # B x T
     attention_mask: Tensor  # B x T
-    labels: Tensor          # B x T, -100 where no loss
+    labels: Tensor  # B x T, -100 where no loss
     target_lengths: list[int]
     keys: list[int] | None = None  # which training sequence each row is (indices into the caller's list), if known
 
     def to(self, device) -> EncodedBatch:
         """The same batch on ``device``."""
-        return EncodedBatch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device),
-                            self.target_lengths, self.keys)
+        return EncodedBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.labels.to(device),
+            self.target_lengths,
+            self.keys,
+        )
 
     @property
     def n_tokens(self) -> int:
@@ -51,8 +56,9 @@ class EncodedBatch:
         return int(self.attention_mask.sum())
 
 
-def split_context_target(tokenizer, context: str, full: str, *, add_special_tokens: bool = True,
-                         extra_target_ids: Sequence[int] = ()) -> tuple[list[int], int]:
+def split_context_target(
+    tokenizer, context: str, full: str, *, add_special_tokens: bool = True, extra_target_ids: Sequence[int] = ()
+) -> tuple[list[int], int]:
     """Token ids of ``full`` (+ ``extra_target_ids`` appended, e.g. EOS) and the number of leading
     context tokens ``n`` (``ids[n:]`` is the target; at least one token on each side)."""
     c_ids = tokenizer(context, add_special_tokens=add_special_tokens)["input_ids"]
@@ -64,8 +70,9 @@ def split_context_target(tokenizer, context: str, full: str, *, add_special_toke
     return ids, n
 
 
-def collate(tokenizer, rows: Sequence[tuple[list[int], int]], max_len: int = 512,
-            keys: Sequence[int] | None = None) -> EncodedBatch:
+def collate(
+    tokenizer, rows: Sequence[tuple[list[int], int]], max_len: int = 512, keys: Sequence[int] | None = None
+) -> EncodedBatch:
     """Right-pad ``rows`` of ``(ids, n_context)`` into one batch (labels only on ``ids[n_context:]``); ``keys``
     name the rows (:attr:`EncodedBatch.keys`)."""
     import torch  # here, not at the top: edit contexts (parsed while the CLI checks arguments) import this module
@@ -83,7 +90,7 @@ def collate(tokenizer, rows: Sequence[tuple[list[int], int]], max_len: int = 512
     for i, (ids, n) in enumerate(rows):
         ids_t[i, : len(ids)] = torch.tensor(ids)
         mask[i, : len(ids)] = 1
-        labels[i, n: len(ids)] = torch.tensor(ids[n:])
+        labels[i, n : len(ids)] = torch.tensor(ids[n:])
     return EncodedBatch(ids_t, mask, labels, [len(ids) - n for ids, n in rows], None if keys is None else list(keys))
 
 

@@ -12,21 +12,61 @@ catalogue is read (torch-free) the first time a method is looked up.
 from .._lazy import lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(["EditResult", "capability_factors", "curvature_spec", "edit", "restore", "shard_for_edit"],
-                    ".api"),
+    **dict.fromkeys(
+        ["EditResult", "capability_factors", "curvature_spec", "edit", "restore", "shard_for_edit"], ".api"
+    ),
     **dict.fromkeys(["DEFAULT_LR", "EditConfig", "ProjectionTarget", "SeqConfig"], ".config"),
-    **dict.fromkeys(["MethodSelection", "CurvatureConfig", "ProjectionConfig", "TrainingConfig", "SequencesConfig",
-                     "DriftConfig"], ".phases"),
+    **dict.fromkeys(
+        ["MethodSelection", "CurvatureConfig", "ProjectionConfig", "TrainingConfig", "SequencesConfig", "DriftConfig"],
+        ".phases",
+    ),
     **dict.fromkeys(["EditContext", "EditOutcome", "Editor"], ".editor"),
     **dict.fromkeys(["TrainHistory", "edit_loss", "projected_finetune"], ".loop"),
-    **dict.fromkeys(["EDITORS", "MethodConfig", "MethodSpec", "editor_class", "get_editor", "method_names",
-                     "method_spec", "register_editor"], ".registry"),
+    **dict.fromkeys(
+        [
+            "EDITORS",
+            "MethodConfig",
+            "MethodSpec",
+            "editor_class",
+            "get_editor",
+            "method_names",
+            "method_spec",
+            "register_editor",
+        ],
+        ".registry",
+    ),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = ["EditConfig", "SeqConfig", "ProjectionTarget", "DEFAULT_LR", "MethodSelection", "CurvatureConfig",
-           "ProjectionConfig", "TrainingConfig", "SequencesConfig", "DriftConfig", "EditResult", "edit", "restore",
-           "shard_for_edit",
-           "capability_factors", "curvature_spec", "EDITORS", "Editor", "EditContext", "EditOutcome", "MethodConfig",
-           "MethodSpec", "editor_class", "get_editor", "method_names", "method_spec", "register_editor",
-           "projected_finetune", "edit_loss", "TrainHistory"]
+__all__ = [
+    "EditConfig",
+    "SeqConfig",
+    "ProjectionTarget",
+    "DEFAULT_LR",
+    "MethodSelection",
+    "CurvatureConfig",
+    "ProjectionConfig",
+    "TrainingConfig",
+    "SequencesConfig",
+    "DriftConfig",
+    "EditResult",
+    "edit",
+    "restore",
+    "shard_for_edit",
+    "capability_factors",
+    "curvature_spec",
+    "EDITORS",
+    "Editor",
+    "EditContext",
+    "EditOutcome",
+    "MethodConfig",
+    "MethodSpec",
+    "editor_class",
+    "get_editor",
+    "method_names",
+    "method_spec",
+    "register_editor",
+    "projected_finetune",
+    "edit_loss",
+    "TrainHistory",
+]

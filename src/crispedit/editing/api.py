@@ -26,9 +26,18 @@ from .loop import TrainHistory
 from .phases import CurvatureConfig
 from .registry import get_editor
 
-__all__ = ["EditResult", "edit", "shard_for_edit", "restore", "snapshot", "capability_factors", "capability_sequences",
-           "curvature_spec",
-           "edit_factors", "CHAT_ANSWER_TOKENS"]
+__all__ = [
+    "EditResult",
+    "edit",
+    "shard_for_edit",
+    "restore",
+    "snapshot",
+    "capability_factors",
+    "capability_sequences",
+    "curvature_spec",
+    "edit_factors",
+    "CHAT_ANSWER_TOKENS",
+]
 
 
 @dataclass
@@ -67,28 +76,45 @@ def _corpus_key(config: CurvatureConfig) -> tuple[list[str], list[str]]:
     return capability_corpus(config.cap_corpus, config.n_cap), chat_prompts(config.cap_chat)
 
 
-def curvature_spec(model: nn.Module, layers: Sequence[str], config: CurvatureConfig,
-                   fingerprint: str | None = None, kind: str = "kfac") -> CurvatureSpec:
+def curvature_spec(
+    model: nn.Module, layers: Sequence[str], config: CurvatureConfig, fingerprint: str | None = None, kind: str = "kfac"
+) -> CurvatureSpec:
     """The content-address of a capability statistics collection for ``model`` and ``layers`` under ``config``
     (its capability texts and chat prompts, :func:`_corpus_key`): K-FAC factors (``kind="kfac"``) or the input
     covariance alone (``kind="input"``, which depends on neither labels nor seed: label mode ``none``, seed 0)."""
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     inp = kind == "input"
     texts, chat = _corpus_key(config)
-    digest = corpus_digest(texts if not chat else [*texts, f"chat answers of at most {CHAT_ANSWER_TOKENS} tokens:",
-                                                   *chat])
+    digest = corpus_digest(
+        texts if not chat else [*texts, f"chat answers of at most {CHAT_ANSWER_TOKENS} tokens:", *chat]
+    )
     return CurvatureSpec(
-        model_fingerprint=fingerprint or weight_fingerprint(model), layers=tuple(layers),
-        corpus_digest=digest, n_texts=len(texts) + len(chat), max_len=config.max_len,
-        label_mode="none" if inp else config.label_mode, seed=0 if inp else config.seed, stat_dtype="float32",
-        model_dtype=dtype, kind=kind,
+        model_fingerprint=fingerprint or weight_fingerprint(model),
+        layers=tuple(layers),
+        corpus_digest=digest,
+        n_texts=len(texts) + len(chat),
+        max_len=config.max_len,
+        label_mode="none" if inp else config.label_mode,
+        seed=0 if inp else config.seed,
+        stat_dtype="float32",
+        model_dtype=dtype,
+        kind=kind,
     )
 
 
-def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module], config: CurvatureConfig, *,
-                       cache_root: str | Path | None = None, cache_file: str | Path | None = None,
-                       fingerprint: str | None = None, force: bool = False,
-                       progress: bool | None = None, kind: str = "kfac") -> tuple[KFACFactors, dict]:
+def capability_factors(
+    model: nn.Module,
+    tokenizer,
+    layers: dict[str, nn.Module],
+    config: CurvatureConfig,
+    *,
+    cache_root: str | Path | None = None,
+    cache_file: str | Path | None = None,
+    fingerprint: str | None = None,
+    force: bool = False,
+    progress: bool | None = None,
+    kind: str = "kfac",
+) -> tuple[KFACFactors, dict]:
     """Capability K-FAC factors for ``layers`` (``kind="input"``: the input covariance ``A = E[k kᵀ]`` alone): from
     ``cache_file`` if given (its full spec — model,
     layers, corpus, n_cap, max_len, label mode, seed, dtypes — and every factor's shape checked against
@@ -99,11 +125,23 @@ def capability_factors(model: nn.Module, tokenizer, layers: dict[str, nn.Module]
     if cache_file is not None:
         t0 = time.perf_counter()
         factors = load_factors(cache_file, spec, shapes=layer_shapes(layers))
-        return factors, {"path": str(cache_file), "hit": True, "seconds": time.perf_counter() - t0,
-                         "spec": factors.meta.get("spec")}
-    return get_or_build_factors(model, tokenizer, layers, lambda: capability_sequences(model, tokenizer, config), spec,
-                                root=cache_root or cache_dir(), batch_size=config.kfac_batch_size, force=force,
-                                progress=progress)
+        return factors, {
+            "path": str(cache_file),
+            "hit": True,
+            "seconds": time.perf_counter() - t0,
+            "spec": factors.meta.get("spec"),
+        }
+    return get_or_build_factors(
+        model,
+        tokenizer,
+        layers,
+        lambda: capability_sequences(model, tokenizer, config),
+        spec,
+        root=cache_root or cache_dir(),
+        batch_size=config.kfac_batch_size,
+        force=force,
+        progress=progress,
+    )
 
 
 def capability_sequences(model: nn.Module, tokenizer, config: CurvatureConfig) -> tuple[list, list[int] | None]:
@@ -118,24 +156,38 @@ def capability_sequences(model: nn.Module, tokenizer, config: CurvatureConfig) -
         return texts, None
     from .written import own_chat_answers
 
-    shown, answers, templated = own_chat_answers(model, tokenizer, chat, CHAT_ANSWER_TOKENS,
-                                                 "capability chat answers")
-    ids = [x[:config.max_len] for x in tokenizer(texts, truncation=True, max_length=config.max_len)["input_ids"]]
+    shown, answers, templated = own_chat_answers(model, tokenizer, chat, CHAT_ANSWER_TOKENS, "capability chat answers")
+    ids = [x[: config.max_len] for x in tokenizer(texts, truncation=True, max_length=config.max_len)["input_ids"]]
     loss_from = [0] * len(ids)
     for p, prompt, a in zip(chat, shown, answers):
-        full = (tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": a}],
-                                              tokenize=False) if templated else f"{p} {a}")
+        full = (
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}, {"role": "assistant", "content": a}], tokenize=False
+            )
+            if templated
+            else f"{p} {a}"
+        )
         head = tokenizer(prompt, add_special_tokens=not templated)["input_ids"]
-        seq = tokenizer(full, add_special_tokens=not templated)["input_ids"][:config.max_len]
+        seq = tokenizer(full, add_special_tokens=not templated)["input_ids"][: config.max_len]
         ids.append(seq)
         loss_from.append(min(len(head), len(seq) - 1))
     return ids, loss_from
 
 
-def edit_factors(model: nn.Module, tokenizer, editor, layers: dict[str, nn.Module], config: EditConfig, *,
-                 factors: KFACFactors | None = None, cache_root: str | Path | None = None,
-                 cache_file: str | Path | None = None, progress: bool | None = None,
-                 predict_drift: bool = False, fingerprint: str | None = None) -> tuple[KFACFactors | None, dict]:
+def edit_factors(
+    model: nn.Module,
+    tokenizer,
+    editor,
+    layers: dict[str, nn.Module],
+    config: EditConfig,
+    *,
+    factors: KFACFactors | None = None,
+    cache_root: str | Path | None = None,
+    cache_file: str | Path | None = None,
+    progress: bool | None = None,
+    predict_drift: bool = False,
+    fingerprint: str | None = None,
+) -> tuple[KFACFactors | None, dict]:
     """The capability statistics an edit with ``editor`` on ``layers`` uses: those it needs
     (``editor.needs_curvature``, of its ``curvature_kind``, for ``layers``) or else the K-FAC factors of the
     modules whose change the drift is predicted for (:meth:`Editor.drift_modules`): always when ``config`` sets
@@ -151,20 +203,37 @@ def edit_factors(model: nn.Module, tokenizer, editor, layers: dict[str, nn.Modul
         return factors, info
     need = layers if editor.needs_curvature else editor.drift_modules(model, layers, config)
     if factors is None:
-        factors, info = capability_factors(model, tokenizer, need, config, cache_root=cache_root,
-                                           cache_file=cache_file, fingerprint=fingerprint, progress=progress,
-                                           kind=editor.curvature_kind)
+        factors, info = capability_factors(
+            model,
+            tokenizer,
+            need,
+            config,
+            cache_root=cache_root,
+            cache_file=cache_file,
+            fingerprint=fingerprint,
+            progress=progress,
+            kind=editor.curvature_kind,
+        )
     missing = [n for n in need if n not in factors.A]
     if missing:
         raise CrispEditError(f"curvature factors do not cover layers {missing}")
     return factors, info
 
 
-def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: EditConfig | None = None, *,
-         factors: KFACFactors | None = None, cache_root: str | Path | None = None,
-         cache_file: str | Path | None = None, progress: bool | None = None,
-         predict_drift: bool = False, checkpoint: str | Path | None = None,
-         fingerprint: str | None = None) -> EditResult:
+def edit(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    config: EditConfig | None = None,
+    *,
+    factors: KFACFactors | None = None,
+    cache_root: str | Path | None = None,
+    cache_file: str | Path | None = None,
+    progress: bool | None = None,
+    predict_drift: bool = False,
+    checkpoint: str | Path | None = None,
+    fingerprint: str | None = None,
+) -> EditResult:
     """Apply ``requests`` to ``model`` in place with ``config.method`` and return what happened.
 
     ``result.original_weights`` holds the pre-edit values of every parameter the editor declares it
@@ -189,22 +258,43 @@ def edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: E
     layers = editor.select_layers(model, config)
     changed = editor.changes(model, layers, config)
     inputs = editor.input_digests(model, config)  # of the unedited model: MEND's default file is keyed by its weights
-    factors, info = edit_factors(model, tokenizer, editor, layers, config, factors=factors, cache_root=cache_root,
-                                 cache_file=cache_file, progress=progress, predict_drift=predict_drift,
-                                 fingerprint=fingerprint)
+    factors, info = edit_factors(
+        model,
+        tokenizer,
+        editor,
+        layers,
+        config,
+        factors=factors,
+        cache_root=cache_root,
+        cache_file=cache_file,
+        progress=progress,
+        predict_drift=predict_drift,
+        fingerprint=fingerprint,
+    )
     cache_seconds = info.get("seconds", 0.0)
     original = snapshot(changed)
     drift_modules = editor.drift_modules(model, layers, config)  # before apply: LoRA wraps them while it trains
     t0 = time.perf_counter()
-    ctx = EditContext(config, layers, factors, progress=progress,
-                      checkpoint=None if checkpoint is None else Path(checkpoint))
+    ctx = EditContext(
+        config, layers, factors, progress=progress, checkpoint=None if checkpoint is None else Path(checkpoint)
+    )
     outcome = editor.apply(model, tokenizer, requests, ctx)
     edit_seconds = time.perf_counter() - t0 + outcome.history.extra.get("resumed_seconds", 0.0)
     from ..curvature.predicted import predicted_kl
 
-    return EditResult(list(layers), outcome.history, outcome.projector_stats, cache_seconds, edit_seconds, info,
-                      original, predicted_kl(drift_modules, factors, original), outcome.drift_budget, inputs,
-                      config)
+    return EditResult(
+        list(layers),
+        outcome.history,
+        outcome.projector_stats,
+        cache_seconds,
+        edit_seconds,
+        info,
+        original,
+        predicted_kl(drift_modules, factors, original),
+        outcome.drift_budget,
+        inputs,
+        config,
+    )
 
 
 def shard_for_edit(model: nn.Module, config: EditConfig, device: str | None = None) -> str:
@@ -219,8 +309,10 @@ def shard_for_edit(model: nn.Module, config: EditConfig, device: str | None = No
     config = config.validate().for_family(model_family(model))
     editor = get_editor(config.method)
     if type(editor).apply is not Editor.apply:
-        raise CrispEditError(f"--shard runs the projected fine-tuning loop; method {config.method!r} edits "
-                             "otherwise (run it without --shard)")
+        raise CrispEditError(
+            f"--shard runs the projected fine-tuning loop; method {config.method!r} edits "
+            "otherwise (run it without --shard)"
+        )
     fingerprint = weight_fingerprint(model)
     layers = editor.select_layers(model, config)
     shard_model(model, editor.trainable(layers).values(), device)

@@ -40,9 +40,18 @@ if TYPE_CHECKING:  # torch is imported by the functions that need it: the header
 
     from ..data.edits import EditRequest
 
-__all__ = ["run_identity", "LoopState", "LoopCheckpoint", "save_checkpoint", "load_checkpoint", "check_checkpoint_file",
-           "agree_on_resume",
-           "load_run_file", "CHECKPOINT_KIND", "CLOSED_FORM_KEY"]
+__all__ = [
+    "run_identity",
+    "LoopState",
+    "LoopCheckpoint",
+    "save_checkpoint",
+    "load_checkpoint",
+    "check_checkpoint_file",
+    "agree_on_resume",
+    "load_run_file",
+    "CHECKPOINT_KIND",
+    "CLOSED_FORM_KEY",
+]
 
 CHECKPOINT_KIND = "training checkpoint"
 _KEY = "crispedit_checkpoint"
@@ -52,8 +61,12 @@ _THEN = "delete it to start over"
 _BUDGET_COUNTERS = ("hits", "last", "steps")
 
 
-def run_identity(config_json: dict, requests: Sequence[EditRequest], params: dict[str, nn.Parameter],
-                 opt: torch.optim.Optimizer | None = None) -> str:
+def run_identity(
+    config_json: dict,
+    requests: Sequence[EditRequest],
+    params: dict[str, nn.Parameter],
+    opt: torch.optim.Optimizer | None = None,
+) -> str:
     """Digest (32 hex) of what determines a training run: the config (its JSON, without the epoch cap
     ``epochs``), the requests' content, the trained tensors' names,
     shapes, dtypes and starting values, and the optimizer's starting state (a carried Adam state, as in a
@@ -106,8 +119,9 @@ def _global_rng(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
     return out
 
 
-def save_checkpoint(path: str | Path, identity: str, state: LoopState, params: dict[str, nn.Parameter],
-                    opt: torch.optim.Optimizer) -> None:
+def save_checkpoint(
+    path: str | Path, identity: str, state: LoopState, params: dict[str, nn.Parameter], opt: torch.optim.Optimizer
+) -> None:
     """Write ``state``, the trained tensors ``params`` (as they are now), ``opt``'s state and the global random
     generators' states (so that dropout goes on as it would have) to ``path`` atomically (temporary file +
     rename), tagged with ``identity`` (:func:`run_identity`)."""
@@ -117,15 +131,32 @@ def save_checkpoint(path: str | Path, identity: str, state: LoopState, params: d
     tensors.update({f"opt::{k}": v for k, v in optimizer_state(opt, params).items()})
     tensors["generator"] = state.generator.cpu()
     tensors.update(_global_rng(params))
-    meta = stamped({"format": _FORMAT, "identity": identity, "epochs": state.epochs, "epoch_loss": state.epoch_loss,
-                    "n_batches": state.n_batches, "skipped": state.skipped, "converged": state.converged,
-                    "budget": state.budget, "seconds": state.seconds, "epoch_seconds": state.epoch_seconds,
-                    "sections": state.sections})
+    meta = stamped(
+        {
+            "format": _FORMAT,
+            "identity": identity,
+            "epochs": state.epochs,
+            "epoch_loss": state.epoch_loss,
+            "n_batches": state.n_batches,
+            "skipped": state.skipped,
+            "converged": state.converged,
+            "budget": state.budget,
+            "seconds": state.seconds,
+            "epoch_seconds": state.epoch_seconds,
+            "sections": state.sections,
+        }
+    )
     atomic_save_safetensors(path, tensors, metadata={_KEY: json.dumps(meta)})
 
 
-def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parameter],
-                    opt: torch.optim.Optimizer, *, max_epochs: int | None = None) -> LoopState | None:
+def load_checkpoint(
+    path: str | Path,
+    identity: str,
+    params: dict[str, nn.Parameter],
+    opt: torch.optim.Optimizer,
+    *,
+    max_epochs: int | None = None,
+) -> LoopState | None:
     """Load the checkpoint at ``path`` into ``params`` (in place) and ``opt``, set the global random generators to
     their stored states, and return its counters, or ``None`` when there is no file there. ``identity`` is the
     run's :func:`run_identity`. One-line :class:`CrispEditError` for a file of another run (other config, requests,
@@ -141,18 +172,31 @@ def load_checkpoint(path: str | Path, identity: str, params: dict[str, nn.Parame
     meta, tensors = load_safetensors(path, CHECKPOINT_KIND, _KEY)
     check_written_by(meta, f"{CHECKPOINT_KIND} file {path}", _THEN, format=_FORMAT)
     if meta.get("identity") != identity:
-        raise CrispEditError(f"{CHECKPOINT_KIND} file {path} belongs to another run (other config, edits or starting "
-                             "weights); delete it or give another path")
+        raise CrispEditError(
+            f"{CHECKPOINT_KIND} file {path} belongs to another run (other config, edits or starting "
+            "weights); delete it or give another path"
+        )
     trained = meta.get("epochs")
     if max_epochs is not None and isinstance(trained, int) and trained > max_epochs:
-        raise CrispEditError(f"{CHECKPOINT_KIND} file {path} holds {trained} trained epochs, more than the cap of "
-                             f"{max_epochs} epochs; raise --epochs to at least {trained} or delete it")
+        raise CrispEditError(
+            f"{CHECKPOINT_KIND} file {path} holds {trained} trained epochs, more than the cap of "
+            f"{max_epochs} epochs; raise --epochs to at least {trained} or delete it"
+        )
     try:
         stored = {n: tensors[f"param::{n}"] for n in params}
-        flat = {k[len("opt::"):]: v for k, v in tensors.items() if k.startswith("opt::")}
-        state = LoopState(int(meta["epochs"]), [float(x) for x in meta["epoch_loss"]], int(meta["n_batches"]),
-                          int(meta["skipped"]), bool(meta["converged"]), tensors["generator"], dict(meta["budget"]),
-                          float(meta["seconds"]), [float(x) for x in meta["epoch_seconds"]], dict(meta["sections"]))
+        flat = {k[len("opt::") :]: v for k, v in tensors.items() if k.startswith("opt::")}
+        state = LoopState(
+            int(meta["epochs"]),
+            [float(x) for x in meta["epoch_loss"]],
+            int(meta["n_batches"]),
+            int(meta["skipped"]),
+            bool(meta["converged"]),
+            tensors["generator"],
+            dict(meta["budget"]),
+            float(meta["seconds"]),
+            [float(x) for x in meta["epoch_seconds"]],
+            dict(meta["sections"]),
+        )
         rng_cpu = tensors["rng_cpu"]
         for n, p in params.items():
             if stored[n].shape != p.shape:
@@ -182,8 +226,10 @@ def load_run_file(path: str | Path, kind: str, key: str, fmt: int, identity: str
     meta, tensors = load_safetensors(path, kind, key)
     check_written_by(meta, f"{kind} file {path}", _THEN, format=fmt)
     if meta.get("identity") != identity:
-        raise CrispEditError(f"{kind} file {path} belongs to another run (other config, edits or starting weights); "
-                             "delete it or give another path")
+        raise CrispEditError(
+            f"{kind} file {path} belongs to another run (other config, edits or starting weights); "
+            "delete it or give another path"
+        )
     return meta, tensors
 
 
@@ -203,8 +249,10 @@ def agree_on_resume(found: bool, path: str | Path) -> None:
     or none did (a path the processes do not share would have them train on from different states). Every process
     must call it; nothing in a single process."""
     if not (all_agree(found) or all_agree(not found)):
-        raise CrispEditError(f"{CHECKPOINT_KIND} file {path} is seen by some of torchrun's processes and not by "
-                             "others; give a path on a file system every process shares")
+        raise CrispEditError(
+            f"{CHECKPOINT_KIND} file {path} is seen by some of torchrun's processes and not by "
+            "others; give a path on a file system every process shares"
+        )
 
 
 def budget_counters(budget) -> dict:
@@ -225,8 +273,16 @@ class LoopCheckpoint:
     ``params`` and ``opt``. :meth:`resume` loads a stored state of this run into ``params``, ``opt`` and the drift
     ``budget``; :meth:`save_if_due` writes one every ``every`` epochs after the start and after the last."""
 
-    def __init__(self, path: str | Path | None, every: int, config_json: dict, requests: Sequence[EditRequest],
-                 params: dict[str, nn.Parameter], opt: torch.optim.Optimizer, budget=None):
+    def __init__(
+        self,
+        path: str | Path | None,
+        every: int,
+        config_json: dict,
+        requests: Sequence[EditRequest],
+        params: dict[str, nn.Parameter],
+        opt: torch.optim.Optimizer,
+        budget=None,
+    ):
         self.path, self.every, self.params, self.opt, self.budget = path, every, params, opt, budget
         self.identity = None if path is None else run_identity(config_json, requests, params, opt)
         self.max_epochs = config_json.get("epochs")

@@ -33,9 +33,20 @@ from .phases import (
 )
 from .registry import MethodConfig, get_editor, method_names, method_spec
 
-__all__ = ["EditConfig", "PRECISIONS", "PROJECTION_PRECISIONS", "BATCH_ORDERS", "SeqConfig", "ProjectionTarget",
-           "DEFAULT_LR", "WEIGHTINGS", "MODES", "PAPER_SEQ_CHUNK",
-           "MIN_SEQ_ROUNDS", "default_seq_chunk"]
+__all__ = [
+    "EditConfig",
+    "PRECISIONS",
+    "PROJECTION_PRECISIONS",
+    "BATCH_ORDERS",
+    "SeqConfig",
+    "ProjectionTarget",
+    "DEFAULT_LR",
+    "WEIGHTINGS",
+    "MODES",
+    "PAPER_SEQ_CHUNK",
+    "MIN_SEQ_ROUNDS",
+    "default_seq_chunk",
+]
 
 
 @dataclass
@@ -60,8 +71,10 @@ class EditConfig(DriftConfig, SequencesConfig, TrainingConfig, ProjectionConfig,
         super().validate()  # every phase's own checks
         if (self.max_drift is not None or self.drift_penalty > 0) and not spec.drift_budget:
             ok = ", ".join(n for n in method_names() if method_spec(n).drift_budget)
-            raise CrispEditError(f"--max-drift / --drift-penalty act on the training steps of a fine-tuning method "
-                                 f"({ok}); {self.method} writes its change in one pass without them")
+            raise CrispEditError(
+                f"--max-drift / --drift-penalty act on the training steps of a fine-tuning method "
+                f"({ok}); {self.method} writes its change in one pass without them"
+            )
         return self
 
     @property
@@ -100,7 +113,7 @@ WEIGHTINGS = ("fixed", "trace", "each", "tokens")
 MODES = ("sequential", "batch")
 EDIT_FACTOR_ROWS = ("full", "target")
 PAPER_SEQ_CHUNK = 100  # CrispEdit-Seq's chunk size (paper, Table "Default hyperparameters"; 3000 edits = 30 rounds)
-MIN_SEQ_ROUNDS = 10    # ... but a small edit set is still cut into about this many rounds
+MIN_SEQ_ROUNDS = 10  # ... but a small edit set is still cut into about this many rounds
 
 
 def default_seq_chunk(n_edits: int) -> int:
@@ -121,26 +134,43 @@ class SeqConfig(Settings):
     KIND = "session config"
 
     edit: EditConfig = setting(default_factory=EditConfig, help="the edit config of every round", cli=False)
-    mode: str = setting("sequential", choices=MODES,
-                        help="sequential rounds (default) or re-edit the base on the union of all rounds (baseline)")
-    weighting: str = setting("each", choices=WEIGHTINGS,
-                             help="capability vs edit factors: gamma of each set's energy masked in the trace-scaled "
-                             "mix's eigenbasis (each, the default), that mix alone (trace), a fixed mixing "
-                             "coefficient on the raw factors (fixed), or token counts (authors' code)")
-    mix: float = setting(0.5, help="share of the edit factors with --weighting fixed, trace or each (default "
-                         "{default})")
-    edit_factors: str = setting("full", choices=EDIT_FACTOR_ROWS, cli=False,
-                                help="positions of the edit factors: full sequences (the paper) or the target only")
-    edit_gamma: float | None = setting(0.95, metavar="G",
-                                       help="with --weighting each: the energy of the accumulated edit factors masked "
-                                       "(default {default}; higher protects earlier rounds' edits more and leaves "
-                                       "later rounds less room)")
-    carry_optimizer: bool = setting(True, help="carry Adam's state across rounds (default; the flag: a fresh Adam "
-                                    "state every round)")
-    reproject_momentum: bool = setting(True, help="re-project Adam's first moment when the projector changes "
-                                       "(default; the flag: keep it as it is)")
-    recompute_drift: float | None = setting(None, help="recollect capability factors once a weight drifted by more "
-                                            "than this (paper: 0.25; default off)")
+    mode: str = setting(
+        "sequential",
+        choices=MODES,
+        help="sequential rounds (default) or re-edit the base on the union of all rounds (baseline)",
+    )
+    weighting: str = setting(
+        "each",
+        choices=WEIGHTINGS,
+        help="capability vs edit factors: gamma of each set's energy masked in the trace-scaled "
+        "mix's eigenbasis (each, the default), that mix alone (trace), a fixed mixing "
+        "coefficient on the raw factors (fixed), or token counts (authors' code)",
+    )
+    mix: float = setting(
+        0.5, help="share of the edit factors with --weighting fixed, trace or each (default {default})"
+    )
+    edit_factors: str = setting(
+        "full",
+        choices=EDIT_FACTOR_ROWS,
+        cli=False,
+        help="positions of the edit factors: full sequences (the paper) or the target only",
+    )
+    edit_gamma: float | None = setting(
+        0.95,
+        metavar="G",
+        help="with --weighting each: the energy of the accumulated edit factors masked "
+        "(default {default}; higher protects earlier rounds' edits more and leaves "
+        "later rounds less room)",
+    )
+    carry_optimizer: bool = setting(
+        True, help="carry Adam's state across rounds (default; the flag: a fresh Adam state every round)"
+    )
+    reproject_momentum: bool = setting(
+        True, help="re-project Adam's first moment when the projector changes (default; the flag: keep it as it is)"
+    )
+    recompute_drift: float | None = setting(
+        None, help="recollect capability factors once a weight drifted by more than this (paper: 0.25; default off)"
+    )
     kl_text: str | None = setting(None, help="held-out text for KL drift (default: bundled WikiText sample)")
     kl_texts: int = setting(32, help="held-out texts for KL drift (default {default})")
 
@@ -157,8 +187,9 @@ class SeqConfig(Settings):
         if self.edit_gamma is not None:
             self.edit_gamma = check_gamma(self.edit_gamma, "edit gamma")
         if self.edit_factors not in EDIT_FACTOR_ROWS:
-            raise CrispEditError(f"edit factor rows must be one of {', '.join(EDIT_FACTOR_ROWS)}, "
-                                 f"got {self.edit_factors!r}")
+            raise CrispEditError(
+                f"edit factor rows must be one of {', '.join(EDIT_FACTOR_ROWS)}, got {self.edit_factors!r}"
+            )
         if self.recompute_drift is not None:
             self.recompute_drift = check_float("recompute drift threshold", self.recompute_drift, 0.0, lo_open=True)
         self.kl_texts = check_positive_int("kl-texts", self.kl_texts)

@@ -68,12 +68,27 @@ from ..data.tokenize import EncodedBatch, chat_turn, collate, join_prompt_target
 from ..errors import CrispEditError
 from .written import generated_prefixes, own_replies
 
-__all__ = ["TRAINING_CONTEXTS", "TrainingContext", "training_context", "SequenceMaker", "CONTEXT_KINDS",
-           "ANSWER_ENDS", "DEFAULT_CONTEXTS", "ContextSpec", "TrainingSequence", "pinned_contexts",
-           "parse_contexts", "resolve_contexts", "prefix_pool",
-           "build_training_sequences", "training_batches",
-           "epoch_subset",
-           "sequences_for", "QUESTION_WRAPPERS", "ANSWER_LEADS"]
+__all__ = [
+    "TRAINING_CONTEXTS",
+    "TrainingContext",
+    "training_context",
+    "SequenceMaker",
+    "CONTEXT_KINDS",
+    "ANSWER_ENDS",
+    "DEFAULT_CONTEXTS",
+    "ContextSpec",
+    "TrainingSequence",
+    "pinned_contexts",
+    "parse_contexts",
+    "resolve_contexts",
+    "prefix_pool",
+    "build_training_sequences",
+    "training_batches",
+    "epoch_subset",
+    "sequences_for",
+    "QUESTION_WRAPPERS",
+    "ANSWER_LEADS",
+]
 
 # Everyday wrappers a user puts around a question ({question} = the edit prompt). Deliberately free of the
 # WILD QA template's parts ("answer the question", "Q:", "A:") so that template stays unseen in training.
@@ -146,8 +161,10 @@ def parse_contexts(spec: str) -> tuple[ContextSpec, ...]:
     for item in spec.split(","):
         kind, _, n = item.strip().partition(":")
         if kind not in TRAINING_CONTEXTS:
-            raise CrispEditError(f"unknown edit context {kind!r} in --contexts {spec!r} "
-                                 f"(use {', '.join(TRAINING_CONTEXTS)}, e.g. 'bare,chat,prefix:2')")
+            raise CrispEditError(
+                f"unknown edit context {kind!r} in --contexts {spec!r} "
+                f"(use {', '.join(TRAINING_CONTEXTS)}, e.g. 'bare,chat,prefix:2')"
+            )
         count = 1
         if n:
             if kind not in counted:
@@ -177,8 +194,9 @@ def resolve_contexts(spec: str, tokenizer, default: str = DEFAULT_CONTEXTS) -> t
     templated = [c.kind for c in contexts if TRAINING_CONTEXTS[c.kind].chat_template]
     if not _has_chat_template(tokenizer) and templated:
         if not is_default:
-            raise CrispEditError(f"edit context {templated[0]!r} needs a tokenizer with a chat template "
-                                 "(this model has none)")
+            raise CrispEditError(
+                f"edit context {templated[0]!r} needs a tokenizer with a chat template (this model has none)"
+            )
         contexts = tuple(c for c in contexts if c.kind not in templated)
     return contexts
 
@@ -220,7 +238,7 @@ class TrainingSequence:
 
 def _chat_rows(tokenizer, prompt: str, target: str, end: bool) -> tuple[list[int], int, str]:
     ctx, rendered = chat_turn(tokenizer, prompt, None), chat_turn(tokenizer, prompt, target)
-    rest = rendered[len(ctx):]
+    rest = rendered[len(ctx) :]
     k = rest.find(target)
     if not rendered.startswith(ctx) or k < 0:
         # a template whose reply rendering differs from its generation prompt (or alters the reply):
@@ -228,7 +246,7 @@ def _chat_rows(tokenizer, prompt: str, target: str, end: bool) -> tuple[list[int
         full = ctx + target
     else:
         # the reply and, if asked, the template's end of turn (its trailing whitespace dropped)
-        full = ctx + rest[: k + len(target)] + (rest[k + len(target):].rstrip() if end else "")
+        full = ctx + rest[: k + len(target)] + (rest[k + len(target) :].rstrip() if end else "")
     ids, n = split_context_target(tokenizer, ctx, full, add_special_tokens=False)
     return ids, n, full
 
@@ -238,8 +256,16 @@ class SequenceMaker:
     ``none``, checked here), the seed of the per-request draws and the two prefix pools (``prefixes``: corpus
     sentences, ``written``: the model's own). :meth:`plain` writes one sequence."""
 
-    def __init__(self, tokenizer, answer_end: str = "auto", *, prefixes: Sequence[str] = (),
-                 written: Sequence[str] = (), replies: Sequence[str] = (), seed: int = 0):
+    def __init__(
+        self,
+        tokenizer,
+        answer_end: str = "auto",
+        *,
+        prefixes: Sequence[str] = (),
+        written: Sequence[str] = (),
+        replies: Sequence[str] = (),
+        seed: int = 0,
+    ):
         if answer_end not in ANSWER_ENDS:
             raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {answer_end!r}")
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -280,10 +306,14 @@ class TrainingContext:
     def check(self, maker: SequenceMaker) -> None:
         """One-line error when ``maker`` lacks what this context needs (its prefix pool, a chat template)."""
         if self.pool is not None and not maker.pools[self.pool]:
-            raise CrispEditError(f"edit context {self.name!r} needs "
-                                 + {"written": "prefix sentences; none were written",
-                                    "prefixes": "prefix sentences; the capability corpus gave none",
-                                    "replies": "the model's own replies; none were written"}[self.pool])
+            raise CrispEditError(
+                f"edit context {self.name!r} needs "
+                + {
+                    "written": "prefix sentences; none were written",
+                    "prefixes": "prefix sentences; the capability corpus gave none",
+                    "replies": "the model's own replies; none were written",
+                }[self.pool]
+            )
         if self.chat_template and not _has_chat_template(maker.tokenizer):
             raise CrispEditError(f"edit context {self.name!r} needs a tokenizer with a chat template")
 
@@ -304,6 +334,7 @@ def training_context(name: str, *, counted: bool = False, pool: str | None = Non
         """Record ``build`` under ``name``; returns it unchanged."""
         TRAINING_CONTEXTS[name] = TrainingContext(name, build, counted, pool, chat_template)
         return build
+
     return register
 
 
@@ -329,7 +360,7 @@ def _reply(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[Trainin
     k = reply.find(r.target)
     k = 0 if k < 0 else k
     ask = chat_turn(m.tokenizer, r.prompt, None)
-    full = ask + reply[:k + len(r.target)]
+    full = ask + reply[: k + len(r.target)]
     ids, n = split_context_target(m.tokenizer, ask + reply[:k].rstrip(), full, add_special_tokens=False)
     return [TrainingSequence("reply", i, ids, n, full)]
 
@@ -339,12 +370,14 @@ def _prefixed(kind: str, sep: str, pool: str, salt: str | None, group: int | Non
     seeded by the request's content, or with ``group`` by its position ``i // group`` (so each run of ``group``
     consecutive requests gets the same prefixes); ``salt`` (if any) names the draw in the seed, so that ``para``
     draws differently from ``prefix``."""
+
     def build(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
         """``count`` sequences of request ``i``: a drawn prefix, the separator, the prompt, the target."""
         draws = m.pools[pool]
         key = f"{i // group}" if group else f"{r.prompt}:{r.target}"
         rng = random.Random(f"{m.seed}:{salt}:{key}" if salt else f"{m.seed}:{key}")
         return [m.plain(i, kind, p + sep + r.prompt, r.target) for p in rng.sample(list(draws), min(count, len(draws)))]
+
     return build
 
 
@@ -355,15 +388,18 @@ training_context("para", counted=True, pool="prefixes")(_prefixed("para", "\n\n"
 training_context("gen", counted=True, pool="written")(_prefixed("gen", " ", "written", salt="gen"))
 # salted "sprefix": the name the runs of docs/contexts.md drew with, so the shipped context repeats them
 training_context("shared", counted=True, pool="prefixes")(
-    _prefixed("shared", " ", "prefixes", salt="sprefix", group=SHARE_GROUP))
+    _prefixed("shared", " ", "prefixes", salt="sprefix", group=SHARE_GROUP)
+)
 
 
 @training_context("wrap", counted=True)
 def _wrap(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
     """``count`` of :data:`QUESTION_WRAPPERS` around the prompt, drawn per request."""
     rng = random.Random(f"{m.seed}:wrap:{r.prompt}:{r.target}")
-    return [m.plain(i, "wrap", w.replace("{question}", r.prompt), r.target)
-            for w in rng.sample(QUESTION_WRAPPERS, min(count, len(QUESTION_WRAPPERS)))]
+    return [
+        m.plain(i, "wrap", w.replace("{question}", r.prompt), r.target)
+        for w in rng.sample(QUESTION_WRAPPERS, min(count, len(QUESTION_WRAPPERS)))
+    ]
 
 
 @training_context("lead", counted=True)
@@ -375,16 +411,25 @@ def _lead(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[Training
     for w in rng.sample(ANSWER_LEADS, min(count, len(ANSWER_LEADS))):
         ctx = w.replace("{question}", r.prompt)
         stripped = ctx.rstrip(" ")
-        out.append(m.plain(i, "lead", stripped, r.target, sep=ctx[len(stripped):]))
+        out.append(m.plain(i, "lead", stripped, r.target, sep=ctx[len(stripped) :]))
     return out
 
 
 CONTEXT_KINDS = tuple(TRAINING_CONTEXTS)  # the built-in training contexts' names (the registry may gain more)
 
 
-def build_training_sequences(tokenizer, requests: Sequence[EditRequest], contexts: Sequence[ContextSpec],
-                             answer_end: str = "auto", *, prefixes: Sequence[str] = (), written: Sequence[str] = (),
-                             replies: Sequence[str] = (), seed: int = 0, max_len: int = 512) -> list[TrainingSequence]:
+def build_training_sequences(
+    tokenizer,
+    requests: Sequence[EditRequest],
+    contexts: Sequence[ContextSpec],
+    answer_end: str = "auto",
+    *,
+    prefixes: Sequence[str] = (),
+    written: Sequence[str] = (),
+    replies: Sequence[str] = (),
+    seed: int = 0,
+    max_len: int = 512,
+) -> list[TrainingSequence]:
     """Every (request, context) training sequence, grouped by context (similar lengths batch together), in
     request order within a context, each built by its :data:`TRAINING_CONTEXTS` entry. ``prefixes``: corpus
     sentences for ``prefix``/``para``; ``written``: the model's own prefixes for ``gen``
@@ -401,14 +446,21 @@ def build_training_sequences(tokenizer, requests: Sequence[EditRequest], context
             out += ctx.build(maker, i, r, spec.count)
     for s in out:
         if len(s.ids) > max_len:
-            raise CrispEditError(f"training sequence for edit {s.request} in context {s.context!r} is {len(s.ids)} "
-                                 f"tokens, longer than max_len={max_len}")
+            raise CrispEditError(
+                f"training sequence for edit {s.request} in context {s.context!r} is {len(s.ids)} "
+                f"tokens, longer than max_len={max_len}"
+            )
     return out
 
 
-def training_batches(tokenizer, sequences: Sequence[TrainingSequence], batch_size: int,
-                     batch_tokens: int | None = None, subset: Sequence[int] | None = None,
-                     by_length: bool = False) -> list[EncodedBatch]:
+def training_batches(
+    tokenizer,
+    sequences: Sequence[TrainingSequence],
+    batch_size: int,
+    batch_tokens: int | None = None,
+    subset: Sequence[int] | None = None,
+    by_length: bool = False,
+) -> list[EncodedBatch]:
     """Batches of the training sequences (of ``sequences[i]`` for ``i`` in ``subset``, when given), each from one
     context kind, with :attr:`~crispedit.data.tokenize.EncodedBatch.keys` = the sequences' indices in
     ``sequences``: at most ``batch_size`` sequences in request order (``by_length``: the kind's sequences sorted
@@ -424,7 +476,7 @@ def training_batches(tokenizer, sequences: Sequence[TrainingSequence], batch_siz
         if batch_tokens is None:
             if by_length:
                 group = sorted(group, key=lambda i: len(sequences[i].ids))
-            chunks = [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
+            chunks = [group[i : i + batch_size] for i in range(0, len(group), batch_size)]
         else:
             chunks, cur = [], []
             for i in sorted(group, key=lambda i: len(sequences[i].ids)):
@@ -433,8 +485,10 @@ def training_batches(tokenizer, sequences: Sequence[TrainingSequence], batch_siz
                     cur = []
                 cur.append(i)
             chunks += [cur] if cur else []
-        out += [collate(tokenizer, [(sequences[i].ids, sequences[i].n_context) for i in chunk], keys=chunk)
-                for chunk in chunks]
+        out += [
+            collate(tokenizer, [(sequences[i].ids, sequences[i].n_context) for i in chunk], keys=chunk)
+            for chunk in chunks
+        ]
     return out
 
 
@@ -454,8 +508,9 @@ def epoch_subset(sequences: Sequence[TrainingSequence], per_request: int, seed: 
     return sorted(out)
 
 
-def sequences_for(tokenizer, requests: Sequence[EditRequest], config, model=None
-                  ) -> tuple[list[TrainingSequence], list[str]]:
+def sequences_for(
+    tokenizer, requests: Sequence[EditRequest], config, model=None
+) -> tuple[list[TrainingSequence], list[str]]:
     """The training sequences of ``requests`` under ``config.contexts`` / ``config.answer_end`` (prefixes
     from ``config.cap_corpus``, drawn with ``config.seed``; ``gen`` prefixes and ``reply`` replies written by
     ``model``, which those contexts need) and the names of the contexts used."""
@@ -466,12 +521,22 @@ def sequences_for(tokenizer, requests: Sequence[EditRequest], config, model=None
     replies: list[str] = []
     for pool in ("written", "replies"):
         if pool in pools and model is None:
-            raise CrispEditError(f"edit context {pools[pool]!r} needs the model to write its "
-                                 + ("prefixes" if pool == "written" else "replies"))
+            raise CrispEditError(
+                f"edit context {pools[pool]!r} needs the model to write its "
+                + ("prefixes" if pool == "written" else "replies")
+            )
     if "written" in pools:
         written = generated_prefixes(model, tokenizer, seed=config.seed)
     if "replies" in pools:
         replies = own_replies(model, tokenizer, requests)
-    seqs = build_training_sequences(tokenizer, requests, contexts, config.answer_end, prefixes=prefixes,
-                                    written=written, replies=replies, seed=config.seed)
+    seqs = build_training_sequences(
+        tokenizer,
+        requests,
+        contexts,
+        config.answer_end,
+        prefixes=prefixes,
+        written=written,
+        replies=replies,
+        seed=config.seed,
+    )
     return seqs, [str(c) for c in contexts]

@@ -139,8 +139,9 @@ class Editor:
         or transposed for Conv1D)."""
         return {name: m.weight for name, m in layers.items()}
 
-    def projectors(self, layers: dict[str, nn.Module], factors: KFACFactors | None,
-                   config: EditConfig) -> dict[str, LayerProjector]:
+    def projectors(
+        self, layers: dict[str, nn.Module], factors: KFACFactors | None, config: EditConfig
+    ) -> dict[str, LayerProjector]:
         """One projector per trained tensor (keyed like :meth:`trainable`); default: the identity."""
         return identity_projectors(layers)
 
@@ -166,11 +167,26 @@ class Editor:
             if ctx.reproject_momentum:
                 reproject_first_moment(opt, params, projectors, layers)
         budget = self.drift_budget(params, layers, ctx)
-        history = projected_finetune(model, tokenizer, requests, layers, params, projectors, cfg, optimizer=opt,
-                                     progress=ctx.progress, drift_budget=budget, checkpoint=ctx.checkpoint)
-        return EditOutcome(history, {n: p.stats() for n, p in projectors.items()},
-                           optimizer_state(opt, params) if ctx.keep_optimizer else {}, carried,
-                           None if budget is None else budget.to_json())
+        history = projected_finetune(
+            model,
+            tokenizer,
+            requests,
+            layers,
+            params,
+            projectors,
+            cfg,
+            optimizer=opt,
+            progress=ctx.progress,
+            drift_budget=budget,
+            checkpoint=ctx.checkpoint,
+        )
+        return EditOutcome(
+            history,
+            {n: p.stats() for n, p in projectors.items()},
+            optimizer_state(opt, params) if ctx.keep_optimizer else {},
+            carried,
+            None if budget is None else budget.to_json(),
+        )
 
     def drift_modules(self, model: nn.Module, layers: dict[str, nn.Module], config: EditConfig) -> dict[str, nn.Module]:
         """The linear modules (module name -> module) whose weight change the drift is predicted for: the
@@ -187,8 +203,10 @@ class Editor:
             return None
         factors = ctx.drift_factors if ctx.drift_factors is not None else ctx.factors
         if factors is None:
-            raise CrispEditError(f"--max-drift / --drift-penalty need the capability K-FAC factors of the {self.name} "
-                                 "edit's layers, and none were given")
+            raise CrispEditError(
+                f"--max-drift / --drift-penalty need the capability K-FAC factors of the {self.name} "
+                "edit's layers, and none were given"
+            )
         return factors
 
     def drift_budget(self, params: dict[str, nn.Parameter], layers: dict[str, nn.Module], ctx: EditContext):

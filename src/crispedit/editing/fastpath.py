@@ -50,8 +50,16 @@ from ..forward_parts import (
 from ..layers import decoder_blocks
 from .prefixtree import PackedBatch, pack_prefixes, packing_pays
 
-__all__ = ["make_loss_fn", "LossFn", "Prepared", "plain_loss", "target_rows", "prefix_sharing", "may_pack",
-           "pack_if_it_pays"]
+__all__ = [
+    "make_loss_fn",
+    "LossFn",
+    "Prepared",
+    "plain_loss",
+    "target_rows",
+    "prefix_sharing",
+    "may_pack",
+    "pack_if_it_pays",
+]
 
 _SHARING = contextvars.ContextVar("crispedit_prefix_sharing", default=True)
 
@@ -73,8 +81,9 @@ def may_pack(model: nn.Module) -> bool:
     if not _SHARING.get() or not takes_full_masks(model):
         return False
     cfg = getattr(model, "config", None)
-    rates = [v for k, v in (vars(cfg).items() if cfg is not None else ()) if "dropout" in k
-             and isinstance(v, (int, float))]
+    rates = [
+        v for k, v in (vars(cfg).items() if cfg is not None else ()) if "dropout" in k and isinstance(v, (int, float))
+    ]
     return not any(v > 0 for v in rates) and not any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
 
@@ -82,8 +91,9 @@ def plain_loss(model: nn.Module, batch: EncodedBatch, per_token: bool = False) -
     """Mean cross-entropy over target tokens (FT-M), from a full forward (no KV cache): a 0-d float32
     (float64 for a float64 model) tensor, nats per target token; ``per_token``: each target token's
     cross-entropy instead, in row-major order (:func:`target_rows`'s)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   **no_cache_kwargs(model)).logits[:, :-1]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **no_cache_kwargs(model)).logits[
+        :, :-1
+    ]
     labels = batch.labels[:, 1:]
     flat, gold = _up(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1)
     if per_token:
@@ -126,8 +136,15 @@ class Prepared:
 
 
 class _FastLoss:
-    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
-                 per_token: bool = False, mask_unpadded: bool = False, ordered: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        params: dict[str, nn.Parameter],
+        batches: Sequence[EncodedBatch],
+        per_token: bool = False,
+        mask_unpadded: bool = False,
+        ordered: bool = True,
+    ):
         self.model, self.batches = model, batches
         self.reduction = "none" if per_token else "mean"
         _, self.blocks = decoder_blocks(model)
@@ -144,13 +161,14 @@ class _FastLoss:
             total, off = sum(b.input_ids.numel() for b in batches), 0
             with torch.no_grad():
                 for b in batches:
-                    h, self.tuple_len = capture_block_input(model, self.blocks, self.k, input_ids=b.input_ids,
-                                                            attention_mask=b.attention_mask)
+                    h, self.tuple_len = capture_block_input(
+                        model, self.blocks, self.k, input_ids=b.input_ids, attention_mask=b.attention_mask
+                    )
                     (B, T), d = h.shape[:2], h.shape[-1]
                     if self.table is None:
                         self.table = h.new_empty(total + 1, d)
                         self.table[total].zero_()
-                    view = self.table[off:off + B * T].view(B, T, d)
+                    view = self.table[off : off + B * T].view(B, T, d)
                     view.copy_(h)
                     self.cache.append(view)
                     for r, key in enumerate(b.keys or []):
@@ -169,8 +187,9 @@ class _FastLoss:
 
     def positions(self) -> int:
         """Positions one pass over the batches computes: ``R·L`` of a packed batch, ``B·T`` of the others."""
-        return sum(p.input_ids.numel() if p is not None else b.input_ids.numel()
-                   for b, p in zip(self.batches, self.packed))
+        return sum(
+            p.input_ids.numel() if p is not None else b.input_ids.numel() for b, p in zip(self.batches, self.packed)
+        )
 
     def __call__(self, index: int, batch: EncodedBatch) -> Tensor:
         """The FT-M loss of ``batch`` (``self.batches[index]``, whose prefix states are cached): 0-d, float32
@@ -196,8 +215,9 @@ class _FastLoss:
         if states is not None:
             hidden = states.index_select(0, p.source if gather is None else gather).view(*p.shape, -1)
         with prefix_fed(self.blocks, self.k, self.passthrough, hidden):
-            logits = rows_logits(self.model, p.rows, input_ids=p.input_ids, attention_mask=p.mask,
-                                 position_ids=p.position_ids)
+            logits = rows_logits(
+                self.model, p.rows, input_ids=p.input_ids, attention_mask=p.mask, position_ids=p.position_ids
+            )
         return F.cross_entropy(logits, p.targets, reduction=self.reduction)
 
     def _loss(self, batch: EncodedBatch, rows: Tensor, targets: Tensor, mask, hidden: Tensor | None) -> Tensor:
@@ -235,8 +255,9 @@ class LossFn:
     ``fast``: whether the verified shortcut (cached frozen prefix, head on target rows) computes it.
     ``per_token``: each target token's cross-entropy (row-major) instead of their mean."""
 
-    def __init__(self, model: nn.Module, batches: Sequence[EncodedBatch], fast_loss: _FastLoss | None,
-                 per_token: bool = False):
+    def __init__(
+        self, model: nn.Module, batches: Sequence[EncodedBatch], fast_loss: _FastLoss | None, per_token: bool = False
+    ):
         self.model, self.batches, self._fast, self.per_token = model, batches, fast_loss, per_token
         self.fast = fast_loss is not None
         self.device = next(model.parameters()).device
@@ -247,8 +268,11 @@ class LossFn:
         ``packed_batches`` (batches packed as prefix trees)."""
         padded = sum(b.input_ids.numel() for b in self.batches)
         fast = self._fast
-        return {"positions_per_epoch": padded if fast is None else fast.positions(), "padded_per_epoch": padded,
-                "packed_batches": 0 if fast is None else sum(p is not None for p in fast.packed)}
+        return {
+            "positions_per_epoch": padded if fast is None else fast.positions(),
+            "padded_per_epoch": padded,
+            "packed_batches": 0 if fast is None else sum(p is not None for p in fast.packed),
+        }
 
     def prepare(self, batch: EncodedBatch) -> Prepared:
         """Ready a host batch of keyed sequences for the device, everything read from it computed on the host."""
@@ -259,21 +283,36 @@ class LossFn:
         if packed is not None and gather is not None:  # the table row of every packed position
             gather = gather.reshape(-1).index_select(0, packed.source)
         to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
-        return Prepared(batch.to(self.device), to(rows), to(targets), to(mask), to(gather),
-                        None if packed is None else packed.to(self.device))
+        return Prepared(
+            batch.to(self.device),
+            to(rows),
+            to(targets),
+            to(mask),
+            to(gather),
+            None if packed is None else packed.to(self.device),
+        )
 
     def __call__(self, item) -> Tensor:
         if isinstance(item, Prepared):
-            return self._fast.prepared(item) if self._fast is not None else plain_loss(self.model, item.batch,
-                                                                                       self.per_token)
+            return (
+                self._fast.prepared(item)
+                if self._fast is not None
+                else plain_loss(self.model, item.batch, self.per_token)
+            )
         if self._fast is not None:
             return self._fast(item, self.batches[item])
         return plain_loss(self.model, self.batches[item], self.per_token)
 
 
-def make_loss_fn(model: nn.Module, params: dict[str, nn.Parameter], batches: Sequence[EncodedBatch],
-                 enabled: bool = True, per_token: bool = False, mask_unpadded: bool = False,
-                 ordered: bool = True) -> LossFn:
+def make_loss_fn(
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    batches: Sequence[EncodedBatch],
+    enabled: bool = True,
+    per_token: bool = False,
+    mask_unpadded: bool = False,
+    ordered: bool = True,
+) -> LossFn:
     """The edit loop's :class:`LossFn` over ``batches``: the verified fast loss, or the plain one (``per_token``:
     each target token's loss — row-major and unpacked while ``ordered``; without it the same terms in an order
     fixed per batch, packed where that pays; ``mask_unpadded``: a batch without padding gets the plain causal mask

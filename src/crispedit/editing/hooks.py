@@ -109,9 +109,14 @@ class ProgressHook(LoopHook):
             self.logged = time.perf_counter()
             _log.info("edit[%s] epoch %d/%d: loss %.4f, %.0f s", self.method, epochs, self.cap, loss, self.clock())
         if hist.plateaued:
-            _log.info("edit[%s] stopped at a plateau after epoch %d: the best loss of the last %d epochs is not "
-                      "%g%% below the earlier best", self.method, epochs, self.config.plateau_epochs,
-                      100 * self.config.plateau_delta)
+            _log.info(
+                "edit[%s] stopped at a plateau after epoch %d: the best loss of the last %d epochs is not "
+                "%g%% below the earlier best",
+                self.method,
+                epochs,
+                self.config.plateau_epochs,
+                100 * self.config.plateau_delta,
+            )
 
 
 class CheckpointHook(LoopHook):

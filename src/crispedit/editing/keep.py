@@ -35,16 +35,29 @@ from .written import own_chat_answers
 if TYPE_CHECKING:  # the module top stays torch-free: EditConfig validates against SUBJECT_KEEPS
     from torch import Tensor, nn
 
-__all__ = ["KEEP_TOKENS", "SUBJECT_KEEPS", "KEEP_SUBJECTS", "KEEP_BATCH", "keep_prompts", "keep_sequences",
-           "KeepLoss", "KeepTerm", "keep_term"]
+__all__ = [
+    "KEEP_TOKENS",
+    "SUBJECT_KEEPS",
+    "KEEP_SUBJECTS",
+    "KEEP_BATCH",
+    "keep_prompts",
+    "keep_sequences",
+    "KeepLoss",
+    "KeepTerm",
+    "keep_term",
+]
 
-KEEP_TOKENS = 24    # tokens of each unedited answer kept by default: its form shows in the first few
+KEEP_TOKENS = 24  # tokens of each unedited answer kept by default: its form shows in the first few
 KEEP_SUBJECTS = 128  # edits whose subject is asked about, at most (evenly spread over a larger edit set)
-KEEP_BATCH = 8      # transcripts per training step: a small batch, so the term adds little to a step
+KEEP_BATCH = 8  # transcripts per training step: a small batch, so the term adds little to a step
 # Questions about an edit's subject that ask no particular relation ({subject}), worded apart from
 # crispedit.evaluation.assistant.SUBJECT_PROBES, which measure the bleed the term is meant to prevent
-SUBJECT_KEEPS = ("What is {subject} known for?", "Describe {subject} in one sentence.",
-                 "Give me some background on {subject}.", "Write a sentence about {subject}.")
+SUBJECT_KEEPS = (
+    "What is {subject} known for?",
+    "Describe {subject} in one sentence.",
+    "Give me some background on {subject}.",
+    "Write a sentence about {subject}.",
+)
 
 
 def keep_prompts(requests: Sequence[EditRequest], keep_chat: int, keep_subject: int) -> list[tuple[int, str]]:
@@ -58,13 +71,22 @@ def keep_prompts(requests: Sequence[EditRequest], keep_chat: int, keep_subject: 
     if keep_subject and named:
         step = max(len(named) / KEEP_SUBJECTS, 1.0)
         chosen = sorted({named[int(k * step)] for k in range(min(len(named), KEEP_SUBJECTS))})
-        out += [(i, t.replace("{subject}", requests[i].subject.strip()))
-                for i in chosen for t in SUBJECT_KEEPS[:keep_subject]]
+        out += [
+            (i, t.replace("{subject}", requests[i].subject.strip()))
+            for i in chosen
+            for t in SUBJECT_KEEPS[:keep_subject]
+        ]
     return out
 
 
-def keep_sequences(model: nn.Module, tokenizer, requests: Sequence[EditRequest], keep_chat: int,
-                   keep_subject: int, max_tokens: int = KEEP_TOKENS) -> list[TrainingSequence]:
+def keep_sequences(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    keep_chat: int,
+    keep_subject: int,
+    max_tokens: int = KEEP_TOKENS,
+) -> list[TrainingSequence]:
     """The transcripts whose answer tokens the preservation term holds (:func:`keep_prompts`, answered greedily by
     ``model`` — pass it unedited; under :func:`~.written.prefixes_from` the unedited weights are put in while it
     writes — through its chat template, or the bare prompt without one; at most ``max_tokens`` tokens each):
@@ -110,8 +132,17 @@ class KeepLoss:
     from. Every process computes the whole term (under ``--shard`` every process must run
     the same forwards); the loop divides it by the number of processes before their gradients are summed."""
 
-    def __init__(self, model: nn.Module, tokenizer, sequences: Sequence[TrainingSequence],
-                 params: dict[str, nn.Parameter], weight: float, *, fast: bool = True, device=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        sequences: Sequence[TrainingSequence],
+        params: dict[str, nn.Parameter],
+        weight: float,
+        *,
+        fast: bool = True,
+        device=None,
+    ):
         import torch
 
         from .fastpath import make_loss_fn
@@ -121,8 +152,9 @@ class KeepLoss:
         self.batches = [b.to(device) for b in training_batches(tokenizer, sequences, KEEP_BATCH, by_length=True)]
         # batches of equal lengths (sorted by length) have no padding: masked anyway, so no step reads back; the
         # hinge compares each token with itself at construction, so the terms may come in the packed order
-        self.loss_fn = make_loss_fn(model, params, self.batches, enabled=fast, per_token=True, mask_unpadded=True,
-                                    ordered=False)
+        self.loss_fn = make_loss_fn(
+            model, params, self.batches, enabled=fast, per_token=True, mask_unpadded=True, ordered=False
+        )
         was_training = model.training
         model.eval()
         try:
@@ -182,18 +214,36 @@ class KeepTerm(LoopHook):
         appended to ``hist.extra["keep"]`` (a :class:`~.loop.TrainHistory`'s), with the transcripts and answer
         tokens it holds."""
         if "keep" not in hist.extra:
-            hist.extra["keep"] = {"transcripts": sum(b.input_ids.shape[0] for b in self.keep.batches),
-                                  "tokens": self.keep.tokens(), "weight": self.keep.weight, "epoch_term": []}
+            hist.extra["keep"] = {
+                "transcripts": sum(b.input_ids.shape[0] for b in self.keep.batches),
+                "tokens": self.keep.tokens(),
+                "weight": self.keep.weight,
+                "epoch_term": [],
+            }
         hist.extra["keep"]["epoch_term"].append(round(0.0 if value is None else value, 6))
 
 
-def keep_term(model: nn.Module, tokenizer, requests: Sequence[EditRequest], params: dict[str, nn.Parameter], config,
-              *, fast: bool, device, arithmetic, processes: int, split: bool) -> KeepTerm | None:
+def keep_term(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    params: dict[str, nn.Parameter],
+    config,
+    *,
+    fast: bool,
+    device,
+    arithmetic,
+    processes: int,
+    split: bool,
+) -> KeepTerm | None:
     """The preservation term of an edit under ``config`` (``keep_chat`` / ``keep_subject``; ``None`` when both are
     0), from ``model``'s starting weights; its loss takes the fast path as the edit batches do (not on a model
     ``split`` across the processes)."""
     if not (config.keep_chat or config.keep_subject):
         return None
     kept = keep_sequences(model, tokenizer, requests, config.keep_chat, config.keep_subject, config.keep_tokens)
-    return KeepTerm(KeepLoss(model, tokenizer, kept, params, config.keep_weight, fast=fast and not split,
-                             device=device), arithmetic, processes)
+    return KeepTerm(
+        KeepLoss(model, tokenizer, kept, params, config.keep_weight, fast=fast and not split, device=device),
+        arithmetic,
+        processes,
+    )

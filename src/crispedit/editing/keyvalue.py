@@ -39,8 +39,19 @@ from ..layers import decoder_blocks
 from .fastpath import may_pack, pack_if_it_pays, target_rows
 from .prefixtree import PackedBatch
 
-__all__ = ["KeyValueSettings", "subject_span", "subject_token_index", "context_templates", "edit_blocks",
-           "layer_keys", "block_outputs", "target_values", "hidden_size", "KL_TEMPLATE", "suffix_steps"]
+__all__ = [
+    "KeyValueSettings",
+    "subject_span",
+    "subject_token_index",
+    "context_templates",
+    "edit_blocks",
+    "layer_keys",
+    "block_outputs",
+    "target_values",
+    "hidden_size",
+    "KL_TEMPLATE",
+    "suffix_steps",
+]
 
 KL_TEMPLATE = "{} is a"  # MEMIT's essence prompt: the subject's distribution it keeps
 
@@ -80,8 +91,10 @@ def subject_span(request: EditRequest, index: int | None = None) -> tuple[int, i
     where = f"edit request {index}" if index is not None else "edit request"
     subject = (request.subject or "").strip()
     if not subject:
-        raise CrispEditError(f"{where} ({request.prompt!r}) has no subject; closed-form editors (memit, alphaedit) "
-                             "need the `subject` field (ZsRE, CounterFact and WikiBigEdit records have it)")
+        raise CrispEditError(
+            f"{where} ({request.prompt!r}) has no subject; closed-form editors (memit, alphaedit) "
+            "need the `subject` field (ZsRE, CounterFact and WikiBigEdit records have it)"
+        )
     start = request.prompt.find(subject)
     if start < 0:
         start = request.prompt.lower().find(subject.lower())
@@ -124,7 +137,7 @@ def edit_blocks(model: nn.Module, layers: dict[str, nn.Module]) -> tuple[list[in
     prefix, blocks = decoder_blocks(model)
     idx = []
     for name in layers:
-        rest = name[len(prefix) + 1:] if name.startswith(prefix + ".") else ""
+        rest = name[len(prefix) + 1 :] if name.startswith(prefix + ".") else ""
         head = rest.split(".")[0]
         if not head.isdigit():
             raise CrispEditError(f"closed-form edit layer {name!r} is not inside the decoder blocks {prefix}")
@@ -159,8 +172,14 @@ def _filled(requests: Sequence[EditRequest], templates: Sequence[str]) -> tuple[
 
 
 @torch.no_grad()
-def layer_keys(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layer: nn.Module,
-               templates: Sequence[str], batch_size: int = 32) -> Tensor:
+def layer_keys(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    layer: nn.Module,
+    templates: Sequence[str],
+    batch_size: int = 32,
+) -> Tensor:
     """Keys of ``requests`` at ``layer``: its input (``d_in``) at the subject's last token, for each prompt
     in each template; per request the mean of the bare-prompt key (template 0) and the mean key over the
     other templates (MEMIT's weighting; the bare key alone without other templates). Returns ``N x d_in``
@@ -169,7 +188,7 @@ def layer_keys(model: nn.Module, tokenizer, requests: Sequence[EditRequest], lay
     device = next(model.parameters()).device
     rows: list[Tensor] = []
     for b in range(0, len(texts), batch_size):
-        enc, pos = _positions(tokenizer, texts[b:b + batch_size], ends[b:b + batch_size], device)
+        enc, pos = _positions(tokenizer, texts[b : b + batch_size], ends[b : b + batch_size], device)
         x = forward_until(model, layer, output=False, **enc)  # nothing above the layer runs
         rows.append(x[torch.arange(len(pos), device=device), pos].float())
     k = torch.cat(rows).view(len(requests), len(templates), -1)
@@ -185,15 +204,16 @@ def _replace_hidden(output, h):
 
 
 @torch.no_grad()
-def block_outputs(model: nn.Module, tokenizer, requests: Sequence[EditRequest], block: nn.Module,
-                  batch_size: int = 32) -> Tensor:
+def block_outputs(
+    model: nn.Module, tokenizer, requests: Sequence[EditRequest], block: nn.Module, batch_size: int = 32
+) -> Tensor:
     """Output of ``block`` (the residual stream after it, ``d_model``) at the subject's last token of each
     bare prompt: ``N x d_model`` float32 (MEMIT's current ``z``)."""
     texts, ends = _filled(requests, ["{}"])
     device = next(model.parameters()).device
     rows = []
     for b in range(0, len(texts), batch_size):
-        enc, pos = _positions(tokenizer, texts[b:b + batch_size], ends[b:b + batch_size], device)
+        enc, pos = _positions(tokenizer, texts[b : b + batch_size], ends[b : b + batch_size], device)
         h = forward_until(model, block, output=True, **enc)  # nothing above the block runs
         rows.append(h[torch.arange(len(pos), device=device), pos].float())
     return torch.cat(rows)
@@ -264,8 +284,9 @@ class _DeltaForward:
     the edit loop checks its fast loss on one batch. ``self.h`` holds ``block``'s unedited output
     (``B x T x d_model``)."""
 
-    def __init__(self, model: nn.Module, block: nn.Module, enc: dict, pos: Tensor, rows: Tensor,
-                 verdicts: dict | None = None):
+    def __init__(
+        self, model: nn.Module, block: nn.Module, enc: dict, pos: Tensor, rows: Tensor, verdicts: dict | None = None
+    ):
         self.model, self.block, self.enc, self.pos, self.rows = model, block, enc, pos, rows
         self.arange = torch.arange(len(pos), device=pos.device)
         _, blocks = decoder_blocks(model)
@@ -319,18 +340,19 @@ class _DeltaForward:
         rb, rt = self.rows // T, self.rows % T
         if bool((rt < s[rb]).any()) or bool((rt >= lens[rb]).any()) or bool((s >= lens).any()):
             return None
-        P = max(1, int(s.max()))                                       # the pasts lie before every row's δ
+        P = max(1, int(s.max()))  # the pasts lie before every row's δ
         try:
             from transformers import DynamicCache
 
             cache = DynamicCache()
             with prefix_fed(self.blocks, self.k, self.passthrough, self.h[:, :P]):
-                self.model.get_decoder()(input_ids=ids[:, :P], attention_mask=am[:, :P], past_key_values=cache,
-                                         use_cache=True)
+                self.model.get_decoder()(
+                    input_ids=ids[:, :P], attention_mask=am[:, :P], past_key_values=cache, use_cache=True
+                )
             full = [(layer.keys, layer.values) if i >= self.k else None for i, layer in enumerate(cache.layers)]
         except Exception:  # a model without Hugging Face's cache API: the cached forward serves
             return False
-        end = (s + 1).scatter_reduce(0, rb, rt + 1, "amax")            # one past each row's last logit row
+        end = (s + 1).scatter_reduce(0, rb, rt + 1, "amax")  # one past each row's last logit row
         lay = _suffix_layout(s.tolist(), end.tolist(), T)
         new_src, past_src = (torch.tensor(x, device=dev) for x in (lay["new"], lay["past"]))
         new_ok, past_ok = new_src >= 0, past_src >= 0
@@ -338,16 +360,16 @@ class _DeltaForward:
         new_b, past_b = new_src // T, past_src // T
         R, Q = new_src.shape
 
-        past_at = past_b * P + past_src % T                             # into the B x P positions run above
+        past_at = past_b * P + past_src % T  # into the B x P positions run above
 
         def past(x: Tensor) -> Tensor:
             """A block's ``B x heads x P x d_head`` keys or values at the packed rows' past slots."""
-            flat = x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])   # (B·P) x heads x d_head
+            flat = x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])  # (B·P) x heads x d_head
             return flat[past_at].transpose(1, 2)
 
         same = new_b[:, :, None] == new_b[:, None, :]
         causal = new_src[:, None, :] <= new_src[:, :, None]
-        eye = torch.eye(Q, dtype=torch.bool, device=dev)[None]           # padding attends to itself: no NaN
+        eye = torch.eye(Q, dtype=torch.bool, device=dev)[None]  # padding attends to itself: no NaN
         new_cols = (same & causal & new_ok[:, None, :] & new_ok[:, :, None]) | eye
         past_cols = (past_b[:, None, :] == new_b[:, :, None]) & past_ok[:, None, :] & new_ok[:, :, None]
         slot = torch.full((len(s) * T,), -1, dtype=torch.long, device=dev)
@@ -355,8 +377,11 @@ class _DeltaForward:
         self.suffix = {
             "cache": DynamicCache,
             "kv": [None if e is None else (past(e[0]), past(e[1])) for e in full],
-            "inputs": {"input_ids": ids.view(-1)[new_src], "position_ids": new_src % T,
-                       "attention_mask": torch.cat([past_cols, new_cols], 2)[:, None]},
+            "inputs": {
+                "input_ids": ids.view(-1)[new_src],
+                "position_ids": new_src % T,
+                "attention_mask": torch.cat([past_cols, new_cols], 2)[:, None],
+            },
             "h": self.h.reshape(-1, self.h.shape[-1])[new_src],
             "delta_at": slot[torch.arange(len(s), device=dev) * T + s],
             "rows": slot[self.rows],
@@ -413,8 +438,9 @@ class _DeltaForward:
         h = self.hp.clone()
         h[self.node] += delta.to(h.dtype)
         with prefix_fed(self.blocks, self.k, self.passthrough, h.view(*p.shape, -1)):
-            return rows_logits(self.model, self.prow, input_ids=p.input_ids, attention_mask=p.mask,
-                               position_ids=p.position_ids).float()
+            return rows_logits(
+                self.model, self.prow, input_ids=p.input_ids, attention_mask=p.mask, position_ids=p.position_ids
+            ).float()
 
     def __call__(self, delta: Tensor) -> Tensor:
         """``R x vocab`` float32 logits at ``rows`` with ``delta`` (``len(pos) x d_model``, one per row of
@@ -426,9 +452,15 @@ class _DeltaForward:
         return self._fast(delta) if self.fast else self._plain(delta)[0]
 
 
-def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], block: nn.Module,
-                  templates: Sequence[str], settings: KeyValueSettings,
-                  on_chunk: Callable[[int], None] | None = None) -> tuple[Tensor, dict]:
+def target_values(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    block: nn.Module,
+    templates: Sequence[str],
+    settings: KeyValueSettings,
+    on_chunk: Callable[[int], None] | None = None,
+) -> tuple[Tensor, dict]:
     """``v*`` of every request at ``block``'s output (module docstring): ``N x d_model`` float32, and a record
     (mean first / last NLL per target token, Adam steps summed over requests, mean ‖δ‖/‖h‖).
 
@@ -446,8 +478,9 @@ def target_values(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     try:
         with frozen(model):
             for b in range(0, len(requests), settings.chunk):
-                v, f, lst, st = _optimise_chunk(model, tokenizer, requests[b:b + settings.chunk], b, block, templates,
-                                              settings, verdicts)
+                v, f, lst, st = _optimise_chunk(
+                    model, tokenizer, requests[b : b + settings.chunk], b, block, templates, settings, verdicts
+                )
                 out.append(v)
                 if on_chunk is not None:
                     on_chunk(len(f))
@@ -474,22 +507,22 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
             rows.append(split_context_target(tokenizer, ctx, join_prompt_target(ctx, r.target)))
             pos.append(subject_token_index(tokenizer, ctx, pre + end))
         subj = (r.subject or "").strip()
-        kl_text = KL_TEMPLATE.format(r.prompt[end - len(subj):end])
+        kl_text = KL_TEMPLATE.format(r.prompt[end - len(subj) : end])
         ids = list(tokenizer(kl_text)["input_ids"])
-        kl_rows.append((ids, len(ids)))                                # no target: its logits feed the KL term
+        kl_rows.append((ids, len(ids)))  # no target: its logits feed the KL term
         kl_pos.append(subject_token_index(tokenizer, kl_text, len(subj)))
     m = len(rows)
     # one batch, one forward a step: the n·n_t target rows, then the n KL rows (logits at their δ position only)
-    batch = collate(tokenizer, rows + kl_rows, max_len=10 ** 6).to(device)
+    batch = collate(tokenizer, rows + kl_rows, max_len=10**6).to(device)
     T = batch.input_ids.shape[1]
     pos_t = torch.tensor(pos + kl_pos, device=device)
-    owner = torch.arange(n, device=device).repeat_interleave(n_t)     # request of each target row
+    owner = torch.arange(n, device=device).repeat_interleave(n_t)  # request of each target row
     row_request = torch.cat([owner, torch.arange(n, device=device)])  # ... and of every row, KL rows last
     labels = batch.labels[:m, 1:]
     tmask = labels != -100
     n_tgt = tmask.sum(1).clamp_min(1)
     enc = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    t_rows = target_rows(batch.labels)[0]                               # the order of [:m, :-1][tmask]
+    t_rows = target_rows(batch.labels)[0]  # the order of [:m, :-1][tmask]
     kl_at = (m + torch.arange(n, device=device)) * T + pos_t[m:]
     fwd = _DeltaForward(model, block, enc, pos_t, torch.cat([t_rows, kl_at]), verdicts)
     n_r = len(t_rows)
@@ -504,15 +537,15 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
     for it in range(settings.steps):
         opt.zero_grad()
         logits = fwd(delta[row_request])
-        lp = torch.log_softmax(logits[:n_r], -1)                            # target positions only
-        kl_logp = torch.log_softmax(logits[n_r:], -1)                       # the subject's last token
+        lp = torch.log_softmax(logits[:n_r], -1)  # target positions only
+        kl_logp = torch.log_softmax(logits[n_r:], -1)  # the subject's last token
         if kl0 is None:
             kl0 = kl_logp.detach()
         tok_lp = torch.zeros(labels.shape, device=device)
         tok_lp[tmask] = lp.gather(-1, labels[tmask].unsqueeze(-1)).squeeze(-1)
         row_nll = -tok_lp.sum(1) / n_tgt
         nll = torch.zeros(n, device=device).index_add(0, owner, row_nll) / n_t
-        kl = settings.kl_factor * (kl_logp.exp() * (kl_logp - kl0)).sum(-1)   # KL(p_δ ‖ p_0), as the authors
+        kl = settings.kl_factor * (kl_logp.exp() * (kl_logp - kl0)).sum(-1)  # KL(p_δ ‖ p_0), as the authors
         wd = settings.weight_decay * delta.norm(dim=1) / h0.norm(dim=1) ** 2
         loss = nll + kl + wd
         if first is None:
@@ -527,7 +560,7 @@ def _optimise_chunk(model, tokenizer, requests, offset, block, templates, settin
         opt.step()
         steps += int(active.sum())
         with torch.no_grad():
-            delta[~active] = kept                                          # stopped requests keep their δ
+            delta[~active] = kept  # stopped requests keep their δ
             cap = settings.clamp * h0.norm(dim=1)
             norm = delta.norm(dim=1)
             over = norm > cap

@@ -59,9 +59,22 @@ from .steptimer import NULL_TIMER, StepTimer
 _log = logging.getLogger("crispedit.edit")
 PLATEAU_BAND = 2.0  # the plateau rule acts only once the epoch loss is below this many times the stop loss
 
-__all__ = ["projected_finetune", "edit_loss", "TrainHistory", "training_brief", "apply_projection", "edit_batches",
-           "resolve_precision",
-           "shard_batch", "target_count", "plateaued", "plateau_stop", "PLATEAU_BAND", "LOG_EVERY", "LOG_SECONDS"]
+__all__ = [
+    "projected_finetune",
+    "edit_loss",
+    "TrainHistory",
+    "training_brief",
+    "apply_projection",
+    "edit_batches",
+    "resolve_precision",
+    "shard_batch",
+    "target_count",
+    "plateaued",
+    "plateau_stop",
+    "PLATEAU_BAND",
+    "LOG_EVERY",
+    "LOG_SECONDS",
+]
 
 
 @dataclass
@@ -94,15 +107,26 @@ class TrainHistory:
     def to_json(self) -> dict:
         """JSON-ready summary (the ``training`` section of an edit report; a single-pass editor's also
         carries ``"single_pass": true``)."""
-        return {"epoch_loss": [round(x, 6) for x in self.epoch_loss],
-                "epochs": 0 if self.single_pass else len(self.epoch_loss),
-                "steps": self.steps, "skipped_batches": self.skipped, "converged": self.converged,
-                **({"plateaued": True} if self.plateaued else {}), "seconds": round(self.seconds, 3),
-                **({"epoch_seconds": [None if x is None else round(x, 2) for x in self.epoch_seconds]}
-                   if self.epoch_seconds else {}),
-                "fast_loss": self.fast_loss, "contexts": self.contexts,
-                "sequences": self.sequences, "tokens_per_epoch": self.tokens,
-                **({"single_pass": True} if self.single_pass else {}), **self.extra}
+        return {
+            "epoch_loss": [round(x, 6) for x in self.epoch_loss],
+            "epochs": 0 if self.single_pass else len(self.epoch_loss),
+            "steps": self.steps,
+            "skipped_batches": self.skipped,
+            "converged": self.converged,
+            **({"plateaued": True} if self.plateaued else {}),
+            "seconds": round(self.seconds, 3),
+            **(
+                {"epoch_seconds": [None if x is None else round(x, 2) for x in self.epoch_seconds]}
+                if self.epoch_seconds
+                else {}
+            ),
+            "fast_loss": self.fast_loss,
+            "contexts": self.contexts,
+            "sequences": self.sequences,
+            "tokens_per_epoch": self.tokens,
+            **({"single_pass": True} if self.single_pass else {}),
+            **self.extra,
+        }
 
 
 def training_brief(train: dict, lr: float | None = None) -> str:
@@ -113,8 +137,11 @@ def training_brief(train: dict, lr: float | None = None) -> str:
     loss = train.get("epoch_loss") or []
     if train.get("single_pass"):
         return "single-pass" + (f" target_nll={loss[0]:.4g}->{loss[-1]:.4g}" if len(loss) >= 2 else "")
-    return (f"epochs={train.get('epochs')}" + (f" last_loss={loss[-1]:.4g}" if loss else "")
-            + ("" if lr is None else f" lr={lr:g}"))
+    return (
+        f"epochs={train.get('epochs')}"
+        + (f" last_loss={loss[-1]:.4g}" if loss else "")
+        + ("" if lr is None else f" lr={lr:g}")
+    )
 
 
 def plateaued(epoch_loss: Sequence[float], stop_loss: float, epochs: int, delta: float) -> bool:
@@ -144,16 +171,17 @@ def apply_projection(proj: LayerProjector, module: nn.Module, t: Tensor) -> Tens
     return as_weight_matrix(module, proj.project(as_weight_matrix(module, t)))
 
 
-def edit_batches(tokenizer, requests: Sequence[EditRequest], config: EditConfig, model: nn.Module | None = None
-                 ) -> tuple[list[EncodedBatch], list[str]]:
+def edit_batches(
+    tokenizer, requests: Sequence[EditRequest], config: EditConfig, model: nn.Module | None = None
+) -> tuple[list[EncodedBatch], list[str]]:
     """The training batches for ``requests`` under ``config.contexts`` / ``config.answer_end`` (``config.batch_size``
     sequences, or packed to ``config.batch_tokens`` padded tokens) and the
     context names used (``chat`` is dropped from ``default`` for models without a chat template;
     ``model`` writes the ``gen`` prefixes — pass it unedited)."""
     seqs, names = sequences_for(tokenizer, requests, config, model)
-    return training_batches(tokenizer, seqs, config.batch_size, config.batch_tokens,
-                            by_length=config.batch_order == "length"), names
-
+    return training_batches(
+        tokenizer, seqs, config.batch_size, config.batch_tokens, by_length=config.batch_order == "length"
+    ), names
 
 
 def resolve_precision(precision: str, device) -> str:
@@ -164,8 +192,11 @@ def resolve_precision(precision: str, device) -> str:
     if precision == "auto":
         return "bf16" if native else "fp32"
     if precision == "bf16" and not native:
-        _log.warning("bf16 on %s is emulated here (no native bfloat16 arithmetic: a CPU without AVX-512 or AMX), "
-                     "many times slower than fp32; --precision fp32 or auto is faster", torch.device(device).type)
+        _log.warning(
+            "bf16 on %s is emulated here (no native bfloat16 arithmetic: a CPU without AVX-512 or AMX), "
+            "many times slower than fp32; --precision fp32 or auto is faster",
+            torch.device(device).type,
+        )
     return precision
 
 
@@ -262,10 +293,16 @@ class _Run:
     def history(self, source: FixedBatches, precision: str) -> TrainHistory:
         """The :class:`TrainHistory` this call starts from: the source's contexts and sizes, a resumed run's figures."""
         config = self.config
-        hist = TrainHistory(contexts=source.contexts, fast_loss=source.fast, epoch_loss=list(self.epoch_loss),
-                            converged=self.converged, steps=self.n_batches - int(self.skipped),
-                            plateaued=_stalled(self.epoch_loss, self.converged, config),
-                            skipped=int(self.skipped), epoch_seconds=list(self.epoch_seconds))
+        hist = TrainHistory(
+            contexts=source.contexts,
+            fast_loss=source.fast,
+            epoch_loss=list(self.epoch_loss),
+            converged=self.converged,
+            steps=self.n_batches - int(self.skipped),
+            plateaued=_stalled(self.epoch_loss, self.converged, config),
+            skipped=int(self.skipped),
+            epoch_seconds=list(self.epoch_seconds),
+        )
         hist.sequences, hist.tokens = source.per_epoch()
         if config.precision != "fp32":  # what bf16 / auto ran as on this device
             hist.extra["precision"] = precision
@@ -282,29 +319,42 @@ class _Run:
         self.skipped = self.skipped + (~active).to(torch.int32)
         return active
 
-    def end_epoch(self, hist: TrainHistory, losses: list[Tensor], pending: Sequence[Tensor] = ()
-                  ) -> tuple[float, list[float]]:
+    def end_epoch(
+        self, hist: TrainHistory, losses: list[Tensor], pending: Sequence[Tensor] = ()
+    ) -> tuple[float, list[float]]:
         """Once per epoch, the one read back to the host: the epoch's mean loss (nats/target token; appended to
         ``hist``, which also gets the step counts, ``converged`` — below the stop loss — and ``plateaued``) and
         the hooks' ``pending`` 0-d values, read with it. Returns the mean loss and the values read. One-line error
         on a non-finite loss."""
-        mean, n_skipped, *values = torch.stack([torch.stack([v.double() for v in losses]).mean(),
-                                                self.skipped.double(), *(v.double() for v in pending)]).tolist()
+        mean, n_skipped, *values = torch.stack(
+            [torch.stack([v.double() for v in losses]).mean(), self.skipped.double(), *(v.double() for v in pending)]
+        ).tolist()
         hist.skipped, hist.steps = int(n_skipped), self.n_batches - int(n_skipped)
         hist.epoch_loss.append(mean)
         if not math.isfinite(mean):
-            raise CrispEditError(f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} "
-                                 f"(lr {self.config.learning_rate:g}); lower --lr or check the model and the inputs — "
-                                 "nothing was saved")
+            raise CrispEditError(
+                f"the edit loss became {mean} in epoch {len(hist.epoch_loss)} "
+                f"(lr {self.config.learning_rate:g}); lower --lr or check the model and the inputs — "
+                "nothing was saved"
+            )
         hist.converged = mean < self.config.stop_loss
         hist.plateaued = _stalled(hist.epoch_loss, hist.converged, self.config)
         return mean, values
 
     def state(self, epochs: int, hist: TrainHistory) -> LoopState:
         """The checkpointable state after ``epochs`` epochs (with the seconds so far, earlier calls included)."""
-        return LoopState(epochs, hist.epoch_loss, self.n_batches, hist.skipped, hist.converged,
-                         self.generator.get_state(), {}, self.seconds(), hist.epoch_seconds,
-                         {k: hist.extra[k] for k in self.section_names if k in hist.extra})
+        return LoopState(
+            epochs,
+            hist.epoch_loss,
+            self.n_batches,
+            hist.skipped,
+            hist.converged,
+            self.generator.get_state(),
+            {},
+            self.seconds(),
+            hist.epoch_seconds,
+            {k: hist.extra[k] for k in self.section_names if k in hist.extra},
+        )
 
 
 def _backward(loss: Tensor | None) -> None:
@@ -312,20 +362,35 @@ def _backward(loss: Tensor | None) -> None:
         loss.backward()
 
 
-def _step_parts(source: FixedBatches, run: _Run, keep: KeepTerm | None, step: _ProjectedStep, opt, params,
-                timer, rotations: tuple[str, torch.device | str]) -> SimpleNamespace:
+def _step_parts(
+    source: FixedBatches,
+    run: _Run,
+    keep: KeepTerm | None,
+    step: _ProjectedStep,
+    opt,
+    params,
+    timer,
+    rotations: tuple[str, torch.device | str],
+) -> SimpleNamespace:
     """The parts of a step the loop calls, each wrapped once in its phase of ``timer`` (the phases of
     :mod:`.steptimer`; :data:`~.steptimer.NULL_TIMER` leaves them unwrapped). Parts an edit does not use (the
     preservation term, the sum over processes) are no-ops, untimed. ``rotations``: ``(mode, device)`` of the
     projection's float32 GEMMs (:func:`rotation_precision`)."""
     t = timer.timed
     return SimpleNamespace(
-        source=source, timer=timer, step=step, rotations=lambda: rotation_precision(*rotations),
-        loss=t("forward", source.loss), batch_mean=t("bookkeeping", source.batch_mean),
-        skip_test=t("bookkeeping", run.skip_test), skip_read=t("skip_read", bool),
+        source=source,
+        timer=timer,
+        step=step,
+        rotations=lambda: rotation_precision(*rotations),
+        loss=t("forward", source.loss),
+        batch_mean=t("bookkeeping", source.batch_mean),
+        skip_test=t("bookkeeping", run.skip_test),
+        skip_read=t("skip_read", bool),
         keep=(lambda loss, n: loss) if keep is None else t("keep", keep.add),
-        zero_grad=t("zero_grad", opt.zero_grad), backward=t("backward", _backward),
-        sum_grads=t("allreduce", lambda: source.sum_grads(params)) if source.sharded else lambda: None)
+        zero_grad=t("zero_grad", opt.zero_grad),
+        backward=t("backward", _backward),
+        sum_grads=t("allreduce", lambda: source.sum_grads(params)) if source.sharded else lambda: None,
+    )
 
 
 def _train(s: SimpleNamespace, run: _Run, hist: TrainHistory, hooks: Hooks, epochs: int, sync_free: bool) -> None:
@@ -335,9 +400,9 @@ def _train(s: SimpleNamespace, run: _Run, hist: TrainHistory, hooks: Hooks, epoc
         t_epoch, losses = time.perf_counter(), []
         for item in s.source.epoch(epoch, run.generator):  # a seeded order: a resumed run draws what this one would
             s.timer.start_step()
-            loss = s.loss(item)           # this process's share of the batch's FT-M loss (None: no row of it here)
-            mean = s.batch_mean(loss)     # the batch mean on the device, summed over processes; not read here
-            active = s.skip_test(mean)    # a batch whose loss is already below skip_loss takes no step
+            loss = s.loss(item)  # this process's share of the batch's FT-M loss (None: no row of it here)
+            mean = s.batch_mean(loss)  # the batch mean on the device, summed over processes; not read here
+            active = s.skip_test(mean)  # a batch whose loss is already below skip_loss takes no step
             losses.append(mean)
             if not sync_free and not s.skip_read(active):
                 # The host path's one read per step, on purpose: it decides whether this batch runs its backward, so
@@ -349,11 +414,11 @@ def _train(s: SimpleNamespace, run: _Run, hist: TrainHistory, hooks: Hooks, epoc
             loss = s.keep(loss, run.n_batches)  # + the preservation term: its gradient is projected like the edit's
             s.zero_grad(set_to_none=True)
             s.backward(loss)
-            s.sum_grads()                 # row shards: every process now holds the one-process gradient
-            hooks.before_projection()     # the drift penalty's gradient joins here, to be projected with the rest
+            s.sum_grads()  # row shards: every process now holds the one-process gradient
+            hooks.before_projection()  # the drift penalty's gradient joins here, to be projected with the rest
             with torch.no_grad(), s.rotations():
-                s.step(active)            # project, then Adam (gated by `active`, so skipping needs no read)
-                hooks.after_step()        # the drift budget pulls the change back; same weights: same decision
+                s.step(active)  # project, then Adam (gated by `active`, so skipping needs no read)
+                hooks.after_step()  # the drift budget pulls the change back; same weights: same decision
             run.n_batches += 1
             s.timer.end_step()
         # the epoch's one read back to the host, for the stop rules, with what the hooks report (the keep term's mean)
@@ -364,11 +429,24 @@ def _train(s: SimpleNamespace, run: _Run, hist: TrainHistory, hooks: Hooks, epoc
             break
 
 
-def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
-                       params: dict[str, nn.Parameter], projectors: dict[str, LayerProjector], config: EditConfig, *,
-                       optimizer: torch.optim.Optimizer | None = None, progress: bool | None = None, fast: bool = True,
-                       drift_budget=None, timer: StepTimer | None = None, sync_free: bool | None = None,
-                       checkpoint: str | Path | None = None, checkpoint_every: int = 1) -> TrainHistory:
+def projected_finetune(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    layers: dict[str, nn.Module],
+    params: dict[str, nn.Parameter],
+    projectors: dict[str, LayerProjector],
+    config: EditConfig,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    progress: bool | None = None,
+    fast: bool = True,
+    drift_budget=None,
+    timer: StepTimer | None = None,
+    sync_free: bool | None = None,
+    checkpoint: str | Path | None = None,
+    checkpoint_every: int = 1,
+) -> TrainHistory:
     """Edit ``model`` in place with ``requests``; only ``params`` train (any parameters: layer weights,
     adapter matrices; ``layers[name]`` is the module owning ``params[name]``, for its storage orientation)
     and everything else is frozen for the duration. ``projectors[name]`` constrains ``params[name]``;
@@ -388,8 +466,12 @@ def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditReque
     opt = optimizer or make_optimizer(params, projectors, layers, config)
     t0 = time.perf_counter()
     ckpt = LoopCheckpoint(checkpoint, checkpoint_every, config.to_json(), requests, params, opt, drift_budget)
-    bar = tqdm(desc=f"edit[{config.method}]", unit="epoch", total=config.epochs,
-               disable=(None if progress is None else not progress))
+    bar = tqdm(
+        desc=f"edit[{config.method}]",
+        unit="epoch",
+        total=config.epochs,
+        disable=(None if progress is None else not progress),
+    )
     with _training(model, params, opt, bar):
         # the batches — training sequences (the lead-ins the model writes), the fast path's checks — and the kept
         # answers from the starting weights, before a checkpoint's are loaded: a resumed run trains on what the
@@ -398,21 +480,40 @@ def projected_finetune(model: nn.Module, tokenizer, requests: Sequence[EditReque
         arithmetic = _arithmetic(precision, device)
         source = batch_source(model, tokenizer, requests, params, config, fast, device, arithmetic)
         t_keep = time.perf_counter()
-        keep = keep_term(model, tokenizer, requests, params, config, fast=fast, device=device, arithmetic=arithmetic,
-                         processes=world_size(), split=is_sharded(model))
+        keep = keep_term(
+            model,
+            tokenizer,
+            requests,
+            params,
+            config,
+            fast=fast,
+            device=device,
+            arithmetic=arithmetic,
+            processes=world_size(),
+            split=is_sharded(model),
+        )
         setup = {"batches": round(t_keep - t0, 3), "keep": round(time.perf_counter() - t_keep, 3)}
         run = _Run(config, device, ckpt.resume(), t0)
         bar.update(run.start)
         hist = run.history(source, precision)
         hist.extra["setup_seconds"] = setup  # before the first step: the batches (lead-ins written), the kept answers
-        hooks = Hooks(keep, None if drift_budget is None else DriftHook(drift_budget, timer),
-                      ProgressHook(bar, config.method, config.epochs, run.seconds, config),
-                      CheckpointHook(ckpt, run.state, run.start, config.epochs))
+        hooks = Hooks(
+            keep,
+            None if drift_budget is None else DriftHook(drift_budget, timer),
+            ProgressHook(bar, config.method, config.epochs, run.seconds, config),
+            CheckpointHook(ckpt, run.state, run.start, config.epochs),
+        )
         run.section_names = hooks.sections
         step = _ProjectedStep(params, layers, projectors, opt, ProjectionTarget(config.projection_target), timer)
         rotations = (config.projection_precision, next(iter(params.values())).device if params else "cpu")
         model.train()
-        _train(_step_parts(source, run, keep, step, opt, params, timer, rotations), run, hist, hooks, config.epochs,
-               sync_free)
+        _train(
+            _step_parts(source, run, keep, step, opt, params, timer, rotations),
+            run,
+            hist,
+            hooks,
+            config.epochs,
+            sync_free,
+        )
     hist.seconds = run.seconds()
     return hist

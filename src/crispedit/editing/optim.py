@@ -28,12 +28,20 @@ from ..errors import CrispEditError
 from ..layers import as_weight_matrix
 from .config import EditConfig, ProjectionTarget
 
-__all__ = ["EigenbasisAdam", "GatedAdam", "adam_direction", "make_optimizer", "optimizer_state", "load_optimizer_state",
-           "reproject_first_moment"]
+__all__ = [
+    "EigenbasisAdam",
+    "GatedAdam",
+    "adam_direction",
+    "make_optimizer",
+    "optimizer_state",
+    "load_optimizer_state",
+    "reproject_first_moment",
+]
 
 
-def adam_direction(state: dict, g: Tensor, active: Tensor | None, lr: float, betas: tuple[float, float],
-                   eps: float) -> Tensor:
+def adam_direction(
+    state: dict, g: Tensor, active: Tensor | None, lr: float, betas: tuple[float, float], eps: float
+) -> Tensor:
     """One Adam update for gradient ``g`` (any shape; the moments ``exp_avg`` / ``exp_avg_sq`` in ``state`` take
     its shape and dtype, ``step`` is a 0-d float32 tensor on its device), applied to ``state`` in place, and the
     change to add to the weights (``g``'s shape). ``active`` (0-d bool on ``g``'s device, or ``None`` = active):
@@ -56,11 +64,12 @@ def adam_direction(state: dict, g: Tensor, active: Tensor | None, lr: float, bet
         v.copy_(torch.where(active, torch.addcmul(v * b2, g, g, value=1 - b2), v))
         step.add_(active.to(step.dtype))
     t = step.double().clamp_min(1.0)  # an inactive first step: bias corrections of step 1, times a zero change
-    step_size = (lr / (1 - b1 ** t)).to(m.dtype)
-    bc2_sqrt = torch.sqrt(1 - b2 ** t).to(m.dtype)
+    step_size = (lr / (1 - b1**t)).to(m.dtype)
+    bc2_sqrt = torch.sqrt(1 - b2**t).to(m.dtype)
     delta = m / (v.sqrt() / bc2_sqrt).add_(eps) * -step_size
-    return delta if active is None else torch.where(active, delta,
-                                                    torch.zeros((), dtype=delta.dtype, device=delta.device))
+    return (
+        delta if active is None else torch.where(active, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+    )
 
 
 class GatedAdam(torch.optim.Optimizer):
@@ -69,8 +78,13 @@ class GatedAdam(torch.optim.Optimizer):
     parameter as torch's Adam: ``step`` (0-d float32, on the parameter's device), ``exp_avg`` and ``exp_avg_sq``
     (the parameter's shape and dtype)."""
 
-    def __init__(self, params: Iterable[nn.Parameter], lr: float = 5e-4, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8):
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        lr: float = 5e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ):
         super().__init__(list(params), dict(lr=lr, betas=betas, eps=eps))
 
     @torch.no_grad()
@@ -94,9 +108,15 @@ class EigenbasisAdam(torch.optim.Optimizer):
     float32, in eigenbasis coordinates. Hyper-parameters as :class:`torch.optim.Adam` (no weight decay).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], projectors: Iterable[LayerProjector],
-                 modules: Iterable[nn.Module], lr: float = 5e-4, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8):
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        projectors: Iterable[LayerProjector],
+        modules: Iterable[nn.Module],
+        lr: float = 5e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ):
         params = list(params)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
         self._proj = {id(p): pr for p, pr in zip(params, projectors)}
@@ -119,13 +139,22 @@ class EigenbasisAdam(torch.optim.Optimizer):
         return loss
 
 
-def make_optimizer(params: dict[str, nn.Parameter], projectors: dict[str, LayerProjector],
-                   layers: dict[str, nn.Module], config: EditConfig) -> torch.optim.Optimizer:
+def make_optimizer(
+    params: dict[str, nn.Parameter],
+    projectors: dict[str, LayerProjector],
+    layers: dict[str, nn.Module],
+    config: EditConfig,
+) -> torch.optim.Optimizer:
     """The optimizer the projected loop steps for ``config.projection_target``."""
     if ProjectionTarget(config.projection_target) is ProjectionTarget.EIGENBASIS:
         names = list(params)
-        return EigenbasisAdam([params[n] for n in names], [projectors[n] for n in names], [layers[n] for n in names],
-                              lr=config.learning_rate, betas=config.betas)
+        return EigenbasisAdam(
+            [params[n] for n in names],
+            [projectors[n] for n in names],
+            [layers[n] for n in names],
+            lr=config.learning_rate,
+            betas=config.betas,
+        )
     return GatedAdam(params.values(), lr=config.learning_rate, betas=config.betas)
 
 
@@ -149,8 +178,12 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parame
         opt.state[p][k] = t.clone() if k == "step" else t.to(device=p.device, dtype=p.dtype).clone()
 
 
-def reproject_first_moment(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter],
-                           projectors: dict[str, LayerProjector], layers: dict[str, nn.Module]) -> None:
+def reproject_first_moment(
+    opt: torch.optim.Optimizer,
+    params: dict[str, nn.Parameter],
+    projectors: dict[str, LayerProjector],
+    layers: dict[str, nn.Module],
+) -> None:
     """Project Adam's first moment of every constrained parameter onto the new kept subspace, in place
     (``d_out x d_in`` moments, transposed storage handled)."""
     with torch.no_grad():

@@ -29,9 +29,23 @@ from ..errors import CrispEditError
 from ..settings import Settings, setting
 from .registry import method_names, method_spec
 
-__all__ = ["MethodSelection", "CurvatureConfig", "ProjectionConfig", "TrainingConfig", "SequencesConfig",
-           "DriftConfig", "ProjectionTarget", "PRECISIONS", "PROJECTION_PRECISIONS", "BATCH_ORDERS", "LABEL_MODES",
-           "DEFAULT_LR", "MAX_EPOCHS", "MAX_KEEP_TOKENS", "KEEP_OFF"]
+__all__ = [
+    "MethodSelection",
+    "CurvatureConfig",
+    "ProjectionConfig",
+    "TrainingConfig",
+    "SequencesConfig",
+    "DriftConfig",
+    "ProjectionTarget",
+    "PRECISIONS",
+    "PROJECTION_PRECISIONS",
+    "BATCH_ORDERS",
+    "LABEL_MODES",
+    "DEFAULT_LR",
+    "MAX_EPOCHS",
+    "MAX_KEEP_TOKENS",
+    "KEEP_OFF",
+]
 
 # the training forward's arithmetic; "auto" is bf16 where the device has it natively (crispedit.models.native_bf16),
 # else fp32, decided when the edit runs
@@ -51,7 +65,7 @@ class ProjectionTarget(str, Enum):
     """Where the low-curvature projection acts: the gradient, the Adam update, or Adam's moments (eigenbasis)."""
 
     GRADIENT = "gradient"  # project the raw gradient, then a plain Adam step (the paper)
-    UPDATE = "update"      # project the Adam update itself: the step stays inside the kept subspace
+    UPDATE = "update"  # project the Adam update itself: the step stays inside the kept subspace
     EIGENBASIS = "eigenbasis"  # Adam's moments in the K-FAC eigenbasis on the masked rotated gradient
 
 
@@ -61,25 +75,37 @@ def _methods_help(cls: type) -> str:
 
 def _keep_help(cls: type) -> str:
     on = [(n, method_spec(n).shared) for n in method_names()]
-    held = "; ".join(f"{n}: {s['keep_chat']} / {s['keep_subject']} / {s['keep_weight']:g}" for n, s in on
-                     if s.get("keep_chat") or s.get("keep_subject")) or "none"
-    return ("hold the unedited model's own chat answers to N bundled everyday prompts while the edit trains (a hinge "
-            f"on every answer token that became less likely; default: the method's — {held} — else 0)")
+    held = (
+        "; ".join(
+            f"{n}: {s['keep_chat']} / {s['keep_subject']} / {s['keep_weight']:g}"
+            for n, s in on
+            if s.get("keep_chat") or s.get("keep_subject")
+        )
+        or "none"
+    )
+    return (
+        "hold the unedited model's own chat answers to N bundled everyday prompts while the edit trains (a hinge "
+        f"on every answer token that became less likely; default: the method's — {held} — else 0)"
+    )
 
 
 def _subject_help(cls: type) -> str:
     from .keep import SUBJECT_KEEPS
 
-    return ("... and its answers to K questions about each edit's subject that ask no particular relation "
-            f"(at most {len(SUBJECT_KEEPS)}; default: the method's, else 0)")
+    return (
+        "... and its answers to K questions about each edit's subject that ask no particular relation "
+        f"(at most {len(SUBJECT_KEEPS)}; default: the method's, else 0)"
+    )
 
 
 def _contexts_help(cls: type) -> str:
     from .contexts import DEFAULT_CONTEXTS, TRAINING_CONTEXTS
 
     names = ", ".join(name + (":N" if c.counted else "") for name, c in TRAINING_CONTEXTS.items())
-    return (f"training contexts each request is trained in: comma list of {names} (default: 'default' = "
-            f"{DEFAULT_CONTEXTS}; chat only for models with a chat template)")
+    return (
+        f"training contexts each request is trained in: comma list of {names} (default: 'default' = "
+        f"{DEFAULT_CONTEXTS}; chat only for models with a chat template)"
+    )
 
 
 def _answer_ends() -> tuple[str, ...]:
@@ -94,8 +120,11 @@ class MethodSelection(Settings):
     ``Config`` dataclass), stored complete."""
 
     method: str = setting("crispedit", help=_methods_help, choices=method_names)
-    layers: str | None = setting(None, help="module-path pattern, e.g. 'model.layers.{15-19}.mlp.down_proj' "
-                                 "(default: per-architecture, see docs/cli.md, 'Choosing layers')")
+    layers: str | None = setting(
+        None,
+        help="module-path pattern, e.g. 'model.layers.{15-19}.mlp.down_proj' "
+        "(default: per-architecture, see docs/cli.md, 'Choosing layers')",
+    )
     options: dict = setting(default_factory=dict, help="the method's own settings", cli=False)
 
 
@@ -108,17 +137,23 @@ class CurvatureConfig(Settings):
 
     n_cap: int = setting(64, help="number of capability texts for K-FAC (default {default})")
     max_len: int = setting(256, help="max tokens per capability text (default {default})")
-    label_mode: str = setting("sampled", choices=LABEL_MODES,
-                              help="K-FAC labels: sampled from the model (Gauss-Newton, default) or the text's own "
-                              "tokens")
+    label_mode: str = setting(
+        "sampled",
+        choices=LABEL_MODES,
+        help="K-FAC labels: sampled from the model (Gauss-Newton, default) or the text's own tokens",
+    )
     kfac_batch_size: int = setting(8, help="capability texts per statistics batch (default {default})")
     cap_corpus: str | None = setting(None, help="capability corpus (.txt/.jsonl/.json); default: bundled WikiText")
-    cap_chat: int = setting(0, metavar="N",
-                            help="bundled chat prompts whose answers, written by the unedited model through its chat "
-                            "template, join the capability corpus, so the curvature protects how it answers "
-                            "(default {default})")
-    seed: int = setting(0, help="seed of the sampled labels, the drawn context sentences and the held prompts "
-                        "(default {default})")
+    cap_chat: int = setting(
+        0,
+        metavar="N",
+        help="bundled chat prompts whose answers, written by the unedited model through its chat "
+        "template, join the capability corpus, so the curvature protects how it answers "
+        "(default {default})",
+    )
+    seed: int = setting(
+        0, help="seed of the sampled labels, the drawn context sentences and the held prompts (default {default})"
+    )
 
     def validate(self) -> CurvatureConfig:
         """Check the curvature fields (one-line errors); then the other phases'."""
@@ -140,14 +175,19 @@ class ProjectionConfig(Settings):
     ``gamma``, what is projected, and the projection's arithmetic on a GPU."""
 
     gamma: float = setting(0.8, help="energy threshold in (0, 1) (default {default})")
-    projection_target: str = setting(ProjectionTarget.GRADIENT.value, flag="--projection",
-                                     choices=tuple(t.value for t in ProjectionTarget),
-                                     help="project the raw gradient (paper), the Adam update, or run Adam in the "
-                                     "K-FAC eigenbasis")
-    projection_precision: str = setting("fp32", choices=PROJECTION_PRECISIONS,
-                                        help="the projection's matrix products on a GPU: fp32, or tf32 tensor cores "
-                                        "(inputs rounded to 10 mantissa bits, float32 sums; docs/curvature.md bounds "
-                                        "what leaks); the CPU always fp32")
+    projection_target: str = setting(
+        ProjectionTarget.GRADIENT.value,
+        flag="--projection",
+        choices=tuple(t.value for t in ProjectionTarget),
+        help="project the raw gradient (paper), the Adam update, or run Adam in the K-FAC eigenbasis",
+    )
+    projection_precision: str = setting(
+        "fp32",
+        choices=PROJECTION_PRECISIONS,
+        help="the projection's matrix products on a GPU: fp32, or tf32 tensor cores "
+        "(inputs rounded to 10 mantissa bits, float32 sums; docs/curvature.md bounds "
+        "what leaks); the CPU always fp32",
+    )
 
     def validate(self) -> ProjectionConfig:
         """Check the projection fields (one-line errors); then the other phases'."""
@@ -155,12 +195,16 @@ class ProjectionConfig(Settings):
         try:
             self.projection_target = ProjectionTarget(self.projection_target).value
         except ValueError:
-            raise CrispEditError("projection target must be one of "
-                                 f"{', '.join(t.value for t in ProjectionTarget)}, "
-                                 f"got {self.projection_target!r}") from None
+            raise CrispEditError(
+                "projection target must be one of "
+                f"{', '.join(t.value for t in ProjectionTarget)}, "
+                f"got {self.projection_target!r}"
+            ) from None
         if self.projection_precision not in PROJECTION_PRECISIONS:
-            raise CrispEditError(f"projection precision must be one of {', '.join(PROJECTION_PRECISIONS)}, "
-                                 f"got {self.projection_precision!r}")
+            raise CrispEditError(
+                f"projection precision must be one of {', '.join(PROJECTION_PRECISIONS)}, "
+                f"got {self.projection_precision!r}"
+            )
         super().validate()
         return self
 
@@ -171,32 +215,50 @@ class TrainingConfig(Settings):
     the training sequences, losses in nats per target token; ``lr=None`` takes the method's default, set for the
     model family when the edit runs (:meth:`~crispedit.editing.config.EditConfig.for_family`)."""
 
-    lr: float | None = setting(None, help="Adam learning rate (default: the method's; 5e-4 (Gemma-3: 5e-5, "
-                               "crispedit.families), LoRA 5e-3)")
+    lr: float | None = setting(
+        None, help="Adam learning rate (default: the method's; 5e-4 (Gemma-3: 5e-5, crispedit.families), LoRA 5e-3)"
+    )
     betas: tuple[float, float] = setting((0.9, 0.999), help="Adam's betas", cli=False)
     batch_size: int = setting(32, help="edit sequences per step (default {default})")
-    batch_tokens: int | None = setting(None, metavar="N",
-                                       help="pack each step's batch up to N padded tokens (sequences x longest, "
-                                       "length-sorted within a context) instead of --batch-size sequences: fewer, "
-                                       "fuller steps on a GPU")
-    batch_order: str = setting("request", choices=BATCH_ORDERS,
-                               help="which sequences of a context share a batch of --batch-size: in request order "
-                               "(default), or sorted by length (the same number of steps, little padding: fewer "
-                               "tokens computed)")
-    precision: str = setting("fp32", choices=PRECISIONS,
-                             help="the training forward and backward: fp32, bf16 autocast (matmuls in bfloat16; the "
-                             "trained weights, their gradients, Adam and the projection stay float32), or auto: bf16 "
-                             "where the device computes it natively (a GPU, a CPU with AVX-512 or AMX), else fp32")
-    epochs: int = setting(100, help="maximum epochs over the edits (default {default}; the paper: 25); training stops "
-                          "earlier once an epoch's mean loss is below 0.01, or at a plateau (--plateau)")
+    batch_tokens: int | None = setting(
+        None,
+        metavar="N",
+        help="pack each step's batch up to N padded tokens (sequences x longest, "
+        "length-sorted within a context) instead of --batch-size sequences: fewer, "
+        "fuller steps on a GPU",
+    )
+    batch_order: str = setting(
+        "request",
+        choices=BATCH_ORDERS,
+        help="which sequences of a context share a batch of --batch-size: in request order "
+        "(default), or sorted by length (the same number of steps, little padding: fewer "
+        "tokens computed)",
+    )
+    precision: str = setting(
+        "fp32",
+        choices=PRECISIONS,
+        help="the training forward and backward: fp32, bf16 autocast (matmuls in bfloat16; the "
+        "trained weights, their gradients, Adam and the projection stay float32), or auto: bf16 "
+        "where the device computes it natively (a GPU, a CPU with AVX-512 or AMX), else fp32",
+    )
+    epochs: int = setting(
+        100,
+        help="maximum epochs over the edits (default {default}; the paper: 25); training stops "
+        "earlier once an epoch's mean loss is below 0.01, or at a plateau (--plateau)",
+    )
     skip_loss: float = setting(0.01, help="a batch whose loss is below it takes no step", cli=False)
     stop_loss: float = setting(0.01, help="training stops once an epoch's mean loss is below it", cli=False)
     # the plateau rule (editing/loop.py: plateaued)
-    plateau_epochs: int = setting(8, flag="--plateau", metavar="N",
-                                  help="also stop once the epoch loss is below twice the stop loss and its best has "
-                                  "not fallen by 2% in N epochs (default {default}; 0: the paper's rule alone)")
-    plateau_delta: float = setting(0.02, help="the relative fall of the best epoch loss that resets the plateau count",
-                                   cli=False)
+    plateau_epochs: int = setting(
+        8,
+        flag="--plateau",
+        metavar="N",
+        help="also stop once the epoch loss is below twice the stop loss and its best has "
+        "not fallen by 2% in N epochs (default {default}; 0: the paper's rule alone)",
+    )
+    plateau_delta: float = setting(
+        0.02, help="the relative fall of the best epoch loss that resets the plateau count", cli=False
+    )
 
     def validate(self) -> TrainingConfig:
         """Check the training fields (one-line errors); then the other phases'."""
@@ -230,22 +292,31 @@ class SequencesConfig(Settings):
     default (its ``Config.SHARED``, else :data:`KEEP_OFF`), filled in by ``EditConfig``."""
 
     contexts: str = setting("default", help=_contexts_help)
-    answer_end: str = setting("auto", choices=_answer_ends,
-                              help="what follows the target in training: auto = the chat end-of-turn in chat, a "
-                              "period elsewhere (default); eos = EOS instead of the period; none = the target alone "
-                              "(the paper)")
-    context_sample: int | None = setting(None, metavar="K",
-                                         help="train each request on a seeded sample of K of its context sequences "
-                                         "per epoch (every epoch another sample) instead of all of them: fewer "
-                                         "tokens per epoch")
+    answer_end: str = setting(
+        "auto",
+        choices=_answer_ends,
+        help="what follows the target in training: auto = the chat end-of-turn in chat, a "
+        "period elsewhere (default); eos = EOS instead of the period; none = the target alone "
+        "(the paper)",
+    )
+    context_sample: int | None = setting(
+        None,
+        metavar="K",
+        help="train each request on a seeded sample of K of its context sequences "
+        "per epoch (every epoch another sample) instead of all of them: fewer "
+        "tokens per epoch",
+    )
     keep_chat: int | None = setting(None, metavar="N", help=_keep_help)
     keep_subject: int | None = setting(None, metavar="K", help=_subject_help)
-    keep_weight: float | None = setting(None, metavar="W",
-                                        help="weight of that preservation term beside the edit loss (default: the "
-                                        "method's, else 1)")
-    keep_tokens: int = setting(24, metavar="T",
-                               help="tokens of each held answer (longer answers hold more of the assistant's form and "
-                               "cost more per step; default {default})")
+    keep_weight: float | None = setting(
+        None, metavar="W", help="weight of that preservation term beside the edit loss (default: the method's, else 1)"
+    )
+    keep_tokens: int = setting(
+        24,
+        metavar="T",
+        help="tokens of each held answer (longer answers hold more of the assistant's form and "
+        "cost more per step; default {default})",
+    )
 
     def validate(self) -> SequencesConfig:
         """Check the sequence fields (one-line errors); then the other phases'."""
@@ -277,11 +348,14 @@ class DriftConfig(Settings):
     predicted KL). Fine-tuning methods only (``MethodSpec.drift_budget``)."""
 
     max_drift: float | None = setting(None, help="budget on the predicted KL drift in nats/token", cli=False)
-    drift_penalty: float = setting(0.0, metavar="BETA",
-                                   help="train edit loss + BETA x the K-FAC predicted KL drift (nats/token) of the "
-                                   "change, so the edit takes the flattest directions (default {default}; fine-tuning "
-                                   "methods: ft, locbf-ft and lora get the capability factors fetched, lora on its "
-                                   "merged update)")
+    drift_penalty: float = setting(
+        0.0,
+        metavar="BETA",
+        help="train edit loss + BETA x the K-FAC predicted KL drift (nats/token) of the "
+        "change, so the edit takes the flattest directions (default {default}; fine-tuning "
+        "methods: ft, locbf-ft and lora get the capability factors fetched, lora on its "
+        "merged update)",
+    )
 
     def validate(self) -> DriftConfig:
         """Check the drift fields (one-line errors); then the other phases'."""

@@ -28,8 +28,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["PackedBatch", "pack_prefixes", "packing_pays", "group_sequences", "ATTENTION_LENGTH", "MIN_SHARED",
-           "MAX_TREE_NODES"]
+__all__ = [
+    "PackedBatch",
+    "pack_prefixes",
+    "packing_pays",
+    "group_sequences",
+    "ATTENTION_LENGTH",
+    "MIN_SHARED",
+    "MAX_TREE_NODES",
+]
 
 MIN_SHARED = 4  # sequences join a group when they share at least this many leading tokens
 # a group's tree is split beyond this many nodes: in several smaller trees each position attends to fewer others,
@@ -68,9 +75,14 @@ class PackedBatch:
 
     def to(self, device) -> PackedBatch:
         """The same packing on ``device``."""
-        return PackedBatch(*(t.to(device) for t in (self.input_ids, self.position_ids, self.mask, self.source,
-                                                     self.rows, self.targets)), self.nodes,
-                           None if self.where is None else self.where.to(device))
+        return PackedBatch(
+            *(
+                t.to(device)
+                for t in (self.input_ids, self.position_ids, self.mask, self.source, self.rows, self.targets)
+            ),
+            self.nodes,
+            None if self.where is None else self.where.to(device),
+        )
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -130,8 +142,13 @@ class _Tree:
         self.paths.append((b, path))
 
 
-def pack_prefixes(input_ids: Tensor, attention_mask: Tensor, labels: Tensor, min_shared: int = MIN_SHARED,
-                  max_nodes: int | None = MAX_TREE_NODES) -> PackedBatch:
+def pack_prefixes(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    labels: Tensor,
+    min_shared: int = MIN_SHARED,
+    max_nodes: int | None = MAX_TREE_NODES,
+) -> PackedBatch:
     """Pack a right-padded batch (``B x T`` ``input_ids``, ``attention_mask`` 1 = token, ``labels`` -100 = no
     target; on the host) into prefix trees (see the module docstring): one tree per group of
     :func:`group_sequences` — split, in sorted order, into trees of at most ``max_nodes`` nodes (``None``: no
@@ -141,7 +158,7 @@ def pack_prefixes(input_ids: Tensor, attention_mask: Tensor, labels: Tensor, min
     ids, lab = input_ids.tolist(), labels.tolist()
     lengths = attention_mask.sum(1).tolist()
     B, T = input_ids.shape
-    seqs = [ids[b][:lengths[b]] for b in range(B)]
+    seqs = [ids[b][: lengths[b]] for b in range(B)]
     trees: list[_Tree] = []
     for group in group_sequences(seqs, min_shared):
         tree = _Tree()
@@ -153,7 +170,7 @@ def pack_prefixes(input_ids: Tensor, attention_mask: Tensor, labels: Tensor, min
         trees.append(tree)
     L = max(len(t.tok) for t in trees)
     rows_fill: list[int] = []  # used length of each row
-    place = [0] * len(trees)   # (row, offset) of each tree, as row * L + offset
+    place = [0] * len(trees)  # (row, offset) of each tree, as row * L + offset
     for g in sorted(range(len(trees)), key=lambda g: -len(trees[g].tok)):
         n = len(trees[g].tok)
         r = next((r for r, used in enumerate(rows_fill) if used + n <= L), None)
@@ -173,21 +190,31 @@ def pack_prefixes(input_ids: Tensor, attention_mask: Tensor, labels: Tensor, min
     for tree, start in zip(trees, place):
         r, off = divmod(start, L)
         n = len(tree.tok)
-        flat_ids[start:start + n], flat_pos[start:start + n], flat_src[start:start + n] = tree.tok, tree.dep, tree.src
+        flat_ids[start : start + n], flat_pos[start : start + n], flat_src[start : start + n] = (
+            tree.tok,
+            tree.dep,
+            tree.src,
+        )
         m = mask[r]
         for j, p in enumerate(tree.par):  # nodes come after their parents: copy the parent's ancestors
             if p >= 0:
-                m[off + j, off:off + j] = m[off + p, off:off + j]
+                m[off + j, off : off + j] = m[off + p, off : off + j]
         for b, path in tree.paths:
-            where[b, :len(path)] = start + np.asarray(path, dtype=np.int64)
+            where[b, : len(path)] = start + np.asarray(path, dtype=np.int64)
             for t in range(len(path) - 1):
                 if lab[b][t + 1] != -100:
                     rows.append(start + path[t])
                     targets.append(lab[b][t + 1])
-    return PackedBatch(torch.from_numpy(flat_ids).view(R, L), torch.from_numpy(flat_pos).view(R, L),
-                       torch.from_numpy(mask).unsqueeze(1), torch.from_numpy(flat_src),
-                       torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
-                       sum(len(t.tok) for t in trees), torch.from_numpy(where))
+    return PackedBatch(
+        torch.from_numpy(flat_ids).view(R, L),
+        torch.from_numpy(flat_pos).view(R, L),
+        torch.from_numpy(mask).unsqueeze(1),
+        torch.from_numpy(flat_src),
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(targets, dtype=torch.long),
+        sum(len(t.tok) for t in trees),
+        torch.from_numpy(where),
+    )
 
 
 def _cost(rows: int, length: int, attention_length: int) -> float:
@@ -195,8 +222,9 @@ def _cost(rows: int, length: int, attention_length: int) -> float:
     return rows * length * (1 + length / attention_length)
 
 
-def packing_pays(batch_shape: tuple[int, int], packed: PackedBatch, attention_length: int = ATTENTION_LENGTH,
-                 margin: float = 0.9) -> bool:
+def packing_pays(
+    batch_shape: tuple[int, int], packed: PackedBatch, attention_length: int = ATTENTION_LENGTH, margin: float = 0.9
+) -> bool:
     """Whether the packed layout (``R x L``) is predicted to cost at most ``margin`` of the padded ``B x T`` batch,
     each position costing ``1 + row length / attention_length`` (:data:`ATTENTION_LENGTH`)."""
     (B, T), (R, L) = batch_shape, packed.shape

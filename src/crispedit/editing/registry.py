@@ -24,8 +24,21 @@ from typing import Any, ClassVar
 from ..errors import CrispEditError
 from ..settings import Settings
 
-__all__ = ["MethodConfig", "MethodSpec", "EDITORS", "add_method", "method_spec", "register_editor", "get_editor",
-           "editor_class", "method_names", "SEQ_SUFFIX", "SEQUENTIAL_MODES", "seq_row", "sequential_rows"]
+__all__ = [
+    "MethodConfig",
+    "MethodSpec",
+    "EDITORS",
+    "add_method",
+    "method_spec",
+    "register_editor",
+    "get_editor",
+    "editor_class",
+    "method_names",
+    "SEQ_SUFFIX",
+    "SEQUENTIAL_MODES",
+    "seq_row",
+    "sequential_rows",
+]
 
 SEQ_SUFFIX = "-seq"  # ``<method>-seq``: a compare row running ``<method>`` in sequential rounds
 SEQUENTIAL_MODES = ("paper", "optional", "none")
@@ -47,8 +60,10 @@ class MethodConfig(Settings):
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(options) - set(known))
         if unknown:
-            raise CrispEditError(f"unknown {method} option(s) {', '.join(unknown)}; "
-                                 f"{method} takes {', '.join(known) if known else 'no options'}")
+            raise CrispEditError(
+                f"unknown {method} option(s) {', '.join(unknown)}; "
+                f"{method} takes {', '.join(known) if known else 'no options'}"
+            )
         try:
             return cls(**options)
         except TypeError as exc:  # a value of the wrong kind that the dataclass itself rejects
@@ -79,8 +94,9 @@ class MethodSpec:
 
     def __post_init__(self) -> None:
         if self.sequential not in SEQUENTIAL_MODES:
-            raise ValueError(f"MethodSpec {self.name!r}: sequential must be one of {SEQUENTIAL_MODES}, "
-                             f"got {self.sequential!r}")
+            raise ValueError(
+                f"MethodSpec {self.name!r}: sequential must be one of {SEQUENTIAL_MODES}, got {self.sequential!r}"
+            )
 
     @property
     def shared(self) -> dict[str, Any]:
@@ -145,13 +161,17 @@ def seq_row(name: str) -> tuple[str, bool]:
     if not name.endswith(SEQ_SUFFIX) or name in _catalogue():
         method_spec(name)
         return name, False
-    base = name[:-len(SEQ_SUFFIX)]
+    base = name[: -len(SEQ_SUFFIX)]
     if base not in _catalogue():
-        raise CrispEditError(f"unknown method {name!r}: {base!r} is not a method; sequential rows exist for "
-                             f"{', '.join(n + SEQ_SUFFIX for n in sequential_rows(every=True))}")
+        raise CrispEditError(
+            f"unknown method {name!r}: {base!r} is not a method; sequential rows exist for "
+            f"{', '.join(n + SEQ_SUFFIX for n in sequential_rows(every=True))}"
+        )
     if _catalogue()[base].sequential == "none":
-        raise CrispEditError(f"{base} has no sequential mode, so there is no {name} row; sequential rows exist for "
-                             f"{', '.join(n + SEQ_SUFFIX for n in sequential_rows(every=True))}")
+        raise CrispEditError(
+            f"{base} has no sequential mode, so there is no {name} row; sequential rows exist for "
+            f"{', '.join(n + SEQ_SUFFIX for n in sequential_rows(every=True))}"
+        )
     return base, True
 
 
@@ -183,13 +203,22 @@ def register_editor(cls: type) -> type:
         return cls
     spec = _catalogue().get(cls.name)
     if spec is None:
-        add_method(MethodSpec(cls.name, cls.summary, cls.Config, _location(cls),
-                              _holds_kfac(cls), drift_budget=_takes_drift_budget(cls)))
+        add_method(
+            MethodSpec(
+                cls.name,
+                cls.summary,
+                cls.Config,
+                _location(cls),
+                _holds_kfac(cls),
+                drift_budget=_takes_drift_budget(cls),
+            )
+        )
     elif spec.editor != _location(cls):
         raise ValueError(f"a method named {cls.name!r} is already registered (editor {spec.editor})")
     elif spec.curvature != _holds_kfac(cls):
-        raise ValueError(f"{_location(cls)}.needs_curvature / curvature_kind differ from the catalogue entry of "
-                         f"{cls.name!r}")
+        raise ValueError(
+            f"{_location(cls)}.needs_curvature / curvature_kind differ from the catalogue entry of {cls.name!r}"
+        )
     else:
         own = [a for a in ("summary", "Config") if a in vars(cls)]
         if own:

@@ -18,10 +18,16 @@ from ..errors import CrispEditError
 __all__ = ["input_gradient_rows"]
 
 
-def input_gradient_rows(model: nn.Module, layers: dict[str, nn.Module], batches: Iterable,
-                        loss_and_positions: Callable[[object], tuple[Tensor, Tensor]], *, what: str,
-                        dtype: torch.dtype, device: torch.device | str | None = None
-                        ) -> dict[str, tuple[Tensor, Tensor]]:
+def input_gradient_rows(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    batches: Iterable,
+    loss_and_positions: Callable[[object], tuple[Tensor, Tensor]],
+    *,
+    what: str,
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> dict[str, tuple[Tensor, Tensor]]:
     """``(H, G)`` per edit layer (name -> module in ``layers``): its inputs (``N x d_in``) and the gradients of
     the loss w.r.t. its outputs (``N x d_out``) at the positions each batch marks, rows in batch order, as
     ``dtype`` on ``device`` (``None``: where they were computed).

@@ -34,9 +34,11 @@ def target_nll(model: nn.Module, tokenizer, requests: Sequence[EditRequest], bat
     device = next(model.parameters()).device
     total = 0.0
     for b in range(0, len(requests), batch_size):
-        rows = [split_context_target(tokenizer, r.prompt, join_prompt_target(r.prompt, r.target))
-                for r in requests[b:b + batch_size]]
-        batch = collate(tokenizer, rows, max_len=10 ** 6).to(device)
+        rows = [
+            split_context_target(tokenizer, r.prompt, join_prompt_target(r.prompt, r.target))
+            for r in requests[b : b + batch_size]
+        ]
+        batch = collate(tokenizer, rows, max_len=10**6).to(device)
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
         labels = batch.labels[:, 1:]
         lp = torch.log_softmax(logits, -1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
@@ -61,8 +63,15 @@ class SinglePassEditor(Editor):
         :meth:`stats` and :meth:`carried_state` share (default: an empty one)."""
         return {}
 
-    def updates(self, model: nn.Module, tokenizer, requests: Sequence[EditRequest], ctx: EditContext, state: dict,
-                history: TrainHistory) -> Iterator[tuple[str, Tensor]]:
+    def updates(
+        self,
+        model: nn.Module,
+        tokenizer,
+        requests: Sequence[EditRequest],
+        ctx: EditContext,
+        state: dict,
+        history: TrainHistory,
+    ) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(edit layer name, ΔW)`` (``d_out x d_in``) as each change is computed; each is added to the
         layer's weight before this resumes. Counts what it ran into ``history``."""
         raise NotImplementedError
@@ -100,6 +109,9 @@ class SinglePassEditor(Editor):
         history.epoch_loss.append(target_nll(model, tokenizer, requests))
         history.converged = history.epoch_loss[-1] <= ctx.config.stop_loss
         history.seconds = time.perf_counter() - t0 + history.extra.get("resumed_seconds", 0.0)  # + a resumed run's
-        return EditOutcome(history, self.stats(ctx.layers, state),
-                           self.carried_state(state) if ctx.keep_optimizer else {},
-                           self.carries_state and bool(ctx.optimizer_state))
+        return EditOutcome(
+            history,
+            self.stats(ctx.layers, state),
+            self.carried_state(state) if ctx.keep_optimizer else {},
+            self.carries_state and bool(ctx.optimizer_state),
+        )

@@ -47,8 +47,9 @@ def shard_batch(batch: EncodedBatch, r: int, w: int) -> EncodedBatch | None:
     if not rows:
         return None
     idx = torch.tensor(rows, device=batch.input_ids.device)
-    part = EncodedBatch(batch.input_ids[idx], batch.attention_mask[idx], batch.labels[idx],
-                        [batch.target_lengths[i] for i in rows])
+    part = EncodedBatch(
+        batch.input_ids[idx], batch.attention_mask[idx], batch.labels[idx], [batch.target_lengths[i] for i in rows]
+    )
     return part if target_count(part) > 0 else None
 
 
@@ -118,8 +119,18 @@ class SampledBatches(FixedBatches):
     (:func:`.contexts.epoch_subset`, from the seed and the epoch number), batched anew and readied on the host
     (:meth:`.fastpath.LossFn.prepare`); the fast path's check ran on all of them in fixed batches."""
 
-    def __init__(self, contexts, batches, loss_fn, arithmetic, batch: Callable, seqs, sample: int, seed: int,
-                 first: list[EncodedBatch]):
+    def __init__(
+        self,
+        contexts,
+        batches,
+        loss_fn,
+        arithmetic,
+        batch: Callable,
+        seqs,
+        sample: int,
+        seed: int,
+        first: list[EncodedBatch],
+    ):
         super().__init__(contexts, batches, loss_fn, arithmetic)
         self.batch, self.seqs, self.sample, self.seed, self.first = batch, seqs, sample, seed, first
 
@@ -169,8 +180,16 @@ class RowShards(FixedBatches):
             all_reduce_sum_(p.grad)
 
 
-def batch_source(model: nn.Module, tokenizer, requests: Sequence[EditRequest], params: dict[str, nn.Parameter],
-                 config: EditConfig, fast: bool, device, arithmetic: Callable) -> FixedBatches:
+def batch_source(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    params: dict[str, nn.Parameter],
+    config: EditConfig,
+    fast: bool,
+    device,
+    arithmetic: Callable,
+) -> FixedBatches:
     """The batch source of an edit (see the module docstring), its training sequences written from ``model``'s
     starting weights; ``fast``: try the exact fast loss; ``arithmetic()``: the training forward's context.
     One-line error for ``--context-sample`` under ``torch.distributed``."""
@@ -178,8 +197,9 @@ def batch_source(model: nn.Module, tokenizer, requests: Sequence[EditRequest], p
 
     def batch(subset):
         """Batches of ``seqs`` (of those in ``subset``, when given) as ``config`` sizes and orders them."""
-        return training_batches(tokenizer, seqs, config.batch_size, config.batch_tokens, subset,
-                                by_length=config.batch_order == "length")
+        return training_batches(
+            tokenizer, seqs, config.batch_size, config.batch_tokens, subset, by_length=config.batch_order == "length"
+        )
 
     batches = [b.to(device) for b in batch(None)]
     sample = config.context_sample
@@ -187,8 +207,17 @@ def batch_source(model: nn.Module, tokenizer, requests: Sequence[EditRequest], p
         if is_distributed():
             raise CrispEditError("--context-sample is not available under torch.distributed; train every context")
         first = batch(epoch_subset(seqs, sample, config.seed, 0))
-        return SampledBatches(contexts, batches, make_loss_fn(model, params, batches, enabled=fast), arithmetic,
-                              batch, seqs, sample, config.seed, first)
+        return SampledBatches(
+            contexts,
+            batches,
+            make_loss_fn(model, params, batches, enabled=fast),
+            arithmetic,
+            batch,
+            seqs,
+            sample,
+            config.seed,
+            first,
+        )
     if not is_distributed():  # exact shortcut: the frozen prefix cached
         return FixedBatches(contexts, batches, make_loss_fn(model, params, batches, enabled=fast), arithmetic)
     split = is_sharded(model)

@@ -107,10 +107,12 @@ class StepTimer:
 
     def timed(self, name: str, fn: F) -> F:
         """``fn`` with every call charged to phase ``name`` (:meth:`phase`)."""
+
         def charged(*args, **kwargs):
             """``fn(*args, **kwargs)`` inside phase ``name``."""
             with self.phase(name):
                 return fn(*args, **kwargs)
+
         return charged
 
     def end_step(self, skipped: bool = False) -> None:

@@ -30,8 +30,19 @@ from ..data.tokenize import chat_turn
 from ..errors import CrispEditError
 from ..versions import check_written_by, stamped
 
-__all__ = ["WRITTEN_FORMAT", "written_path", "entry_key", "cached_writing", "prefixes_from", "writing_weights",
-           "GEN_STARTS", "generated_prefixes", "own_chat_answers", "REPLY_TOKENS", "own_replies"]
+__all__ = [
+    "WRITTEN_FORMAT",
+    "written_path",
+    "entry_key",
+    "cached_writing",
+    "prefixes_from",
+    "writing_weights",
+    "GEN_STARTS",
+    "generated_prefixes",
+    "own_chat_answers",
+    "REPLY_TOKENS",
+    "own_replies",
+]
 
 WRITTEN_FORMAT = 1
 GEN_STARTS = ("The", "Therefore", "Because", "I", "You")  # ROME's seeds for model-written prefixes
@@ -76,14 +87,23 @@ def generated_prefixes(model, tokenizer, per_start: int = 4, max_new_tokens: int
     was_training = model.training
     model.eval()
     try:
-        with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(),
-              with_weights(model, _PREFIX_WEIGHTS.get())):
+        with (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            torch.no_grad(),
+            with_weights(model, _PREFIX_WEIGHTS.get()),
+        ):
             torch.manual_seed(seed)
             for start in GEN_STARTS:
                 ids = tokenizer(start, return_tensors="pt")["input_ids"].to(device).repeat(per_start, 1)
-                gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=5,
-                                     max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id,
-                                     synced_gpus=split)  # a split model: every process runs every step
+                gen = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=True,
+                    top_k=5,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.eos_token_id,
+                    synced_gpus=split,
+                )  # a split model: every process runs every step
                 for row in tokenizer.batch_decode(gen, skip_special_tokens=True):
                     text = " ".join(row.replace("{", " ").replace("}", " ").split())
                     out.append(text if text[-1:] in ".!?" else text + ".")
@@ -92,8 +112,9 @@ def generated_prefixes(model, tokenizer, per_start: int = 4, max_new_tokens: int
     return out
 
 
-def own_chat_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, desc: str
-                     ) -> tuple[list[str], list[str], bool]:
+def own_chat_answers(
+    model, tokenizer, prompts: Sequence[str], max_new_tokens: int, desc: str
+) -> tuple[list[str], list[str], bool]:
     """``model``'s own greedy answers (at most ``max_new_tokens`` tokens, ended only by its end of turn) to
     ``prompts`` through its chat template, or to the bare prompts without one: ``(shown, answers, templated)``,
     ``shown`` the prompts as the model was fed them."""
@@ -101,8 +122,16 @@ def own_chat_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: i
 
     templated = bool(getattr(tokenizer, "chat_template", None))
     shown = [chat_turn(tokenizer, p, None) if templated else p for p in prompts]
-    answers = generate_answers(model, tokenizer, shown, max_new_tokens=max_new_tokens, stop=(),
-                               add_special_tokens=not templated, progress=False, desc=desc)
+    answers = generate_answers(
+        model,
+        tokenizer,
+        shown,
+        max_new_tokens=max_new_tokens,
+        stop=(),
+        add_special_tokens=not templated,
+        progress=False,
+        desc=desc,
+    )
     return shown, answers, templated
 
 
@@ -114,7 +143,7 @@ def _first_sentence(text: str) -> str:
     line break, stripped."""
     text = text.strip()
     m = re.search(r"[.!?](?=\s|$)|\n", text)
-    return text if m is None else text[:m.end()].strip()
+    return text if m is None else text[: m.end()].strip()
 
 
 def own_replies(model, tokenizer, requests: Sequence[EditRequest]) -> list[str]:
@@ -134,10 +163,17 @@ def own_replies(model, tokenizer, requests: Sequence[EditRequest]) -> list[str]:
             first = _first_sentence(a)
             old = (r.ground_truth or "").strip()
             hit = re.search(rf"(?<!\w){re.escape(old)}(?!\w)", first, flags=re.IGNORECASE) if old else None
-            out.append(first[:hit.start()] + r.target + first[hit.end():] if hit else None)
+            out.append(first[: hit.start()] + r.target + first[hit.end() :] if hit else None)
         todo = [k for k, x in enumerate(out) if x is None]
-        cont = generate_answers(model, tokenizer, [asked[k] + requests[k].target for k in todo], max_new_tokens=24,
-                                stop=(".", "!", "?", "\n"), add_special_tokens=False, skip_leading_stop=False)
+        cont = generate_answers(
+            model,
+            tokenizer,
+            [asked[k] + requests[k].target for k in todo],
+            max_new_tokens=24,
+            stop=(".", "!", "?", "\n"),
+            add_special_tokens=False,
+            skip_leading_stop=False,
+        )
     for k, c in zip(todo, cont):
         c = c.strip()
         out[k] = requests[k].target + (c if not c or c[0] in ",;:'" else " " + c) + "."
@@ -170,14 +206,24 @@ def _read(path: Path, fingerprint: str) -> dict:
         raise CrispEditError(f"written-text cache {path} is corrupt; delete it to write it again") from None
     check_written_by(data, path, then="delete it to write it again", format=WRITTEN_FORMAT)
     entries = data.get("entries")
-    if data.get("fingerprint") != fingerprint or not isinstance(entries, dict) or not all(
-            isinstance(v, list) and all(isinstance(s, str) for s in v) for v in entries.values()):
+    if (
+        data.get("fingerprint") != fingerprint
+        or not isinstance(entries, dict)
+        or not all(isinstance(v, list) and all(isinstance(s, str) for s in v) for v in entries.values())
+    ):
         raise CrispEditError(f"written-text cache {path} is malformed; delete it to write it again")
     return entries
 
 
-def cached_writing(model, tokenizer, kind: str, settings: dict, prompts: Sequence[str],
-                   write: Callable[[], list[str]], root: str | Path | None = None) -> list[str]:
+def cached_writing(
+    model,
+    tokenizer,
+    kind: str,
+    settings: dict,
+    prompts: Sequence[str],
+    write: Callable[[], list[str]],
+    root: str | Path | None = None,
+) -> list[str]:
     """``write()`` — one string per prompt, written by ``model`` as it is now — read from the cache when the same
     weights wrote it before for the same ``kind``, ``settings``, chat template and ``prompts``, else written and
     stored (atomically, beside the file's other entries)."""

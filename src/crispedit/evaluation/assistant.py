@@ -28,19 +28,32 @@ from collections.abc import Sequence
 from ..data.edits import EditRequest
 from ..errors import CrispEditError
 
-__all__ = ["style_prompts", "style_drift", "base_style_answers", "subject_bleed", "subject_probes",
-           "assistant_measures",
-           "SUBJECT_PROBES", "BARE_WORDS", "MAX_NEW_TOKENS", "STYLE_PROMPTS", "BLEED_EDITS"]
+__all__ = [
+    "style_prompts",
+    "style_drift",
+    "base_style_answers",
+    "subject_bleed",
+    "subject_probes",
+    "assistant_measures",
+    "SUBJECT_PROBES",
+    "BARE_WORDS",
+    "MAX_NEW_TOKENS",
+    "STYLE_PROMPTS",
+    "BLEED_EDITS",
+]
 
 _log = logging.getLogger("crispedit.evaluate")
 
 MAX_NEW_TOKENS = 48  # per answer: enough to see an answer's form, cheap enough for every report
-BARE_WORDS = 5       # an answer of at most this many words is a bare phrase
-STYLE_PROMPTS = 32   # style-drift prompts per evaluation (the bundled set's size)
-BLEED_EDITS = 64     # edits whose subject is probed per evaluation (the first ones; every edit when fewer)
+BARE_WORDS = 5  # an answer of at most this many words is a bare phrase
+STYLE_PROMPTS = 32  # style-drift prompts per evaluation (the bundled set's size)
+BLEED_EDITS = 64  # edits whose subject is probed per evaluation (the first ones; every edit when fewer)
 # Questions about an edit's subject that ask no particular relation ({subject}: the request's subject)
-SUBJECT_PROBES = ("Tell me one fact about {subject}.", "Who is associated with {subject}?",
-                  "What do you know about {subject}?")
+SUBJECT_PROBES = (
+    "Tell me one fact about {subject}.",
+    "Who is associated with {subject}?",
+    "What do you know about {subject}?",
+)
 
 
 def style_prompts(n: int | None = STYLE_PROMPTS) -> list[str]:
@@ -65,12 +78,15 @@ def _render(tokenizer, prompts: Sequence[str]) -> tuple[list[str], bool]:
     has none; and whether the template was used (its text carries its own special tokens)."""
     if not getattr(tokenizer, "chat_template", None):
         return list(prompts), False
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                          add_generation_prompt=True) for p in prompts], True
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ], True
 
 
-def _answers(model, tokenizer, texts: Sequence[str], templated: bool, base, progress: bool | None,
-             desc: str) -> list[str]:
+def _answers(
+    model, tokenizer, texts: Sequence[str], templated: bool, base, progress: bool | None, desc: str
+) -> list[str]:
     """Greedy answers to the rendered ``texts``, ended only by EOS (end of turn): of ``model``, or — ``base`` given
     — of the base: a second model, or a dict of weights swapped into ``model`` for the time it answers."""
     import contextlib
@@ -82,16 +98,32 @@ def _answers(model, tokenizer, texts: Sequence[str], templated: bool, base, prog
         model = base
     ctx = swapped_weights(model, base) if isinstance(base, dict) else contextlib.nullcontext()
     with ctx:
-        return generate_answers(model, tokenizer, texts, max_new_tokens=MAX_NEW_TOKENS, stop=(),
-                                add_special_tokens=not templated, progress=progress, desc=desc)
+        return generate_answers(
+            model,
+            tokenizer,
+            texts,
+            max_new_tokens=MAX_NEW_TOKENS,
+            stop=(),
+            add_special_tokens=not templated,
+            progress=progress,
+            desc=desc,
+        )
 
 
 def _words(text: str) -> int:
     return len(text.split())
 
 
-def style_drift(model, tokenizer, base, prompts: Sequence[str] | None = None, *,
-                progress: bool | None = False, examples: int = 3, base_answers: Sequence[str] | None = None) -> dict:
+def style_drift(
+    model,
+    tokenizer,
+    base,
+    prompts: Sequence[str] | None = None,
+    *,
+    progress: bool | None = False,
+    examples: int = 3,
+    base_answers: Sequence[str] | None = None,
+) -> dict:
     """The style-drift figures of the edited ``model`` against its base (``base``: the pre-edit values of the
     changed parameters, full name -> tensor, or the base model itself) on ``prompts`` (default
     :func:`style_prompts`): ``n``, ``length_ratio``, ``bare_share``, ``changed``, ``answer_kl`` (see the module
@@ -118,15 +150,22 @@ def style_drift(model, tokenizer, base, prompts: Sequence[str] | None = None, *,
     seqs = [p + a for p, a in zip(prompt_ids, enc(base_answers))]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     kl = answer_kl(model, seqs, [len(p) for p in prompt_ids], base=base, pad_id=pad)
-    return {"n": len(prompts),
-            "length_ratio": round(sum(n_edit) / max(sum(n_base), 1), 4),
-            "bare_share": round(len(bare) / len(long_base), 4) if long_base else 0.0,
-            "changed": round(sum(normalize_answer(a) != normalize_answer(b) for a, b in zip(base_answers, edited))
-                             / len(prompts), 4),
-            "answer_kl": round(kl["kl"], 6), "kl_tokens": kl["tokens"],
-            "tokens_base": round(sum(n_base) / len(prompts), 2), "tokens_edited": round(sum(n_edit) / len(prompts), 2),
-            "examples": [{"prompt": prompts[i], "base": base_answers[i], "edited": edited[i]}
-                         for i in range(min(examples, len(prompts)))]}
+    return {
+        "n": len(prompts),
+        "length_ratio": round(sum(n_edit) / max(sum(n_base), 1), 4),
+        "bare_share": round(len(bare) / len(long_base), 4) if long_base else 0.0,
+        "changed": round(
+            sum(normalize_answer(a) != normalize_answer(b) for a, b in zip(base_answers, edited)) / len(prompts), 4
+        ),
+        "answer_kl": round(kl["kl"], 6),
+        "kl_tokens": kl["tokens"],
+        "tokens_base": round(sum(n_base) / len(prompts), 2),
+        "tokens_edited": round(sum(n_edit) / len(prompts), 2),
+        "examples": [
+            {"prompt": prompts[i], "base": base_answers[i], "edited": edited[i]}
+            for i in range(min(examples, len(prompts)))
+        ],
+    }
 
 
 def base_style_answers(model, tokenizer, prompts: Sequence[str]) -> list[str]:
@@ -135,8 +174,16 @@ def base_style_answers(model, tokenizer, prompts: Sequence[str]) -> list[str]:
     return _answers(model, tokenizer, texts, templated, None, False, "style (base)")
 
 
-def subject_bleed(model, tokenizer, requests: Sequence[EditRequest], base, *,
-                  limit: int | None = BLEED_EDITS, progress: bool | None = False, examples: int = 3) -> dict | None:
+def subject_bleed(
+    model,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    base,
+    *,
+    limit: int | None = BLEED_EDITS,
+    progress: bool | None = False,
+    examples: int = 3,
+) -> dict | None:
     """The subject-bleed figures of the edited ``model`` against its ``base`` (pre-edit weights or the base model,
     as :func:`style_drift`) on the :func:`subject_probes` of ``requests``: ``edits``
     probed, ``n`` questions, ``target`` (the share of answers that name their edit's new target where the base's
@@ -150,29 +197,61 @@ def subject_bleed(model, tokenizer, requests: Sequence[EditRequest], base, *,
     texts, templated = _render(tokenizer, [q for _, q in probes])
     base_answers = _answers(model, tokenizer, texts, templated, base, progress, "subject probes (base)")
     edited = _answers(model, tokenizer, texts, templated, None, progress, "subject probes (edited)")
-    hits = [k for k, (i, _) in enumerate(probes)
-            if mentions(edited[k], requests[i].target) and not mentions(base_answers[k], requests[i].target)]
+    hits = [
+        k
+        for k, (i, _) in enumerate(probes)
+        if mentions(edited[k], requests[i].target) and not mentions(base_answers[k], requests[i].target)
+    ]
     changed = sum(normalize_answer(a) != normalize_answer(b) for a, b in zip(base_answers, edited))
-    return {"edits": len({i for i, _ in probes}), "n": len(probes), "target": round(len(hits) / len(probes), 4),
-            "changed": round(changed / len(probes), 4),
-            "examples": [{"question": probes[k][1], "target": requests[probes[k][0]].target, "base": base_answers[k],
-                          "edited": edited[k]} for k in hits[:examples]]}
+    return {
+        "edits": len({i for i, _ in probes}),
+        "n": len(probes),
+        "target": round(len(hits) / len(probes), 4),
+        "changed": round(changed / len(probes), 4),
+        "examples": [
+            {
+                "question": probes[k][1],
+                "target": requests[probes[k][0]].target,
+                "base": base_answers[k],
+                "edited": edited[k],
+            }
+            for k in hits[:examples]
+        ],
+    }
 
 
-def assistant_measures(model, tokenizer, requests: Sequence[EditRequest], base, *,
-                       bleed_limit: int | None = BLEED_EDITS, progress: bool | None = False) -> dict:
+def assistant_measures(
+    model,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    base,
+    *,
+    bleed_limit: int | None = BLEED_EDITS,
+    progress: bool | None = False,
+) -> dict:
     """``{"style": style_drift(...), "bleed": subject_bleed(...)}`` of the edited ``model`` against ``base`` (its
     pre-edit weights or the base model; the ``assistant`` section of an edit report), with the seconds each
     took; ``bleed`` is None without requests that name a subject."""
     t0 = time.perf_counter()
     style = style_drift(model, tokenizer, base, progress=progress)
     style["seconds"] = round(time.perf_counter() - t0, 2)
-    _log.info("evaluate: style drift length x%.2f, bare %.2f, changed %.2f, answer KL %.4f (%.0f s)",
-              style["length_ratio"], style["bare_share"], style["changed"], style["answer_kl"], style["seconds"])
+    _log.info(
+        "evaluate: style drift length x%.2f, bare %.2f, changed %.2f, answer KL %.4f (%.0f s)",
+        style["length_ratio"],
+        style["bare_share"],
+        style["changed"],
+        style["answer_kl"],
+        style["seconds"],
+    )
     t0 = time.perf_counter()
     bleed = subject_bleed(model, tokenizer, requests, base, limit=bleed_limit, progress=progress)
     if bleed is not None:
         bleed["seconds"] = round(time.perf_counter() - t0, 2)
-        _log.info("evaluate: subject bleed target %.3f, changed %.3f over %d questions (%.0f s)", bleed["target"],
-                  bleed["changed"], bleed["n"], bleed["seconds"])
+        _log.info(
+            "evaluate: subject bleed target %.3f, changed %.3f over %d questions (%.0f s)",
+            bleed["target"],
+            bleed["changed"],
+            bleed["n"],
+            bleed["seconds"],
+        )
     return {"style": style, "bleed": bleed}

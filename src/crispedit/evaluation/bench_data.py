@@ -24,21 +24,75 @@ from pathlib import Path
 from ..errors import CrispEditError
 from ..paths import check_input_dir
 
-__all__ = ["TASK_FILES", "MMLU_SUBJECTS", "bench_path", "required_files", "load_arc", "load_mmlu", "load_gsm8k",
-           "load_truthfulqa_mc", "load_ifeval"]
+__all__ = [
+    "TASK_FILES",
+    "MMLU_SUBJECTS",
+    "bench_path",
+    "required_files",
+    "load_arc",
+    "load_mmlu",
+    "load_gsm8k",
+    "load_truthfulqa_mc",
+    "load_ifeval",
+]
 
 MMLU_SUBJECTS = (
-    "abstract_algebra", "anatomy", "astronomy", "business_ethics", "clinical_knowledge", "college_biology",
-    "college_chemistry", "college_computer_science", "college_mathematics", "college_medicine", "college_physics",
-    "computer_security", "conceptual_physics", "econometrics", "electrical_engineering", "elementary_mathematics",
-    "formal_logic", "global_facts", "high_school_biology", "high_school_chemistry", "high_school_computer_science",
-    "high_school_european_history", "high_school_geography", "high_school_government_and_politics",
-    "high_school_macroeconomics", "high_school_mathematics", "high_school_microeconomics", "high_school_physics",
-    "high_school_psychology", "high_school_statistics", "high_school_us_history", "high_school_world_history",
-    "human_aging", "human_sexuality", "international_law", "jurisprudence", "logical_fallacies", "machine_learning",
-    "management", "marketing", "medical_genetics", "miscellaneous", "moral_disputes", "moral_scenarios", "nutrition",
-    "philosophy", "prehistory", "professional_accounting", "professional_law", "professional_medicine",
-    "professional_psychology", "public_relations", "security_studies", "sociology", "us_foreign_policy", "virology",
+    "abstract_algebra",
+    "anatomy",
+    "astronomy",
+    "business_ethics",
+    "clinical_knowledge",
+    "college_biology",
+    "college_chemistry",
+    "college_computer_science",
+    "college_mathematics",
+    "college_medicine",
+    "college_physics",
+    "computer_security",
+    "conceptual_physics",
+    "econometrics",
+    "electrical_engineering",
+    "elementary_mathematics",
+    "formal_logic",
+    "global_facts",
+    "high_school_biology",
+    "high_school_chemistry",
+    "high_school_computer_science",
+    "high_school_european_history",
+    "high_school_geography",
+    "high_school_government_and_politics",
+    "high_school_macroeconomics",
+    "high_school_mathematics",
+    "high_school_microeconomics",
+    "high_school_physics",
+    "high_school_psychology",
+    "high_school_statistics",
+    "high_school_us_history",
+    "high_school_world_history",
+    "human_aging",
+    "human_sexuality",
+    "international_law",
+    "jurisprudence",
+    "logical_fallacies",
+    "machine_learning",
+    "management",
+    "marketing",
+    "medical_genetics",
+    "miscellaneous",
+    "moral_disputes",
+    "moral_scenarios",
+    "nutrition",
+    "philosophy",
+    "prehistory",
+    "professional_accounting",
+    "professional_law",
+    "professional_medicine",
+    "professional_psychology",
+    "public_relations",
+    "security_studies",
+    "sociology",
+    "us_foreign_policy",
+    "virology",
     "world_religions",
 )
 
@@ -86,9 +140,12 @@ def _dataset_dict(splits: dict[str, list[dict]]):
 
 def _arc_doc(rec: dict) -> dict:
     q = rec["question"]
-    return {"id": rec["id"], "question": q["stem"],
-            "choices": {"text": [c["text"] for c in q["choices"]], "label": [c["label"] for c in q["choices"]]},
-            "answerKey": rec["answerKey"]}
+    return {
+        "id": rec["id"],
+        "question": q["stem"],
+        "choices": {"text": [c["text"] for c in q["choices"]], "label": [c["label"] for c in q["choices"]]},
+        "answerKey": rec["answerKey"],
+    }
 
 
 def load_arc(bench_dir=None, **_):
@@ -113,14 +170,19 @@ def _mmlu_rows(path: Path) -> list[dict]:
 
 def load_mmlu(bench_dir=None, subject: str = "", **_):
     """One MMLU subject from local CSVs as a ``DatasetDict`` (test, dev; answer as index 0-3)."""
-    return _dataset_dict({"test": _mmlu_rows(bench_path(bench_dir, f"mmlu/test/{subject}_test.csv")),
-                          "dev": _mmlu_rows(bench_path(bench_dir, f"mmlu/dev/{subject}_dev.csv"))})
+    return _dataset_dict(
+        {
+            "test": _mmlu_rows(bench_path(bench_dir, f"mmlu/test/{subject}_test.csv")),
+            "dev": _mmlu_rows(bench_path(bench_dir, f"mmlu/dev/{subject}_dev.csv")),
+        }
+    )
 
 
 def load_gsm8k(bench_dir=None, **_):
     """GSM8K test from local JSONL as a ``DatasetDict`` (question, answer)."""
-    rows = [{"question": r["question"], "answer": r["answer"]}
-            for r in _jsonl(bench_path(bench_dir, "gsm8k/test.jsonl"))]
+    rows = [
+        {"question": r["question"], "answer": r["answer"]} for r in _jsonl(bench_path(bench_dir, "gsm8k/test.jsonl"))
+    ]
     return _dataset_dict({"test": rows})
 
 
@@ -140,9 +202,13 @@ def load_truthfulqa_mc(bench_dir=None, **_):
     for r in recs:
         mc1 = r["mc1_targets"]
         # mc1 keeps the file's order: the single correct answer first, as in the hub's copy
-        rows.append({"question": r["question"],
-                     "mc1_targets": {"choices": list(mc1), "labels": [int(v) for v in mc1.values()]},
-                     "mc2_targets": _targets(r["mc2_targets"])})
+        rows.append(
+            {
+                "question": r["question"],
+                "mc1_targets": {"choices": list(mc1), "labels": [int(v) for v in mc1.values()]},
+                "mc2_targets": _targets(r["mc2_targets"]),
+            }
+        )
     return _dataset_dict({"validation": rows})
 
 
@@ -151,6 +217,12 @@ def load_ifeval(bench_dir=None, **_):
     rows = []
     for r in _jsonl(bench_path(bench_dir, "ifeval/input_data.jsonl")):
         # JSON-encode kwargs: their keys differ per instruction; the task's process_results decodes them
-        rows.append({"key": r["key"], "prompt": r["prompt"], "instruction_id_list": r["instruction_id_list"],
-                     "kwargs_json": json.dumps(r["kwargs"])})
+        rows.append(
+            {
+                "key": r["key"],
+                "prompt": r["prompt"],
+                "instruction_id_list": r["instruction_id_list"],
+                "kwargs_json": json.dumps(r["kwargs"]),
+            }
+        )
     return _dataset_dict({"train": rows})

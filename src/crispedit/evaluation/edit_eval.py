@@ -23,13 +23,25 @@ __all__ = ["evaluate_edit", "round_map_probe"]
 _log = logging.getLogger("crispedit.evaluate")  # one info line per finished phase: a long evaluation leaves a trail
 
 
-def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], base_weights: dict[str, torch.Tensor],
-                  *,
-                  kl_text: str | Path | None = None, kl_texts: int = 32, max_len: int = 256,
-                  wild: Sequence[str] = (), wild_templates: dict[str, str] | None = None, judge=None,
-                  capabilities: Sequence[str] = (),
-                  limit: int | dict | None = None, max_gen_toks: int | None = None, bench_dir: str | Path | None = None,
-                  assistant: bool = False, progress: bool | None = None) -> dict:
+def evaluate_edit(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    base_weights: dict[str, torch.Tensor],
+    *,
+    kl_text: str | Path | None = None,
+    kl_texts: int = 32,
+    max_len: int = 256,
+    wild: Sequence[str] = (),
+    wild_templates: dict[str, str] | None = None,
+    judge=None,
+    capabilities: Sequence[str] = (),
+    limit: int | dict | None = None,
+    max_gen_toks: int | None = None,
+    bench_dir: str | Path | None = None,
+    assistant: bool = False,
+    progress: bool | None = None,
+) -> dict:
     """Evaluate the edited ``model`` on ``requests``; ``base_weights`` (parameter name -> pre-edit
     value, e.g. ``EditResult.original_weights``) give the base model for the drift.
 
@@ -44,22 +56,46 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     t0 = time.perf_counter()
     per_edit = edit_scores(model, tokenizer, requests)
     summary = summarize_edit_scores(per_edit)
-    _log.info("evaluate: teacher-forced rel %s gen %s over %d edits (%.0f s)", summary.get("rel"), summary.get("gen"),
-              len(requests), time.perf_counter() - t0)
+    _log.info(
+        "evaluate: teacher-forced rel %s gen %s over %d edits (%.0f s)",
+        summary.get("rel"),
+        summary.get("gen"),
+        len(requests),
+        time.perf_counter() - t0,
+    )
     t0 = time.perf_counter()
-    drift = kl_drift(model, tokenizer, heldout_text(kl_text, kl_texts), base_weights=base_weights, max_len=max_len,
-                     progress=progress)
-    summary.update({"kl_drift": round(drift["kl_drift"], 6), "ppl": round(drift["ppl"], 4),
-                    "ppl_base": round(drift["ppl_base"], 4), "kl_tokens": drift["tokens"]})
-    _log.info("evaluate: KL drift %.5f nats/token, perplexity %.2f (base %.2f) (%.0f s)", drift["kl_drift"],
-              drift["ppl"], drift["ppl_base"], time.perf_counter() - t0)
+    drift = kl_drift(
+        model, tokenizer, heldout_text(kl_text, kl_texts), base_weights=base_weights, max_len=max_len, progress=progress
+    )
+    summary.update(
+        {
+            "kl_drift": round(drift["kl_drift"], 6),
+            "ppl": round(drift["ppl"], 4),
+            "ppl_base": round(drift["ppl_base"], 4),
+            "kl_tokens": drift["tokens"],
+        }
+    )
+    _log.info(
+        "evaluate: KL drift %.5f nats/token, perplexity %.2f (base %.2f) (%.0f s)",
+        drift["kl_drift"],
+        drift["ppl"],
+        drift["ppl_base"],
+        time.perf_counter() - t0,
+    )
     out: dict = {"summary": summary, "per_edit": per_edit}
     if wild or wild_templates:
         from .judges import RuleJudge
         from .wild import wild_wrappers
 
-        out["wild"] = wild_wrappers(model, tokenizer, requests, judge or RuleJudge(), wrappers=list(wild),
-                                    templates=wild_templates, progress=progress)
+        out["wild"] = wild_wrappers(
+            model,
+            tokenizer,
+            requests,
+            judge or RuleJudge(),
+            wrappers=list(wild),
+            templates=wild_templates,
+            progress=progress,
+        )
         out["wild"]["judge"] = "rule" if judge is None else type(judge).__name__
     if assistant:
         from .assistant import assistant_measures
@@ -68,28 +104,48 @@ def evaluate_edit(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     if capabilities:
         from .capabilities import run_capabilities
 
-        out["capabilities"] = run_capabilities(model, tokenizer, capabilities, limit=limit, bench_dir=bench_dir,
-                                               max_gen_toks=max_gen_toks, progress=progress)
+        out["capabilities"] = run_capabilities(
+            model,
+            tokenizer,
+            capabilities,
+            limit=limit,
+            bench_dir=bench_dir,
+            max_gen_toks=max_gen_toks,
+            progress=progress,
+        )
         for name, c in out["capabilities"].items():
-            _log.info("evaluate: %s %s %s (%s items, %.0f s)", name, c.get("metric"), c.get("score"), c.get("n"),
-                      c.get("seconds") or 0)
+            _log.info(
+                "evaluate: %s %s %s (%s items, %.0f s)",
+                name,
+                c.get("metric"),
+                c.get("score"),
+                c.get("n"),
+                c.get("seconds") or 0,
+            )
     return out
 
 
-def _wild_rel(model: nn.Module, tokenizer, requests: Sequence[EditRequest], wild: Sequence[str],
-              batch_size: int) -> dict:
+def _wild_rel(
+    model: nn.Module, tokenizer, requests: Sequence[EditRequest], wild: Sequence[str], batch_size: int
+) -> dict:
     """``{wrapper: WILD rel}`` of ``requests`` on ``model`` under each of ``wild`` (rule judge; ``None`` for a
     wrapper the tokenizer cannot render, e.g. chat without a template)."""
     from .judges import RuleJudge
     from .wild import wild_wrappers
 
-    res = wild_wrappers(model, tokenizer, requests, RuleJudge(), wrappers=list(wild), batch_size=batch_size,
-                        progress=False) if wild else {}
+    res = (
+        wild_wrappers(
+            model, tokenizer, requests, RuleJudge(), wrappers=list(wild), batch_size=batch_size, progress=False
+        )
+        if wild
+        else {}
+    )
     return {c: None if res.get(c) is None else res[c]["rel"] for c in wild}
 
 
-def round_map_probe(tokenizer, requests: Sequence[EditRequest], chunk: int, wild: Sequence[str] = ("qa", "chat"),
-                    batch_size: int = 32) -> Callable[[nn.Module, int], dict]:
+def round_map_probe(
+    tokenizer, requests: Sequence[EditRequest], chunk: int, wild: Sequence[str] = ("qa", "chat"), batch_size: int = 32
+) -> Callable[[nn.Module, int], dict]:
     """A sequential run's retention as it goes: ``requests`` edited in rounds of ``chunk``, the returned function,
     called on the model after round ``k`` (1-based), gives the record of whether the first round's edits still hold
     — ``{"n": their number, "tf_rel": their mean teacher-forced reliability, "wild": {wrapper: WILD rel (rule
@@ -99,10 +155,13 @@ def round_map_probe(tokenizer, requests: Sequence[EditRequest], chunk: int, wild
 
     def measure(model: nn.Module, k: int) -> dict:
         """The retention record of the model as round ``k`` left it."""
-        rel = [e["rel"] for e in edit_scores(model, tokenizer, requests[:k * chunk], batch_size)]
-        by_round = [sum(rel[i:i + chunk]) / len(rel[i:i + chunk]) for i in range(0, len(rel), chunk)]
-        return {"n": min(chunk, len(rel)), "tf_rel": round(by_round[0], 4),
-                "wild": _wild_rel(model, tokenizer, requests[:chunk], wild, batch_size),
-                "by_round": [round(x, 4) for x in by_round]}
+        rel = [e["rel"] for e in edit_scores(model, tokenizer, requests[: k * chunk], batch_size)]
+        by_round = [sum(rel[i : i + chunk]) / len(rel[i : i + chunk]) for i in range(0, len(rel), chunk)]
+        return {
+            "n": min(chunk, len(rel)),
+            "tf_rel": round(by_round[0], 4),
+            "wild": _wild_rel(model, tokenizer, requests[:chunk], wild, batch_size),
+            "by_round": [round(x, 4) for x in by_round],
+        }
 
     return measure

@@ -37,7 +37,7 @@ def cut_at_stop(text: str, stop: Sequence[str], skip_leading: bool = True) -> st
     if skip_leading:
         text = text.lstrip()
     hits = [text.find(s) for s in stop if s and s in text]
-    return text[:min(hits)].strip() if hits else text.strip()
+    return text[: min(hits)].strip() if hits else text.strip()
 
 
 class _StopOnStrings:
@@ -58,8 +58,14 @@ class _StopOnStrings:
         return any(s in text for s in self.stop)
 
 
-def _greedy(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, past, max_new_tokens: int,
-            done: Callable[[list[int]], bool]) -> list[list[int]]:
+def _greedy(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    past,
+    max_new_tokens: int,
+    done: Callable[[list[int]], bool],
+) -> list[list[int]]:
     """Greedy decoding of a left-padded batch (``B x T`` ids and key mask; ``past``: a KV cache of its first
     positions, or ``None``): each row's new tokens up to and including the one after which ``done`` says it has
     ended, at most ``max_new_tokens``. Rows that have ended leave the batch (their cache rows dropped), so the
@@ -69,8 +75,14 @@ def _greedy(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, past,
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     start = 0 if past is None else past.get_seq_length()
     head = last_logits_only(model)
-    out = model(input_ids=input_ids[:, start:], attention_mask=mask, position_ids=pos[:, start:],
-                past_key_values=past, use_cache=True, **head)
+    out = model(
+        input_ids=input_ids[:, start:],
+        attention_mask=mask,
+        position_ids=pos[:, start:],
+        past_key_values=past,
+        use_cache=True,
+        **head,
+    )
     past, last = out.past_key_values, pos[:, -1]
     alive = list(range(input_ids.shape[0]))
     rows: list[list[int]] = [[] for _ in alive]
@@ -90,8 +102,13 @@ def _greedy(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, past,
             mask, nxt, last, alive = mask[sel], nxt[sel], last[sel], [alive[j] for j in keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         last = last + 1
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None], past_key_values=past,
-                    use_cache=True)
+        out = model(
+            input_ids=nxt[:, None],
+            attention_mask=mask,
+            position_ids=last[:, None],
+            past_key_values=past,
+            use_cache=True,
+        )
     return rows
 
 
@@ -109,10 +126,19 @@ def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
 
 
 @torch.no_grad()
-def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 40,
-                     stop: Sequence[str] = (".", "\n"), batch_size: int = 16, add_special_tokens: bool = True,
-                     skip_leading_stop: bool = True, progress: bool | None = False,
-                     desc: str = "generate") -> list[str]:
+def generate_answers(
+    model: nn.Module,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int = 40,
+    stop: Sequence[str] = (".", "\n"),
+    batch_size: int = 16,
+    add_special_tokens: bool = True,
+    skip_leading_stop: bool = True,
+    progress: bool | None = False,
+    desc: str = "generate",
+) -> list[str]:
     """Greedy continuation of each prompt, cut at the first stop string (kept out of the answer).
 
     ``add_special_tokens=False`` is for prompts already rendered with a chat template (which carry
@@ -132,9 +158,10 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[str], *, max
     try:
         prefix, cache = _prefix_cache(model, ids, device)
         done = _StopOnStrings(tokenizer, stop, skip_leading_stop, set(eos))
-        for start in tqdm(range(0, len(order), batch_size), desc=desc,
-                          disable=(None if progress is None else not progress)):
-            idx = order[start:start + batch_size]
+        for start in tqdm(
+            range(0, len(order), batch_size), desc=desc, disable=(None if progress is None else not progress)
+        ):
+            idx = order[start : start + batch_size]
             input_ids, mask = _left_padded([ids[i] for i in idx], prefix, pad, device)
             past = None
             if cache is not None:
@@ -182,5 +209,5 @@ def _left_padded(rows: Sequence[Sequence[int]], prefix: int, pad: int, device) -
     for b, r in enumerate(rows):
         gap = width - len(r)
         ids[b, :prefix], mask[b, :prefix] = torch.tensor(r[:prefix], dtype=torch.long), 1
-        ids[b, prefix + gap:], mask[b, prefix + gap:] = torch.tensor(r[prefix:], dtype=torch.long), 1
+        ids[b, prefix + gap :], mask[b, prefix + gap :] = torch.tensor(r[prefix:], dtype=torch.long), 1
     return ids.to(device), mask.to(device)

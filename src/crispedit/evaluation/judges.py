@@ -40,8 +40,17 @@ from dataclasses import dataclass
 
 from ..errors import CrispEditError
 
-__all__ = ["Judgement", "RuleJudge", "OpenAIJudge", "make_judge", "normalize_answer", "mentions", "GRADER_PROMPT",
-           "parse_grade", "JUDGES"]
+__all__ = [
+    "Judgement",
+    "RuleJudge",
+    "OpenAIJudge",
+    "make_judge",
+    "normalize_answer",
+    "mentions",
+    "GRADER_PROMPT",
+    "parse_grade",
+    "JUDGES",
+]
 
 JUDGES = ("rule", "openai")
 
@@ -86,6 +95,7 @@ Just return the letters "A" or "B", with no text around it."""  # noqa: E501 (th
 @dataclass
 class Judgement:
     """A judge's verdict on one answer: ``correct`` and a short ``reason``."""
+
     correct: bool
     reason: str  # rule: contained / missing / contradiction / repetition / empty; openai: the raw reply
 
@@ -93,18 +103,72 @@ class Judgement:
 # ----------------------------------------------------------------------------------------- rule
 
 _ARTICLES = {"a", "an", "the"}
-_STOP = _ARTICLES | {"and", "or", "of", "in", "on", "at", "to", "for", "by", "with", "from", "is", "was", "are",
-                     "were", "be", "it", "its", "this", "that", "as", "s"}
-_NUMBER_WORDS = {w: str(i) for i, w in enumerate(
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
-    "seventeen eighteen nineteen twenty".split())}
+_STOP = _ARTICLES | {
+    "and",
+    "or",
+    "of",
+    "in",
+    "on",
+    "at",
+    "to",
+    "for",
+    "by",
+    "with",
+    "from",
+    "is",
+    "was",
+    "are",
+    "were",
+    "be",
+    "it",
+    "its",
+    "this",
+    "that",
+    "as",
+    "s",
+}
+_NUMBER_WORDS = {
+    w: str(i)
+    for i, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+        "seventeen eighteen nineteen twenty".split()
+    )
+}
 _NEGATIONS = {"not", "no", "never", "neither", "nor", "isn't", "wasn't", "aren't", "weren't"}
 # words/punctuation that put two answers side by side: "X and Y", "X, Y", "X or Y", "X/Y"
 _COORD = {",", ";", "/", "&", "+", "and", "or", "nor", "plus"}
 # capitalised words that do not name anything (sentence openers, pronouns)
-_NOT_NAMES = {"yes", "no", "well", "sure", "ok", "okay", "answer", "i", "it", "he", "she", "they", "we", "you",
-              "this", "that", "there", "these", "those", "his", "her", "their", "its", "my", "our", "your", "both",
-              "either", "neither"}
+_NOT_NAMES = {
+    "yes",
+    "no",
+    "well",
+    "sure",
+    "ok",
+    "okay",
+    "answer",
+    "i",
+    "it",
+    "he",
+    "she",
+    "they",
+    "we",
+    "you",
+    "this",
+    "that",
+    "there",
+    "these",
+    "those",
+    "his",
+    "her",
+    "their",
+    "its",
+    "my",
+    "our",
+    "your",
+    "both",
+    "either",
+    "neither",
+}
 _TOKEN_RE = re.compile(r"[A-Za-z0-9]+(?:'[A-Za-z]+)?|[,;/&+]")
 
 
@@ -152,14 +216,14 @@ def _has_repetition(words: Sequence[str], gold: Sequence[str]) -> bool:
     n = len(words)
     if gold:
         g = len(gold)
-        hits = sum(1 for i in range(n - g + 1) if list(words[i:i + g]) == list(gold))
+        hits = sum(1 for i in range(n - g + 1) if list(words[i : i + g]) == list(gold))
         if hits > 1:
             return True
     for size in range(1, n // 2 + 1):  # a run of `size` words immediately repeated
         need = 3 if size == 1 else 2  # single words: allow one doubling ("very very", "Walla Walla")
         for i in range(n - size * need + 1):
-            chunk = words[i:i + size]
-            if all(words[i + k * size:i + (k + 1) * size] == chunk for k in range(1, need)):
+            chunk = words[i : i + size]
+            if all(words[i + k * size : i + (k + 1) * size] == chunk for k in range(1, need)):
                 return True
     return False
 
@@ -192,7 +256,7 @@ def _coordinated_name(toks: Sequence[tuple[str, str]], s: int, e: int, allowed: 
     """Another name listed next to the gold answer or offered as an alternative to it
     ("Malia, Sasha, and Susan", "Chichester River or Hunter River", "Susan, Malia and Sasha"),
     or a new name inside the gold's own span ("Malia, Susan and Sasha")."""
-    inside = [t for t in toks[s:e + 1] if t[0][0].isalnum() and _is_name(*t)]
+    inside = [t for t in toks[s : e + 1] if t[0][0].isalnum() and _is_name(*t)]
     if _new_name(inside, allowed):
         return True
     n = len(toks)
@@ -261,6 +325,7 @@ class RuleJudge:
 
 # --------------------------------------------------------------------------------------- openai
 
+
 def parse_grade(reply: str) -> bool | None:
     """The paper's A/B parsing: True for "A", False for "B", None when neither can be read."""
     text = (reply or "").strip().strip("\"'`*. ")
@@ -282,11 +347,19 @@ class OpenAIJudge:
 
     name = "openai"
 
-    def __init__(self, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
-                 timeout: float = 60.0, workers: int = 8, retries: int = 4):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        workers: int = 8,
+        retries: int = 4,
+    ):
         env = os.environ
-        self.base_url = (base_url or env.get("CRISPEDIT_JUDGE_BASE_URL") or env.get("OPENAI_BASE_URL")
-                         or "https://api.openai.com/v1").rstrip("/")
+        self.base_url = (
+            base_url or env.get("CRISPEDIT_JUDGE_BASE_URL") or env.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"
+        ).rstrip("/")
         self.model = model or env.get("CRISPEDIT_JUDGE_MODEL") or "gpt-4o-mini"
         self._key = api_key or env.get("CRISPEDIT_JUDGE_API_KEY") or env.get("OPENAI_API_KEY")
         if not self._key:
@@ -297,11 +370,15 @@ class OpenAIJudge:
         return f"OpenAIJudge(base_url={self.base_url!r}, model={self.model!r})"
 
     def _ask(self, prompt: str) -> str:
-        body = json.dumps({"model": self.model, "temperature": 0, "max_tokens": 4,
-                           "messages": [{"role": "user", "content": prompt}]}).encode()
-        req = urllib.request.Request(f"{self.base_url}/chat/completions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {self._key}"})
+        body = json.dumps(
+            {"model": self.model, "temperature": 0, "max_tokens": 4, "messages": [{"role": "user", "content": prompt}]}
+        ).encode()
+        req = urllib.request.Request(
+            f"{self.base_url}/chat/completions",
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self._key}"},
+        )
         delay = 1.0
         for attempt in range(self.retries + 1):
             try:

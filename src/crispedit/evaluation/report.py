@@ -16,11 +16,22 @@ from ..errors import CrispEditError
 from ..paths import check_output_file, read_text_file
 from ..versions import check_written_by
 
-__all__ = ["load_run", "run_rows", "run_labels", "markdown_table", "plot_runs", "render_runs_png",
-           "write_report"]
+__all__ = ["load_run", "run_rows", "run_labels", "markdown_table", "plot_runs", "render_runs_png", "write_report"]
 
-_EDIT_ORDER = ["rel", "gen", "loc_vs_answer", "loc_vs_base", "cross", "rel_token_acc", "rel_exact", "gen_token_acc",
-               "gen_exact", "spec_token_acc", "spec_exact", "spec_cf"]
+_EDIT_ORDER = [
+    "rel",
+    "gen",
+    "loc_vs_answer",
+    "loc_vs_base",
+    "cross",
+    "rel_token_acc",
+    "rel_exact",
+    "gen_token_acc",
+    "gen_exact",
+    "spec_token_acc",
+    "spec_exact",
+    "spec_cf",
+]
 _UNBOUNDED = {"kl_drift", "ppl", "ppl_base"}
 
 
@@ -34,8 +45,11 @@ def load_run(path: str | Path) -> dict:
         run = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CrispEditError(f"{path}: not a JSON file ({exc.msg} at line {exc.lineno})") from None
-    if (not isinstance(run, dict) or not isinstance(run.get("edit"), dict)
-            or not isinstance(run.get("capabilities"), dict)):
+    if (
+        not isinstance(run, dict)
+        or not isinstance(run.get("edit"), dict)
+        or not isinstance(run.get("capabilities"), dict)
+    ):
         raise CrispEditError(f"{path}: not a `crispedit eval` result (needs 'edit' and 'capabilities' objects)")
     if not isinstance(run.get("config", {}), dict):
         raise CrispEditError(f"{path}: not a `crispedit eval` result ('config' is not an object)")
@@ -54,8 +68,10 @@ def _label(run: dict) -> str:
 def run_labels(runs: Sequence[dict]) -> list[str]:
     """One label per run (model name, protocol/context); the run file's name is added where two clash."""
     labels = [_label(r) for r in runs]
-    return [f"{lab} ({Path(r.get('_path', str(i))).stem})" if labels.count(lab) > 1 else lab
-            for i, (lab, r) in enumerate(zip(labels, runs))]
+    return [
+        f"{lab} ({Path(r.get('_path', str(i))).stem})" if labels.count(lab) > 1 else lab
+        for i, (lab, r) in enumerate(zip(labels, runs))
+    ]
 
 
 def run_rows(runs: Sequence[dict]) -> tuple[list[str], list[str], list[dict]]:
@@ -138,8 +154,9 @@ def render_runs_png(runs: Sequence[dict]) -> bytes:
     return buf.getvalue()
 
 
-def write_report(paths: Sequence[str | Path], out_md: str | Path | None = None,
-                 out_png: str | Path | None = None) -> str:
+def write_report(
+    paths: Sequence[str | Path], out_md: str | Path | None = None, out_png: str | Path | None = None
+) -> str:
     """Load the runs, write the markdown table to ``out_md`` and the figure to ``out_png`` (each optional)
     and return the table. Both destinations are checked before anything is written, and the figure is
     rendered before the table is written, so a failure leaves neither file behind."""

@@ -31,6 +31,7 @@ class PairScore:
     """Teacher-forced score of one (prompt, target) pair: ``exact`` every target token is the argmax, ``token_acc``
     the fraction that are, ``target_logprob`` the summed log-probability of the target tokens (nats) over
     ``n_tokens`` tokens."""
+
     exact: bool
     token_acc: float
     target_logprob: float
@@ -43,8 +44,9 @@ class PairScore:
 
 
 @torch.no_grad()
-def score_pairs(model: nn.Module, tokenizer, prompts: Sequence[str], targets: Sequence[str],
-                batch_size: int = 32) -> list[PairScore]:
+def score_pairs(
+    model: nn.Module, tokenizer, prompts: Sequence[str], targets: Sequence[str], batch_size: int = 32
+) -> list[PairScore]:
     """Score every ``prompts[i] + ' ' + targets[i]`` under teacher forcing in batches of ``batch_size`` (model in
     eval mode, restored after): one :class:`PairScore` per pair, in order."""
     device = next(model.parameters()).device
@@ -53,7 +55,7 @@ def score_pairs(model: nn.Module, tokenizer, prompts: Sequence[str], targets: Se
     model.eval()
     try:
         for i in range(0, len(prompts), batch_size):
-            b = encode_pairs(tokenizer, prompts[i:i + batch_size], targets[i:i + batch_size]).to(device)
+            b = encode_pairs(tokenizer, prompts[i : i + batch_size], targets[i : i + batch_size]).to(device)
             logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
             labels = b.labels[:, 1:]
             valid = labels != -100
@@ -61,9 +63,10 @@ def score_pairs(model: nn.Module, tokenizer, prompts: Sequence[str], targets: Se
             logp = torch.log_softmax(logits, -1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
             for r in range(labels.shape[0]):
                 v = valid[r]
-                correct = (pred[r][v] == labels[r][v])
-                out.append(PairScore(bool(correct.all()), float(correct.float().mean()), float(logp[r][v].sum()),
-                                     int(v.sum())))
+                correct = pred[r][v] == labels[r][v]
+                out.append(
+                    PairScore(bool(correct.all()), float(correct.float().mean()), float(logp[r][v].sum()), int(v.sum()))
+                )
     finally:
         model.train(was_training)
     return out
@@ -74,8 +77,9 @@ def _is_counterfact(r: EditRequest) -> bool:
     return bool(gt) and bool(r.locality) and all(a.strip() == gt for _, a in r.locality) and gt != r.target.strip()
 
 
-def edit_scores(model: nn.Module, tokenizer, requests: Sequence[EditRequest], batch_size: int = 32, *,
-                specificity: bool = False) -> list[dict]:
+def edit_scores(
+    model: nn.Module, tokenizer, requests: Sequence[EditRequest], batch_size: int = 32, *, specificity: bool = False
+) -> list[dict]:
     """Per-edit reliability (edit prompt) and generalisation (rephrase prompts), teacher-forced;
     with ``specificity=True`` also locality-prompt scores (``spec``, ``spec_token_acc``, ``spec_cf``)."""
     rel = score_pairs(model, tokenizer, [r.prompt for r in requests], [r.target for r in requests], batch_size)
@@ -89,13 +93,18 @@ def edit_scores(model: nn.Module, tokenizer, requests: Sequence[EditRequest], ba
     per_edit = []
     for i, r in enumerate(requests):
         g = [s for s, o in zip(gen, owner) if o == i]
-        per_edit.append({
-            "id": r.id, "prompt": r.prompt, "target": r.target,
-            "rel": rel[i].exact, "rel_token_acc": round(rel[i].token_acc, 4),
-            "target_logprob": round(rel[i].target_logprob, 4),
-            "gen": (sum(s.exact for s in g) / len(g)) if g else None,
-            "gen_token_acc": (round(sum(s.token_acc for s in g) / len(g), 4)) if g else None,
-        })
+        per_edit.append(
+            {
+                "id": r.id,
+                "prompt": r.prompt,
+                "target": r.target,
+                "rel": rel[i].exact,
+                "rel_token_acc": round(rel[i].token_acc, 4),
+                "target_logprob": round(rel[i].target_logprob, 4),
+                "gen": (sum(s.exact for s in g) / len(g)) if g else None,
+                "gen_token_acc": (round(sum(s.token_acc for s in g) / len(g), 4)) if g else None,
+            }
+        )
     if specificity:
         _add_specificity(model, tokenizer, requests, per_edit, batch_size)
     return per_edit
@@ -125,13 +134,18 @@ def _add_specificity(model, tokenizer, requests, per_edit, batch_size) -> None:
 def summarize_edit_scores(per_edit: Sequence[dict]) -> dict:
     """Means over edits (None where no edit has the key, rounded to 4 digits) of ``rel``, ``gen`` and their token
     accuracies, plus ``spec`` / ``spec_token_acc`` / ``spec_cf`` when specificity was scored."""
+
     def mean(key: str):
         """Mean of ``key`` over the edits that have it (rounded to 4 digits), None if none has it."""
         vals = [float(e[key]) for e in per_edit if e.get(key) is not None]
         return round(sum(vals) / len(vals), 4) if vals else None
 
-    out = {"rel": mean("rel"), "gen": mean("gen"), "rel_token_acc": mean("rel_token_acc"),
-           "gen_token_acc": mean("gen_token_acc")}
+    out = {
+        "rel": mean("rel"),
+        "gen": mean("gen"),
+        "rel_token_acc": mean("rel_token_acc"),
+        "gen_token_acc": mean("gen_token_acc"),
+    }
     for key in ("spec", "spec_token_acc", "spec_cf"):  # present only when specificity was scored
         if any(key in e for e in per_edit):
             out[key] = mean(key)

@@ -38,8 +38,19 @@ from .judges import normalize_answer
 if TYPE_CHECKING:  # torch only for annotations: WildConfig is checked before a model (or torch) loads
     from torch import nn
 
-__all__ = ["EVAL_WRAPPERS", "EvalWrapper", "eval_wrapper", "HELD_OUT_WRAPPER", "QA_TEMPLATE", "WildConfig",
-           "render_prompt", "run_wild", "crosstalk", "wild_wrappers", "check_template"]
+__all__ = [
+    "EVAL_WRAPPERS",
+    "EvalWrapper",
+    "eval_wrapper",
+    "HELD_OUT_WRAPPER",
+    "QA_TEMPLATE",
+    "WildConfig",
+    "render_prompt",
+    "run_wild",
+    "crosstalk",
+    "wild_wrappers",
+    "check_template",
+]
 
 _log = logging.getLogger("crispedit.evaluate")  # one info line per wrapper evaluated
 
@@ -71,6 +82,7 @@ def eval_wrapper(name: str, *, chat_template: bool = False):
         """Record ``render`` under ``name``; returns it unchanged."""
         EVAL_WRAPPERS[name] = EvalWrapper(name, render, chat_template)
         return render
+
     return register
 
 
@@ -91,8 +103,9 @@ def _chat(tokenizer, question: str) -> str:
     """The tokenizer's chat template as text: ``question`` as the user turn, then the generation prompt."""
     if not getattr(tokenizer, "chat_template", None):
         raise CrispEditError("--context chat needs a tokenizer with a chat template (this model has none)")
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
 
 
 HELD_OUT_WRAPPER = "qa"  # the wrapper no training context uses: compare's edit success, the Pareto front's axis
@@ -108,11 +121,13 @@ def check_template(template: str) -> str:
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:
-        raise CrispEditError(f"--context-template is not a valid template ({exc}); "
-                             "write literal braces as {{ }}") from None
+        raise CrispEditError(
+            f"--context-template is not a valid template ({exc}); write literal braces as {{{{ }}}}"
+        ) from None
     if fields.count("question") != 1 or any(f != "question" for f in fields):
-        raise CrispEditError(f"--context-template must contain {{question}} exactly once and no other field, "
-                             f"got {template!r}")
+        raise CrispEditError(
+            f"--context-template must contain {{question}} exactly once and no other field, got {template!r}"
+        )
     return template
 
 
@@ -176,8 +191,10 @@ def crosstalk(answers: Sequence[str], targets: Sequence[str], correct: Sequence[
     begins: the new fact landed on the wrong subject.
     ``answers``, ``targets`` and ``correct`` (the judge's verdicts) are aligned per edit; ``None`` for no edits."""
     if not len(answers) == len(targets) == len(correct):
-        raise ValueError(f"crosstalk needs one answer, target and verdict per edit, got {len(answers)}, "
-                         f"{len(targets)} and {len(correct)}")
+        raise ValueError(
+            f"crosstalk needs one answer, target and verdict per edit, got {len(answers)}, "
+            f"{len(targets)} and {len(correct)}"
+        )
     if not answers:
         return None
     norm = [tuple(normalize_answer(t).split()) for t in targets]
@@ -193,8 +210,16 @@ def crosstalk(answers: Sequence[str], targets: Sequence[str], correct: Sequence[
     return round(hits / len(answers), 4)
 
 
-def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *, config: WildConfig | None = None,
-             base: tuple[nn.Module, object] | None = None, progress: bool | None = None) -> dict:
+def run_wild(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    judge,
+    *,
+    config: WildConfig | None = None,
+    base: tuple[nn.Module, object] | None = None,
+    progress: bool | None = None,
+) -> dict:
     """Run the protocol; returns ``{"summary", "records", "config", "timings"}`` (records hold raw
     generations; summary scores are fractions in [0, 1])."""
     from .generation import generate_answers
@@ -206,8 +231,13 @@ def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge
         kinds += [(i, "gen", p, r.target) for p in r.rephrase_prompts]
         kinds += [(i, "loc", p, a) for p, a in r.locality]
     rendered = [render_prompt(tokenizer, q, cfg.context, cfg.template) for _, _, q, _ in kinds]
-    gen_kw = dict(max_new_tokens=cfg.max_new_tokens, stop=cfg.stop, batch_size=cfg.batch_size,
-                  add_special_tokens=not _chat_wrapper(cfg.context), progress=progress)
+    gen_kw = dict(
+        max_new_tokens=cfg.max_new_tokens,
+        stop=cfg.stop,
+        batch_size=cfg.batch_size,
+        add_special_tokens=not _chat_wrapper(cfg.context),
+        progress=progress,
+    )
     t0 = time.perf_counter()
     answers = generate_answers(model, tokenizer, rendered, desc="WILD generate", **gen_kw)
     t_gen = time.perf_counter() - t0
@@ -225,8 +255,9 @@ def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge
     grades = judge.grade_many([(q, g, a) for (_, _, q, g), a in zip(kinds, answers)], progress=progress)
     t_judge = time.perf_counter() - t0
 
-    records = [{"id": r.id, "prompt": r.prompt, "target": r.target, "rel": None, "gen": [], "loc": []}
-               for r in requests]
+    records = [
+        {"id": r.id, "prompt": r.prompt, "target": r.target, "rel": None, "gen": [], "loc": []} for r in requests
+    ]
     for k, ((i, kind, q, gold), ans, jd) in enumerate(zip(kinds, answers, grades)):
         row = {"question": q, "gold": gold, "answer": ans, "correct": jd.correct, "reason": jd.reason}
         if kind == "rel":
@@ -242,20 +273,36 @@ def run_wild(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge
         "rel": _mean([rec["rel"]["correct"] for rec in records]),
         "gen": _mean([_mean([g["correct"] for g in rec["gen"]]) for rec in records]),
         "loc_vs_answer": _mean([_mean([x["correct"] for x in rec["loc"]]) for rec in records]),
-        "loc_vs_base": (_mean([_mean([x["agrees_with_base"] for x in rec["loc"]]) for rec in records])
-                        if base is not None else None),
-        "cross": crosstalk([rec["rel"]["answer"] for rec in records], [rec["target"] for rec in records],
-                           [rec["rel"]["correct"] for rec in records]),
-        "n_edits": len(requests), "n_generations": len(answers) + len(base_answers),
+        "loc_vs_base": (
+            _mean([_mean([x["agrees_with_base"] for x in rec["loc"]]) for rec in records]) if base is not None else None
+        ),
+        "cross": crosstalk(
+            [rec["rel"]["answer"] for rec in records],
+            [rec["target"] for rec in records],
+            [rec["rel"]["correct"] for rec in records],
+        ),
+        "n_edits": len(requests),
+        "n_generations": len(answers) + len(base_answers),
     }
-    return {"summary": summary, "records": records, "config": {**asdict(cfg), "stop": list(cfg.stop) + ["<eos>"]},
-            "timings": {"generate_s": round(t_gen, 2), "base_generate_s": round(t_base, 2),
-                        "judge_s": round(t_judge, 2)}}
+    return {
+        "summary": summary,
+        "records": records,
+        "config": {**asdict(cfg), "stop": list(cfg.stop) + ["<eos>"]},
+        "timings": {"generate_s": round(t_gen, 2), "base_generate_s": round(t_base, 2), "judge_s": round(t_judge, 2)},
+    }
 
 
-def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], judge, *,
-                  wrappers: Sequence[str] = tuple(EVAL_WRAPPERS), templates: dict[str, str] | None = None,
-                  batch_size: int = WildConfig.batch_size, progress: bool | None = None) -> dict:
+def wild_wrappers(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    judge,
+    *,
+    wrappers: Sequence[str] = tuple(EVAL_WRAPPERS),
+    templates: dict[str, str] | None = None,
+    batch_size: int = WildConfig.batch_size,
+    progress: bool | None = None,
+) -> dict:
     """WILD summaries for several evaluation wrappers at once: ``{wrapper: {"rel", "gen", "loc_vs_answer",
     "cross", ...}, ..., "seconds": s}``. A chat-template wrapper (``chat``) is skipped (``None``) for tokenizers
     without a chat template; ``templates`` adds named user wrappers (``{name: "text with {question}"}``). Each wrapper
@@ -264,8 +311,9 @@ def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
     out: dict = {}
     t0 = time.perf_counter()
     runs = [(c, WildConfig(context=c, batch_size=batch_size)) for c in wrappers]
-    runs += [(name, WildConfig(context="custom", template=t, batch_size=batch_size))
-             for name, t in (templates or {}).items()]
+    runs += [
+        (name, WildConfig(context="custom", template=t, batch_size=batch_size)) for name, t in (templates or {}).items()
+    ]
     for name, cfg in runs:
         if _chat_wrapper(cfg.context) and not getattr(tokenizer, "chat_template", None):
             out[name] = None
@@ -273,13 +321,21 @@ def wild_wrappers(model: nn.Module, tokenizer, requests: Sequence[EditRequest], 
         t1 = time.perf_counter()
         res = run_wild(model, tokenizer, requests, judge, config=cfg, progress=progress)
         out[name] = {k: res["summary"][k] for k in ("rel", "gen", "loc_vs_answer", "cross")}
-        _log.info("evaluate: WILD %s rel %s gen %s over %d edits (%.0f s)", name, out[name]["rel"], out[name]["gen"],
-                  len(requests), time.perf_counter() - t1)
-        out[name]["examples"] = [{"prompt": r["prompt"], "target": r["target"], "answer": r["rel"]["answer"]}
-                                 for r in res["records"][:3]]
+        _log.info(
+            "evaluate: WILD %s rel %s gen %s over %d edits (%.0f s)",
+            name,
+            out[name]["rel"],
+            out[name]["gen"],
+            len(requests),
+            time.perf_counter() - t1,
+        )
+        out[name]["examples"] = [
+            {"prompt": r["prompt"], "target": r["target"], "answer": r["rel"]["answer"]} for r in res["records"][:3]
+        ]
         # every answer, compactly: [rel answer, rel correct, [gen answers], [gen correct]] per edit
-        out[name]["answers"] = [[r["rel"]["answer"], r["rel"]["correct"], [g["answer"] for g in r["gen"]],
-                                 [g["correct"] for g in r["gen"]]] for r in res["records"]]
+        out[name]["answers"] = [
+            [r["rel"]["answer"], r["rel"]["correct"], [g["answer"] for g in r["gen"]], [g["correct"] for g in r["gen"]]]
+            for r in res["records"]
+        ]
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
-

@@ -96,8 +96,11 @@ def peak_memory(device: torch.device) -> Iterator[dict]:
         yield out
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
-        out.update(measure="torch.cuda.max_memory_allocated", peak_mib=round(peak / 2**20, 1),
-                   increase_mib=round((peak - start) / 2**20, 1))
+        out.update(
+            measure="torch.cuda.max_memory_allocated",
+            peak_mib=round(peak / 2**20, 1),
+            increase_mib=round((peak - start) / 2**20, 1),
+        )
         return
     reset = False
     with contextlib.suppress(OSError):
@@ -107,12 +110,18 @@ def peak_memory(device: torch.device) -> Iterator[dict]:
     yield out
     hwm = proc_status_kib("VmHWM")
     if reset and hwm is not None and rss0 is not None:
-        out.update(measure="peak RSS (VmHWM, reset before the method)", peak_mib=round(hwm / 1024, 1),
-                   increase_mib=round((hwm - rss0) / 1024, 1))
+        out.update(
+            measure="peak RSS (VmHWM, reset before the method)",
+            peak_mib=round(hwm / 1024, 1),
+            increase_mib=round((hwm - rss0) / 1024, 1),
+        )
     else:
         grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - max0
-        out.update(measure="ru_maxrss increase (process-lifetime peak, not reset)", peak_mib=None,
-                   increase_mib=round(grown / 1024, 1))
+        out.update(
+            measure="ru_maxrss increase (process-lifetime peak, not reset)",
+            peak_mib=None,
+            increase_mib=round(grown / 1024, 1),
+        )
 
 
 def _row(method: str, ev: dict, **extra) -> dict:
@@ -122,9 +131,16 @@ def _row(method: str, ev: dict, **extra) -> dict:
     caps = {k: v["score"] for k, v in ev.get("capabilities", {}).items()}
     per_edit = ev.get("per_edit") or []
     tf = {"rel": [int(e["rel"]) for e in per_edit], "gen": [e["gen"] for e in per_edit]} if per_edit else {}
-    return {"method": method, "summary": ev["summary"], "wild": ev.get("wild", {}), "capabilities": caps,
-            "capability_details": ev.get("capabilities", {}), **({"tf": tf} if tf else {}),
-            **({"assistant": ev["assistant"]} if ev.get("assistant") else {}), **extra}
+    return {
+        "method": method,
+        "summary": ev["summary"],
+        "wild": ev.get("wild", {}),
+        "capabilities": caps,
+        "capability_details": ev.get("capabilities", {}),
+        **({"tf": tf} if tf else {}),
+        **({"assistant": ev["assistant"]} if ev.get("assistant") else {}),
+        **extra,
+    }
 
 
 def _retention_brief(r: dict | None) -> str:
@@ -139,16 +155,21 @@ def _retention_brief(r: dict | None) -> str:
 
 def _round_line(method: str):
     """A :func:`run_sequence` ``on_round`` callback printing one line per finished round."""
+
     def report(rec: dict, n_rounds: int) -> None:
         """Print ``method``'s line for the round record ``rec``: edits, seconds, epochs and last epoch loss
         (a single-pass editor: its target NLL before -> after)."""
-        tqdm.write(f"  {method} round {rec['round']}/{n_rounds}: {rec['n_edits']} edits, {rec['edit_seconds']:.1f}s, "
-                   f"{training_brief(rec.get('train') or {})}" + _retention_brief(rec.get("after_round")))
+        tqdm.write(
+            f"  {method} round {rec['round']}/{n_rounds}: {rec['n_edits']} edits, {rec['edit_seconds']:.1f}s, "
+            f"{training_brief(rec.get('train') or {})}" + _retention_brief(rec.get("after_round"))
+        )
+
     return report
 
 
-def _checked_configs(model, requests: Sequence[EditRequest], methods: Sequence[str],
-                     configs: dict[str, EditConfig | SeqConfig]) -> tuple[dict, dict[str, dict[str, str]]]:
+def _checked_configs(
+    model, requests: Sequence[EditRequest], methods: Sequence[str], configs: dict[str, EditConfig | SeqConfig]
+) -> tuple[dict, dict[str, dict[str, str]]]:
     """Every row's config checked against its method (an :class:`EditConfig` for a ``-seq`` row wrapped into a
     :class:`SeqConfig`), with what the method needs of the requests and of the model checked before anything runs;
     returns the configs and, per row, option -> SHA-256 of the file it names (MEND's network)."""
@@ -158,11 +179,15 @@ def _checked_configs(model, requests: Sequence[EditRequest], methods: Sequence[s
         cfg = configs[m]
         if seq and isinstance(cfg, EditConfig):
             cfg = configs[m] = SeqConfig(edit=cfg)
-        ok = (isinstance(cfg, SeqConfig) and cfg.mode == "sequential" and cfg.edit.method == base_method) if seq \
+        ok = (
+            (isinstance(cfg, SeqConfig) and cfg.mode == "sequential" and cfg.edit.method == base_method)
+            if seq
             else (isinstance(cfg, EditConfig) and cfg.method == base_method)
+        )
         if not ok:
-            raise CrispEditError(f"the configuration given for {m} is not one of {base_method}"
-                                 + (" in sequential mode" if seq else ""))
+            raise CrispEditError(
+                f"the configuration given for {m} is not one of {base_method}" + (" in sequential mode" if seq else "")
+            )
         # what each method needs of the requests (the closed forms' subjects) and of the model (MEND's trained
         # network), before anything
         get_editor(base_method).check_requests(requests)
@@ -196,8 +221,13 @@ class _Bench:
     def job(self, config: EditConfig) -> EditJob:
         """The :class:`~crispedit.pipeline.EditJob` of one row: ``config`` on the requests, measured under every
         evaluation wrapper, with the assistant's measures and the capability tasks."""
-        measures = Measures(kl_text=self.kl_text, capabilities=tuple(self.capabilities), limit=self.limit,
-                            max_gen_toks=self.max_gen_toks, bench_dir=self.bench_dir)
+        measures = Measures(
+            kl_text=self.kl_text,
+            capabilities=tuple(self.capabilities),
+            limit=self.limit,
+            max_gen_toks=self.max_gen_toks,
+            bench_dir=self.bench_dir,
+        )
         return EditJob(self.model, self.tokenizer, self.requests, config, measures, progress=self.inner)
 
     @property
@@ -225,9 +255,18 @@ def _edited_row(b: _Bench, method: str, cfg: EditConfig | SeqConfig, inputs: dic
             editor = get_editor(ecfg.method)
             before = snapshot(editor.changes(model, editor.select_layers(model, ecfg), ecfg))
             try:
-                res = run_sequence(model, b.tokenizer, b.requests, cfg, b.chunk, progress=b.inner, predict_drift=True,
-                                   on_round=None if b.progress is False else _round_line(method),
-                                   after_round=round_map_probe(b.tokenizer, b.requests, b.chunk), checkpoint=ckpt)
+                res = run_sequence(
+                    model,
+                    b.tokenizer,
+                    b.requests,
+                    cfg,
+                    b.chunk,
+                    progress=b.inner,
+                    predict_drift=True,
+                    on_round=None if b.progress is False else _round_line(method),
+                    after_round=round_map_probe(b.tokenizer, b.requests, b.chunk),
+                    checkpoint=ckpt,
+                )
             except BaseException:
                 restore(model, before)  # an interrupted session leaves the base behind
                 raise
@@ -242,32 +281,64 @@ def _edited_row(b: _Bench, method: str, cfg: EditConfig | SeqConfig, inputs: dic
         restore(model, res.original_weights)
     b.check_base(f"restoring the base after {method} failed (fingerprint differs)")
     ev["summary"].update(drift_summary(res))
-    extra = (dict(rounds=len(res.rounds), seq_chunk=res.chunk, round_seconds=res.round_seconds,
-                  round_records=res.rounds, retention=[rec.get("after_round") for rec in res.rounds])
-             if seq else dict(training=res.history.to_json()))
-    return _row(method, ev, config=cfg.to_json(), **({"inputs": inputs} if inputs else {}),
-                layers=res.layers, changed=sorted(res.original_weights),
-                changed_numel=sum(t.numel() for t in res.original_weights.values()),
-                edit_seconds=round(res.edit_seconds, 2), cache_seconds=round(res.cache_seconds, 2),
-                wall_seconds=round(wall, 2), cache_hit=res.cache_info.get("hit"), memory=mem, **extra)
+    extra = (
+        dict(
+            rounds=len(res.rounds),
+            seq_chunk=res.chunk,
+            round_seconds=res.round_seconds,
+            round_records=res.rounds,
+            retention=[rec.get("after_round") for rec in res.rounds],
+        )
+        if seq
+        else dict(training=res.history.to_json())
+    )
+    return _row(
+        method,
+        ev,
+        config=cfg.to_json(),
+        **({"inputs": inputs} if inputs else {}),
+        layers=res.layers,
+        changed=sorted(res.original_weights),
+        changed_numel=sum(t.numel() for t in res.original_weights.values()),
+        edit_seconds=round(res.edit_seconds, 2),
+        cache_seconds=round(res.cache_seconds, 2),
+        wall_seconds=round(wall, 2),
+        cache_hit=res.cache_info.get("hit"),
+        memory=mem,
+        **extra,
+    )
 
 
 def _row_line(method: str, r: dict) -> str:
     """The line printed once ``method``'s row ``r`` is written: the held-out wrapper's WILD rel / gen, teacher-forced
     rel, the KL drift measured and predicted, the edit time, a ``-seq`` row's rounds."""
     qa = r["wild"].get(HELD_OUT_WRAPPER) or {}
-    return (f"{method}: WILD {HELD_OUT_WRAPPER} rel={qa.get('rel')} gen={qa.get('gen')} tf rel={r['summary']['rel']} "
-            f"kl_drift={r['summary']['kl_drift']:.5f} kl_predicted={r['summary'].get('kl_predicted')}"
-            + (f" edit={r['edit_seconds']:.1f}s" if "edit_seconds" in r else "")
-            + (f" ({r['rounds']} rounds of {r['seq_chunk']})" if "rounds" in r else ""))
+    return (
+        f"{method}: WILD {HELD_OUT_WRAPPER} rel={qa.get('rel')} gen={qa.get('gen')} tf rel={r['summary']['rel']} "
+        f"kl_drift={r['summary']['kl_drift']:.5f} kl_predicted={r['summary'].get('kl_predicted')}"
+        + (f" edit={r['edit_seconds']:.1f}s" if "edit_seconds" in r else "")
+        + (f" ({r['rounds']} rounds of {r['seq_chunk']})" if "rounds" in r else "")
+    )
 
 
-def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequence[str], out: str | Path, *,
-                configs: dict[str, EditConfig | SeqConfig], model_spec: str = "<in-memory>",
-                edits_info: dict | None = None, capabilities: Sequence[str] = (), limit: int | dict | None = None,
-                max_gen_toks: int | None = None, bench_dir: str | None = None, kl_text: str | None = None,
-                seq_chunk: int | None = None,
-                progress: bool | None = None) -> dict:
+def run_compare(
+    model,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    methods: Sequence[str],
+    out: str | Path,
+    *,
+    configs: dict[str, EditConfig | SeqConfig],
+    model_spec: str = "<in-memory>",
+    edits_info: dict | None = None,
+    capabilities: Sequence[str] = (),
+    limit: int | dict | None = None,
+    max_gen_toks: int | None = None,
+    bench_dir: str | None = None,
+    kl_text: str | None = None,
+    seq_chunk: int | None = None,
+    progress: bool | None = None,
+) -> dict:
     """Run ``methods`` (each with ``configs[method]``) on ``requests`` from ``model``'s current weights
     and write ``out``/compare.json, .md, .png; returns the compare.json payload. Methods already in an
     existing compare.json with the same settings are kept and not rerun.
@@ -285,25 +356,39 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
     check_output_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     fp = weight_fingerprint(model)
-    settings = {"model": model_spec, "fingerprint": fp, "edits": edits_info or {}, "n_edits": len(requests),
-                "requests_digest": requests_digest(requests),
-                # what --contexts 'default' meant when the rows ran: a row stored as 'default' under another
-                # default is another configuration
-                "default_contexts": DEFAULT_CONTEXTS,
-                "evaluation": {"wild": list(EVAL_WRAPPERS), "judge": "rule", "capabilities": list(capabilities),
-                               "limit": limit, "max_gen_toks": max_gen_toks,
-                               "kl_text": kl_text or "bundled:wikitext_heldout.txt"}}
+    settings = {
+        "model": model_spec,
+        "fingerprint": fp,
+        "edits": edits_info or {},
+        "n_edits": len(requests),
+        "requests_digest": requests_digest(requests),
+        # what --contexts 'default' meant when the rows ran: a row stored as 'default' under another
+        # default is another configuration
+        "default_contexts": DEFAULT_CONTEXTS,
+        "evaluation": {
+            "wild": list(EVAL_WRAPPERS),
+            "judge": "rule",
+            "capabilities": list(capabilities),
+            "limit": limit,
+            "max_gen_toks": max_gen_toks,
+            "kl_text": kl_text or "bundled:wikitext_heldout.txt",
+        },
+    }
     payload = stamped({"format": COMPARE_FORMAT, "settings": settings, "methods": list(methods), "results": {}})
     resume_payload(out / JSON_FILE, payload, methods, configs, inputs, chunk)
-    bench = _Bench(model, tokenizer, requests, out, fp, chunk, kl_text, capabilities, limit, max_gen_toks, bench_dir,
-                   progress)
+    bench = _Bench(
+        model, tokenizer, requests, out, fp, chunk, kl_text, capabilities, limit, max_gen_toks, bench_dir, progress
+    )
     todo = ([] if "base" in payload["results"] else ["base"]) + [m for m in methods if m not in payload["results"]]
     bar = tqdm(todo, desc="compare", unit="method", disable=(None if progress is None else not progress))
     for method in bar:
         bar.set_postfix_str(method)
         bench.check_base(f"the model is no longer the base before {method} (fingerprint changed)")
-        payload["results"][method] = (_row("base", bench.job(EditConfig()).evaluate({})) if method == "base"
-                                      else _edited_row(bench, method, configs[method], inputs[method]))
+        payload["results"][method] = (
+            _row("base", bench.job(EditConfig()).evaluate({}))
+            if method == "base"
+            else _edited_row(bench, method, configs[method], inputs[method])
+        )
         write_outputs(out, payload)
         (out / CHECKPOINTS / f"{method}.safetensors").unlink(missing_ok=True)  # the row holds what it was for
         if progress is not False:
@@ -311,5 +396,3 @@ def run_compare(model, tokenizer, requests: Sequence[EditRequest], methods: Sequ
     bar.close()
     write_outputs(out, payload)
     return payload
-
-

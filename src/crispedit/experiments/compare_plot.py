@@ -12,12 +12,18 @@ from .compare_table import BREAKING_PPL_RATIO, capability_changes, limit_text, p
 __all__ = ["plot_compare"]
 
 
-_TASK_LABELS = {"arc_challenge": "ARC-C", "truthfulqa_mc2": "TruthfulQA-MC2", "mmlu": "MMLU", "gsm8k_cot": "GSM8K",
-                "ifeval": "IFEval"}
+_TASK_LABELS = {
+    "arc_challenge": "ARC-C",
+    "truthfulqa_mc2": "TruthfulQA-MC2",
+    "mmlu": "MMLU",
+    "gsm8k_cot": "GSM8K",
+    "ifeval": "IFEval",
+}
 
 
-def _place_labels(ax, anchors: list[tuple[float, float]], names: list[str], fontsize: int = 8,
-                  avoid: list | None = None) -> None:
+def _place_labels(
+    ax, anchors: list[tuple[float, float]], names: list[str], fontsize: int = 8, avoid: list | None = None
+) -> None:
     """Annotate each anchor (data coordinates) with its name where the text overlaps no other label, no
     marker and no box of ``avoid`` (display-coordinate bboxes, e.g. the legend's), trying offsets near the
     point first, then farther ones with a leader line; where none fits, the least-overlapping offset. Call
@@ -25,11 +31,28 @@ def _place_labels(ax, anchors: list[tuple[float, float]], names: list[str], font
     renderer = ax.figure.canvas.get_renderer()
     box = ax.get_window_extent(renderer)
     pts = [ax.transData.transform(a) for a in anchors]
-    near = [(6, 3, "left", "bottom"), (6, -3, "left", "top"), (-6, 3, "right", "bottom"), (-6, -3, "right", "top"),
-            (0, 8, "center", "bottom"), (0, -8, "center", "top")]
-    far = [(dx * k, dy * k, ha, va) for k in (2.5, 4, 6) for dx, dy, ha, va in
-           [(6, 6, "left", "bottom"), (6, -6, "left", "top"), (-6, 6, "right", "bottom"), (-6, -6, "right", "top"),
-            (0, 8, "center", "bottom"), (0, -8, "center", "top"), (8, 0, "left", "center"), (-8, 0, "right", "center")]]
+    near = [
+        (6, 3, "left", "bottom"),
+        (6, -3, "left", "top"),
+        (-6, 3, "right", "bottom"),
+        (-6, -3, "right", "top"),
+        (0, 8, "center", "bottom"),
+        (0, -8, "center", "top"),
+    ]
+    far = [
+        (dx * k, dy * k, ha, va)
+        for k in (2.5, 4, 6)
+        for dx, dy, ha, va in [
+            (6, 6, "left", "bottom"),
+            (6, -6, "left", "top"),
+            (-6, 6, "right", "bottom"),
+            (-6, -6, "right", "top"),
+            (0, 8, "center", "bottom"),
+            (0, -8, "center", "top"),
+            (8, 0, "left", "center"),
+            (-8, 0, "right", "center"),
+        ]
+    ]
     placed = list(avoid or [])
 
     def overlap(b, own):
@@ -62,8 +85,13 @@ def _place_labels(ax, anchors: list[tuple[float, float]], names: list[str], font
         ann.set_ha(ha)
         ann.set_va(va)
         if abs(dx) > 8 or abs(dy) > 8:
-            ax.annotate("", anchor, xytext=(dx, dy), textcoords="offset points",
-                        arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6, shrinkA=0, shrinkB=3))
+            ax.annotate(
+                "",
+                anchor,
+                xytext=(dx, dy),
+                textcoords="offset points",
+                arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6, shrinkA=0, shrinkB=3),
+            )
         placed.append(best[2])
 
 
@@ -84,15 +112,42 @@ def _plot_success_panel(ax, payload: dict, pareto: dict, rows: list[str], xy: di
         handles.append(Line2D([], [], ls="", marker="o", color="C0", label="edited row"))
     if bad:
         ax.scatter([xy[m][0] for m in bad], [xy[m][1] for m in bad], color="C3", marker="X", s=70, zorder=3)
-        handles.append(Line2D([], [], ls="", marker="X", color="C3", markersize=8,
-                              label=f"breaks the model (perplexity > {BREAKING_PPL_RATIO:g}× base)"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                ls="",
+                marker="X",
+                color="C3",
+                markersize=8,
+                label=f"breaks the model (perplexity > {BREAKING_PPL_RATIO:g}× base)",
+            )
+        )
     front = sorted((xy[m] for m in pareto["kl_front"] if m in xy), key=lambda p: p[0])
     if front:
         ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="0.4", lw=1, zorder=2)
-        ax.scatter([p[0] for p in front], [p[1] for p in front], s=170, facecolors="none", edgecolors="k",
-                   linewidths=1.1, zorder=4)
-        handles.append(Line2D([], [], ls="--", marker="o", color="0.4", markerfacecolor="none", markeredgecolor="k",
-                              markersize=11, label="Pareto front (success vs KL drift)"))
+        ax.scatter(
+            [p[0] for p in front],
+            [p[1] for p in front],
+            s=170,
+            facecolors="none",
+            edgecolors="k",
+            linewidths=1.1,
+            zorder=4,
+        )
+        handles.append(
+            Line2D(
+                [],
+                [],
+                ls="--",
+                marker="o",
+                color="0.4",
+                markerfacecolor="none",
+                markeredgecolor="k",
+                markersize=11,
+                label="Pareto front (success vs KL drift)",
+            )
+        )
     ax.set_xscale("log")
     ax.set_xlabel("KL drift on held-out text (nats/token, log scale; left = less drift)")
     ax.set_ylabel("edit success (WILD QA rel)")
@@ -137,14 +192,24 @@ def _plot_capability_panel(axc, payload: dict, pareto: dict) -> None:
                 d = 100 * (res[m]["capabilities"][c] - base_caps[c])
                 axc.plot([d], [y], marker=markers[j % len(markers)], color=color, ms=5, mfc="none", zorder=3)
                 drawn.add("unpaired")
-        chandles.append(Line2D([], [], color=color, marker=markers[j % len(markers)], ls="",
-                               label=_TASK_LABELS.get(c, c)))
+        chandles.append(
+            Line2D([], [], color=color, marker=markers[j % len(markers)], ls="", label=_TASK_LABELS.get(c, c))
+        )
     if "paired" in drawn:
         chandles.append(Line2D([], [], color="0.3", lw=3, label="± 1 paired SE"))
         chandles.append(Line2D([], [], color="0.3", lw=0.9, label="± 2 paired SE"))
     if "unpaired" in drawn:
-        chandles.append(Line2D([], [], color="0.3", marker="o", mfc="none", ls="",
-                               label="no per-item scores for this row or the base:\nscore difference only, no SE"))
+        chandles.append(
+            Line2D(
+                [],
+                [],
+                color="0.3",
+                marker="o",
+                mfc="none",
+                ls="",
+                label="no per-item scores for this row or the base:\nscore difference only, no SE",
+            )
+        )
     axc.axvline(0, color="0.3", lw=0.8, zorder=1)
     axc.set_yticks(range(n))
     axc.set_yticklabels([m + (" (breaks)" if m in breaking else "") for m in reversed(crow)], fontsize=8)
@@ -155,8 +220,10 @@ def _plot_capability_panel(axc, payload: dict, pareto: dict) -> None:
     axc.set_xlabel("capability score change against the base (percentage points)")
     axc.grid(alpha=0.3, axis="x", lw=0.5)
     axc.legend(handles=chandles, fontsize=8, loc="best", framealpha=0.9)
-    axc.set_title(f"capabilities ({limit_text(payload['settings']['evaluation'].get('limit'))}): change against the "
-                  "base", fontsize=10)
+    axc.set_title(
+        f"capabilities ({limit_text(payload['settings']['evaluation'].get('limit'))}): change against the base",
+        fontsize=10,
+    )
 
 
 def plot_compare(payload: dict, path: str | Path) -> None:

@@ -47,15 +47,21 @@ def resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: d
         old = json.loads(read_text_file(path, "compare file"))
     except json.JSONDecodeError:
         raise CrispEditError(f"{path} is corrupt; remove it or use another --out") from None
-    if not isinstance(old, dict) or not isinstance(old.get("settings", {}), dict) \
-            or not isinstance(old.get("results", {}), dict) or not isinstance(old.get("methods", []), list):
+    if (
+        not isinstance(old, dict)
+        or not isinstance(old.get("settings", {}), dict)
+        or not isinstance(old.get("results", {}), dict)
+        or not isinstance(old.get("methods", []), list)
+    ):
         raise CrispEditError(f"{path} is not a crispedit compare file; remove it or use another --out")
     check_written_by(old, path, "rerun it with another --out", format=COMPARE_FORMAT)
     settings, was = payload["settings"], old.get("settings", {})
     diff = [k for k in settings if was.get(k) != settings[k]]
     if diff:
-        raise CrispEditError(f"{path} was written with other settings ({', '.join(diff)}); "
-                             "use another --out to compare under new settings")
+        raise CrispEditError(
+            f"{path} was written with other settings ({', '.join(diff)}); "
+            "use another --out to compare under new settings"
+        )
     payload["results"] = old.get("results", {})
     for m in methods:
         row, seq = payload["results"].get(m, {}), seq_row(m)[1]
@@ -63,22 +69,34 @@ def resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: d
         if stored is None:  # not run yet (or the base row)
             continue
         stored_id = SeqConfig.from_dict(stored).identity() if seq else stored
-        same = (_run_identity(stored_id, row.get("inputs"))
-                == _run_identity(configs[m].identity() if seq else configs[m].to_json(), inputs[m]))
+        same = _run_identity(stored_id, row.get("inputs")) == _run_identity(
+            configs[m].identity() if seq else configs[m].to_json(), inputs[m]
+        )
         if not same or (seq and row.get("seq_chunk") != chunk):
             other_chunk = seq and row.get("seq_chunk") != chunk
             was = row.get("inputs") if isinstance(row.get("inputs"), dict) else {}
             other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
-            w = (seq and configs[m].uses_weighting and isinstance(stored, dict)
-                 and stored.get("weighting") != configs[m].weighting and stored.get("weighting"))
+            w = (
+                seq
+                and configs[m].uses_weighting
+                and isinstance(stored, dict)
+                and stored.get("weighting") != configs[m].weighting
+                and stored.get("weighting")
+            )
             g_now = configs[m].identity().get("edit_gamma") if seq else None  # None where the rounds merge no factors
             g = not w and g_now is not None and stored_id.get("edit_gamma")
             g = g if g != g_now else None
-            what = (f" (rounds of {row.get('seq_chunk')} edits, now {chunk})" if other_chunk else
-                    f" (factor weighting {w}, now {configs[m].weighting}: --seq-weighting {w} resumes it)"
-                    if w else
-                    f" (edit-factor gamma {g}, now {g_now}: --seq-edit-gamma {g} resumes it)" if g else
-                    f" (another {other_file[0]} file: sha256 {str(was[other_file[0]])[:12]}…, now "
-                    f"{inputs[m][other_file[0]][:12]}…)" if other_file else "")
+            what = (
+                f" (rounds of {row.get('seq_chunk')} edits, now {chunk})"
+                if other_chunk
+                else f" (factor weighting {w}, now {configs[m].weighting}: --seq-weighting {w} resumes it)"
+                if w
+                else f" (edit-factor gamma {g}, now {g_now}: --seq-edit-gamma {g} resumes it)"
+                if g
+                else f" (another {other_file[0]} file: sha256 {str(was[other_file[0]])[:12]}…, now "
+                f"{inputs[m][other_file[0]][:12]}…)"
+                if other_file
+                else ""
+            )
             raise CrispEditError(f"{path} holds {m} run with another configuration{what}; use another --out")
     payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))

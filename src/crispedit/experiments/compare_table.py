@@ -24,8 +24,16 @@ from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER
 from ..evaluation.capabilities import paired_change
 from .retention import retention_table
 
-__all__ = ["compare_table", "pareto_front", "pareto_points", "capability_changes", "perplexity_ratios",
-           "breaking_rows", "limit_text", "BREAKING_PPL_RATIO"]
+__all__ = [
+    "compare_table",
+    "pareto_front",
+    "pareto_points",
+    "capability_changes",
+    "perplexity_ratios",
+    "breaking_rows",
+    "limit_text",
+    "BREAKING_PPL_RATIO",
+]
 
 
 def limit_text(limit) -> str:
@@ -54,13 +62,17 @@ def pareto_front(points: dict[str, tuple[float | None, float | None]]) -> list[s
     ``points`` maps a name to ``(success, retention)``. A point is on the front unless another point is
     at least as high on both and strictly higher on one (equal points are all on it); a point with a
     ``None`` or NaN coordinate is never on it and dominates nothing."""
+
     def ok(p):
         """Whether both coordinates of ``p`` are set (not ``None``) and not NaN."""
         return all(v is not None and v == v for v in p)
 
     valid = {n: (float(p[0]), float(p[1])) for n, p in points.items() if ok(p)}
-    return [n for n, (a, b) in valid.items()
-            if not any(x >= a and y >= b and (x > a or y > b) for m, (x, y) in valid.items() if m != n)]
+    return [
+        n
+        for n, (a, b) in valid.items()
+        if not any(x >= a and y >= b and (x > a or y > b) for m, (x, y) in valid.items() if m != n)
+    ]
 
 
 def _retention(payload: dict, r: dict) -> float | None:
@@ -115,16 +127,19 @@ def pareto_points(payload: dict) -> dict:
     success = {m: (res[m]["wild"].get(HELD_OUT_WRAPPER) or {}).get("rel") for m in rows}
     points = {m: [success[m], _retention(payload, res[m])] for m in rows}
     kl = {m: (success[m], -res[m]["summary"]["kl_drift"]) for m in candidates}
-    return {"success": f"WILD {HELD_OUT_WRAPPER} rel",
-            "kl": "KL drift on held-out text (nats/token, lower is better)",
-            "kl_front": pareto_front(kl),
-            "retention": ("mean capability score / base score over " + ", ".join(caps)) if caps
-            else "-KL drift on held-out text (nats/token)",
-            "front": pareto_front({m: tuple(points[m]) for m in candidates}),
-            "points": points,
-            "breaking": {m: round(r, 4) for m, r in breaking.items()},
-            "breaking_rule": f"held-out perplexity more than {BREAKING_PPL_RATIO:g}x the base's: breaks the model, "
-                             "not a candidate for either front"}
+    return {
+        "success": f"WILD {HELD_OUT_WRAPPER} rel",
+        "kl": "KL drift on held-out text (nats/token, lower is better)",
+        "kl_front": pareto_front(kl),
+        "retention": ("mean capability score / base score over " + ", ".join(caps))
+        if caps
+        else "-KL drift on held-out text (nats/token)",
+        "front": pareto_front({m: tuple(points[m]) for m in candidates}),
+        "points": points,
+        "breaking": {m: round(r, 4) for m, r in breaking.items()},
+        "breaking_rule": f"held-out perplexity more than {BREAKING_PPL_RATIO:g}x the base's: breaks the model, "
+        "not a candidate for either front",
+    }
 
 
 def capability_changes(payload: dict) -> dict:
@@ -172,15 +187,22 @@ def _table_columns(payload: dict) -> list[tuple]:
     its stored score (a fraction in [0, 1], shown in percent; the ratio as ×) or None where the row has none."""
     caps = payload["settings"]["evaluation"]["capabilities"]
     wrappers = payload["settings"]["evaluation"].get("wild") or list(EVAL_WRAPPERS)
-    cols = [(f"{w.upper() if w == HELD_OUT_WRAPPER else w} {k}",
-             (lambda wrapper, key: lambda r: (r["wild"].get(wrapper) or {}).get(key))(w, k), True) for w in wrappers
-            for k in ("rel", "gen")]
-    cols += [("TF rel", lambda r: r["summary"].get("rel"), True),
-            ("TF gen", lambda r: r["summary"].get("gen"), True)]
+    cols = [
+        (
+            f"{w.upper() if w == HELD_OUT_WRAPPER else w} {k}",
+            (lambda wrapper, key: lambda r: (r["wild"].get(wrapper) or {}).get(key))(w, k),
+            True,
+        )
+        for w in wrappers
+        for k in ("rel", "gen")
+    ]
+    cols += [("TF rel", lambda r: r["summary"].get("rel"), True), ("TF gen", lambda r: r["summary"].get("gen"), True)]
     cols += [(c, (lambda task: lambda r: r["capabilities"].get(task))(c), True) for c in caps]
-    cols += [("chat len", lambda r: _assistant(r, "style", "length_ratio"), None),
-             ("chat bare", lambda r: _assistant(r, "style", "bare_share"), None),
-             ("bleed", lambda r: _assistant(r, "bleed", "target"), None)]
+    cols += [
+        ("chat len", lambda r: _assistant(r, "style", "length_ratio"), None),
+        ("chat bare", lambda r: _assistant(r, "style", "bare_share"), None),
+        ("bleed", lambda r: _assistant(r, "bleed", "target"), None),
+    ]
     return cols
 
 
@@ -189,8 +211,9 @@ def _pareto_mark(m: str, front: list[str], breaking: dict) -> str:
     return "–" if m == "base" else "✗" if m in breaking else "★" if m in front else ""
 
 
-def _table_row(m: str, r: dict, cols: list[tuple], edited: list[dict], ratio: float | None, pareto: dict,
-               caps: list[str]) -> str:
+def _table_row(
+    m: str, r: dict, cols: list[tuple], edited: list[dict], ratio: float | None, pareto: dict, caps: list[str]
+) -> str:
     """The markdown table line of row ``m`` (result ``r``): its name, each of ``cols`` in percent (bold, for an
     edited row, where within 5 % (relative) of the best of the ``edited`` rows), KL drift and its prediction
     (nats/token), perplexity with its ``ratio`` to the base's, edit and curvature time, peak memory (MiB, with
@@ -207,13 +230,25 @@ def _table_row(m: str, r: dict, cols: list[tuple], edited: list[dict], ratio: fl
             text = f"**{text}**"
         cells.append(text)
     mem = r.get("memory") or {}
-    peak = "" if not mem else (f"{mem['peak_mib']:.0f} (+{mem['increase_mib']:.0f})" if mem.get("peak_mib")
-                               else f"+{mem['increase_mib']:.0f}")
+    peak = (
+        ""
+        if not mem
+        else (
+            f"{mem['peak_mib']:.0f} (+{mem['increase_mib']:.0f})"
+            if mem.get("peak_mib")
+            else f"+{mem['increase_mib']:.0f}"
+        )
+    )
     pred = r["summary"].get("kl_predicted")
-    cells += [f"{r['summary']['kl_drift']:.5f}", "–" if pred is None else f"{pred:.5f}",
-              _ppl_cell(r, ratio, m in pareto["breaking"]), _duration(r.get("edit_seconds")),
-              _duration(r.get("cache_seconds")) if r.get("cache_seconds") else "", peak,
-              _pareto_mark(m, pareto["kl_front"], pareto["breaking"])]
+    cells += [
+        f"{r['summary']['kl_drift']:.5f}",
+        "–" if pred is None else f"{pred:.5f}",
+        _ppl_cell(r, ratio, m in pareto["breaking"]),
+        _duration(r.get("edit_seconds")),
+        _duration(r.get("cache_seconds")) if r.get("cache_seconds") else "",
+        peak,
+        _pareto_mark(m, pareto["kl_front"], pareto["breaking"]),
+    ]
     if caps:
         cells.append(_pareto_mark(m, pareto["front"], pareto["breaking"]))
     return "| " + " | ".join(cells) + " |"
@@ -223,12 +258,20 @@ def _fronts_line(pareto: dict, caps: list[str]) -> str:
     """The paragraph under the table naming the rows on the KL front, on the capability front (only with
     ``caps``) and the breaking rows with their perplexity ratios to the base's."""
     breaking = pareto["breaking"]
-    return ("\nPareto front against KL drift (Pareto (KL) ★): " + (", ".join(pareto["kl_front"]) or "none")
-            + (". Pareto front against capability retention (Pareto (capabilities) ★): "
-               + (", ".join(pareto["front"]) or "none") if caps else "")
-            + ". Breaking the model (✗: held-out perplexity more than "
-            f"{BREAKING_PPL_RATIO:g}× the base's; on neither front): "
-            + (", ".join(f"{m} ({_ratio(v)})" for m, v in breaking.items()) or "none") + ".\n")
+    return (
+        "\nPareto front against KL drift (Pareto (KL) ★): "
+        + (", ".join(pareto["kl_front"]) or "none")
+        + (
+            ". Pareto front against capability retention (Pareto (capabilities) ★): "
+            + (", ".join(pareto["front"]) or "none")
+            if caps
+            else ""
+        )
+        + ". Breaking the model (✗: held-out perplexity more than "
+        f"{BREAKING_PPL_RATIO:g}× the base's; on neither front): "
+        + (", ".join(f"{m} ({_ratio(v)})" for m, v in breaking.items()) or "none")
+        + ".\n"
+    )
 
 
 def _settings_note(payload: dict, edited: list[dict], pareto: dict) -> str:
@@ -237,16 +280,18 @@ def _settings_note(payload: dict, edited: list[dict], pareto: dict) -> str:
     ``edited`` rows that recorded it) and what each Pareto column means."""
     s = payload["settings"]
     caps = s["evaluation"]["capabilities"]
-    return (f"\n{s['model']} · {s['n_edits']} edits {json.dumps(s['edits'])} · WILD rule judge (qa = the paper's "
-            "wrapper, never trained) · TF = teacher-forced · KL drift = mean per-token KL(base‖edited) on held-out "
-            "text (nats) · KL pred = the K-FAC prediction ½·Σ tr(ΔWᵀSΔWA) from the capability factors"
-            " · ppl = perplexity on the same held-out text (×base: over the unedited model's)"
-            + (f" · capabilities: lm-eval, {limit_text(s['evaluation'].get('limit'))}" if caps else "")
-            + f" · peak memory: {next((r['memory']['measure'] for r in edited if r.get('memory')), '–')}"
-            + f" · Pareto (KL) ★: on the front of edit success ({pareto['success']}) vs KL drift on held-out text "
-            "among the edited rows that do not break the model"
-            + (f" · Pareto (capabilities) ★: the same against capability retention ({pareto['retention']})"
-               if caps else "") + "\n")
+    return (
+        f"\n{s['model']} · {s['n_edits']} edits {json.dumps(s['edits'])} · WILD rule judge (qa = the paper's "
+        "wrapper, never trained) · TF = teacher-forced · KL drift = mean per-token KL(base‖edited) on held-out "
+        "text (nats) · KL pred = the K-FAC prediction ½·Σ tr(ΔWᵀSΔWA) from the capability factors"
+        " · ppl = perplexity on the same held-out text (×base: over the unedited model's)"
+        + (f" · capabilities: lm-eval, {limit_text(s['evaluation'].get('limit'))}" if caps else "")
+        + f" · peak memory: {next((r['memory']['measure'] for r in edited if r.get('memory')), '–')}"
+        + f" · Pareto (KL) ★: on the front of edit success ({pareto['success']}) vs KL drift on held-out text "
+        "among the edited rows that do not break the model"
+        + (f" · Pareto (capabilities) ★: the same against capability retention ({pareto['retention']})" if caps else "")
+        + "\n"
+    )
 
 
 def _crosstalk_note(res: dict, rows: list[str]) -> str:
@@ -258,12 +303,15 @@ def _crosstalk_note(res: dict, rows: list[str]) -> str:
         wild = res[m].get("wild") or {}
         got = [(c, w["cross"]) for c, w in wild.items() if isinstance(w, dict) and w.get("cross") is not None]
         if got:
-            cells.append(f"{m}: " + " / ".join(f"{v * 100:.1f}" for _, v in got)
-                         + " (" + " / ".join(c for c, _ in got) + ")")
+            cells.append(
+                f"{m}: " + " / ".join(f"{v * 100:.1f}" for _, v in got) + " (" + " / ".join(c for c, _ in got) + ")"
+            )
     if not cells:
         return ""
-    return ("\nCrosstalk (WILD reliability answers that miss their own target and give another edit's, percent of "
-            "edits; the base row's is chance): " + "; ".join(cells) + "\n")
+    return (
+        "\nCrosstalk (WILD reliability answers that miss their own target and give another edit's, percent of "
+        "edits; the base row's is chance): " + "; ".join(cells) + "\n"
+    )
 
 
 def _row_notes(payload: dict, rows: list[str]) -> str:
@@ -277,24 +325,39 @@ def _row_notes(payload: dict, rows: list[str]) -> str:
     note = ""
     changes = capability_changes(payload)
     if changes:
-        n_items = {c: len(((res["base"].get("capability_details") or {}).get(c) or {}).get("items") or [])
-                   for c in caps}
-        note += ("\nCapability change against the base on the same items (paired mean difference ± standard "
-                 "error, points; " + ", ".join(f"{c}: {n_items[c]} items" for c in caps if n_items[c]) + "): "
-                 + "; ".join(f"{m}: " + ", ".join(f"{c} {d:+.1f} ± {e:.1f}" for c, (d, e) in ch.items())
-                             for m, ch in changes.items()) + "\n")
+        n_items = {
+            c: len(((res["base"].get("capability_details") or {}).get(c) or {}).get("items") or []) for c in caps
+        }
+        note += (
+            "\nCapability change against the base on the same items (paired mean difference ± standard "
+            "error, points; "
+            + ", ".join(f"{c}: {n_items[c]} items" for c in caps if n_items[c])
+            + "): "
+            + "; ".join(
+                f"{m}: " + ", ".join(f"{c} {d:+.1f} ± {e:.1f}" for c, (d, e) in ch.items()) for m, ch in changes.items()
+            )
+            + "\n"
+        )
     note += _crosstalk_note(res, rows)
     seq = [(m, res[m]) for m in rows if "rounds" in res[m]]
     if seq:
-        note += ("\nSequential rows (the method in rounds of consecutive edits, each round from the previous "
-                 "round's weights; the final model evaluated on all edits): "
-                 + "; ".join(f"{m}: {r['rounds']} rounds of {r['seq_chunk']}, "
-                             f"{sum(r['round_seconds']) / len(r['round_seconds']):.1f}s per round" for m, r in seq)
-                 + "\n")
+        note += (
+            "\nSequential rows (the method in rounds of consecutive edits, each round from the previous "
+            "round's weights; the final model evaluated on all edits): "
+            + "; ".join(
+                f"{m}: {r['rounds']} rounds of {r['seq_chunk']}, "
+                f"{sum(r['round_seconds']) / len(r['round_seconds']):.1f}s per round"
+                for m, r in seq
+            )
+            + "\n"
+        )
     pred_notes = [(m, line) for m in rows for line in prediction_notes(res[m]["summary"])]
     if pred_notes:
-        note += ("\nDrift prediction notes (a steep layer dominates it, or attention mixes what it models): "
-                 + "; ".join(f"{m}: {line}" for m, line in pred_notes) + "\n")
+        note += (
+            "\nDrift prediction notes (a steep layer dominates it, or attention mixes what it models): "
+            + "; ".join(f"{m}: {line}" for m, line in pred_notes)
+            + "\n"
+        )
     return note
 
 
@@ -317,12 +380,21 @@ def compare_table(payload: dict) -> str:
     rows = [m for m in ["base"] + list(payload["methods"]) if m in res]
     cols = _table_columns(payload)
     edited = [res[m] for m in rows if m != "base"]
-    head = ["method"] + [c[0] for c in cols] + ["KL drift", "KL pred", "ppl (×base)", "edit time", "curvature",
-                                                "peak mem MiB (+rise)", "Pareto (KL)"] \
+    head = (
+        ["method"]
+        + [c[0] for c in cols]
+        + ["KL drift", "KL pred", "ppl (×base)", "edit time", "curvature", "peak mem MiB (+rise)", "Pareto (KL)"]
         + (["Pareto (capabilities)"] if caps else [])
+    )
     pareto = pareto_points(payload)
     ratios = perplexity_ratios(payload)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += [_table_row(m, res[m], cols, edited, ratios.get(m), pareto, caps) for m in rows]
-    return ("\n".join(lines) + "\n" + _fronts_line(pareto, caps) + _settings_note(payload, edited, pareto)
-            + _row_notes(payload, rows) + retention_table(payload))
+    return (
+        "\n".join(lines)
+        + "\n"
+        + _fronts_line(pareto, caps)
+        + _settings_note(payload, edited, pareto)
+        + _row_notes(payload, rows)
+        + retention_table(payload)
+    )

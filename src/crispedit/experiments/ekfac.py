@@ -80,13 +80,16 @@ class EKFACFactors(Curvature):
         shared eigenbasis; ``ValueError`` when the two do not share it (corrected eigenvalues of different bases
         do not average)."""
         if set(self.U_in) != set(other.U_in) or not all(
-                torch.equal(self.U_in[n], other.U_in[n]) and torch.equal(self.U_out[n], other.U_out[n])
-                for n in self.U_in):
+            torch.equal(self.U_in[n], other.U_in[n]) and torch.equal(self.U_out[n], other.U_out[n]) for n in self.U_in
+        ):
             raise ValueError("EK-FAC curvatures merge only in a shared eigenbasis")
         w = 0.5 if weight is None else float(weight)
-        return EKFACFactors(dict(self.U_out), dict(self.U_in),
-                            {n: (1 - w) * self.eigvals[n] + w * other.eigvals[n] for n in self.eigvals},
-                            dict(self.meta))
+        return EKFACFactors(
+            dict(self.U_out),
+            dict(self.U_in),
+            {n: (1 - w) * self.eigvals[n] + w * other.eigvals[n] for n in self.eigvals},
+            dict(self.meta),
+        )
 
 
 def _output_grads(logits: Tensor, targets: Tensor, mode: OutputGrads, generator: torch.Generator | None) -> Tensor:
@@ -106,8 +109,14 @@ def _output_grads(logits: Tensor, targets: Tensor, mode: OutputGrads, generator:
     return out.to(logits.dtype)
 
 
-def _run_layers(model: nn.Module, layers: dict[str, nn.Module], x: Tensor, y: Tensor, mode: OutputGrads,
-                generator: torch.Generator | None) -> tuple[dict[str, Tensor], dict[str, list[Tensor]]]:
+def _run_layers(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    x: Tensor,
+    y: Tensor,
+    mode: OutputGrads,
+    generator: torch.Generator | None,
+) -> tuple[dict[str, Tensor], dict[str, list[Tensor]]]:
     """One forward with ``layers`` hooked and one backward per output-gradient set.
 
     Returns per layer the input rows (``B x T x d_in``) and the list of output-gradient rows
@@ -150,8 +159,13 @@ def _check_bias_free(layers: dict[str, nn.Module]) -> None:
             raise ValueError(f"layer {name} has a bias; the classifier K-FAC here models bias-free layers")
 
 
-def _layer_passes(model: nn.Module, layers: dict[str, nn.Module], batches: Iterable[tuple[Tensor, Tensor]],
-                  mode: OutputGrads, gen: torch.Generator):
+def _layer_passes(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    batches: Iterable[tuple[Tensor, Tensor]],
+    mode: OutputGrads,
+    gen: torch.Generator,
+):
     """For each ``(inputs, labels)`` of ``batches``: ``(B, layer inputs, output-gradient passes)`` as
     :func:`_run_layers` gives them (``B`` examples), the model in eval mode meanwhile and its mode restored after."""
     was_training = model.training
@@ -164,9 +178,15 @@ def _layer_passes(model: nn.Module, layers: dict[str, nn.Module], batches: Itera
         model.train(was_training)
 
 
-def collect_classifier_kfac(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]],
-                            layers: Iterable[str] | None = None, *, mode: OutputGrads | str = OutputGrads.EXACT,
-                            seed: int = 0, stat_dtype: torch.dtype = torch.float64) -> KFACFactors:
+def collect_classifier_kfac(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    layers: Iterable[str] | None = None,
+    *,
+    mode: OutputGrads | str = OutputGrads.EXACT,
+    seed: int = 0,
+    stat_dtype: torch.dtype = torch.float64,
+) -> KFACFactors:
     """K-FAC factors of the mean cross-entropy of a (bias-free) classifier over ``batches``.
 
     ``batches`` yields ``(inputs, labels)``; ``layers`` names Linear/Conv2d modules (default: all).
@@ -199,9 +219,16 @@ def collect_classifier_kfac(model: nn.Module, batches: Iterable[tuple[Tensor, Te
     return KFACFactors(A, S, n_examples, meta)
 
 
-def ekfac_eigenvalues(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]], U_out: dict[str, Tensor],
-                      U_in: dict[str, Tensor], *, mode: OutputGrads | str = OutputGrads.EXACT,
-                      per: Literal["example", "row"] = "example", seed: int = 0) -> dict[str, Tensor]:
+def ekfac_eigenvalues(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    U_out: dict[str, Tensor],
+    U_in: dict[str, Tensor],
+    *,
+    mode: OutputGrads | str = OutputGrads.EXACT,
+    per: Literal["example", "row"] = "example",
+    seed: int = 0,
+) -> dict[str, Tensor]:
     """Corrected eigenvalues ``E_examples[ sum_passes (U_out^T dW U_in)^2 ]`` per layer (``d_out x d_in``).
 
     ``dW`` is the weight gradient (matrix form ``d_out x d_in``) of one example's loss for one output
@@ -232,9 +259,16 @@ def ekfac_eigenvalues(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]]
     return {n: (sums[n] / count).cpu() for n in mods}
 
 
-def collect_classifier_ekfac(model: nn.Module, batches, layers: Iterable[str] | None = None, *,
-                             mode: OutputGrads | str = OutputGrads.EXACT, per: Literal["example", "row"] = "example",
-                             seed: int = 0, factors: KFACFactors | None = None) -> EKFACFactors:
+def collect_classifier_ekfac(
+    model: nn.Module,
+    batches,
+    layers: Iterable[str] | None = None,
+    *,
+    mode: OutputGrads | str = OutputGrads.EXACT,
+    per: Literal["example", "row"] = "example",
+    seed: int = 0,
+    factors: KFACFactors | None = None,
+) -> EKFACFactors:
     """K-FAC eigenbasis (from ``factors``, collected if not given) plus corrected eigenvalues.
 
     ``batches`` must be re-iterable (a list) when ``factors`` is None: it is read twice.

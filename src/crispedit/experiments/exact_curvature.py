@@ -85,8 +85,9 @@ class ParamLayout:
 
     def flatten(self, tensors: dict[str, Tensor]) -> Tensor:
         """Concatenate ``vec(t.reshape(d_out, -1))`` of each named tensor."""
-        return torch.cat([vec(self._as_matrix(tensors[n])) if tensors[n].dim() >= 2 else tensors[n].reshape(-1)
-                          for n in self.names])
+        return torch.cat(
+            [vec(self._as_matrix(tensors[n])) if tensors[n].dim() >= 2 else tensors[n].reshape(-1) for n in self.names]
+        )
 
     def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
         """Inverse of :meth:`flatten` (differentiable; views where possible)."""
@@ -108,8 +109,9 @@ class ParamLayout:
     def grads(self, model: nn.Module) -> Tensor:
         """The parameters' ``.grad`` concatenated into one flat vector (zeros where None)."""
         named = dict(model.named_parameters())
-        return self.flatten({n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n]))
-                             for n in self.names})
+        return self.flatten(
+            {n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n])) for n in self.names}
+        )
 
 
 def _functional(model: nn.Module, layout: ParamLayout):
@@ -137,8 +139,15 @@ def ce_hessian_sqrt(logits: Tensor) -> Tensor:
     return p.sqrt().unsqueeze(-1) * (eye - p.unsqueeze(-2))
 
 
-def ggn_matrix(model: nn.Module, inputs: Tensor, *, layout: ParamLayout | None = None, batch_size: int = 128,
-               dtype: torch.dtype = torch.float64, progress: bool | None = None) -> Tensor:
+def ggn_matrix(
+    model: nn.Module,
+    inputs: Tensor,
+    *,
+    layout: ParamLayout | None = None,
+    batch_size: int = 128,
+    dtype: torch.dtype = torch.float64,
+    progress: bool | None = None,
+) -> Tensor:
     """Dense Gauss-Newton matrix ``1/N sum_i J_i^T H_i J_i`` of the mean cross-entropy (``P x P``).
 
     Per-example Jacobians come from ``vmap(jacrev)``; the model runs in its own dtype, products are
@@ -155,8 +164,9 @@ def ggn_matrix(model: nn.Module, inputs: Tensor, *, layout: ParamLayout | None =
         return f(flat, x.unsqueeze(0)).squeeze(0)
 
     jac = vmap(jacrev(single), in_dims=(None, 0))
-    for sl in tqdm(list(_batches(n, batch_size)), desc="GGN", unit="batch",
-                   disable=None if progress is None else not progress):
+    for sl in tqdm(
+        list(_batches(n, batch_size)), desc="GGN", unit="batch", disable=None if progress is None else not progress
+    ):
         x = inputs[sl]
         with torch.no_grad():
             L = ce_hessian_sqrt(f(theta, x).to(dtype))
@@ -166,9 +176,18 @@ def ggn_matrix(model: nn.Module, inputs: Tensor, *, layout: ParamLayout | None =
     return G / n
 
 
-def hessian_matrix(model: nn.Module, inputs: Tensor, targets: Tensor, *, layout: ParamLayout | None = None,
-                   batch_size: int = 256, tangent_chunk: int = 32, dtype: torch.dtype = torch.float64,
-                   linear_param: str | None = None, progress: bool | None = None) -> Tensor:
+def hessian_matrix(
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    layout: ParamLayout | None = None,
+    batch_size: int = 256,
+    tangent_chunk: int = 32,
+    dtype: torch.dtype = torch.float64,
+    linear_param: str | None = None,
+    progress: bool | None = None,
+) -> Tensor:
     """Dense Hessian of the mean cross-entropy over ``(inputs, targets)`` (``P x P``).
 
     Rows come from batched double-backward Hessian-vector products (``P`` of them per data batch),
@@ -192,8 +211,12 @@ def hessian_matrix(model: nn.Module, inputs: Tensor, targets: Tensor, *, layout:
     H_rows = torch.zeros(len(rows), P, dtype=dtype)
     batches = list(_batches(n, batch_size))
     chunks = list(_batches(len(rows), tangent_chunk))
-    bar = tqdm(total=len(batches) * len(chunks), desc="Hessian", unit="hvp-chunk",
-               disable=None if progress is None else not progress)
+    bar = tqdm(
+        total=len(batches) * len(chunks),
+        desc="Hessian",
+        unit="hvp-chunk",
+        disable=None if progress is None else not progress,
+    )
     try:
         for sl in batches:
             logits = model(inputs[sl])
@@ -204,8 +227,9 @@ def hessian_matrix(model: nn.Module, inputs: Tensor, targets: Tensor, *, layout:
                 V = torch.zeros(len(idx), P, dtype=params[0].dtype)
                 V[torch.arange(len(idx)), idx] = 1.0
                 Vs = _unflatten_batched(layout, V)
-                hv = torch.autograd.grad(grads, params, [Vs[n] for n in layout.names], retain_graph=True,
-                                         is_grads_batched=True)
+                hv = torch.autograd.grad(
+                    grads, params, [Vs[n] for n in layout.names], retain_graph=True, is_grads_batched=True
+                )
                 H_rows[ch] += _flatten_batched(layout, dict(zip(layout.names, hv))).to(dtype)
                 bar.update(1)
             del grads, loss, logits
@@ -216,8 +240,14 @@ def hessian_matrix(model: nn.Module, inputs: Tensor, targets: Tensor, *, layout:
     if linear_param is not None:
         s = slices[linear_param]
         H[s, :] = H[:, s].T  # symmetry for the off-diagonal blocks
-        G = ggn_matrix(model, inputs, layout=ParamLayout([linear_param], [named[linear_param].shape]),
-                       batch_size=batch_size, dtype=dtype, progress=False)
+        G = ggn_matrix(
+            model,
+            inputs,
+            layout=ParamLayout([linear_param], [named[linear_param].shape]),
+            batch_size=batch_size,
+            dtype=dtype,
+            progress=False,
+        )
         H[s, s] = G
     return 0.5 * (H + H.T)
 
@@ -230,8 +260,15 @@ def _flatten_batched(layout: ParamLayout, tensors: dict[str, Tensor]) -> Tensor:
     return vmap(layout.flatten)(tensors)
 
 
-def bregman_divergence(model: nn.Module, theta: Tensor, theta0: Tensor, inputs: Tensor, targets: Tensor, *,
-                       layout: ParamLayout | None = None) -> Tensor:
+def bregman_divergence(
+    model: nn.Module,
+    theta: Tensor,
+    theta0: Tensor,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    layout: ParamLayout | None = None,
+) -> Tensor:
     """Mean Bregman divergence of the cross-entropy between the outputs at ``theta`` and ``theta0``
     (flat vectors in ``layout`` order): ``l(f) - l(f0) - <grad l(f0), f - f0>`` averaged over examples
     (the paper's Definition 1). Differentiable in ``theta``."""

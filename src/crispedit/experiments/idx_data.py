@@ -55,8 +55,14 @@ DATASETS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     ),
 }
 
-_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-           0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+_DTYPES = {
+    0x08: np.uint8,
+    0x09: np.int8,
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
 
 
 @dataclass
@@ -98,8 +104,10 @@ def load_idx(path: str | os.PathLike) -> np.ndarray:
     dtype = np.dtype(_DTYPES[raw[2]])
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if len(raw) - header != expected:
-        raise CrispEditError(f"IDX file {path} is truncated or padded: {len(raw) - header} data bytes, "
-                             f"expected {expected} for shape {tuple(shape)}")
+        raise CrispEditError(
+            f"IDX file {path} is truncated or padded: {len(raw) - header} data bytes, "
+            f"expected {expected} for shape {tuple(shape)}"
+        )
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)
 
 
@@ -134,8 +142,9 @@ def _download(name: str, fname: str, dest: Path, timeout: float = 30.0) -> None:
             continue
         atomic_write_bytes(dest, data)
         return
-    raise CrispEditError(f"cannot download {name}/{fname} (offline?); pass --data DIR with the IDX files. "
-                         f"Tried: {'; '.join(errors)}")
+    raise CrispEditError(
+        f"cannot download {name}/{fname} (offline?); pass --data DIR with the IDX files. Tried: {'; '.join(errors)}"
+    )
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None, name: str, download: bool = True) -> Path:
@@ -165,8 +174,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None, name: str, download: bo
     return cache
 
 
-def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = None,
-                 download: bool = True) -> ImageSplit:
+def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = None, download: bool = True) -> ImageSplit:
     """Load ``split`` ("train" or "test") of ``name`` ("mnist" or "fashion_mnist")."""
     if split not in _SPLIT_FILES:
         raise CrispEditError(f"unknown split {split!r}; choose 'train' or 'test'")

@@ -73,9 +73,21 @@ class MnistStudyConfig:
     @classmethod
     def quick(cls, **overrides) -> MnistStudyConfig:
         """A CI-sized run (tiny network, subsets, two gammas): seconds, not minutes."""
-        base = dict(k_values=(1.0, 3.0), conv1_channels=2, conv2_channels=4, hidden=8, pretrain_samples=6000,
-                    pretrain_epochs=1, curvature_samples=32, curvature_batch=32, finetune_steps=30,
-                    finetune_lr=0.02, max_recomputes=1, eval_samples=500, target_accuracy=0.0)
+        base = dict(
+            k_values=(1.0, 3.0),
+            conv1_channels=2,
+            conv2_channels=4,
+            hidden=8,
+            pretrain_samples=6000,
+            pretrain_epochs=1,
+            curvature_samples=32,
+            curvature_batch=32,
+            finetune_steps=30,
+            finetune_lr=0.02,
+            max_recomputes=1,
+            eval_samples=500,
+            target_accuracy=0.0,
+        )
         base.update(overrides)
         return cls(**base)
 
@@ -90,8 +102,17 @@ class MnistStudyConfig:
             check_gamma(gamma_of(k))
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
             raise CrispEditError(f"threads must be a positive integer, got {self.threads!r}")
-        for name in ("pretrain_epochs", "curvature_samples", "curvature_batch", "finetune_steps", "finetune_batch",
-                     "pretrain_batch", "conv1_channels", "conv2_channels", "hidden"):
+        for name in (
+            "pretrain_epochs",
+            "curvature_samples",
+            "curvature_batch",
+            "finetune_steps",
+            "finetune_batch",
+            "pretrain_batch",
+            "conv1_channels",
+            "conv2_channels",
+            "hidden",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise CrispEditError(f"{name} must be a positive integer, got {v!r}")
@@ -106,8 +127,9 @@ class MnistStudyConfig:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         if self.kfac_output_grads not in {m.value for m in OutputGrads}:
-            raise CrispEditError(f"kfac_output_grads must be one of {[m.value for m in OutputGrads]}, "
-                                 f"got {self.kfac_output_grads!r}")
+            raise CrispEditError(
+                f"kfac_output_grads must be one of {[m.value for m in OutputGrads]}, got {self.kfac_output_grads!r}"
+            )
         if self.ekfac_per not in ("example", "row"):
             raise CrispEditError(f"ekfac_per must be 'example' or 'row', got {self.ekfac_per!r}")
         return self

@@ -106,7 +106,7 @@ def accuracy(model: nn.Module, split: ImageSplit, batch: int = 2000) -> float:
     model.eval()
     correct = 0
     for i in range(0, len(split), batch):
-        correct += int((model(split.images[i:i + batch]).argmax(-1) == split.labels[i:i + batch]).sum())
+        correct += int((model(split.images[i : i + batch]).argmax(-1) == split.labels[i : i + batch]).sum())
     model.train(was)
     return correct / max(1, len(split))
 
@@ -116,15 +116,20 @@ def pretrain(model: nn.Module, data: ImageSplit, cfg: MnistStudyConfig, progress
     gen = torch.Generator().manual_seed(cfg.seed)
     steps_per_epoch = max(1, len(data) // cfg.pretrain_batch)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.pretrain_lr)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.pretrain_lr,
-                                                total_steps=cfg.pretrain_epochs * steps_per_epoch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=cfg.pretrain_lr, total_steps=cfg.pretrain_epochs * steps_per_epoch
+    )
     model.train()
-    bar = tqdm(total=cfg.pretrain_epochs * steps_per_epoch, desc="pre-train MNIST", unit="step",
-               disable=None if progress is None else not progress)
+    bar = tqdm(
+        total=cfg.pretrain_epochs * steps_per_epoch,
+        desc="pre-train MNIST",
+        unit="step",
+        disable=None if progress is None else not progress,
+    )
     for _ in range(cfg.pretrain_epochs):
         perm = torch.randperm(len(data), generator=gen)
         for i in range(steps_per_epoch):
-            idx = perm[i * cfg.pretrain_batch:(i + 1) * cfg.pretrain_batch]
+            idx = perm[i * cfg.pretrain_batch : (i + 1) * cfg.pretrain_batch]
             loss = F.cross_entropy(model(data.images[idx]), data.labels[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -142,8 +147,14 @@ def _flat(model: nn.Module) -> Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def finetune(model: nn.Module, data: ImageSplit, cfg: MnistStudyConfig, make_projector: Callable[[], ParamProjector],
-             progress: bool | None = None, desc: str = "fine-tune") -> dict:
+def finetune(
+    model: nn.Module,
+    data: ImageSplit,
+    cfg: MnistStudyConfig,
+    make_projector: Callable[[], ParamProjector],
+    progress: bool | None = None,
+    desc: str = "fine-tune",
+) -> dict:
     """Projected SGD on ``data``; ``make_projector()`` builds a projector at the current weights.
 
     Returns the projector's kept dimensions at the start, the number of recomputations and the
@@ -158,11 +169,16 @@ def finetune(model: nn.Module, data: ImageSplit, cfg: MnistStudyConfig, make_pro
     model.train()
     perm = torch.randperm(len(data), generator=gen)
     pos = 0
-    for _ in tqdm(range(cfg.finetune_steps), desc=desc, unit="step", leave=False,
-                  disable=None if progress is None else not progress):
+    for _ in tqdm(
+        range(cfg.finetune_steps),
+        desc=desc,
+        unit="step",
+        leave=False,
+        disable=None if progress is None else not progress,
+    ):
         if pos + cfg.finetune_batch > len(data):
             perm, pos = torch.randperm(len(data), generator=gen), 0
-        idx = perm[pos:pos + cfg.finetune_batch]
+        idx = perm[pos : pos + cfg.finetune_batch]
         pos += cfg.finetune_batch
         loss = F.cross_entropy(model(data.images[idx]), data.labels[idx])
         opt.zero_grad(set_to_none=False)
@@ -186,15 +202,35 @@ def finetune(model: nn.Module, data: ImageSplit, cfg: MnistStudyConfig, make_pro
 
 
 def _environment() -> dict:
-    return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "threads": torch.get_num_threads()}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+    }
 
 
-def _row(method: str, k: float | None, mnist: float, fashion: float, kept: int, n_params: int, seconds: float,
-         recomputes: int = 0) -> dict:
-    return {"method": method, "k": k, "gamma": None if k is None else gamma_of(k),
-            "mnist_acc": round(mnist, 4), "fashion_acc": round(fashion, 4), "kept_dims": kept,
-            "kept_fraction": round(kept / n_params, 5), "recomputes": recomputes, "seconds": round(seconds, 2)}
+def _row(
+    method: str,
+    k: float | None,
+    mnist: float,
+    fashion: float,
+    kept: int,
+    n_params: int,
+    seconds: float,
+    recomputes: int = 0,
+) -> dict:
+    return {
+        "method": method,
+        "k": k,
+        "gamma": None if k is None else gamma_of(k),
+        "mnist_acc": round(mnist, 4),
+        "fashion_acc": round(fashion, 4),
+        "kept_dims": kept,
+        "kept_fraction": round(kept / n_params, 5),
+        "recomputes": recomputes,
+        "seconds": round(seconds, 2),
+    }
 
 
 @dataclasses.dataclass
@@ -223,10 +259,15 @@ def _pretrained(model: SmallLeNet, splits: _Splits, cfg: MnistStudyConfig, progr
     ``"seconds"``; a warning line when MNIST stays below ``cfg.target_accuracy``."""
     t0 = time.perf_counter()
     pretrain(model, splits.mnist_train.subset(cfg.pretrain_samples, cfg.seed), cfg, progress)
-    pre = {"mnist_acc": accuracy(model, splits.mnist_test), "fashion_acc": accuracy(model, splits.fashion_test),
-           "seconds": round(time.perf_counter() - t0, 2)}
-    log(f"pre-trained: MNIST test acc {pre['mnist_acc']:.4f}, Fashion test acc {pre['fashion_acc']:.4f} "
-        f"({pre['seconds']:.0f}s)")
+    pre = {
+        "mnist_acc": accuracy(model, splits.mnist_test),
+        "fashion_acc": accuracy(model, splits.fashion_test),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    log(
+        f"pre-trained: MNIST test acc {pre['mnist_acc']:.4f}, Fashion test acc {pre['fashion_acc']:.4f} "
+        f"({pre['seconds']:.0f}s)"
+    )
     if pre["mnist_acc"] < cfg.target_accuracy:
         log(f"warning: pre-training reached {pre['mnist_acc']:.4f} < target {cfg.target_accuracy}")
     return pre
@@ -237,8 +278,16 @@ class _Study:
     kept dimensions, seconds), the curvature's seconds and spectrum per method, the results payload
     (:meth:`payload`, also written as ``results.partial.json`` after every row)."""
 
-    def __init__(self, cfg: MnistStudyConfig, model: SmallLeNet, splits: _Splits, pre: dict, t_start: float,
-                 progress: bool | None, log: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg: MnistStudyConfig,
+        model: SmallLeNet,
+        splits: _Splits,
+        pre: dict,
+        t_start: float,
+        progress: bool | None,
+        log: Callable[[str], None],
+    ):
         self.cfg, self.model, self.splits, self.pre, self.t_start = cfg, model, splits, pre, t_start
         self.progress, self.log, self.out_dir = progress, log, Path(cfg.out_dir)
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -255,8 +304,11 @@ class _Study:
             "complete": done,
             "config": dataclasses.asdict(self.cfg),
             "environment": _environment(),
-            "network": {"class": "SmallLeNet", "parameters": self.n_params,
-                        "shapes": {n: list(p.shape) for n, p in self.model.named_parameters()}},
+            "network": {
+                "class": "SmallLeNet",
+                "parameters": self.n_params,
+                "shapes": {n: list(p.shape) for n, p in self.model.named_parameters()},
+            },
             "pretrained": self.pre,
             "curvature": self.curvature_info,
             "rows": self.rows,
@@ -269,10 +321,18 @@ class _Study:
         t0 = time.perf_counter()
         desc = "fine-tune (none)" if k is None else f"fine-tune ({method}, k={k:g})"
         info = finetune(self.model, self.splits.fashion_train, self.cfg, make_projector, self.progress, desc)
-        self.rows.append(_row(method, k, accuracy(self.model, self.splits.mnist_test),
-                              accuracy(self.model, self.splits.fashion_test),
-                              info["kept_dims"] if kept is None else kept, self.n_params, time.perf_counter() - t0,
-                              info["recomputes"] if kept is None else 0))
+        self.rows.append(
+            _row(
+                method,
+                k,
+                accuracy(self.model, self.splits.mnist_test),
+                accuracy(self.model, self.splits.fashion_test),
+                info["kept_dims"] if kept is None else kept,
+                self.n_params,
+                time.perf_counter() - t0,
+                info["recomputes"] if kept is None else 0,
+            )
+        )
         self.log(_format_row(self.rows[-1]))
         atomic_write_json(self.out_dir / "results.partial.json", self.payload(False))  # inspectable as it goes
 
@@ -287,8 +347,15 @@ class _Study:
         is_hessian = method in ("hessian", "hessian_abs")
         if is_hessian and self.hessian0 is None:
             self.hessian0 = hessian_at(model, self.curv_data, cfg, self.progress)
-        curv0 = compute_curvature(method, model, self.curv_data, cfg, self.progress, count_negative=True,
-                                  hessian=self.hessian0 if is_hessian else None)
+        curv0 = compute_curvature(
+            method,
+            model,
+            self.curv_data,
+            cfg,
+            self.progress,
+            count_negative=True,
+            hessian=self.hessian0 if is_hessian else None,
+        )
         info = self.curvature_info[method] = {"seconds_at_theta0": round(time.perf_counter() - t0, 2)}
         if curv0.spectrum is not None:
             info["spectrum"] = curv0.spectrum
@@ -316,16 +383,21 @@ class _Study:
         final, out_dir = self.payload(True), self.out_dir
         atomic_write_json(out_dir / "results.json", final)
         write_csv(out_dir / "results.csv", self.rows)
-        write_plot(out_dir / "tradeoff.png", self.rows,
-                   title=f"MNIST → Fashion-MNIST, SmallLeNet ({self.n_params} parameters)")
+        write_plot(
+            out_dir / "tradeoff.png", self.rows, title=f"MNIST → Fashion-MNIST, SmallLeNet ({self.n_params} parameters)"
+        )
         (out_dir / "results.partial.json").unlink(missing_ok=True)
-        final["files"] = {"json": str(out_dir / "results.json"), "csv": str(out_dir / "results.csv"),
-                          "png": str(out_dir / "tradeoff.png")}
+        final["files"] = {
+            "json": str(out_dir / "results.json"),
+            "csv": str(out_dir / "results.csv"),
+            "png": str(out_dir / "tradeoff.png"),
+        }
         return final
 
 
-def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None,
-                    log: Callable[[str], None] | None = print) -> dict:
+def run_mnist_study(
+    cfg: MnistStudyConfig, progress: bool | None = None, log: Callable[[str], None] | None = print
+) -> dict:
     """Run the study, write ``results.json``, ``results.csv`` and ``tradeoff.png`` to ``cfg.out_dir``
     and return the JSON report (a dict)."""
     cfg = cfg.validated()
@@ -338,8 +410,10 @@ def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None,
     splits = _Splits.load(cfg)
     model = SmallLeNet(cfg.conv1_channels, cfg.conv2_channels, cfg.hidden)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"network: {n_params} parameters (conv {cfg.conv1_channels}/{cfg.conv2_channels}, hidden {cfg.hidden}); "
-        f"dense {n_params}x{n_params} float64 matrix = {8 * n_params ** 2 / 2 ** 20:.0f} MiB")
+    log(
+        f"network: {n_params} parameters (conv {cfg.conv1_channels}/{cfg.conv2_channels}, hidden {cfg.hidden}); "
+        f"dense {n_params}x{n_params} float64 matrix = {8 * n_params**2 / 2**20:.0f} MiB"
+    )
     study = _Study(cfg, model, splits, _pretrained(model, splits, cfg, progress, log), t_start, progress, log)
     for method in cfg.methods:
         study.run_method(method)
@@ -348,8 +422,10 @@ def run_mnist_study(cfg: MnistStudyConfig, progress: bool | None = None,
 
 def _format_row(r: dict) -> str:
     k = "-" if r["k"] is None else f"{r['k']:g}"
-    return (f"{r['method']:<15} k={k:<5} MNIST {r['mnist_acc']:.4f}  Fashion {r['fashion_acc']:.4f}  "
-            f"kept {r['kept_dims']:>5}  recomputes {r['recomputes']}  {r['seconds']:.1f}s")
+    return (
+        f"{r['method']:<15} k={k:<5} MNIST {r['mnist_acc']:.4f}  Fashion {r['fashion_acc']:.4f}  "
+        f"kept {r['kept_dims']:>5}  recomputes {r['recomputes']}  {r['seconds']:.1f}s"
+    )
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -359,6 +435,8 @@ def format_table(rows: Sequence[dict]) -> str:
     for r in rows:
         k = "" if r["k"] is None else f"{r['k']:g}"
         g = "" if r["gamma"] is None else f"{r['gamma']:.7f}"
-        lines.append(f"{r['method']:<15} {k:>5} {g:>12} {r['mnist_acc']:>7.4f} {r['fashion_acc']:>8.4f} "
-                     f"{r['kept_dims']:>6} {r['recomputes']:>6} {r['seconds']:>7.1f}")
+        lines.append(
+            f"{r['method']:<15} {k:>5} {g:>12} {r['mnist_acc']:>7.4f} {r['fashion_acc']:>8.4f} "
+            f"{r['kept_dims']:>6} {r['recomputes']:>6} {r['seconds']:>7.1f}"
+        )
     return "\n".join(lines)

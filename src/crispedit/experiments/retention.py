@@ -21,8 +21,18 @@ from statistics import fmean
 
 from ..atomic import atomic_write_figure
 
-__all__ = ["retention_rows", "retention_series", "retention_summary", "retention_table", "plot_retention",
-           "final_by_round", "retention_map", "plot_retention_map", "RETENTION_PNG", "RETENTION_MAP_PNG"]
+__all__ = [
+    "retention_rows",
+    "retention_series",
+    "retention_summary",
+    "retention_table",
+    "plot_retention",
+    "final_by_round",
+    "retention_map",
+    "plot_retention_map",
+    "RETENTION_PNG",
+    "RETENTION_MAP_PNG",
+]
 
 RETENTION_PNG = "retention.png"
 RETENTION_MAP_PNG = "retention_map.png"
@@ -39,8 +49,11 @@ def retention_rows(payload: dict) -> list[str]:
     """The rows of a compare payload (``compare.json``) that hold a per-round retention record — a ``-seq`` row's
     probes, or a batched closed-form row's first batch after every batch — in the payload's method order."""
     res = payload.get("results", {})
-    return [m for m in payload.get("methods", []) if m in res
-            and (any(res[m].get("retention") or []) or any(v is not None for v in _batches(res[m])))]
+    return [
+        m
+        for m in payload.get("methods", [])
+        if m in res and (any(res[m].get("retention") or []) or any(v is not None for v in _batches(res[m])))
+    ]
 
 
 def retention_series(row: dict) -> dict[str, list[float | None]]:
@@ -97,8 +110,15 @@ def plot_retention_map(payload: dict, path: str | Path) -> bool:
             for j in range(n):
                 for k in range(j + 1):
                     if not np.isnan(a[j, k]):
-                        ax.text(k, j, f"{a[j, k]:.2f}", ha="center", va="center", fontsize=6,
-                                color="white" if a[j, k] < 0.6 else "black")
+                        ax.text(
+                            k,
+                            j,
+                            f"{a[j, k]:.2f}",
+                            ha="center",
+                            va="center",
+                            fontsize=6,
+                            color="white" if a[j, k] < 0.6 else "black",
+                        )
         ax.set_title(m, fontsize=10)
         ax.set_xlabel("edits of round")
         ax.set_ylabel("measured after round")
@@ -130,7 +150,7 @@ def final_by_round(row: dict) -> dict[str, list[float]]:
     per_edit = {"tf_rel": list((row.get("tf") or {}).get("rel") or [])}
     for k in ("qa", "chat"):
         per_edit[k] = [a[1] for a in ((row.get("wild") or {}).get(k) or {}).get("answers") or []]
-    return {k: [fmean(map(float, v[i:i + size])) for i in range(0, len(v), size)] for k, v in per_edit.items() if v}
+    return {k: [fmean(map(float, v[i : i + size])) for i in range(0, len(v), size)] for k, v in per_edit.items() if v}
 
 
 def retention_summary(row: dict) -> dict[str, dict]:
@@ -151,8 +171,9 @@ def _fmt(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}"
 
 
-def _round_table(title: str, n_rounds: int, body: list[tuple[str, str, list, list[str]]],
-                 tail_head: tuple[str, ...] = ()) -> str:
+def _round_table(
+    title: str, n_rounds: int, body: list[tuple[str, str, list, list[str]]], tail_head: tuple[str, ...] = ()
+) -> str:
     """A markdown section: ``title``, then a table of ``row | measure | r1 … r<n_rounds> | *tail_head*`` with one
     line per ``(row, measure, fractions per round, tail cells)`` of ``body`` (missing rounds left blank)."""
     head = ["row", "measure"] + [f"r{i + 1}" for i in range(n_rounds)] + list(tail_head)
@@ -177,10 +198,15 @@ def retention_table(payload: dict) -> str:
     for m in rows:
         series, summary = retention_series(res[m]), retention_summary(res[m])
         name = m if res[m].get("retention") else f"{m} (batch 1, after each batch)"
-        body += [(name, label, series[k], [_fmt(summary[k]["kept"])]) for k, label in _MEASURES
-                 if any(v is not None for v in series[k])]
-    title = (f"Round-1 retention: the first round's {f'{n} ' if n else ''}edits measured after every round (fraction "
-             "that holds; kept = after the last round over after the first round):")
+        body += [
+            (name, label, series[k], [_fmt(summary[k]["kept"])])
+            for k, label in _MEASURES
+            if any(v is not None for v in series[k])
+        ]
+    title = (
+        f"Round-1 retention: the first round's {f'{n} ' if n else ''}edits measured after every round (fraction "
+        "that holds; kept = after the last round over after the first round):"
+    )
     return _round_table(title, n_rounds, body, ("kept (last / r1)",)) + _final_table(payload, rows)
 
 
@@ -192,8 +218,9 @@ def _final_table(payload: dict, rows: list[str]) -> str:
         return ""
     n_rounds = max(len(v) for f in finals.values() for v in f.values())
     body = [(m, label, f[k], []) for m, f in finals.items() for k, label in _MEASURES if k in f]
-    return _round_table("Every round's edits on the final model (fraction that holds, oldest round first):",
-                        n_rounds, body)
+    return _round_table(
+        "Every round's edits on the final model (fraction that holds, oldest round first):", n_rounds, body
+    )
 
 
 def plot_retention(payload: dict, path: str | Path) -> bool:
@@ -209,11 +236,12 @@ def plot_retention(payload: dict, path: str | Path) -> bool:
     import matplotlib.pyplot as plt
 
     res = payload["results"]
-    measures = [(k, label) for k, label in _MEASURES
-                if any(v is not None for m in rows for v in retention_series(res[m])[k])]
+    measures = [
+        (k, label) for k, label in _MEASURES if any(v is not None for m in rows for v in retention_series(res[m])[k])
+    ]
     from matplotlib.ticker import MaxNLocator
 
-    colors = {m: f"C{i % 10}" for i, m in enumerate(rows)}            # one colour per row in every panel
+    colors = {m: f"C{i % 10}" for i, m in enumerate(rows)}  # one colour per row in every panel
     fig, axes = plt.subplots(1, len(measures), figsize=(4.2 * len(measures), 3.8), sharey=True, squeeze=False)
     for ax, (k, label) in zip(axes[0], measures):
         for m in rows:

@@ -25,8 +25,17 @@ from .exact_curvature import ParamLayout, ggn_matrix, hessian_matrix
 from .idx_data import ImageSplit
 from .mnist_config import MnistStudyConfig
 
-__all__ = ["PARAMS", "ParamProjector", "NoProjection", "DenseParamProjector", "LayerwiseParamProjector",
-           "DenseCurvature", "StudyCurvature", "compute_curvature", "hessian_at"]
+__all__ = [
+    "PARAMS",
+    "ParamProjector",
+    "NoProjection",
+    "DenseParamProjector",
+    "LayerwiseParamProjector",
+    "DenseCurvature",
+    "StudyCurvature",
+    "compute_curvature",
+    "hessian_at",
+]
 
 PARAMS = "params"  # the one block of a DenseCurvature: the flat (column-major vec) vector of all weights
 
@@ -43,6 +52,7 @@ class ParamProjector:
 
 class NoProjection(ParamProjector):
     """Leave gradients as they are (plain fine-tuning)."""
+
     def __init__(self, n_params: int):
         self.kept_dims = n_params
 
@@ -110,8 +120,11 @@ class DenseCurvature(Curvature):
         self.spectrum: dict = {"trace": float(matrix.trace()), "max": float(raw[-1].clamp_min(0.0))}
         if count_negative:
             neg = raw[raw < 0]
-            self.spectrum.update(negative=int(neg.numel()), most_negative=float(raw[0]),
-                                 negative_mass=float(-neg.sum() / raw.abs().sum()))
+            self.spectrum.update(
+                negative=int(neg.numel()),
+                most_negative=float(raw[0]),
+                negative_mass=float(-neg.sum() / raw.abs().sum()),
+            )
 
     @property
     def layers(self) -> list[str]:
@@ -122,8 +135,9 @@ class DenseCurvature(Curvature):
         """The matrix's eigenvectors as ``U_out`` (``P x P``), ``U_in = [[1]]``, the ranked eigenvalues ``P x 1``."""
         return Eigenbasis(self.U, torch.ones(1, 1, dtype=self.U.dtype), self.eigvals.reshape(-1, 1))
 
-    def projector(self, name: str, gamma: float, *, device: torch.device | str | None = None,
-                  dtype: torch.dtype | None = None) -> LayerProjector:
+    def projector(
+        self, name: str, gamma: float, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> LayerProjector:
         """A :class:`~crispedit.curvature.projection.DenseProjector` in ``dtype`` (``None``: float64) onto the
         eigenvectors outside the top ``gamma`` share of the eigenvalue energy, from the decomposition made once (none
         is repeated per γ)."""
@@ -141,8 +155,14 @@ class StudyCurvature:
     maps its blocks onto the network: ``layout`` for a :class:`DenseCurvature` over all weights, else ``shapes``
     (``<layer>.weight`` -> shape) for per-layer blocks. :meth:`projector` builds the whole-network projector."""
 
-    def __init__(self, method: str, curvature: Curvature, *, layout: ParamLayout | None = None,
-                 shapes: dict[str, torch.Size] | None = None):
+    def __init__(
+        self,
+        method: str,
+        curvature: Curvature,
+        *,
+        layout: ParamLayout | None = None,
+        shapes: dict[str, torch.Size] | None = None,
+    ):
         self.method, self.curvature, self.layout, self.shapes = method, curvature, layout, shapes
 
     @property
@@ -160,27 +180,37 @@ class StudyCurvature:
         return LayerwiseParamProjector(projs, self.shapes)
 
 
-def compute_curvature(method: str, model: nn.Module, data: ImageSplit, cfg: MnistStudyConfig,
-                      progress: bool | None = None, count_negative: bool = False,
-                      hessian: Tensor | None = None) -> StudyCurvature:
+def compute_curvature(
+    method: str,
+    model: nn.Module,
+    data: ImageSplit,
+    cfg: MnistStudyConfig,
+    progress: bool | None = None,
+    count_negative: bool = False,
+    hessian: Tensor | None = None,
+) -> StudyCurvature:
     """Curvature model ``method`` of the mean MNIST loss on ``data`` at the model's current weights (``model``: the
     study's network, its layers in ``model.layer_names``). ``hessian``: that Hessian, if already computed
     (``hessian`` and ``hessian_abs`` share it)."""
-    batches = [(data.images[i:i + cfg.curvature_batch], data.labels[i:i + cfg.curvature_batch])
-               for i in range(0, len(data), cfg.curvature_batch)]
+    batches = [
+        (data.images[i : i + cfg.curvature_batch], data.labels[i : i + cfg.curvature_batch])
+        for i in range(0, len(data), cfg.curvature_batch)
+    ]
     layout = ParamLayout.of(model)
     if method == "ggn":
         G = ggn_matrix(model, data.images, layout=layout, batch_size=cfg.curvature_batch, progress=progress)
         return StudyCurvature(method, DenseCurvature(G), layout=layout)
     if method in ("hessian", "hessian_abs"):
         H = hessian if hessian is not None else hessian_at(model, data, cfg, progress)
-        return StudyCurvature(method, DenseCurvature(H, count_negative=count_negative,
-                                                     absolute=method == "hessian_abs"), layout=layout)
+        return StudyCurvature(
+            method, DenseCurvature(H, count_negative=count_negative, absolute=method == "hessian_abs"), layout=layout
+        )
     factors = collect_classifier_kfac(model, batches, model.layer_names, mode=cfg.kfac_output_grads, seed=cfg.seed)
     shapes = {f"{n}.weight": getattr(model, n).weight.shape for n in factors.layers}
     if method == "ekfac":
-        ek = collect_classifier_ekfac(model, batches, mode=cfg.kfac_output_grads, per=cfg.ekfac_per, seed=cfg.seed,
-                                      factors=factors)
+        ek = collect_classifier_ekfac(
+            model, batches, mode=cfg.kfac_output_grads, per=cfg.ekfac_per, seed=cfg.seed, factors=factors
+        )
         return StudyCurvature(method, ek, shapes=shapes)
     if method == "kfac":
         return StudyCurvature(method, factors, shapes=shapes)
@@ -193,5 +223,12 @@ def hessian_at(model: nn.Module, data: ImageSplit, cfg: MnistStudyConfig, progre
     """The dense Hessian of the mean MNIST loss on ``data`` at the model's current weights."""
     layout = ParamLayout.of(model)
     largest = max(layout.names, key=lambda n: math.prod(dict(model.named_parameters())[n].shape))
-    return hessian_matrix(model, data.images, data.labels, layout=layout, batch_size=cfg.curvature_batch,
-                          linear_param=largest, progress=progress)
+    return hessian_matrix(
+        model,
+        data.images,
+        data.labels,
+        layout=layout,
+        batch_size=cfg.curvature_batch,
+        linear_param=largest,
+        progress=progress,
+    )

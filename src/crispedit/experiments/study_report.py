@@ -51,14 +51,29 @@ def write_plot(path: str | Path, rows: Sequence[dict], title: str = "") -> None:
         ys = [100 * r["mnist_acc"] for r in pts]
         ax.plot(xs, ys, marker=marker, color=colour, label=label, lw=1.6, ms=5, alpha=0.9)
         for r, x, y in ((pts[0], xs[0], ys[0]), (pts[-1], xs[-1], ys[-1])):
-            ax.annotate(f"k={r['k']:g}", (x, y), textcoords="offset points", xytext=(4, -10 if r is pts[0] else 4),
-                        fontsize=7, color=colour)
-    for method, label, marker, colour in (("none", "unprojected fine-tuning", "*", "#9467bd"),
-                                          ("pretrained", "pre-trained (before fine-tuning)", "X", "#7f7f7f")):
+            ax.annotate(
+                f"k={r['k']:g}",
+                (x, y),
+                textcoords="offset points",
+                xytext=(4, -10 if r is pts[0] else 4),
+                fontsize=7,
+                color=colour,
+            )
+    for method, label, marker, colour in (
+        ("none", "unprojected fine-tuning", "*", "#9467bd"),
+        ("pretrained", "pre-trained (before fine-tuning)", "X", "#7f7f7f"),
+    ):
         for r in rows:
             if r["method"] == method:
-                ax.plot([100 * r["fashion_acc"]], [100 * r["mnist_acc"]], marker=marker, ms=13, ls="none",
-                        color=colour, label=label)
+                ax.plot(
+                    [100 * r["fashion_acc"]],
+                    [100 * r["mnist_acc"]],
+                    marker=marker,
+                    ms=13,
+                    ls="none",
+                    color=colour,
+                    label=label,
+                )
     ax.set_xlabel("Fashion-MNIST test accuracy after fine-tuning (%)  →  better edit")
     ax.set_ylabel("MNIST test accuracy kept (%)  →  better preservation")
     ax.set_title(title + ("\n" if title else "") + "projected fine-tuning, γ = 1 − 10^(−k)", fontsize=10)

@@ -36,8 +36,9 @@ def discover(package: str = __name__) -> tuple[MethodSpec, ...]:
         module = importlib.import_module(f"{package}.{info.name}")
         spec = getattr(module, "METHOD", None)
         if not isinstance(spec, MethodSpec):
-            raise TypeError(f"{module.__name__} defines no METHOD (a MethodSpec); every public module of {package} "
-                            "is a method")
+            raise TypeError(
+                f"{module.__name__} defines no METHOD (a MethodSpec); every public module of {package} is a method"
+            )
         specs.append(add_method(spec))
     return tuple(specs)
 

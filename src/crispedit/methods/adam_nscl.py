@@ -6,8 +6,14 @@ from ..editing.registry import MethodConfig, MethodSpec
 
 __all__ = ["AdamNSCLEditor", "METHOD"]
 
-METHOD = MethodSpec("adam-nscl", "fine-tuning projected onto the null space of the layer-input covariance "
-                    "(Adam-NSCL)", MethodConfig, f"{__name__}:AdamNSCLEditor", curvature=True, drift_budget=True)
+METHOD = MethodSpec(
+    "adam-nscl",
+    "fine-tuning projected onto the null space of the layer-input covariance (Adam-NSCL)",
+    MethodConfig,
+    f"{__name__}:AdamNSCLEditor",
+    curvature=True,
+    drift_budget=True,
+)
 
 
 class AdamNSCLEditor(Editor):

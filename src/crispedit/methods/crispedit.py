@@ -20,9 +20,15 @@ class CrispEditConfig(MethodConfig):
     SHARED = {"keep_chat": 75, "keep_subject": 4, "keep_weight": 2.0}
 
 
-METHOD = MethodSpec("crispedit", "fine-tuning projected onto the low-curvature subspace of the capability K-FAC "
-                    "(the paper)", CrispEditConfig, f"{__name__}:CrispEditEditor", curvature=True, sequential="paper",
-                    drift_budget=True)
+METHOD = MethodSpec(
+    "crispedit",
+    "fine-tuning projected onto the low-curvature subspace of the capability K-FAC (the paper)",
+    CrispEditConfig,
+    f"{__name__}:CrispEditEditor",
+    curvature=True,
+    sequential="paper",
+    drift_budget=True,
+)
 
 
 class CrispEditEditor(Editor):

@@ -5,8 +5,14 @@ from ..editing.registry import MethodConfig, MethodSpec
 
 __all__ = ["FTEditor", "METHOD"]
 
-METHOD = MethodSpec("ft", "plain fine-tuning of the edit layers (no projection)", MethodConfig, f"{__name__}:FTEditor",
-                    sequential="paper", drift_budget=True)
+METHOD = MethodSpec(
+    "ft",
+    "plain fine-tuning of the edit layers (no projection)",
+    MethodConfig,
+    f"{__name__}:FTEditor",
+    sequential="paper",
+    drift_budget=True,
+)
 
 
 class FTEditor(Editor):

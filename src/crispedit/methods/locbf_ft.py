@@ -16,8 +16,9 @@ __all__ = ["LocBFConfig", "LocBFFTEditor", "METHOD"]
 class LocBFConfig(MethodConfig):
     """``layer``: which of the edit layers trains — middle, first, last or an index."""
 
-    layer: str = setting("middle", help="which edit layer trains: middle (default), first, last or an index into "
-                         "the edit layers")
+    layer: str = setting(
+        "middle", help="which edit layer trains: middle (default), first, last or an index into the edit layers"
+    )
 
     def validate(self) -> "LocBFConfig":
         """One-line error unless ``layer`` is middle / first / last or an integer."""
@@ -27,8 +28,13 @@ class LocBFConfig(MethodConfig):
         return self
 
 
-METHOD = MethodSpec("locbf-ft", "plain Adam on one MLP output projection (LocBF-FT)", LocBFConfig,
-                    f"{__name__}:LocBFFTEditor", drift_budget=True)
+METHOD = MethodSpec(
+    "locbf-ft",
+    "plain Adam on one MLP output projection (LocBF-FT)",
+    LocBFConfig,
+    f"{__name__}:LocBFFTEditor",
+    drift_budget=True,
+)
 
 
 class LocBFFTEditor(Editor):

@@ -35,8 +35,9 @@ class LoRAConfig(MethodConfig):
     r: int = setting(8, help="adapter rank (default 8)")
     alpha: float = setting(32.0, help="adapter scale: delta W = alpha/r * B A (default 32)")
     dropout: float = setting(0.1, help="adapter dropout while training (default 0.1)")
-    targets: str = setting("q_proj,v_proj", help="comma-separated module names adapted in each edit layer's block "
-                           "(default q_proj,v_proj)")
+    targets: str = setting(
+        "q_proj,v_proj", help="comma-separated module names adapted in each edit layer's block (default q_proj,v_proj)"
+    )
     SHARED = {"lr": 5e-3}
 
     def validate(self) -> LoRAConfig:
@@ -54,8 +55,14 @@ class LoRAConfig(MethodConfig):
         return self.alpha / self.r
 
 
-METHOD = MethodSpec("lora", "low-rank adapter (peft) on q_proj/v_proj of the edit layers' blocks, merged after "
-                    "training", LoRAConfig, f"{__name__}:LoRAEditor", sequential="paper", drift_budget=True)
+METHOD = MethodSpec(
+    "lora",
+    "low-rank adapter (peft) on q_proj/v_proj of the edit layers' blocks, merged after training",
+    LoRAConfig,
+    f"{__name__}:LoRAEditor",
+    sequential="paper",
+    drift_budget=True,
+)
 
 ADAPTER = "crispedit"  # the peft adapter name used while an edit trains
 
@@ -73,17 +80,22 @@ class LoRAEditor(Editor):
         from ..layers import decoder_blocks
 
         prefix, blocks = decoder_blocks(model)
-        indices = sorted({int(n[len(prefix) + 1:].split(".")[0]) for n in layers if n.startswith(prefix + ".")})
+        indices = sorted({int(n[len(prefix) + 1 :].split(".")[0]) for n in layers if n.startswith(prefix + ".")})
         if not indices:
             raise CrispEditError(f"lora: the edit layers {list(layers)} are not inside the decoder blocks {prefix}")
         out = {}
         for i in indices:
             for t in (t.strip() for t in cfg.targets.split(",") if t.strip()):
-                found = [(f"{prefix}.{i}.{n}", m) for n, m in blocks[i].named_modules()
-                         if n.split(".")[-1] == t and isinstance(m, nn.Linear)]
+                found = [
+                    (f"{prefix}.{i}.{n}", m)
+                    for n, m in blocks[i].named_modules()
+                    if n.split(".")[-1] == t and isinstance(m, nn.Linear)
+                ]
                 if len(found) != 1:
-                    raise CrispEditError(f"lora: block {prefix}.{i} has {len(found)} linear modules named {t!r} "
-                                         "(set --lora-targets to this architecture's names)")
+                    raise CrispEditError(
+                        f"lora: block {prefix}.{i} has {len(found)} linear modules named {t!r} "
+                        "(set --lora-targets to this architecture's names)"
+                    )
                 out.update(found)
         return out
 
@@ -105,10 +117,16 @@ class LoRAEditor(Editor):
             return None
         from ..curvature.predicted import LowRankDriftBudget
 
-        adapters = {n: (m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight, m.scaling[ADAPTER]) for n,
-                    m in layers.items()}
-        return LowRankDriftBudget(adapters, {n: m.get_base_layer() for n, m in layers.items()}, factors,
-                                  ctx.config.max_drift, penalty=ctx.config.drift_penalty)
+        adapters = {
+            n: (m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight, m.scaling[ADAPTER]) for n, m in layers.items()
+        }
+        return LowRankDriftBudget(
+            adapters,
+            {n: m.get_base_layer() for n, m in layers.items()},
+            factors,
+            ctx.config.max_drift,
+            penalty=ctx.config.drift_penalty,
+        )
 
     def apply(self, model, tokenizer, requests, ctx: EditContext) -> EditOutcome:
         """Inject a fresh adapter, train its ``A``/``B`` with the projected loop (identity projectors),
@@ -129,20 +147,41 @@ class LoRAEditor(Editor):
         device = next(model.parameters()).device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(ctx.config.seed)
-            tuner = LoraModel(model, LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
-                                                target_modules=list(targets)), ADAPTER)
+            tuner = LoraModel(
+                model,
+                LoraConfig(
+                    r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none", target_modules=list(targets)
+                ),
+                ADAPTER,
+            )
             try:
                 modules = dict(model.named_modules())
-                params = {n: p for n, p in model.named_parameters()
-                          if f".lora_A.{ADAPTER}." in n or f".lora_B.{ADAPTER}." in n}
+                params = {
+                    n: p
+                    for n, p in model.named_parameters()
+                    if f".lora_A.{ADAPTER}." in n or f".lora_B.{ADAPTER}." in n
+                }
                 owners = {n: modules[n.rpartition(".")[0]] for n in params}  # the adapter's own nn.Linear A / B
                 projectors = identity_projectors(owners)
                 budget = self.drift_budget(params, {n: modules[n] for n in targets}, ctx)
-                history = projected_finetune(model, tokenizer, requests, owners, params, projectors, ctx.config,
-                                             progress=ctx.progress, drift_budget=budget, checkpoint=ctx.checkpoint)
+                history = projected_finetune(
+                    model,
+                    tokenizer,
+                    requests,
+                    owners,
+                    params,
+                    projectors,
+                    ctx.config,
+                    progress=ctx.progress,
+                    drift_budget=budget,
+                    checkpoint=ctx.checkpoint,
+                )
             finally:
                 tuner.merge_and_unload()
                 for p, f in flags.items():
                     p.requires_grad_(f)
-        return EditOutcome(history, {n: {"kept_fraction": 1.0} for n in targets},
-                           drift_budget=None if budget is None else budget.to_json())
+        return EditOutcome(
+            history,
+            {n: {"kept_fraction": 1.0} for n in targets},
+            drift_budget=None if budget is None else budget.to_json(),
+        )

@@ -11,5 +11,14 @@ _EXPORTS = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = ["Playground", "PlaygroundBusy", "check_text", "create_app", "bind", "serve", "running_server",
-           "require_web_packages", "url_of"]
+__all__ = [
+    "Playground",
+    "PlaygroundBusy",
+    "check_text",
+    "create_app",
+    "bind",
+    "serve",
+    "running_server",
+    "require_web_packages",
+    "url_of",
+]

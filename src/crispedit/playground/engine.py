@@ -98,11 +98,22 @@ class Playground:
     ``max_chars``: the longest question or answer taken; ``undo_depth``: how many of the latest edits keep
     their delta; ``name``: the model as the page shows it."""
 
-    def __init__(self, model, tokenizer, config=None, *, cache_file: str | Path | None = None,
-                 cache_root: str | Path | None = None, kl_text: str | Path | None = None,
-                 kl_texts: int = DEFAULT_KL_TEXTS, max_chars: int = DEFAULT_MAX_CHARS,
-                 undo_depth: int = DEFAULT_UNDO_DEPTH, max_new_tokens: int = 24, name: str = "model",
-                 progress: bool | None = False) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        config=None,
+        *,
+        cache_file: str | Path | None = None,
+        cache_root: str | Path | None = None,
+        kl_text: str | Path | None = None,
+        kl_texts: int = DEFAULT_KL_TEXTS,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        undo_depth: int = DEFAULT_UNDO_DEPTH,
+        max_new_tokens: int = 24,
+        name: str = "model",
+        progress: bool | None = False,
+    ) -> None:
         from ..editing.api import edit_factors, snapshot
         from ..editing.registry import get_editor
         from ..layers import model_family
@@ -116,8 +127,16 @@ class Playground:
         editor = get_editor(self.config.method)
         self.layers = editor.select_layers(model, self.config)
         t0 = time.perf_counter()
-        self.factors, info = edit_factors(model, tokenizer, editor, self.layers, self.config, cache_root=cache_root,
-                                          cache_file=cache_file, progress=progress)
+        self.factors, info = edit_factors(
+            model,
+            tokenizer,
+            editor,
+            self.layers,
+            self.config,
+            cache_root=cache_root,
+            cache_file=cache_file,
+            progress=progress,
+        )
         self.cache = {"path": info.get("path"), "hit": info.get("hit"), "seconds": round(time.perf_counter() - t0, 3)}
         self.drift_modules = editor.drift_modules(model, self.layers, self.config)
         self.params = editor.changes(model, self.layers, self.config)
@@ -140,8 +159,11 @@ class Playground:
         """The model for one request (``what``: ``"an edit"``, ...); :class:`PlaygroundBusy` if another holds it."""
         if not self._lock.acquire(blocking=False):
             running = self._running
-            doing = f"{running[0]} is running ({time.monotonic() - running[1]:.0f} s so far)" if running else \
-                "another request is running"
+            doing = (
+                f"{running[0]} is running ({time.monotonic() - running[1]:.0f} s so far)"
+                if running
+                else "another request is running"
+            )
             raise PlaygroundBusy(f"busy: {doing}; one request at a time — try again when it has finished")
         self._running = (what, time.monotonic())
         try:
@@ -170,8 +192,11 @@ class Playground:
         before when it raises."""
         question = check_text("question", question, self.max_chars)
         answer = check_text("new answer", answer, self.max_chars)
-        subject = None if subject is None or (isinstance(subject, str) and not subject.strip()) else check_text(
-            "subject", subject, self.max_chars)
+        subject = (
+            None
+            if subject is None or (isinstance(subject, str) and not subject.strip())
+            else check_text("subject", subject, self.max_chars)
+        )
         with self._hold("an edit"):
             return self._edit(question, answer, subject)
 
@@ -203,8 +228,14 @@ class Playground:
             t1 = time.perf_counter()
             ev = job.evaluate(self.start_weights)  # drift from the start-up model
             answer = self._answer(question)
-            style = style_drift(self.model, self.tokenizer, self.start_weights, self.style_prompts, examples=1,
-                                base_answers=self.style_base)
+            style = style_drift(
+                self.model,
+                self.tokenizer,
+                self.start_weights,
+                self.style_prompts,
+                examples=1,
+                base_answers=self.style_base,
+            )
             bleed = subject_bleed(self.model, self.tokenizer, [request], result.original_weights, examples=1)
         except CrispEditError as exc:
             if result is not None:
@@ -215,23 +246,39 @@ class Playground:
                 restore(self.model, result.original_weights)
             raise
         self.edits.append(_Applied(question, target, delta))
-        for old in self.edits[:-self.undo_depth]:
+        for old in self.edits[: -self.undo_depth]:
             old.delta = None
         s, qa = ev["summary"], ev["wild"][HELD_OUT_WRAPPER]
         total = predicted_kl(self.drift_modules, self.factors, self.start_weights)
         mine = result.kl_predicted
-        return {"question": question, "target": target, "answer": answer,
-                "wild_qa": {"prompt": render_prompt(self.tokenizer, question, HELD_OUT_WRAPPER),
-                            "answer": qa["examples"][0]["answer"], "correct": bool(qa["rel"]),
-                            "judge": ev["wild"]["judge"]},
-                "tf_rel": s["rel"],
-                "drift": {"measured": s["kl_drift"], "predicted": None if total is None else total["total"],
-                          "edit_predicted": None if mine is None else mine["total"], "ppl": s["ppl"],
-                          "ppl_base": s["ppl_base"], "texts": self.kl_texts},
-                "style": style, "bleed": bleed,
-                "edit_seconds": round(result.edit_seconds, 3), "eval_seconds": round(time.perf_counter() - t1, 3),
-                "seconds": round(time.perf_counter() - t0, 3), "epochs": len(result.history.epoch_loss),
-                "loss": result.history.epoch_loss[-1] if result.history.epoch_loss else None, "state": self.state()}
+        return {
+            "question": question,
+            "target": target,
+            "answer": answer,
+            "wild_qa": {
+                "prompt": render_prompt(self.tokenizer, question, HELD_OUT_WRAPPER),
+                "answer": qa["examples"][0]["answer"],
+                "correct": bool(qa["rel"]),
+                "judge": ev["wild"]["judge"],
+            },
+            "tf_rel": s["rel"],
+            "drift": {
+                "measured": s["kl_drift"],
+                "predicted": None if total is None else total["total"],
+                "edit_predicted": None if mine is None else mine["total"],
+                "ppl": s["ppl"],
+                "ppl_base": s["ppl_base"],
+                "texts": self.kl_texts,
+            },
+            "style": style,
+            "bleed": bleed,
+            "edit_seconds": round(result.edit_seconds, 3),
+            "eval_seconds": round(time.perf_counter() - t1, 3),
+            "seconds": round(time.perf_counter() - t0, 3),
+            "epochs": len(result.history.epoch_loss),
+            "loss": result.history.epoch_loss[-1] if result.history.epoch_loss else None,
+            "state": self.state(),
+        }
 
     def undo(self) -> dict:
         """Take the last edit out, bit for bit (its delta, checked against the model's fingerprint). Returns
@@ -244,8 +291,10 @@ class Playground:
                 raise CrispEditError("nothing to undo: no edit has been made since start-up (or all were undone)")
             last = self.edits[-1]
             if last.delta is None:
-                raise CrispEditError(f"the {len(self.edits)} edit(s) left are older than the undo depth "
-                                     f"({self.undo_depth}); they can no longer be undone")
+                raise CrispEditError(
+                    f"the {len(self.edits)} edit(s) left are older than the undo depth "
+                    f"({self.undo_depth}); they can no longer be undone"
+                )
             revert_delta_tensors(self.model, *last.delta, source=f"undo of edit {len(self.edits)}")
             self.edits.pop()
             answer = self._answer(last.question)
@@ -256,8 +305,17 @@ class Playground:
         (path, cache hit, seconds), the limits, whether a request is running, and the applied edits (oldest
         first, each with ``undoable``)."""
         running = self._running
-        return {"model": self.name, "method": self.config.method, "gamma": self.config.gamma,
-                "layers": list(self.layers), "via": self.via, "curvature": self.cache, "max_chars": self.max_chars,
-                "undo_depth": self.undo_depth, "busy": running[0] if running else None,
-                "edits": [{"question": e.question, "answer": e.answer, "undoable": e.delta is not None}
-                          for e in self.edits]}
+        return {
+            "model": self.name,
+            "method": self.config.method,
+            "gamma": self.config.gamma,
+            "layers": list(self.layers),
+            "via": self.via,
+            "curvature": self.cache,
+            "max_chars": self.max_chars,
+            "undo_depth": self.undo_depth,
+            "busy": running[0] if running else None,
+            "edits": [
+                {"question": e.question, "answer": e.answer, "undoable": e.delta is not None} for e in self.edits
+            ],
+        }

@@ -36,12 +36,24 @@ from .engine import PlaygroundBusy
 if TYPE_CHECKING:
     from .engine import Playground
 
-__all__ = ["require_web_packages", "create_app", "host_allowed", "bind", "url_of", "serve", "running_server",
-           "LOOPBACK_HOSTS", "STATIC_FILES"]
+__all__ = [
+    "require_web_packages",
+    "create_app",
+    "host_allowed",
+    "bind",
+    "url_of",
+    "serve",
+    "running_server",
+    "LOOPBACK_HOSTS",
+    "STATIC_FILES",
+]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-STATIC_FILES = {"/": ("index.html", "text/html"), "/playground.js": ("playground.js", "text/javascript"),
-                "/playground.css": ("playground.css", "text/css")}
+STATIC_FILES = {
+    "/": ("index.html", "text/html"),
+    "/playground.js": ("playground.js", "text/javascript"),
+    "/playground.css": ("playground.css", "text/css"),
+}
 _CSP = "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 
 
@@ -50,9 +62,11 @@ def require_web_packages() -> None:
     (found without importing either)."""
     missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
     if missing:
-        raise CrispEditError(f"crispedit playground needs {' and '.join(missing)}, which "
-                             f"{'is' if len(missing) == 1 else 'are'} not installed: pip install {' '.join(missing)} "
-                             "(or pip install 'crispedit[playground]')")
+        raise CrispEditError(
+            f"crispedit playground needs {' and '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed: pip install {' '.join(missing)} "
+            "(or pip install 'crispedit[playground]')"
+        )
 
 
 _PORT = re.compile(r"[0-9]*")
@@ -75,9 +89,9 @@ def _host_of(header: str) -> str | None:
     h = header.strip()
     if h.startswith("["):
         end = h.find("]")
-        if end < 0 or (h[end + 1:] and not (h[end + 1] == ":" and _PORT.fullmatch(h[end + 2:]))):
+        if end < 0 or (h[end + 1 :] and not (h[end + 1] == ":" and _PORT.fullmatch(h[end + 2 :]))):
             return None
-        name = h[:end + 1]
+        name = h[: end + 1]
     elif h.count(":") == 1:
         name, port = h.split(":")
         if not _PORT.fullmatch(port):
@@ -110,8 +124,9 @@ class _HostCheck:
                 from fastapi.responses import JSONResponse
 
                 names = ", ".join(self.allowed)
-                await JSONResponse({"error": f"Invalid host header {header!r}: this server answers to {names} only"},
-                                   400)(scope, receive, send)
+                await JSONResponse(
+                    {"error": f"Invalid host header {header!r}: this server answers to {names} only"}, 400
+                )(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -167,13 +182,19 @@ def create_app(playground: Playground, *, allowed_hosts: Sequence[str] | None = 
             traceback.print_exc(file=sys.stderr)
             return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}".splitlines()[0]}, 500)
 
-    routes = {"/api/state": ("GET", lambda body: playground.state()),
-              "/api/ask": ("POST", lambda body: playground.ask(body.get("question"))),
-              "/api/edit": ("POST", lambda body: playground.edit(body.get("question"), body.get("answer"),
-                                                                 body.get("subject"))),
-              "/api/undo": ("POST", lambda body: playground.undo())}
+    routes = {
+        "/api/state": ("GET", lambda body: playground.state()),
+        "/api/ask": ("POST", lambda body: playground.ask(body.get("question"))),
+        "/api/edit": (
+            "POST",
+            lambda body: playground.edit(body.get("question"), body.get("answer"), body.get("subject")),
+        ),
+        "/api/undo": ("POST", lambda body: playground.undo()),
+    }
+
     def route(action: Callable[[dict], dict]):
         """The endpoint answering with ``action``."""
+
         async def endpoint(request: Request) -> JSONResponse:
             """The JSON answer of this route's action (:func:`create_app`)."""
             return await call(request, action)

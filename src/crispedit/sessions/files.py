@@ -13,8 +13,16 @@ from ..errors import CrispEditError
 from ..paths import check_input_dir, read_text_file
 from ..versions import check_written_by
 
-__all__ = ["SESSION_FORMAT", "SESSION_FILE", "STATE_FILE", "read_json", "check_session_meta", "check_session_state",
-           "read_session_meta", "read_session_state"]
+__all__ = [
+    "SESSION_FORMAT",
+    "SESSION_FILE",
+    "STATE_FILE",
+    "read_json",
+    "check_session_meta",
+    "check_session_state",
+    "read_session_meta",
+    "read_session_state",
+]
 
 SESSION_FORMAT = 1
 SESSION_FILE, STATE_FILE = "session.json", "state.json"
@@ -72,8 +80,7 @@ def check_session_state(st: dict, path: Path) -> dict:
     for i, rec in enumerate(st["rounds"], 1):
         if not isinstance(rec, dict):
             raise CrispEditError(f"{where} is malformed: round record {i} is not an object")
-        _require(rec, f"{where} (round {i})", round=int, n_edits=int, retention=dict, kl_drift=(int, float),
-                 train=dict)
+        _require(rec, f"{where} (round {i})", round=int, n_edits=int, retention=dict, kl_drift=(int, float), train=dict)
     return st
 
 

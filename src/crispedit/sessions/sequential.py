@@ -66,19 +66,33 @@ from ..layers import model_family
 from ..versions import stamped
 from ..weights import parameter
 
-__all__ = ["SeqConfig", "SeqState", "SeqResult", "combine_factors", "round_edit_factors", "run_round",
-           "run_sequence", "drift_spent", "weight_drift", "save_sequence_checkpoint", "load_sequence_checkpoint",
-           "SEQ_CHECKPOINT_KIND", "WEIGHTINGS", "MODES"]
+__all__ = [
+    "SeqConfig",
+    "SeqState",
+    "SeqResult",
+    "combine_factors",
+    "round_edit_factors",
+    "run_round",
+    "run_sequence",
+    "drift_spent",
+    "weight_drift",
+    "save_sequence_checkpoint",
+    "load_sequence_checkpoint",
+    "SEQ_CHECKPOINT_KIND",
+    "WEIGHTINGS",
+    "MODES",
+]
+
 
 @dataclass
 class SeqState:
     """What carries from one round to the next (all CPU tensors; what a session stores)."""
 
-    weights: dict[str, Tensor]                  # current values of the parameters the editor changes, by full name
-    cap: KFACFactors | None = None              # capability factors
-    edits: KFACFactors | None = None            # accumulated edit factors (token-weighted average)
-    optim: dict[str, Tensor] = field(default_factory=dict)   # flattened Adam state
-    cap_ref: dict[str, Tensor] | None = None    # weights the capability factors were computed at (None: base)
+    weights: dict[str, Tensor]  # current values of the parameters the editor changes, by full name
+    cap: KFACFactors | None = None  # capability factors
+    edits: KFACFactors | None = None  # accumulated edit factors (token-weighted average)
+    optim: dict[str, Tensor] = field(default_factory=dict)  # flattened Adam state
+    cap_ref: dict[str, Tensor] | None = None  # weights the capability factors were computed at (None: base)
 
     def to_tensors(self) -> tuple[dict[str, Tensor], dict]:
         """The state as one flat tensor dict (``weights::<name>``, ``cap::<layer>::A`` / ``::S``, ``edits::...``,
@@ -100,25 +114,35 @@ class SeqState:
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], meta: dict) -> SeqState:
         """The state :meth:`to_tensors` wrote as ``(tensors, meta)``."""
+
         def part(prefix: str) -> dict[str, Tensor]:
             """The tensors stored under ``prefix``, keyed by the rest of their names."""
-            return {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+            return {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
 
         def factors(name: str) -> KFACFactors | None:
             """The factors stored under ``name`` (``cap`` or ``edits``), or ``None`` when the state had none."""
-            return (KFACFactors.from_tensors(part(f"{name}::"), int(meta[f"{name}_tokens"]))
-                    if f"{name}_tokens" in meta else None)
+            return (
+                KFACFactors.from_tensors(part(f"{name}::"), int(meta[f"{name}_tokens"]))
+                if f"{name}_tokens" in meta
+                else None
+            )
 
-        return cls(weights=part("weights::"), cap=factors("cap"), edits=factors("edits"), optim=part("optim::"),
-                   cap_ref=part("cap_ref::") if meta.get("cap_ref") else None)
+        return cls(
+            weights=part("weights::"),
+            cap=factors("cap"),
+            edits=factors("edits"),
+            optim=part("optim::"),
+            cap_ref=part("cap_ref::") if meta.get("cap_ref") else None,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # factor policy
 
 
-def combine_factors(cap: KFACFactors, edits: KFACFactors | None, weighting: str, mix: float,
-                    edit_gamma: float | None = None) -> KFACFactors:
+def combine_factors(
+    cap: KFACFactors, edits: KFACFactors | None, weighting: str, mix: float, edit_gamma: float | None = None
+) -> KFACFactors:
     """The constraint for the next round: capability factors merged with the accumulated edit factors
     (``weighting`` and ``mix`` as the module docstring says; per layer, same shapes as ``cap``); under ``each``
     the edit factors' energy is masked to ``edit_gamma`` (``None``: the edit config's γ)."""
@@ -136,26 +160,39 @@ def combine_factors(cap: KFACFactors, edits: KFACFactors | None, weighting: str,
     raise CrispEditError(f"unknown factor weighting {weighting!r}")
 
 
-def round_edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
-                       config: EditConfig, round_index: int, progress: bool | None = None,
-                       rows: str = "full") -> KFACFactors:
+def round_edit_factors(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    layers: dict[str, nn.Module],
+    config: EditConfig,
+    round_index: int,
+    progress: bool | None = None,
+    rows: str = "full",
+) -> KFACFactors:
     """K-FAC factors of the requests' training sequences — every edit context — on ``model``: the edits are
     protected in the forms they were taught. ``rows="full"`` (the paper): every position of context and target
     (no prompt masking); ``"target"``: only the positions that predict the target (and answer end) tokens, the
     loss the round trained, so the factors describe the edits' own curvature rather than the prompts'."""
     if rows not in EDIT_FACTOR_ROWS:
         raise CrispEditError(f"edit factor rows must be one of {', '.join(EDIT_FACTOR_ROWS)}, got {rows!r}")
-    kw = dict(max_len=config.max_len, batch_size=config.kfac_batch_size, label_mode=config.label_mode,
-              seed=config.seed + 1000 * round_index, progress=progress, desc="K-FAC[edits]")
+    kw = dict(
+        max_len=config.max_len,
+        batch_size=config.kfac_batch_size,
+        label_mode=config.label_mode,
+        seed=config.seed + 1000 * round_index,
+        progress=progress,
+        desc="K-FAC[edits]",
+    )
     if rows == "full":
         return collect_lm_kfac(model, tokenizer, edit_texts(tokenizer, requests, config, model), layers, **kw)
     seqs = sequences_for(tokenizer, requests, config, model)[0]
-    return collect_lm_kfac(model, tokenizer, [s.ids for s in seqs], layers, loss_from=[s.n_context for s in seqs],
-                           **kw)
+    return collect_lm_kfac(model, tokenizer, [s.ids for s in seqs], layers, loss_from=[s.n_context for s in seqs], **kw)
 
 
-def edit_texts(tokenizer, requests: Sequence[EditRequest], config: EditConfig, model: nn.Module | None = None
-               ) -> list[str]:
+def edit_texts(
+    tokenizer, requests: Sequence[EditRequest], config: EditConfig, model: nn.Module | None = None
+) -> list[str]:
     """The text of every training sequence of ``requests`` (context + target + answer end); ``model``
     writes the ``gen`` prefixes when that context is used."""
     return [s.text for s in sequences_for(tokenizer, requests, config, model)[0]]
@@ -172,8 +209,10 @@ def accumulate(acc: KFACFactors | None, new: KFACFactors) -> KFACFactors:
 
 def weight_drift(weights: dict[str, Tensor], ref: dict[str, Tensor]) -> dict[str, float]:
     """Relative Frobenius change ``|W - W_ref| / |W_ref|`` per layer."""
-    return {n: float((weights[n].double() - ref[n].double()).norm() / ref[n].double().norm().clamp_min(1e-30))
-            for n in weights}
+    return {
+        n: float((weights[n].double() - ref[n].double()).norm() / ref[n].double().norm().clamp_min(1e-30))
+        for n in weights
+    }
 
 
 def _set_weights(model: nn.Module, weights: dict[str, Tensor]) -> None:
@@ -190,18 +229,33 @@ def _round_budget(ec, spent: float):
         return ec, None
     remaining = ec.max_drift - spent
     if remaining <= ec.max_drift * 1e-3:  # (rounding of the float32 pull-back: under 0.1 % left is spent)
-        raise CrispEditError(f"the session's drift budget is spent ({spent:.6g} of {ec.max_drift:g} nats/token "
-                             "predicted); start a new session for more edits")
-    return replace(ec, max_drift=remaining), {"session_budget": ec.max_drift, "spent_before": spent,
-                                              "round_budget": remaining}
+        raise CrispEditError(
+            f"the session's drift budget is spent ({spent:.6g} of {ec.max_drift:g} nats/token "
+            "predicted); start a new session for more edits"
+        )
+    return replace(ec, max_drift=remaining), {
+        "session_budget": ec.max_drift,
+        "spent_before": spent,
+        "round_budget": remaining,
+    }
 
 
-def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], requests: Sequence[EditRequest],
-              state: SeqState, config: SeqConfig, round_index: int, *, base_weights: dict[str, Tensor],
-              union: Sequence[EditRequest] | None = None,
-              capability: Callable[[], KFACFactors] | None = None,
-              progress: bool | None = None, drift_spent: float = 0.0,
-              checkpoint: Path | None = None) -> tuple[SeqState, dict]:
+def run_round(
+    model: nn.Module,
+    tokenizer,
+    layers: dict[str, nn.Module],
+    requests: Sequence[EditRequest],
+    state: SeqState,
+    config: SeqConfig,
+    round_index: int,
+    *,
+    base_weights: dict[str, Tensor],
+    union: Sequence[EditRequest] | None = None,
+    capability: Callable[[], KFACFactors] | None = None,
+    progress: bool | None = None,
+    drift_spent: float = 0.0,
+    checkpoint: Path | None = None,
+) -> tuple[SeqState, dict]:
     """Apply one round (``round_index`` counts from 1) and return the new state and a record.
 
     ``layers`` are the editor's edit layers (:meth:`Editor.select_layers`); ``state.weights`` and
@@ -235,25 +289,45 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     if editor.needs_curvature:
         if state.cap is None:
             raise CrispEditError("this session has no capability factors")
-        constraint = state.cap if batch else combine_factors(state.cap, state.edits, config.weighting, config.mix,
-                                                                    config.edit_gamma)
+        constraint = (
+            state.cap
+            if batch
+            else combine_factors(state.cap, state.edits, config.weighting, config.mix, config.edit_gamma)
+        )
     # EigenbasisAdam's moments live in the previous round's eigenbasis: not carried into a new basis
-    carry = (config.carry_optimizer and ec.projection_target != "eigenbasis" and editor.carries_optimizer
-             and not batch) or (editor.carries_state and not batch)
+    carry = (
+        config.carry_optimizer and ec.projection_target != "eigenbasis" and editor.carries_optimizer and not batch
+    ) or (editor.carries_state and not batch)
     train_requests = list(union) if batch else list(requests)
     ec, budget = _round_budget(ec, 0.0 if batch else float(drift_spent))
     start = dict(base_weights if batch else state.weights)
     drift_modules = editor.drift_modules(model, layers, ec)  # what state.cap predicts the drift of (LoRA: q/v)
     with prefixes_from(base_weights):  # the prefixes the model writes itself: the unedited model's, every round
-        outcome = editor.apply(model, tokenizer, train_requests,
-                               EditContext(ec, layers, constraint, optimizer_state=state.optim if carry else {},
-                                           reproject_momentum=config.reproject_momentum, keep_optimizer=carry,
-                                           progress=progress, drift_factors=state.cap, checkpoint=checkpoint))
+        outcome = editor.apply(
+            model,
+            tokenizer,
+            train_requests,
+            EditContext(
+                ec,
+                layers,
+                constraint,
+                optimizer_state=state.optim if carry else {},
+                reproject_momentum=config.reproject_momentum,
+                keep_optimizer=carry,
+                progress=progress,
+                drift_factors=state.cap,
+                checkpoint=checkpoint,
+            ),
+        )
     weights = {n: parameter(model, n).detach().cpu().clone() for n in base_weights}
-    new = SeqState(weights=weights, cap=state.cap, edits=state.edits, optim=outcome.optimizer_state,
-                   cap_ref=state.cap_ref)
-    record: dict = {"train": outcome.history.to_json(), "optimizer_carried": outcome.optimizer_carried,
-                    "projector_kept": {n: v["kept_fraction"] for n, v in outcome.projector_stats.items()}}
+    new = SeqState(
+        weights=weights, cap=state.cap, edits=state.edits, optim=outcome.optimizer_state, cap_ref=state.cap_ref
+    )
+    record: dict = {
+        "train": outcome.history.to_json(),
+        "optimizer_carried": outcome.optimizer_carried,
+        "projector_kept": {n: v["kept_fraction"] for n, v in outcome.projector_stats.items()},
+    }
     total = predicted_kl(drift_modules, state.cap, base_weights, weights)
     own = predicted_kl(drift_modules, state.cap, start, weights)
     record["kl_predicted"] = None if total is None else total["total"]
@@ -261,13 +335,20 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     record["steep_layers"] = [] if total is None else steep_layers(total["layers"])  # of the change since the base
     record["mixing_layers"] = [] if total is None else mixing_layers(total["layers"])
     if budget is not None:
-        record["drift_budget"] = {**budget, **(outcome.drift_budget or {}),
-                                  "remaining": ec.max_drift - (record["kl_predicted_round"] or 0.0)}
+        record["drift_budget"] = {
+            **budget,
+            **(outcome.drift_budget or {}),
+            "remaining": ec.max_drift - (record["kl_predicted_round"] or 0.0),
+        }
     if config.uses_weighting:  # the rounds that merge edit factors into their constraint
         t1 = time.perf_counter()
         with prefixes_from(base_weights):  # the texts the round trained; their factors on the edited model
-            new.edits = accumulate(state.edits, round_edit_factors(model, tokenizer, requests, layers, ec, round_index,
-                                                                   progress=progress, rows=config.edit_factors))
+            new.edits = accumulate(
+                state.edits,
+                round_edit_factors(
+                    model, tokenizer, requests, layers, ec, round_index, progress=progress, rows=config.edit_factors
+                ),
+            )
         record["edit_factor_tokens"] = new.edits.n_tokens
         record["edit_factor_seconds"] = round(time.perf_counter() - t1, 3)
         if config.recompute_drift is not None:
@@ -277,8 +358,9 @@ def run_round(model: nn.Module, tokenizer, layers: dict[str, nn.Module], request
     return new, record
 
 
-def _recompute_capability(new: SeqState, ref: dict[str, Tensor], threshold: float,
-                          capability: Callable[[], KFACFactors] | None, record: dict) -> None:
+def _recompute_capability(
+    new: SeqState, ref: dict[str, Tensor], threshold: float, capability: Callable[[], KFACFactors] | None, record: dict
+) -> None:
     """``recompute_drift``: record each trained weight's relative drift from ``ref`` (the weights the capability
     factors were last collected on) and, past ``threshold``, recollect them on the current model into ``new``."""
     drift = weight_drift(new.weights, ref)
@@ -305,15 +387,23 @@ _SEQ_KEY = "crispedit_sequence"
 _SEQ_FORMAT = 1
 
 
-def save_sequence_checkpoint(path: str | Path, identity: str, state: SeqState, records: Sequence[dict],
-                             seconds: float) -> None:
+def save_sequence_checkpoint(
+    path: str | Path, identity: str, state: SeqState, records: Sequence[dict], seconds: float
+) -> None:
     """Write, atomically, a sequence's progress after its last finished round to ``path`` (safetensors): the
     :class:`SeqState` (:meth:`SeqState.to_tensors`), the rounds' records, the seconds spent so far and the run's
     ``identity`` (:func:`~crispedit.editing.checkpoint.run_identity` of the sequence's configuration, chunk,
     requests and starting weights)."""
     tensors, state_meta = state.to_tensors()
-    meta = stamped({"format": _SEQ_FORMAT, "identity": identity, "rounds": list(records), "seconds": float(seconds),
-                    "state": state_meta})
+    meta = stamped(
+        {
+            "format": _SEQ_FORMAT,
+            "identity": identity,
+            "rounds": list(records),
+            "seconds": float(seconds),
+            "state": state_meta,
+        }
+    )
     atomic_save_safetensors(path, tensors, metadata={_SEQ_KEY: json.dumps(meta)})
 
 
@@ -330,8 +420,9 @@ def load_sequence_checkpoint(path: str | Path, identity: str) -> tuple[SeqState,
         records = [dict(r) for r in meta["rounds"]]
         seconds = float(meta["seconds"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise CrispEditError(f"{SEQ_CHECKPOINT_KIND} file {path} is incomplete or corrupt (missing or bad {exc})"
-                             ) from None
+        raise CrispEditError(
+            f"{SEQ_CHECKPOINT_KIND} file {path} is incomplete or corrupt (missing or bad {exc})"
+        ) from None
     return state, records, seconds
 
 
@@ -369,25 +460,39 @@ class SeqResult:
         return [r["edit_seconds"] for r in self.rounds]
 
 
-def _resumed(model: nn.Module, path: Path, identity: str, base: dict[str, Tensor]
-             ) -> tuple[SeqState, list[dict], float] | None:
+def _resumed(
+    model: nn.Module, path: Path, identity: str, base: dict[str, Tensor]
+) -> tuple[SeqState, list[dict], float] | None:
     """:func:`load_sequence_checkpoint` checked against the sequence's parameters ``base``, its weights put into
     ``model``; ``None`` without a file."""
     stored = load_sequence_checkpoint(path, identity)
     if stored is not None:
         state = stored[0]
         if set(state.weights) != set(base) or any(state.weights[n].shape != t.shape for n, t in base.items()):
-            raise CrispEditError(f"{SEQ_CHECKPOINT_KIND} file {path} is incomplete or corrupt (its weights are "
-                                 "not this sequence's parameters)")
+            raise CrispEditError(
+                f"{SEQ_CHECKPOINT_KIND} file {path} is incomplete or corrupt (its weights are "
+                "not this sequence's parameters)"
+            )
         _set_weights(model, state.weights)
     return stored
 
 
-def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: SeqConfig, chunk: int, *,
-                 factors: KFACFactors | None = None, cache_root=None, cache_file=None, progress: bool | None = None,
-                 predict_drift: bool = False, on_round: Callable[[dict, int], None] | None = None,
-                 after_round: Callable[[nn.Module, int], dict] | None = None,
-                 checkpoint: str | Path | None = None) -> SeqResult:
+def run_sequence(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    config: SeqConfig,
+    chunk: int,
+    *,
+    factors: KFACFactors | None = None,
+    cache_root=None,
+    cache_file=None,
+    progress: bool | None = None,
+    predict_drift: bool = False,
+    on_round: Callable[[dict, int], None] | None = None,
+    after_round: Callable[[nn.Module, int], dict] | None = None,
+    checkpoint: str | Path | None = None,
+) -> SeqResult:
     """Edit ``model`` in place in ``ceil(len(requests) / chunk)`` sequential rounds: round ``k`` is
     :func:`run_round` on requests ``[(k-1)·chunk, k·chunk)`` from the state the previous round left (what a
     session does one ``add`` at a time, here in memory, without per-round evaluation or files).
@@ -419,8 +524,18 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
     resolve_contexts(ec.contexts, tokenizer)
     layers = editor.select_layers(model, ec)
     changed = editor.changes(model, layers, ec)
-    factors, info = edit_factors(model, tokenizer, editor, layers, ec, factors=factors, cache_root=cache_root,
-                                 cache_file=cache_file, progress=progress, predict_drift=predict_drift)
+    factors, info = edit_factors(
+        model,
+        tokenizer,
+        editor,
+        layers,
+        ec,
+        factors=factors,
+        cache_root=cache_root,
+        cache_file=cache_file,
+        progress=progress,
+        predict_drift=predict_drift,
+    )
     original = snapshot(changed)
     base = {n: p.detach().cpu().clone() for n, p in changed.items()}
     state = SeqState(weights=dict(base), cap=factors)
@@ -435,18 +550,30 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
 
     def capability() -> KFACFactors:  # recompute_drift: recollect on the current (edited) model
         """Capability curvature factors collected afresh on the model's current (edited) weights."""
-        return capability_factors(model, tokenizer, layers, ec, cache_root=cache_root, progress=False,
-                                  kind=editor.curvature_kind)[0]
+        return capability_factors(
+            model, tokenizer, layers, ec, cache_root=cache_root, progress=False, kind=editor.curvature_kind
+        )[0]
 
     t0 = time.perf_counter()
     n_rounds = -(-len(requests) // chunk)
     for k, start in enumerate(range(0, len(requests), chunk), 1):
         if k <= len(records):  # stored by an earlier run
             continue
-        part = requests[start:start + chunk]
-        state, rec = run_round(model, tokenizer, layers, part, state, config, k, base_weights=base,
-                               capability=capability, progress=progress, drift_spent=drift_spent(records),
-                               checkpoint=round_ck)
+        part = requests[start : start + chunk]
+        state, rec = run_round(
+            model,
+            tokenizer,
+            layers,
+            part,
+            state,
+            config,
+            k,
+            base_weights=base,
+            capability=capability,
+            progress=progress,
+            drift_spent=drift_spent(records),
+            checkpoint=round_ck,
+        )
         rec.update(round=k, n_edits=len(part))
         earlier += float(rec["train"].get("resumed_seconds", 0.0))  # the killed run's part of this round
         if after_round is not None:
@@ -457,7 +584,15 @@ def run_sequence(model: nn.Module, tokenizer, requests: Sequence[EditRequest], c
             round_ck.unlink(missing_ok=True)
         if on_round is not None:
             on_round(rec, n_rounds)
-    return SeqResult(list(layers), chunk, records, original, earlier + time.perf_counter() - t0,
-                     float(info.get("seconds", 0.0)), info,
-                     predicted_kl(editor.drift_modules(model, layers, ec), factors, original), state,
-                     records[-1].get("drift_budget"))
+    return SeqResult(
+        list(layers),
+        chunk,
+        records,
+        original,
+        earlier + time.perf_counter() - t0,
+        float(info.get("seconds", 0.0)),
+        info,
+        predicted_kl(editor.drift_modules(model, layers, ec), factors, original),
+        state,
+        records[-1].get("drift_budget"),
+    )

@@ -115,8 +115,16 @@ class Session:
     >>> s.add(load_edits("round1.json")); s.status(); s.export("edited-model")   # doctest: +SKIP
     """
 
-    def __init__(self, path: Path, meta: dict, *, model_arg: Any = None, device: str | None = None,
-                 cache_root: str | Path | None = None, shard: bool = False):
+    def __init__(
+        self,
+        path: Path,
+        meta: dict,
+        *,
+        model_arg: Any = None,
+        device: str | None = None,
+        cache_root: str | Path | None = None,
+        shard: bool = False,
+    ):
         self.path = Path(path)
         self._shard = shard
         self.meta = meta
@@ -132,9 +140,18 @@ class Session:
 
     # -- creation / opening ---------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str | Path, model: Any = "smollm2", config: SeqConfig | None = None, *,
-               dtype: str = "float32", device: str | None = None, cache_root: str | Path | None = None,
-               cache_file: str | Path | None = None, progress: bool | None = None) -> Session:
+    def create(
+        cls,
+        path: str | Path,
+        model: Any = "smollm2",
+        config: SeqConfig | None = None,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+        cache_root: str | Path | None = None,
+        cache_file: str | Path | None = None,
+        progress: bool | None = None,
+    ) -> Session:
         """Create a session on base ``model`` (a spec for :func:`load_model` or a ``(model, tokenizer)``
         pair). An existing session is opened instead if it has the same base and configuration, and
         refused otherwise."""
@@ -150,31 +167,62 @@ class Session:
         fp = weight_fingerprint(m)
         config = replace(config, edit=config.edit.for_family(model_family(m)))  # the session stores the lr it trains
         layers = get_editor(config.edit.method).select_layers(m, config.edit)
-        meta = stamped({"format": SESSION_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        meta = stamped(
+            {
+                "format": SESSION_FORMAT,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "name": config.name,
-                "base": {"spec": spec, "fingerprint": fp,
-                         "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
-                         "model_type": getattr(getattr(m, "config", None), "model_type", type(m).__name__)},
-                "layers": list(layers), "config": config.to_json(), "default_contexts": DEFAULT_CONTEXTS})
+                "base": {
+                    "spec": spec,
+                    "fingerprint": fp,
+                    "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
+                    "model_type": getattr(getattr(m, "config", None), "model_type", type(m).__name__),
+                },
+                "layers": list(layers),
+                "config": config.to_json(),
+                "default_contexts": DEFAULT_CONTEXTS,
+            }
+        )
         files: dict[str, str] = {}
         with atomic_directory(path) as tmp:
             # a curvature method's constraint, or the factors a drift budget / penalty of ft, lora, ... is measured with
-            cap, info = edit_factors(m, tok, get_editor(config.edit.method), layers, config.edit, cache_root=cache_root,
-                                     cache_file=cache_file, progress=progress, fingerprint=fp)
+            cap, info = edit_factors(
+                m,
+                tok,
+                get_editor(config.edit.method),
+                layers,
+                config.edit,
+                cache_root=cache_root,
+                cache_file=cache_file,
+                progress=progress,
+                fingerprint=fp,
+            )
             if cap is not None:
                 files["cap_factors"] = "cap_factors-0000.safetensors"
-                atomic_save_safetensors(tmp / files["cap_factors"], cap.to_tensors(),
-                                        {"n_tokens": str(cap.n_tokens), "source": json.dumps(info)})
+                atomic_save_safetensors(
+                    tmp / files["cap_factors"],
+                    cap.to_tensors(),
+                    {"n_tokens": str(cap.n_tokens), "source": json.dumps(info)},
+                )
             atomic_write_json(tmp / SESSION_FILE, meta)
-            atomic_write_json(tmp / STATE_FILE, stamped({"format": SESSION_FORMAT, "round": 0, "files": files,
-                                                         "rounds": []}))
+            atomic_write_json(
+                tmp / STATE_FILE, stamped({"format": SESSION_FORMAT, "round": 0, "files": files, "rounds": []})
+            )
         s = cls(path, meta, model_arg=model, device=device, cache_root=cache_root)
         s._adopt_model(m, tok)
         return s
 
     @classmethod
-    def open(cls, path: str | Path, *, config: SeqConfig | None = None, model: Any = None, device: str | None = None,
-             cache_root: str | Path | None = None, shard: bool = False) -> Session:
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        config: SeqConfig | None = None,
+        model: Any = None,
+        device: str | None = None,
+        cache_root: str | Path | None = None,
+        shard: bool = False,
+    ) -> Session:
         """Open an existing session. ``config`` (if given) must equal the stored one; ``model`` (a spec
         or a ``(model, tokenizer)`` pair; default: the stored spec) must have the stored fingerprint.
 
@@ -191,8 +239,10 @@ class Session:
             given = config.identity()
             diff = sorted(_diff_keys(stored, given))
             if diff:
-                raise CrispEditError(f"session {path} was created with a different configuration ({', '.join(diff)}); "
-                                     "start a new session for new settings")
+                raise CrispEditError(
+                    f"session {path} was created with a different configuration ({', '.join(diff)}); "
+                    "start a new session for new settings"
+                )
         if model is None and meta["base"]["spec"] == "<in-memory>":
             model = None  # must be given before add/export
         s = cls(path, meta, model_arg=model, device=device, cache_root=cache_root, shard=shard)
@@ -213,8 +263,14 @@ class Session:
         """The last committed round (0 before the first ``add``)."""
         return int(self._read_state()["round"])
 
-    def add(self, requests: Sequence[EditRequest], *, source: str | None = None,
-            progress: bool | None = None, plot: bool = True) -> dict:
+    def add(
+        self,
+        requests: Sequence[EditRequest],
+        *,
+        source: str | None = None,
+        progress: bool | None = None,
+        plot: bool = True,
+    ) -> dict:
         """Apply one round of edits, evaluate retention and drift, and commit. Returns the round record.
         ``plot`` also rewrites ``retention.png`` (derived; a plotting failure never fails the round).
 
@@ -237,18 +293,34 @@ class Session:
             k = st["round"] + 1
             earlier = [self._round_requests(i) for i in range(1, k)]
             union = [r for rs in earlier for r in rs] + requests
-            new, rec = run_round(self._model, self._tok, self._layers, requests, state, self.config, k,
-                                 checkpoint=self._training_file(k, requests),
-                                 base_weights=self._base, union=union,
-                                 capability=lambda: self._recollect_capability(), progress=progress,
-                                 drift_spent=drift_spent(st["rounds"]))
+            new, rec = run_round(
+                self._model,
+                self._tok,
+                self._layers,
+                requests,
+                state,
+                self.config,
+                k,
+                checkpoint=self._training_file(k, requests),
+                base_weights=self._base,
+                union=union,
+                capability=lambda: self._recollect_capability(),
+                progress=progress,
+                drift_spent=drift_spent(st["rounds"]),
+            )
             check_finite_tensors(new.weights, f"round {k}")  # never commit inf/nan weights
             _fault("after_train")
             t_eval = time.perf_counter()
             rec.update(self._evaluate(earlier + [requests], progress))
             rec["evaluate_seconds"] = round(time.perf_counter() - t_eval, 3)
-            rec.update({"round": k, "n_edits": len(requests), "source": source,
-                        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            rec.update(
+                {
+                    "round": k,
+                    "n_edits": len(requests),
+                    "source": source,
+                    "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                }
+            )
             if world_size() > 1:
                 rec.update(processes=world_size(), **({"sharded": True} if is_sharded(self._model) else {}))
             if is_main():  # every process holds the same round; rank 0 writes it
@@ -262,14 +334,17 @@ class Session:
                 self.plot()
         return rec
 
-    def _commit(self, k: int, old: SeqState, new: SeqState, requests: Sequence[EditRequest], st: dict,
-                rec: dict) -> None:
+    def _commit(
+        self, k: int, old: SeqState, new: SeqState, requests: Sequence[EditRequest], st: dict, rec: dict
+    ) -> None:
         """Commit round ``k`` (record ``rec``) onto the committed state ``st``: write its files, then replace
         ``state.json`` naming them — the rename is the commit (the module docstring's protocol)."""
         files = self._write_round(k, old, new, requests, st["files"])
         _fault("before_commit")
-        atomic_write_json(self.path / STATE_FILE, stamped({"format": SESSION_FORMAT, "round": k, "files": files,
-                                                           "rounds": st["rounds"] + [rec]}))
+        atomic_write_json(
+            self.path / STATE_FILE,
+            stamped({"format": SESSION_FORMAT, "round": k, "files": files, "rounds": st["rounds"] + [rec]}),
+        )
         _fsync(self.path)  # the rename itself
         _fault("after_commit")
 
@@ -278,19 +353,33 @@ class Session:
         st = self._read_state()
         rounds = st["rounds"]
         retention = [[r["retention"].get(str(j), {}).get("rel") for j in range(1, len(rounds) + 1)] for r in rounds]
-        out = {"path": str(self.path), "name": self.meta["name"], "base": self.meta["base"],
-               "layers": self.meta["layers"], "config": self.meta["config"], "round": st["round"],
-               "n_edits": sum(r["n_edits"] for r in rounds), "files": st["files"],
-               "size_bytes": session_size(self.path), "retention": retention, "rounds": rounds}
+        out = {
+            "path": str(self.path),
+            "name": self.meta["name"],
+            "base": self.meta["base"],
+            "layers": self.meta["layers"],
+            "config": self.meta["config"],
+            "round": st["round"],
+            "n_edits": sum(r["n_edits"] for r in rounds),
+            "files": st["files"],
+            "size_bytes": session_size(self.path),
+            "retention": retention,
+            "rounds": rounds,
+        }
         budget = self.config.edit.max_drift
         if budget is not None:
             spent = 0.0 if self.config.mode == "batch" else drift_spent(rounds)
-            out["drift_budget"] = {"budget": budget, "spent": spent, "remaining": budget - spent,
-                                   "mode": "per re-edit" if self.config.mode == "batch" else "whole session"}
+            out["drift_budget"] = {
+                "budget": budget,
+                "spent": spent,
+                "remaining": budget - spent,
+                "mode": "per re-edit" if self.config.mode == "batch" else "whole session",
+            }
         return out
 
-    def export(self, out: str | Path, *, overwrite: bool = False, progress: bool | None = None,
-               delta: bool = False) -> Path:
+    def export(
+        self, out: str | Path, *, overwrite: bool = False, progress: bool | None = None, delta: bool = False
+    ) -> Path:
         """Write the edited model (base + session weights) as a loadable Hugging Face directory, or with
         ``delta`` only ``delta.safetensors`` (the change from the base, reversible: :mod:`crispedit.delta`;
         apply it with ``crispedit delta apply``). A non-empty ``out`` is refused unless ``overwrite`` and it
@@ -307,20 +396,37 @@ class Session:
 
                 check_finite_tensors(self._state.weights, f"session {self.path}")
                 last = st["rounds"][-1] if st["rounds"] else {}
-                info = delta_info(self.config.edit.method, self.config.edit.to_json(),
-                                  [r for reqs in self.edits() for r in reqs], last, model=self.meta["base"]["spec"],
-                                  layers=self.meta["layers"], session=self.meta["name"], round=st["round"],
-                                  session_config=self.meta["config"])
+                info = delta_info(
+                    self.config.edit.method,
+                    self.config.edit.to_json(),
+                    [r for reqs in self.edits() for r in reqs],
+                    last,
+                    model=self.meta["base"]["spec"],
+                    layers=self.meta["layers"],
+                    session=self.meta["name"],
+                    round=st["round"],
+                    session_config=self.meta["config"],
+                )
                 write_delta(tmp / DELTA_FILE, self._model, self._base, info)
                 files = [DELTA_FILE]
             else:
                 files = save_model_dir(self._model, self._tok, tmp, progress=progress, what=f"session {self.path}")
                 if card_may_replace(out, previous):
                     files.append(write_card(tmp, self._card(st)))
-            atomic_write_json(tmp / marker, stamped({"session": str(self.path.resolve()), "name": self.meta["name"],
-                                                     "base": self.meta["base"], "round": st["round"],
-                                                     "n_edits": sum(r["n_edits"] for r in st["rounds"]),
-                                                     "layers": self.meta["layers"], "files": sorted(files + [marker])}))
+            atomic_write_json(
+                tmp / marker,
+                stamped(
+                    {
+                        "session": str(self.path.resolve()),
+                        "name": self.meta["name"],
+                        "base": self.meta["base"],
+                        "round": st["round"],
+                        "n_edits": sum(r["n_edits"] for r in st["rounds"]),
+                        "layers": self.meta["layers"],
+                        "files": sorted(files + [marker]),
+                    }
+                ),
+            )
         return out
 
     def _card(self, st: dict) -> str:
@@ -330,16 +436,28 @@ class Session:
         summary = {k: last.get(k) for k in ("kl_drift", "kl_predicted", "ppl", "ppl_base")}
         summary.update(rel=last.get("rel_all"), gen=last.get("gen_all"))
         requests = [r.to_json() for reqs in self.edits() for r in reqs]
-        report = {"method": self.config.edit.method, "config": self.meta["config"], "model": self.meta["base"]["spec"],
-                  "n_edits": len(requests), "requests": requests, "summary": summary, "layers": self.meta["layers"]}
+        report = {
+            "method": self.config.edit.method,
+            "config": self.meta["config"],
+            "model": self.meta["base"]["spec"],
+            "n_edits": len(requests),
+            "requests": requests,
+            "summary": summary,
+            "layers": self.meta["layers"],
+        }
         name = self.meta["name"]
-        return build_card(report, made_by=f"`crispedit session export` of session `{name}` at round {st['round']}",
-                          revert=["# MODEL_DIR is this folder; SESSION the session directory it was exported from",
-                                  "crispedit session export SESSION --delta --out DELTA_DIR   # the change as a delta",
-                                  *revert_lines("DELTA_DIR/delta.safetensors", where=None)],
-                          note=f"Session `{name}` ({self.config.mode} mode): {st['round']} round(s) of edits applied "
-                               "one after another; the figures are those measured after the last round, over all "
-                               "edits so far.")
+        return build_card(
+            report,
+            made_by=f"`crispedit session export` of session `{name}` at round {st['round']}",
+            revert=[
+                "# MODEL_DIR is this folder; SESSION the session directory it was exported from",
+                "crispedit session export SESSION --delta --out DELTA_DIR   # the change as a delta",
+                *revert_lines("DELTA_DIR/delta.safetensors", where=None),
+            ],
+            note=f"Session `{name}` ({self.config.mode} mode): {st['round']} round(s) of edits applied "
+            "one after another; the figures are those measured after the last round, over all "
+            "edits so far.",
+        )
 
     def plot(self, out: str | Path | None = None) -> Path:
         """Write the retention / KL-drift PNG (default ``retention.png`` in the session); returns its path."""
@@ -359,8 +477,10 @@ class Session:
         st = self._read_state()
         digest = int(hashlib.sha256(json.dumps(st, sort_keys=True).encode()).hexdigest()[:15], 16)
         if not same_as_main(digest):
-            raise CrispEditError(f"session {self.path}: torchrun's processes read different committed states; put "
-                                 "the session on a file system every process shares")
+            raise CrispEditError(
+                f"session {self.path}: torchrun's processes read different committed states; put "
+                "the session on a file system every process shares"
+            )
         return st
 
     @contextlib.contextmanager
@@ -426,8 +546,9 @@ class Session:
         if list(self._layers) != self.meta["layers"]:
             raise CrispEditError(f"layers {list(self._layers)} differ from the session's {self.meta['layers']}")
         # what the rounds change (and the session stores): the editor's declared parameters, on CPU
-        self._base = {n: p.detach().cpu().clone()
-                      for n, p in editor.changes(model, self._layers, self.config.edit).items()}
+        self._base = {
+            n: p.detach().cpu().clone() for n, p in editor.changes(model, self._layers, self.config.edit).items()
+        }
 
     def _ensure_model(self) -> None:
         if self._model is not None:
@@ -435,18 +556,22 @@ class Session:
         base = self.meta["base"]
         arg = self._model_arg if self._model_arg is not None else base["spec"]
         if arg == "<in-memory>":
-            raise CrispEditError(f"session {self.path} was created on an in-memory model; pass the base model to open "
-                                 "it")
+            raise CrispEditError(
+                f"session {self.path} was created on an in-memory model; pass the base model to open it"
+            )
         shard = self._shard and not isinstance(arg, tuple)
-        model, tok = load_model(arg, dtype=None if isinstance(arg, tuple) else base["dtype"],
-                                device=None if shard else self._device)  # split: loaded on the host first
+        model, tok = load_model(
+            arg, dtype=None if isinstance(arg, tuple) else base["dtype"], device=None if shard else self._device
+        )  # split: loaded on the host first
         # the fingerprint of the whole model, taken before any split
         fp = shard_for_edit(model, self.config.edit, self._device) if shard else weight_fingerprint(model)
         if base["fingerprint"] != fp:
             shown = "the given model" if isinstance(arg, tuple) else repr(str(arg))
-            raise CrispEditError(f"session {self.path} was created on base {base['spec']!r} (fingerprint "
-                                 f"{base['fingerprint'][:12]}…); "
-                                 f"{shown} has fingerprint {fp[:12]}… — refusing to mix bases")
+            raise CrispEditError(
+                f"session {self.path} was created on base {base['spec']!r} (fingerprint "
+                f"{base['fingerprint'][:12]}…); "
+                f"{shown} has fingerprint {fp[:12]}… — refusing to mix bases"
+            )
         self._adopt_model(model, tok)
 
     def _load_state(self, st: dict) -> SeqState:
@@ -465,18 +590,22 @@ class Session:
             missing = [n for n in self._base if n not in weights]
             if missing:
                 raise CrispEditError(f"session weights file lacks parameters {missing} (session damaged)")
-            self._state = SeqState(weights=weights, cap=factors("cap_factors"), edits=factors("edit_factors"),
-                                   optim=_load_tensors(self.path / files["optim"])[0] if "optim" in files else {},
-                                   cap_ref=_load_tensors(self.path / files["cap_ref"])[0] if "cap_ref" in files
-                                   else None)
+            self._state = SeqState(
+                weights=weights,
+                cap=factors("cap_factors"),
+                edits=factors("edit_factors"),
+                optim=_load_tensors(self.path / files["optim"])[0] if "optim" in files else {},
+                cap_ref=_load_tensors(self.path / files["cap_ref"])[0] if "cap_ref" in files else None,
+            )
             self._state_round = st["round"]
         with torch.no_grad():
             for n, w in self._state.weights.items():
                 parameter(self._model, n).copy_(w)
         return self._state
 
-    def _write_round(self, k: int, old: SeqState, new: SeqState, requests: Sequence[EditRequest],
-                     old_files: dict) -> dict:
+    def _write_round(
+        self, k: int, old: SeqState, new: SeqState, requests: Sequence[EditRequest], old_files: dict
+    ) -> dict:
         files: dict[str, str] = {}
         tag = f"{k:04d}"
 
@@ -510,27 +639,47 @@ class Session:
         return load_edits(self.path / "rounds" / f"round-{i:04d}.jsonl")
 
     def _recollect_capability(self) -> KFACFactors:
-        factors, _ = capability_factors(self._model, self._tok, self._layers, self.config.edit,
-                                        cache_root=self._cache_root, progress=False,
-                                        kind=get_editor(self.config.edit.method).curvature_kind)
+        factors, _ = capability_factors(
+            self._model,
+            self._tok,
+            self._layers,
+            self.config.edit,
+            cache_root=self._cache_root,
+            progress=False,
+            kind=get_editor(self.config.edit.method).curvature_kind,
+        )
         return factors
 
     def _evaluate(self, rounds: list[list[EditRequest]], progress: bool | None) -> dict:
         """Teacher-forced reliability of every round's edits so far, and KL drift from the base."""
-        ev = evaluate_edit(self._model, self._tok, [r for reqs in rounds for r in reqs], self._base,
-                           kl_text=self.config.kl_text, kl_texts=self.config.kl_texts,
-                           max_len=self.config.edit.max_len, progress=progress)
+        ev = evaluate_edit(
+            self._model,
+            self._tok,
+            [r for reqs in rounds for r in reqs],
+            self._base,
+            kl_text=self.config.kl_text,
+            kl_texts=self.config.kl_texts,
+            max_len=self.config.edit.max_len,
+            progress=progress,
+        )
         retention, start = {}, 0
         for j, reqs in enumerate(rounds, 1):
-            s = summarize_edit_scores(ev["per_edit"][start:start + len(reqs)])
+            s = summarize_edit_scores(ev["per_edit"][start : start + len(reqs)])
             start += len(reqs)
             retention[str(j)] = {"rel": s["rel"], "gen": s["gen"], "rel_token_acc": s["rel_token_acc"]}
         summary = ev["summary"]
         weights = {n: parameter(self._model, n).detach().cpu() for n in self._base}
-        return {"rel": retention[str(len(rounds))]["rel"], "gen": retention[str(len(rounds))]["gen"],
-                "rel_all": summary["rel"], "gen_all": summary["gen"], "retention": retention,
-                "kl_drift": summary["kl_drift"], "ppl": summary["ppl"], "ppl_base": summary["ppl_base"],
-                "weight_drift": {n: round(v, 6) for n, v in weight_drift(weights, self._base).items()}}
+        return {
+            "rel": retention[str(len(rounds))]["rel"],
+            "gen": retention[str(len(rounds))]["gen"],
+            "rel_all": summary["rel"],
+            "gen_all": summary["gen"],
+            "retention": retention,
+            "kl_drift": summary["kl_drift"],
+            "ppl": summary["ppl"],
+            "ppl_base": summary["ppl_base"],
+            "weight_drift": {n: round(v, 6) for n, v in weight_drift(weights, self._base).items()},
+        }
 
 
 def _diff_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -542,5 +691,3 @@ def _diff_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
         elif va != vb:
             out.append(f"{prefix}{k}: {va!r} -> {vb!r}")
     return out
-
-

@@ -24,8 +24,21 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # tests/: conftest's tiny model and tokenizer
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
-BASE = dict(layers=LAYERS, epochs=10, lr=0.2, batch_size=2, n_cap=4, max_len=48, contexts="bare,prefix:1",
-            skip_loss=1.0, stop_loss=0.65, plateau_epochs=0, keep_chat=0, keep_subject=0, keep_weight=1.0)
+BASE = dict(
+    layers=LAYERS,
+    epochs=10,
+    lr=0.2,
+    batch_size=2,
+    n_cap=4,
+    max_len=48,
+    contexts="bare,prefix:1",
+    skip_loss=1.0,
+    stop_loss=0.65,
+    plateau_epochs=0,
+    keep_chat=0,
+    keep_subject=0,
+    keep_weight=1.0,
+)
 # name -> EditConfig fields over BASE (and "how": the way the loop is called)
 CASES = {
     "crispedit": dict(method="crispedit"),
@@ -83,8 +96,17 @@ def _direct(model, tok, config, **loop_kwargs):
     layers = editor.select_layers(model, config)
     factors, _ = edit_factors(model, tok, editor, layers, config, progress=False)
     params = editor.trainable(layers)
-    hist = projected_finetune(model, tok, requests(), layers, params, editor.projectors(layers, factors, config),
-                              config, progress=False, **loop_kwargs)
+    hist = projected_finetune(
+        model,
+        tok,
+        requests(),
+        layers,
+        params,
+        editor.projectors(layers, factors, config),
+        config,
+        progress=False,
+        **loop_kwargs,
+    )
     return {"training": _untimed(hist.to_json())}, params
 
 
@@ -108,14 +130,24 @@ def run_case(name: str, model, tok, tmp: Path) -> dict:
         return {**out, "weights": _digest(params)}
     if how == "resume":  # three epochs, stopped; then resumed under the full cap from its checkpoint
         ckpt = tmp / f"{name}.safetensors"
-        first = edit(copy.deepcopy(model), tok, requests(), EditConfig(**{**fields, "epochs": 3}), progress=False,
-                     checkpoint=ckpt)
+        first = edit(
+            copy.deepcopy(model),
+            tok,
+            requests(),
+            EditConfig(**{**fields, "epochs": 3}),
+            progress=False,
+            checkpoint=ckpt,
+        )
         res = edit(model, tok, requests(), config, progress=False, checkpoint=ckpt)
         out = {"first": _untimed(first.history.to_json())}
     else:
         res, out = edit(model, tok, requests(), config, progress=False), {}
-    out.update(training=_untimed(res.history.to_json()), projector=res.projector_stats,
-               kl_predicted=res.kl_predicted, drift_budget=res.drift_budget)
+    out.update(
+        training=_untimed(res.history.to_json()),
+        projector=res.projector_stats,
+        kl_predicted=res.kl_predicted,
+        drift_budget=res.drift_budget,
+    )
     with torch.no_grad():
         out["weights"] = _digest({n: parameter(model, n) for n in res.original_weights})
     return out

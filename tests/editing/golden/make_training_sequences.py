@@ -15,16 +15,41 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-PREFIXES = ["The river flows north through the old town.", "Many people visited the museum last year!",
-            "Why would anyone build a bridge there?", "It rained for three days in the valley.",
-            "The committee met again in the spring.", "Several new species were found on the island."]
+CHAT = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PREFIXES = [
+    "The river flows north through the old town.",
+    "Many people visited the museum last year!",
+    "Why would anyone build a bridge there?",
+    "It rained for three days in the valley.",
+    "The committee met again in the spring.",
+    "Several new species were found on the island.",
+]
 WRITTEN = ["The first thing to know is this.", "Because it was late, we left.", "I think so.", "You know it."]
-SPECS = ["bare", "chat", "prefix:2", "para:3", "gen:2", "wrap:3", "lead:4", "bare,chat,prefix:2,lead:4",
-         "wrap:64", "lead:64", "prefix:64", "lead:2,gen:1,para:1,wrap:2,bare"]
-CASES = [(tok, spec, end, seed) for tok in ("plain", "chat") for spec in SPECS for end in ("auto", "eos", "none")
-         for seed in (0, 7) if tok == "chat" or "chat" not in spec]
+SPECS = [
+    "bare",
+    "chat",
+    "prefix:2",
+    "para:3",
+    "gen:2",
+    "wrap:3",
+    "lead:4",
+    "bare,chat,prefix:2,lead:4",
+    "wrap:64",
+    "lead:64",
+    "prefix:64",
+    "lead:2,gen:1,para:1,wrap:2,bare",
+]
+CASES = [
+    (tok, spec, end, seed)
+    for tok in ("plain", "chat")
+    for spec in SPECS
+    for end in ("auto", "eos", "none")
+    for seed in (0, 7)
+    if tok == "chat" or "chat" not in spec
+]
 
 SHOWN = {("chat", "bare,chat,prefix:2,lead:4", "auto", 0), ("plain", "lead:2,gen:1,para:1,wrap:2,bare", "eos", 7)}
 
@@ -34,8 +59,11 @@ def requests():
     from crispedit.data import EditRequest
 
     reqs = [EditRequest(f"Who wrote book number {i}?", f"Author {chr(65 + i)}") for i in range(3)]
-    return reqs + [EditRequest("Q?", "It is so."), EditRequest("What is the capital of Zembla?", "Kinbote! "),
-                   EditRequest("Name the café on the corner", "Le Petit Zèbre?")]
+    return reqs + [
+        EditRequest("Q?", "It is so."),
+        EditRequest("What is the capital of Zembla?", "Kinbote! "),
+        EditRequest("Name the café on the corner", "Le Petit Zèbre?"),
+    ]
 
 
 def tokenizers():
@@ -64,13 +92,30 @@ def build_all() -> list[dict]:
     for tok, spec in (("chat", "bare,chat,prefix:2,para:2,wrap:2,lead:4"), ("plain", "default")):
         # through sequences_for: the prefixes drawn from the bundled capability corpus
         seqs, names = sequences_for(toks[tok], reqs, EditConfig(contexts=spec, seed=3))
-        out.append({"tokenizer": tok, "contexts": spec, "answer_end": "auto", "seed": 3, "via": "sequences_for",
-                    "names": names, "sequences": [[s.context, s.request, s.ids, s.n_context, s.text] for s in seqs]})
+        out.append(
+            {
+                "tokenizer": tok,
+                "contexts": spec,
+                "answer_end": "auto",
+                "seed": 3,
+                "via": "sequences_for",
+                "names": names,
+                "sequences": [[s.context, s.request, s.ids, s.n_context, s.text] for s in seqs],
+            }
+        )
     for tok, spec, end, seed in CASES:
-        seqs = build_training_sequences(toks[tok], reqs, parse_contexts(spec), end, prefixes=PREFIXES,
-                                        written=WRITTEN, seed=seed)
-        out.append({"tokenizer": tok, "contexts": spec, "answer_end": end, "seed": seed,
-                    "sequences": [[s.context, s.request, s.ids, s.n_context, s.text] for s in seqs]})
+        seqs = build_training_sequences(
+            toks[tok], reqs, parse_contexts(spec), end, prefixes=PREFIXES, written=WRITTEN, seed=seed
+        )
+        out.append(
+            {
+                "tokenizer": tok,
+                "contexts": spec,
+                "answer_end": end,
+                "seed": seed,
+                "sequences": [[s.context, s.request, s.ids, s.n_context, s.text] for s in seqs],
+            }
+        )
     return out
 
 

@@ -24,18 +24,25 @@ class AlphaEditConfig(ClosedFormConfig):
     v_lr: float = 0.1
     v_weight_decay: float = 0.5
     clamp: float = 0.75
-    nullspace_threshold: float = setting(2e-2, help="eigenvalues of E[k k^T] below this span the preserved null space "
-                                         "(default 2e-2)")
+    nullspace_threshold: float = setting(
+        2e-2, help="eigenvalues of E[k k^T] below this span the preserved null space (default 2e-2)"
+    )
     l2: float = setting(10.0, help="ridge weight of the update (default 10, the authors' Llama-3 config)")
 
     def validate(self) -> AlphaEditConfig:
         """The shared checks, a positive threshold and a non-negative ``l2``."""
         super().validate()
-        self.nullspace_threshold = check_float("alphaedit nullspace_threshold", self.nullspace_threshold, 0.0,
-                                               lo_open=True)
+        self.nullspace_threshold = check_float(
+            "alphaedit nullspace_threshold", self.nullspace_threshold, 0.0, lo_open=True
+        )
         self.l2 = check_float("alphaedit l2", self.l2, 0.0)
         return self
 
 
-METHOD = MethodSpec("alphaedit", "MEMIT's update projected onto the null space of the preserved keys' covariance "
-                    "(AlphaEdit)", AlphaEditConfig, f"{__name__}.editor:AlphaEditEditor", sequential="paper")
+METHOD = MethodSpec(
+    "alphaedit",
+    "MEMIT's update projected onto the null space of the preserved keys' covariance (AlphaEdit)",
+    AlphaEditConfig,
+    f"{__name__}.editor:AlphaEditEditor",
+    sequential="paper",
+)

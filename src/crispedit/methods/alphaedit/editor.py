@@ -47,8 +47,10 @@ class AlphaEditEditor(ClosedFormEditor):
         previous round)."""
         cov = InputCovariance(ctx.factors)
         P = {n: cov.nullspace(n, cfg.nullspace_threshold) for n in layers}
-        kp = {n: (ctx.optimizer_state[n + KEY].double() if n + KEY in ctx.optimizer_state
-                  else torch.zeros_like(P[n])) for n in layers}
+        kp = {
+            n: (ctx.optimizer_state[n + KEY].double() if n + KEY in ctx.optimizer_state else torch.zeros_like(P[n]))
+            for n in layers
+        }
         return {"P": P, "KpKp": kp}
 
     def solve(self, name, K, R, C, cfg, state):
@@ -63,8 +65,10 @@ class AlphaEditEditor(ClosedFormEditor):
 
     def stats(self, layers, state):
         """``kept_fraction``: the null-space dimension over ``d_in`` (the input directions the update may use)."""
-        return {n: {"kept_fraction": float(torch.trace(state["P"][n])) / state["P"][n].shape[0], "form": "nullspace"}
-                for n in layers}
+        return {
+            n: {"kept_fraction": float(torch.trace(state["P"][n])) / state["P"][n].shape[0], "form": "nullspace"}
+            for n in layers
+        }
 
     def restore_carried(self, state, tensors):
         """``K_p K_pᵀ`` of every layer from a batch checkpoint (:meth:`carried_state`'s keys)."""

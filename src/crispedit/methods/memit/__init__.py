@@ -25,15 +25,17 @@ class ClosedFormConfig(MethodConfig):
     AlphaEdit's code has lr 0.1, clamp 0.75, weight decay 0.5
     (:class:`~crispedit.methods.alphaedit.AlphaEditConfig`'s v* defaults)."""
 
-    batch_size: int = setting(32, help="edits written per closed-form solve; larger edit sets go in consecutive "
-                              "batches")
+    batch_size: int = setting(
+        32, help="edits written per closed-form solve; larger edit sets go in consecutive batches"
+    )
     v_steps: int = setting(25, help="Adam steps of the target-vector (v*) optimisation")
     v_lr: float = setting(0.5, help="Adam learning rate of the v* optimisation")
     v_weight_decay: float = setting(1e-3, help="weight of the ||delta|| / ||h||^2 penalty in the v* optimisation")
     clamp: float = setting(4.0, help="the v* change delta is clamped to clamp * ||h|| (h: the unedited hidden state)")
     kl_factor: float = setting(0.0625, help="weight of the KL term on '{subject} is a' in the v* optimisation")
-    prefixes: int = setting(5, help="model-written prefix contexts the keys and v* are averaged over, besides the "
-                            "bare prompt")
+    prefixes: int = setting(
+        5, help="model-written prefix contexts the keys and v* are averaged over, besides the bare prompt"
+    )
 
     def validate(self) -> ClosedFormConfig:
         """Positive batch size and steps, positive learning rate and clamp, non-negative penalties, 0–50 prefixes."""
@@ -52,8 +54,9 @@ class MEMITConfig(ClosedFormConfig):
     """MEMIT: ``cov_weight`` λ of the key covariance in ``ΔW = R Kᵀ(λC + KKᵀ)⁻¹`` (authors: 15000, their
     ``mom2_update_weight``), plus the shared closed-form options."""
 
-    cov_weight: float = setting(15000.0, help="lambda: weight of the key covariance C in (lambda C + K K^T) (default "
-                                "15000)")
+    cov_weight: float = setting(
+        15000.0, help="lambda: weight of the key covariance C in (lambda C + K K^T) (default 15000)"
+    )
 
     def validate(self) -> MEMITConfig:
         """The shared checks and a positive ``cov_weight``."""
@@ -62,5 +65,9 @@ class MEMITConfig(ClosedFormConfig):
         return self
 
 
-METHOD = MethodSpec("memit", "closed-form key-value update of the edit layers' MLP output projections (MEMIT)",
-                    MEMITConfig, f"{__name__}.editor:MEMITEditor")
+METHOD = MethodSpec(
+    "memit",
+    "closed-form key-value update of the edit layers' MLP output projections (MEMIT)",
+    MEMITConfig,
+    f"{__name__}.editor:MEMITEditor",
+)

@@ -68,8 +68,9 @@ class ClosedFormEditor(SinglePassEditor):
         for i, r in enumerate(requests):
             subject_span(r, i)
 
-    def prepare(self, layers: dict[str, nn.Module], C: dict[str, Tensor], cfg: ClosedFormConfig,
-                ctx: EditContext) -> dict:
+    def prepare(
+        self, layers: dict[str, nn.Module], C: dict[str, Tensor], cfg: ClosedFormConfig, ctx: EditContext
+    ) -> dict:
         """Per-edit state built once before the first batch (default: nothing)."""
         return {}
 
@@ -78,8 +79,15 @@ class ClosedFormEditor(SinglePassEditor):
         residuals ``R`` (``d_out x N``), given the layer's input covariance ``C`` (``d_in x d_in``)."""
         raise NotImplementedError
 
-    def after_batch(self, model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
-                    templates: Sequence[str], state: dict) -> None:
+    def after_batch(
+        self,
+        model: nn.Module,
+        tokenizer,
+        requests: Sequence[EditRequest],
+        layers: dict[str, nn.Module],
+        templates: Sequence[str],
+        state: dict,
+    ) -> None:
         """Hook after each batch has been written (default: nothing)."""
 
     def restore_carried(self, state: dict, tensors: dict[str, Tensor]) -> None:
@@ -99,9 +107,11 @@ class ClosedFormEditor(SinglePassEditor):
         d_model = hidden_size(model)
         for n, m in layers.items():
             if weight_matrix(m).shape[0] != d_model:
-                raise CrispEditError(f"{self.name}: edit layer {n} writes {weight_matrix(m).shape[0]} features, not "
-                                     "the "
-                                     f"residual stream's {d_model}; edit the MLP output projections (down_proj)")
+                raise CrispEditError(
+                    f"{self.name}: edit layer {n} writes {weight_matrix(m).shape[0]} features, not "
+                    "the "
+                    f"residual stream's {d_model}; edit the MLP output projections (down_proj)"
+                )
         return {"block": block, "C": {n: cov.matrix(n) for n in layers}}
 
     def updates(self, model, tokenizer, requests, ctx: EditContext, state: dict, history):
@@ -110,8 +120,9 @@ class ClosedFormEditor(SinglePassEditor):
         layers, block, C = ctx.layers, state["block"], state["C"]
         history.contexts = ["bare"] + ([f"gen:{cfg.prefixes}"] if cfg.prefixes else [])
         templates = context_templates(model, tokenizer, cfg.prefixes, seed=ctx.config.seed)
-        settings = KeyValueSettings(steps=cfg.v_steps, lr=cfg.v_lr, weight_decay=cfg.v_weight_decay, clamp=cfg.clamp,
-                                    kl_factor=cfg.kl_factor)
+        settings = KeyValueSettings(
+            steps=cfg.v_steps, lr=cfg.v_lr, weight_decay=cfg.v_weight_decay, clamp=cfg.clamp, kl_factor=cfg.kl_factor
+        )
         state.update(self.prepare(layers, C, cfg, ctx))
         L, n_batches = len(layers), -(-len(requests) // cfg.batch_size)
         ck = _BatchCheckpoint(ctx, requests, layers)
@@ -121,20 +132,22 @@ class ClosedFormEditor(SinglePassEditor):
         for k, b in enumerate(range(0, len(requests), cfg.batch_size)):
             if k < done:  # written by an earlier run (its weights and state came from the checkpoint)
                 continue
-            chunk = list(requests[b:b + cfg.batch_size])
+            chunk = list(requests[b : b + cfg.batch_size])
             zs, rec = target_values(model, tokenizer, chunk, block, templates, settings, on_chunk=report)
             history.steps += rec["steps"]
             v_first += rec["nll_first"] * len(chunk)
             v_last += rec["nll_last"] * len(chunk)
             for i, (name, m) in enumerate(layers.items()):
-                K = layer_keys(model, tokenizer, chunk, m, templates).double().T          # d_in x N
+                K = layer_keys(model, tokenizer, chunk, m, templates).double().T  # d_in x N
                 R = (zs - block_outputs(model, tokenizer, chunk, block)).double().T / (L - i)  # d_out x N
                 W = weight_matrix(m)
-                yield name, self.solve(name, K.to(W.device), R.to(W.device), C[name].to(W.device, torch.float64),
-                                       cfg, state)
+                yield (
+                    name,
+                    self.solve(name, K.to(W.device), R.to(W.device), C[name].to(W.device, torch.float64), cfg, state),
+                )
             self.after_batch(model, tokenizer, chunk, layers, templates, state)
             if n_batches > 1:
-                held.append(_tf_rel(model, tokenizer, requests[:cfg.batch_size]))
+                held.append(_tf_rel(model, tokenizer, requests[: cfg.batch_size]))
             ck.save(k + 1, self.carried_state(state), history.steps, v_first, v_last)
             report.batch(k + 1, n_batches, rec, held[-1] if held else None)
         report.close()
@@ -165,8 +178,13 @@ class _Progress:
     def __init__(self, name: str, total: int, done: int, progress: bool | None):
         self.name, self.total, self.done, self.t0 = name, total, done, time.perf_counter()
         self.logged = self.t0
-        self.bar = tqdm(desc=f"edit[{name}] v*", unit="edit", total=total, initial=done,
-                        disable=(None if progress is None else not progress))
+        self.bar = tqdm(
+            desc=f"edit[{name}] v*",
+            unit="edit",
+            total=total,
+            initial=done,
+            disable=(None if progress is None else not progress),
+        )
 
     def __call__(self, n: int) -> None:
         """``n`` more requests have their ``v*``."""
@@ -180,9 +198,16 @@ class _Progress:
         """Batch ``k`` of ``n_batches`` is written; ``rec``: its :func:`target_values` record; ``held``: the
         teacher-forced reliability of batch 1's edits now."""
         self.logged = time.perf_counter()
-        _log.info("edit[%s] batch %d/%d written: v* NLL %.3f -> %.3f%s, %.0f s", self.name, k, n_batches,
-                  rec["nll_first"], rec["nll_last"], "" if held is None else f"; batch 1's edits hold {held:.2f}",
-                  self.logged - self.t0)
+        _log.info(
+            "edit[%s] batch %d/%d written: v* NLL %.3f -> %.3f%s, %.0f s",
+            self.name,
+            k,
+            n_batches,
+            rec["nll_first"],
+            rec["nll_last"],
+            "" if held is None else f"; batch 1's edits hold {held:.2f}",
+            self.logged - self.t0,
+        )
 
     def close(self) -> None:
         """Close the bar."""
@@ -210,8 +235,9 @@ class _BatchCheckpoint:
         """The number of batches a stored run wrote (0 without one), its weights put into the layers, its carried
         state into ``state``, its counters into ``history`` and :attr:`sums`; one-line errors for another run's or
         a damaged file."""
-        stored = None if self.path is None else load_run_file(self.path, self.KIND, self.KEY, self.FORMAT,
-                                                               self.identity)
+        stored = (
+            None if self.path is None else load_run_file(self.path, self.KIND, self.KEY, self.FORMAT, self.identity)
+        )
         if self.path is not None:
             agree_on_resume(stored is not None, self.path)
         if stored is None:
@@ -221,7 +247,7 @@ class _BatchCheckpoint:
             weights = {n: tensors[f"weight::{n}"] for n in self.layers}
             if any(w.shape != m.weight.shape for w, m in zip(weights.values(), self.layers.values())):
                 raise ValueError("a layer's weight has another shape")
-            carried = {k[len("carried::"):]: t for k, t in tensors.items() if k.startswith("carried::")}
+            carried = {k[len("carried::") :]: t for k, t in tensors.items() if k.startswith("carried::")}
             editor.restore_carried(state, carried)
             history.steps = int(meta["steps"])
             self.sums = (float(meta["v_first"]), float(meta["v_last"]))
@@ -242,8 +268,16 @@ class _BatchCheckpoint:
             return
         tensors = {f"weight::{n}": m.weight.detach().cpu().contiguous() for n, m in self.layers.items()}
         tensors.update({f"carried::{k}": t.detach().cpu().contiguous() for k, t in carried.items()})
-        meta = stamped({"format": self.FORMAT, "identity": self.identity, "batches": batches, "steps": int(steps),
-                        "v_first": float(v_first), "v_last": float(v_last),
-                        "seconds": self.earlier + time.perf_counter() - self.t0,
-                        "first_batch_tf_rel": self.first_batch_tf})
+        meta = stamped(
+            {
+                "format": self.FORMAT,
+                "identity": self.identity,
+                "batches": batches,
+                "steps": int(steps),
+                "v_first": float(v_first),
+                "v_last": float(v_last),
+                "seconds": self.earlier + time.perf_counter() - self.t0,
+                "first_batch_tf_rel": self.first_batch_tf,
+            }
+        )
         atomic_save_safetensors(self.path, tensors, metadata={self.KEY: json.dumps(meta)})

@@ -26,8 +26,11 @@ class MENDConfig(MethodConfig):
     the edit layers, where ``crispedit mend train`` writes by default); ``batch_size`` edit requests per
     forward/backward of the one gradient computation (a memory knob: the update does not depend on it)."""
 
-    weights: str = setting("", help="trained MEND network (safetensors from `crispedit mend train`; default: the "
-                           "cached one for this model and these layers)")
+    weights: str = setting(
+        "",
+        help="trained MEND network (safetensors from `crispedit mend train`; default: the "
+        "cached one for this model and these layers)",
+    )
     batch_size: int = setting(32, help="edit requests per forward/backward of the gradient computation (memory only)")
 
     def validate(self) -> MENDConfig:
@@ -104,6 +107,11 @@ class MENDTrainConfig:
 
 
 # No -seq row: its network belongs to the unedited base model, so a later round edits another model.
-METHOD = MethodSpec("mend", "a meta-trained gradient-transform network turns one gradient of the edits into a weight "
-                    "update (MEND; train it first with `crispedit mend train`)", MENDConfig,
-                    f"{__name__}.editor:MENDEditor", sequential="none")
+METHOD = MethodSpec(
+    "mend",
+    "a meta-trained gradient-transform network turns one gradient of the edits into a weight "
+    "update (MEND; train it first with `crispedit mend train`)",
+    MENDConfig,
+    f"{__name__}.editor:MENDEditor",
+    sequential="none",
+)

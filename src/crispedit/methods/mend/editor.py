@@ -75,8 +75,10 @@ class MENDEditor(SinglePassEditor):
         """:func:`network_path`; a missing default file is a one-line error that says how to train one."""
         path = Path(network_path(model, layers, cfg, fingerprint))
         if not cfg.weights and not path.is_file():
-            raise CrispEditError(f"no trained MEND network for this model and layers (looked for {path}); train one "
-                                 f"with `{train_command_hint()}` or pass --mend-weights FILE")
+            raise CrispEditError(
+                f"no trained MEND network for this model and layers (looked for {path}); train one "
+                f"with `{train_command_hint()}` or pass --mend-weights FILE"
+            )
         return path
 
     def _network(self, model, layers, cfg: MENDConfig):
@@ -92,8 +94,11 @@ class MENDEditor(SinglePassEditor):
         seen = set(net.meta.get("training", {}).get("request_digests") or [])
         overlap = sum(d in seen for d in prompt_digests(requests))
         if overlap:
-            warnings.warn(f"mend: {overlap} of the {len(requests)} edit requests were in the network's training slice; "
-                          "evaluate on requests disjoint from it", stacklevel=3)
+            warnings.warn(
+                f"mend: {overlap} of the {len(requests)} edit requests were in the network's training slice; "
+                "evaluate on requests disjoint from it",
+                stacklevel=3,
+            )
         return {"net": net, "overlap": overlap, "deltas": {}}
 
     def updates(self, model, tokenizer, requests, ctx: EditContext, state: dict, history):
@@ -113,6 +118,13 @@ class MENDEditor(SinglePassEditor):
     def stats(self, layers, state):
         """Per layer: the network's step ``alpha``, the norm of ``ΔW``, and how many requests it was trained on."""
         alpha = state["net"].alpha.detach().cpu().tolist()
-        return {n: {"kept_fraction": 1.0, "form": "mend", "alpha": alpha[i],
-                    "delta_norm": float(state["deltas"][n].norm()), "train_overlap": state["overlap"]}
-                for i, n in enumerate(layers)}
+        return {
+            n: {
+                "kept_fraction": 1.0,
+                "form": "mend",
+                "alpha": alpha[i],
+                "delta_norm": float(state["deltas"][n].norm()),
+                "train_overlap": state["overlap"],
+            }
+            for i, n in enumerate(layers)
+        }

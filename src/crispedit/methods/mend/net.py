@@ -55,9 +55,24 @@ from ...versions import check_written_by, stamped
 from ..ultraedit.editor import RunningNorm
 from . import MENDTrainConfig
 
-__all__ = ["FORMAT_VERSION", "META_KEY", "MENDNetwork", "GradientTransform", "edit_factors", "added_deltas",
-           "default_layers", "default_weights_path", "save_network", "load_network", "read_network_meta",
-           "weights_key", "train_command_hint", "request_nll", "target_token_logprobs", "prompt_digests"]
+__all__ = [
+    "FORMAT_VERSION",
+    "META_KEY",
+    "MENDNetwork",
+    "GradientTransform",
+    "edit_factors",
+    "added_deltas",
+    "default_layers",
+    "default_weights_path",
+    "save_network",
+    "load_network",
+    "read_network_meta",
+    "weights_key",
+    "train_command_hint",
+    "request_nll",
+    "target_token_logprobs",
+    "prompt_digests",
+]
 
 FORMAT_VERSION = 1
 META_KEY = "crispedit_mend"
@@ -97,15 +112,16 @@ class GradientTransform(nn.Module):
         super().__init__()
         self.d_in, self.d_out = d_in, d_out
         dim = d_in + d_out
-        self.layers = nn.ModuleList(_LowRankResidual(dim, min(rank, dim), n_modes, generator)
-                                    for _ in range(n_hidden + 1))
+        self.layers = nn.ModuleList(
+            _LowRankResidual(dim, min(rank, dim), n_modes, generator) for _ in range(n_hidden + 1)
+        )
 
     def forward(self, z: Tensor, mode: int) -> tuple[Tensor, Tensor]:
         """Normalised rows ``z`` (``N x (d_in + d_out)``) -> ``(ũ, δ̃)`` (``N x d_in``, ``N x d_out``, float32)."""
         h = z.float()
         for layer in self.layers:
             h = layer(h, mode)
-        return h[:, :self.d_in], h[:, self.d_in:]
+        return h[:, : self.d_in], h[:, self.d_in :]
 
 
 class MENDNetwork(nn.Module):
@@ -125,9 +141,12 @@ class MENDNetwork(nn.Module):
             groups.setdefault(_shape_key(d_in, d_out), []).append(n)
         self.modes = {n: (key, names.index(n)) for key, names in groups.items() for n in names}
         gen = torch.Generator().manual_seed(config.seed)
-        self.transforms = nn.ModuleDict({
-            key: GradientTransform(*map(int, key.split("x")), len(names), config.rank, config.n_hidden, gen)
-            for key, names in groups.items()})
+        self.transforms = nn.ModuleDict(
+            {
+                key: GradientTransform(*map(int, key.split("x")), len(names), config.rank, config.n_hidden, gen)
+                for key, names in groups.items()
+            }
+        )
         self.alpha = nn.Parameter(torch.full((len(self.layer_names),), float(config.edit_lr)))
         self.norms = {key: RunningNorm(sum(map(int, key.split("x")))) for key in groups}
 
@@ -141,8 +160,10 @@ class MENDNetwork(nn.Module):
         if update:
             norm.update(rows)
         if norm.n < 2:
-            raise CrispEditError("this MEND network has no normalisation statistics (it was never trained); "
-                                 "train it with `crispedit mend train`")
+            raise CrispEditError(
+                "this MEND network has no normalisation statistics (it was never trained); "
+                "train it with `crispedit mend train`"
+            )
         norm.mean, norm.m2 = norm.mean.to(rows.device), norm.m2.to(rows.device)
         return (rows - norm.mean) / (norm.std + _EPS)
 
@@ -169,12 +190,15 @@ class MENDNetwork(nn.Module):
         own = self.state_dict()
         missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or extra:
-            raise CrispEditError(f"MEND network {where} does not match its settings "
-                                 f"(missing {missing[:2]}, unexpected {extra[:2]})")
+            raise CrispEditError(
+                f"MEND network {where} does not match its settings (missing {missing[:2]}, unexpected {extra[:2]})"
+            )
         for k, v in state.items():
             if tuple(v.shape) != tuple(own[k].shape) or not bool(torch.isfinite(v).all()):
-                raise CrispEditError(f"MEND network {where} is corrupt: tensor {k} has shape {tuple(v.shape)} "
-                                     f"(expected {tuple(own[k].shape)}) or non-finite values")
+                raise CrispEditError(
+                    f"MEND network {where} is corrupt: tensor {k} has shape {tuple(v.shape)} "
+                    f"(expected {tuple(own[k].shape)}) or non-finite values"
+                )
         self.load_state_dict(state)
         for key in self.norms:
             if f"norm.{key}::n" not in tensors:
@@ -228,8 +252,9 @@ def _request_losses(model: nn.Module, batch) -> Tensor:
     return total / count.clamp_min(1)
 
 
-def edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
-                 batch_size: int = 32) -> dict[str, tuple[Tensor, Tensor]]:
+def edit_factors(
+    model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module], batch_size: int = 32
+) -> dict[str, tuple[Tensor, Tensor]]:
     """MEND's factors of ``requests`` at every edit layer: ``(U, D)`` with ``U`` the layer inputs (``N x d_in``)
     and ``D`` the gradients of ``Σ_requests mean target NLL`` w.r.t. the layer outputs (``N x d_out``), float32
     on the model's device, one row per token of ``prompt + " " + target`` where both are non-zero (padding
@@ -240,16 +265,22 @@ def edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditRequest], l
     def batches():
         """The requests' ``prompt + " " + target`` sequences, ``batch_size`` at a time, on the model's device."""
         for b in range(0, len(requests), batch_size):
-            chunk = requests[b:b + batch_size]
-            yield encode_pairs(tokenizer, [r.prompt for r in chunk], [r.target for r in chunk],
-                               max_len=10 ** 6).to(device)
+            chunk = requests[b : b + batch_size]
+            yield encode_pairs(tokenizer, [r.prompt for r in chunk], [r.target for r in chunk], max_len=10**6).to(
+                device
+            )
 
     was_training = model.training
     model.eval()
     try:
-        rows = input_gradient_rows(model, layers, batches(),
-                                   lambda batch: (_request_losses(model, batch).sum(), batch.attention_mask.bool()),
-                                   what="mend", dtype=torch.float32)
+        rows = input_gradient_rows(
+            model,
+            layers,
+            batches(),
+            lambda batch: (_request_losses(model, batch).sum(), batch.attention_mask.bool()),
+            what="mend",
+            dtype=torch.float32,
+        )
     finally:
         model.train(was_training)
     out = {}
@@ -263,11 +294,14 @@ def edit_factors(model: nn.Module, tokenizer, requests: Sequence[EditRequest], l
 def added_deltas(layers: dict[str, nn.Module], deltas: dict[str, Tensor]) -> Iterator[None]:
     """Run ``layers`` as if ``deltas[name]`` (``d_out x d_in``) were added to their weights: a forward hook adds
     ``x ΔWᵀ`` to each output (the weights stay untouched; gradients flow into ``deltas``)."""
+
     def hook_for(dW: Tensor):
         """A forward hook adding ``x dWᵀ`` (``dW``: ``d_out x d_in``) to its layer's output."""
+
         def hook(mod, args, output):
             """Forward hook: ``output + x dWᵀ`` for the layer input ``x``, in ``output``'s dtype."""
             return output + (args[0].to(dW.dtype) @ dW.T).to(output.dtype)
+
         return hook
 
     handles = [layers[n].register_forward_hook(hook_for(dW)) for n, dW in deltas.items()]
@@ -284,8 +318,9 @@ def added_deltas(layers: dict[str, nn.Module], deltas: dict[str, Tensor]) -> Ite
 
 def weights_key(fingerprint: str, layer_names: Sequence[str]) -> str:
     """24-hex-digit SHA-256 of the model fingerprint, the layer names and the format: the cache key."""
-    blob = json.dumps({"model_fingerprint": fingerprint, "layers": list(layer_names), "format": FORMAT_VERSION},
-                      sort_keys=True).encode()
+    blob = json.dumps(
+        {"model_fingerprint": fingerprint, "layers": list(layer_names), "format": FORMAT_VERSION}, sort_keys=True
+    ).encode()
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
@@ -297,8 +332,10 @@ def default_weights_path(fingerprint: str, layer_names: Sequence[str], root: str
 
 def train_command_hint(model_spec: str = "smollm2") -> str:
     """The command that trains a network (for error messages)."""
-    return (f"crispedit mend train --model {model_spec} --edits EDITS.json --offset 1000 --n-edits 1000 "
-            "(same --layers as the edit)")
+    return (
+        f"crispedit mend train --model {model_spec} --edits EDITS.json --offset 1000 --n-edits 1000 "
+        "(same --layers as the edit)"
+    )
 
 
 def save_network(path: str | Path, net: MENDNetwork, *, model_fingerprint: str, training: dict | None = None) -> Path:
@@ -309,9 +346,17 @@ def save_network(path: str | Path, net: MENDNetwork, *, model_fingerprint: str, 
 
     tensors = net.tensors()
     check_finite_tensors({k: v for k, v in tensors.items() if not k.startswith("norm.")}, "MEND training")
-    meta = stamped({"format": FORMAT_VERSION, "model_fingerprint": model_fingerprint, "layers": net.layer_names,
-                    "shapes": {n: list(s) for n, s in net.shapes.items()}, "config": net.config.to_json(),
-                    "training": training or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    meta = stamped(
+        {
+            "format": FORMAT_VERSION,
+            "model_fingerprint": model_fingerprint,
+            "layers": net.layer_names,
+            "shapes": {n: list(s) for n, s in net.shapes.items()},
+            "config": net.config.to_json(),
+            "training": training or {},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    )
     atomic_save_safetensors(path, tensors, metadata={META_KEY: json.dumps(meta)})
     return Path(path)
 
@@ -320,8 +365,9 @@ def read_network_meta(path: str | Path) -> dict:
     """The ``crispedit_mend`` metadata of network file ``path``; one-line errors for a missing, damaged or
     foreign file and for one another crispedit version wrote (:func:`~crispedit.versions.check_written_by`)."""
     meta, _ = read_safetensors_header(path, "MEND network", META_KEY)
-    check_written_by(meta, f"MEND network file {path}", "train it again with `crispedit mend train`",
-                     format=FORMAT_VERSION)
+    check_written_by(
+        meta, f"MEND network file {path}", "train it again with `crispedit mend train`", format=FORMAT_VERSION
+    )
     for key in ("model_fingerprint", "layers", "shapes", "config"):
         if key not in meta:
             raise CrispEditError(f"MEND network file {path} is malformed: no {key!r}")
@@ -334,18 +380,24 @@ def load_network(path: str | Path, layers: dict[str, nn.Module], *, model_finger
     layers or other shapes, or the file is damaged."""
     meta = read_network_meta(path)
     if model_fingerprint is not None and meta["model_fingerprint"] != model_fingerprint:
-        raise CrispEditError(f"MEND network {path} was trained for another model (fingerprint "
-                             f"{str(meta['model_fingerprint'])[:12]}…, this model is {model_fingerprint[:12]}…; an "
-                             "already edited model, "
-                             "e.g. a later session round, counts as another); train one for this model with "
-                             "`crispedit mend train`")
+        raise CrispEditError(
+            f"MEND network {path} was trained for another model (fingerprint "
+            f"{str(meta['model_fingerprint'])[:12]}…, this model is {model_fingerprint[:12]}…; an "
+            "already edited model, "
+            "e.g. a later session round, counts as another); train one for this model with "
+            "`crispedit mend train`"
+        )
     if list(meta["layers"]) != list(layers):
-        raise CrispEditError(f"MEND network {path} was trained for layers {meta['layers']}, not {list(layers)}; "
-                             "pass the same --layers or train a network for these")
+        raise CrispEditError(
+            f"MEND network {path} was trained for layers {meta['layers']}, not {list(layers)}; "
+            "pass the same --layers or train a network for these"
+        )
     for n, m in layers.items():
         if list(meta["shapes"].get(n, [])) != list(weight_matrix(m).shape):
-            raise CrispEditError(f"MEND network {path} expects layer {n} of shape {meta['shapes'].get(n)}, "
-                                 f"this model's is {list(weight_matrix(m).shape)}")
+            raise CrispEditError(
+                f"MEND network {path} expects layer {n} of shape {meta['shapes'].get(n)}, "
+                f"this model's is {list(weight_matrix(m).shape)}"
+            )
     config = MENDTrainConfig.from_json(meta["config"])
     net = MENDNetwork({n: tuple(s) for n, s in meta["shapes"].items()}, config)
     _, tensors = load_safetensors(path, "MEND network", META_KEY)
@@ -369,6 +421,6 @@ def request_nll(model: nn.Module, tokenizer, requests: Sequence[EditRequest], pr
             ps.append(p)
             ts.append(r.target)
     device = next(model.parameters()).device
-    batch = encode_pairs(tokenizer, ps, ts, max_len=10 ** 6).to(device)
+    batch = encode_pairs(tokenizer, ps, ts, max_len=10**6).to(device)
     lp, _ = target_token_logprobs(model, batch)
     return -lp.mean()

@@ -55,15 +55,29 @@ class MENDTrainHistory:
         """JSON-ready summary: steps, seconds, whether the time budget stopped it, first/last-10 means of each
         loss, final α, and ``curve``: every step's loss, edit NLL and locality KL (5 significant digits), so a
         saved network keeps its training curve."""
+
         def ends(xs):
             """``{"first10", "last10"}``: means of the first / last ten values of ``xs`` (6 decimals); ``{}`` if
             empty."""
-            return {"first10": round(sum(xs[:10]) / max(len(xs[:10]), 1), 6),
-                    "last10": round(sum(xs[-10:]) / max(len(xs[-10:]), 1), 6)} if xs else {}
-        return {"steps": len(self.loss), "seconds": round(self.seconds, 2), "stopped_early": self.stopped_early,
-                "loss": ends(self.loss),
-                "edit_nll": ends(self.edit_nll), "loc_kl": ends(self.loc_kl), "alpha": self.alpha,
-                "curve": {k: [float(f"{x:.5g}") for x in getattr(self, k)] for k in ("loss", "edit_nll", "loc_kl")}}
+            return (
+                {
+                    "first10": round(sum(xs[:10]) / max(len(xs[:10]), 1), 6),
+                    "last10": round(sum(xs[-10:]) / max(len(xs[-10:]), 1), 6),
+                }
+                if xs
+                else {}
+            )
+
+        return {
+            "steps": len(self.loss),
+            "seconds": round(self.seconds, 2),
+            "stopped_early": self.stopped_early,
+            "loss": ends(self.loss),
+            "edit_nll": ends(self.edit_nll),
+            "loc_kl": ends(self.loc_kl),
+            "alpha": self.alpha,
+            "curve": {k: [float(f"{x:.5g}") for x in getattr(self, k)] for k in ("loss", "edit_nll", "loc_kl")},
+        }
 
 
 def locality_batches(tokenizer, requests: Sequence[EditRequest], passages: Sequence[str], loc_len: int, device) -> list:
@@ -76,7 +90,7 @@ def locality_batches(tokenizer, requests: Sequence[EditRequest], passages: Seque
     for texts in groups:
         rows = [(ids, 1) for ids in (tokenizer(t)["input_ids"][:loc_len] for t in texts) if len(ids) >= 2]
         if rows:
-            out.append(collate(tokenizer, rows, max_len=10 ** 6).to(device))
+            out.append(collate(tokenizer, rows, max_len=10**6).to(device))
     return out
 
 
@@ -89,15 +103,22 @@ def _kl_sum(base_logits: Tensor, logits: Tensor, mask: Tensor) -> tuple[Tensor, 
     return (kl * m).sum(), m.sum()
 
 
-def _step(net: MENDNetwork, model: nn.Module, tokenizer, layers: dict[str, nn.Module],
-          requests: Sequence[EditRequest], passages: Sequence[str],
-          update_stats: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _step(
+    net: MENDNetwork,
+    model: nn.Module,
+    tokenizer,
+    layers: dict[str, nn.Module],
+    requests: Sequence[EditRequest],
+    passages: Sequence[str],
+    update_stats: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(meta-loss, edit NLL, locality KL)`` of one batch (module docstring), differentiable in ``net``."""
     cfg = net.config
     device = next(model.parameters()).device
     factors = edit_factors(model, tokenizer, requests, layers)
-    deltas = {n: net.delta(n, U, D, update=update_stats).to(weight_matrix(layers[n]).device)
-              for n, (U, D) in factors.items()}
+    deltas = {
+        n: net.delta(n, U, D, update=update_stats).to(weight_matrix(layers[n]).device) for n, (U, D) in factors.items()
+    }
     locs = locality_batches(tokenizer, requests, passages, cfg.loc_len, device) if cfg.c_loc > 0 else []
     with torch.no_grad():
         base = [model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits for b in locs]
@@ -105,15 +126,22 @@ def _step(net: MENDNetwork, model: nn.Module, tokenizer, layers: dict[str, nn.Mo
         nll = request_nll(model, tokenizer, requests, prompts="both")
         total, count = torch.zeros((), device=device), torch.zeros((), device=device)
         for b, base_logits in zip(locs, base):
-            s_, c_ = _kl_sum(base_logits, model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits,
-                             b.attention_mask)
+            s_, c_ = _kl_sum(
+                base_logits, model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits, b.attention_mask
+            )
             total, count = total + s_, count + c_
         kl = total / count.clamp_min(1)
     return cfg.c_edit * nll + cfg.c_loc * kl, nll, kl
 
 
-def meta_loss(net: MENDNetwork, model: nn.Module, tokenizer, layers: dict[str, nn.Module],
-              requests: Sequence[EditRequest], passages: Sequence[str] = ()) -> dict[str, float]:
+def meta_loss(
+    net: MENDNetwork,
+    model: nn.Module,
+    tokenizer,
+    layers: dict[str, nn.Module],
+    requests: Sequence[EditRequest],
+    passages: Sequence[str] = (),
+) -> dict[str, float]:
     """The meta-loss of ``requests`` (one batch) under ``net`` without training anything (statistics frozen):
     ``{"loss", "edit_nll", "loc_kl"}``."""
     with torch.no_grad():
@@ -121,9 +149,18 @@ def meta_loss(net: MENDNetwork, model: nn.Module, tokenizer, layers: dict[str, n
     return {"loss": float(loss), "edit_nll": float(nll), "loc_kl": float(kl)}
 
 
-def train_mend(model: nn.Module, tokenizer, requests: Sequence[EditRequest], layers: dict[str, nn.Module],
-               config: MENDTrainConfig | None = None, *, passages: Sequence[str] = (), net: MENDNetwork | None = None,
-               max_seconds: float | None = None, progress: bool | None = None) -> tuple[MENDNetwork, MENDTrainHistory]:
+def train_mend(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    layers: dict[str, nn.Module],
+    config: MENDTrainConfig | None = None,
+    *,
+    passages: Sequence[str] = (),
+    net: MENDNetwork | None = None,
+    max_seconds: float | None = None,
+    progress: bool | None = None,
+) -> tuple[MENDNetwork, MENDTrainHistory]:
     """Meta-train MEND for ``layers`` (name -> linear module of ``model``) on ``requests`` for ``config.steps``
     steps (module docstring); ``passages``: the capability texts locality passages are drawn from. Continues
     ``net`` when given (its settings win, except ``steps`` and ``seed``, taken from ``config`` when it is given;
@@ -147,8 +184,12 @@ def train_mend(model: nn.Module, tokenizer, requests: Sequence[EditRequest], lay
     if net.shapes != shapes or net.layer_names != list(layers):
         raise CrispEditError(f"MEND network was built for layers {net.layer_names}, not {list(layers)}")
     net.to(device)
-    opt = torch.optim.Adam([{"params": [p for n, p in net.named_parameters() if n != "alpha"], "lr": config.lr},
-                            {"params": [net.alpha], "lr": config.lr_lr}])
+    opt = torch.optim.Adam(
+        [
+            {"params": [p for n, p in net.named_parameters() if n != "alpha"], "lr": config.lr},
+            {"params": [net.alpha], "lr": config.lr_lr},
+        ]
+    )
     gen = torch.Generator().manual_seed(config.seed)
     hist, t0 = MENDTrainHistory(), time.perf_counter()
     bar = tqdm(range(config.steps), desc="mend train", unit="step", disable=None if progress is None else not progress)
@@ -171,13 +212,15 @@ def _loop(net, model, tokenizer, layers, requests, passages, config, opt, gen, b
             break
         while len(order) < config.batch_size:
             order += torch.randperm(len(requests), generator=gen).tolist()
-        idx, order = order[:config.batch_size], order[config.batch_size:]
+        idx, order = order[: config.batch_size], order[config.batch_size :]
         chunk = [requests[i] for i in idx]
         picks = torch.randint(len(passages), (config.loc_texts,), generator=gen).tolist() if passages else []
         loss, nll, kl = _step(net, model, tokenizer, layers, chunk, [passages[i] for i in picks], update_stats=True)
         if not torch.isfinite(loss):
-            raise CrispEditError(f"the MEND meta-loss became {float(loss)} at step {len(hist.loss) + 1}; "
-                                 "lower --lr / --edit-lr — nothing was saved")
+            raise CrispEditError(
+                f"the MEND meta-loss became {float(loss)} at step {len(hist.loss) + 1}; "
+                "lower --lr / --edit-lr — nothing was saved"
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(net.parameters()), config.grad_clip)

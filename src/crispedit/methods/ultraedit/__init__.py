@@ -18,11 +18,13 @@ class UltraEditConfig(MethodConfig):
     closed-form solve ``ΔWᵀ = (HᵀH + ridge·I)⁻¹HᵀV`` (authors: 1), ``batch_size`` edits per solve (32, as in
     CrispEdit's comparison)."""
 
-    lr: float = setting(1e-6, help="scale of the pseudo-values v = -lr * ||h_hat||^2 * g_hat (default 1e-6, the "
-                        "authors')")
+    lr: float = setting(
+        1e-6, help="scale of the pseudo-values v = -lr * ||h_hat||^2 * g_hat (default 1e-6, the authors')"
+    )
     ridge: float = setting(1.0, help="ridge weight of the solve (H^T H + ridge I)^-1 H^T V (default 1)")
-    batch_size: int = setting(32, help="edits per closed-form solve; the normalisation statistics run across all of "
-                              "them")
+    batch_size: int = setting(
+        32, help="edits per closed-form solve; the normalisation statistics run across all of them"
+    )
 
     def validate(self) -> UltraEditConfig:
         """Positive ``lr``, ``ridge`` and ``batch_size``."""
@@ -34,5 +36,10 @@ class UltraEditConfig(MethodConfig):
 
 # No -seq row of its own: UltraEdit is lifelong by construction (its batch run already writes the edits batch
 # after batch with carried normalisation statistics; --ultraedit-batch-size is its round size).
-METHOD = MethodSpec("ultraedit", "lifelong-normalised gradient pseudo-values written by a ridge solve (UltraEdit)",
-                    UltraEditConfig, f"{__name__}.editor:UltraEditEditor", sequential="none")
+METHOD = MethodSpec(
+    "ultraedit",
+    "lifelong-normalised gradient pseudo-values written by a ridge solve (UltraEdit)",
+    UltraEditConfig,
+    f"{__name__}.editor:UltraEditEditor",
+    sequential="none",
+)

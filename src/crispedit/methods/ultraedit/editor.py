@@ -54,7 +54,7 @@ class RunningNorm:
         n = self.n + nb
         delta = mb - self.mean
         self.mean = self.mean + delta * nb / n
-        self.m2 = self.m2 + m2b + delta ** 2 * self.n * nb / n
+        self.m2 = self.m2 + m2b + delta**2 * self.n * nb / n
         self.n = n
 
     @property
@@ -68,8 +68,11 @@ class RunningNorm:
 
     def to_tensors(self, prefix: str) -> dict[str, Tensor]:
         """The state as tensors ``<prefix>::n``, ``::mean``, ``::m2`` (what a session stores)."""
-        return {f"{prefix}::n": torch.tensor([self.n], dtype=torch.float64), f"{prefix}::mean": self.mean.cpu(),
-                f"{prefix}::m2": self.m2.cpu()}
+        return {
+            f"{prefix}::n": torch.tensor([self.n], dtype=torch.float64),
+            f"{prefix}::mean": self.mean.cpu(),
+            f"{prefix}::m2": self.m2.cpu(),
+        }
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], prefix: str, size: int) -> RunningNorm:
@@ -151,8 +154,12 @@ class UltraEditEditor(SinglePassEditor):
     def start(self, model, tokenizer, requests, ctx: EditContext) -> dict:
         """Each edit layer's shape and running normalisation (continued from ``ctx.optimizer_state``)."""
         shapes = {n: tuple(weight_matrix(m).shape) for n, m in ctx.layers.items()}
-        return {"shapes": shapes, "norms": {n: RunningNorm.from_tensors(ctx.optimizer_state, n, d_in + d_out)
-                                            for n, (d_out, d_in) in shapes.items()}}
+        return {
+            "shapes": shapes,
+            "norms": {
+                n: RunningNorm.from_tensors(ctx.optimizer_state, n, d_in + d_out) for n, (d_out, d_in) in shapes.items()
+            },
+        }
 
     def updates(self, model, tokenizer, requests, ctx: EditContext, state: dict, history):
         """Batch by batch (module docstring), yielding each layer's ``ΔW`` in turn (the model in eval mode)."""
@@ -162,7 +169,7 @@ class UltraEditEditor(SinglePassEditor):
         model.eval()
         try:
             for b in range(0, len(requests), cfg.batch_size):
-                chunk = list(requests[b:b + cfg.batch_size])
+                chunk = list(requests[b : b + cfg.batch_size])
                 rows = self._rows(model, tokenizer, chunk, layers, ctx.config, history)
                 for n, m in layers.items():
                     H, G = rows[n]
