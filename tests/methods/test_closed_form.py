@@ -440,6 +440,7 @@ def _reference_v_star(model, tok, r, block, templates, st):
     ``δ`` added by a hook, the context rows and the essence prompt apart; the stop rule and the clamp as the
     authors'. ``(v*, first NLL, last NLL, Adam steps)``."""
     from crispedit.data.tokenize import collate, join_prompt_target, split_context_target
+    from crispedit.editing import delta_forward as df
     from crispedit.editing import keyvalue as kv
 
     _, end = kv.subject_span(r)
@@ -450,7 +451,7 @@ def _reference_v_star(model, tok, r, block, templates, st):
     kl_text = kv.KL_TEMPLATE.format(subj)
     kl_ids = torch.tensor([tok(kl_text)["input_ids"]])
     kl_pos = torch.tensor([kv.subject_token_index(tok, kl_text, len(subj))])
-    with torch.no_grad(), kv._add_at(block, pos, torch.zeros(len(pos), 1)) as seen:
+    with torch.no_grad(), df._add_at(block, pos, torch.zeros(len(pos), 1)) as seen:
         model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
     h0 = seen[0][0, pos[0]].float()
     delta = torch.zeros(h0.shape[0], requires_grad=True)
@@ -459,12 +460,12 @@ def _reference_v_star(model, tok, r, block, templates, st):
     steps = 0
     for it in range(st.steps):
         opt.zero_grad()
-        with kv._add_at(block, pos, delta.expand(len(pos), -1)):
+        with df._add_at(block, pos, delta.expand(len(pos), -1)):
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
         lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.labels[:, 1:].clamp_min(0)[..., None])[..., 0]
         tmask = batch.labels[:, 1:] != -100
         nll = (-(lp * tmask).sum(1) / tmask.sum(1)).mean()
-        with kv._add_at(block, kl_pos, delta[None]):
+        with df._add_at(block, kl_pos, delta[None]):
             kl_logp = torch.log_softmax(model(input_ids=kl_ids).logits[0, kl_pos[0]].float(), -1)
         kl0 = kl_logp.detach() if kl0 is None else kl0
         loss = (
@@ -490,6 +491,7 @@ def test_target_values_equal_a_plain_per_request_optimisation(tiny_lm, shortcuts
     """The chunked ``v*`` optimisation — target rows and essence prompts in one forward, suffix-only steps (or,
     with the shortcuts off, the cached forward) — gives what a plain loop per request gives: full forwards with δ
     hooked in, the KL prompt run apart."""
+    from crispedit.editing import delta_forward as df
     from crispedit.editing import keyvalue as kv
 
     model, tok = tiny_lm
@@ -501,16 +503,16 @@ def test_target_values_equal_a_plain_per_request_optimisation(tiny_lm, shortcuts
     ref = [_reference_v_star(model, tok, r, block, templates, st) for r in reqs]
     used: list[str] = []
     for name in ("_suffix", "_fast"):
-        real = getattr(kv._DeltaForward, name)
+        real = getattr(df.DeltaForward, name)
 
         def spy(self, delta, _f=real, _n=name):
             used.append(_n)
             return _f(self, delta)
 
-        monkeypatch.setattr(kv._DeltaForward, name, spy)
+        monkeypatch.setattr(df.DeltaForward, name, spy)
     with contextlib.ExitStack() as stack:
         if shortcuts == "plain":
-            stack.enter_context(kv.suffix_steps(False))
+            stack.enter_context(df.suffix_steps(False))
             stack.enter_context(prefix_sharing(False))
         V, rec = kv.target_values(model, tok, reqs, block, templates, st)
     assert ("_suffix" in used) is (shortcuts == "suffix") and "_fast" in used  # the checks run the cached one
@@ -567,12 +569,12 @@ def test_keys_and_block_outputs_stop_the_forward_at_their_layer(tiny_lm):
 def _assert_full_forward_agrees(fwd, model, block, enc, pos, rows, seed):
     """``fwd``'s logits at ``rows`` and their δ-gradient (random δ, ``seed``) equal the full forward's with δ added
     at ``pos`` of ``block``'s output by a hook."""
-    from crispedit.editing import keyvalue as kv
+    from crispedit.editing import delta_forward as df
 
     delta = torch.randn(len(pos), fwd.h.shape[-1], generator=torch.Generator().manual_seed(seed), requires_grad=True)
     a = fwd(delta)
     (ga,) = torch.autograd.grad(a.square().sum(), delta)
-    with kv._add_at(block, pos, delta):
+    with df._add_at(block, pos, delta):
         full = model(**enc).logits
     b = full.reshape(-1, full.shape[-1])[rows].float()
     (gb,) = torch.autograd.grad(b.square().sum(), delta)
@@ -585,7 +587,7 @@ def test_v_star_forward_shortcut_equals_the_plain_forward(tiny_lm, last):
     """The v* steps run only the blocks above the v* block on its cached output, the head on the needed rows:
     same logits and same δ-gradient as a full forward with δ added by a hook; a v* block that is the last
     block falls back to the plain forward."""
-    from crispedit.editing import keyvalue as kv
+    from crispedit.editing import delta_forward as df
     from crispedit.layers import decoder_blocks
 
     model, tok = tiny_lm
@@ -595,7 +597,7 @@ def test_v_star_forward_shortcut_equals_the_plain_forward(tiny_lm, last):
     enc = {k: enc[k] for k in ("input_ids", "attention_mask")}
     pos = torch.tensor([2, 1])
     rows = torch.tensor([1, 2, enc["input_ids"].shape[1] + 1])
-    fwd = kv._DeltaForward(model, block, enc, pos, rows)
+    fwd = df.DeltaForward(model, block, enc, pos, rows)
     assert fwd.fast is (not last)
     _assert_full_forward_agrees(fwd, model, block, enc, pos, rows, seed=0)
 
@@ -604,7 +606,7 @@ def test_v_star_packed_forward_equals_the_plain_forward(tiny_lm):
     """Rows that share a long beginning (a context template's prefix over several requests) run packed as prefix
     trees: the same logits and δ-gradients as the full forward; where a δ position is shared with another row
     (one prompt the beginning of another), the packing is not used."""
-    from crispedit.editing import keyvalue as kv
+    from crispedit.editing import delta_forward as df
     from crispedit.layers import decoder_blocks
 
     model, tok = tiny_lm
@@ -618,15 +620,15 @@ def test_v_star_packed_forward_equals_the_plain_forward(tiny_lm):
     pos = torch.tensor([n_pre + 1, n_pre, n_pre + 2, n_pre])  # a token after the shared prefix
     T = enc["input_ids"].shape[1]
     rows = torch.cat([b * T + torch.arange(int(lengths[b]) - 3, int(lengths[b]) - 1) for b in range(4)])
-    with kv.suffix_steps(False):  # the suffix forward would be preferred
-        fwd = kv._DeltaForward(model, blocks[1], enc, pos, rows)
+    with df.suffix_steps(False):  # the suffix forward would be preferred
+        fwd = df.DeltaForward(model, blocks[1], enc, pos, rows)
     assert fwd.fast and fwd.suffix is None and fwd.packed is not None and fwd.packed.nodes < int(lengths.sum())
     _assert_full_forward_agrees(fwd, model, blocks[1], enc, pos, rows, seed=1)
-    with prefix_sharing(False), kv.suffix_steps(False):
-        assert kv._DeltaForward(model, blocks[1], enc, pos, rows).packed is None
+    with prefix_sharing(False), df.suffix_steps(False):
+        assert df.DeltaForward(model, blocks[1], enc, pos, rows).packed is None
     # δ inside the shared prefix: every row passes through that node, so the rows are not packed
-    with kv.suffix_steps(False):
-        shared = kv._DeltaForward(model, blocks[1], enc, torch.tensor([n_pre - 2] * 4), rows)
+    with df.suffix_steps(False):
+        shared = df.DeltaForward(model, blocks[1], enc, torch.tensor([n_pre - 2] * 4), rows)
     assert shared.fast and shared.packed is None
 
 
@@ -636,7 +638,7 @@ def test_v_star_suffix_forward_equals_the_plain_forward(tiny_lm):
     packed first-fit, the pasts left-padded); where a logit row lies before its row's δ, the suffix is not used. The
     checks' outcomes are shared through ``verdicts``: a later forward skips them and still agrees, and a failed check
     keeps the later forwards off the shortcut."""
-    from crispedit.editing import keyvalue as kv
+    from crispedit.editing import delta_forward as df
     from crispedit.layers import decoder_blocks
 
     model, tok = tiny_lm
@@ -655,19 +657,19 @@ def test_v_star_suffix_forward_equals_the_plain_forward(tiny_lm):
     T = enc["input_ids"].shape[1]
     rows = torch.cat([b * T + torch.arange(int(pos[b]), int(lengths[b])) for b in range(4)])
     verdicts: dict = {}
-    fwd = kv._DeltaForward(model, blocks[1], enc, pos, rows, verdicts)
+    fwd = df.DeltaForward(model, blocks[1], enc, pos, rows, verdicts)
     assert fwd.fast and fwd.suffix is not None and verdicts == {"fast": True, "suffix": True}
     assert fwd.suffix["inputs"]["input_ids"].shape[1] == int((lengths - pos).max()) < T
     _assert_full_forward_agrees(fwd, model, blocks[1], enc, pos, rows, seed=2)
-    later = kv._DeltaForward(model, blocks[1], enc, pos, rows, verdicts)  # checks skipped
+    later = df.DeltaForward(model, blocks[1], enc, pos, rows, verdicts)  # checks skipped
     assert later.suffix is not None
     _assert_full_forward_agrees(later, model, blocks[1], enc, pos, rows, seed=3)
-    assert kv._DeltaForward(model, blocks[1], enc, pos, rows, {"fast": True, "suffix": False}).suffix is None
+    assert df.DeltaForward(model, blocks[1], enc, pos, rows, {"fast": True, "suffix": False}).suffix is None
     # a logit row before its row's δ position would need the past's logits: the cached forward serves
     early = torch.cat([rows, torch.tensor([4])])  # row 0, position 4 < its δ at 5
-    assert kv._DeltaForward(model, blocks[1], enc, pos, early).suffix is None
-    with kv.suffix_steps(False):
-        assert kv._DeltaForward(model, blocks[1], enc, pos, rows).suffix is None
+    assert df.DeltaForward(model, blocks[1], enc, pos, early).suffix is None
+    with df.suffix_steps(False):
+        assert df.DeltaForward(model, blocks[1], enc, pos, rows).suffix is None
 
 
 def test_alphaedit_seq_from_the_cli(tiny_model_dir, tmp_path, iso_cache, capsys):
@@ -799,7 +801,7 @@ def test_a_batched_alphaedit_run_is_alphaedit_seq_in_rounds_of_its_batch_size(ti
 def test_suffix_layout_packs_suffixes_first_fit_with_their_pasts():
     """Suffixes packed longest first into rows of the longest one's length, each row's pasts side by side and
     left-padded; every index a flat ``b·T + t`` into the batch, -1 for padding."""
-    from crispedit.editing.keyvalue import _suffix_layout
+    from crispedit.editing.delta_forward import _suffix_layout
 
     lay = _suffix_layout([2, 1, 3], [5, 2, 4], T=6)  # suffix lengths 3, 1, 1
     assert lay["new"] == [[2, 3, 4], [6 + 1, 12 + 3, -1]]
