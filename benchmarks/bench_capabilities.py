@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import crispedit.evaluation.capabilities as C
+import crispedit.evaluation.harness_lm as H
 from crispedit.atomic import atomic_write_json
 from crispedit.models import load_model
 
@@ -26,7 +27,7 @@ from crispedit.models import load_model
 def run(model, tok, task: str, limit: int, bench_dir: str, shortcuts: bool) -> tuple[float, float, list[float]]:
     """Seconds of one :func:`~crispedit.evaluation.capabilities.run_capabilities` call for ``task`` on ``limit``
     items with the context shortcuts on or off, its score and its per-item values."""
-    orig = C._ContextCaches.__init__
+    orig = H._ContextCaches.__init__
 
     def plain_init(self, *a, **k):
         """The caches' constructor, then both shortcuts off: every context in full, logits at every position."""
@@ -34,13 +35,13 @@ def run(model, tok, task: str, limit: int, bench_dir: str, shortcuts: bool) -> t
         self.head, self.reuse = {}, False
 
     if not shortcuts:
-        C._ContextCaches.__init__ = plain_init
+        H._ContextCaches.__init__ = plain_init
     try:
         t0 = time.perf_counter()
         res = C.run_capabilities(model, tok, [task], limit=limit, bench_dir=bench_dir, progress=False)[task]
         return time.perf_counter() - t0, res["score"], res["items"]
     finally:
-        C._ContextCaches.__init__ = orig
+        H._ContextCaches.__init__ = orig
 
 
 def main() -> None:

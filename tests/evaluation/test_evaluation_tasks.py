@@ -14,6 +14,7 @@ pytest.importorskip("lm_eval")
 from crispedit.errors import CrispEditError  # noqa: E402
 from crispedit.evaluation import capabilities as C  # noqa: E402
 from crispedit.evaluation.bench_data import MMLU_SUBJECTS, TASK_FILES  # noqa: E402
+from crispedit.evaluation.harness_lm import MIN_SHARED_CONTEXT, prefix_sharing_lm_class  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -175,13 +176,13 @@ def test_prefix_sharing_matches_stock_loglikelihood(lm):
     # contexts behind one long preamble (TruthfulQA's, an MMLU subject's): built on the preamble's cache, one
     # of them the preamble alone plus its last token, one the same as another item's
     preamble = "Q: What is the capital of France?\nA: Paris.\n\nQ: How many legs has a spider?\nA: Eight.\n\n"
-    assert len(tok(preamble)["input_ids"]) > C.MIN_SHARED_CONTEXT
+    assert len(tok(preamble)["input_ids"]) > MIN_SHARED_CONTEXT
     for q in ["Q: Which gas do plants absorb?\nA:", "Q: Who wrote Hamlet?\nA:", "Q:", "Q: Who wrote Hamlet?\nA:"]:
         reqs += [
             Instance("loglikelihood", {}, (preamble + q, c), len(reqs) + j) for j, c in enumerate([" Yes", " No idea"])
         ]
     stock = HFLM(pretrained=model, tokenizer=tok, batch_size=2, device="cpu").loglikelihood(reqs, disable_tqdm=True)
-    lm = C._prefix_sharing_lm_class()(pretrained=model, tokenizer=tok, batch_size=2, device="cpu")
+    lm = prefix_sharing_lm_class()(pretrained=model, tokenizer=tok, batch_size=2, device="cpu")
     calls = []
     hook = model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[1]), with_kwargs=True)
     try:
