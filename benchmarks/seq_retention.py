@@ -1,5 +1,5 @@
 """Round-1 retention of sequential crispedit (CrispEdit-Seq) under several settings: each run edits the same slice
-in rounds through :func:`crispedit.sessions.sequential.run_sequence` and measures, after every round, the first
+in rounds through :func:`crispedit.sessions.in_memory.run_sequence` and measures, after every round, the first
 round's edits (teacher-forced rel, WILD qa / chat rel — the compare's retention probe), without the compare's
 final evaluation, so settings can be tried on a tuning slice in a fraction of a compare row's time.
 
@@ -92,7 +92,7 @@ def run_one(
     ``capability`` (the capability factors' :func:`spectrum`)."""
     from crispedit.editing import restore
     from crispedit.evaluation.edit_eval import round_map_probe
-    from crispedit.sessions.sequential import run_sequence
+    from crispedit.sessions.in_memory import run_sequence
 
     cfg = seq_config(overrides)
     head = {"run": label(overrides), "config": cfg.to_json()}

@@ -116,7 +116,7 @@ def test_compare_json_of_another_version_is_refused_on_resume_and_render(tmp_pat
 # -- checkpoints --------------------------------------------------------------------------------------------------
 def test_training_checkpoints_of_another_version_are_refused(tmp_path):
     from crispedit.editing import checkpoint as ck
-    from crispedit.sessions.sequential import SEQ_CHECKPOINT_KIND, load_sequence_checkpoint
+    from crispedit.sessions.in_memory import SEQ_CHECKPOINT_KIND, load_sequence_checkpoint
 
     loop = _crafted(tmp_path / "loop.safetensors", ck._KEY, {VERSION_KEY: OLD, "format": ck._FORMAT, "identity": "i"})
     with pytest.raises(VersionError) as e:

@@ -436,7 +436,7 @@ def test_a_seq_row_killed_between_or_inside_rounds_resumes_where_it_stopped(tiny
     """A -seq row keeps its finished rounds (and the round in progress its finished epochs) across a kill: the
     resumed row trains only what was left and ends exactly where the uninterrupted row does."""
     import crispedit.editing.checkpoint as ckpt_mod
-    import crispedit.sessions.sequential as seq_mod
+    import crispedit.sessions.in_memory as seq_mod
 
     model, tok = tiny_lm
     methods = ["crispedit-seq"]

@@ -751,7 +751,7 @@ def test_sequential_rounds_write_their_templates_with_the_unedited_model(method,
     code draws them once per process): while the model writes its prefixes in round 2 it holds the base weights,
     although round 2 starts from round 1's edit; afterwards it holds the edited weights again."""
     from crispedit.editing import SeqConfig
-    from crispedit.sessions.sequential import run_sequence
+    from crispedit.sessions.in_memory import run_sequence
 
     model, tok = tiny_lm
     names = [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)]
@@ -780,7 +780,7 @@ def test_a_batched_alphaedit_run_is_alphaedit_seq_in_rounds_of_its_batch_size(ti
     templates from
     the unedited model, as the batches do."""
     from crispedit.editing import SeqConfig
-    from crispedit.sessions.sequential import run_sequence
+    from crispedit.sessions.in_memory import run_sequence
 
     model, tok = tiny_lm
     names = [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)]

@@ -14,13 +14,13 @@ settings need another ``--out``; :mod:`crispedit.experiments.compare_resume`), a
 goes on from its last finished epoch
 (``DIR/checkpoints/<method>.safetensors``, :mod:`crispedit.editing.checkpoint`; removed once its row is
 written); a ``-seq`` row from its last finished round and, within the round in progress, its last epoch (the
-same file, :func:`~crispedit.sessions.sequential.save_sequence_checkpoint`, and ``<method>.round.safetensors``). The
+same file, :func:`~crispedit.sessions.in_memory.save_sequence_checkpoint`, and ``<method>.round.safetensors``). The
 command line is :mod:`crispedit.cli.compare` (it checks the arguments without importing this
 module's torch).
 
 Sequential rows: ``<method>-seq`` (e.g. ``crispedit-seq``, the paper's CrispEdit-Seq) runs ``<method>`` in
 ``ceil(n / chunk)`` rounds of ``chunk`` consecutive edits through the session machinery
-(:func:`crispedit.sessions.sequential.run_sequence`, i.e. :func:`~crispedit.sessions.sequential.run_round`
+(:func:`crispedit.sessions.in_memory.run_sequence`, i.e. :func:`~crispedit.sessions.sequential.run_round`
 with a :class:`~crispedit.editing.SeqConfig`), and the final model is evaluated on all edits exactly like a
 batch row. Its row records ``rounds``, ``seq_chunk`` and ``round_seconds``; its stored ``config`` is the
 ``SeqConfig`` and, with ``seq_chunk``, what a resumed compare checks.
@@ -59,7 +59,7 @@ from ..evaluation.edit_eval import round_map_probe
 from ..layers import model_family
 from ..paths import check_output_dir
 from ..pipeline import EditJob, Measures, drift_summary
-from ..sessions.sequential import run_sequence
+from ..sessions.in_memory import run_sequence
 from ..versions import stamped
 from ..weights import weight_fingerprint
 from .compare_outputs import COMPARE_FORMAT, JSON_FILE, write_outputs
