@@ -24,6 +24,7 @@ from crispedit.errors import CrispEditError
 from crispedit.layers import resolve_layers
 from crispedit.models import load_model
 from crispedit.sessions import session as session_mod
+from crispedit.sessions import store as store_mod
 from crispedit.sessions.sequential import SeqConfig, accumulate, combine_factors, round_edit_factors
 from crispedit.sessions.session import Session
 
@@ -341,7 +342,7 @@ def test_resume_after_crash_between_writes(phase, ref, tmp_path, monkeypatch):
             raise Crash(p)
 
     s = Session.open(sess)
-    monkeypatch.setattr(session_mod, "_fault", fault)
+    monkeypatch.setattr(store_mod, "fault", fault)
     with pytest.raises(Crash):
         s.add(load_edits(ref["files"][1]), source=str(ref["files"][1]), plot=False)
     monkeypatch.undo()
@@ -389,7 +390,7 @@ def test_kill9_mid_round_resumes_to_uninterrupted_state(ref, tmp_path, monkeypat
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     # 2) kill -9 between writes: weights of round 2 on disk, state not yet switched
-    env[session_mod.FAULT_ENV] = "before_commit"
+    env[store_mod.FAULT_ENV] = "before_commit"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     assert (sess / "weights-0002.safetensors").exists()  # written, but not committed

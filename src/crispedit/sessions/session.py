@@ -36,15 +36,10 @@ refused in one line (:func:`~crispedit.versions.check_written_by`).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
-import os
-import re
-import shutil
-import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -54,58 +49,26 @@ import torch
 from ..atomic import atomic_directory, atomic_save_safetensors, atomic_write_json
 from ..checks import check_finite_tensors
 from ..curvature.factors import KFACFactors
-from ..data.edits import EditRequest, load_edits, requests_digest, save_edits_jsonl
-from ..distributed import all_agree, barrier, is_main, is_sharded, same_as_main, world_size
-from ..editing.api import capability_factors, edit_factors, shard_for_edit
+from ..data.edits import EditRequest
+from ..distributed import barrier, is_main, is_sharded, same_as_main, world_size
+from ..editing.api import capability_factors, edit_factors, restore, shard_for_edit
 from ..editing.contexts import DEFAULT_CONTEXTS, pinned_contexts
 from ..editing.registry import get_editor
 from ..errors import CrispEditError
 from ..evaluation import evaluate_edit, summarize_edit_scores
 from ..layers import model_family
-from ..model_card import build_card, card_may_replace, revert_lines, write_card
-from ..models import load_model, save_model_dir
+from ..models import load_model
 from ..paths import check_output_dir
-from ..safetensors_io import load_safetensors
 from ..versions import stamped
 from ..weights import parameter, weight_fingerprint
+from . import store
 from .files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
 from .plot import plot_retention
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
 
-__all__ = ["Session", "SESSION_FORMAT", "session_size"]
+__all__ = ["Session", "SESSION_FORMAT"]
 
-LOCK_FILE, PLOT_FILE = ".lock", "retention.png"
-_TENSOR_FILE = re.compile(r"^(weights|optim|edit_factors|cap_factors|cap_ref)-(\d{4,})\.safetensors$")
-_ROUND_FILE = re.compile(r"^round-(\d{4,})\.jsonl$")
-_TRAINING_FILE = re.compile(r"^training-(\d{4,})-[0-9a-f]+\.safetensors$")  # a round's training checkpoint
-FAULT_ENV = "CRISPEDIT_SESSION_FAULT"
-
-
-def _fault(phase: str) -> None:
-    """Crash-test hook: ``CRISPEDIT_SESSION_FAULT=<phase>`` kills this process with SIGKILL at ``phase``
-    (after_train, after_weights, before_commit, after_commit). A no-op otherwise."""
-    if os.environ.get(FAULT_ENV) == phase:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    if not path.exists():
-        raise CrispEditError(f"session file {path} is missing (session damaged)")
-    meta, tensors = load_safetensors(path, "session", None)
-    return tensors, meta
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def session_size(path: str | Path) -> int:
-    """Bytes on disk of a session directory (all files, the plot included)."""
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+PLOT_FILE = "retention.png"
 
 
 class Session:
@@ -251,9 +214,9 @@ class Session:
         elif isinstance(model, tuple):
             s._ensure_model()
         s._read_state()  # a damaged state.json is named before anything (the lock file included) is written
-        with s._lock(blocking=False) as got:
+        with store.session_lock(s.path, blocking=False) as got:
             if got and is_main():
-                s._cleanup()
+                store.remove_uncommitted(s.path)
         barrier()  # no process reads the session while rank 0 cleans it up
         return s
 
@@ -281,11 +244,11 @@ class Session:
         requests = list(requests)
         if not requests:
             raise CrispEditError("no edit requests given")
-        with self._lock(blocking=False) as got:
+        with store.session_lock(self.path, blocking=False) as got:
             if not got:
                 raise CrispEditError(f"session {self.path} is busy: another process is adding a round")
             if is_main():
-                self._cleanup()
+                store.remove_uncommitted(self.path)
             barrier()  # the other processes read the session once rank 0 has cleaned it up
             st = self._read_committed()
             self._ensure_model()
@@ -301,7 +264,7 @@ class Session:
                 state,
                 self.config,
                 k,
-                checkpoint=self._training_file(k, requests),
+                checkpoint=store.training_file(self.path, k, requests),
                 base_weights=self._base,
                 union=union,
                 capability=lambda: self._recollect_capability(),
@@ -309,7 +272,7 @@ class Session:
                 drift_spent=drift_spent(st["rounds"]),
             )
             check_finite_tensors(new.weights, f"round {k}")  # never commit inf/nan weights
-            _fault("after_train")
+            store.fault("after_train")
             t_eval = time.perf_counter()
             rec.update(self._evaluate(earlier + [requests], progress))
             rec["evaluate_seconds"] = round(time.perf_counter() - t_eval, 3)
@@ -324,29 +287,15 @@ class Session:
             if world_size() > 1:
                 rec.update(processes=world_size(), **({"sharded": True} if is_sharded(self._model) else {}))
             if is_main():  # every process holds the same round; rank 0 writes it
-                self._commit(k, state, new, requests, st, rec)
+                store.commit_round(self.path, k, state, new, requests, st, rec)
             barrier()  # no process goes on (or reads the session) before the round is committed
             self._state, self._state_round = new, k
             if is_main():
-                self._cleanup()
+                store.remove_uncommitted(self.path)
         if plot and is_main():
             with contextlib.suppress(Exception):  # the plot is derived; it never fails a committed round
                 self.plot()
         return rec
-
-    def _commit(
-        self, k: int, old: SeqState, new: SeqState, requests: Sequence[EditRequest], st: dict, rec: dict
-    ) -> None:
-        """Commit round ``k`` (record ``rec``) onto the committed state ``st``: write its files, then replace
-        ``state.json`` naming them — the rename is the commit (the module docstring's protocol)."""
-        files = self._write_round(k, old, new, requests, st["files"])
-        _fault("before_commit")
-        atomic_write_json(
-            self.path / STATE_FILE,
-            stamped({"format": SESSION_FORMAT, "round": k, "files": files, "rounds": st["rounds"] + [rec]}),
-        )
-        _fsync(self.path)  # the rename itself
-        _fault("after_commit")
 
     def status(self) -> dict:
         """Rounds, edit counts, per-round metrics and the retention matrix (no model needed)."""
@@ -362,7 +311,7 @@ class Session:
             "round": st["round"],
             "n_edits": sum(r["n_edits"] for r in rounds),
             "files": st["files"],
-            "size_bytes": session_size(self.path),
+            "size_bytes": store.session_size(self.path),
             "retention": retention,
             "rounds": rounds,
         }
@@ -381,83 +330,25 @@ class Session:
         self, out: str | Path, *, overwrite: bool = False, progress: bool | None = None, delta: bool = False
     ) -> Path:
         """Write the edited model (base + session weights) as a loadable Hugging Face directory, or with
-        ``delta`` only ``delta.safetensors`` (the change from the base, reversible: :mod:`crispedit.delta`;
-        apply it with ``crispedit delta apply``). A non-empty ``out`` is refused unless ``overwrite`` and it
-        holds an earlier export; then only the files that export wrote are replaced, other files kept."""
-        out = Path(out)
-        marker = "crispedit_session.json"
-        previous = check_output_dir(out, overwrite=overwrite, marker=marker)
+        ``delta`` only ``delta.safetensors`` (:func:`~crispedit.sessions.export.export_session`); returns ``out``."""
+        from .export import export_session
+
+        return export_session(self, out, overwrite=overwrite, progress=progress, delta=delta)
+
+    def model_at_commit(self) -> tuple[Any, Any, dict]:
+        """``(model, tokenizer, state)``: the base model (loaded, and its fingerprint checked, on first use) with the
+        committed round's weights in it, its tokenizer, and the committed state (``state.json``: ``round``,
+        ``files``, ``rounds``)."""
         st = self._read_state()
         self._ensure_model()
         self._load_state(st)
-        with atomic_directory(out, previous=previous) as tmp:
-            if delta:
-                from ..delta import DELTA_FILE, delta_info, write_delta
+        return self._model, self._tok, st
 
-                check_finite_tensors(self._state.weights, f"session {self.path}")
-                last = st["rounds"][-1] if st["rounds"] else {}
-                info = delta_info(
-                    self.config.edit.method,
-                    self.config.edit.to_json(),
-                    [r for reqs in self.edits() for r in reqs],
-                    last,
-                    model=self.meta["base"]["spec"],
-                    layers=self.meta["layers"],
-                    session=self.meta["name"],
-                    round=st["round"],
-                    session_config=self.meta["config"],
-                )
-                write_delta(tmp / DELTA_FILE, self._model, self._base, info)
-                files = [DELTA_FILE]
-            else:
-                files = save_model_dir(self._model, self._tok, tmp, progress=progress, what=f"session {self.path}")
-                if card_may_replace(out, previous):
-                    files.append(write_card(tmp, self._card(st)))
-            atomic_write_json(
-                tmp / marker,
-                stamped(
-                    {
-                        "session": str(self.path.resolve()),
-                        "name": self.meta["name"],
-                        "base": self.meta["base"],
-                        "round": st["round"],
-                        "n_edits": sum(r["n_edits"] for r in st["rounds"]),
-                        "layers": self.meta["layers"],
-                        "files": sorted(files + [marker]),
-                    }
-                ),
-            )
-        return out
-
-    def _card(self, st: dict) -> str:
-        """The model card of an export at committed state ``st``: the last round's measurements (teacher-forced
-        rel / gen over every edit so far, KL drift, perplexity, predicted drift); WILD is not run by sessions."""
-        last = st["rounds"][-1] if st["rounds"] else {}
-        summary = {k: last.get(k) for k in ("kl_drift", "kl_predicted", "ppl", "ppl_base")}
-        summary.update(rel=last.get("rel_all"), gen=last.get("gen_all"))
-        requests = [r.to_json() for reqs in self.edits() for r in reqs]
-        report = {
-            "method": self.config.edit.method,
-            "config": self.meta["config"],
-            "model": self.meta["base"]["spec"],
-            "n_edits": len(requests),
-            "requests": requests,
-            "summary": summary,
-            "layers": self.meta["layers"],
-        }
-        name = self.meta["name"]
-        return build_card(
-            report,
-            made_by=f"`crispedit session export` of session `{name}` at round {st['round']}",
-            revert=[
-                "# MODEL_DIR is this folder; SESSION the session directory it was exported from",
-                "crispedit session export SESSION --delta --out DELTA_DIR   # the change as a delta",
-                *revert_lines("DELTA_DIR/delta.safetensors", where=None),
-            ],
-            note=f"Session `{name}` ({self.config.mode} mode): {st['round']} round(s) of edits applied "
-            "one after another; the figures are those measured after the last round, over all "
-            "edits so far.",
-        )
+    @property
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """The base values of the parameters the rounds change (full name -> CPU tensor; empty before the model is
+        loaded)."""
+        return self._base
 
     def plot(self, out: str | Path | None = None) -> Path:
         """Write the retention / KL-drift PNG (default ``retention.png`` in the session); returns its path."""
@@ -482,59 +373,6 @@ class Session:
                 "the session on a file system every process shares"
             )
         return st
-
-    @contextlib.contextmanager
-    def _lock(self, blocking: bool = True) -> Iterator[bool]:
-        """Hold the session's exclusive lock (``flock`` on its lock file) for the block; yields whether it was
-        taken (``blocking=False``: not when another process holds it). Under ``torchrun`` rank 0 alone takes it
-        and every process is told whether it did (every process must enter the block)."""
-        if not is_main():
-            yield all_agree(True)
-            return
-        fh = open(self.path / LOCK_FILE, "a+")
-        try:
-            try:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-                got = True
-            except BlockingIOError:
-                got = False
-            try:
-                yield all_agree(got)
-            finally:
-                if got:
-                    fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-        finally:
-            fh.close()
-
-    def _training_file(self, k: int, requests: Sequence[EditRequest]) -> Path:
-        """The checkpoint round ``k``'s training keeps beside the session (``training-NNNN-<edits>.safetensors``,
-        named by the round and a digest of its edits), so that an ``add`` killed while training goes on from its
-        last epoch when the same edits are added again; another round's or other edits' training files are
-        deleted here, by rank 0 alone under ``torchrun`` (they cannot resume anything)."""
-        path = self.path / f"training-{k:04d}-{requests_digest(requests)}.safetensors"
-        for f in self.path.iterdir() if is_main() else ():
-            if _TRAINING_FILE.match(f.name) and f != path:
-                f.unlink(missing_ok=True)
-        return path
-
-    def _cleanup(self) -> None:
-        """Delete what no committed state names: files of an interrupted round, temp files, the training
-        checkpoints of committed rounds (an interrupted round's stays: :meth:`_training_file`)."""
-        st = self._read_state()
-        named = set(st["files"].values())
-        for f in self.path.iterdir():
-            if f.name.startswith(".") and (f.name.endswith(".tmp") or f.name.endswith(".old")):
-                shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
-            elif _TENSOR_FILE.match(f.name) and f.name not in named:
-                f.unlink(missing_ok=True)
-            elif (m := _TRAINING_FILE.match(f.name)) and int(m.group(1)) <= st["round"]:
-                f.unlink(missing_ok=True)
-        rdir = self.path / "rounds"
-        if rdir.is_dir():
-            for f in rdir.iterdir():
-                m = _ROUND_FILE.match(f.name)
-                if (m and int(m.group(1)) > st["round"]) or f.name.endswith(".tmp"):
-                    f.unlink(missing_ok=True)
 
     def _adopt_model(self, model, tok) -> None:
         self._model, self._tok = model, tok
@@ -577,66 +415,13 @@ class Session:
     def _load_state(self, st: dict) -> SeqState:
         """The committed state as tensors; also puts the committed weights into the model."""
         if self._state is None or self._state_round != st["round"]:
-            files = st["files"]
-
-            def factors(key: str) -> KFACFactors | None:
-                """The :class:`KFACFactors` stored under ``files[key]``, or None if the round has no such file."""
-                if key not in files:
-                    return None
-                t, meta = _load_tensors(self.path / files[key])
-                return KFACFactors.from_tensors(t, int(meta.get("n_tokens", 0)))
-
-            weights = _load_tensors(self.path / files["weights"])[0] if "weights" in files else dict(self._base)
-            missing = [n for n in self._base if n not in weights]
-            if missing:
-                raise CrispEditError(f"session weights file lacks parameters {missing} (session damaged)")
-            self._state = SeqState(
-                weights=weights,
-                cap=factors("cap_factors"),
-                edits=factors("edit_factors"),
-                optim=_load_tensors(self.path / files["optim"])[0] if "optim" in files else {},
-                cap_ref=_load_tensors(self.path / files["cap_ref"])[0] if "cap_ref" in files else None,
-            )
+            self._state = store.read_round_state(self.path, st, self._base)
             self._state_round = st["round"]
-        with torch.no_grad():
-            for n, w in self._state.weights.items():
-                parameter(self._model, n).copy_(w)
+        restore(self._model, self._state.weights)
         return self._state
 
-    def _write_round(
-        self, k: int, old: SeqState, new: SeqState, requests: Sequence[EditRequest], old_files: dict
-    ) -> dict:
-        files: dict[str, str] = {}
-        tag = f"{k:04d}"
-
-        def save(key: str, tensors: dict, meta: dict | None = None) -> None:
-            """Write ``tensors`` (with ``meta``) atomically to ``<key>-<round>.safetensors``, fsync it and
-            record its name in ``files[key]``."""
-            files[key] = f"{key}-{tag}.safetensors"
-            atomic_save_safetensors(self.path / files[key], tensors, meta)
-            _fsync(self.path / files[key])  # on disk before the commit names it (power loss, not just kill -9)
-
-        save("weights", new.weights)
-        _fault("after_weights")
-        if new.optim:
-            save("optim", new.optim)
-        if new.edits is not None:
-            save("edit_factors", new.edits.to_tensors(), {"n_tokens": str(new.edits.n_tokens)})
-        if new.cap is not None:
-            if new.cap is old.cap and "cap_factors" in old_files:
-                files["cap_factors"] = old_files["cap_factors"]
-            else:
-                save("cap_factors", new.cap.to_tensors(), {"n_tokens": str(new.cap.n_tokens)})
-        if new.cap_ref is not None:
-            if new.cap_ref is old.cap_ref and "cap_ref" in old_files:
-                files["cap_ref"] = old_files["cap_ref"]
-            else:
-                save("cap_ref", new.cap_ref)
-        save_edits_jsonl(self.path / "rounds" / f"round-{tag}.jsonl", requests)
-        return files
-
     def _round_requests(self, i: int) -> list[EditRequest]:
-        return load_edits(self.path / "rounds" / f"round-{i:04d}.jsonl")
+        return store.round_requests(self.path, i)
 
     def _recollect_capability(self) -> KFACFactors:
         factors, _ = capability_factors(
