@@ -1,4 +1,4 @@
-"""Where the plateau rule (``--plateau N``, :func:`crispedit.editing.loop.plateaued`) would have ended stored runs:
+"""Where the plateau rule (``--plateau N``, :func:`crispedit.editing.history.plateaued`) would have ended stored runs:
 every ``epoch_loss`` curve in the given report / compare / matrix JSON files (and sequence checkpoints'
 ``crispedit_sequence`` metadata), the epoch the rule stops at, the loss there and at the run's end, and — where the
 run timed its epochs — the share of its training seconds the epochs before the stop took. A run the rule does not
@@ -52,7 +52,7 @@ def _load(path: Path):
 
 
 def main(argv=None) -> int:
-    from crispedit.editing.loop import plateau_stop
+    from crispedit.editing.history import plateau_stop
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", help="JSON files, safetensors checkpoints or folders (searched for *.json)")

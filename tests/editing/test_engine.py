@@ -532,7 +532,7 @@ def test_a_checkpoint_resumes_under_another_epoch_cap(tiny_lm, iso_cache, tmp_pa
 def test_the_plateau_rule_on_loss_curves():
     """``plateaued``: only near the goal (below twice the stop loss), only after ``epochs`` epochs without a
     ``delta`` relative fall of the best loss, never with the rule off."""
-    from crispedit.editing.loop import plateaued
+    from crispedit.editing.history import plateaued
 
     flat = [0.5, 0.1, 0.0121, 0.0120, 0.01199, 0.01198, 0.01197]
     assert plateaued(flat, 0.01, 3, 0.02)  # best 0.01197 of the last 3 is not 2 % below 0.0120

@@ -66,7 +66,7 @@ def cmd_edit(args) -> int:
         )
     if not main_process:
         return 0
-    from ..editing.loop import training_brief
+    from ..editing.history import training_brief
 
     s = report["summary"]
     pred = "-" if s.get("kl_predicted") is None else f"{s['kl_predicted']:.5f}"

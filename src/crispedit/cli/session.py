@@ -85,7 +85,7 @@ def cmd_add(args) -> int:
     _check_session(args.dir)
     requests = load_edits(args.edits, limit=args.n_edits, offset=args.offset)
     from ..distributed import is_main, process_group_from_env
-    from ..editing.loop import training_brief
+    from ..editing.history import training_brief
     from ..sessions.session import Session
 
     with process_group_from_env(args.device) as device:  # under torchrun: batches split across processes

@@ -21,7 +21,8 @@ _EXPORTS = {
         ".phases",
     ),
     **dict.fromkeys(["EditContext", "EditOutcome", "Editor"], ".editor"),
-    **dict.fromkeys(["TrainHistory", "edit_loss", "projected_finetune"], ".loop"),
+    **dict.fromkeys(["edit_loss", "projected_finetune"], ".loop"),
+    **dict.fromkeys(["TrainHistory"], ".history"),
     **dict.fromkeys(
         [
             "EDITORS",

@@ -22,7 +22,7 @@ from ..weights import parameter, weight_fingerprint
 from .config import EditConfig
 from .contexts import resolve_contexts
 from .editor import EditContext
-from .loop import TrainHistory
+from .history import TrainHistory
 from .phases import CurvatureConfig
 from .registry import get_editor
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # annotations only: importing them here would import torch
     from ..curvature.factors import KFACFactors
     from ..curvature.projection import LayerProjector
     from ..data.edits import EditRequest
-    from .loop import TrainHistory
+    from .history import TrainHistory
 
 __all__ = ["Editor", "EditContext", "EditOutcome", "identity_projectors"]
 

@@ -25,7 +25,7 @@ LOG_SECONDS = 60.0  # ... or fewer, once this many seconds have passed since the
 
 class LoopHook:
     """A hook that does nothing at any point; subclasses override the points they act at. ``section``: the key of
-    the :class:`~.loop.TrainHistory`'s ``extra`` the hook writes epoch by epoch (a JSON value), which a checkpoint
+    the :class:`~.history.TrainHistory`'s ``extra`` the hook writes epoch by epoch (a JSON value), which a checkpoint
     carries so that a resumed run reports it whole."""
 
     section: str | None = None
@@ -42,7 +42,7 @@ class LoopHook:
         return None
 
     def end_epoch(self, epochs: int, hist, loss: float, value: float | None = None) -> None:
-        """After ``epochs`` epochs in all, with the :class:`~.loop.TrainHistory` ``hist`` updated, ``loss`` the
+        """After ``epochs`` epochs in all, with the :class:`~.history.TrainHistory` ``hist`` updated, ``loss`` the
         epoch's mean loss and ``value`` what :meth:`epoch_value` handed over, read (``None`` if nothing)."""
 
 

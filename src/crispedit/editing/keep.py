@@ -211,7 +211,7 @@ class KeepTerm(LoopHook):
 
     def end_epoch(self, epochs: int, hist, loss: float, value: float | None = None) -> None:
         """Once per epoch: the mean term ``value`` (nats/token, read with the loss; 0 for an epoch without a step)
-        appended to ``hist.extra["keep"]`` (a :class:`~.loop.TrainHistory`'s), with the transcripts and answer
+        appended to ``hist.extra["keep"]`` (a :class:`~.history.TrainHistory`'s), with the transcripts and answer
         tokens it holds."""
         if "keep" not in hist.extra:
             hist.extra["keep"] = {

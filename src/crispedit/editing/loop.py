@@ -4,7 +4,7 @@ Each request becomes one training sequence per edit context (:mod:`.contexts`: b
 template, natural-text prefixes; target followed by its answer end). FT-M loss (cross-entropy on the
 target tokens only; context and padding masked), Adam, mini-batches over the sequences, batches whose
 loss is already below ``skip_loss`` take no step, training stops once an epoch's mean loss is below
-``stop_loss`` (or, with ``plateau_epochs``, once it has stalled just above it: :func:`plateaued`). On an
+``stop_loss`` (or, with ``plateau_epochs``, once it has stalled just above it: :func:`.history.plateaued`). On an
 accelerator both rules are decided without reading a value back to the host inside a step: the skip test is a
 0-d boolean on the device that gates the Adam step (:class:`.optim.GatedAdam`), and the losses and the skipped
 count are read once per epoch, for the stop test. On the CPU, where a read costs nothing, the skip test is read
@@ -30,7 +30,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,6 +49,7 @@ from .checkpoint import LoopCheckpoint, LoopState
 from .config import EditConfig, ProjectionTarget
 from .contexts import sequences_for, training_batches
 from .fastpath import plain_loss as edit_loss
+from .history import TrainHistory, plateaued
 from .hooks import LOG_EVERY, LOG_SECONDS, CheckpointHook, DriftHook, Hooks, ProgressHook
 from .keep import KeepTerm, keep_term
 from .optim import make_optimizer
@@ -57,108 +57,18 @@ from .sources import FixedBatches, batch_source, shard_batch, target_count
 from .steptimer import NULL_TIMER, StepTimer
 
 _log = logging.getLogger("crispedit.edit")
-PLATEAU_BAND = 2.0  # the plateau rule acts only once the epoch loss is below this many times the stop loss
 
 __all__ = [
     "projected_finetune",
     "edit_loss",
-    "TrainHistory",
-    "training_brief",
     "apply_projection",
     "edit_batches",
     "resolve_precision",
     "shard_batch",
     "target_count",
-    "plateaued",
-    "plateau_stop",
-    "PLATEAU_BAND",
     "LOG_EVERY",
     "LOG_SECONDS",
 ]
-
-
-@dataclass
-class TrainHistory:
-    """What the loop did: per-epoch mean loss (nats/target token), Adam steps, skipped batches,
-    whether the stop loss was reached, wall seconds, whether the exact fast loss engaged, the edit
-    contexts trained and the number of training sequences / tokens per epoch. ``extra``: figures of one
-    method's own (MEMIT / AlphaEdit: the v* target NLL, nats/token, before and after its Adam steps),
-    written into the report beside the others. ``single_pass``: the editor wrote its change in one pass
-    over the edits without the loop (MEMIT, AlphaEdit, UltraEdit, MEND); ``epoch_loss`` then holds the mean
-    target NLL before and after (nats/token), not epochs, and the report says ``epochs`` 0."""
-
-    epoch_loss: list[float] = field(default_factory=list)
-    steps: int = 0
-    skipped: int = 0
-    converged: bool = False
-    seconds: float = 0.0
-    fast_loss: bool = False  # the exact shortcut of editing/fastpath.py was used
-    contexts: list[str] = field(default_factory=list)
-    sequences: int = 0
-    tokens: int = 0
-    extra: dict = field(default_factory=dict)
-    single_pass: bool = False
-    # wall seconds of each epoch (None for epochs a resumed checkpoint did not time); a process stopped
-    # (SIGSTOP) or starved by another job shows as one long epoch
-    epoch_seconds: list[float | None] = field(default_factory=list)
-    # the plateau rule (EditConfig.plateau_epochs) ended the run before the stop loss or the epoch cap
-    plateaued: bool = False
-
-    def to_json(self) -> dict:
-        """JSON-ready summary (the ``training`` section of an edit report; a single-pass editor's also
-        carries ``"single_pass": true``)."""
-        return {
-            "epoch_loss": [round(x, 6) for x in self.epoch_loss],
-            "epochs": 0 if self.single_pass else len(self.epoch_loss),
-            "steps": self.steps,
-            "skipped_batches": self.skipped,
-            "converged": self.converged,
-            **({"plateaued": True} if self.plateaued else {}),
-            "seconds": round(self.seconds, 3),
-            **(
-                {"epoch_seconds": [None if x is None else round(x, 2) for x in self.epoch_seconds]}
-                if self.epoch_seconds
-                else {}
-            ),
-            "fast_loss": self.fast_loss,
-            "contexts": self.contexts,
-            "sequences": self.sequences,
-            "tokens_per_epoch": self.tokens,
-            **({"single_pass": True} if self.single_pass else {}),
-            **self.extra,
-        }
-
-
-def training_brief(train: dict, lr: float | None = None) -> str:
-    """One line for a report's ``training`` section (:meth:`TrainHistory.to_json`), as the CLI prints it:
-    ``"epochs=21 last_loss=0.0096"`` (+ ``" lr=0.0005"`` given ``lr``) for the fine-tuning loop,
-    ``"single-pass target_nll=8.308->0.1374"`` (nats/token before -> after) for a single-pass editor, whose
-    ``epoch_loss`` is not per epoch and whose learning rate, if any, is its own."""
-    loss = train.get("epoch_loss") or []
-    if train.get("single_pass"):
-        return "single-pass" + (f" target_nll={loss[0]:.4g}->{loss[-1]:.4g}" if len(loss) >= 2 else "")
-    return (
-        f"epochs={train.get('epochs')}"
-        + (f" last_loss={loss[-1]:.4g}" if loss else "")
-        + ("" if lr is None else f" lr={lr:g}")
-    )
-
-
-def plateaued(epoch_loss: Sequence[float], stop_loss: float, epochs: int, delta: float) -> bool:
-    """Whether an edit's loss has stalled just above its goal, so that more epochs would buy nothing: the last
-    epoch's mean loss (nats/target token) is below ``PLATEAU_BAND × stop_loss`` and the lowest of the last
-    ``epochs`` epoch losses is not ``delta`` (a fraction) below the lowest before them. ``False`` with
-    ``epochs`` 0 (the rule off) or fewer than ``epochs + 1`` losses. A function of the losses alone, so a
-    resumed run decides as the uninterrupted one did."""
-    if epochs <= 0 or len(epoch_loss) <= epochs or not epoch_loss[-1] < PLATEAU_BAND * stop_loss:
-        return False
-    return min(epoch_loss[-epochs:]) > (1.0 - delta) * min(epoch_loss[:-epochs])
-
-
-def plateau_stop(epoch_loss: Sequence[float], stop_loss: float, epochs: int, delta: float) -> int | None:
-    """The epoch (1-based) at which :func:`plateaued` would have ended a run with these epoch losses before its
-    last epoch, or ``None`` (the run trains exactly as it did under that rule)."""
-    return next((k for k in range(1, len(epoch_loss)) if plateaued(epoch_loss[:k], stop_loss, epochs, delta)), None)
 
 
 def _stalled(epoch_loss: Sequence[float], converged: bool, config: EditConfig) -> bool:

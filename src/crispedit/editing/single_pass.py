@@ -4,7 +4,7 @@ Such an editor writes its change in one pass over the requests, without the proj
 :meth:`SinglePassEditor.apply` measures the mean target NLL (:func:`target_nll`) before, takes the weight
 changes the editor yields (:meth:`SinglePassEditor.updates`) and adds each in place once it is checked
 finite — before the editor computes the next one, which may read the model as changed so far — then
-measures the NLL after. The :class:`~crispedit.editing.loop.TrainHistory` is marked ``single_pass`` and its
+measures the NLL after. The :class:`~crispedit.editing.history.TrainHistory` is marked ``single_pass`` and its
 ``epoch_loss`` holds those two NLLs; an editor adds its own counts (steps, sequences, tokens, contexts).
 """
 
@@ -22,7 +22,7 @@ from ..data.tokenize import collate, join_prompt_target, split_context_target
 from ..errors import CrispEditError
 from ..layers import weight_matrix
 from .editor import EditContext, Editor, EditOutcome
-from .loop import TrainHistory
+from .history import TrainHistory
 
 __all__ = ["SinglePassEditor", "target_nll"]
 

@@ -51,7 +51,7 @@ from ..editing import EditConfig, SeqConfig, get_editor, restore
 from ..editing.api import snapshot
 from ..editing.config import default_seq_chunk
 from ..editing.contexts import DEFAULT_CONTEXTS
-from ..editing.loop import training_brief
+from ..editing.history import training_brief
 from ..editing.registry import seq_row
 from ..errors import CrispEditError
 from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...editing.editor import EditContext
-from ...editing.loop import TrainHistory, edit_batches
+from ...editing.history import TrainHistory
+from ...editing.loop import edit_batches
 from ...editing.rows import input_gradient_rows
 from ...editing.single_pass import SinglePassEditor
 from ...errors import CrispEditError
