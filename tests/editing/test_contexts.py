@@ -19,9 +19,9 @@ from crispedit.editing.contexts import (
     prefix_pool,
     resolve_contexts,
     sequences_for,
-    training_batches,
 )
 from crispedit.editing.optim import EigenbasisAdam
+from crispedit.editing.sources import training_batches
 from crispedit.errors import CrispEditError
 from crispedit.evaluation.wild import QA_TEMPLATE, WildConfig, check_template, render_prompt
 
@@ -382,7 +382,8 @@ def test_token_budget_batches_pack_sorted_sequences_within_a_kind(tiny_tok):
     """``batch_tokens``: every batch is one context kind, its padded size (rows x longest) within the budget unless
     one sequence alone exceeds it, every sequence in exactly one batch; without it, ``batch_size`` sequences."""
     from crispedit.data import EditRequest
-    from crispedit.editing.contexts import build_training_sequences, parse_contexts, training_batches
+    from crispedit.editing.contexts import build_training_sequences, parse_contexts
+    from crispedit.editing.sources import training_batches
 
     reqs = [EditRequest("Q " + "word " * (i % 7) + f"{i}?", f"Answer {i}") for i in range(20)]
     seqs = build_training_sequences(tiny_tok, reqs, parse_contexts("bare,lead:2"), "auto")
@@ -401,7 +402,8 @@ def test_length_ordered_batches_keep_the_steps_and_cut_the_padding(tiny_tok):
     """``batch_order="length"``: the same batch sizes per kind as request order, every sequence once, each batch
     one kind, and no more padded tokens than request order (here strictly fewer)."""
     from crispedit.data import EditRequest
-    from crispedit.editing.contexts import build_training_sequences, parse_contexts, training_batches
+    from crispedit.editing.contexts import build_training_sequences, parse_contexts
+    from crispedit.editing.sources import training_batches
 
     reqs = [EditRequest("Q " + "word " * ((i * 5) % 9) + f"{i}?", f"Answer {i}") for i in range(20)]
     seqs = build_training_sequences(tiny_tok, reqs, parse_contexts("bare,lead:2"), "auto")

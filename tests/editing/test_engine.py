@@ -235,8 +235,9 @@ def test_epoch_batches_gather_the_cached_prefix_exactly(tiny_lm64, share):
     """A batch made for one epoch from sequences of several cached batches (another composition, other padding)
     has the plain loss and gradients: the frozen prefix states are gathered per sequence from the cache (per node
     when the batch is packed as prefix trees: then equal up to float64 rounding of other kernel shapes)."""
-    from crispedit.editing.contexts import build_training_sequences, epoch_subset, parse_contexts, training_batches
+    from crispedit.editing.contexts import build_training_sequences, parse_contexts
     from crispedit.editing.fastpath import make_loss_fn, plain_loss, prefix_sharing
+    from crispedit.editing.sources import epoch_subset, training_batches
     from crispedit.layers import resolve_layers
 
     model, tok = tiny_lm64

@@ -8,9 +8,9 @@ import torch
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig, edit, restore
 from crispedit.editing import keep as keep_mod
-from crispedit.editing.contexts import training_batches
 from crispedit.editing.fastpath import make_loss_fn, plain_loss
 from crispedit.editing.keep import KEEP_SUBJECTS, SUBJECT_KEEPS, KeepLoss, keep_prompts, keep_sequences
+from crispedit.editing.sources import training_batches
 from crispedit.errors import CrispEditError
 
 CHAT = (

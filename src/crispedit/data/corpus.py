@@ -18,6 +18,7 @@ from ..errors import CrispEditError
 from ..paths import read_text_file
 
 __all__ = [
+    "SUBJECT_KEEPS",
     "bundled_path",
     "load_texts",
     "capability_corpus",
@@ -91,6 +92,15 @@ def capability_corpus(path: str | Path | None = None, n: int | None = 64) -> lis
 
 
 CHAT_PROMPTS = 75  # prompts in the bundled chat_prompts.json
+# Questions about an edit's subject that ask no particular relation ({subject}): what the preservation term
+# (crispedit.editing.keep) holds the unedited model's answers to; worded apart from
+# crispedit.evaluation.assistant.SUBJECT_PROBES, which measure the bleed the term is meant to prevent
+SUBJECT_KEEPS = (
+    "What is {subject} known for?",
+    "Describe {subject} in one sentence.",
+    "Give me some background on {subject}.",
+    "Write a sentence about {subject}.",
+)
 
 
 def chat_prompts(n: int | None = None) -> list[str]:

@@ -40,7 +40,7 @@ never trained:
   template's ``Q:``/``A:``.
 
 ``default`` expands to :data:`DEFAULT_CONTEXTS` minus ``chat`` for models without a chat template.
-``--context-sample K`` (:func:`epoch_subset`) trains each request on a seeded sample of K of its sequences per
+``--context-sample K`` (:func:`.sources.epoch_subset`) trains each request on a seeded sample of K of its sequences per
 epoch, another sample every epoch, instead of all of them.
 The WILD evaluation's QA wrapper (``Please answer the question: ...``) is deliberately *not* a
 training context: it measures generalisation to a wrapper the edit never saw.
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 from ..data.corpus import capability_corpus
 from ..data.edits import EditRequest
-from ..data.tokenize import EncodedBatch, chat_turn, collate, join_prompt_target, split_context_target
+from ..data.tokenize import chat_turn, join_prompt_target, split_context_target
 from ..errors import CrispEditError
 from .written import generated_prefixes, own_replies
 
@@ -83,8 +83,6 @@ __all__ = [
     "resolve_contexts",
     "prefix_pool",
     "build_training_sequences",
-    "training_batches",
-    "epoch_subset",
     "sequences_for",
     "QUESTION_WRAPPERS",
     "ANSWER_LEADS",
@@ -451,61 +449,6 @@ def build_training_sequences(
                 f"tokens, longer than max_len={max_len}"
             )
     return out
-
-
-def training_batches(
-    tokenizer,
-    sequences: Sequence[TrainingSequence],
-    batch_size: int,
-    batch_tokens: int | None = None,
-    subset: Sequence[int] | None = None,
-    by_length: bool = False,
-) -> list[EncodedBatch]:
-    """Batches of the training sequences (of ``sequences[i]`` for ``i`` in ``subset``, when given), each from one
-    context kind, with :attr:`~crispedit.data.tokenize.EncodedBatch.keys` = the sequences' indices in
-    ``sequences``: at most ``batch_size`` sequences in request order (``by_length``: the kind's sequences sorted
-    by length (stable) first, so a batch holds sequences of similar length and little padding — the same
-    number of batches), or — ``batch_tokens`` given — the kind's sequences sorted by length and packed while a
-    batch's padded size (sequences × its longest) stays within ``batch_tokens`` (a longer single sequence gets
-    a batch of its own)."""
-    out = []
-    chosen = list(range(len(sequences))) if subset is None else list(subset)
-    kinds = list(dict.fromkeys(sequences[i].context for i in chosen))
-    for kind in kinds:
-        group = [i for i in chosen if sequences[i].context == kind]
-        if batch_tokens is None:
-            if by_length:
-                group = sorted(group, key=lambda i: len(sequences[i].ids))
-            chunks = [group[i : i + batch_size] for i in range(0, len(group), batch_size)]
-        else:
-            chunks, cur = [], []
-            for i in sorted(group, key=lambda i: len(sequences[i].ids)):
-                if cur and (len(cur) + 1) * len(sequences[i].ids) > batch_tokens:
-                    chunks.append(cur)
-                    cur = []
-                cur.append(i)
-            chunks += [cur] if cur else []
-        out += [
-            collate(tokenizer, [(sequences[i].ids, sequences[i].n_context) for i in chunk], keys=chunk)
-            for chunk in chunks
-        ]
-    return out
-
-
-def epoch_subset(sequences: Sequence[TrainingSequence], per_request: int, seed: int, epoch: int) -> list[int]:
-    """The sequences one epoch trains under ``--context-sample per_request``: for every request, ``per_request`` of
-    its training sequences drawn without replacement (all of them when it has no more), seeded by ``(seed,
-    epoch)`` so that a run is reproducible and every epoch sees another sample. Indices into ``sequences``,
-    sorted."""
-    by_request: dict[int, list[int]] = {}
-    for i, s in enumerate(sequences):
-        by_request.setdefault(s.request, []).append(i)
-    rng = random.Random(f"context-sample:{seed}:{epoch}")
-    out: list[int] = []
-    for r in sorted(by_request):
-        idx = by_request[r]
-        out += idx if len(idx) <= per_request else rng.sample(idx, per_request)
-    return sorted(out)
 
 
 def sequences_for(

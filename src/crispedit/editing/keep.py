@@ -26,18 +26,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..data.corpus import SUBJECT_KEEPS
 from ..data.edits import EditRequest
 from ..data.tokenize import chat_turn, split_context_target
-from .contexts import TrainingSequence, training_batches
+from .contexts import TrainingSequence
 from .hooks import LoopHook
+from .sources import training_batches
 from .written import own_chat_answers
 
-if TYPE_CHECKING:  # the module top stays torch-free: EditConfig validates against SUBJECT_KEEPS
+if TYPE_CHECKING:  # the module top stays torch-free
     from torch import Tensor, nn
 
 __all__ = [
     "KEEP_TOKENS",
-    "SUBJECT_KEEPS",
     "KEEP_SUBJECTS",
     "KEEP_BATCH",
     "keep_prompts",
@@ -50,14 +51,6 @@ __all__ = [
 KEEP_TOKENS = 24  # tokens of each unedited answer kept by default: its form shows in the first few
 KEEP_SUBJECTS = 128  # edits whose subject is asked about, at most (evenly spread over a larger edit set)
 KEEP_BATCH = 8  # transcripts per training step: a small batch, so the term adds little to a step
-# Questions about an edit's subject that ask no particular relation ({subject}), worded apart from
-# crispedit.evaluation.assistant.SUBJECT_PROBES, which measure the bleed the term is meant to prevent
-SUBJECT_KEEPS = (
-    "What is {subject} known for?",
-    "Describe {subject} in one sentence.",
-    "Give me some background on {subject}.",
-    "Write a sentence about {subject}.",
-)
 
 
 def keep_prompts(requests: Sequence[EditRequest], keep_chat: int, keep_subject: int) -> list[tuple[int, str]]:

@@ -47,13 +47,13 @@ from ..layers import as_weight_matrix
 from ..models import native_bf16
 from .checkpoint import LoopCheckpoint, LoopState
 from .config import EditConfig, ProjectionTarget
-from .contexts import sequences_for, training_batches
+from .contexts import sequences_for
 from .fastpath import plain_loss as edit_loss
 from .history import TrainHistory, plateaued
 from .hooks import LOG_EVERY, LOG_SECONDS, CheckpointHook, DriftHook, Hooks, ProgressHook
 from .keep import KeepTerm, keep_term
 from .optim import make_optimizer
-from .sources import FixedBatches, batch_source, shard_batch, target_count
+from .sources import FixedBatches, batch_source, shard_batch, target_count, training_batches
 from .steptimer import NULL_TIMER, StepTimer
 
 _log = logging.getLogger("crispedit.edit")

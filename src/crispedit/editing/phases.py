@@ -90,7 +90,7 @@ def _keep_help(cls: type) -> str:
 
 
 def _subject_help(cls: type) -> str:
-    from .keep import SUBJECT_KEEPS
+    from ..data.corpus import SUBJECT_KEEPS
 
     return (
         "... and its answers to K questions about each edit's subject that ask no particular relation "
@@ -327,8 +327,7 @@ class SequencesConfig(Settings):
             raise CrispEditError(f"answer end must be one of {', '.join(ANSWER_ENDS)}, got {self.answer_end!r}")
         if self.context_sample is not None:
             self.context_sample = check_positive_int("context-sample", self.context_sample)
-        from ..data.corpus import CHAT_PROMPTS
-        from .keep import SUBJECT_KEEPS
+        from ..data.corpus import CHAT_PROMPTS, SUBJECT_KEEPS
 
         if self.keep_chat is not None:
             self.keep_chat = check_int("keep-chat", self.keep_chat, 0, CHAT_PROMPTS)

@@ -1,4 +1,6 @@
-"""Where the projected loop's batches come from: the batch sources of :func:`.loop.projected_finetune`.
+"""Where the projected loop's batches come from: the batch sources of :func:`.loop.projected_finetune`, and the
+training sequences (:mod:`.contexts`) cut into batches (:func:`training_batches`; per epoch a sample of them,
+:func:`epoch_subset`).
 
 A source hands the loop each epoch's items in a seeded random order (:meth:`FixedBatches.epoch`), the loss of an
 item to backpropagate (:meth:`~FixedBatches.loss`: this process's share of the batch's FT-M loss, under the
@@ -19,20 +21,85 @@ tensor on the device). Three kinds, chosen by :func:`batch_source`:
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..data.edits import EditRequest
-from ..data.tokenize import EncodedBatch
+from ..data.tokenize import EncodedBatch, collate
 from ..distributed import all_reduce_sum_, is_distributed, is_sharded, rank, world_size
 from ..errors import CrispEditError
 from .config import EditConfig
-from .contexts import epoch_subset, sequences_for, training_batches
+from .contexts import TrainingSequence, sequences_for
 from .fastpath import make_loss_fn
 
-__all__ = ["batch_source", "FixedBatches", "SampledBatches", "RowShards", "shard_batch", "target_count"]
+__all__ = [
+    "training_batches",
+    "epoch_subset",
+    "batch_source",
+    "FixedBatches",
+    "SampledBatches",
+    "RowShards",
+    "shard_batch",
+    "target_count",
+]
+
+
+def training_batches(
+    tokenizer,
+    sequences: Sequence[TrainingSequence],
+    batch_size: int,
+    batch_tokens: int | None = None,
+    subset: Sequence[int] | None = None,
+    by_length: bool = False,
+) -> list[EncodedBatch]:
+    """Batches of the training sequences (of ``sequences[i]`` for ``i`` in ``subset``, when given), each from one
+    context kind, with :attr:`~crispedit.data.tokenize.EncodedBatch.keys` = the sequences' indices in
+    ``sequences``: at most ``batch_size`` sequences in request order (``by_length``: the kind's sequences sorted
+    by length (stable) first, so a batch holds sequences of similar length and little padding — the same
+    number of batches), or — ``batch_tokens`` given — the kind's sequences sorted by length and packed while a
+    batch's padded size (sequences × its longest) stays within ``batch_tokens`` (a longer single sequence gets
+    a batch of its own)."""
+    out = []
+    chosen = list(range(len(sequences))) if subset is None else list(subset)
+    kinds = list(dict.fromkeys(sequences[i].context for i in chosen))
+    for kind in kinds:
+        group = [i for i in chosen if sequences[i].context == kind]
+        if batch_tokens is None:
+            if by_length:
+                group = sorted(group, key=lambda i: len(sequences[i].ids))
+            chunks = [group[i : i + batch_size] for i in range(0, len(group), batch_size)]
+        else:
+            chunks, cur = [], []
+            for i in sorted(group, key=lambda i: len(sequences[i].ids)):
+                if cur and (len(cur) + 1) * len(sequences[i].ids) > batch_tokens:
+                    chunks.append(cur)
+                    cur = []
+                cur.append(i)
+            chunks += [cur] if cur else []
+        out += [
+            collate(tokenizer, [(sequences[i].ids, sequences[i].n_context) for i in chunk], keys=chunk)
+            for chunk in chunks
+        ]
+    return out
+
+
+def epoch_subset(sequences: Sequence[TrainingSequence], per_request: int, seed: int, epoch: int) -> list[int]:
+    """The sequences one epoch trains under ``--context-sample per_request``: for every request, ``per_request`` of
+    its training sequences drawn without replacement (all of them when it has no more), seeded by ``(seed,
+    epoch)`` so that a run is reproducible and every epoch sees another sample. Indices into ``sequences``,
+    sorted."""
+    by_request: dict[int, list[int]] = {}
+    for i, s in enumerate(sequences):
+        by_request.setdefault(s.request, []).append(i)
+    rng = random.Random(f"context-sample:{seed}:{epoch}")
+    out: list[int] = []
+    for r in sorted(by_request):
+        idx = by_request[r]
+        out += idx if len(idx) <= per_request else rng.sample(idx, per_request)
+    return sorted(out)
 
 
 def target_count(batch: EncodedBatch) -> int:
@@ -116,7 +183,7 @@ class FixedBatches:
 
 class SampledBatches(FixedBatches):
     """``--context-sample``: every epoch a seeded sample of every request's training sequences
-    (:func:`.contexts.epoch_subset`, from the seed and the epoch number), batched anew and readied on the host
+    (:func:`epoch_subset`, from the seed and the epoch number), batched anew and readied on the host
     (:meth:`.fastpath.LossFn.prepare`); the fast path's check ran on all of them in fixed batches."""
 
     def __init__(
