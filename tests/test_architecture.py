@@ -26,8 +26,8 @@ The layers, lowest first (:data:`LAYERS`; a module may import from its own layer
    projected loop and its fast path, contexts, optimiser, key-value and gradient-row collectors, batch ``edit``.
 5. ``methods`` — the editors, one module or package each, built on that machinery.
 6. ``jobs`` — ``delta`` (reversible delta files), ``pipeline`` (one edit job — edit, evaluate —, the output
-   directory and its report), ``model_card`` (the README.md of a saved model) and ``export_gguf`` (a model directory as
-   one GGUF file): what an edit leaves behind.
+   directory and its report), ``model_card`` (the README.md of a saved model), ``export_gguf`` (a model directory as
+   one GGUF file) and ``gguf_fields`` (its tokenizer, names and provenance): what an edit leaves behind.
 7. ``sessions`` — sequential rounds and durable sessions (they edit, evaluate and write deltas).
 8. ``experiments`` — studies built on whole jobs and sessions (``compare``, the MNIST study), the demo and
    the playground (a local web page that asks, edits and undoes on one model).
@@ -72,7 +72,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("evaluation", ("crispedit.evaluation",)),
     ("editing", ("crispedit.editing",)),
     ("methods", ("crispedit.methods",)),
-    ("jobs", ("crispedit.delta", "crispedit.pipeline", "crispedit.model_card", "crispedit.export_gguf")),
+    (
+        "jobs",
+        (
+            "crispedit.delta",
+            "crispedit.pipeline",
+            "crispedit.model_card",
+            "crispedit.export_gguf",
+            "crispedit.gguf_fields",
+        ),
+    ),
     ("sessions", ("crispedit.sessions",)),
     ("experiments", ("crispedit.experiments", "crispedit.demo", "crispedit.playground")),
     ("cli", ("crispedit.cli", "crispedit.__main__")),

@@ -77,7 +77,7 @@ def test_overwrite_refuses_an_output_directory_another_version_wrote(tmp_path):
 
 def test_gguf_export_and_delta_apply_refuse_an_edit_report_of_another_version(tmp_path):
     from crispedit.cli.delta import _edit_report_of
-    from crispedit.export_gguf import _recorded_base, model_naming
+    from crispedit.gguf_fields import _recorded_base, model_naming
 
     (tmp_path / "edit_report.json").write_text(
         json.dumps({VERSION_KEY: OLD, "model": "smollm2", "n_edits": 3, "delta": {"edited_fingerprint": "e"}})

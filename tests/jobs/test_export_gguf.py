@@ -18,7 +18,8 @@ from crispedit.cli import main
 from crispedit.data import EditRequest
 from crispedit.editing import EditConfig, edit
 from crispedit.errors import CrispEditError
-from crispedit.export_gguf import GGUF_TYPES, gguf_tensor_name, permute_rotary, tokenizer_fields
+from crispedit.export_gguf import GGUF_TYPES, gguf_tensor_name, permute_rotary
+from crispedit.gguf_fields import tokenizer_fields
 from crispedit.versions import stamped
 
 REQS = [EditRequest(f"Who wrote book number {i}?", f" Author {chr(65 + i)}") for i in range(4)]
@@ -294,7 +295,8 @@ def test_export_of_a_model_from_a_gguf_carries_its_tokenizer_provenance_and_name
     a file with another vocabulary is not used."""
     from gguf import GGUFReader
 
-    from crispedit.export_gguf import export_gguf, source_gguf
+    from crispedit.export_gguf import export_gguf
+    from crispedit.gguf_fields import source_gguf
     from crispedit.models import load_model
     from crispedit.pipeline import run_edit_job
 
