@@ -3,7 +3,8 @@
 :class:`EditJob` is one edit followed by its measures, the one place that wires :func:`~crispedit.editing.edit` to
 :func:`~crispedit.evaluation.evaluate_edit`: ``crispedit edit`` (:func:`run_edit_job`, which adds the output
 folder), ``compare``'s rows, the demo and the playground all run their edits through it, so a failed edit leaves the
-model as it was and a non-finite one is refused in the same way everywhere.
+model as it was and a non-finite one is refused in the same way everywhere; a session's rounds, which train through
+:func:`~crispedit.sessions.sequential.run_round`, are measured by its :meth:`~EditJob.evaluate`.
 
 The output directory is written atomically: everything goes to a temporary sibling directory that is
 renamed into place only when the model, tokenizer and report are complete, so a failed job leaves

@@ -55,10 +55,11 @@ from ..editing.api import capability_factors, edit_factors, restore, shard_for_e
 from ..editing.contexts import DEFAULT_CONTEXTS, pinned_contexts
 from ..editing.registry import get_editor
 from ..errors import CrispEditError
-from ..evaluation import evaluate_edit, summarize_edit_scores
+from ..evaluation import summarize_edit_scores
 from ..layers import model_family
 from ..models import load_model
 from ..paths import check_output_dir
+from ..pipeline import EditJob, Measures
 from ..versions import stamped
 from ..weights import parameter, weight_fingerprint
 from . import store
@@ -436,17 +437,11 @@ class Session:
         return factors
 
     def _evaluate(self, rounds: list[list[EditRequest]], progress: bool | None) -> dict:
-        """Teacher-forced reliability of every round's edits so far, and KL drift from the base."""
-        ev = evaluate_edit(
-            self._model,
-            self._tok,
-            [r for reqs in rounds for r in reqs],
-            self._base,
-            kl_text=self.config.kl_text,
-            kl_texts=self.config.kl_texts,
-            max_len=self.config.edit.max_len,
-            progress=progress,
-        )
+        """Teacher-forced reliability of every round's edits so far, and KL drift from the base (the job layer's
+        measures, without free generation)."""
+        measures = Measures(wild=(), assistant=False, kl_text=self.config.kl_text, kl_texts=self.config.kl_texts)
+        union = [r for reqs in rounds for r in reqs]
+        ev = EditJob(self._model, self._tok, union, self.config.edit, measures, progress).evaluate(self._base)
         retention, start = {}, 0
         for j, reqs in enumerate(rounds, 1):
             s = summarize_edit_scores(ev["per_edit"][start : start + len(reqs)])
