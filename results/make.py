@@ -470,6 +470,92 @@ def chat_style_table(d: Path = CHAT_STYLE) -> str:
     return "\n".join(lines) + "\n"
 
 
+KEEP_100 = HERE / "keep_zsre_dev100_100"
+KEEP_ROWS = ("crispedit", "ft", "adam-nscl", "alphaedit")  # the rows of the compares before and after, when stored
+
+
+def _style(r: dict) -> tuple[dict, dict]:
+    a = r.get("assistant") or {}
+    return a.get("style") or {}, a.get("bleed") or {}
+
+
+def keep_table(d: Path = KEEP_100) -> str:
+    """From ``before.json`` / ``after.json`` (compare payloads on the same edits: without and with the preservation
+    term): per method row, WILD qa / chat, teacher-forced rel, KL drift, the chat style measures, the subject bleed
+    (target in the answer / changed at all) and IFEval with its paired change against the base."""
+    before, after = _load(d / "before.json")["results"], _load(d / "after.json")["results"]
+    lines = [
+        "| row | WILD qa | WILD chat | TF rel | KL drift | chat length (× base) | turned bare | answer KL | "
+        "bleed: target / changed | IFEval | epochs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [("base", before["base"], before["base"])]
+    rows += [(f"{m}, no term", before[m], before["base"]) for m in KEEP_ROWS if m in before]
+    rows += [(f"**{m}, default term**", after[m], after["base"]) for m in KEEP_ROWS if m in after]
+    for name, r, base in rows:
+        s, w = r["summary"], r.get("wild") or {}
+        st, bl = _style(r)
+        style = (
+            f"×{st['length_ratio']:.2f} | {_pct(st['bare_share'])} | {st['answer_kl']:.3f}" if st else "– | – | –"
+        )
+        bleed = f"{_pct(bl.get('target'))} / {_pct(bl.get('changed'))}" if bl else "–"
+        epochs = (r.get("training") or {}).get("epochs", "–")
+        lines.append(
+            f"| {name} | {_rg(w.get('qa'))} | {_rg(w.get('chat'))} | {_pct(s.get('rel'))} | {s['kl_drift']:.5f} | "
+            f"{style} | {bleed} | {_paired(r, base if r is not base else {}, 'ifeval')} | {epochs} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _mark(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def keep_marks(without: dict, with_term: dict, base: dict | None = None) -> str:
+    """The preservation term's marks, figure by figure, for one edit set: ``without`` and ``with_term`` are the
+    same method's rows (edit reports or compare rows) without and with the term, ``base`` the unedited model's
+    compare row (IFEval's paired change; ``None`` where the runs have no IFEval)."""
+    st, bl = _style(with_term)
+    st0, _ = _style(without)
+    w, w0 = with_term.get("wild") or {}, without.get("wild") or {}
+    rows = [
+        (
+            "chat answer length within [0.9, 1.1] × the base's",
+            f"×{st['length_ratio']:.2f} (without: ×{st0['length_ratio']:.2f})",
+            0.9 <= st["length_ratio"] <= 1.1,
+        ),
+        ("subject bleed (target in the answer) ≤ 5 %", f"{_pct(bl['target'])}", bl["target"] <= 0.05),
+    ]
+    for wrapper in ("qa", "chat"):
+        a, b = (w.get(wrapper) or {}).get("rel"), (w0.get(wrapper) or {}).get("rel")
+        rows.append(
+            (
+                f"WILD {wrapper} rel within 3 points of no term",
+                f"{_pct(a)} (without: {_pct(b)}; {100 * (a - b):+.0f} points)".replace("-", "−"),
+                a >= b - 0.03,
+            )
+        )
+    k, k0 = with_term["summary"]["kl_drift"], without["summary"]["kl_drift"]
+    rows.append(("KL drift ≤ 1.2 × no term's", f"{k:.5f} (without: {k0:.5f}; ×{k / k0:.2f})", k <= 1.2 * k0))
+    if base is not None:
+        x = ((with_term.get("capability_details") or {}).get("ifeval") or {}).get("items")
+        y = ((base.get("capability_details") or {}).get("ifeval") or {}).get("items")
+        if x and y and len(x) == len(y) > 1:
+            diff = [u - v for u, v in zip(x, y)]
+            mean = sum(diff) / len(diff)
+            se = (sum((t - mean) ** 2 for t in diff) / (len(diff) - 1) / len(diff)) ** 0.5
+            rows.append(
+                (
+                    "IFEval within paired noise of the base (|change| ≤ 2 standard errors)",
+                    f"{100 * mean:+.1f} ± {100 * se:.1f} points on {len(x)} items".replace("-", "−"),
+                    abs(mean) <= 2 * se,
+                )
+            )
+    out = ["| mark | measured | |", "|---|---|---|"]
+    out += [f"| {what} | {val} | {_mark(ok)} |" for what, val, ok in rows]
+    return "\n".join(out) + "\n"
+
+
 # ----------------------------------------------------------------------------------------- sharded memory
 GPU_GIB = (24, 40, 80, 141)  # the device memories the table marks as fitting
 

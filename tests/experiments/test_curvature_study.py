@@ -275,13 +275,13 @@ def test_idx_reader_and_its_errors(tmp_path):
 
 def test_config_rejects_bad_input():
     with pytest.raises(CrispEditError, match="k values"):
-        MnistStudyConfig(k_values=(0.0,)).validated()
+        MnistStudyConfig(k_values=(0.0,))
     with pytest.raises(CrispEditError, match="gamma"):
-        MnistStudyConfig(k_values=(20.0,)).validated()  # 1 - 1e-20 == 1.0 in float64
+        MnistStudyConfig(k_values=(20.0,))  # 1 - 1e-20 == 1.0 in float64
     with pytest.raises(CrispEditError, match="unknown method"):
-        MnistStudyConfig(methods=("hessian", "adam")).validated()
+        MnistStudyConfig(methods=("hessian", "adam"))
     assert gamma_of(2) == pytest.approx(0.99)
-    assert MnistStudyConfig().validated().k_values[0] == 0.1
+    assert MnistStudyConfig().k_values[0] == 0.1
 
 
 def test_cli_bad_arguments_are_one_line_errors(tmp_path, capsys):

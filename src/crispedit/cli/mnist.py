@@ -41,7 +41,7 @@ def config_from_args(args: argparse.Namespace) -> MnistStudyConfig:
         if getattr(args, flag) is not None:
             overrides[flag] = getattr(args, flag)
     cfg = MnistStudyConfig.quick(**overrides) if args.quick else MnistStudyConfig(**overrides)
-    return cfg.validated()
+    return cfg  # checked on construction
 
 
 def cmd_study_mnist(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from enum import Enum
 
 from ..checks import SEED_MAX, check_float, check_gamma, check_int
 from ..errors import CrispEditError
+from ..settings import Settings
 
 __all__ = ["METHODS", "OutputGrads", "MnistStudyConfig", "gamma_of"]
 
@@ -29,9 +30,11 @@ class OutputGrads(str, Enum):
 METHODS = ("none", "activation_cov", "kfac", "ekfac", "ggn", "hessian", "hessian_abs")  # cheap first
 
 
-@dataclass(frozen=True)
-class MnistStudyConfig:
-    """Every setting of the study; the defaults are the full (paper-size) run."""
+@dataclass
+class MnistStudyConfig(Settings):
+    """Every setting of the study, checked on construction; the defaults are the full (paper-size) run."""
+
+    KIND = "MNIST study config"
 
     data_dir: str | None = None
     out_dir: str = "crispedit-study-mnist"
@@ -91,7 +94,7 @@ class MnistStudyConfig:
         base.update(overrides)
         return cls(**base)
 
-    def validated(self) -> MnistStudyConfig:
+    def validate(self) -> MnistStudyConfig:
         """``self`` if every setting is usable; a one-line :class:`CrispEditError` naming the first bad one."""
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:

@@ -400,7 +400,7 @@ def run_mnist_study(
 ) -> dict:
     """Run the study, write ``results.json``, ``results.csv`` and ``tradeoff.png`` to ``cfg.out_dir``
     and return the JSON report (a dict)."""
-    cfg = cfg.validated()
+    cfg = cfg.validate()
     check_output_dir(cfg.out_dir)  # an unwritable --out fails now, not after the whole study
     log = log or (lambda s: None)
     if cfg.threads is not None:
