@@ -10,6 +10,7 @@ an editor class): building the parser and checking the flags import neither torc
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, fields
 from typing import get_args, get_type_hints
@@ -37,20 +38,23 @@ __all__ = [
     "parse_methods",
     "check_job_files",
     "load_job_inputs",
-    "DEFAULTS",
 ]
-
-DEFAULTS = {f.name: f.default for f in fields(EditConfig) if f.default is not MISSING}
 
 
 def _field_names(cls: type[Settings]) -> list[str]:
     return [f.name for f in fields(cls)]
 
 
+@functools.cache
+def _hints(cls: type[Settings]) -> dict:
+    """The evaluated field annotations of ``cls``, once per class (every flag of a parser asks)."""
+    return get_type_hints(cls)
+
+
 def _value_type(cls: type[Settings], name: str) -> type:
     """The scalar a flag of field ``name`` parses to: its annotation without ``None`` (``int | None`` -> int), str
     for anything else."""
-    hint = get_type_hints(cls)[name]
+    hint = _hints(cls)[name]
     kinds = [k for k in get_args(hint) if k is not type(None)] or [hint]
     return kinds[0] if kinds[0] in (int, float, str, bool) else str
 
