@@ -185,18 +185,26 @@ def _minutes(s) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} m" if s >= 3600 else f"{s // 60} m {s % 60:02d} s"
 
 
+def _paired_change(x: list | None, y: list | None) -> tuple[float, float] | None:
+    """Mean per-item difference of ``x`` over ``y`` (the same items) and its standard error; ``None`` unless both
+    hold the same number (≥ 2) of items."""
+    if not x or not y or len(x) != len(y) or len(x) < 2:
+        return None
+    diff = [u - v for u, v in zip(x, y)]
+    mean = sum(diff) / len(diff)
+    return mean, (sum((t - mean) ** 2 for t in diff) / (len(diff) - 1) / len(diff)) ** 0.5
+
+
 def _paired(row: dict, base: dict, task: str) -> str:
     """The task's score and its paired change against the base on the same items (points, ± standard error)."""
     d, b = (row.get("capability_details") or {}).get(task), (base.get("capability_details") or {}).get(task)
     if not d:
         return "–"
     score = f"{100 * d['score']:.1f}"
-    x, y = d.get("items"), (b or {}).get("items")
-    if not x or not y or len(x) != len(y) or len(x) < 2:
+    pc = _paired_change(d.get("items"), (b or {}).get("items"))
+    if pc is None:
         return score
-    diff = [u - v for u, v in zip(x, y)]
-    mean = sum(diff) / len(diff)
-    se = (sum((t - mean) ** 2 for t in diff) / (len(diff) - 1) / len(diff)) ** 0.5
+    mean, se = pc
     sig = "**" if abs(mean) > 2 * se else ""
     return f"{score} ({sig}{100 * mean:+.1f} ± {100 * se:.1f}{sig})".replace("-", "−")
 
@@ -537,11 +545,9 @@ def keep_marks(without: dict, with_term: dict, base: dict | None = None) -> str:
     rows.append(("KL drift ≤ 1.2 × no term's", f"{k:.5f} (without: {k0:.5f}; ×{k / k0:.2f})", k <= 1.2 * k0))
     if base is not None:
         x = ((with_term.get("capability_details") or {}).get("ifeval") or {}).get("items")
-        y = ((base.get("capability_details") or {}).get("ifeval") or {}).get("items")
-        if x and y and len(x) == len(y) > 1:
-            diff = [u - v for u, v in zip(x, y)]
-            mean = sum(diff) / len(diff)
-            se = (sum((t - mean) ** 2 for t in diff) / (len(diff) - 1) / len(diff)) ** 0.5
+        pc = _paired_change(x, ((base.get("capability_details") or {}).get("ifeval") or {}).get("items"))
+        if pc is not None:
+            mean, se = pc
             rows.append(
                 (
                     "IFEval within paired noise of the base (change within 2 standard errors)",
