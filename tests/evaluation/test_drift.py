@@ -13,6 +13,13 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Each test its own cache root, so that no test reads the base side another stored (or damaged)."""
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    drift_mod._MEMO.clear()
+
+
 def _changed(model, names, scale=0.05):
     """The current values of ``names`` (the base), then each perturbed in place."""
     base = {n: model.get_parameter(n).detach().clone() for n in names}
@@ -76,3 +83,71 @@ def test_another_base_or_a_change_outside_the_blocks_is_measured_afresh(tiny_lm)
     got = kl_drift(model, tok, TEXTS, base_weights=outside, max_len=32, batch_size=3)
     assert not drift_mod._MEMO  # the final norm is not inside a decoder block: the plain measure
     assert got["kl_drift"] == pytest.approx(_reference(model, tok, outside)["kl_drift"], rel=1e-4)
+
+
+def test_another_process_reads_the_stored_base_side(tiny_lm, monkeypatch):
+    model, tok = copy.deepcopy(tiny_lm[0]), tiny_lm[1]
+    base = _changed(model, ["model.layers.2.mlp.down_proj.weight"])
+    first = kl_drift(model, tok, TEXTS, base_weights=base, max_len=32, batch_size=3)
+    (states,) = drift_mod._MEMO.values()
+    assert states.stored and states.path.exists()
+    drift_mod._MEMO.clear()  # as a new process: only the file is left
+
+    def no_base_forward(*a, **k):
+        raise AssertionError("the base side was computed again")
+
+    monkeypatch.setattr(drift_mod, "capture_block_input", no_base_forward)
+    again = kl_drift(model, tok, TEXTS, base_weights=base, max_len=32, batch_size=3)
+    assert again == pytest.approx(first, rel=1e-6)
+
+
+def test_a_stored_base_side_of_other_tokens_is_measured_again(tiny_lm):
+    model, tok = copy.deepcopy(tiny_lm[0]), tiny_lm[1]
+    base = _changed(model, ["model.layers.1.mlp.down_proj.weight"])
+    kl_drift(model, tok, TEXTS, base_weights=base, max_len=32, batch_size=3)
+    (states,) = drift_mod._MEMO.values()
+    drift_mod._MEMO.clear()
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(states.path))
+    tensors["ids.1"] = tensors["ids.1"].flip(1).contiguous()  # as if another tokenizer had encoded the texts
+    from crispedit.safetensors_io import read_safetensors_header
+
+    meta, _ = read_safetensors_header(states.path, "KL drift base cache", None)
+    save_file(tensors, str(states.path), metadata=meta)
+    got = kl_drift(model, tok, TEXTS, base_weights=base, max_len=32, batch_size=3)
+    assert got["kl_drift"] == pytest.approx(_reference(model, tok, base)["kl_drift"], rel=1e-4)
+    drift_mod._MEMO.clear()
+    from safetensors.torch import load_file as reload
+
+    assert torch.equal(reload(str(states.path))["ids.1"], tensors["ids.1"].flip(1))  # rewritten with the right ones
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other-base"])
+def test_a_bad_stored_base_side_is_one_line(tiny_lm, damage):
+    from crispedit.errors import CrispEditError
+
+    model, tok = copy.deepcopy(tiny_lm[0]), tiny_lm[1]
+    base = _changed(model, ["model.layers.2.mlp.down_proj.weight"])
+    kl_drift(model, tok, TEXTS, base_weights=base, max_len=32, batch_size=3)
+    (states,) = drift_mod._MEMO.values()
+    drift_mod._MEMO.clear()
+    if damage == "truncated":
+        states.path.write_bytes(states.path.read_bytes()[:-100])
+    else:
+        import json
+
+        from safetensors.torch import load_file, save_file
+
+        from crispedit.safetensors_io import read_safetensors_header
+
+        meta, _ = read_safetensors_header(states.path, "KL drift base cache", None)
+        inner = json.loads(meta["crispedit_drift_base"])
+        save_file(
+            load_file(str(states.path)),
+            str(states.path),
+            metadata={"crispedit_drift_base": json.dumps({**inner, "fingerprint": "xxh3-0"})},
+        )
+    with pytest.raises(CrispEditError, match="KL drift base cache") as err:
+        kl_drift(model, tok, TEXTS, base_weights=base, max_len=32, batch_size=3)
+    assert "\n" not in str(err.value)

@@ -9,16 +9,21 @@ With swapped weights the base's side is computed once per base, text set and bat
 the lowest decoder block the edit changes, which the edit leaves as they were. A later measure of the same base —
 the next round of a session, the next edit of the same model — then runs only the edited model's blocks from there
 on, and the output head twice. Exact up to the order of additions; checked against the plain measure on the first
-batch, which it falls back to when they differ.
+batch, which it falls back to when they differ. The kept side is also stored in the cache root
+(``<cache>/drift/<base fingerprint>-<digest>.safetensors``, :func:`base_states_path`), so another process measuring
+the same base — the next ``crispedit session add``, a restarted playground — reads it instead of running the base
+again; a stored batch is used only where its token ids and mask are the ones being measured.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,7 +31,7 @@ from tqdm.auto import tqdm
 
 from ..curvature.lm_batches import loss_positions
 from ..distributed import is_sharded
-from ..errors import CrispEditError
+from ..errors import CrispEditError, WriteError
 from ..forward_parts import (
     capture_block_input,
     decoder_rows,
@@ -37,9 +42,13 @@ from ..forward_parts import (
     rows_logits,
 )
 from ..layers import decoder_blocks
+from ..versions import check_written_by, stamped
 from ..weights import parameter, weight_fingerprint
 
-__all__ = ["kl_drift", "answer_kl", "swapped_weights", "perplexity", "BaseStates"]
+__all__ = ["kl_drift", "answer_kl", "swapped_weights", "perplexity", "BaseStates", "base_states_path"]
+
+DRIFT_FORMAT = 1
+_META_KEY = "crispedit_drift_base"
 
 
 @contextlib.contextmanager
@@ -75,23 +84,87 @@ class BaseStates:
     """The base model's side of :func:`kl_drift` over one text set: per batch, the hidden states entering decoder
     block ``k`` (``B x T x d_model``, on the host; ``None`` for ``k = 0``), the tuple length the blocks return, and
     the base's last hidden states at the counted positions (``N x d_model``, on the host). ``checked``: the first
-    batch was compared with the plain measure; ``plain``: they differed, and the plain measure is used instead."""
+    batch was compared with the plain measure; ``plain``: they differed, and the plain measure is used instead.
+    ``fingerprint``: the base weights'; ``inputs``: each batch's token ids and attention mask, which a stored batch
+    must match to be used; ``path``: where the states are stored (``None``: not stored), ``stored``: the file
+    holds every batch."""
 
     k: int
     batches: list = field(default_factory=list)
     checked: bool = False
     plain: bool = False
+    fingerprint: str = ""
+    inputs: list = field(default_factory=list)
+    path: Path | None = None
+    stored: bool = False
 
 
 _MEMO: dict = {}  # one entry: the latest (model, base fingerprint, texts, batching) -> BaseStates
 
 
+def base_states_path(fingerprint: str, texts: Sequence[str], max_len: int, batch_size: int, k: int) -> Path:
+    """The cache file of the base's side of :func:`kl_drift` for the base weights of ``fingerprint`` over
+    ``texts`` at ``max_len`` tokens in batches of ``batch_size``, the edit's lowest block being ``k``."""
+    from ..models import cache_dir
+
+    h = hashlib.sha256(json.dumps([max_len, batch_size, k]).encode())
+    for t in texts:
+        h.update(b"\0" + t.encode())
+    return cache_dir() / "drift" / f"{fingerprint}-{h.hexdigest()[:24]}.safetensors"
+
+
+def _load_states(states: BaseStates) -> None:
+    """Fill ``states`` from its file when there is one (every batch, as the process that measured first wrote
+    it); one line for a file that is not one, or that another crispedit version or another base wrote."""
+    from ..safetensors_io import load_safetensors
+
+    if states.path is None or not states.path.exists():
+        return
+    meta, tensors = load_safetensors(states.path, "KL drift base cache", _META_KEY)
+    then = "delete it to measure the base again"
+    check_written_by(meta, states.path, then, format=DRIFT_FORMAT)
+    try:
+        if meta["fingerprint"] != states.fingerprint or int(meta["k"]) != states.k:
+            raise ValueError("made for other base weights")
+        batches, inputs = [], []
+        for j, tuple_len in enumerate(meta["tuple_lens"]):
+            h = tensors[f"h.{j}"] if states.k else None
+            batches.append((h, tuple_len, tensors[f"hb.{j}"]))
+            inputs.append((tensors[f"ids.{j}"], tensors[f"attn.{j}"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CrispEditError(f"KL drift base cache {states.path} is malformed ({exc}); {then}") from None
+    states.batches, states.inputs, states.checked, states.stored = batches, inputs, True, True
+
+
+def _store_states(states: BaseStates) -> None:
+    """Write ``states`` (every batch measured) to its file, atomically; a cache that cannot be written is skipped
+    (the measure stands without it)."""
+    from ..atomic import atomic_save_safetensors
+
+    tensors = {}
+    for j, ((h, _, hb), (ids, attn)) in enumerate(zip(states.batches, states.inputs)):
+        if h is not None:
+            tensors[f"h.{j}"] = h
+        tensors.update({f"hb.{j}": hb, f"ids.{j}": ids, f"attn.{j}": attn})
+    meta = stamped(
+        {
+            "format": DRIFT_FORMAT,
+            "fingerprint": states.fingerprint,
+            "k": states.k,
+            "tuple_lens": [b[1] for b in states.batches],
+        }
+    )
+    with contextlib.suppress(WriteError, OSError):
+        atomic_save_safetensors(states.path, tensors, {_META_KEY: json.dumps(meta)})
+        states.stored = True
+
+
 def _base_states(
     model: nn.Module, base_weights: dict, texts: Sequence[str], max_len: int, batch_size: int
 ) -> BaseStates | None:
-    """The kept :class:`BaseStates` for this model, base and texts (a new, empty one when none is kept), or
-    ``None`` where the shortcut does not apply (a split model, parameters outside the decoder blocks, no separate
-    output head)."""
+    """The kept :class:`BaseStates` for this model, base and texts (from this process's memo, else from the
+    cache file, else a new, empty one), or ``None`` where the shortcut does not apply (a split model, parameters
+    outside the decoder blocks, no separate output head)."""
     try:
         k = lowest_block(model, [parameter(model, n) for n in base_weights])
     except CrispEditError:  # not a decoder stack crispedit knows: the plain measure
@@ -106,7 +179,9 @@ def _base_states(
     key = (id(model), fp, digest, max_len, batch_size)
     if key not in _MEMO:
         _MEMO.clear()
-        _MEMO[key] = BaseStates(k)
+        states = BaseStates(k, fingerprint=fp, path=base_states_path(fp, texts, max_len, batch_size, k))
+        _load_states(states)
+        _MEMO[key] = states
     return _MEMO[key]
 
 
@@ -117,6 +192,11 @@ def _shared_log_probs(model: nn.Module, states: BaseStates, j: int, ids, attn, p
     T = ids.shape[1]
     b, t = pos.nonzero(as_tuple=True)
     rows = b * T + t
+    if j < len(states.inputs) and not (
+        torch.equal(states.inputs[j][0], ids.cpu()) and torch.equal(states.inputs[j][1], attn.cpu())
+    ):  # a stored batch of other tokens (another tokenizer): this batch and the rest are measured again
+        del states.batches[j:], states.inputs[j:]
+        states.stored = False
     if j == len(states.batches):
         h, tuple_len = (
             capture_block_input(model, blocks, states.k, input_ids=ids, attention_mask=attn)
@@ -126,6 +206,7 @@ def _shared_log_probs(model: nn.Module, states: BaseStates, j: int, ids, attn, p
         with swapped_weights(model, base_weights), prefix_fed(blocks, states.k, passthroughs(states.k, tuple_len), h):
             hb = decoder_rows(model, rows, input_ids=ids, attention_mask=attn)
         states.batches.append((None if h is None else h.cpu(), tuple_len, hb.cpu()))
+        states.inputs.append((ids.cpu(), attn.cpu()))
     h, tuple_len, hb = states.batches[j]
     h = None if h is None else h.to(ids.device)
     with prefix_fed(blocks, states.k, passthroughs(states.k, tuple_len), h):
@@ -178,6 +259,9 @@ def kl_drift(
             nll_model -= float(lp.gather(-1, labels[:, None]).sum())
             nll_base -= float(lq.gather(-1, labels[:, None]).sum())
             n += int(pos.sum())
+        if states is not None and not states.plain and not states.stored and states.path is not None:
+            if len(states.batches) == -(-len(texts) // batch_size):
+                _store_states(states)
     finally:
         model.train(was_training)
     return {
