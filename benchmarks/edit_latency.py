@@ -13,6 +13,9 @@ round: projectors, predicted drift, the commit) and ``evaluate`` (teacher-forced
 and the KL drift from the base on held-out text). ``--target`` (seconds) is the latency goal; the script prints
 each round's wall time over it, measured in this run. ``--set`` runs every round under other settings
 (``keep_chat=0``: :class:`~crispedit.editing.EditConfig` fields; ``seq.kl_texts=4``: the session's).
+``--evaluate`` then measures what the rounds left, on the final model over every round's edits: WILD free
+generation, the assistant's style drift and subject bleed, and the KL drift from the base
+(:class:`~crispedit.pipeline.Measures`' defaults) — so a setting that saves seconds shows what it costs.
 Run alone: one model job at a time.
 """
 
@@ -65,9 +68,43 @@ def parse_set(text: str) -> dict:
     return out
 
 
+def _final_measures(session, requests, config) -> dict:
+    """The final model's :class:`~crispedit.pipeline.Measures` (WILD under every wrapper, style drift, subject
+    bleed, KL drift) over ``requests`` against the session's base: the evaluation summary and its seconds."""
+    from crispedit.pipeline import EditJob, Measures
+
+    t = time.perf_counter()
+    model, tok, _ = session.model_at_commit()
+    ev = EditJob(model, tok, requests, config.edit, Measures(kl_texts=config.kl_texts), False).evaluate(
+        session.base_weights
+    )
+    s, style, bleed = ev["summary"], ev["assistant"]["style"], ev["assistant"]["bleed"]
+    summary = {
+        "n_edits": len(requests),
+        "tf_rel": s["rel"],
+        **{
+            f"wild_{w}_{k}": ev["wild"][w][k]
+            for w in ev["wild"]
+            if isinstance(ev["wild"][w], dict)
+            for k in ("rel", "gen")
+        },
+        "style_length_ratio": style["length_ratio"],
+        "style_bare_share": style["bare_share"],
+        "answer_kl": style["answer_kl"],
+        "bleed_target": bleed["target"],
+        "bleed_changed": bleed["changed"],
+        "kl_drift": s["kl_drift"],
+        "ppl": s["ppl"],
+        "ppl_base": s["ppl_base"],
+    }
+    print("final: " + "  ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
+    return {"summary": summary, "seconds": round(time.perf_counter() - t, 3)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the rounds and print the phase table; returns (and with ``--json`` writes) ``{"load_seconds",
-    "rounds": [{"round", "phases", "epochs", "steps"}], "mean": phase means, "target", "over_target"}``."""
+    "rounds": [{"round", "phases", "epochs", "steps"}], "mean": phase means, "target", "over_target"}`` and, with
+    ``--evaluate``, ``"final": {"summary", "seconds"}``."""
     from crispedit.atomic import atomic_write_json
     from crispedit.data import load_edits
     from crispedit.models import load_model
@@ -84,6 +121,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--set", default="", help="k=v;k=v settings of the session (EditConfig fields, seq.<field>)")
     ap.add_argument("--target", type=float, default=10.0, help="latency goal of one round, seconds")
+    ap.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="after the rounds, WILD, style drift, subject bleed and KL drift of the final model over every edit",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     path, offset, n = args.edits
@@ -107,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "wall": round(wall, 3),
                     "epochs": rec["train"]["epochs"],
                     "steps": rec["train"]["steps"],
+                    "kl_drift": rec.get("kl_drift"),
                 }
             )
             print(
@@ -116,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
                 " x the target)",
                 flush=True,
             )
+        final = _final_measures(session, requests, config) if args.evaluate else None
     mean = {k: round(statistics.fmean(r["phases"][k] for r in rows), 3) for k in (*PHASES, "total")}
     mean["wall"] = round(statistics.fmean(r["wall"] for r in rows), 3)
     out = {
@@ -129,6 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
         "over_target": round(mean["wall"] / args.target, 3),
         "command": " ".join(["python", "benchmarks/edit_latency.py", *(argv or sys.argv[1:])]),
     }
+    if final is not None:
+        out["final"] = final
     print(
         f"load {load:.1f} s once; mean round {mean['wall']:.1f} s = {out['over_target']:.2f} x the "
         f"{args.target:g} s target: " + ", ".join(f"{k} {mean[k]:.1f}" for k in PHASES)

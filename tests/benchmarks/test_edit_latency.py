@@ -39,7 +39,9 @@ def test_rounds_of_one_edit_are_split_into_phases_that_add_up(
         [EditRequest(f"Who founded company {i}?", f"Person {chr(65 + i)}", subject=f"company {i}") for i in range(2)],
     )
     monkeypatch.setattr("crispedit.models.load_model", lambda spec, **kw: (model, tok))
-    out = script.main(["--edits", f"{edits}:0:2", "--set", SET, "--target", "5", "--json", str(tmp_path / "l.json")])
+    out = script.main(
+        ["--edits", f"{edits}:0:2", "--set", SET, "--target", "5", "--evaluate", "--json", str(tmp_path / "l.json")]
+    )
     assert [r["round"] for r in out["rounds"]] == [1, 2]
     for r in out["rounds"]:
         ph = r["phases"]
@@ -49,3 +51,6 @@ def test_rounds_of_one_edit_are_split_into_phases_that_add_up(
     assert out["over_target"] == pytest.approx(out["mean"]["wall"] / 5, abs=1e-3)
     assert json.loads((tmp_path / "l.json").read_text())["rounds"] == out["rounds"]
     assert "x the 5 s target" in capsys.readouterr().out
+    final = out["final"]["summary"]  # what the rounds left, over both edits
+    assert final["n_edits"] == 2 and final["kl_drift"] == pytest.approx(out["rounds"][-1]["kl_drift"], rel=1e-4)
+    assert {"wild_qa_rel", "style_length_ratio", "bleed_target"} <= set(final)
