@@ -9,7 +9,15 @@ from crispedit.data import EditRequest
 from crispedit.editing import EditConfig, edit, restore
 from crispedit.editing import keep as keep_mod
 from crispedit.editing.fastpath import make_loss_fn, plain_loss
-from crispedit.editing.keep import KEEP_SUBJECTS, SUBJECT_KEEPS, KeepLoss, keep_prompts, keep_sequences
+from crispedit.editing.keep import (
+    KEEP_BATCH,
+    KEEP_SUBJECTS,
+    SUBJECT_KEEPS,
+    KeepLoss,
+    keep_prompts,
+    keep_sequences,
+    keep_term,
+)
 from crispedit.editing.sources import training_batches
 from crispedit.errors import CrispEditError
 
@@ -209,6 +217,7 @@ def test_edit_with_keep_changes_the_kept_answers_less(chat_lm, iso_cache):
     info = res.history.to_json()["keep"]
     restore(model, res.original_weights)
     assert info["transcripts"] == len(kept) and len(info["epoch_term"]) == len(res.history.epoch_loss)
+    assert info["per_step"] == len(REQS)  # the edit batches' mean size: one bare and one chat batch of five
     assert with_keep < 0.7 * without, (with_keep, without)
     assert res.history.epoch_loss[-1] < 0.75 * res.history.epoch_loss[0]  # the edit still trains
 
@@ -254,3 +263,28 @@ def test_crispedit_holds_the_answers_by_default_and_the_baselines_do_not():
         assert (off.keep_chat, off.keep_subject, off.keep_weight) == (0, 0, 1.0)
     assert EditConfig(keep_chat=0, keep_subject=0).keep_chat == 0
     assert EditConfig(method="ft", keep_chat=5).keep_chat == 5
+
+
+@pytest.mark.parametrize("per_step,want", [(1, 1), (3, 3), (100, KEEP_BATCH)])
+def test_keep_batches_follow_the_edit_batches_up_to_the_cap(chat_lm, iso_cache, per_step, want):
+    import contextlib
+
+    model, tok = chat_lm
+    config = EditConfig(method="crispedit", layers=LAYERS, keep_chat=8, keep_subject=2, max_len=48)
+    term = keep_term(
+        model,
+        tok,
+        REQS,
+        _params(model),
+        config,
+        fast=True,
+        device=torch.device("cpu"),
+        arithmetic=contextlib.nullcontext,
+        processes=1,
+        split=False,
+        per_step=per_step,
+    )
+    rows = [b.input_ids.shape[0] for b in term.keep.batches]
+    assert (
+        term.keep.batch_size == want and max(rows) == want and sum(rows) == len(keep_sequences(model, tok, REQS, 8, 2))
+    )

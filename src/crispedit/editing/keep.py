@@ -15,7 +15,9 @@ model answers, greedily through its chat template, at most ``keep_tokens`` token
   out: there, changing is the edit's job.
 
 Every training step then adds ``keep_weight ×`` the mean, over the answer tokens of one batch of these
-transcripts (the batches taken in turn), of ``max(0, NLL_now − NLL_before)``: a hinge per token that is zero
+transcripts (the batches taken in turn; a batch holds as many transcripts as an edit batch holds sequences on
+average, at most :data:`KEEP_BATCH`, so that a small edit's steps — one fact's few contexts — are not mostly the
+term's), of ``max(0, NLL_now − NLL_before)``: a hinge per token that is zero
 while no answer token has become less likely than the unedited model made it, so the term costs nothing the
 edit does not disturb and pulls back exactly the tokens it does. The gradient joins the edit loss's before the
 projection. The stop and skip rules read the edit loss alone.
@@ -50,7 +52,7 @@ __all__ = [
 
 KEEP_TOKENS = 24  # tokens of each unedited answer kept by default: its form shows in the first few
 KEEP_SUBJECTS = 128  # edits whose subject is asked about, at most (evenly spread over a larger edit set)
-KEEP_BATCH = 8  # transcripts per training step: a small batch, so the term adds little to a step
+KEEP_BATCH = 8  # transcripts per training step at most: a small batch, so the term adds little to a step
 
 
 def keep_prompts(requests: Sequence[EditRequest], keep_chat: int, keep_subject: int) -> list[tuple[int, str]]:
@@ -119,11 +121,12 @@ def keep_sequences(
 
 
 class KeepLoss:
-    """The preservation term over ``sequences`` (:func:`keep_sequences`): ``term(step)`` is ``weight ×`` the mean
-    over the answer tokens of batch ``step mod len(batches)`` of ``max(0, NLL − NLL at construction)`` — a 0-d
-    tensor (nats/token) with a gradient for the trained ``params``. Construct it with the weights the edit starts
-    from. Every process computes the whole term (under ``--shard`` every process must run
-    the same forwards); the loop divides it by the number of processes before their gradients are summed."""
+    """The preservation term over ``sequences`` (:func:`keep_sequences`, in batches of ``batch_size`` by length):
+    ``term(step)`` is ``weight ×`` the mean over the answer tokens of batch ``step mod len(batches)`` of
+    ``max(0, NLL − NLL at construction)`` — a 0-d tensor (nats/token) with a gradient for the trained ``params``.
+    Construct it with the weights the edit starts from. Every process computes the whole term (under ``--shard``
+    every process must run the same forwards); the loop divides it by the number of processes before their
+    gradients are summed."""
 
     def __init__(
         self,
@@ -133,6 +136,7 @@ class KeepLoss:
         params: dict[str, nn.Parameter],
         weight: float,
         *,
+        batch_size: int = KEEP_BATCH,
         fast: bool = True,
         device=None,
     ):
@@ -141,8 +145,8 @@ class KeepLoss:
         from .fastpath import make_loss_fn
 
         device = device or next(model.parameters()).device
-        self.weight = float(weight)
-        self.batches = [b.to(device) for b in training_batches(tokenizer, sequences, KEEP_BATCH, by_length=True)]
+        self.weight, self.batch_size = float(weight), int(batch_size)
+        self.batches = [b.to(device) for b in training_batches(tokenizer, sequences, batch_size, by_length=True)]
         # batches of equal lengths (sorted by length) have no padding: masked anyway, so no step reads back; the
         # hinge compares each token with itself at construction, so the terms may come in the packed order
         self.loss_fn = make_loss_fn(
@@ -205,10 +209,11 @@ class KeepTerm(LoopHook):
     def end_epoch(self, epochs: int, hist, loss: float, value: float | None = None) -> None:
         """Once per epoch: the mean term ``value`` (nats/token, read with the loss; 0 for an epoch without a step)
         appended to ``hist.extra["keep"]`` (a :class:`~.history.TrainHistory`'s), with the transcripts and answer
-        tokens it holds."""
+        tokens it holds and the transcripts a step takes."""
         if "keep" not in hist.extra:
             hist.extra["keep"] = {
                 "transcripts": sum(b.input_ids.shape[0] for b in self.keep.batches),
+                "per_step": self.keep.batch_size,
                 "tokens": self.keep.tokens(),
                 "weight": self.keep.weight,
                 "epoch_term": [],
@@ -228,15 +233,26 @@ def keep_term(
     arithmetic,
     processes: int,
     split: bool,
+    per_step: int = KEEP_BATCH,
 ) -> KeepTerm | None:
     """The preservation term of an edit under ``config`` (``keep_chat`` / ``keep_subject``; ``None`` when both are
-    0), from ``model``'s starting weights; its loss takes the fast path as the edit batches do (not on a model
-    ``split`` across the processes)."""
+    0), from ``model``'s starting weights, ``per_step`` transcripts a step (at most :data:`KEEP_BATCH`: pass the
+    edit batches' mean size); its loss takes the fast path as the edit batches do (not on a model ``split`` across
+    the processes)."""
     if not (config.keep_chat or config.keep_subject):
         return None
     kept = keep_sequences(model, tokenizer, requests, config.keep_chat, config.keep_subject, config.keep_tokens)
     return KeepTerm(
-        KeepLoss(model, tokenizer, kept, params, config.keep_weight, fast=fast and not split, device=device),
+        KeepLoss(
+            model,
+            tokenizer,
+            kept,
+            params,
+            config.keep_weight,
+            batch_size=max(1, min(KEEP_BATCH, per_step)),
+            fast=fast and not split,
+            device=device,
+        ),
         arithmetic,
         processes,
     )

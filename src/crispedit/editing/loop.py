@@ -401,6 +401,7 @@ def projected_finetune(
             arithmetic=arithmetic,
             processes=world_size(),
             split=is_sharded(model),
+            per_step=-(-source.per_epoch()[0] // max(len(source.first), 1)),  # the edit batches' mean size
         )
         setup = {"batches": round(t_keep - t0, 3), "keep": round(time.perf_counter() - t_keep, 3)}
         run = _Run(config, device, ckpt.resume(), t0)
