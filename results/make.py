@@ -386,6 +386,29 @@ def latency_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def latency_final_table() -> str:
+    """One row per stored ``benchmarks/edit_latency.py --evaluate`` JSON under ``edit_latency/``: what its rounds
+    left on the final model over every round's edit — WILD rel per wrapper, teacher-forced rel, the chat answers'
+    length ratio and bare share, the answer KL, subject bleed and KL drift — beside its mean round time."""
+    lines = [
+        "| run | edits | mean round s | WILD qa / chat / none rel | TF rel | chat length | turned bare | answer KL "
+        "| bleed target | KL drift |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in sorted(LATENCY.glob("*.json")):
+        p = _load(f)
+        if "final" not in p:
+            continue
+        s = p["final"]["summary"]
+        wild = " / ".join(f"{s[f'wild_{w}_rel']:.2f}" for w in ("qa", "chat", "none"))
+        lines.append(
+            f"| [`{f.name}`](edit_latency/{f.name}) | {s['n_edits']} | {p['mean']['wall']:.1f} | {wild} | "
+            f"{s['tf_rel']:.2f} | ×{s['style_length_ratio']:.2f} | {s['style_bare_share']:.2f} | "
+            f"{s['answer_kl']:.3f} | {s['bleed_target']:.3f} | {_drift(s['kl_drift'])} |"
+        )
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 def speed_facts() -> dict:
     """The ratios the README's Speed section quotes, from the stored benchmarks."""
     share = _load(HERE / "speed" / "bench_share_smollm2_100.json")
@@ -734,6 +757,10 @@ so far and the KL drift from the base), seconds, and the round's wall time over 
 {_run_line(LATENCY)}
 
 {latency_table()}
+Runs made with `--evaluate` then measure what their rounds left, on the final model over every round's edit (WILD
+free generation, the chat answers' form, subject bleed through three probes per edit, KL drift from the base):
+
+{latency_final_table()}
 ## Eigendecompositions: float64 against float32
 
 [`eigh/`](eigh/run.json): what decomposing the K-FAC factors in float64 (every device) costs and buys against
