@@ -429,6 +429,19 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
             progress=False,
             configs={"crispedit-seq": dataclasses.replace(crisp, edit_gamma=0.9)},
         )
+    with pytest.raises(
+        CrispEditError, match=r"edit factors at full positions, now target: --seq-edit-factors full resumes it"
+    ):
+        compare_mod.run_compare(
+            model,
+            tok,
+            REQS,
+            ["crispedit-seq"],
+            out,
+            seq_chunk=2,
+            progress=False,
+            configs={"crispedit-seq": dataclasses.replace(crisp, edit_factors="target")},
+        )
     assert ran == []
 
 

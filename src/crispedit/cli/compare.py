@@ -31,7 +31,13 @@ def cmd_compare(args) -> int:
         base, seq = seq_row(m)
         cfg = config_from_args(args, base, options.get(base, {}))
         configs[m] = (
-            SeqConfig(edit=cfg, mode="sequential", weighting=args.seq_weighting, edit_gamma=args.seq_edit_gamma)
+            SeqConfig(
+                edit=cfg,
+                mode="sequential",
+                weighting=args.seq_weighting,
+                edit_gamma=args.seq_edit_gamma,
+                edit_factors=args.seq_edit_factors,
+            )
             if seq
             else cfg
         )
@@ -79,7 +85,7 @@ def cmd_compare(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit compare`` on ``subparsers``."""
-    from ..editing.config import MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK, WEIGHTINGS, SeqConfig
+    from ..editing.config import EDIT_FACTOR_ROWS, MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK, WEIGHTINGS, SeqConfig
     from ..editing.registry import SEQ_SUFFIX, method_names, sequential_rows
     from .flags import add_curvature_args, add_edits_args, add_model_args, add_training_args
 
@@ -118,6 +124,14 @@ def add_cli(sub) -> None:
         metavar="G",
         help="with --seq-weighting each: the energy of the accumulated edit factors masked (default "
         f"{SeqConfig.edit_gamma}; as `crispedit session init --edit-gamma`)",
+    )
+    p.add_argument(
+        "--seq-edit-factors",
+        default=SeqConfig.edit_factors,
+        choices=list(EDIT_FACTOR_ROWS),
+        help="positions the -seq rows' edit factors are collected at: every position of the training sequences "
+        f"(full, the paper) or the positions that predict the target (default {SeqConfig.edit_factors}; as "
+        "`crispedit session init --edit-factors`)",
     )
     p.add_argument(
         "--out",

@@ -196,7 +196,16 @@ def add_cli(sub) -> None:
     add_settings_args(
         i,
         SeqConfig,
-        ["mode", "weighting", "mix", "edit_gamma", "recompute_drift", "carry_optimizer", "reproject_momentum"],
+        [
+            "mode",
+            "weighting",
+            "mix",
+            "edit_gamma",
+            "edit_factors",
+            "recompute_drift",
+            "carry_optimizer",
+            "reproject_momentum",
+        ],
     )
     add_training_args(i)  # --method (lora: LoRA-Seq, a fresh adapter merged every round), training flags
     add_max_drift_arg(i, session=True)

@@ -152,8 +152,9 @@ class SeqConfig(Settings):
     edit_factors: str = setting(
         "full",
         choices=EDIT_FACTOR_ROWS,
-        cli=False,
-        help="positions of the edit factors: full sequences (the paper) or the target only",
+        help="positions a round's edit factors are collected at: every position of its training sequences "
+        "(full, the default and the paper's) or only those that predict the target (target: the edits' own "
+        "curvature, not their prompts')",
     )
     edit_gamma: float | None = setting(
         0.95,

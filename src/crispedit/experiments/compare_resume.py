@@ -86,6 +86,9 @@ def resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: d
             g_now = configs[m].identity().get("edit_gamma") if seq else None  # None where the rounds merge no factors
             g = not w and g_now is not None and stored_id.get("edit_gamma")
             g = g if g != g_now else None
+            f_now = configs[m].identity().get("edit_factors") if seq else None
+            f = not w and not g and f_now is not None and stored_id.get("edit_factors")
+            f = f if f != f_now else None
             what = (
                 f" (rounds of {row.get('seq_chunk')} edits, now {chunk})"
                 if other_chunk
@@ -93,6 +96,8 @@ def resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: d
                 if w
                 else f" (edit-factor gamma {g}, now {g_now}: --seq-edit-gamma {g} resumes it)"
                 if g
+                else f" (edit factors at {f} positions, now {f_now}: --seq-edit-factors {f} resumes it)"
+                if f
                 else f" (another {other_file[0]} file: sha256 {str(was[other_file[0]])[:12]}…, now "
                 f"{inputs[m][other_file[0]][:12]}…)"
                 if other_file
