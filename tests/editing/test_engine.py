@@ -317,6 +317,8 @@ def test_bf16_precision_trains_float32_weights(tiny_lm, iso_cache):
         max_len=48,
         contexts="bare",
         stop_loss=0.0,
+        keep_chat=0,  # the edit loss alone: what bf16 changes in the edit's own steps
+        keep_subject=0,
     )
     out = {}
     for precision in ("fp32", "bf16"):
