@@ -416,32 +416,23 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
         model, tok, REQS, ["ft-seq"], out, configs={"ft-seq": other["ft-seq"]}, seq_chunk=2, progress=False
     )
     assert ran == []
-    # the edit factors' γ: named the same way
+    # the edit factors' γ and positions: named the same way
     crisp = seq_configs(["crispedit-seq"])["crispedit-seq"]
-    with pytest.raises(CrispEditError, match=r"edit-factor gamma 0.95, now 0.9: --seq-edit-gamma 0.95 resumes it"):
-        compare_mod.run_compare(
-            model,
-            tok,
-            REQS,
-            ["crispedit-seq"],
-            out,
-            seq_chunk=2,
-            progress=False,
-            configs={"crispedit-seq": dataclasses.replace(crisp, edit_gamma=0.9)},
-        )
-    with pytest.raises(
-        CrispEditError, match=r"edit factors at full positions, now target: --seq-edit-factors full resumes it"
+    for change, hint in (
+        ({"edit_gamma": 0.9}, r"edit-factor gamma 0.95, now 0.9: --seq-edit-gamma 0.95 resumes it"),
+        ({"edit_factors": "target"}, r"edit factors at full positions, now target: --seq-edit-factors full resumes it"),
     ):
-        compare_mod.run_compare(
-            model,
-            tok,
-            REQS,
-            ["crispedit-seq"],
-            out,
-            seq_chunk=2,
-            progress=False,
-            configs={"crispedit-seq": dataclasses.replace(crisp, edit_factors="target")},
-        )
+        with pytest.raises(CrispEditError, match=hint):
+            compare_mod.run_compare(
+                model,
+                tok,
+                REQS,
+                ["crispedit-seq"],
+                out,
+                seq_chunk=2,
+                progress=False,
+                configs={"crispedit-seq": dataclasses.replace(crisp, **change)},
+            )
     assert ran == []
 
 
