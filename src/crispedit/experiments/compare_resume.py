@@ -36,6 +36,25 @@ def _run_identity(config: dict, inputs: dict[str, str] | None) -> dict:
     return {**config, "edit": {**edit_json, "options": keyed}}
 
 
+#: The sequential rows' settings a resumed row names when they differ: (identity key, what it is, its flag).
+_SEQ_KNOBS = (
+    ("weighting", "factor weighting {was}, now {now}", "--seq-weighting"),
+    ("edit_gamma", "edit-factor gamma {was}, now {now}", "--seq-edit-gamma"),
+    ("edit_factors", "edit factors at {was} positions, now {now}", "--seq-edit-factors"),
+)
+
+
+def _seq_hint(stored: dict, now: dict) -> str:
+    """The first of :data:`_SEQ_KNOBS` that differs between a stored row's and this run's
+    :meth:`~crispedit.editing.SeqConfig.identity` (absent where the rounds merge no factors), as the error's
+    parenthesis naming the flag that resumes it; ``""`` when none differs."""
+    for key, what, flag in _SEQ_KNOBS:
+        was, is_now = stored.get(key), now.get(key)
+        if was is not None and is_now is not None and was != is_now:
+            return f" ({what.format(was=was, now=is_now)}: {flag} {was} resumes it)"
+    return ""
+
+
 def resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: dict, inputs: dict, chunk: int) -> None:
     """Take the rows of an existing compare file at ``path`` into ``payload`` (its ``results`` and ``methods``), after
     checking that this crispedit version wrote it (:func:`~crispedit.versions.check_written_by`), under the same
@@ -76,32 +95,13 @@ def resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: d
             other_chunk = seq and row.get("seq_chunk") != chunk
             was = row.get("inputs") if isinstance(row.get("inputs"), dict) else {}
             other_file = [o for o in inputs[m] if o in was and was[o] != inputs[m][o]]
-            w = (
-                seq
-                and configs[m].uses_weighting
-                and isinstance(stored, dict)
-                and stored.get("weighting") != configs[m].weighting
-                and stored.get("weighting")
-            )
-            g_now = configs[m].identity().get("edit_gamma") if seq else None  # None where the rounds merge no factors
-            g = not w and g_now is not None and stored_id.get("edit_gamma")
-            g = g if g != g_now else None
-            f_now = configs[m].identity().get("edit_factors") if seq else None
-            f = not w and not g and f_now is not None and stored_id.get("edit_factors")
-            f = f if f != f_now else None
-            what = (
-                f" (rounds of {row.get('seq_chunk')} edits, now {chunk})"
-                if other_chunk
-                else f" (factor weighting {w}, now {configs[m].weighting}: --seq-weighting {w} resumes it)"
-                if w
-                else f" (edit-factor gamma {g}, now {g_now}: --seq-edit-gamma {g} resumes it)"
-                if g
-                else f" (edit factors at {f} positions, now {f_now}: --seq-edit-factors {f} resumes it)"
-                if f
-                else f" (another {other_file[0]} file: sha256 {str(was[other_file[0]])[:12]}…, now "
-                f"{inputs[m][other_file[0]][:12]}…)"
-                if other_file
-                else ""
-            )
+            what = _seq_hint(stored_id, configs[m].identity()) if seq else ""
+            if other_chunk:
+                what = f" (rounds of {row.get('seq_chunk')} edits, now {chunk})"
+            elif not what and other_file:
+                what = (
+                    f" (another {other_file[0]} file: sha256 {str(was[other_file[0]])[:12]}…, now "
+                    f"{inputs[m][other_file[0]][:12]}…)"
+                )
             raise CrispEditError(f"{path} holds {m} run with another configuration{what}; use another --out")
     payload["methods"] = list(dict.fromkeys(list(old.get("methods", [])) + list(methods)))
