@@ -595,3 +595,79 @@ def test_plateau_settings_are_checked(bad):
 
     with pytest.raises(CrispEditError, match="plateau"):
         EditConfig(**bad)
+
+
+def test_all_greedy_reads_every_target_token(tiny_lm):
+    """``all_greedy``: true exactly when every target token of every batch is the model's argmax under teacher
+    forcing — labels set to the model's own predictions pass; one changed label in the second batch fails."""
+    import contextlib
+
+    from crispedit.data.tokenize import collate
+    from crispedit.editing.fastpath import make_loss_fn
+    from crispedit.editing.sources import FixedBatches
+
+    model, tok = tiny_lm
+    model.train()
+    torch.manual_seed(0)
+    rows = [(torch.randint(3, len(tok), (n,)).tolist(), 2) for n in (7, 5, 9, 6)]
+    batches = [collate(tok, rows[:2]), collate(tok, rows[2:])]
+    with torch.no_grad():
+        for b in batches:
+            own = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits.argmax(-1)
+            b.labels[:, 1:] = torch.where(b.labels[:, 1:] != -100, own[:, :-1], b.labels[:, 1:])
+    params = {n: p for n, p in model.named_parameters() if "layers.1.mlp.down_proj" in n}
+    source = FixedBatches(
+        ["bare"], batches, make_loss_fn(model, params, batches, enabled=False), contextlib.nullcontext
+    )
+    assert source.all_greedy() and model.training  # the mode it was in
+    last = (batches[1].labels[1] != -100).nonzero()[-1, 0]
+    batches[1].labels[1, last] = (batches[1].labels[1, last] + 1) % len(tok)
+    assert not source.all_greedy()
+
+
+def test_the_greedy_stop_rule_ends_an_edit_once_every_target_is_greedy(tiny_lm, iso_cache):
+    """``stop_rule="greedy"`` ends the edit at an epoch below ten times the stop loss after which every
+    training sequence's target is the greedy continuation — on the trajectory of the loss rule's run (same losses
+    up to there), which the tiny model's loss floor keeps from its stop loss until the epoch cap; the report says
+    the rule and ``converged``."""
+    from crispedit.editing import restore
+    from crispedit.editing.contexts import sequences_for
+    from crispedit.editing.sources import training_batches
+
+    model, tok = tiny_lm
+    cfg = dict(
+        method="ft",
+        layers="model.layers.{1-2}.mlp.down_proj",
+        lr=2e-2,
+        batch_size=1,
+        n_cap=4,
+        max_len=48,
+        contexts="bare",
+        answer_end="none",
+        stop_loss=0.05,  # below the tiny model's loss floor: the loss rule never ends the run
+        skip_loss=0.0,
+        epochs=60,
+        plateau_epochs=0,
+    )
+    ref = edit(model, tok, REQS[:2], EditConfig(**cfg), progress=False)
+    restore(model, ref.original_weights)
+    assert not ref.history.converged and len(ref.history.epoch_loss) == 60
+    res = edit(model, tok, REQS[:2], EditConfig(**cfg, stop_rule="greedy"), progress=False)
+    k = len(res.history.epoch_loss)
+    assert res.history.converged and k < 60 and res.history.epoch_loss == ref.history.epoch_loss[:k]
+    assert res.history.epoch_loss[-1] < 0.5
+    assert res.history.to_json()["stop_rule"] == "greedy" and "stop_rule" not in ref.history.to_json()
+    seqs, _ = sequences_for(tok, REQS[:2], res.config, model)
+    model.eval()
+    with torch.no_grad():
+        for b in training_batches(tok, seqs, 1):
+            logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
+            gold = b.labels[:, 1:]
+            assert torch.equal(logits.argmax(-1)[gold != -100], gold[gold != -100])
+
+
+def test_the_stop_rule_is_checked():
+    from crispedit.errors import CrispEditError
+
+    with pytest.raises(CrispEditError, match="stop rule must be one of loss, greedy"):
+        EditConfig(stop_rule="argmax")

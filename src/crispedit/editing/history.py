@@ -9,9 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["TrainHistory", "training_brief", "plateaued", "plateau_stop", "PLATEAU_BAND"]
+__all__ = ["TrainHistory", "training_brief", "plateaued", "plateau_stop", "PLATEAU_BAND", "GREEDY_BAND"]
 
 PLATEAU_BAND = 2.0  # the plateau rule acts only once the epoch loss is below this many times the stop loss
+# the greedy stop rule is checked only once the epoch loss is below this many times the stop loss: above it a
+# target token is rarely the argmax everywhere, and the check costs a forward over the training sequences
+GREEDY_BAND = 10.0
 
 
 @dataclass

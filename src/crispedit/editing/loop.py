@@ -4,7 +4,9 @@ Each request becomes one training sequence per edit context (:mod:`.contexts`: b
 template, natural-text prefixes; target followed by its answer end). FT-M loss (cross-entropy on the
 target tokens only; context and padding masked), Adam, mini-batches over the sequences, batches whose
 loss is already below ``skip_loss`` take no step, training stops once an epoch's mean loss is below
-``stop_loss`` (or, with ``plateau_epochs``, once it has stalled just above it: :func:`.history.plateaued`). On an
+``stop_loss`` (or, with ``plateau_epochs``, once it has stalled just above it: :func:`.history.plateaued`; or,
+with ``stop_rule="greedy"``, once every training sequence's target is the model's greedy continuation,
+:meth:`.sources.FixedBatches.all_greedy`, checked after an epoch whose loss is below ``GREEDY_BAND × stop_loss``). On an
 accelerator both rules are decided without reading a value back to the host inside a step: the skip test is a
 0-d boolean on the device that gates the Adam step (:class:`.optim.GatedAdam`), and the losses and the skipped
 count are read once per epoch, for the stop test. On the CPU, where a read costs nothing, the skip test is read
@@ -49,7 +51,7 @@ from .checkpoint import LoopCheckpoint, LoopState
 from .config import EditConfig, ProjectionTarget
 from .contexts import sequences_for
 from .fastpath import plain_loss as edit_loss
-from .history import TrainHistory, plateaued
+from .history import GREEDY_BAND, TrainHistory, plateaued
 from .hooks import LOG_EVERY, LOG_SECONDS, CheckpointHook, DriftHook, Hooks, ProgressHook
 from .keep import KeepTerm, keep_term
 from .optim import make_optimizer
@@ -216,6 +218,8 @@ class _Run:
         hist.sequences, hist.tokens = source.per_epoch()
         if config.precision != "fp32":  # what bf16 / auto ran as on this device
             hist.extra["precision"] = precision
+        if config.stop_rule != "loss":  # `converged` then also means: every target the greedy continuation
+            hist.extra["stop_rule"] = config.stop_rule
         hist.extra.update(source.layout())  # fixed batches: what an epoch computes
         hist.extra.update(self.sections)
         if self.start:
@@ -230,12 +234,17 @@ class _Run:
         return active
 
     def end_epoch(
-        self, hist: TrainHistory, losses: list[Tensor], pending: Sequence[Tensor] = ()
+        self,
+        hist: TrainHistory,
+        losses: list[Tensor],
+        pending: Sequence[Tensor] = (),
+        greedy: Callable[[], bool] | None = None,
     ) -> tuple[float, list[float]]:
         """Once per epoch, the one read back to the host: the epoch's mean loss (nats/target token; appended to
-        ``hist``, which also gets the step counts, ``converged`` — below the stop loss — and ``plateaued``) and
-        the hooks' ``pending`` 0-d values, read with it. Returns the mean loss and the values read. One-line error
-        on a non-finite loss."""
+        ``hist``, which also gets the step counts, ``converged`` — below the stop loss, or under the greedy stop
+        rule ``greedy()`` true once the loss is below ``GREEDY_BAND ×`` it — and ``plateaued``) and the hooks'
+        ``pending`` 0-d values, read with it. Returns the mean loss and the values read. One-line error on a
+        non-finite loss."""
         mean, n_skipped, *values = torch.stack(
             [torch.stack([v.double() for v in losses]).mean(), self.skipped.double(), *(v.double() for v in pending)]
         ).tolist()
@@ -248,6 +257,8 @@ class _Run:
                 "nothing was saved"
             )
         hist.converged = mean < self.config.stop_loss
+        if not hist.converged and self.config.stop_rule == "greedy" and mean < GREEDY_BAND * self.config.stop_loss:
+            hist.converged = greedy is not None and greedy()
         hist.plateaued = _stalled(hist.epoch_loss, hist.converged, self.config)
         return mean, values
 
@@ -332,7 +343,7 @@ def _train(s: SimpleNamespace, run: _Run, hist: TrainHistory, hooks: Hooks, epoc
             run.n_batches += 1
             s.timer.end_step()
         # the epoch's one read back to the host, for the stop rules, with what the hooks report (the keep term's mean)
-        loss, values = run.end_epoch(hist, losses, hooks.epoch_values())
+        loss, values = run.end_epoch(hist, losses, hooks.epoch_values(), s.source.all_greedy)
         hist.epoch_seconds.append(time.perf_counter() - t_epoch)
         hooks.end_epoch(epoch + 1, hist, loss, values)  # the keep term's report, the bar and log, the checkpoint
         if hist.converged or hist.plateaued:

@@ -40,6 +40,7 @@ __all__ = [
     "PRECISIONS",
     "PROJECTION_PRECISIONS",
     "BATCH_ORDERS",
+    "STOP_RULES",
     "LABEL_MODES",
     "DEFAULT_LR",
     "MAX_EPOCHS",
@@ -53,6 +54,7 @@ PRECISIONS = ("fp32", "bf16", "auto")
 # the projection's GEMMs; curvature.precision.ROTATION_PRECISIONS, torch-free here
 PROJECTION_PRECISIONS = ("fp32", "tf32")
 BATCH_ORDERS = ("request", "length")  # which sequences of a context share a batch
+STOP_RULES = ("loss", "greedy")  # what ends training before the epoch cap (editing/loop.py)
 LABEL_MODES = ("sampled", "empirical")
 DEFAULT_LR = 5e-4  # the paper's Adam learning rate; a method may set its own (LoRAConfig.SHARED)
 MAX_EPOCHS = 100_000
@@ -248,6 +250,13 @@ class TrainingConfig(Settings):
     )
     skip_loss: float = setting(0.01, help="a batch whose loss is below it takes no step", cli=False)
     stop_loss: float = setting(0.01, help="training stops once an epoch's mean loss is below it", cli=False)
+    stop_rule: str = setting(
+        "loss",
+        choices=STOP_RULES,
+        help="loss: stop once an epoch's mean loss is below 0.01 (default, the paper's); greedy: also stop "
+        "once every training sequence's target is the model's greedy continuation (checked after an epoch "
+        "whose loss is below 0.1): fewer epochs for a few edits, a smaller margin",
+    )
     # the plateau rule (editing/loop.py: plateaued)
     plateau_epochs: int = setting(
         8,
@@ -274,6 +283,8 @@ class TrainingConfig(Settings):
         self.epochs = check_int("epochs", check_positive_int("epochs", self.epochs), 1, MAX_EPOCHS)
         self.skip_loss = check_float("skip_loss", self.skip_loss, 0.0)
         self.stop_loss = check_float("stop_loss", self.stop_loss, 0.0)
+        if self.stop_rule not in STOP_RULES:
+            raise CrispEditError(f"stop rule must be one of {', '.join(STOP_RULES)}, got {self.stop_rule!r}")
         self.plateau_epochs = check_int("plateau epochs (--plateau)", self.plateau_epochs, 0, MAX_EPOCHS)
         self.plateau_delta = check_float("plateau delta", self.plateau_delta, 0.0, 1.0, lo_open=True, hi_open=True)
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:

@@ -5,7 +5,8 @@ training sequences (:mod:`.contexts`) cut into batches (:func:`training_batches`
 A source hands the loop each epoch's items in a seeded random order (:meth:`FixedBatches.epoch`), the loss of an
 item to backpropagate (:meth:`~FixedBatches.loss`: this process's share of the batch's FT-M loss, under the
 training arithmetic) and the batch mean the skip and stop rules read (:meth:`~FixedBatches.batch_mean`: a 0-d
-tensor on the device). Three kinds, chosen by :func:`batch_source`:
+tensor on the device), and whether every training sequence's target is already the model's greedy continuation
+(:meth:`~FixedBatches.all_greedy`, for ``--stop-rule greedy``). Three kinds, chosen by :func:`batch_source`:
 
 * :class:`FixedBatches` — every training sequence in fixed batches, built once (the default);
 * :class:`SampledBatches` — ``--context-sample``: a seeded sample of every request's sequences, batched anew each
@@ -31,9 +32,10 @@ from ..data.edits import EditRequest
 from ..data.tokenize import EncodedBatch, collate
 from ..distributed import all_reduce_sum_, is_distributed, is_sharded, rank, world_size
 from ..errors import CrispEditError
+from ..forward_parts import rows_logits
 from .config import EditConfig
 from .contexts import TrainingSequence, sequences_for
-from .fastpath import make_loss_fn
+from .fastpath import make_loss_fn, target_rows
 
 __all__ = [
     "training_batches",
@@ -179,6 +181,26 @@ class FixedBatches:
 
     def sum_grads(self, params: dict[str, nn.Parameter]) -> None:
         """Nothing: one process holds the whole batch."""
+
+    @torch.no_grad()
+    def all_greedy(self) -> bool:
+        """Whether every target token of every training sequence (all of them, whatever an epoch samples) is the
+        model's greedy (argmax) prediction under teacher forcing, so that every trained context's greedy answer is
+        its target: one forward per fixed batch, without gradients, in eval mode, under the training arithmetic.
+        Every process runs every batch, so all decide alike."""
+        model = self.loss_fn.model
+        was_training = model.training
+        model.eval()
+        try:
+            for b in self.batches:
+                rows, targets = target_rows(b.labels)
+                with self.arithmetic():
+                    logits = rows_logits(model, rows, input_ids=b.input_ids, attention_mask=b.attention_mask)
+                if not bool((logits.argmax(-1) == targets).all()):
+                    return False
+            return True
+        finally:
+            model.train(was_training)
 
 
 class SampledBatches(FixedBatches):
