@@ -409,6 +409,28 @@ def latency_final_table() -> str:
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
+def stop_rule_line() -> str:
+    """A sentence comparing the stored one-edit rounds under the two stop rules (``stop_loss.json``,
+    ``stop_greedy.json``: the same edits, side by side): round and training seconds, and what the final model kept."""
+    runs = {r: LATENCY / f"stop_{r}.json" for r in ("loss", "greedy")}
+    if not all(f.exists() for f in runs.values()):
+        return ""
+    loss, greedy = (_load(runs[r]) for r in ("loss", "greedy"))
+    a, b = loss["final"]["summary"], greedy["final"]["summary"]
+    lm, gm = loss["mean"], greedy["mean"]
+    epochs = [sum(r["epochs"] for r in p["rounds"]) for p in (greedy, loss)]
+    wild = [" / ".join(f"{x[f'wild_{w}_rel']:.2f}" for w in ("qa", "chat", "none")) for x in (b, a)]
+    return (
+        f"Under `--stop-rule greedy` the same {b['n_edits']} rounds took {gm['wall']:.1f} s a round against "
+        f"{lm['wall']:.1f} s (training {gm['train']:.1f} s against {lm['train']:.1f} s, epochs {epochs[0]} against "
+        f"{epochs[1]}), with WILD qa / chat / none {wild[0]} against {wild[1]} and KL drift "
+        f"{_drift(b['kl_drift'])} against {_drift(a['kl_drift'])}, but chat answers ×{b['style_length_ratio']:.2f} "
+        f"the base's length against ×{a['style_length_ratio']:.2f} ({b['style_bare_share']:.2f} of them bare against "
+        f"{a['style_bare_share']:.2f}) — most likely as the preservation term gets fewer steps to hold their form — "
+        "so the loss rule stays the default.\n"
+    )
+
+
 def speed_facts() -> dict:
     """The ratios the README's Speed section quotes, from the stored benchmarks."""
     share = _load(HERE / "speed" / "bench_share_smollm2_100.json")
@@ -761,6 +783,7 @@ Runs made with `--evaluate` then measure what their rounds left, on the final mo
 free generation, the chat answers' form, subject bleed through three probes per edit, KL drift from the base):
 
 {latency_final_table()}
+{stop_rule_line()}
 ## Eigendecompositions: float64 against float32
 
 [`eigh/`](eigh/run.json): what decomposing the K-FAC factors in float64 (every device) costs and buys against
