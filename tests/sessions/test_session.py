@@ -570,3 +570,35 @@ def test_session_keeps_its_meaning_of_default_contexts(tmp_path, tiny_model_dir,
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(CrispEditError, match="malformed: 'default_contexts'"):
         Session.open(tmp_path / "s")
+
+
+def test_replay_draws_a_seeded_sample_of_the_earlier_edits():
+    """``replayed``: at most ``n`` of the earlier edits, in stream order, the same for a redone round, another
+    sample for another round or seed; none without earlier edits or with ``n`` 0."""
+    from crispedit.sessions.sequential import replayed
+
+    earlier = [r for rs in ROUNDS for r in rs]
+    a = replayed(earlier, 3, 0, 5)
+    assert len(a) == 3 and a == replayed(earlier, 3, 0, 5)
+    assert [earlier.index(r) for r in a] == sorted(earlier.index(r) for r in a)
+    assert any(replayed(earlier, 3, 0, k) != a for k in range(6, 10)) and replayed(earlier, 3, 1, 5) != a
+    assert replayed(earlier, 50, 0, 5) == earlier and replayed(earlier, 0, 0, 5) == replayed([], 3, 0, 5) == []
+    with pytest.raises(CrispEditError, match="replay"):
+        SeqConfig(replay=-1)
+    assert "replay" not in SeqConfig(mode="batch").identity() and SeqConfig(replay=4).identity()["replay"] == 4
+
+
+def test_a_round_with_replay_trains_earlier_edits_beside_its_own(tmp_path, tiny_model_dir, monkeypatch):
+    """With ``replay=2`` round 2 trains its 4 edits and 2 of round 1's (sequences of 6 edits; the record says
+    ``replayed``), while its edit factors and its teacher-forced figures stay its own edits'; round 1 has nothing
+    to replay."""
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    cfg = _config(edit={"epochs": 2, "contexts": "bare"}, replay=2)
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), cfg, progress=False)
+    for reqs in ROUNDS:
+        s.add(reqs, plot=False)
+    r1, r2 = s.status()["rounds"]
+    assert r1["replayed"] == 0 and r1["train"]["sequences"] == 4
+    assert r2["replayed"] == 2 and r2["train"]["sequences"] == 6 and r2["n_edits"] == 4
+    # accumulated over the rounds: round 2 adds its own 4 edits' tokens (about round 1's), not 6 edits' worth
+    assert abs(r2["edit_factor_tokens"] - 2 * r1["edit_factor_tokens"]) < 0.1 * r1["edit_factor_tokens"]

@@ -37,6 +37,7 @@ def cmd_compare(args) -> int:
                 weighting=args.seq_weighting,
                 edit_gamma=args.seq_edit_gamma,
                 edit_factors=args.seq_edit_factors,
+                replay=args.seq_replay,
             )
             if seq
             else cfg
@@ -132,6 +133,14 @@ def add_cli(sub) -> None:
         help="positions the -seq rows' edit factors are collected at: every position of the training sequences "
         f"(full, the paper) or the positions that predict the target (default {SeqConfig.edit_factors}; as "
         "`crispedit session init --edit-factors`)",
+    )
+    p.add_argument(
+        "--seq-replay",
+        type=int,
+        default=SeqConfig.replay,
+        metavar="N",
+        help="each round of the -seq rows also trains on up to N earlier edits, a seeded sample drawn anew every "
+        f"round (default {SeqConfig.replay}: off; as `crispedit session init --replay`)",
     )
     p.add_argument(
         "--out",

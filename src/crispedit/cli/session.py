@@ -202,6 +202,7 @@ def add_cli(sub) -> None:
             "mix",
             "edit_gamma",
             "edit_factors",
+            "replay",
             "recompute_drift",
             "carry_optimizer",
             "reproject_momentum",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..checks import check_float, check_gamma, check_positive_int
+from ..checks import check_float, check_gamma, check_int, check_positive_int
 from ..errors import CrispEditError
 from ..settings import Settings, setting
 from .phases import (
@@ -116,6 +116,7 @@ MODES = ("sequential", "batch")
 EDIT_FACTOR_ROWS = ("full", "target")
 PAPER_SEQ_CHUNK = 100  # CrispEdit-Seq's chunk size (paper, Table "Default hyperparameters"; 3000 edits = 30 rounds)
 MIN_SEQ_ROUNDS = 10  # ... but a small edit set is still cut into about this many rounds
+MAX_REPLAY = 100_000  # earlier edits a round may rehearse, at most
 
 
 def default_seq_chunk(n_edits: int) -> int:
@@ -165,6 +166,13 @@ class SeqConfig(Settings):
         "(default {default}; higher protects earlier rounds' edits more and leaves "
         "later rounds less room)",
     )
+    replay: int = setting(
+        0,
+        metavar="N",
+        help="each sequential round also trains on up to N earlier edits of the stream, a seeded sample drawn "
+        "anew every round, so what earlier rounds taught is rehearsed where later rounds wore it down (a "
+        "replayed edit already held costs its batches a forward); 0: off (default)",
+    )
     carry_optimizer: bool = setting(
         True, help="carry Adam's state across rounds (default; the flag: a fresh Adam state every round)"
     )
@@ -193,6 +201,7 @@ class SeqConfig(Settings):
             raise CrispEditError(
                 f"edit factor rows must be one of {', '.join(EDIT_FACTOR_ROWS)}, got {self.edit_factors!r}"
             )
+        self.replay = check_int("replay (--replay)", self.replay, 0, MAX_REPLAY)
         if self.recompute_drift is not None:
             self.recompute_drift = check_float("recompute drift threshold", self.recompute_drift, 0.0, lo_open=True)
         self.kl_texts = check_positive_int("kl-texts", self.kl_texts)
@@ -215,11 +224,13 @@ class SeqConfig(Settings):
         return bool(ed.needs_curvature and ed.curvature_kind == "kfac")
 
     def identity(self) -> dict:
-        """:meth:`to_json` without the fields that do not change the rounds (``weighting``, ``mix``,
-        ``edit_factors`` and ``edit_gamma`` where :attr:`uses_weighting` is false; an ``edit_gamma`` of ``None`` as the
-        edit γ it stands for): what a reopened session or a resumed compare row is matched on, so an ``ft`` session
-        stored under another default weighting is still the same session."""
+        """:meth:`to_json` without the fields that do not change the rounds (``replay`` in batch mode; ``weighting``,
+        ``mix``, ``edit_factors`` and ``edit_gamma`` where :attr:`uses_weighting` is false; an ``edit_gamma`` of
+        ``None`` as the edit γ it stands for): what a reopened session or a resumed compare row is matched on, so an
+        ``ft`` session stored under another default weighting is still the same session."""
         d = self.to_json()
+        if self.mode == "batch":  # every batch-mode round trains on all the edits so far: nothing to replay
+            d.pop("replay")
         if not self.uses_weighting:
             d.pop("weighting"), d.pop("mix"), d.pop("edit_factors"), d.pop("edit_gamma")
         elif d["edit_gamma"] is None:  # the edit γ, spelled out: the same rounds as that value given explicitly

@@ -41,6 +41,7 @@ _SEQ_KNOBS = (
     ("weighting", "factor weighting {was}, now {now}", "--seq-weighting"),
     ("edit_gamma", "edit-factor gamma {was}, now {now}", "--seq-edit-gamma"),
     ("edit_factors", "edit factors at {was} positions, now {now}", "--seq-edit-factors"),
+    ("replay", "replay of {was} earlier edits, now {now}", "--seq-replay"),
 )
 
 

@@ -221,6 +221,7 @@ def run_sequence(
             config,
             k,
             base_weights=base,
+            earlier=requests[:start],
             capability=capability,
             progress=progress,
             drift_spent=drift_spent(records),

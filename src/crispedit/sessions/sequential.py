@@ -21,6 +21,10 @@ chunks, for a fixed model). The next round's projector is rebuilt from capabilit
 * ``weighting="tokens"``: the authors' code, a token-count-weighted average; the capability corpus
   (thousands of tokens) swamps the edits (tens of tokens each).
 
+With ``replay`` a round also trains on a seeded sample of the stream's earlier edits (:func:`replayed`) beside
+its own: the constraint keeps later rounds away from what earlier rounds' edits need, and rehearsal repairs what
+it lets through. The round's edit factors and record stay its own edits'.
+
 The Adam state is carried across rounds; when the projector changes its first moment is re-projected
 onto the new kept subspace (the authors do the same) so stale momentum cannot push the weights along
 directions that are now constrained. Optionally (``recompute_drift``, paper 0.25) the capability factors
@@ -40,6 +44,7 @@ in memory over consecutive chunks of one edit set by :func:`~crispedit.sessions.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -66,6 +71,7 @@ __all__ = [
     "combine_factors",
     "round_edit_factors",
     "run_round",
+    "replayed",
     "drift_spent",
     "weight_drift",
     "WEIGHTINGS",
@@ -187,6 +193,17 @@ def edit_texts(
     return [s.text for s in sequences_for(tokenizer, requests, config, model)[0]]
 
 
+def replayed(earlier: Sequence[EditRequest], n: int, seed: int, round_index: int) -> list[EditRequest]:
+    """The earlier edits round ``round_index`` rehearses: ``min(n, len(earlier))`` of ``earlier`` (the stream's
+    edits before this round, oldest first), a sample drawn from ``seed`` and the round's index — so a redone round
+    draws the same ones and every round draws others — in stream order."""
+    k = min(max(n, 0), len(earlier))
+    if k == 0:
+        return []
+    picked = random.Random(seed * 1_000_003 + round_index).sample(range(len(earlier)), k)
+    return [earlier[i] for i in sorted(picked)]
+
+
 def accumulate(acc: KFACFactors | None, new: KFACFactors) -> KFACFactors:
     """Exact streaming average (token-weighted): equals one collection over the union on a fixed model."""
     return new if acc is None else acc.merged(new)
@@ -234,6 +251,7 @@ def run_round(
     *,
     base_weights: dict[str, Tensor],
     union: Sequence[EditRequest] | None = None,
+    earlier: Sequence[EditRequest] = (),
     capability: Callable[[], KFACFactors] | None = None,
     progress: bool | None = None,
     drift_spent: float = 0.0,
@@ -245,7 +263,9 @@ def run_round(
     ``base_weights`` hold the parameters the editor changes (:meth:`Editor.changes`, full names).
     ``model``'s changed parameters are set from ``state.weights`` first, so the result depends only on
     (state, requests, config, round_index): an interrupted round redone from the stored state gives
-    the same result. ``union`` (batch mode) is every request so far; ``capability`` recollects the
+    the same result. ``union`` (batch mode) is every request so far; ``earlier`` (sequential mode) the stream's
+    requests before this round, of which ``config.replay`` (:func:`replayed`) train beside ``requests`` — the
+    round's edit factors and its record's edits stay its own; ``capability`` recollects the
     capability factors on the current model (used when ``recompute_drift`` triggers). The prefixes the model
     writes itself (MEMIT's context templates, the ``gen`` context) are the unedited model's in every round
     (:func:`~crispedit.editing.written.prefixes_from` with ``base_weights``).
@@ -281,7 +301,8 @@ def run_round(
     carry = (
         config.carry_optimizer and ec.projection_target != "eigenbasis" and editor.carries_optimizer and not batch
     ) or (editor.carries_state and not batch)
-    train_requests = list(union) if batch else list(requests)
+    rehearsed = [] if batch else replayed(earlier, config.replay, ec.seed, round_index)
+    train_requests = list(union) if batch else list(requests) + rehearsed
     ec, budget = _round_budget(ec, 0.0 if batch else float(drift_spent))
     start = dict(base_weights if batch else state.weights)
     drift_modules = editor.drift_modules(model, layers, ec)  # what state.cap predicts the drift of (LoRA: q/v)
@@ -311,6 +332,8 @@ def run_round(
         "optimizer_carried": outcome.optimizer_carried,
         "projector_kept": {n: v["kept_fraction"] for n, v in outcome.projector_stats.items()},
     }
+    if config.replay:
+        record["replayed"] = len(rehearsed)
     total = predicted_kl(drift_modules, state.cap, base_weights, weights)
     own = predicted_kl(drift_modules, state.cap, start, weights)
     record["kl_predicted"] = None if total is None else total["total"]

@@ -268,6 +268,7 @@ class Session:
                 checkpoint=store.training_file(self.path, k, requests),
                 base_weights=self._base,
                 union=union,
+                earlier=union[: -len(requests)],
                 capability=lambda: self._recollect_capability(),
                 progress=progress,
                 drift_spent=drift_spent(st["rounds"]),
