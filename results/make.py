@@ -627,6 +627,67 @@ def keep_block() -> str:
     )
 
 
+# ----------------------------------------------------------------------------------------- sequential tuning
+SEQ_TUNING = HERE / "seq_tuning_zsre_dev100"
+SEQ_WRAPPERS = ("qa", "chat", "none")
+
+
+def _kept(record: dict) -> float:
+    """The mean over the edited layers of a round record's kept fraction of directions."""
+    kept = record.get("projector_kept") or {}
+    return sum(kept.values()) / len(kept) if kept else float("nan")
+
+
+def seq_tuning_table(d: Path = SEQ_TUNING) -> str:
+    """One row per stored sequential setting under ``d`` (a compare JSON with a ``crispedit-seq`` row, named by the
+    setting) beside batch crispedit on the same edits (``keep_zsre_dev100_100/after.json``): WILD rel per wrapper
+    and teacher-forced rel over all edits, round 1's edits after the last round as a share of what they read after
+    round 1 (teacher-forced / QA wrapper / chat), the kept fraction of directions in the first and last round, KL
+    drift as a multiple of batch's, and the edit's hours."""
+    files = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
+    if not files:
+        return ""
+    batch = _load(KEEP_100 / "after.json")["results"]["crispedit"]
+    lines = [
+        "| setting | WILD qa / chat / none rel | TF rel | round 1 kept: TF / qa / chat | kept directions, first → "
+        "last round | KL drift (× batch) | hours |",
+        "|---|---|---|---|---|---|---|",
+        "| batch crispedit ([`after.json`](keep_zsre_dev100_100/after.json)) | "
+        + " / ".join(f"{batch['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
+        + f" | {batch['summary']['rel']:.2f} | | | {_drift(batch['summary']['kl_drift'])} | |",
+    ]
+    for f in files:
+        r = _load(f)["results"]["crispedit-seq"]
+        first, last = r["retention"][0], r["retention"][-1]
+        held = [last["tf_rel"] / first["tf_rel"] if first["tf_rel"] else float("nan")]
+        held += [last["wild"][w] / first["wild"][w] if first["wild"].get(w) else float("nan") for w in ("qa", "chat")]
+        recs = r["round_records"]
+        drift = r["summary"]["kl_drift"]
+        lines.append(
+            f"| [`{f.stem}`](seq_tuning_zsre_dev100/{f.name}) | "
+            + " / ".join(f"{r['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
+            + f" | {r['summary']['rel']:.2f} | "
+            + " / ".join(f"{h:.2f}" for h in held)
+            + f" | {_kept(recs[0]):.2f} → {_kept(recs[-1]):.2f} | {_drift(drift)} "
+            f"(×{drift / batch['summary']['kl_drift']:.2f}) | {r['edit_seconds'] / 3600:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def seq_tuning_section() -> str:
+    """The results page's section on tuning the sequential mode, when its runs are stored."""
+    table = seq_tuning_table()
+    if not table:
+        return ""
+    return f"""## Tuning the sequential mode
+
+[`seq_tuning_zsre_dev100/`](seq_tuning_zsre_dev100/run.json): crispedit-seq in five rounds of 20 on the tuning slice
+ZsRE dev 100–199 (not the confirming stream's edits), one setting changed from the session defaults per row, beside
+batch crispedit with the same defaults on the same 100 edits. {_run_line(SEQ_TUNING)}
+
+{table}"""
+
+
 # ----------------------------------------------------------------------------------------- sharded memory
 GPU_GIB = (24, 40, 80, 141)  # the device memories the table marks as fitting
 
@@ -770,7 +831,7 @@ against the number of edits (32, 100, 1 000), per method, drawn from the compare
 {_run_line(HERE / "speed")}
 
 {speed_table()}
-## One edit at a time
+{seq_tuning_section()}## One edit at a time
 
 [`edit_latency/`](edit_latency/run.json): `benchmarks/edit_latency.py` — a session fed one ZsRE edit per round in
 one process, each round split into the phases its record holds (the training batches; the preservation term's kept
