@@ -73,9 +73,15 @@ def test_session_flags_give_the_session_config():
     args = build_parser().parse_args(
         base
         + ["--no-carry-optimizer", "--mode", "batch", "--kl-texts", "4", "--edit-gamma", "0.9"]
-        + ["--edit-factors", "target", "--replay", "20"]
+        + ["--edit-factors", "target", "--replay", "20", "--check-earlier", "500"]
     )
     got = SeqConfig(**{**settings_from_args(args, SeqConfig), "edit": config_from_args(args)})
     assert got == SeqConfig(
-        carry_optimizer=False, mode="batch", kl_texts=4, edit_gamma=0.9, edit_factors="target", replay=20
+        carry_optimizer=False,
+        mode="batch",
+        kl_texts=4,
+        edit_gamma=0.9,
+        edit_factors="target",
+        replay=20,
+        check_earlier=500,
     )

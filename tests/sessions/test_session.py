@@ -602,3 +602,39 @@ def test_a_round_with_replay_trains_earlier_edits_beside_its_own(tmp_path, tiny_
     assert r2["replayed"] == 2 and r2["train"]["sequences"] == 6 and r2["n_edits"] == 4
     # accumulated over the rounds: round 2 adds its own 4 edits' tokens (about round 1's), not 6 edits' worth
     assert abs(r2["edit_factor_tokens"] - 2 * r1["edit_factor_tokens"]) < 0.1 * r1["edit_factor_tokens"]
+
+
+def test_checked_earlier_is_bounded_and_spread_over_the_stream():
+    """All earlier edits up to the cap; past it at most ``cap`` of them, evenly spaced from the first (round 1's
+    first edit always among them)."""
+    from crispedit.sessions.session import checked_earlier
+
+    assert checked_earlier(5, 10) == [0, 1, 2, 3, 4] and checked_earlier(0, 10) == []
+    assert checked_earlier(10, 4) == [0, 3, 6, 9]
+    big = checked_earlier(100_000, 1000)
+    assert len(big) == 1000 and big[0] == 0 and big[-1] == 99_900
+
+
+def test_a_round_checks_at_most_check_earlier_earlier_edits(tmp_path, tiny_model_dir, monkeypatch):
+    """With ``check_earlier=2`` round 2 checks its own 4 edits and 2 of round 1's: the record counts the 6 checked,
+    round 1's retention is over those 2; the setting does not change what a reopened session is matched on."""
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    import crispedit.sessions.session as sess_mod
+
+    seen = []
+    real = sess_mod.EditJob
+
+    class Spy(real):
+        def __init__(self, model, tok, requests, *a, **k):
+            seen.append([r.prompt for r in requests])
+            super().__init__(model, tok, requests, *a, **k)
+
+    monkeypatch.setattr(sess_mod, "EditJob", Spy)
+    cfg = _config(edit={"epochs": 2, "contexts": "bare"}, check_earlier=2)
+    assert cfg.identity() == _config(edit={"epochs": 2, "contexts": "bare"}).identity()
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), cfg, progress=False)
+    for reqs in ROUNDS:
+        s.add(reqs, plot=False)
+    r1, r2 = s.status()["rounds"]
+    assert "checked_edits" not in r1 and r2["checked_edits"] == 6 and set(r2["retention"]) == {"1", "2"}
+    assert seen[-1] == [ROUNDS[0][0].prompt, ROUNDS[0][2].prompt] + [r.prompt for r in ROUNDS[1]]

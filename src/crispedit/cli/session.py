@@ -210,7 +210,7 @@ def add_cli(sub) -> None:
     )
     add_training_args(i)  # --method (lora: LoRA-Seq, a fresh adapter merged every round), training flags
     add_max_drift_arg(i, session=True)
-    add_settings_args(i, SeqConfig, ["kl_text", "kl_texts"])
+    add_settings_args(i, SeqConfig, ["kl_text", "kl_texts", "check_earlier"])
     i.add_argument("--cache", default=None, help="capability curvature cache file (checked against the model)")
     i.add_argument("--quiet", action="store_true")
     i.set_defaults(func=cmd_init)

@@ -184,6 +184,13 @@ class SeqConfig(Settings):
     )
     kl_text: str | None = setting(None, help="held-out text for KL drift (default: bundled WikiText sample)")
     kl_texts: int = setting(32, help="held-out texts for KL drift (default {default})")
+    check_earlier: int = setting(
+        1000,
+        metavar="N",
+        help="earlier edits a session round checks (teacher-forced) besides its own, at most: past N, an evenly "
+        "spaced N of them, round 1's first edit among them, so a round's check stays bounded however long the "
+        "session grows (default {default})",
+    )
 
     def validate(self) -> SeqConfig:
         """Check every field (one-line errors), normalise types, return ``self``."""
@@ -205,6 +212,7 @@ class SeqConfig(Settings):
         if self.recompute_drift is not None:
             self.recompute_drift = check_float("recompute drift threshold", self.recompute_drift, 0.0, lo_open=True)
         self.kl_texts = check_positive_int("kl-texts", self.kl_texts)
+        self.check_earlier = check_positive_int("check-earlier", self.check_earlier)
         return self
 
     @property
@@ -224,11 +232,12 @@ class SeqConfig(Settings):
         return bool(ed.needs_curvature and ed.curvature_kind == "kfac")
 
     def identity(self) -> dict:
-        """:meth:`to_json` without the fields that do not change the rounds (``replay`` in batch mode; ``weighting``,
-        ``mix``, ``edit_factors`` and ``edit_gamma`` where :attr:`uses_weighting` is false; an ``edit_gamma`` of
-        ``None`` as the edit γ it stands for): what a reopened session or a resumed compare row is matched on, so an
-        ``ft`` session stored under another default weighting is still the same session."""
+        """:meth:`to_json` without the fields that do not change the rounds (``check_earlier``; ``replay`` in batch
+        mode; ``weighting``, ``mix``, ``edit_factors`` and ``edit_gamma`` where :attr:`uses_weighting` is false; an
+        ``edit_gamma`` of ``None`` as the edit γ it stands for): what a reopened session or a resumed compare row is
+        matched on, so an ``ft`` session stored under another default weighting is still the same session."""
         d = self.to_json()
+        d.pop("check_earlier")  # what a round checks afterwards, not what it trains
         if self.mode == "batch":  # every batch-mode round trains on all the edits so far: nothing to replay
             d.pop("replay")
         if not self.uses_weighting:

@@ -67,7 +67,7 @@ from .files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, 
 from .plot import plot_retention
 from .sequential import SeqConfig, SeqState, drift_spent, run_round, weight_drift
 
-__all__ = ["Session", "SESSION_FORMAT"]
+__all__ = ["Session", "SESSION_FORMAT", "checked_earlier"]
 
 PLOT_FILE = "retention.png"
 
@@ -438,19 +438,30 @@ class Session:
         return factors
 
     def _evaluate(self, rounds: list[list[EditRequest]], progress: bool | None) -> dict:
-        """Teacher-forced reliability of every round's edits so far, and KL drift from the base (the job layer's
-        measures, without free generation)."""
+        """Teacher-forced reliability of the round's edits and of the earlier rounds' (all of them, or past
+        ``check_earlier`` an evenly spaced sample: :func:`checked_earlier`), per round, and KL drift from the base
+        (the job layer's measures, without free generation). A round none of whose edits were checked gets no
+        retention entry; ``rel_all`` is over the edits checked, which the record counts (``checked_edits``) when
+        they are a sample."""
         measures = Measures(wild=(), assistant=False, kl_text=self.config.kl_text, kl_texts=self.config.kl_texts)
+        owner = [j for j, reqs in enumerate(rounds, 1) for _ in reqs]  # the round of every edit so far
         union = [r for reqs in rounds for r in reqs]
-        ev = EditJob(self._model, self._tok, union, self.config.edit, measures, progress).evaluate(self._base)
-        retention, start = {}, 0
-        for j, reqs in enumerate(rounds, 1):
-            s = summarize_edit_scores(ev["per_edit"][start : start + len(reqs)])
-            start += len(reqs)
+        picked = checked_earlier(len(union) - len(rounds[-1]), self.config.check_earlier)
+        picked += range(len(union) - len(rounds[-1]), len(union))  # the round's own edits, every one
+        checked = [union[i] for i in picked]
+        ev = EditJob(self._model, self._tok, checked, self.config.edit, measures, progress).evaluate(self._base)
+        by_round: dict[int, list] = {}
+        for i, score in zip(picked, ev["per_edit"]):
+            by_round.setdefault(owner[i], []).append(score)
+        retention = {}
+        for j, scores in by_round.items():
+            s = summarize_edit_scores(scores)
             retention[str(j)] = {"rel": s["rel"], "gen": s["gen"], "rel_token_acc": s["rel_token_acc"]}
         summary = ev["summary"]
         weights = {n: parameter(self._model, n).detach().cpu() for n in self._base}
+        sampled = {"checked_edits": len(checked)} if len(checked) < len(union) else {}
         return {
+            **sampled,
             "rel": retention[str(len(rounds))]["rel"],
             "gen": retention[str(len(rounds))]["gen"],
             "rel_all": summary["rel"],
@@ -461,6 +472,14 @@ class Session:
             "ppl_base": summary["ppl_base"],
             "weight_drift": {n: round(v, 6) for n, v in weight_drift(weights, self._base).items()},
         }
+
+
+def checked_earlier(n_earlier: int, cap: int) -> list[int]:
+    """Which of a session's ``n_earlier`` earlier edits (stream order) a round checks: all of them, or past ``cap``
+    every ``ceil(n_earlier / cap)``-th from the first — at most ``cap``, spread over every round, the same edits for
+    every round while the count per stride holds."""
+    stride = max(1, -(-n_earlier // max(cap, 1)))
+    return list(range(0, n_earlier, stride))
 
 
 def _diff_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
