@@ -59,8 +59,8 @@ def record(model, tokenizer, requests, config) -> dict:
         sources.append(real_source(*a, **k))
         return sources[-1]
 
-    def end_epoch(self, hist, losses, pending=()):
-        mean, values = real_end(self, hist, losses, pending)
+    def end_epoch(self, hist, losses, *rest):
+        mean, values = real_end(self, hist, losses, *rest)  # the hooks' values and the greedy check, as the loop gave
         cfg = self.config
         t0 = time.perf_counter()
         rows = sequence_losses(model, sources[-1].batches)
