@@ -188,8 +188,8 @@ class SeqConfig(Settings):
         1000,
         metavar="N",
         help="earlier edits a session round checks (teacher-forced) besides its own, at most: past N, an evenly "
-        "spaced N of them, round 1's first edit among them, so a round's check stays bounded however long the "
-        "session grows (default {default})",
+        "spaced N of them from the session's first edit on, so the check costs the same in a session of any "
+        "length (default {default})",
     )
 
     def validate(self) -> SeqConfig:
