@@ -638,23 +638,31 @@ def _kept(record: dict) -> float:
     return sum(kept.values()) / len(kept) if kept else float("nan")
 
 
+def _assistant_cells(r: dict) -> str:
+    """A row's chat length (× the base's) and subject bleed (target in the answer, percent) as two table cells."""
+    st, bl = _style(r)
+    return f"×{st['length_ratio']:.2f} | {_pct(bl['target'])} %" if st and bl else "– | –"
+
+
 def seq_tuning_table(d: Path = SEQ_TUNING) -> str:
     """One row per stored sequential setting under ``d`` (a compare JSON with a ``crispedit-seq`` row, named by the
     setting) beside batch crispedit on the same edits (``keep_zsre_dev100_100/after.json``): WILD rel per wrapper
     and teacher-forced rel over all edits, round 1's edits after the last round as a share of what they read after
     round 1 (teacher-forced / QA wrapper / chat), the kept fraction of directions in the first and last round, KL
-    drift as a multiple of batch's, and the edit's hours."""
+    drift as a multiple of batch's, the chat answers' length (× the base's) and the subject bleed (target in the
+    answer, percent), and the edit's hours."""
     files = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
     if not files:
         return ""
     batch = _load(KEEP_100 / "after.json")["results"]["crispedit"]
     lines = [
         "| setting | WILD qa / chat / none rel | TF rel | round 1 kept: TF / qa / chat | kept directions, first → "
-        "last round | KL drift (× batch) | hours |",
-        "|---|---|---|---|---|---|---|",
+        "last round | KL drift (× batch) | chat length | bleed | hours |",
+        "|---|---|---|---|---|---|---|---|---|",
         "| batch crispedit ([`after.json`](keep_zsre_dev100_100/after.json)) | "
         + " / ".join(f"{batch['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
-        + f" | {batch['summary']['rel']:.2f} | | | {_drift(batch['summary']['kl_drift'])} | |",
+        + f" | {batch['summary']['rel']:.2f} | | | {_drift(batch['summary']['kl_drift'])} | "
+        + f"{_assistant_cells(batch)} | |",
     ]
     for f in files:
         r = _load(f)["results"]["crispedit-seq"]
@@ -669,7 +677,7 @@ def seq_tuning_table(d: Path = SEQ_TUNING) -> str:
             + f" | {r['summary']['rel']:.2f} | "
             + " / ".join(f"{h:.2f}" for h in held)
             + f" | {_kept(recs[0]):.2f} → {_kept(recs[-1]):.2f} | {_drift(drift)} "
-            f"(×{drift / batch['summary']['kl_drift']:.2f}) | {r['edit_seconds'] / 3600:.2f} |"
+            f"(×{drift / batch['summary']['kl_drift']:.2f}) | {_assistant_cells(r)} | {r['edit_seconds'] / 3600:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -685,7 +693,8 @@ def seq_tuning_section() -> str:
 ZsRE dev 100–199 (not the confirming stream's edits), one setting changed from the session defaults per row, beside
 batch crispedit with the same defaults on the same 100 edits. {_run_line(SEQ_TUNING)}
 
-{table}"""
+{table}
+"""
 
 
 # ----------------------------------------------------------------------------------------- sharded memory
