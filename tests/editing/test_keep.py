@@ -17,6 +17,7 @@ from crispedit.editing.keep import (
     keep_prompts,
     keep_sequences,
     keep_term,
+    kept_rows,
 )
 from crispedit.editing.sources import training_batches
 from crispedit.errors import CrispEditError
@@ -85,8 +86,9 @@ def test_keep_sequences_leave_out_answers_naming_the_edit(chat_lm, monkeypatch, 
     seqs = keep_sequences(model, tok, REQS, 2, 1, max_tokens=7)
     assert asked == [7, 7]  # the answers are cut where the setting says (subject questions, then chat prompts)
     assert [s.request for s in seqs] == [0, 0, 2, 3, 4]  # two chat prompts (request 0 by convention), edits 2-4
+    assert [s.context for s in seqs] == ["keep-chat"] * 2 + ["keep-subject"] * 3
     for s in seqs:
-        assert s.context == "keep" and 0 < s.n_context < len(s.ids)
+        assert 0 < s.n_context < len(s.ids)
         assert tok.decode(s.ids[s.n_context :]).strip().endswith("else entirely.")
 
 
@@ -265,8 +267,27 @@ def test_crispedit_holds_the_answers_by_default_and_the_baselines_do_not():
     assert EditConfig(method="ft", keep_chat=5).keep_chat == 5
 
 
-@pytest.mark.parametrize("per_step,want", [(1, 1), (3, 3), (100, KEEP_BATCH)])
-def test_keep_batches_follow_the_edit_batches_up_to_the_cap(chat_lm, iso_cache, per_step, want):
+@pytest.mark.parametrize(
+    "n_chat,n_subject,per_step,want",
+    [
+        (75, 4, 2, (2, 1)),  # one edit: its subject questions at every step, the everyday answers as before
+        (75, 128, 8, (3, 5)),  # the counts' proportion where the subjects already take half
+        (75, 400, 8, (1, 7)),
+        (75, 16, 8, (7, 4)),  # a few edits: the subjects take half
+        (75, 0, 8, (8, 0)),  # one kind: all its own
+        (0, 4, 8, (0, 4)),  # never more than a kind has
+        (3, 1, 8, (3, 1)),
+        (75, 4, 1, (1, 1)),
+    ],
+)
+def test_kept_rows_share_a_step_and_hold_the_subjects_at_least_half(n_chat, n_subject, per_step, want):
+    assert kept_rows(n_chat, n_subject, per_step) == want
+
+
+@pytest.mark.parametrize("per_step", [1, 3, 100])
+def test_keep_batches_follow_the_edit_batches_up_to_the_cap(chat_lm, iso_cache, per_step):
+    """A step holds one batch of each kind, of kept_rows of the edit batches' mean size (capped): every transcript
+    is in one batch, and every subject batch comes round within a cycle of the subject kind alone."""
     import contextlib
 
     model, tok = chat_lm
@@ -283,8 +304,33 @@ def test_keep_batches_follow_the_edit_batches_up_to_the_cap(chat_lm, iso_cache, 
         processes=1,
         split=False,
         per_step=per_step,
-    )
-    rows = [b.input_ids.shape[0] for b in term.keep.batches]
-    assert (
-        term.keep.batch_size == want and max(rows) == want and sum(rows) == len(keep_sequences(model, tok, REQS, 8, 2))
-    )
+    ).keep
+    kept = keep_sequences(model, tok, REQS, 8, 2)
+    n_chat = sum(s.context == "keep-chat" for s in kept)
+    rows = kept_rows(n_chat, len(kept) - n_chat, min(per_step, KEEP_BATCH))
+    chat, subject = (max(term.batches[j].input_ids.shape[0] for j in c) for c in term.cycles)
+    assert (chat, subject) == rows and term.batch_size == sum(rows)
+    assert sum(b.input_ids.shape[0] for b in term.batches) == len(kept)
+    steps = len(term.cycles[1])
+    assert steps <= len(term) and len({term.cycles[1][k % steps] for k in range(steps)}) == steps
+
+
+def test_one_edit_holds_its_subject_answers_at_every_step(chat_lm, iso_cache):
+    """With one edit among many everyday prompts, every step's term reads a subject transcript of that edit."""
+    model, tok = chat_lm
+    kept = keep_sequences(model, tok, REQS[:1], 8, 2)
+    term = KeepLoss(model, tok, kept, _params(model), 1.0, batch_size=2)
+    subject = set(term.cycles[1])
+    assert len(term.cycles) == 2 and len(term.cycles[0]) > 1
+    seen = []
+    real = term.loss_fn
+
+    def spy(j):
+        seen.append(j)
+        return real(j)
+
+    term.loss_fn = spy
+    with torch.no_grad():
+        for step in range(5):
+            term(step)
+    assert all(any(j in subject for j in seen[2 * k : 2 * k + 2]) for k in range(5))

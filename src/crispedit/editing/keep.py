@@ -14,10 +14,14 @@ model answers, greedily through its chat template, at most ``keep_tokens`` token
   worded apart from the evaluation's subject probes. An answer that names the edit's old or new answer is left
   out: there, changing is the edit's job.
 
-Every training step then adds ``keep_weight ×`` the mean, over the answer tokens of one batch of these
-transcripts (the batches taken in turn; a batch holds as many transcripts as an edit batch holds sequences on
-average, at most :data:`KEEP_BATCH`, so that a small edit's steps — one fact's few contexts — are not mostly the
-term's), of ``max(0, NLL_now − NLL_before)``: a hinge per token that is zero
+Every training step then adds ``keep_weight ×`` the mean, over the answer tokens of one batch of the everyday
+answers and one of the subject answers (each kind's batches taken in turn), of ``max(0, NLL_now − NLL_before)``.
+A step holds about as many transcripts as an edit batch holds sequences on average (at most :data:`KEEP_BATCH`),
+so that a small edit's steps — one fact's few contexts — are not mostly the term's; they are shared between the
+two kinds in proportion to their counts, except that the subject answers take at least half
+(:func:`kept_rows`): one edit's four subject questions beside the everyday prompts are then held at every step,
+not once in a cycle through all the transcripts — with few edits, each trains for many steps and would otherwise
+carry its new answer into every question about its subject. The hinge per token is zero
 while no answer token has become less likely than the unedited model made it, so the term costs nothing the
 edit does not disturb and pulls back exactly the tokens it does. The gradient joins the edit loss's before the
 projection. The stop and skip rules read the edit loss alone.
@@ -43,6 +47,8 @@ __all__ = [
     "KEEP_TOKENS",
     "KEEP_SUBJECTS",
     "KEEP_BATCH",
+    "KEEP_KINDS",
+    "kept_rows",
     "keep_prompts",
     "keep_sequences",
     "KeepLoss",
@@ -53,6 +59,20 @@ __all__ = [
 KEEP_TOKENS = 24  # tokens of each unedited answer kept by default: its form shows in the first few
 KEEP_SUBJECTS = 128  # edits whose subject is asked about, at most (evenly spread over a larger edit set)
 KEEP_BATCH = 8  # transcripts per training step at most: a small batch, so the term adds little to a step
+KEEP_KINDS = ("keep-chat", "keep-subject")  # the context kinds of the everyday and the subject transcripts
+
+
+def kept_rows(n_chat: int, n_subject: int, per_step: int) -> tuple[int, int]:
+    """Transcripts a training step holds of the everyday answers and of the subject answers, of ``n_chat`` and
+    ``n_subject`` kept: ``per_step`` shared in proportion to the counts (what one mixed cycle gives on average),
+    each kind present at least one, the subject answers at least half of ``per_step`` (rounded up) — never more
+    than a kind has."""
+    if n_chat <= 0 or n_subject <= 0:
+        return min(per_step, max(n_chat, 0)), min(per_step, max(n_subject, 0))
+    share = n_subject / (n_chat + n_subject)
+    subject = max(-(-per_step // 2), round(per_step * share))
+    chat = max(1, round(per_step * (1.0 - share)))
+    return min(chat, n_chat), min(subject, n_subject)
 
 
 def keep_prompts(requests: Sequence[EditRequest], keep_chat: int, keep_subject: int) -> list[tuple[int, str]]:
@@ -85,7 +105,8 @@ def keep_sequences(
     """The transcripts whose answer tokens the preservation term holds (:func:`keep_prompts`, answered greedily by
     ``model`` — pass it unedited; under :func:`~.written.prefixes_from` the unedited weights are put in while it
     writes — through its chat template, or the bare prompt without one; at most ``max_tokens`` tokens each):
-    context kind ``"keep"``, the prompt as context and the answer as target. The everyday prompts' answers are
+    context kind ``"keep-chat"`` (an everyday prompt, request 0 by convention) or ``"keep-subject"`` (a question
+    about request ``i``'s subject), the prompt as context and the answer as target. The everyday prompts' answers are
     written apart from the subject questions' and cached by the weights that wrote them (:mod:`.written`), so
     later edits of the same model read them back. Subject answers that name their edit's old or new answer
     (:func:`~crispedit.evaluation.judges.mentions`) and empty answers are left out."""
@@ -116,13 +137,14 @@ def keep_sequences(
             continue
         full = ctx + answer if templated else f"{ctx} {answer.lstrip()}"
         ids, n = split_context_target(tokenizer, ctx, full, add_special_tokens=not templated)
-        out.append(TrainingSequence("keep", max(i, 0), ids, n, full))
+        out.append(TrainingSequence(KEEP_KINDS[i >= 0], max(i, 0), ids, n, full))
     return out
 
 
 class KeepLoss:
-    """The preservation term over ``sequences`` (:func:`keep_sequences`, in batches of ``batch_size`` by length):
-    ``term(step)`` is ``weight ×`` the mean over the answer tokens of batch ``step mod len(batches)`` of
+    """The preservation term over ``sequences`` (:func:`keep_sequences`): each kind's transcripts (everyday,
+    subject) in batches by length of :func:`kept_rows` of ``batch_size`` — the transcripts a step holds. ``term(step)``
+    is ``weight ×`` the mean, over the answer tokens of each kind's batch ``step mod`` (its number of batches), of
     ``max(0, NLL − NLL at construction)`` — a 0-d tensor (nats/token) with a gradient for the trained ``params``.
     Construct it with the weights the edit starts from. Every process computes the whole term (under ``--shard``
     every process must run the same forwards); the loop divides it by the number of processes before their
@@ -145,8 +167,16 @@ class KeepLoss:
         from .fastpath import make_loss_fn
 
         device = device or next(model.parameters()).device
-        self.weight, self.batch_size = float(weight), int(batch_size)
-        self.batches = [b.to(device) for b in training_batches(tokenizer, sequences, batch_size, by_length=True)]
+        self.weight = float(weight)
+        kinds = [[s for s in sequences if s.context == kind] for kind in KEEP_KINDS]
+        self.rows = kept_rows(len(kinds[0]), len(kinds[1]), int(batch_size))
+        self.batch_size = sum(self.rows)  # transcripts a step holds
+        self.batches, self.cycles = [], []  # every batch; per kind, the indices of its batches in turn
+        for seqs, rows in zip(kinds, self.rows):
+            if seqs:
+                kind = training_batches(tokenizer, seqs, rows, by_length=True)
+                self.cycles.append(range(len(self.batches), len(self.batches) + len(kind)))
+                self.batches += [b.to(device) for b in kind]
         # batches of equal lengths (sorted by length) have no padding: masked anyway, so no step reads back; the
         # hinge compares each token with itself at construction, so the terms may come in the packed order
         self.loss_fn = make_loss_fn(
@@ -161,7 +191,8 @@ class KeepLoss:
             model.train(was_training)
 
     def __len__(self) -> int:
-        return len(self.batches)
+        """Steps until every batch has been taken once (the longer kind's cycle)."""
+        return max((len(c) for c in self.cycles), default=0)
 
     def tokens(self) -> int:
         """Answer tokens over all batches (one pass)."""
@@ -172,8 +203,8 @@ class KeepLoss:
 
         if not self.batches:
             return None
-        j = step % len(self.batches)
-        return self.weight * torch.relu(self.loss_fn(j) - self.before[j]).mean()
+        held = [cycle[step % len(cycle)] for cycle in self.cycles]
+        return self.weight * torch.cat([torch.relu(self.loss_fn(j) - self.before[j]) for j in held]).mean()
 
 
 class KeepTerm(LoopHook):
