@@ -431,6 +431,27 @@ def stop_rule_line() -> str:
     )
 
 
+def two_threads_line() -> str:
+    """A sentence on the one-edit rounds run on both cores with nothing else running (``two_threads_fp32.json``,
+    ``two_threads_bf16.json``, one after the other): the second round of each (the first also wrote what later
+    rounds read from the cache), its phases and its ratio to the target."""
+    runs = {r: LATENCY / f"two_threads_{r}.json" for r in ("fp32", "bf16")}
+    if not all(f.exists() for f in runs.values()):
+        return ""
+    target = _load(runs["fp32"])["target"]
+    fp32, bf16 = (_load(runs[r])["rounds"][1] for r in ("fp32", "bf16"))
+    a, b = fp32["phases"], bf16["phases"]
+    return (
+        f"On both cores with nothing else running, a one-edit round (the second of a session) took {fp32['wall']:.1f} s "
+        f"({fp32['wall'] / target:.1f}× the {target:g} s target): the kept answers {a['keep']:.1f} s, training {a['train']:.1f} s "
+        f"over {fp32['steps']} steps ({a['train'] / fp32['steps']:.2f} s a step), the evaluation {a['evaluate']:.1f} s "
+        f"and the rest {a['batches'] + a['factors'] + a['other']:.1f} s; under bf16 autocast {bf16['wall']:.1f} s "
+        f"(training {b['train']:.1f} s over {bf16['steps']} steps, {b['train'] / bf16['steps']:.2f} s a step). "
+        "Training alone takes more than the target: a step is a forward and backward pass through the 135M-parameter "
+        "model on the edit's sequences and the kept answers, and an edit takes tens of steps.\n"
+    )
+
+
 def speed_facts() -> dict:
     """The ratios the README's Speed section quotes, from the stored benchmarks."""
     share = _load(HERE / "speed" / "bench_share_smollm2_100.json")
@@ -849,6 +870,7 @@ so far and the KL drift from the base), seconds, and the round's wall time over 
 {_run_line(LATENCY)}
 
 {latency_table()}
+{two_threads_line()}
 Runs made with `--evaluate` then measure what their rounds left, on the final model over every round's edit (WILD
 free generation, the chat answers' form, subject bleed through three probes per edit, KL drift from the base):
 
