@@ -442,8 +442,9 @@ def two_threads_line() -> str:
     fp32, bf16 = (_load(runs[r])["rounds"][1] for r in ("fp32", "bf16"))
     a, b = fp32["phases"], bf16["phases"]
     return (
-        f"On both cores with nothing else running, a one-edit round (the second of a session) took {fp32['wall']:.1f} s "
-        f"({fp32['wall'] / target:.1f}× the {target:g} s target): the kept answers {a['keep']:.1f} s, training {a['train']:.1f} s "
+        "On both cores with nothing else running, a one-edit round (the second of a session) took "
+        f"{fp32['wall']:.1f} s ({fp32['wall'] / target:.1f}× the {target:g} s target): the kept answers "
+        f"{a['keep']:.1f} s, training {a['train']:.1f} s "
         f"over {fp32['steps']} steps ({a['train'] / fp32['steps']:.2f} s a step), the evaluation {a['evaluate']:.1f} s "
         f"and the rest {a['batches'] + a['factors'] + a['other']:.1f} s; under bf16 autocast {bf16['wall']:.1f} s "
         f"(training {b['train']:.1f} s over {bf16['steps']} steps, {b['train'] / bf16['steps']:.2f} s a step). "
