@@ -431,6 +431,40 @@ def stop_rule_line() -> str:
     )
 
 
+def subject_rows_line() -> str:
+    """A sentence on the preservation term's subject answers held at every step of a one-edit round: the final model's
+    subject bleed, WILD reach, chat answers' length and KL drift before and after, on the tuning slice
+    (``stop_loss.json`` against ``subject_rows.json``) and on held-out edits (``heldout_before.json`` against
+    ``heldout_subject_rows.json``, run side by side)."""
+    pairs = [("stop_loss", "subject_rows"), ("heldout_before", "heldout_subject_rows")]
+    if not all((LATENCY / f"{f}.json").exists() for pair in pairs for f in pair):
+        return ""
+
+    def side(name: str) -> dict:
+        return _load(LATENCY / f"{name}.json")["final"]["summary"]
+
+    def slice_of(name: str) -> str:
+        _, offset, n = _load(LATENCY / f"{name}.json")["edits"].rsplit(":", 2)
+        return f"ZsRE dev {offset}–{int(offset) + int(n) - 1}"
+
+    def compare(before: dict, after: dict) -> str:
+        wild = [" / ".join(f"{x[f'wild_{w}_rel']:.2f}" for w in ("qa", "chat", "none")) for x in (before, after)]
+        return (
+            f"bleed {before['bleed_target']:.3f} → {after['bleed_target']:.3f}, WILD qa / chat / none {wild[0]} → "
+            f"{wild[1]}, chat length ×{before['style_length_ratio']:.2f} → ×{after['style_length_ratio']:.2f}, "
+            f"KL drift {_drift(before['kl_drift'])} → {_drift(after['kl_drift'])}"
+        )
+
+    (tb, ta), (hb, ha) = ((side(a), side(b)) for a, b in pairs)
+    return (
+        "With the subject answers at least half of every step's kept transcripts (one edit's subject then held at "
+        f"every step), the final model of the one-edit rounds read, on the tuning slice ({slice_of('subject_rows')}, "
+        f"`stop_loss.json` → `subject_rows.json`): {compare(tb, ta)}; on {ha['n_edits']} held-out edits "
+        f"({slice_of('heldout_subject_rows')}, `heldout_before.json` → `heldout_subject_rows.json`): "
+        f"{compare(hb, ha)}.\n"
+    )
+
+
 def two_threads_line() -> str:
     """A sentence on the one-edit rounds run on both cores with nothing else running (``two_threads_fp32.json``,
     ``two_threads_bf16.json``, one after the other): the second round of each (the first also wrote what later
@@ -877,6 +911,7 @@ free generation, the chat answers' form, subject bleed through three probes per 
 
 {latency_final_table()}
 {stop_rule_line()}
+{subject_rows_line()}
 ## Eigendecompositions: float64 against float32
 
 [`eigh/`](eigh/run.json): what decomposing the K-FAC factors in float64 (every device) costs and buys against
