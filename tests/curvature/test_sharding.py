@@ -107,8 +107,10 @@ def one_process_edit(tiny_model_dir, tmp_path_factory):
 
 
 def assert_same_edit(out: Path, one_process_edit, resumed_at: int | None = None) -> None:
-    """Both processes' results in ``out`` equal the one-process edit: the same steps, skips and epoch losses (to
-    1e-9 relative), and weights within 1e-5 of the largest weight change: float64 training, but the projection
+    """Both processes' results in ``out`` equal the one-process edit: the same steps, skips and epoch losses (as the
+    reports round them, to six decimals: within one unit of the last, since a difference far below it can still
+    fall either side of a rounding boundary), and weights within 1e-5 of the largest weight change: float64
+    training, but the projection
     runs in float32 on gradients summed in another order, and Adam divides each element by its own running
     scale, so an element whose projected gradient is near zero carries that float32 round-off into a full-size
     step."""
@@ -122,7 +124,12 @@ def assert_same_edit(out: Path, one_process_edit, resumed_at: int | None = None)
         )
         assert h["steps"] > 0 and h["skipped_batches"] > 0  # the case exercises both
         assert h.get("resumed_at_epoch") == resumed_at
-        torch.testing.assert_close(torch.tensor(h["epoch_loss"]), torch.tensor(hist["epoch_loss"]), rtol=1e-9, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(h["epoch_loss"], dtype=torch.float64),
+            torch.tensor(hist["epoch_loss"], dtype=torch.float64),
+            rtol=0,
+            atol=1.0001e-6,
+        )
         assert (
             set(got)
             == set(edited)

@@ -16,14 +16,14 @@ model answers, greedily through its chat template, at most ``keep_tokens`` token
 
 Every training step then adds ``keep_weight ×`` the mean, over the answer tokens of one batch of the everyday
 answers and one of the subject answers (each kind's batches taken in turn), of ``max(0, NLL_now − NLL_before)``.
-A step holds about as many transcripts as an edit batch holds sequences on average (at most :data:`KEEP_BATCH`),
-so that a small edit's steps — one fact's few contexts — are not mostly the term's; they are shared between the
-two kinds in proportion to their counts, except that the subject answers take at least half
-(:func:`kept_rows`): one edit's four subject questions beside the everyday prompts are then held at every step,
-not once in a cycle through all the transcripts — with few edits, each trains for many steps and would otherwise
-carry its new answer into every question about its subject. The hinge per token is zero
-while no answer token has become less likely than the unedited model made it, so the term costs nothing the
-edit does not disturb and pulls back exactly the tokens it does. The gradient joins the edit loss's before the
+A step's share is as many transcripts as an edit batch holds sequences on average (at most :data:`KEEP_BATCH`),
+so that a small edit's steps — one fact's few contexts — are not mostly the term's; it is split between the two
+kinds in proportion to their counts, each at least one, and the subject answers are topped up to at least half of
+it (:func:`kept_rows`; a step may then hold a few more): one edit's four subject questions beside the everyday
+prompts are then held at every step, not once in a cycle through all the transcripts — with few edits, each trains
+for many steps and would otherwise carry its new answer into every question about its subject. The hinge per token
+is zero while no answer token has become less likely than the unedited model made it, so the term costs nothing
+the edit does not disturb and pulls back exactly the tokens it does. The gradient joins the edit loss's before the
 projection. The stop and skip rules read the edit loss alone.
 """
 
