@@ -110,10 +110,9 @@ def assert_same_edit(out: Path, one_process_edit, resumed_at: int | None = None)
     """Both processes' results in ``out`` equal the one-process edit: the same steps, skips and epoch losses (as the
     reports round them, to six decimals: within one unit of the last, since a difference far below it can still
     fall either side of a rounding boundary), and weights within 1e-5 of the largest weight change: float64
-    training, but the projection
-    runs in float32 on gradients summed in another order, and Adam divides each element by its own running
-    scale, so an element whose projected gradient is near zero carries that float32 round-off into a full-size
-    step."""
+    training, but the projection runs in float32 on gradients summed in another order, and Adam divides each
+    element by its own running scale, so an element whose projected gradient is near zero carries that float32
+    round-off into a full-size step."""
     base, edited, hist = one_process_edit
     for r in (0, 1):
         got, h = read(out / f"rank{r}_edit.safetensors"), json.loads((out / f"rank{r}_edit.json").read_text())
