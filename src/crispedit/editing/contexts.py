@@ -50,7 +50,9 @@ A new training context is one function registered with :func:`training_context` 
 *Answer termination* (``EditConfig.answer_end``): the target is followed by what ends an answer in that
 context, and that end is trained too, so free generation states the new fact and stops. ``auto``
 (default): the chat template's end-of-turn (e.g. ``<|im_end|>``) for ``chat``, a period for ``bare``
-and ``prefix`` (none added when the target already ends in ``.!?``). ``eos``: the tokenizer's EOS
+and ``prefix`` (none added when the target already ends in ``.!?``). ``period``: a period in every context, the
+chat reply's too, and no end of turn trained anywhere, so a chat answer that states the target goes on as the
+model's own answer would (``auto`` teaches "bare target, end of turn" to every chat question). ``eos``: the tokenizer's EOS
 instead of the period — worse on SmolLM2-Instruct, whose EOS is its end-of-turn token (measured in
 docs/contexts.md). ``none``: the target alone (the paper's FT-M).
 """
@@ -130,7 +132,7 @@ ANSWER_LEADS = (
     "{question}\nSolution: ",
     "{question}\nOutput: ",
 )
-ANSWER_ENDS = ("auto", "eos", "none")
+ANSWER_ENDS = ("auto", "period", "eos", "none")
 DEFAULT_CONTEXTS = "bare,chat,prefix:2,lead:4"
 
 
@@ -234,7 +236,17 @@ class TrainingSequence:
     text: str  # context + target as text (what the sequence says; for reports and edit factors)
 
 
-def _chat_rows(tokenizer, prompt: str, target: str, end: bool) -> tuple[list[int], int, str]:
+def _full_stop(target: str) -> str:
+    """``target`` ending in a sentence's end: a period added unless it already ends in ``.``, ``!`` or ``?``."""
+    return target if target.rstrip()[-1:] in (".", "!", "?") else target.rstrip() + "."
+
+
+def _chat_rows(tokenizer, prompt: str, target: str, end: str) -> tuple[list[int], int, str]:
+    """The chat sequence of ``prompt`` answered by ``target``, then ``end``: ``"turn"`` the template's end of turn,
+    ``"period"`` a full stop and nothing after it (the answer goes on as the model's own), ``"none"`` nothing.
+    Returns ``(ids, n_context, text)``."""
+    if end == "period":
+        target = _full_stop(target)
     ctx, rendered = chat_turn(tokenizer, prompt, None), chat_turn(tokenizer, prompt, target)
     rest = rendered[len(ctx) :]
     k = rest.find(target)
@@ -244,7 +256,7 @@ def _chat_rows(tokenizer, prompt: str, target: str, end: bool) -> tuple[list[int
         full = ctx + target
     else:
         # the reply and, if asked, the template's end of turn (its trailing whitespace dropped)
-        full = ctx + rest[: k + len(target)] + (rest[k + len(target) :].rstrip() if end else "")
+        full = ctx + rest[: k + len(target)] + (rest[k + len(target) :].rstrip() if end == "turn" else "")
     ids, n = split_context_target(tokenizer, ctx, full, add_special_tokens=False)
     return ids, n, full
 
@@ -276,9 +288,7 @@ class SequenceMaker:
     def plain(self, i: int, kind: str, ctx: str, target: str, sep: str = " ") -> TrainingSequence:
         """The ``kind`` sequence of request ``i``: ``ctx + sep + target`` (under ``auto`` a target without a final
         ``.``/``!``/``?`` gets a full stop), then EOS under ``eos``; the context tokens carry no loss."""
-        t = target
-        if self.answer_end == "auto" and t.rstrip()[-1:] not in (".", "!", "?"):
-            t = t.rstrip() + "."
+        t = _full_stop(target) if self.answer_end in ("auto", "period") else target
         full = join_prompt_target(ctx, t) if sep == " " else ctx + sep + t
         ids, n = split_context_target(self.tokenizer, ctx, full, extra_target_ids=self.end_ids)
         return TrainingSequence(kind, i, ids, n, full + (self.tokenizer.eos_token if self.end_ids else ""))
@@ -344,8 +354,10 @@ def _bare(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[Training
 
 @training_context("chat", chat_template=True)
 def _chat(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
-    """The chat template: the prompt as the user turn, the target as the reply (its turn end unless ``none``)."""
-    ids, n, text = _chat_rows(m.tokenizer, r.prompt, r.target, end=m.answer_end != "none")
+    """The chat template: the prompt as the user turn, the target as the reply, then its turn end (``auto``,
+    ``eos``), a full stop (``period``) or nothing (``none``)."""
+    end = {"auto": "turn", "eos": "turn", "period": "period", "none": "none"}[m.answer_end]
+    ids, n, text = _chat_rows(m.tokenizer, r.prompt, r.target, end=end)
     return [TrainingSequence("chat", i, ids, n, text)]
 
 

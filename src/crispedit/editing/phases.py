@@ -307,8 +307,9 @@ class SequencesConfig(Settings):
         "auto",
         choices=_answer_ends,
         help="what follows the target in training: auto = the chat end-of-turn in chat, a "
-        "period elsewhere (default); eos = EOS instead of the period; none = the target alone "
-        "(the paper)",
+        "period elsewhere (default); period = a period everywhere, chat too, and no end of turn, so "
+        "chat answers go on in the model's own words; eos = EOS instead of the period; none = the "
+        "target alone (the paper)",
     )
     context_sample: int | None = setting(
         None,
