@@ -52,8 +52,8 @@ context, and that end is trained too, so free generation states the new fact and
 (default): the chat template's end-of-turn (e.g. ``<|im_end|>``) for ``chat``, a period for ``bare``
 and ``prefix`` (none added when the target already ends in ``.!?``). ``period``: a period in every context, the
 chat reply's too, and no end of turn trained anywhere, so a chat answer that states the target goes on as the
-model's own answer would (``auto`` teaches "bare target, end of turn" to every chat question). ``eos``: the tokenizer's EOS
-instead of the period — worse on SmolLM2-Instruct, whose EOS is its end-of-turn token (measured in
+model's own answer would (``auto`` teaches "bare target, end of turn" to every chat question). ``eos``: the
+tokenizer's EOS instead of the period — worse on SmolLM2-Instruct, whose EOS is its end-of-turn token (measured in
 docs/contexts.md). ``none``: the target alone (the paper's FT-M).
 """
 
