@@ -291,30 +291,15 @@ def run_capabilities(
     if "ifeval" in names:
         ensure_punkt_offline()
     _quiet_lm_eval(logging.ERROR if progress is False else logging.WARNING)
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
     show = show_progress(progress)
     lm = harness_lm(model, tokenizer, batch_size, max_length, share_prefix, show)
     managers: dict = {}
-
-    def manager(where: Path | None):
-        """One lm-eval task manager per benchmark source: a local directory, or the hub (``None``)."""
-        if where not in managers:
-            managers[where] = (
-                TaskManager()
-                if where is None
-                else TaskManager(
-                    include_path=str(TASKS_DIR), include_defaults=False, metadata={"bench_dir": str(where)}
-                )
-            )
-        return managers[where]
-
     out = {}
     for n in names:
         spec = TASKS[n]
         where = root if root is not None else BUNDLED_BENCH if n in BUNDLED_TASKS else None
-        tm = manager(where)
+        if where not in managers:
+            managers[where] = _task_manager(where)
         shots = (
             num_fewshot.get(n, spec.shots)
             if isinstance(num_fewshot, dict)
@@ -322,41 +307,28 @@ def run_capabilities(
             if num_fewshot is None
             else int(num_fewshot)
         )
-        task_name = spec.local if where is not None else spec.hub
         n_limit = limit.get(n, 200) if isinstance(limit, dict) else limit
         chat = apply_chat_template or (spec.chat and bool(getattr(tokenizer, "chat_template", None)))
-        t0 = time.perf_counter()
-        try:
-            with _lm_eval_request_bars(show):
-                res = simple_evaluate(
-                    model=lm,
-                    tasks=[task_name],
-                    num_fewshot=shots,
-                    limit=n_limit,
-                    task_manager=tm,
-                    apply_chat_template=chat,
-                    fewshot_as_multiturn=fewshot_as_multiturn and chat,
-                    gen_kwargs=({"max_gen_toks": int(max_gen_toks)} if max_gen_toks else None),
-                    log_samples=True,
-                    bootstrap_iters=0,
-                    verbosity="ERROR" if progress is False else "WARNING",
-                )
-        except CrispEditError:
-            raise
-        except Exception as exc:
-            if where is None:
-                raise CrispEditError(
-                    f"{n}: could not load the benchmark from the hub ({type(exc).__name__}); "
-                    "pass --bench-dir DIR or set CRISPEDIT_BENCH_DIR"
-                ) from exc
-            raise
+        record, seconds = _evaluate_task(
+            lm,
+            n,
+            where,
+            managers[where],
+            shots=shots,
+            limit=n_limit,
+            chat=chat,
+            multiturn=fewshot_as_multiturn and chat,
+            max_gen_toks=max_gen_toks,
+            show=show,
+            quiet=progress is False,
+        )
         out[n] = {
-            **_task_record(n, res, task_name),
+            **record,
             "num_fewshot": shots,
             "limit": n_limit,
             "chat_template": chat,
             "source": "hub" if where is None else "bundled" if root is None else "local",
-            "seconds": round(time.perf_counter() - t0, 2),
+            "seconds": seconds,
         }
         if progress is not False:
             se = "" if out[n]["stderr"] is None else f" ± {out[n]['stderr']:.4f}"
@@ -365,6 +337,64 @@ def run_capabilities(
                 flush=True,
             )
     return out
+
+
+def _task_manager(where: Path | None):
+    """An lm-eval task manager for one benchmark source: the task configs shipped in :data:`TASKS_DIR` reading the
+    local directory ``where``, or lm-eval's stock tasks, which load from the hub (``None``)."""
+    from lm_eval.tasks import TaskManager
+
+    if where is None:
+        return TaskManager()
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"bench_dir": str(where)})
+
+
+def _evaluate_task(
+    lm,
+    name: str,
+    where: Path | None,
+    manager,
+    *,
+    shots: int,
+    limit: int | None,
+    chat: bool,
+    multiturn: bool,
+    max_gen_toks: int | None,
+    show: bool,
+    quiet: bool,
+) -> tuple[dict, float]:
+    """One task ``name`` through lm-eval's ``simple_evaluate`` on the wrapped model ``lm``, from ``where``'s data
+    (``None``: the hub, whose failure to load becomes a one-line error naming ``--bench-dir``): its record
+    (:func:`_task_record`) and the seconds it took."""
+    from lm_eval import simple_evaluate
+
+    task_name = TASKS[name].local if where is not None else TASKS[name].hub
+    t0 = time.perf_counter()
+    try:
+        with _lm_eval_request_bars(show):
+            res = simple_evaluate(
+                model=lm,
+                tasks=[task_name],
+                num_fewshot=shots,
+                limit=limit,
+                task_manager=manager,
+                apply_chat_template=chat,
+                fewshot_as_multiturn=multiturn,
+                gen_kwargs=({"max_gen_toks": int(max_gen_toks)} if max_gen_toks else None),
+                log_samples=True,
+                bootstrap_iters=0,
+                verbosity="ERROR" if quiet else "WARNING",
+            )
+    except CrispEditError:
+        raise
+    except Exception as exc:
+        if where is None:
+            raise CrispEditError(
+                f"{name}: could not load the benchmark from the hub ({type(exc).__name__}); "
+                "pass --bench-dir DIR or set CRISPEDIT_BENCH_DIR"
+            ) from exc
+        raise
+    return _task_record(name, res, task_name), round(time.perf_counter() - t0, 2)
 
 
 def _task_record(name: str, res: dict, task_name: str) -> dict:
