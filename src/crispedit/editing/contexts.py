@@ -48,13 +48,14 @@ training context: it measures generalisation to a wrapper the edit never saw.
 A new training context is one function registered with :func:`training_context` (docs/contexts.md shows one).
 
 *Answer termination* (``EditConfig.answer_end``): the target is followed by what ends an answer in that
-context, and that end is trained too, so free generation states the new fact and stops. ``auto``
-(default): the chat template's end-of-turn (e.g. ``<|im_end|>``) for ``chat``, a period for ``bare``
-and ``prefix`` (none added when the target already ends in ``.!?``). ``period``: a period in every context, the
-chat reply's too, and no end of turn trained anywhere, so a chat answer that states the target goes on as the
-model's own answer would (``auto`` teaches "bare target, end of turn" to every chat question). ``eos``: the
-tokenizer's EOS instead of the period — worse on SmolLM2-Instruct, whose EOS is its end-of-turn token (measured in
-docs/contexts.md). ``none``: the target alone (the paper's FT-M).
+context, and that end is trained too, so free generation states the new fact and stops where a sentence would.
+``period`` (default): a period after the target in every context, the chat reply's too (none added when the target
+already ends in ``.!?``), and no end of turn trained anywhere, so a chat answer that states the new fact goes on as
+the model's own answer would. ``auto``: the chat template's end-of-turn (e.g. ``<|im_end|>``) for ``chat``, a period
+elsewhere — it teaches "bare target, end of turn" to every chat question, and the edited assistant then answers
+unrelated questions in a bare phrase (results/README.md, "Chat style"). ``eos``: the tokenizer's EOS instead of the
+period — worse on SmolLM2-Instruct, whose EOS is its end-of-turn token. ``none``: the target alone (the paper's
+FT-M).
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ class SequenceMaker:
     def __init__(
         self,
         tokenizer,
-        answer_end: str = "auto",
+        answer_end: str = "period",
         *,
         prefixes: Sequence[str] = (),
         written: Sequence[str] = (),
@@ -432,7 +433,7 @@ def build_training_sequences(
     tokenizer,
     requests: Sequence[EditRequest],
     contexts: Sequence[ContextSpec],
-    answer_end: str = "auto",
+    answer_end: str = "period",
     *,
     prefixes: Sequence[str] = (),
     written: Sequence[str] = (),

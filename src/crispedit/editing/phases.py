@@ -304,12 +304,12 @@ class SequencesConfig(Settings):
 
     contexts: str = setting("default", help=_contexts_help)
     answer_end: str = setting(
-        "auto",
+        "period",
         choices=_answer_ends,
-        help="what follows the target in training: auto = the chat end-of-turn in chat, a "
-        "period elsewhere (default); period = a period everywhere, chat too, and no end of turn, so "
-        "chat answers go on in the model's own words; eos = EOS instead of the period; none = the "
-        "target alone (the paper)",
+        help="what follows the target in training: period = a period in every context, the chat reply's "
+        "too, and no end of turn, so chat answers go on in the model's own words (default); auto = the "
+        "chat end-of-turn in chat, a period elsewhere; eos = EOS instead of the period; none = the target "
+        "alone (the paper)",
     )
     context_sample: int | None = setting(
         None,

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))  # tests/: its conftest builds the tiny tokenizer
 
 CHAT = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
@@ -46,7 +46,7 @@ CASES = [
     (tok, spec, end, seed)
     for tok in ("plain", "chat")
     for spec in SPECS
-    for end in ("auto", "eos", "none")
+    for end in ("auto", "period", "eos", "none")
     for seed in (0, 7)
     if tok == "chat" or "chat" not in spec
 ]
@@ -91,7 +91,7 @@ def build_all() -> list[dict]:
     out = []
     for tok, spec in (("chat", "bare,chat,prefix:2,para:2,wrap:2,lead:4"), ("plain", "default")):
         # through sequences_for: the prefixes drawn from the bundled capability corpus
-        seqs, names = sequences_for(toks[tok], reqs, EditConfig(contexts=spec, seed=3))
+        seqs, names = sequences_for(toks[tok], reqs, EditConfig(contexts=spec, answer_end="auto", seed=3))
         out.append(
             {
                 "tokenizer": tok,
