@@ -619,16 +619,16 @@ def _mark(ok: bool) -> str:
 
 
 def keep_marks(without: dict, with_term: dict, base: dict | None = None) -> str:
-    """The preservation term's marks, figure by figure, for one edit set: ``without`` and ``with_term`` are the
-    same method's rows (edit reports or compare rows) without and with the term, ``base`` the unedited model's
-    compare row (IFEval's paired change; ``None`` where the runs have no IFEval)."""
+    """The marks of the chat-style remedy, figure by figure, for one edit set: ``without`` and ``with_term`` are the
+    same method's rows (edit reports or compare rows) before the remedy and at today's defaults, ``base`` the
+    unedited model's compare row (IFEval's paired change; ``None`` where the runs have no IFEval)."""
     st, bl = _style(with_term)
     st0, _ = _style(without)
     w, w0 = with_term.get("wild") or {}, without.get("wild") or {}
     rows = [
         (
             "chat answer length within [0.9, 1.1] × the base's",
-            f"×{st['length_ratio']:.2f} (without: ×{st0['length_ratio']:.2f})",
+            f"×{st['length_ratio']:.2f} (before: ×{st0['length_ratio']:.2f})",
             0.9 <= st["length_ratio"] <= 1.1,
         ),
         ("subject bleed (target in the answer) ≤ 5 %", f"{_pct(bl['target'])} %", bl["target"] <= 0.05),
@@ -637,13 +637,13 @@ def keep_marks(without: dict, with_term: dict, base: dict | None = None) -> str:
         a, b = (w.get(wrapper) or {}).get("rel"), (w0.get(wrapper) or {}).get("rel")
         rows.append(
             (
-                f"WILD {wrapper} rel within 3 points of no term",
-                f"{_pct(a)} % (without: {_pct(b)} %; {100 * (a - b):+.0f} points)".replace("-", "−"),
+                f"WILD {wrapper} rel within 3 points of before",
+                f"{_pct(a)} % (before: {_pct(b)} %; {100 * (a - b):+.0f} points)".replace("-", "−"),
                 a >= b - 0.03,
             )
         )
     k, k0 = with_term["summary"]["kl_drift"], without["summary"]["kl_drift"]
-    rows.append(("KL drift ≤ 1.2 × no term's", f"{k:.5f} (without: {k0:.5f}; ×{k / k0:.2f})", k <= 1.2 * k0))
+    rows.append(("KL drift ≤ 1.2 × before's", f"{k:.5f} (before: {k0:.5f}; ×{k / k0:.2f})", k <= 1.2 * k0))
     if base is not None:
         x = ((with_term.get("capability_details") or {}).get("ifeval") or {}).get("items")
         pc = _paired_change(x, ((base.get("capability_details") or {}).get("ifeval") or {}).get("items"))
@@ -662,8 +662,9 @@ def keep_marks(without: dict, with_term: dict, base: dict | None = None) -> str:
 
 
 def keep_marks_32() -> str:
-    """The preservation term's marks on the 32 held-out edits: crispedit's default against no term."""
-    return keep_marks(_load(CHAT_STYLE_HELDOUT / "defaults.json"), _load(CHAT_STYLE_HELDOUT / "keep_s4_w2.json"))
+    """The marks on the 32 held-out edits: crispedit's defaults (the preservation term, the period answer end)
+    against no term and the chat turn's end."""
+    return keep_marks(_load(CHAT_STYLE_HELDOUT / "defaults.json"), _load(CHAT_STYLE_HELDOUT / "period.json"))
 
 
 def keep_marks_100() -> str:
@@ -942,13 +943,14 @@ edited subject now answered with its new target.
 
 [`chat_style_zsre_dev100_32/`](chat_style_zsre_dev100_32/run.json): 32 ZsRE dev edits (100–131) that no setting was
 tuned on, with the default contexts: without the preservation term, with it at a first setting, and at the stronger
-setting chosen on the tuning slice (75 everyday prompts, four questions about each subject, weight 2); columns as
-above.
+setting chosen on the tuning slice (75 everyday prompts, four questions about each subject, weight 2); then, on one
+later commit, that term with the chat turn's end trained after the target (`auto`) and with a period in its place
+(`period`, the default); columns as above.
 {_run_line(CHAT_STYLE_HELDOUT)}
 
 {chat_style_table(CHAT_STYLE_HELDOUT)}
-Marks of the preservation term at 32 edits (crispedit's default, `keep_s4_w2.json`, against no term,
-`defaults.json`):
+Marks at 32 edits: crispedit's defaults (the preservation term and the period answer end, `period.json`) against
+no term and the chat turn's end (`defaults.json`):
 
 {keep_marks_32()}
 ## The preservation term at 100 edits
