@@ -287,8 +287,9 @@ class SequenceMaker:
         self.pools = {"prefixes": prefixes, "written": written, "replies": replies}
 
     def plain(self, i: int, kind: str, ctx: str, target: str, sep: str = " ") -> TrainingSequence:
-        """The ``kind`` sequence of request ``i``: ``ctx + sep + target`` (under ``auto`` a target without a final
-        ``.``/``!``/``?`` gets a full stop), then EOS under ``eos``; the context tokens carry no loss."""
+        """The ``kind`` sequence of request ``i``: ``ctx + sep + target`` (under ``period`` and ``auto`` a target
+        without a final ``.``/``!``/``?`` gets a full stop), then EOS under ``eos``; the context tokens carry no
+        loss."""
         t = _full_stop(target) if self.answer_end in ("auto", "period") else target
         full = join_prompt_target(ctx, t) if sep == " " else ctx + sep + t
         ids, n = split_context_target(self.tokenizer, ctx, full, extra_target_ids=self.end_ids)
