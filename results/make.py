@@ -618,13 +618,13 @@ def _mark(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
-def keep_marks(without: dict, with_term: dict, base: dict | None = None) -> str:
-    """The marks of the chat-style remedy, figure by figure, for one edit set: ``without`` and ``with_term`` are the
+def keep_marks(before: dict, after: dict, base: dict | None = None) -> str:
+    """The marks of the chat-style remedy, figure by figure, for one edit set: ``before`` and ``after`` are the
     same method's rows (edit reports or compare rows) before the remedy and at today's defaults, ``base`` the
     unedited model's compare row (IFEval's paired change; ``None`` where the runs have no IFEval)."""
-    st, bl = _style(with_term)
-    st0, _ = _style(without)
-    w, w0 = with_term.get("wild") or {}, without.get("wild") or {}
+    st, bl = _style(after)
+    st0, _ = _style(before)
+    w, w0 = after.get("wild") or {}, before.get("wild") or {}
     rows = [
         (
             "chat answer length within [0.9, 1.1] × the base's",
@@ -642,10 +642,10 @@ def keep_marks(without: dict, with_term: dict, base: dict | None = None) -> str:
                 a >= b - 0.03,
             )
         )
-    k, k0 = with_term["summary"]["kl_drift"], without["summary"]["kl_drift"]
+    k, k0 = after["summary"]["kl_drift"], before["summary"]["kl_drift"]
     rows.append(("KL drift ≤ 1.2 × before's", f"{k:.5f} (before: {k0:.5f}; ×{k / k0:.2f})", k <= 1.2 * k0))
     if base is not None:
-        x = ((with_term.get("capability_details") or {}).get("ifeval") or {}).get("items")
+        x = ((after.get("capability_details") or {}).get("ifeval") or {}).get("items")
         pc = _paired_change(x, ((base.get("capability_details") or {}).get("ifeval") or {}).get("items"))
         if pc is not None:
             mean, se = pc

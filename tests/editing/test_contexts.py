@@ -110,10 +110,8 @@ def test_chat_context_uses_the_template_and_its_turn_end(chat_tok):
     period = build_training_sequences(chat_tok, REQS[:1], parse_contexts("chat"), "period")[0]
     assert _decode_target(chat_tok, period) == "Author A."  # a full stop, no end of turn: the answer may go on
     assert period.ids[: period.n_context] == seq.ids[: seq.n_context]
-    dotted = [EditRequest("Q?", "It is so.")]
-    assert _decode_target(
-        chat_tok, build_training_sequences(chat_tok, dotted, parse_contexts("chat"), "period")[0]
-    ) == ("It is so.")
+    dotted = build_training_sequences(chat_tok, [EditRequest("Q?", "It is so.")], parse_contexts("chat"), "period")
+    assert _decode_target(chat_tok, dotted[0]) == "It is so."
     bare = build_training_sequences(chat_tok, REQS[:1], parse_contexts("bare"), "period")[0]
     assert bare.ids == build_training_sequences(chat_tok, REQS[:1], parse_contexts("bare"), "auto")[0].ids
 

@@ -242,11 +242,11 @@ def _full_stop(target: str) -> str:
     return target if target.rstrip()[-1:] in (".", "!", "?") else target.rstrip() + "."
 
 
-def _chat_rows(tokenizer, prompt: str, target: str, end: str) -> tuple[list[int], int, str]:
-    """The chat sequence of ``prompt`` answered by ``target``, then ``end``: ``"turn"`` the template's end of turn,
-    ``"period"`` a full stop and nothing after it (the answer goes on as the model's own), ``"none"`` nothing.
-    Returns ``(ids, n_context, text)``."""
-    if end == "period":
+def _chat_rows(tokenizer, prompt: str, target: str, answer_end: str) -> tuple[list[int], int, str]:
+    """The chat sequence of ``prompt`` answered by ``target``, then what ``answer_end`` puts after it: ``period`` a
+    full stop and nothing more (the answer goes on as the model's own), ``none`` nothing, ``auto`` and ``eos`` the
+    template's end of turn. Returns ``(ids, n_context, text)``."""
+    if answer_end == "period":
         target = _full_stop(target)
     ctx, rendered = chat_turn(tokenizer, prompt, None), chat_turn(tokenizer, prompt, target)
     rest = rendered[len(ctx) :]
@@ -257,7 +257,9 @@ def _chat_rows(tokenizer, prompt: str, target: str, end: str) -> tuple[list[int]
         full = ctx + target
     else:
         # the reply and, if asked, the template's end of turn (its trailing whitespace dropped)
-        full = ctx + rest[: k + len(target)] + (rest[k + len(target) :].rstrip() if end == "turn" else "")
+        full = (
+            ctx + rest[: k + len(target)] + (rest[k + len(target) :].rstrip() if answer_end in ("auto", "eos") else "")
+        )
     ids, n = split_context_target(tokenizer, ctx, full, add_special_tokens=False)
     return ids, n, full
 
@@ -358,8 +360,7 @@ def _bare(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[Training
 def _chat(m: SequenceMaker, i: int, r: EditRequest, count: int) -> list[TrainingSequence]:
     """The chat template: the prompt as the user turn, the target as the reply, then its turn end (``auto``,
     ``eos``), a full stop (``period``) or nothing (``none``)."""
-    end = {"auto": "turn", "eos": "turn", "period": "period", "none": "none"}[m.answer_end]
-    ids, n, text = _chat_rows(m.tokenizer, r.prompt, r.target, end=end)
+    ids, n, text = _chat_rows(m.tokenizer, r.prompt, r.target, m.answer_end)
     return [TrainingSequence("chat", i, ids, n, text)]
 
 
