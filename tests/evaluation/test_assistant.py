@@ -138,6 +138,11 @@ def test_bleed_counts_answers_that_newly_name_the_target(tiny_lm, monkeypatch):
     assert out["n"] == 2 * k and out["target"] == pytest.approx(1 / (2 * k), abs=1e-4)
     assert out["changed"] == pytest.approx(3 / (2 * k), abs=1e-4)
     assert out["examples"][0]["edited"] == "Chichester River." and out["examples"][0]["target"] == "Chichester River"
+    # per kind of question, over the two subjects: the new mention is a first question's; the first question
+    # changed for both subjects, the second for one
+    assert [p["question"] for p in out["by_probe"]] == list(SUBJECT_PROBES)
+    assert [p["target"] for p in out["by_probe"]] == [0.5] + [0.0] * (k - 1)
+    assert [p["changed"] for p in out["by_probe"]] == [1.0, 0.5] + [0.0] * (k - 2)
 
 
 def test_bare_share_counts_long_base_answers_that_became_bare_phrases(tiny_lm, monkeypatch):

@@ -187,8 +187,9 @@ def subject_bleed(
     """The subject-bleed figures of the edited ``model`` against its ``base`` (pre-edit weights or the base model,
     as :func:`style_drift`) on the :func:`subject_probes` of ``requests``: ``edits``
     probed, ``n`` questions, ``target`` (the share of answers that name their edit's new target where the base's
-    did not), ``changed`` (the share that differ from the base's at all) and up to ``examples`` answers that
-    name the target. ``None`` when no request names a subject."""
+    did not), ``changed`` (the share that differ from the base's at all), ``by_probe`` (the two shares for each
+    of :data:`SUBJECT_PROBES` alone, over the edits probed: which kind of question carries the new target) and
+    up to ``examples`` answers that name the target. ``None`` when no request names a subject."""
     from .judges import mentions, normalize_answer
 
     probes = subject_probes(requests, limit)
@@ -202,12 +203,22 @@ def subject_bleed(
         for k, (i, _) in enumerate(probes)
         if mentions(edited[k], requests[i].target) and not mentions(base_answers[k], requests[i].target)
     ]
-    changed = sum(normalize_answer(a) != normalize_answer(b) for a, b in zip(base_answers, edited))
+    differs = [normalize_answer(a) != normalize_answer(b) for a, b in zip(base_answers, edited)]
+    # subject_probes lists each subject's questions in SUBJECT_PROBES order: question k asks template k mod m
+    m, n_edits = len(SUBJECT_PROBES), len(probes) // len(SUBJECT_PROBES)
     return {
-        "edits": len({i for i, _ in probes}),
+        "edits": n_edits,
         "n": len(probes),
         "target": round(len(hits) / len(probes), 4),
-        "changed": round(changed / len(probes), 4),
+        "changed": round(sum(differs) / len(probes), 4),
+        "by_probe": [
+            {
+                "question": template,
+                "target": round(sum(k % m == j for k in hits) / n_edits, 4),
+                "changed": round(sum(differs[j::m]) / n_edits, 4),
+            }
+            for j, template in enumerate(SUBJECT_PROBES)
+        ],
         "examples": [
             {
                 "question": probes[k][1],
