@@ -618,6 +618,18 @@ def _mark(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
+def _turned(w0: dict, w: dict, wrapper: str) -> str:
+    """``": L edits lost, G gained"``: of the same edits under ``wrapper``, how many the ``before`` run's WILD
+    answers (``w0``) reached and the ``after`` run's (``w``) do not, and the reverse — the paired view of a change in
+    reach; empty when the two runs do not hold the same number of per-edit answers."""
+    a0, a = (w0.get(wrapper) or {}).get("answers") or [], (w.get(wrapper) or {}).get("answers") or []
+    if not a or len(a) != len(a0):
+        return ""
+    lost = sum(bool(x[1]) and not y[1] for x, y in zip(a0, a))
+    gained = sum(bool(y[1]) and not x[1] for x, y in zip(a0, a))
+    return f": {lost} edit{'s' * (lost != 1)} lost, {gained} gained"
+
+
 def keep_marks(before: dict, after: dict, base: dict | None = None) -> str:
     """The marks of the chat-style remedy, figure by figure, for one edit set: ``before`` and ``after`` are the
     same method's rows (edit reports or compare rows) before the remedy and at today's defaults, ``base`` the
@@ -638,7 +650,9 @@ def keep_marks(before: dict, after: dict, base: dict | None = None) -> str:
         rows.append(
             (
                 f"WILD {wrapper} rel within 3 points of before",
-                f"{_pct(a)} % (before: {_pct(b)} %; {100 * (a - b):+.0f} points)".replace("-", "−"),
+                f"{_pct(a)} % (before: {_pct(b)} %; {100 * (a - b):+.0f} points{_turned(w0, w, wrapper)})".replace(
+                    "-", "−"
+                ),
                 a >= b - 0.03,
             )
         )
@@ -950,7 +964,8 @@ later commit, that term with the chat turn's end trained after the target (`auto
 
 {chat_style_table(CHAT_STYLE_HELDOUT)}
 Marks at 32 edits: crispedit's defaults (the preservation term and the period answer end, `period.json`) against
-no term and the chat turn's end (`defaults.json`):
+no term and the chat turn's end (`defaults.json`); for reach, also the same edits paired (lost: reached before and
+not after; gained: the reverse):
 
 {keep_marks_32()}
 ## The preservation term at 100 edits
