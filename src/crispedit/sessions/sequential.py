@@ -334,12 +334,7 @@ def run_round(
     }
     if config.replay:
         record["replayed"] = len(rehearsed)
-    total = predicted_kl(drift_modules, state.cap, base_weights, weights)
-    own = predicted_kl(drift_modules, state.cap, start, weights)
-    record["kl_predicted"] = None if total is None else total["total"]
-    record["kl_predicted_round"] = None if own is None else own["total"]
-    record["steep_layers"] = [] if total is None else steep_layers(total["layers"])  # of the change since the base
-    record["mixing_layers"] = [] if total is None else mixing_layers(total["layers"])
+    record.update(_drift_record(drift_modules, state.cap, base_weights, start, weights))
     if budget is not None:
         record["drift_budget"] = {
             **budget,
@@ -362,6 +357,27 @@ def run_round(
     # a round resumed from its loop checkpoint also counts the killed run's training seconds
     record["edit_seconds"] = round(time.perf_counter() - t0 + outcome.history.extra.get("resumed_seconds", 0.0), 3)
     return new, record
+
+
+def _drift_record(
+    modules: dict[str, nn.Module],
+    cap: KFACFactors | None,
+    base: dict[str, Tensor],
+    start: dict[str, Tensor],
+    weights: dict[str, Tensor],
+) -> dict:
+    """A round record's predicted drift (nats per token, from the capability factors ``cap`` on ``modules``):
+    ``kl_predicted`` of the change from ``base``, ``kl_predicted_round`` of the round's own change from ``start``,
+    and the layers where the change from the base is steep or mixes directions (None and empty lists without
+    factors)."""
+    total = predicted_kl(modules, cap, base, weights)
+    own = predicted_kl(modules, cap, start, weights)
+    return {
+        "kl_predicted": None if total is None else total["total"],
+        "kl_predicted_round": None if own is None else own["total"],
+        "steep_layers": [] if total is None else steep_layers(total["layers"]),
+        "mixing_layers": [] if total is None else mixing_layers(total["layers"]),
+    }
 
 
 def _recompute_capability(
