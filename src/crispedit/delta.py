@@ -255,6 +255,31 @@ def revert_delta_tensors(
     return meta
 
 
+def _lora_factors(d: Tensor, rank: int) -> tuple[Tensor, Tensor, dict]:
+    """The rank-``rank`` LoRA factors of one weight change ``d`` (``d_out x d_in``) by truncated SVD in float64:
+    ``A`` (``rank x d_in``) and ``B`` (``d_out x rank``) with ``B A`` the best rank-``r`` approximation of ``d``
+    (``r = min(rank, d_out, d_in)``, the rest zero-padded), and the record :func:`export_lora` reports for it:
+    ``rank`` (``r``), ``rank_full`` (numerical rank of ``d``), ``rel_error`` (``‖d − B A‖_F / ‖d‖_F``), ``shape``."""
+    U, s, Vh = torch.linalg.svd(d.double(), full_matrices=False)
+    r = min(rank, s.numel())
+    root = s[:r].sqrt()
+    B = torch.zeros(d.shape[0], rank, dtype=torch.float64)
+    A = torch.zeros(rank, d.shape[1], dtype=torch.float64)
+    B[:, :r], A[:r] = U[:, :r] * root, root[:, None] * Vh[:r]
+    total = float((s**2).sum())
+    tol = float(s.max()) * max(d.shape) * torch.finfo(d.dtype).eps if s.numel() else 0.0
+    return (
+        A,
+        B,
+        {
+            "rank": r,
+            "rank_full": int((s > tol).sum()),
+            "rel_error": math.sqrt(max(total - float((s[:r] ** 2).sum()), 0.0) / total) if total else 0.0,
+            "shape": list(d.shape),
+        },
+    )
+
+
 def export_lora(
     model: nn.Module,
     path: str | Path,
@@ -308,20 +333,7 @@ def export_lora(
         revert_delta(model, path)
     factors, report = {}, {}
     for mod_name, (_, d) in modules.items():
-        U, s, Vh = torch.linalg.svd(d.double(), full_matrices=False)
-        r = min(rank, s.numel())
-        root = s[:r].sqrt()
-        B = torch.zeros(d.shape[0], rank, dtype=torch.float64)
-        A = torch.zeros(rank, d.shape[1], dtype=torch.float64)
-        B[:, :r], A[:r] = U[:, :r] * root, root[:, None] * Vh[:r]
-        total = float((s**2).sum())
-        tol = float(s.max()) * max(d.shape) * torch.finfo(d.dtype).eps if s.numel() else 0.0
-        report[mod_name] = {
-            "rank": r,
-            "rank_full": int((s > tol).sum()),
-            "rel_error": math.sqrt(max(total - float((s[:r] ** 2).sum()), 0.0) / total) if total else 0.0,
-            "shape": list(d.shape),
-        }
+        A, B, report[mod_name] = _lora_factors(d, rank)
         factors[mod_name] = (A, B)
     config = LoraConfig(
         r=rank,
