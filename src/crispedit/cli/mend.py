@@ -32,9 +32,9 @@ def _train_config(args):
     return MENDTrainConfig(**given)
 
 
-def cmd_mend_train(args) -> int:
-    """``crispedit mend train``: check every input, load the model, train, write the network atomically."""
-    config = _train_config(args)  # steps >= 1, batch size >= 1, lr in (0, 1]: the ranges `edit` checks
+def _checked_train_args(args, config) -> dict | None:
+    """Check ``mend train``'s numbers, output paths and ``--init`` before any work (one-line errors); return the
+    metadata of the network ``--init`` continues (``None`` without it), whose settings a continued run keeps."""
     if args.max_minutes is not None:
         check_float("--max-minutes", args.max_minutes, 0.0, lo_open=True)
     if args.n_edits is not None:
@@ -60,6 +60,40 @@ def cmd_mend_train(args) -> int:
         check_output_file(args.out)
     if args.cache_dir:  # where the network goes without --out
         check_output_dir(args.cache_dir, "--cache-dir")
+    return prev
+
+
+def _training_record(args, requests, hist: dict, prev: dict | None) -> dict:
+    """The ``training`` section a trained network's file keeps: the edit slice, the model, the history ``hist``,
+    the digests of the prompts trained on, and, for a run continuing ``prev`` (``--init``), the steps and prompts
+    of the runs before it (so overlap warnings see every slice the network was trained on)."""
+    from ..methods.mend.net import prompt_digests
+
+    training = {
+        "edits": str(args.edits),
+        "offset": args.offset,
+        "n_edits": len(requests),
+        "model": args.model,
+        "history": hist,
+        "request_digests": prompt_digests(requests),
+    }
+    before = prev.get("training", {}) if prev is not None else {}
+    training["total_steps"] = hist["steps"] + before.get("total_steps", before.get("history", {}).get("steps", 0))
+    if prev is not None:
+        training["continued_from"] = {
+            "file": str(args.init),
+            "training": {k: v for k, v in before.items() if k != "request_digests"},
+        }
+        training["request_digests"] = list(
+            dict.fromkeys(before.get("request_digests", []) + training["request_digests"])
+        )
+    return training
+
+
+def cmd_mend_train(args) -> int:
+    """``crispedit mend train``: check every input, load the model, train, write the network atomically."""
+    config = _train_config(args)  # steps >= 1, batch size >= 1, lr in (0, 1]: the ranges `edit` checks
+    prev = _checked_train_args(args, config)
     from ..data import capability_corpus, load_edits
 
     passages = capability_corpus(args.cap_corpus, args.n_cap) if config.loc_texts else []
@@ -68,7 +102,7 @@ def cmd_mend_train(args) -> int:
         raise CrispEditError(f"{args.edits} has no edit requests from offset {args.offset}")
     progress = False if args.quiet else None
     from ..layers import resolve_layers
-    from ..methods.mend.net import default_layers, default_weights_path, load_network, prompt_digests, save_network
+    from ..methods.mend.net import default_layers, default_weights_path, load_network, save_network
     from ..methods.mend.train import train_mend
     from ..models import load_model
     from ..weights import weight_fingerprint
@@ -92,24 +126,7 @@ def cmd_mend_train(args) -> int:
         progress=progress,
     )
     h = hist.to_json()
-    training = {
-        "edits": str(args.edits),
-        "offset": args.offset,
-        "n_edits": len(requests),
-        "model": args.model,
-        "history": h,
-        "request_digests": prompt_digests(requests),
-    }
-    before = prev.get("training", {}) if prev is not None else {}
-    training["total_steps"] = h["steps"] + before.get("total_steps", before.get("history", {}).get("steps", 0))
-    if prev is not None:  # the earlier runs' slices count as training requests too (overlap warnings)
-        training["continued_from"] = {
-            "file": str(args.init),
-            "training": {k: v for k, v in before.items() if k != "request_digests"},
-        }
-        training["request_digests"] = list(
-            dict.fromkeys(before.get("request_digests", []) + training["request_digests"])
-        )
+    training = _training_record(args, requests, h, prev)
     save_network(path, net, model_fingerprint=fp, training=training)
     stop = f" (stopped by --max-minutes {args.max_minutes:g})" if h["stopped_early"] else ""
     cont = f", {training['total_steps']} in all from {args.init}" if args.init else ""
