@@ -64,14 +64,20 @@ def cmd_edit(args) -> int:
             checkpoint=args.checkpoint,
             fingerprint=fingerprint,
         )
-    if not main_process:
-        return 0
+    if main_process:
+        _print_report(report, config.method, len(requests), args.out, args.delta_only)
+    return 0
+
+
+def _print_report(report: dict, method: str, n_edits: int, out, delta_only: bool) -> None:
+    """The edit's summary on standard output: the headline figures and training, the drift budget, WILD per
+    wrapper, the chat style and subject bleed, the drift prediction's notes and what was written where."""
     from ..editing.history import training_brief
 
     s = report["summary"]
     pred = "-" if s.get("kl_predicted") is None else f"{s['kl_predicted']:.5f}"
     print(
-        f"{config.method}: {len(requests)} edits, rel={s['rel']} gen={s['gen']} kl_drift={s['kl_drift']:.5f} "
+        f"{method}: {n_edits} edits, rel={s['rel']} gen={s['gen']} kl_drift={s['kl_drift']:.5f} "
         f"kl_predicted={pred} edit={s['edit_seconds']:.1f}s cache={s['cache_seconds']:.1f}s "
         f"{training_brief(report['training'], report['config']['lr'])}"
     )
@@ -102,11 +108,10 @@ def cmd_edit(args) -> int:
 
     for line in prediction_notes(s):
         print(f"  note: {line}")
-    if args.delta_only:
-        print(f"delta.safetensors and edit_report.json written to {args.out}")
+    if delta_only:
+        print(f"delta.safetensors and edit_report.json written to {out}")
     else:
-        print(f"edited model and edit_report.json written to {args.out} (+ delta.safetensors)")
-    return 0
+        print(f"edited model and edit_report.json written to {out} (+ delta.safetensors)")
 
 
 def add_cli(sub) -> None:
