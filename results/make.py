@@ -20,6 +20,7 @@ import json
 import platform
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -703,6 +704,11 @@ SEQ_TUNING = HERE / "seq_tuning_zsre_dev100"
 SEQ_WRAPPERS = ("qa", "chat", "none")
 
 
+def seq_batch_row() -> dict:
+    """Batch crispedit's row on the tuning stream's edits at the defaults its sequential rows ran under."""
+    return _load(KEEP_100 / "after.json")["results"]["crispedit"]
+
+
 def _kept(record: dict) -> float:
     """The mean over the edited layers of a round record's kept fraction of directions."""
     kept = record.get("projector_kept") or {}
@@ -725,7 +731,7 @@ def seq_tuning_table(d: Path = SEQ_TUNING) -> str:
     files = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
     if not files:
         return ""
-    batch = _load(KEEP_100 / "after.json")["results"]["crispedit"]
+    batch = seq_batch_row()
     lines = [
         "| setting | WILD qa / chat / none rel | TF rel | round 1 kept: TF / qa / chat | kept directions, first → "
         "last round | KL drift (× batch) | chat length | bleed | hours |",
@@ -753,6 +759,53 @@ def seq_tuning_table(d: Path = SEQ_TUNING) -> str:
     return "\n".join(lines) + "\n"
 
 
+def seq_marks(batch: dict, seq: dict) -> str:
+    """The sequential mode's marks, figure by figure, for one stream: ``seq`` a compare's ``crispedit-seq`` row,
+    ``batch`` batch crispedit's row on the same edits at the same defaults. Reach per wrapper within 0.05 of batch's,
+    teacher-forced rel at least 0.95, round 1's edits after the last round at least 0.9 of what they read after round
+    1 (teacher-forced, QA wrapper, chat), KL drift at most 1.5 × batch's, perplexity at most 1.2 × the base's; and the
+    rounds' edit times, which the session bounds by construction (docs/sessions.md), as measured."""
+    rows = []
+    for w in SEQ_WRAPPERS:
+        a, b = seq["wild"][w]["rel"], batch["wild"][w]["rel"]
+        rows.append(
+            (
+                f"WILD {w} rel within 0.05 of batch's",
+                f"{a:.2f} (batch {b:.2f}; {a - b:+.2f})".replace("-", "−"),
+                a >= b - 0.05,
+            )
+        )
+    tf = seq["summary"]["rel"]
+    rows.append(("teacher-forced rel ≥ 0.95", f"{tf:.2f}", tf >= 0.95))
+    first, last = seq["retention"][0], seq["retention"][-1]
+    for name, a, b in (
+        ("teacher-forced", last["tf_rel"], first["tf_rel"]),
+        ("QA-wrapper", last["wild"].get("qa"), first["wild"].get("qa")),
+        ("chat", last["wild"].get("chat"), first["wild"].get("chat")),
+    ):
+        held = a / b if a is not None and b else None
+        rows.append(
+            (
+                f"round 1's edits keep ≥ 0.9 of their {name} rel after round {len(seq['round_records'])}",
+                "–" if held is None else f"{held:.2f} ({a:.2f} of {b:.2f})",
+                held is not None and held >= 0.9,
+            )
+        )
+    k, kb = seq["summary"]["kl_drift"], batch["summary"]["kl_drift"]
+    rows.append(("KL drift ≤ 1.5 × batch's", f"{_drift(k)} (batch {_drift(kb)}; ×{k / kb:.2f})", k <= 1.5 * kb))
+    ppl, ppl0 = seq["summary"]["ppl"], seq["summary"]["ppl_base"]
+    rows.append(("perplexity ≤ 1.2 × the base's", f"{ppl:.2f} (base {ppl0:.2f}; ×{ppl / ppl0:.3f})", ppl <= 1.2 * ppl0))
+    out = ["| mark | measured | |", "|---|---|---|"]
+    out += [f"| {what} | {val} | {_mark(ok)} |" for what, val, ok in rows]
+    secs = [r["edit_seconds"] / 60 for r in seq["round_records"]]
+    out.append(
+        f"| a round's time bounded however many rounds came before (by construction: docs/sessions.md) | "
+        f"round 1 {secs[0]:.0f} min, last {secs[-1]:.0f} min, longest {max(secs):.0f} min, median "
+        f"{statistics.median(secs):.0f} min | stated |"
+    )
+    return "\n".join(out) + "\n"
+
+
 def seq_tuning_section() -> str:
     """The results page's section on tuning the sequential mode, when its runs are stored."""
     table = seq_tuning_table()
@@ -765,6 +818,10 @@ ZsRE dev 100–199 (not the confirming stream's edits), one setting changed from
 batch crispedit with the same defaults on the same 100 edits. {_run_line(SEQ_TUNING)}
 
 {table}
+The marks on the tuning stream's default setting (`full`), against batch crispedit on the same edits (the marks are
+judged on the confirming stream, ZsRE dev 1000–1999; this is what tuning read):
+
+{seq_marks(seq_batch_row(), _load(SEQ_TUNING / "full.json")["results"]["crispedit-seq"])}
 """
 
 
