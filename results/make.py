@@ -589,19 +589,28 @@ def _style(r: dict) -> tuple[dict, dict]:
     return a.get("style") or {}, a.get("bleed") or {}
 
 
+def _keep_runs(d: Path) -> list[tuple[str, dict]]:
+    """The compare payloads of a before/after directory, in the order its ``run.json`` lists them under ``runs``
+    (file -> what its rows ran with): the first before the remedy, the last at today's defaults."""
+    return [(label, _load(d / name)["results"]) for name, label in _load(d / "run.json")["runs"].items()]
+
+
 def keep_table(d: Path = KEEP_100) -> str:
-    """From ``before.json`` / ``after.json`` (compare payloads on the same edits: without and with the preservation
-    term): per method row, WILD qa / chat, teacher-forced rel, KL drift, the chat style measures, the subject bleed
-    (target in the answer / changed at all) and IFEval with its paired change against the base."""
-    before, after = _load(d / "before.json")["results"], _load(d / "after.json")["results"]
+    """From the compare payloads of ``d`` (:func:`_keep_runs`: the same edits before the remedy, at today's
+    defaults and any step between): per method row, WILD qa / chat, teacher-forced rel, KL drift, the chat style
+    measures, the subject bleed (target in the answer / changed at all) and IFEval with its paired change against
+    the base; the last run's rows in bold."""
+    runs = _keep_runs(d)
     lines = [
         "| row | WILD qa | WILD chat | TF rel | KL drift | chat length (× base) | turned bare | answer KL | "
         "bleed: target / changed | IFEval | epochs |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    rows = [("base", before["base"], before["base"])]
-    rows += [(f"{m}, no term", before[m], before["base"]) for m in KEEP_ROWS if m in before]
-    rows += [(f"**{m}, default term**", after[m], after["base"]) for m in KEEP_ROWS if m in after]
+    first = runs[0][1]
+    rows = [("base", first["base"], first["base"])]
+    for k, (label, res) in enumerate(runs):
+        bold = "**" if k == len(runs) - 1 else ""
+        rows += [(f"{bold}{m}, {label}{bold}", res[m], res["base"]) for m in KEEP_ROWS if m in res]
     for name, r, base in rows:
         s, w = r["summary"], r.get("wild") or {}
         st, bl = _style(r)
@@ -682,10 +691,11 @@ def keep_marks_32() -> str:
     return keep_marks(_load(CHAT_STYLE_HELDOUT / "defaults.json"), _load(CHAT_STYLE_HELDOUT / "period.json"))
 
 
-def keep_marks_100() -> str:
-    """The preservation term's marks on the 100 held-out edits: crispedit's row with its default term against its
-    row without, IFEval against the base."""
-    before, after = _load(KEEP_100 / "before.json")["results"], _load(KEEP_100 / "after.json")["results"]
+def keep_marks_100(d: Path = KEEP_100) -> str:
+    """The marks on 100 held-out edits: crispedit's row in the last run of ``d`` (:func:`_keep_runs`) against its row
+    in the first, IFEval against the last run's base."""
+    runs = _keep_runs(d)
+    before, after = runs[0][1], runs[-1][1]
     return keep_marks(before["crispedit"], after["crispedit"], after["base"])
 
 
@@ -693,7 +703,7 @@ def keep_block() -> str:
     """The README's table of the preservation term at 100 held-out edits, with its marks."""
     return (
         keep_table()
-        + "\nMarks, crispedit with its default term against without "
+        + "\nMarks, crispedit's last row against its first "
         + "([all of it](results/README.md#the-preservation-term-at-100-edits)):\n\n"
         + keep_marks_100()
     )
@@ -706,7 +716,7 @@ SEQ_WRAPPERS = ("qa", "chat", "none")
 
 def seq_batch_row() -> dict:
     """Batch crispedit's row on the tuning stream's edits at the defaults its sequential rows ran under."""
-    return _load(KEEP_100 / "after.json")["results"]["crispedit"]
+    return _load(KEEP_100 / "term_auto.json")["results"]["crispedit"]
 
 
 def _kept(record: dict) -> float:
@@ -723,7 +733,7 @@ def _assistant_cells(r: dict) -> str:
 
 def seq_tuning_table(d: Path = SEQ_TUNING) -> str:
     """One row per stored sequential setting under ``d`` (a compare JSON with a ``crispedit-seq`` row, named by the
-    setting) beside batch crispedit on the same edits (``keep_zsre_dev100_100/after.json``): WILD rel per wrapper
+    setting) beside batch crispedit on the same edits (``keep_zsre_dev100_100/term_auto.json``): WILD rel per wrapper
     and teacher-forced rel over all edits, round 1's edits after the last round as a share of what they read after
     round 1 (teacher-forced / QA wrapper / chat), the kept fraction of directions in the first and last round, KL
     drift as a multiple of batch's, the chat answers' length (× the base's) and the subject bleed (target in the
@@ -736,7 +746,7 @@ def seq_tuning_table(d: Path = SEQ_TUNING) -> str:
         "| setting | WILD qa / chat / none rel | TF rel | round 1 kept: TF / qa / chat | kept directions, first → "
         "last round | KL drift (× batch) | chat length | bleed | hours |",
         "|---|---|---|---|---|---|---|---|---|",
-        "| batch crispedit ([`after.json`](keep_zsre_dev100_100/after.json)) | "
+        "| batch crispedit ([`term_auto.json`](keep_zsre_dev100_100/term_auto.json)) | "
         + " / ".join(f"{batch['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
         + f" | {batch['summary']['rel']:.2f} | | | {_drift(batch['summary']['kl_drift'])} | "
         + f"{_assistant_cells(batch)} | |",
@@ -1028,14 +1038,15 @@ not after; gained: the reverse):
 ## The preservation term at 100 edits
 
 [`keep_zsre_dev100_100/`](keep_zsre_dev100_100/run.json): 100 ZsRE dev edits (100–199) that no setting was tuned
-on, through `crispedit compare` with IFEval on 48 items: the rows without the preservation term (`before.json`) and
-crispedit with its default term (`after.json`); columns as above, bleed also as the share of subject questions
+on, through `crispedit compare` with IFEval on 48 items: the rows without the preservation term and with the chat
+turn's end trained after the target (`before.json`), then crispedit with its default term (`term_auto.json`);
+columns as above, bleed also as the share of subject questions
 whose answer changed at all, IFEval in percent with its paired change against the base (** where it passes two
 standard errors).
 {_run_line(KEEP_100)}
 
 {keep_table()}
-Marks, crispedit with its default term against without:
+Marks, crispedit's last row against its first; for reach, also the same edits paired:
 
 {keep_marks_100()}
 ## Curvature study on MNIST
