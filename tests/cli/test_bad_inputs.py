@@ -397,6 +397,11 @@ CASES = [
         "lora alpha must be a finite",
     ),
     (
+        "session-sequential-mend",
+        lambda t, m: ["session", "init", "--model", m, "--out", t / "s", "--method", "mend"],
+        "mend has no sequential mode",
+    ),
+    (
         "session-mix-nan",
         lambda t, m: ["session", "init", "--model", m, "--out", t / "s", "--mix", "nan"],
         "mix must be a finite number",

@@ -199,6 +199,11 @@ class SeqConfig(Settings):
         self.edit.validate()
         if self.mode not in MODES:
             raise CrispEditError(f"session mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "sequential" and method_spec(self.edit.method).sequential == "none":
+            raise CrispEditError(
+                f"{self.edit.method} has no sequential mode (what it learned belongs to the unedited model, and a "
+                "later round edits an edited one); use --mode batch or another method"
+            )
         if self.weighting not in WEIGHTINGS:
             raise CrispEditError(f"factor weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         self.mix = check_float("mix", self.mix, 0.0, 1.0, lo_open=True, hi_open=True)
