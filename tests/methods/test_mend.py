@@ -456,3 +456,24 @@ def test_time_budget_stops_training_and_init_continues_a_saved_network(tiny_mode
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_a_batch_session_edits_with_mend_and_a_sequential_one_is_refused(tiny_model_dir, tmp_path, iso_cache):
+    """A batch-mode session re-edits the base every round, the model MEND's network was trained for, so it takes
+    MEND; a sequential session would edit an edited model and is refused before anything loads."""
+    from crispedit.models import load_model
+    from crispedit.sessions.sequential import SeqConfig
+    from crispedit.sessions.session import Session
+
+    model, tok = load_model(str(tiny_model_dir), progress=False)
+    net = write_trained(model, tok, tmp_path / "n.safetensors", steps=10)
+    edit_cfg = dict(method="mend", layers=LAYERS, options={"weights": str(net)})
+    with pytest.raises(CrispEditError, match="mend has no sequential mode"):
+        Session.create(tmp_path / "seq", str(tiny_model_dir), SeqConfig(edit=EditConfig(**edit_cfg)), progress=False)
+    assert not (tmp_path / "seq").exists()
+    cfg = SeqConfig(edit=EditConfig(**edit_cfg), mode="batch", kl_texts=2)
+    s = Session.create(tmp_path / "batch", str(tiny_model_dir), cfg, progress=False)
+    for k in range(2):
+        s.add(HELD[4 * k : 4 * k + 4], plot=False)
+    rounds = s.status()["rounds"]
+    assert [r["n_edits"] for r in rounds] == [4, 4] and rounds[1]["train"]["steps"] == 1
