@@ -581,6 +581,7 @@ def chat_style_table(d: Path = CHAT_STYLE) -> str:
 
 
 KEEP_100 = HERE / "keep_zsre_dev100_100"
+KEEP_100_CF = HERE / "keep_counterfact_dev100_100"
 KEEP_ROWS = ("crispedit", "ft", "adam-nscl", "alphaedit")  # the rows of the compares before and after, when stored
 
 
@@ -699,12 +700,38 @@ def keep_marks_100(d: Path = KEEP_100) -> str:
     return keep_marks(before["crispedit"], after["crispedit"], after["base"])
 
 
+def keep_100_section(d: Path, dataset: str) -> str:
+    """The results page's section on the remedy at 100 held-out edits of ``dataset`` (the directory ``d``, its runs
+    in ``run.json`` order: :func:`_keep_runs`), with the marks once it holds a run after the first; empty while
+    ``d`` is not stored."""
+    if not (d / "run.json").exists():
+        return ""
+    runs = _load(d / "run.json")["runs"]
+    listed = "; ".join(f"`{name}`: {label}" for name, label in runs.items())
+    marks = (
+        f"\nMarks, crispedit's last row against its first; for reach, also the same edits paired:\n\n"
+        f"{keep_marks_100(d)}"
+        if len(runs) > 1
+        else ""
+    )
+    return f"""## The remedy at 100 edits: {dataset}
+
+[`{d.name}/`]({d.name}/run.json): 100 {dataset} dev edits (100–199) that no setting was tuned on, through
+`crispedit compare` with IFEval on 48 items, in order ({listed}); columns as above, bleed also as the share of
+subject questions whose answer changed at all, IFEval in percent with its paired change against the base (** where
+it passes two standard errors).
+{_run_line(d)}
+
+{keep_table(d)}{marks}
+"""
+
+
 def keep_block() -> str:
     """The README's table of the preservation term at 100 held-out edits, with its marks."""
     return (
         keep_table()
         + "\nMarks, crispedit's last row against its first "
-        + "([all of it](results/README.md#the-preservation-term-at-100-edits)):\n\n"
+        + "([all of it](results/README.md#the-remedy-at-100-edits-zsre)):\n\n"
         + keep_marks_100()
     )
 
@@ -1035,21 +1062,7 @@ no term and the chat turn's end (`defaults.json`); for reach, also the same edit
 not after; gained: the reverse):
 
 {keep_marks_32()}
-## The preservation term at 100 edits
-
-[`keep_zsre_dev100_100/`](keep_zsre_dev100_100/run.json): 100 ZsRE dev edits (100–199) that no setting was tuned
-on, through `crispedit compare` with IFEval on 48 items: the rows without the preservation term and with the chat
-turn's end trained after the target (`before.json`), then crispedit with its default term (`term_auto.json`);
-columns as above, bleed also as the share of subject questions
-whose answer changed at all, IFEval in percent with its paired change against the base (** where it passes two
-standard errors).
-{_run_line(KEEP_100)}
-
-{keep_table()}
-Marks, crispedit's last row against its first; for reach, also the same edits paired:
-
-{keep_marks_100()}
-## Curvature study on MNIST
+{keep_100_section(KEEP_100, "ZsRE")}{keep_100_section(KEEP_100_CF, "CounterFact")}## Curvature study on MNIST
 
 [`study_mnist/`](study_mnist/run.json): [`results.csv`](study_mnist/results.csv) and the trade-off figure drawn from it
 (what each curvature model keeps of MNIST for the Fashion-MNIST accuracy it allows).
