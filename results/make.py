@@ -741,9 +741,20 @@ SEQ_TUNING = HERE / "seq_tuning_zsre_dev100"
 SEQ_WRAPPERS = ("qa", "chat", "none")
 
 
-def seq_batch_row() -> dict:
-    """Batch crispedit's row on the tuning stream's edits at the defaults its sequential rows ran under."""
-    return _load(KEEP_100 / "term_auto.json")["results"]["crispedit"]
+SEQ_MATCH = ("contexts", "answer_end", "keep_chat", "keep_subject", "keep_weight", "keep_tokens")  # must agree
+
+
+def seq_batch_row(seq: dict) -> tuple[str, dict] | None:
+    """Batch crispedit's row on the tuning stream's edits at the defaults the sequential row ``seq`` ran under (the
+    training contexts, answer end and preservation term of its edit config): ``(file name, row)`` of the last
+    matching run of ``keep_zsre_dev100_100/``, or ``None`` while none is stored."""
+    want = seq["config"]["edit"]
+    match = None
+    for name in _load(KEEP_100 / "run.json")["runs"]:
+        row = _load(KEEP_100 / name)["results"].get("crispedit")
+        if row is not None and all(row["config"].get(k) == want.get(k) for k in SEQ_MATCH):
+            match = (name, row)
+    return match
 
 
 def _kept(record: dict) -> float:
@@ -760,7 +771,7 @@ def _assistant_cells(r: dict) -> str:
 
 def seq_tuning_table(d: Path = SEQ_TUNING) -> str:
     """One row per stored sequential setting under ``d`` (a compare JSON with a ``crispedit-seq`` row, named by the
-    setting) beside batch crispedit on the same edits (``keep_zsre_dev100_100/term_auto.json``): WILD rel per wrapper
+    setting) beside batch crispedit on the same edits at the same defaults (:func:`seq_batch_row`): WILD rel per wrapper
     and teacher-forced rel over all edits, round 1's edits after the last round as a share of what they read after
     round 1 (teacher-forced / QA wrapper / chat), the kept fraction of directions in the first and last round, KL
     drift as a multiple of batch's, the chat answers' length (× the base's) and the subject bleed (target in the
@@ -768,30 +779,37 @@ def seq_tuning_table(d: Path = SEQ_TUNING) -> str:
     files = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
     if not files:
         return ""
-    batch = seq_batch_row()
     lines = [
         "| setting | WILD qa / chat / none rel | TF rel | round 1 kept: TF / qa / chat | kept directions, first → "
         "last round | KL drift (× batch) | chat length | bleed | hours |",
         "|---|---|---|---|---|---|---|---|---|",
-        "| batch crispedit ([`term_auto.json`](keep_zsre_dev100_100/term_auto.json)) | "
-        + " / ".join(f"{batch['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
-        + f" | {batch['summary']['rel']:.2f} | | | {_drift(batch['summary']['kl_drift'])} | "
-        + f"{_assistant_cells(batch)} | |",
     ]
+    shown: set[str] = set()
     for f in files:
         r = _load(f)["results"]["crispedit-seq"]
+        matched = seq_batch_row(r)
+        if matched is not None and matched[0] not in shown:  # each batch row once, before the rows read against it
+            name, batch = matched
+            shown.add(name)
+            lines.append(
+                f"| batch crispedit ([`{name}`](keep_zsre_dev100_100/{name})) | "
+                + " / ".join(f"{batch['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
+                + f" | {batch['summary']['rel']:.2f} | | | {_drift(batch['summary']['kl_drift'])} | "
+                + f"{_assistant_cells(batch)} | |"
+            )
         first, last = r["retention"][0], r["retention"][-1]
         held = [last["tf_rel"] / first["tf_rel"] if first["tf_rel"] else float("nan")]
         held += [last["wild"][w] / first["wild"][w] if first["wild"].get(w) else float("nan") for w in ("qa", "chat")]
         recs = r["round_records"]
         drift = r["summary"]["kl_drift"]
+        times = "–" if matched is None else f"×{drift / matched[1]['summary']['kl_drift']:.2f}"
         lines.append(
             f"| [`{f.stem}`](seq_tuning_zsre_dev100/{f.name}) | "
             + " / ".join(f"{r['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
             + f" | {r['summary']['rel']:.2f} | "
             + " / ".join(f"{h:.2f}" for h in held)
             + f" | {_kept(recs[0]):.2f} → {_kept(recs[-1]):.2f} | {_drift(drift)} "
-            f"(×{drift / batch['summary']['kl_drift']:.2f}) | {_assistant_cells(r)} | {r['edit_seconds'] / 3600:.2f} |"
+            f"({times}) | {_assistant_cells(r)} | {r['edit_seconds'] / 3600:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -843,6 +861,13 @@ def seq_marks(batch: dict, seq: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def seq_tuning_marks(name: str = "full.json") -> str:
+    """:func:`seq_marks` of the tuning stream's row ``name`` against its batch row (:func:`seq_batch_row`)."""
+    seq = _load(SEQ_TUNING / name)["results"]["crispedit-seq"]
+    matched = seq_batch_row(seq)
+    return "" if matched is None else seq_marks(matched[1], seq)
+
+
 def seq_tuning_section() -> str:
     """The results page's section on tuning the sequential mode, when its runs are stored."""
     table = seq_tuning_table()
@@ -858,7 +883,7 @@ batch crispedit with the same defaults on the same 100 edits. {_run_line(SEQ_TUN
 The marks on the tuning stream's default setting (`full`), against batch crispedit on the same edits (the marks are
 judged on the confirming stream, ZsRE dev 1000–1999; this is what tuning read):
 
-{seq_marks(seq_batch_row(), _load(SEQ_TUNING / "full.json")["results"]["crispedit-seq"])}
+{seq_tuning_marks()}
 """
 
 
