@@ -618,3 +618,68 @@ def test_cli_edit_on_a_value_projection_notes_that_the_prediction_under_reads(
     s = json.loads((tmp_path / "v" / "edit_report.json").read_text())["summary"]
     assert s["mixing_layers"] == [f"model.layers.{i}.self_attn.v_proj" for i in (1, 2)]
     assert "note: model.layers.1.self_attn.v_proj, model.layers.2.self_attn.v_proj: attention mixes" in out
+
+
+def test_penalty_from_reference_weights_is_the_gradient_of_their_prediction():
+    """With ``reference`` the penalty reads the change from those weights (a session's base), checked against
+    autograd; the budget's own measure (``predicted``, ``enforce``) still reads the change from the start."""
+    g = torch.Generator().manual_seed(5)
+    mods = {"a": torch.nn.Linear(5, 3, bias=False).double()}
+    params = {"a": mods["a"].weight}
+    factors = KFACFactors({"a": spd(5, g)}, {"a": spd(3, g)}, 1)
+    ref = {"a": params["a"].detach().clone() - 0.2 * torch.randn(3, 5, generator=g, dtype=torch.float64)}
+    budget = DriftBudget(params, mods, factors, None, penalty=1.5, reference=ref)
+    budget.curvature = factors.on({"a": "cpu"}, torch.float64)
+    budget.start = {"a": params["a"].detach().clone()}
+    budget.reference = {"a": ref["a"].clone()}
+    with torch.no_grad():
+        params["a"].add_(torch.randn(3, 5, generator=g, dtype=torch.float64) * 0.1)
+    w = params["a"].detach().clone().requires_grad_(True)
+    d = w - ref["a"]
+    total = 0.5 * ((factors.S["a"] @ d) * (d @ factors.A["a"])).sum()
+    total.backward()
+    params["a"].grad = torch.zeros_like(params["a"])
+    assert budget.add_penalty_gradient() == pytest.approx(float(total.detach()), rel=1e-6)
+    assert torch.allclose(params["a"].grad, 1.5 * w.grad, rtol=1e-5, atol=1e-9)
+    since_start = params["a"].detach() - budget.start["a"]
+    assert budget.predicted() == pytest.approx(kron_form(since_start, factors.A["a"], factors.S["a"]), rel=1e-6)
+    with pytest.raises(ValueError, match="lack"):
+        DriftBudget(params, mods, factors, None, penalty=1.0, reference={})
+
+
+@pytest.mark.parametrize("drift_from", ["round", "base"])
+def test_a_session_penalty_reads_its_round_or_the_whole_session(drift_from, tmp_path, tiny_model_dir, monkeypatch):
+    """``drift_from="base"``: every sequential round's penalty measures the change from the session's base weights,
+    so round 2 starts with the drift round 1 left; ``"round"``: from the round's own start. A config whose penalty
+    is off does not keep the setting in its identity; LoRA, which trains a fresh adapter, refuses ``base``."""
+    from crispedit.curvature import predicted
+    from crispedit.editing import SeqConfig
+    from crispedit.sessions.session import Session
+
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    seen = []
+    real = predicted.DriftBudget.__init__
+
+    def spy(self, params, modules, factors, eps, penalty=0.0, reference=None):
+        real(self, params, modules, factors, eps, penalty, reference)
+        seen.append((self.penalty_deltas(), {n: p.detach().clone() for n, p in params.items()}))
+
+    monkeypatch.setattr(predicted.DriftBudget, "__init__", spy)
+    base = dict(method="crispedit", layers=LAYERS, epochs=5, lr=1e-2, batch_size=4, n_cap=6, max_len=48)
+    cfg = SeqConfig(edit={**base, "drift_penalty": 1.0}, drift_from=drift_from)
+    s = Session.create(tmp_path / "s", str(tiny_model_dir), cfg, progress=False)
+    for part in (REQS[:2], REQS[2:]):
+        s.add(part, plot=False)
+    (d1, w1), (d2, w2) = seen
+    assert all(float(d.abs().max()) == 0.0 for d in d1.values())  # round 1 starts at the base either way
+    moved = {n: float((w2[n] - w1[n]).abs().max()) for n in w1}
+    assert all(v > 0 for v in moved.values())
+    if drift_from == "base":  # round 2's penalty reads round 1's change from its first step
+        assert all(torch.allclose(d2[n], (w2[n] - w1[n]).float()) for n in d2)
+    else:
+        assert all(float(d.abs().max()) == 0.0 for d in d2.values())
+    assert "drift_from" in cfg.identity()
+    assert "drift_from" not in SeqConfig(edit=base, drift_from=drift_from).identity()
+    if drift_from == "base":
+        with pytest.raises(CrispEditError, match="LoRA trains a fresh adapter"):
+            SeqConfig(edit={**base, "method": "lora", "layers": None}, drift_from="base")

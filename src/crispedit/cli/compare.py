@@ -38,6 +38,7 @@ def cmd_compare(args) -> int:
                 edit_gamma=args.seq_edit_gamma,
                 edit_factors=args.seq_edit_factors,
                 replay=args.seq_replay,
+                drift_from=args.seq_drift_from,
             )
             if seq
             else cfg
@@ -86,7 +87,7 @@ def cmd_compare(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit compare`` on ``subparsers``."""
-    from ..editing.config import EDIT_FACTOR_ROWS, MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK, WEIGHTINGS, SeqConfig
+    from ..editing.config import DRIFT_FROM, EDIT_FACTOR_ROWS, MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK, WEIGHTINGS, SeqConfig
     from ..editing.registry import SEQ_SUFFIX, method_names, sequential_rows
     from .flags import add_curvature_args, add_edits_args, add_model_args, add_training_args
 
@@ -141,6 +142,13 @@ def add_cli(sub) -> None:
         metavar="N",
         help="each round of the -seq rows also trains on up to N earlier edits, a seeded sample drawn anew every "
         f"round (default {SeqConfig.replay}: off; as `crispedit session init --replay`)",
+    )
+    p.add_argument(
+        "--seq-drift-from",
+        default=SeqConfig.drift_from,
+        choices=list(DRIFT_FROM),
+        help="what the -seq rows' --drift-penalty measures the change from: each round's starting weights or the "
+        f"base (default {SeqConfig.drift_from}; as `crispedit session init --drift-from`)",
     )
     p.add_argument(
         "--out",

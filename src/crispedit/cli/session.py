@@ -203,6 +203,7 @@ def add_cli(sub) -> None:
             "edit_gamma",
             "edit_factors",
             "replay",
+            "drift_from",
             "recompute_drift",
             "carry_optimizer",
             "reproject_momentum",

@@ -115,7 +115,10 @@ class DriftBudget:
     :meth:`add_penalty_gradient` (between backward and projection) adds ``β · ∂p/∂ΔW_l`` to every layer's
     gradient, ``∂p/∂ΔW_l = (sqrt(p) / sqrt(q_l)) · S_l ΔW_l A_l``, so training minimises
     ``edit loss + β · predicted drift`` (nats per target token + β · nats per held-out token): among the
-    changes that make the edit, the ones the capability curvature says are flattest.
+    changes that make the edit, the ones the capability curvature says are flattest. ``reference`` (name ->
+    weight, storage orientation): the weights the penalty measures the change from instead of the starting ones —
+    a session's base, so that a round pays for the drift the whole session has made and may take back what
+    earlier rounds left in the directions it may move; the budget still measures from the start.
 
     The factors are the capability factors of the changed layers whatever the method: a curvature method's
     own, those ``--predict-drift`` fetches for ft and locbf-ft, and for LoRA those of the adapted modules
@@ -130,10 +133,19 @@ class DriftBudget:
         factors,
         eps: float | None,
         penalty: float = 0.0,
+        reference: Mapping[str, Tensor] | None = None,
     ):
         self.params, self.modules = dict(params), dict(modules)
         self._setup(factors, {n: p.device for n, p in self.params.items()}, eps, penalty)
         self.start = {n: p.detach().float().clone() for n, p in self.params.items()}
+        self.reference = self.start
+        if reference is not None:
+            missing = sorted(set(self.params) - set(reference))
+            if missing:
+                raise ValueError(f"the drift penalty's reference weights lack {missing}")
+            self.reference = {
+                n: reference[n].detach().to(device=p.device, dtype=torch.float32) for n, p in self.params.items()
+            }
 
     def _setup(self, factors, devices: Mapping[str, torch.device], eps: float | None, penalty: float) -> None:
         """The budget, the penalty, the counters and the curvature of each layer (float32, on ``devices[name]``:
@@ -151,6 +163,12 @@ class DriftBudget:
     def deltas(self) -> dict[str, Tensor]:
         """The accumulated change of every parameter, as stored (float32)."""
         return {n: p.detach().float() - self.start[n] for n, p in self.params.items()}
+
+    def penalty_deltas(self) -> dict[str, Tensor]:
+        """The change the penalty reads: every parameter's from :attr:`reference` (float32)."""
+        if self.reference is self.start:
+            return self.deltas()
+        return {n: p.detach().float() - self.reference[n] for n, p in self.params.items()}
 
     def predicted(self, deltas: Mapping[str, Tensor] | None = None) -> float:
         """Predicted drift (nats per token) of ``deltas`` (default: the current accumulated change)."""
@@ -181,10 +199,11 @@ class DriftBudget:
         return True
 
     def _drift_gradients(self) -> tuple[float, dict[str, Tensor]]:
-        """The coherent predicted drift ``p`` of the accumulated change and ``∂p/∂ΔW_l`` of every layer with a
-        change (``d_out x d_in``, float32; a layer with ``q_l = 0`` is left out: its term is 0)."""
+        """The coherent predicted drift ``p`` of the change from :attr:`reference` (the start by default) and
+        ``∂p/∂ΔW_l`` of every layer with a change (``d_out x d_in``, float32; a layer with ``q_l = 0`` is left out:
+        its term is 0)."""
         qs, SdA = {}, {}
-        for n, d in self.deltas().items():
+        for n, d in self.penalty_deltas().items():
             dW = as_weight_matrix(self.modules[n], d)
             SdA[n] = self.curvature.matvec(n, dW)
             qs[n] = 0.5 * float((dW * SdA[n]).sum())
@@ -201,8 +220,8 @@ class DriftBudget:
 
     @torch.no_grad()
     def add_penalty_gradient(self) -> float:
-        """Add ``penalty · ∂p/∂W`` (the coherent predicted drift ``p`` of the accumulated change, see the class
-        docstring) to every parameter's ``.grad`` in place; returns ``p`` (nats per token). A layer with no
+        """Add ``penalty · ∂p/∂W`` (the coherent predicted drift ``p`` of the change from :attr:`reference`, see the
+        class docstring) to every parameter's ``.grad`` in place; returns ``p`` (nats per token). A layer with no
         change yet (``q_l = 0``) gets nothing (its gradient term is 0)."""
         if self.penalty <= 0:
             return 0.0
@@ -250,6 +269,10 @@ class LowRankDriftBudget(DriftBudget):
     def deltas(self) -> dict[str, Tensor]:
         """The merged update ``s · B A`` of every adapter (``d_out x d_in``, float32)."""
         return {n: s * (b.detach().float() @ a.detach().float()) for n, (a, b, s) in self.adapters.items()}
+
+    def penalty_deltas(self) -> dict[str, Tensor]:
+        """The penalty reads the merged update: a fresh adapter has no reference but its own zero."""
+        return self.deltas()
 
     def _pull_back(self, c: float, deltas: Mapping[str, Tensor]) -> None:
         """Scale every merged update by ``c`` through its ``B``."""

@@ -47,6 +47,7 @@ __all__ = [
     "MODES",
     "PAPER_SEQ_CHUNK",
     "MIN_SEQ_ROUNDS",
+    "DRIFT_FROM",
     "default_seq_chunk",
 ]
 
@@ -114,6 +115,7 @@ class EditConfig(DriftConfig, SequencesConfig, TrainingConfig, ProjectionConfig,
 WEIGHTINGS = ("fixed", "trace", "each", "tokens")
 MODES = ("sequential", "batch")
 EDIT_FACTOR_ROWS = ("full", "target")
+DRIFT_FROM = ("round", "base")
 PAPER_SEQ_CHUNK = 100  # CrispEdit-Seq's chunk size (paper, Table "Default hyperparameters"; 3000 edits = 30 rounds)
 MIN_SEQ_ROUNDS = 10  # ... but a small edit set is still cut into about this many rounds
 MAX_REPLAY = 100_000  # earlier edits a round may rehearse, at most
@@ -173,6 +175,13 @@ class SeqConfig(Settings):
         "anew every round, so what earlier rounds taught is rehearsed where later rounds wore it down (a "
         "replayed edit already held costs its batches a forward); 0: off (default)",
     )
+    drift_from: str = setting(
+        "round",
+        choices=DRIFT_FROM,
+        help="what a sequential round's --drift-penalty measures the change from: the round's starting weights "
+        "(round, the default: each round pays for its own change) or the session's base (base: a round pays "
+        "for the drift of the whole session and may take back what earlier rounds left where it may move)",
+    )
     carry_optimizer: bool = setting(
         True, help="carry Adam's state across rounds (default; the flag: a fresh Adam state every round)"
     )
@@ -214,6 +223,13 @@ class SeqConfig(Settings):
                 f"edit factor rows must be one of {', '.join(EDIT_FACTOR_ROWS)}, got {self.edit_factors!r}"
             )
         self.replay = check_int("replay (--replay)", self.replay, 0, MAX_REPLAY)
+        if self.drift_from not in DRIFT_FROM:
+            raise CrispEditError(f"--drift-from must be one of {', '.join(DRIFT_FROM)}, got {self.drift_from!r}")
+        if self.drift_from == "base" and self.edit.method == "lora":
+            raise CrispEditError(
+                "--drift-from base measures the change of the weights themselves; LoRA trains a fresh adapter every "
+                "round (use --drift-from round)"
+            )
         if self.recompute_drift is not None:
             self.recompute_drift = check_float("recompute drift threshold", self.recompute_drift, 0.0, lo_open=True)
         self.kl_texts = check_positive_int("kl-texts", self.kl_texts)
@@ -238,13 +254,16 @@ class SeqConfig(Settings):
 
     def identity(self) -> dict:
         """:meth:`to_json` without the fields that do not change the rounds (``check_earlier``; ``replay`` in batch
-        mode; ``weighting``, ``mix``, ``edit_factors`` and ``edit_gamma`` where :attr:`uses_weighting` is false; an
-        ``edit_gamma`` of ``None`` as the edit γ it stands for): what a reopened session or a resumed compare row is
-        matched on, so an ``ft`` session stored under another default weighting is still the same session."""
+        mode; ``drift_from`` in batch mode or without a drift penalty; ``weighting``, ``mix``, ``edit_factors`` and
+        ``edit_gamma`` where :attr:`uses_weighting` is false; an ``edit_gamma`` of ``None`` as the edit γ it stands
+        for): what a reopened session or a resumed compare row is matched on, so an ``ft`` session stored under
+        another default weighting is still the same session."""
         d = self.to_json()
         d.pop("check_earlier")  # what a round checks afterwards, not what it trains
         if self.mode == "batch":  # every batch-mode round trains on all the edits so far: nothing to replay
             d.pop("replay")
+        if self.mode == "batch" or not self.edit.drift_penalty:  # the reference of a penalty that does not act
+            d.pop("drift_from")
         if not self.uses_weighting:
             d.pop("weighting"), d.pop("mix"), d.pop("edit_factors"), d.pop("edit_gamma")
         elif d["edit_gamma"] is None:  # the edit γ, spelled out: the same rounds as that value given explicitly

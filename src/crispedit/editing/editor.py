@@ -48,7 +48,9 @@ class EditContext:
     subspace when ``reproject_momentum``; ``keep_optimizer``: return the final Adam state. For an editor
     with ``carries_state`` (AlphaEdit) ``optimizer_state`` is its own carried state instead.
     ``drift_factors``: the capability factors the ``config.max_drift`` budget is measured with (default:
-    ``factors``; sessions pass the capability factors alone, without the earlier edits'). ``checkpoint``: a file
+    ``factors``; sessions pass the capability factors alone, without the earlier edits'). ``drift_reference``: the
+    weights ``config.drift_penalty`` measures the change from (full parameter name -> tensor; default: the weights
+    the edit starts from; a sequential session's base under ``--drift-from base``). ``checkpoint``: a file
     the fine-tuning loop saves its state to and resumes from (:mod:`crispedit.editing.checkpoint`); editors
     that do not run the loop on fixed starting weights ignore it."""
 
@@ -56,6 +58,7 @@ class EditContext:
     layers: dict[str, nn.Module]
     factors: KFACFactors | None = None
     drift_factors: KFACFactors | None = None
+    drift_reference: dict[str, Tensor] | None = None
     optimizer_state: dict[str, Tensor] = field(default_factory=dict)
     reproject_momentum: bool = True
     keep_optimizer: bool = False
@@ -219,4 +222,12 @@ class Editor:
             return None
         from ..curvature.predicted import DriftBudget
 
-        return DriftBudget(params, layers, factors, ctx.config.max_drift, penalty=ctx.config.drift_penalty)
+        reference = None
+        if ctx.drift_reference is not None:  # the trained weights are keyed by module name
+            missing = [n for n in params if f"{n}.weight" not in ctx.drift_reference]
+            if missing:
+                raise CrispEditError(f"the drift penalty's reference weights do not hold {missing[0]}.weight")
+            reference = {n: ctx.drift_reference[f"{n}.weight"] for n in params}
+        return DriftBudget(
+            params, layers, factors, ctx.config.max_drift, penalty=ctx.config.drift_penalty, reference=reference
+        )

@@ -42,6 +42,7 @@ _SEQ_KNOBS = (
     ("edit_gamma", "edit-factor gamma {was}, now {now}", "--seq-edit-gamma"),
     ("edit_factors", "edit factors at {was} positions, now {now}", "--seq-edit-factors"),
     ("replay", "replay of {was} earlier edits, now {now}", "--seq-replay"),
+    ("drift_from", "drift penalty from the {was}, now from the {now}", "--seq-drift-from"),
 )
 
 

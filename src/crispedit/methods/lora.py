@@ -115,6 +115,8 @@ class LoRAEditor(Editor):
         factors = self.budget_factors(ctx)
         if factors is None:
             return None
+        if ctx.drift_reference is not None:
+            raise CrispEditError("LoRA's drift penalty reads its fresh adapter's update; it takes no reference weights")
         from ..curvature.predicted import LowRankDriftBudget
 
         adapters = {

@@ -277,7 +277,8 @@ def run_round(
     enforced on its own change (:class:`~crispedit.curvature.predicted.DriftBudget` with the capability
     factors ``state.cap``, which a session of a method without curvature — ft, locbf-ft, LoRA on its adapted
     modules — holds when it has a budget or penalty); a batch-mode round re-edits the base and gets the whole
-    budget. A spent budget is a one-line error.
+    budget. A spent budget is a one-line error. ``config.edit.drift_penalty`` reads the round's own change, or under
+    ``config.drift_from == "base"`` (sequential mode) the change from ``base_weights``: the session's whole drift.
 
     ``checkpoint``: a file the round's fine-tuning loop saves its state to after every epoch and resumes from
     (:mod:`crispedit.editing.checkpoint`; its identity covers the round's starting weights and carried optimizer
@@ -320,6 +321,7 @@ def run_round(
                 keep_optimizer=carry,
                 progress=progress,
                 drift_factors=state.cap,
+                drift_reference=base_weights if config.drift_from == "base" and not batch else None,
                 checkpoint=checkpoint,
             ),
         )
