@@ -208,7 +208,7 @@ class SeqConfig(Settings):
         self.edit.validate()
         if self.mode not in MODES:
             raise CrispEditError(f"session mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.mode == "sequential" and method_spec(self.edit.method).sequential == "none":
+        if self.mode == "sequential" and get_editor(self.edit.method).base_only:
             raise CrispEditError(
                 f"{self.edit.method} has no sequential mode (what it learned belongs to the unedited model, and a "
                 "later round edits an edited one); use --mode batch or another method"

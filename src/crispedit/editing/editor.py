@@ -98,7 +98,9 @@ class Editor:
     covariance ``A`` alone, for the closed-form editors),
     ``carries_optimizer`` (a session may continue Adam's state across rounds), ``carries_state`` (the
     editor's own state — AlphaEdit's accumulated keys — goes from round to round through
-    ``ctx.optimizer_state`` / ``EditOutcome.optimizer_state`` whatever ``carry_optimizer`` says), ``Config`` (the
+    ``ctx.optimizer_state`` / ``EditOutcome.optimizer_state`` whatever ``carry_optimizer`` says), ``base_only``
+    (what the editor applies was learned for the unedited model — MEND's network — so no sequential session takes
+    it: a later round would edit an edited model), ``Config`` (the
     method's own :class:`MethodConfig` dataclass). A built-in editor sets only ``name`` (and its
     behaviour): ``summary`` and ``Config`` come from its method's ``METHOD`` entry (:mod:`crispedit.methods`)
     when :func:`~crispedit.editing.registry.editor_class` loads it."""
@@ -109,6 +111,7 @@ class Editor:
     curvature_kind = "kfac"
     carries_optimizer = True
     carries_state = False
+    base_only = False
     Config: type[MethodConfig] = MethodConfig
 
     def check_requests(self, requests: Sequence[EditRequest]) -> None:

@@ -53,6 +53,7 @@ class MENDEditor(SinglePassEditor):
     ``epoch_loss`` holds the mean target NLL (nats/token, bare prompt) before and after; ``steps`` 1."""
 
     name = "mend"
+    base_only = True  # the network was trained for the unedited model's weights
 
     def select_layers(self, model, config):
         """``--layers``; else those of the ``weights`` file; else the MLP linears of the last 3 blocks."""
