@@ -716,10 +716,10 @@ def keep_100_section(d: Path, dataset: str) -> str:
     )
     return f"""## The remedy at 100 edits: {dataset}
 
-[`{d.name}/`]({d.name}/run.json): 100 {dataset} dev edits (100–199) that no setting was tuned on, through
-`crispedit compare` with IFEval on 48 items, in order ({listed}); columns as above, bleed also as the share of
-subject questions whose answer changed at all, IFEval in percent with its paired change against the base (** where
-it passes two standard errors).
+[`{d.name}/`]({d.name}/run.json): 100 {dataset} dev edits (100–199) that no setting was tuned on,
+through `crispedit compare` with IFEval on 48 items. Its runs, in order: {listed}.
+Columns as above, bleed also as the share of subject questions whose answer changed at all, IFEval in percent with
+its paired change against the base (** where it passes two standard errors).
 {_run_line(d)}
 
 {keep_table(d)}{marks}
