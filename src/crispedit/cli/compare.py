@@ -14,6 +14,8 @@ __all__ = ["add_cli", "cmd_compare", "DEFAULT_CAPABILITIES", "DEFAULT_LIMITS", "
 
 DEFAULT_CAPABILITIES = "ifeval"
 DEFAULT_LIMITS = {"ifeval": 48}  # items per task without --limit (other tasks: all): what a CPU evaluates per row
+# The session settings the -seq rows take as --seq-<name> flags (the rest keep the session defaults)
+SEQ_SETTINGS = ("weighting", "edit_gamma", "edit_factors", "replay", "drift_from")
 GEN_TOKENS = 256  # generative tasks' answers are cut here (IFEval's own cap is 1280 tokens): what a CPU can run
 
 
@@ -31,15 +33,7 @@ def cmd_compare(args) -> int:
         base, seq = seq_row(m)
         cfg = config_from_args(args, base, options.get(base, {}))
         configs[m] = (
-            SeqConfig(
-                edit=cfg,
-                mode="sequential",
-                weighting=args.seq_weighting,
-                edit_gamma=args.seq_edit_gamma,
-                edit_factors=args.seq_edit_factors,
-                replay=args.seq_replay,
-                drift_from=args.seq_drift_from,
-            )
+            SeqConfig(edit=cfg, mode="sequential", **{k: getattr(args, f"seq_{k}") for k in SEQ_SETTINGS})
             if seq
             else cfg
         )
@@ -87,9 +81,9 @@ def cmd_compare(args) -> int:
 
 def add_cli(sub) -> None:
     """Register ``crispedit compare`` on ``subparsers``."""
-    from ..editing.config import DRIFT_FROM, EDIT_FACTOR_ROWS, MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK, WEIGHTINGS, SeqConfig
+    from ..editing.config import MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK, SeqConfig
     from ..editing.registry import SEQ_SUFFIX, method_names, sequential_rows
-    from .flags import add_curvature_args, add_edits_args, add_model_args, add_training_args
+    from .flags import add_curvature_args, add_edits_args, add_model_args, add_settings_args, add_training_args
 
     p = sub.add_parser("compare", help="run several editing methods on the same edits and tabulate them")
     add_model_args(p)
@@ -112,43 +106,8 @@ def add_cli(sub) -> None:
         f"ceil(n-edits/{MIN_SEQ_ROUNDS})): the paper's {PAPER_SEQ_CHUNK}, but about {MIN_SEQ_ROUNDS} "
         "rounds for small edit sets; 10 for 100 edits)",
     )
-    p.add_argument(
-        "--seq-weighting",
-        default=SeqConfig.weighting,
-        choices=list(WEIGHTINGS),
-        help="how the -seq rows of curvature methods combine capability and edit factors (default "
-        f"{SeqConfig.weighting}; as `crispedit session init --weighting`)",
-    )
-    p.add_argument(
-        "--seq-edit-gamma",
-        type=float,
-        default=SeqConfig.edit_gamma,
-        metavar="G",
-        help="with --seq-weighting each: the energy of the accumulated edit factors masked (default "
-        f"{SeqConfig.edit_gamma}; as `crispedit session init --edit-gamma`)",
-    )
-    p.add_argument(
-        "--seq-edit-factors",
-        default=SeqConfig.edit_factors,
-        choices=list(EDIT_FACTOR_ROWS),
-        help="positions the -seq rows' edit factors are collected at: every position of the training sequences "
-        f"(full, the paper) or the positions that predict the target (default {SeqConfig.edit_factors}; as "
-        "`crispedit session init --edit-factors`)",
-    )
-    p.add_argument(
-        "--seq-replay",
-        type=int,
-        default=SeqConfig.replay,
-        metavar="N",
-        help="each round of the -seq rows also trains on up to N earlier edits, a seeded sample drawn anew every "
-        f"round (default {SeqConfig.replay}: off; as `crispedit session init --replay`)",
-    )
-    p.add_argument(
-        "--seq-drift-from",
-        default=SeqConfig.drift_from,
-        choices=list(DRIFT_FROM),
-        help="what the -seq rows' --drift-penalty measures the change from: each round's starting weights or the "
-        f"base (default {SeqConfig.drift_from}; as `crispedit session init --drift-from`)",
+    add_settings_args(
+        p, SeqConfig, SEQ_SETTINGS, prefix="seq", note="the -seq rows; as `crispedit session init {flag}`"
     )
     p.add_argument(
         "--out",

@@ -59,10 +59,19 @@ def _value_type(cls: type[Settings], name: str) -> type:
     return kinds[0] if kinds[0] in (int, float, str, bool) else str
 
 
-def add_settings_args(p: argparse.ArgumentParser, cls: type[Settings], names: Iterable[str] | None = None) -> None:
+def add_settings_args(
+    p: argparse.ArgumentParser,
+    cls: type[Settings],
+    names: Iterable[str] | None = None,
+    *,
+    prefix: str = "",
+    note: str = "",
+) -> None:
     """One flag per field of ``cls`` (``names``: only those, in that order) that :func:`~crispedit.settings.setting`
     offers the command line: ``--<name>`` (or its ``flag``), stored under the field's name, with the field's default,
-    help, metavar and choices; a boolean that defaults to true becomes ``--no-<name>``."""
+    help, metavar and choices; a boolean that defaults to true becomes ``--no-<name>``. ``prefix`` (e.g. ``"seq"``)
+    names the flags ``--<prefix>-<name>`` and stores them under ``<prefix>_<name>``, one command's settings offered on
+    another's line; ``note`` then ends each help in brackets, ``{flag}`` standing for the unprefixed flag."""
     for name in _field_names(cls) if names is None else names:
         meta = cls.metadata_of(name)
         if not meta or not meta.get("cli", True):
@@ -71,15 +80,19 @@ def add_settings_args(p: argparse.ArgumentParser, cls: type[Settings], names: It
         default = None if f.default is MISSING else f.default
         flag = meta.get("flag") or "--" + name.replace("_", "-")
         help_ = cls.help_of(name).replace("%", "%%")
+        dest = name
+        if prefix:
+            help_ += f" ({note.format(flag=flag)})" if note else ""
+            flag, dest = f"--{prefix}-{flag[2:]}", f"{prefix}_{name}"
         kind = _value_type(cls, name)
         if kind is bool:
-            flag = flag if not default else "--no-" + name.replace("_", "-")
-            p.add_argument(flag, dest=name, action="store_false" if default else "store_true", help=help_)
+            flag = flag if not default else "--no-" + flag[2:]
+            p.add_argument(flag, dest=dest, action="store_false" if default else "store_true", help=help_)
             continue
         choices = meta.get("choices")
         choices = list(choices() if callable(choices) else choices) if choices is not None else None
         extra = {"metavar": meta["metavar"]} if meta.get("metavar") else {}
-        p.add_argument(flag, dest=name, type=kind, default=default, choices=choices, help=help_, **extra)
+        p.add_argument(flag, dest=dest, type=kind, default=default, choices=choices, help=help_, **extra)
 
 
 def settings_from_args(args: argparse.Namespace, cls: type[Settings]) -> dict:
