@@ -769,47 +769,63 @@ def _assistant_cells(r: dict) -> str:
     return f"×{st['length_ratio']:.2f} | {_pct(bl['target'])} %" if st and bl else "– | –"
 
 
+SEQ_HEADER = (
+    "| row | WILD qa / chat / none rel | TF rel | round 1 kept: TF / qa / chat | kept directions, first → last round "
+    "| KL drift (× batch) | chat length | bleed | hours |\n|---|---|---|---|---|---|---|---|---|\n"
+)
+
+
+def _batch_line(label: str, batch: dict) -> str:
+    """A batch row of :data:`SEQ_HEADER`'s table: reach, teacher-forced rel, drift and the chat measures."""
+    return (
+        f"| {label} | "
+        + " / ".join(f"{batch['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
+        + f" | {batch['summary']['rel']:.2f} | | | {_drift(batch['summary']['kl_drift'])} | "
+        + f"{_assistant_cells(batch)} | |"
+    )
+
+
+def _seq_line(label: str, r: dict, batch: dict | None) -> str:
+    """A sequential row of :data:`SEQ_HEADER`'s table: WILD rel per wrapper and teacher-forced rel over all edits,
+    round 1's edits after the last round as a share of what they read after round 1 (teacher-forced / QA wrapper /
+    chat), the mean kept fraction of directions in the first and last round (– for a row without a projector), KL
+    drift as a multiple of ``batch``'s (batch crispedit on the same edits at the same defaults; – without one), the
+    chat answers' length and subject bleed, and the edit's hours."""
+    first, last = r["retention"][0], r["retention"][-1]
+    held = [last["tf_rel"] / first["tf_rel"] if first["tf_rel"] else float("nan")]
+    held += [last["wild"][w] / first["wild"][w] if first["wild"].get(w) else float("nan") for w in ("qa", "chat")]
+    recs = r["round_records"]
+    k0, k1 = _kept(recs[0]), _kept(recs[-1])
+    kept = "–" if k0 != k0 or (k0 == 1.0 and k1 == 1.0) else f"{k0:.2f} → {k1:.2f}"
+    drift = r["summary"]["kl_drift"]
+    times = "–" if batch is None else f"×{drift / batch['summary']['kl_drift']:.2f}"
+    return (
+        f"| {label} | "
+        + " / ".join(f"{r['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
+        + f" | {r['summary']['rel']:.2f} | "
+        + " / ".join(f"{h:.2f}" for h in held)
+        + f" | {kept} | {_drift(drift)} ({times}) | {_assistant_cells(r)} | {r['edit_seconds'] / 3600:.2f} |"
+    )
+
+
 def seq_tuning_table(d: Path = SEQ_TUNING) -> str:
     """One row per stored sequential setting under ``d`` (a compare JSON with a ``crispedit-seq`` row, named by the
-    setting) beside batch crispedit on the same edits at the same defaults (:func:`seq_batch_row`): WILD rel per wrapper
-    and teacher-forced rel over all edits, round 1's edits after the last round as a share of what they read after
-    round 1 (teacher-forced / QA wrapper / chat), the kept fraction of directions in the first and last round, KL
-    drift as a multiple of batch's, the chat answers' length (× the base's) and the subject bleed (target in the
-    answer, percent), and the edit's hours."""
+    setting; :func:`_seq_line`) beside batch crispedit on the same edits at the same defaults
+    (:func:`seq_batch_row`), each batch row once, before the rows read against it."""
     files = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
     if not files:
         return ""
-    lines = [
-        "| setting | WILD qa / chat / none rel | TF rel | round 1 kept: TF / qa / chat | kept directions, first → "
-        "last round | KL drift (× batch) | chat length | bleed | hours |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [SEQ_HEADER.rstrip("\n")]
     shown: set[str] = set()
     for f in files:
         r = _load(f)["results"]["crispedit-seq"]
         matched = seq_batch_row(r)
-        if matched is not None and matched[0] not in shown:  # each batch row once, before the rows read against it
+        if matched is not None and matched[0] not in shown:
             name, batch = matched
             shown.add(name)
-            lines.append(
-                f"| batch crispedit ([`{name}`](keep_zsre_dev100_100/{name})) | "
-                + " / ".join(f"{batch['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
-                + f" | {batch['summary']['rel']:.2f} | | | {_drift(batch['summary']['kl_drift'])} | "
-                + f"{_assistant_cells(batch)} | |"
-            )
-        first, last = r["retention"][0], r["retention"][-1]
-        held = [last["tf_rel"] / first["tf_rel"] if first["tf_rel"] else float("nan")]
-        held += [last["wild"][w] / first["wild"][w] if first["wild"].get(w) else float("nan") for w in ("qa", "chat")]
-        recs = r["round_records"]
-        drift = r["summary"]["kl_drift"]
-        times = "–" if matched is None else f"×{drift / matched[1]['summary']['kl_drift']:.2f}"
+            lines.append(_batch_line(f"batch crispedit ([`{name}`](keep_zsre_dev100_100/{name}))", batch))
         lines.append(
-            f"| [`{f.stem}`](seq_tuning_zsre_dev100/{f.name}) | "
-            + " / ".join(f"{r['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
-            + f" | {r['summary']['rel']:.2f} | "
-            + " / ".join(f"{h:.2f}" for h in held)
-            + f" | {_kept(recs[0]):.2f} → {_kept(recs[-1]):.2f} | {_drift(drift)} "
-            f"({times}) | {_assistant_cells(r)} | {r['edit_seconds'] / 3600:.2f} |"
+            _seq_line(f"[`{f.stem}`](seq_tuning_zsre_dev100/{f.name})", r, None if matched is None else matched[1])
         )
     return "\n".join(lines) + "\n"
 
@@ -885,6 +901,61 @@ judged on the confirming stream, ZsRE dev 1000–1999; this is what tuning read)
 
 {seq_tuning_marks()}
 """
+
+
+SEQ_CONFIRM = HERE / "seq_zsre_dev1000"
+SEQ_ROWS = ("crispedit-seq", "ft-seq", "alphaedit-seq")  # the confirming stream's sequential rows, when stored
+
+
+def retention_map_table(row: dict) -> str:
+    """A ``-seq`` row's retention map as a table: after round j (down), the teacher-forced rel of round k's edits
+    (across; blank above the diagonal), from its rounds' ``by_round`` records; empty for a row without them."""
+    grid = [(rec or {}).get("by_round") or [] for rec in row.get("retention") or []]
+    if not any(grid):
+        return ""
+    n = len(grid)
+    lines = ["| after round | " + " | ".join(str(k + 1) for k in range(n)) + " |", "|---" * (n + 1) + "|"]
+    for j, rec in enumerate(grid):
+        cells = [f"{rec[k]:.2f}" if k < len(rec) and rec[k] is not None else "" for k in range(n)]
+        lines.append(f"| {j + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def seq_confirm_section(d: Path = SEQ_CONFIRM) -> str:
+    """The results page's section on the confirming stream (``d``: ``seq.json``, the sequential rows' compare;
+    ``batch.json``, batch crispedit's on the same edits), with the sequential mode's marks (:func:`seq_marks`) and
+    crispedit-seq's retention map; empty while either is not stored."""
+    if not ((d / "seq.json").is_file() and (d / "batch.json").is_file()):
+        return ""
+    seq, batch = _load(d / "seq.json")["results"], _load(d / "batch.json")["results"]["crispedit"]
+    rows = [m for m in SEQ_ROWS if m in seq]
+    want = seq["crispedit-seq"]["config"]["edit"] if "crispedit-seq" in seq else {}
+    differ = [k for k in SEQ_MATCH if batch["config"].get(k) != want.get(k)]
+    if differ:
+        raise SystemExit(f"{d.name}: batch.json's crispedit ran with other {', '.join(differ)} than crispedit-seq")
+    lines = [SEQ_HEADER.rstrip("\n"), _batch_line(f"batch crispedit ([`batch.json`]({d.name}/batch.json))", batch)]
+    lines += [_seq_line(f"{m} ([`seq.json`]({d.name}/seq.json))", seq[m], batch) for m in rows]
+    chunk = seq[rows[0]].get("seq_chunk")
+    n_rounds = len(seq[rows[0]]["round_records"])
+    marks = seq_marks(batch, seq["crispedit-seq"]) if "crispedit-seq" in seq else ""
+    picture = f"\n![retention maps]({d.name}/retention_map.png)\n" if (d / "retention_map.png").is_file() else ""
+    return f"""## Sequential editing: the confirming stream
+
+[`{d.name}/`]({d.name}/run.json): ZsRE dev 1000–1999 in {n_rounds} rounds of {chunk} edits (edits no sequential
+setting was tuned on), each sequential row at the session defaults, beside batch crispedit on the same 1 000 edits
+with the same training contexts, answer end and preservation term. Columns as in the tuning table; the kept
+directions are the mean over the edit layers of the fraction of directions the round's projector keeps.
+{_run_line(d)}
+
+{chr(10).join(lines)}
+
+The sequential mode's marks, crispedit-seq against batch crispedit:
+
+{marks}
+crispedit-seq's retention map (teacher-forced rel of round k's edits after round j; the numbers are every row's
+`retention` records in `seq.json`):
+
+{retention_map_table(seq["crispedit-seq"]) if "crispedit-seq" in seq else ""}{picture}"""
 
 
 # ----------------------------------------------------------------------------------------- sharded memory
@@ -1030,7 +1101,7 @@ against the number of edits (32, 100, 1 000), per method, drawn from the compare
 {_run_line(HERE / "speed")}
 
 {speed_table()}
-{seq_tuning_section()}## One edit at a time
+{seq_tuning_section()}{seq_confirm_section()}## One edit at a time
 
 [`edit_latency/`](edit_latency/run.json): `benchmarks/edit_latency.py` — a session fed one ZsRE edit per round in
 one process, each round split into the phases its record holds (the training batches; the preservation term's kept
@@ -1125,7 +1196,7 @@ def figures() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from crispedit.experiments.compare_plot import plot_compare
     from crispedit.experiments.compare_table import compare_table
-    from crispedit.experiments.retention import plot_retention
+    from crispedit.experiments.retention import plot_retention, plot_retention_map
     from crispedit.experiments.study_report import write_plot
 
     for name in COMPARES:
@@ -1134,6 +1205,8 @@ def figures() -> None:
         (d / "compare.md").write_text(compare_table(payload))
         plot_compare(payload, d / "compare.png")
         plot_retention(payload, d / "retention.png")
+    if (SEQ_CONFIRM / "seq.json").is_file():
+        plot_retention_map(_load(SEQ_CONFIRM / "seq.json"), SEQ_CONFIRM / "retention_map.png")
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("scaling", ROOT / "benchmarks" / "scaling.py")
