@@ -10,7 +10,7 @@ from ..checks import check_positive_int
 from ..errors import CrispEditError
 from ..paths import check_output_dir
 
-__all__ = ["add_cli", "cmd_compare", "DEFAULT_CAPABILITIES", "DEFAULT_LIMITS", "GEN_TOKENS"]
+__all__ = ["add_cli", "cmd_compare", "cmd_compare_merge", "DEFAULT_CAPABILITIES", "DEFAULT_LIMITS", "GEN_TOKENS"]
 
 DEFAULT_CAPABILITIES = "ifeval"
 DEFAULT_LIMITS = {"ifeval": 48}  # items per task without --limit (other tasks: all): what a CPU evaluates per row
@@ -79,8 +79,21 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_compare_merge(args) -> int:
+    """``crispedit compare-merge``: the rows of several compares of the same settings in one directory."""
+    check_output_dir(args.out)
+    from ..experiments.compare_merge import merge_compares
+    from ..experiments.compare_outputs import JSON_FILE, MD_FILE, PNG_FILE
+    from ..experiments.compare_table import compare_table
+
+    payload = merge_compares(args.dirs, args.out)
+    print(compare_table(payload))
+    print(f"written to {Path(args.out) / JSON_FILE} (+ {MD_FILE}, {PNG_FILE})")
+    return 0
+
+
 def add_cli(sub) -> None:
-    """Register ``crispedit compare`` on ``subparsers``."""
+    """Register ``crispedit compare`` and ``crispedit compare-merge`` on ``subparsers``."""
     from ..editing.config import MIN_SEQ_ROUNDS, PAPER_SEQ_CHUNK, SeqConfig
     from ..editing.registry import SEQ_SUFFIX, method_names, sequential_rows
     from .flags import add_curvature_args, add_edits_args, add_model_args, add_settings_args, add_training_args
@@ -139,3 +152,15 @@ def add_cli(sub) -> None:
     add_training_args(p, method=False)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_compare)
+
+    m = sub.add_parser(
+        "compare-merge",
+        help="one compare from several run under the same settings (e.g. its methods split over machines)",
+    )
+    m.add_argument("dirs", nargs="+", metavar="DIR", help="compare directories (each holds compare.json), two or more")
+    m.add_argument(
+        "--out",
+        required=True,
+        help="output directory (compare.json, compare.md, compare.png); may be one of the DIRs",
+    )
+    m.set_defaults(func=cmd_compare_merge)

@@ -16,7 +16,7 @@ from ..paths import read_text_file
 from ..versions import check_written_by
 from .compare_outputs import COMPARE_FORMAT
 
-__all__ = ["resume_payload"]
+__all__ = ["read_compare", "resume_payload"]
 
 
 def _run_identity(config: dict, inputs: dict[str, str] | None) -> dict:
@@ -57,6 +57,25 @@ def _seq_hint(stored: dict, now: dict) -> str:
     return ""
 
 
+def read_compare(path: Path, then: str) -> dict:
+    """The payload of the stored compare file ``path`` (``DIR/compare.json``), checked: JSON with ``settings``,
+    ``results`` and ``methods`` of the right kinds, written by this crispedit version in :data:`COMPARE_FORMAT`
+    (:func:`~crispedit.versions.check_written_by`); anything else a one-line
+    :class:`~crispedit.errors.CrispEditError` ending in ``then`` (what to do instead)."""
+    try:
+        old = json.loads(read_text_file(path, "compare file"))
+    except json.JSONDecodeError:
+        raise CrispEditError(f"{path} is corrupt; {then}") from None
+    if (
+        not isinstance(old, dict)
+        or not isinstance(old.get("settings", {}), dict)
+        or not isinstance(old.get("results", {}), dict)
+        or not isinstance(old.get("methods", []), list)
+    ):
+        raise CrispEditError(f"{path} is not a crispedit compare file; {then}")
+    return check_written_by(old, path, then, format=COMPARE_FORMAT)
+
+
 def resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: dict, inputs: dict, chunk: int) -> None:
     """Take the rows of an existing compare file at ``path`` into ``payload`` (its ``results`` and ``methods``), after
     checking that this crispedit version wrote it (:func:`~crispedit.versions.check_written_by`), under the same
@@ -64,18 +83,7 @@ def resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: d
     size); one-line errors otherwise. Nothing when there is none."""
     if not path.is_file():
         return
-    try:
-        old = json.loads(read_text_file(path, "compare file"))
-    except json.JSONDecodeError:
-        raise CrispEditError(f"{path} is corrupt; remove it or use another --out") from None
-    if (
-        not isinstance(old, dict)
-        or not isinstance(old.get("settings", {}), dict)
-        or not isinstance(old.get("results", {}), dict)
-        or not isinstance(old.get("methods", []), list)
-    ):
-        raise CrispEditError(f"{path} is not a crispedit compare file; remove it or use another --out")
-    check_written_by(old, path, "rerun it with another --out", format=COMPARE_FORMAT)
+    old = read_compare(path, "remove it or use another --out")
     settings, was = payload["settings"], old.get("settings", {})
     diff = [k for k in settings if was.get(k) != settings[k]]
     if diff:
