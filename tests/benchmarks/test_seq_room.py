@@ -1,0 +1,41 @@
+"""benchmarks/seq_room.py: the room a stream's accumulated edit factors leave later rounds, without training."""
+
+from conftest import REPO, load_script
+from crispedit.curvature.kfac import collect_lm_kfac
+from crispedit.data import EditRequest
+from crispedit.editing import EditConfig, SeqConfig
+from crispedit.editing.registry import get_editor
+from crispedit.weights import weight_fingerprint
+
+REQS = [EditRequest(f"Who founded company {i}?", f"Person {chr(65 + i)}") for i in range(6)]
+
+
+def test_room_per_setting_and_round_from_the_unedited_model(tiny_lm, iso_cache):
+    script = load_script(REPO / "benchmarks" / "seq_room.py", "seq_room")
+    model, tok = tiny_lm
+    fp = weight_fingerprint(model)
+    config = SeqConfig(
+        edit=EditConfig(
+            method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", contexts="bare", n_cap=4, max_len=48
+        )
+    )
+    layers = get_editor("crispedit").select_layers(model, config.edit)
+    texts = ["The quick brown fox jumps over the lazy dog."] * 4
+    cap = collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=2, progress=False)
+    seen = []
+    series = script.room(
+        model, tok, REQS, layers, config, cap, 2, ["full", "target"], [0.95, 0.5], on_round=lambda s: seen.append(1)
+    )
+    assert weight_fingerprint(model) == fp  # nothing trains
+    assert set(series) == {"full@0.95", "full@0.5", "target@0.95", "target@0.5"} and len(seen) == 2
+    first = script.kept(cap, layers, config.edit.gamma)
+    for v in series.values():
+        assert len(v) == 3 and v[0] == round(sum(first.values()) / len(first), 4)  # round 1: the capability alone
+        assert all(0.0 <= x <= 1.0 for x in v)
+    for rows in ("full", "target"):  # masking less of the edit energy leaves at least as much room, round by round
+        assert all(a >= b for a, b in zip(series[f"{rows}@0.5"], series[f"{rows}@0.95"]))
+    # the edit factors take room: each round's constraint keeps less than the capability alone, and under the
+    # default edit gamma the stream keeps less after two rounds than after one
+    assert all(x < v[0] for v in series.values() for x in v[1:])
+    assert series["full@0.95"][2] < series["full@0.95"][1]
+    assert "| full@0.95 |" in script.table(series)
