@@ -903,6 +903,46 @@ judged on the confirming stream, ZsRE dev 1000–1999; this is what tuning read)
 """
 
 
+SEQ_ROOM = HERE / "seq_room"
+
+
+def seq_room_section(d: Path = SEQ_ROOM) -> str:
+    """The results page's section on the room a stream leaves its later rounds (``benchmarks/seq_room.py``
+    outputs under ``d``): one table per stored stream, a row per edit-factor setting, the mean kept fraction of
+    directions before each round; empty while none is stored."""
+    files = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
+    if not files:
+        return ""
+    parts = []
+    for f in files:
+        r = _load(f)
+        e = r["edits"]
+        n = max(len(v) for v in r["kept"].values())
+        lines = [
+            "| edit factors @ edit γ | " + " | ".join(f"round {i + 1}" for i in range(n)) + " |",
+            "|---" * (n + 1) + "|",
+        ]
+        lines += [f"| {k} | " + " | ".join(f"{x:.2f}" for x in v) + " |" for k, v in r["kept"].items()]
+        parts.append(
+            f"[`{f.name}`]({d.name}/{f.name}): {Path(e['file']).name} {e['offset']}–{e['offset'] + e['n'] - 1} in "
+            f"rounds of {r['chunk']}, {r['seconds'] / 60:.0f} min.\n\n" + "\n".join(lines) + "\n"
+        )
+    real = _load(HERE / "compare_zsre_dev1000" / "compare.json")["results"]["crispedit-seq"]
+    real_kept = " · ".join(f"{_kept(rec):.2f}" for rec in real["round_records"])
+    return f"""## Room for later rounds
+
+[`{d.name}/`]({d.name}/run.json): `benchmarks/seq_room.py` — the share of directions each round's projector would
+keep (mean over the edit layers) once the earlier rounds' edit factors join the capability factors, for edit factors
+at every position (`full`, the session default) or the target's (`target`) and several edit γs; round 1 is the
+capability constraint alone, what batch editing trains in. The edit factors are collected on the unedited model, a
+proxy for a stream's (which collects them on the model each round left). {_run_line(d)}
+
+{chr(10).join(parts)}
+For comparison, a real stream: the stored crispedit-seq row of [1 000 ZsRE edits](#1-000-zsre-edits) (dev
+1000–1999, ten rounds of 100, `full` at edit γ 0.95 under that run's defaults) kept, round by round: {real_kept}.
+"""
+
+
 SEQ_CONFIRM = HERE / "seq_zsre_dev1000"
 SEQ_ROWS = ("crispedit-seq", "ft-seq", "alphaedit-seq")  # the confirming stream's sequential rows, when stored
 
@@ -1101,7 +1141,7 @@ against the number of edits (32, 100, 1 000), per method, drawn from the compare
 {_run_line(HERE / "speed")}
 
 {speed_table()}
-{seq_tuning_section()}{seq_confirm_section()}## One edit at a time
+{seq_tuning_section()}{seq_room_section()}{seq_confirm_section()}## One edit at a time
 
 [`edit_latency/`](edit_latency/run.json): `benchmarks/edit_latency.py` — a session fed one ZsRE edit per round in
 one process, each round split into the phases its record holds (the training batches; the preservation term's kept
