@@ -79,6 +79,24 @@ def test_merge_gives_what_one_compare_of_every_row_stores(tmp_path):
     assert json.loads((a / "compare.json").read_text())["results"] == whole()["results"]
 
 
+def test_merge_takes_compares_that_read_the_same_model_and_edits_from_other_paths(tmp_path):
+    """Another machine's paths to the same weights and edits (the fingerprint and the requests' digest agree) are
+    the same settings; another fingerprint is not."""
+    pytest.importorskip("matplotlib")
+    a, b = split(tmp_path, ["crispedit"], ["ft"])
+    for d, where in ((a, "/srv/models/smollm2"), (b, "smollm2")):
+        p = json.loads((d / "compare.json").read_text())
+        p["settings"].update(model=where, fingerprint="xxh3-1", requests_digest="abc", edits={"file": where + ".json"})
+        (d / "compare.json").write_text(json.dumps(p))
+    merged = merge_compares([a, b], tmp_path / "all")
+    assert merged["settings"]["model"] == "/srv/models/smollm2" and merged["methods"] == ["crispedit", "ft"]
+    p = json.loads((b / "compare.json").read_text())
+    p["settings"]["fingerprint"] = "xxh3-2"
+    (b / "compare.json").write_text(json.dumps(p))
+    with pytest.raises(CrispEditError, match="other settings than .* \\(fingerprint\\)"):
+        merge_compares([a, b], tmp_path / "other")
+
+
 def _tree(root):
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()

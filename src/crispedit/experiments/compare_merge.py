@@ -3,11 +3,12 @@ weights, edits and evaluation, e.g. one compare's methods split over two machine
 into one ``compare.json`` with its table and pictures, as if one compare had run them all.
 
 Each source is checked as a resume checks a stored compare (:func:`~crispedit.experiments.compare_resume.read_compare`).
-Their ``settings`` must be equal and their base rows agree (the unedited model measured the same, to a relative
-:data:`BASE_RTOL` for numerics that differ across machines); a method row in two sources is refused, never chosen.
-The merged payload keeps the first source's base row, takes every other row as its source stored it, lists the
-methods in source order and records where each row came from (``merged_from``). A later ``crispedit compare`` on
-the merged directory resumes it like any other.
+Their ``settings`` must be equal — but for where the model and the edits were read from, when the weight
+fingerprint and the requests' digest say they are the same (:data:`WHERE`) — and their base rows agree (the
+unedited model measured the same, to a relative :data:`BASE_RTOL` for numerics that differ across machines); a
+method row in two sources is refused, never chosen. The merged payload keeps the first source's settings and base
+row, takes every other row as its source stored it, lists the methods in source order and records where each row
+came from (``merged_from``). A later ``crispedit compare`` on the merged directory resumes it like any other.
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ from .compare_resume import read_compare
 __all__ = ["BASE_RTOL", "merge_compares"]
 
 BASE_RTOL = 1e-3  # base rows' numbers may differ this much (relative) across machines and still be one base
+# settings that name where the model and the edits were found: another machine's paths, the same content when the
+# weight fingerprint and the requests' digest agree
+WHERE = {"model": "fingerprint", "edits": "requests_digest"}
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    """The settings two compares differ in, a path in :data:`WHERE` only where its content key is missing."""
+    keys = sorted(set(a) | set(b))
+    return [
+        k
+        for k in keys
+        if a.get(k) != b.get(k) and not (k in WHERE and a.get(WHERE[k]) is not None and b.get(WHERE[k]) is not None)
+    ]
 
 
 def _numbers(tree, prefix: str = "") -> dict[str, float]:
@@ -75,11 +89,7 @@ def merge_compares(sources: Sequence[str | Path], out: str | Path) -> dict:
     merged = copy.deepcopy(first)
     merged["methods"], merged["results"], origin = [], {}, []
     for d, p in zip(dirs, payloads):
-        differ = [
-            k
-            for k in sorted(set(first["settings"]) | set(p["settings"]))
-            if first["settings"].get(k) != p["settings"].get(k)
-        ]
+        differ = _differing(first["settings"], p["settings"])
         if differ:
             raise CrispEditError(
                 f"{d} was run with other settings than {dirs[0]} ({', '.join(differ)}); only compares of the same "
