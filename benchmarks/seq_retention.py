@@ -157,11 +157,30 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def stream_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every stream benchmark takes: ``--edits PATH[:OFFSET[:N]]``, ``--model``, ``--chunk`` (edits per
+    round); described by the first paragraph of ``doc``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--edits", required=True, help="PATH[:OFFSET[:N]] of an edit file")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--chunk", type=int, default=100, help="edits per round")
+    return ap
+
+
+def stream_record(args: argparse.Namespace, requests: list, **more) -> dict:
+    """A stream benchmark's ``--json`` head — the edit slice (``{"file", "offset", "n"}``), ``chunk``, ``model`` — and
+    ``more``."""
+    path, offset, _ = slice_arg(args.edits)
+    return {
+        "edits": {"file": path, "offset": offset, "n": len(requests)},
+        "chunk": args.chunk,
+        "model": args.model,
+        **more,
+    }
+
+
+def main() -> None:
+    ap = stream_parser(__doc__)
     ap.add_argument("--runs", required=True, help="'k=v;k=v|k=v' overrides, one run each")
     ap.add_argument(
         "--wild",
@@ -192,14 +211,7 @@ def main() -> None:
         """Rewrite ``--json`` with the finished runs and, given one, the run in progress."""
         if args.json:
             atomic_write_json(
-                args.json,
-                {
-                    "edits": {"file": path, "offset": offset, "n": len(requests)},
-                    "chunk": args.chunk,
-                    "model": args.model,
-                    "wild": list(wild),
-                    "runs": results + ([partial] if partial else []),
-                },
+                args.json, stream_record(args, requests, wild=list(wild), runs=results + ([partial] if partial else []))
             )
 
     for r in runs:

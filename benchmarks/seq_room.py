@@ -19,7 +19,6 @@ Run alone: one model job at a time.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from edit_tokens import slice_arg  # noqa: E402  (same folder)
+from seq_retention import stream_parser, stream_record  # noqa: E402
 
 
 def kept(constraint, layers, gamma: float) -> dict[str, float]:
@@ -82,10 +82,7 @@ def table(series: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--edits", required=True, help="PATH[:OFFSET[:N]] of an edit file")
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--chunk", type=int, default=100, help="edits per round")
+    ap = stream_parser(__doc__)
     ap.add_argument("--rows", default="full,target", help="edit-factor positions to try (full, target)")
     ap.add_argument("--edit-gammas", default="0.95", help="comma list of edit γs to try")
     ap.add_argument("--json", help="write the series here (rewritten after every round)")
@@ -109,19 +106,17 @@ def main() -> None:
     t0 = time.perf_counter()
 
     def save(series: dict) -> None:
+        """Rewrite ``--json`` with the series so far."""
         if args.json:
-            atomic_write_json(
-                args.json,
-                {
-                    "edits": {"file": path, "offset": offset, "n": len(requests)},
-                    "chunk": args.chunk,
-                    "model": args.model,
-                    "config": config.to_json(),
-                    "kept": series,
-                    "seconds": round(time.perf_counter() - t0, 1),
-                    "command": "python " + " ".join(sys.argv),
-                },
+            record = stream_record(
+                args,
+                requests,
+                config=config.to_json(),
+                kept=series,
+                seconds=round(time.perf_counter() - t0, 1),
+                command="python " + " ".join(sys.argv),
             )
+            atomic_write_json(args.json, record)
 
     series = room(model, tok, requests, layers, config, cap, args.chunk, rows, gammas, on_round=save)
     save(series)
