@@ -596,6 +596,17 @@ def _keep_runs(d: Path) -> list[tuple[str, dict]]:
     return [(label, _load(d / name)["results"]) for name, label in _load(d / "run.json")["runs"].items()]
 
 
+def _row_settings(r: dict, label: str) -> str:
+    """What a fine-tuning row of a before/after run trained with, from its own config: the preservation term or none,
+    and the answer end; ``label`` (the run's, from its ``run.json``) for a closed-form row, which trains neither."""
+    c = r.get("config") or {}
+    if r.get("method") == "alphaedit" or "keep_chat" not in c:
+        return label
+    term = "the term" if c.get("keep_chat") or c.get("keep_subject") else "no term"
+    end = "the period answer end" if c.get("answer_end") == "period" else "the chat turn's end"
+    return f"{term}, {end}"
+
+
 def keep_table(d: Path = KEEP_100) -> str:
     """From the compare payloads of ``d`` (:func:`_keep_runs`: the same edits before the remedy, at today's
     defaults and any step between): per method row, WILD qa / chat, teacher-forced rel, KL drift, the chat style
@@ -611,7 +622,9 @@ def keep_table(d: Path = KEEP_100) -> str:
     rows = [("base", first["base"], first["base"])]
     for k, (label, res) in enumerate(runs):
         bold = "**" if k == len(runs) - 1 else ""
-        rows += [(f"{bold}{m}, {label}{bold}", res[m], res["base"]) for m in KEEP_ROWS if m in res]
+        rows += [
+            (f"{bold}{m}, {_row_settings(res[m], label)}{bold}", res[m], res["base"]) for m in KEEP_ROWS if m in res
+        ]
     for name, r, base in rows:
         s, w = r["summary"], r.get("wild") or {}
         st, bl = _style(r)
