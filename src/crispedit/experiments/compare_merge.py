@@ -2,7 +2,8 @@
 weights, edits and evaluation, e.g. one compare's methods split over two machines or processes to finish sooner —
 into one ``compare.json`` with its table and pictures, as if one compare had run them all.
 
-Each source is checked as a resume checks a stored compare (:func:`~crispedit.experiments.compare_resume.read_compare`).
+Each source is checked as a resume checks a stored compare
+(:func:`~crispedit.experiments.compare_outputs.read_compare`).
 Their ``settings`` must be equal — but for where the model and the edits were read from, when the weight
 fingerprint and the requests' digest say they are the same (:data:`WHERE`) — and their base rows agree (the
 unedited model measured the same, to a relative :data:`BASE_RTOL` for numerics that differ across machines); a
@@ -20,8 +21,7 @@ from pathlib import Path
 
 from ..errors import CrispEditError
 from ..versions import stamped
-from .compare_outputs import JSON_FILE, write_outputs
-from .compare_resume import read_compare
+from .compare_outputs import JSON_FILE, read_compare, write_outputs
 
 __all__ = ["BASE_RTOL", "merge_compares"]
 

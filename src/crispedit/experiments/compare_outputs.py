@@ -19,7 +19,7 @@ from .compare_plot import plot_compare
 from .compare_table import compare_table, pareto_points
 from .retention import RETENTION_MAP_PNG, RETENTION_PNG, plot_retention, plot_retention_map
 
-__all__ = ["write_outputs", "render_outputs", "COMPARE_FORMAT", "JSON_FILE", "MD_FILE", "PNG_FILE"]
+__all__ = ["write_outputs", "read_compare", "render_outputs", "COMPARE_FORMAT", "JSON_FILE", "MD_FILE", "PNG_FILE"]
 
 
 COMPARE_FORMAT = 1
@@ -43,17 +43,34 @@ def write_outputs(out: Path, payload: dict) -> None:
         plot_retention_map(payload, out / RETENTION_MAP_PNG)
 
 
+def read_compare(path: Path, then: str) -> dict:
+    """The payload of the stored compare file ``path`` (``DIR/compare.json``), checked: JSON with ``settings``,
+    ``results`` and ``methods`` of the right kinds, written by this crispedit version in :data:`COMPARE_FORMAT`
+    (:func:`~crispedit.versions.check_written_by`); anything else a one-line
+    :class:`~crispedit.errors.CrispEditError` ending in ``then`` (what to do instead)."""
+    try:
+        old = json.loads(read_text_file(path, "compare file"))
+    except json.JSONDecodeError:
+        raise CrispEditError(f"{path} is corrupt; {then}") from None
+    if (
+        not isinstance(old, dict)
+        or not isinstance(old.get("settings", {}), dict)
+        or not isinstance(old.get("results", {}), dict)
+        or not isinstance(old.get("methods", []), list)
+    ):
+        raise CrispEditError(f"{path} is not a crispedit compare file; {then}")
+    return check_written_by(old, path, then, format=COMPARE_FORMAT)
+
+
 def render_outputs(out: str | Path) -> dict:
     """Re-render ``DIR/compare.md``, ``DIR/compare.png`` and ``compare.json``'s ``pareto`` section from a stored
     ``DIR/compare.json`` (:func:`write_outputs`) without running or loading anything else; the measured
     results are left as they are. Returns the payload; a missing file, or one another crispedit version wrote or of
-    another ``format`` (:func:`~crispedit.versions.check_written_by`), is a
-    :class:`~crispedit.errors.CrispEditError`."""
+    another ``format``, or not a compare file (:func:`read_compare`), is a :class:`~crispedit.errors.CrispEditError`."""
     out = Path(out)
     path = out / JSON_FILE
     if not path.is_file():
         raise CrispEditError(f"{path} does not exist: nothing to render")
-    payload = json.loads(read_text_file(path, what="compare results"))
-    check_written_by(payload, path, "rerun the compare", format=COMPARE_FORMAT)
+    payload = read_compare(path, "rerun the compare")
     write_outputs(out, payload)
     return payload

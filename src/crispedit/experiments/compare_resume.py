@@ -5,18 +5,15 @@ round size); anything else is a one-line :class:`~crispedit.errors.CrispEditErro
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..editing import SeqConfig
 from ..editing.registry import seq_row
 from ..errors import CrispEditError
-from ..paths import read_text_file
-from ..versions import check_written_by
-from .compare_outputs import COMPARE_FORMAT
+from .compare_outputs import read_compare
 
-__all__ = ["read_compare", "resume_payload"]
+__all__ = ["resume_payload"]
 
 
 def _run_identity(config: dict, inputs: dict[str, str] | None) -> dict:
@@ -55,25 +52,6 @@ def _seq_hint(stored: dict, now: dict) -> str:
         if was is not None and is_now is not None and was != is_now:
             return f" ({what.format(was=was, now=is_now)}: {flag} {was} resumes it)"
     return ""
-
-
-def read_compare(path: Path, then: str) -> dict:
-    """The payload of the stored compare file ``path`` (``DIR/compare.json``), checked: JSON with ``settings``,
-    ``results`` and ``methods`` of the right kinds, written by this crispedit version in :data:`COMPARE_FORMAT`
-    (:func:`~crispedit.versions.check_written_by`); anything else a one-line
-    :class:`~crispedit.errors.CrispEditError` ending in ``then`` (what to do instead)."""
-    try:
-        old = json.loads(read_text_file(path, "compare file"))
-    except json.JSONDecodeError:
-        raise CrispEditError(f"{path} is corrupt; {then}") from None
-    if (
-        not isinstance(old, dict)
-        or not isinstance(old.get("settings", {}), dict)
-        or not isinstance(old.get("results", {}), dict)
-        or not isinstance(old.get("methods", []), list)
-    ):
-        raise CrispEditError(f"{path} is not a crispedit compare file; {then}")
-    return check_written_by(old, path, then, format=COMPARE_FORMAT)
 
 
 def resume_payload(path: Path, payload: dict, methods: Sequence[str], configs: dict, inputs: dict, chunk: int) -> None:
