@@ -89,13 +89,14 @@ def merge_compares(sources: Sequence[str | Path], out: str | Path) -> dict:
     merged = copy.deepcopy(first)
     merged["methods"], merged["results"], origin = [], {}, []
     for d, p in zip(dirs, payloads):
-        differ = _differing(first["settings"], p["settings"])
+        differ = _differing(first.get("settings", {}), p.get("settings", {}))
         if differ:
             raise CrispEditError(
                 f"{d} was run with other settings than {dirs[0]} ({', '.join(differ)}); only compares of the same "
                 "model, edits and evaluation merge"
             )
-        base = p["results"].get("base")
+        results = p.get("results", {})
+        base = results.get("base")
         if base is None:
             raise CrispEditError(f"{d / JSON_FILE} has no base row: that compare never started")
         if "base" in merged["results"]:
@@ -104,12 +105,12 @@ def merge_compares(sources: Sequence[str | Path], out: str | Path) -> dict:
                 raise CrispEditError(f"the base rows of {dirs[0]} and {d} differ ({diff}): they measured another model")
         else:
             merged["results"]["base"] = base
-        rows = [m for m in p["methods"] if m in p["results"] and m != "base"]
+        rows = [m for m in p.get("methods", []) if m in results and m != "base"]
         for m in rows:
             if m in merged["results"]:
                 holder = next(o["dir"] for o in origin if m in o["methods"])
                 raise CrispEditError(f"{d} and {holder} both hold a {m} row; merge only one of them")
-            merged["results"][m] = p["results"][m]
+            merged["results"][m] = results[m]
             merged["methods"].append(m)
         origin.append({"dir": str(d), "methods": rows})
     merged["merged_from"] = origin
