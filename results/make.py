@@ -757,15 +757,20 @@ SEQ_WRAPPERS = ("qa", "chat", "none")
 SEQ_MATCH = ("contexts", "answer_end", "keep_chat", "keep_subject", "keep_weight", "keep_tokens")  # must agree
 
 
+def _other_defaults(batch: dict, seq: dict) -> list[str]:
+    """The :data:`SEQ_MATCH` settings a batch row's config and a sequential row's edit config differ in."""
+    want = seq["config"]["edit"]
+    return [k for k in SEQ_MATCH if batch["config"].get(k) != want.get(k)]
+
+
 def seq_batch_row(seq: dict) -> tuple[str, dict] | None:
     """Batch crispedit's row on the tuning stream's edits at the defaults the sequential row ``seq`` ran under (the
     training contexts, answer end and preservation term of its edit config): ``(file name, row)`` of the last
     matching run of ``keep_zsre_dev100_100/``, or ``None`` while none is stored."""
-    want = seq["config"]["edit"]
     match = None
     for name in _load(KEEP_100 / "run.json")["runs"]:
         row = _load(KEEP_100 / name)["results"].get("crispedit")
-        if row is not None and all(row["config"].get(k) == want.get(k) for k in SEQ_MATCH):
+        if row is not None and not _other_defaults(row, seq):
             match = (name, row)
     return match
 
@@ -962,15 +967,18 @@ SEQ_ROWS = ("crispedit-seq", "ft-seq", "alphaedit-seq")  # the confirming stream
 
 def retention_map_table(row: dict) -> str:
     """A ``-seq`` row's retention map as a table: after round j (down), the teacher-forced rel of round k's edits
-    (across; blank above the diagonal), from its rounds' ``by_round`` records; empty for a row without them."""
-    grid = [(rec or {}).get("by_round") or [] for rec in row.get("retention") or []]
-    if not any(grid):
+    (across; blank above the diagonal): :func:`crispedit.experiments.retention.retention_map`; empty for a row without
+    one."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from crispedit.experiments.retention import retention_map  # torch-free
+
+    grid = retention_map(row)
+    if not grid:
         return ""
     n = len(grid)
     lines = ["| after round | " + " | ".join(str(k + 1) for k in range(n)) + " |", "|---" * (n + 1) + "|"]
     for j, rec in enumerate(grid):
-        cells = [f"{rec[k]:.2f}" if k < len(rec) and rec[k] is not None else "" for k in range(n)]
-        lines.append(f"| {j + 1} | " + " | ".join(cells) + " |")
+        lines.append(f"| {j + 1} | " + " | ".join("" if v is None else f"{v:.2f}" for v in rec) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -982,8 +990,7 @@ def seq_confirm_section(d: Path = SEQ_CONFIRM) -> str:
         return ""
     seq, batch = _load(d / "seq.json")["results"], _load(d / "batch.json")["results"]["crispedit"]
     rows = [m for m in SEQ_ROWS if m in seq]
-    want = seq["crispedit-seq"]["config"]["edit"] if "crispedit-seq" in seq else {}
-    differ = [k for k in SEQ_MATCH if batch["config"].get(k) != want.get(k)]
+    differ = _other_defaults(batch, seq["crispedit-seq"]) if "crispedit-seq" in seq else []
     if differ:
         raise SystemExit(f"{d.name}: batch.json's crispedit ran with other {', '.join(differ)} than crispedit-seq")
     lines = [SEQ_HEADER.rstrip("\n"), _batch_line(f"batch crispedit ([`batch.json`]({d.name}/batch.json))", batch)]
