@@ -593,18 +593,23 @@ def _style(r: dict) -> tuple[dict, dict]:
 def _keep_runs(d: Path) -> list[tuple[str, dict]]:
     """The compare payloads of a before/after directory, in the order its ``run.json`` lists them under ``runs``
     (file -> what its rows ran with): the first before the remedy, the last at today's defaults."""
-    return [(label, _load(d / name)["results"]) for name, label in _load(d / "run.json")["runs"].items()]
+    return [(name, _load(d / name)["results"]) for name in _load(d / "run.json")["runs"]]
 
 
-def _row_settings(r: dict, label: str) -> str:
+def _row_settings(r: dict, name: str) -> str:
     """What a fine-tuning row of a before/after run trained with, from its own config: the preservation term or none,
-    and the answer end; ``label`` (the run's, from its ``run.json``) for a closed-form row, which trains neither."""
+    and the answer end; a closed-form row, which trains neither, is named by its run's file ``name``."""
     c = r.get("config") or {}
-    if r.get("method") == "alphaedit" or "keep_chat" not in c:
-        return label
+    if not _trains(r):
+        return f"closed form ({name})"
     term = "the term" if c.get("keep_chat") or c.get("keep_subject") else "no term"
     end = "the period answer end" if c.get("answer_end") == "period" else "the chat turn's end"
     return f"{term}, {end}"
+
+
+def _trains(r: dict) -> bool:
+    """Whether a compare row is a fine-tuning method's (its config holds the training contexts' settings)."""
+    return r.get("method") != "alphaedit" and "keep_chat" in (r.get("config") or {})
 
 
 def keep_table(d: Path = KEEP_100) -> str:
@@ -620,17 +625,17 @@ def keep_table(d: Path = KEEP_100) -> str:
     ]
     first = runs[0][1]
     rows = [("base", first["base"], first["base"])]
-    for k, (label, res) in enumerate(runs):
+    for k, (run, res) in enumerate(runs):
         bold = "**" if k == len(runs) - 1 else ""
         rows += [
-            (f"{bold}{m}, {_row_settings(res[m], label)}{bold}", res[m], res["base"]) for m in KEEP_ROWS if m in res
+            (f"{bold}{m}, {_row_settings(res[m], run)}{bold}", res[m], res["base"]) for m in KEEP_ROWS if m in res
         ]
     for name, r, base in rows:
         s, w = r["summary"], r.get("wild") or {}
         st, bl = _style(r)
         style = f"×{st['length_ratio']:.2f} | {_pct(st['bare_share'])} | {st['answer_kl']:.3f}" if st else "– | – | –"
         bleed = f"{_pct(bl.get('target'))} / {_pct(bl.get('changed'))}" if bl else "–"
-        epochs = (r.get("training") or {}).get("epochs", "–")
+        epochs = (r.get("training") or {}).get("epochs", "–") if _trains(r) else "–"
         lines.append(
             f"| {name} | {_rg(w.get('qa'))} | {_rg(w.get('chat'))} | {_pct(s.get('rel'))} | {s['kl_drift']:.5f} | "
             f"{style} | {bleed} | {_paired(r, base if r is not base else {}, 'ifeval')} | {epochs} |"

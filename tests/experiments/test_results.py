@@ -88,3 +88,15 @@ def test_demo_prints_the_stored_table(tmp_path):
         f"`{shlex.join(cmd)}` no longer prints the stored table (results/demo/demo.txt); if the change "
         "is meant, run python results/make.py --demo:\n" + "\n".join(diffs)
     )
+
+
+def test_before_after_rows_name_what_each_row_trained_with():
+    """A fine-tuning row of a before/after run is labelled from its own config (term, answer end) with its epochs; a
+    closed-form row, which trains neither, by its run's file and without epochs."""
+    ft = {"method": "ft", "config": {"keep_chat": 0, "keep_subject": 0, "answer_end": "period"}}
+    crisp = {"method": "crispedit", "config": {"keep_chat": 75, "keep_subject": 4, "answer_end": "auto"}}
+    alpha = {"method": "alphaedit", "config": {"keep_chat": 0}}
+    assert make._row_settings(ft, "after.json") == "no term, the period answer end"
+    assert make._row_settings(crisp, "before.json") == "the term, the chat turn's end"
+    assert make._row_settings(alpha, "after.json") == "closed form (after.json)"
+    assert make._trains(crisp) and not make._trains(alpha)
