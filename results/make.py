@@ -627,9 +627,7 @@ def keep_table(d: Path = KEEP_100) -> str:
     rows = [("base", first["base"], first["base"])]
     for k, (run, res) in enumerate(runs):
         bold = "**" if k == len(runs) - 1 else ""
-        rows += [
-            (f"{bold}{m}, {_row_settings(res[m], run)}{bold}", res[m], res["base"]) for m in KEEP_ROWS if m in res
-        ]
+        rows += [(f"{bold}{m}, {_row_settings(res[m], run)}{bold}", res[m], res["base"]) for m in KEEP_ROWS if m in res]
     for name, r, base in rows:
         s, w = r["summary"], r.get("wild") or {}
         st, bl = _style(r)
