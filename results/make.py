@@ -608,8 +608,9 @@ def _row_settings(r: dict, name: str) -> str:
 
 
 def _trains(r: dict) -> bool:
-    """Whether a compare row is a fine-tuning method's (its config holds the training contexts' settings)."""
-    return r.get("method") != "alphaedit" and "keep_chat" in (r.get("config") or {})
+    """Whether a compare row is a fine-tuning method's: its config holds the training contexts' settings and its
+    training record is not a single-pass editor's (``single_pass``, as AlphaEdit, MEMIT and the others write)."""
+    return "keep_chat" in (r.get("config") or {}) and not (r.get("training") or {}).get("single_pass")
 
 
 def keep_table(d: Path = KEEP_100) -> str:

@@ -95,7 +95,7 @@ def test_before_after_rows_name_what_each_row_trained_with():
     closed-form row, which trains neither, by its run's file and without epochs."""
     ft = {"method": "ft", "config": {"keep_chat": 0, "keep_subject": 0, "answer_end": "period"}}
     crisp = {"method": "crispedit", "config": {"keep_chat": 75, "keep_subject": 4, "answer_end": "auto"}}
-    alpha = {"method": "alphaedit", "config": {"keep_chat": 0}}
+    alpha = {"method": "alphaedit", "config": {"keep_chat": 0}, "training": {"single_pass": True, "epochs": 0}}
     assert make._row_settings(ft, "after.json") == "no term, the period answer end"
     assert make._row_settings(crisp, "before.json") == "the term, the chat turn's end"
     assert make._row_settings(alpha, "after.json") == "closed form (after.json)"
