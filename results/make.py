@@ -925,6 +925,60 @@ judged on the confirming stream, ZsRE dev 1000–1999; this is what tuning read)
 """
 
 
+SEQ_PILOT = HERE / "seq_pilot_zsre_dev200"
+
+
+def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
+    """One row per stored stream of rounds of the confirming stream's size under ``d`` (a compare JSON with a
+    ``crispedit-seq`` row, named by its edit-factor setting): round 1's edits right after round 1 (what a batch edit
+    of that size lands, with the capability constraint alone) and after the last round (teacher-forced / QA wrapper /
+    chat), every round's edits on the final model under the QA wrapper
+    (:func:`crispedit.experiments.retention.final_by_round`), reach over all edits, the kept fraction of directions
+    in the first and last round, KL drift and the edit's hours; empty while none is stored."""
+    files = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
+    if not files:
+        return ""
+    sys.path.insert(0, str(ROOT / "src"))
+    from crispedit.experiments.retention import final_by_round  # torch-free
+
+    lines = [
+        "| setting | round 1 after round 1: TF / qa / chat | round 1 after the last: TF / qa / chat "
+        "| each round on the final model: qa | all edits: WILD qa / chat / none | kept directions, first → last "
+        "| KL drift | hours |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in files:
+        r = _load(f)["results"]["crispedit-seq"]
+        first, last = r["retention"][0], r["retention"][-1]
+        held = lambda rec: f"{rec['tf_rel']:.2f} / {rec['wild']['qa']:.2f} / {rec['wild']['chat']:.2f}"  # noqa: E731
+        qa = " · ".join(f"{x:.2f}" for x in final_by_round(r)["qa"])
+        recs = r["round_records"]
+        lines.append(
+            f"| [`{f.stem}`]({d.name}/{f.name}) | {held(first)} | {held(last)} | {qa} | "
+            + " / ".join(f"{r['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
+            + f" | {_kept(recs[0]):.2f} → {_kept(recs[-1]):.2f} | {_drift(r['summary']['kl_drift'])} | "
+            + f"{r['edit_seconds'] / 3600:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def seq_pilot_section(d: Path = SEQ_PILOT) -> str:
+    """The results page's section on the short streams of full-size rounds that chose the sequential mode's edit
+    factors, when stored."""
+    table = seq_pilot_table(d)
+    if not table:
+        return ""
+    return f"""## Choosing the edit factors: rounds of 100
+
+[`{d.name}/`]({d.name}/run.json): crispedit-seq in rounds of 100 ZsRE dev edits from 200 on (not the confirming
+stream's edits), the round size of the confirming stream, one edit-factor setting per row. Round 1 trains under the
+capability constraint alone, as a batch edit of 100 does, so its edits right after it are what a round lands with
+all the room; a later round's edits on the final model say what it landed under the earlier rounds' constraint.
+{_run_line(d)}
+
+{table}"""
+
+
 SEQ_ROOM = HERE / "seq_room"
 
 
@@ -1165,7 +1219,7 @@ against the number of edits (32, 100, 1 000), per method, drawn from the compare
 {_run_line(HERE / "speed")}
 
 {speed_table()}
-{seq_tuning_section()}{seq_room_section()}{seq_confirm_section()}## One edit at a time
+{seq_tuning_section()}{seq_pilot_section()}{seq_room_section()}{seq_confirm_section()}## One edit at a time
 
 [`edit_latency/`](edit_latency/run.json): `benchmarks/edit_latency.py` — a session fed one ZsRE edit per round in
 one process, each round split into the phases its record holds (the training batches; the preservation term's kept

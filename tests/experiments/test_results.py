@@ -100,3 +100,30 @@ def test_before_after_rows_name_what_each_row_trained_with():
     assert make._row_settings(crisp, "before.json") == "the term, the chat turn's end"
     assert make._row_settings(alpha, "after.json") == "closed form (after.json)"
     assert make._trains(crisp) and not make._trains(alpha)
+
+
+def test_pilot_table_reads_each_round_on_the_final_model(tmp_path):
+    """A pilot stream's row: round 1's edits right after round 1 and after the last round, every round's QA-wrapper
+    reach on the final model from the per-edit verdicts (rounds are consecutive slices of ``seq_chunk`` edits), the
+    kept directions of the first and last round."""
+    import json
+
+    verdicts = [True] * 4 + [True, False, False, False]  # round 1: 4 of 4, round 2: 1 of 4
+    row = {
+        "seq_chunk": 4,
+        "retention": [
+            {"tf_rel": 1.0, "wild": {"qa": 1.0, "chat": 1.0}},
+            {"tf_rel": 1.0, "wild": {"qa": 0.75, "chat": 1.0}},
+        ],
+        "wild": {w: {"rel": 0.625, "answers": [["x", v, [], []] for v in verdicts]} for w in ("qa", "chat", "none")},
+        "tf": {"rel": [1.0] * 8},
+        "round_records": [{"projector_kept": {"a": 0.8, "b": 0.6}}, {"projector_kept": {"a": 0.4, "b": 0.2}}],
+        "summary": {"kl_drift": 0.0123},
+        "edit_seconds": 7200.0,
+    }
+    (tmp_path / "full95.json").write_text(json.dumps({"results": {"crispedit-seq": row}}))
+    (tmp_path / "run.json").write_text(json.dumps({"command": "crispedit compare ..."}))
+    line = make.seq_pilot_table(tmp_path).splitlines()[-1]
+    assert "| 1.00 / 1.00 / 1.00 | 1.00 / 0.75 / 1.00 | 1.00 · 0.25 | 0.62 / 0.62 / 0.62 |" in line
+    assert "| 0.70 → 0.30 | 0.0123 | 2.00 |" in line
+    assert make.seq_pilot_table(tmp_path / "none") == ""
