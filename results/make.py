@@ -1040,6 +1040,26 @@ def retention_map_table(row: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def landed_table(row: dict) -> str:
+    """A ``-seq`` row's rounds under the QA wrapper and in chat: what each round's edits read right after their round
+    (:func:`crispedit.experiments.retention.landed_by_round`) and on the final model (:func:`~crispedit.experiments.
+    retention.final_by_round`), a column per round; empty for a row whose probes did not measure the former."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from crispedit.experiments.retention import final_by_round, landed_by_round  # torch-free
+
+    landed, final = landed_by_round(row), final_by_round(row)
+    if not landed:
+        return ""
+    n = max(len(v) for v in (*landed.values(), *final.values()))
+    lines = ["| round's edits | " + " | ".join(str(k + 1) for k in range(n)) + " |", "|---" * (n + 1) + "|"]
+    for w in ("qa", "chat"):
+        for when, series in (("right after their round", landed.get(w)), ("on the final model", final.get(w))):
+            if series:
+                cells = ["–" if v is None else f"{v:.2f}" for v in series]
+                lines.append(f"| WILD {w}, {when} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def seq_confirm_section(d: Path = SEQ_CONFIRM) -> str:
     """The results page's section on the confirming stream (``d``: ``seq.json``, the sequential rows' compare;
     ``batch.json``, batch crispedit's on the same edits), with the sequential mode's marks (:func:`seq_marks`) and
@@ -1073,7 +1093,19 @@ The sequential mode's marks, crispedit-seq against batch crispedit:
 crispedit-seq's retention map (teacher-forced rel of round k's edits after round j; the numbers are every row's
 `retention` records in `seq.json`):
 
-{retention_map_table(seq["crispedit-seq"]) if "crispedit-seq" in seq else ""}{picture}"""
+{retention_map_table(seq["crispedit-seq"]) if "crispedit-seq" in seq else ""}{picture}{_landed_part(seq)}"""
+
+
+def _landed_part(seq: dict) -> str:
+    """The confirming section's paragraph on what crispedit-seq's rounds landed and kept (:func:`landed_table`), when
+    its probes measured each round's own edits."""
+    table = landed_table(seq["crispedit-seq"]) if "crispedit-seq" in seq else ""
+    if not table:
+        return ""
+    return (
+        "\ncrispedit-seq's rounds in the wild: each round's edits right after their round (what the round landed) and "
+        "on the final model (what the later rounds left of it):\n\n" + table
+    )
 
 
 # ----------------------------------------------------------------------------------------- sharded memory

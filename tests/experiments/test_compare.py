@@ -379,6 +379,10 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
         assert ret == [x["after_round"] for x in r["round_records"]]
         # the retention map: after round j, every round k <= j's edits, teacher-forced (round 1's is tf_rel)
         assert [len(x["by_round"]) for x in ret] == [1, 2] and all(x["by_round"][0] == x["tf_rel"] for x in ret)
+        # each round's own edits right after it: round 1's is the first-round record, round 2's its one edit
+        assert ret[0]["newest"] == {k: ret[0][k] for k in ("n", "tf_rel", "wild")}
+        assert ret[1]["newest"]["n"] == 1 and ret[1]["newest"]["tf_rel"] == ret[1]["by_round"][1]
+        assert set(ret[1]["newest"]["wild"]) == {"qa", "chat"}
         grid = retention_map(r)
         assert len(grid) == 2 and grid[0][1] is None and grid[1] == ret[1]["by_round"]
         assert grid[1][1] == pytest.approx(sum(r["tf"]["rel"][2:]) / 1, abs=1e-3)  # round 2's edit, final model

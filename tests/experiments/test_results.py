@@ -127,3 +127,21 @@ def test_pilot_table_reads_each_round_on_the_final_model(tmp_path):
     assert "| 1.00 / 1.00 / 1.00 | 1.00 / 0.75 / 1.00 | 1.00 · 0.25 | 0.62 / 0.62 / 0.62 |" in line
     assert "| 0.70 → 0.30 | 0.0123 | 2.00 |" in line
     assert make.seq_pilot_table(tmp_path / "none") == ""
+
+
+def test_landed_table_puts_what_each_round_landed_beside_what_the_final_model_holds():
+    """Per wrapper, a line of each round's edits right after their round (the probes' ``newest``) and one on the final
+    model (the per-edit verdicts); nothing for a row whose probes did not measure the former."""
+    first = {"n": 2, "tf_rel": 1.0, "wild": {"qa": 1.0, "chat": 1.0}}
+    second = {"n": 2, "tf_rel": 1.0, "wild": {"qa": 0.5, "chat": 1.0}}
+    row = {
+        "seq_chunk": 2,
+        "retention": [dict(first, newest=first), dict(first, newest=second)],
+        "tf": {"rel": [1, 1, 1, 1]},
+        "wild": {w: {"answers": [["x", v, [], []] for v in (True, False, False, False)]} for w in ("qa", "chat")},
+    }
+    table = make.landed_table(row)
+    assert "| WILD qa, right after their round | 1.00 | 0.50 |" in table
+    assert "| WILD qa, on the final model | 0.50 | 0.00 |" in table
+    assert "| WILD chat, right after their round | 1.00 | 1.00 |" in table
+    assert make.landed_table({"retention": [first], "seq_chunk": 2}) == ""

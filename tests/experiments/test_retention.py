@@ -2,6 +2,7 @@
 
 from crispedit.experiments.retention import (
     final_by_round,
+    landed_by_round,
     plot_retention,
     retention_rows,
     retention_series,
@@ -109,3 +110,21 @@ def test_every_rounds_edits_on_the_final_model_read_off_the_per_edit_records():
     assert "| ft-seq | teacher-forced rel | 0.00 | 0.50 | 1.00 |" in md
     assert "| ft-seq | WILD qa rel | 0.50 | 1.00 | 0.00 |" in md
     assert "Every round's edits" not in retention_table(PAYLOAD)  # rows stored without per-edit records
+
+
+def test_what_each_round_landed_reads_its_own_edits_right_after_it():
+    """``newest`` of every round's probe, oldest first; a round without one reads as missing, and a row whose probes
+    hold none gives nothing (so its table is left out)."""
+    newest = [None, {"n": 2, "tf_rel": 1.0, "wild": {"qa": 0.5, "chat": None}}, {"tf_rel": 0.5, "wild": {"qa": 1.0}}]
+    row = {
+        "seq_chunk": 2,
+        "retention": [dict(_rec(1.0, 1.0, 1.0), newest=n) if n else _rec(1.0, 1.0, 1.0) for n in newest],
+        "tf": {"rel": [1, 1, 0, 1, 1, 0]},
+    }
+    assert landed_by_round(row) == {"tf_rel": [None, 1.0, 0.5], "qa": [None, 0.5, 1.0]}
+    assert landed_by_round(PAYLOAD["results"]["crispedit-seq"]) == {}
+    md = retention_table({"methods": ["crispedit-seq"], "results": {"crispedit-seq": row}})
+    landed, final = md.index("right after their round"), md.index("on the final model")
+    assert landed < final
+    assert "| crispedit-seq | WILD qa rel | – | 0.50 | 1.00 |" in md[landed:final]
+    assert "| crispedit-seq | teacher-forced rel | 1.00 | 0.50 | 0.50 |" in md[final:]

@@ -150,18 +150,30 @@ def round_map_probe(
     called on the model after round ``k`` (1-based), gives the record of whether the first round's edits still hold
     — ``{"n": their number, "tf_rel": their mean teacher-forced reliability, "wild": {wrapper: WILD rel (rule
     judge; ``None`` for chat without a chat template)}}`` — plus ``by_round``: the teacher-forced reliability of
-    each round ``1..k``'s edits on that model (a row of the retention map; the first entry is ``tf_rel``)."""
+    each round ``1..k``'s edits on that model (a row of the retention map; the first entry is ``tf_rel``), and
+    ``newest``: round ``k``'s own edits right after it, ``{"n", "tf_rel", "wild"}`` as above (what the round landed,
+    before any later round could wear it down; round 1's is the first-round record itself)."""
     requests = list(requests)
 
     def measure(model: nn.Module, k: int) -> dict:
         """The retention record of the model as round ``k`` left it."""
         rel = [e["rel"] for e in edit_scores(model, tokenizer, requests[: k * chunk], batch_size)]
         by_round = [sum(rel[i : i + chunk]) / len(rel[i : i + chunk]) for i in range(0, len(rel), chunk)]
-        return {
+        first = {
             "n": min(chunk, len(rel)),
             "tf_rel": round(by_round[0], 4),
             "wild": _wild_rel(model, tokenizer, requests[:chunk], wild, batch_size),
-            "by_round": [round(x, 4) for x in by_round],
         }
+        own = requests[(k - 1) * chunk : k * chunk]
+        newest = (
+            first
+            if k == 1
+            else {
+                "n": len(own),
+                "tf_rel": round(by_round[-1], 4),
+                "wild": _wild_rel(model, tokenizer, own, wild, batch_size),
+            }
+        )
+        return {**first, "by_round": [round(x, 4) for x in by_round], "newest": dict(newest)}
 
     return measure

@@ -143,14 +143,19 @@ def _row(method: str, ev: dict, **extra) -> dict:
     }
 
 
-def _retention_brief(r: dict | None) -> str:
-    """`` round-1 edits: tf_rel=… qa=… chat=…`` for a round's ``after_round`` record
-    (:func:`~crispedit.evaluation.edit_eval.round_map_probe`), or
-    ``""`` without one."""
+def _retention_brief(r: dict | None, k: int = 1) -> str:
+    """`` round-1 edits: tf_rel=… qa=… chat=…`` for round ``k``'s ``after_round`` record
+    (:func:`~crispedit.evaluation.edit_eval.round_map_probe`), then from round 2 on the same for the round's own
+    edits (``newest``), or ``""`` without a record."""
     if not r:
         return ""
-    wild = " ".join(f"{c}={v}" for c, v in (r.get("wild") or {}).items() if v is not None)
-    return f"; round-1 edits: tf_rel={r.get('tf_rel')} {wild}".rstrip()
+
+    def brief(who: str, rec: dict) -> str:
+        wild = " ".join(f"{c}={v}" for c, v in (rec.get("wild") or {}).items() if v is not None)
+        return f"; {who} edits: tf_rel={rec.get('tf_rel')} {wild}".rstrip()
+
+    own = r.get("newest") if k > 1 else None
+    return brief("round-1", r) + (brief(f"round-{k}", own) if own else "")
 
 
 def _round_line(method: str):
@@ -161,7 +166,7 @@ def _round_line(method: str):
         (a single-pass editor: its target NLL before -> after)."""
         tqdm.write(
             f"  {method} round {rec['round']}/{n_rounds}: {rec['n_edits']} edits, {rec['edit_seconds']:.1f}s, "
-            f"{training_brief(rec.get('train') or {})}" + _retention_brief(rec.get("after_round"))
+            f"{training_brief(rec.get('train') or {})}" + _retention_brief(rec.get("after_round"), rec["round"])
         )
 
     return report

@@ -9,9 +9,10 @@ read here as the same series without WILD measures. This module turns those reco
 (markdown,
 :func:`retention_table`), its summary per row (:func:`retention_summary`: the fraction after the last round,
 and that fraction over the one after the first round — what of what the first round achieved is kept) and its picture
-(:func:`plot_retention`, ``DIR/retention.png``). From the rows' per-edit records it also reads every round's
-edits on the *final* model (:func:`final_by_round`: which rounds the last one overwrote), a second table under
-the first.
+(:func:`plot_retention`, ``DIR/retention.png``). Every round's probe also measures that round's own edits right after
+it (``newest``: :func:`landed_by_round`, what each round landed), and from the rows' per-edit records this module
+reads every round's edits on the *final* model (:func:`final_by_round`: which rounds the last one overwrote); the
+two are tables under the first, so a round that landed little is told apart from one that a later round undid.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "retention_table",
     "plot_retention",
     "final_by_round",
+    "landed_by_round",
     "retention_map",
     "plot_retention_map",
     "RETENTION_PNG",
@@ -153,6 +155,19 @@ def final_by_round(row: dict) -> dict[str, list[float]]:
     return {k: [fmean(map(float, v[i : i + size])) for i in range(0, len(v), size)] for k, v in per_edit.items() if v}
 
 
+def landed_by_round(row: dict) -> dict[str, list[float | None]]:
+    """``{measure: [fraction of round k's edits that hold right after round k for k = 1, 2, …]}`` — what each
+    round landed before any later round acted, from the ``newest`` record of every round's probe (measures as in
+    :func:`final_by_round`; ``None`` for a round without one); ``{}`` for a row whose probes hold none."""
+    recs = [(rec or {}).get("newest") for rec in row.get("retention") or []]
+    if not any(recs):
+        return {}
+    out = {"tf_rel": [r and r.get("tf_rel") for r in recs]}
+    for k in ("qa", "chat"):
+        out[k] = [r and (r.get("wild") or {}).get(k) for r in recs]
+    return {k: v for k, v in out.items() if any(x is not None for x in v)}
+
+
 def retention_summary(row: dict) -> dict[str, dict]:
     """Per measure of :func:`retention_series`: ``{"first": fraction after the first round, "last": after the last
     round, "kept": last / first}`` (``kept`` ``None`` where ``first`` is 0 or either is missing) — ``last`` is
@@ -211,16 +226,20 @@ def retention_table(payload: dict) -> str:
 
 
 def _final_table(payload: dict, rows: list[str]) -> str:
-    """The markdown table of :func:`final_by_round` for ``rows`` (``""`` when none has per-edit records)."""
-    finals = {m: final_by_round(payload["results"][m]) for m in rows}
-    finals = {m: f for m, f in finals.items() if f}
-    if not finals:
-        return ""
-    n_rounds = max(len(v) for f in finals.values() for v in f.values())
-    body = [(m, label, f[k], []) for m, f in finals.items() for k, label in _MEASURES if k in f]
-    return _round_table(
-        "Every round's edits on the final model (fraction that holds, oldest round first):", n_rounds, body
-    )
+    """The markdown tables of :func:`landed_by_round` and :func:`final_by_round` for ``rows`` (each ``""`` when no
+    row has its records): what every round landed right after it, then what of it the final model holds."""
+    out = ""
+    for read, title in (
+        (landed_by_round, "Every round's edits right after their round (fraction that holds, oldest round first):"),
+        (final_by_round, "Every round's edits on the final model (fraction that holds, oldest round first):"),
+    ):
+        per_row = {m: read(payload["results"][m]) for m in rows}
+        per_row = {m: f for m, f in per_row.items() if f}
+        if per_row:
+            n_rounds = max(len(v) for f in per_row.values() for v in f.values())
+            body = [(m, label, f[k], []) for m, f in per_row.items() for k, label in _MEASURES if k in f]
+            out += _round_table(title, n_rounds, body)
+    return out
 
 
 def plot_retention(payload: dict, path: str | Path) -> bool:
