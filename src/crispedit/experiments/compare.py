@@ -151,6 +151,7 @@ def _retention_brief(r: dict | None, k: int = 1) -> str:
         return ""
 
     def brief(who: str, rec: dict) -> str:
+        """``; <who> edits: tf_rel=… <wrapper>=…`` for one probe record."""
         wild = " ".join(f"{c}={v}" for c, v in (rec.get("wild") or {}).items() if v is not None)
         return f"; {who} edits: tf_rel={rec.get('tf_rel')} {wild}".rstrip()
 
