@@ -152,7 +152,7 @@ def round_map_probe(
     judge; ``None`` for chat without a chat template)}}`` — plus ``by_round``: the teacher-forced reliability of
     each round ``1..k``'s edits on that model (a row of the retention map; the first entry is ``tf_rel``), and
     ``newest``: round ``k``'s own edits right after it, ``{"n", "tf_rel", "wild"}`` as above (what the round landed,
-    before any later round could wear it down; round 1's is the first-round record itself)."""
+    before the rounds after it act; for the first round, the first-round record itself)."""
     requests = list(requests)
 
     def measure(model: nn.Module, k: int) -> dict:

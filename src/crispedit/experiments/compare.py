@@ -145,8 +145,8 @@ def _row(method: str, ev: dict, **extra) -> dict:
 
 def _retention_brief(r: dict | None, k: int = 1) -> str:
     """`` round-1 edits: tf_rel=… qa=… chat=…`` for round ``k``'s ``after_round`` record
-    (:func:`~crispedit.evaluation.edit_eval.round_map_probe`), then from round 2 on the same for the round's own
-    edits (``newest``), or ``""`` without a record."""
+    (:func:`~crispedit.evaluation.edit_eval.round_map_probe`), then, for every round after the first, the same for
+    the round's own edits (``newest``), or ``""`` without a record."""
     if not r:
         return ""
 
