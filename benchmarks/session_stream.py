@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from edit_latency import _final_measures, phases  # noqa: E402  (same folder)
+from edit_latency import PHASES, _final_measures, phases  # noqa: E402  (same folder)
 from edit_tokens import slice_arg  # noqa: E402
 
 STALL = 5.0  # a round whose longest epoch is this many times the stream's median epoch was stopped or starved
@@ -102,6 +102,46 @@ def summarize(records: list[dict], walls: dict, first: int) -> dict:
         "stalled_rounds": [w["round"] for w in rows if w["stalled"]],
         "retention_first": retention,
     }
+
+
+def plot_stream(summary: dict, path: str | Path) -> None:
+    """Write a stream's picture to ``path`` (PNG) from its :func:`summarize` output: each round's wall time split into
+    the phases its record holds and the rest of the call (process start, model loading, the commit), seconds; and,
+    per round, the KL drift from the base (nats/token) beside the mean teacher-forced rel of the first rounds'
+    edits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from crispedit.atomic import atomic_write_figure
+
+    rounds = summary["rounds"]
+    x = [r["round"] for r in rounds]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 6.0), sharex=True)
+    below = [0.0] * len(rounds)
+    for name in (*PHASES, "call"):
+        if name == "call":  # what the process spent outside the round's own record
+            height = [max((r["wall"] or 0.0) - r["phases"]["total"], 0.0) for r in rounds]
+        else:
+            height = [r["phases"][name] for r in rounds]
+        top.bar(x, height, bottom=below, width=1.0, label=name)
+        below = [a + b for a, b in zip(below, height)]
+    top.set_ylabel("seconds")
+    top.set_title("one edit per `crispedit session add` call: where each call's seconds go", fontsize=10)
+    top.legend(fontsize=7, ncol=4)
+    bottom.plot(x, [r["kl_drift"] for r in rounds], color="tab:red")
+    bottom.set_ylabel("KL drift from the base", color="tab:red")
+    bottom.set_xlabel("round")
+    held = bottom.twinx()
+    first = [
+        statistics.fmean(v for v in rets if v is not None) if any(v is not None for v in rets) else None
+        for rets in summary["retention_first"]
+    ]
+    held.plot(x, first, color="tab:blue")
+    held.set_ylim(0.0, 1.05)
+    held.set_ylabel(f"TF rel of the first {len(summary['retention_first'][-1])} edits", color="tab:blue")
+    atomic_write_figure(path, fig, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -488,6 +488,96 @@ def two_threads_line() -> str:
     )
 
 
+STREAM = HERE / "single_edit_stream"
+STREAM_AFTER = (
+    10,
+    25,
+    50,
+    75,
+    100,
+)  # the rounds after which the first rounds' edits are shown, where the stream has them
+
+
+def _stream_final_row(label: str, m: dict) -> str:
+    """One row of the stream's final measures (``benchmarks/edit_latency.py``'s ``_final_measures`` summary)."""
+    s = m["summary"]
+    wild = " / ".join(f"{s[f'wild_{w}_rel']:.2f}" for w in ("qa", "chat", "none"))
+    return (
+        f"| {label} | {s['n_edits']} | {wild} | {s['tf_rel']:.2f} | ×{s['style_length_ratio']:.2f} | "
+        f"{s['bleed_target']:.3f} | {_drift(s['kl_drift'])} | {s['ppl']:.2f} ({s['ppl_base']:.2f}) |"
+    )
+
+
+def stream_section(d: Path = STREAM) -> str:
+    """The results page's section on a stream of one edit per ``crispedit session add`` call
+    (``benchmarks/session_stream.py``'s ``stream.json`` under ``d``): the calls' seconds and how they move with the
+    rounds before them, the first rounds' edits after later rounds, the KL drift along the stream and the final
+    model's measures; empty while none is stored."""
+    f = d / "stream.json"
+    if not f.is_file():
+        return ""
+    p = _load(f)
+    rounds = p["rounds"]
+    n = len(rounds)
+    clean = [r for r in rounds if not r["stalled"] and r["wall"] is not None]
+    walls = [r["wall"] for r in clean]
+    tenth = max(1, n // 10)
+    head, tail = walls[:tenth], walls[-tenth:]
+    path, offset, _ = p["edits"].rsplit(":", 2)
+    mean_phase = {k: statistics.fmean(r["phases"][k] for r in clean) for k in LATENCY_PHASES}
+    call = statistics.fmean(r["wall"] - r["phases"]["total"] for r in clean)
+    first = len(p["retention_first"][-1])
+    after = [k for k in STREAM_AFTER if k <= n] + ([n] if n not in STREAM_AFTER else [])
+    lines = [
+        "| after round | " + " | ".join(f"edit {j}" for j in range(1, first + 1)) + " | mean | KL drift |",
+        "|---|" + "---|" * (first + 2),
+    ]
+    for k in after:
+        rets = p["retention_first"][k - 1]
+        got = [v for v in rets if v is not None]
+        lines.append(
+            f"| {k} | "
+            + " | ".join("–" if v is None else f"{v:.2f}" for v in rets)
+            + " | –" * (first - len(rets))
+            + f" | {statistics.fmean(got):.2f} | {_drift(rounds[k - 1]['kl_drift'])} |"
+        )
+    final = ""
+    if "final" in p:
+        final = (
+            "\nThe final model, on the first rounds' edits and on every edit of the stream (WILD free generation "
+            "under each wrapper, teacher-forced rel, its chat answers' length over the base's, subject bleed, KL drift "
+            "from the base, perplexity with the base's in brackets):\n\n"
+            "| edits | n | WILD qa / chat / none rel | TF rel | chat length | bleed target | KL drift | ppl |\n"
+            "|---|---|---|---|---|---|---|---|\n"
+            + _stream_final_row(f"the first {first}", p["final"]["first"])
+            + "\n"
+            + _stream_final_row("all", p["final"]["all"])
+            + "\n"
+        )
+    stalled = p["stalled_rounds"]
+    apart = f" ({len(stalled)} stopped or starved rounds counted apart)" if stalled else ""
+    return f"""## One edit at a time: a stream
+
+[`{d.name}/`]({d.name}/run.json): `benchmarks/session_stream.py` — {n} rounds of one edit each ({Path(path).name}
+{offset}–{int(offset) + n - 1}), each round one `crispedit session add` process as a service starting a process per
+correction would run it: the call's wall time counts the process start and the model's loading.
+{_run_line(d)}
+
+A call took {statistics.median(walls):.1f} s in the median ({statistics.fmean(walls):.1f} s mean, slowest
+{max(walls):.1f} s) over {len(walls)} rounds{apart}:
+the first {tenth} rounds {statistics.fmean(head):.1f} s on average, the last {tenth} {statistics.fmean(tail):.1f} s. A
+round's record splits its mean into {", ".join(f"{k} {v:.1f} s" for k, v in mean_phase.items())}; the process start,
+loading and commit took {call:.1f} s more.
+
+![the stream]({d.name}/stream.png)
+
+The teacher-forced rel of each of the first {first} rounds' edits after later rounds, and the KL drift from the base
+then:
+
+{chr(10).join(lines)}
+{final}"""
+
+
 def speed_facts() -> dict:
     """The ratios the README's Speed section quotes, from the stored benchmarks."""
     share = _load(HERE / "speed" / "bench_share_smollm2_100.json")
@@ -1267,7 +1357,7 @@ free generation, the chat answers' form, subject bleed through three probes per 
 {latency_final_table()}
 {stop_rule_line()}
 {subject_rows_line()}
-## Eigendecompositions: float64 against float32
+{stream_section()}## Eigendecompositions: float64 against float32
 
 [`eigh/`](eigh/run.json): what decomposing the K-FAC factors in float64 (every device) costs and buys against
 float32. {_run_line(HERE / "eigh")}
@@ -1341,6 +1431,16 @@ def fill_blocks(text: str, blocks: dict[str, str]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- figures
+def _benchmark(name: str):
+    """The module of ``benchmarks/<name>.py`` (its plotting and table functions)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def figures() -> None:
     """Redraw every table and figure from the data (needs crispedit's plotting dependencies)."""
     sys.path.insert(0, str(ROOT / "src"))
@@ -1355,13 +1455,11 @@ def figures() -> None:
         (d / "compare.md").write_text(compare_table(payload))
         plot_compare(payload, d / "compare.png")
         plot_retention(payload, d / "retention.png")
+    if (STREAM / "stream.json").is_file():
+        _benchmark("session_stream").plot_stream(_load(STREAM / "stream.json"), STREAM / "stream.png")
     if (SEQ_CONFIRM / "seq.json").is_file():
         plot_retention_map(_load(SEQ_CONFIRM / "seq.json"), SEQ_CONFIRM / "retention_map.png")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("scaling", ROOT / "benchmarks" / "scaling.py")
-    scaling = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(scaling)
+    scaling = _benchmark("scaling")
     for stem, runs in SCALING.items():
         points: dict = {}
         for r in runs:

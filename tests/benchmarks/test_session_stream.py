@@ -42,6 +42,15 @@ def test_a_stopped_round_is_counted_apart_and_retention_follows_the_first_rounds
     assert out["rounds"][0]["phases"]["evaluate"] == 2.0
 
 
+def test_the_picture_stacks_each_call_and_follows_drift_and_the_first_edits(script, tmp_path):
+    """The stream's PNG is written from a summary: every round's phases and the rest of its call, the KL drift and
+    the first rounds' mean rel."""
+    records = [_record(k, [1.0, 1.1]) for k in range(1, 4)]
+    out = script.summarize(records, {1: 10.0, 2: 11.0, 3: 12.0}, first=2)
+    script.plot_stream(out, tmp_path / "stream.png")
+    assert (tmp_path / "stream.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.slow
 def test_a_stream_runs_each_round_in_its_own_process_and_resumes(script, tiny_model_dir, tmp_path, iso_cache):
     """Two rounds of one edit, each a `crispedit session add` process; run again, the stream adds nothing and keeps

@@ -145,3 +145,47 @@ def test_landed_table_puts_what_each_round_landed_beside_what_the_final_model_ho
     assert "| WILD qa, on the final model | 0.50 | 0.00 |" in table
     assert "| WILD chat, right after their round | 1.00 | 1.00 |" in table
     assert make.landed_table({"retention": [first], "seq_chunk": 2}) == ""
+
+
+def _stream_round(k: int, wall: float, stalled: bool = False) -> dict:
+    phases = {p: 1.0 for p in make.LATENCY_PHASES}
+    return {"round": k, "wall": wall, "phases": {**phases, "total": 6.0}, "kl_drift": 0.001 * k, "stalled": stalled}
+
+
+def test_stream_section_reads_the_calls_the_first_edits_and_the_final_model(tmp_path):
+    """A stored single-edit stream: the calls' median, mean and slowest (a stalled round left out), the first and last
+    tenth's means, the rest of a call beyond its record's phases, the first edits' rel after the shown rounds with
+    their mean and the KL drift, and the final model's rows; nothing while none is stored."""
+    import json
+
+    rounds = [_stream_round(k, 10.0 + k) for k in range(1, 21)]
+    rounds[4] = _stream_round(5, 500.0, stalled=True)
+    retention = [[1.0] * min(k, 2) for k in range(1, 21)]
+    retention[-1] = [0.5, 1.0]
+    summary = {
+        "n_edits": 2,
+        "tf_rel": 1.0,
+        **{f"wild_{w}_rel": 0.5 for w in ("qa", "chat", "none")},
+        "style_length_ratio": 0.9,
+        "bleed_target": 0.0,
+        "kl_drift": 0.02,
+        "ppl": 40.0,
+        "ppl_base": 39.0,
+    }
+    stream = {
+        "edits": "../shared/data/edits/zsre_dev.json:1000:20",
+        "rounds": rounds,
+        "stalled_rounds": [5],
+        "retention_first": retention,
+        "final": {"first": {"summary": summary}, "all": {"summary": {**summary, "n_edits": 20}}},
+    }
+    (tmp_path / "stream.json").write_text(json.dumps(stream))
+    (tmp_path / "run.json").write_text(json.dumps({"command": "python benchmarks/session_stream.py ..."}))
+    text = make.stream_section(tmp_path)
+    assert "zsre_dev.json\n1000–1019" in text and "1 stopped or starved rounds counted apart" in text
+    assert "A call took 21.0 s in the median (20.8 s mean, slowest\n30.0 s) over 19 rounds" in text
+    assert "the first 2 rounds 11.5 s on average, the last 2 29.5 s" in text
+    assert "took 14.8 s more" in text
+    assert "| 10 | 1.00 | 1.00 | 1.00 | 0.01 |" in text and "| 20 | 0.50 | 1.00 | 0.75 | 0.02 |" in text
+    assert "| the first 2 | 2 | 0.50 / 0.50 / 0.50 | 1.00 | ×0.90 | 0.000 | 0.02 | 40.00 (39.00) |" in text
+    assert make.stream_section(tmp_path / "none") == ""
