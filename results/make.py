@@ -575,7 +575,8 @@ The teacher-forced rel of each of the first {first} rounds' edits after later ro
 then:
 
 {chr(10).join(lines)}
-{final}"""
+{final}
+"""
 
 
 def speed_facts() -> dict:
@@ -1066,7 +1067,8 @@ capability constraint alone, as a batch edit of 100 does, so its edits right aft
 all the room; a later round's edits on the final model say what it landed under the earlier rounds' constraint.
 {_run_line(d)}
 
-{table}"""
+{table}
+"""
 
 
 SEQ_ROOM = HERE / "seq_room"
