@@ -1019,6 +1019,33 @@ judged on the confirming stream, ZsRE dev 1000–1999; this is what tuning read)
 SEQ_PILOT = HERE / "seq_pilot_zsre_dev200"
 
 
+PILOT_LANDS = 0.05  # check 1: every later round's own QA-wrapper reach within this of round 1's right after it
+PILOT_KEEPS = 0.9  # check 2: round 1's edits keep this share of their TF, QA and chat reach after the last round
+
+
+def pilot_checks(row: dict) -> tuple[int, str]:
+    """The rule a pilot stream is read by (written before the pilots ran), for a ``crispedit-seq`` row: check 1,
+    every later round's own edits read the QA wrapper on the final model within :data:`PILOT_LANDS` of round 1's
+    edits right after round 1; check 2, round 1's edits keep at least :data:`PILOT_KEEPS` of their teacher-forced,
+    QA-wrapper and chat reach after the last round. ``(checks met, a cell saying which)``."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from crispedit.experiments.retention import final_by_round  # torch-free
+
+    first, last = row["retention"][0], row["retention"][-1]
+    later = final_by_round(row)["qa"][1:]
+    lands = all(x >= first["wild"]["qa"] - PILOT_LANDS for x in later)
+    keeps = all(
+        b >= PILOT_KEEPS * a
+        for a, b in (
+            (first["tf_rel"], last["tf_rel"]),
+            (first["wild"]["qa"], last["wild"]["qa"]),
+            (first["wild"]["chat"], last["wild"]["chat"]),
+        )
+    )
+    mark = lambda ok: "met" if ok else "**not met**"  # noqa: E731
+    return int(lands) + int(keeps), f"1 {mark(lands)}, 2 {mark(keeps)}"
+
+
 def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
     """One row per stored stream of rounds of the confirming stream's size under ``d`` (a compare JSON with a
     ``crispedit-seq`` row, named by its edit-factor setting): round 1's edits right after round 1 (what a batch edit
@@ -1035,8 +1062,8 @@ def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
     lines = [
         "| setting | round 1 after round 1: TF / qa / chat | round 1 after the last: TF / qa / chat "
         "| each round on the final model: qa | all edits: WILD qa / chat / none | kept directions, first → last "
-        "| KL drift | hours |",
-        "|---|---|---|---|---|---|---|---|",
+        "| KL drift | hours | checks |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for f in files:
         r = _load(f)["results"]["crispedit-seq"]
@@ -1048,7 +1075,7 @@ def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
             f"| [`{f.stem}`]({d.name}/{f.name}) | {held(first)} | {held(last)} | {qa} | "
             + " / ".join(f"{r['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
             + f" | {_kept(recs[0]):.2f} → {_kept(recs[-1]):.2f} | {_drift(r['summary']['kl_drift'])} | "
-            + f"{r['edit_seconds'] / 3600:.2f} |"
+            + f"{r['edit_seconds'] / 3600:.2f} | {pilot_checks(r)[1]} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -1065,6 +1092,10 @@ def seq_pilot_section(d: Path = SEQ_PILOT) -> str:
 stream's edits), the round size of the confirming stream, one edit-factor setting per row. Round 1 trains under the
 capability constraint alone, as a batch edit of 100 does, so its edits right after it are what a round lands with
 all the room; a later round's edits on the final model say what it landed under the earlier rounds' constraint.
+The rule the rows are read by was written before they ran: check 1, every later round's own edits read the QA
+wrapper on the final model within {PILOT_LANDS:g} of round 1's edits right after round 1; check 2, round 1's edits
+keep at least {PILOT_KEEPS:g} of their teacher-forced, QA-wrapper and chat reach after the last round. The setting
+that meets more of them becomes the session default.
 {_run_line(d)}
 
 {table}

@@ -125,8 +125,25 @@ def test_pilot_table_reads_each_round_on_the_final_model(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"command": "crispedit compare ..."}))
     line = make.seq_pilot_table(tmp_path).splitlines()[-1]
     assert "| 1.00 / 1.00 / 1.00 | 1.00 / 0.75 / 1.00 | 1.00 · 0.25 | 0.62 / 0.62 / 0.62 |" in line
-    assert "| 0.70 → 0.30 | 0.0123 | 2.00 |" in line
+    assert "| 0.70 → 0.30 | 0.0123 | 2.00 | 1 **not met**, 2 **not met** |" in line
     assert make.seq_pilot_table(tmp_path / "none") == ""
+
+
+def test_pilot_checks_read_the_rule_from_the_row():
+    """Check 1 holds when every later round's own QA reach on the final model is within 0.05 of round 1's right after
+    it; check 2 when round 1's TF, QA and chat reach after the last round are each at least 0.9 of right after it."""
+    verdicts = [True] * 20 + [True] * 19 + [False]  # round 1: 20 of 20; round 2: 0.95 on the final model
+    row = {
+        "seq_chunk": 20,
+        "retention": [
+            {"tf_rel": 1.0, "wild": {"qa": 1.0, "chat": 1.0}},
+            {"tf_rel": 1.0, "wild": {"qa": 0.9, "chat": 0.89}},
+        ],
+        "wild": {"qa": {"answers": [["x", v, [], []] for v in verdicts]}},
+    }
+    assert make.pilot_checks(row) == (1, "1 met, 2 **not met**")
+    row["retention"][1]["wild"]["chat"] = 0.9
+    assert make.pilot_checks(row) == (2, "1 met, 2 met")
 
 
 def test_landed_table_puts_what_each_round_landed_beside_what_the_final_model_holds():
