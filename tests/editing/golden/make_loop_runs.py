@@ -4,9 +4,11 @@ preservation term, context sampling, the drift budget and penalty, bf16, the pla
 skip rule decided on the device (sync-free), and a checkpointed run resumed under a larger epoch cap. Per case:
 the edit's ``training`` section without its timings, the projector and drift figures, and a SHA-256 of every
 trained tensor's bytes afterwards. ``tests/editing/test_loop_golden.py`` checks that today's loop does exactly
-the same (where the file was written with the same torch on the same kind of machine: float results are not
-portable). Run from the repository root to rewrite it (only for an intended change):
-``python tests/editing/golden/make_loop_runs.py``."""
+the same where the file holds a run of the same torch on the same kind of machine (float results are not portable:
+another CPU vendor's or instruction set's kernels round differently), so the file holds one run per kind of machine.
+Run from the repository root to write this kind's run, keeping the others (only for an intended change, or on a
+kind the file lacks, from a commit whose loop is trusted): ``python tests/editing/golden/make_loop_runs.py``; after
+an intended change, rewrite every kind's run or drop the ones that cannot be rerun."""
 
 from __future__ import annotations
 
@@ -153,12 +155,36 @@ def run_case(name: str, model, tok, tmp: Path) -> dict:
     return out
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor (``GenuineIntel``, ``AuthenticAMD``; ``/proc/cpuinfo``'s ``vendor_id``, else what
+    :func:`platform.processor` says): math libraries pick their kernels by it."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def environment() -> dict:
-    """Where the float results were computed: they are exact only on the same torch and kind of machine (the cases
-    run on one thread, whatever the machine has)."""
+    """Where the float results were computed: they are exact only on the same torch and kind of machine — the
+    architecture, the CPU's vendor and the instruction set torch's kernels use (the cases run on one thread,
+    whatever the machine has)."""
     import torch
 
-    return {"torch": torch.__version__, "machine": platform.machine()}
+    return {
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpu": cpu_vendor(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def stored_run(stored: dict, env: dict) -> dict | None:
+    """The run of ``stored`` (``loop_runs.json``'s content) made under ``env``, or ``None``."""
+    return next((r for r in stored["runs"] if r["environment"] == env), None)
 
 
 def golden(names=None) -> dict:
@@ -181,5 +207,11 @@ def golden(names=None) -> dict:
 
 if __name__ == "__main__":
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "loop_runs.json"
-    out.write_text(json.dumps(golden(), indent=1, sort_keys=True) + "\n")
-    print(f"wrote {out}")
+    run = golden()
+    kept = (
+        [r for r in json.loads(out.read_text())["runs"] if r["environment"] != run["environment"]]
+        if out.exists()
+        else []
+    )
+    out.write_text(json.dumps({"runs": [*kept, run]}, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {out}: the run of {run['environment']} beside {len(kept)} other kind(s)")
