@@ -80,12 +80,16 @@ def mask_timings(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def compare_demo_tables(stored: str, live: str, rtol: float = 0.02) -> list[str]:
+def compare_demo_tables(stored: str, live: str, rtol: float = 0.02, flips: int = 1) -> list[str]:
     """The differences between two demo tables, timings masked: every token must match, except decimal numbers
     (``0.00227``, ``x1.02``), which may differ by ``rtol`` relative (the last digits of float32 arithmetic differ
-    between CPUs); rates (``1.00/0.83``), answers and epochs must be equal. ``[]`` when they agree."""
+    between CPUs), and rates (``1.00/0.83``), which may differ by one edit's share in at most ``flips`` places: on
+    another CPU's kernels a greedy answer whose two best tokens nearly tie may come out the other way. Answers and
+    epochs must be equal, and a rate may move by one share only where the stored table shows how many edits there
+    are (the rows of its first table). ``[]`` when they agree."""
     a, b = mask_timings(stored).splitlines(), mask_timings(live).splitlines()
-    diffs = []
+    share = 1.0 / n if (n := _edit_rows(a)) else 0.0
+    diffs, flipped = [], []
     if len(a) != len(b):
         diffs.append(f"{len(a)} lines stored, {len(b)} printed")
     for i, (x, y) in enumerate(zip(a, b)):
@@ -93,15 +97,40 @@ def compare_demo_tables(stored: str, live: str, rtol: float = 0.02) -> list[str]
             continue
         tx, ty = x.split(), y.split()
         ok = len(tx) == len(ty)
+        moved = 0
         for u, v in zip(tx, ty) if ok else ():
             if u == v:
                 continue
             fu, fv = _decimal(u), _decimal(v)
-            if fu is None or fv is None or abs(fu - fv) > rtol * max(abs(fu), abs(fv)):
-                ok = False
+            ru, rv = _rate(u), _rate(v)
+            if fu is not None and fv is not None and abs(fu - fv) <= rtol * max(abs(fu), abs(fv)):
+                continue
+            if ru and rv and all(abs(p - q) <= share + 0.006 for p, q in zip(ru, rv)):
+                moved += sum(p != q for p, q in zip(ru, rv))
+                continue
+            ok = False
+        line = f"line {i + 1}:\n  stored:  {x}\n  printed: {y}"
         if not ok:
-            diffs.append(f"line {i + 1}:\n  stored:  {x}\n  printed: {y}")
+            diffs.append(line)
+        elif moved:
+            flipped.append((moved, line))
+    if sum(m for m, _ in flipped) > flips:
+        diffs += [f"{line} (a rate moved by one edit's share; at most {flips} may)" for _, line in flipped]
     return diffs
+
+
+def _edit_rows(lines: list[str]) -> int:
+    """Rows of the first table of a demo table's ``lines`` (after its line of dashes, up to a blank line): its
+    edits; 0 without one."""
+    for i, line in enumerate(lines):
+        if line.strip() and set(line.strip()) == {"-"}:
+            return next((j - i - 1 for j in range(i + 1, len(lines)) if not lines[j].strip()), len(lines) - i - 1)
+    return 0
+
+
+def _rate(tok: str) -> tuple[float, float] | None:
+    m = re.fullmatch(r"(\d\.\d+)/(\d\.\d+)", tok)
+    return (float(m.group(1)), float(m.group(2))) if m else None
 
 
 def _decimal(tok: str) -> float | None:
