@@ -461,6 +461,35 @@ def stop_rule_line() -> str:
     )
 
 
+def projection_line() -> str:
+    """A sentence comparing the stored one-edit rounds under the three projection targets (``projection_*.json``: the
+    same edits, back to back): what the final model kept and what the rounds cost."""
+    runs = {t: LATENCY / f"projection_{t}.json" for t in ("gradient", "eigenbasis", "update")}
+    if not all(f.exists() for f in runs.values()):
+        return ""
+    got = {t: _load(f) for t, f in runs.items()}
+
+    def cell(t: str) -> str:
+        p = got[t]
+        s = p["final"]["summary"]
+        return (
+            f"`{t}` KL drift {_drift(s['kl_drift'])}, WILD qa rel / gen {s['wild_qa_rel']:.2f} / "
+            f"{s['wild_qa_gen']:.2f}, subject bleed {s['bleed_target']:.2f}, "
+            f"chat length ×{s['style_length_ratio']:.2f}, {sum(r['steps'] for r in p['rounds'])} steps, "
+            f"{p['mean']['wall']:.1f} s a round"
+        )
+
+    n = got["gradient"]["final"]["summary"]["n_edits"]
+    kl = {t: got[t]["final"]["summary"]["kl_drift"] for t in runs}
+    return (
+        f"Under each projection target (`--projection`), the same {n} one-edit rounds, the final model over their "
+        f"edits: {'; '.join(cell(t) for t in runs)}. Keeping the weight change inside the kept subspace took the "
+        f"drift to ×{kl['eigenbasis'] / kl['gradient']:.2f} (`eigenbasis`) and ×{kl['update'] / kl['gradient']:.2f} "
+        f"(`update`) of the default's; a WILD rate moves in steps of {1 / n:.2f} over {n} edits, too coarse to choose "
+        "a default on, which stays the paper's.\n"
+    )
+
+
 def subject_rows_line() -> str:
     """A sentence on the preservation term's subject answers held at every step of a one-edit round: the final model's
     subject bleed, WILD reach, chat answers' length and KL drift before and after, on the tuning slice
@@ -1419,6 +1448,7 @@ free generation, the chat answers' form, subject bleed through three probes per 
 {latency_final_table()}
 {stop_rule_line()}
 {subject_rows_line()}
+{projection_line()}
 {stream_section()}## Eigendecompositions: float64 against float32
 
 [`eigh/`](eigh/run.json): what decomposing the K-FAC factors in float64 (every device) costs and buys against
