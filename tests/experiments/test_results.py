@@ -220,3 +220,28 @@ def test_stream_section_reads_the_calls_the_first_edits_and_the_final_model(tmp_
     assert "| 10 | 1.00 | 1.00 | 1.00 | 0.01 |" in text and "| 20 | 0.50 | 1.00 | 0.75 | 0.02 |" in text
     assert "| the first 2 | 2 | 0.50 / 0.50 / 0.50 | 1.00 | ×0.90 | 0.000 | 0.02 | 40.00 (39.00) |" in text
     assert make.stream_section(tmp_path / "none") == ""
+
+
+def test_one_edit_settings_table_puts_each_setting_beside_the_default(tmp_path, monkeypatch):
+    """A row per stored setting run, its KL drift also as a ratio to the default's, steps summed over its rounds;
+    nothing while the default's run is not stored."""
+    import json
+
+    def run(kl: float, steps: int) -> dict:
+        summary = {f"wild_{w}_{k}": 1.0 for w in ("qa", "chat", "none") for k in ("rel", "gen")}
+        summary.update(n_edits=2, kl_drift=kl, bleed_target=0.5, style_length_ratio=0.9)
+        return {
+            "edits": "../x/zsre_dev.json:400:2",
+            "rounds": [{"steps": steps}, {"steps": steps}],
+            "mean": {"wall": 12.0},
+            "final": {"summary": summary},
+        }
+
+    monkeypatch.setattr(make, "LATENCY", tmp_path)
+    assert make.one_edit_settings_table() == ""
+    (tmp_path / "projection_gradient.json").write_text(json.dumps(run(0.004, 10)))
+    (tmp_path / "lr_2e-4.json").write_text(json.dumps(run(0.002, 30)))
+    text = make.one_edit_settings_table()
+    assert "The same 2 one-edit rounds (`zsre_dev.json:400:2`" in text
+    assert "| 0.004 (×1.00) | 1.00 / 1.00 / 1.00, 1.00 / 1.00 / 1.00 | 0.50 | ×0.90 | 20 | 12.0 |" in text
+    assert "lr_2e-4.json) | 0.002 (×0.50) |" in text and "| 60 | 12.0 |" in text
