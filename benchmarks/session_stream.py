@@ -135,7 +135,7 @@ def plot_stream(summary: dict, path: str | Path) -> None:
     bottom.set_xlabel("round")
     held = bottom.twinx()
     first = [
-        statistics.fmean(v for v in rets if v is not None) if any(v is not None for v in rets) else None
+        statistics.fmean(v for v in rets if v is not None) if any(v is not None for v in rets) else float("nan")
         for rets in summary["retention_first"]
     ]
     held.plot(x, first, color="tab:blue")

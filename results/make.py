@@ -557,13 +557,8 @@ def two_threads_line() -> str:
 
 
 STREAM = HERE / "single_edit_stream"
-STREAM_AFTER = (
-    10,
-    25,
-    50,
-    75,
-    100,
-)  # the rounds after which the first rounds' edits are shown, where the stream has them
+# the rounds after which the first rounds' edits are shown, where the stream has them
+STREAM_AFTER = (10, 25, 50, 75, 100)
 
 
 def _stream_final_row(label: str, m: dict) -> str:
