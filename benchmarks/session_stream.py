@@ -9,9 +9,10 @@ Resumable: a round the session has committed is not run again, and the wall time
 ``<session>.walls.json``, written after every call). ``--per-round`` edits go in each round; ``--init`` passes flags
 to ``crispedit session init`` (``--init="--stop-rule greedy"``). A round's wall time counts the process start, the
 model's loading and everything ``session add`` does; a round whose process was stopped or starved (its longest
-epoch over :data:`STALL` times the median epoch of the stream) is counted apart. ``--final K`` then measures the
-final model (WILD under every wrapper, style drift, subject bleed, KL drift: ``edit_latency.py``'s measures) over
-the first K rounds' edits and over all of them. Run alone: one model job at a time.
+epoch, or one of its phases, over :data:`STALL` times the stream's median: :func:`stalled`) is counted apart.
+``--final K`` then measures the final model (WILD under every wrapper, style drift, subject bleed, KL drift:
+``edit_latency.py``'s measures) over the first K rounds' edits and over all of them. Run alone: one model job at a
+time.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from edit_latency import PHASES, _final_measures, phases  # noqa: E402  (same folder)
 from edit_tokens import slice_arg  # noqa: E402
 
-STALL = 5.0  # a round whose longest epoch is this many times the stream's median epoch was stopped or starved
+STALL = 5.0  # a round whose longest epoch (or a phase) is this many times the stream's median was stopped or starved
+STALL_SECONDS = 30.0  # and a phase that many seconds over its median: a short phase's jitter is not a stall
 
 
 def _cli(*args: str) -> list[str]:
@@ -70,27 +72,46 @@ def run_stream(session: Path, path: str, offset: int, n: int, per_round: int, in
     return taken
 
 
-def summarize(records: list[dict], walls: dict, first: int) -> dict:
-    """Per round: the call's wall time, the record's phases (:func:`edit_latency.phases`), epochs, steps, KL drift
-    and whether it stalled; the median and mean wall time over the rounds that did not; and the teacher-forced
-    reliability of each of the first ``first`` rounds' edits after every round (``retention[k][j]``: round ``j + 1``'s
-    edits after round ``k + 1``)."""
+def stalled(records: list[dict], rows: list[dict]) -> list[bool]:
+    """Whether each round was stopped or starved: its longest epoch over :data:`STALL` times the stream's median
+    epoch, or one of its phases — or the rest of its call (process start, loading, commit) — over :data:`STALL`
+    times that phase's median over the stream and :data:`STALL_SECONDS` above it (a pause outside training shows
+    there, not in an epoch)."""
     epochs = [e for r in records for e in (r["train"].get("epoch_seconds") or []) if e is not None]
     typical = statistics.median(epochs) if epochs else 0.0
-    rows = []
-    for r in records:
+
+    def parts(row: dict) -> dict:
+        call = {"call": row["wall"] - row["phases"]["total"]} if row["wall"] is not None else {}
+        return {**{k: row["phases"][k] for k in PHASES}, **call}
+
+    each = [parts(row) for row in rows]
+    median = {k: statistics.median(p[k] for p in each if k in p) for k in {k for p in each for k in p}}
+    out = []
+    for r, p in zip(records, each):
         longest = max((e for e in (r["train"].get("epoch_seconds") or []) if e is not None), default=0.0)
-        rows.append(
-            {
-                "round": r["round"],
-                "wall": walls.get(r["round"]),
-                "phases": phases(r),
-                "epochs": r["train"]["epochs"],
-                "steps": r["train"]["steps"],
-                "kl_drift": r.get("kl_drift"),
-                "stalled": bool(typical and longest > STALL * typical),
-            }
-        )
+        slow = any(v > STALL * median[k] and v - median[k] > STALL_SECONDS for k, v in p.items())
+        out.append(bool((typical and longest > STALL * typical) or slow))
+    return out
+
+
+def summarize(records: list[dict], walls: dict, first: int) -> dict:
+    """Per round: the call's wall time, the record's phases (:func:`edit_latency.phases`), epochs, steps, KL drift
+    and whether it stalled (:func:`stalled`); the median and mean wall time over the rounds that did not; and the
+    teacher-forced reliability of each of the first ``first`` rounds' edits after every round (``retention[k][j]``:
+    round ``j + 1``'s edits after round ``k + 1``)."""
+    rows = [
+        {
+            "round": r["round"],
+            "wall": walls.get(r["round"]),
+            "phases": phases(r),
+            "epochs": r["train"]["epochs"],
+            "steps": r["train"]["steps"],
+            "kl_drift": r.get("kl_drift"),
+        }
+        for r in records
+    ]
+    for row, flag in zip(rows, stalled(records, rows)):
+        row["stalled"] = flag
     clean = [w["wall"] for w in rows if w["wall"] is not None and not w["stalled"]]
     retention = [
         [r["retention"].get(str(j), {}).get("rel") for j in range(1, min(first, r["round"]) + 1)] for r in records

@@ -42,6 +42,17 @@ def test_a_stopped_round_is_counted_apart_and_retention_follows_the_first_rounds
     assert out["rounds"][0]["phases"]["evaluate"] == 2.0
 
 
+def test_a_round_paused_outside_training_is_counted_apart_but_not_a_short_phase_jitter(script):
+    """A round stopped during its evaluation has typical epochs but an evaluation far over the stream's median: it is
+    flagged; a phase five times its median yet only seconds over it is not."""
+    records = [_record(k, [1.0, 1.0]) for k in range(1, 5)]
+    records[1]["evaluate_seconds"] = 500.0
+    records[2]["evaluate_seconds"] = 12.0  # six times the median, ten seconds over it
+    walls = {1: 10.0, 2: 508.0, 3: 20.0, 4: 10.0}
+    out = script.summarize(records, walls, first=1)
+    assert out["stalled_rounds"] == [2]
+
+
 def test_the_picture_stacks_each_call_and_follows_drift_and_the_first_edits(script, tmp_path):
     """The stream's PNG is written from a summary: every round's phases and the rest of its call, the KL drift and
     the first rounds' mean rel."""
