@@ -127,7 +127,8 @@ def summarize(records: list[dict], walls: dict, first: int) -> dict:
 
 def plot_stream(summary: dict, path: str | Path) -> None:
     """Write a stream's picture to ``path`` (PNG) from its :func:`summarize` output: each round's wall time split into
-    the phases its record holds and the rest of the call (process start, model loading, the commit), seconds; and,
+    the phases its record holds and the rest of the call (process start, model loading, the commit), seconds, a
+    stopped or starved round marked instead; and,
     per round, the KL drift from the base (nats/token) beside the mean teacher-forced rel of the first rounds'
     edits."""
     import matplotlib
@@ -140,14 +141,18 @@ def plot_stream(summary: dict, path: str | Path) -> None:
     rounds = summary["rounds"]
     x = [r["round"] for r in rounds]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 6.0), sharex=True)
-    below = [0.0] * len(rounds)
+    timed = [r for r in rounds if not r.get("stalled")]  # a stopped round's seconds are the pause's, not the round's
+    below = [0.0] * len(timed)
     for name in (*PHASES, "call"):
         if name == "call":  # what the process spent outside the round's own record
-            height = [max((r["wall"] or 0.0) - r["phases"]["total"], 0.0) for r in rounds]
+            height = [max((r["wall"] or 0.0) - r["phases"]["total"], 0.0) for r in timed]
         else:
-            height = [r["phases"][name] for r in rounds]
-        top.bar(x, height, bottom=below, width=1.0, label=name)
+            height = [r["phases"][name] for r in timed]
+        top.bar([r["round"] for r in timed], height, bottom=below, width=1.0, label=name)
         below = [a + b for a, b in zip(below, height)]
+    apart = [r["round"] for r in rounds if r.get("stalled")]
+    if apart:
+        top.plot(apart, [0.0] * len(apart), "kx", label="stopped or starved")
     top.set_ylabel("seconds")
     top.set_title("one edit per `crispedit session add` call: where each call's seconds go", fontsize=10)
     top.legend(fontsize=7, ncol=4)
