@@ -72,6 +72,12 @@ def run_stream(session: Path, path: str, offset: int, n: int, per_round: int, in
     return taken
 
 
+def call_seconds(row: dict) -> float:
+    """What a :func:`summarize` row's call spent outside its round's record (process start, model loading, the
+    commit), seconds; 0 without a wall time."""
+    return row["wall"] - row["phases"]["total"] if row["wall"] is not None else 0.0
+
+
 def stalled(records: list[dict], rows: list[dict]) -> list[bool]:
     """Whether each round was stopped or starved: its longest epoch over :data:`STALL` times the stream's median
     epoch, or one of its phases — or the rest of its call (process start, loading, commit) — over :data:`STALL`
@@ -81,7 +87,7 @@ def stalled(records: list[dict], rows: list[dict]) -> list[bool]:
     typical = statistics.median(epochs) if epochs else 0.0
 
     def parts(row: dict) -> dict:
-        call = {"call": row["wall"] - row["phases"]["total"]} if row["wall"] is not None else {}
+        call = {"call": call_seconds(row)} if row["wall"] is not None else {}
         return {**{k: row["phases"][k] for k in PHASES}, **call}
 
     each = [parts(row) for row in rows]
@@ -127,10 +133,9 @@ def summarize(records: list[dict], walls: dict, first: int) -> dict:
 
 def plot_stream(summary: dict, path: str | Path) -> None:
     """Write a stream's picture to ``path`` (PNG) from its :func:`summarize` output: each round's wall time split into
-    the phases its record holds and the rest of the call (process start, model loading, the commit), seconds, a
-    stopped or starved round marked instead; and,
-    per round, the KL drift from the base (nats/token) beside the mean teacher-forced rel of the first rounds'
-    edits."""
+    the phases its record holds and the rest of the call (:func:`call_seconds`), seconds, a stopped or starved round
+    marked instead; and, per round, the KL drift from the base (nats/token) beside the mean teacher-forced rel of the
+    first rounds' edits."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,7 +150,7 @@ def plot_stream(summary: dict, path: str | Path) -> None:
     below = [0.0] * len(timed)
     for name in (*PHASES, "call"):
         if name == "call":  # what the process spent outside the round's own record
-            height = [max((r["wall"] or 0.0) - r["phases"]["total"], 0.0) for r in timed]
+            height = [max(call_seconds(r), 0.0) for r in timed]
         else:
             height = [r["phases"][name] for r in timed]
         top.bar([r["round"] for r in timed], height, bottom=below, width=1.0, label=name)

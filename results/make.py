@@ -416,6 +416,12 @@ def latency_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _wild_cell(summary: dict, measure: str = "rel") -> str:
+    """``qa / chat / none`` of a final-measures summary's WILD ``measure`` (``rel`` or ``gen``), two decimals each
+    (``benchmarks/edit_latency.py``'s ``wild_<wrapper>_<measure>`` fields)."""
+    return " / ".join(f"{summary[f'wild_{w}_{measure}']:.2f}" for w in ("qa", "chat", "none"))
+
+
 def latency_final_table() -> str:
     """One row per stored ``benchmarks/edit_latency.py --evaluate`` JSON under ``edit_latency/``: what its rounds
     left on the final model over every round's edit — WILD rel per wrapper, teacher-forced rel, the chat answers'
@@ -430,7 +436,7 @@ def latency_final_table() -> str:
         if "final" not in p:
             continue
         s = p["final"]["summary"]
-        wild = " / ".join(f"{s[f'wild_{w}_rel']:.2f}" for w in ("qa", "chat", "none"))
+        wild = _wild_cell(s)
         lines.append(
             f"| [`{f.name}`](edit_latency/{f.name}) | {s['n_edits']} | {p['mean']['wall']:.1f} | {wild} | "
             f"{s['tf_rel']:.2f} | ×{s['style_length_ratio']:.2f} | {s['style_bare_share']:.2f} | "
@@ -449,7 +455,7 @@ def stop_rule_line() -> str:
     a, b = loss["final"]["summary"], greedy["final"]["summary"]
     lm, gm = loss["mean"], greedy["mean"]
     epochs = [sum(r["epochs"] for r in p["rounds"]) for p in (greedy, loss)]
-    wild = [" / ".join(f"{x[f'wild_{w}_rel']:.2f}" for w in ("qa", "chat", "none")) for x in (b, a)]
+    wild = [_wild_cell(x) for x in (b, a)]
     return (
         f"Under `--stop-rule greedy` the same {b['n_edits']} rounds took {gm['wall']:.1f} s a round against "
         f"{lm['wall']:.1f} s (training {gm['train']:.1f} s against {lm['train']:.1f} s, epochs {epochs[0]} against "
@@ -485,8 +491,8 @@ def one_edit_settings_table() -> str:
     ]
     for f, p in got.items():
         s = p["final"]["summary"]
-        wild = " / ".join(f"{s[f'wild_{w}_rel']:.2f}" for w in ("qa", "chat", "none"))
-        gen = " / ".join(f"{s[f'wild_{w}_gen']:.2f}" for w in ("qa", "chat", "none"))
+        wild = _wild_cell(s)
+        gen = _wild_cell(s, "gen")
         lines.append(
             f"| [{ONE_EDIT_SETTINGS[f]}](edit_latency/{f}) | {_drift(s['kl_drift'])} (×{s['kl_drift'] / base:.2f}) | "
             f"{wild}, {gen} | {s['bleed_target']:.2f} | ×{s['style_length_ratio']:.2f} | "
@@ -517,7 +523,7 @@ def subject_rows_line() -> str:
         return f"ZsRE dev {offset}–{int(offset) + int(n) - 1}"
 
     def compare(before: dict, after: dict) -> str:
-        wild = [" / ".join(f"{x[f'wild_{w}_rel']:.2f}" for w in ("qa", "chat", "none")) for x in (before, after)]
+        wild = [_wild_cell(x) for x in (before, after)]
         return (
             f"bleed {before['bleed_target']:.3f} → {after['bleed_target']:.3f}, WILD qa / chat / none {wild[0]} → "
             f"{wild[1]}, chat length ×{before['style_length_ratio']:.2f} → ×{after['style_length_ratio']:.2f}, "
@@ -564,7 +570,7 @@ STREAM_AFTER = (10, 25, 50, 75, 100)
 def _stream_final_row(label: str, m: dict) -> str:
     """One row of the stream's final measures (``benchmarks/edit_latency.py``'s ``_final_measures`` summary)."""
     s = m["summary"]
-    wild = " / ".join(f"{s[f'wild_{w}_rel']:.2f}" for w in ("qa", "chat", "none"))
+    wild = _wild_cell(s)
     return (
         f"| {label} | {s['n_edits']} | {wild} | {s['tf_rel']:.2f} | ×{s['style_length_ratio']:.2f} | "
         f"{s['bleed_target']:.3f} | {_drift(s['kl_drift'])} | {s['ppl']:.2f} ({s['ppl_base']:.2f}) |"
