@@ -592,6 +592,13 @@ def stream_section(d: Path = STREAM) -> str:
     walls = [r["wall"] for r in clean]
     tenth = max(1, n // 10)
     head, tail = walls[:tenth], walls[-tenth:]
+
+    def ends(value) -> str:
+        """``value`` of a round, its mean over the first and over the last tenth of the timed rounds."""
+        return (
+            f"{statistics.fmean(map(value, clean[:tenth])):.1f} and {statistics.fmean(map(value, clean[-tenth:])):.1f}"
+        )
+
     path, offset, _ = p["edits"].rsplit(":", 2)
     mean_phase = {k: statistics.fmean(r["phases"][k] for r in clean) for k in LATENCY_PHASES}
     call = statistics.fmean(r["wall"] - r["phases"]["total"] for r in clean)
@@ -636,7 +643,10 @@ A call took {statistics.median(walls):.1f} s in the median ({statistics.fmean(wa
 {max(walls):.1f} s) over {len(walls)} rounds{apart}:
 the first {tenth} rounds {statistics.fmean(head):.1f} s on average, the last {tenth} {statistics.fmean(tail):.1f} s. A
 round's record splits its mean into {", ".join(f"{k} {v:.1f} s" for k, v in mean_phase.items())}; the process start,
-loading and commit took {call:.1f} s more.
+loading and commit took {call:.1f} s more. What grows is the check of the earlier edits in the evaluate phase,
+bounded by `--check-earlier` (1 000 edits; past it a fixed sample): evaluate took
+{ends(lambda r: r["phases"]["evaluate"])} s in the first and the last {tenth} rounds; training, which varies by edit,
+{ends(lambda r: r["steps"])} steps.
 
 ![the stream]({d.name}/stream.png)
 
