@@ -472,6 +472,8 @@ ONE_EDIT_SETTINGS = {  # one-edit round settings measured on the same rounds bac
     "projection_eigenbasis.json": "`--projection eigenbasis`",
     "projection_update.json": "`--projection update`",
     "lr_2e-4.json": "`--lr 2e-4` (default 5e-4)",
+    "stop_loss_0.05.json": "`stop_loss=0.05` (default 0.01)",
+    "stop_loss_0.03.json": "`stop_loss=0.03`",
 }
 
 
