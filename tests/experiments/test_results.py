@@ -179,14 +179,22 @@ def test_landed_table_puts_what_each_round_landed_beside_what_the_final_model_ho
 
 
 def _stream_round(k: int, wall: float, stalled: bool = False) -> dict:
-    phases = {p: 1.0 for p in make.LATENCY_PHASES}
-    return {"round": k, "wall": wall, "phases": {**phases, "total": 6.0}, "kl_drift": 0.001 * k, "stalled": stalled}
+    phases = {p: 1.0 for p in make.LATENCY_PHASES} | {"evaluate": float(k)}
+    return {
+        "round": k,
+        "wall": wall,
+        "phases": {**phases, "total": 6.0},
+        "steps": 2 * k,
+        "kl_drift": 0.001 * k,
+        "stalled": stalled,
+    }
 
 
 def test_stream_section_reads_the_calls_the_first_edits_and_the_final_model(tmp_path):
     """A stored single-edit stream: the calls' median, mean and slowest (a stalled round left out), the first and last
-    tenth's means, the rest of a call beyond its record's phases, the first edits' rel after the shown rounds with
-    their mean and the KL drift, and the final model's rows; nothing while none is stored."""
+    tenth's means (the calls', the evaluate phase's, the steps'), the rest of a call beyond its record's phases, the
+    first edits' rel after the shown rounds with their mean and the KL drift, and the final model's rows; nothing
+    while none is stored."""
     import json
 
     rounds = [_stream_round(k, 10.0 + k) for k in range(1, 21)]
@@ -217,6 +225,8 @@ def test_stream_section_reads_the_calls_the_first_edits_and_the_final_model(tmp_
     assert "A call took 21.0 s in the median (20.8 s mean, slowest\n30.0 s) over 19 rounds" in text
     assert "the first 2 rounds 11.5 s on average, the last 2 29.5 s" in text
     assert "took 14.8 s more" in text
+    assert "evaluate took\n1.5 and 19.5 s in the first and the last 2 rounds" in text  # the stalled round left out
+    assert "3.0 and 39.0 steps" in text
     assert "| 10 | 1.00 | 1.00 | 1.00 | 0.01 |" in text and "| 20 | 0.50 | 1.00 | 0.75 | 0.02 |" in text
     assert "| the first 2 | 2 | 0.50 / 0.50 / 0.50 | 1.00 | ×0.90 | 0.000 | 0.02 | 40.00 (39.00) |" in text
     assert make.stream_section(tmp_path / "none") == ""
