@@ -593,13 +593,14 @@ def stream_section(d: Path = STREAM) -> str:
     clean = [r for r in rounds if not r["stalled"] and r["wall"] is not None]
     walls = [r["wall"] for r in clean]
     tenth = max(1, n // 10)
-    head, tail = walls[:tenth], walls[-tenth:]
 
-    def ends(value) -> str:
+    def ends(value) -> tuple[float, float]:
         """``value`` of a round, its mean over the first and over the last tenth of the timed rounds."""
-        return (
-            f"{statistics.fmean(map(value, clean[:tenth])):.1f} and {statistics.fmean(map(value, clean[-tenth:])):.1f}"
-        )
+        return statistics.fmean(map(value, clean[:tenth])), statistics.fmean(map(value, clean[-tenth:]))
+
+    head, tail = ends(lambda r: r["wall"])
+    evaluate = ends(lambda r: r["phases"]["evaluate"])
+    steps = ends(lambda r: r["steps"])
 
     path, offset, _ = p["edits"].rsplit(":", 2)
     mean_phase = {k: statistics.fmean(r["phases"][k] for r in clean) for k in LATENCY_PHASES}
@@ -643,12 +644,12 @@ correction would run it: the call's wall time counts the process start and the m
 
 A call took {statistics.median(walls):.1f} s in the median ({statistics.fmean(walls):.1f} s mean, slowest
 {max(walls):.1f} s) over {len(walls)} rounds{apart}:
-the first {tenth} rounds {statistics.fmean(head):.1f} s on average, the last {tenth} {statistics.fmean(tail):.1f} s. A
+the first {tenth} rounds {head:.1f} s on average, the last {tenth} {tail:.1f} s. A
 round's record splits its mean into {", ".join(f"{k} {v:.1f} s" for k, v in mean_phase.items())}; the process start,
 loading and commit took {call:.1f} s more. What grows is the check of the earlier edits in the evaluate phase,
 bounded by `--check-earlier` (1 000 edits; past it a fixed sample): evaluate took
-{ends(lambda r: r["phases"]["evaluate"])} s in the first and the last {tenth} rounds; training, which varies by edit,
-{ends(lambda r: r["steps"])} steps.
+{evaluate[0]:.1f} and {evaluate[1]:.1f} s in the first and the last {tenth} rounds; training, which varies by edit,
+{steps[0]:.1f} and {steps[1]:.1f} steps.
 
 ![the stream]({d.name}/stream.png)
 
