@@ -59,7 +59,7 @@ from ..data.edits import EditRequest
 from ..editing.api import restore
 from ..editing.config import EDIT_FACTOR_ROWS, MODES, WEIGHTINGS, EditConfig, SeqConfig
 from ..editing.contexts import sequences_for
-from ..editing.editor import EditContext
+from ..editing.editor import EditContext, EditOutcome
 from ..editing.registry import get_editor
 from ..editing.written import prefixes_from
 from ..errors import CrispEditError
@@ -284,11 +284,95 @@ def run_round(
     (:mod:`crispedit.editing.checkpoint`; its identity covers the round's starting weights and carried optimizer
     state), so a round killed while training goes on from its last epoch.
     """
-    ec = config.edit
-    editor = get_editor(ec.method)
-    batch = config.mode == "batch"
+    editor = get_editor(config.edit.method)
     t0 = time.perf_counter()
-    restore(model, base_weights if batch else state.weights)  # the round starts from these values
+    plan = _plan_round(editor, state, config, requests, round_index, base_weights, union, earlier, drift_spent)
+    restore(model, plan.start)  # the round starts from these values
+    drift_modules = editor.drift_modules(model, layers, plan.edit)  # what state.cap predicts the drift of (LoRA: q/v)
+    with prefixes_from(base_weights):  # the prefixes the model writes itself: the unedited model's, every round
+        outcome = editor.apply(
+            model,
+            tokenizer,
+            plan.train,
+            EditContext(
+                plan.edit,
+                layers,
+                plan.constraint,
+                optimizer_state=state.optim if plan.carry else {},
+                reproject_momentum=config.reproject_momentum,
+                keep_optimizer=plan.carry,
+                progress=progress,
+                drift_factors=state.cap,
+                drift_reference=base_weights if config.drift_from == "base" and not plan.batch else None,
+                checkpoint=checkpoint,
+            ),
+        )
+    weights = {n: parameter(model, n).detach().cpu().clone() for n in base_weights}
+    new = SeqState(
+        weights=weights, cap=state.cap, edits=state.edits, optim=outcome.optimizer_state, cap_ref=state.cap_ref
+    )
+    record = _round_record(
+        outcome, plan, config, _drift_record(drift_modules, state.cap, base_weights, plan.start, weights)
+    )
+    if config.uses_weighting:  # the rounds that merge edit factors into their constraint
+        t1 = time.perf_counter()
+        with prefixes_from(base_weights):  # the texts the round trained; their factors on the edited model
+            new.edits = accumulate(
+                state.edits,
+                round_edit_factors(
+                    model,
+                    tokenizer,
+                    requests,
+                    layers,
+                    plan.edit,
+                    round_index,
+                    progress=progress,
+                    rows=config.edit_factors,
+                ),
+            )
+        record["edit_factor_tokens"] = new.edits.n_tokens
+        record["edit_factor_seconds"] = round(time.perf_counter() - t1, 3)
+        if config.recompute_drift is not None:
+            _recompute_capability(new, state.cap_ref or base_weights, config.recompute_drift, capability, record)
+    # a round resumed from its loop checkpoint also counts the killed run's training seconds
+    record["edit_seconds"] = round(time.perf_counter() - t0 + outcome.history.extra.get("resumed_seconds", 0.0), 3)
+    return new, record
+
+
+@dataclass
+class _RoundPlan:
+    """What a round trains, from where and under what: ``edit`` (the edit config, ``max_drift`` cut to what the
+    session's budget has left), ``batch`` (batch mode: re-edit the base on the union), ``start`` (the changed
+    parameters' starting values, full name -> CPU tensor), ``train`` (the requests the loop trains: the round's own
+    plus the ``rehearsed`` earlier ones, or the union), ``constraint`` (the factors the projector is built from;
+    ``None`` for an editor without curvature), ``carry`` (whether the optimizer state goes on from the last round)
+    and ``budget`` (the drift budget's record, ``None`` without one)."""
+
+    edit: EditConfig
+    batch: bool
+    start: dict[str, Tensor]
+    train: list[EditRequest]
+    rehearsed: list[EditRequest]
+    constraint: KFACFactors | None
+    carry: bool
+    budget: dict | None
+
+
+def _plan_round(
+    editor,
+    state: SeqState,
+    config: SeqConfig,
+    requests: Sequence[EditRequest],
+    round_index: int,
+    base_weights: dict[str, Tensor],
+    union: Sequence[EditRequest] | None,
+    earlier: Sequence[EditRequest],
+    drift_spent: float,
+) -> _RoundPlan:
+    """:class:`_RoundPlan` of :func:`run_round` (its arguments); one-line error for a curvature editor without
+    capability factors or a spent drift budget."""
+    ec = config.edit
+    batch = config.mode == "batch"
     constraint = None
     if editor.needs_curvature:
         if state.cap is None:
@@ -303,62 +387,38 @@ def run_round(
         config.carry_optimizer and ec.projection_target != "eigenbasis" and editor.carries_optimizer and not batch
     ) or (editor.carries_state and not batch)
     rehearsed = [] if batch else replayed(earlier, config.replay, ec.seed, round_index)
-    train_requests = list(union) if batch else list(requests) + rehearsed
     ec, budget = _round_budget(ec, 0.0 if batch else float(drift_spent))
-    start = dict(base_weights if batch else state.weights)
-    drift_modules = editor.drift_modules(model, layers, ec)  # what state.cap predicts the drift of (LoRA: q/v)
-    with prefixes_from(base_weights):  # the prefixes the model writes itself: the unedited model's, every round
-        outcome = editor.apply(
-            model,
-            tokenizer,
-            train_requests,
-            EditContext(
-                ec,
-                layers,
-                constraint,
-                optimizer_state=state.optim if carry else {},
-                reproject_momentum=config.reproject_momentum,
-                keep_optimizer=carry,
-                progress=progress,
-                drift_factors=state.cap,
-                drift_reference=base_weights if config.drift_from == "base" and not batch else None,
-                checkpoint=checkpoint,
-            ),
-        )
-    weights = {n: parameter(model, n).detach().cpu().clone() for n in base_weights}
-    new = SeqState(
-        weights=weights, cap=state.cap, edits=state.edits, optim=outcome.optimizer_state, cap_ref=state.cap_ref
+    return _RoundPlan(
+        edit=ec,
+        batch=batch,
+        start=dict(base_weights if batch else state.weights),
+        train=list(union) if batch else list(requests) + rehearsed,
+        rehearsed=rehearsed,
+        constraint=constraint,
+        carry=carry,
+        budget=budget,
     )
+
+
+def _round_record(outcome: EditOutcome, plan: _RoundPlan, config: SeqConfig, drift: dict) -> dict:
+    """A round's record from the loop's ``outcome`` (:class:`~crispedit.editing.editor.EditOutcome`): its training
+    history, whether the optimizer state carried, each layer's kept fraction of directions, how many earlier edits
+    it rehearsed (with ``replay``), the predicted ``drift`` (:func:`_drift_record`) and the drift budget's account."""
     record: dict = {
         "train": outcome.history.to_json(),
         "optimizer_carried": outcome.optimizer_carried,
         "projector_kept": {n: v["kept_fraction"] for n, v in outcome.projector_stats.items()},
     }
     if config.replay:
-        record["replayed"] = len(rehearsed)
-    record.update(_drift_record(drift_modules, state.cap, base_weights, start, weights))
-    if budget is not None:
+        record["replayed"] = len(plan.rehearsed)
+    record.update(drift)
+    if plan.budget is not None:
         record["drift_budget"] = {
-            **budget,
+            **plan.budget,
             **(outcome.drift_budget or {}),
-            "remaining": ec.max_drift - (record["kl_predicted_round"] or 0.0),
+            "remaining": plan.edit.max_drift - (record["kl_predicted_round"] or 0.0),
         }
-    if config.uses_weighting:  # the rounds that merge edit factors into their constraint
-        t1 = time.perf_counter()
-        with prefixes_from(base_weights):  # the texts the round trained; their factors on the edited model
-            new.edits = accumulate(
-                state.edits,
-                round_edit_factors(
-                    model, tokenizer, requests, layers, ec, round_index, progress=progress, rows=config.edit_factors
-                ),
-            )
-        record["edit_factor_tokens"] = new.edits.n_tokens
-        record["edit_factor_seconds"] = round(time.perf_counter() - t1, 3)
-        if config.recompute_drift is not None:
-            _recompute_capability(new, state.cap_ref or base_weights, config.recompute_drift, capability, record)
-    # a round resumed from its loop checkpoint also counts the killed run's training seconds
-    record["edit_seconds"] = round(time.perf_counter() - t0 + outcome.history.extra.get("resumed_seconds", 0.0), 3)
-    return new, record
+    return record
 
 
 def _drift_record(
