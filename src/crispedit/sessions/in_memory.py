@@ -112,21 +112,38 @@ class SeqResult:
         return [r["edit_seconds"] for r in self.rounds]
 
 
-def _resumed(
-    model: nn.Module, path: Path, identity: str, base: dict[str, Tensor]
-) -> tuple[SeqState, list[dict], float] | None:
-    """:func:`load_sequence_checkpoint` checked against the sequence's parameters ``base``, its weights put into
-    ``model``; ``None`` without a file."""
-    stored = load_sequence_checkpoint(path, identity)
-    if stored is not None:
-        state = stored[0]
-        if set(state.weights) != set(base) or any(state.weights[n].shape != t.shape for n, t in base.items()):
-            raise CrispEditError(
-                f"{SEQ_CHECKPOINT_KIND} file {path} is incomplete or corrupt (its weights are "
-                "not this sequence's parameters)"
-            )
-        restore(model, state.weights)
-    return stored
+class _Progress:
+    """Where a sequence keeps its progress: the sequence checkpoint ``path`` (:func:`save_sequence_checkpoint`) for
+    the run with ``identity``, and beside it the round in progress's loop checkpoint
+    (``<stem>.round.safetensors``). ``path=None``: nothing is kept (every method does nothing)."""
+
+    def __init__(self, path: str | Path | None, config: SeqConfig, chunk: int, requests, base: dict[str, Tensor]):
+        self.path = None if path is None else Path(path)
+        self.round = None
+        self.identity = ""
+        if self.path is not None:
+            self.round = self.path.with_name(self.path.name.removesuffix(".safetensors") + ".round.safetensors")
+            self.identity = run_identity({"sequence": config.to_json(), "chunk": chunk}, requests, base)
+
+    def resume(self, model: nn.Module, base: dict[str, Tensor]) -> tuple[SeqState, list[dict], float] | None:
+        """The stored ``(state, records, seconds)``, checked against the sequence's parameters ``base``, with the
+        state's weights put into ``model``; ``None`` without a file."""
+        stored = None if self.path is None else load_sequence_checkpoint(self.path, self.identity)
+        if stored is not None:
+            state = stored[0]
+            if set(state.weights) != set(base) or any(state.weights[n].shape != t.shape for n, t in base.items()):
+                raise CrispEditError(
+                    f"{SEQ_CHECKPOINT_KIND} file {self.path} is incomplete or corrupt (its weights are "
+                    "not this sequence's parameters)"
+                )
+            restore(model, state.weights)
+        return stored
+
+    def save(self, state: SeqState, records: Sequence[dict], seconds: float) -> None:
+        """Keep the finished rounds (the round in progress's loop checkpoint is then spent)."""
+        if self.path is not None:
+            save_sequence_checkpoint(self.path, self.identity, state, records, seconds)
+            self.round.unlink(missing_ok=True)
 
 
 def run_sequence(
@@ -190,15 +207,8 @@ def run_sequence(
     )
     original = snapshot(changed)
     base = {n: p.detach().cpu().clone() for n, p in changed.items()}
-    state = SeqState(weights=dict(base), cap=factors)
-    records: list[dict] = []
-    earlier = 0.0
-    ck = identity = round_ck = None
-    if checkpoint is not None:
-        ck = Path(checkpoint)
-        round_ck = ck.with_name(ck.name.removesuffix(".safetensors") + ".round.safetensors")
-        identity = run_identity({"sequence": config.to_json(), "chunk": chunk}, requests, base)
-        state, records, earlier = _resumed(model, ck, identity, base) or (state, records, earlier)
+    kept = _Progress(checkpoint, config, chunk, requests, base)
+    state, records, earlier = kept.resume(model, base) or (SeqState(weights=dict(base), cap=factors), [], 0.0)
 
     def capability() -> KFACFactors:  # recompute_drift: recollect on the current (edited) model
         """Capability curvature factors collected afresh on the model's current (edited) weights."""
@@ -225,16 +235,14 @@ def run_sequence(
             capability=capability,
             progress=progress,
             drift_spent=drift_spent(records),
-            checkpoint=round_ck,
+            checkpoint=kept.round,
         )
         rec.update(round=k, n_edits=len(part))
         earlier += float(rec["train"].get("resumed_seconds", 0.0))  # the killed run's part of this round
         if after_round is not None:
             rec["after_round"] = after_round(model, k)
         records.append(rec)
-        if ck is not None:
-            save_sequence_checkpoint(ck, identity, state, records, earlier + time.perf_counter() - t0)
-            round_ck.unlink(missing_ok=True)
+        kept.save(state, records, earlier + time.perf_counter() - t0)
         if on_round is not None:
             on_round(rec, n_rounds)
     return SeqResult(
