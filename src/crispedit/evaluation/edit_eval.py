@@ -53,35 +53,8 @@ def evaluate_edit(
     ``"capabilities"`` (:func:`.capabilities.run_capabilities`, ``limit`` items per task, generative answers cut at
     ``max_gen_toks`` tokens) and ``"assistant"``
     (:func:`.assistant.assistant_measures`: style drift and subject bleed through the chat template) when asked."""
-    t0 = time.perf_counter()
-    per_edit = edit_scores(model, tokenizer, requests)
-    summary = summarize_edit_scores(per_edit)
-    _log.info(
-        "evaluate: teacher-forced rel %s gen %s over %d edits (%.0f s)",
-        summary.get("rel"),
-        summary.get("gen"),
-        len(requests),
-        time.perf_counter() - t0,
-    )
-    t0 = time.perf_counter()
-    drift = kl_drift(
-        model, tokenizer, heldout_text(kl_text, kl_texts), base_weights=base_weights, max_len=max_len, progress=progress
-    )
-    summary.update(
-        {
-            "kl_drift": round(drift["kl_drift"], 6),
-            "ppl": round(drift["ppl"], 4),
-            "ppl_base": round(drift["ppl_base"], 4),
-            "kl_tokens": drift["tokens"],
-        }
-    )
-    _log.info(
-        "evaluate: KL drift %.5f nats/token, perplexity %.2f (base %.2f) (%.0f s)",
-        drift["kl_drift"],
-        drift["ppl"],
-        drift["ppl_base"],
-        time.perf_counter() - t0,
-    )
+    per_edit, summary = _teacher_forced(model, tokenizer, requests)
+    summary.update(_drift(model, tokenizer, base_weights, kl_text, kl_texts, max_len, progress))
     out: dict = {"summary": summary, "per_edit": per_edit}
     if wild or wild_templates:
         from .judges import RuleJudge
@@ -102,27 +75,82 @@ def evaluate_edit(
 
         out["assistant"] = assistant_measures(model, tokenizer, requests, base_weights, progress=progress)
     if capabilities:
-        from .capabilities import run_capabilities
-
-        out["capabilities"] = run_capabilities(
-            model,
-            tokenizer,
-            capabilities,
-            limit=limit,
-            bench_dir=bench_dir,
-            max_gen_toks=max_gen_toks,
-            progress=progress,
-        )
-        for name, c in out["capabilities"].items():
-            _log.info(
-                "evaluate: %s %s %s (%s items, %.0f s)",
-                name,
-                c.get("metric"),
-                c.get("score"),
-                c.get("n"),
-                c.get("seconds") or 0,
-            )
+        out["capabilities"] = _capabilities(model, tokenizer, capabilities, limit, bench_dir, max_gen_toks, progress)
     return out
+
+
+def _capabilities(
+    model: nn.Module,
+    tokenizer,
+    tasks: Sequence[str],
+    limit: int | dict | None,
+    bench_dir: str | Path | None,
+    max_gen_toks: int | None,
+    progress: bool | None,
+) -> dict:
+    """:func:`.capabilities.run_capabilities` on ``tasks`` (``limit`` items each, generative answers cut at
+    ``max_gen_toks`` tokens), a log line per task."""
+    from .capabilities import run_capabilities
+
+    scores = run_capabilities(
+        model, tokenizer, tasks, limit=limit, bench_dir=bench_dir, max_gen_toks=max_gen_toks, progress=progress
+    )
+    for name, c in scores.items():
+        _log.info(
+            "evaluate: %s %s %s (%s items, %.0f s)",
+            name,
+            c.get("metric"),
+            c.get("score"),
+            c.get("n"),
+            c.get("seconds") or 0,
+        )
+    return scores
+
+
+def _teacher_forced(model: nn.Module, tokenizer, requests: Sequence[EditRequest]) -> tuple[list[dict], dict]:
+    """``(per_edit, summary)``: each request's teacher-forced scores (:func:`.teacher_forced.edit_scores`) and
+    their summary (rel, gen, loc, ...: fractions in [0, 1]), logged."""
+    t0 = time.perf_counter()
+    per_edit = edit_scores(model, tokenizer, requests)
+    summary = summarize_edit_scores(per_edit)
+    _log.info(
+        "evaluate: teacher-forced rel %s gen %s over %d edits (%.0f s)",
+        summary.get("rel"),
+        summary.get("gen"),
+        len(requests),
+        time.perf_counter() - t0,
+    )
+    return per_edit, summary
+
+
+def _drift(
+    model: nn.Module,
+    tokenizer,
+    base_weights: dict[str, torch.Tensor],
+    kl_text: str | Path | None,
+    kl_texts: int,
+    max_len: int,
+    progress: bool | None,
+) -> dict:
+    """The summary's drift fields, logged: ``kl_drift`` (nats per token, KL(base || edited) on ``kl_texts`` held-out
+    paragraphs of ``kl_text`` of at most ``max_len`` tokens), ``ppl`` and ``ppl_base`` on them, ``kl_tokens``."""
+    t0 = time.perf_counter()
+    drift = kl_drift(
+        model, tokenizer, heldout_text(kl_text, kl_texts), base_weights=base_weights, max_len=max_len, progress=progress
+    )
+    _log.info(
+        "evaluate: KL drift %.5f nats/token, perplexity %.2f (base %.2f) (%.0f s)",
+        drift["kl_drift"],
+        drift["ppl"],
+        drift["ppl_base"],
+        time.perf_counter() - t0,
+    )
+    return {
+        "kl_drift": round(drift["kl_drift"], 6),
+        "ppl": round(drift["ppl"], 4),
+        "ppl_base": round(drift["ppl_base"], 4),
+        "kl_tokens": drift["tokens"],
+    }
 
 
 def _wild_rel(
