@@ -280,6 +280,66 @@ def _lora_factors(d: Tensor, rank: int) -> tuple[Tensor, Tensor, dict]:
     )
 
 
+def _linear_changes(model: nn.Module, names: Sequence[str], tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``{module name: ΔW}`` of a delta's changed parameters ``names`` (``tensors``: name -> change), each the
+    weight of an ``nn.Linear`` of ``model``; one-line error for any other parameter (a LoRA adapter wraps linear
+    layers)."""
+    changes = {}
+    for name in names:
+        mod_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(mod_name) if mod_name else model
+        if leaf != "weight" or not isinstance(module, nn.Linear):
+            raise CrispEditError(
+                f"export-lora handles nn.Linear weights only; {name} is a {type(module).__name__} {leaf}"
+            )
+        changes[mod_name] = tensors[name]
+    return changes
+
+
+def _scored_with_delta(model: nn.Module, tokenizer, path: str | Path, meta: dict) -> tuple[list, dict]:
+    """``(requests, scores)``: the edit requests stored in delta ``path`` (metadata ``meta``) and their
+    teacher-forced summary with the whole delta applied to ``model`` (reverted after)."""
+    from .data.edits import parse_edits
+    from .evaluation import edit_scores, summarize_edit_scores
+
+    requests = parse_edits(meta.get("requests") or [], f"delta {path}")
+    if not requests or tokenizer is None:
+        raise CrispEditError(
+            f"delta {path} holds no edit requests to evaluate"
+            if not requests
+            else "evaluating an adapter needs the tokenizer"
+        )
+    apply_delta(model, path)
+    scores = summarize_edit_scores(edit_scores(model, tokenizer, requests))
+    revert_delta(model, path)
+    return requests, scores
+
+
+def _lora_model(model: nn.Module, factors: dict[str, tuple[Tensor, Tensor]], rank: int, base_name: str | None):
+    """``model`` wrapped by peft with a rank-``rank`` LoRA adapter (``lora_alpha = rank``: the merged weight is
+    ``W + B A``) on the modules of ``factors`` (module name -> ``(A, B)``), whose matrices it holds."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=rank,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=sorted(factors),
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_name,
+    )
+    with warnings.catch_warnings():  # transformers' deprecation notices from inside peft are not the user's concern
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for mod_name, (A, B) in factors.items():
+            layer = peft_model.base_model.model.get_submodule(mod_name)
+            layer.lora_A["default"].weight.copy_(A.to(layer.lora_A["default"].weight.dtype))
+            layer.lora_B["default"].weight.copy_(B.to(layer.lora_B["default"].weight.dtype))
+    return peft_model
+
+
 def export_lora(
     model: nn.Module,
     path: str | Path,
@@ -302,57 +362,21 @@ def export_lora(
     token accuracies) with the full delta and with the adapter, under the key ``"scores"`` (``{"delta": ...,
     "adapter": ...}``); everything is also written to ``out/crispedit_lora.json``."""
     rank = check_lora_rank("rank", rank, read_delta_header(path), path)
-    from peft import LoraConfig, get_peft_model
-
     tensors, meta = load_delta(path)
     _check_model(model, meta, "base_fingerprint", path)
-    modules: dict[str, tuple[nn.Module, Tensor]] = {}
-    for name in meta["parameters"]:
-        mod_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(mod_name) if mod_name else model
-        if leaf != "weight" or not isinstance(module, nn.Linear):
-            raise CrispEditError(
-                f"export-lora handles nn.Linear weights only; {name} is a {type(module).__name__} {leaf}"
-            )
-        modules[mod_name] = (module, tensors[name])
+    changes = _linear_changes(model, meta["parameters"], tensors)
     scores: dict = {}
     requests = []
     if evaluate:
-        from .data.edits import parse_edits
-        from .evaluation import edit_scores, summarize_edit_scores
-
-        requests = parse_edits(meta.get("requests") or [], f"delta {path}")
-        if not requests or tokenizer is None:
-            raise CrispEditError(
-                f"delta {path} holds no edit requests to evaluate"
-                if not requests
-                else "evaluating an adapter needs the tokenizer"
-            )
-        apply_delta(model, path)
-        scores["delta"] = summarize_edit_scores(edit_scores(model, tokenizer, requests))
-        revert_delta(model, path)
+        requests, scores["delta"] = _scored_with_delta(model, tokenizer, path, meta)
     factors, report = {}, {}
-    for mod_name, (_, d) in modules.items():
+    for mod_name, d in changes.items():
         A, B, report[mod_name] = _lora_factors(d, rank)
         factors[mod_name] = (A, B)
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=rank,
-        lora_dropout=0.0,
-        bias="none",
-        target_modules=sorted(modules),
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=base_name,
-    )
-    with warnings.catch_warnings():  # transformers' deprecation notices from inside peft are not the user's concern
-        warnings.simplefilter("ignore", FutureWarning)
-        peft_model = get_peft_model(model, config)
-    with torch.no_grad():
-        for mod_name, (A, B) in factors.items():
-            layer = peft_model.base_model.model.get_submodule(mod_name)
-            layer.lora_A["default"].weight.copy_(A.to(layer.lora_A["default"].weight.dtype))
-            layer.lora_B["default"].weight.copy_(B.to(layer.lora_B["default"].weight.dtype))
+    peft_model = _lora_model(model, factors, rank, base_name)
     if evaluate:
+        from .evaluation import edit_scores, summarize_edit_scores
+
         peft_model.eval()
         scores["adapter"] = summarize_edit_scores(edit_scores(peft_model, tokenizer, requests))
     with atomic_directory(out) as tmp, warnings.catch_warnings():
