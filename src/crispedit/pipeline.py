@@ -205,6 +205,26 @@ class EditJob:
                 restore(self.model, result.original_weights)
 
 
+def _write_delta(
+    folder: Path, model, result: EditResult, requests: Sequence[EditRequest], summary: dict, model_spec: str
+) -> dict:
+    """Write the edit ``result`` made to ``model`` as a reversible delta into ``folder``
+    (:func:`crispedit.delta.write_delta`, with the method, configuration, ``requests`` and ``summary``) and return
+    the report's ``delta`` section: the file, its bytes, the tensors it changes and the two fingerprints."""
+    from .delta import DELTA_FILE, delta_info, write_delta
+
+    config = result.config
+    info = delta_info(config.method, config.to_json(), requests, summary, model=model_spec, layers=result.layers)
+    meta = write_delta(folder / DELTA_FILE, model, result.original_weights, info)
+    return {
+        "file": DELTA_FILE,
+        "bytes": (folder / DELTA_FILE).stat().st_size,
+        "tensors": sorted(meta["parameters"]),
+        "base_fingerprint": meta["base_fingerprint"],
+        "edited_fingerprint": meta["edited_fingerprint"],
+    }
+
+
 def run_edit_job(
     model,
     tokenizer,
@@ -262,24 +282,14 @@ def run_edit_job(
         report["sharded"] = True
         weights = {} if delta_only else full_state_dict(model)
     if is_main():  # under torchrun every process holds the same edited weights; rank 0 writes them
-        from .delta import DELTA_FILE, delta_info, write_delta
+        from .delta import DELTA_FILE
         from .model_card import build_card, card_may_replace, revert_lines, write_card
 
         with atomic_directory(out, previous=previous) as tmp:
             # refuses non-finite weights
             files = [] if delta_only else save_model_dir(model, tokenizer, tmp, progress=progress, state_dict=weights)
-            info = delta_info(
-                config.method, config.to_json(), requests, report["summary"], model=model_spec, layers=result.layers
-            )
-            dmeta = write_delta(tmp / DELTA_FILE, model, result.original_weights, info)
-            report["delta"] = {
-                "file": DELTA_FILE,
-                "bytes": (tmp / DELTA_FILE).stat().st_size,
-                "tensors": sorted(dmeta["parameters"]),
-                "base_fingerprint": dmeta["base_fingerprint"],
-                "edited_fingerprint": dmeta["edited_fingerprint"],
-                "model_saved": not delta_only,
-            }
+            report["delta"] = _write_delta(tmp, model, result, requests, report["summary"], model_spec)
+            report["delta"]["model_saved"] = not delta_only
             if not delta_only and card_may_replace(out, previous):  # a model folder gets its model card
                 card = build_card(
                     report,
