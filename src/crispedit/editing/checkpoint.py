@@ -166,16 +166,10 @@ def load_checkpoint(
 
     from .optim import load_optimizer_state
 
-    path = Path(path)
-    if not path.exists():
+    stored_run = load_run_file(path, CHECKPOINT_KIND, _KEY, _FORMAT, identity)
+    if stored_run is None:
         return None
-    meta, tensors = load_safetensors(path, CHECKPOINT_KIND, _KEY)
-    check_written_by(meta, f"{CHECKPOINT_KIND} file {path}", _THEN, format=_FORMAT)
-    if meta.get("identity") != identity:
-        raise CrispEditError(
-            f"{CHECKPOINT_KIND} file {path} belongs to another run (other config, edits or starting "
-            "weights); delete it or give another path"
-        )
+    meta, tensors = stored_run
     trained = meta.get("epochs")
     if max_epochs is not None and isinstance(trained, int) and trained > max_epochs:
         raise CrispEditError(
