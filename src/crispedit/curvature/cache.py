@@ -195,6 +195,49 @@ def load_factors(
     return factors
 
 
+def _cached(path: Path, spec: CurvatureSpec, layers: dict[str, nn.Module]) -> KFACFactors | None:
+    """The factors the cache entry ``path`` holds for ``spec`` and ``layers``, or ``None``: no entry, one another
+    crispedit version wrote (logged) or a damaged one — all rebuilt by the caller (and replaced atomically)."""
+    if not path.is_file():
+        return None
+    try:
+        return load_factors(path, spec, shapes=layer_shapes(layers))
+    except VersionError as exc:
+        _log.warning("%s; rebuilding the entry", exc)
+    except CrispEditError:
+        pass
+    return None
+
+
+def _collect(
+    model: nn.Module,
+    tokenizer,
+    layers: dict[str, nn.Module],
+    texts: Sequence[str] | Callable[[], tuple[Sequence, Sequence[int] | None]],
+    spec: CurvatureSpec,
+    batch_size: int,
+    stat_dtype: torch.dtype,
+    progress: bool | None,
+) -> KFACFactors:
+    """Collect the factors ``spec`` names on ``texts`` (or what the function ``texts`` returns, see
+    :func:`get_or_build_factors`): K-FAC (:func:`~crispedit.curvature.kfac.collect_lm_kfac`) or, for
+    ``spec.kind == "input"``, the layers' input covariances only."""
+    loss_from = None
+    if callable(texts):
+        texts, loss_from = texts()
+    _log.info(
+        "capability curvature (%s): collecting over %d texts of <= %d tokens", spec.kind, len(texts), spec.max_len
+    )
+    common = dict(
+        max_len=spec.max_len, batch_size=batch_size, stat_dtype=stat_dtype, progress=progress, loss_from=loss_from
+    )
+    if spec.kind == "input":
+        return collect_lm_input_covariance(model, tokenizer, texts, layers, **common)
+    return collect_lm_kfac(
+        model, tokenizer, texts, layers, label_mode=LabelMode(spec.label_mode), seed=spec.seed, **common
+    )
+
+
 def get_or_build_factors(
     model: nn.Module,
     tokenizer,
@@ -221,14 +264,7 @@ def get_or_build_factors(
     it is rebuilt (and replaced), with a log line saying so."""
     path = Path(root) / "kfac" / f"{cache_key(spec)}.safetensors"
     t0 = time.perf_counter()
-    factors = None
-    if not force and path.is_file():
-        try:
-            factors = load_factors(path, spec, shapes=layer_shapes(layers))
-        except VersionError as exc:
-            _log.warning("%s; rebuilding the entry", exc)
-        except CrispEditError:
-            pass  # a damaged entry is rebuilt below (and replaced atomically)
+    factors = None if force else _cached(path, spec, layers)
     if all_agree(factors is not None):  # every process takes the same branch (collectives follow)
         _log.info("capability curvature: cached (%s)", path.name)
         return factors, {
@@ -237,38 +273,7 @@ def get_or_build_factors(
             "seconds": time.perf_counter() - t0,
             "spec": factors.meta.get("spec"),
         }
-    loss_from = None
-    if callable(texts):
-        texts, loss_from = texts()
-    _log.info(
-        "capability curvature (%s): collecting over %d texts of <= %d tokens", spec.kind, len(texts), spec.max_len
-    )
-    if spec.kind == "input":
-        factors = collect_lm_input_covariance(
-            model,
-            tokenizer,
-            texts,
-            layers,
-            max_len=spec.max_len,
-            batch_size=batch_size,
-            stat_dtype=stat_dtype,
-            progress=progress,
-            loss_from=loss_from,
-        )
-    else:
-        factors = collect_lm_kfac(
-            model,
-            tokenizer,
-            texts,
-            layers,
-            max_len=spec.max_len,
-            batch_size=batch_size,
-            label_mode=LabelMode(spec.label_mode),
-            seed=spec.seed,
-            stat_dtype=stat_dtype,
-            progress=progress,
-            loss_from=loss_from,
-        )
+    factors = _collect(model, tokenizer, layers, texts, spec, batch_size, stat_dtype, progress)
     seconds = time.perf_counter() - t0
     _log.info("capability curvature: collected in %.0f s", seconds)
     if is_main():
