@@ -282,14 +282,7 @@ def run_capabilities(
     names = parse_tasks(list(tasks))
     if not names:
         return {}
-    if lm_eval_version() is None:
-        raise CrispEditError("capability tasks need lm-evaluation-harness: pip install lm-eval")
-    root = resolve_bench_dir(bench_dir)
-    if root is not None:
-        for n in names:
-            required_files(n, root)  # fail before any model work, naming the missing file
-    if "ifeval" in names:
-        ensure_punkt_offline()
+    root = _ready(names, bench_dir)
     _quiet_lm_eval(logging.ERROR if progress is False else logging.WARNING)
     show = show_progress(progress)
     lm = harness_lm(model, tokenizer, batch_size, max_length, share_prefix, show)
@@ -331,12 +324,29 @@ def run_capabilities(
             "seconds": seconds,
         }
         if progress is not False:
-            se = "" if out[n]["stderr"] is None else f" ± {out[n]['stderr']:.4f}"
-            print(
-                f"  {n}: {spec.metric} = {out[n]['score']}{se} ({out[n]['n']} items, {out[n]['seconds']:.0f}s)",
-                flush=True,
-            )
+            _print_score(n, spec.metric, out[n])
     return out
+
+
+def _ready(names: Sequence[str], bench_dir: str | os.PathLike | None) -> Path | None:
+    """The local benchmark directory for ``bench_dir`` (``None``: the bundled files or the hub), after checking,
+    before any model work, that lm-eval is installed, that every task's files are there (one line naming the missing
+    file) and that IFEval's sentence splitter loads offline."""
+    if lm_eval_version() is None:
+        raise CrispEditError("capability tasks need lm-evaluation-harness: pip install lm-eval")
+    root = resolve_bench_dir(bench_dir)
+    if root is not None:
+        for n in names:
+            required_files(n, root)
+    if "ifeval" in names:
+        ensure_punkt_offline()
+    return root
+
+
+def _print_score(task: str, metric: str, record: dict) -> None:
+    """One terminal line for a finished task: its headline ``metric``'s score ± standard error, items, seconds."""
+    se = "" if record["stderr"] is None else f" ± {record['stderr']:.4f}"
+    print(f"  {task}: {metric} = {record['score']}{se} ({record['n']} items, {record['seconds']:.0f}s)", flush=True)
 
 
 def _task_manager(where: Path | None):
