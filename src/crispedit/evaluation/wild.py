@@ -210,6 +210,63 @@ def crosstalk(answers: Sequence[str], targets: Sequence[str], correct: Sequence[
     return round(hits / len(answers), 4)
 
 
+def _questions(requests: Sequence[EditRequest]) -> list[tuple[int, str, str, str]]:
+    """Every question the protocol asks, ``(edit index, kind, question, gold answer)`` with kind ``rel`` (the edit
+    prompt), ``gen`` (each rephrase) or ``loc`` (each locality prompt, gold: its recorded answer), edit by edit."""
+    kinds: list[tuple[int, str, str, str]] = []
+    for i, r in enumerate(requests):
+        kinds.append((i, "rel", r.prompt, r.target))
+        kinds += [(i, "gen", p, r.target) for p in r.rephrase_prompts]
+        kinds += [(i, "loc", p, a) for p, a in r.locality]
+    return kinds
+
+
+def _records(
+    requests: Sequence[EditRequest],
+    kinds: Sequence[tuple[int, str, str, str]],
+    answers: Sequence[str],
+    grades: Sequence,
+    base_answers: dict[int, str],
+) -> list[dict]:
+    """One record per edit of the questions ``kinds`` (:func:`_questions`) with the model's ``answers`` and the
+    judge's ``grades``: ``rel`` (a row), ``gen`` and ``loc`` (lists of rows); a locality row also holds the base
+    model's answer and whether the two agree when ``base_answers`` (question index -> answer) has it."""
+    records = [
+        {"id": r.id, "prompt": r.prompt, "target": r.target, "rel": None, "gen": [], "loc": []} for r in requests
+    ]
+    for k, ((i, kind, q, gold), ans, jd) in enumerate(zip(kinds, answers, grades)):
+        row = {"question": q, "gold": gold, "answer": ans, "correct": jd.correct, "reason": jd.reason}
+        if kind == "rel":
+            records[i]["rel"] = row
+        elif kind == "gen":
+            records[i]["gen"].append(row)
+        else:
+            if k in base_answers:
+                row["base_answer"] = base_answers[k]
+                row["agrees_with_base"] = normalize_answer(ans) == normalize_answer(base_answers[k])
+            records[i]["loc"].append(row)
+    return records
+
+
+def _scores(records: Sequence[dict], with_base: bool) -> dict:
+    """The protocol's scores over ``records`` (:func:`_records`), fractions in [0, 1]: ``rel``, ``gen`` (mean of
+    each edit's rephrase mean), ``loc_vs_answer``, ``loc_vs_base`` (``None`` unless ``with_base``) and ``cross``
+    (:func:`crosstalk`)."""
+    return {
+        "rel": _mean([rec["rel"]["correct"] for rec in records]),
+        "gen": _mean([_mean([g["correct"] for g in rec["gen"]]) for rec in records]),
+        "loc_vs_answer": _mean([_mean([x["correct"] for x in rec["loc"]]) for rec in records]),
+        "loc_vs_base": (
+            _mean([_mean([x["agrees_with_base"] for x in rec["loc"]]) for rec in records]) if with_base else None
+        ),
+        "cross": crosstalk(
+            [rec["rel"]["answer"] for rec in records],
+            [rec["target"] for rec in records],
+            [rec["rel"]["correct"] for rec in records],
+        ),
+    }
+
+
 def run_wild(
     model: nn.Module,
     tokenizer,
@@ -225,11 +282,7 @@ def run_wild(
     from .generation import generate_answers
 
     cfg = config or WildConfig()
-    kinds: list[tuple[int, str, str, str]] = []  # (edit index, kind, question, gold)
-    for i, r in enumerate(requests):
-        kinds.append((i, "rel", r.prompt, r.target))
-        kinds += [(i, "gen", p, r.target) for p in r.rephrase_prompts]
-        kinds += [(i, "loc", p, a) for p, a in r.locality]
+    kinds = _questions(requests)
     rendered = [render_prompt(tokenizer, q, cfg.context, cfg.template) for _, _, q, _ in kinds]
     gen_kw = dict(
         max_new_tokens=cfg.max_new_tokens,
@@ -255,32 +308,9 @@ def run_wild(
     grades = judge.grade_many([(q, g, a) for (_, _, q, g), a in zip(kinds, answers)], progress=progress)
     t_judge = time.perf_counter() - t0
 
-    records = [
-        {"id": r.id, "prompt": r.prompt, "target": r.target, "rel": None, "gen": [], "loc": []} for r in requests
-    ]
-    for k, ((i, kind, q, gold), ans, jd) in enumerate(zip(kinds, answers, grades)):
-        row = {"question": q, "gold": gold, "answer": ans, "correct": jd.correct, "reason": jd.reason}
-        if kind == "rel":
-            records[i]["rel"] = row
-        elif kind == "gen":
-            records[i]["gen"].append(row)
-        else:
-            if k in base_answers:
-                row["base_answer"] = base_answers[k]
-                row["agrees_with_base"] = normalize_answer(ans) == normalize_answer(base_answers[k])
-            records[i]["loc"].append(row)
+    records = _records(requests, kinds, answers, grades, base_answers)
     summary = {
-        "rel": _mean([rec["rel"]["correct"] for rec in records]),
-        "gen": _mean([_mean([g["correct"] for g in rec["gen"]]) for rec in records]),
-        "loc_vs_answer": _mean([_mean([x["correct"] for x in rec["loc"]]) for rec in records]),
-        "loc_vs_base": (
-            _mean([_mean([x["agrees_with_base"] for x in rec["loc"]]) for rec in records]) if base is not None else None
-        ),
-        "cross": crosstalk(
-            [rec["rel"]["answer"] for rec in records],
-            [rec["target"] for rec in records],
-            [rec["rel"]["correct"] for rec in records],
-        ),
+        **_scores(records, with_base=base is not None),
         "n_edits": len(requests),
         "n_generations": len(answers) + len(base_answers),
     }
