@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from ..models import cache_dir
 from ..weights import parameter, weight_fingerprint
 from .config import EditConfig
 from .contexts import resolve_contexts
-from .editor import EditContext
+from .editor import EditContext, Editor
 from .history import TrainHistory
 from .phases import CurvatureConfig
 from .registry import get_editor
@@ -36,6 +37,8 @@ __all__ = [
     "capability_sequences",
     "curvature_spec",
     "edit_factors",
+    "prepare",
+    "Prepared",
     "CHAT_ANSWER_TOKENS",
 ]
 
@@ -220,6 +223,39 @@ def edit_factors(
     return factors, info
 
 
+class Prepared(NamedTuple):
+    """What an edit needs before it trains (:func:`prepare`): the ``config`` that runs (validated, its learning rate
+    set for the model's family), the ``editor``, its edit ``layers`` (module name -> module), the parameters it
+    ``changed`` (full name -> parameter), the capability ``factors`` (or ``None``) and their fetch ``info``."""
+
+    config: EditConfig
+    editor: Editor
+    layers: dict[str, nn.Module]
+    changed: dict[str, nn.Parameter]
+    factors: KFACFactors | None
+    info: dict
+
+
+def prepare(
+    model: nn.Module, tokenizer, requests: Sequence[EditRequest], config: EditConfig, **factor_options
+) -> Prepared:
+    """Everything an edit of ``model`` with ``requests`` settles before it trains, the batch edit's and a sequence's
+    alike: the config for the model's family, the editor (which checks the requests: e.g. the closed-form editors'
+    subjects), the contexts (one this model cannot take fails here, before any work), the edit layers, the changed
+    parameters and the capability statistics (:func:`edit_factors` with ``factor_options``). One-line error for no
+    requests."""
+    config = config.validate().for_family(model_family(model))
+    if not requests:
+        raise CrispEditError("no edit requests given")
+    editor = get_editor(config.method)
+    editor.check_requests(requests)
+    resolve_contexts(config.contexts, tokenizer)
+    layers = editor.select_layers(model, config)
+    changed = editor.changes(model, layers, config)
+    factors, info = edit_factors(model, tokenizer, editor, layers, config, **factor_options)
+    return Prepared(config, editor, layers, changed, factors, info)
+
+
 def edit(
     model: nn.Module,
     tokenizer,
@@ -249,21 +285,11 @@ def edit(
     ``fingerprint``: the model's :func:`~crispedit.models.weight_fingerprint` when the caller has it (a model split
     across processes cannot be hashed whole: it is taken before the split).
     """
-    config = (config or EditConfig()).validate().for_family(model_family(model))
-    if not requests:
-        raise CrispEditError("no edit requests given")
-    editor = get_editor(config.method)
-    editor.check_requests(requests)  # e.g. the closed-form editors' subjects, before any collection
-    resolve_contexts(config.contexts, tokenizer)  # a context this model cannot take fails before any work
-    layers = editor.select_layers(model, config)
-    changed = editor.changes(model, layers, config)
-    inputs = editor.input_digests(model, config)  # of the unedited model: MEND's default file is keyed by its weights
-    factors, info = edit_factors(
+    config, editor, layers, changed, factors, info = prepare(
         model,
         tokenizer,
-        editor,
-        layers,
-        config,
+        requests,
+        config or EditConfig(),
         factors=factors,
         cache_root=cache_root,
         cache_file=cache_file,
@@ -271,6 +297,7 @@ def edit(
         predict_drift=predict_drift,
         fingerprint=fingerprint,
     )
+    inputs = editor.input_digests(model, config)  # of the unedited model: MEND's default file is keyed by its weights
     cache_seconds = info.get("seconds", 0.0)
     original = snapshot(changed)
     drift_modules = editor.drift_modules(model, layers, config)  # before apply: LoRA wraps them while it trains

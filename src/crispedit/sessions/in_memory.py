@@ -21,10 +21,7 @@ from ..curvature.predicted import predicted_kl
 from ..data.edits import EditRequest
 from ..editing.api import restore
 from ..editing.checkpoint import load_run_file, run_identity
-from ..editing.contexts import resolve_contexts
-from ..editing.registry import get_editor
 from ..errors import CrispEditError
-from ..layers import model_family
 from ..versions import stamped
 from .sequential import SeqConfig, SeqState, drift_spent, run_round
 
@@ -178,27 +175,18 @@ def run_sequence(
     checkpoints beside it, ``<stem>.round.safetensors``), so the resumed sequence is the uninterrupted one.
     ``edit_seconds`` then counts the earlier runs' seconds too. The caller removes the file once it has kept the
     result."""
-    from ..editing.api import capability_factors, edit_factors, snapshot
+    from ..editing.api import capability_factors, prepare, snapshot
 
     config = config.validate()
     if config.mode != "sequential":
         raise CrispEditError(f"run_sequence runs sequential rounds; session mode {config.mode!r} is not supported")
     chunk = check_positive_int("edits per round (--seq-chunk)", chunk)
     requests = list(requests)
-    if not requests:
-        raise CrispEditError("no edit requests given")
-    ec = config.edit.for_family(model_family(model))
-    editor = get_editor(ec.method)
-    editor.check_requests(requests)
-    resolve_contexts(ec.contexts, tokenizer)
-    layers = editor.select_layers(model, ec)
-    changed = editor.changes(model, layers, ec)
-    factors, info = edit_factors(
+    ec, editor, layers, changed, factors, info = prepare(
         model,
         tokenizer,
-        editor,
-        layers,
-        ec,
+        requests,
+        config.edit,
         factors=factors,
         cache_root=cache_root,
         cache_file=cache_file,
