@@ -319,24 +319,21 @@ def cmd_report(args) -> int:
 def add_cli(subparsers) -> None:
     """Register ``crispedit eval`` and ``crispedit report`` on ``subparsers``."""
     from ..evaluation.wild import EVAL_WRAPPERS, HELD_OUT_WRAPPER  # torch-free: the --context choices
+    from .flags import add_edits_args, add_model_args
 
     p = subparsers.add_parser(
         "eval",
         help="evaluate a model: WILD / teacher-forced edit metrics, lm-eval capabilities, KL drift vs a base model",
     )
+    add_model_args(p)
+    add_edits_args(p, required=False)
     p.add_argument(
-        "--model",
-        default="smollm2",
-        help="model to evaluate: smollm2 (default), a .gguf file, an HF "
-        "model dir (e.g. the --out of `crispedit edit`) or a hub id",
+        "--protocol",
+        choices=PROTOCOLS,
+        default="wild",
+        help="wild: free generation, judged (default); teacher-forced: every target token the model's argmax "
+        "after the prompt",
     )
-    p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
-    p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
-    p.add_argument("--edits", default=None, help="edit file (ZsRE, CounterFact, WikiBigEdit, crispedit JSON/JSONL)")
-    p.add_argument("--n-edits", type=int, default=None, help="use only the first N edits")
-    p.add_argument("--offset", type=int, default=0, help="skip the first K edits")
-    p.add_argument("--protocol", choices=PROTOCOLS, default="wild")
     p.add_argument(
         "--context",
         choices=tuple(EVAL_WRAPPERS),

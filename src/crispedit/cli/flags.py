@@ -102,7 +102,11 @@ def settings_from_args(args: argparse.Namespace, cls: type[Settings]) -> dict:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """``--model --dtype --device --trust-remote-code``."""
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file, an HF model dir or a hub id")
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 (default), a .gguf file, an HF model dir (e.g. the --out of `crispedit edit`) or a hub id",
+    )
     p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
@@ -129,9 +133,11 @@ def check_shard_launch(args) -> None:
         )
 
 
-def add_edits_args(p: argparse.ArgumentParser, *, n_required: bool = False) -> None:
-    """``--edits FILE --n-edits N --offset K`` (the edit requests a command reads)."""
-    p.add_argument("--edits", required=True, help="edit file: ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL")
+def add_edits_args(p: argparse.ArgumentParser, *, n_required: bool = False, required: bool = True) -> None:
+    """``--edits FILE --n-edits N --offset K`` (the edit requests a command reads; ``required``: ``--edits`` too)."""
+    p.add_argument(
+        "--edits", required=required, help="edit file: ZsRE, CounterFact/WikiBigEdit or crispedit JSON/JSONL"
+    )
     p.add_argument(
         "--n-edits",
         type=int,
