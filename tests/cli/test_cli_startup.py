@@ -88,6 +88,26 @@ def test_every_command_is_covered():
     } <= set(COMMANDS)
 
 
+def _parser_of(command: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The parser of one command path of :func:`build_parser`."""
+    parser = build_parser()
+    for name in command:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "crispedit")
+def test_every_flag_and_argument_says_what_it_is(command):
+    """``--help`` explains every option and positional argument of every command: none is listed bare."""
+    bare = [
+        a.option_strings[0] if a.option_strings else a.dest
+        for a in _parser_of(command)._actions
+        if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help
+    ]
+    assert bare == [], f"{' '.join(command)}: no help for {bare}"
+
+
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "crispedit")
 def test_help_imports_neither_torch_nor_transformers(command, tmp_path):
     rc, heavy, out, err = run_cli([*command, "--help"], tmp_path)

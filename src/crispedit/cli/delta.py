@@ -206,7 +206,7 @@ def add_cli(sub) -> None:
     ds = p.add_subparsers(dest="delta_command", required=True)
 
     i = ds.add_parser("info", help="what a delta file holds")
-    i.add_argument("delta")
+    i.add_argument("delta", help="a delta file (delta.safetensors)")
     i.add_argument("--json", action="store_true", help="print all of its metadata as JSON")
     i.set_defaults(func=cmd_info)
 
@@ -215,7 +215,7 @@ def add_cli(sub) -> None:
         ("revert", cmd_revert, "EDITED", "write the edited model with the edit taken out (bit-exact)"),
     ):
         a = ds.add_parser(name, help=helptext)
-        a.add_argument("delta")
+        a.add_argument("delta", help="a delta file (delta.safetensors)")
         a.add_argument(
             "--model",
             required=True,
@@ -223,12 +223,14 @@ def add_cli(sub) -> None:
             help=f"the {'base' if name == 'apply' else 'edited'} model (checked by fingerprint)",
         )
         a.add_argument("--out", required=True, help="output model directory; must be new or empty")
-        a.add_argument("--trust-remote-code", action="store_true")
-        a.add_argument("--quiet", action="store_true")
+        a.add_argument(
+            "--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)"
+        )
+        a.add_argument("--quiet", action="store_true", help="no progress bars")
         a.set_defaults(func=func)
 
     e = ds.add_parser("export-lora", help="write the delta as a peft LoRA adapter (truncated SVD of each ΔW)")
-    e.add_argument("delta")
+    e.add_argument("delta", help="a delta file (delta.safetensors)")
     e.add_argument("--model", required=True, metavar="BASE", help="the base model (checked by fingerprint)")
     e.add_argument(
         "--rank",
@@ -243,6 +245,6 @@ def add_cli(sub) -> None:
         help="also score the delta's own edit requests (teacher-forced rel/gen) with the full delta and "
         "with the adapter",
     )
-    e.add_argument("--trust-remote-code", action="store_true")
-    e.add_argument("--quiet", action="store_true")
+    e.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_export_lora)

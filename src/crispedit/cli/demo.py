@@ -26,10 +26,15 @@ def add_cli(sub) -> None:
     from ..editing.config import PRECISIONS  # torch-free
 
     d = sub.add_parser("demo", help="edit bundled ZsRE facts into SmolLM2 with crispedit and ft; show before/after")
-    d.add_argument("--model", default="smollm2")
-    d.add_argument("--n-edits", type=int, default=6)
-    d.add_argument("--epochs", type=int, default=100)
-    d.add_argument("--gamma", type=float, default=0.8)
+    d.add_argument("--model", default="smollm2", help="the model to edit (default smollm2, the embedded one)")
+    d.add_argument("--n-edits", type=int, default=6, help="bundled ZsRE facts to edit in (default 6)")
+    d.add_argument("--epochs", type=int, default=100, help="cap on training epochs of each method (default 100)")
+    d.add_argument(
+        "--gamma",
+        type=float,
+        default=0.8,
+        help="crispedit's energy threshold in (0, 1) (default 0.8)",
+    )
     d.add_argument("--n-cap", type=int, default=16, help="capability texts for the curvature")
     d.add_argument("--show", type=int, default=6, help="rows in the before/after table")
     d.add_argument(

@@ -77,7 +77,7 @@ def add_cli(subparsers) -> None:
     )
     p.add_argument("--out", default=None, help=f"output directory (default {MnistStudyConfig.out_dir})")
     p.add_argument("--quick", action="store_true", help="CI-sized run: tiny network, subsets, two gammas")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the networks, subsets and batches (default 0)")
     p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument(
         "--k-values",
@@ -88,7 +88,12 @@ def add_cli(subparsers) -> None:
     )
     p.add_argument("--curvature-samples", type=int, default=None, help="MNIST training examples for every curvature")
     p.add_argument("--finetune-steps", type=int, default=None, help="projected SGD steps on Fashion-MNIST")
-    p.add_argument("--pretrain-epochs", type=int, default=None)
+    p.add_argument(
+        "--pretrain-epochs",
+        type=int,
+        default=None,
+        help=f"epochs of MNIST pre-training (default {MnistStudyConfig.pretrain_epochs})",
+    )
     p.add_argument(
         "--max-recomputes",
         type=int,

@@ -213,34 +213,34 @@ def add_cli(sub) -> None:
     add_max_drift_arg(i, session=True)
     add_settings_args(i, SeqConfig, ["kl_text", "kl_texts", "check_earlier"])
     i.add_argument("--cache", default=None, help="capability curvature cache file (checked against the model)")
-    i.add_argument("--quiet", action="store_true")
+    i.add_argument("--quiet", action="store_true", help="no progress bars")
     i.set_defaults(func=cmd_init)
 
     a = ss.add_parser("add", help="apply one round of edits to a session")
-    a.add_argument("dir")
+    a.add_argument("dir", help="the session directory (`crispedit session init --out`)")
     add_edits_args(a)
     a.add_argument("--model", default=None, help="base model location if it moved (fingerprint is checked)")
-    a.add_argument("--device", default=None)
+    a.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
     add_shard_arg(a)
-    a.add_argument("--quiet", action="store_true")
+    a.add_argument("--quiet", action="store_true", help="no progress bars")
     a.set_defaults(func=cmd_add, torchrun=True)  # may run under torchrun
 
     s = ss.add_parser("status", help="rounds, edit counts, per-round metrics and retention")
-    s.add_argument("dir")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("dir", help="the session directory")
+    s.add_argument("--json", action="store_true", help="print the status as JSON")
     s.add_argument("--plot", default=None, help="also write the retention plot (PNG) here")
     s.set_defaults(func=cmd_status)
 
     e = ss.add_parser("export", help="write the edited model as a loadable model directory")
-    e.add_argument("dir")
+    e.add_argument("dir", help="the session directory")
     e.add_argument("--out", required=True, help="output directory; must be new or empty")
     e.add_argument(
         "--overwrite",
         action="store_true",
         help="--out may hold an earlier export: replace only the files it wrote, keep all others",
     )
-    e.add_argument("--model", default=None)
-    e.add_argument("--device", default=None)
+    e.add_argument("--model", default=None, help="base model location if it moved (fingerprint is checked)")
+    e.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
     e.add_argument(
         "--delta",
         action="store_true",
@@ -250,7 +250,7 @@ def add_cli(sub) -> None:
     e.set_defaults(func=cmd_export)
 
     pl = ss.add_parser("plot", help="retention-over-rounds figure for one or more sessions")
-    pl.add_argument("dirs", nargs="+")
-    pl.add_argument("--out", required=True)
+    pl.add_argument("dirs", nargs="+", help="session directories, one panel each")
+    pl.add_argument("--out", required=True, help="the figure file (PNG)")
     pl.add_argument("--labels", default=None, help="comma-separated panel titles")
     pl.set_defaults(func=cmd_plot)
