@@ -209,7 +209,7 @@ def flops_main(args) -> None:
 
 KINDS = ("ft/gradient", "crispedit/gradient", "crispedit/update")
 TINY_SMALL = dict(hidden=64, inter=128, heads=4, kv_heads=2, vocab=512, tok_vocab=512)
-OVERHEAD_GOAL = 0.05  # issue 13: projection overhead per fast-path step <= 5 % on CPU
+OVERHEAD_GOAL = 0.05  # the target: projection overhead per fast-path step <= 5 % on CPU
 
 
 def load_bench_model(args):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU marks of issue 37 in one script, for a session lent a GPU machine (the device tool runs it in the
+# The GPU scaling marks in one script, for a session lent a GPU machine (the device tool runs it in the
 # repository root; results land in $OUT). Random-init weights of the real shapes: timings only.
 #   bash benchmarks/gpu_scale.sh            # everything (at most 10 minutes: each case under a timeout)
 #   QUICK=1 bash benchmarks/gpu_scale.sh    # a smoke run (small shapes) to check the script itself

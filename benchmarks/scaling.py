@@ -1,4 +1,4 @@
-"""How each method's edits and drift grow with the number of edits, from stored runs (issue 41's scaling figure).
+"""How each method's edits and drift grow with the number of edits, from stored runs.
 
 Reads any mix of ``crispedit compare`` outputs (a ``compare.json`` or its directory) and
 ``benchmarks/edit_matrix.py`` outputs (their JSON), takes every edited row's WILD qa / chat reliability and

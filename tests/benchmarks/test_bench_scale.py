@@ -102,7 +102,7 @@ def test_synthetic_requests_are_deterministic(bench):
 
 @pytest.mark.slow
 def test_bench_scale_compiled_blocks(bench, capsys):
-    """The ``:compile`` entry (issue 37 e): the decoder blocks run under ``torch.compile`` (minutes on a CPU),
+    """The ``:compile`` entry: the decoder blocks run under ``torch.compile`` (minutes on a CPU),
     the first run's compile time is reported apart, the second run trains the same steps."""
     res = bench.main(
         [

@@ -1,5 +1,5 @@
 """Bad inputs and faults across every sub-command: each ends in exit != 0, no traceback, exactly one
-``crispedit: error:`` line naming the problem, and nothing written (issue 14's matrix).
+``crispedit: error:`` line naming the problem, and nothing written.
 
 One row per case. A row builds its inputs in ``tmp_path`` and returns the argv; the test snapshots
 ``tmp_path`` (every file's bytes; the private curvature cache excepted) before and after and requires it
@@ -639,7 +639,7 @@ CASES = [
         lambda t, m: ["export", "gguf", _model_variant(t, m, "nonfinite"), "--out", t / "x.gguf", "--quiet"],
         "holds non-finite weights",
     ),
-    # 8. a destination whose parent takes no new entry although its permission bits allow it (issue 38): tried
+    # 8. a destination whose parent takes no new entry although its permission bits allow it: tried
     # with a probe file before any work, for every sub-command that writes
     _virtual("edit-out-on-virtual-fs", lambda t, m: _edit(t, m, out=VIRTUAL / "out")),
     _virtual(

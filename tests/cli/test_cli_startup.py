@@ -1,4 +1,4 @@
-"""Start-up cost of a failing command (issue 14): ``--help`` of every sub-command, and commands that fail on
+"""Start-up cost of a failing command: ``--help`` of every sub-command, and commands that fail on
 their arguments, answer without importing torch or transformers (torch alone costs seconds to import).
 
 Each case runs ``crispedit.cli.main`` in a fresh interpreter and reports which heavy modules ended up in

@@ -1,4 +1,4 @@
-"""Multi-process K-FAC with ``torch.distributed`` (issue 13): ``torchrun --nproc-per-node 2`` on CPU (gloo) gives
+"""Multi-process K-FAC with ``torch.distributed``: ``torchrun --nproc-per-node 2`` on CPU (gloo) gives
 the one-process factors. Two ``torchrun --standalone`` launches (a free rendezvous port each, a timeout each) on
 the tiny random-weight llama: the library in float64 (to 1e-12, uneven shards and an idle process) and the
 ``cache build`` command end to end (the file only rank 0 writes equals a one-process build to fp32 round-off

@@ -1,4 +1,4 @@
-"""``crispedit export gguf`` (issue 40): a llama-family model directory as one GGUF file that transformers' own GGUF
+"""``crispedit export gguf``: a llama-family model directory as one GGUF file that transformers' own GGUF
 loader (``from_pretrained(dir, gguf_file=...)``) reads back as the same model — same config, same tokenizer, the
 same logits (f32: exactly; f16 / q8_0: within measured tolerances) and the same greedy answers to the edited facts.
 

@@ -1,4 +1,4 @@
-"""Model cards (issue 40): every folder crispedit saves a model to gets a ``README.md`` whose Hugging Face front
+"""Model cards: every folder crispedit saves a model to gets a ``README.md`` whose Hugging Face front
 matter parses (base_model, library_name, tags), with the method, the edits, the measured figures ("not measured"
 where the run has none) and an undo command that really runs."""
 
