@@ -1128,6 +1128,19 @@ def pilot_checks(row: dict) -> tuple[int, str]:
     return int(lands) + int(keeps), f"1 {mark(lands)}, 2 {mark(keeps)}"
 
 
+def pilot_choice(rows: dict[str, dict]) -> str | None:
+    """The setting the pilot rule picks among ``rows`` (setting name -> its ``crispedit-seq`` row), written before
+    the rows ran: the one meeting more of :func:`pilot_checks`; on a tie, the one with the higher mean all-edit
+    WILD reach over :data:`SEQ_WRAPPERS` (what the confirming stream is held to against batch); ``None`` for fewer
+    than two rows (nothing to choose between)."""
+    if len(rows) < 2:
+        return None
+    return max(
+        sorted(rows),
+        key=lambda n: (pilot_checks(rows[n])[0], sum(rows[n]["wild"][w]["rel"] for w in SEQ_WRAPPERS)),
+    )
+
+
 def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
     """One row per stored stream of rounds of the confirming stream's size under ``d`` (a compare JSON with a
     ``crispedit-seq`` row, named by its edit-factor setting): round 1's edits right after round 1 (what a batch edit
@@ -1159,6 +1172,11 @@ def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
             + f" | {_kept(recs[0]):.2f} → {_kept(recs[-1]):.2f} | {_drift(r['summary']['kl_drift'])} | "
             + f"{r['edit_seconds'] / 3600:.2f} | {pilot_checks(r)[1]} |"
         )
+    rows = {f.stem: _load(f)["results"]["crispedit-seq"] for f in files}
+    chosen = pilot_choice(rows)
+    if chosen is not None:
+        gamma = rows[chosen]["config"]["edit_gamma"]
+        lines += ["", f"The rule picks `{chosen}` (edit γ {gamma:g})."]
     return "\n".join(lines) + "\n"
 
 
@@ -1177,7 +1195,9 @@ all the room; a later round's edits on the final model say what it landed under 
 The rule the rows are read by was written before they ran: check 1, every later round's own edits read the QA
 wrapper on the final model within {PILOT_LANDS:g} of round 1's edits right after round 1; check 2, round 1's edits
 keep at least {PILOT_KEEPS:g} of their teacher-forced, QA-wrapper and chat reach after the last round. The setting
-that meets more of them becomes the session default.
+that meets more of them becomes the session default; on a tie, the one with the higher mean reach over all edits
+under the QA wrapper, chat and no wrapper (this tie-break was written while the second setting's stream ran, before
+its result).
 {_run_line(d)}
 
 {table}

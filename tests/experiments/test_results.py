@@ -140,6 +140,10 @@ def test_pilot_table_reads_each_round_on_the_final_model(tmp_path):
     line = make.seq_pilot_table(tmp_path).splitlines()[-1]
     assert "| 1.00 / 1.00 / 1.00 | 1.00 / 0.75 / 1.00 | 1.00 · 0.25 | 0.62 / 0.62 / 0.62 |" in line
     assert "| 0.70 → 0.30 | 0.0123 | 2.00 | 1 **not met**, 2 **not met** |" in line
+    assert "picks" not in make.seq_pilot_table(tmp_path)  # one setting: nothing chosen
+    other = dict(row, config={"edit_gamma": 0.8}, wild={**row["wild"], "qa": {**row["wild"]["qa"], "rel": 0.9}})
+    (tmp_path / "full80.json").write_text(json.dumps({"results": {"crispedit-seq": other}}))
+    assert make.seq_pilot_table(tmp_path).splitlines()[-1] == "The rule picks `full80` (edit γ 0.8)."
     assert make.seq_pilot_table(tmp_path / "none") == ""
 
 
@@ -158,6 +162,33 @@ def test_pilot_checks_read_the_rule_from_the_row():
     assert make.pilot_checks(row) == (1, "1 met, 2 **not met**")
     row["retention"][1]["wild"]["chat"] = 0.9
     assert make.pilot_checks(row) == (2, "1 met, 2 met")
+
+
+def _pilot_row(later_qa_right: int, chat_after: float, reach: float) -> dict:
+    """A two-round pilot row of 20 edits a round: round 2's edits ``later_qa_right`` of 20 right under the QA wrapper
+    on the final model, round 1's chat reach ``chat_after`` after the last round, ``reach`` under every wrapper."""
+    verdicts = [True] * 20 + [True] * later_qa_right + [False] * (20 - later_qa_right)
+    return {
+        "seq_chunk": 20,
+        "retention": [
+            {"tf_rel": 1.0, "wild": {"qa": 1.0, "chat": 1.0}},
+            {"tf_rel": 1.0, "wild": {"qa": 0.95, "chat": chat_after}},
+        ],
+        "wild": {w: {"rel": reach, "answers": [["x", v, [], []] for v in verdicts]} for w in ("qa", "chat", "none")},
+    }
+
+
+def test_pilot_choice_takes_more_checks_then_more_reach():
+    """The setting meeting more checks wins whatever its reach; between settings meeting as many, the higher mean
+    all-edit reach; one setting alone is no choice."""
+    both = _pilot_row(20, 1.0, 0.70)  # checks 1 and 2
+    one = _pilot_row(10, 1.0, 0.90)  # check 2 only (round 2 lands 0.5)
+    other = _pilot_row(20, 0.5, 0.80)  # check 1 only (round 1's chat falls to 0.5)
+    assert make.pilot_checks(both)[0] == 2 and make.pilot_checks(one)[0] == 1 and make.pilot_checks(other)[0] == 1
+    assert make.pilot_choice({"a": one, "b": both}) == "b"
+    assert make.pilot_choice({"a": one, "b": other}) == "a"
+    assert make.pilot_choice({"a": other, "b": one}) == "b"
+    assert make.pilot_choice({"a": both}) is None
 
 
 def test_landed_table_puts_what_each_round_landed_beside_what_the_final_model_holds():
