@@ -13,7 +13,8 @@ import pytest
 
 from conftest import REPO, load_script
 
-make = load_script("results/make.py", "results_make")
+make = load_script("results/make.py", "results_make")  # puts results/ on sys.path: its sections import
+from results_sections import demo_run, keep_term, seq_streams, speed  # noqa: E402
 
 
 def test_summary_page_and_readme_blocks_are_what_the_data_gives():
@@ -26,7 +27,7 @@ def test_readme_demo_block_is_the_stored_demo_output():
     readme = (REPO / "README.md").read_text()
     block = re.search(r"<!-- results:demo -->\n```\n(.*?)```\n<!-- /results:demo -->", readme, re.S)
     assert block, "README.md has no demo block"
-    assert block.group(1) == make.demo_table((REPO / "results" / "demo" / "demo.txt").read_text())
+    assert block.group(1) == demo_run.demo_table((REPO / "results" / "demo" / "demo.txt").read_text())
 
 
 def test_make_demo_runs_the_stored_command():
@@ -34,7 +35,7 @@ def test_make_demo_runs_the_stored_command():
     reruns), so the README's table is what ``make demo`` prints."""
     recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(), re.M)
     assert recipe and "results/demo/command.sh" in recipe.group(1)
-    assert make.demo_command()[:2] == ["crispedit", "demo"]
+    assert demo_run.demo_command()[:2] == ["crispedit", "demo"]
 
 
 def test_mask_timings_hides_seconds_only():
@@ -46,28 +47,28 @@ def test_mask_timings_hides_seconds_only():
         "ft        1.00/0.83 0.02503 20   155.3  bare,chat\n\n"
         "base perplexity 38.959 total 227s\n"
     )
-    masked = make.mask_timings(text)
+    masked = demo_run.mask_timings(text)
     for gone in ("83.4", "155.3", "227s", "123 s", "83 s"):
         assert gone not in masked
     for kept in ("1.00/1.00", "0.00227", "0.02503", "38.959", "25", "20", "bare,chat"):
         assert kept in masked
-    assert make.mask_timings(text.replace("83.4", "91.0").replace("227s", "301s")) == masked
+    assert demo_run.mask_timings(text.replace("83.4", "91.0").replace("227s", "301s")) == masked
     # another machine's seconds may have another number of digits: the masked column is the same
-    assert make.mask_timings(text.replace("  155.3", "   95.3").replace("   83.4", "  183.4")) == masked
+    assert demo_run.mask_timings(text.replace("  155.3", "   95.3").replace("   83.4", "  183.4")) == masked
 
 
 def test_compare_demo_tables_tolerates_last_digits_not_answers():
     """Continuous figures may differ in their last digits (another CPU's float32 kernels); rates, answers and
     epochs may not."""
     stored = "crispedit 1.00/1.00 0.00227 39.10 x1.02 25\nPerl | Perl\n"
-    assert make.compare_demo_tables(stored, stored.replace("0.00227", "0.00228").replace("39.10", "39.12")) == []
+    assert demo_run.compare_demo_tables(stored, stored.replace("0.00227", "0.00228").replace("39.10", "39.12")) == []
     for changed in (
         stored.replace("1.00/1.00", "1.00/0.83"),
         stored.replace("0.00227", "0.00300"),
         stored.replace(" 25", " 26"),
         stored.replace("Perl | Perl", "Perl | C"),
     ):
-        assert make.compare_demo_tables(stored, changed)
+        assert demo_run.compare_demo_tables(stored, changed)
 
 
 def test_compare_demo_tables_lets_one_near_tie_answer_flip_not_two():
@@ -77,11 +78,11 @@ def test_compare_demo_tables_lets_one_near_tie_answer_flip_not_two():
     row = "crispedit    1.00/0.67   1.00/0.33   1.00/0.50   1.000   0.00242\n"
     stored = table + "\n" + row
     one = stored.replace("1.00/0.33", "1.00/0.50")
-    assert make.compare_demo_tables(stored, one) == []
-    assert make.compare_demo_tables(stored, one.replace("1.00/0.67", "1.00/0.83"))
-    assert make.compare_demo_tables(stored, stored.replace("1.00/0.33", "1.00/0.67"))
-    assert make.compare_demo_tables(row, row.replace("1.00/0.33", "1.00/0.50"))
-    assert make.compare_demo_tables(stored, stored.replace("| t0\n", "| u0\n"))
+    assert demo_run.compare_demo_tables(stored, one) == []
+    assert demo_run.compare_demo_tables(stored, one.replace("1.00/0.67", "1.00/0.83"))
+    assert demo_run.compare_demo_tables(stored, stored.replace("1.00/0.33", "1.00/0.67"))
+    assert demo_run.compare_demo_tables(row, row.replace("1.00/0.33", "1.00/0.50"))
+    assert demo_run.compare_demo_tables(stored, stored.replace("| t0\n", "| u0\n"))
 
 
 @pytest.mark.slow
@@ -89,15 +90,15 @@ def test_compare_demo_tables_lets_one_near_tie_answer_flip_not_two():
 def test_demo_prints_the_stored_table(tmp_path):
     """``make demo``'s command prints the table stored in results/demo/demo.txt (and so in the README), timings
     aside. On a change to what the demo prints, rerun it: ``python results/make.py --demo``."""
-    cmd = make.demo_command()
+    cmd = demo_run.demo_command()
     assert cmd[0] == "crispedit"
     env = dict(os.environ)
     proc = subprocess.run(
         [sys.executable, "-m", "crispedit", *cmd[1:]], cwd=REPO, capture_output=True, text=True, env=env, timeout=3600
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    stored = make.demo_table((REPO / "results" / "demo" / "demo.txt").read_text())
-    diffs = make.compare_demo_tables(stored, make.demo_table(proc.stdout))
+    stored = demo_run.demo_table((REPO / "results" / "demo" / "demo.txt").read_text())
+    diffs = demo_run.compare_demo_tables(stored, demo_run.demo_table(proc.stdout))
     assert not diffs, (
         f"`{shlex.join(cmd)}` no longer prints the stored table (results/demo/demo.txt); if the change "
         "is meant, run python results/make.py --demo:\n" + "\n".join(diffs)
@@ -110,10 +111,10 @@ def test_before_after_rows_name_what_each_row_trained_with():
     ft = {"method": "ft", "config": {"keep_chat": 0, "keep_subject": 0, "answer_end": "period"}}
     crisp = {"method": "crispedit", "config": {"keep_chat": 75, "keep_subject": 4, "answer_end": "auto"}}
     alpha = {"method": "alphaedit", "config": {"keep_chat": 0}, "training": {"single_pass": True, "epochs": 0}}
-    assert make._row_settings(ft, "after.json") == "no term, the period answer end"
-    assert make._row_settings(crisp, "before.json") == "the term, the chat turn's end"
-    assert make._row_settings(alpha, "after.json") == "closed form (after.json)"
-    assert make._trains(crisp) and not make._trains(alpha)
+    assert keep_term._row_settings(ft, "after.json") == "no term, the period answer end"
+    assert keep_term._row_settings(crisp, "before.json") == "the term, the chat turn's end"
+    assert keep_term._row_settings(alpha, "after.json") == "closed form (after.json)"
+    assert keep_term._trains(crisp) and not keep_term._trains(alpha)
 
 
 def test_pilot_table_reads_each_round_on_the_final_model(tmp_path):
@@ -137,14 +138,14 @@ def test_pilot_table_reads_each_round_on_the_final_model(tmp_path):
     }
     (tmp_path / "full95.json").write_text(json.dumps({"results": {"crispedit-seq": row}}))
     (tmp_path / "run.json").write_text(json.dumps({"command": "crispedit compare ..."}))
-    line = make.seq_pilot_table(tmp_path).splitlines()[-1]
+    line = seq_streams.seq_pilot_table(tmp_path).splitlines()[-1]
     assert "| 1.00 / 1.00 / 1.00 | 1.00 / 0.75 / 1.00 | 1.00 · 0.25 | 0.62 / 0.62 / 0.62 |" in line
     assert "| 0.70 → 0.30 | 0.0123 | 2.00 | 1 **not met**, 2 **not met** |" in line
-    assert "picks" not in make.seq_pilot_table(tmp_path)  # one setting: nothing chosen
+    assert "picks" not in seq_streams.seq_pilot_table(tmp_path)  # one setting: nothing chosen
     other = dict(row, config={"edit_gamma": 0.8}, wild={**row["wild"], "qa": {**row["wild"]["qa"], "rel": 0.9}})
     (tmp_path / "full80.json").write_text(json.dumps({"results": {"crispedit-seq": other}}))
-    assert make.seq_pilot_table(tmp_path).splitlines()[-1] == "The rule picks `full80` (edit γ 0.8)."
-    assert make.seq_pilot_table(tmp_path / "none") == ""
+    assert seq_streams.seq_pilot_table(tmp_path).splitlines()[-1] == "The rule picks `full80` (edit γ 0.8)."
+    assert seq_streams.seq_pilot_table(tmp_path / "none") == ""
 
 
 def test_pilot_checks_read_the_rule_from_the_row():
@@ -159,9 +160,9 @@ def test_pilot_checks_read_the_rule_from_the_row():
         ],
         "wild": {"qa": {"answers": [["x", v, [], []] for v in verdicts]}},
     }
-    assert make.pilot_checks(row) == (1, "1 met, 2 **not met**")
+    assert seq_streams.pilot_checks(row) == (1, "1 met, 2 **not met**")
     row["retention"][1]["wild"]["chat"] = 0.9
-    assert make.pilot_checks(row) == (2, "1 met, 2 met")
+    assert seq_streams.pilot_checks(row) == (2, "1 met, 2 met")
 
 
 def _pilot_row(later_qa_right: int, chat_after: float, reach: float) -> dict:
@@ -184,11 +185,15 @@ def test_pilot_choice_takes_more_checks_then_more_reach():
     both = _pilot_row(20, 1.0, 0.70)  # checks 1 and 2
     one = _pilot_row(10, 1.0, 0.90)  # check 2 only (round 2 lands 0.5)
     other = _pilot_row(20, 0.5, 0.80)  # check 1 only (round 1's chat falls to 0.5)
-    assert make.pilot_checks(both)[0] == 2 and make.pilot_checks(one)[0] == 1 and make.pilot_checks(other)[0] == 1
-    assert make.pilot_choice({"a": one, "b": both}) == "b"
-    assert make.pilot_choice({"a": one, "b": other}) == "a"
-    assert make.pilot_choice({"a": other, "b": one}) == "b"
-    assert make.pilot_choice({"a": both}) is None
+    assert (
+        seq_streams.pilot_checks(both)[0] == 2
+        and seq_streams.pilot_checks(one)[0] == 1
+        and seq_streams.pilot_checks(other)[0] == 1
+    )
+    assert seq_streams.pilot_choice({"a": one, "b": both}) == "b"
+    assert seq_streams.pilot_choice({"a": one, "b": other}) == "a"
+    assert seq_streams.pilot_choice({"a": other, "b": one}) == "b"
+    assert seq_streams.pilot_choice({"a": both}) is None
 
 
 def test_landed_table_puts_what_each_round_landed_beside_what_the_final_model_holds():
@@ -202,15 +207,15 @@ def test_landed_table_puts_what_each_round_landed_beside_what_the_final_model_ho
         "tf": {"rel": [1, 1, 1, 1]},
         "wild": {w: {"answers": [["x", v, [], []] for v in (True, False, False, False)]} for w in ("qa", "chat")},
     }
-    table = make.landed_table(row)
+    table = seq_streams.landed_table(row)
     assert "| WILD qa, right after their round | 1.00 | 0.50 |" in table
     assert "| WILD qa, on the final model | 0.50 | 0.00 |" in table
     assert "| WILD chat, right after their round | 1.00 | 1.00 |" in table
-    assert make.landed_table({"retention": [first], "seq_chunk": 2}) == ""
+    assert seq_streams.landed_table({"retention": [first], "seq_chunk": 2}) == ""
 
 
 def _stream_round(k: int, wall: float, stalled: bool = False) -> dict:
-    phases = {p: 1.0 for p in make.LATENCY_PHASES} | {"evaluate": float(k)}
+    phases = {p: 1.0 for p in speed.LATENCY_PHASES} | {"evaluate": float(k)}
     return {
         "round": k,
         "wall": wall,
@@ -251,7 +256,7 @@ def test_stream_section_reads_the_calls_the_first_edits_and_the_final_model(tmp_
     }
     (tmp_path / "stream.json").write_text(json.dumps(stream))
     (tmp_path / "run.json").write_text(json.dumps({"command": "python benchmarks/session_stream.py ..."}))
-    text = make.stream_section(tmp_path)
+    text = speed.stream_section(tmp_path)
     assert "zsre_dev.json\n1000–1019" in text and "1 stopped or starved rounds counted apart" in text
     assert "A call took 21.0 s in the median (20.8 s mean, slowest\n30.0 s) over 19 rounds" in text
     assert "the first 2 rounds 11.5 s on average, the last 2 29.5 s" in text
@@ -260,7 +265,7 @@ def test_stream_section_reads_the_calls_the_first_edits_and_the_final_model(tmp_
     assert "3.0 and 39.0 steps" in text
     assert "| 10 | 1.00 | 1.00 | 1.00 | 0.01 |" in text and "| 20 | 0.50 | 1.00 | 0.75 | 0.02 |" in text
     assert "| the first 2 | 2 | 0.50 / 0.50 / 0.50 | 1.00 | ×0.90 | 0.000 | 0.02 | 40.00 (39.00) |" in text
-    assert make.stream_section(tmp_path / "none") == ""
+    assert speed.stream_section(tmp_path / "none") == ""
 
 
 def test_one_edit_settings_table_puts_each_setting_beside_the_default(tmp_path, monkeypatch):
@@ -278,11 +283,11 @@ def test_one_edit_settings_table_puts_each_setting_beside_the_default(tmp_path, 
             "final": {"summary": summary},
         }
 
-    monkeypatch.setattr(make, "LATENCY", tmp_path)
-    assert make.one_edit_settings_table() == ""
+    monkeypatch.setattr(speed, "LATENCY", tmp_path)
+    assert speed.one_edit_settings_table() == ""
     (tmp_path / "projection_gradient.json").write_text(json.dumps(run(0.004, 10)))
     (tmp_path / "lr_2e-4.json").write_text(json.dumps(run(0.002, 30)))
-    text = make.one_edit_settings_table()
+    text = speed.one_edit_settings_table()
     assert "The same 2 one-edit rounds (`zsre_dev.json:400:2`" in text
     assert "| 0.004 (×1.00) | 1.00 / 1.00 / 1.00, 1.00 / 1.00 / 1.00 | 0.50 | ×0.90 | 20 | 12.0 |" in text
     assert "lr_2e-4.json) | 0.002 (×0.50) |" in text and "| 60 | 12.0 |" in text

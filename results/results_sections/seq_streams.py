@@ -1,0 +1,416 @@
+"""Sequential editing: the tuning stream, the pilots of full-size rounds and the rule that picks among them, the room a
+stream leaves, and the confirming stream with its marks and retention maps."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+from .common import HERE, ROOT, drift_cell, load_json, pct, run_line
+from .keep_term import KEEP_100, mark_cell, style_of
+
+SEQ_TUNING = HERE / "seq_tuning_zsre_dev100"
+SEQ_WRAPPERS = ("qa", "chat", "none")
+
+
+SEQ_MATCH = ("contexts", "answer_end", "keep_chat", "keep_subject", "keep_weight", "keep_tokens")  # must agree
+
+
+def _other_defaults(batch: dict, seq: dict) -> list[str]:
+    """The :data:`SEQ_MATCH` settings a batch row's config and a sequential row's edit config differ in."""
+    want = seq["config"]["edit"]
+    return [k for k in SEQ_MATCH if batch["config"].get(k) != want.get(k)]
+
+
+def seq_batch_row(seq: dict) -> tuple[str, dict] | None:
+    """Batch crispedit's row on the tuning stream's edits at the defaults the sequential row ``seq`` ran under (the
+    training contexts, answer end and preservation term of its edit config): ``(file name, row)`` of the last
+    matching run of ``keep_zsre_dev100_100/``, or ``None`` while none is stored."""
+    match = None
+    for name in load_json(KEEP_100 / "run.json")["runs"]:
+        row = load_json(KEEP_100 / name)["results"].get("crispedit")
+        if row is not None and not _other_defaults(row, seq):
+            match = (name, row)
+    return match
+
+
+def _kept(record: dict) -> float:
+    """The mean over the edited layers of a round record's kept fraction of directions."""
+    kept = record.get("projector_kept") or {}
+    return sum(kept.values()) / len(kept) if kept else float("nan")
+
+
+def _assistant_cells(r: dict) -> str:
+    """A row's chat length (× the base's) and subject bleed (target in the answer, percent) as two table cells."""
+    st, bl = style_of(r)
+    return f"×{st['length_ratio']:.2f} | {pct(bl['target'])} %" if st and bl else "– | –"
+
+
+SEQ_HEADER = (
+    "| row | WILD qa / chat / none rel | TF rel | round 1 kept: TF / qa / chat | kept directions, first → last round "
+    "| KL drift (× batch) | chat length | bleed | hours |\n|---|---|---|---|---|---|---|---|---|\n"
+)
+
+
+def _batch_line(label: str, batch: dict) -> str:
+    """A batch row of :data:`SEQ_HEADER`'s table: reach, teacher-forced rel, drift and the chat measures."""
+    return (
+        f"| {label} | "
+        + " / ".join(f"{batch['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
+        + f" | {batch['summary']['rel']:.2f} | | | {drift_cell(batch['summary']['kl_drift'])} | "
+        + f"{_assistant_cells(batch)} | |"
+    )
+
+
+def _seq_line(label: str, r: dict, batch: dict | None) -> str:
+    """A sequential row of :data:`SEQ_HEADER`'s table: WILD rel per wrapper and teacher-forced rel over all edits,
+    round 1's edits after the last round as a share of what they read after round 1 (teacher-forced / QA wrapper /
+    chat), the mean kept fraction of directions in the first and last round (– for a row without a projector), KL
+    drift as a multiple of ``batch``'s (batch crispedit on the same edits at the same defaults; – without one), the
+    chat answers' length and subject bleed, and the edit's hours."""
+    first, last = r["retention"][0], r["retention"][-1]
+    held = [last["tf_rel"] / first["tf_rel"] if first["tf_rel"] else float("nan")]
+    held += [last["wild"][w] / first["wild"][w] if first["wild"].get(w) else float("nan") for w in ("qa", "chat")]
+    recs = r["round_records"]
+    k0, k1 = _kept(recs[0]), _kept(recs[-1])
+    kept = "–" if k0 != k0 or (k0 == 1.0 and k1 == 1.0) else f"{k0:.2f} → {k1:.2f}"
+    drift = r["summary"]["kl_drift"]
+    times = "–" if batch is None else f"×{drift / batch['summary']['kl_drift']:.2f}"
+    return (
+        f"| {label} | "
+        + " / ".join(f"{r['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
+        + f" | {r['summary']['rel']:.2f} | "
+        + " / ".join(f"{h:.2f}" for h in held)
+        + f" | {kept} | {drift_cell(drift)} ({times}) | {_assistant_cells(r)} | {r['edit_seconds'] / 3600:.2f} |"
+    )
+
+
+def seq_tuning_table(d: Path = SEQ_TUNING) -> str:
+    """One row per stored sequential setting under ``d`` (a compare JSON with a ``crispedit-seq`` row, named by the
+    setting; :func:`_seq_line`) beside batch crispedit on the same edits at the same defaults
+    (:func:`seq_batch_row`), each batch row once, before the rows read against it."""
+    files = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
+    if not files:
+        return ""
+    lines = [SEQ_HEADER.rstrip("\n")]
+    shown: set[str] = set()
+    for f in files:
+        r = load_json(f)["results"]["crispedit-seq"]
+        matched = seq_batch_row(r)
+        if matched is not None and matched[0] not in shown:
+            name, batch = matched
+            shown.add(name)
+            lines.append(_batch_line(f"batch crispedit ([`{name}`](keep_zsre_dev100_100/{name}))", batch))
+        lines.append(
+            _seq_line(f"[`{f.stem}`](seq_tuning_zsre_dev100/{f.name})", r, None if matched is None else matched[1])
+        )
+    return "\n".join(lines) + "\n"
+
+
+def seq_marks(batch: dict, seq: dict) -> str:
+    """The sequential mode's marks, figure by figure, for one stream: ``seq`` a compare's ``crispedit-seq`` row,
+    ``batch`` batch crispedit's row on the same edits at the same defaults. Reach per wrapper within 0.05 of batch's,
+    teacher-forced rel at least 0.95, round 1's edits after the last round at least 0.9 of what they read after round
+    1 (teacher-forced, QA wrapper, chat), KL drift at most 1.5 × batch's, perplexity at most 1.2 × the base's; and the
+    rounds' edit times, which the session bounds by construction (docs/sessions.md), as measured."""
+    rows = []
+    for w in SEQ_WRAPPERS:
+        a, b = seq["wild"][w]["rel"], batch["wild"][w]["rel"]
+        rows.append(
+            (
+                f"WILD {w} rel within 0.05 of batch's",
+                f"{a:.2f} (batch {b:.2f}; {a - b:+.2f})".replace("-", "−"),
+                a >= b - 0.05,
+            )
+        )
+    tf = seq["summary"]["rel"]
+    rows.append(("teacher-forced rel ≥ 0.95", f"{tf:.2f}", tf >= 0.95))
+    first, last = seq["retention"][0], seq["retention"][-1]
+    for name, a, b in (
+        ("teacher-forced", last["tf_rel"], first["tf_rel"]),
+        ("QA-wrapper", last["wild"].get("qa"), first["wild"].get("qa")),
+        ("chat", last["wild"].get("chat"), first["wild"].get("chat")),
+    ):
+        held = a / b if a is not None and b else None
+        rows.append(
+            (
+                f"round 1's edits keep ≥ 0.9 of their {name} rel after round {len(seq['round_records'])}",
+                "–" if held is None else f"{held:.2f} ({a:.2f} of {b:.2f})",
+                held is not None and held >= 0.9,
+            )
+        )
+    k, kb = seq["summary"]["kl_drift"], batch["summary"]["kl_drift"]
+    rows.append(("KL drift ≤ 1.5 × batch's", f"{drift_cell(k)} (batch {drift_cell(kb)}; ×{k / kb:.2f})", k <= 1.5 * kb))
+    ppl, ppl0 = seq["summary"]["ppl"], seq["summary"]["ppl_base"]
+    rows.append(("perplexity ≤ 1.2 × the base's", f"{ppl:.2f} (base {ppl0:.2f}; ×{ppl / ppl0:.3f})", ppl <= 1.2 * ppl0))
+    out = ["| mark | measured | |", "|---|---|---|"]
+    out += [f"| {what} | {val} | {mark_cell(ok)} |" for what, val, ok in rows]
+    secs = [r["edit_seconds"] / 60 for r in seq["round_records"]]
+    out.append(
+        f"| a round's time bounded however many rounds came before (by construction: docs/sessions.md) | "
+        f"round 1 {secs[0]:.0f} min, last {secs[-1]:.0f} min, longest {max(secs):.0f} min, median "
+        f"{statistics.median(secs):.0f} min | stated |"
+    )
+    return "\n".join(out) + "\n"
+
+
+def seq_tuning_marks(name: str = "full.json") -> str:
+    """:func:`seq_marks` of the tuning stream's row ``name`` against its batch row (:func:`seq_batch_row`)."""
+    seq = load_json(SEQ_TUNING / name)["results"]["crispedit-seq"]
+    matched = seq_batch_row(seq)
+    return "" if matched is None else seq_marks(matched[1], seq)
+
+
+def seq_tuning_section() -> str:
+    """The results page's section on tuning the sequential mode, when its runs are stored."""
+    table = seq_tuning_table()
+    if not table:
+        return ""
+    return f"""## Tuning the sequential mode
+
+[`seq_tuning_zsre_dev100/`](seq_tuning_zsre_dev100/run.json): crispedit-seq in five rounds of 20 on the tuning slice
+ZsRE dev 100–199 (not the confirming stream's edits), one setting changed from the session defaults per row, beside
+batch crispedit with the same defaults on the same 100 edits. {run_line(SEQ_TUNING)}
+
+{table}
+The marks on the tuning stream's default setting (`full`), against batch crispedit on the same edits (the marks are
+judged on the confirming stream, ZsRE dev 1000–1999; this is what tuning read):
+
+{seq_tuning_marks()}
+"""
+
+
+SEQ_PILOT = HERE / "seq_pilot_zsre_dev200"
+
+
+PILOT_LANDS = 0.05  # check 1: every later round's own QA-wrapper reach within this of round 1's right after it
+PILOT_KEEPS = 0.9  # check 2: round 1's edits keep this share of their TF, QA and chat reach after the last round
+
+
+def pilot_checks(row: dict) -> tuple[int, str]:
+    """The rule a pilot stream is read by (written before the pilots ran), for a ``crispedit-seq`` row: check 1,
+    every later round's own edits read the QA wrapper on the final model within :data:`PILOT_LANDS` of round 1's
+    edits right after round 1; check 2, round 1's edits keep at least :data:`PILOT_KEEPS` of their teacher-forced,
+    QA-wrapper and chat reach after the last round. ``(checks met, a cell saying which)``."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from crispedit.experiments.retention import final_by_round  # torch-free
+
+    first, last = row["retention"][0], row["retention"][-1]
+    later = final_by_round(row)["qa"][1:]
+    lands = all(x >= first["wild"]["qa"] - PILOT_LANDS for x in later)
+    keeps = all(
+        b >= PILOT_KEEPS * a
+        for a, b in (
+            (first["tf_rel"], last["tf_rel"]),
+            (first["wild"]["qa"], last["wild"]["qa"]),
+            (first["wild"]["chat"], last["wild"]["chat"]),
+        )
+    )
+    mark = lambda ok: "met" if ok else "**not met**"  # noqa: E731
+    return int(lands) + int(keeps), f"1 {mark(lands)}, 2 {mark(keeps)}"
+
+
+def pilot_choice(rows: dict[str, dict]) -> str | None:
+    """The setting the pilot rule picks among ``rows`` (setting name -> its ``crispedit-seq`` row), written before
+    the rows ran: the one meeting more of :func:`pilot_checks`; on a tie, the one with the higher mean all-edit
+    WILD reach over :data:`SEQ_WRAPPERS` (what the confirming stream is held to against batch); ``None`` for fewer
+    than two rows (nothing to choose between)."""
+    if len(rows) < 2:
+        return None
+    return max(
+        sorted(rows),
+        key=lambda n: (pilot_checks(rows[n])[0], sum(rows[n]["wild"][w]["rel"] for w in SEQ_WRAPPERS)),
+    )
+
+
+def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
+    """One row per stored stream of rounds of the confirming stream's size under ``d`` (a compare JSON with a
+    ``crispedit-seq`` row, named by its edit-factor setting): round 1's edits right after round 1 (what a batch edit
+    of that size lands, with the capability constraint alone) and after the last round (teacher-forced / QA wrapper /
+    chat), every round's edits on the final model under the QA wrapper
+    (:func:`crispedit.experiments.retention.final_by_round`), reach over all edits, the kept fraction of directions
+    in the first and last round, KL drift and the edit's hours; empty while none is stored."""
+    files = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
+    if not files:
+        return ""
+    sys.path.insert(0, str(ROOT / "src"))
+    from crispedit.experiments.retention import final_by_round  # torch-free
+
+    lines = [
+        "| setting | round 1 after round 1: TF / qa / chat | round 1 after the last: TF / qa / chat "
+        "| each round on the final model: qa | all edits: WILD qa / chat / none | kept directions, first → last "
+        "| KL drift | hours | checks |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in files:
+        r = load_json(f)["results"]["crispedit-seq"]
+        first, last = r["retention"][0], r["retention"][-1]
+        held = lambda rec: f"{rec['tf_rel']:.2f} / {rec['wild']['qa']:.2f} / {rec['wild']['chat']:.2f}"  # noqa: E731
+        qa = " · ".join(f"{x:.2f}" for x in final_by_round(r)["qa"])
+        recs = r["round_records"]
+        lines.append(
+            f"| [`{f.stem}`]({d.name}/{f.name}) | {held(first)} | {held(last)} | {qa} | "
+            + " / ".join(f"{r['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
+            + f" | {_kept(recs[0]):.2f} → {_kept(recs[-1]):.2f} | {drift_cell(r['summary']['kl_drift'])} | "
+            + f"{r['edit_seconds'] / 3600:.2f} | {pilot_checks(r)[1]} |"
+        )
+    rows = {f.stem: load_json(f)["results"]["crispedit-seq"] for f in files}
+    chosen = pilot_choice(rows)
+    if chosen is not None:
+        gamma = rows[chosen]["config"]["edit_gamma"]
+        lines += ["", f"The rule picks `{chosen}` (edit γ {gamma:g})."]
+    return "\n".join(lines) + "\n"
+
+
+def seq_pilot_section(d: Path = SEQ_PILOT) -> str:
+    """The results page's section on the short streams of full-size rounds that chose the sequential mode's edit
+    factors, when stored."""
+    table = seq_pilot_table(d)
+    if not table:
+        return ""
+    return f"""## Choosing the edit factors: rounds of 100
+
+[`{d.name}/`]({d.name}/run.json): crispedit-seq in rounds of 100 ZsRE dev edits from 200 on (not the confirming
+stream's edits), the round size of the confirming stream, one edit-factor setting per row. Round 1 trains under the
+capability constraint alone, as a batch edit of 100 does, so its edits right after it are what a round lands with
+all the room; a later round's edits on the final model say what it landed under the earlier rounds' constraint.
+The rule the rows are read by was written before they ran: check 1, every later round's own edits read the QA
+wrapper on the final model within {PILOT_LANDS:g} of round 1's edits right after round 1; check 2, round 1's edits
+keep at least {PILOT_KEEPS:g} of their teacher-forced, QA-wrapper and chat reach after the last round. The setting
+that meets more of them becomes the session default; on a tie, the one with the higher mean reach over all edits
+under the QA wrapper, chat and no wrapper (this tie-break was written while the second setting's stream ran, before
+its result).
+{run_line(d)}
+
+{table}
+"""
+
+
+SEQ_ROOM = HERE / "seq_room"
+
+
+def seq_room_section(d: Path = SEQ_ROOM) -> str:
+    """The results page's section on the room a stream leaves its later rounds (``benchmarks/seq_room.py``
+    outputs under ``d``): one table per stored stream, a row per edit-factor setting, the mean kept fraction of
+    directions before each round; empty while none is stored."""
+    files = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
+    if not files:
+        return ""
+    parts = []
+    for f in files:
+        r = load_json(f)
+        e = r["edits"]
+        n = max(len(v) for v in r["kept"].values())
+        lines = [
+            "| edit factors @ edit γ | " + " | ".join(f"round {i + 1}" for i in range(n)) + " |",
+            "|---" * (n + 1) + "|",
+        ]
+        lines += [f"| {k} | " + " | ".join(f"{x:.2f}" for x in v) + " |" for k, v in r["kept"].items()]
+        parts.append(
+            f"[`{f.name}`]({d.name}/{f.name}): {Path(e['file']).name} {e['offset']}–{e['offset'] + e['n'] - 1} in "
+            f"rounds of {r['chunk']}, {r['seconds'] / 60:.0f} min.\n\n" + "\n".join(lines) + "\n"
+        )
+    real = load_json(HERE / "compare_zsre_dev1000" / "compare.json")["results"]["crispedit-seq"]
+    real_kept = " · ".join(f"{_kept(rec):.2f}" for rec in real["round_records"])
+    return f"""## Room for later rounds
+
+[`{d.name}/`]({d.name}/run.json): `benchmarks/seq_room.py` — the share of directions each round's projector would
+keep (mean over the edit layers) once the earlier rounds' edit factors join the capability factors, for edit factors
+at every position (`full`, the session default) or the target's (`target`) and several edit γs; round 1 is the
+capability constraint alone, what batch editing trains in. The edit factors are collected on the unedited model, a
+proxy for a stream's (which collects them on the model each round left). {run_line(d)}
+
+{chr(10).join(parts)}
+For comparison, a real stream: the stored crispedit-seq row of [1 000 ZsRE edits](#1-000-zsre-edits) (dev
+1000–1999, ten rounds of 100, `full` at edit γ 0.95 under that run's defaults) kept, round by round: {real_kept}.
+"""
+
+
+SEQ_CONFIRM = HERE / "seq_zsre_dev1000"
+SEQ_ROWS = ("crispedit-seq", "ft-seq", "alphaedit-seq")  # the confirming stream's sequential rows, when stored
+
+
+def retention_map_table(row: dict) -> str:
+    """A ``-seq`` row's retention map as a table: after round j (down), the teacher-forced rel of round k's edits
+    (across; blank above the diagonal): :func:`crispedit.experiments.retention.retention_map`; empty for a row without
+    one."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from crispedit.experiments.retention import retention_map  # torch-free
+
+    grid = retention_map(row)
+    if not grid:
+        return ""
+    n = len(grid)
+    lines = ["| after round | " + " | ".join(str(k + 1) for k in range(n)) + " |", "|---" * (n + 1) + "|"]
+    for j, rec in enumerate(grid):
+        lines.append(f"| {j + 1} | " + " | ".join("" if v is None else f"{v:.2f}" for v in rec) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def landed_table(row: dict) -> str:
+    """A ``-seq`` row's rounds under the QA wrapper and in chat: what each round's edits read right after their round
+    (:func:`crispedit.experiments.retention.landed_by_round`) and on the final model (:func:`~crispedit.experiments.
+    retention.final_by_round`), a column per round; empty for a row whose probes did not measure the former."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from crispedit.experiments.retention import final_by_round, landed_by_round  # torch-free
+
+    landed, final = landed_by_round(row), final_by_round(row)
+    if not landed:
+        return ""
+    n = max(len(v) for v in (*landed.values(), *final.values()))
+    lines = ["| round's edits | " + " | ".join(str(k + 1) for k in range(n)) + " |", "|---" * (n + 1) + "|"]
+    for w in ("qa", "chat"):
+        for when, series in (("right after their round", landed.get(w)), ("on the final model", final.get(w))):
+            if series:
+                cells = ["–" if v is None else f"{v:.2f}" for v in series]
+                lines.append(f"| WILD {w}, {when} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def seq_confirm_section(d: Path = SEQ_CONFIRM) -> str:
+    """The results page's section on the confirming stream (``d``: ``seq.json``, the sequential rows' compare;
+    ``batch.json``, batch crispedit's on the same edits), with the sequential mode's marks (:func:`seq_marks`) and
+    crispedit-seq's retention map; empty while either is not stored."""
+    if not ((d / "seq.json").is_file() and (d / "batch.json").is_file()):
+        return ""
+    seq, batch = load_json(d / "seq.json")["results"], load_json(d / "batch.json")["results"]["crispedit"]
+    rows = [m for m in SEQ_ROWS if m in seq]
+    differ = _other_defaults(batch, seq["crispedit-seq"]) if "crispedit-seq" in seq else []
+    if differ:
+        raise SystemExit(f"{d.name}: batch.json's crispedit ran with other {', '.join(differ)} than crispedit-seq")
+    lines = [SEQ_HEADER.rstrip("\n"), _batch_line(f"batch crispedit ([`batch.json`]({d.name}/batch.json))", batch)]
+    lines += [_seq_line(f"{m} ([`seq.json`]({d.name}/seq.json))", seq[m], batch) for m in rows]
+    chunk = seq[rows[0]].get("seq_chunk")
+    n_rounds = len(seq[rows[0]]["round_records"])
+    marks = seq_marks(batch, seq["crispedit-seq"]) if "crispedit-seq" in seq else ""
+    picture = f"\n![retention maps]({d.name}/retention_map.png)\n" if (d / "retention_map.png").is_file() else ""
+    return f"""## Sequential editing: the confirming stream
+
+[`{d.name}/`]({d.name}/run.json): ZsRE dev 1000–1999 in {n_rounds} rounds of {chunk} edits (edits no sequential
+setting was tuned on), each sequential row at the session defaults, beside batch crispedit on the same 1 000 edits
+with the same training contexts, answer end and preservation term. Columns as in the tuning table; the kept
+directions are the mean over the edit layers of the fraction of directions the round's projector keeps.
+{run_line(d)}
+
+{chr(10).join(lines)}
+
+The sequential mode's marks, crispedit-seq against batch crispedit:
+
+{marks}
+crispedit-seq's retention map (teacher-forced rel of round k's edits after round j; the numbers are every row's
+`retention` records in `seq.json`):
+
+{retention_map_table(seq["crispedit-seq"]) if "crispedit-seq" in seq else ""}{picture}{_landed_part(seq)}"""
+
+
+def _landed_part(seq: dict) -> str:
+    """The confirming section's paragraph on what crispedit-seq's rounds landed and kept (:func:`landed_table`), when
+    its probes measured each round's own edits."""
+    table = landed_table(seq["crispedit-seq"]) if "crispedit-seq" in seq else ""
+    if not table:
+        return ""
+    return (
+        "\ncrispedit-seq's rounds in the wild: each round's edits right after their round (what the round landed) and "
+        "on the final model (what the later rounds left of it):\n\n" + table
+    )
