@@ -243,8 +243,9 @@ def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
         "| KL drift | hours | checks |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = {f.stem: load_json(f)["results"]["crispedit-seq"] for f in files}
     for f in files:
-        r = load_json(f)["results"]["crispedit-seq"]
+        r = rows[f.stem]
         first, last = r["retention"][0], r["retention"][-1]
         held = lambda rec: f"{rec['tf_rel']:.2f} / {rec['wild']['qa']:.2f} / {rec['wild']['chat']:.2f}"  # noqa: E731
         qa = " · ".join(f"{x:.2f}" for x in final_by_round(r)["qa"])
@@ -255,7 +256,6 @@ def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
             + f" | {_kept(recs[0]):.2f} → {_kept(recs[-1]):.2f} | {drift_cell(r['summary']['kl_drift'])} | "
             + f"{r['edit_seconds'] / 3600:.2f} | {pilot_checks(r)[1]} |"
         )
-    rows = {f.stem: load_json(f)["results"]["crispedit-seq"] for f in files}
     chosen = pilot_choice(rows)
     if chosen is not None:
         gamma = rows[chosen]["config"]["edit_gamma"]
