@@ -315,3 +315,7 @@ def main(argv=None) -> int:
     for p, text in want.items():
         p.write_text(text)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

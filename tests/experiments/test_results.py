@@ -22,6 +22,13 @@ def test_summary_page_and_readme_blocks_are_what_the_data_gives():
     assert make.main(["--check"]) == 0, "run: python results/make.py"
 
 
+def test_make_runs_as_a_script():
+    """``python results/make.py`` calls ``main``: an unknown flag is refused by its parser (exit 2), where a file
+    with no script entry would exit 0 having done nothing."""
+    done = subprocess.run([sys.executable, "results/make.py", "--bogus"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and "--bogus" in done.stderr
+
+
 def test_readme_demo_block_is_the_stored_demo_output():
     """The README's demo block is the table part of results/demo/demo.txt, character for character."""
     readme = (REPO / "README.md").read_text()
