@@ -84,7 +84,7 @@ def table(series: dict) -> str:
 def main() -> None:
     ap = stream_parser(__doc__)
     ap.add_argument("--rows", default="full,target", help="edit-factor positions to try (full, target)")
-    ap.add_argument("--edit-gammas", default="0.95", help="comma list of edit γs to try")
+    ap.add_argument("--edit-gammas", help="comma list of edit γs to try (default: the session default)")
     ap.add_argument("--json", help="write the series here (rewritten after every round)")
     args = ap.parse_args()
     from crispedit.atomic import atomic_write_json
@@ -95,8 +95,8 @@ def main() -> None:
     from crispedit.models import load_model
 
     rows = [r for r in args.rows.split(",") if r]
-    gammas = [float(g) for g in args.edit_gammas.split(",") if g]
     config = SeqConfig(edit=EditConfig(method="crispedit"))
+    gammas = [float(g) for g in (args.edit_gammas or str(config.edit_gamma)).split(",") if g]
     path, offset, n = slice_arg(args.edits)
     model, tok = load_model(args.model)
     requests = load_edits(path, limit=n, offset=offset)

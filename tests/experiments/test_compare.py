@@ -427,7 +427,7 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
     # the edit factors' γ and positions, the replay: named the same way
     crisp = seq_configs(["crispedit-seq"])["crispedit-seq"]
     for change, hint in (
-        ({"edit_gamma": 0.9}, r"edit-factor gamma 0.95, now 0.9: --seq-edit-gamma 0.95 resumes it"),
+        ({"edit_gamma": 0.9}, r"edit-factor gamma 0.8, now 0.9: --seq-edit-gamma 0.8 resumes it"),
         ({"edit_factors": "target"}, r"edit factors at full positions, now target: --seq-edit-factors full resumes it"),
         ({"replay": 3}, r"replay of 0 earlier edits, now 3: --seq-replay 0 resumes it"),
     ):

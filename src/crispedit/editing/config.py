@@ -162,7 +162,7 @@ class SeqConfig(Settings):
         "curvature, not their prompts')",
     )
     edit_gamma: float | None = setting(
-        0.95,
+        0.8,
         metavar="G",
         help="with --weighting each: the energy of the accumulated edit factors masked "
         "(default {default}; higher protects earlier rounds' edits more and leaves "
