@@ -48,6 +48,7 @@ from results_sections.keep_term import (
 )
 from results_sections.seq_streams import (
     SEQ_CONFIRM,
+    confirm_payload,
     seq_confirm_section,
     seq_pilot_section,
     seq_room_section,
@@ -269,8 +270,8 @@ def figures() -> None:
         plot_retention(payload, d / "retention.png")
     if (STREAM / "stream.json").is_file():
         _benchmark("session_stream").plot_stream(load_json(STREAM / "stream.json"), STREAM / "stream.png")
-    if (SEQ_CONFIRM / "seq.json").is_file():
-        plot_retention_map(load_json(SEQ_CONFIRM / "seq.json"), SEQ_CONFIRM / "retention_map.png")
+    if SEQ_CONFIRM.is_dir():
+        plot_retention_map(confirm_payload(SEQ_CONFIRM), SEQ_CONFIRM / "retention_map.png")
     scaling = _benchmark("scaling")
     for stem, runs in SCALING.items():
         points: dict = {}

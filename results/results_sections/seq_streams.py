@@ -331,6 +331,26 @@ SEQ_CONFIRM = HERE / "seq_zsre_dev1000"
 SEQ_ROWS = ("crispedit-seq", "ft-seq", "alphaedit-seq")  # the confirming stream's sequential rows, when stored
 
 
+def confirm_rows(d: Path = SEQ_CONFIRM) -> tuple[dict | None, dict[str, dict]]:
+    """The confirming stream's stored rows under ``d``: batch crispedit's (``batch.json``'s ``crispedit`` row, or
+    ``None``) and each sequential row of :data:`SEQ_ROWS` stored as ``<method>.json`` (each its own compare run),
+    method -> row. Every file must hold the same edits (the compare's requests digest): the rows are read against
+    each other."""
+    files = {m: d / f"{m}.json" for m in ("batch", *SEQ_ROWS)}
+    payloads = {m: load_json(f) for m, f in files.items() if f.is_file()}
+    digests = {m: p["settings"]["requests_digest"] for m, p in payloads.items()}
+    if len(set(digests.values())) > 1:
+        raise SystemExit(f"{d.name}: the stored rows edit different requests ({digests})")
+    batch = payloads.pop("batch")["results"]["crispedit"] if "batch" in payloads else None
+    return batch, {m: p["results"][m] for m, p in payloads.items()}
+
+
+def confirm_payload(d: Path = SEQ_CONFIRM) -> dict:
+    """The confirming stream's sequential rows as one compare-shaped payload (``{"results": {method: row}}``), for
+    the retention-map picture."""
+    return {"results": confirm_rows(d)[1]}
+
+
 def retention_map_table(row: dict) -> str:
     """A ``-seq`` row's retention map as a table: after round j (down), the teacher-forced rel of round k's edits
     (across; blank above the diagonal): :func:`crispedit.experiments.retention.retention_map`; empty for a row without
@@ -369,39 +389,53 @@ def landed_table(row: dict) -> str:
 
 
 def seq_confirm_section(d: Path = SEQ_CONFIRM) -> str:
-    """The results page's section on the confirming stream (``d``: ``seq.json``, the sequential rows' compare;
-    ``batch.json``, batch crispedit's on the same edits), with the sequential mode's marks (:func:`seq_marks`) and
-    crispedit-seq's retention map; empty while either is not stored."""
-    if not ((d / "seq.json").is_file() and (d / "batch.json").is_file()):
+    """The results page's section on the confirming stream (:func:`confirm_rows`: batch crispedit and the sequential
+    rows stored under ``d``, each its own compare run): the rows stored so far, the sequential mode's marks
+    (:func:`seq_marks`) once crispedit-seq and batch are both stored, and every stored row's retention map; empty
+    while nothing is stored."""
+    batch, seq = confirm_rows(d)
+    if batch is None and not seq:
         return ""
-    seq, batch = load_json(d / "seq.json")["results"], load_json(d / "batch.json")["results"]["crispedit"]
-    rows = [m for m in SEQ_ROWS if m in seq]
-    differ = _other_defaults(batch, seq["crispedit-seq"]) if "crispedit-seq" in seq else []
+    differ = _other_defaults(batch, seq["crispedit-seq"]) if batch is not None and "crispedit-seq" in seq else []
     if differ:
         raise SystemExit(f"{d.name}: batch.json's crispedit ran with other {', '.join(differ)} than crispedit-seq")
-    lines = [SEQ_HEADER.rstrip("\n"), _batch_line(f"batch crispedit ([`batch.json`]({d.name}/batch.json))", batch)]
-    lines += [_seq_line(f"{m} ([`seq.json`]({d.name}/seq.json))", seq[m], batch) for m in rows]
-    chunk = seq[rows[0]].get("seq_chunk")
-    n_rounds = len(seq[rows[0]]["round_records"])
-    marks = seq_marks(batch, seq["crispedit-seq"]) if "crispedit-seq" in seq else ""
-    picture = f"\n![retention maps]({d.name}/retention_map.png)\n" if (d / "retention_map.png").is_file() else ""
+    lines = [SEQ_HEADER.rstrip("\n")]
+    if batch is not None:
+        lines.append(_batch_line(f"batch crispedit ([`batch.json`]({d.name}/batch.json))", batch))
+    lines += [_seq_line(f"{m} ([`{m}.json`]({d.name}/{m}.json))", r, batch) for m, r in seq.items()]
+    if batch is not None and "crispedit-seq" in seq:
+        marks = "The sequential mode's marks, crispedit-seq against batch crispedit:\n\n" + seq_marks(
+            batch, seq["crispedit-seq"]
+        )
+    else:
+        waiting = [
+            name
+            for name, row in (("batch crispedit", batch), ("crispedit-seq", seq.get("crispedit-seq")))
+            if row is None
+        ]
+        verb = "is" if len(waiting) == 1 else "are"
+        marks = f"The sequential mode's marks are read once {' and '.join(waiting)} {verb} stored.\n"
+    maps = "".join(
+        f"\n{m}'s retention map (teacher-forced rel of round k's edits after round j; the numbers are the row's "
+        f"`retention` records in [`{m}.json`]({d.name}/{m}.json)):\n\n{retention_map_table(r)}"
+        for m, r in seq.items()
+        if retention_map_table(r)
+    )
+    picture = (
+        f"\n![retention maps]({d.name}/retention_map.png)\n" if seq and (d / "retention_map.png").is_file() else ""
+    )
     return f"""## Sequential editing: the confirming stream
 
-[`{d.name}/`]({d.name}/run.json): ZsRE dev 1000–1999 in {n_rounds} rounds of {chunk} edits (edits no sequential
-setting was tuned on), each sequential row at the session defaults, beside batch crispedit on the same 1 000 edits
-with the same training contexts, answer end and preservation term. Columns as in the tuning table; the kept
-directions are the mean over the edit layers of the fraction of directions the round's projector keeps.
+[`{d.name}/`]({d.name}/run.json): ZsRE dev 1000–1999 in rounds of 100 edits (edits no sequential setting was tuned
+on), each sequential row at the session defaults, beside batch crispedit on the same 1 000 edits with the same
+training contexts, answer end and preservation term. Each row is its own compare run, stored as it finishes. Columns
+as in the tuning table; the kept directions are the mean over the edit layers of the fraction of directions the
+round's projector keeps.
 {run_line(d)}
 
 {chr(10).join(lines)}
 
-The sequential mode's marks, crispedit-seq against batch crispedit:
-
-{marks}
-crispedit-seq's retention map (teacher-forced rel of round k's edits after round j; the numbers are every row's
-`retention` records in `seq.json`):
-
-{retention_map_table(seq["crispedit-seq"]) if "crispedit-seq" in seq else ""}{picture}{_landed_part(seq)}"""
+{marks}{maps}{picture}{_landed_part(seq)}"""
 
 
 def _landed_part(seq: dict) -> str:

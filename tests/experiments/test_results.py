@@ -298,3 +298,40 @@ def test_one_edit_settings_table_puts_each_setting_beside_the_default(tmp_path, 
     assert "The same 2 one-edit rounds (`zsre_dev.json:400:2`" in text
     assert "| 0.004 (×1.00) | 1.00 / 1.00 / 1.00, 1.00 / 1.00 / 1.00 | 0.50 | ×0.90 | 20 | 12.0 |" in text
     assert "lr_2e-4.json) | 0.002 (×0.50) |" in text and "| 60 | 12.0 |" in text
+
+
+def test_confirm_section_reads_each_row_as_it_is_stored(tmp_path):
+    """The confirming stream's rows are separate compare runs stored as they finish: the section shows what is stored,
+    reads the marks once batch crispedit and crispedit-seq are both there, gives a sequential row whose retention
+    records hold every round its retention map, and refuses files that edited different requests."""
+    import json
+
+    results = REPO / "results"
+    rows = json.loads((results / "compare_zsre_dev1000" / "compare.json").read_text())["results"]
+    rows["crispedit-seq"] = json.loads((results / "seq_pilot_zsre_dev200" / "full80.json").read_text())["results"][
+        "crispedit-seq"
+    ]
+    same = {k: rows["crispedit-seq"]["config"]["edit"][k] for k in seq_streams.SEQ_MATCH}
+    rows["crispedit"] = dict(rows["crispedit"], config={**rows["crispedit"]["config"], **same})
+
+    def store(name: str, method: str, digest: str = "same") -> None:
+        payload = {"settings": {"requests_digest": digest}, "results": {method: rows[method]}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(payload))
+
+    assert seq_streams.seq_confirm_section(tmp_path) == ""
+    store("ft-seq", "ft-seq")  # its retention records predate the per-round numbers: no map
+    text = seq_streams.seq_confirm_section(tmp_path)
+    assert "| ft-seq ([`ft-seq.json`]" in text and "batch crispedit ([" not in text
+    assert "marks are read once batch crispedit and crispedit-seq are stored" in text
+    assert "retention map" not in text
+    store("batch", "crispedit")
+    store("crispedit-seq", "crispedit-seq")
+    text = seq_streams.seq_confirm_section(tmp_path)
+    assert "| batch crispedit ([`batch.json`]" in text and "| crispedit-seq ([`crispedit-seq.json`]" in text
+    assert "The sequential mode's marks, crispedit-seq against batch crispedit:" in text
+    assert "| WILD qa rel within 0.05 of batch's |" in text
+    assert "crispedit-seq's retention map" in text and "| after round | 1 | 2 |" in text
+    assert set(seq_streams.confirm_payload(tmp_path)["results"]) == {"ft-seq", "crispedit-seq"}
+    store("ft-seq", "ft-seq", digest="other")
+    with pytest.raises(SystemExit, match="edit different requests"):
+        seq_streams.seq_confirm_section(tmp_path)
