@@ -263,6 +263,52 @@ def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
     return "\n".join(lines) + "\n"
 
 
+PILOT_ALONE = "alone"  # SEQ_PILOT/alone/: batch crispedit on one pilot round's edits alone
+
+
+def pilot_alone_table(d: Path = SEQ_PILOT) -> str:
+    """Batch crispedit on one pilot round's edits alone (compare JSONs under ``d/alone/``) beside what each pilot
+    stream's round holding the same edits landed right after its round and read on the final model, under the QA
+    wrapper: check 1 compares a later round's edits with round 1's, which are other facts, and this reads them
+    against the same facts edited with all the room. Empty while none is stored."""
+    files = sorted((d / PILOT_ALONE).glob("*.json")) if (d / PILOT_ALONE).is_dir() else []
+    pilots = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
+    if not files or not pilots:
+        return ""
+    sys.path.insert(0, str(ROOT / "src"))
+    from crispedit.experiments.retention import final_by_round, landed_by_round  # torch-free
+
+    streams = {f.stem: load_json(f) for f in pilots}
+    lines = [
+        "| edits | batch crispedit alone: WILD qa / chat / none | alone: TF | "
+        + " | ".join(f"`{n}`: the round holding them, qa right after it / on the final model" for n in streams)
+        + " |",
+        "|---" * (3 + len(streams)) + "|",
+    ]
+    for f in files:
+        alone = load_json(f)
+        e, row = alone["settings"]["edits"], alone["results"]["crispedit"]
+        cells = []
+        for name, stream in streams.items():
+            se, seq = stream["settings"]["edits"], stream["results"]["crispedit-seq"]
+            k, off = divmod(e["offset"] - se["offset"], seq["seq_chunk"])
+            inside = Path(e["file"]).name == Path(se["file"]).name and off == 0 and e["n"] == seq["seq_chunk"]
+            landed, final = landed_by_round(seq).get("qa", []), final_by_round(seq).get("qa", [])
+            if not inside or not 0 <= k < len(final):
+                raise SystemExit(f"{f.name}: its edits are not one round of the pilot stream {name}")
+            # a stream whose probes did not record each round's newest edits reads on the final model only
+            now = landed[k] if k < len(landed) and landed[k] is not None else None
+            cells.append(f"round {k + 1}: {'–' if now is None else f'{now:.2f}'} / {final[k]:.2f}")
+        lines.append(
+            f"| [{Path(e['file']).name} {e['offset']}–{e['offset'] + e['n'] - 1}]({d.name}/{PILOT_ALONE}/{f.name}) | "
+            + " / ".join(f"{row['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
+            + f" | {row['summary']['rel']:.2f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def seq_pilot_section(d: Path = SEQ_PILOT) -> str:
     """The results page's section on the short streams of full-size rounds that chose the sequential mode's edit
     factors, when stored."""
@@ -284,7 +330,19 @@ its result).
 {run_line(d)}
 
 {table}
-"""
+{_pilot_alone_part(d)}"""
+
+
+def _pilot_alone_part(d: Path) -> str:
+    """The pilot section's paragraph on a later round's edits edited alone (:func:`pilot_alone_table`), when stored."""
+    table = pilot_alone_table(d)
+    if not table:
+        return ""
+    return (
+        "Check 1 holds a later round's edits to round 1's, which are other facts. The same edits as one batch edit of "
+        f"their own, with all the room ([`{PILOT_ALONE}/`]({d.name}/{PILOT_ALONE}/run.json)), beside what the pilot "
+        f"round holding them landed. {run_line(d / PILOT_ALONE)}\n\n" + table + "\n"
+    )
 
 
 SEQ_ROOM = HERE / "seq_room"

@@ -335,3 +335,26 @@ def test_confirm_section_reads_each_row_as_it_is_stored(tmp_path):
     store("ft-seq", "ft-seq", digest="other")
     with pytest.raises(SystemExit, match="edit different requests"):
         seq_streams.seq_confirm_section(tmp_path)
+
+
+def test_pilot_alone_table_reads_a_round_against_its_edits_alone(tmp_path):
+    """Batch crispedit on one pilot round's edits alone sits beside what each pilot stream's round holding the same
+    edits landed right after it and read on the final model; edits that are not one round of a stream are refused."""
+    import json
+    import shutil
+
+    pilot = REPO / "results" / "seq_pilot_zsre_dev200"
+    for name in ("full80.json", "full95.json"):
+        shutil.copy(pilot / name, tmp_path / name)
+    assert seq_streams.pilot_alone_table(tmp_path) == ""
+    (tmp_path / "alone").mkdir()
+    row = {"wild": {w: {"rel": r} for w, r in zip(("qa", "chat", "none"), (0.7, 1.0, 0.99))}, "summary": {"rel": 1.0}}
+    edits = {"file": "../shared/data/edits/zsre_dev.json", "offset": 300, "n": 100}
+    alone = tmp_path / "alone" / "dev300.json"
+    alone.write_text(json.dumps({"settings": {"edits": edits}, "results": {"crispedit": row}}))
+    line = seq_streams.pilot_alone_table(tmp_path).splitlines()[-1]
+    assert line.startswith("| [zsre_dev.json 300–399](")
+    assert line.endswith("| 0.70 / 1.00 / 0.99 | 1.00 | round 2: 0.73 / 0.73 | round 2: – / 0.68 |")  # full95: no probe
+    alone.write_text(json.dumps({"settings": {"edits": dict(edits, offset=350)}, "results": {"crispedit": row}}))
+    with pytest.raises(SystemExit, match="not one round of the pilot stream full80"):
+        seq_streams.pilot_alone_table(tmp_path)
