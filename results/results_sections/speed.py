@@ -124,12 +124,13 @@ ONE_EDIT_SETTINGS = {  # one-edit round settings measured on the same rounds bac
     "lr_2e-4.json": "`--lr 2e-4` (default 5e-4)",
     "stop_loss_0.05.json": "`stop_loss=0.05` (default 0.01)",
     "stop_loss_0.03.json": "`stop_loss=0.03`",
+    "fast_no_keep.json": "no preservation term, `--context-sample 3`, `seq.kl_texts=4` (edit γ 0.8)",
 }
 
 
 def one_edit_settings_table() -> str:
-    """One row per stored run of :data:`ONE_EDIT_SETTINGS` (the same one-edit rounds under one changed setting each,
-    back to back): the final model's KL drift (and its ratio to the default's), WILD qa / chat / none rel and gen,
+    """One row per stored run of :data:`ONE_EDIT_SETTINGS` (the same one-edit rounds under the settings each row
+    names): the final model's KL drift (and its ratio to the default's), WILD qa / chat / none rel and gen,
     subject bleed, chat answers' length, and the rounds' steps and mean seconds; empty unless the default is stored."""
     got = {f: load_json(LATENCY / f) for f in ONE_EDIT_SETTINGS if (LATENCY / f).exists()}
     default = next(iter(ONE_EDIT_SETTINGS))
@@ -153,9 +154,29 @@ def one_edit_settings_table() -> str:
         )
     n = got[default]["final"]["summary"]["n_edits"]
     return (
-        f"The same {n} one-edit rounds (`{got[default]['edits'].rsplit('/', 1)[-1]}`, the tuning slice) under one "
-        f"changed setting each, back to back on one machine, and the final model over their edits (a WILD rate moves "
-        f"in steps of {1 / n:.2f} here):\n\n" + "\n".join(lines) + "\n"
+        f"The same {n} one-edit rounds (`{got[default]['edits'].rsplit('/', 1)[-1]}`, the tuning slice) under the "
+        f"settings each row names, on one machine, and the final model over their edits (a WILD rate moves in steps "
+        f"of {1 / n:.2f} here):\n\n" + "\n".join(lines) + "\n" + _fast_line(got)
+    )
+
+
+def _fast_line(got: dict) -> str:
+    """A sentence on the fastest one-edit setting tried (``fast_no_keep.json``, when stored): its round time against
+    the target and the default's, and what the chat answers lost without the preservation term."""
+    fast, default = got.get("fast_no_keep.json"), got.get(next(iter(ONE_EDIT_SETTINGS)))
+    if fast is None or default is None:
+        return ""
+    f, d = fast["final"]["summary"], default["final"]["summary"]
+    m = fast["mean"]
+    return (
+        f"\nThe fastest rounds tried drop the preservation term and train 3 of an edit's contexts each epoch: "
+        f"{m['wall']:.1f} s a round ({m['wall'] / fast['target']:.1f}× the {fast['target']:g} s target; training "
+        f"{m['train']:.1f} s, the rest {m['wall'] - m['train']:.1f} s) against {default['mean']['wall']:.1f} s, and "
+        f"the edits still land (WILD qa / chat / none {_wild_cell(f)}), but the assistant's chat answers shrink to "
+        f"×{f['style_length_ratio']:.2f} the base's length, {f['style_bare_share']:.2f} of them bare (the default: "
+        f"×{d['style_length_ratio']:.2f}, {d['style_bare_share']:.2f}) and the KL drift is "
+        f"×{f['kl_drift'] / d['kl_drift']:.2f} the default's: the preservation term is what keeps the "
+        "assistant's answers, and even without it a round takes more than the target.\n"
     )
 
 

@@ -358,3 +358,22 @@ def test_pilot_alone_table_reads_a_round_against_its_edits_alone(tmp_path):
     alone.write_text(json.dumps({"settings": {"edits": dict(edits, offset=350)}, "results": {"crispedit": row}}))
     with pytest.raises(SystemExit, match="not one round of the pilot stream full80"):
         seq_streams.pilot_alone_table(tmp_path)
+
+
+def test_fast_line_reads_the_fast_rounds_against_the_default():
+    """The sentence on the fastest one-edit setting quotes its round time against the target and the default's, and
+    its chat length, bare share and drift against the default's; nothing while either run is missing."""
+    summary = {f"wild_{w}_rel": 1.0 for w in ("qa", "chat", "none")}
+    default = {
+        "mean": {"wall": 80.0},
+        "final": {"summary": dict(summary, style_length_ratio=0.9, style_bare_share=0.0, kl_drift=0.004)},
+    }
+    fast = {
+        "mean": {"wall": 20.0, "train": 14.0},
+        "target": 10.0,
+        "final": {"summary": dict(summary, style_length_ratio=0.4, style_bare_share=0.5, kl_drift=0.01)},
+    }
+    line = speed._fast_line({"projection_gradient.json": default, "fast_no_keep.json": fast})
+    assert "20.0 s a round (2.0× the 10 s target; training 14.0 s, the rest 6.0 s) against 80.0 s" in line
+    assert "×0.40 the base's length, 0.50 of them bare (the default: ×0.90, 0.00) and the KL drift is ×2.50" in line
+    assert speed._fast_line({"projection_gradient.json": default}) == ""
