@@ -271,7 +271,8 @@ def pilot_alone_table(d: Path = SEQ_PILOT) -> str:
     stream's round holding the same edits landed right after its round and read on the final model, under the QA
     wrapper: check 1 compares a later round's edits with round 1's, which are other facts, and this reads them
     against the same facts edited with all the room. Empty while none is stored."""
-    files = sorted((d / PILOT_ALONE).glob("*.json")) if (d / PILOT_ALONE).is_dir() else []
+    alone_dir = d / PILOT_ALONE
+    files = sorted(f for f in alone_dir.glob("*.json") if f.name != "run.json") if alone_dir.is_dir() else []
     pilots = sorted(f for f in d.glob("*.json") if f.name != "run.json") if d.is_dir() else []
     if not files or not pilots:
         return ""
@@ -285,10 +286,11 @@ def pilot_alone_table(d: Path = SEQ_PILOT) -> str:
         + " |",
         "|---" * (3 + len(streams)) + "|",
     ]
+    verdicts = []
     for f in files:
         alone = load_json(f)
         e, row = alone["settings"]["edits"], alone["results"]["crispedit"]
-        cells = []
+        cells, gaps = [], []
         for name, stream in streams.items():
             se, seq = stream["settings"]["edits"], stream["results"]["crispedit-seq"]
             k, off = divmod(e["offset"] - se["offset"], seq["seq_chunk"])
@@ -299,6 +301,7 @@ def pilot_alone_table(d: Path = SEQ_PILOT) -> str:
             # a stream whose probes did not record each round's newest edits reads on the final model only
             now = landed[k] if k < len(landed) and landed[k] is not None else None
             cells.append(f"round {k + 1}: {'–' if now is None else f'{now:.2f}'} / {final[k]:.2f}")
+            gaps.append(row["wild"]["qa"]["rel"] - final[k])
         lines.append(
             f"| [{Path(e['file']).name} {e['offset']}–{e['offset'] + e['n'] - 1}]({d.name}/{PILOT_ALONE}/{f.name}) | "
             + " / ".join(f"{row['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
@@ -306,7 +309,18 @@ def pilot_alone_table(d: Path = SEQ_PILOT) -> str:
             + " | ".join(cells)
             + " |"
         )
-    return "\n".join(lines) + "\n"
+        span = f"{e['offset']}–{e['offset'] + e['n'] - 1}"
+        if all(g > PILOT_LANDS for g in gaps):
+            verdicts.append(
+                f"Edits {span} read the QA wrapper {min(gaps):.2f}–{max(gaps):.2f} lower as a later round than alone: "
+                "the gap check 1 reads is the sequence's, not those edits'."
+            )
+        elif all(g <= PILOT_LANDS for g in gaps):
+            verdicts.append(
+                f"Edits {span} read the QA wrapper within {PILOT_LANDS:g} of alone as a later round: the gap check 1 "
+                "reads is those edits', not the sequence's."
+            )
+    return "\n".join(lines) + "\n" + "".join(f"\n{v}\n" for v in verdicts)
 
 
 def seq_pilot_section(d: Path = SEQ_PILOT) -> str:

@@ -350,10 +350,13 @@ def test_pilot_alone_table_reads_a_round_against_its_edits_alone(tmp_path):
     (tmp_path / "alone").mkdir()
     row = {"wild": {w: {"rel": r} for w, r in zip(("qa", "chat", "none"), (0.7, 1.0, 0.99))}, "summary": {"rel": 1.0}}
     edits = {"file": "../shared/data/edits/zsre_dev.json", "offset": 300, "n": 100}
+    (tmp_path / "alone" / "run.json").write_text(json.dumps({"command": "crispedit compare ..."}))
     alone = tmp_path / "alone" / "dev300.json"
     alone.write_text(json.dumps({"settings": {"edits": edits}, "results": {"crispedit": row}}))
-    line = seq_streams.pilot_alone_table(tmp_path).splitlines()[-1]
+    table = seq_streams.pilot_alone_table(tmp_path).splitlines()
+    line = table[2]
     assert line.startswith("| [zsre_dev.json 300–399](")
+    assert table[-1].startswith("Edits 300–399 read the QA wrapper within 0.05 of alone as a later round")
     assert line.endswith("| 0.70 / 1.00 / 0.99 | 1.00 | round 2: 0.73 / 0.73 | round 2: – / 0.68 |")  # full95: no probe
     alone.write_text(json.dumps({"settings": {"edits": dict(edits, offset=350)}, "results": {"crispedit": row}}))
     with pytest.raises(SystemExit, match="not one round of the pilot stream full80"):
