@@ -70,8 +70,9 @@ def add_settings_args(
     """One flag per field of ``cls`` (``names``: only those, in that order) that :func:`~crispedit.settings.setting`
     offers the command line: ``--<name>`` (or its ``flag``), stored under the field's name, with the field's default,
     help, metavar and choices; a boolean that defaults to true becomes ``--no-<name>``. ``prefix`` (e.g. ``"seq"``)
-    names the flags ``--<prefix>-<name>`` and stores them under ``<prefix>_<name>``, one command's settings offered on
-    another's line; ``note`` then ends each help in brackets, ``{flag}`` standing for the unprefixed flag."""
+    names the flags ``--<prefix>-<name>`` (``--<prefix>-no-<name>``) and stores them under ``<prefix>_<name>``, one
+    command's settings offered on another's line; ``note`` then ends each help in brackets, ``{flag}`` standing for
+    the unprefixed flag."""
     for name in _field_names(cls) if names is None else names:
         meta = cls.metadata_of(name)
         if not meta or not meta.get("cli", True):
@@ -81,12 +82,13 @@ def add_settings_args(
         flag = meta.get("flag") or "--" + name.replace("_", "-")
         help_ = cls.help_of(name).replace("%", "%%")
         dest = name
+        kind = _value_type(cls, name)
+        if kind is bool and default:
+            flag = "--no-" + flag[2:]
         if prefix:
             help_ += f" ({note.format(flag=flag)})" if note else ""
             flag, dest = f"--{prefix}-{flag[2:]}", f"{prefix}_{name}"
-        kind = _value_type(cls, name)
         if kind is bool:
-            flag = flag if not default else "--no-" + flag[2:]
             p.add_argument(flag, dest=dest, action="store_false" if default else "store_true", help=help_)
             continue
         choices = meta.get("choices")

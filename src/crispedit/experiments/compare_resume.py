@@ -40,6 +40,7 @@ _SEQ_KNOBS = (
     ("edit_factors", "edit factors at {was} positions, now {now}", "--seq-edit-factors"),
     ("replay", "replay of {was} earlier edits, now {now}", "--seq-replay"),
     ("drift_from", "drift penalty from the {was}, now from the {now}", "--seq-drift-from"),
+    ("carry_optimizer", "Adam's state carried across rounds: {was}, now {now}", "--seq-no-carry-optimizer"),
 )
 
 
@@ -50,7 +51,9 @@ def _seq_hint(stored: dict, now: dict) -> str:
     for key, what, flag in _SEQ_KNOBS:
         was, is_now = stored.get(key), now.get(key)
         if was is not None and is_now is not None and was != is_now:
-            return f" ({what.format(was=was, now=is_now)}: {flag} {was} resumes it)"
+            # a switch resumes by being given (the stored row ran with it) or left out
+            resume = (flag if not was else f"leaving out {flag}") if isinstance(was, bool) else f"{flag} {was}"
+            return f" ({what.format(was=was, now=is_now)}: {resume} resumes it)"
     return ""
 
 
