@@ -224,6 +224,17 @@ def pilot_choice(rows: dict[str, dict]) -> str | None:
     )
 
 
+def _seq_setting(config: dict) -> str:
+    """A sequential row's settings the pilots vary, in words: the edit γ, and a fresh Adam each round or a replay of
+    earlier edits where the row ran with them."""
+    words = [f"edit γ {config['edit_gamma']:g}"]
+    if config.get("carry_optimizer") is False:
+        words.append("a fresh Adam each round")
+    if config.get("replay"):
+        words.append(f"{config['replay']} earlier edits replayed each round")
+    return ", ".join(words)
+
+
 def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
     """One row per stored stream of rounds of the confirming stream's size under ``d`` (a compare JSON with a
     ``crispedit-seq`` row, named by its edit-factor setting): round 1's edits right after round 1 (what a batch edit
@@ -258,8 +269,7 @@ def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
         )
     chosen = pilot_choice(rows)
     if chosen is not None:
-        gamma = rows[chosen]["config"]["edit_gamma"]
-        lines += ["", f"The rule picks `{chosen}` (edit γ {gamma:g})."]
+        lines += ["", f"The rule picks `{chosen}` ({_seq_setting(rows[chosen]['config'])})."]
     return "\n".join(lines) + "\n"
 
 

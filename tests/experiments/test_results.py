@@ -152,6 +152,12 @@ def test_pilot_table_reads_each_round_on_the_final_model(tmp_path):
     other = dict(row, config={"edit_gamma": 0.8}, wild={**row["wild"], "qa": {**row["wild"]["qa"], "rel": 0.9}})
     (tmp_path / "full80.json").write_text(json.dumps({"results": {"crispedit-seq": other}}))
     assert seq_streams.seq_pilot_table(tmp_path).splitlines()[-1] == "The rule picks `full80` (edit γ 0.8)."
+    fresh = dict(other, config={"edit_gamma": 0.8, "carry_optimizer": False, "replay": 50})
+    fresh["wild"] = {**other["wild"], "qa": {**other["wild"]["qa"], "rel": 0.95}}
+    (tmp_path / "fresh80.json").write_text(json.dumps({"results": {"crispedit-seq": fresh}}))
+    assert seq_streams.seq_pilot_table(tmp_path).splitlines()[-1] == (
+        "The rule picks `fresh80` (edit γ 0.8, a fresh Adam each round, 50 earlier edits replayed each round)."
+    )
     assert seq_streams.seq_pilot_table(tmp_path / "none") == ""
 
 
