@@ -237,7 +237,7 @@ def _seq_setting(config: dict) -> str:
 
 def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
     """One row per stored stream of rounds of the confirming stream's size under ``d`` (a compare JSON with a
-    ``crispedit-seq`` row, named by its edit-factor setting): round 1's edits right after round 1 (what a batch edit
+    ``crispedit-seq`` row, named by its setting): round 1's edits right after round 1 (what a batch edit
     of that size lands, with the capability constraint alone) and after the last round (teacher-forced / QA wrapper /
     chat), every round's edits on the final model under the QA wrapper
     (:func:`crispedit.experiments.retention.final_by_round`), reach over all edits, the kept fraction of directions
@@ -342,7 +342,7 @@ def seq_pilot_section(d: Path = SEQ_PILOT) -> str:
     return f"""## Choosing the edit factors: rounds of 100
 
 [`{d.name}/`]({d.name}/run.json): crispedit-seq in rounds of 100 ZsRE dev edits from 200 on (not the confirming
-stream's edits), the round size of the confirming stream, one edit-factor setting per row. Round 1 trains under the
+stream's edits), the round size of the confirming stream, one sequential setting per row. Round 1 trains under the
 capability constraint alone, as a batch edit of 100 does, so its edits right after it are what a round lands with
 all the room; a later round's edits on the final model say what it landed under the earlier rounds' constraint.
 The rule the rows are read by was written before they ran: check 1, every later round's own edits read the QA
