@@ -312,14 +312,14 @@ def pilot_alone_table(d: Path = SEQ_PILOT) -> str:
             now = landed[k] if k < len(landed) and landed[k] is not None else None
             cells.append(f"round {k + 1}: {'–' if now is None else f'{now:.2f}'} / {final[k]:.2f}")
             gaps.append(row["wild"]["qa"]["rel"] - final[k])
+        span = f"{e['offset']}–{e['offset'] + e['n'] - 1}"
         lines.append(
-            f"| [{Path(e['file']).name} {e['offset']}–{e['offset'] + e['n'] - 1}]({d.name}/{PILOT_ALONE}/{f.name}) | "
+            f"| [{Path(e['file']).name} {span}]({d.name}/{PILOT_ALONE}/{f.name}) | "
             + " / ".join(f"{row['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
             + f" | {row['summary']['rel']:.2f} | "
             + " | ".join(cells)
             + " |"
         )
-        span = f"{e['offset']}–{e['offset'] + e['n'] - 1}"
         if all(g > PILOT_LANDS for g in gaps):
             verdicts.append(
                 f"Edits {span} read the QA wrapper {min(gaps):.2f}–{max(gaps):.2f} lower as a later round than alone: "
@@ -497,11 +497,12 @@ def seq_confirm_section(d: Path = SEQ_CONFIRM) -> str:
         ]
         verb = "is" if len(waiting) == 1 else "are"
         marks = f"The sequential mode's marks are read once {' and '.join(waiting)} {verb} stored.\n"
+    tables = {m: retention_map_table(r) for m, r in seq.items()}
     maps = "".join(
         f"\n{m}'s retention map (teacher-forced rel of round k's edits after round j; the numbers are the row's "
-        f"`retention` records in [`{m}.json`]({d.name}/{m}.json)):\n\n{retention_map_table(r)}"
-        for m, r in seq.items()
-        if retention_map_table(r)
+        f"`retention` records in [`{m}.json`]({d.name}/{m}.json)):\n\n{table}"
+        for m, table in tables.items()
+        if table
     )
     picture = (
         f"\n![retention maps]({d.name}/retention_map.png)\n" if seq and (d / "retention_map.png").is_file() else ""
