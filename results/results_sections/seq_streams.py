@@ -334,12 +334,12 @@ def pilot_alone_table(d: Path = SEQ_PILOT) -> str:
 
 
 def seq_pilot_section(d: Path = SEQ_PILOT) -> str:
-    """The results page's section on the short streams of full-size rounds that chose the sequential mode's edit
-    factors, when stored."""
+    """The results page's section on the short streams of full-size rounds that chose the sequential mode's
+    settings (edit γ, Adam's carry, replay), when stored."""
     table = seq_pilot_table(d)
     if not table:
         return ""
-    return f"""## Choosing the edit factors: rounds of 100
+    return f"""## Choosing the sequential setting: rounds of 100
 
 [`{d.name}/`]({d.name}/run.json): crispedit-seq in rounds of 100 ZsRE dev edits from 200 on (not the confirming
 stream's edits), the round size of the confirming stream, one sequential setting per row. Round 1 trains under the
