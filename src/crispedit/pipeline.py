@@ -34,7 +34,7 @@ from .editing.api import snapshot
 from .evaluation import EVAL_WRAPPERS, evaluate_edit
 from .models import save_model_dir
 from .paths import check_output_dir
-from .versions import stamped
+from .versions import source_commit, stamped
 from .weights import parameter
 
 __all__ = [
@@ -50,17 +50,36 @@ __all__ = [
 
 
 def environment() -> dict:
-    """Library versions, Python, platform and torch thread count (recorded in every report)."""
+    """Where a run ran, recorded in every edit report and compare row: library versions, the crispedit source's git
+    commit when run from a checkout (:func:`~crispedit.versions.source_commit`, else ``None``), Python, platform, the
+    CPU's model name (``None`` where the system does not say), torch's thread count and the CUDA device's name
+    (``None`` without CUDA)."""
     import transformers
 
     return {
         "crispedit": __version__,
+        "source": source_commit(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def cpu_name() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name`` on Linux, else :func:`platform.processor`), or
+    ``None`` where neither says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def build_report(

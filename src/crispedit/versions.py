@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,30 @@ def crispedit_version() -> str:
     from . import __version__
 
     return __version__
+
+
+@functools.cache
+def source_commit(where: str | os.PathLike | None = None) -> str | None:
+    """The git commit of the crispedit source that is running (``where``: a folder of it; default this package's),
+    with ``+dirty`` when its tracked files under ``where`` differ from that commit: which code made a measured run,
+    finer than :func:`crispedit_version` while crispedit is run from a checkout. ``None`` for an installed copy
+    outside any git work tree, or without a working ``git``."""
+    folder = Path(where) if where is not None else Path(__file__).parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if not head:
+        return None
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".")
+    return head + ("+dirty" if changed else "")
 
 
 def stamped(record: dict) -> dict:

@@ -262,3 +262,32 @@ def test_an_eval_result_of_another_version_is_refused_by_report(tmp_path):
     _one_line_naming_old(e.value, str(path))
     path.write_text(json.dumps(stamped({"edit": {"rel": 0.5}, "capabilities": {}, "config": {}})))
     assert load_run(path)["edit"]["rel"] == 0.5
+
+
+def test_source_commit_names_a_checkouts_commit_and_its_changes_and_nothing_outside_git(tmp_path):
+    """A run records the git commit of the crispedit source it ran (``+dirty`` when tracked files under the folder
+    changed); outside any work tree there is none to name."""
+    import shutil
+    import subprocess
+
+    from crispedit.versions import source_commit
+
+    assert source_commit(tmp_path) is None
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True, text=True)  # noqa: E731
+    git("init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git("rev-parse", "HEAD").stdout.strip()
+    assert source_commit(repo) == head
+    (repo / "a.py").write_text("x = 2\n")
+    source_commit.cache_clear()  # asked once per process: the source does not change under a run
+    assert source_commit(repo) == head + "+dirty"
+    (repo / "a.py").write_text("x = 1\n")
+    (repo / "new.py").write_text("y = 1\n")  # untracked files are not the source that ran
+    source_commit.cache_clear()
+    assert source_commit(repo) == head

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+import crispedit
 from conftest import edits_file
 from crispedit import pipeline as pipeline_mod
 from crispedit.cli import main
@@ -14,7 +15,7 @@ from crispedit.errors import CrispEditError
 from crispedit.experiments import compare as compare_mod
 from crispedit.experiments import compare_outputs, compare_plot, compare_table
 from crispedit.experiments.retention import retention_map
-from crispedit.versions import stamped
+from crispedit.versions import source_commit, stamped
 from crispedit.weights import weight_fingerprint
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
@@ -76,6 +77,9 @@ def test_compare_runs_every_method_from_the_same_base_and_resumes(tiny_lm, tmp_p
         assert r["summary"]["kl_drift"] > 0 and r["edit_seconds"] > 0 and r["config"]["method"] == m
         assert set(r["wild"]) >= {"qa", "none", "chat"} and r["wild"]["chat"] is None  # no chat template
         assert r["memory"]["measure"] and r["memory"]["increase_mib"] is not None
+    for r in res.values():  # where each row ran: rows of one compare may come from several processes
+        assert r["environment"]["crispedit"] == crispedit.__version__ and r["environment"]["threads"] >= 1
+        assert r["environment"]["source"] == source_commit()
     assert res["locbf-ft"]["changed"] == ["model.layers.2.mlp.down_proj.weight"]
     assert res["ft"]["summary"]["kl_predicted"] > 0 and res["lora"]["summary"]["kl_predicted"] is None
     assert set(res["ft"]["summary"]["kl_predicted_layers"]) == {

@@ -58,7 +58,7 @@ from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER
 from ..evaluation.edit_eval import round_map_probe
 from ..layers import model_family
 from ..paths import check_output_dir
-from ..pipeline import EditJob, Measures, drift_summary
+from ..pipeline import EditJob, Measures, drift_summary, environment
 from ..sessions.in_memory import run_sequence
 from ..versions import stamped
 from ..weights import weight_fingerprint
@@ -127,7 +127,9 @@ def peak_memory(device: torch.device) -> Iterator[dict]:
 def _row(method: str, ev: dict, **extra) -> dict:
     """A compare row from :func:`~crispedit.evaluation.evaluate_edit`'s result: its summary, WILD, capabilities
     and, in edit order, every edit's teacher-forced ``tf.rel`` (0/1) and ``tf.gen`` (fraction of its rephrasings,
-    ``None`` without any), so the retention of any subset — a sequential run's first round — reads off a row."""
+    ``None`` without any), so the retention of any subset — a sequential run's first round — reads off a row; and
+    where it ran (:func:`~crispedit.pipeline.environment`, the crispedit source's commit among it: rows of one
+    compare may be run by several processes, resumed across machines and commits)."""
     caps = {k: v["score"] for k, v in ev.get("capabilities", {}).items()}
     per_edit = ev.get("per_edit") or []
     tf = {"rel": [int(e["rel"]) for e in per_edit], "gen": [e["gen"] for e in per_edit]} if per_edit else {}
@@ -139,6 +141,7 @@ def _row(method: str, ev: dict, **extra) -> dict:
         "capability_details": ev.get("capabilities", {}),
         **({"tf": tf} if tf else {}),
         **({"assistant": ev["assistant"]} if ev.get("assistant") else {}),
+        "environment": environment(),
         **extra,
     }
 
