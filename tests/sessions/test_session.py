@@ -27,6 +27,7 @@ from crispedit.sessions import session as session_mod
 from crispedit.sessions import store as store_mod
 from crispedit.sessions.sequential import SeqConfig, accumulate, combine_factors, round_edit_factors
 from crispedit.sessions.session import Session
+from crispedit.versions import source_commit
 
 LAYERS = "model.layers.{1-2}.mlp.down_proj"
 ROUNDS = [
@@ -83,8 +84,9 @@ def _tensor_files(d: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _strip(rounds: list[dict]) -> list[dict]:
-    """Round records without wall-clock fields and the marks of a resumed training (where it went on)."""
-    drop = {"finished", "resumed_at_epoch"}  # and every key naming seconds
+    """Round records without wall-clock fields, where they ran and the marks of a resumed training (where it went
+    on)."""
+    drop = {"finished", "environment", "resumed_at_epoch"}  # and every key naming seconds
 
     def clean(x):
         if isinstance(x, dict):
@@ -515,6 +517,7 @@ def test_lora_seq_stores_the_merged_projections_and_export_matches(tmp_path, tin
     st = s.status()
     assert st["name"] == "lora-seq" and set(st["files"]) == {"weights"}  # no optimizer state, no factors
     assert not any(r["optimizer_carried"] for r in st["rounds"])
+    assert all(r["environment"]["source"] == source_commit() for r in st["rounds"])  # which code ran each round
     w2 = load_file(str(tmp_path / "s" / st["files"]["weights"]))
     assert set(w1) == set(w2) == qv and all(not torch.equal(w1[n], w2[n]) for n in qv)
     s.export(tmp_path / "exp")

@@ -59,7 +59,7 @@ from ..evaluation import summarize_edit_scores
 from ..layers import model_family
 from ..models import load_model
 from ..paths import check_output_dir
-from ..pipeline import EditJob, Measures
+from ..pipeline import EditJob, Measures, environment
 from ..versions import stamped
 from ..weights import parameter, weight_fingerprint
 from . import store
@@ -284,6 +284,7 @@ class Session:
                     "n_edits": len(requests),
                     "source": source,
                     "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "environment": environment(),  # each round is its own process: which code and machine ran it
                 }
             )
             if world_size() > 1:
