@@ -68,8 +68,8 @@ from crispedit.editing.steptimer import StepTimer
 from crispedit.errors import CrispEditError
 from crispedit.layers import decoder_blocks, default_layer_pattern, expand_pattern
 from crispedit.models import load_model
-from crispedit.pipeline import environment
 from crispedit.progress import progress_lines
+from crispedit.versions import environment
 from crispedit.weights import restoring, weight_fingerprint
 
 # Architectures of the real checkpoints (their config.json), for random-init runs

@@ -14,15 +14,11 @@ the report last).
 
 from __future__ import annotations
 
-import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from . import __version__
 from .atomic import atomic_directory, atomic_write_json
 from .checks import check_finite_tensors
 from .curvature.predicted import mixing_layers, steep_layers, steep_note  # re-exported: pipeline.steep_layers
@@ -34,7 +30,7 @@ from .editing.api import snapshot
 from .evaluation import EVAL_WRAPPERS, evaluate_edit
 from .models import save_model_dir
 from .paths import check_output_dir
-from .versions import source_commit, stamped
+from .versions import environment, stamped
 from .weights import parameter
 
 __all__ = [
@@ -42,44 +38,10 @@ __all__ = [
     "Measures",
     "run_edit_job",
     "build_report",
-    "environment",
     "drift_summary",
     "steep_layers",
     "steep_note",
 ]
-
-
-def environment() -> dict:
-    """Where a run ran, recorded in every edit report and compare row: library versions, the crispedit source's git
-    commit when run from a checkout (:func:`~crispedit.versions.source_commit`, else ``None``), Python, platform, the
-    CPU's model name (``None`` where the system does not say), torch's thread count and the CUDA device's name
-    (``None`` without CUDA)."""
-    import transformers
-
-    return {
-        "crispedit": __version__,
-        "source": source_commit(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": cpu_name(),
-        "threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-
-
-def cpu_name() -> str | None:
-    """The CPU's model name (``/proc/cpuinfo``'s ``model name`` on Linux, else :func:`platform.processor`), or
-    ``None`` where neither says."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() or None
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def build_report(

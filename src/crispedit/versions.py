@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import platform
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,40 @@ def source_commit(where: str | os.PathLike | None = None) -> str | None:
         return None
     changed = git("status", "--porcelain", "--untracked-files=no", "--", ".")
     return head + ("+dirty" if changed else "")
+
+
+def environment() -> dict:
+    """Where a run ran, recorded in every edit report, compare row and session round: library versions, the
+    crispedit source's git commit when run from a checkout (:func:`source_commit`, else ``None``), Python, platform,
+    the CPU's model name (``None`` where the system does not say), torch's thread count and the CUDA device's name
+    (``None`` without CUDA). Imports torch and transformers when called, not when this module is imported."""
+    import torch
+    import transformers
+
+    return {
+        "crispedit": crispedit_version(),
+        "source": source_commit(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def cpu_name() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name`` on Linux, else :func:`platform.processor`), or
+    ``None`` where neither says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def stamped(record: dict) -> dict:

@@ -58,9 +58,9 @@ from ..evaluation import EVAL_WRAPPERS, HELD_OUT_WRAPPER
 from ..evaluation.edit_eval import round_map_probe
 from ..layers import model_family
 from ..paths import check_output_dir
-from ..pipeline import EditJob, Measures, drift_summary, environment
+from ..pipeline import EditJob, Measures, drift_summary
 from ..sessions.in_memory import run_sequence
-from ..versions import stamped
+from ..versions import environment, stamped
 from ..weights import weight_fingerprint
 from .compare_outputs import COMPARE_FORMAT, JSON_FILE, write_outputs
 from .compare_resume import resume_payload
@@ -128,7 +128,7 @@ def _row(method: str, ev: dict, **extra) -> dict:
     """A compare row from :func:`~crispedit.evaluation.evaluate_edit`'s result: its summary, WILD, capabilities
     and, in edit order, every edit's teacher-forced ``tf.rel`` (0/1) and ``tf.gen`` (fraction of its rephrasings,
     ``None`` without any), so the retention of any subset — a sequential run's first round — reads off a row; and
-    where it ran (:func:`~crispedit.pipeline.environment`, the crispedit source's commit among it: rows of one
+    where it ran (:func:`~crispedit.versions.environment`, the crispedit source's commit among it: rows of one
     compare may be run by several processes, resumed across machines and commits)."""
     caps = {k: v["score"] for k, v in ev.get("capabilities", {}).items()}
     per_edit = ev.get("per_edit") or []

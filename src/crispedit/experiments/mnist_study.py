@@ -27,7 +27,6 @@ Outputs in ``out_dir``: ``results.json`` (config, environment, pre-training, cur
 from __future__ import annotations
 
 import dataclasses
-import platform
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +38,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_write_json
 from ..paths import check_output_dir
+from ..versions import environment
 from .idx_data import ImageSplit, load_dataset
 from .mnist_config import METHODS, MnistStudyConfig, gamma_of
 from .study_curvature import NoProjection, ParamProjector, compute_curvature, hessian_at
@@ -201,15 +201,6 @@ def finetune(
 # the study
 
 
-def _environment() -> dict:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "threads": torch.get_num_threads(),
-    }
-
-
 def _row(
     method: str,
     k: float | None,
@@ -303,7 +294,7 @@ class _Study:
             "study": "mnist_to_fashion_mnist_curvature",
             "complete": done,
             "config": dataclasses.asdict(self.cfg),
-            "environment": _environment(),
+            "environment": environment(),
             "network": {
                 "class": "SmallLeNet",
                 "parameters": self.n_params,

@@ -59,8 +59,8 @@ from ..evaluation import summarize_edit_scores
 from ..layers import model_family
 from ..models import load_model
 from ..paths import check_output_dir
-from ..pipeline import EditJob, Measures, environment
-from ..versions import stamped
+from ..pipeline import EditJob, Measures
+from ..versions import environment, stamped
 from ..weights import parameter, weight_fingerprint
 from . import store
 from .files import SESSION_FILE, SESSION_FORMAT, STATE_FILE, read_session_meta, read_session_state
