@@ -373,6 +373,7 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
         r = res[m]
         assert r["rounds"] == 2 and r["seq_chunk"] == 2  # ceil(3 / 2)
         assert [x["n_edits"] for x in r["round_records"]] == [2, 1] and len(r["round_seconds"]) == 2
+        assert all(x["environment"]["source"] == source_commit() for x in r["round_records"])  # who ran each round
         # (rounded)
         assert all(t > 0 for t in r["round_seconds"]) and r["edit_seconds"] >= sum(r["round_seconds"]) - 0.01
         assert set(r["summary"]) == set(res["ft"]["summary"])  # measured exactly like a batch row

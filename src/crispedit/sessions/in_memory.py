@@ -22,7 +22,7 @@ from ..data.edits import EditRequest
 from ..editing.api import restore
 from ..editing.checkpoint import load_run_file, run_identity
 from ..errors import CrispEditError
-from ..versions import stamped
+from ..versions import environment, stamped
 from .sequential import SeqConfig, SeqState, drift_spent, run_round
 
 __all__ = ["SeqResult", "run_sequence", "save_sequence_checkpoint", "load_sequence_checkpoint", "SEQ_CHECKPOINT_KIND"]
@@ -225,7 +225,7 @@ def run_sequence(
             drift_spent=drift_spent(records),
             checkpoint=kept.round,
         )
-        rec.update(round=k, n_edits=len(part))
+        rec.update(round=k, n_edits=len(part), environment=environment())  # rounds resumed elsewhere differ
         earlier += float(rec["train"].get("resumed_seconds", 0.0))  # the killed run's part of this round
         if after_round is not None:
             rec["after_round"] = after_round(model, k)
