@@ -95,7 +95,9 @@ def summary_page() -> str:
 
 Every figure the README and the documentation quote comes from a directory here: one measured experiment
 each, with its command, the commit that stored it and the machine (`run.json`), its data (`compare.json`,
-benchmark JSON, CSV, the demo's printed output) and the tables and figures drawn from that data. Regenerate
+benchmark JSON, CSV, the demo's printed output) and the tables and figures drawn from that data. Data written by a
+crispedit that records where it ran (`environment`) also names the commit of the source that ran it; each
+section's run line lists those commits beside the one `run.json` names. Regenerate
 every table and figure, this page and the README's generated blocks with
 
 ```bash

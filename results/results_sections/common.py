@@ -53,9 +53,33 @@ def paired_change(x: list | None, y: list | None) -> tuple[float, float] | None:
     return mean, (sum((t - mean) ** 2 for t in diff) / (len(diff) - 1) / len(diff)) ** 0.5
 
 
+def recorded_sources(d: Path) -> dict[str, list[str]]:
+    """The crispedit source commits the stored JSONs of folder ``d`` record themselves (every ``environment``'s
+    ``source``: rows, rounds, reports; short, with ``+dirty`` kept) -> the files that hold each, sorted; files
+    written before crispedit recorded it hold none."""
+    found: dict[str, set[str]] = {}
+
+    def walk(x, name: str) -> None:
+        if isinstance(x, dict):
+            env = x.get("environment")
+            if isinstance(env, dict) and env.get("source"):
+                sha, _, dirty = str(env["source"]).partition("+")
+                found.setdefault(sha[:7] + (f"+{dirty}" if dirty else ""), set()).add(name)
+            for v in x.values():
+                walk(v, name)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v, name)
+
+    for f in sorted(d.glob("*.json")) if d.is_dir() else []:
+        if f.name != "run.json":
+            walk(load_json(f), f.name)
+    return {k: sorted(v) for k, v in sorted(found.items())}
+
+
 def run_line(d: Path) -> str:
-    """Where and how the run in folder ``d`` was stored (its ``run.json``: commit, date, machine, note), then its
-    command as a bash block."""
+    """Where and how the run in folder ``d`` was stored (its ``run.json``: commit, date, machine, note; and the
+    commits its stored files record themselves, :func:`recorded_sources`), then its command as a bash block."""
     r = load_json(d / "run.json") if (d / "run.json").is_file() else {}
     cmd = r.get("command")
     cmd = "\n".join(cmd) if isinstance(cmd, list) else cmd
@@ -65,6 +89,13 @@ def run_line(d: Path) -> str:
         + (f" on {r['machine']}" if r.get("machine") else "")
         + "."
     ]
+    sources = recorded_sources(d)
+    if sources:
+        out.append(
+            "The files record the crispedit source that ran them: "
+            + "; ".join(f"`{sha}` ({', '.join(files)})" for sha, files in sources.items())
+            + "."
+        )
     if r.get("note"):
         out.append(r["note"])
     text = " ".join(out)

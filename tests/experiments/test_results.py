@@ -3,6 +3,7 @@ against ``results/make.py``, and (slow, in CI) the demo's printed table against 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -386,3 +387,27 @@ def test_fast_line_reads_the_fast_rounds_against_the_default():
     assert "20.0 s a round (2.0× the 10 s target; training 14.0 s, the rest 6.0 s) against 80.0 s" in line
     assert "×0.40 the base's length, 0.50 of them bare (the default: ×0.90, 0.00) and the KL drift is ×2.50" in line
     assert speed._fast_line({"projection_gradient.json": default}) == ""
+
+
+def test_run_line_names_the_commits_the_stored_files_record(tmp_path):
+    """Beside run.json's hand-written commit, the run line names the commits the stored files record themselves
+    (rows and rounds, ``+dirty`` kept), with the files holding each; a file written before that records none."""
+    from results_sections.common import recorded_sources, run_line
+
+    (tmp_path / "run.json").write_text(json.dumps({"commit": "abc1234", "command": ["crispedit compare"]}))
+    row = lambda src: {"environment": {"source": src, "threads": 2}}  # noqa: E731
+    two = {
+        "results": {
+            "base": row("abc1234" + "0" * 33),
+            "seq": {**row("abc1234" + "0" * 33), "round_records": [row("def5678" + "1" * 33 + "+dirty")]},
+        }
+    }
+    (tmp_path / "a.json").write_text(json.dumps(two))
+    (tmp_path / "old.json").write_text(json.dumps({"results": {"base": {"summary": {}}}}))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.json").write_text(json.dumps(row("9999999" + "2" * 33)))  # another folder's run
+    assert recorded_sources(tmp_path) == {"abc1234": ["a.json"], "def5678+dirty": ["a.json"]}
+    line = run_line(tmp_path)
+    assert "Stored in `abc1234`." in line
+    assert "record the crispedit source that ran them: `abc1234` (a.json); `def5678+dirty` (a.json)." in line
+    assert recorded_sources(tmp_path / "sub" / "nothing") == {}
