@@ -3,6 +3,7 @@ stream leaves, and the confirming stream with its marks and retention maps."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -270,7 +271,43 @@ def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
     chosen = pilot_choice(rows)
     if chosen is not None:
         lines += ["", f"The rule picks `{chosen}` ({_seq_setting(rows[chosen]['config'])})."]
+        paired = _paired_later(rows, chosen)
+        lines += [paired] if paired else []
     return "\n".join(lines) + "\n"
+
+
+def _later_qa(row: dict) -> list[bool]:
+    """The QA-wrapper verdicts on the final model of a stream's edits after its first round, in edit order."""
+    return [bool(a[1]) for a in row["wild"]["qa"]["answers"][row["seq_chunk"] :]]
+
+
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact sign test (binomial, p = 1/2) of ``wins`` against ``losses`` discordant pairs: the chance of a
+    split at least this uneven were both settings equally likely to hold an edit; 1.0 without discordant pairs."""
+    n, k = wins + losses, min(wins, losses)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def _paired_later(rows: dict[str, dict], chosen: str) -> str:
+    """One sentence pairing the chosen pilot stream with each other one over the same edits after round 1 (QA
+    wrapper, final model): how many hold only under the chosen setting and only under the other, and the sign test's
+    p; streams of other edits or round sizes are left out, and the sentence is empty without any to pair."""
+    parts, n = [], 0
+    for name in sorted(rows):
+        a, b = rows[chosen], rows[name]
+        x, y = _later_qa(a), _later_qa(b)
+        if name == chosen or a["seq_chunk"] != b["seq_chunk"] or len(x) != len(y) or not x:
+            continue
+        n, only_a, only_b = len(x), sum(u and not v for u, v in zip(x, y)), sum(v and not u for u, v in zip(x, y))
+        parts.append(f"against `{name}`, {only_a} and {only_b} (exact sign test p = {sign_test(only_a, only_b):.2g})")
+    if not parts:
+        return ""
+    return (
+        f"Paired over the {n} edits after round 1 (QA wrapper, final model), the edits that hold only under "
+        f"`{chosen}` and only under the other setting: " + "; ".join(parts) + "."
+    )
 
 
 PILOT_ALONE = "alone"  # SEQ_PILOT/alone/: batch crispedit on one pilot round's edits alone

@@ -152,12 +152,22 @@ def test_pilot_table_reads_each_round_on_the_final_model(tmp_path):
     assert "picks" not in seq_streams.seq_pilot_table(tmp_path)  # one setting: nothing chosen
     other = dict(row, config={"edit_gamma": 0.8}, wild={**row["wild"], "qa": {**row["wild"]["qa"], "rel": 0.9}})
     (tmp_path / "full80.json").write_text(json.dumps({"results": {"crispedit-seq": other}}))
-    assert seq_streams.seq_pilot_table(tmp_path).splitlines()[-1] == "The rule picks `full80` (edit γ 0.8)."
+    pick, paired = seq_streams.seq_pilot_table(tmp_path).splitlines()[-2:]
+    assert pick == "The rule picks `full80` (edit γ 0.8)."
+    assert paired == (
+        "Paired over the 4 edits after round 1 (QA wrapper, final model), the edits that hold only under `full80` and "
+        "only under the other setting: against `full95`, 0 and 0 (exact sign test p = 1)."
+    )
     fresh = dict(other, config={"edit_gamma": 0.8, "carry_optimizer": False, "replay": 50})
     fresh["wild"] = {**other["wild"], "qa": {**other["wild"]["qa"], "rel": 0.95}}
+    fresh["wild"]["qa"]["answers"] = [["x", v, [], []] for v in [True] * 4 + [True, True, True, False]]
     (tmp_path / "fresh80.json").write_text(json.dumps({"results": {"crispedit-seq": fresh}}))
-    assert seq_streams.seq_pilot_table(tmp_path).splitlines()[-1] == (
+    pick, paired = seq_streams.seq_pilot_table(tmp_path).splitlines()[-2:]
+    assert pick == (
         "The rule picks `fresh80` (edit γ 0.8, a fresh Adam each round, 50 earlier edits replayed each round)."
+    )
+    assert paired.endswith(  # round 2: 3 of 4 against 1 of 4 in both others
+        "against `full80`, 2 and 0 (exact sign test p = 0.5); against `full95`, 2 and 0 (exact sign test p = 0.5)."
     )
     assert seq_streams.seq_pilot_table(tmp_path / "none") == ""
 
@@ -411,3 +421,10 @@ def test_run_line_names_the_commits_the_stored_files_record(tmp_path):
     assert "Stored in `abc1234`." in line
     assert "record the crispedit source that ran them: `abc1234` (a.json); `def5678+dirty` (a.json)." in line
     assert recorded_sources(tmp_path / "sub" / "nothing") == {}
+
+
+def test_sign_test_is_the_exact_two_sided_binomial():
+    """Discordant pairs split 8 to 1: p = 2 (1 + 9) / 2^9; an even split or none: 1; one-sided tail doubled."""
+    assert seq_streams.sign_test(8, 1) == seq_streams.sign_test(1, 8) == 2 * 10 / 512
+    assert seq_streams.sign_test(0, 0) == seq_streams.sign_test(5, 5) == 1.0
+    assert seq_streams.sign_test(6, 0) == 2 / 64
