@@ -39,3 +39,39 @@ def test_room_per_setting_and_round_from_the_unedited_model(tiny_lm, iso_cache):
     assert all(x < v[0] for v in series.values() for x in v[1:])
     assert series["full@0.95"][2] < series["full@0.95"][1]
     assert "| full@0.95 |" in script.table(series)
+
+
+def test_gradient_shares_weigh_the_kept_directions_by_what_the_edits_ask(tiny_lm, iso_cache):
+    """The share of an edit's gradient a projector keeps: all of it for the identity, none for a projector that
+    zeroes everything, between for a K-FAC constraint; per wrapper, averaged over the edits; nothing trains and
+    the weights' ``requires_grad`` is left as it was. ``room`` adds the shares of every later round's edits under
+    each setting and the capability constraint alone."""
+    from crispedit.curvature.projection import IdentityProjector
+
+    script = load_script(REPO / "benchmarks" / "seq_room.py", "seq_room")
+    model, tok = tiny_lm
+    fp = weight_fingerprint(model)
+    config = SeqConfig(
+        edit=EditConfig(
+            method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", contexts="bare", n_cap=4, max_len=48
+        )
+    )
+    layers = get_editor("crispedit").select_layers(model, config.edit)
+    before = {n: m.weight.requires_grad for n, m in layers.items()}
+
+    class Zero(IdentityProjector):
+        def project(self, Q):
+            return Q * 0
+
+    same = {n: IdentityProjector(*m.weight.shape) for n, m in layers.items()}
+    none = {n: Zero(*m.weight.shape) for n, m in layers.items()}
+    shares = script.gradient_shares(model, tok, REQS[:3], layers, {"id": same, "zero": none}, ["qa", "none"])
+    assert shares == {"qa": {"id": 1.0, "zero": 0.0}, "none": {"id": 1.0, "zero": 0.0}}
+    assert {n: m.weight.requires_grad for n, m in layers.items()} == before and weight_fingerprint(model) == fp
+    texts = ["The quick brown fox jumps over the lazy dog."] * 4
+    cap = collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=2, progress=False)
+    series = script.room(model, tok, REQS, layers, config, cap, 2, ["full"], [0.95], wrappers=["qa"])
+    assert set(series["gradient_share"]) == {"2", "3"}  # rounds after the first
+    for per in series["gradient_share"].values():
+        assert set(per["qa"]) == {"capability", "full@0.95"} and all(0.0 <= x <= 1.0 for x in per["qa"].values())
+    assert "round 2's edits: share of their gradient kept" in script.table(series)
