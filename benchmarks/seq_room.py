@@ -145,6 +145,12 @@ def main() -> None:
     ap.add_argument("--edit-gammas", help="comma list of edit γs to try (default: the session default)")
     ap.add_argument("--json", help="write the series here (rewritten after every round)")
     ap.add_argument(
+        "--mix",
+        type=float,
+        help="the edit factors' share of the mix whose eigenbasis both sets are masked in (default: the session "
+        "default)",
+    )
+    ap.add_argument(
         "--gradient-share",
         default="",
         metavar="WRAPPERS",
@@ -160,7 +166,8 @@ def main() -> None:
     from crispedit.models import load_model
 
     rows = [r for r in args.rows.split(",") if r]
-    config = SeqConfig(edit=EditConfig(method="crispedit"))
+    config = SeqConfig(edit=EditConfig(method="crispedit"), **({} if args.mix is None else {"mix": args.mix}))
+    config.validate()
     gammas = [float(g) for g in (args.edit_gammas or str(config.edit_gamma)).split(",") if g]
     path, offset, n = slice_arg(args.edits)
     model, tok = load_model(args.model)
@@ -177,7 +184,8 @@ def main() -> None:
                 args,
                 requests,
                 config=config.to_json(),
-                kept=series,
+                kept={k: v for k, v in series.items() if k != "gradient_share"},
+                **({"gradient_share": series["gradient_share"]} if "gradient_share" in series else {}),
                 seconds=round(time.perf_counter() - t0, 1),
                 command="python " + " ".join(sys.argv),
             )
