@@ -208,8 +208,9 @@ def test_compare_cli_seq_row_with_the_default_chunk(tiny_model_dir, tmp_path, is
 
 
 def test_compare_cli_seq_weighting_reaches_the_seq_row(tiny_model_dir, tmp_path, iso_cache):
-    """``--seq-weighting each --seq-replay 1 --seq-no-carry-optimizer``: the crispedit-seq row runs with them (and
-    says so in its stored config; its second round trains one of the first round's edits beside its own)."""
+    """``--seq-weighting each --seq-mix 0.2 --seq-replay 1 --seq-no-carry-optimizer``: the crispedit-seq row runs
+    with them (and says so in its stored config; its second round trains one of the first round's edits beside its
+    own)."""
     out = tmp_path / "cmp"
     args = [
         "compare",
@@ -225,6 +226,8 @@ def test_compare_cli_seq_weighting_reaches_the_seq_row(tiny_model_dir, tmp_path,
         "crispedit-seq",
         "--seq-weighting",
         "each",
+        "--seq-mix",
+        0.2,
         "--seq-replay",
         1,
         "--seq-no-carry-optimizer",
@@ -245,7 +248,7 @@ def test_compare_cli_seq_weighting_reaches_the_seq_row(tiny_model_dir, tmp_path,
     assert main([str(a) for a in args]) == 0
     row = json.loads((out / "compare.json").read_text())["results"]["crispedit-seq"]
     assert row["config"]["weighting"] == "each" and row["rounds"] == 2 and row["config"]["replay"] == 1
-    assert row["config"]["carry_optimizer"] is False
+    assert row["config"]["carry_optimizer"] is False and row["config"]["mix"] == 0.2
     assert [r["replayed"] for r in row["round_records"]] == [0, 1]
     assert all(0 < v < 1 for v in row["round_records"][1]["projector_kept"].values())
 
@@ -437,6 +440,7 @@ def test_compare_seq_rows_run_in_rounds_evaluate_all_edits_and_resume(tiny_lm, t
         ({"edit_gamma": 0.9}, r"edit-factor gamma 0.8, now 0.9: --seq-edit-gamma 0.8 resumes it"),
         ({"edit_factors": "target"}, r"edit factors at full positions, now target: --seq-edit-factors full resumes it"),
         ({"replay": 3}, r"replay of 0 earlier edits, now 3: --seq-replay 0 resumes it"),
+        ({"mix": 0.1}, r"the edit factors' share of the mix 0.5, now 0.1: --seq-mix 0.5 resumes it"),
         (
             {"carry_optimizer": False},
             r"Adam's state carried across rounds: True, now False: leaving out --seq-no-carry-optimizer resumes it",

@@ -15,7 +15,7 @@ __all__ = ["add_cli", "cmd_compare", "cmd_compare_merge", "DEFAULT_CAPABILITIES"
 DEFAULT_CAPABILITIES = "ifeval"
 DEFAULT_LIMITS = {"ifeval": 48}  # items per task without --limit (other tasks: all): what a CPU evaluates per row
 # The session settings the -seq rows take as --seq-<name> flags (the rest keep the session defaults)
-SEQ_SETTINGS = ("weighting", "edit_gamma", "edit_factors", "replay", "drift_from", "carry_optimizer")
+SEQ_SETTINGS = ("weighting", "mix", "edit_gamma", "edit_factors", "replay", "drift_from", "carry_optimizer")
 GEN_TOKENS = 256  # generative tasks' answers are cut here (IFEval's own cap is 1280 tokens): what a CPU can run
 
 

@@ -36,6 +36,7 @@ def _run_identity(config: dict, inputs: dict[str, str] | None) -> dict:
 #: The sequential rows' settings a resumed row names when they differ: (identity key, what it is, its flag).
 _SEQ_KNOBS = (
     ("weighting", "factor weighting {was}, now {now}", "--seq-weighting"),
+    ("mix", "the edit factors' share of the mix {was}, now {now}", "--seq-mix"),
     ("edit_gamma", "edit-factor gamma {was}, now {now}", "--seq-edit-gamma"),
     ("edit_factors", "edit factors at {was} positions, now {now}", "--seq-edit-factors"),
     ("replay", "replay of {was} earlier edits, now {now}", "--seq-replay"),
