@@ -419,6 +419,8 @@ def seq_room_section(d: Path = SEQ_ROOM) -> str:
     if not files:
         return ""
     parts = []
+    shares = [(f, load_json(f)) for f in files if "gradient_share" in load_json(f)]
+    files = [f for f in files if "gradient_share" not in load_json(f)]
     for f in files:
         r = load_json(f)
         e = r["edits"]
@@ -445,7 +447,69 @@ proxy for a stream's (which collects them on the model each round left). {run_li
 {chr(10).join(parts)}
 For comparison, a real stream: the stored crispedit-seq row of [1 000 ZsRE edits](#1-000-zsre-edits) (dev
 1000–1999, ten rounds of 100, `full` at edit γ 0.95 under that run's defaults) kept, round by round: {real_kept}.
+{gradient_share_part(shares)}"""
+
+
+def gradient_share_part(shares: list[tuple[Path, dict]]) -> str:
+    """The room section's part on the share of a later round's edit gradients each setting keeps (``seq_room.py
+    --gradient-share`` outputs): one table, a row per setting and factor mix, a column per wrapper, beside the
+    capability constraint alone; empty while none is stored."""
+    if not shares:
+        return ""
+    rows, wrappers, spans = {}, [], set()
+    for f, r in shares:
+        e = r["edits"]
+        spans.add(f"{Path(e['file']).name} {e['offset']}–{e['offset'] + e['n'] - 1} in rounds of {r['chunk']}")
+        for k, per in r["gradient_share"].items():
+            wrappers = list(per)
+            for setting in per[wrappers[0]]:
+                mix = "" if setting == "capability" else f", mix {r['config']['mix']:g}"
+                key = (k, setting + mix)
+                rows.setdefault(key, ([per[w][setting] for w in wrappers], f))
+    lines = ["| round | constraint | " + " | ".join(wrappers) + " |", "|---" * (len(wrappers) + 2) + "|"]
+    for (k, setting), (vals, f) in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] != "capability")):
+        lines.append(f"| {k} | [{setting}]({SEQ_ROOM.name}/{f.name}) | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    return f"""
+What of the direction a later round's edits need a constraint lets them follow (`--gradient-share`): for each of
+that round's edits, the gradient of its target's loss under an evaluation wrapper (the question as `qa`, `chat` or
+`none` renders it) on the edit layers' weights, and the share of its squared norm the projector keeps, averaged over
+the edits; `capability` is the constraint alone, what the same edits would have as a round 1 or a batch. The kept
+fraction of directions counts eigenpairs; this weighs them by what the edits ask for. A constraint reads as above
+(edit factors @ edit γ), with the edit factors' share of the mix whose eigenbasis both sets are masked in (the
+session default 0.5). {"; ".join(sorted(spans))}.
+
+{chr(10).join(lines)}
+{_share_reading(rows)}
 """
+
+
+def _share_reading(rows: dict) -> str:
+    """A sentence read off the gradient-share rows, when they hold the capability constraint and ``full`` edit factors
+    at the default mix with an edit γ of at most 0.1 and one of at least 0.8 (round 2, QA wrapper): whether masking
+    almost none of the earlier edits' energy gives the later round back its room."""
+    qa = {setting: vals[0] for (k, setting), (vals, _) in rows.items() if k == "2"}
+    low = {s: v for s, v in qa.items() if s.startswith("full@") and s.endswith(", mix 0.5") and _gamma(s) <= 0.1}
+    high = {s: v for s, v in qa.items() if s.startswith("full@") and s.endswith(", mix 0.5") and _gamma(s) >= 0.8}
+    if "capability" not in qa or not low or not high:
+        return ""
+    (s_lo, v_lo), (s_hi, v_hi) = (
+        min(low.items(), key=lambda kv: _gamma(kv[0])),
+        min(high.items(), key=lambda kv: _gamma(kv[0])),
+    )
+    cap = qa["capability"]
+    if abs(v_lo - v_hi) <= 0.02 and v_lo < cap - 0.05:
+        return (
+            f"\nRound 2's edits keep {v_lo:.2f} of their QA-wrapper gradient at edit γ {_gamma(s_lo):g} and "
+            f"{v_hi:.2f} at {_gamma(s_hi):g}, against {cap:.2f} under the capability constraint alone: what the "
+            "default mix costs a later round is not the mask on the earlier edits' energy but the capability "
+            "energy's mask taken in the merged eigenbasis.\n"
+        )
+    return ""
+
+
+def _gamma(setting: str) -> float:
+    """The edit γ of a gradient-share row's constraint name (``<positions>@<γ>, mix <m>``)."""
+    return float(setting.split("@", 1)[1].split(",", 1)[0])
 
 
 SEQ_CONFIRM = HERE / "seq_zsre_dev1000"

@@ -429,3 +429,25 @@ def test_sign_test_is_the_exact_two_sided_binomial():
     assert seq_streams.sign_test(8, 1) == seq_streams.sign_test(1, 8) == 2 * 10 / 512
     assert seq_streams.sign_test(0, 0) == seq_streams.sign_test(5, 5) == 1.0
     assert seq_streams.sign_test(6, 0) == 2 / 64
+
+
+def test_gradient_share_part_tables_each_constraint_and_reads_the_edit_gamma_off(tmp_path):
+    """One row per round and constraint (the capability once, each setting with its mix), a column per wrapper; the
+    sentence appears only when a low and a high edit γ at the default mix keep the same share, below the
+    capability's."""
+    from pathlib import Path
+
+    def run(name, mix, shares):
+        d = {"edits": {"file": "zsre_dev.json", "offset": 200, "n": 200}, "chunk": 100, "config": {"mix": mix}}
+        d["gradient_share"] = {"2": {"qa": {"capability": 0.53, **shares}, "none": {"capability": 0.4, **shares}}}
+        return Path(tmp_path / name), d
+
+    files = [run("a.json", 0.5, {"full@0.8": 0.36}), run("b.json", 0.5, {"full@0.05": 0.363})]
+    text = seq_streams.gradient_share_part(files)
+    assert "| 2 | [capability](seq_room/a.json) | 0.530 | 0.400 |" in text
+    assert "| 2 | [full@0.05, mix 0.5](seq_room/b.json) | 0.363 | 0.363 |" in text
+    assert text.count("[capability]") == 1
+    assert "keep 0.36 of their QA-wrapper gradient at edit γ 0.05 and 0.36 at 0.8, against 0.53" in text
+    files[1] = run("b.json", 0.5, {"full@0.05": 0.45})  # the earlier edits' mask does cost room: no such reading
+    assert "merged eigenbasis" not in seq_streams.gradient_share_part(files)
+    assert seq_streams.gradient_share_part([]) == ""
