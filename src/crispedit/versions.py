@@ -36,6 +36,7 @@ def source_commit(where: str | os.PathLike | None = None) -> str | None:
     folder = Path(where) if where is not None else Path(__file__).parent
 
     def git(*args: str) -> str | None:
+        """``git -C folder ARGS``'s stripped output, or ``None`` when it fails or cannot run."""
         try:
             done = subprocess.run(
                 ["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10, check=False
