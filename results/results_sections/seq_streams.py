@@ -419,10 +419,11 @@ def seq_room_section(d: Path = SEQ_ROOM) -> str:
     if not files:
         return ""
     parts = []
-    shares = [(f, load_json(f)) for f in files if "gradient_share" in load_json(f)]
-    files = [f for f in files if "gradient_share" not in load_json(f)]
-    for f in files:
-        r = load_json(f)
+    stored = [(f, load_json(f)) for f in files]
+    shares = [(f, r) for f, r in stored if "gradient_share" in r]
+    for f, r in stored:
+        if "gradient_share" in r:
+            continue
         e = r["edits"]
         n = max(len(v) for v in r["kept"].values())
         lines = [

@@ -10,16 +10,21 @@ from crispedit.weights import weight_fingerprint
 REQS = [EditRequest(f"Who founded company {i}?", f"Person {chr(65 + i)}") for i in range(6)]
 
 
-def test_room_per_setting_and_round_from_the_unedited_model(tiny_lm, iso_cache):
-    script = load_script(REPO / "benchmarks" / "seq_room.py", "seq_room")
-    model, tok = tiny_lm
-    fp = weight_fingerprint(model)
+def _setup(model):
+    """A crispedit-seq config on the tiny model's two middle MLP outputs, and those layers."""
     config = SeqConfig(
         edit=EditConfig(
             method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", contexts="bare", n_cap=4, max_len=48
         )
     )
-    layers = get_editor("crispedit").select_layers(model, config.edit)
+    return config, get_editor("crispedit").select_layers(model, config.edit)
+
+
+def test_room_per_setting_and_round_from_the_unedited_model(tiny_lm, iso_cache):
+    script = load_script(REPO / "benchmarks" / "seq_room.py", "seq_room")
+    model, tok = tiny_lm
+    fp = weight_fingerprint(model)
+    config, layers = _setup(model)
     texts = ["The quick brown fox jumps over the lazy dog."] * 4
     cap = collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=2, progress=False)
     seen = []
@@ -51,12 +56,7 @@ def test_gradient_shares_weigh_the_kept_directions_by_what_the_edits_ask(tiny_lm
     script = load_script(REPO / "benchmarks" / "seq_room.py", "seq_room")
     model, tok = tiny_lm
     fp = weight_fingerprint(model)
-    config = SeqConfig(
-        edit=EditConfig(
-            method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", contexts="bare", n_cap=4, max_len=48
-        )
-    )
-    layers = get_editor("crispedit").select_layers(model, config.edit)
+    config, layers = _setup(model)
     before = {n: m.weight.requires_grad for n, m in layers.items()}
 
     class Zero(IdentityProjector):
