@@ -545,3 +545,50 @@ def test_per_source_mask_masks_gamma_of_each_sources_energy():
     assert torch.equal(per, own[0] & own[1]) and bool((keep | ~per).all()) and (~per).sum() > (~keep).sum()
     with pytest.raises(ValueError, match="1 energy thresholds for 2 sources"):
         per_source_keep_mask(U_out, U_in, [(A1, S1), (A2, S2)], [gamma])
+
+
+def test_alternating_projector_tends_to_the_intersection_of_kept_subspaces():
+    """Two Kronecker projectors in different eigenbases: the symmetric alternation is symmetric PSD with spectrum in
+    [0, 1], never leaves the first part's kept subspace, and approaches the orthogonal projector onto the
+    intersection of both kept subspaces (dense float64 ground truth) as the sweeps grow; its leak into the second
+    part's masked directions shrinks with them."""
+    from crispedit.curvature.projection import AlternatingProjector
+
+    d_out, d_in, gamma = 4, 5, 0.6
+    P1 = KroneckerProjector.from_factors(rand_psd(d_in, seed=20), rand_psd(d_out, seed=21), gamma, dtype=D)
+    P2 = KroneckerProjector.from_factors(rand_psd(d_in, seed=22), rand_psd(d_out, seed=23), gamma, dtype=D)
+    D1, D2 = P1.dense(), P2.dense()
+    # the intersection of the two ranges: the null space of (I - D1) + (I - D2)
+    n = d_out * d_in
+    ev, U = torch.linalg.eigh(2 * torch.eye(n, dtype=D) - D1 - D2)
+    inter = U[:, ev < 1e-9]
+    assert inter.shape[1] == max(0, int(D1.trace().round() + D2.trace().round()) - n)  # general position
+    exact = inter @ inter.T
+    errors, leaks = [], []
+    Q = rn(d_out, d_in)
+    for sweeps in (1, 4, 64):
+        T = AlternatingProjector([P1, P2], sweeps)
+        M = T.dense()
+        torch.testing.assert_close(M, M.T)
+        lam = torch.linalg.eigvalsh(M)
+        assert lam.min() > -1e-10 and lam.max() < 1 + 1e-10
+        torch.testing.assert_close(D1 @ M, M)  # the first part is never leaked into
+        errors.append(float(torch.linalg.matrix_norm(M - exact, 2)))
+        leaks.append(T.leak(Q))
+        assert leaks[-1][0] < 1e-20
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-3
+    assert leaks[0][1] > leaks[1][1] > leaks[2][1]
+    T = AlternatingProjector([P1, P2], 2)
+    assert T.kept_fraction == pytest.approx(max(0.0, P1.kept_fraction + P2.kept_fraction - 1))
+    st = T.stats()
+    assert st["form"] == "alternating" and st["sweeps"] == 2 and [p["kept_fraction"] for p in st["parts"]] == [
+        round(P1.kept_fraction, 6),
+        round(P2.kept_fraction, 6),
+    ]
+    assert T.project(Q.float()).dtype == torch.float32
+    with pytest.raises(ValueError, match="at least two parts"):
+        AlternatingProjector([P1])
+    with pytest.raises(ValueError, match="same weight shape"):
+        AlternatingProjector([P1, KroneckerProjector.from_factors(rand_psd(3), rand_psd(d_out), gamma)])
+    with pytest.raises(ValueError, match="sweeps must be at least 1"):
+        AlternatingProjector([P1, P2], 0)

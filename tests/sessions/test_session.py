@@ -275,6 +275,39 @@ def test_each_weighting_masks_each_sets_energy_in_the_merged_basis(tmp_path, tin
     assert all(0 < v < 1 for v in st["rounds"][1]["projector_kept"].values())
 
 
+def test_apart_weighting_masks_each_set_in_its_own_basis(tmp_path, tiny_model_dir, monkeypatch):
+    """``apart``: each part masked in its own eigenbasis at its own γ (the capability at the config's, the edits at
+    ``edit_gamma``), the two projectors alternated; a session runs its rounds with it and records the parts' kept
+    fractions. Adam in the eigenbasis has no single basis to live in there: refused in one line."""
+    from crispedit.curvature.projection import AlternatingProjector
+    from crispedit.methods.crispedit import CrispEditEditor
+    from crispedit.sessions.sequential import APART_SWEEPS
+
+    g = torch.Generator().manual_seed(2)
+    psd = lambda d: (lambda x: x @ x.T)(torch.randn(d, d + 1, generator=g))  # noqa: E731
+    cap = KFACFactors({"l": psd(5)}, {"l": psd(4)}, 300)
+    ed = KFACFactors({"l": 9.0 * psd(5)}, {"l": 20.0 * psd(4)}, 30)
+    apart = combine_factors(cap, ed, "apart", 0.5, edit_gamma=0.95)
+    assert apart.parts == (cap, ed) and apart.part_sweeps == APART_SWEEPS
+    proj = CrispEditEditor().projectors({"l": None}, apart, EditConfig(gamma=0.8))["l"]
+    assert isinstance(proj, AlternatingProjector) and proj.sweeps == APART_SWEEPS
+    for part, want in zip(proj.parts, (cap.projector("l", 0.8), ed.projector("l", 0.95))):
+        assert torch.equal(part.mask, want.mask) and torch.equal(part.U_in, want.U_in)
+    assert combine_factors(cap, ed, "each", 0.5).part_sweeps == 0
+    with pytest.raises(CrispEditError, match="--weighting apart composes two eigenbases"):
+        SeqConfig(weighting="apart", edit=EditConfig(projection_target="eigenbasis"))
+    assert SeqConfig(weighting="apart", edit=EditConfig(method="ft", projection_target="eigenbasis")).weighting
+    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
+    s = Session.create(
+        tmp_path / "s", str(tiny_model_dir), _config(edit={"epochs": 3}, weighting="apart"), progress=False
+    )
+    for reqs in ROUNDS:
+        s.add(reqs, plot=False)
+    st = s.status()
+    assert [set(r["retention"]) for r in st["rounds"]] == [{"1"}, {"1", "2"}]
+    assert all(0 <= v < 1 for v in st["rounds"][1]["projector_kept"].values())
+
+
 def test_optimizer_state_roundtrip_and_reprojection(tiny_lm, iso_cache):
     from crispedit.editing import capability_factors
 

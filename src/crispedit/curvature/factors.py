@@ -21,7 +21,7 @@ from .base import Curvature, Eigenbasis
 from .eigen import factor_eigh
 from .masks import per_source_keep_mask
 from .predicted import layer_predicted_kl
-from .projection import KroneckerProjector, LayerProjector
+from .projection import AlternatingProjector, KroneckerProjector, LayerProjector
 
 __all__ = ["KFACFactors", "InputCovariance", "nullspace_projector"]
 
@@ -33,7 +33,10 @@ class KFACFactors(Curvature):
 
     ``parts``: for a merged constraint whose projector masks each part's energy separately (CrispEdit-Seq's
     ``weighting="each"``), the factor sets it was merged from; empty otherwise (never stored). ``part_gammas``:
-    the energy threshold of each part (``None``: the edit config's γ); empty: γ for every part.
+    the energy threshold of each part (``None``: the edit config's γ); empty: γ for every part. ``part_sweeps``:
+    0 masks every part in the merged factors' eigenbasis (one Kronecker projector); ``k > 0`` masks each part in
+    its own eigenbasis and composes the parts' projectors by ``k`` sweeps of symmetric alternation
+    (:class:`~.projection.AlternatingProjector`; CrispEdit-Seq's ``weighting="apart"``).
 
     ``source``: the cache file these factors were read from or written to (``path``, ``key``, ``write`` — the
     file's uid; empty for factors built or merged in memory) — what identifies their cached eigenbases
@@ -47,6 +50,7 @@ class KFACFactors(Curvature):
     _eigh: dict = field(default_factory=dict, compare=False, repr=False)
     parts: tuple = field(default=(), compare=False, repr=False)
     part_gammas: tuple = field(default=(), compare=False, repr=False)
+    part_sweeps: int = field(default=0, compare=False, repr=False)
 
     @property
     def layers(self) -> list[str]:
@@ -71,11 +75,16 @@ class KFACFactors(Curvature):
         """The Kronecker projector of layer ``name`` at ``gamma`` in ``dtype`` (``None``: float32): the entries of
         ``λ_out λ_inᵀ`` below the γ-energy cut are kept (:meth:`~.projection.KroneckerProjector.from_spectra`). For a
         merged constraint with :attr:`parts`, the merged factors' eigenbasis with a mask covering γ (or the part's
-        own :attr:`part_gammas` entry) of each part's energy (:func:`~.masks.per_source_keep_mask`)."""
+        own :attr:`part_gammas` entry) of each part's energy (:func:`~.masks.per_source_keep_mask`); with
+        :attr:`part_sweeps`, each part's own projector at its γ, composed
+        (:class:`~.projection.AlternatingProjector`)."""
+        gammas = [gamma if g is None else g for g in self.part_gammas or [None] * len(self.parts)]
+        if self.parts and self.part_sweeps:
+            own = [p.projector(name, g, device=device, dtype=dtype) for p, g in zip(self.parts, gammas)]
+            return AlternatingProjector(own, self.part_sweeps)
         eig = factor_eigh(self, [name], ("A", "S"), device=device)
         (lam_out, U_out), (lam_in, U_in) = eig[name, "S"], eig[name, "A"]
         if self.parts:
-            gammas = [gamma if g is None else g for g in self.part_gammas or [None] * len(self.parts)]
             keep = per_source_keep_mask(U_out, U_in, [(p.A[name], p.S[name]) for p in self.parts], gammas)
             return KroneckerProjector(U_out, U_in, keep, dtype=dtype or torch.float32)
         return KroneckerProjector.from_spectra(lam_out, U_out, lam_in, U_in, gamma, dtype=dtype or torch.float32)
@@ -86,7 +95,8 @@ class KFACFactors(Curvature):
         """:meth:`projector` of every layer in ``names``, their eigenbases fetched or computed in one go (one read
         and one write of the eigenbasis cache file)."""
         names = list(names)
-        factor_eigh(self, names, ("A", "S"), device=device)
+        for f in self.parts if self.part_sweeps else [self]:  # the factor sets whose eigenbases the masks use
+            factor_eigh(f, names, ("A", "S"), device=device)
         return super().projectors(names, gamma, device=device)
 
     def matvec(self, name: str, dW: Tensor) -> Tensor:

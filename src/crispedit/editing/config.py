@@ -112,7 +112,7 @@ class EditConfig(DriftConfig, SequencesConfig, TrainingConfig, ProjectionConfig,
         return d
 
 
-WEIGHTINGS = ("fixed", "trace", "each", "tokens")
+WEIGHTINGS = ("fixed", "trace", "each", "apart", "tokens")
 MODES = ("sequential", "batch")
 EDIT_FACTOR_ROWS = ("full", "target")
 DRIFT_FROM = ("round", "base")
@@ -148,7 +148,8 @@ class SeqConfig(Settings):
         "each",
         choices=WEIGHTINGS,
         help="capability vs edit factors: gamma of each set's energy masked in the trace-scaled "
-        "mix's eigenbasis (each, the default), that mix alone (trace), a fixed mixing "
+        "mix's eigenbasis (each, the default), or each in its own eigenbasis with the two projections "
+        "alternated (apart), that mix alone (trace), a fixed mixing "
         "coefficient on the raw factors (fixed), or token counts (authors' code)",
     )
     mix: float = setting(
@@ -164,7 +165,7 @@ class SeqConfig(Settings):
     edit_gamma: float | None = setting(
         0.8,
         metavar="G",
-        help="with --weighting each: the energy of the accumulated edit factors masked "
+        help="with --weighting each or apart: the energy of the accumulated edit factors masked "
         "(default {default}; higher protects earlier rounds' edits more and leaves "
         "later rounds less room)",
     )
@@ -215,6 +216,11 @@ class SeqConfig(Settings):
             )
         if self.weighting not in WEIGHTINGS:
             raise CrispEditError(f"factor weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
+        if self.weighting == "apart" and self.uses_weighting and self.edit.projection_target == "eigenbasis":
+            raise CrispEditError(
+                "--weighting apart composes two eigenbases, so there is none for Adam to keep its moments in; use "
+                "--projection-target gradient or update, or another weighting"
+            )
         self.mix = check_float("mix", self.mix, 0.0, 1.0, lo_open=True, hi_open=True)
         if self.edit_gamma is not None:
             self.edit_gamma = check_gamma(self.edit_gamma, "edit gamma")

@@ -18,6 +18,11 @@ chunks, for a fixed model). The next round's projector is rebuilt from capabilit
   energy *and* γ of the accumulated edit factors' energy, each measured in that basis
   (:func:`~crispedit.curvature.masks.per_source_keep_mask`): neither set can take the whole budget, by its
   scale or by one outlier direction (results/README.md);
+* ``weighting="apart"``: γ of the capability energy masked in the capability factors' own eigenbasis — the
+  mask a batch edit or a first round uses — and ``edit_gamma`` of the edit energy in the edit factors' own, the two
+  projectors composed by symmetric alternation (:class:`~crispedit.curvature.projection.AlternatingProjector`,
+  :data:`APART_SWEEPS` sweeps). In ``each``'s merged basis the capability energy spreads over more directions, so
+  its γ mask takes room the later rounds' edits need; apart, the capability mask is the first round's;
 * ``weighting="tokens"``: the authors' code, a token-count-weighted average; the capability corpus
   (thousands of tokens) swamps the edits (tens of tokens each).
 
@@ -76,7 +81,10 @@ __all__ = [
     "weight_drift",
     "WEIGHTINGS",
     "MODES",
+    "APART_SWEEPS",
 ]
+
+APART_SWEEPS = 2  # symmetric-alternation sweeps of weighting "apart" (each sweep: two more part projections)
 
 
 @dataclass
@@ -147,10 +155,12 @@ def combine_factors(
         return cap.merged(edits)
     if weighting == "fixed":
         return cap.merged(edits, weight=mix)
-    if weighting in ("trace", "each"):
+    if weighting in ("trace", "each", "apart"):
         merged = cap.merged(edits.rescaled_to(cap), weight=mix)
-        if weighting == "each":
+        if weighting in ("each", "apart"):
             merged.parts, merged.part_gammas = (cap, edits), (None, edit_gamma)
+        if weighting == "apart":
+            merged.part_sweeps = APART_SWEEPS
         return merged
     raise CrispEditError(f"unknown factor weighting {weighting!r}")
 
