@@ -30,50 +30,87 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from edit_tokens import slice_arg  # noqa: E402  (same folder)
 from seq_retention import stream_parser, stream_record  # noqa: E402
 
+EXTRA = ("gradient_share", "exposure")  # the series' entries that are not a setting's kept fractions
+
 
 def kept(constraint, layers, gamma: float) -> dict[str, float]:
     """Per edit layer, the fraction of directions the projector of ``constraint`` at ``gamma`` keeps free."""
     return {n: float(p.kept_fraction) for n, p in constraint.projectors(list(layers), gamma).items()}
 
 
-def gradient_shares(model, tokenizer, requests, layers, projectors: dict, wrappers: list[str]) -> dict:
-    """``{wrapper: {setting: mean share}}``: for each edit of ``requests``, the gradient of its target's loss (the
-    question rendered by the evaluation wrapper, the target teacher-forced after it) with respect to the edit
-    layers' weights, and the share of its squared norm each setting's projectors (``projectors[setting]``: layer
-    name -> projector) keep, averaged over the edits (float32). What of the direction an edit needs under a
-    wrapper a round may still follow: the kept fraction of directions counts eigenpairs, this weighs them by
-    what the edits ask for — an unseen wrapper's (``qa``) beside the trained ones'."""
+def edit_gradients(model, tokenizer, requests, layers, wrapper: str):
+    """For each edit of ``requests``: the gradient (float32, per edit layer name) of its target's loss, the question
+    rendered by the evaluation ``wrapper``, the target teacher-forced after it. The weights' ``requires_grad`` is
+    left as it was and their ``.grad`` cleared."""
     import torch
 
     from crispedit.evaluation.wild import EVAL_WRAPPERS
 
     weights = {n: m.weight for n, m in layers.items()}
     was = {n: w.requires_grad for n, w in weights.items()}
-    sums = {w: dict.fromkeys(projectors, 0.0) for w in wrappers}
+    wrap = EVAL_WRAPPERS[wrapper]
     try:
         for w in weights.values():
             w.requires_grad_(True)
-        for name in wrappers:
-            wrap = EVAL_WRAPPERS[name]
-            for req in requests:
-                prompt = wrap.render(tokenizer, req.prompt)
-                answer = ("" if wrap.chat_template else " ") + req.target
-                p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-                a_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-                ids = torch.tensor([p_ids + a_ids])
-                labels = torch.tensor([[-100] * len(p_ids) + a_ids])
-                model.zero_grad(set_to_none=True)
-                model(input_ids=ids, labels=labels).loss.backward()
-                grads = {n: w.grad.detach().float() for n, w in weights.items()}
-                total = sum(float((g * g).sum()) for g in grads.values())
-                for setting, proj in projectors.items():
-                    keep = sum(float(proj[n].project(g).pow(2).sum()) for n, g in grads.items())
-                    sums[name][setting] += keep / total if total > 0 else 0.0
+        for req in requests:
+            prompt = wrap.render(tokenizer, req.prompt)
+            answer = ("" if wrap.chat_template else " ") + req.target
+            p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            a_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([p_ids + a_ids])
+            labels = torch.tensor([[-100] * len(p_ids) + a_ids])
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=labels).loss.backward()
+            yield {n: w.grad.detach().float() for n, w in weights.items()}
     finally:
         model.zero_grad(set_to_none=True)
         for n, w in weights.items():
             w.requires_grad_(was[n])
+
+
+def gradient_shares(model, tokenizer, requests, layers, projectors: dict, wrappers: list[str]) -> dict:
+    """``{wrapper: {setting: mean share}}``: for each edit of ``requests``, its :func:`edit_gradients` under each
+    wrapper and the share of its squared norm each setting's projectors (``projectors[setting]``: layer
+    name -> projector) keep, averaged over the edits (float32). What of the direction an edit needs under a
+    wrapper a round may still follow: the kept fraction of directions counts eigenpairs, this weighs them by
+    what the edits ask for — an unseen wrapper's (``qa``) beside the trained ones'."""
+    sums = {w: dict.fromkeys(projectors, 0.0) for w in wrappers}
+    for name in wrappers:
+        for grads in edit_gradients(model, tokenizer, requests, layers, name):
+            total = sum(float((g * g).sum()) for g in grads.values())
+            for setting, proj in projectors.items():
+                keep = sum(float(proj[n].project(g).pow(2).sum()) for n, g in grads.items())
+                sums[name][setting] += keep / total if total > 0 else 0.0
     return {w: {s: round(v / len(requests), 4) for s, v in per.items()} for w, per in sums.items()}
+
+
+def curvature_exposure(
+    model, tokenizer, requests, layers, projectors: dict, curvatures: dict, wrapper: str = "qa"
+) -> dict:
+    """``{setting: {curvature: mean ratio}}``: for each edit of ``requests``, its :func:`edit_gradients` ``g`` under
+    ``wrapper`` and, per setting, the curvature quadratic form of the projected step over the raw one's,
+    ``Σ_layers q(P g) / Σ_layers q(g)`` for each named curvature of ``curvatures`` (e.g. the capability factors and
+    the earlier rounds' edit factors; ``quadratic_form`` in float64), averaged over the edits. Per unit of
+    learning rate, what a setting lets the step cost what that curvature protects: 1 for no projection, near 0
+    when the projector masks that curvature's energy."""
+    sums = {s: dict.fromkeys(curvatures, 0.0) for s in projectors}
+    for grads in edit_gradients(model, tokenizer, requests, layers, wrapper):
+        raw = {c: sum(f.quadratic_form(n, g) for n, g in grads.items()) for c, f in curvatures.items()}
+        for setting, proj in projectors.items():
+            step = {n: proj[n].project(g) for n, g in grads.items()}
+            for c, f in curvatures.items():
+                q = sum(f.quadratic_form(n, d) for n, d in step.items())
+                sums[setting][c] += q / raw[c] if raw[c] > 0 else 0.0
+    return {s: {c: round(v / len(requests), 4) for c, v in per.items()} for s, per in sums.items()}
+
+
+def setting_name(rows: str, edit_gamma: float, weighting: str, default: str, sweeps: int = 0) -> str:
+    """A setting's key: ``<rows>@<edit γ>`` under the session's default ``weighting``, else with ``:<weighting>``
+    (``:apart<sweeps>`` for the alternating one)."""
+    key = f"{rows}@{edit_gamma:g}"
+    if weighting == default:
+        return key
+    return key + (f":apart{sweeps}" if weighting == "apart" else f":{weighting}")
 
 
 def room(
@@ -88,21 +125,30 @@ def room(
     edit_gammas: list[float],
     on_round=None,
     wrappers: list[str] = (),
+    weightings: list[str] | None = None,
+    sweeps: list[int] = (2,),
+    exposure: bool = False,
 ) -> dict:
-    """``{"<rows>@<edit γ>": [mean kept fraction before round 1, before round 2, …]}``: the first entry is the
-    capability constraint alone (round 1's), entry k the constraint after k rounds' edit factors; ``on_round(out)``
-    after every round with the series so far. With ``wrappers``, also ``out["gradient_share"][k]`` for the rounds
-    from 2 on: :func:`gradient_shares` of round k's edits under each setting's constraint before round k, and under
-    the capability constraint alone (``capability``: the room those edits would have as a round 1 or a batch)."""
+    """``{setting: [mean kept fraction before round 1, before round 2, …]}`` for every setting (:func:`setting_name`
+    of the rows × edit γs × ``weightings``, each ``apart`` once per entry of ``sweeps``; ``weightings`` default to
+    the config's): the first entry is the capability constraint alone (round 1's), entry k the constraint after k
+    rounds' edit factors; ``on_round(out)`` after every round with the series so far. With ``wrappers``, also
+    ``out["gradient_share"][k]`` for the rounds from 2 on: :func:`gradient_shares` of round k's edits under each
+    setting's constraint before round k, and under the capability constraint alone (``capability``: the room those
+    edits would have as a round 1 or a batch); with ``exposure`` as well, ``out["exposure"][k]``:
+    :func:`curvature_exposure` of those edits under the QA wrapper, for the capability factors and the earlier
+    rounds' edit factors (the first row's)."""
     from crispedit.sessions.sequential import accumulate, combine_factors, round_edit_factors
 
     def mean(d: dict) -> float:
         return round(sum(d.values()) / len(d), 4)
 
     gamma = config.edit.gamma
+    weightings = list(weightings or [config.weighting])
+    plan = [(w, k) for w in weightings for k in (sweeps if w == "apart" else [0])]  # (weighting, alternation sweeps)
     first = mean(kept(cap, layers, gamma))
-    out = {f"{r}@{g:g}": [first] for r in rows for g in edit_gammas}
-    shares = {}
+    out = {setting_name(r, g, w, config.weighting, k): [first] for r in rows for g in edit_gammas for w, k in plan}
+    shares, exposures = {}, {}
     acc = dict.fromkeys(rows)
     rounds = [requests[i : i + chunk] for i in range(0, len(requests), chunk)]
     for k, reqs in enumerate(rounds[:-1], start=1):  # the last round's factors constrain no later round
@@ -112,13 +158,22 @@ def room(
                 acc[r], round_edit_factors(model, tokenizer, reqs, layers, config.edit, k, progress=False, rows=r)
             )
             for g in edit_gammas:
-                merged = combine_factors(cap, acc[r], config.weighting, config.mix, g)
-                out[f"{r}@{g:g}"].append(mean(kept(merged, layers, gamma)))
-                if wrappers:
-                    projectors[f"{r}@{g:g}"] = merged.projectors(list(layers), gamma)
+                for w, n_sweeps in plan:
+                    merged = combine_factors(cap, acc[r], w, config.mix, g)
+                    if w == "apart":
+                        merged.part_sweeps = n_sweeps
+                    name = setting_name(r, g, w, config.weighting, n_sweeps)
+                    built = merged.projectors(list(layers), gamma)
+                    out[name].append(mean({n: p.kept_fraction for n, p in built.items()}))
+                    if wrappers:
+                        projectors[name] = built
         if wrappers:
             shares[str(k + 1)] = gradient_shares(model, tokenizer, rounds[k], layers, projectors, list(wrappers))
             out["gradient_share"] = shares
+            if exposure:
+                curv = {"capability": cap, "edits": acc[rows[0]]}
+                exposures[str(k + 1)] = curvature_exposure(model, tokenizer, rounds[k], layers, projectors, curv)
+                out["exposure"] = exposures
         if on_round is not None:
             on_round(out)
     return out
@@ -126,7 +181,7 @@ def room(
 
 def table(series: dict) -> str:
     """One markdown row per setting, one column per round; with gradient shares, one table of them per round."""
-    kept_rows = {k: v for k, v in series.items() if k != "gradient_share"}
+    kept_rows = {k: v for k, v in series.items() if k not in EXTRA}
     n = max(len(v) for v in kept_rows.values())
     lines = ["| setting | " + " | ".join(f"r{i + 1}" for i in range(n)) + " |", "|" + "---|" * (n + 1)]
     lines += [f"| {k} | " + " | ".join(f"{x:.2f}" for x in v) + " |" for k, v in kept_rows.items()]
@@ -136,6 +191,11 @@ def table(series: dict) -> str:
         lines += ["| setting | " + " | ".join(wrappers) + " |", "|" + "---|" * (len(wrappers) + 1)]
         for setting in per[wrappers[0]]:
             lines.append(f"| {setting} | " + " | ".join(f"{per[w][setting]:.3f}" for w in wrappers) + " |")
+    for k, per in series.get("exposure", {}).items():
+        curv = list(next(iter(per.values())))
+        lines += ["", f"round {k}'s edits (qa): curvature of the projected step over the raw step's", ""]
+        lines += ["| setting | " + " | ".join(curv) + " |", "|" + "---|" * (len(curv) + 1)]
+        lines += [f"| {s} | " + " | ".join(f"{v[c]:.4f}" for c in curv) + " |" for s, v in per.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -156,6 +216,18 @@ def main() -> None:
         metavar="WRAPPERS",
         help="comma list of evaluation wrappers (qa,chat,none): also the share of each later round's edit gradients "
         "under them that each setting keeps",
+    )
+    ap.add_argument(
+        "--weightings",
+        help="comma list of factor weightings to try (each, apart, …; default: the session default); apart once "
+        "per --sweeps entry",
+    )
+    ap.add_argument("--sweeps", default="2", help="comma list of alternation sweeps for --weightings apart")
+    ap.add_argument(
+        "--exposure",
+        action="store_true",
+        help="with --gradient-share: also the capability and earlier-edit curvature each setting lets the QA "
+        "wrapper's edit gradients cost",
     )
     args = ap.parse_args()
     from crispedit.atomic import atomic_write_json
@@ -184,15 +256,30 @@ def main() -> None:
                 args,
                 requests,
                 config=config.to_json(),
-                kept={k: v for k, v in series.items() if k != "gradient_share"},
-                **({"gradient_share": series["gradient_share"]} if "gradient_share" in series else {}),
+                kept={k: v for k, v in series.items() if k not in EXTRA},
+                **{k: series[k] for k in EXTRA if k in series},
                 seconds=round(time.perf_counter() - t0, 1),
                 command="python " + " ".join(sys.argv),
             )
             atomic_write_json(args.json, record)
 
     wrappers = [w for w in args.gradient_share.split(",") if w]
-    series = room(model, tok, requests, layers, config, cap, args.chunk, rows, gammas, on_round=save, wrappers=wrappers)
+    series = room(
+        model,
+        tok,
+        requests,
+        layers,
+        config,
+        cap,
+        args.chunk,
+        rows,
+        gammas,
+        on_round=save,
+        wrappers=wrappers,
+        weightings=[w for w in (args.weightings or "").split(",") if w] or None,
+        sweeps=[int(k) for k in args.sweeps.split(",") if k],
+        exposure=args.exposure,
+    )
     save(series)
     print(table(series))
 

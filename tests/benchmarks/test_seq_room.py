@@ -75,3 +75,45 @@ def test_gradient_shares_weigh_the_kept_directions_by_what_the_edits_ask(tiny_lm
     for per in series["gradient_share"].values():
         assert set(per["qa"]) == {"capability", "full@0.95"} and all(0.0 <= x <= 1.0 for x in per["qa"].values())
     assert "round 2's edits: share of their gradient kept" in script.table(series)
+
+
+def test_room_compares_weightings_and_the_curvature_a_step_costs(tiny_lm, iso_cache):
+    """``weightings``: each setting once per weighting (``apart`` once per sweep count), keyed by
+    :func:`setting_name`; ``exposure``: per setting, the capability and earlier-edit curvature of the projected QA
+    gradients over the raw ones' — 1 for no projection, below 1 under a constraint that masks that curvature."""
+    from crispedit.curvature.projection import IdentityProjector
+
+    script = load_script(REPO / "benchmarks" / "seq_room.py", "seq_room")
+    model, tok = tiny_lm
+    fp = weight_fingerprint(model)
+    config, layers = _setup(model)
+    texts = ["The quick brown fox jumps over the lazy dog."] * 4
+    cap = collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=2, progress=False)
+    series = script.room(
+        model,
+        tok,
+        REQS[:4],
+        layers,
+        config,
+        cap,
+        2,
+        ["full"],
+        [0.8],
+        wrappers=["qa"],
+        weightings=["each", "apart"],
+        sweeps=[1, 3],
+        exposure=True,
+    )
+    assert weight_fingerprint(model) == fp
+    names = {"full@0.8", "full@0.8:apart1", "full@0.8:apart3"}
+    assert set(series) == names | {"gradient_share", "exposure"}
+    assert set(series["gradient_share"]["2"]["qa"]) == names | {"capability"}
+    exp = series["exposure"]["2"]
+    assert set(exp) == names | {"capability"} and all(set(v) == {"capability", "edits"} for v in exp.values())
+    assert all(0.0 <= x <= 1.0 + 1e-6 for v in exp.values() for x in v.values())
+    assert exp["full@0.8:apart3"]["edits"] < exp["capability"]["edits"]  # the edit mask is what protects them
+    same = {n: IdentityProjector(*m.weight.shape) for n, m in layers.items()}
+    ident = script.curvature_exposure(model, tok, REQS[:2], layers, {"id": same}, {"capability": cap})
+    assert ident == {"id": {"capability": 1.0}}
+    assert script.setting_name("target", 0.95, "trace", "each") == "target@0.95:trace"
+    assert "curvature of the projected step over the raw step's" in script.table(series)
