@@ -581,10 +581,15 @@ def test_alternating_projector_tends_to_the_intersection_of_kept_subspaces():
     T = AlternatingProjector([P1, P2], 2)
     assert T.kept_fraction == pytest.approx(max(0.0, P1.kept_fraction + P2.kept_fraction - 1))
     st = T.stats()
-    assert st["form"] == "alternating" and st["sweeps"] == 2 and [p["kept_fraction"] for p in st["parts"]] == [
-        round(P1.kept_fraction, 6),
-        round(P2.kept_fraction, 6),
-    ]
+    assert (
+        st["form"] == "alternating"
+        and st["sweeps"] == 2
+        and [p["kept_fraction"] for p in st["parts"]]
+        == [
+            round(P1.kept_fraction, 6),
+            round(P2.kept_fraction, 6),
+        ]
+    )
     assert T.project(Q.float()).dtype == torch.float32
     with pytest.raises(ValueError, match="at least two parts"):
         AlternatingProjector([P1])
