@@ -306,6 +306,9 @@ def test_apart_weighting_masks_each_set_in_its_own_basis(tmp_path, tiny_model_di
     st = s.status()
     assert [set(r["retention"]) for r in st["rounds"]] == [{"1"}, {"1", "2"}]
     assert all(0 <= v < 1 for v in st["rounds"][1]["projector_kept"].values())
+    parts = st["rounds"][1]["projector_parts_kept"]
+    assert set(parts) == set(st["rounds"][1]["projector_kept"]) and all(len(v) == 2 for v in parts.values())
+    assert "projector_parts_kept" not in st["rounds"][0]  # round 1: the capability constraint alone
 
 
 def test_optimizer_state_roundtrip_and_reprojection(tiny_lm, iso_cache):

@@ -412,13 +412,17 @@ def _plan_round(
 
 def _round_record(outcome: EditOutcome, plan: _RoundPlan, config: SeqConfig, drift: dict) -> dict:
     """A round's record from the loop's ``outcome`` (:class:`~crispedit.editing.editor.EditOutcome`): its training
-    history, whether the optimizer state carried, each layer's kept fraction of directions, how many earlier edits
-    it rehearsed (with ``replay``), the predicted ``drift`` (:func:`_drift_record`) and the drift budget's account."""
+    history, whether the optimizer state carried, each layer's kept fraction of directions (and each part's, for a
+    composed projector: ``projector_parts_kept``), how many earlier edits it rehearsed (with ``replay``), the
+    predicted ``drift`` (:func:`_drift_record`) and the drift budget's account."""
     record: dict = {
         "train": outcome.history.to_json(),
         "optimizer_carried": outcome.optimizer_carried,
         "projector_kept": {n: v["kept_fraction"] for n, v in outcome.projector_stats.items()},
     }
+    parts = {n: [p["kept_fraction"] for p in v["parts"]] for n, v in outcome.projector_stats.items() if "parts" in v}
+    if parts:  # a composed projector: its kept fraction is a bound, each part's its own
+        record["projector_parts_kept"] = parts
     if config.replay:
         record["replayed"] = len(plan.rehearsed)
     record.update(drift)
