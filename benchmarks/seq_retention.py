@@ -168,13 +168,17 @@ def stream_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def stream_record(args: argparse.Namespace, requests: list, **more) -> dict:
-    """A stream benchmark's ``--json`` head — the edit slice (``{"file", "offset", "n"}``), ``chunk``, ``model`` — and
+    """A stream benchmark's ``--json`` head — the edit slice (``{"file", "offset", "n"}``), ``chunk``, ``model``, the
+    ``environment`` that ran it (:func:`crispedit.versions.environment`: versions, the source commit, the CPU) — and
     ``more``."""
+    from crispedit.versions import environment
+
     path, offset, _ = slice_arg(args.edits)
     return {
         "edits": {"file": path, "offset": offset, "n": len(requests)},
         "chunk": args.chunk,
         "model": args.model,
+        "environment": environment(),
         **more,
     }
 

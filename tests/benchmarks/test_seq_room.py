@@ -117,3 +117,15 @@ def test_room_compares_weightings_and_the_curvature_a_step_costs(tiny_lm, iso_ca
     assert ident == {"id": {"capability": 1.0}}
     assert script.setting_name("target", 0.95, "trace", "each") == "target@0.95:trace"
     assert "curvature of the projected step over the raw step's" in script.table(series)
+
+
+def test_stream_record_says_which_code_and_machine_ran_it():
+    """A stream benchmark's record: the slice, chunk and model, and the environment with this checkout's commit."""
+    from argparse import Namespace
+
+    from crispedit.versions import source_commit
+
+    script = load_script(REPO / "benchmarks" / "seq_retention.py", "seq_retention")
+    record = script.stream_record(Namespace(edits="e.json:4:2", chunk=1, model="m"), [0, 1], extra=3)
+    assert record["edits"] == {"file": "e.json", "offset": 4, "n": 2} and record["chunk"] == 1
+    assert record["environment"]["source"] == source_commit() and record["extra"] == 3
