@@ -451,10 +451,26 @@ For comparison, a real stream: the stored crispedit-seq row of [1 000 ZsRE edits
 {gradient_share_part(shares)}"""
 
 
+def constraint_label(setting: str, mix: float) -> str:
+    """A room row's constraint as the results page names it, from ``seq_room.py``'s setting key: ``capability``;
+    ``<positions>@<edit γ>, mix <m>`` under the default ``each`` weighting; ``<positions>@<edit γ>, apart, <k> sweeps``
+    (the mix does not act there); ``<positions>@<edit γ>, <weighting>, mix <m>`` otherwise."""
+    if setting == "capability":
+        return setting
+    key, _, weighting = setting.partition(":")
+    if not weighting:
+        return f"{key}, mix {mix:g}"
+    if weighting.startswith("apart"):
+        k = int(weighting[len("apart") :])
+        return f"{key}, apart, {k} sweep{'s' if k != 1 else ''}"
+    return f"{key}, {weighting}, mix {mix:g}"
+
+
 def gradient_share_part(shares: list[tuple[Path, dict]]) -> str:
     """The room section's part on the share of a later round's edit gradients each setting keeps (``seq_room.py
-    --gradient-share`` outputs): one table, a row per setting and factor mix, a column per wrapper, beside the
-    capability constraint alone; empty while none is stored."""
+    --gradient-share`` outputs): one table, a row per constraint (:func:`constraint_label`), a column per wrapper,
+    beside the capability constraint alone; with ``--exposure`` runs, a second table of the curvature a projected
+    step costs (:func:`exposure_part`); empty while none is stored."""
     if not shares:
         return ""
     rows, wrappers, spans = {}, [], set()
@@ -462,35 +478,38 @@ def gradient_share_part(shares: list[tuple[Path, dict]]) -> str:
         e = r["edits"]
         spans.add(f"{Path(e['file']).name} {e['offset']}–{e['offset'] + e['n'] - 1} in rounds of {r['chunk']}")
         for k, per in r["gradient_share"].items():
-            wrappers = list(per)
-            for setting in per[wrappers[0]]:
-                mix = "" if setting == "capability" else f", mix {r['config']['mix']:g}"
-                key = (k, setting + mix)
-                rows.setdefault(key, ([per[w][setting] for w in wrappers], f))
+            for setting in per[next(iter(per))]:
+                key = (k, constraint_label(setting, r["config"]["mix"]))
+                vals = {w: v[setting] for w, v in per.items()}
+                if key not in rows or len(vals) > len(rows[key][0]):  # the run that measured more wrappers
+                    rows[key] = (vals, f)
+                wrappers = wrappers if len(wrappers) >= len(per) else list(per)
     lines = ["| round | constraint | " + " | ".join(wrappers) + " |", "|---" * (len(wrappers) + 2) + "|"]
-    for (k, setting), (vals, f) in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] != "capability")):
-        lines.append(f"| {k} | [{setting}]({SEQ_ROOM.name}/{f.name}) | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    for (k, label), (vals, f) in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] != "capability")):
+        cells = " | ".join(f"{vals[w]:.3f}" if w in vals else "–" for w in wrappers)
+        lines.append(f"| {k} | [{label}]({SEQ_ROOM.name}/{f.name}) | {cells} |")
     return f"""
 What of the direction a later round's edits need a constraint lets them follow (`--gradient-share`): for each of
 that round's edits, the gradient of its target's loss under an evaluation wrapper (the question as `qa`, `chat` or
 `none` renders it) on the edit layers' weights, and the share of its squared norm the projector keeps, averaged over
 the edits; `capability` is the constraint alone, what the same edits would have as a round 1 or a batch. The kept
 fraction of directions counts eigenpairs; this weighs them by what the edits ask for. A constraint reads as above
-(edit factors @ edit γ), with the edit factors' share of the mix whose eigenbasis both sets are masked in (the
-session default 0.5). {"; ".join(sorted(spans))}.
+(edit factors @ edit γ), with the edit factors' share of the mix whose eigenbasis both sets are masked in under the
+default `each` weighting (the session default 0.5), or `apart`: each set masked in its own eigenbasis, the two
+projections alternated that many sweeps. {"; ".join(sorted(spans))}.
 
 {chr(10).join(lines)}
-{_share_reading(rows)}
-"""
+{_share_reading(rows)}{exposure_part(shares)}"""
 
 
 def _share_reading(rows: dict) -> str:
     """A sentence read off the gradient-share rows, when they hold the capability constraint and ``full`` edit factors
-    at the default mix with an edit γ of at most 0.1 and one of at least 0.8 (round 2, QA wrapper): whether masking
-    almost none of the earlier edits' energy gives the later round back its room."""
-    qa = {setting: vals[0] for (k, setting), (vals, _) in rows.items() if k == "2"}
-    low = {s: v for s, v in qa.items() if s.startswith("full@") and s.endswith(", mix 0.5") and _gamma(s) <= 0.1}
-    high = {s: v for s, v in qa.items() if s.startswith("full@") and s.endswith(", mix 0.5") and _gamma(s) >= 0.8}
+    under ``each`` at the default mix with an edit γ of at most 0.1 and one of at least 0.8 (round 2, QA wrapper):
+    whether masking almost none of the earlier edits' energy gives the later round back its room."""
+    qa = {label: vals["qa"] for (k, label), (vals, _) in rows.items() if k == "2" and "qa" in vals}
+    each = {s: v for s, v in qa.items() if s.startswith("full@") and s.endswith(", mix 0.5") and s.count(",") == 1}
+    low = {s: v for s, v in each.items() if _gamma(s) <= 0.1}
+    high = {s: v for s, v in each.items() if _gamma(s) >= 0.8}
     if "capability" not in qa or not low or not high:
         return ""
     (s_lo, v_lo), (s_hi, v_hi) = (
@@ -501,16 +520,88 @@ def _share_reading(rows: dict) -> str:
     if abs(v_lo - v_hi) <= 0.02 and v_lo < cap - 0.05:
         return (
             f"\nRound 2's edits keep {v_lo:.2f} of their QA-wrapper gradient at edit γ {_gamma(s_lo):g} and "
-            f"{v_hi:.2f} at {_gamma(s_hi):g}, against {cap:.2f} under the capability constraint alone: what the "
-            "default mix costs a later round is not the mask on the earlier edits' energy but the capability "
-            "energy's mask taken in the merged eigenbasis.\n"
+            f"{v_hi:.2f} at {_gamma(s_hi):g}, against {cap:.2f} under the capability constraint alone: under `each`, "
+            "what costs a later round its room is not the edit γ but the capability energy's mask taken in the merged "
+            "eigenbasis.\n"
         )
     return ""
 
 
-def _gamma(setting: str) -> float:
-    """The edit γ of a gradient-share row's constraint name (``<positions>@<γ>, mix <m>``)."""
-    return float(setting.split("@", 1)[1].split(",", 1)[0])
+def _gamma(label: str) -> float:
+    """The edit γ of a room row's constraint label (``<positions>@<γ>, …``)."""
+    return float(label.split("@", 1)[1].split(",", 1)[0])
+
+
+def exposure_part(shares: list[tuple[Path, dict]]) -> str:
+    """The room section's table of what a projected step costs (``seq_room.py --exposure`` outputs, round 2, QA
+    wrapper): per constraint, the share of the edits' gradient it keeps beside the capability curvature and the
+    earlier edits' curvature of the projected step over the raw step's, and the sentences read off them
+    (:func:`_exposure_reading`); empty while none is stored."""
+    rows = {}
+    for f, r in shares:
+        for setting, cost in r.get("exposure", {}).get("2", {}).items():
+            share = r["gradient_share"]["2"]["qa"][setting]
+            rows.setdefault(constraint_label(setting, r["config"]["mix"]), (share, cost, f))
+    if not rows:
+        return ""
+    lines = [
+        "| constraint | QA gradient kept | capability curvature | earlier edits' curvature |",
+        "|---|---|---|---|",
+    ]
+    order = sorted(rows, key=lambda s: (s != "capability", "apart" in s, -_gamma(s) if "@" in s else 0))
+    for label in order:
+        share, cost, f = rows[label]
+        lines.append(
+            f"| [{label}]({SEQ_ROOM.name}/{f.name}) | {share:.3f} | {cost['capability']:.4f} | {cost['edits']:.4f} |"
+        )
+    return f"""
+What a step inside each constraint costs (`--exposure`, round 2's edits under the QA wrapper): the curvature of the
+projected gradient over the raw gradient's, `q(P g) / q(g)` summed over the edit layers and averaged over the edits,
+for the capability factors and for the earlier round's edit factors — per unit of learning rate, how much of what
+each set protects a step may spend (1: no projection).
+
+{chr(10).join(lines)}
+{_exposure_reading(rows)}
+"""
+
+
+def _exposure_reading(rows: dict) -> str:
+    """Sentences read off the exposure rows: whether ``each``'s edit γ moves its room and its protection of the
+    earlier edits (shares within 0.02, curvatures within a fifth, over the edit γs stored), and, under ``apart``, the
+    room and the earlier edits' curvature at each edit γ beside the capability constraint alone."""
+    out = []
+    each = {s: v for s, v in rows.items() if s.startswith("full@") and s.count(",") == 1}
+    apart = {s: v for s, v in rows.items() if s.startswith("full@") and ", apart," in s}
+    if len(each) >= 2:
+        shares = [v[0] for v in each.values()]
+        costs = [v[1]["edits"] for v in each.values()]
+        if max(shares) - min(shares) <= 0.02 and max(costs) <= 1.2 * min(costs):
+            gammas = sorted(_gamma(s) for s in each)
+            out.append(
+                f"Under `each` the edit γ moves neither side: from {gammas[0]:g} to {gammas[-1]:g}, round 2 keeps "
+                f"{_span(shares, 2)} of its QA gradient and a step spends {_span(costs, 4)} of the earlier edits' "
+                "curvature: the capability mask in the merged basis covers the earlier edits' directions whatever "
+                "their own mask."
+            )
+    sweeps: dict[str, dict] = {}  # apart rows by their sweep count; the count measured at the most edit γs is read
+    for s, v in apart.items():
+        sweeps.setdefault(s.rsplit(", ", 1)[1], {})[s] = v
+    if sweeps and "capability" in rows:
+        n, apart = max(sweeps.items(), key=lambda kv: len(kv[1]))
+        by = sorted(apart.items(), key=lambda kv: -_gamma(kv[0]))
+        listed = "; ".join(f"edit γ {_gamma(s):g}: {v[0]:.2f} / {v[1]['edits']:.4f}" for s, v in by)
+        cap = rows["capability"]
+        out.append(
+            f"Masked apart ({n}), the edit γ trades one for the other (room kept / earlier edits' curvature): "
+            f"{listed}; the capability constraint alone {cap[0]:.2f} / {cap[1]['edits']:.4f}."
+        )
+    return "".join(f"\n{s}\n" for s in out)
+
+
+def _span(values: list[float], digits: int) -> str:
+    """``lo–hi`` of ``values`` at ``digits`` decimals, or the one value when they round alike."""
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 SEQ_CONFIRM = HERE / "seq_zsre_dev1000"

@@ -451,3 +451,39 @@ def test_gradient_share_part_tables_each_constraint_and_reads_the_edit_gamma_off
     files[1] = run("b.json", 0.5, {"full@0.05": 0.45})  # the earlier edits' mask does cost room: no such reading
     assert "merged eigenbasis" not in seq_streams.gradient_share_part(files)
     assert seq_streams.gradient_share_part([]) == ""
+
+
+def test_room_exposure_table_names_each_weighting_and_reads_the_trade_off(tmp_path):
+    """Settings keyed by ``seq_room.py`` become labels (the mix only where it acts); a run with ``exposure`` adds a
+    table of the curvature a step costs, the sentence on ``each``'s edit γ when it moves neither side, and the
+    ``apart`` trade-off at the sweep count measured at the most edit γs, beside the capability alone."""
+    from pathlib import Path
+
+    assert seq_streams.constraint_label("full@0.8", 0.5) == "full@0.8, mix 0.5"
+    assert seq_streams.constraint_label("full@0.8:apart1", 0.5) == "full@0.8, apart, 1 sweep"
+    assert seq_streams.constraint_label("target@0.5:apart2", 0.5) == "target@0.5, apart, 2 sweeps"
+    assert seq_streams.constraint_label("full@0.5:trace", 0.1) == "full@0.5, trace, mix 0.1"
+    cost = {
+        "capability": {"capability": 0.013, "edits": 0.0235},
+        "full@0.8": {"capability": 0.0095, "edits": 0.0021},
+        "full@0.5": {"capability": 0.0096, "edits": 0.0022},
+        "full@0.8:apart2": {"capability": 0.0074, "edits": 0.0024},
+        "full@0.5:apart2": {"capability": 0.0109, "edits": 0.0071},
+        "full@0.8:apart4": {"capability": 0.0069, "edits": 0.002},
+    }
+    share = {"capability": 0.53, "full@0.8": 0.36, "full@0.5": 0.363, "full@0.8:apart2": 0.326}
+    share |= {"full@0.5:apart2": 0.451, "full@0.8:apart4": 0.31}
+    run = {"edits": {"file": "zsre_dev.json", "offset": 200, "n": 200}, "chunk": 100, "config": {"mix": 0.5}}
+    run |= {"gradient_share": {"2": {"qa": share}}, "exposure": {"2": cost}}
+    text = seq_streams.gradient_share_part([(Path(tmp_path / "a.json"), run)])
+    assert "| [full@0.5, apart, 2 sweeps](seq_room/a.json) | 0.451 | 0.0109 | 0.0071 |" in text
+    assert "| 2 | [full@0.8, apart, 4 sweeps](seq_room/a.json) | 0.310 |" in text
+    assert "from 0.5 to 0.8, round 2 keeps 0.36 of its QA gradient and a step spends 0.0021–0.0022" in text
+    assert (
+        "Masked apart (2 sweeps), the edit γ trades one for the other (room kept / earlier edits' curvature): "
+        "edit γ 0.8: 0.33 / 0.0024; edit γ 0.5: 0.45 / 0.0071; the capability constraint alone 0.53 / 0.0235." in text
+    )
+    cost["full@0.5"]["edits"] = 0.01  # each's edit γ does move its protection: no such sentence
+    assert "moves neither side" not in seq_streams.gradient_share_part([(Path(tmp_path / "a.json"), run)])
+    del run["exposure"]
+    assert "What a step inside each constraint costs" not in seq_streams.gradient_share_part([(tmp_path, run)])
