@@ -226,9 +226,12 @@ def pilot_choice(rows: dict[str, dict]) -> str | None:
 
 
 def _seq_setting(config: dict) -> str:
-    """A sequential row's settings the pilots vary, in words: the edit γ, and edit factors at the target's positions
-    only, a fresh Adam each round or a replay of earlier edits where the row ran with them."""
+    """A sequential row's settings the pilots vary, in words: the edit γ, and a weighting other than ``each``, edit
+    factors at the target's positions only, a fresh Adam each round or a replay of earlier edits where the row ran
+    with them."""
     words = [f"edit γ {config['edit_gamma']:g}"]
+    if config.get("weighting", "each") != "each":
+        words.append(f"weighting {config['weighting']}")
     if config.get("edit_factors", "full") != "full":
         words.append(f"edit factors at the {config['edit_factors']} positions")
     if config.get("carry_optimizer") is False:

@@ -159,13 +159,14 @@ def test_pilot_table_reads_each_round_on_the_final_model(tmp_path):
         "only under the other setting: against `full95`, 0 and 0 (exact sign test p = 1)."
     )
     fresh = dict(other, config={"edit_gamma": 0.8, "edit_factors": "target", "carry_optimizer": False, "replay": 50})
+    fresh["config"]["weighting"] = "apart"
     fresh["wild"] = {**other["wild"], "qa": {**other["wild"]["qa"], "rel": 0.95}}
     fresh["wild"]["qa"]["answers"] = [["x", v, [], []] for v in [True] * 4 + [True, True, True, False]]
     (tmp_path / "fresh80.json").write_text(json.dumps({"results": {"crispedit-seq": fresh}}))
     pick, paired = seq_streams.seq_pilot_table(tmp_path).splitlines()[-2:]
     assert pick == (
-        "The rule picks `fresh80` (edit γ 0.8, edit factors at the target positions, a fresh Adam each round, 50 "
-        "earlier edits replayed each round)."
+        "The rule picks `fresh80` (edit γ 0.8, weighting apart, edit factors at the target positions, a fresh Adam "
+        "each round, 50 earlier edits replayed each round)."
     )
     assert paired.endswith(  # round 2: 3 of 4 against 1 of 4 in both others
         "against `full80`, 2 and 0 (exact sign test p = 0.5); against `full95`, 2 and 0 (exact sign test p = 0.5)."
