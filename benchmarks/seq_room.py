@@ -14,6 +14,14 @@ a real stream takes hours, so settings can be ranked by the room they leave befo
     python benchmarks/seq_room.py --edits ../shared/data/edits/zsre_dev.json:0:1000 --chunk 100 \\
         --rows full,target --edit-gammas 0.95,0.9,0.8 --json runs/room.json
 
+``--gradient-share qa,chat,none`` weighs the kept directions by what each later round's edits need under those
+wrappers (:func:`gradient_shares`); ``--weightings each,apart --sweeps 1,2`` adds the other factor weightings;
+``--exposure`` the capability and earlier-edit curvature a projected step spends (:func:`curvature_exposure`), the
+protection a setting buys with the room it takes.
+
+    python benchmarks/seq_room.py --edits ../shared/data/edits/zsre_dev.json:200:200 --chunk 100 --rows full \\
+        --edit-gammas 0.8,0.5 --weightings each,apart --gradient-share qa --exposure --json runs/apart.json
+
 Run alone: one model job at a time.
 """
 
