@@ -10,23 +10,24 @@ from crispedit.weights import weight_fingerprint
 REQS = [EditRequest(f"Who founded company {i}?", f"Person {chr(65 + i)}") for i in range(6)]
 
 
-def _setup(model):
-    """A crispedit-seq config on the tiny model's two middle MLP outputs, and those layers."""
+def _setup(model, tok):
+    """A crispedit-seq config on the tiny model's two middle MLP outputs, those layers, and capability factors of
+    those layers from four copies of one sentence."""
     config = SeqConfig(
         edit=EditConfig(
             method="crispedit", layers="model.layers.{1-2}.mlp.down_proj", contexts="bare", n_cap=4, max_len=48
         )
     )
-    return config, get_editor("crispedit").select_layers(model, config.edit)
+    layers = get_editor("crispedit").select_layers(model, config.edit)
+    texts = ["The quick brown fox jumps over the lazy dog."] * 4
+    return config, layers, collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=2, progress=False)
 
 
 def test_room_per_setting_and_round_from_the_unedited_model(tiny_lm, iso_cache):
     script = load_script(REPO / "benchmarks" / "seq_room.py", "seq_room")
     model, tok = tiny_lm
     fp = weight_fingerprint(model)
-    config, layers = _setup(model)
-    texts = ["The quick brown fox jumps over the lazy dog."] * 4
-    cap = collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=2, progress=False)
+    config, layers, cap = _setup(model, tok)
     seen = []
     series = script.room(
         model, tok, REQS, layers, config, cap, 2, ["full", "target"], [0.95, 0.5], on_round=lambda s: seen.append(1)
@@ -56,7 +57,7 @@ def test_gradient_shares_weigh_the_kept_directions_by_what_the_edits_ask(tiny_lm
     script = load_script(REPO / "benchmarks" / "seq_room.py", "seq_room")
     model, tok = tiny_lm
     fp = weight_fingerprint(model)
-    config, layers = _setup(model)
+    config, layers, cap = _setup(model, tok)
     before = {n: m.weight.requires_grad for n, m in layers.items()}
 
     class Zero(IdentityProjector):
@@ -68,8 +69,6 @@ def test_gradient_shares_weigh_the_kept_directions_by_what_the_edits_ask(tiny_lm
     shares = script.gradient_shares(model, tok, REQS[:3], layers, {"id": same, "zero": none}, ["qa", "none"])
     assert shares == {"qa": {"id": 1.0, "zero": 0.0}, "none": {"id": 1.0, "zero": 0.0}}
     assert {n: m.weight.requires_grad for n, m in layers.items()} == before and weight_fingerprint(model) == fp
-    texts = ["The quick brown fox jumps over the lazy dog."] * 4
-    cap = collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=2, progress=False)
     series = script.room(model, tok, REQS, layers, config, cap, 2, ["full"], [0.95], wrappers=["qa"])
     assert set(series["gradient_share"]) == {"2", "3"}  # rounds after the first
     for per in series["gradient_share"].values():
@@ -86,9 +85,7 @@ def test_room_compares_weightings_and_the_curvature_a_step_costs(tiny_lm, iso_ca
     script = load_script(REPO / "benchmarks" / "seq_room.py", "seq_room")
     model, tok = tiny_lm
     fp = weight_fingerprint(model)
-    config, layers = _setup(model)
-    texts = ["The quick brown fox jumps over the lazy dog."] * 4
-    cap = collect_lm_kfac(model, tok, texts, layers, max_len=48, batch_size=2, progress=False)
+    config, layers, cap = _setup(model, tok)
     series = script.room(
         model,
         tok,

@@ -264,15 +264,22 @@ def test_each_weighting_masks_each_sets_energy_in_the_merged_basis(tmp_path, tin
     assert torch.equal(proj_hi.mask.bool(), want_hi) and proj_hi.mask.sum() <= proj.mask.sum()
     with pytest.raises(CrispEditError, match="edit gamma must lie strictly between 0 and 1"):
         SeqConfig(edit_gamma=1.0)
+    st = _two_rounds(tmp_path, tiny_model_dir, monkeypatch, "each")
+    assert all(0 < v < 1 for v in st["rounds"][1]["projector_kept"].values())
+
+
+def _two_rounds(tmp_path, tiny_model_dir, monkeypatch, weighting: str) -> dict:
+    """The status of a session of the tiny model under ``weighting`` after the two :data:`ROUNDS` (three epochs
+    each), each round's retention checked over the rounds so far."""
     monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
     s = Session.create(
-        tmp_path / "s", str(tiny_model_dir), _config(edit={"epochs": 3}, weighting="each"), progress=False
+        tmp_path / "s", str(tiny_model_dir), _config(edit={"epochs": 3}, weighting=weighting), progress=False
     )
     for reqs in ROUNDS:
         s.add(reqs, plot=False)
     st = s.status()
     assert [set(r["retention"]) for r in st["rounds"]] == [{"1"}, {"1", "2"}]
-    assert all(0 < v < 1 for v in st["rounds"][1]["projector_kept"].values())
+    return st
 
 
 def test_apart_weighting_masks_each_set_in_its_own_basis(tmp_path, tiny_model_dir, monkeypatch):
@@ -297,14 +304,7 @@ def test_apart_weighting_masks_each_set_in_its_own_basis(tmp_path, tiny_model_di
     with pytest.raises(CrispEditError, match="--weighting apart composes two eigenbases"):
         SeqConfig(weighting="apart", edit=EditConfig(projection_target="eigenbasis"))
     assert SeqConfig(weighting="apart", edit=EditConfig(method="ft", projection_target="eigenbasis")).weighting
-    monkeypatch.setenv("CRISPEDIT_CACHE", str(tmp_path / "cache"))
-    s = Session.create(
-        tmp_path / "s", str(tiny_model_dir), _config(edit={"epochs": 3}, weighting="apart"), progress=False
-    )
-    for reqs in ROUNDS:
-        s.add(reqs, plot=False)
-    st = s.status()
-    assert [set(r["retention"]) for r in st["rounds"]] == [{"1"}, {"1", "2"}]
+    st = _two_rounds(tmp_path, tiny_model_dir, monkeypatch, "apart")
     assert all(0 <= v < 1 for v in st["rounds"][1]["projector_kept"].values())
     parts = st["rounds"][1]["projector_parts_kept"]
     assert set(parts) == set(st["rounds"][1]["projector_kept"]) and all(len(v) == 2 for v in parts.values())
