@@ -471,26 +471,15 @@ def constraint_label(setting: str, mix: float) -> str:
 
 def gradient_share_part(shares: list[tuple[Path, dict]]) -> str:
     """The room section's part on the share of a later round's edit gradients each setting keeps (``seq_room.py
-    --gradient-share`` outputs): one table, a row per constraint (:func:`constraint_label`), a column per wrapper,
-    beside the capability constraint alone; with ``--exposure`` runs, a second table of the curvature a projected
-    step costs (:func:`exposure_part`); empty while none is stored."""
+    --gradient-share`` outputs), per stream of edits (:func:`_span_part`); empty while none is stored."""
     if not shares:
         return ""
-    rows, wrappers, spans = {}, [], set()
+    streams: dict[str, list] = {}
     for f, r in shares:
         e = r["edits"]
-        spans.add(f"{Path(e['file']).name} {e['offset']}–{e['offset'] + e['n'] - 1} in rounds of {r['chunk']}")
-        for k, per in r["gradient_share"].items():
-            for setting in per[next(iter(per))]:
-                key = (k, constraint_label(setting, r["config"]["mix"]))
-                vals = {w: v[setting] for w, v in per.items()}
-                if key not in rows or len(vals) > len(rows[key][0]):  # the run that measured more wrappers
-                    rows[key] = (vals, f)
-                wrappers = wrappers if len(wrappers) >= len(per) else list(per)
-    lines = ["| round | constraint | " + " | ".join(wrappers) + " |", "|---" * (len(wrappers) + 2) + "|"]
-    for (k, label), (vals, f) in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] != "capability")):
-        cells = " | ".join(f"{vals[w]:.3f}" if w in vals else "–" for w in wrappers)
-        lines.append(f"| {k} | [{label}]({SEQ_ROOM.name}/{f.name}) | {cells} |")
+        span = f"{Path(e['file']).name} {e['offset']}–{e['offset'] + e['n'] - 1} in rounds of {r['chunk']}"
+        streams.setdefault(span, []).append((f, r))
+    parts = "".join(_span_part(span, runs) for span, runs in sorted(streams.items(), key=lambda kv: -len(kv[1])))
     return f"""
 What of the direction a later round's edits need a constraint lets them follow (`--gradient-share`): for each of
 that round's edits, the gradient of its target's loss under an evaluation wrapper (the question as `qa`, `chat` or
@@ -499,10 +488,32 @@ the edits; `capability` is the constraint alone, what the same edits would have 
 fraction of directions counts eigenpairs; this weighs them by what the edits ask for. A constraint reads as above
 (edit factors @ edit γ), with the edit factors' share of the mix whose eigenbasis both sets are masked in under the
 default `each` weighting (the session default 0.5), or `apart`: each set masked in its own eigenbasis, the two
-projections alternated that many sweeps. {"; ".join(sorted(spans))}.
+projections alternated that many sweeps.
+{parts}"""
+
+
+def _span_part(span: str, runs: list[tuple[Path, dict]]) -> str:
+    """One stream's gradient shares: a table with a row per round and constraint (:func:`constraint_label`), a column
+    per wrapper, beside the capability constraint alone, the sentence read off it (:func:`_share_reading`) and, with
+    ``--exposure`` runs, what a projected step costs (:func:`exposure_part`)."""
+    rows, wrappers = {}, []
+    for f, r in runs:
+        for k, per in r["gradient_share"].items():
+            for setting in per[next(iter(per))]:
+                key = (k, constraint_label(setting, r["config"]["mix"]))
+                vals = {w: v[setting] for w, v in per.items()}
+                if key not in rows or len(vals) > len(rows[key][0]):  # the run that measured more wrappers
+                    rows[key] = (vals, f)
+                wrappers = wrappers if len(wrappers) >= len(per) else list(per)
+    lines = ["| round | constraint | " + " | ".join(wrappers) + " |", "|---" * (len(wrappers) + 2) + "|"]
+    for (k, label), (vals, f) in sorted(rows.items(), key=lambda kv: (int(kv[0][0]), kv[0][1] != "capability")):
+        cells = " | ".join(f"{vals[w]:.3f}" if w in vals else "–" for w in wrappers)
+        lines.append(f"| {k} | [{label}]({SEQ_ROOM.name}/{f.name}) | {cells} |")
+    return f"""
+{span}:
 
 {chr(10).join(lines)}
-{_share_reading(rows)}{exposure_part(shares)}"""
+{_share_reading(rows)}{exposure_part(runs)}"""
 
 
 def _share_reading(rows: dict) -> str:
@@ -536,35 +547,40 @@ def _gamma(label: str) -> float:
 
 
 def exposure_part(shares: list[tuple[Path, dict]]) -> str:
-    """The room section's table of what a projected step costs (``seq_room.py --exposure`` outputs, round 2, QA
-    wrapper): per constraint, the share of the edits' gradient it keeps beside the capability curvature and the
-    earlier edits' curvature of the projected step over the raw step's, and the sentences read off them
+    """The table of what a projected step costs for one stream's ``seq_room.py --exposure`` outputs (QA wrapper):
+    per round and constraint, the share of the edits' gradient it keeps beside the capability curvature and the
+    earlier edits' curvature of the projected step over the raw step's, and the sentences read off round 2
     (:func:`_exposure_reading`); empty while none is stored."""
     rows = {}
     for f, r in shares:
-        for setting, cost in r.get("exposure", {}).get("2", {}).items():
-            share = r["gradient_share"]["2"]["qa"][setting]
-            rows.setdefault(constraint_label(setting, r["config"]["mix"]), (share, cost, f))
+        for k, per in r.get("exposure", {}).items():
+            for setting, cost in per.items():
+                share = r["gradient_share"][k]["qa"][setting]
+                rows.setdefault((k, constraint_label(setting, r["config"]["mix"])), (share, cost, f))
     if not rows:
         return ""
     lines = [
-        "| constraint | QA gradient kept | capability curvature | earlier edits' curvature |",
-        "|---|---|---|---|",
+        "| round | constraint | QA gradient kept | capability curvature | earlier edits' curvature |",
+        "|---|---|---|---|---|",
     ]
-    order = sorted(rows, key=lambda s: (s != "capability", "apart" in s, -_gamma(s) if "@" in s else 0))
-    for label in order:
-        share, cost, f = rows[label]
+    order = sorted(
+        rows,
+        key=lambda ks: (int(ks[0]), ks[1] != "capability", "apart" in ks[1], -_gamma(ks[1]) if "@" in ks[1] else 0),
+    )
+    for k, label in order:
+        share, cost, f = rows[k, label]
         lines.append(
-            f"| [{label}]({SEQ_ROOM.name}/{f.name}) | {share:.3f} | {cost['capability']:.4f} | {cost['edits']:.4f} |"
+            f"| {k} | [{label}]({SEQ_ROOM.name}/{f.name}) | {share:.3f} | {cost['capability']:.4f} | "
+            f"{cost['edits']:.4f} |"
         )
     return f"""
-What a step inside each constraint costs (`--exposure`, round 2's edits under the QA wrapper): the curvature of the
+What a step inside each constraint costs (`--exposure`, the edits under the QA wrapper): the curvature of the
 projected gradient over the raw gradient's, `q(P g) / q(g)` summed over the edit layers and averaged over the edits,
-for the capability factors and for the earlier round's edit factors — per unit of learning rate, how much of what
+for the capability factors and for the earlier rounds' edit factors — per unit of learning rate, how much of what
 each set protects a step may spend (1: no projection).
 
 {chr(10).join(lines)}
-{_exposure_reading(rows)}
+{_exposure_reading({label: v for (k, label), v in rows.items() if k == "2"})}
 """
 
 

@@ -477,7 +477,7 @@ def test_room_exposure_table_names_each_weighting_and_reads_the_trade_off(tmp_pa
     run = {"edits": {"file": "zsre_dev.json", "offset": 200, "n": 200}, "chunk": 100, "config": {"mix": 0.5}}
     run |= {"gradient_share": {"2": {"qa": share}}, "exposure": {"2": cost}}
     text = seq_streams.gradient_share_part([(Path(tmp_path / "a.json"), run)])
-    assert "| [full@0.5, apart, 2 sweeps](seq_room/a.json) | 0.451 | 0.0109 | 0.0071 |" in text
+    assert "| 2 | [full@0.5, apart, 2 sweeps](seq_room/a.json) | 0.451 | 0.0109 | 0.0071 |" in text
     assert "| 2 | [full@0.8, apart, 4 sweeps](seq_room/a.json) | 0.310 |" in text
     assert "from 0.5 to 0.8, round 2 keeps 0.36 of its QA gradient and a step spends 0.0021–0.0022" in text
     assert (
@@ -486,5 +486,13 @@ def test_room_exposure_table_names_each_weighting_and_reads_the_trade_off(tmp_pa
     )
     cost["full@0.5"]["edits"] = 0.01  # each's edit γ does move its protection: no such sentence
     assert "moves neither side" not in seq_streams.gradient_share_part([(Path(tmp_path / "a.json"), run)])
+    # another stream of edits: its own table, its rounds apart from the first stream's
+    later = {**run, "edits": {"file": "zsre_dev.json", "offset": 0, "n": 300}}
+    later["gradient_share"] = {k: {"qa": share} for k in ("2", "3")}
+    later["exposure"] = {k: cost for k in ("2", "3")}
+    text = seq_streams.gradient_share_part([(Path(tmp_path / "a.json"), run), (Path(tmp_path / "b.json"), later)])
+    assert "zsre_dev.json 200–399 in rounds of 100:" in text and "zsre_dev.json 0–299 in rounds of 100:" in text
+    assert "| 3 | [full@0.5, apart, 2 sweeps](seq_room/b.json) | 0.451 | 0.0109 | 0.0071 |" in text
+    assert "| 2 | [full@0.5, apart, 2 sweeps](seq_room/a.json) | 0.451 |" in text
     del run["exposure"]
     assert "What a step inside each constraint costs" not in seq_streams.gradient_share_part([(tmp_path, run)])
