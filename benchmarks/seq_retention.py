@@ -198,6 +198,9 @@ def main() -> None:
         help="record per round the trace and top eigenvalues of the edit factors (chunk and accumulated)",
     )
     args = ap.parse_args()
+    from crispedit.versions import source_commit
+
+    source_commit()  # the commit at the start: the record names the code that ran, not one committed meanwhile
     wild = tuple(w for w in args.wild.split(",") if w)
     from crispedit.atomic import atomic_write_json
     from crispedit.data import load_edits

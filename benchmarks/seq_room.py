@@ -238,6 +238,9 @@ def main() -> None:
         "wrapper's edit gradients cost",
     )
     args = ap.parse_args()
+    from crispedit.versions import source_commit
+
+    source_commit()  # the commit at the start: the record names the code that ran, not one committed meanwhile
     from crispedit.atomic import atomic_write_json
     from crispedit.data import load_edits
     from crispedit.editing import EditConfig, SeqConfig

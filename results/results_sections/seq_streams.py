@@ -580,8 +580,24 @@ for the capability factors and for the earlier rounds' edit factors — per unit
 each set protects a step may spend (1: no projection).
 
 {chr(10).join(lines)}
-{_exposure_reading({label: v for (k, label), v in rows.items() if k == "2"})}
+{_exposure_reading({label: v for (k, label), v in rows.items() if k == "2"})}{_over_rounds(rows)}
 """
+
+
+def _over_rounds(rows: dict) -> str:
+    """For a stream measured over more than one later round: per constraint, the span of the room it keeps and of
+    the earlier edits' curvature a step spends, over those rounds; empty for one round."""
+    rounds = sorted({int(k) for k, _ in rows})
+    if len(rounds) < 2:
+        return ""
+    labels = sorted({label for _, label in rows if label != "capability"}, key=lambda s: ("apart" in s, -_gamma(s)))
+    spans = []
+    for label in labels:
+        vals = [rows[str(k), label] for k in rounds if (str(k), label) in rows]
+        spans.append(
+            f"`{label}` keeps {_span([v[0] for v in vals], 2)} and spends {_span([v[1]['edits'] for v in vals], 4)}"
+        )
+    return f"\nOver rounds {rounds[0]}–{rounds[-1]}: " + "; ".join(spans) + ".\n"
 
 
 def _exposure_reading(rows: dict) -> str:

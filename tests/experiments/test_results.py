@@ -494,5 +494,7 @@ def test_room_exposure_table_names_each_weighting_and_reads_the_trade_off(tmp_pa
     assert "zsre_dev.json 200–399 in rounds of 100:" in text and "zsre_dev.json 0–299 in rounds of 100:" in text
     assert "| 3 | [full@0.5, apart, 2 sweeps](seq_room/b.json) | 0.451 | 0.0109 | 0.0071 |" in text
     assert "| 2 | [full@0.5, apart, 2 sweeps](seq_room/a.json) | 0.451 |" in text
+    assert text.count("Over rounds 2–3: ") == 1  # the one stream measured over more than one round
+    assert "`full@0.8, mix 0.5` keeps 0.36 and spends 0.0021; `full@0.5, mix 0.5` keeps 0.36 and spends 0.0100;" in text
     del run["exposure"]
     assert "What a step inside each constraint costs" not in seq_streams.gradient_share_part([(tmp_path, run)])
