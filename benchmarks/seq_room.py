@@ -144,8 +144,10 @@ def room(
     ``out["gradient_share"][k]`` for the rounds from 2 on: :func:`gradient_shares` of round k's edits under each
     setting's constraint before round k, and under the capability constraint alone (``capability``: the room those
     edits would have as a round 1 or a batch); with ``exposure`` as well, ``out["exposure"][k]``:
-    :func:`curvature_exposure` of those edits under the QA wrapper, for the capability factors and the earlier
-    rounds' edit factors (the first row's)."""
+    :func:`curvature_exposure` of those edits under the QA wrapper, for the capability factors, the earlier
+    rounds' edit factors (``edits``: the first row's) and, when ``target`` is another of the rows, their factors at
+    the target positions alone (``edit targets``: the curvature of the earlier edits' own answers, what their
+    retention spends; the full rows add the prompts' language-model curvature)."""
     from crispedit.sessions.sequential import accumulate, combine_factors, round_edit_factors
 
     def mean(d: dict) -> float:
@@ -180,6 +182,8 @@ def room(
             out["gradient_share"] = shares
             if exposure:
                 curv = {"capability": cap, "edits": acc[rows[0]]}
+                if "target" in rows[1:]:
+                    curv["edit targets"] = acc["target"]
                 exposures[str(k + 1)] = curvature_exposure(model, tokenizer, rounds[k], layers, projectors, curv)
                 out["exposure"] = exposures
         if on_round is not None:

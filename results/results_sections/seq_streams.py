@@ -559,9 +559,11 @@ def exposure_part(shares: list[tuple[Path, dict]]) -> str:
                 rows.setdefault((k, constraint_label(setting, r["config"]["mix"])), (share, cost, f))
     if not rows:
         return ""
+    answers = any("edit targets" in v[1] for v in rows.values())  # runs with target rows: the answers' curvature
     lines = [
-        "| round | constraint | QA gradient kept | capability curvature | earlier edits' curvature |",
-        "|---|---|---|---|---|",
+        "| round | constraint | QA gradient kept | capability curvature | earlier edits' curvature |"
+        + (" earlier edits' answers |" if answers else ""),
+        "|---|---|---|---|---|" + ("---|" if answers else ""),
     ]
     order = sorted(
         rows,
@@ -572,16 +574,23 @@ def exposure_part(shares: list[tuple[Path, dict]]) -> str:
         lines.append(
             f"| {k} | [{label}]({SEQ_ROOM.name}/{f.name}) | {share:.3f} | {cost['capability']:.4f} | "
             f"{cost['edits']:.4f} |"
+            + ((f" {cost['edit targets']:.4f} |" if "edit targets" in cost else " – |") if answers else "")
         )
     return f"""
 What a step inside each constraint costs (`--exposure`, the edits under the QA wrapper): the curvature of the
 projected gradient over the raw gradient's, `q(P g) / q(g)` summed over the edit layers and averaged over the edits,
 for the capability factors and for the earlier rounds' edit factors — per unit of learning rate, how much of what
-each set protects a step may spend (1: no projection).
+each set protects a step may spend (1: no projection).{ANSWERS if answers else ""}
 
 {chr(10).join(lines)}
 {_exposure_reading({label: v for (k, label), v in rows.items() if k == "2"})}{_over_rounds(rows)}
 """
+
+
+ANSWERS = (
+    " The earlier edits' answers: their edit factors at the target positions alone, the curvature of what those edits"
+    " answer (the full factors add their prompts')."
+)
 
 
 def _over_rounds(rows: dict) -> str:

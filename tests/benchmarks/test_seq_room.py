@@ -114,6 +114,11 @@ def test_room_compares_weightings_and_the_curvature_a_step_costs(tiny_lm, iso_ca
     assert ident == {"id": {"capability": 1.0}}
     assert script.setting_name("target", 0.95, "trace", "each") == "target@0.95:trace"
     assert "curvature of the projected step over the raw step's" in script.table(series)
+    both = script.room(
+        model, tok, REQS[:4], layers, config, cap, 2, ["full", "target"], [0.8], wrappers=["qa"], exposure=True
+    )  # with target rows beside full ones: also the curvature of the earlier edits' answers alone
+    assert all(set(v) == {"capability", "edits", "edit targets"} for v in both["exposure"]["2"].values())
+    assert both["exposure"]["2"]["full@0.8"]["edits"] == exp["full@0.8"]["edits"]
 
 
 def test_stream_record_says_which_code_and_machine_ran_it():

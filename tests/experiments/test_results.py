@@ -496,5 +496,10 @@ def test_room_exposure_table_names_each_weighting_and_reads_the_trade_off(tmp_pa
     assert "| 2 | [full@0.5, apart, 2 sweeps](seq_room/a.json) | 0.451 |" in text
     assert text.count("Over rounds 2–3: ") == 1  # the one stream measured over more than one round
     assert "`full@0.8, mix 0.5` keeps 0.36 and spends 0.0021; `full@0.5, mix 0.5` keeps 0.36 and spends 0.0100;" in text
+    assert "earlier edits' answers" not in text
+    cost["full@0.8:apart2"]["edit targets"] = 0.0011  # a run with target rows: the answers' column
+    text = seq_streams.gradient_share_part([(Path(tmp_path / "a.json"), run)])
+    assert "| 2 | [full@0.8, apart, 2 sweeps](seq_room/a.json) | 0.326 | 0.0074 | 0.0024 | 0.0011 |" in text
+    assert "| 2 | [full@0.8, mix 0.5](seq_room/a.json) | 0.360 | 0.0095 | 0.0021 | – |" in text
     del run["exposure"]
     assert "What a step inside each constraint costs" not in seq_streams.gradient_share_part([(tmp_path, run)])
