@@ -556,7 +556,9 @@ def exposure_part(shares: list[tuple[Path, dict]]) -> str:
         for k, per in r.get("exposure", {}).items():
             for setting, cost in per.items():
                 share = r["gradient_share"][k]["qa"][setting]
-                rows.setdefault((k, constraint_label(setting, r["config"]["mix"])), (share, cost, f))
+                key = (k, constraint_label(setting, r["config"]["mix"]))
+                if key not in rows or len(cost) > len(rows[key][1]):  # the run that measured more curvatures
+                    rows[key] = (share, cost, f)
     if not rows:
         return ""
     answers = any("edit targets" in v[1] for v in rows.values())  # runs with target rows: the answers' curvature
@@ -639,7 +641,31 @@ def _exposure_reading(rows: dict) -> str:
             f"Masked apart ({n}), the edit γ trades one for the other (room kept / earlier edits' curvature): "
             f"{listed}; the capability constraint alone {cap[0]:.2f} / {cap[1]['edits']:.4f}."
         )
+    out += _answers_reading(rows)
     return "".join(f"\n{s}\n" for s in out)
+
+
+def _answers_reading(rows: dict) -> list[str]:
+    """Sentences pairing each ``apart`` row with target-position edit factors with the full-position one that keeps
+    the nearest room (within 0.02), both with the earlier edits' answers' curvature measured: what each spends of
+    it."""
+    measured = {s: v for s, v in rows.items() if ", apart," in s and "edit targets" in v[1]}
+    full = {s: v for s, v in measured.items() if s.startswith("full@")}
+    out = []
+    for s_t, (share_t, cost_t, _) in sorted(measured.items()):
+        if not s_t.startswith("target@") or not full:
+            continue
+        s_f, (share_f, cost_f, _) = min(full.items(), key=lambda kv: abs(kv[1][0] - share_t))
+        if abs(share_f - share_t) > 0.02:
+            continue
+        out.append(
+            f"At about the same room, apart with the edit factors at the target positions (edit γ {_gamma(s_t):g}) "
+            f"keeps {share_t:.2f} and a step spends {cost_t['edit targets']:.4f} of the earlier edits' answers' "
+            f"curvature; with them over every position (edit γ {_gamma(s_f):g}), {share_f:.2f} and "
+            f"{cost_f['edit targets']:.4f}: what the full factors mask beyond the answers is mostly the earlier "
+            "edits' prompts, which the later edits' gradients share."
+        )
+    return out
 
 
 def _span(values: list[float], digits: int) -> str:

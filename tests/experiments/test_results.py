@@ -501,5 +501,15 @@ def test_room_exposure_table_names_each_weighting_and_reads_the_trade_off(tmp_pa
     text = seq_streams.gradient_share_part([(Path(tmp_path / "a.json"), run)])
     assert "| 2 | [full@0.8, apart, 2 sweeps](seq_room/a.json) | 0.326 | 0.0074 | 0.0024 | 0.0011 |" in text
     assert "| 2 | [full@0.8, mix 0.5](seq_room/a.json) | 0.360 | 0.0095 | 0.0021 | – |" in text
+    assert "At about the same room" not in text  # no target rows
+    share["target@0.8:apart2"] = 0.446  # a target row beside a full row of about the same room, answers measured
+    cost["target@0.8:apart2"] = {"capability": 0.0108, "edits": 0.0109, "edit targets": 0.0073}
+    cost["full@0.5:apart2"]["edit targets"] = 0.0241
+    text = seq_streams.gradient_share_part([(Path(tmp_path / "a.json"), run)])
+    assert (
+        "At about the same room, apart with the edit factors at the target positions (edit γ 0.8) keeps 0.45 and a "
+        "step spends 0.0073 of the earlier edits' answers' curvature; with them over every position (edit γ 0.5), "
+        "0.45 and 0.0241:" in text
+    )
     del run["exposure"]
     assert "What a step inside each constraint costs" not in seq_streams.gradient_share_part([(tmp_path, run)])
