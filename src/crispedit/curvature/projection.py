@@ -471,7 +471,7 @@ class AlternatingProjector(LayerProjector):
     def project(self, Q: Tensor) -> Tensor:
         """``T vec(Q)`` (class docstring) in float32 or better, returned in ``Q``'s dtype."""
         X = self.parts[0].project(Q if Q.dtype == torch.float64 else Q.float())
-        inner = self.parts[1:] + self.parts[-2::-1]  # P_2 … P_m … P_2 P_1, applied right to left
+        inner = self.parts[1:] + self.parts[-2::-1]  # applied in this order: P_2, …, P_m, …, P_2, P_1
         for _ in range(self.sweeps):
             for part in inner:
                 X = part.project(X)

@@ -219,7 +219,7 @@ class SeqConfig(Settings):
         if self.weighting == "apart" and self.uses_weighting and self.edit.projection_target == "eigenbasis":
             raise CrispEditError(
                 "--weighting apart composes two eigenbases, so there is none for Adam to keep its moments in; use "
-                "--projection-target gradient or update, or another weighting"
+                "--projection gradient or update, or another weighting"
             )
         self.mix = check_float("mix", self.mix, 0.0, 1.0, lo_open=True, hi_open=True)
         if self.edit_gamma is not None:

@@ -21,8 +21,9 @@ chunks, for a fixed model). The next round's projector is rebuilt from capabilit
 * ``weighting="apart"``: γ of the capability energy masked in the capability factors' own eigenbasis — the
   mask a batch edit or a first round uses — and ``edit_gamma`` of the edit energy in the edit factors' own, the two
   projectors composed by symmetric alternation (:class:`~crispedit.curvature.projection.AlternatingProjector`,
-  :data:`APART_SWEEPS` sweeps). In ``each``'s merged basis the capability energy spreads over more directions, so
-  its γ mask takes room the later rounds' edits need; apart, the capability mask is the first round's;
+  :data:`APART_SWEEPS` sweeps). Under ``each`` the capability mask in the merged basis also covers the earlier
+  edits' directions, whatever ``edit_gamma``; apart, the capability mask is the first round's and ``edit_gamma``
+  trades the later rounds' room against the earlier edits' protection (results/README.md, room for later rounds);
 * ``weighting="tokens"``: the authors' code, a token-count-weighted average; the capability corpus
   (thousands of tokens) swamps the edits (tens of tokens each).
 
