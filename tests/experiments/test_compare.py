@@ -207,50 +207,38 @@ def test_compare_cli_seq_row_with_the_default_chunk(tiny_model_dir, tmp_path, is
     assert "lora-seq: 2 rounds of 1" in capsys.readouterr().out
 
 
+def _seq_row(tiny_model_dir, tmp_path, settings: list) -> dict:
+    """The crispedit-seq row of a two-edit compare on the tiny model (rounds of one) run with ``settings``."""
+    out = tmp_path / "cmp"
+    args = ["compare", "--model", tiny_model_dir, "--edits", edits_file(tmp_path), "--n-edits", 2, "--layers", LAYERS]
+    args += ["--methods", "crispedit-seq", *settings, "--out", out, "--epochs", 2, "--n-cap", 4, "--max-len", 32]
+    args += ["--contexts", "bare", "--quiet", "--capabilities", "none"]
+    assert main([str(a) for a in args]) == 0
+    return json.loads((out / "compare.json").read_text())["results"]["crispedit-seq"]
+
+
 def test_compare_cli_seq_weighting_reaches_the_seq_row(tiny_model_dir, tmp_path, iso_cache):
     """``--seq-weighting each --seq-mix 0.2 --seq-replay 1 --seq-no-carry-optimizer``: the crispedit-seq row runs
     with them (and says so in its stored config; its second round trains one of the first round's edits beside its
     own)."""
-    out = tmp_path / "cmp"
-    args = [
-        "compare",
-        "--model",
-        tiny_model_dir,
-        "--edits",
-        edits_file(tmp_path),
-        "--n-edits",
-        2,
-        "--layers",
-        LAYERS,
-        "--methods",
-        "crispedit-seq",
-        "--seq-weighting",
-        "each",
-        "--seq-mix",
-        0.2,
-        "--seq-replay",
-        1,
-        "--seq-no-carry-optimizer",
-        "--out",
-        out,
-        "--epochs",
-        2,
-        "--n-cap",
-        4,
-        "--max-len",
-        32,
-        "--contexts",
-        "bare",
-        "--quiet",
-        "--capabilities",
-        "none",
-    ]
-    assert main([str(a) for a in args]) == 0
-    row = json.loads((out / "compare.json").read_text())["results"]["crispedit-seq"]
+    settings = ["--seq-weighting", "each", "--seq-mix", 0.2, "--seq-replay", 1, "--seq-no-carry-optimizer"]
+    row = _seq_row(tiny_model_dir, tmp_path, settings)
     assert row["config"]["weighting"] == "each" and row["rounds"] == 2 and row["config"]["replay"] == 1
     assert row["config"]["carry_optimizer"] is False and row["config"]["mix"] == 0.2
     assert [r["replayed"] for r in row["round_records"]] == [0, 1]
     assert all(0 < v < 1 for v in row["round_records"][1]["projector_kept"].values())
+
+
+def test_compare_cli_seq_apart_with_target_edit_factors(tiny_model_dir, tmp_path, iso_cache):
+    """``--seq-weighting apart --seq-edit-factors target --seq-edit-gamma 0.8``: the row's second round projects
+    with the two parts alternated and records each part's kept fraction."""
+    settings = ["--seq-weighting", "apart", "--seq-edit-factors", "target", "--seq-edit-gamma", 0.8]
+    row = _seq_row(tiny_model_dir, tmp_path, settings)
+    c = row["config"]
+    assert (c["weighting"], c["edit_factors"], c["edit_gamma"], row["rounds"]) == ("apart", "target", 0.8, 2)
+    second = row["round_records"][1]
+    assert set(second["projector_parts_kept"]) == set(second["projector_kept"])
+    assert "projector_parts_kept" not in row["round_records"][0]
 
 
 @pytest.mark.parametrize(
