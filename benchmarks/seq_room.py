@@ -76,40 +76,57 @@ def edit_gradients(model, tokenizer, requests, layers, wrapper: str):
             w.requires_grad_(was[n])
 
 
+def gradient_measures(
+    model, tokenizer, requests, layers, projectors: dict, wrappers: list[str], curvatures: dict | None = None
+) -> tuple[dict, dict]:
+    """``(shares, exposure)`` from one gradient pass per wrapper and one projection per gradient and setting:
+    :func:`gradient_shares` under ``wrappers`` and, with ``curvatures``, :func:`curvature_exposure` under the QA
+    wrapper (``{}`` without)."""
+    passes = list(wrappers) + (["qa"] if curvatures and "qa" not in wrappers else [])
+    shares = {w: dict.fromkeys(projectors, 0.0) for w in wrappers}
+    exposure = {s: dict.fromkeys(curvatures, 0.0) for s in projectors} if curvatures else {}
+    for name in passes:
+        for grads in edit_gradients(model, tokenizer, requests, layers, name):
+            total = sum(float((g * g).sum()) for g in grads.values())
+            costs = bool(exposure) and name == "qa"  # this pass also measures the curvature a step spends
+            raw = (
+                {c: sum(f.quadratic_form(n, g) for n, g in grads.items()) for c, f in curvatures.items()}
+                if costs
+                else {}
+            )
+            for setting, proj in projectors.items():
+                step = {n: proj[n].project(g) for n, g in grads.items()}
+                if name in shares:
+                    keep = sum(float(d.pow(2).sum()) for d in step.values())
+                    shares[name][setting] += keep / total if total > 0 else 0.0
+                if costs:
+                    for c, f in curvatures.items():
+                        q = sum(f.quadratic_form(n, d) for n, d in step.items())
+                        exposure[setting][c] += q / raw[c] if raw[c] > 0 else 0.0
+
+    def mean(sums: dict) -> dict:
+        return {a: {b: round(v / len(requests), 4) for b, v in per.items()} for a, per in sums.items()}
+
+    return mean(shares), mean(exposure)
+
+
 def gradient_shares(model, tokenizer, requests, layers, projectors: dict, wrappers: list[str]) -> dict:
     """``{wrapper: {setting: mean share}}``: for each edit of ``requests``, its :func:`edit_gradients` under each
     wrapper and the share of its squared norm each setting's projectors (``projectors[setting]``: layer
     name -> projector) keep, averaged over the edits (float32). What of the direction an edit needs under a
     wrapper a round may still follow: the kept fraction of directions counts eigenpairs, this weighs them by
     what the edits ask for — an unseen wrapper's (``qa``) beside the trained ones'."""
-    sums = {w: dict.fromkeys(projectors, 0.0) for w in wrappers}
-    for name in wrappers:
-        for grads in edit_gradients(model, tokenizer, requests, layers, name):
-            total = sum(float((g * g).sum()) for g in grads.values())
-            for setting, proj in projectors.items():
-                keep = sum(float(proj[n].project(g).pow(2).sum()) for n, g in grads.items())
-                sums[name][setting] += keep / total if total > 0 else 0.0
-    return {w: {s: round(v / len(requests), 4) for s, v in per.items()} for w, per in sums.items()}
+    return gradient_measures(model, tokenizer, requests, layers, projectors, wrappers)[0]
 
 
-def curvature_exposure(
-    model, tokenizer, requests, layers, projectors: dict, curvatures: dict, wrapper: str = "qa"
-) -> dict:
+def curvature_exposure(model, tokenizer, requests, layers, projectors: dict, curvatures: dict) -> dict:
     """``{setting: {curvature: mean ratio}}``: for each edit of ``requests``, its :func:`edit_gradients` ``g`` under
-    ``wrapper`` and, per setting, the curvature quadratic form of the projected step over the raw one's,
+    the QA wrapper and, per setting, the curvature quadratic form of the projected step over the raw one's,
     ``Σ_layers q(P g) / Σ_layers q(g)`` for each named curvature of ``curvatures`` (e.g. the capability factors and
     the earlier rounds' edit factors; ``quadratic_form`` in float64), averaged over the edits. Per unit of
     learning rate, what a setting lets the step cost what that curvature protects: 1 for no projection, near 0
     when the projector masks that curvature's energy."""
-    sums = {s: dict.fromkeys(curvatures, 0.0) for s in projectors}
-    for grads in edit_gradients(model, tokenizer, requests, layers, wrapper):
-        raw = {c: sum(f.quadratic_form(n, g) for n, g in grads.items()) for c, f in curvatures.items()}
-        for setting, proj in projectors.items():
-            step = {n: proj[n].project(g) for n, g in grads.items()}
-            for c, f in curvatures.items():
-                q = sum(f.quadratic_form(n, d) for n, d in step.items())
-                sums[setting][c] += q / raw[c] if raw[c] > 0 else 0.0
-    return {s: {c: round(v / len(requests), 4) for c, v in per.items()} for s, per in sums.items()}
+    return gradient_measures(model, tokenizer, requests, layers, projectors, [], curvatures)[1]
 
 
 def setting_name(rows: str, edit_gamma: float, weighting: str, default: str, sweeps: int = 0) -> str:
@@ -178,13 +195,15 @@ def room(
                     if wrappers:
                         projectors[name] = built
         if wrappers:
-            shares[str(k + 1)] = gradient_shares(model, tokenizer, rounds[k], layers, projectors, list(wrappers))
+            curv = {"capability": cap, "edits": acc[rows[0]]} if exposure else None
+            if exposure and "target" in rows[1:]:
+                curv["edit targets"] = acc["target"]
+            shares[str(k + 1)], cost = gradient_measures(
+                model, tokenizer, rounds[k], layers, projectors, list(wrappers), curv
+            )
             out["gradient_share"] = shares
             if exposure:
-                curv = {"capability": cap, "edits": acc[rows[0]]}
-                if "target" in rows[1:]:
-                    curv["edit targets"] = acc["target"]
-                exposures[str(k + 1)] = curvature_exposure(model, tokenizer, rounds[k], layers, projectors, curv)
+                exposures[str(k + 1)] = cost
                 out["exposure"] = exposures
         if on_round is not None:
             on_round(out)
