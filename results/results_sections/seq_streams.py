@@ -221,7 +221,7 @@ def pilot_choice(rows: dict[str, dict]) -> str | None:
         return None
     return max(
         sorted(rows),
-        key=lambda n: (pilot_checks(rows[n])[0], sum(rows[n]["wild"][w]["rel"] for w in SEQ_WRAPPERS)),
+        key=lambda n: (pilot_checks(rows[n])[0], _mean_reach(rows[n])),
     )
 
 
@@ -275,10 +275,33 @@ def seq_pilot_table(d: Path = SEQ_PILOT) -> str:
         )
     chosen = pilot_choice(rows)
     if chosen is not None:
-        lines += ["", f"The rule picks `{chosen}` ({_seq_setting(rows[chosen]['config'])})."]
+        lines += [
+            "",
+            f"The rule picks `{chosen}` ({_seq_setting(rows[chosen]['config'])}). {_pick_reason(rows, chosen)}",
+        ]
         paired = _paired_later(rows, chosen)
         lines += [paired] if paired else []
     return "\n".join(lines) + "\n"
+
+
+def _mean_reach(row: dict) -> float:
+    """A pilot row's tie-break: its mean all-edit WILD reach over :data:`SEQ_WRAPPERS`."""
+    return sum(row["wild"][w]["rel"] for w in SEQ_WRAPPERS) / len(SEQ_WRAPPERS)
+
+
+def _pick_reason(rows: dict[str, dict], chosen: str) -> str:
+    """Why :func:`pilot_choice` took ``chosen``: more checks met than every other setting, or as many as some and the
+    higher mean reach over all edits (the tie-break), with the figures it compared."""
+    met = pilot_checks(rows[chosen])[0]
+    tied = [n for n in sorted(rows) if n != chosen and pilot_checks(rows[n])[0] == met]
+    if not tied:
+        return f"It meets more of the checks ({met} of 2) than every other setting."
+    against = ", ".join(f"{_mean_reach(rows[n]):.2f} (`{n}`)" for n in tied)
+    return (
+        f"It meets as many of the checks ({met} of 2) as {', '.join(f'`{n}`' for n in tied)}, and reaches further "
+        f"over all edits: a mean of {_mean_reach(rows[chosen]):.2f} under the QA wrapper, chat and no wrapper, "
+        f"against {against}."
+    )
 
 
 def _later_qa(row: dict) -> list[bool]:
