@@ -665,7 +665,29 @@ def _exposure_reading(rows: dict) -> str:
             f"{listed}; the capability constraint alone {cap[0]:.2f} / {cap[1]['edits']:.4f}."
         )
     out += _answers_reading(rows)
+    out += _equal_room_reading(each, rows)
     return "".join(f"\n{s}\n" for s in out)
+
+
+def _equal_room_reading(each: dict, rows: dict) -> list[str]:
+    """Sentences pairing the room ``each`` keeps (its rows ``each``, shares within 0.02 of one another) with every
+    ``apart`` row that keeps the same room (within 0.02): what each spends of the earlier edits' curvature there."""
+    shares = [v[0] for v in each.values()]
+    if not shares or max(shares) - min(shares) > 0.02:
+        return []
+    room, spent = sum(shares) / len(shares), _span([v[1]["edits"] for v in each.values()], 4)
+    out = []
+    for s, (share, cost, _) in sorted(rows.items()):
+        if ", apart," not in s or abs(share - room) > 0.02:
+            continue
+        where = "the target positions" if s.startswith("target@") else "every position"
+        out.append(
+            f"At the room `each` keeps ({room:.2f}), apart ({s.rsplit(', ', 1)[1]}) with the edit factors at {where} "
+            f"(edit γ {_gamma(s):g}) "
+            f"keeps {share:.2f} and a step spends {cost['edits']:.4f} of the earlier edits' curvature, against "
+            f"{spent} under `each`."
+        )
+    return out
 
 
 def _answers_reading(rows: dict) -> list[str]:

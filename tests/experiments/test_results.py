@@ -462,6 +462,24 @@ def test_gradient_share_part_tables_each_constraint_and_reads_the_edit_gamma_off
     assert seq_streams.gradient_share_part([]) == ""
 
 
+def test_equal_room_reading_pairs_each_with_apart_rows_of_its_room():
+    """Every apart row keeping the room ``each`` keeps (within 0.02) is read beside it: what a step spends of the
+    earlier edits' curvature under each; nothing when each's edit γs keep different rooms."""
+    each = {
+        "full@0.8, mix 0.5": (0.360, {"edits": 0.0021}, None),
+        "full@0.5, mix 0.5": (0.363, {"edits": 0.0022}, None),
+    }
+    rows = dict(each)
+    rows["target@0.95, apart, 2 sweeps"] = (0.363, {"edits": 0.0072}, None)
+    rows["target@0.8, apart, 2 sweeps"] = (0.446, {"edits": 0.0109}, None)  # more room: not paired
+    assert seq_streams._equal_room_reading(each, rows) == [
+        "At the room `each` keeps (0.36), apart (2 sweeps) with the edit factors at the target positions (edit γ 0.95) "
+        "keeps 0.36 and a step spends 0.0072 of the earlier edits' curvature, against 0.0021–0.0022 under `each`."
+    ]
+    each["full@0.5, mix 0.5"] = (0.40, {"edits": 0.0022}, None)
+    assert seq_streams._equal_room_reading(each, rows) == []
+
+
 def test_room_exposure_table_names_each_weighting_and_reads_the_trade_off(tmp_path):
     """Settings keyed by ``seq_room.py`` become labels (the mix only where it acts); a run with ``exposure`` adds a
     table of the curvature a step costs, the sentence on ``each``'s edit γ when it moves neither side, and the
