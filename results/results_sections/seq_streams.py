@@ -636,8 +636,10 @@ def _over_rounds(rows: dict) -> str:
 
 def _exposure_reading(rows: dict) -> str:
     """Sentences read off the exposure rows: whether ``each``'s edit γ moves its room and its protection of the
-    earlier edits (shares within 0.02, curvatures within a fifth, over the edit γs stored), and, under ``apart``, the
-    room and the earlier edits' curvature at each edit γ beside the capability constraint alone."""
+    earlier edits (shares within 0.02, curvatures within a fifth, over the edit γs stored); under ``apart``, the
+    room and the earlier edits' curvature at each edit γ beside the capability constraint alone; and the apart
+    settings read beside full ones or ``each`` at about the same room (:func:`_answers_reading`,
+    :func:`_equal_room_reading`)."""
     out = []
     each = {s: v for s, v in rows.items() if s.startswith("full@") and s.count(",") == 1}
     apart = {s: v for s, v in rows.items() if s.startswith("full@") and ", apart," in s}
@@ -670,8 +672,9 @@ def _exposure_reading(rows: dict) -> str:
 
 
 def _equal_room_reading(each: dict, rows: dict) -> list[str]:
-    """Sentences pairing the room ``each`` keeps (its rows ``each``, shares within 0.02 of one another) with every
-    ``apart`` row that keeps the same room (within 0.02): what each spends of the earlier edits' curvature there."""
+    """Sentences pairing the room the ``each`` rows keep (``each``: label -> (share, curvatures, file), their shares
+    within 0.02 of one another) with every ``apart`` row of ``rows`` that keeps the same room (within 0.02): what a
+    step spends of the earlier edits' curvature under either."""
     shares = [v[0] for v in each.values()]
     if not shares or max(shares) - min(shares) > 0.02:
         return []
