@@ -48,8 +48,10 @@ from results_sections.keep_term import (
 )
 from results_sections.seq_streams import (
     SEQ_CONFIRM,
+    SEQ_COUNTERFACT,
     confirm_payload,
     seq_confirm_section,
+    seq_counterfact_section,
     seq_pilot_section,
     seq_room_section,
     seq_tuning_section,
@@ -83,6 +85,11 @@ SCALING = {
         "../compare_counterfact_dev1000",
     ),
 }
+
+
+def seq_streams_part() -> str:
+    """The stored streams' sections: the confirming ZsRE stream, then the paper's scale on CounterFact."""
+    return seq_confirm_section() + seq_counterfact_section()
 
 
 def summary_page() -> str:
@@ -157,7 +164,7 @@ against the number of edits (32, 100, 1 000), per method, drawn from the compare
 {run_line(HERE / "speed")}
 
 {speed_table()}
-{seq_tuning_section()}{seq_pilot_section()}{seq_room_section()}{seq_confirm_section()}## One edit at a time
+{seq_tuning_section()}{seq_pilot_section()}{seq_room_section()}{seq_streams_part()}## One edit at a time
 
 [`edit_latency/`](edit_latency/run.json): `benchmarks/edit_latency.py` — a session fed one ZsRE edit per round in
 one process, each round split into the phases its record holds (the training batches; the preservation term's kept
@@ -272,8 +279,9 @@ def figures() -> None:
         plot_retention(payload, d / "retention.png")
     if (STREAM / "stream.json").is_file():
         _benchmark("session_stream").plot_stream(load_json(STREAM / "stream.json"), STREAM / "stream.png")
-    if SEQ_CONFIRM.is_dir():
-        plot_retention_map(confirm_payload(SEQ_CONFIRM), SEQ_CONFIRM / "retention_map.png")
+    for stream in (SEQ_CONFIRM, SEQ_COUNTERFACT):
+        if stream.is_dir():
+            plot_retention_map(confirm_payload(stream), stream / "retention_map.png")
     scaling = _benchmark("scaling")
     for stem, runs in SCALING.items():
         points: dict = {}

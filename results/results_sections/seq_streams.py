@@ -1,5 +1,6 @@
 """Sequential editing: the tuning stream, the pilots of full-size rounds and the rule that picks among them, the room a
-stream leaves, and the confirming stream with its marks and retention maps."""
+stream leaves, and the stored streams (the confirming stream, with its marks, and the paper's scale on CounterFact) with
+their retention maps."""
 
 from __future__ import annotations
 
@@ -55,13 +56,18 @@ SEQ_HEADER = (
 
 
 def _batch_line(label: str, batch: dict) -> str:
-    """A batch row of :data:`SEQ_HEADER`'s table: reach, teacher-forced rel, drift and the chat measures."""
+    """A batch row of :data:`SEQ_HEADER`'s table: reach, teacher-forced rel, drift, the chat measures and hours."""
     return (
         f"| {label} | "
         + " / ".join(f"{batch['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
         + f" | {batch['summary']['rel']:.2f} | | | {drift_cell(batch['summary']['kl_drift'])} | "
-        + f"{_assistant_cells(batch)} | |"
+        + f"{_assistant_cells(batch)} | {_hours(batch)} |"
     )
+
+
+def _hours(row: dict) -> str:
+    """A row's edit time in hours (``edit_seconds``, resumed runs' seconds included), or blank without one."""
+    return f"{row['edit_seconds'] / 3600:.2f}" if "edit_seconds" in row else ""
 
 
 def _seq_line(label: str, r: dict, batch: dict | None) -> str:
@@ -83,7 +89,7 @@ def _seq_line(label: str, r: dict, batch: dict | None) -> str:
         + " / ".join(f"{r['wild'][w]['rel']:.2f}" for w in SEQ_WRAPPERS)
         + f" | {r['summary']['rel']:.2f} | "
         + " / ".join(f"{h:.2f}" for h in held)
-        + f" | {kept} | {drift_cell(drift)} ({times}) | {_assistant_cells(r)} | {r['edit_seconds'] / 3600:.2f} |"
+        + f" | {kept} | {drift_cell(drift)} ({times}) | {_assistant_cells(r)} | {_hours(r)} |"
     )
 
 
@@ -722,15 +728,17 @@ def _span(values: list[float], digits: int) -> str:
     return lo if lo == hi else f"{lo}–{hi}"
 
 
-SEQ_CONFIRM = HERE / "seq_zsre_dev1000"
-SEQ_ROWS = ("crispedit-seq", "ft-seq", "alphaedit-seq")  # the confirming stream's sequential rows, when stored
+SEQ_CONFIRM = HERE / "seq_zsre_dev1000"  # ZsRE dev 1000-1999, 10 rounds of 100: the marks are read on it
+SEQ_COUNTERFACT = HERE / "seq_counterfact_dev3000"  # CounterFact dev 0-2999, 30 rounds of 100: the paper's scale
+SEQ_ROWS = ("crispedit-seq", "ft-seq", "alphaedit-seq")  # a stream's sequential rows, when stored
+FULL_TABLE_ROUNDS = 12  # a longer stream's tables show round 1 and every STRIDE-th round; the picture shows all
+STRIDE = 5
 
 
 def confirm_rows(d: Path = SEQ_CONFIRM) -> tuple[dict | None, dict[str, dict]]:
-    """The confirming stream's stored rows under ``d``: batch crispedit's (``batch.json``'s ``crispedit`` row, or
-    ``None``) and each sequential row of :data:`SEQ_ROWS` stored as ``<method>.json`` (each its own compare run),
-    method -> row. Every file must hold the same edits (the compare's requests digest): the rows are read against
-    each other."""
+    """A stream's stored rows under ``d``: batch crispedit's (``batch.json``'s ``crispedit`` row, or ``None``) and
+    each sequential row of :data:`SEQ_ROWS` stored as ``<method>.json`` (each its own compare run), method -> row.
+    Every file must hold the same edits (the compare's requests digest): the rows are read against each other."""
     files = {m: d / f"{m}.json" for m in ("batch", *SEQ_ROWS)}
     payloads = {m: load_json(f) for m, f in files.items() if f.is_file()}
     digests = {m: p["settings"]["requests_digest"] for m, p in payloads.items()}
@@ -741,53 +749,63 @@ def confirm_rows(d: Path = SEQ_CONFIRM) -> tuple[dict | None, dict[str, dict]]:
 
 
 def confirm_payload(d: Path = SEQ_CONFIRM) -> dict:
-    """The confirming stream's sequential rows as one compare-shaped payload (``{"results": {method: row}}``), for
-    the retention-map picture."""
+    """A stream's sequential rows as one compare-shaped payload (``{"results": {method: row}}``), for the
+    retention-map picture."""
     return {"results": confirm_rows(d)[1]}
+
+
+def shown_rounds(n: int) -> list[int]:
+    """The 0-based rounds a table of an ``n``-round stream shows: all of them up to :data:`FULL_TABLE_ROUNDS`, else
+    round 1, every :data:`STRIDE`-th round and the last (the picture and the stored row hold every round)."""
+    if n <= FULL_TABLE_ROUNDS:
+        return list(range(n))
+    return sorted({0, n - 1, *range(STRIDE - 1, n, STRIDE)})
 
 
 def retention_map_table(row: dict) -> str:
     """A ``-seq`` row's retention map as a table: after round j (down), the teacher-forced rel of round k's edits
-    (across; blank above the diagonal): :func:`crispedit.experiments.retention.retention_map`; empty for a row without
-    one."""
+    (across; blank above the diagonal), over :func:`shown_rounds`: :func:`crispedit.experiments.retention.
+    retention_map`; empty for a row without one."""
     sys.path.insert(0, str(ROOT / "src"))
     from crispedit.experiments.retention import retention_map  # torch-free
 
     grid = retention_map(row)
     if not grid:
         return ""
-    n = len(grid)
-    lines = ["| after round | " + " | ".join(str(k + 1) for k in range(n)) + " |", "|---" * (n + 1) + "|"]
-    for j, rec in enumerate(grid):
-        lines.append(f"| {j + 1} | " + " | ".join("" if v is None else f"{v:.2f}" for v in rec) + " |")
+    shown = shown_rounds(len(grid))
+    lines = ["| after round | " + " | ".join(str(k + 1) for k in shown) + " |", "|---" * (len(shown) + 1) + "|"]
+    for j in shown:
+        rec = grid[j]
+        lines.append(f"| {j + 1} | " + " | ".join("" if rec[k] is None else f"{rec[k]:.2f}" for k in shown) + " |")
     return "\n".join(lines) + "\n"
 
 
 def landed_table(row: dict) -> str:
     """A ``-seq`` row's rounds under the QA wrapper and in chat: what each round's edits read right after their round
     (:func:`crispedit.experiments.retention.landed_by_round`) and on the final model (:func:`~crispedit.experiments.
-    retention.final_by_round`), a column per round; empty for a row whose probes did not measure the former."""
+    retention.final_by_round`), a column per round of :func:`shown_rounds`; empty for a row whose probes did not
+    measure the former."""
     sys.path.insert(0, str(ROOT / "src"))
     from crispedit.experiments.retention import final_by_round, landed_by_round  # torch-free
 
     landed, final = landed_by_round(row), final_by_round(row)
     if not landed:
         return ""
-    n = max(len(v) for v in (*landed.values(), *final.values()))
-    lines = ["| round's edits | " + " | ".join(str(k + 1) for k in range(n)) + " |", "|---" * (n + 1) + "|"]
+    shown = shown_rounds(max(len(v) for v in (*landed.values(), *final.values())))
+    lines = ["| round's edits | " + " | ".join(str(k + 1) for k in shown) + " |", "|---" * (len(shown) + 1) + "|"]
     for w in ("qa", "chat"):
         for when, series in (("right after their round", landed.get(w)), ("on the final model", final.get(w))):
             if series:
-                cells = ["–" if v is None else f"{v:.2f}" for v in series]
+                cells = ["–" if k >= len(series) or series[k] is None else f"{series[k]:.2f}" for k in shown]
                 lines.append(f"| WILD {w}, {when} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def seq_confirm_section(d: Path = SEQ_CONFIRM) -> str:
-    """The results page's section on the confirming stream (:func:`confirm_rows`: batch crispedit and the sequential
-    rows stored under ``d``, each its own compare run): the rows stored so far, the sequential mode's marks
-    (:func:`seq_marks`) once crispedit-seq and batch are both stored, and every stored row's retention map; empty
-    while nothing is stored."""
+def seq_stream_section(d: Path, title: str, about: str) -> str:
+    """A results-page section on a stored stream (:func:`confirm_rows`: batch crispedit and the sequential rows
+    stored under ``d``, each its own compare run), headed ``title`` and introduced by ``about`` (which edits, in
+    which rounds, under which cap): the rows stored so far, the sequential mode's marks (:func:`seq_marks`) once
+    crispedit-seq and batch are both stored, and every stored row's retention map; empty while nothing is stored."""
     batch, seq = confirm_rows(d)
     if batch is None and not seq:
         return ""
@@ -820,18 +838,38 @@ def seq_confirm_section(d: Path = SEQ_CONFIRM) -> str:
     picture = (
         f"\n![retention maps]({d.name}/retention_map.png)\n" if seq and (d / "retention_map.png").is_file() else ""
     )
-    return f"""## Sequential editing: the confirming stream
+    return f"""## {title}
 
-[`{d.name}/`]({d.name}/run.json): ZsRE dev 1000–1999 in rounds of 100 edits (edits no sequential setting was tuned
-on), each sequential row at the session defaults, beside batch crispedit on the same 1 000 edits with the same
-training contexts, answer end and preservation term. Each row is its own compare run, stored as it finishes. Columns
-as in the tuning table; the kept directions are the mean over the edit layers of the fraction of directions the
-round's projector keeps.
+[`{d.name}/`]({d.name}/run.json): {about}, each sequential row at the session defaults, beside batch crispedit on the
+same edits with the same training contexts, answer end and preservation term. Each row is its own compare run, stored
+as it finishes; hours are its edit time, a resumed run's earlier seconds included. Columns as in the tuning table; the
+kept directions are the mean over the edit layers of the fraction of directions the round's projector keeps.
 {run_line(d)}
 
 {chr(10).join(lines)}
 
 {marks}{maps}{picture}{_landed_part(seq)}"""
+
+
+def seq_confirm_section(d: Path = SEQ_CONFIRM) -> str:
+    """The confirming stream's section (:func:`seq_stream_section`): ZsRE dev 1000–1999 in ten rounds of 100, edits
+    no sequential setting was tuned on."""
+    return seq_stream_section(
+        d,
+        "Sequential editing: the confirming stream",
+        "ZsRE dev 1000–1999 in rounds of 100 edits (edits no sequential setting was tuned on)",
+    )
+
+
+def seq_counterfact_section(d: Path = SEQ_COUNTERFACT) -> str:
+    """The paper's scale (:func:`seq_stream_section`): CounterFact dev 0–2999 in thirty rounds of 100, every row at
+    the paper's cap of 25 epochs."""
+    return seq_stream_section(
+        d,
+        "Sequential editing at the paper's scale: CounterFact",
+        "CounterFact dev 0–2999 (`counterfact_10k_dev.json`) in rounds of 100 edits, every row at the paper's "
+        "cap of 25 epochs (`--epochs 25`; the default cap is 100)",
+    )
 
 
 def _landed_part(seq: dict) -> str:

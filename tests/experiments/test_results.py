@@ -364,6 +364,49 @@ def test_confirm_section_reads_each_row_as_it_is_stored(tmp_path):
         seq_streams.seq_confirm_section(tmp_path)
 
 
+def test_a_long_stream_shows_round_one_and_every_fifth_round():
+    """Up to twelve rounds a stream's tables show every round; a thirty-round stream shows round 1, every fifth round
+    and the last, in both the retention map and the landed table, each cell the value of the round it names."""
+    assert seq_streams.shown_rounds(10) == list(range(10))
+    assert seq_streams.shown_rounds(30) == [0, 4, 9, 14, 19, 24, 29]
+    assert seq_streams.shown_rounds(13) == [0, 4, 9, 12]
+    n = 30
+    retention = [
+        {
+            "n": 100 * (j + 1),
+            "tf_rel": 1.0,
+            "wild": {"qa": 1.0, "chat": 1.0},
+            "by_round": [round(1.0 - 0.01 * (j - k), 2) for k in range(j + 1)],
+            "newest": {"n": 100, "tf_rel": 1.0, "wild": {"qa": round(0.5 + j / 100, 2), "chat": 1.0}},
+        }
+        for j in range(n)
+    ]
+    row = {"seq_chunk": 1, "retention": retention, "tf": {"rel": [1] * n}}
+    table = seq_streams.retention_map_table(row)
+    assert table.splitlines()[0] == "| after round | 1 | 5 | 10 | 15 | 20 | 25 | 30 |"
+    assert len(table.splitlines()) == 2 + 7
+    assert "| 30 | 0.71 | 0.75 | 0.80 | 0.85 | 0.90 | 0.95 | 1.00 |" in table
+    assert "| 5 | 0.96 | 1.00 |  |  |  |  |  |" in table
+    landed = seq_streams.landed_table(row)
+    assert "| WILD qa, right after their round | 0.50 | 0.54 | 0.59 | 0.64 | 0.69 | 0.74 | 0.79 |" in landed
+
+
+def test_the_counterfact_stream_reads_like_the_confirming_one(tmp_path):
+    """The paper's-scale stream is the same section over its own directory: its title and cap, and the batch row's
+    hours beside the sequential rows'."""
+    import json
+
+    rows = json.loads((REPO / "results" / "compare_counterfact_dev1000" / "compare.json").read_text())["results"]
+    payload = {"settings": {"requests_digest": "d"}, "results": {"crispedit": rows["crispedit"]}}
+    (tmp_path / "batch.json").write_text(json.dumps(payload))
+    text = seq_streams.seq_counterfact_section(tmp_path)
+    assert text.startswith("## Sequential editing at the paper's scale: CounterFact")
+    assert "`--epochs 25`" in text
+    hours = f"{rows['crispedit']['edit_seconds'] / 3600:.2f} |"
+    assert next(line for line in text.splitlines() if line.startswith("| batch crispedit")).endswith(hours)
+    assert "marks are read once crispedit-seq is stored" in text
+
+
 def test_pilot_alone_table_reads_a_round_against_its_edits_alone(tmp_path):
     """Batch crispedit on one pilot round's edits alone sits beside what each pilot stream's round holding the same
     edits landed right after it and read on the final model; edits that are not one round of a stream are refused."""
