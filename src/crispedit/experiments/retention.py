@@ -103,7 +103,10 @@ def plot_retention_map(payload: dict, path: str | Path) -> bool:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, len(maps), figsize=(0.5 + 3.6 * len(maps), 3.6), squeeze=False)
+    # wide enough for the title over a single map; constrained layout keeps the labels inside the figure
+    fig, axes = plt.subplots(
+        1, len(maps), figsize=(max(5.2, 0.5 + 3.6 * len(maps)), 3.8), squeeze=False, layout="constrained"
+    )
     for ax, (m, grid) in zip(axes[0], maps.items()):
         a = np.array([[np.nan if v is None else v for v in row] for row in grid], dtype=float)
         im = ax.imshow(a, vmin=0.0, vmax=1.0, cmap="viridis", origin="upper")
