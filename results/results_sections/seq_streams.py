@@ -838,7 +838,8 @@ def seq_stream_section(d: Path, title: str, about: str) -> str:
     picture = (
         f"\n![retention maps]({d.name}/retention_map.png)\n" if seq and (d / "retention_map.png").is_file() else ""
     )
-    return f"""## {title}
+    return (
+        f"""## {title}
 
 [`{d.name}/`]({d.name}/run.json): {about}, each sequential row at the session defaults, beside batch crispedit on the
 same edits with the same training contexts, answer end and preservation term. Each row is its own compare run, stored
@@ -848,7 +849,9 @@ kept directions are the mean over the edit layers of the fraction of directions 
 
 {chr(10).join(lines)}
 
-{marks}{maps}{picture}{_landed_part(seq)}"""
+{marks}{maps}{picture}{_landed_part(seq)}""".rstrip("\n")
+        + "\n\n"
+    )
 
 
 def seq_confirm_section(d: Path = SEQ_CONFIRM) -> str:
