@@ -47,13 +47,11 @@ from results_sections.keep_term import (
     keep_marks_32,
 )
 from results_sections.seq_streams import (
-    SEQ_CONFIRM,
-    SEQ_COUNTERFACT,
+    SEQ_STREAMS,
     confirm_payload,
-    seq_confirm_section,
-    seq_counterfact_section,
     seq_pilot_section,
     seq_room_section,
+    seq_streams_part,
     seq_tuning_section,
 )
 from results_sections.sharding import SHARD_MEMORY, shard_measured, shard_table
@@ -85,11 +83,6 @@ SCALING = {
         "../compare_counterfact_dev1000",
     ),
 }
-
-
-def seq_streams_part() -> str:
-    """The stored streams' sections: the confirming ZsRE stream, then the paper's scale on CounterFact."""
-    return seq_confirm_section() + seq_counterfact_section()
 
 
 def summary_page() -> str:
@@ -279,7 +272,7 @@ def figures() -> None:
         plot_retention(payload, d / "retention.png")
     if (STREAM / "stream.json").is_file():
         _benchmark("session_stream").plot_stream(load_json(STREAM / "stream.json"), STREAM / "stream.png")
-    for stream in (SEQ_CONFIRM, SEQ_COUNTERFACT):
+    for stream in SEQ_STREAMS:
         if stream.is_dir():
             plot_retention_map(confirm_payload(stream), stream / "retention_map.png")
     scaling = _benchmark("scaling")

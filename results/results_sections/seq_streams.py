@@ -875,6 +875,14 @@ def seq_counterfact_section(d: Path = SEQ_COUNTERFACT) -> str:
     )
 
 
+SEQ_STREAMS = (SEQ_CONFIRM, SEQ_COUNTERFACT)  # the stored streams, in page order
+
+
+def seq_streams_part() -> str:
+    """The stored streams' sections: the confirming ZsRE stream, then the paper's scale on CounterFact."""
+    return seq_confirm_section() + seq_counterfact_section()
+
+
 def _landed_part(seq: dict) -> str:
     """The confirming section's paragraph on what crispedit-seq's rounds landed and kept (:func:`landed_table`), when
     its probes measured each round's own edits."""
